@@ -1,0 +1,50 @@
+# Every target works on a fresh machine: it creates .venv and installs what it needs.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU build of torch is installed first and pinned, so that `pip install -e .` finds torch
+# satisfied and never pulls a multi-GB CUDA build. Users with a GPU install torch their usual way.
+TORCH_SPEC ?= torch==2.13.0
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: venv test lint typecheck unit dist test-slow fuzz demo bench clean
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+venv: $(BIN)/.installed
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: venv
+	$(BIN)/mypy
+
+unit: venv
+	$(BIN)/pytest -q tests/unit
+
+dist: venv
+	$(BIN)/pytest -q tests/dist
+
+test: venv lint typecheck
+	$(BIN)/pytest -q tests
+
+test-slow: venv
+	$(BIN)/pytest -q -m slow tests
+
+fuzz: venv
+	UNICKPT_FUZZ_EXAMPLES=10000 $(BIN)/pytest -q tests/unit/test_fuzz.py
+
+demo: venv
+	bash examples/demo.sh
+
+bench: venv
+	$(BIN)/python benchmarks/run.py $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
