@@ -1,0 +1,420 @@
+"""Single-process benchmark cases. Each runs in its own fresh subprocess (see run.py), so the
+peak RSS it reports (VmHWM) belongs to that case alone.
+
+A case returns a dict: status ("ok" | "skipped" | "error"), reason, bytes, times (seconds,
+one per repetition), rss_base_mb (RSS after imports and state construction), rss_peak_mb
+(VmHWM over the timed phase, reset just before it), extra (case-specific figures).
+
+Every save time includes fsync of everything written (by the tool or, if the tool does not
+fsync, by the harness right after the call), so all saves are compared at the same
+durability. Every load starts with the files' pages evicted from the page cache
+(posix_fadvise DONTNEED after fdatasync); see _common.drop_cache_tree.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import _common as C
+
+CaseFn = Callable[[dict[str, Any]], dict[str, Any]]
+CASES: dict[str, CaseFn] = {}
+
+
+def case(name: str) -> Callable[[CaseFn], CaseFn]:
+    def deco(fn: CaseFn) -> CaseFn:
+        CASES[name] = fn
+        return fn
+
+    return deco
+
+
+def skipped(reason: str) -> dict[str, Any]:
+    return {"status": "skipped", "reason": reason}
+
+
+def _measure(
+    p: dict[str, Any], body: Callable[[], Any], before: Callable[[], Any] | None, nbytes: int
+) -> dict[str, Any]:
+    base = C.rss_mb()
+    C.reset_peak_rss()
+    times, _ = C.timed_reps(int(p["reps"]), body, before)
+    return {
+        "status": "ok",
+        "bytes": nbytes,
+        "times": times,
+        "rss_base_mb": round(base, 1),
+        "rss_peak_mb": round(C.peak_rss_mb(), 1),
+    }
+
+
+def _source_state(p: dict[str, Any], fill: str = "random") -> tuple[Any, dict[str, Any], int]:
+    specs = C.state_spec(float(p["size_mb"]))
+    model = C.build_model(specs, fill=fill, seed=int(p.get("seed", 0)))
+    return model, C.plain_state(model), C.spec_bytes(specs)
+
+
+def _byte_view(t: Any) -> Any:
+    import torch
+
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+# ------------------------------------------------------------------------------ raw disk limit
+
+
+@case("raw_save")
+def raw_save(p: dict[str, Any]) -> dict[str, Any]:
+    _, state, nbytes = _source_state(p)
+    out = Path(p["workdir"]) / "raw" / "state.bin"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    views = [_byte_view(t) for t in state.values()]
+
+    def body() -> None:
+        with open(out, "wb", buffering=0) as f:
+            for v in views:
+                f.write(memoryview(v))
+            os.fsync(f.fileno())
+        C.fsync_tree(out.parent)
+
+    return _measure(p, body, lambda: C.rm(out), nbytes)
+
+
+@case("raw_load")
+def raw_load(p: dict[str, Any]) -> dict[str, Any]:
+    _, state, nbytes = _source_state(p, fill="zeros")
+    src = Path(p["workdir"]) / "raw" / "state.bin"
+    if not src.exists():
+        return skipped("raw_save output missing")
+    views = [_byte_view(t) for t in state.values()]
+
+    def body() -> None:
+        with open(src, "rb", buffering=0) as f:
+            for v in views:
+                mv = memoryview(v)
+                got = 0
+                while got < len(mv):
+                    n = f.readinto(mv[got:])
+                    if not n:
+                        raise EOFError(src)
+                    got += n
+
+    return _measure(p, body, lambda: C.drop_cache_tree(src), nbytes)
+
+
+@case("copy")
+def copy_tree(p: dict[str, Any]) -> dict[str, Any]:
+    """Plain copy of a checkpoint's files + fsync: the floor for merge (read + write)."""
+    src, out = Path(p["src"]), Path(p["out"])
+    if not src.exists():
+        return skipped(f"source missing: {src.name}")
+    nbytes = C.tree_bytes(src)
+
+    def body() -> None:
+        out.mkdir(parents=True)
+        for f in C.iter_files(src):
+            dst = out / f.relative_to(src)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            with open(f, "rb", buffering=0) as fi, open(dst, "wb", buffering=0) as fo:
+                while True:
+                    b = fi.read(64 * C.MiB)
+                    if not b:
+                        break
+                    fo.write(b)
+        C.fsync_tree(out)
+
+    def before() -> None:
+        C.rm(out)
+        C.drop_cache_tree(src)
+
+    return _measure(p, body, before, nbytes)
+
+
+# ------------------------------------------------------------------------------ safetensors
+
+
+@case("safetensors_save")
+def st_save(p: dict[str, Any]) -> dict[str, Any]:
+    from safetensors.torch import save_file
+
+    _, state, nbytes = _source_state(p)
+    out = Path(p["workdir"]) / "safetensors" / "model.safetensors"
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def body() -> None:
+        save_file(state, str(out), metadata={"format": "pt"})
+        C.fsync_tree(out.parent)
+
+    return _measure(p, body, lambda: C.rm(out), nbytes)
+
+
+@case("safetensors_load")
+def st_load(p: dict[str, Any]) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    src = Path(p["workdir"]) / "safetensors" / "model.safetensors"
+    if not src.exists():
+        return skipped("safetensors_save output missing")
+    model, _, nbytes = _source_state(p, fill="zeros")
+
+    def body() -> None:
+        # What users do: read the file, then copy into the model (load_file may hand back
+        # lazily faulted pages; the copy makes every byte arrive).
+        model.load_state_dict(load_file(str(src)), strict=True)
+
+    return _measure(p, body, lambda: C.drop_cache_tree(src), nbytes)
+
+
+# ------------------------------------------------------------------------------ torch.save
+
+
+@case("torch_save")
+def torch_save(p: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    _, state, nbytes = _source_state(p)
+    out = Path(p["workdir"]) / "torch" / "model.pt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def body() -> None:
+        torch.save(state, str(out))
+        C.fsync_tree(out.parent)
+
+    return _measure(p, body, lambda: C.rm(out), nbytes)
+
+
+@case("torch_load")
+def torch_load(p: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    src = Path(p["workdir"]) / "torch" / "model.pt"
+    if not src.exists():
+        return skipped("torch_save output missing")
+    model, _, nbytes = _source_state(p, fill="zeros")
+
+    def body() -> None:
+        model.load_state_dict(torch.load(str(src), weights_only=True), strict=True)
+
+    return _measure(p, body, lambda: C.drop_cache_tree(src), nbytes)
+
+
+# ------------------------------------------------------------------------------ torch DCP
+
+
+@case("dcp_save")
+def dcp_save(p: dict[str, Any]) -> dict[str, Any]:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    _, state, nbytes = _source_state(p)
+    out = Path(p["workdir"]) / "dcp"
+
+    def body() -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(state, checkpoint_id=str(out))
+        C.fsync_tree(out)
+
+    return _measure(p, body, lambda: C.rm(out), nbytes)
+
+
+@case("dcp_load")
+def dcp_load(p: dict[str, Any]) -> dict[str, Any]:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    _, state, nbytes = _source_state(p, fill="zeros")
+    src = Path(p["workdir"]) / "dcp"
+    if not src.exists():
+        return skipped("dcp_save output missing")
+
+    def body() -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(state, checkpoint_id=str(src))
+
+    return _measure(p, body, lambda: C.drop_cache_tree(src), nbytes)
+
+
+# ------------------------------------------------------------------------------ unickpt
+
+
+def _unickpt_dir(p: dict[str, Any]) -> Path:
+    return Path(p["workdir"]) / "unickpt"
+
+
+@case("unickpt_save")
+def unickpt_save(p: dict[str, Any]) -> dict[str, Any]:
+    io_cls, why = C.probe_general_io()
+    if io_cls is None:
+        return skipped(f"not available: {why}")
+    kwargs: dict[str, Any] = {}
+    hashes = p.get("hashes")
+    if hashes is not None:
+        kw, why = C.probe_hashes_kw(io_cls)
+        if kw is None:
+            return skipped(f"not available: {why}")
+        kwargs[kw] = bool(hashes)
+    model, _, nbytes = _source_state(p)
+    out = _unickpt_dir(p) if hashes is not False else Path(p["workdir"]) / "unickpt_nohash"
+    io = io_cls()
+
+    def body() -> None:
+        io.save_model(model, str(out), shard=True, size_per_shard=int(p["shard_mb"]), **kwargs)
+        C.fsync_tree(out)
+
+    r = _measure(p, body, lambda: C.rm(out), nbytes)
+    r["extra"] = {"files": len(list(C.iter_files(out))), "disk_bytes": C.tree_bytes(out), "kwargs": kwargs}
+    return r
+
+
+@case("unickpt_load")
+def unickpt_load(p: dict[str, Any]) -> dict[str, Any]:
+    io_cls, why = C.probe_general_io()
+    if io_cls is None:
+        return skipped(f"not available: {why}")
+    src = _unickpt_dir(p)
+    if not src.exists():
+        return skipped("unickpt_save output missing")
+    model, _, nbytes = _source_state(p, fill="zeros")
+    io = io_cls()
+
+    def body() -> None:
+        io.load_model(model, str(src), strict=True, verify=bool(p.get("verify", False)))
+
+    r = _measure(p, body, lambda: C.drop_cache_tree(src), nbytes)
+    # Honesty check: the loaded values are the saved ones (same seed regenerates them).
+    ref, _, _ = _source_state(p)
+    import torch
+
+    sd, rsd = model.state_dict(), ref.state_dict()
+    r["extra"] = {"bit_exact": all(torch.equal(sd[k], rsd[k]) for k in rsd)}
+    return r
+
+
+# ------------------------------------------------------------------------------ hashing
+
+
+@case("hash_xxh3")
+def hash_xxh3(p: dict[str, Any]) -> dict[str, Any]:
+    hashing, why = C.probe_hashing()
+    if hashing is None:
+        return skipped(f"not available: {why}")
+    _, state, nbytes = _source_state(p)
+    views = [_byte_view(t) for t in state.values()]
+
+    def body() -> None:
+        for v in views:
+            hashing.slice_hash(memoryview(v))
+
+    return _measure(p, body, None, nbytes)
+
+
+@case("hash_fingerprint")
+def hash_fingerprint(p: dict[str, Any]) -> dict[str, Any]:
+    hashing, why = C.probe_hashing()
+    if hashing is None:
+        return skipped(f"not available: {why}")
+    _, state, nbytes = _source_state(p)
+    items = [
+        (k, "F32" if str(t.dtype) == "torch.float32" else "BF16", _byte_view(t), tuple(t.shape))
+        for k, t in state.items()
+    ]
+
+    def body() -> None:
+        for name, dt, v, shape in items:
+            hashing.fingerprint_of_array(name, dt, memoryview(v), shape)
+
+    return _measure(p, body, None, nbytes)
+
+
+# ------------------------------------------------------------------------------ async save
+
+
+@case("async_save")
+def async_save(p: dict[str, Any]) -> dict[str, Any]:
+    """CheckpointManager(async_save=True): time save() blocks vs sync save of the same state."""
+    got, why = C.probe_manager()
+    if got is None:
+        return skipped(f"not available: {why}")
+    manager_cls, booster_cls = got
+    import torch
+
+    model, _, nbytes = _source_state(p)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # no per-parameter state: model bytes only
+    try:
+        booster = booster_cls()
+        bmodel, bopt, *_ = booster.boost(model, opt)
+    except Exception as e:
+        return skipped(f"not available: Booster().boost failed: {type(e).__name__}: {e}"[:200])
+    out: dict[str, Any] = {"status": "ok", "bytes": nbytes, "extra": {}}
+    base = C.rss_mb()
+    for mode in ("sync", "async"):
+        root = Path(p["workdir"]) / f"manager_{mode}"
+        C.rm(root)
+        mgr = manager_cls(str(root), booster=booster, save_steps=1, keep_last=1, async_save=(mode == "async"))
+        blocked, total = [], []
+        for step in range(1, int(p["reps"]) + 1):
+            t0 = time.perf_counter()
+            mgr.save(step, bmodel, bopt, force=True)
+            t1 = time.perf_counter()
+            mgr.wait()
+            t2 = time.perf_counter()
+            blocked.append(t1 - t0)
+            total.append(t2 - t0)
+        out["extra"][mode] = {"blocked": blocked, "total": total}
+        C.rm(root)
+    out["times"] = out["extra"]["async"]["blocked"]
+    out["rss_base_mb"] = round(base, 1)
+    out["rss_peak_mb"] = round(C.peak_rss_mb(), 1)
+    return out
+
+
+# ------------------------------------------------------------------------------ offline merge
+
+
+def _merge_case(p: dict[str, Any], run: Callable[[Path, Path], None]) -> dict[str, Any]:
+    src, out = Path(p["src"]), Path(p["out"])
+    if not src.exists():
+        return skipped(f"source checkpoint missing ({src.name}); its distributed save did not run")
+    nbytes = int(p.get("bytes") or C.tree_bytes(src))
+
+    def body() -> None:
+        run(src, out)
+        C.fsync_tree(out)
+
+    def before() -> None:
+        C.rm(out)
+        C.drop_cache_tree(src)
+
+    r = _measure(p, body, before, nbytes)
+    r["extra"] = {"out_bytes": C.tree_bytes(out)}
+    return r
+
+
+@case("merge_unickpt")
+def merge_unickpt(p: dict[str, Any]) -> dict[str, Any]:
+    fn, why = C.probe_merge()
+    if fn is None:
+        return skipped(f"not available: {why}")
+    return _merge_case(p, lambda s, o: fn(str(s), str(o)))
+
+
+@case("merge_consolidate")
+def merge_consolidate(p: dict[str, Any]) -> dict[str, Any]:
+    fn, why = C.consolidate_fn()
+    if fn is None:
+        return skipped(f"not available in this torch: {why}")
+    names = [t.name for t in C.state_spec(float(p["size_mb"]))]
+
+    def run(s: Path, o: Path) -> None:
+        o.mkdir(parents=True)
+        fn(str(s), str(o), {n: 1 for n in names}, num_threads=1)
+
+    return _merge_case(p, run)

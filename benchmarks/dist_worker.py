@@ -1,0 +1,275 @@
+"""One rank of a distributed benchmark world (FSDP2 over gloo on CPU).
+
+Started by run.py once per rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set:
+
+    python benchmarks/dist_worker.py TASK PARAMS_JSON
+
+TASK "save": build the synthetic state sharded with FSDP2 over all ranks, then time DCP save,
+DCP's HuggingFaceStorageWriter (the input torch's consolidate_safetensors_files needs), unickpt
+sharded save (gather_dtensor=False), unickpt gathered save and torch's full-state gather +
+safetensors write on rank 0; the last two also report the writing rank's peak RSS.
+TASK "load": build the same model sharded over this (smaller) world and time loading the
+checkpoints the save world wrote (resharding), DCP vs unickpt, checking they agree.
+
+Times are wall clock on rank 0 between barriers; every rank writes its figures to
+PARAMS["result_dir"]/rank<r>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common as C
+
+
+def _setup(p: dict[str, Any]) -> tuple[Any, Any, int, int]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    specs = C.state_spec(float(p["size_mb"]))
+    model = C.build_model(specs, device="meta")
+    for child in [model.embed, *model.layers]:
+        fully_shard(child, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    return model, mesh, rank, world
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+def _timed_case(
+    rank: int,
+    reps: int,
+    body: Callable[[], Any],
+    before: Callable[[], Any] | None = None,
+) -> dict[str, Any]:
+    """Each rep: before() on all ranks, barrier, body(), barrier. Peak RSS over all reps."""
+    times = []
+    base = C.rss_mb()
+    C.reset_peak_rss()
+    for _ in range(reps):
+        if before is not None:
+            before()
+        _barrier()
+        t0 = time.perf_counter()
+        body()
+        _barrier()
+        times.append(time.perf_counter() - t0)
+    return {
+        "status": "ok",
+        "times": times,
+        "rss_base_mb": round(base, 1),
+        "rss_peak_mb": round(C.peak_rss_mb(), 1),
+    }
+
+
+def _rank0_rm(rank: int, path: Path) -> Callable[[], None]:
+    def f() -> None:
+        if rank == 0:
+            C.rm(path)
+
+    return f
+
+
+def _rank0_drop(rank: int, path: Path) -> Callable[[], None]:
+    def f() -> None:
+        if rank == 0:
+            C.drop_cache_tree(path)
+
+    return f
+
+
+def _fsync_rank0(rank: int, path: Path) -> None:
+    # Saves are compared at the same durability: after the tool returns (and a barrier), rank 0
+    # fsyncs the whole output (cheap where the tool already did).
+    _barrier()
+    if rank == 0:
+        C.fsync_tree(path)
+
+
+def task_save(p: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    model, mesh, rank, _world = _setup(p)
+    C.fill_model(model, "random", seed=1000 + rank)
+    sd = model.state_dict()
+    work = Path(p["workdir"])
+    reps = int(p["reps"])
+    res: dict[str, Any] = {}
+
+    # 1. DCP, default FileSystemWriter (.distcp files + pickled .metadata)
+    d = work / "dcp"
+
+    def dcp_body() -> None:
+        dcp.save(sd, checkpoint_id=str(d))
+        _fsync_rank0(rank, d)
+
+    res["dcp_save"] = _timed_case(rank, reps, dcp_body, _rank0_rm(rank, d))
+
+    # 2. DCP HuggingFaceStorageWriter, one safetensors file per rank with DCP sharding metadata
+    hf = work / "dcp_hf"
+    try:
+        from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+        def hf_body() -> None:
+            dcp.save(sd, storage_writer=HuggingFaceStorageWriter(path=str(hf), save_distributed=True))
+            _fsync_rank0(rank, hf)
+
+        res["dcp_hf_save"] = _timed_case(rank, reps, hf_body, _rank0_rm(rank, hf))
+    except ImportError as e:
+        res["dcp_hf_save"] = {"status": "skipped", "reason": f"not available in this torch: {e}"}
+
+    # 3. unickpt sharded save, every rank writes its own slices
+    io_cls, why = C.probe_fsdp2_io()
+    u = work / "unickpt"
+    ug = work / "unickpt_gathered"
+    if io_cls is None:
+        res["unickpt_save"] = {"status": "skipped", "reason": f"not available: {why}"}
+        res["unickpt_gathered_save"] = {"status": "skipped", "reason": f"not available: {why}"}
+    else:
+        io = io_cls(mesh=mesh)
+
+        def u_body() -> None:
+            io.save_model(model, str(u), shard=True, gather_dtensor=False, size_per_shard=int(p["shard_mb"]))
+            _fsync_rank0(rank, u)
+
+        res["unickpt_save"] = _guard(lambda: _timed_case(rank, reps, u_body, _rank0_rm(rank, u)))
+
+        def ug_body() -> None:
+            io.save_model(model, str(ug), shard=True, gather_dtensor=True, size_per_shard=int(p["shard_mb"]))
+            _fsync_rank0(rank, ug)
+
+        res["unickpt_gathered_save"] = _guard(lambda: _timed_case(rank, 1, ug_body, _rank0_rm(rank, ug)))
+
+    # 4. torch's own gathered path: full state dict to CPU on rank 0, then safetensors save_file
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    tg = work / "torch_gathered"
+
+    def tg_body() -> None:
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            tg.mkdir(parents=True, exist_ok=True)
+            save_file(full, str(tg / "model.safetensors"), metadata={"format": "pt"})
+        del full
+        _fsync_rank0(rank, tg)
+
+    res["torch_gathered_save"] = _timed_case(rank, 1, tg_body, _rank0_rm(rank, tg))
+
+    if rank == 0:
+        res["layout"] = {
+            "dcp": _layout(d, "*.metadata"),
+            "dcp_hf": _layout(hf, "*.json"),
+            "unickpt": _layout(u, "*.json"),
+        }
+        C.rm(ug)
+        C.rm(tg)
+    del torch
+    return res
+
+
+def _layout(path: Path, meta_glob: str) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    files = list(C.iter_files(path))
+    metas = [f for f in files if f.match(meta_glob)]
+    return {
+        "files": len(files),
+        "bytes": sum(f.stat().st_size for f in files),
+        "meta_files": [f.name for f in metas],
+        "meta_bytes": sum(f.stat().st_size for f in metas),
+    }
+
+
+def _guard(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    try:
+        return fn()
+    except Exception as e:
+        traceback.print_exc()
+        return {"status": "error", "reason": f"{type(e).__name__}: {e}".splitlines()[0][:200]}
+
+
+def task_load(p: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    model, mesh, rank, _world = _setup(p)
+    C.fill_model(model, "zeros")
+    sd = model.state_dict()
+    work = Path(p["workdir"])
+    reps = int(p["reps"])
+    res: dict[str, Any] = {}
+
+    d = work / "dcp"
+    if d.exists():
+        res["dcp_load"] = _timed_case(
+            rank, reps, lambda: dcp.load(sd, checkpoint_id=str(d)), _rank0_drop(rank, d)
+        )
+        ref = {k: v.to_local().clone() for k, v in sd.items()}
+    else:
+        res["dcp_load"] = {"status": "skipped", "reason": "DCP save did not run"}
+        ref = None
+
+    io_cls, why = C.probe_fsdp2_io()
+    u = work / "unickpt"
+    if io_cls is None:
+        res["unickpt_load"] = {"status": "skipped", "reason": f"not available: {why}"}
+    elif not u.exists():
+        res["unickpt_load"] = {
+            "status": "skipped",
+            "reason": "unickpt sharded save did not produce a checkpoint",
+        }
+    else:
+        io = io_cls(mesh=mesh)
+
+        def before() -> None:
+            C.fill_model(model, "zeros")
+            _rank0_drop(rank, u)()
+
+        r = _guard(lambda: _timed_case(rank, reps, lambda: io.load_model(model, str(u)), before))
+        if ref is not None and r.get("status") == "ok":
+            now = model.state_dict()
+            r["extra"] = {"matches_dcp_load": all(torch.equal(now[k].to_local(), ref[k]) for k in ref)}
+        res["unickpt_load"] = r
+    return res
+
+
+def main() -> None:
+    warnings.simplefilter("ignore")
+    task, params = sys.argv[1], json.loads(sys.argv[2])
+    import torch.distributed as dist
+
+    try:
+        res = {"save": task_save, "load": task_load}[task](params)
+    except Exception as e:
+        traceback.print_exc()
+        res = {"fatal": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+    rank = int(os.environ["RANK"])
+    out = Path(params["result_dir"]) / f"rank{rank}.json"
+    out.write_text(json.dumps(res))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
