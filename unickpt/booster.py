@@ -1,0 +1,168 @@
+"""Booster: sets training objects up for a plugin and saves/loads them (Colossal-AI style API).
+
+Typical use, the same on every rank::
+
+    booster = Booster(plugin=FSDP2Plugin())
+    model, optimizer, criterion, dataloader, lr_scheduler = booster.boost(
+        model, optimizer, criterion, dataloader, lr_scheduler)
+    loss = criterion(model(x), y)
+    booster.backward(loss, optimizer)
+    optimizer.step()
+    booster.save_model(model, "ckpt/model", shard=True)
+
+Every method is called by every rank (the save/load methods are collective).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from unickpt.errors import UnsupportedError
+from unickpt.wrappers import ModelWrapper, OptimizerWrapper, unwrap_optimizer
+
+if TYPE_CHECKING:
+    from unickpt.io import CheckpointIO
+    from unickpt.plugins.base import Plugin
+
+__all__ = ["Booster"]
+
+
+def _wrap_dataloader(dataloader: Any, plugin: Plugin | None) -> Any:
+    """Hand the dataloader to ``unickpt.data.wrap_dataloader`` when that module exists."""
+    if plugin is not None:
+        dataloader = plugin.prepare_dataloader(dataloader)
+    try:
+        data = importlib.import_module("unickpt.data")
+    except ModuleNotFoundError as e:
+        if e.name != "unickpt.data":
+            raise
+        return dataloader
+    wrap = getattr(data, "wrap_dataloader", None)
+    return dataloader if wrap is None else wrap(dataloader, plugin)
+
+
+class Booster:
+    """Entry point of training with unickpt. ``plugin=None`` means one process, no parallelism."""
+
+    def __init__(self, plugin: Plugin | None = None) -> None:
+        self.plugin = plugin
+        self._general_io: CheckpointIO | None = None
+
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        """The plugin's CheckpointIO, or a ``GeneralCheckpointIO`` without a plugin."""
+        if self.plugin is not None:
+            return self.plugin.get_checkpoint_io()
+        if self._general_io is None:
+            from unickpt.io import GeneralCheckpointIO
+
+            self._general_io = GeneralCheckpointIO()
+        return self._general_io
+
+    def boost(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | OptimizerWrapper | None = None,
+        criterion: Callable[..., Any] | None = None,
+        dataloader: Any = None,
+        lr_scheduler: Any = None,
+    ) -> tuple[ModelWrapper, OptimizerWrapper | None, Callable[..., Any] | None, Any, Any]:
+        """Set the objects up for the plugin; returns ``(model, optimizer, criterion, dataloader, lr_scheduler)``.
+
+        Called once by every rank. The model comes back as a :class:`ModelWrapper`
+        (``.unwrap()`` gives the user's module), the optimizer as an :class:`OptimizerWrapper`
+        around the same torch optimizer, so a scheduler built on it keeps working. Build the
+        optimizer on the plain model; the plugin points it at the parallelised parameters.
+        """
+        if isinstance(model, ModelWrapper):
+            raise UnsupportedError(
+                "the model is already boosted (a ModelWrapper); boost the plain model once"
+            )
+        optim = None
+        if optimizer is not None:
+            optim, _ = unwrap_optimizer(optimizer)
+        if self.plugin is not None:
+            wrapped, optim, criterion, dataloader, lr_scheduler = self.plugin.configure(
+                model, optim, criterion, dataloader, lr_scheduler
+            )
+            boosted = wrapped if isinstance(wrapped, ModelWrapper) else ModelWrapper(wrapped)
+        else:
+            boosted = ModelWrapper(model)
+        if dataloader is not None:
+            dataloader = _wrap_dataloader(dataloader, self.plugin)
+        opt_wrapper = OptimizerWrapper(optim, boosted) if optim is not None else None
+        return boosted, opt_wrapper, criterion, dataloader, lr_scheduler
+
+    def backward(self, loss: torch.Tensor, optimizer: Any) -> None:
+        """Back-propagate ``loss`` the way the plugin needs (every rank)."""
+        if self.plugin is not None:
+            self.plugin.backward(loss, optimizer)
+        else:
+            loss.backward()
+
+    # -- checkpoints (collective: every rank calls each of these) --------------------------
+
+    def save_model(
+        self,
+        model: torch.nn.Module,
+        checkpoint: str,
+        shard: bool = False,
+        gather_dtensor: bool = True,
+        prefix: str | None = None,
+        size_per_shard: int = 1024,
+    ) -> None:
+        """Save the model's weights and buffers; see ``CheckpointIO.save_model``."""
+        self.checkpoint_io.save_model(
+            model,
+            checkpoint,
+            shard=shard,
+            gather_dtensor=gather_dtensor,
+            prefix=prefix,
+            size_per_shard=size_per_shard,
+        )
+
+    def load_model(
+        self,
+        model: torch.nn.Module,
+        checkpoint: str,
+        strict: bool = True,
+        verify: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        """Load weights into ``model`` under any layout; returns the IO's report (missing/unexpected keys)."""
+        return self.checkpoint_io.load_model(model, checkpoint, strict=strict, verify=verify, **kwargs)
+
+    def save_optimizer(
+        self,
+        optimizer: Any,
+        checkpoint: str,
+        shard: bool = False,
+        gather_dtensor: bool = True,
+        prefix: str | None = None,
+        size_per_shard: int = 1024,
+    ) -> None:
+        """Save optimizer state keyed by parameter FQN; see ``CheckpointIO.save_optimizer``."""
+        self.checkpoint_io.save_optimizer(
+            optimizer,
+            checkpoint,
+            shard=shard,
+            gather_dtensor=gather_dtensor,
+            prefix=prefix,
+            size_per_shard=size_per_shard,
+        )
+
+    def load_optimizer(self, optimizer: Any, checkpoint: str, verify: bool = False, **kwargs: Any) -> Any:
+        """Load optimizer state, resharded to this layout; see ``CheckpointIO.load_optimizer``."""
+        return self.checkpoint_io.load_optimizer(optimizer, checkpoint, verify=verify, **kwargs)
+
+    def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None:
+        """Save the scheduler's state (every rank calls; one rank writes)."""
+        self.checkpoint_io.save_lr_scheduler(lr_scheduler, checkpoint)
+
+    def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None:
+        """Load the scheduler's state (every rank)."""
+        self.checkpoint_io.load_lr_scheduler(lr_scheduler, checkpoint)

@@ -1,0 +1,106 @@
+"""Durable, atomic file operations: the only place that decides when bytes are committed.
+
+A checkpoint directory is committed when its index is renamed into place, after every data
+file and the directory itself are fsynced. A single-file checkpoint is committed by the
+rename of its fully written, fsynced temporary file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import uuid
+from collections.abc import Iterator
+
+from unickpt.errors import CheckpointBusyError
+
+__all__ = ["fsync_dir", "atomic_write_bytes", "temp_name", "directory_lock", "LOCK_NAME"]
+
+LOCK_NAME = ".unickpt.lock"
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory so that renames and new entries in it survive a power loss."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some filesystems refuse fsync on directories
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def temp_name(final_path: str) -> str:
+    """A hidden sibling name for staging ``final_path``; never matches a committed name."""
+    d, base = os.path.split(final_path)
+    return os.path.join(d, f".{base}.tmp-{uuid.uuid4().hex[:12]}")
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
+    tmp = temp_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+@contextlib.contextmanager
+def directory_lock(directory: str) -> Iterator[None]:
+    """Hold an exclusive lock file in ``directory`` for the duration of one save.
+
+    Two saves into the same directory at once would interleave files; the second one is
+    refused with ``CheckpointBusyError``. A lock left by a killed process names its pid and
+    is taken over when that pid no longer runs on this host.
+    """
+    path = os.path.join(directory, LOCK_NAME)
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            if _stale(path):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                continue
+            raise CheckpointBusyError(
+                f"{directory} is being written by another save (lock file {path}); "
+                "wait for it to finish, or remove the lock file if no save is running"
+            ) from None
+        try:
+            os.write(fd, f"{os.getpid()}\n".encode())
+        finally:
+            os.close(fd)
+        break
+    else:  # pragma: no cover - lost a race twice
+        raise CheckpointBusyError(f"{directory}: could not take the save lock {path}")
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _stale(lock_path: str) -> bool:
+    try:
+        with open(lock_path) as f:
+            pid = int(f.read().strip() or "0")
+    except (OSError, ValueError):
+        return False
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False

@@ -1,0 +1,149 @@
+"""The two hashes of the format (specified in docs/format.md, section "Hashes").
+
+1. Slice hash: xxh3-64 of the exact stored bytes of one slice, as 16 lower-case hex digits.
+   Pinpoints bit flips and partial writes to a tensor and a file.
+
+2. Fingerprint: a layout-invariant digest of a whole global tensor that every rank can
+   compute from the slices it holds, with no gather. View the global tensor as R rows x C
+   columns (C = last dim; R = product of the others; a 0-dim tensor is 1 x 1). Let w[r, c]
+   be the element's raw bits as an unsigned integer (little-endian, zero-extended to 64
+   bits), and
+
+       a_r = mix64(r) | 1,    b_c = mix64(c XOR 0xD1B54A32D192ED03) | 1
+
+   where mix64 is the splitmix64 finalizer. The tensor sum is
+
+       S = sum over all (r, c) of a_r * b_c * w[r, c]    (mod 2^64)
+
+   which is a sum over elements, so any partition of the tensor into slices (blocks, rows,
+   columns, flat ranges, replicas written once) gives partial sums that add up to the same
+   S. Because a_r * b_c is odd, it is invertible mod 2^64: changing any single element
+   always changes S. The fingerprint binds S to the tensor's name, dtype and shape:
+
+       fingerprint = xxh3-64( utf8(name) 0x00 utf8(dtype) 0x00 utf8(",".join(shape)) 0x00 S as u64 LE )
+
+   Neither hash is cryptographic: they catch accidents (bit rot, truncation, wrong file),
+   not an adversary who can write the index too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import xxhash
+
+from unickpt.format.dtypes import itemsize
+
+__all__ = [
+    "slice_hash",
+    "SliceHasher",
+    "fingerprint_partial",
+    "combine_partials",
+    "finalize_fingerprint",
+    "fingerprint_of_array",
+]
+
+_MASK = (1 << 64) - 1
+_COL_KEY = np.uint64(0xD1B54A32D192ED03)
+# Rows are processed in blocks of about this many elements to keep the uint64 temporaries
+# in cache-sized pieces instead of 8x the slice size.
+_BLOCK_ELEMS = 1 << 18
+
+
+def slice_hash(data: memoryview | bytes) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+class SliceHasher:
+    """Streaming xxh3-64 for a slice read or written in chunks."""
+
+    def __init__(self) -> None:
+        self._h = xxhash.xxh3_64()
+
+    def update(self, data: memoryview | bytes) -> None:
+        self._h.update(data)
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    z = x.astype(np.uint64, copy=True)
+    with np.errstate(over="ignore"):
+        z += np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    return z
+
+
+def _row_indices(global_shape: Sequence[int], offsets: Sequence[int], shape: Sequence[int]) -> np.ndarray:
+    """Global row numbers (row = all dims but the last) of a box, in the box's row order."""
+    lead_g = list(global_shape[:-1])
+    lead_o = list(offsets[:-1])
+    lead_s = list(shape[:-1])
+    rows = np.zeros(1, dtype=np.uint64)
+    stride = 1
+    strides = []
+    for d in reversed(lead_g):
+        strides.append(stride)
+        stride *= d
+    strides.reverse()
+    for o, s, st in zip(lead_o, lead_s, strides, strict=True):
+        idx = (np.arange(o, o + s, dtype=np.uint64) * np.uint64(st)).astype(np.uint64)
+        rows = np.add.outer(rows, idx).reshape(-1)
+    return rows
+
+
+def fingerprint_partial(
+    words: np.ndarray, global_shape: Sequence[int], offsets: Sequence[int], shape: Sequence[int]
+) -> int:
+    """Partial sum S over one box of the global tensor.
+
+    ``words`` holds the box's elements as unsigned integers of the dtype's item size, in
+    C order, any array shape with ``prod(shape)`` elements.
+    """
+    n = math.prod(shape)
+    if n == 0:
+        return 0
+    if len(global_shape) == 0:
+        global_shape, offsets, shape = (1,), (0,), (1,)
+    cols = shape[-1]
+    w2 = np.ascontiguousarray(words).reshape(-1, cols)
+    a = _mix64(_row_indices(global_shape, offsets, shape)) | np.uint64(1)
+    c = np.arange(offsets[-1], offsets[-1] + cols, dtype=np.uint64) ^ _COL_KEY
+    b = _mix64(c) | np.uint64(1)
+    total = 0
+    step = max(1, _BLOCK_ELEMS // max(cols, 1))
+    with np.errstate(over="ignore"):
+        for r0 in range(0, w2.shape[0], step):
+            blk = w2[r0 : r0 + step].astype(np.uint64)
+            blk *= b
+            inner = blk.sum(axis=1, dtype=np.uint64)
+            inner *= a[r0 : r0 + step]
+            total = (total + int(inner.sum(dtype=np.uint64))) & _MASK
+    return total
+
+
+def combine_partials(partials: Iterable[int]) -> int:
+    total = 0
+    for p in partials:
+        total = (total + int(p)) & _MASK
+    return total
+
+
+def finalize_fingerprint(name: str, dtype: str, shape: Sequence[int], total: int) -> str:
+    h = xxhash.xxh3_64()
+    h.update(name.encode("utf-8") + b"\0" + dtype.encode("ascii") + b"\0")
+    h.update(",".join(str(int(d)) for d in shape).encode("ascii") + b"\0")
+    h.update(int(total & _MASK).to_bytes(8, "little"))
+    return h.hexdigest()
+
+
+def fingerprint_of_array(name: str, dtype: str, data: bytes | memoryview, shape: Sequence[int]) -> str:
+    """Fingerprint of a whole tensor given its raw C-order bytes (tests and offline tools)."""
+    words = np.frombuffer(data, dtype=f"<u{itemsize(dtype)}")
+    total = fingerprint_partial(words, shape, [0] * len(shape), shape)
+    return finalize_fingerprint(name, dtype, shape, total)

@@ -1,0 +1,48 @@
+"""File names of the format (docs/format.md, section "Files")."""
+
+from __future__ import annotations
+
+__all__ = [
+    "INDEX_SUFFIX",
+    "SLICED_SENTINEL",
+    "index_name",
+    "single_name",
+    "shard_name",
+    "slice_key",
+    "is_own_data_file",
+]
+
+INDEX_SUFFIX = ".safetensors.index.json"
+# In a checkpoint that keeps distributed slices, every weight_map entry points at this file,
+# which never exists: a Hugging Face loader then fails loudly with a message naming the fix,
+# instead of loading a slice as if it were the whole tensor. unickpt reads the slice table.
+SLICED_SENTINEL = "unickpt-sliced-checkpoint--run-unickpt-merge-to-load-with-huggingface.safetensors"
+
+
+def index_name(kind: str) -> str:
+    return f"{kind}{INDEX_SUFFIX}"
+
+
+def single_name(kind: str) -> str:
+    return f"{kind}.safetensors"
+
+
+def shard_name(kind: str, i: int, n: int) -> str:
+    """Hugging Face's shard naming, 1-based: ``model-00001-of-00003.safetensors``."""
+    return f"{kind}-{i:05d}-of-{n:05d}.safetensors"
+
+
+def slice_key(name: str, k: int) -> str:
+    """Key of the k-th slice of tensor ``name`` inside a sliced (non-gathered) checkpoint."""
+    return f"{name}@{k}"
+
+
+def is_own_data_file(kind: str, file_name: str) -> bool:
+    """True for names this format writes for ``kind``: left-overs of an older save may be removed."""
+    if file_name == single_name(kind):
+        return True
+    if not (file_name.startswith(kind + "-") and file_name.endswith(".safetensors")):
+        return False
+    middle = file_name[len(kind) + 1 : -len(".safetensors")]
+    parts = middle.split("-of-")
+    return len(parts) == 2 and all(p.isdigit() and len(p) >= 5 for p in parts)

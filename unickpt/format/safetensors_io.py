@@ -1,0 +1,283 @@
+"""Strict reading and streaming writing of safetensors files, without torch.
+
+The reader treats every file as hostile: the header length is capped before anything is
+allocated, the JSON must be an object of well-formed entries, byte counts must equal
+shape x item size, and the entries must tile the data section exactly (no gap, no overlap,
+nothing past the end). Only then is any byte of tensor data trusted.
+
+The writer produces the same format as ``safetensors.torch.save_file`` but streams: the
+header is computed from shapes and dtypes up front, then each tensor's bytes are appended
+in order, so a file never needs all of its tensors in memory at once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+from unickpt.errors import HeaderError, IncompleteCheckpointError
+from unickpt.format.dtypes import DTYPE_ITEMSIZE
+
+__all__ = [
+    "MAX_HEADER_BYTES",
+    "HeaderEntry",
+    "SafetensorsHeader",
+    "read_header",
+    "parse_header",
+    "encode_header",
+    "SafetensorsWriter",
+    "iter_range",
+    "read_range",
+]
+
+# A header holds names, shapes and offsets: even 10^6 tensors fit in well under 100 MB.
+# safetensors itself uses the same cap. Anything larger is refused before allocation.
+MAX_HEADER_BYTES = 100_000_000
+# Shapes are bounded so that byte counts cannot overflow or request absurd allocations.
+MAX_NDIM = 64
+_MAX_ELEMENTS = 1 << 62
+# Read in chunks this large: big enough to run at disk speed, small enough to bound memory.
+READ_CHUNK_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # relative to the start of the data section
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    path: str
+    entries: dict[str, HeaderEntry]
+    metadata: dict[str, str]
+    data_start: int  # absolute file offset of the data section
+    file_size: int = field(default=0)
+
+    def absolute(self, key: str) -> tuple[int, int]:
+        e = self.entries[key]
+        return self.data_start + e.begin, e.nbytes
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise HeaderError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def parse_header(raw: bytes, data_len: int, path: str) -> tuple[dict[str, HeaderEntry], dict[str, str]]:
+    """Validate a header's JSON bytes against a data section of ``data_len`` bytes."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise HeaderError(f"{path}: safetensors header is not valid UTF-8 ({e})") from e
+    if not text.startswith("{"):
+        raise HeaderError(f"{path}: safetensors header must be a JSON object starting with '{{'")
+    try:
+        obj = json.loads(text, object_pairs_hook=_no_duplicates)
+    except HeaderError as e:
+        raise HeaderError(f"{path}: safetensors header has a {e}") from None
+    except (ValueError, RecursionError) as e:
+        raise HeaderError(f"{path}: safetensors header is not valid JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(obj, dict):
+        raise HeaderError(f"{path}: safetensors header must be a JSON object")
+    metadata: dict[str, str] = {}
+    entries: list[HeaderEntry] = []
+    for key, value in obj.items():
+        if key == "__metadata__":
+            if not isinstance(value, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+            ):
+                raise HeaderError(f"{path}: __metadata__ must map strings to strings")
+            metadata = value
+            continue
+        where = f"{path}: tensor {key!r}"
+        if not isinstance(value, dict) or set(value) != {"dtype", "shape", "data_offsets"}:
+            raise HeaderError(f"{where}: entry must have exactly dtype, shape and data_offsets")
+        dtype, shape, offsets = value["dtype"], value["shape"], value["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in DTYPE_ITEMSIZE:
+            raise HeaderError(f"{where}: unknown or unsupported dtype {dtype!r}")
+        if (
+            not isinstance(shape, list)
+            or len(shape) > MAX_NDIM
+            or not all(_is_int(d) and 0 <= d < _MAX_ELEMENTS for d in shape)
+        ):
+            raise HeaderError(f"{where}: shape must be a list of at most {MAX_NDIM} non-negative integers")
+        numel = math.prod(shape)
+        if numel >= _MAX_ELEMENTS:
+            raise HeaderError(f"{where}: shape {shape} has too many elements")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets):
+            raise HeaderError(f"{where}: data_offsets must be two integers")
+        begin, end = offsets
+        if not 0 <= begin <= end <= data_len:
+            raise HeaderError(
+                f"{where}: data_offsets [{begin}, {end}] out of range of the {data_len}-byte data section"
+            )
+        expected = numel * DTYPE_ITEMSIZE[dtype]
+        if end - begin != expected:
+            raise HeaderError(
+                f"{where}: {dtype}{shape} needs {expected} bytes but data_offsets span {end - begin}"
+            )
+        entries.append(HeaderEntry(key, dtype, tuple(shape), begin, end))
+    # The entries must tile the data section exactly: no gap, no overlap, nothing left over.
+    pos = 0
+    for e in sorted(entries, key=lambda e: (e.begin, e.end)):
+        if e.begin != pos:
+            kind = "overlaps the previous tensor" if e.begin < pos else "leaves a gap before it"
+            raise HeaderError(f"{path}: tensor {e.key!r} at byte {e.begin} {kind} (expected byte {pos})")
+        pos = e.end
+    if pos != data_len:
+        raise HeaderError(f"{path}: tensors cover {pos} bytes but the data section holds {data_len}")
+    return {e.key: e for e in entries}, metadata
+
+
+def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
+    """Read and validate the header of a safetensors file. Reads only the header bytes."""
+    p = os.fspath(path)
+    try:
+        with open(p, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 8:
+                raise HeaderError(f"{p}: {size} bytes is too short for a safetensors file (needs 8+)")
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > MAX_HEADER_BYTES:
+                raise HeaderError(f"{p}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
+            if 8 + n > size:
+                raise HeaderError(f"{p}: header length {n} runs past the end of the {size}-byte file")
+            raw = f.read(n)
+    except FileNotFoundError as e:
+        raise IncompleteCheckpointError(f"data file {p} is missing") from e
+    except IsADirectoryError as e:
+        raise HeaderError(f"{p} is a directory, not a safetensors file") from e
+    entries, metadata = parse_header(raw, size - 8 - n, p)
+    return SafetensorsHeader(p, entries, metadata, 8 + n, size)
+
+
+def encode_header(
+    specs: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None
+) -> tuple[bytes, list[tuple[int, int]]]:
+    """Return (8-byte length + padded JSON header, [(begin, end)] per spec), in spec order."""
+    obj: dict[str, Any] = {}
+    if metadata:
+        obj["__metadata__"] = dict(metadata)
+    spans = []
+    pos = 0
+    for key, dtype, shape in specs:
+        nbytes = math.prod(shape) * DTYPE_ITEMSIZE[dtype]
+        obj[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        spans.append((pos, pos + nbytes))
+        pos += nbytes
+    raw = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    # Pad with spaces so that the data section starts 8-byte aligned, as safetensors does.
+    raw += b" " * (-(8 + len(raw)) % 8)
+    return struct.pack("<Q", len(raw)) + raw, spans
+
+
+class SafetensorsWriter:
+    """Writes one safetensors file, streaming tensor bytes in the order of ``specs``.
+
+    Usage: ``w = SafetensorsWriter(path, specs, metadata); w.write(key, buf) ...; w.close()``.
+    ``close`` flushes and fsyncs; ``abort`` closes and removes the partial file.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        specs: list[tuple[str, str, tuple[int, ...]]],
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        self.path = path
+        header, spans = encode_header(specs, metadata)
+        self._expected = [(k, e - b) for (k, _, _), (b, e) in zip(specs, spans, strict=True)]
+        self._next = 0
+        self._written = 0
+        self._f: BinaryIO | None = open(path, "wb")  # noqa: SIM115 - closed in close()/abort()
+        self._f.write(header)
+        self.header_bytes = len(header)
+
+    def write(self, key: str, data: memoryview | bytes) -> None:
+        if self._f is None:
+            raise ValueError(f"{self.path}: writer is closed")
+        if self._next >= len(self._expected):
+            raise ValueError(f"{self.path}: unexpected extra tensor {key!r}")
+        want_key, want_len = self._expected[self._next]
+        mv = memoryview(data).cast("B")
+        if key != want_key or mv.nbytes != want_len:
+            raise ValueError(
+                f"{self.path}: expected {want_len} bytes of {want_key!r}, got {mv.nbytes} bytes of {key!r}"
+            )
+        self._f.write(mv)
+        self._next += 1
+
+    def close(self, fsync: bool = True) -> None:
+        if self._f is None:
+            return
+        f, self._f = self._f, None
+        try:
+            if self._next != len(self._expected):
+                missing = [k for k, _ in self._expected[self._next :]]
+                raise ValueError(f"{self.path}: closed before tensors {missing[:5]} were written")
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        finally:
+            f.close()
+
+    def abort(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def iter_range(f: BinaryIO | int, offset: int, length: int, chunk: int = READ_CHUNK_BYTES) -> Iterator[bytes]:
+    """Yield the bytes [offset, offset+length) of an open file in chunks, with pread."""
+    fd = f if isinstance(f, int) else f.fileno()
+    end = offset + length
+    pos = offset
+    while pos < end:
+        n = min(chunk, end - pos)
+        buf = os.pread(fd, n, pos)
+        if len(buf) != n:
+            raise IncompleteCheckpointError(
+                f"file is truncated: wanted {n} bytes at offset {pos}, got {len(buf)}"
+            )
+        yield buf
+        pos += n
+
+
+def read_range(f: BinaryIO | int, offset: int, length: int, out: memoryview | None = None) -> memoryview:
+    """Read exactly ``length`` bytes at ``offset`` into ``out`` (allocated when None)."""
+    fd = f if isinstance(f, int) else f.fileno()
+    target = out if out is not None else memoryview(bytearray(length))
+    got = 0
+    while got < length:
+        n = os.preadv(fd, [target[got:length]], offset + got)
+        if n <= 0:
+            raise IncompleteCheckpointError(
+                f"file is truncated: wanted {length} bytes at offset {offset}, got {got}"
+            )
+        got += n
+    return target[:length]

@@ -1,0 +1,85 @@
+"""Every torch.distributed call that checkpoint IO makes, in one place.
+
+Outside an initialised process group each helper behaves as a world of one, so the same
+code path serves a single process and thousands of ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from unickpt.errors import DistributedError, UnickptError
+
+__all__ = [
+    "is_distributed",
+    "rank",
+    "world_size",
+    "all_gather_object",
+    "broadcast_object",
+    "barrier",
+    "agree",
+]
+
+T = TypeVar("T")
+
+
+def is_distributed(group: Any = None) -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank(group: Any = None) -> int:
+    return dist.get_rank(group) if is_distributed(group) else 0
+
+
+def world_size(group: Any = None) -> int:
+    return dist.get_world_size(group) if is_distributed(group) else 1
+
+
+def all_gather_object(obj: T, group: Any = None) -> list[T]:
+    if not is_distributed(group):
+        return [obj]
+    out: list[Any] = [None] * world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_object(obj: T, src: int = 0, group: Any = None) -> T:
+    if not is_distributed(group):
+        return obj
+    box: list[Any] = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]  # type: ignore[no-any-return]
+
+
+def barrier(group: Any = None) -> None:
+    if is_distributed(group):
+        dist.barrier(group=group)
+
+
+def agree(error: BaseException | None, what: str, group: Any = None) -> None:
+    """Collective: if any rank hit an error, raise one on every rank, naming each rank's problem.
+
+    Every rank must call this at the same point. An ``UnickptError`` raised on some ranks is
+    re-raised with the same type on all of them, so that no rank waits in a later collective
+    for a peer that already gave up.
+    """
+    if not is_distributed(group):
+        if error is not None:
+            raise error
+        return
+    reports = all_gather_object(None if error is None else (type(error).__name__, str(error)), group)
+    bad = [(r, rep) for r, rep in enumerate(reports) if rep is not None]
+    if not bad:
+        return
+    if error is not None and len(bad) == 1:
+        raise error
+    lines = "\n".join(f"[rank {r}] {name}: {msg}" for r, (name, msg) in bad)
+    message = f"{what} failed on {len(bad)} of {len(reports)} rank(s):\n{lines}"
+    if error is not None and isinstance(error, UnickptError):
+        try:
+            raise type(error)(message) from error
+        except TypeError:
+            pass
+    raise DistributedError(message) from error

@@ -1,0 +1,416 @@
+"""``CheckpointIO``: the one save/load machinery behind every plugin.
+
+Public methods own validation, rank coordination and the commit; they are collective:
+every rank of the job calls each of them, in the same order, with its own view of the
+model. A plugin's subclass describes only what differs for its parallelism, through the
+hooks ``unwrap_model``, ``model_tensors``, ``local_boxes``, ``optimizer_tensors`` and
+``set_optimizer_tensors``. The defaults already handle plain tensors (replicated: one rank
+writes each), DTensors of any placement (each rank writes the block it holds), tied
+parameters and wrapper-free names, so DDP, FSDP2, TP and their combinations need no
+checkpoint code of their own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+
+from unickpt.errors import IndexFileError, UnsupportedError
+from unickpt.format.commit import atomic_write_bytes
+from unickpt.format.index import LayoutInfo
+from unickpt.format.reader import CheckpointReader, open_checkpoint
+from unickpt.io import _dist
+from unickpt.io.jsonstate import from_json_value, to_json_value
+from unickpt.io.load import LoadReport, load_tensors
+from unickpt.io.names import apply_prefix, normalize_name, unwrap_model
+from unickpt.io.save import SaveOptions, save_tensors
+from unickpt.io.tensors import LocalSlice, local_boxes
+from unickpt.wrappers import unwrap_optimizer
+
+__all__ = ["CheckpointIO", "LoadReport", "optimizer_tensor_name"]
+
+logger = logging.getLogger(__name__)
+SCHEDULER_FILE = "lr_scheduler.json"
+
+
+def optimizer_tensor_name(fqn: str, state_key: str) -> str:
+    """Name of one optimizer state tensor in an optimizer checkpoint."""
+    return f"state.{fqn}.{state_key}"
+
+
+class CheckpointIO:
+    """Save and load models, optimizers and LR schedulers in the unickpt format.
+
+    Args:
+        mesh: the plugin's ``DeviceMesh`` (recorded in the index; the IO itself needs none).
+        group: process group for coordination (default: the whole world).
+        hashes: write an xxh3-64 hash of every stored slice (default on).
+        fingerprints: write every tensor's layout-invariant fingerprint (default on).
+        fsync: make every data file durable before the index commits it (default on).
+    """
+
+    plugin_name = "general"
+
+    def __init__(
+        self,
+        mesh: Any = None,
+        group: Any = None,
+        *,
+        hashes: bool = True,
+        fingerprints: bool = True,
+        fsync: bool = True,
+    ) -> None:
+        self.mesh = mesh
+        self.group = group
+        self.hashes = hashes
+        self.fingerprints = fingerprints
+        self.fsync = fsync
+
+    # ------------------------------------------------------------------ hooks
+    def layout(self) -> LayoutInfo:
+        """The parallel layout recorded in the index."""
+        mesh: dict[str, int] = {}
+        if self.mesh is not None:
+            names = self.mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(self.mesh.ndim))
+            mesh = {str(n): int(s) for n, s in zip(names, self.mesh.shape, strict=True)}
+        return LayoutInfo(plugin=self.plugin_name, world_size=_dist.world_size(self.group), mesh=mesh)
+
+    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return unwrap_model(model)
+
+    def model_tensors(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """This rank's parameters and persistent buffers by checkpoint name (tied ones share a tensor)."""
+        module = self.unwrap_model(model)
+        out: dict[str, torch.Tensor] = {}
+        for name, t in module.state_dict(keep_vars=True).items():
+            if not isinstance(t, torch.Tensor):
+                raise UnsupportedError(f"state_dict entry {name!r} is a {type(t).__name__}, not a tensor")
+            out[normalize_name(name)] = t
+        return out
+
+    def local_boxes(self, name: str, tensor: torch.Tensor) -> list[LocalSlice]:
+        return local_boxes(name, tensor)
+
+    def optimizer_tensors(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+        """FQN-keyed optimizer state: ``{"state": {fqn: {key: value}}, "param_groups": [...]}``."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        osd = get_optimizer_state_dict(self.unwrap_model(model), optim)
+        state = {normalize_name(k): v for k, v in osd["state"].items()}
+        groups = [dict(g, params=[normalize_name(p) for p in g["params"]]) for g in osd["param_groups"]]
+        return {"state": state, "param_groups": groups}
+
+    def set_optimizer_tensors(
+        self, model: torch.nn.Module, optim: torch.optim.Optimizer, osd: dict[str, Any]
+    ) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.unwrap_model(model), optim, osd)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ model
+    def save_model(
+        self,
+        model: torch.nn.Module,
+        checkpoint: str | os.PathLike[str],
+        shard: bool = False,
+        gather_dtensor: bool = True,
+        prefix: str | None = None,
+        size_per_shard: int = 1024,
+    ) -> str:
+        """Collective: save the model's parameters and persistent buffers.
+
+        ``shard=False, gather_dtensor=True``: one ``model.safetensors`` file (``checkpoint`` is a
+        ``.safetensors`` path, or a directory to put it in). Otherwise ``checkpoint`` is a
+        directory with ``model.safetensors.index.json``. ``gather_dtensor=False`` keeps each
+        rank's slices (every rank writes its own, no gather). ``size_per_shard`` is in MB.
+        Tied parameters are stored once. Returns the committed path.
+        """
+        p = apply_prefix(prefix)
+        tensors = self.model_tensors(model)
+        stored: dict[str, torch.Tensor] = {}
+        aliases: dict[str, str] = {}
+        first: dict[int, str] = {}
+        for name, t in tensors.items():
+            key = _identity(t)
+            if key in first:
+                aliases[p + name] = p + first[key]
+                continue
+            first[key] = name
+            stored[p + name] = t
+        path = save_tensors(
+            stored,
+            os.fspath(checkpoint),
+            self._options("model", shard, gather_dtensor, size_per_shard),
+            self.local_boxes,
+            aliases=aliases,
+            group=self.group,
+        )
+        self._save_hf_config(model, path)
+        return path
+
+    def load_model(
+        self,
+        model: torch.nn.Module,
+        checkpoint: str | os.PathLike[str],
+        strict: bool = True,
+        verify: bool = False,
+        *,
+        prefix: str | None = None,
+        allow_dtype_cast: bool = False,
+    ) -> LoadReport:
+        """Collective: load a checkpoint of any layout and world size into this model, in place.
+
+        Each rank reads only the bytes of the blocks it holds. Every problem (missing or
+        unexpected names under ``strict``, shape or dtype mismatches always) is reported in
+        one ``StateMismatchError`` raised on every rank before anything is copied.
+        ``verify=True`` rehashes the slices read first. Returns a ``LoadReport``.
+        """
+        reader = self._open(checkpoint, "model")
+        try:
+            return load_tensors(
+                reader,
+                self.model_tensors(model),
+                self.local_boxes,
+                strict=strict,
+                verify=verify,
+                allow_dtype_cast=allow_dtype_cast,
+                prefix=apply_prefix(prefix),
+                what="model",
+                group=self.group,
+            )
+        finally:
+            reader.close()
+
+    # ------------------------------------------------------------------ optimizer
+    def save_optimizer(
+        self,
+        optimizer: Any,
+        checkpoint: str | os.PathLike[str],
+        shard: bool = False,
+        gather_dtensor: bool = True,
+        prefix: str | None = None,
+        size_per_shard: int = 1024,
+    ) -> str:
+        """Collective: save optimizer state keyed by parameter FQN, ``param_groups`` as JSON.
+
+        ``optimizer`` is the one ``Booster.boost`` returned (or an ``OptimizerWrapper``): it knows
+        the model, whose FQNs name the state. Layout rules are those of ``save_model``.
+        """
+        optim, model = self._optim_and_model(optimizer)
+        p = apply_prefix(prefix)
+        osd = self.optimizer_tensors(model, optim)
+        tensors: dict[str, torch.Tensor] = {}
+        extras: dict[str, dict[str, Any]] = {}
+        param_state: dict[str, dict[str, Any]] = {}
+        for fqn, st in osd["state"].items():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    name = optimizer_tensor_name(p + fqn, k)
+                    tensors[name] = v
+                    extras[name] = {"param": p + fqn, "state": k}
+                else:
+                    param_state.setdefault(p + fqn, {})[k] = to_json_value(v, f"state[{fqn!r}][{k!r}]")
+        groups = [
+            {
+                **{k: to_json_value(v, f"param_groups[{i}][{k!r}]") for k, v in g.items() if k != "params"},
+                "params": [p + f for f in g["params"]],
+            }
+            for i, g in enumerate(osd["param_groups"])
+        ]
+        # Pipeline stages each know part of every group: merge the ranks' views.
+        all_groups = _dist.all_gather_object(groups, self.group)
+        all_scalars = _dist.all_gather_object(param_state, self.group)
+        merged_groups = _merge_groups(all_groups)
+        merged_scalars: dict[str, dict[str, Any]] = {}
+        for ps in all_scalars:
+            merged_scalars.update(ps)
+        return save_tensors(
+            tensors,
+            os.fspath(checkpoint),
+            self._options("optimizer", shard, gather_dtensor, size_per_shard),
+            self.local_boxes,
+            entry_extras=extras,
+            block_extras={"param_groups": merged_groups, "param_state": merged_scalars},
+            group=self.group,
+        )
+
+    def load_optimizer(
+        self,
+        optimizer: Any,
+        checkpoint: str | os.PathLike[str],
+        verify: bool = False,
+        *,
+        prefix: str | None = None,
+    ) -> LoadReport:
+        """Collective: load optimizer state saved under any layout into this optimizer.
+
+        State is matched by parameter FQN; hyperparameters of each group come from the saved
+        group holding the same parameters. A parameter with no saved state (never stepped)
+        gets none.
+        """
+        optim, model = self._optim_and_model(optimizer)
+        p = apply_prefix(prefix)
+        reader = self._open(checkpoint, "optimizer")
+        try:
+            block = reader.block
+            saved_params = {e.param for e in block.tensors.values() if e.param is not None} | set(
+                block.param_state
+            )
+            template = self.optimizer_tensors(model, optim)
+            template["state"] = {f: st for f, st in template["state"].items() if p + f in saved_params}
+            targets: dict[str, torch.Tensor] = {}
+            for fqn, st in template["state"].items():
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor):
+                        targets[optimizer_tensor_name(p + fqn, k)] = v
+                    elif p + fqn in block.param_state and k in block.param_state[p + fqn]:
+                        st[k] = from_json_value(block.param_state[p + fqn][k])
+            owned = {p + f for f in template["state"]}
+            report = load_tensors(
+                reader,
+                targets,
+                self.local_boxes,
+                strict=True,
+                verify=verify,
+                what="optimizer",
+                group=self.group,
+                ignore_unexpected=lambda n: _param_of(reader, n) not in owned,
+            )
+            _apply_groups(template["param_groups"], block.param_groups or [], p)
+            self.set_optimizer_tensors(model, optim, template)
+            return report
+        finally:
+            reader.close()
+
+    # ------------------------------------------------------------------ lr scheduler
+    def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> str:
+        """Collective: rank 0 writes the scheduler's state as JSON (``checkpoint`` is a file or a directory)."""
+        path = os.fspath(checkpoint)
+        if os.path.isdir(path) or not path.endswith(".json"):
+            path = os.path.join(path, SCHEDULER_FILE)
+        err: BaseException | None = None
+        if _dist.rank(self.group) == 0:
+            try:
+                state = to_json_value(lr_scheduler.state_dict(), "lr_scheduler")
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                data = json.dumps({"unickpt_lr_scheduler": 1, "state": state}, indent=2).encode()
+                atomic_write_bytes(path, data)
+            except BaseException as e:
+                err = e
+        _dist.agree(err, f"saving the LR scheduler to {path}", self.group)
+        return path
+
+    def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> None:
+        """Collective: every rank reads the scheduler JSON and loads it."""
+        path = os.fspath(checkpoint)
+        if os.path.isdir(path):
+            path = os.path.join(path, SCHEDULER_FILE)
+        try:
+            with open(path, "rb") as f:
+                obj = json.loads(f.read().decode("utf-8"))
+        except FileNotFoundError as e:
+            from unickpt.errors import IncompleteCheckpointError
+
+            raise IncompleteCheckpointError(f"no LR scheduler state at {path}") from e
+        except (ValueError, UnicodeDecodeError) as e:
+            raise IndexFileError(f"{path}: LR scheduler state is not valid JSON ({e})") from None
+        if not isinstance(obj, dict) or "state" not in obj:
+            raise IndexFileError(f"{path}: not a unickpt LR scheduler file (no 'state' key)")
+        lr_scheduler.load_state_dict(from_json_value(obj["state"]))
+
+    # ------------------------------------------------------------------ helpers
+    def _options(self, kind: str, shard: bool, gather: bool, size_mb: float) -> SaveOptions:
+        if size_mb <= 0:
+            raise ValueError(f"size_per_shard must be a positive number of MB, got {size_mb}")
+        layout = self.layout()
+        return SaveOptions(
+            kind=kind,
+            shard=shard,
+            gather=gather,
+            size_per_shard_mb=size_mb,
+            layout=layout,
+            hashes=self.hashes,
+            fingerprints=self.fingerprints,
+            fsync=self.fsync,
+        )
+
+    def _open(self, checkpoint: str | os.PathLike[str], kind: str) -> CheckpointReader:
+        reader: CheckpointReader | None = None
+        err: BaseException | None = None
+        try:
+            reader = open_checkpoint(checkpoint, kind)
+        except (OSError, ValueError) as e:
+            err = e
+        _dist.agree(err, f"opening {os.fspath(checkpoint)}", self.group)
+        assert reader is not None
+        return reader
+
+    def _optim_and_model(self, optimizer: Any) -> tuple[torch.optim.Optimizer, torch.nn.Module]:
+        optim, model = unwrap_optimizer(optimizer)
+        if model is None:
+            raise UnsupportedError(
+                "optimizer state is saved keyed by parameter FQN, which needs the model: pass the optimizer "
+                "returned by Booster.boost(), or unickpt.OptimizerWrapper(optimizer, model)"
+            )
+        return optim, model
+
+    def _save_hf_config(self, model: torch.nn.Module, path: str) -> None:
+        """Write config.json / generation_config.json beside the weights when the model has them."""
+        if _dist.rank(self.group) != 0:
+            return
+        module = self.unwrap_model(model)
+        directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+        for attr, fname in (("config", "config.json"), ("generation_config", "generation_config.json")):
+            cfg = getattr(module, attr, None)
+            to_json = getattr(cfg, "to_json_string", None)
+            if cfg is None or to_json is None:
+                continue
+            try:
+                atomic_write_bytes(os.path.join(directory, fname), to_json().encode("utf-8"))
+            except (TypeError, ValueError) as e:
+                logger.warning("could not write %s: %s", fname, e)
+
+
+def _identity(t: torch.Tensor) -> int:
+    # state_dict(keep_vars=True) returns the same Parameter object under every tied name.
+    return id(t)
+
+
+def _param_of(reader: CheckpointReader, name: str) -> str | None:
+    e = reader.tensors.get(name)
+    return e.param if e is not None else None
+
+
+def _merge_groups(all_groups: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    merged: list[dict[str, Any]] = []
+    for groups in all_groups:
+        for i, g in enumerate(groups):
+            if i >= len(merged):
+                merged.append(dict(g, params=list(g["params"])))
+                continue
+            have = set(merged[i]["params"])
+            merged[i]["params"].extend(f for f in g["params"] if f not in have)
+    return merged
+
+
+def _apply_groups(groups: list[dict[str, Any]], saved: list[dict[str, Any]], prefix: str) -> None:
+    """Copy each saved group's hyperparameters into the live group holding the same parameters."""
+    owner: dict[str, dict[str, Any]] = {}
+    for g in saved:
+        for f in g.get("params", []):
+            owner[f] = g
+    for g in groups:
+        src = next((owner[prefix + f] for f in g["params"] if prefix + f in owner), None)
+        if src is None:
+            continue
+        for k, v in src.items():
+            if k == "params":
+                continue
+            value = from_json_value(v)
+            if isinstance(g.get(k), tuple) and isinstance(value, list):
+                value = tuple(value)
+            g[k] = value

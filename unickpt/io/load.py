@@ -1,0 +1,281 @@
+"""The load engine shared by every CheckpointIO: match, validate, verify, then copy.
+
+Order of events (every rank calls ``load_tensors`` with its own targets):
+
+1. names, shapes and dtypes of the checkpoint are matched against this rank's targets;
+2. the structure the rank will read is validated (coverage of every tensor, headers of the
+   files it touches) and, with ``verify=True``, the stored slices it will read are rehashed;
+3. ranks agree: any problem on any rank raises the same error on every rank, before any
+   rank has copied a byte, so no model is left half-loaded by a mismatch;
+4. each rank reads only the byte ranges overlapping the blocks it owns (``safe_open`` +
+   ``get_slice``) and copies them in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from unickpt.errors import IntegrityError, StateMismatchError, UnickptError
+from unickpt.format.boxes import intersect
+from unickpt.format.index import TensorEntry
+from unickpt.format.reader import CheckpointReader
+from unickpt.io import _dist
+from unickpt.io.tensors import LocalSlice, global_shape, st_dtype, torch_dtype
+
+__all__ = ["LoadReport", "load_tensors", "read_box"]
+
+
+@dataclass
+class LoadReport:
+    """What a load did: ``missing`` targets the checkpoint lacks, ``unexpected`` names it has extra."""
+
+    loaded: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+
+    # Mirrors torch's _IncompatibleKeys so code that reads these names keeps working.
+    @property
+    def missing_keys(self) -> list[str]:
+        return self.missing
+
+    @property
+    def unexpected_keys(self) -> list[str]:
+        return self.unexpected
+
+
+class _Files:
+    """Lazily opened safetensors handles of one load."""
+
+    def __init__(self, reader: CheckpointReader) -> None:
+        self.reader = reader
+        self._stack = contextlib.ExitStack()
+        self._handles: dict[str, Any] = {}
+
+    def get(self, file: str) -> Any:
+        h = self._handles.get(file)
+        if h is None:
+            self.reader.header(file)  # strict validation before safetensors sees the file
+            h = self._stack.enter_context(safe_open(self.reader.file_path(file), framework="pt"))
+            self._handles[file] = h
+        return h
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+def read_box(
+    files: _Files, entry: TensorEntry, offsets: tuple[int, ...], shape: tuple[int, ...]
+) -> torch.Tensor:
+    """Assemble the block (offsets, shape) of a stored tensor from the slices that overlap it."""
+    dtype = torch_dtype(entry.dtype)
+    if len(shape) == 0:
+        (s,) = [s for s in entry.slices if math.prod(s.shape) > 0] or entry.slices
+        return files.get(s.file).get_tensor(s.key)  # type: ignore[no-any-return]
+    for s in entry.slices:
+        if tuple(s.offsets) == tuple(offsets) and tuple(s.shape) == tuple(shape):
+            return files.get(s.file).get_tensor(s.key)  # type: ignore[no-any-return]
+    out = torch.empty(shape, dtype=dtype)
+    if math.prod(shape) == 0:
+        return out
+    for s in entry.slices:
+        inter = intersect(offsets, shape, s.offsets, s.shape)
+        if inter is None:
+            continue
+        ioff, ishp = inter
+        src = tuple(slice(a - b, a - b + n) for a, b, n in zip(ioff, s.offsets, ishp, strict=True))
+        dst = tuple(slice(a - b, a - b + n) for a, b, n in zip(ioff, offsets, ishp, strict=True))
+        out[dst] = files.get(s.file).get_slice(s.key)[src]
+    return out
+
+
+def _needed_slices(entry: TensorEntry, boxes: list[LocalSlice]) -> list[int]:
+    ks = []
+    for k, s in enumerate(entry.slices):
+        if math.prod(s.shape) == 0 and len(s.shape):
+            continue
+        for b in boxes:
+            if len(b.shape) == 0 or intersect(b.offsets, b.shape, s.offsets, s.shape) is not None:
+                ks.append(k)
+                break
+    return ks
+
+
+def load_tensors(
+    reader: CheckpointReader,
+    targets: dict[str, torch.Tensor],
+    boxes_fn: Callable[[str, torch.Tensor], list[LocalSlice]],
+    *,
+    strict: bool,
+    verify: bool,
+    allow_dtype_cast: bool = False,
+    prefix: str = "",
+    what: str = "model",
+    group: Any = None,
+    ignore_unexpected: Callable[[str], bool] | None = None,
+) -> LoadReport:
+    """Collective. Copy the checkpoint's values into ``targets`` (name -> tensor/DTensor) in place."""
+    err: BaseException | None = None
+    report = LoadReport()
+    plan: list[tuple[str, str, list[LocalSlice]]] = []  # (target name, source name, boxes)
+    try:
+        plan, mismatched = _match(
+            reader,
+            targets,
+            boxes_fn,
+            report,
+            allow_dtype_cast=allow_dtype_cast,
+            prefix=prefix,
+            ignore_unexpected=ignore_unexpected,
+            what=what,
+        )
+    except UnickptError as e:
+        err = e
+        mismatched = []
+    # A name is unexpected only if no rank loads it (pipeline stages each hold a part).
+    if _dist.is_distributed(group):
+        sets = _dist.all_gather_object(sorted(report.unexpected), group)
+        common = set(sets[0]).intersection(*map(set, sets[1:]))
+        report.unexpected = [n for n in report.unexpected if n in common]
+    try:
+        if err is not None:
+            raise err
+        _raise_mismatch(reader, report, mismatched, strict=strict, what=what)
+        reader.check_coverage()
+        needed: dict[str, list[int]] = {}
+        for _, src, boxes in plan:
+            needed.setdefault(src, [])
+            needed[src] = sorted(set(needed[src]) | set(_needed_slices(reader.tensors[src], boxes)))
+        for src, ks in needed.items():
+            entry = reader.tensors[src]
+            for k in ks:
+                s = entry.slices[k]
+                h = reader.header(s.file)
+                e = h.entries.get(s.key)
+                if e is None or e.dtype != entry.dtype or list(e.shape) != list(s.shape):
+                    found = "nothing" if e is None else f"{e.dtype}{list(e.shape)}"
+                    from unickpt.errors import HeaderError
+
+                    raise HeaderError(
+                        f"{h.path}: tensor {src!r} (key {s.key!r}): index says {entry.dtype}{list(s.shape)}, "
+                        f"file holds {found}"
+                    )
+        if verify:
+            from unickpt.errors import IntegrityFailure
+
+            failures: list[IntegrityFailure] = []
+            for src, ks in needed.items():
+                entry = reader.tensors[src]
+                for k in ks:
+                    s = entry.slices[k]
+                    if s.xxh3 is None:
+                        continue
+                    found = reader.hash_slice(s)
+                    if found != s.xxh3:
+                        failures.append(IntegrityFailure(src, s.file, s.key, s.xxh3, found))
+            if failures:
+                raise IntegrityError(failures, reader.index_path or reader.directory)
+    except UnickptError as e:
+        err = e
+    except OSError as e:
+        err = e
+    _dist.agree(err, f"loading {what} from {reader.index_path or reader.directory}", group)
+
+    files = _Files(reader)
+    try:
+        with torch.no_grad():
+            for _, src, boxes in plan:
+                entry = reader.tensors[src]
+                for b in boxes:
+                    data = read_box(files, entry, b.offsets, b.shape)
+                    if data.dtype != b.tensor.dtype:
+                        data = data.to(b.tensor.dtype)
+                    b.tensor.copy_(data.reshape(b.tensor.shape))
+    finally:
+        files.close()
+    return report
+
+
+def _match(
+    reader: CheckpointReader,
+    targets: dict[str, torch.Tensor],
+    boxes_fn: Callable[[str, torch.Tensor], list[LocalSlice]],
+    report: LoadReport,
+    *,
+    allow_dtype_cast: bool,
+    prefix: str,
+    what: str,
+    ignore_unexpected: Callable[[str], bool] | None,
+) -> tuple[list[tuple[str, str, list[LocalSlice]]], list[str]]:
+    block = reader.block
+    available: dict[str, str] = {}  # name without prefix -> stored name
+    for stored in list(block.tensors) + list(block.aliases):
+        if prefix:
+            if not stored.startswith(prefix):
+                continue
+            available[stored[len(prefix) :]] = stored
+        else:
+            available[stored] = stored
+    used: set[str] = set()
+    mismatched: list[str] = []
+    plan: list[tuple[str, str, list[LocalSlice]]] = []
+    done_ids: dict[int, str] = {}
+    for name, t in targets.items():
+        stored = available.get(name)
+        if stored is None:
+            if id(t) in done_ids:  # tied to a target that is loaded already
+                continue
+            report.missing.append(name)
+            continue
+        used.add(stored)
+        src = block.aliases.get(stored, stored)
+        used.add(src)
+        entry = block.tensors[src]
+        want_shape = list(global_shape(t))
+        want_dtype = st_dtype(t.dtype, name)
+        if entry.shape != want_shape:
+            mismatched.append(f"{name}: checkpoint has shape {entry.shape}, {what} has {want_shape}")
+            continue
+        if entry.dtype != want_dtype and not allow_dtype_cast:
+            mismatched.append(
+                f"{name}: checkpoint has dtype {entry.dtype}, {what} has {want_dtype} "
+                "(pass allow_dtype_cast=True to cast on load)"
+            )
+            continue
+        if id(t) in done_ids:
+            continue
+        done_ids[id(t)] = name
+        report.loaded.append(name)
+        plan.append((name, src, boxes_fn(name, t)))
+    for stored, full in available.items():
+        if full not in used and (ignore_unexpected is None or not ignore_unexpected(stored)):
+            report.unexpected.append(stored)
+    return plan, mismatched
+
+
+def _raise_mismatch(
+    reader: CheckpointReader, report: LoadReport, mismatched: list[str], *, strict: bool, what: str
+) -> None:
+    problems = []
+    if mismatched:
+        problems.append("size or dtype mismatch:\n    " + "\n    ".join(mismatched))
+    if strict and report.missing:
+        problems.append(f"missing from the checkpoint ({len(report.missing)}): {report.missing[:20]}")
+    if strict and report.unexpected:
+        problems.append(
+            f"in the checkpoint but not in the {what} ({len(report.unexpected)}): {report.unexpected[:20]}"
+        )
+    if problems:
+        where = reader.index_path or reader.directory
+        raise StateMismatchError(
+            f"{where} does not match the {what}; nothing was loaded:\n  " + "\n  ".join(problems),
+            missing=report.missing if strict else [],
+            unexpected=report.unexpected if strict else [],
+            mismatched=mismatched,
+        )

@@ -1,0 +1,468 @@
+"""The save engine shared by every CheckpointIO: plan, write, hash, commit.
+
+Order of events (every rank calls ``save_tensors`` with its own tensors):
+
+1. every rank lists the blocks it holds; the lists are all-gathered (names and shapes only);
+2. every rank computes the same plan (``planner.plan_save``);
+3. rank 0 prepares the directory: takes the save lock, removes an older index (the old
+   checkpoint stops being committed before any of its files is overwritten);
+4. each writer streams its blocks into its files, hashing each block on a second thread
+   while the previous one is written, and fsyncs every file;
+5. ranks agree that every write succeeded (else every rank raises, partial files removed);
+6. rank 0 writes the index last (temporary name, fsync, rename, fsync directory), removes
+   data files an older save left behind, and releases the lock; a final barrier means no
+   rank returns before the checkpoint is committed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from unickpt.errors import UnickptError
+from unickpt.format.commit import atomic_write_bytes, directory_lock, fsync_dir, temp_name
+from unickpt.format.hashing import finalize_fingerprint, fingerprint_partial, slice_hash
+from unickpt.format.index import IndexFile, LayoutInfo, SliceEntry, TensorEntry, UnickptBlock, index_to_json
+from unickpt.format.naming import SLICED_SENTINEL, index_name, is_own_data_file, single_name
+from unickpt.format.reader import UNICKPT_METADATA_KEY
+from unickpt.format.safetensors_io import SafetensorsWriter, encode_header
+from unickpt.io import _dist
+from unickpt.io.planner import PlannedFile, SavePlan, SliceMeta, plan_save
+from unickpt.io.tensors import LocalSlice, as_bytes, is_dtensor
+
+__all__ = ["SaveOptions", "save_tensors"]
+
+logger = logging.getLogger(__name__)
+_PLACEHOLDER = "0" * 16
+_VERSION = "unickpt 0.1.0"
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    kind: str  # "model" or "optimizer"
+    shard: bool
+    gather: bool
+    size_per_shard_mb: float
+    layout: LayoutInfo
+    hashes: bool = True
+    fingerprints: bool = True
+    fsync: bool = True
+
+
+def _write_files(
+    files: list[PlannedFile],
+    plan: SavePlan,
+    directory: str,
+    opts: SaveOptions,
+    blocks: Iterator[tuple[str, np.ndarray, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]],
+    metadata_for: Callable[[PlannedFile], dict[str, str]],
+) -> dict[tuple[str, int], tuple[str | None, int]]:
+    """Stream blocks into files. ``blocks`` yields (key, uint8 array, (global, offsets, shape)) in file order.
+
+    Hashing of block i runs on a worker thread while block i is written (numpy, xxhash and
+    file writes all release the GIL), so hashes cost little on top of the write.
+    """
+    results: dict[tuple[str, int], tuple[str | None, int]] = {}
+    written: list[str] = []
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unickpt-hash")
+    try:
+        for f in files:
+            specs = [(ps.key, plan.tensors[ps.name][0], ps.shape) for ps in f.slices]
+            path = os.path.join(directory, f.name)
+            w = SafetensorsWriter(path, specs, metadata_for(f))
+            written.append(path)
+            try:
+                for ps in f.slices:
+                    key, arr, (gshape, off, shp) = next(blocks)
+                    if key != ps.key:
+                        raise RuntimeError(f"internal: expected block {ps.key!r}, got {key!r}")
+                    dtype = plan.tensors[ps.name][0]
+                    fut = pool.submit(_hash_np, arr, gshape, off, shp, dtype, opts)
+                    w.write(ps.key, memoryview(arr))
+                    results[(ps.name, ps.k)] = fut.result()
+                w.close(fsync=opts.fsync)
+            except BaseException:
+                w.abort()
+                raise
+    except BaseException:
+        for p in written:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+        raise
+    finally:
+        pool.shutdown(wait=True)
+    return results
+
+
+def _hash_np(
+    arr: np.ndarray,
+    gshape: tuple[int, ...],
+    off: tuple[int, ...],
+    shp: tuple[int, ...],
+    dtype: str,
+    opts: SaveOptions,
+) -> tuple[str | None, int]:
+    from unickpt.format.dtypes import itemsize
+
+    xxh = slice_hash(memoryview(arr)) if opts.hashes else None
+    partial = 0
+    if opts.fingerprints and arr.size:
+        partial = fingerprint_partial(arr.view(f"<u{itemsize(dtype)}"), gshape, off, shp)
+    return xxh, partial
+
+
+def save_tensors(
+    tensors: dict[str, torch.Tensor],
+    path: str,
+    opts: SaveOptions,
+    boxes_fn: Callable[[str, torch.Tensor], list[LocalSlice]],
+    *,
+    aliases: dict[str, str] | None = None,
+    entry_extras: dict[str, dict[str, Any]] | None = None,
+    block_extras: dict[str, Any] | None = None,
+    group: Any = None,
+) -> str:
+    """Collective. Save ``tensors`` (this rank's view) as one checkpoint; returns the committed path."""
+    rank, world = _dist.rank(group), _dist.world_size(group)
+    aliases = aliases or {}
+    single_file = opts.gather and not opts.shard
+    if single_file:
+        file_path = path if path.endswith(".safetensors") else os.path.join(path, single_name(opts.kind))
+        directory = os.path.dirname(os.path.abspath(file_path))
+    else:
+        file_path = ""
+        directory = os.path.abspath(path)
+        if path.endswith(".safetensors"):
+            _dist.agree(
+                UnickptError(f"{path}: a sharded or sliced checkpoint is a directory; pass a directory path"),
+                "save",
+                group,
+            )
+
+    # 1-2. list blocks, gather the lists, plan.
+    err: BaseException | None = None
+    local: list[LocalSlice] = []
+    try:
+        for name, t in tensors.items():
+            local.extend(boxes_fn(name, t))
+    except BaseException as e:
+        err = e
+    _dist.agree(err, "listing tensors to save", group)
+    if opts.gather:
+        # Each tensor is written whole by rank 0; metas only say which tensors exist.
+        metas: list[SliceMeta] = []
+        seen = set()
+        for sl in local:
+            if sl.name not in seen:
+                seen.add(sl.name)
+                metas.append(
+                    (sl.name, sl.dtype, sl.global_shape, (0,) * len(sl.global_shape), sl.global_shape)
+                )
+        all_metas = _dist.all_gather_object(metas, group)
+        merged: list[SliceMeta] = []
+        names: set[str] = set()
+        for ms in all_metas:
+            for m in ms:
+                if m[0] not in names:
+                    names.add(m[0])
+                    merged.append(m)
+        per_rank: list[list[SliceMeta]] = [merged] + [[] for _ in range(world - 1)]
+    else:
+        per_rank = _dist.all_gather_object([sl.meta() for sl in local], group)
+    size = None if not opts.shard else int(opts.size_per_shard_mb * 1024 * 1024)
+    plan: SavePlan | None = None
+    try:
+        plan = plan_save(per_rank, kind=opts.kind, size_per_shard_bytes=size, sliced=not opts.gather)
+    except BaseException as e:
+        err = e
+    _dist.agree(err, "planning the save", group)
+    assert plan is not None  # for the type checker; agree() raised otherwise
+
+    # 3. rank 0 prepares the directory.
+    lock = contextlib.ExitStack()
+    if rank == 0:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            lock.enter_context(directory_lock(directory))
+            if not single_file:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(directory, index_name(opts.kind)))
+        except BaseException as e:
+            err = e
+    try:
+        _dist.agree(err, f"preparing {directory}", group)
+
+        # 4. write.
+        results: dict[tuple[str, int], tuple[str | None, int]] = {}
+        try:
+            if single_file:
+                if rank == 0:
+                    results = _write_single(
+                        plan, tensors, local, file_path, opts, aliases, entry_extras, block_extras, group
+                    )
+                else:
+                    _feed_gather(plan, tensors, local, group, rank)
+            elif opts.gather:
+                results = _write_gathered(plan, tensors, local, directory, opts, group, rank)
+            else:
+                by_index = {i: sl for i, sl in enumerate(local)}
+                mine = plan.files_of(rank)
+
+                def blocks() -> Iterator[Any]:
+                    for f in mine:
+                        for ps in f.slices:
+                            sl = by_index[ps.local_index]
+                            yield ps.key, as_bytes(sl.tensor), (sl.global_shape, sl.offsets, sl.shape)
+
+                results = _write_files(
+                    mine, plan, directory, opts, blocks(), lambda f: _file_meta(opts, True)
+                )
+        except BaseException as e:
+            err = e
+        _dist.agree(err, f"writing {directory}", group)
+
+        # 5-6. commit.
+        all_results = _dist.all_gather_object(results, group) if not single_file else [results]
+        if rank == 0 and not single_file:
+            try:
+                merged_results: dict[tuple[str, int], tuple[str | None, int]] = {}
+                for r in all_results:
+                    merged_results.update(r)
+                block = _build_block(plan, merged_results, opts, aliases, entry_extras, block_extras)
+                index = _build_index(plan, block, opts)
+                fsync_dir(directory)
+                atomic_write_bytes(os.path.join(directory, index_name(opts.kind)), index_to_json(index))
+                _remove_leftovers(directory, opts.kind, {f.name for f in plan.files})
+            except BaseException as e:
+                err = e
+        _dist.agree(err, f"committing {directory}", group)
+    finally:
+        lock.close()
+    _dist.barrier(group)
+    return file_path if single_file else directory
+
+
+def _file_meta(opts: SaveOptions, sliced: bool) -> dict[str, str]:
+    # Sliced files say so in their format tag: transformers refuses any format it does not know.
+    return {"format": "unickpt-sliced" if sliced else "pt"}
+
+
+def _full_tensor_for(
+    name: str, tensors: dict[str, torch.Tensor], group: Any, rank: int, holder: int
+) -> torch.Tensor | None:
+    """Collective over the holders of ``name``: return the full tensor on rank 0, None elsewhere."""
+    t = tensors.get(name)
+    full = None
+    if t is not None:
+        full = t.full_tensor() if is_dtensor(t) else t  # type: ignore[attr-defined]
+    if holder == 0 or not _dist.is_distributed(group):
+        return full if rank == 0 else None
+    # The tensor lives only on other ranks (pipeline stages): the lowest holder sends it.
+    import torch.distributed as dist
+
+    if rank == holder:
+        assert full is not None
+        dist.send(full.detach().cpu().contiguous(), dst=0, group=group)
+        return None
+    if rank == 0:
+        return None  # filled by the caller through _recv_full
+    return None
+
+
+def _holder_table(tensors: dict[str, torch.Tensor], group: Any) -> dict[str, int]:
+    names = _dist.all_gather_object(list(tensors), group)
+    table: dict[str, int] = {}
+    for r, ns in enumerate(names):
+        for n in ns:
+            table.setdefault(n, r)
+    return table
+
+
+def _gathered_blocks(
+    plan: SavePlan, tensors: dict[str, torch.Tensor], group: Any, rank: int, files: list[PlannedFile]
+) -> Iterator[Any]:
+    """Yield (key, bytes, geometry) for each planned block on rank 0, one tensor at a time.
+
+    Every rank must run the same iteration (``_feed_gather`` on ranks other than 0) so that
+    the collectives of ``full_tensor`` and the sends line up.
+    """
+    import torch.distributed as dist
+
+    holders = _holder_table(tensors, group)
+    for f in files:
+        for ps in f.slices:
+            holder = holders[ps.name]
+            full = _full_tensor_for(ps.name, tensors, group, rank, holder)
+            if rank == 0:
+                dtype_name, gshape = plan.tensors[ps.name]
+                if full is None:
+                    from unickpt.io.tensors import torch_dtype
+
+                    full = torch.empty(gshape, dtype=torch_dtype(dtype_name))
+                    dist.recv(full, src=holder, group=group)
+                yield ps.key, as_bytes(full), (gshape, (0,) * len(gshape), gshape)
+            del full
+
+
+def _feed_gather(
+    plan: SavePlan, tensors: dict[str, torch.Tensor], local: list[LocalSlice], group: Any, rank: int
+) -> None:
+    for _ in _gathered_blocks(plan, tensors, group, rank, plan.files):
+        pass
+
+
+def _write_gathered(
+    plan: SavePlan,
+    tensors: dict[str, torch.Tensor],
+    local: list[LocalSlice],
+    directory: str,
+    opts: SaveOptions,
+    group: Any,
+    rank: int,
+) -> dict[tuple[str, int], tuple[str | None, int]]:
+    if rank != 0:
+        _feed_gather(plan, tensors, local, group, rank)
+        return {}
+    return _write_files(
+        plan.files,
+        plan,
+        directory,
+        opts,
+        _gathered_blocks(plan, tensors, group, rank, plan.files),
+        lambda f: _file_meta(opts, False),
+    )
+
+
+def _write_single(
+    plan: SavePlan,
+    tensors: dict[str, torch.Tensor],
+    local: list[LocalSlice],
+    file_path: str,
+    opts: SaveOptions,
+    aliases: dict[str, str],
+    entry_extras: dict[str, dict[str, Any]] | None,
+    block_extras: dict[str, Any] | None,
+    group: Any,
+) -> dict[tuple[str, int], tuple[str | None, int]]:
+    """One ``.safetensors`` file carrying the unickpt block in its header metadata.
+
+    The header is written first with placeholder hashes of the same length as the real ones,
+    and rewritten in place once the data is hashed; the file is committed by renaming it.
+    """
+    (f,) = plan.files
+    name = os.path.basename(file_path)
+    f = PlannedFile(name, 0, f.slices)
+    placeholder = {
+        k: (_PLACEHOLDER if opts.hashes else None, 0) for k in ((ps.name, ps.k) for ps in f.slices)
+    }
+    block0 = _build_block(
+        plan, placeholder, opts, aliases, entry_extras, block_extras, file_name=name, placeholder_fp=True
+    )
+    meta0 = {
+        "format": "pt",
+        UNICKPT_METADATA_KEY: json.dumps(block0.model_dump(mode="json", exclude_none=True)),
+    }
+    tmp = temp_name(file_path)
+    tmp_dir = os.path.dirname(tmp)
+    staged = PlannedFile(os.path.basename(tmp), 0, f.slices)
+    results = _write_files(
+        [staged], plan, tmp_dir, opts, _gathered_blocks(plan, tensors, group, 0, [f]), lambda _f: meta0
+    )
+    try:
+        block = _build_block(plan, results, opts, aliases, entry_extras, block_extras, file_name=name)
+        meta = {
+            "format": "pt",
+            UNICKPT_METADATA_KEY: json.dumps(block.model_dump(mode="json", exclude_none=True)),
+        }
+        specs = [(ps.key, plan.tensors[ps.name][0], ps.shape) for ps in f.slices]
+        header0, _ = encode_header(specs, meta0)
+        header, _ = encode_header(specs, meta)
+        if len(header) != len(header0):
+            raise RuntimeError("internal: single-file header changed length after hashing")
+        fd = os.open(tmp, os.O_WRONLY)
+        try:
+            os.pwrite(fd, header, 0)
+            if opts.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, file_path)
+        fsync_dir(os.path.dirname(os.path.abspath(file_path)))
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return results
+
+
+def _build_block(
+    plan: SavePlan,
+    results: dict[tuple[str, int], tuple[str | None, int]],
+    opts: SaveOptions,
+    aliases: dict[str, str],
+    entry_extras: dict[str, dict[str, Any]] | None,
+    block_extras: dict[str, Any] | None,
+    *,
+    file_name: str | None = None,
+    placeholder_fp: bool = False,
+) -> UnickptBlock:
+    file_of = {(ps.name, ps.k): f.name for f in plan.files for ps in f.slices}
+    entries: dict[str, TensorEntry] = {}
+    for name, (dtype, gshape) in plan.tensors.items():
+        slices = []
+        total = 0
+        for ps in plan.slices[name]:
+            xxh, partial = results[(name, ps.k)]
+            total = (total + partial) & ((1 << 64) - 1)
+            slices.append(
+                SliceEntry(
+                    file=file_name or file_of[(name, ps.k)],
+                    key=ps.key,
+                    offsets=list(ps.offsets),
+                    shape=list(ps.shape),
+                    xxh3=xxh,
+                )
+            )
+        fp = None
+        if opts.fingerprints:
+            fp = _PLACEHOLDER if placeholder_fp else finalize_fingerprint(name, dtype, gshape, total)
+        extra = (entry_extras or {}).get(name, {})
+        entries[name] = TensorEntry(dtype=dtype, shape=list(gshape), fingerprint=fp, slices=slices, **extra)
+    layout = opts.layout.model_copy(update={"gathered": opts.gather})
+    return UnickptBlock(
+        kind=opts.kind,
+        created_by=_VERSION,
+        layout=layout,
+        tensors=entries,  # type: ignore[arg-type]
+        aliases=dict(aliases),
+        **(block_extras or {}),
+    )
+
+
+def _build_index(plan: SavePlan, block: UnickptBlock, opts: SaveOptions) -> IndexFile:
+    total = sum(t.nbytes for t in block.tensors.values())
+    if plan.sliced:
+        weight_map = {name: SLICED_SENTINEL for name in block.tensors}
+    else:
+        weight_map = {name: t.slices[0].file for name, t in block.tensors.items()}
+    return IndexFile.model_validate(
+        {"metadata": {"total_size": total}, "weight_map": weight_map, "unickpt": block.model_dump()}
+    )
+
+
+def _remove_leftovers(directory: str, kind: str, keep: set[str]) -> None:
+    """Remove data files of ``kind`` that an older save left and the new index does not name."""
+    for entry in os.listdir(directory):
+        if entry not in keep and is_own_data_file(kind, entry):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, entry))
+                logger.info("removed %s left by an earlier save", os.path.join(directory, entry))

@@ -1,0 +1,134 @@
+"""The torch side of the format: dtype names, raw bytes of tensors, local boxes of DTensors."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from unickpt.errors import UnsupportedError
+
+__all__ = [
+    "TORCH_TO_ST",
+    "ST_TO_TORCH",
+    "st_dtype",
+    "torch_dtype",
+    "LocalSlice",
+    "as_bytes",
+    "is_dtensor",
+    "local_boxes",
+    "global_shape",
+]
+
+TORCH_TO_ST: dict[torch.dtype, str] = {
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.int16: "I16",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+for _name, _st in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"), ("float8_e8m0fnu", "F8_E8M0")):
+    if hasattr(torch, _name):
+        TORCH_TO_ST[getattr(torch, _name)] = _st
+ST_TO_TORCH = {v: k for k, v in TORCH_TO_ST.items()}
+
+
+def st_dtype(dtype: torch.dtype, where: str = "") -> str:
+    try:
+        return TORCH_TO_ST[dtype]
+    except KeyError:
+        at = f" for {where}" if where else ""
+        raise UnsupportedError(f"dtype {dtype}{at} cannot be stored in safetensors") from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return ST_TO_TORCH[name]
+    except KeyError:
+        raise UnsupportedError(f"dtype {name} has no torch equivalent in this torch build") from None
+
+
+def is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def global_shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(d) for d in t.shape)
+
+
+@dataclass
+class LocalSlice:
+    """One block of a global tensor held by this rank.
+
+    ``tensor`` is the local data (any device, any strides); ``offsets`` is where its first
+    element sits in the global tensor. ``flat_start`` is set for blocks cut from a flat
+    buffer (ZeRO): then ``tensor`` is 1-D and is reshaped to ``shape`` when written.
+    """
+
+    name: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    tensor: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.tensor.element_size()
+
+    def meta(self) -> tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        return (self.name, self.dtype, self.global_shape, self.offsets, self.shape)
+
+
+def as_bytes(t: torch.Tensor) -> np.ndarray:
+    """A tensor's elements in C order as a uint8 numpy array (a copy only when needed)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    return t.view(torch.uint8).numpy()
+
+
+def local_boxes(name: str, t: torch.Tensor) -> list[LocalSlice]:
+    """The block(s) of the global tensor that this rank holds, for a DTensor or plain tensor.
+
+    A plain tensor is the whole tensor (replicated: the planner picks one rank to write it).
+    A DTensor's block is computed from its mesh and placements; ``Partial`` placements are
+    refused because the values are not reduced yet.
+    """
+    dtype = st_dtype(t.dtype, name)
+    if not is_dtensor(t):
+        shape = global_shape(t)
+        return [LocalSlice(name, dtype, shape, (0,) * len(shape), shape, t)]
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if any(isinstance(p, Partial) for p in t.placements):  # type: ignore[attr-defined]
+        raise UnsupportedError(
+            f"tensor {name!r} has a Partial placement (unreduced values); reduce it before saving"
+        )
+    local = t.to_local()  # type: ignore[attr-defined]
+    gshape = global_shape(t)
+    lshape, offset = compute_local_shape_and_global_offset(gshape, t.device_mesh, t.placements)  # type: ignore[attr-defined]
+    if tuple(local.shape) != tuple(lshape):
+        raise UnsupportedError(
+            f"tensor {name!r}: local shard shape {tuple(local.shape)} does not match the computed "
+            f"{tuple(lshape)} for placements {t.placements}"  # type: ignore[attr-defined]
+        )
+    if math.prod(lshape) == 0:
+        return []
+    return [
+        LocalSlice(name, dtype, gshape, tuple(int(o) for o in offset), tuple(int(s) for s in lshape), local)
+    ]

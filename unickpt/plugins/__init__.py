@@ -1,0 +1,21 @@
+"""Parallelism plugins: each sets a model up with torch's own parallelism and names its CheckpointIO.
+
+Plugins never import each other; each module can be imported on its own.
+"""
+
+from __future__ import annotations
+
+from unickpt.plugins.base import Plugin
+from unickpt.plugins.ddp import DDPCheckpointIO, DDPPlugin
+from unickpt.plugins.fsdp2 import FSDP2CheckpointIO, FSDP2Plugin
+from unickpt.plugins.tp import TPCheckpointIO, TPPlugin
+
+__all__ = [
+    "DDPCheckpointIO",
+    "DDPPlugin",
+    "FSDP2CheckpointIO",
+    "FSDP2Plugin",
+    "Plugin",
+    "TPCheckpointIO",
+    "TPPlugin",
+]
