@@ -202,14 +202,16 @@ def _block_from_header(h: SafetensorsHeader, kind: str) -> tuple[UnickptBlock, b
     if raw is not None:
         try:
             obj = json.loads(raw)
-            if isinstance(obj, dict):
+            tensors = obj.get("tensors") if isinstance(obj, dict) else None
+            if isinstance(tensors, dict):
                 # Slices of a single file live in that file, whatever it was renamed to.
-                for t in obj.get("tensors", {}).values():
-                    for s in t.get("slices", []) if isinstance(t, dict) else []:
+                for t in tensors.values():
+                    slices = t.get("slices") if isinstance(t, dict) else None
+                    for s in slices if isinstance(slices, list) else []:
                         if isinstance(s, dict):
                             s["file"] = file
             return UnickptBlock.model_validate(obj), True
-        except (ValueError, ValidationError) as e:
+        except (ValueError, ValidationError, RecursionError) as e:
             raise IndexFileError(f"{h.path}: the unickpt metadata block is invalid: {e}") from None
     tensors = {
         k: TensorEntry(
