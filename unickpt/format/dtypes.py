@@ -51,4 +51,4 @@ def itemsize(name: str) -> int:
 
 def word_dtype(name: str) -> np.dtype[np.unsignedinteger]:
     """The unsigned little-endian integer type with the dtype's item size."""
-    return _WORDS[itemsize(name)]
+    return _WORDS[itemsize(name)]  # type: ignore[return-value]

@@ -138,7 +138,7 @@ class LayoutInfo(_Strict):
 
 
 class UnickptBlock(_Strict):
-    format_version: Literal[1] = FORMAT_VERSION
+    format_version: Literal[1] = 1
     kind: Literal["model", "optimizer"]
     created_by: str = "unickpt"
     layout: LayoutInfo = Field(default_factory=LayoutInfo)

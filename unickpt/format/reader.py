@@ -290,7 +290,7 @@ def _from_index(idx_path: str, directory: str, kind: str) -> CheckpointReader:
         raise IndexFileError(f"{idx_path}: holds a {block.kind} checkpoint, expected a {kind} checkpoint")
     gathered = all(f != SLICED_SENTINEL for f in idx.weight_map.values())
     if gathered:
-        for name, t in block.tensors.items():
+        for name in block.tensors:
             if name not in idx.weight_map and name not in block.aliases:
                 raise IndexFileError(
                     f"{idx_path}: tensor {name!r} is in the unickpt block but not in weight_map"

@@ -12,6 +12,7 @@ in order, so a file never needs all of its tensors in memory at once.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -140,11 +141,11 @@ def parse_header(raw: bytes, data_len: int, path: str) -> tuple[dict[str, Header
         entries.append(HeaderEntry(key, dtype, tuple(shape), begin, end))
     # The entries must tile the data section exactly: no gap, no overlap, nothing left over.
     pos = 0
-    for e in sorted(entries, key=lambda e: (e.begin, e.end)):
-        if e.begin != pos:
-            kind = "overlaps the previous tensor" if e.begin < pos else "leaves a gap before it"
-            raise HeaderError(f"{path}: tensor {e.key!r} at byte {e.begin} {kind} (expected byte {pos})")
-        pos = e.end
+    for ent in sorted(entries, key=lambda x: (x.begin, x.end)):
+        if ent.begin != pos:
+            kind = "overlaps the previous tensor" if ent.begin < pos else "leaves a gap before it"
+            raise HeaderError(f"{path}: tensor {ent.key!r} at byte {ent.begin} {kind} (expected byte {pos})")
+        pos = ent.end
     if pos != data_len:
         raise HeaderError(f"{path}: tensors cover {pos} bytes but the data section holds {data_len}")
     return {e.key: e for e in entries}, metadata
@@ -246,10 +247,8 @@ class SafetensorsWriter:
         if self._f is not None:
             self._f.close()
             self._f = None
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
 
 def iter_range(f: BinaryIO | int, offset: int, length: int, chunk: int = READ_CHUNK_BYTES) -> Iterator[bytes]:

@@ -99,7 +99,7 @@ class CheckpointIO:
         """FQN-keyed optimizer state: ``{"state": {fqn: {key: value}}, "param_groups": [...]}``."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        osd = get_optimizer_state_dict(self.unwrap_model(model), optim)
+        osd: dict[str, Any] = dict(get_optimizer_state_dict(self.unwrap_model(model), optim))
         state = {normalize_name(k): v for k, v in osd["state"].items()}
         groups = [dict(g, params=[normalize_name(p) for p in g["params"]]) for g in osd["param_groups"]]
         return {"state": state, "param_groups": groups}

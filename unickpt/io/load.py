@@ -157,9 +157,9 @@ def load_tensors(
             for k in ks:
                 s = entry.slices[k]
                 h = reader.header(s.file)
-                e = h.entries.get(s.key)
-                if e is None or e.dtype != entry.dtype or list(e.shape) != list(s.shape):
-                    found = "nothing" if e is None else f"{e.dtype}{list(e.shape)}"
+                he = h.entries.get(s.key)
+                if he is None or he.dtype != entry.dtype or list(he.shape) != list(s.shape):
+                    found = "nothing" if he is None else f"{he.dtype}{list(he.shape)}"
                     from unickpt.errors import HeaderError
 
                     raise HeaderError(
@@ -176,9 +176,9 @@ def load_tensors(
                     s = entry.slices[k]
                     if s.xxh3 is None:
                         continue
-                    found = reader.hash_slice(s)
-                    if found != s.xxh3:
-                        failures.append(IntegrityFailure(src, s.file, s.key, s.xxh3, found))
+                    digest = reader.hash_slice(s)
+                    if digest != s.xxh3:
+                        failures.append(IntegrityFailure(src, s.file, s.key, s.xxh3, digest))
             if failures:
                 raise IntegrityError(failures, reader.index_path or reader.directory)
     except UnickptError as e:
@@ -227,12 +227,13 @@ def _match(
     plan: list[tuple[str, str, list[LocalSlice]]] = []
     done_ids: dict[int, str] = {}
     for name, t in targets.items():
-        stored = available.get(name)
-        if stored is None:
+        found = available.get(name)
+        if found is None:
             if id(t) in done_ids:  # tied to a target that is loaded already
                 continue
             report.missing.append(name)
             continue
+        stored = found
         used.add(stored)
         src = block.aliases.get(stored, stored)
         used.add(src)

@@ -26,9 +26,9 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
         if isinstance(model, ModelWrapper):
             model = model.unwrap()
         elif isinstance(model, DistributedDataParallel):
-            model = model.module
+            model = model.module  # type: ignore[assignment]
         elif type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
-            model = model._orig_mod
+            model = model._orig_mod  # type: ignore[assignment]
         else:
             break
     return model

@@ -87,7 +87,7 @@ def _write_files(
                         raise RuntimeError(f"internal: expected block {ps.key!r}, got {key!r}")
                     dtype = plan.tensors[ps.name][0]
                     fut = pool.submit(_hash_np, arr, gshape, off, shp, dtype, opts)
-                    w.write(ps.key, memoryview(arr))
+                    w.write(ps.key, memoryview(arr))  # type: ignore[arg-type]
                     results[(ps.name, ps.k)] = fut.result()
                 w.close(fsync=opts.fsync)
             except BaseException:
@@ -113,7 +113,7 @@ def _hash_np(
 ) -> tuple[str | None, int]:
     from unickpt.format.dtypes import itemsize
 
-    xxh = slice_hash(memoryview(arr)) if opts.hashes else None
+    xxh = slice_hash(memoryview(arr)) if opts.hashes else None  # type: ignore[arg-type]
     partial = 0
     if opts.fingerprints and arr.size:
         partial = fingerprint_partial(arr.view(f"<u{itemsize(dtype)}"), gshape, off, shp)
@@ -439,7 +439,7 @@ def _build_block(
         entries[name] = TensorEntry(dtype=dtype, shape=list(gshape), fingerprint=fp, slices=slices, **extra)
     layout = opts.layout.model_copy(update={"gathered": opts.gather})
     return UnickptBlock(
-        kind=opts.kind,
+        kind=opts.kind,  # type: ignore[arg-type]
         created_by=_VERSION,
         layout=layout,
         tensors=entries,  # type: ignore[arg-type]
