@@ -104,6 +104,13 @@ class Booster:
         else:
             loss.backward()
 
+    def execute_pipeline(self, data_iter: Any, model: Any, criterion: Any, optimizer: Any) -> Any:
+        """Run one pipelined forward/backward pass (every rank); see the plugin's ``execute_pipeline``."""
+        run = getattr(self.plugin, "execute_pipeline", None)
+        if run is None:
+            raise UnsupportedError(f"{type(self.plugin).__name__} has no pipeline; use it with PPPlugin")
+        return run(data_iter, model, criterion, optimizer)
+
     # -- checkpoints (collective: every rank calls each of these) --------------------------
 
     def save_model(
