@@ -16,6 +16,7 @@ import contextlib
 import json
 import math
 import os
+import stat
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -155,8 +156,13 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
     """Read and validate the header of a safetensors file. Reads only the header bytes."""
     p = os.fspath(path)
     try:
-        with open(p, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        # O_NONBLOCK: a FIFO planted under a data file's name must not block the open forever.
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with open(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise HeaderError(f"{p} is not a regular file")
+            size = st.st_size
             if size < 8:
                 raise HeaderError(f"{p}: {size} bytes is too short for a safetensors file (needs 8+)")
             (n,) = struct.unpack("<Q", f.read(8))
