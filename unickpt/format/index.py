@@ -253,7 +253,11 @@ def load_index(path: str | os.PathLike[str]) -> IndexFile:
     if size > MAX_INDEX_BYTES:
         raise IndexFileError(f"{p}: {size} bytes exceeds the {MAX_INDEX_BYTES}-byte limit for an index")
     with open(p, "rb") as f:
-        return parse_index(f.read(), p)
+        # Bounded even when the size lied (a symlink to a /proc file reports 0 bytes).
+        raw = f.read(MAX_INDEX_BYTES + 1)
+    if len(raw) > MAX_INDEX_BYTES:
+        raise IndexFileError(f"{p}: more than the {MAX_INDEX_BYTES}-byte limit for an index")
+    return parse_index(raw, p)
 
 
 def index_to_json(index: IndexFile) -> bytes:
