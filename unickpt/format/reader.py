@@ -180,7 +180,8 @@ class CheckpointReader:
                     continue
                 try:
                     found = self.hash_slice(s)
-                except IncompleteCheckpointError as e:
+                except (IncompleteCheckpointError, CheckpointFormatError) as e:
+                    # Missing or truncated file, edited header, key absent: report it with the rest.
                     found = f"unreadable ({e})"
                 if found != s.xxh3:
                     failures.append(IntegrityFailure(name, s.file, s.key, s.xxh3, found))
