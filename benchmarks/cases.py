@@ -42,11 +42,12 @@ def _measure(
 ) -> dict[str, Any]:
     base = C.rss_mb()
     C.reset_peak_rss()
-    times, _ = C.timed_reps(int(p["reps"]), body, before)
+    times, first = C.timed_reps(int(p["reps"]), body, before, warmup=int(p.get("warmup", 1)))
     return {
         "status": "ok",
         "bytes": nbytes,
         "times": times,
+        "first_s": first,
         "rss_base_mb": round(base, 1),
         "rss_peak_mb": round(C.peak_rss_mb(), 1),
     }
@@ -254,23 +255,25 @@ def unickpt_save(p: dict[str, Any]) -> dict[str, Any]:
     io_cls, why = C.probe_general_io()
     if io_cls is None:
         return skipped(f"not available: {why}")
-    kwargs: dict[str, Any] = {}
-    hashes = p.get("hashes")
-    if hashes is not None:
-        kw, why = C.probe_hashes_kw(io_cls)
-        if kw is None:
+    hashes, fps = bool(p.get("hashes", True)), bool(p.get("fingerprints", True))
+    switch, why = C.probe_hash_switch(io_cls, hashes, fps)
+    if switch is None:
+        if hashes and fps:
+            switch = {"ctor": {}, "save": {}}  # the default is what we want
+        else:
             return skipped(f"not available: {why}")
-        kwargs[kw] = bool(hashes)
     model, _, nbytes = _source_state(p)
-    out = _unickpt_dir(p) if hashes is not False else Path(p["workdir"]) / "unickpt_nohash"
-    io = io_cls()
+    out = Path(p["workdir"]) / ("unickpt" if hashes and fps else f"unickpt_h{int(hashes)}f{int(fps)}")
+    io = io_cls(**switch["ctor"])
 
     def body() -> None:
-        io.save_model(model, str(out), shard=True, size_per_shard=int(p["shard_mb"]), **kwargs)
+        io.save_model(model, str(out), shard=True, size_per_shard=int(p["shard_mb"]), **switch["save"])
         C.fsync_tree(out)
 
     r = _measure(p, body, lambda: C.rm(out), nbytes)
-    r["extra"] = {"files": len(list(C.iter_files(out))), "disk_bytes": C.tree_bytes(out), "kwargs": kwargs}
+    r["extra"] = {"files": len(list(C.iter_files(out))), "disk_bytes": C.tree_bytes(out), "switch": switch}
+    if not (hashes and fps):
+        C.rm(out)
     return r
 
 

@@ -61,11 +61,14 @@ def _timed_case(
     body: Callable[[], Any],
     before: Callable[[], Any] | None = None,
 ) -> dict[str, Any]:
-    """Each rep: before() on all ranks, barrier, body(), barrier. Peak RSS over all reps."""
+    """Each rep: before() on all ranks, barrier, body(), barrier. Peak RSS over all reps.
+
+    One warm-up rep first (reported as first_s), as in the single-process cases.
+    """
     times = []
     base = C.rss_mb()
     C.reset_peak_rss()
-    for _ in range(reps):
+    for _ in range(reps + 1):
         if before is not None:
             before()
         _barrier()
@@ -75,7 +78,8 @@ def _timed_case(
         times.append(time.perf_counter() - t0)
     return {
         "status": "ok",
-        "times": times,
+        "times": times[1:],
+        "first_s": times[:1],
         "rss_base_mb": round(base, 1),
         "rss_peak_mb": round(C.peak_rss_mb(), 1),
     }
@@ -189,16 +193,26 @@ def task_save(p: dict[str, Any]) -> dict[str, Any]:
 
 
 def _layout(path: Path, meta_glob: str) -> dict[str, Any]:
+    """File count, bytes, metadata bytes and (unickpt index) tensor and slice counts."""
     if not path.exists():
         return {}
     files = list(C.iter_files(path))
     metas = [f for f in files if f.match(meta_glob)]
-    return {
+    out: dict[str, Any] = {
         "files": len(files),
         "bytes": sum(f.stat().st_size for f in files),
         "meta_files": [f.name for f in metas],
         "meta_bytes": sum(f.stat().st_size for f in metas),
     }
+    for f in metas:
+        if f.name.endswith(".index.json"):
+            try:
+                tensors = json.loads(f.read_text()).get("unickpt", {}).get("tensors", {})
+                out["tensors"] = len(tensors)
+                out["slices"] = sum(len(t.get("slices", [])) for t in tensors.values())
+            except (ValueError, AttributeError):
+                pass
+    return out
 
 
 def _guard(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
