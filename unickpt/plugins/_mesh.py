@@ -66,7 +66,8 @@ def ensure_process_group(backend: str | None = None, timeout_s: float | None = N
     present = [v for v in _TORCHRUN_VARS if v in os.environ]
     if not present:
         logger.info("no torchrun environment found: starting a one-process %s world", backend)
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)  # type: ignore[arg-type]
+        store = dist.HashStore()  # type: ignore[attr-defined]
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, **kwargs)  # type: ignore[arg-type]
     elif len(present) != len(_TORCHRUN_VARS):
         missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
         raise DistributedError(
