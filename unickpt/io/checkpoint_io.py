@@ -282,6 +282,12 @@ class CheckpointIO:
             )
             _apply_groups(template["param_groups"], block.param_groups or [], p)
             self.set_optimizer_tensors(model, optim, template)
+            # Building the template gave every parameter fresh state (torch initialises it with
+            # a zero-gradient step); parameters the checkpoint holds no state for get none.
+            module = self.unwrap_model(model)
+            for fqn, param in module.named_parameters():
+                if p + normalize_name(fqn) not in saved_params:
+                    optim.state.pop(param, None)
             return report
         finally:
             reader.close()
