@@ -1,0 +1,92 @@
+"""Shared helpers of the reliability tests (test_hostile, test_fuzz, test_corruption, test_crash_safety,
+test_storage_faults): a tiny deterministic model, checkpoint builders, and model comparison.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from unickpt import GeneralCheckpointIO
+
+INDEX = "model.safetensors.index.json"
+# size_per_shard is in MB; this many MB puts roughly one tensor per file for the model below.
+TINY_SHARD_MB = 300 / (1024 * 1024)
+
+
+class Tiny(nn.Module):
+    """A few tensors of different dtypes and ranks: enough to spread over several shard files."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.a = nn.Parameter(torch.randn(8, 6, generator=g))
+        self.b = nn.Parameter(torch.randn(40, generator=g))
+        self.c = nn.Parameter(torch.randn(5, 4, 3, generator=g).to(torch.bfloat16))
+        self.register_buffer("steps", torch.arange(7, dtype=torch.int64) + seed)
+        self.d = nn.Parameter(torch.randn(3, 17, generator=g).half())
+
+
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def same_state(model: nn.Module, snap: dict[str, torch.Tensor]) -> bool:
+    sd = model.state_dict()
+    return set(sd) == set(snap) and all(
+        sd[k].dtype == snap[k].dtype
+        and torch.equal(sd[k].view(-1).view(torch.uint8), snap[k].view(-1).view(torch.uint8))
+        if sd[k].numel()
+        else sd[k].shape == snap[k].shape
+        for k in snap
+    )
+
+
+def save_sharded(path: Path | str, seed: int = 0, shard_mb: float = TINY_SHARD_MB) -> Tiny:
+    m = Tiny(seed)
+    GeneralCheckpointIO().save_model(m, str(path), shard=True, size_per_shard=shard_mb)  # type: ignore[arg-type]
+    return m
+
+
+def data_files(path: Path | str) -> list[str]:
+    return sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+
+
+def read_index(path: Path | str) -> dict[str, Any]:
+    with open(os.path.join(path, INDEX), "rb") as f:
+        obj: dict[str, Any] = json.loads(f.read())
+    return obj
+
+
+def write_index(path: Path | str, obj: Any) -> None:
+    with open(os.path.join(path, INDEX), "w") as f:
+        json.dump(obj, f)
+
+
+def header_of(file: Path | str) -> tuple[dict[str, Any], int]:
+    """(header JSON, absolute offset of the data section) of a safetensors file."""
+    with open(file, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n)), 8 + n
+
+
+def st_bytes(header: Any, data: bytes = b"", raw_header: bytes | None = None) -> bytes:
+    raw = raw_header if raw_header is not None else json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+def tree_state(root: Path | str) -> dict[str, tuple[int, int]]:
+    """(size, mtime_ns) of every file under ``root``: compared before/after to prove nothing was written."""
+    out = {}
+    for dp, _, fs in os.walk(root):
+        for f in fs:
+            p = os.path.join(dp, f)
+            st = os.lstat(p)
+            out[p] = (st.st_size, st.st_mtime_ns)
+    return out

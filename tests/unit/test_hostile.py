@@ -1,0 +1,294 @@
+"""Hostile input: every malformed or adversarial header, index and file layout is answered with a
+UnickptError subclass and a clear message; never another exception, a hang, a write, or a huge allocation.
+
+The hostile files live in tests/data/hostile/ and are written by tests/data/make_hostile.py (the
+manifest there names the expected exception of each). Index cases are placed as the model index
+next to a valid data file.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import threading
+import time
+import tracemalloc
+from pathlib import Path
+
+import pytest
+import torch
+from _reliability import INDEX, Tiny, same_state, save_sharded, snapshot, tree_state
+from torch import nn
+
+import unickpt.errors as errors
+from unickpt import GeneralCheckpointIO
+from unickpt.errors import UnickptError
+from unickpt.format.index import MAX_INDEX_BYTES, check_file_name
+from unickpt.format.reader import open_checkpoint
+from unickpt.format.safetensors_io import read_header
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+HOSTILE = DATA / "hostile"
+MANIFEST = json.loads((HOSTILE / "manifest.json").read_text())
+ST_CASES = sorted(n for n in MANIFEST if n.endswith(".safetensors"))
+IX_CASES = sorted(n for n in MANIFEST if n.endswith(".index.json"))
+
+
+def _make_hostile():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("make_hostile", DATA / "make_hostile.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["make_hostile"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+MH = _make_hostile()
+
+
+class Good(nn.Module):
+    """Matches GOOD_HEADER of make_hostile: w F32[2,3], n I64[4]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.full((2, 3), 7.0))
+        self.register_buffer("n", torch.full((4,), 9, dtype=torch.int64))
+
+
+def expected(name: str) -> type[UnickptError]:
+    cls = getattr(errors, MANIFEST[name]["error"])
+    assert issubclass(cls, UnickptError)
+    return cls  # type: ignore[no-any-return]
+
+
+def test_committed_hostile_files_match_generator(tmp_path: Path) -> None:
+    MH.write(tmp_path)
+    got = sorted(os.listdir(tmp_path))
+    assert got == sorted(os.listdir(HOSTILE)), "rerun tests/data/make_hostile.py"
+    for name in got:
+        assert (tmp_path / name).read_bytes() == (HOSTILE / name).read_bytes(), name
+    assert len(ST_CASES) >= 25 and len(IX_CASES) >= 30
+
+
+def _place_index(tmp_path: Path, name: str) -> Path:
+    d = tmp_path / "ck"
+    d.mkdir()
+    shutil.copy(HOSTILE / MH.GOOD, d / MH.GOOD)
+    shutil.copy(HOSTILE / name, d / INDEX)
+    return d
+
+
+def test_control_good_index_loads(tmp_path: Path) -> None:
+    d = tmp_path / "ck"
+    d.mkdir()
+    shutil.copy(HOSTILE / MH.GOOD, d / MH.GOOD)
+    (d / INDEX).write_bytes(MH.index())
+    r = open_checkpoint(d)
+    r.validate_structure()
+    m = Good()
+    GeneralCheckpointIO().load_model(m, d)
+    assert torch.equal(m.n, torch.frombuffer(bytearray(range(24, 56)), dtype=torch.int64))
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("name", ST_CASES)
+def test_hostile_safetensors_file(name: str, tmp_path: Path) -> None:
+    cls = expected(name)
+    p = tmp_path / "model.safetensors"
+    shutil.copy(HOSTILE / name, p)
+    before = tree_state(tmp_path)
+    with pytest.raises(cls) as ei:
+        r = open_checkpoint(p)
+        r.validate_structure()
+    msg = str(ei.value)
+    assert str(p) in msg and len(msg) < 2000, msg  # says where, stays readable
+    # The same answer through load_model, which leaves the model untouched and writes nothing.
+    m = Good()
+    snap = snapshot(m)
+    with pytest.raises(cls):
+        GeneralCheckpointIO().load_model(m, p)
+    assert same_state(m, snap)
+    with pytest.raises(cls):
+        GeneralCheckpointIO().load_model(m, tmp_path)  # the directory form finds model.safetensors
+    assert tree_state(tmp_path) == before
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("name", IX_CASES)
+def test_hostile_index(name: str, tmp_path: Path) -> None:
+    cls = expected(name)
+    d = _place_index(tmp_path, name)
+    before = tree_state(tmp_path)
+    with pytest.raises(cls) as ei:
+        r = open_checkpoint(d)
+        r.validate_structure()
+    assert len(str(ei.value)) < 3000
+    m = Good()
+    snap = snapshot(m)
+    # load_model may see the disagreement with the model first (a shape or dtype the index lies about).
+    with pytest.raises((cls, errors.StateMismatchError)):
+        GeneralCheckpointIO().load_model(m, d, verify=True)
+    assert same_state(m, snap)
+    assert tree_state(tmp_path) == before
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "/abs.safetensors",
+        "../x.safetensors",
+        "a/../../x.safetensors",
+        "a/b.safetensors",
+        "..\\x.safetensors",
+        "C:\\x.safetensors",
+        "\\\\server\\share\\x.safetensors",
+        ".hidden.safetensors",
+        "",
+        "..",
+        "x.safetensors/",
+        "x\x00.safetensors",
+        "x.safetensors\n",
+        "x.pt",
+        "x.pkl",
+        "x.safetensors.py",
+        "a" * 300 + ".safetensors",
+        "\u2025.safetensors",
+        "\uff0e\uff0e\uff0fx.safetensors",
+    ],
+)
+def test_unsafe_file_names_refused(bad: str) -> None:
+    with pytest.raises(errors.UnsafePathError):
+        check_file_name(bad)
+
+
+def test_safe_file_names_accepted() -> None:
+    for ok in [
+        "model.safetensors",
+        "model-00001-of-00002.safetensors",
+        "pytorch_model.bin",
+        "w+1=2.safetensors",
+    ]:
+        assert check_file_name(ok) == ok
+
+
+@pytest.mark.parametrize("name", ["st_huge_header_len.safetensors", "st_header_len_past_eof.safetensors"])
+def test_huge_header_length_allocates_nothing(name: str) -> None:
+    tracemalloc.start()
+    try:
+        with pytest.raises(errors.HeaderError, match="header length"):
+            read_header(HOSTILE / name)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"peak {peak} bytes allocated while refusing a {name}"
+
+
+def test_oversized_index_refused_unread(tmp_path: Path) -> None:
+    d = tmp_path / "ck"
+    d.mkdir()
+    with open(d / INDEX, "wb") as f:  # sparse: costs no disk
+        f.truncate(MAX_INDEX_BYTES + 1)
+    t0 = time.monotonic()
+    with pytest.raises(errors.IndexFileError, match="limit"):
+        open_checkpoint(d)
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_index_symlink_to_proc_file_is_bounded(tmp_path: Path) -> None:
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("no /proc")
+    d = tmp_path / "ck"
+    d.mkdir()
+    os.symlink("/proc/self/status", d / INDEX)
+    with pytest.raises(errors.IndexFileError):
+        open_checkpoint(d)
+
+
+@pytest.mark.timeout(20)
+def test_fifo_data_file_does_not_hang(tmp_path: Path) -> None:
+    d = tmp_path / "ck"
+    save_sharded(d)
+    victim = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))[0]
+    os.unlink(d / victim)
+    os.mkfifo(d / victim)
+    result: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            open_checkpoint(d).validate_structure()
+            result.append(None)
+        except BaseException as e:
+            result.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "open_checkpoint blocked on a FIFO"
+    assert isinstance(result[0], errors.HeaderError) and "regular file" in str(result[0])
+
+
+def test_directory_in_place_of_data_file(tmp_path: Path) -> None:
+    d = tmp_path / "ck"
+    m = save_sharded(d)
+    victim = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))[0]
+    os.unlink(d / victim)
+    os.mkdir(d / victim)
+    t = Tiny(1)
+    snap = snapshot(t)
+    with pytest.raises(errors.HeaderError, match=r"regular file|directory"):
+        GeneralCheckpointIO().load_model(t, d)
+    assert same_state(t, snap) and not same_state(m, snap)
+
+
+def test_hf_cache_symlinks_are_followed(tmp_path: Path) -> None:
+    """The Hugging Face cache keeps snapshots/<rev>/<file> as symlinks to ../../blobs/<sha>."""
+    src = tmp_path / "saved"
+    m = save_sharded(src)
+    repo = tmp_path / "models--x--y"
+    (repo / "blobs").mkdir(parents=True)
+    snap_dir = repo / "snapshots" / "abc123"
+    snap_dir.mkdir(parents=True)
+    for i, f in enumerate(sorted(os.listdir(src))):
+        blob = repo / "blobs" / f"{i:040x}"
+        shutil.copy(src / f, blob)
+        os.symlink(os.path.relpath(blob, snap_dir), snap_dir / f)
+    r = open_checkpoint(snap_dir)
+    r.validate_structure()
+    assert r.verify() == []
+    t = Tiny(5)
+    GeneralCheckpointIO().load_model(t, snap_dir, verify=True)
+    assert same_state(t, snapshot(m))
+
+
+def test_non_checkpoint_paths(tmp_path: Path) -> None:
+    io = GeneralCheckpointIO()
+    t = Tiny()
+    with pytest.raises(errors.IncompleteCheckpointError):
+        io.load_model(t, tmp_path / "nothing-here")
+    with pytest.raises(errors.IncompleteCheckpointError):
+        io.load_model(t, tmp_path)  # empty directory
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(UnickptError):
+        io.load_model(t, tmp_path / "notes.txt")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="io/checkpoint_io.load_lr_scheduler lets KeyError (and RecursionError on deep JSON) escape "
+    "on hostile JSON (reported to the lead; not in this area)",
+)
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b'{"state": {"__tensor__": {"dtype": "F32"}}}',
+    ],
+)
+def test_hostile_lr_scheduler_json(payload: bytes, tmp_path: Path) -> None:
+    p = tmp_path / "lr_scheduler.json"
+    p.write_bytes(payload)
+    sched = torch.optim.lr_scheduler.StepLR(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0), 1)
+    with pytest.raises(UnickptError):
+        GeneralCheckpointIO().load_lr_scheduler(sched, p)
