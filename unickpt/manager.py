@@ -1,0 +1,765 @@
+"""``CheckpointManager``: periodic saves, exact resume, async save, atomic commit, retention.
+
+Layout of ``checkpoint_dir``::
+
+    step-<N>/                      one committed checkpoint (COMMIT marker inside)
+        model/                     sliced model checkpoint (every rank writes its own blocks)
+        optimizer/                 sliced optimizer checkpoint
+        lr_scheduler.json          rank 0
+        train_state/rank-<r>.json  per rank: step, RNG (Python, numpy), dataloader position, extra states
+        train_state/rank-<r>.safetensors   per rank: torch RNG byte tensors, tensors of extra states
+        hf/                        merged Hugging Face copy (save_hf=True)
+        COMMIT                     written last, before the directory is renamed into place
+    latest                         {"step": N}: moved only after step-<N> is committed
+    .step-<N>.staging-<id>/        a save in progress (or killed): never loaded, removed by a later save
+
+A save is staged under ``.step-<N>.staging-<id>``; every rank fsyncs what it wrote; rank 0
+writes ``COMMIT``, fsyncs, renames the directory to ``step-<N>`` (one atomic rename), fsyncs
+``checkpoint_dir``, then replaces ``latest`` atomically and only then applies ``keep_last``.
+A process killed at any moment therefore leaves every committed step intact. Saves into one
+directory are serialised by a lock file (``CheckpointBusyError`` for a second manager).
+
+Every public method is collective: every rank calls it, in the same order, with its own
+objects. Rank 0 does the directory work; every rank writes its own tensor blocks and state.
+
+Async saves (``async_save=True``): ``save`` runs the cross-rank planning and copies this
+rank's tensor blocks to CPU memory in the foreground, then a background thread writes,
+fsyncs and commits. The background thread talks to the other ranks only through a second
+gloo process group created once when the manager is built (``dist.new_group``), never
+through the training's group, so it cannot interleave with the training's collectives. One
+save is in flight at most; its error is raised by the next ``save`` or ``wait``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from unickpt import _rng
+from unickpt.errors import (
+    IncompleteCheckpointError,
+    IndexFileError,
+    StateMismatchError,
+    UnsupportedError,
+)
+from unickpt.format.commit import atomic_write_bytes, directory_lock, fsync_dir
+from unickpt.io import _dist
+from unickpt.io.jsonstate import from_json_value, to_json_value
+from unickpt.io.tensors import LocalSlice
+
+__all__ = ["CheckpointManager"]
+
+logger = logging.getLogger(__name__)
+
+COMMIT_NAME = "COMMIT"
+LATEST_NAME = "latest"
+TRAIN_STATE_DIR = "train_state"
+HF_DIR = "hf"
+_STEP_RE = re.compile(r"^step-(\d+)$")
+# Hidden work directories: a save in progress, a step being replaced, a step being deleted.
+_WORK_RE = re.compile(r"^\.step-(\d+)\.(staging|old|deleting)-[0-9a-f]+$")
+_STATE_VERSION = 1
+# Shard size of the sliced model/optimizer files (MB): the same for sync and async saves.
+_SHARD_MB = 1024
+
+
+@dataclasses.dataclass
+class _TensorPlan:
+    """One ``save_tensors`` call, captured in the foreground."""
+
+    tensors: dict[str, torch.Tensor]
+    boxes: dict[str, list[LocalSlice]]
+    aliases: dict[str, str]
+    entry_extras: dict[str, dict[str, Any]] | None = None
+    block_extras: dict[str, Any] | None = None
+
+
+@dataclasses.dataclass
+class _Payload:
+    """Everything one rank writes for one step (tensors already copied for an async save)."""
+
+    step: int
+    stage: str
+    model: _TensorPlan
+    optimizer: _TensorPlan | None
+    scheduler: Any  # JSON value, or None
+    train_state: dict[str, Any]
+    state_tensors: dict[str, torch.Tensor]
+    hf_config: dict[str, str]
+
+
+class CheckpointManager:
+    """Save every ``save_steps`` steps, keep the last ``keep_last``, resume exactly.
+
+    Args:
+        checkpoint_dir: a local directory (created if needed). fsspec URLs other than
+            ``file://`` raise ``UnsupportedError`` (see docs/guide-manager.md).
+        booster: the ``Booster`` whose plugin's CheckpointIO saves the model and optimizer;
+            ``None`` means one process with a ``GeneralCheckpointIO``.
+        save_steps: ``save(step)`` saves when ``step % save_steps == 0`` (or ``force=True``).
+        keep_last: committed steps to keep (oldest deleted after a new commit); ``None`` or 0 keeps all.
+        async_save: write in a background thread (see the module docstring).
+        save_hf: also write a merged Hugging Face copy of the model into ``step-<N>/hf``.
+
+    Built by every rank (with ``async_save`` it creates a process group: collective).
+    """
+
+    def __init__(
+        self,
+        checkpoint_dir: str | os.PathLike[str],
+        booster: Any = None,
+        save_steps: int = 100,
+        keep_last: int | None = 3,
+        async_save: bool = False,
+        save_hf: bool = False,
+    ) -> None:
+        self.checkpoint_dir = _local_dir(checkpoint_dir)
+        self.booster = booster
+        if booster is not None:
+            self.io = booster.checkpoint_io
+        else:
+            from unickpt.io import GeneralCheckpointIO
+
+            self.io = GeneralCheckpointIO()
+        if save_steps < 1:
+            raise ValueError(f"save_steps must be a positive number of steps, got {save_steps}")
+        if keep_last is not None and keep_last < 0:
+            raise ValueError(f"keep_last must be >= 0 (0 or None keeps all), got {keep_last}")
+        self.save_steps = save_steps
+        self.keep_last = keep_last or None
+        self.async_save = async_save
+        self.save_hf = save_hf
+        self.group = self.io.group
+        self._bg_group: Any = None
+        if async_save and _dist.is_distributed(self.group):
+            import torch.distributed as dist
+
+            ranks = None if self.group is None else dist.get_process_group_ranks(self.group)
+            self._bg_group = dist.new_group(ranks=ranks, backend="gloo")
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._lock = contextlib.ExitStack()
+
+    # ------------------------------------------------------------------ queries
+    def all_steps(self) -> list[int]:
+        """Committed steps in ascending order (files only; any rank may call)."""
+        return _committed_steps(self.checkpoint_dir)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or ``None`` (files only; any rank may call).
+
+        The ``latest`` record wins when it names a committed step (after a resume from an older
+        step, it is the most recent save); otherwise the highest committed step.
+        """
+        steps = self.all_steps()
+        if not steps:
+            return None
+        rec = _read_latest(self.checkpoint_dir)
+        return rec if rec in steps else steps[-1]
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.checkpoint_dir, f"step-{step}")
+
+    # ------------------------------------------------------------------ load
+    def load(
+        self,
+        model: torch.nn.Module,
+        optimizer: Any,
+        lr_scheduler: Any = None,
+        dataloader: Any = None,
+        resume_from_checkpoint: int | str | None = "latest",
+        **extra_states: Any,
+    ) -> int:
+        """Collective: restore a committed step into the given objects; returns that step (0: none).
+
+        ``resume_from_checkpoint``: ``None`` loads nothing; an int loads that step (the latest
+        committed one, with a warning, if it is not there); ``"latest"`` the newest committed
+        step. Rank 0 picks the step and tells the others. Model and optimizer load through the
+        resharding path (any saved layout); RNG states, dataloader position and extra states
+        come from this rank's own file when the world size is unchanged.
+        """
+        self.wait()
+        if resume_from_checkpoint is None:
+            return 0
+        if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint != "latest":
+            raise ValueError(
+                f"resume_from_checkpoint must be None, an int step or 'latest', got {resume_from_checkpoint!r}"
+            )
+        step = 0
+        if _dist.rank(self.group) == 0:
+            step = self._pick_step(resume_from_checkpoint) or 0
+        step = int(_dist.broadcast_object(step, 0, self.group))
+        if step == 0:
+            return 0
+        d = self.step_dir(step)
+        logger.info("resuming from %s", d)
+        self.io.load_model(model, os.path.join(d, "model"))
+        if optimizer is not None:
+            self.io.load_optimizer(optimizer, os.path.join(d, "optimizer"))
+        if lr_scheduler is not None:
+            self.io.load_lr_scheduler(lr_scheduler, os.path.join(d, "lr_scheduler.json"))
+        self._load_train_state(d, step, dataloader, extra_states)
+        return step
+
+    def _pick_step(self, wanted: int | str) -> int | None:
+        latest = self.latest_step()
+        if wanted == "latest":
+            return latest
+        if int(wanted) in self.all_steps():
+            return int(wanted)
+        logger.warning(
+            "step %s is not a committed checkpoint in %s; resuming from the latest committed step %s",
+            wanted,
+            self.checkpoint_dir,
+            latest,
+        )
+        return latest
+
+    def _load_train_state(self, d: str, step: int, dataloader: Any, extra_states: dict[str, Any]) -> None:
+        rank, world = _dist.rank(self.group), _dist.world_size(self.group)
+        js, tensors = _read_rank_state(d, rank)
+        err: BaseException | None = None
+        try:
+            if js is None:
+                saved_world = _read_commit(d).get("world_size", "?")
+                logger.warning(
+                    "step %s was saved by %s rank(s), this is rank %s of %s: RNG states are not restored "
+                    "and per-rank states come from rank 0",
+                    step,
+                    saved_world,
+                    rank,
+                    world,
+                )
+                js, tensors = _read_rank_state(d, 0)
+                if js is None:
+                    raise IncompleteCheckpointError(f"{d}: no train state for rank 0")
+            elif int(js["world_size"]) == world:
+                _rng.restore_rng(js["rng"], tensors)
+            else:
+                logger.warning(
+                    "step %s was saved by %s rank(s), resumed on %s: RNG states are not restored",
+                    step,
+                    js["world_size"],
+                    world,
+                )
+            if dataloader is not None:
+                self._load_dataloader(dataloader, js, tensors, world)
+            saved_extra = js.get("extra", {})
+            for name, obj in extra_states.items():
+                if name not in saved_extra:
+                    raise StateMismatchError(
+                        f"extra state {name!r} is not in {d} (saved: {sorted(saved_extra)})",
+                        missing=[name],
+                    )
+                obj.load_state_dict(_decode(saved_extra[name], tensors))
+        except BaseException as e:
+            err = e
+        _dist.agree(err, f"loading the training state of {d}", self.group)
+
+    def _load_dataloader(
+        self, dataloader: Any, js: dict[str, Any], tensors: dict[str, Any], world: int
+    ) -> None:
+        if not hasattr(dataloader, "load_state_dict"):
+            raise UnsupportedError(_NOT_RESUMABLE.format(type(dataloader).__name__))
+        state = js.get("dataloader")
+        if state is None:
+            raise StateMismatchError("the checkpoint holds no dataloader position", missing=["dataloader"])
+        value = _decode(state, tensors)
+        from unickpt.data import ResumableDataLoader
+
+        if int(js["world_size"]) != world and not isinstance(dataloader, ResumableDataLoader):
+            raise StateMismatchError(
+                f"the dataloader ({type(dataloader).__name__}) keeps per-rank state saved by "
+                f"{js['world_size']} rank(s); it cannot be resumed on {world}. Wrap a torch DataLoader with "
+                "unickpt.data.wrap_dataloader (global sample position), or do not pass the dataloader "
+                "to load() to start it afresh"
+            )
+        dataloader.load_state_dict(value)
+
+    # ------------------------------------------------------------------ save
+    def save(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: Any,
+        lr_scheduler: Any = None,
+        dataloader: Any = None,
+        force: bool = False,
+        **extra_states: Any,
+    ) -> bool:
+        """Collective: save when ``step % save_steps == 0`` or ``force``; returns whether it saved.
+
+        Synchronous: returns once ``step-<N>`` is committed on disk. Async: returns once this
+        rank's tensors are copied; an earlier save still in flight is waited for first, and its
+        error (if any) is raised here.
+        """
+        if not force and step % self.save_steps != 0:
+            return False
+        self.wait()
+        rank = _dist.rank(self.group)
+        stage_name = f".step-{step}.staging-{uuid.uuid4().hex[:12]}" if rank == 0 else ""
+        stage_name = _dist.broadcast_object(stage_name, 0, self.group)
+        stage = os.path.join(self.checkpoint_dir, stage_name)
+        err: BaseException | None = None
+        if rank == 0:
+            try:
+                os.makedirs(self.checkpoint_dir, exist_ok=True)
+                self._lock.enter_context(directory_lock(self.checkpoint_dir))
+                _clean_work_dirs(self.checkpoint_dir)
+                os.makedirs(os.path.join(stage, TRAIN_STATE_DIR))
+            except BaseException as e:
+                err = e
+        try:
+            _dist.agree(err, f"starting the save of step {step} in {self.checkpoint_dir}", self.group)
+            payload = self._capture(step, stage, model, optimizer, lr_scheduler, dataloader, extra_states)
+        except BaseException:
+            self._release()
+            raise
+        if not self.async_save:
+            self._write(payload, self.group, model)
+            return True
+        thread = threading.Thread(
+            target=self._background, args=(payload,), name=f"unickpt-save-step-{step}", daemon=True
+        )
+        self._thread = thread
+        thread.start()
+        return True
+
+    def wait(self) -> None:
+        """Collective for async saves: block until the save in flight is committed; raise its error."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        err, self._error = self._error, None
+        if err is not None:
+            raise err
+
+    def _background(self, payload: _Payload) -> None:
+        try:
+            self._write(payload, self._bg_group, None)
+        except BaseException as e:  # surfaced by the next save()/wait()
+            logger.error("async save of step %s failed: %s", payload.step, e)
+            self._error = e
+
+    def _release(self) -> None:
+        self._lock.close()
+        self._lock = contextlib.ExitStack()
+
+    # ------------------------------------------------------------------ capture (foreground)
+    def _capture(
+        self,
+        step: int,
+        stage: str,
+        model: torch.nn.Module,
+        optimizer: Any,
+        lr_scheduler: Any,
+        dataloader: Any,
+        extra_states: dict[str, Any],
+    ) -> _Payload:
+        copy = self.async_save
+        err: BaseException | None = None
+        model_plan = optim_plan = None
+        sched = None
+        state: dict[str, Any] = {}
+        state_tensors: dict[str, torch.Tensor] = {}
+        hf_config: dict[str, str] = {}
+        try:
+            model_plan = _model_plan(self.io, model, copy)
+            if lr_scheduler is not None:
+                sched = to_json_value(lr_scheduler.state_dict(), "lr_scheduler")
+            rng_js, state_tensors = _rng.capture_rng()
+            state = {
+                "unickpt_train_state": _STATE_VERSION,
+                "step": step,
+                "rank": _dist.rank(self.group),
+                "world_size": _dist.world_size(self.group),
+                "rng": rng_js,
+                "extra": {},
+            }
+            if dataloader is not None:
+                if not hasattr(dataloader, "state_dict"):
+                    raise UnsupportedError(_NOT_RESUMABLE.format(type(dataloader).__name__))
+                state["dataloader"] = _encode(dataloader.state_dict(), "dataloader", state_tensors)
+            for name, obj in extra_states.items():
+                if not hasattr(obj, "state_dict") or not hasattr(obj, "load_state_dict"):
+                    raise UnsupportedError(
+                        f"extra state {name!r} ({type(obj).__name__}) has no state_dict()/load_state_dict()"
+                    )
+                state["extra"][name] = _encode(obj.state_dict(), f"extra.{name}", state_tensors)
+            if self.save_hf:
+                hf_config = _hf_config(self.io.unwrap_model(model))
+        except BaseException as e:
+            err = e
+        _dist.agree(err, f"capturing the state of step {step}", self.group)
+        # Optimizer planning gathers param groups from every rank: always in the foreground.
+        if optimizer is not None:
+            optim_plan = _optimizer_plan(self.io, optimizer, copy, self.group)
+        if model_plan is None:  # pragma: no cover - agree() raised already
+            raise RuntimeError("internal: no model plan after a successful capture")
+        return _Payload(step, stage, model_plan, optim_plan, sched, state, state_tensors, hf_config)
+
+    # ------------------------------------------------------------------ write + commit
+    def _write(self, p: _Payload, group: Any, model: torch.nn.Module | None) -> None:
+        """Collective over ``group``: write the staged step, then rank 0 commits it."""
+        from unickpt.io.save import save_tensors
+
+        rank = _dist.rank(group)
+        try:
+            for kind, plan in (("model", p.model), ("optimizer", p.optimizer)):
+                if plan is None:
+                    continue
+                save_tensors(
+                    plan.tensors,
+                    os.path.join(p.stage, kind),
+                    self.io._options(kind, True, False, _SHARD_MB),
+                    _boxes_of(plan),
+                    aliases=plan.aliases,
+                    entry_extras=plan.entry_extras,
+                    block_extras=plan.block_extras,
+                    group=group,
+                )
+            err: BaseException | None = None
+            try:
+                if rank == 0 and p.scheduler is not None:
+                    data = json.dumps({"unickpt_lr_scheduler": 1, "state": p.scheduler}, indent=2).encode()
+                    atomic_write_bytes(os.path.join(p.stage, "lr_scheduler.json"), data)
+                _write_rank_state(p.stage, rank, p.train_state, p.state_tensors)
+            except BaseException as e:
+                err = e
+            _dist.agree(err, f"writing the training state of step {p.step}", group)
+            if self.save_hf:
+                self._write_hf(p, group, model)
+            err = None
+            if rank == 0:
+                try:
+                    self._commit(p)
+                except BaseException as e:
+                    err = e
+            _dist.agree(err, f"committing step {p.step} in {self.checkpoint_dir}", group)
+        finally:
+            if rank == 0:
+                self._release()
+        _dist.barrier(group)
+
+    def _write_hf(self, p: _Payload, group: Any, model: torch.nn.Module | None) -> None:
+        hf = os.path.join(p.stage, HF_DIR)
+        if model is not None:  # synchronous: the gathered save of the live model
+            self.io.save_model(model, hf, shard=True, gather_dtensor=True)
+            return
+        # Async: rank 0 assembles full tensors from the sliced copy just written; every rank
+        # joins the gathered save on the background group (ranks other than 0 hold nothing).
+        from unickpt.io.save import save_tensors
+        from unickpt.io.tensors import local_boxes
+
+        full: dict[str, torch.Tensor] = {}
+        aliases: dict[str, str] = {}
+        err: BaseException | None = None
+        if _dist.rank(group) == 0:
+            try:
+                full, aliases = _read_full(os.path.join(p.stage, "model"))
+            except BaseException as e:
+                err = e
+        _dist.agree(err, f"assembling the Hugging Face copy of step {p.step}", group)
+        save_tensors(
+            full,
+            hf,
+            self.io._options("model", True, True, _SHARD_MB),
+            local_boxes,
+            aliases=aliases,
+            group=group,
+        )
+        if _dist.rank(group) == 0:
+            for fname, text in p.hf_config.items():
+                atomic_write_bytes(os.path.join(hf, fname), text.encode("utf-8"))
+
+    def _commit(self, p: _Payload) -> None:
+        """Rank 0: COMMIT marker, atomic rename to ``step-<N>``, ``latest``, retention."""
+        commit = {
+            "unickpt_commit": _STATE_VERSION,
+            "step": p.step,
+            "world_size": int(p.train_state["world_size"]),
+            "plugin": self.io.plugin_name,
+        }
+        atomic_write_bytes(os.path.join(p.stage, COMMIT_NAME), json.dumps(commit).encode())
+        fsync_dir(p.stage)
+        final = self.step_dir(p.step)
+        old = None
+        if os.path.exists(final):  # the same step saved again (a resumed run): replace it
+            old = os.path.join(self.checkpoint_dir, f".step-{p.step}.old-{uuid.uuid4().hex[:12]}")
+            os.rename(final, old)
+        os.rename(p.stage, final)
+        fsync_dir(self.checkpoint_dir)
+        atomic_write_bytes(
+            os.path.join(self.checkpoint_dir, LATEST_NAME), json.dumps({"step": p.step}).encode()
+        )
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        logger.info("committed %s", final)
+        if self.keep_last is not None:
+            steps = [s for s in _committed_steps(self.checkpoint_dir) if s != p.step]
+            doomed = steps[: max(0, len(steps) - (self.keep_last - 1))]
+            for s in doomed:
+                _remove_step(self.checkpoint_dir, s)
+
+
+# ---------------------------------------------------------------------- tensor plans
+def _model_plan(io: Any, model: torch.nn.Module, copy: bool) -> _TensorPlan:
+    """What ``CheckpointIO.save_model`` passes to ``save_tensors`` (tied tensors stored once)."""
+    tensors = io.model_tensors(model)
+    stored: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    first: dict[int, str] = {}
+    for name, t in tensors.items():
+        if id(t) in first:
+            aliases[name] = first[id(t)]
+            continue
+        first[id(t)] = name
+        stored[name] = t
+    return _boxes_plan(io, stored, aliases, copy)
+
+
+def _optimizer_plan(io: Any, optimizer: Any, copy: bool, group: Any) -> _TensorPlan:
+    """Collective: what ``CheckpointIO.save_optimizer`` passes to ``save_tensors``."""
+    from unickpt.io.checkpoint_io import _merge_groups, optimizer_tensor_name
+
+    optim, model = io._optim_and_model(optimizer)
+    osd = io.optimizer_tensors(model, optim)
+    tensors: dict[str, torch.Tensor] = {}
+    extras: dict[str, dict[str, Any]] = {}
+    param_state: dict[str, dict[str, Any]] = {}
+    for fqn, st in osd["state"].items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                name = optimizer_tensor_name(fqn, k)
+                tensors[name] = v
+                extras[name] = {"param": fqn, "state": k}
+            else:
+                param_state.setdefault(fqn, {})[k] = to_json_value(v, f"state[{fqn!r}][{k!r}]")
+    groups = [
+        {
+            **{k: to_json_value(v, f"param_groups[{i}][{k!r}]") for k, v in g.items() if k != "params"},
+            "params": list(g["params"]),
+        }
+        for i, g in enumerate(osd["param_groups"])
+    ]
+    all_groups = _dist.all_gather_object(groups, group)
+    all_scalars = _dist.all_gather_object(param_state, group)
+    merged_scalars: dict[str, dict[str, Any]] = {}
+    for ps in all_scalars:
+        merged_scalars.update(ps)
+    plan = _boxes_plan(io, tensors, {}, copy)
+    plan.entry_extras = extras
+    plan.block_extras = {"param_groups": _merge_groups(all_groups), "param_state": merged_scalars}
+    return plan
+
+
+def _boxes_plan(
+    io: Any, tensors: dict[str, torch.Tensor], aliases: dict[str, str], copy: bool
+) -> _TensorPlan:
+    """This rank's blocks of each tensor; with ``copy``, their data copied to CPU memory."""
+    boxes: dict[str, list[LocalSlice]] = {}
+    for name, t in tensors.items():
+        slices = io.local_boxes(name, t)
+        if copy:
+            slices = [dataclasses.replace(sl, tensor=_cpu_copy(sl.tensor)) for sl in slices]
+        boxes[name] = slices
+    return _TensorPlan(tensors=tensors, boxes=boxes, aliases=aliases)
+
+
+def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.device.type == "cuda":
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t, non_blocking=True)
+        torch.cuda.current_stream(t.device).synchronize()
+        return out
+    return t.to("cpu", copy=True)
+
+
+def _boxes_of(plan: _TensorPlan) -> Callable[[str, torch.Tensor], list[LocalSlice]]:
+    def boxes(name: str, tensor: torch.Tensor) -> list[LocalSlice]:
+        del tensor
+        return plan.boxes[name]
+
+    return boxes
+
+
+def _read_full(model_dir: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Rank 0: every tensor of a sliced model checkpoint, assembled whole in CPU memory."""
+    from unickpt.format.reader import open_checkpoint
+    from unickpt.io.tensors import torch_dtype
+
+    out: dict[str, torch.Tensor] = {}
+    with open_checkpoint(model_dir, "model") as reader:
+        for name, entry in reader.tensors.items():
+            dt = torch_dtype(entry.dtype)
+            full = torch.empty(tuple(entry.shape), dtype=dt)
+            for s in entry.slices:
+                data = torch.frombuffer(bytearray(reader.read_slice(s)), dtype=dt).reshape(tuple(s.shape))
+                idx = tuple(slice(o, o + n) for o, n in zip(s.offsets, s.shape, strict=True))
+                full[idx] = data
+            out[name] = full
+        aliases = dict(reader.block.aliases)
+    return out, aliases
+
+
+def _hf_config(module: torch.nn.Module) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for attr, fname in (("config", "config.json"), ("generation_config", "generation_config.json")):
+        to_json = getattr(getattr(module, attr, None), "to_json_string", None)
+        if to_json is not None:
+            out[fname] = str(to_json())
+    return out
+
+
+# ---------------------------------------------------------------------- train state files
+def _encode(value: Any, where: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """JSON for ``value``; tensors go to ``tensors`` (for a safetensors file) as references."""
+    if isinstance(value, torch.Tensor):
+        key = f"{where}#{len(tensors)}"
+        tensors[key] = value.detach().to("cpu", copy=True).contiguous()
+        return {"__st__": key}
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            if not isinstance(k, (str, int)) or isinstance(k, bool):
+                raise UnsupportedError(f"{where}: dict key {k!r} is neither str nor int")
+            out[k if isinstance(k, str) else f"__int__{k}"] = _encode(v, f"{where}.{k}", tensors)
+        return out
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode(v, f"{where}[{i}]", tensors) for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return [_encode(v, f"{where}[{i}]", tensors) for i, v in enumerate(value)]
+    return to_json_value(value, where)
+
+
+def _decode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {"__st__"}:
+            return tensors[value["__st__"]].clone()
+        if set(value) == {"__tuple__"}:
+            return tuple(_decode(v, tensors) for v in value["__tuple__"])
+        if set(value) in ({"__tensor__"}, {"__str__"}):
+            return from_json_value(value)
+        out: dict[Any, Any] = {}
+        for k, v in value.items():
+            key: Any = int(k[7:]) if k.startswith("__int__") and k[7:].lstrip("-").isdigit() else k
+            out[key] = _decode(v, tensors)
+        return out
+    if isinstance(value, list):
+        return [_decode(v, tensors) for v in value]
+    return value
+
+
+def _rank_paths(step_dir: str, rank: int) -> tuple[str, str]:
+    base = os.path.join(step_dir, TRAIN_STATE_DIR, f"rank-{rank:05d}")
+    return base + ".json", base + ".safetensors"
+
+
+def _write_rank_state(stage: str, rank: int, js: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """Every rank: its JSON state and tensors, each written and fsynced atomically."""
+    from safetensors.torch import save
+
+    jpath, tpath = _rank_paths(stage, rank)
+    atomic_write_bytes(tpath, save(tensors, metadata={"format": "unickpt-train-state"}))
+    atomic_write_bytes(jpath, json.dumps(js, sort_keys=True).encode())
+
+
+def _read_rank_state(step_dir: str, rank: int) -> tuple[dict[str, Any] | None, dict[str, torch.Tensor]]:
+    from safetensors.torch import load
+
+    jpath, tpath = _rank_paths(step_dir, rank)
+    try:
+        with open(jpath, "rb") as f:
+            js = json.loads(f.read())
+        with open(tpath, "rb") as f:
+            tensors = load(f.read())
+    except FileNotFoundError:
+        return None, {}
+    except ValueError as e:
+        raise IndexFileError(f"{jpath}: unreadable training state ({e})") from None
+    if not isinstance(js, dict) or js.get("unickpt_train_state") != _STATE_VERSION:
+        raise IndexFileError(f"{jpath}: not a unickpt training state")
+    return js, tensors
+
+
+def _read_commit(step_dir: str) -> dict[str, Any]:
+    try:
+        with open(os.path.join(step_dir, COMMIT_NAME), "rb") as f:
+            obj = json.loads(f.read())
+        return obj if isinstance(obj, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+# ---------------------------------------------------------------------- directory helpers
+_NOT_RESUMABLE = (
+    "the dataloader ({}) has no state_dict(): pass the dataloader returned by Booster.boost, or wrap it "
+    "with unickpt.data.wrap_dataloader (or use torchdata's StatefulDataLoader)"
+)
+
+
+def _local_dir(path: str | os.PathLike[str]) -> str:
+    s = os.fspath(path)
+    if s.startswith("file://"):
+        s = s[len("file://") :]
+    elif "://" in s:
+        raise UnsupportedError(
+            f"checkpoint_dir {s!r}: fsspec URLs are not supported by CheckpointManager yet (only local "
+            "paths: its commit relies on an atomic directory rename, which object stores lack); save to a "
+            "local or network file system and copy committed step-<N> directories to the object store"
+        )
+    return os.path.abspath(s)
+
+
+def _committed_steps(directory: str) -> list[int]:
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    steps = []
+    for n in names:
+        m = _STEP_RE.match(n)
+        if m and os.path.isfile(os.path.join(directory, n, COMMIT_NAME)):
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def _read_latest(directory: str) -> int | None:
+    try:
+        with open(os.path.join(directory, LATEST_NAME), "rb") as f:
+            obj = json.loads(f.read())
+        return int(obj["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _clean_work_dirs(directory: str) -> None:
+    """Rank 0, under the lock: remove staging/old/deleting directories left by killed saves."""
+    for n in os.listdir(directory):
+        if _WORK_RE.match(n):
+            logger.info("removing %s left by an interrupted save", os.path.join(directory, n))
+            shutil.rmtree(os.path.join(directory, n), ignore_errors=True)
+
+
+def _remove_step(directory: str, step: int) -> None:
+    """Rank 0: un-commit a step by renaming it (atomic), then delete it."""
+    src = os.path.join(directory, f"step-{step}")
+    dst = os.path.join(directory, f".step-{step}.deleting-{uuid.uuid4().hex[:12]}")
+    try:
+        os.rename(src, dst)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(dst, ignore_errors=True)
+    logger.info("removed %s (keep_last)", src)
