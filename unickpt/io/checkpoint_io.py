@@ -202,7 +202,14 @@ class CheckpointIO:
         """
         optim, model = self._optim_and_model(optimizer)
         p = apply_prefix(prefix)
+        had_state = {id(param) for param, st in optim.state.items() if st}
         osd = self.optimizer_tensors(model, optim)
+        # torch fills in state for parameters that never stepped (a zero-gradient step);
+        # that state is not the user's and is neither saved nor left behind.
+        for fqn, param in self._named_parameters(model):
+            if id(param) not in had_state:
+                optim.state.pop(param, None)
+                osd["state"].pop(fqn, None)
         tensors: dict[str, torch.Tensor] = {}
         extras: dict[str, dict[str, Any]] = {}
         param_state: dict[str, dict[str, Any]] = {}
@@ -284,9 +291,8 @@ class CheckpointIO:
             self.set_optimizer_tensors(model, optim, template)
             # Building the template gave every parameter fresh state (torch initialises it with
             # a zero-gradient step); parameters the checkpoint holds no state for get none.
-            module = self.unwrap_model(model)
-            for fqn, param in module.named_parameters():
-                if p + normalize_name(fqn) not in saved_params:
+            for fqn, param in self._named_parameters(model):
+                if p + fqn not in saved_params:
                     optim.state.pop(param, None)
             return report
         finally:
@@ -363,6 +369,9 @@ class CheckpointIO:
                 "returned by Booster.boost(), or unickpt.OptimizerWrapper(optimizer, model)"
             )
         return optim, model
+
+    def _named_parameters(self, model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(normalize_name(n), prm) for n, prm in self.unwrap_model(model).named_parameters()]
 
     def _save_hf_config(self, model: torch.nn.Module, path: str) -> None:
         """Write config.json / generation_config.json beside the weights when the model has them."""
