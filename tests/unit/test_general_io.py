@@ -215,7 +215,7 @@ def test_optimizer_without_state_loads_without_state(tmp_path: Path) -> None:
 
 def test_optimizer_needs_the_model(tmp_path: Path) -> None:
     m = fresh(0)
-    with pytest.raises(UnsupportedError, match="Booster.boost"):
+    with pytest.raises(UnsupportedError, match=r"Booster\.boost"):
         GeneralCheckpointIO().save_optimizer(_optim(m, 1.0), tmp_path / "o")
 
 
