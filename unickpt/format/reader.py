@@ -118,17 +118,21 @@ class CheckpointReader:
         self.check_coverage()
         for name, t in self.block.tensors.items():
             for s in t.slices:
-                h = self.header(s.file)
-                e = h.entries.get(s.key)
-                if e is None:
-                    raise HeaderError(
-                        f"{h.path}: tensor {name!r} should be stored under key {s.key!r}, which the file lacks"
-                    )
-                if e.dtype != t.dtype or list(e.shape) != list(s.shape):
-                    raise HeaderError(
-                        f"{h.path}: tensor {name!r} (key {s.key!r}): index says {t.dtype}{list(s.shape)}, "
-                        f"file holds {e.dtype}{list(e.shape)}"
-                    )
+                self._check_slice(name, t, s)
+
+    def _check_slice(self, name: str, t: TensorEntry, s: SliceEntry) -> None:
+        """The slice's key is in its file's (valid) header with the dtype and shape the index records."""
+        h = self.header(s.file)
+        e = h.entries.get(s.key)
+        if e is None:
+            raise HeaderError(
+                f"{h.path}: tensor {name!r} should be stored under key {s.key!r}, which the file lacks"
+            )
+        if e.dtype != t.dtype or list(e.shape) != list(s.shape):
+            raise HeaderError(
+                f"{h.path}: tensor {name!r} (key {s.key!r}): index says {t.dtype}{list(s.shape)}, "
+                f"file holds {e.dtype}{list(e.shape)}"
+            )
 
     # ----------------------------------------------------------------- reading bytes
     def slice_location(self, s: SliceEntry) -> tuple[str, int, int]:
@@ -179,6 +183,7 @@ class CheckpointReader:
                 if s.xxh3 is None:
                     continue
                 try:
+                    self._check_slice(name, t, s)
                     found = self.hash_slice(s)
                 except (IncompleteCheckpointError, CheckpointFormatError) as e:
                     # Missing or truncated file, edited header, key absent: report it with the rest.
