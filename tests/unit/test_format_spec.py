@@ -1,0 +1,73 @@
+"""The spec (docs/format.md, docs/index.schema.json) and the code stay in step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from unickpt.format.hashing import finalize_fingerprint, fingerprint_of_array, fingerprint_partial
+from unickpt.format.naming import SLICED_SENTINEL
+from unickpt.format.schema import index_schema_json
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def test_exported_schema_matches_docs() -> None:
+    assert (DOCS / "index.schema.json").read_text() == index_schema_json(), (
+        "regenerate with: python -m unickpt.format.schema > docs/index.schema.json"
+    )
+
+
+def test_spec_names_the_constants_the_code_uses() -> None:
+    spec = (DOCS / "format.md").read_text()
+    for needle in [
+        SLICED_SENTINEL,
+        "0x9E3779B97F4A7C15",
+        "0xBF58476D1CE4E5B9",
+        "0x94D049BB133111EB",
+        "0xD1B54A32D192ED03",
+        "100,000,000",
+        '"format": "unickpt-sliced"',
+        ".unickpt.lock",
+    ]:
+        assert needle in spec, needle
+
+
+def _reference_fingerprint(name: str, dtype: str, words: list[int], shape: tuple[int, ...]) -> str:
+    """Section 5.2 of docs/format.md written out literally with Python integers."""
+    mask = (1 << 64) - 1
+
+    def mix64(x: int) -> int:
+        z = (x + 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    cols = shape[-1] if shape else 1
+    total = 0
+    for i, w in enumerate(words):
+        r, c = divmod(i, cols)
+        total = (total + (mix64(r) | 1) * (mix64(c ^ 0xD1B54A32D192ED03) | 1) * w) & mask
+    return finalize_fingerprint(name, dtype, shape, total)
+
+
+def test_fingerprint_follows_the_written_definition() -> None:
+    t = torch.randn(3, 5).to(torch.bfloat16)
+    words = [int(x) & 0xFFFF for x in t.view(torch.int16).reshape(-1).tolist()]
+    data = t.view(torch.uint8).numpy().tobytes()
+    assert fingerprint_of_array("w", "BF16", data, (3, 5)) == _reference_fingerprint(
+        "w", "BF16", words, (3, 5)
+    )
+    s = torch.tensor(7, dtype=torch.int64)
+    assert fingerprint_of_array("s", "I64", s.reshape(1).view(torch.uint8).numpy().tobytes(), ()) == (
+        _reference_fingerprint("s", "I64", [7], ())
+    )
+    assert fingerprint_partial(t.view(torch.int16).numpy().view("<u2"), (3, 5), (0, 0), (3, 5)) != 0
+
+
+def test_schema_is_valid_json_schema() -> None:
+    schema = json.loads(index_schema_json())
+    assert schema["title"].startswith("unickpt checkpoint index")
+    assert "unickpt" in schema["properties"]
