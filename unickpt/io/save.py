@@ -460,9 +460,21 @@ def _build_index(plan: SavePlan, block: UnickptBlock, opts: SaveOptions) -> Inde
 
 
 def _remove_leftovers(directory: str, kind: str, keep: set[str]) -> None:
-    """Remove data files of ``kind`` that an older save left and the new index does not name."""
+    """Remove data files of ``kind`` that an older save left and the new index does not name.
+
+    Also removes the staging files (``.<name>.tmp-<hex>``) of a save that was killed before its
+    rename: this save holds the directory lock, so no live save owns them.
+    """
     for entry in os.listdir(directory):
-        if entry not in keep and is_own_data_file(kind, entry):
+        if entry not in keep and (is_own_data_file(kind, entry) or _is_stale_temp(kind, entry)):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(directory, entry))
                 logger.info("removed %s left by an earlier save", os.path.join(directory, entry))
+
+
+def _is_stale_temp(kind: str, entry: str) -> bool:
+    """A staging name made by ``temp_name`` for this kind's index or data files."""
+    if not entry.startswith(".") or ".tmp-" not in entry:
+        return False
+    base = entry[1 : entry.rindex(".tmp-")]
+    return base == index_name(kind) or is_own_data_file(kind, base)
