@@ -1,0 +1,245 @@
+"""``unickpt``: inspect, verify, diff, merge and convert checkpoints from the command line.
+
+Exit codes (every subcommand): 0 success / identical; 1 the checkpoint is damaged or the
+two checkpoints differ; 2 unusable input (not a checkpoint, malformed index, hostile
+header, bad arguments). Expected failures print one message on stderr, never a traceback.
+
+Start-up stays fast: ``inspect``, ``verify`` and ``diff`` never import torch; ``merge``
+imports it only for ``--dtype`` and ``convert`` only to read DCP or ``.bin`` files; nothing
+imports ``torch.distributed`` except ``convert --from dcp``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+
+from unickpt import __version__
+from unickpt.errors import IntegrityError, UnickptError
+
+__all__ = ["main", "build_parser"]
+
+EXIT_OK = 0
+EXIT_FAIL = 1
+EXIT_UNUSABLE = 2
+
+_EPILOG = "exit codes: 0 ok/identical, 1 integrity failures or differences, 2 unusable input"
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from unickpt.tools.inspect import format_report, inspect_checkpoint
+
+    info = inspect_checkpoint(args.path, kind=args.kind)
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        print(format_report(info, verbose=args.slices))
+    return EXIT_OK
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from unickpt.tools.verify import verify_checkpoint
+
+    failures = verify_checkpoint(args.path, kind=args.kind, progress=not args.quiet)
+    if failures:
+        print(f"FAILED: {len(failures)} stored slice(s) do not match their recorded hash:", file=sys.stderr)
+        for f in failures:
+            print(f"  {f}", file=sys.stderr)
+        return EXIT_FAIL
+    if not args.quiet:
+        print(f"OK: {args.path}: every stored slice matches its hash and the structure is valid")
+    return EXIT_OK
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    from unickpt.tools.diff import diff_checkpoints
+
+    report = diff_checkpoints(args.a, args.b, deep=args.deep, kind=args.kind, progress=args.deep)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(report.format())
+    return report.exit_code
+
+
+def _cmd_merge(args: argparse.Namespace) -> int:
+    from unickpt.tools.merge import merge_checkpoint
+
+    out = merge_checkpoint(
+        args.src,
+        args.out,
+        max_shard_size=args.max_shard_size,
+        dtype=args.dtype,
+        verify=not args.no_verify,
+        optimizer=args.optimizer,
+        progress=not args.quiet,
+    )
+    if not args.quiet:
+        print(f"merged {args.src} -> {out}")
+    return EXIT_OK
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from unickpt.tools.convert import convert_checkpoint
+
+    out = convert_checkpoint(
+        args.src,
+        args.out,
+        source=args.source,
+        target=args.target,
+        max_shard_size=args.max_shard_size,
+        strip_prefix=args.strip_prefix,
+        progress=not args.quiet,
+    )
+    if not args.quiet:
+        print(f"converted {args.src} ({args.source}) -> {out} ({args.target})")
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="unickpt",
+        description="Inspect, verify, diff, merge and convert unickpt checkpoints (no GPU or process group needed).",
+        epilog=_EPILOG,
+    )
+    p.add_argument("--version", action="version", version=f"unickpt {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    def kind_arg(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument(
+            "--kind",
+            choices=("model", "optimizer"),
+            default=None,
+            help="which checkpoint in the directory (default: the model one if present, else the optimizer one)",
+        )
+
+    sp = sub.add_parser(
+        "inspect",
+        help="list every tensor: dtype, shape, bytes, files, slices, hashes, fingerprint; totals; layout",
+        description="Describe a checkpoint from its index (and headers) without reading tensor data.",
+        epilog=_EPILOG,
+    )
+    sp.add_argument("path", help="checkpoint directory, *.index.json file or single .safetensors file")
+    sp.add_argument("--json", action="store_true", help="machine-readable JSON on stdout")
+    sp.add_argument(
+        "--slices", action="store_true", help="table: also list every slice (key, file, offsets, hash)"
+    )
+    kind_arg(sp)
+    sp.set_defaults(func=_cmd_inspect)
+
+    sp = sub.add_parser(
+        "verify",
+        help="validate the structure and rehash every stored slice",
+        description=(
+            "Validate the index (schema, safe file names, exact coverage) and every data file header, "
+            "then rehash every stored slice (xxh3-64). Exit 0 when all match, 1 naming each bad "
+            "tensor and file, 2 when the input is not a usable checkpoint."
+        ),
+        epilog=_EPILOG,
+    )
+    sp.add_argument("path", help="checkpoint directory, *.index.json file or single .safetensors file")
+    sp.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no OK line")
+    kind_arg(sp)
+    sp.set_defaults(func=_cmd_verify)
+
+    sp = sub.add_parser(
+        "diff",
+        help="compare two checkpoints by fingerprint, across parallelisms, from index files alone",
+        description=(
+            "Compare checkpoints A and B tensor by tensor using the layout-invariant fingerprints in "
+            "their indexes (data files are not read, and need not exist). Tied names are resolved "
+            "through aliases. --deep also rehashes the data and recomputes every fingerprint. "
+            "Exit 0 identical, 1 different, 2 unusable input or nothing to compare with "
+            "(tensors without fingerprints: rerun with --deep)."
+        ),
+        epilog=_EPILOG,
+    )
+    sp.add_argument("a", help="first checkpoint")
+    sp.add_argument("b", help="second checkpoint")
+    sp.add_argument("--json", action="store_true", help="machine-readable JSON report on stdout")
+    sp.add_argument(
+        "--deep", action="store_true", help="also read the data: rehash slices, recompute fingerprints"
+    )
+    kind_arg(sp)
+    sp.set_defaults(func=_cmd_diff)
+
+    sp = sub.add_parser(
+        "merge",
+        help="rebuild full tensors from the slices and write a plain Hugging Face checkpoint",
+        description=(
+            "Merge a checkpoint of any layout (DDP, FSDP2, TP, ZeRO, hybrid ...) into a plain Hugging "
+            "Face checkpoint (model.safetensors, or shards + model.safetensors.index.json), streaming "
+            "one tensor at a time. Every slice hash is checked while reading; fingerprints are "
+            "carried over so `unickpt diff` still matches. OUT is written under a temporary name and "
+            "renamed when complete."
+        ),
+        epilog=_EPILOG,
+    )
+    sp.add_argument("src", help="checkpoint to merge (directory or index file)")
+    sp.add_argument("out", help="output directory (must not exist, or be empty)")
+    sp.add_argument(
+        "--max-shard-size", default="5GB", help='largest output file, e.g. "5GB", "500MB" (default: 5GB)'
+    )
+    sp.add_argument(
+        "--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="cast floating-point tensors"
+    )
+    sp.add_argument("--no-verify", action="store_true", help="skip checking slice hashes while reading")
+    sp.add_argument("--optimizer", action="store_true", help="also merge the optimizer checkpoint in SRC")
+    sp.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    sp.set_defaults(func=_cmd_merge)
+
+    sp = sub.add_parser(
+        "convert",
+        help="import a torch DCP directory or pytorch_model*.bin shards as a unickpt checkpoint",
+        description=(
+            "Convert a PyTorch Distributed Checkpoint directory (.metadata + __N_M.distcp), read with "
+            "torch's own DCP reader, or Hugging Face / Colossal-AI pytorch_model*.bin shards, read "
+            "with torch.load(weights_only=True), into a unickpt checkpoint with hashes and "
+            "fingerprints (--to unickpt) or a plain Hugging Face checkpoint (--to hf). Warning: "
+            "DCP's .metadata file is itself a pickle that torch unpickles; convert only DCP "
+            "directories you trust. Non-tensor DCP entries (pickled bytes) are skipped."
+        ),
+        epilog=_EPILOG,
+    )
+    sp.add_argument("--from", dest="source", choices=("dcp", "bin"), required=True, help="source format")
+    sp.add_argument("--to", dest="target", choices=("unickpt", "hf"), default="unickpt", help="output format")
+    sp.add_argument("src", help="source directory (or a single .bin file)")
+    sp.add_argument("out", help="output directory (must not exist, or be empty)")
+    sp.add_argument("--max-shard-size", default="5GB", help="largest output file (default: 5GB)")
+    sp.add_argument(
+        "--strip-prefix",
+        default=None,
+        help='keep only tensors whose name starts with this prefix, without it (e.g. "model." for '
+        'DCP state dicts saved as {"model": ..., "optim": ...})',
+    )
+    sp.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    sp.set_defaults(func=_cmd_convert)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (the console script exits with it)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except IntegrityError as e:
+        print(f"unickpt {args.command}: integrity failure: {e}", file=sys.stderr)
+        return EXIT_FAIL
+    except UnickptError as e:
+        print(f"unickpt {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_UNUSABLE
+    except OSError as e:
+        print(f"unickpt {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_UNUSABLE
+    except KeyboardInterrupt:
+        print(f"unickpt {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

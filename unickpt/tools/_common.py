@@ -1,0 +1,109 @@
+"""Helpers shared by the offline tools: open a checkpoint of either kind, format sizes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator
+
+from unickpt.errors import IncompleteCheckpointError, UnickptError
+from unickpt.format.commit import fsync_dir, temp_name
+from unickpt.format.naming import index_name, single_name
+from unickpt.format.reader import CheckpointReader, open_checkpoint
+
+__all__ = [
+    "open_auto",
+    "detect_kind",
+    "human_bytes",
+    "OutputExistsError",
+    "check_output",
+    "staged_output",
+    "copy_small_file",
+    "write_all",
+]
+
+
+def detect_kind(path: str | os.PathLike[str]) -> str:
+    """``"model"`` or ``"optimizer"``: what the checkpoint at ``path`` holds (model wins when both)."""
+    p = os.fspath(path)
+    if os.path.isdir(p):
+        for kind in ("model", "optimizer"):
+            if os.path.isfile(os.path.join(p, index_name(kind))) or os.path.isfile(
+                os.path.join(p, single_name(kind))
+            ):
+                return kind
+        raise IncompleteCheckpointError(
+            f"{p} holds no committed checkpoint: none of model/optimizer .safetensors(.index.json) is present"
+        )
+    base = os.path.basename(p)
+    return "optimizer" if base.startswith("optimizer") else "model"
+
+
+def open_auto(path: str | os.PathLike[str], kind: str | None = None) -> CheckpointReader:
+    """Open ``path`` as a ``kind`` checkpoint, or as whatever it holds when ``kind`` is None."""
+    return open_checkpoint(path, kind or detect_kind(path))
+
+
+def human_bytes(n: int) -> str:
+    x = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if x < 1024 or unit == "TiB":
+            return f"{int(x)} {unit}" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+class OutputExistsError(UnickptError, FileExistsError):
+    """The output path of merge/convert already holds something; nothing is overwritten."""
+
+
+def check_output(out: str) -> str:
+    """Absolute output path; refuses a path holding a file or a non-empty directory."""
+    p = os.path.abspath(out)
+    if os.path.lexists(p) and not (os.path.isdir(p) and not os.listdir(p)):
+        raise OutputExistsError(f"{p} already exists and is not an empty directory; choose a new output path")
+    return p
+
+
+@contextlib.contextmanager
+def staged_output(out: str) -> Iterator[str]:
+    """Yield a hidden temporary directory beside ``out``; rename it to ``out`` on success.
+
+    On any failure the temporary directory is removed, so a failed run leaves no ``out``.
+    Every file written into it must already be fsynced; the directory and its parent are
+    fsynced here around the rename.
+    """
+    final = check_output(out)
+    parent = os.path.dirname(final)
+    os.makedirs(parent, exist_ok=True)
+    tmp = temp_name(final)
+    os.mkdir(tmp)
+    try:
+        yield tmp
+        fsync_dir(tmp)
+        if os.path.isdir(final):
+            os.rmdir(final)  # empty (checked above); rename() would replace it too, but not on every OS
+        os.rename(tmp, final)
+        fsync_dir(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def copy_small_file(src: str, dst: str) -> None:
+    """Copy a small side file (config.json ...) durably."""
+    with open(src, "rb") as f:
+        data = f.read()
+    with open(dst, "wb") as g:
+        g.write(data)
+        g.flush()
+        os.fsync(g.fileno())
+
+
+def write_all(fd: int, data: memoryview, pos: int) -> None:
+    """pwrite all of ``data`` at ``pos`` (pwrite may write less than asked)."""
+    done = 0
+    n = data.nbytes
+    while done < n:
+        done += os.pwrite(fd, data[done:], pos + done)

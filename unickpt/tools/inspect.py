@@ -1,0 +1,155 @@
+"""``unickpt inspect``: what a checkpoint holds, from its index (and headers) alone. No torch."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from unickpt.format.dtypes import itemsize
+from unickpt.tools._common import human_bytes, open_auto
+
+__all__ = ["inspect_checkpoint", "format_report"]
+
+
+def inspect_checkpoint(path: str | os.PathLike[str], kind: str | None = None) -> dict[str, Any]:
+    """A plain-data description of the checkpoint at ``path``: every tensor, totals, layout.
+
+    Reads the index (for a plain Hugging Face checkpoint, also the data-file headers); never
+    tensor data. Raises ``UnickptError`` subclasses (or ``OSError``) for unusable input.
+    """
+    with open_auto(path, kind) as r:
+        b = r.block
+        tensors: dict[str, Any] = {}
+        total_bytes = 0
+        total_elems = 0
+        n_slices = 0
+        for name, t in b.tensors.items():
+            numel = math.prod(t.shape)
+            nbytes = numel * itemsize(t.dtype)
+            total_bytes += nbytes
+            total_elems += numel
+            n_slices += len(t.slices)
+            entry: dict[str, Any] = {
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "numel": numel,
+                "bytes": nbytes,
+                "fingerprint": t.fingerprint,
+                "files": sorted({s.file for s in t.slices}),
+                "num_slices": len(t.slices),
+                "slices": [
+                    {
+                        "file": s.file,
+                        "key": s.key,
+                        "offsets": list(s.offsets),
+                        "shape": list(s.shape),
+                        "xxh3": s.xxh3,
+                    }
+                    for s in t.slices
+                ],
+            }
+            if t.param is not None:
+                entry["param"] = t.param
+                entry["state"] = t.state
+            tensors[name] = entry
+        out: dict[str, Any] = {
+            "path": os.path.abspath(os.fspath(path)),
+            "index": r.index_path,
+            "kind": b.kind,
+            "format_version": b.format_version,
+            "created_by": b.created_by,
+            "unickpt_block": r.has_unickpt_block,
+            "layout": b.layout.model_dump(),
+            "files": r.files,
+            "totals": {
+                "tensors": len(b.tensors),
+                "slices": n_slices,
+                "elements": total_elems,
+                "bytes": total_bytes,
+                "hashed_slices": sum(1 for t in b.tensors.values() for s in t.slices if s.xxh3),
+                "fingerprinted_tensors": sum(1 for t in b.tensors.values() if t.fingerprint),
+            },
+            "aliases": dict(b.aliases),
+            "tensors": tensors,
+        }
+        if b.param_groups is not None:
+            out["param_groups"] = b.param_groups
+        if b.param_state:
+            out["param_state"] = b.param_state
+        return out
+
+
+def _fmt_slices(entry: dict[str, Any], shape: list[int]) -> str:
+    slices = entry["slices"]
+    if len(slices) == 1 and slices[0]["shape"] == shape:
+        return "whole"
+    parts = []
+    for s in slices[:4]:
+        parts.append(
+            "[" + ",".join(f"{o}:{o + n}" for o, n in zip(s["offsets"], s["shape"], strict=True)) + "]"
+        )
+    more = f" +{len(slices) - 4}" if len(slices) > 4 else ""
+    return f"{len(slices)}: " + " ".join(parts) + more
+
+
+def format_report(info: dict[str, Any], verbose: bool = False) -> str:
+    """A readable table of :func:`inspect_checkpoint`'s result."""
+    lay = info["layout"]
+    mesh = " x ".join(f"{k}={v}" for k, v in lay.get("mesh", {}).items()) or "-"
+    tot = info["totals"]
+    lines = [
+        f"checkpoint : {info['path']}",
+        f"kind       : {info['kind']}   format v{info['format_version']}   created by {info['created_by']}"
+        + ("" if info["unickpt_block"] else "   (plain Hugging Face checkpoint: no hashes or fingerprints)"),
+        f"layout     : plugin={lay['plugin']} world_size={lay['world_size']} mesh={mesh} "
+        f"{'gathered (HF-loadable)' if lay.get('gathered', True) else 'sliced (run `unickpt merge` for HF)'}",
+        f"files      : {len(info['files'])}"
+        + (
+            f"  ({', '.join(info['files'][:3])}{' ...' if len(info['files']) > 3 else ''})"
+            if info["files"]
+            else ""
+        ),
+        f"totals     : {tot['tensors']} tensors, {tot['slices']} slices, {tot['elements']:,} elements, "
+        f"{human_bytes(tot['bytes'])} ({tot['bytes']:,} bytes); hashed slices {tot['hashed_slices']}, "
+        f"fingerprints {tot['fingerprinted_tensors']}",
+    ]
+    if info["aliases"]:
+        lines.append("aliases    : " + ", ".join(f"{a} -> {t}" for a, t in info["aliases"].items()))
+    rows = [("tensor", "dtype", "shape", "bytes", "slices", "files", "fingerprint")]
+    for name, e in info["tensors"].items():
+        files = e["files"]
+        rows.append(
+            (
+                name,
+                e["dtype"],
+                "[" + ",".join(str(d) for d in e["shape"]) + "]",
+                human_bytes(e["bytes"]),
+                _fmt_slices(e, e["shape"]),
+                files[0] if len(files) == 1 else f"{len(files)} files",
+                e["fingerprint"] or "-",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    widths[0] = min(widths[0], 60)
+    lines.append("")
+    for i, r in enumerate(rows):
+        lines.append(
+            "  ".join(
+                c.ljust(w) if j < len(r) - 1 else c for j, (c, w) in enumerate(zip(r, widths, strict=True))
+            ).rstrip()
+        )
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+        if verbose and i > 0:
+            e = info["tensors"][r[0]]
+            for s in e["slices"]:
+                lines.append(
+                    f"      {s['key']} in {s['file']} offsets={s['offsets']} shape={s['shape']} xxh3={s['xxh3'] or '-'}"
+                )
+    if info.get("param_groups") is not None:
+        lines.append("")
+        for i, g in enumerate(info["param_groups"]):
+            hp = ", ".join(f"{k}={v}" for k, v in g.items() if k != "params")
+            lines.append(f"param_group {i}: {len(g.get('params', []))} params; {hp}")
+    return "\n".join(lines)

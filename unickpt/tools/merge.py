@@ -1,0 +1,408 @@
+"""``unickpt merge``: rebuild full tensors from stored slices into a plain Hugging Face checkpoint.
+
+Pure file IO plus numpy on raw bytes: no torch.distributed, no launcher, no GPU (torch is
+imported only for ``dtype=`` casts). Each tensor is rebuilt from the shard info in the index:
+
+- when every slice of a tensor is one contiguous run of the flattened tensor (row blocks
+  of FSDP/TP ``Shard(0)``, ZeRO flat ranges, whole tensors), its bytes are copied straight
+  from the source files to their place in the output file, in chunks, hashing each chunk
+  on the way (``copy_file_range`` when nothing needs hashing); memory stays constant;
+- otherwise (column splits, 2-D meshes) the tensor is assembled in one numpy buffer of its
+  size, then written; peak memory is about the largest such tensor.
+
+Slices are checked against their recorded xxh3-64 while they are read (``verify=False``
+skips it), coverage of every tensor is checked before anything is written, and the output
+carries the fingerprints (unchanged unless cast) and hashes of every tensor, in the index
+(or the single file's header metadata), so ``unickpt diff`` still matches the source. The
+output is written to a hidden temporary directory and renamed to ``out`` at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from unickpt import __version__
+from unickpt.errors import IntegrityError, IntegrityFailure, UnsupportedError
+from unickpt.format.commit import atomic_write_bytes
+from unickpt.format.dtypes import itemsize, word_dtype
+from unickpt.format.hashing import SliceHasher, finalize_fingerprint, fingerprint_partial
+from unickpt.format.index import IndexFile, LayoutInfo, SliceEntry, TensorEntry, UnickptBlock, index_to_json
+from unickpt.format.naming import index_name, single_name
+from unickpt.format.reader import UNICKPT_METADATA_KEY, CheckpointReader, open_checkpoint
+from unickpt.format.safetensors_io import encode_header, read_header
+from unickpt.tools._common import check_output, copy_small_file, staged_output, write_all
+
+__all__ = ["merge_checkpoint", "DTYPES"]
+
+logger = logging.getLogger(__name__)
+
+# --dtype names -> safetensors dtype. Only floating-point tensors are cast (as transformers does).
+DTYPES = {
+    "bf16": "BF16",
+    "fp16": "F16",
+    "fp32": "F32",
+    "bfloat16": "BF16",
+    "float16": "F16",
+    "float32": "F32",
+}
+_CASTABLE = {"F16", "BF16", "F32", "F64"}
+# Copy in chunks of this size: large enough for disk speed, small enough to keep memory flat.
+_CHUNK = 16 << 20
+_PLACEHOLDER = "0" * 16
+_SIDE_FILES = ("config.json", "generation_config.json")
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One contiguous run of the flattened tensor stored as one slice."""
+
+    slice: SliceEntry
+    flat_start: int  # in elements
+
+
+def _flat_runs(t: TensorEntry) -> list[_Run] | None:
+    """The slices as contiguous runs in flat order, or None when some slice is not contiguous."""
+    shape = t.shape
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    runs = []
+    for s in t.slices:
+        if math.prod(s.shape) == 0:
+            continue
+        # Contiguous iff, past the first dim of extent > 1, every dim spans the whole tensor.
+        k = next((d for d, n in enumerate(s.shape) if n != 1), len(shape))
+        if any(s.offsets[d] != 0 or s.shape[d] != shape[d] for d in range(k + 1, len(shape))):
+            return None
+        runs.append(_Run(s, sum(o * st for o, st in zip(s.offsets, strides, strict=True))))
+    runs.sort(key=lambda r: r.flat_start)
+    return runs
+
+
+class _Merger:
+    def __init__(
+        self,
+        reader: CheckpointReader,
+        *,
+        verify: bool,
+        out_dtype: str | None,
+        progress: Callable[[int], None],
+        src: str,
+    ) -> None:
+        self.r = reader
+        self.verify = verify
+        self.out_dtype = out_dtype
+        self.progress = progress
+        self.src = src
+        self._buf = bytearray(_CHUNK)
+
+    def target_dtype(self, t: TensorEntry) -> str:
+        if self.out_dtype is not None and t.dtype in _CASTABLE:
+            return self.out_dtype
+        return t.dtype
+
+    # -------------------------------------------------------------- checking
+    def _check(self, name: str, s: SliceEntry, found: str) -> None:
+        if self.verify and s.xxh3 is not None and found != s.xxh3:
+            raise IntegrityError([IntegrityFailure(name, s.file, s.key, s.xxh3, found)], checkpoint=self.src)
+
+    # -------------------------------------------------------------- writing
+    def write_tensor(self, name: str, t: TensorEntry, fd: int, pos: int) -> tuple[str, str | None]:
+        """Write tensor ``name`` at ``pos`` of ``fd``; return (xxh3 of the written bytes, fingerprint)."""
+        out_dtype = self.target_dtype(t)
+        runs = None if out_dtype != t.dtype else _flat_runs(t)
+        if runs is not None:
+            return self._copy_runs(name, t, runs, fd, pos), t.fingerprint
+        return self._assemble(name, t, out_dtype, fd, pos)
+
+    def _copy_runs(self, name: str, t: TensorEntry, runs: list[_Run], fd: int, pos: int) -> str:
+        isz = itemsize(t.dtype)
+        # Empty slices hold no bytes but still carry a hash: check it.
+        for s in t.slices:
+            if math.prod(s.shape) == 0:
+                self._check(name, s, SliceHasher().hexdigest())
+        known = runs[0].slice.xxh3 if len(runs) == 1 else None
+        if known is not None and not self.verify:
+            # The output bytes are exactly the stored slice: its hash is the output's hash.
+            s = runs[0].slice
+            _, off, n = self.r.slice_location(s)
+            self._copy_file_range(self.r._fd(s.file), off, fd, pos, n)
+            self.progress(n)
+            return known
+        out_hash = SliceHasher()
+        mv = memoryview(self._buf)
+        for run in runs:
+            s = run.slice
+            n = math.prod(s.shape) * isz
+            dst = pos + run.flat_start * isz
+            h = SliceHasher() if self.verify and s.xxh3 is not None else None
+            done = 0
+            while done < n:
+                k = min(_CHUNK, n - done)
+                chunk = self.r.read_bytes(s, done, k, mv[:k])
+                if h is not None:
+                    h.update(chunk)
+                out_hash.update(chunk)
+                write_all(fd, chunk, dst + done)
+                done += k
+                self.progress(k)
+            if h is not None:
+                self._check(name, s, h.hexdigest())
+        return out_hash.hexdigest()
+
+    @staticmethod
+    def _copy_file_range(src_fd: int, src_off: int, dst_fd: int, dst_off: int, n: int) -> None:
+        done = 0
+        try:
+            while done < n:
+                k = os.copy_file_range(src_fd, dst_fd, n - done, src_off + done, dst_off + done)
+                if k <= 0:
+                    break
+                done += k
+        except OSError:
+            pass  # cross-device or unsupported filesystem: fall back to read/write below
+        while done < n:
+            data = os.pread(src_fd, min(_CHUNK, n - done), src_off + done)
+            if not data:
+                raise OSError(f"source file truncated at byte {src_off + done}")
+            write_all(dst_fd, memoryview(data), dst_off + done)
+            done += len(data)
+
+    def _assemble(
+        self, name: str, t: TensorEntry, out_dtype: str, fd: int, pos: int
+    ) -> tuple[str, str | None]:
+        isz = itemsize(t.dtype)
+        numel = math.prod(t.shape)
+        buf = np.empty(numel * isz, dtype=np.uint8)
+        full = buf.view(word_dtype(t.dtype)).reshape(t.shape)
+        for s in t.slices:
+            n = math.prod(s.shape) * isz
+            tmp = np.empty(n, dtype=np.uint8)
+            data = self.r.read_slice(s, tmp.data) if n else tmp.data
+            h = SliceHasher()
+            h.update(data)
+            self._check(name, s, h.hexdigest())
+            if n:
+                box = tuple(slice(o, o + k) for o, k in zip(s.offsets, s.shape, strict=True))
+                full[box] = tmp.view(word_dtype(t.dtype)).reshape(s.shape)
+            self.progress(n)
+            del tmp
+        fingerprint = t.fingerprint
+        if out_dtype != t.dtype:
+            buf = _cast(buf, t.dtype, out_dtype, t.shape)
+            words = buf.view(word_dtype(out_dtype))
+            total = fingerprint_partial(words, t.shape, [0] * len(t.shape), t.shape)
+            fingerprint = finalize_fingerprint(name, out_dtype, t.shape, total)
+        h = SliceHasher()
+        h.update(buf.data)
+        write_all(fd, buf.data, pos)
+        return h.hexdigest(), fingerprint
+
+
+def _cast(buf: np.ndarray, src: str, dst: str, shape: list[int]) -> np.ndarray:
+    from unickpt.tools._torch import from_bytes, tensor_bytes, torch_of
+
+    return tensor_bytes(from_bytes(buf, src, shape).to(torch_of(dst)))
+
+
+def _plan_files(kind: str, sizes: dict[str, int], max_shard_size: int | str) -> list[tuple[str, list[str]]]:
+    from huggingface_hub import split_state_dict_into_shards_factory
+
+    split = split_state_dict_into_shards_factory(
+        sizes,
+        get_storage_size=lambda n: n,
+        filename_pattern=kind + "{suffix}.safetensors",
+        max_shard_size=max_shard_size,
+    )
+    return [(f, list(names)) for f, names in split.filename_to_tensors.items()]
+
+
+def _merge_one(
+    reader: CheckpointReader,
+    out_dir: str,
+    *,
+    max_shard_size: int | str,
+    out_dtype: str | None,
+    verify: bool,
+    progress: Callable[[int], None],
+    src: str,
+) -> None:
+    kind = reader.kind
+    block = reader.block
+    m = _Merger(reader, verify=verify, out_dtype=out_dtype, progress=progress, src=src)
+    target = {n: m.target_dtype(t) for n, t in block.tensors.items()}
+    sizes = {n: math.prod(t.shape) * itemsize(target[n]) for n, t in block.tensors.items()}
+    files = _plan_files(kind, sizes, max_shard_size)
+    single = len(files) == 1
+    src_layout = block.layout
+    layout = LayoutInfo(plugin=src_layout.plugin, world_size=src_layout.world_size, mesh=src_layout.mesh)
+    created_by = f"unickpt {__version__} merge (from {src_layout.plugin} x{src_layout.world_size})"
+
+    def make_block(
+        results: dict[str, tuple[str | None, str | None]], file_of: dict[str, str]
+    ) -> UnickptBlock:
+        entries = {}
+        for n, t in block.tensors.items():
+            xxh, fp = results[n]
+            entries[n] = TensorEntry(
+                dtype=target[n],
+                shape=list(t.shape),
+                fingerprint=fp,
+                slices=[
+                    SliceEntry(
+                        file=file_of[n], key=n, offsets=[0] * len(t.shape), shape=list(t.shape), xxh3=xxh
+                    )
+                ],
+                param=t.param,
+                state=t.state,
+            )
+        return UnickptBlock(
+            kind=block.kind,
+            created_by=created_by,
+            layout=layout,
+            tensors=entries,
+            aliases=dict(block.aliases),
+            param_groups=block.param_groups,
+            param_state=dict(block.param_state),
+        )
+
+    file_of = {n: f for f, names in files for n in names}
+    results: dict[str, tuple[str | None, str | None]] = {}
+    for fname, names in files:
+        specs = [(n, target[n], tuple(block.tensors[n].shape)) for n in names]
+        meta: dict[str, str] = {"format": "pt"}
+        placeholder_block = None
+        if single:
+            fname = single_name(kind)
+            file_of = {n: fname for n in block.tensors}
+            # Same-length placeholders: the real hashes are known only after the data is written.
+            ph: dict[str, tuple[str | None, str | None]] = {
+                n: (_PLACEHOLDER, _PLACEHOLDER if (t.fingerprint or target[n] != t.dtype) else None)
+                for n, t in block.tensors.items()
+            }
+            placeholder_block = make_block(ph, file_of)
+            meta[UNICKPT_METADATA_KEY] = json.dumps(
+                placeholder_block.model_dump(mode="json", exclude_none=True)
+            )
+        header, spans = encode_header(specs, meta)
+        path = os.path.join(out_dir, fname)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            write_all(fd, memoryview(header), 0)
+            for (n, _, _), (begin, _end) in zip(specs, spans, strict=True):
+                results[n] = m.write_tensor(n, block.tensors[n], fd, len(header) + begin)
+            if single:
+                real = make_block(results, file_of)
+                meta[UNICKPT_METADATA_KEY] = json.dumps(real.model_dump(mode="json", exclude_none=True))
+                header2, _ = encode_header(specs, meta)
+                if len(header2) != len(header):
+                    raise RuntimeError(
+                        "internal: merged header changed length after hashing"
+                    )  # pragma: no cover
+                write_all(fd, memoryview(header2), 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        read_header(path)  # the file we wrote must pass the strict reader
+    if not single:
+        final = make_block(results, file_of)
+        total = sum(sizes.values())
+        index = IndexFile.model_validate(
+            {
+                "metadata": {"total_size": total},
+                "weight_map": {n: file_of[n] for n in block.tensors},
+                "unickpt": final.model_dump(),
+            }
+        )
+        atomic_write_bytes(os.path.join(out_dir, index_name(kind)), index_to_json(index))
+
+
+def merge_checkpoint(
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str = "5GB",
+    dtype: str | None = None,
+    verify: bool = True,
+    optimizer: bool = False,
+    progress: bool = False,
+) -> str:
+    """Merge the checkpoint at ``src`` (any layout) into a plain Hugging Face checkpoint at ``out``.
+
+    Writes ``model.safetensors`` or ``model-0000k-of-0000n.safetensors`` plus
+    ``model.safetensors.index.json`` (``max_shard_size`` as in Hugging Face, default "5GB"),
+    copies ``config.json``/``generation_config.json``. ``dtype`` ("bf16", "fp16", "fp32")
+    casts floating-point tensors. ``verify`` checks every slice hash while reading
+    (``IntegrityError`` naming the tensor and file on a mismatch). ``optimizer=True`` also
+    merges the optimizer checkpoint in ``src`` (FQN-keyed, ``optimizer*.safetensors``), and
+    copies ``lr_scheduler.json``. ``progress`` shows a tqdm bar on stderr. Returns ``out``.
+
+    ``out`` must not exist (or be an empty directory). Everything is written into a hidden
+    temporary directory beside it, renamed to ``out`` only when complete: a failed merge
+    leaves no ``out``. Called by one process; needs no process group.
+    """
+    src_s = os.fspath(src)
+    out_s = check_output(os.fspath(out))
+    out_dtype = None
+    if dtype is not None:
+        if dtype not in DTYPES:
+            raise UnsupportedError(f"--dtype {dtype!r}: choose one of bf16, fp16, fp32")
+        out_dtype = DTYPES[dtype]
+    readers: list[CheckpointReader] = []
+    try:
+        kinds = ["model", "optimizer"] if optimizer else ["model"]
+        for kind in kinds:
+            if optimizer and os.path.isdir(src_s) and not _has_kind(src_s, kind):
+                continue
+            readers.append(open_checkpoint(src_s, kind))
+        if not readers:
+            readers.append(open_checkpoint(src_s, "optimizer"))
+        for r in readers:
+            r.validate_structure()  # coverage + headers: fail before writing anything
+        total = sum(t.nbytes for r in readers for t in r.block.tensors.values())
+        from tqdm.auto import tqdm
+
+        with (
+            tqdm(
+                total=total,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                desc="merge",
+                disable=None if progress else True,
+                leave=False,
+            ) as bar,
+            staged_output(out_s) as tmp,
+        ):
+            for r in readers:
+                _merge_one(
+                    r,
+                    tmp,
+                    max_shard_size=max_shard_size,
+                    out_dtype=out_dtype,
+                    verify=verify,
+                    progress=bar.update,
+                    src=src_s,
+                )
+            side = list(_SIDE_FILES) + (["lr_scheduler.json"] if optimizer else [])
+            src_dir = readers[0].directory
+            for fname in side:
+                p = os.path.join(src_dir, fname)
+                if os.path.isfile(p):
+                    copy_small_file(p, os.path.join(tmp, fname))
+        logger.info("merged %s into %s", src_s, out_s)
+        return out_s
+    finally:
+        for r in readers:
+            r.close()
+
+
+def _has_kind(directory: str, kind: str) -> bool:
+    return os.path.isfile(os.path.join(directory, index_name(kind))) or os.path.isfile(
+        os.path.join(directory, single_name(kind))
+    )
