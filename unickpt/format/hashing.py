@@ -119,9 +119,9 @@ def fingerprint_partial(
     step = max(1, _BLOCK_ELEMS // max(cols, 1))
     with np.errstate(over="ignore"):
         for r0 in range(0, w2.shape[0], step):
-            blk = w2[r0 : r0 + step].astype(np.uint64)
-            blk *= b
-            inner = blk.sum(axis=1, dtype=np.uint64)
+            # einsum widens each word to uint64 inside its loop: no uint64 copy of the block,
+            # about twice as fast as astype + multiply + sum. Sums wrap mod 2^64 as specified.
+            inner = np.einsum("ij,j->i", w2[r0 : r0 + step], b, dtype=np.uint64, casting="unsafe")
             inner *= a[r0 : r0 + step]
             total = (total + int(inner.sum(dtype=np.uint64))) & _MASK
     return total
