@@ -171,6 +171,8 @@ class ResumableDataLoader:
         self._start_batches = 0  # for samplers unickpt cannot reshard: batches skipped
         self._yielded = 0  # batches yielded in the current pass
         self._batch_size = int(dataloader.batch_size or 1)
+        # Set when wrap_dataloader gave the inner DataLoader a private generator (see _prepare_pass).
+        self._own_generator: torch.Generator | None = None
 
     # -- iteration ---------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -180,6 +182,13 @@ class ResumableDataLoader:
             self._start_samples = self._start_batches = self._yielded = 0
 
     def _prepare_pass(self) -> DataLoader[Any]:
+        # Starting a DataLoader iterator draws its workers' base seed from a generator: from
+        # torch's global one, a resumed run would draw once more than an uninterrupted run and
+        # every later random number would differ. A private generator seeded by the epoch keeps
+        # the global stream untouched and gives each epoch's workers the same base seed.
+        if self._own_generator is not None:
+            seed = self.sampler.seed if self.sampler is not None else 0
+            self._own_generator.manual_seed(seed * 1_000_003 + self.epoch)
         if self.sampler is not None:
             self.sampler.set_epoch(self.epoch)
             self.sampler.set_start(self._start_samples)
@@ -302,13 +311,14 @@ class ResumableDataLoader:
 
 
 def _rebuild(dl: DataLoader[Any], **override: Any) -> DataLoader[Any]:
+    generator = dl.generator if dl.generator is not None else torch.Generator()
     kwargs: dict[str, Any] = dict(
         num_workers=dl.num_workers,
         collate_fn=dl.collate_fn,
         pin_memory=dl.pin_memory,
         timeout=dl.timeout,
         worker_init_fn=dl.worker_init_fn,
-        generator=dl.generator,
+        generator=generator,
         persistent_workers=dl.persistent_workers,
     )
     if dl.num_workers > 0:
@@ -371,19 +381,23 @@ def wrap_dataloader(dataloader: Any, plugin: Any = None, *, on_reshard: str = "e
                 seed=seed,
                 drop_last=False,
             )
+    if new_sampler is None and bs is None:
+        logger.info("dataloader without batching (batch_size=None) is not made resumable")
+        return dataloader
     if new_sampler is not None:
         inner = _rebuild(
             dataloader, batch_size=dataloader.batch_size, sampler=new_sampler, drop_last=dataloader.drop_last
         )
-        return ResumableDataLoader(
+        out = ResumableDataLoader(
             inner,
             new_sampler,
             dp_size=new_sampler.num_replicas,
             dp_rank=new_sampler.rank,
             on_reshard=on_reshard,
         )
-    if bs is None:
-        logger.info("dataloader without batching (batch_size=None) is not made resumable")
-        return dataloader
-    inner = _rebuild(dataloader, batch_sampler=_SkipBatches(bs))
-    return ResumableDataLoader(inner, None, dp_size=dp_size, dp_rank=dp_rank, on_reshard=on_reshard)
+    else:
+        inner = _rebuild(dataloader, batch_sampler=_SkipBatches(bs))
+        out = ResumableDataLoader(inner, None, dp_size=dp_size, dp_rank=dp_rank, on_reshard=on_reshard)
+    if dataloader.generator is None:
+        out._own_generator = inner.generator
+    return out
