@@ -145,7 +145,7 @@ def test_custom_sampler_resumes_at_the_same_dp_size() -> None:
     fresh = _custom(1)
     fresh.load_state_dict(dl.state_dict())
     rest = [[int(x) for x in b] for b in fresh]
-    assert [first[:3], first[3:]] + rest == full
+    assert [first[:3], first[3:], *rest] == full
 
 
 def test_custom_sampler_at_another_dp_size_raises_naming_fresh_epoch() -> None:

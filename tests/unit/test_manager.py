@@ -188,7 +188,7 @@ def test_sync_and_async_saves_are_identical(tmp_path: Path, save_hf: bool) -> No
 
 
 def test_manager_checkpoint_equals_checkpoint_io_save(tmp_path: Path) -> None:
-    model, opt, sched, _ = _setup(0)
+    model, opt, _sched, _ = _setup(0)
     CheckpointManager(tmp_path / "m", save_steps=1).save(1, model, opt)
     io = unickpt.GeneralCheckpointIO()
     io.save_model(model, tmp_path / "io" / "model", shard=True, gather_dtensor=False)
