@@ -1,0 +1,245 @@
+"""``unickpt diff``: compare two checkpoints tensor by tensor from their index files alone.
+
+Every tensor of a unickpt checkpoint carries a layout-invariant fingerprint (see
+``unickpt.format.hashing``): the same weights saved under FSDP2 x4, TP x2 or merged into a
+Hugging Face checkpoint have equal fingerprints. Comparing them needs only the two index
+files, so diff is fast on checkpoints of any size and works when the data files are absent.
+Tied names are resolved through each checkpoint's aliases before comparing. ``deep=True``
+also reads the data: every slice is rehashed and every fingerprint recomputed (which also
+compares checkpoints without fingerprints, such as plain Hugging Face ones). No torch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from unickpt.format.dtypes import itemsize
+from unickpt.format.hashing import SliceHasher, combine_partials, finalize_fingerprint, fingerprint_partial
+from unickpt.format.index import TensorEntry
+from unickpt.format.reader import CheckpointReader
+from unickpt.tools._common import open_auto
+
+__all__ = ["DiffReport", "ShapeChange", "diff_checkpoints"]
+
+_CHUNK = 16 << 20
+
+
+@dataclass(frozen=True)
+class ShapeChange:
+    name: str
+    a_dtype: str
+    a_shape: list[int]
+    b_dtype: str
+    b_shape: list[int]
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.a_dtype}{self.a_shape} -> {self.b_dtype}{self.b_shape}"
+
+
+@dataclass
+class DiffReport:
+    """The result of :func:`diff_checkpoints`. Names are tensor names (tied names resolved).
+
+    ``identical`` is True only when every tensor of both checkpoints was proven equal.
+    ``unverifiable`` lists tensors present in both with equal dtype and shape that could not
+    be compared without reading data (no fingerprint, or tied differently): rerun with
+    ``deep=True``. ``integrity_failures`` (deep only) lists slices whose bytes do not match
+    their recorded hash, and recorded fingerprints that do not match the data.
+    """
+
+    a: str
+    b: str
+    deep: bool
+    same: list[str] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)
+    only_in_a: list[str] = field(default_factory=list)
+    only_in_b: list[str] = field(default_factory=list)
+    dtype_or_shape_changed: list[ShapeChange] = field(default_factory=list)
+    unverifiable: list[str] = field(default_factory=list)
+    integrity_failures: list[str] = field(default_factory=list)
+
+    @property
+    def different(self) -> bool:
+        return bool(
+            self.changed
+            or self.only_in_a
+            or self.only_in_b
+            or self.dtype_or_shape_changed
+            or self.integrity_failures
+        )
+
+    @property
+    def identical(self) -> bool:
+        return not self.different and not self.unverifiable
+
+    @property
+    def exit_code(self) -> int:
+        """0 identical, 1 different, 2 could not tell (unverifiable tensors only)."""
+        if self.different:
+            return 1
+        return 2 if self.unverifiable else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["identical"] = self.identical
+        d["exit_code"] = self.exit_code
+        return d
+
+    def format(self) -> str:
+        lines = [f"A: {self.a}", f"B: {self.b}", f"same: {len(self.same)} tensor(s)"]
+
+        def section(title: str, items: list[Any]) -> None:
+            if items:
+                lines.append(f"{title} ({len(items)}):")
+                lines.extend(f"  {x}" for x in items)
+
+        section("changed", self.changed)
+        section("only in A", self.only_in_a)
+        section("only in B", self.only_in_b)
+        section("dtype or shape changed", self.dtype_or_shape_changed)
+        section("unverifiable without --deep (no fingerprint, or tied differently)", self.unverifiable)
+        section("integrity failures", self.integrity_failures)
+        if self.identical:
+            verdict = "identical"
+        elif self.different:
+            verdict = "different"
+        else:
+            verdict = "undetermined: rerun with --deep to compare the data"
+        lines.append(f"result: {verdict}")
+        return "\n".join(lines)
+
+
+def _resolve(r: CheckpointReader, name: str) -> str:
+    return r.block.aliases.get(name, name)
+
+
+def _names(r: CheckpointReader) -> list[str]:
+    return list(r.block.tensors) + [a for a in r.block.aliases if a not in r.block.tensors]
+
+
+def _data_sum(
+    r: CheckpointReader, name: str, t: TensorEntry, failures: list[str], progress: Callable[[int], None]
+) -> int:
+    """The fingerprint sum S of a stored tensor, from its data; slice hashes checked on the way."""
+    isz = itemsize(t.dtype)
+    partials = []
+    for s in t.slices:
+        n = math.prod(s.shape) * isz
+        h = SliceHasher()
+        if len(s.shape) == 0:
+            data = r.read_slice(s)
+            h.update(data)
+            partials.append(
+                fingerprint_partial(np.frombuffer(data, dtype=f"<u{isz}"), t.shape, s.offsets, s.shape)
+            )
+        elif n:
+            row = n // s.shape[0]
+            step = max(1, _CHUNK // max(row, 1))
+            for r0 in range(0, s.shape[0], step):
+                nr = min(step, s.shape[0] - r0)
+                data = r.read_bytes(s, r0 * row, nr * row)
+                h.update(data)
+                off = [s.offsets[0] + r0, *s.offsets[1:]]
+                shp = [nr, *s.shape[1:]]
+                partials.append(fingerprint_partial(np.frombuffer(data, dtype=f"<u{isz}"), t.shape, off, shp))
+        progress(n)
+        found = h.hexdigest()
+        if s.xxh3 is not None and found != s.xxh3:
+            failures.append(
+                f"{r.directory}: tensor {name!r} in file {s.file!r} (key {s.key!r}): "
+                f"expected xxh3-64 {s.xxh3}, found {found}"
+            )
+    return combine_partials(partials)
+
+
+def diff_checkpoints(
+    a: str | os.PathLike[str],
+    b: str | os.PathLike[str],
+    deep: bool = False,
+    *,
+    kind: str | None = None,
+    progress: bool = False,
+) -> DiffReport:
+    """Compare checkpoints ``a`` and ``b`` (any layouts); return a :class:`DiffReport`.
+
+    Without ``deep`` only the index files are read (for a plain Hugging Face checkpoint, the
+    data-file headers too). Raises ``UnickptError`` subclasses or ``OSError`` when either
+    input is not a usable checkpoint.
+    """
+    with open_auto(a, kind) as ra, open_auto(b, kind or ra.kind) as rb:
+        report = DiffReport(os.fspath(a), os.fspath(b), deep)
+        names_a = _names(ra)
+        names_b = set(_names(rb))
+        set_a = set(names_a)
+        report.only_in_a = [n for n in names_a if n not in names_b]
+        report.only_in_b = [n for n in _names(rb) if n not in set_a]
+        common = [n for n in names_a if n in names_b]
+        sums: dict[tuple[int, str], int] = {}
+        bar: Any = None
+        if deep:
+            ra.validate_structure()
+            rb.validate_structure()
+            from tqdm.auto import tqdm
+
+            total = sum(
+                ra.tensors[_resolve(ra, n)].nbytes + rb.tensors[_resolve(rb, n)].nbytes for n in common
+            )
+            bar = tqdm(
+                total=total,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                desc="diff --deep",
+                disable=None if progress else True,
+                leave=False,
+            )
+        try:
+            for n in common:
+                ta, tb = _resolve(ra, n), _resolve(rb, n)
+                ea, eb = ra.tensors[ta], rb.tensors[tb]
+                if ea.dtype != eb.dtype or ea.shape != eb.shape:
+                    report.dtype_or_shape_changed.append(
+                        ShapeChange(n, ea.dtype, ea.shape, eb.dtype, eb.shape)
+                    )
+                    continue
+                if deep:
+                    sa = _cached_sum(sums, 0, ra, ta, ea, report.integrity_failures, bar.update)
+                    sb = _cached_sum(sums, 1, rb, tb, eb, report.integrity_failures, bar.update)
+                    for r, t, e, s in ((ra, ta, ea, sa), (rb, tb, eb, sb)):
+                        if n == t and e.fingerprint is not None:
+                            fp = finalize_fingerprint(t, e.dtype, e.shape, s)
+                            if fp != e.fingerprint:
+                                report.integrity_failures.append(
+                                    f"{r.index_path or r.directory}: tensor {t!r}: recorded fingerprint "
+                                    f"{e.fingerprint}, data gives {fp}"
+                                )
+                    (report.same if sa == sb else report.changed).append(n)
+                elif ta == tb and ea.fingerprint is not None and eb.fingerprint is not None:
+                    (report.same if ea.fingerprint == eb.fingerprint else report.changed).append(n)
+                else:
+                    report.unverifiable.append(n)
+        finally:
+            if bar is not None:
+                bar.close()
+        return report
+
+
+def _cached_sum(
+    cache: dict[tuple[int, str], int],
+    side: int,
+    r: CheckpointReader,
+    name: str,
+    t: TensorEntry,
+    failures: list[str],
+    progress: Callable[[int], None],
+) -> int:
+    key = (side, name)
+    if key not in cache:
+        cache[key] = _data_sum(r, name, t, failures, progress)
+    return cache[key]
