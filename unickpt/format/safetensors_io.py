@@ -218,7 +218,11 @@ class SafetensorsWriter:
         self._next = 0
         self._written = 0
         self._f: BinaryIO | None = open(path, "wb")  # noqa: SIM115 - closed in close()/abort()
-        self._f.write(header)
+        try:
+            self._f.write(header)
+        except BaseException:
+            self.abort()  # the caller never gets a writer to abort: close and remove the file here
+            raise
         self.header_bytes = len(header)
 
     def write(self, key: str, data: memoryview | bytes) -> None:
