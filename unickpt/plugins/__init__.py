@@ -9,6 +9,7 @@ from unickpt.plugins.base import Plugin
 from unickpt.plugins.ddp import DDPCheckpointIO, DDPPlugin
 from unickpt.plugins.fsdp2 import FSDP2CheckpointIO, FSDP2Plugin
 from unickpt.plugins.tp import TPCheckpointIO, TPPlugin
+from unickpt.plugins.zero import ZeroCheckpointIO, ZeroPlugin
 
 __all__ = [
     "DDPCheckpointIO",
@@ -18,4 +19,6 @@ __all__ = [
     "Plugin",
     "TPCheckpointIO",
     "TPPlugin",
+    "ZeroCheckpointIO",
+    "ZeroPlugin",
 ]
