@@ -292,3 +292,41 @@ def test_hostile_lr_scheduler_json(payload: bytes, tmp_path: Path) -> None:
     sched = torch.optim.lr_scheduler.StepLR(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0), 1)
     with pytest.raises(UnickptError):
         GeneralCheckpointIO().load_lr_scheduler(sched, p)
+
+
+def test_loading_never_unpickles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Model, optimizer and scheduler checkpoints (single file and sharded) load with pickle disabled."""
+    import pickle
+
+    from unickpt import OptimizerWrapper
+
+    m = Tiny(1)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    for p in m.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    sched = torch.optim.lr_scheduler.StepLR(opt, 3)
+    io = GeneralCheckpointIO()
+    io.save_model(m, tmp_path / "single.safetensors")
+    io.save_model(m, tmp_path / "sharded", shard=True, size_per_shard=1)
+    io.save_optimizer(OptimizerWrapper(opt, m), tmp_path / "optim", shard=True)
+    io.save_lr_scheduler(sched, tmp_path / "sched.json")
+
+    def boom(*a: object, **k: object) -> None:
+        raise AssertionError("pickle invoked while loading a checkpoint")
+
+    for mod, name in [(pickle, "loads"), (pickle, "load"), (pickle, "Unpickler"), (torch, "load")]:
+        monkeypatch.setattr(mod, name, boom)
+    m2 = Tiny(2)
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=0.5)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, 3)
+    io.load_model(m2, tmp_path / "single.safetensors", verify=True)
+    io.load_model(m2, tmp_path / "sharded", verify=True)
+    io.load_optimizer(OptimizerWrapper(opt2, m2), tmp_path / "optim", verify=True)
+    io.load_lr_scheduler(sched2, tmp_path / "sched.json")
+    for p in [tmp_path / "single.safetensors", tmp_path / "sharded"]:
+        r = open_checkpoint(p)
+        r.validate_structure()
+        assert r.verify() == []
+    assert same_state(m2, snapshot(m)) and sched2.last_epoch == sched.last_epoch
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
