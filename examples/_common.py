@@ -201,7 +201,13 @@ def run(plugin_factory: Callable[[], Any], description: str, default_steps: int 
     from unickpt.data import wrap_dataloader
 
     args = parse_args(description, default_steps)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # Rank 0 shows warnings (e.g. "RNG states are not restored" after a world-size change); the
+    # other ranks only errors, so each message appears once.
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=logging.WARNING if rank == 0 else logging.ERROR,
+        format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s",
+    )
     t0 = time.perf_counter()
     plugin = plugin_factory()
     booster = Booster(plugin=plugin)

@@ -18,10 +18,10 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from safetensors.torch import load_file
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import eval_batch, lm_loss  # noqa: E402
+# Python puts this script's directory on sys.path, so the examples' helpers import directly.
+from _common import eval_batch, lm_loss
+from safetensors.torch import load_file
 
 
 def main() -> int:
