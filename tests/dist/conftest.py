@@ -266,3 +266,58 @@ def assert_same_tensors(a: dict[str, Any], b: dict[str, Any], where: str = "") -
             )
         else:
             assert x == y, f"{where}.{k}: {x!r} != {y!r}"
+
+
+def local_expected(live: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """The part of the global tensor ``full`` this rank should hold in ``live`` (no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(live, DTensor):
+        return full
+    # src_data_rank=None: every rank chunks its own copy, so no collective is needed.
+    return distribute_tensor(full, live.device_mesh, live.placements, src_data_rank=None).to_local()
+
+
+def assert_local_state_matches(live: dict[str, Any], full: dict[str, Any], where: str = "") -> None:
+    """Bit-exact check of what this rank holds against a full reference, without collectives.
+
+    Every rank checks its own blocks (DTensor shards, or whole replicated tensors); together
+    the ranks cover every element. Global shapes and dtypes are checked too.
+    """
+    assert live.keys() == full.keys(), f"{where}: keys differ: {sorted(set(live) ^ set(full))}"
+    for k, v in live.items():
+        ref = full[k]
+        if isinstance(v, dict):
+            assert_local_state_matches(v, ref, f"{where}.{k}")
+        elif torch.is_tensor(v):
+            assert v.dtype == ref.dtype and v.shape == ref.shape, (
+                f"{where}.{k}: {v.dtype}{tuple(v.shape)} vs {ref.dtype}{tuple(ref.shape)}"
+            )
+            mine = v.to_local() if hasattr(v, "to_local") else v
+            expected = local_expected(v, ref)
+            assert mine.shape == expected.shape, (
+                f"{where}.{k}: local {tuple(mine.shape)} vs {tuple(expected.shape)}"
+            )
+            assert torch.equal(_bits(mine), _bits(expected)), (
+                f"{where}.{k}: values differ on this rank's block"
+            )
+        else:
+            assert v == ref, f"{where}.{k}: {v!r} != {ref!r}"
+
+
+def live_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach() for k, v in unwrap(model).state_dict().items()}
+
+
+def live_optim_state(model: nn.Module, optim: Any) -> dict[str, Any]:
+    """Like :func:`full_optim_state` but with the tensors as held (DTensors stay DTensors)."""
+    inner = unwrap(model)
+    torch_optim = getattr(optim, "optim", optim)
+    fqn_of = {id(p): n for n, p in inner.named_parameters()}
+    state = {fqn_of[id(p)]: dict(s) for p, s in torch_optim.state.items()}
+    groups = []
+    for g in torch_optim.param_groups:
+        hyper = {k: v for k, v in g.items() if k != "params"}
+        hyper["params"] = [fqn_of[id(p)] for p in g["params"]]
+        groups.append(hyper)
+    return {"state": dict(sorted(state.items())), "param_groups": groups}
