@@ -349,3 +349,30 @@ def test_core_load_optimizer_into_fresh_optimizer(tmp_path: Path) -> None:
     opt2 = torch.optim.AdamW(m.parameters())
     io.load_optimizer(OptimizerWrapper(opt2, m), tmp_path / "o")
     assert torch.equal(opt2.state[m[1].weight]["exp_avg"], opt.state[m[1].weight]["exp_avg"])
+
+
+def test_tiny_llama_sliced_merge_from_pretrained_same_logits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    src = tmp_path / "sliced"
+    GeneralCheckpointIO().save_model(model, src, shard=True, gather_dtensor=False, size_per_shard=1)
+    assert (src / "config.json").exists()
+    out = tmp_path / "hf"
+    merge_checkpoint(src, out)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(str(out)).eval()
+    ids = torch.tensor([[1, 5, 9, 33, 2]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
