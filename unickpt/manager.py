@@ -41,7 +41,6 @@ import re
 import shutil
 import threading
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -55,8 +54,8 @@ from unickpt.errors import (
 )
 from unickpt.format.commit import atomic_write_bytes, directory_lock, fsync_dir
 from unickpt.io import _dist
+from unickpt.io.checkpoint_io import SavePayload, hf_config_files, lr_scheduler_json
 from unickpt.io.jsonstate import from_json_value, to_json_value
-from unickpt.io.tensors import LocalSlice
 
 __all__ = ["CheckpointManager"]
 
@@ -75,25 +74,14 @@ _SHARD_MB = 1024
 
 
 @dataclasses.dataclass
-class _TensorPlan:
-    """One ``save_tensors`` call, captured in the foreground."""
-
-    tensors: dict[str, torch.Tensor]
-    boxes: dict[str, list[LocalSlice]]
-    aliases: dict[str, str]
-    entry_extras: dict[str, dict[str, Any]] | None = None
-    block_extras: dict[str, Any] | None = None
-
-
-@dataclasses.dataclass
 class _Payload:
     """Everything one rank writes for one step (tensors already copied for an async save)."""
 
     step: int
     stage: str
-    model: _TensorPlan
-    optimizer: _TensorPlan | None
-    scheduler: Any  # JSON value, or None
+    model: SavePayload
+    optimizer: SavePayload | None
+    scheduler: bytes | None  # lr_scheduler.json contents
     train_state: dict[str, Any]
     state_tensors: dict[str, torch.Tensor]
     hf_config: dict[str, str]
@@ -375,9 +363,11 @@ class CheckpointManager:
         state_tensors: dict[str, torch.Tensor] = {}
         hf_config: dict[str, str] = {}
         try:
-            model_plan = _model_plan(self.io, model, copy)
+            model_plan = self.io.plan_model(model)
+            if copy:
+                model_plan = model_plan.snapshot()
             if lr_scheduler is not None:
-                sched = to_json_value(lr_scheduler.state_dict(), "lr_scheduler")
+                sched = lr_scheduler_json(lr_scheduler.state_dict())
             rng_js, state_tensors = _rng.capture_rng()
             state = {
                 "unickpt_train_state": _STATE_VERSION,
@@ -398,13 +388,15 @@ class CheckpointManager:
                     )
                 state["extra"][name] = _encode(obj.state_dict(), f"extra.{name}", state_tensors)
             if self.save_hf:
-                hf_config = _hf_config(self.io.unwrap_model(model))
+                hf_config = hf_config_files(self.io.unwrap_model(model))
         except BaseException as e:
             err = e
         _dist.agree(err, f"capturing the state of step {step}", self.group)
         # Optimizer planning gathers param groups from every rank: always in the foreground.
         if optimizer is not None:
-            optim_plan = _optimizer_plan(self.io, optimizer, copy, self.group)
+            optim_plan = self.io.plan_optimizer(optimizer)
+            if copy:
+                optim_plan = optim_plan.snapshot()
         if model_plan is None:  # pragma: no cover - agree() raised already
             raise RuntimeError("internal: no model plan after a successful capture")
         return _Payload(step, stage, model_plan, optim_plan, sched, state, state_tensors, hf_config)
@@ -412,28 +404,23 @@ class CheckpointManager:
     # ------------------------------------------------------------------ write + commit
     def _write(self, p: _Payload, group: Any, model: torch.nn.Module | None) -> None:
         """Collective over ``group``: write the staged step, then rank 0 commits it."""
-        from unickpt.io.save import save_tensors
-
         rank = _dist.rank(group)
         try:
             for kind, plan in (("model", p.model), ("optimizer", p.optimizer)):
                 if plan is None:
                     continue
-                save_tensors(
-                    plan.tensors,
+                self.io.write(
+                    plan,
                     os.path.join(p.stage, kind),
-                    self.io._options(kind, True, False, _SHARD_MB),
-                    _boxes_of(plan),
-                    aliases=plan.aliases,
-                    entry_extras=plan.entry_extras,
-                    block_extras=plan.block_extras,
+                    shard=True,
+                    gather_dtensor=False,
+                    size_per_shard=_SHARD_MB,
                     group=group,
                 )
             err: BaseException | None = None
             try:
                 if rank == 0 and p.scheduler is not None:
-                    data = json.dumps({"unickpt_lr_scheduler": 1, "state": p.scheduler}, indent=2).encode()
-                    atomic_write_bytes(os.path.join(p.stage, "lr_scheduler.json"), data)
+                    atomic_write_bytes(os.path.join(p.stage, "lr_scheduler.json"), p.scheduler)
                 _write_rank_state(p.stage, rank, p.train_state, p.state_tensors)
             except BaseException as e:
                 err = e
@@ -459,7 +446,6 @@ class CheckpointManager:
             return
         # Async: rank 0 assembles full tensors from the sliced copy just written; every rank
         # joins the gathered save on the background group (ranks other than 0 hold nothing).
-        from unickpt.io.save import save_tensors
         from unickpt.io.tensors import local_boxes
 
         full: dict[str, torch.Tensor] = {}
@@ -471,14 +457,8 @@ class CheckpointManager:
             except BaseException as e:
                 err = e
         _dist.agree(err, f"assembling the Hugging Face copy of step {p.step}", group)
-        save_tensors(
-            full,
-            hf,
-            self.io._options("model", True, True, _SHARD_MB),
-            local_boxes,
-            aliases=aliases,
-            group=group,
-        )
+        payload = SavePayload("model", full, {n: local_boxes(n, t) for n, t in full.items()}, aliases=aliases)
+        self.io.write(payload, hf, shard=True, gather_dtensor=True, size_per_shard=_SHARD_MB, group=group)
         if _dist.rank(group) == 0:
             for fname, text in p.hf_config.items():
                 atomic_write_bytes(os.path.join(hf, fname), text.encode("utf-8"))
@@ -514,87 +494,6 @@ class CheckpointManager:
 
 
 # ---------------------------------------------------------------------- tensor plans
-def _model_plan(io: Any, model: torch.nn.Module, copy: bool) -> _TensorPlan:
-    """What ``CheckpointIO.save_model`` passes to ``save_tensors`` (tied tensors stored once)."""
-    tensors = io.model_tensors(model)
-    stored: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    first: dict[int, str] = {}
-    for name, t in tensors.items():
-        if id(t) in first:
-            aliases[name] = first[id(t)]
-            continue
-        first[id(t)] = name
-        stored[name] = t
-    return _boxes_plan(io, stored, aliases, copy)
-
-
-def _optimizer_plan(io: Any, optimizer: Any, copy: bool, group: Any) -> _TensorPlan:
-    """Collective: what ``CheckpointIO.save_optimizer`` passes to ``save_tensors``."""
-    from unickpt.io.checkpoint_io import _merge_groups, optimizer_tensor_name
-
-    optim, model = io._optim_and_model(optimizer)
-    osd = io.optimizer_tensors(model, optim)
-    tensors: dict[str, torch.Tensor] = {}
-    extras: dict[str, dict[str, Any]] = {}
-    param_state: dict[str, dict[str, Any]] = {}
-    for fqn, st in osd["state"].items():
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor):
-                name = optimizer_tensor_name(fqn, k)
-                tensors[name] = v
-                extras[name] = {"param": fqn, "state": k}
-            else:
-                param_state.setdefault(fqn, {})[k] = to_json_value(v, f"state[{fqn!r}][{k!r}]")
-    groups = [
-        {
-            **{k: to_json_value(v, f"param_groups[{i}][{k!r}]") for k, v in g.items() if k != "params"},
-            "params": list(g["params"]),
-        }
-        for i, g in enumerate(osd["param_groups"])
-    ]
-    all_groups = _dist.all_gather_object(groups, group)
-    all_scalars = _dist.all_gather_object(param_state, group)
-    merged_scalars: dict[str, dict[str, Any]] = {}
-    for ps in all_scalars:
-        merged_scalars.update(ps)
-    plan = _boxes_plan(io, tensors, {}, copy)
-    plan.entry_extras = extras
-    plan.block_extras = {"param_groups": _merge_groups(all_groups), "param_state": merged_scalars}
-    return plan
-
-
-def _boxes_plan(
-    io: Any, tensors: dict[str, torch.Tensor], aliases: dict[str, str], copy: bool
-) -> _TensorPlan:
-    """This rank's blocks of each tensor; with ``copy``, their data copied to CPU memory."""
-    boxes: dict[str, list[LocalSlice]] = {}
-    for name, t in tensors.items():
-        slices = io.local_boxes(name, t)
-        if copy:
-            slices = [dataclasses.replace(sl, tensor=_cpu_copy(sl.tensor)) for sl in slices]
-        boxes[name] = slices
-    return _TensorPlan(tensors=tensors, boxes=boxes, aliases=aliases)
-
-
-def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    if t.device.type == "cuda":
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        out.copy_(t, non_blocking=True)
-        torch.cuda.current_stream(t.device).synchronize()
-        return out
-    return t.to("cpu", copy=True)
-
-
-def _boxes_of(plan: _TensorPlan) -> Callable[[str, torch.Tensor], list[LocalSlice]]:
-    def boxes(name: str, tensor: torch.Tensor) -> list[LocalSlice]:
-        del tensor
-        return plan.boxes[name]
-
-    return boxes
-
-
 def _read_full(model_dir: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Rank 0: every tensor of a sliced model checkpoint, assembled whole in CPU memory."""
     from unickpt.format.reader import open_checkpoint
@@ -612,15 +511,6 @@ def _read_full(model_dir: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]
             out[name] = full
         aliases = dict(reader.block.aliases)
     return out, aliases
-
-
-def _hf_config(module: torch.nn.Module) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for attr, fname in (("config", "config.json"), ("generation_config", "generation_config.json")):
-        to_json = getattr(getattr(module, attr, None), "to_json_string", None)
-        if to_json is not None:
-            out[fname] = str(to_json())
-    return out
 
 
 # ---------------------------------------------------------------------- train state files

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import unickpt
-import unickpt.io.save as save_mod
+import unickpt.io.checkpoint_io as save_mod
 from unickpt.data import ResumableDataLoader, wrap_dataloader
 from unickpt.errors import CheckpointBusyError, UnsupportedError
 from unickpt.format.commit import directory_lock

@@ -12,6 +12,7 @@ checkpoint code of their own.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -31,10 +32,69 @@ from unickpt.io.save import SaveOptions, save_tensors
 from unickpt.io.tensors import LocalSlice, local_boxes
 from unickpt.wrappers import unwrap_optimizer
 
-__all__ = ["CheckpointIO", "LoadReport", "optimizer_tensor_name"]
+__all__ = [
+    "CheckpointIO",
+    "LoadReport",
+    "SavePayload",
+    "hf_config_files",
+    "lr_scheduler_json",
+    "optimizer_tensor_name",
+]
 
 logger = logging.getLogger(__name__)
 SCHEDULER_FILE = "lr_scheduler.json"
+
+
+@dataclasses.dataclass
+class SavePayload:
+    """What one rank saves in one checkpoint: its tensors, the blocks it holds, and the extras.
+
+    ``CheckpointIO.plan_model``/``plan_optimizer`` build it from live objects; ``snapshot``
+    copies the blocks to CPU memory (an async save writes the copy while training goes on);
+    ``CheckpointIO.write`` saves it.
+    """
+
+    kind: str
+    tensors: dict[str, torch.Tensor]
+    boxes: dict[str, list[LocalSlice]]
+    aliases: dict[str, str] = dataclasses.field(default_factory=dict)
+    entry_extras: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    block_extras: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def snapshot(self) -> SavePayload:
+        """A copy whose blocks live in CPU memory (pinned when they come from CUDA)."""
+        boxes = {
+            n: [dataclasses.replace(sl, tensor=_cpu_copy(sl.tensor)) for sl in sls]
+            for n, sls in self.boxes.items()
+        }
+        return dataclasses.replace(self, boxes=boxes)
+
+
+def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.device.type == "cuda":
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t, non_blocking=True)
+        torch.cuda.current_stream(t.device).synchronize()
+        return out
+    return t.to("cpu", copy=True)
+
+
+def hf_config_files(module: torch.nn.Module) -> dict[str, str]:
+    """``config.json`` / ``generation_config.json`` contents of a Hugging Face model, if it has them."""
+    out: dict[str, str] = {}
+    for attr, fname in (("config", "config.json"), ("generation_config", "generation_config.json")):
+        to_json = getattr(getattr(module, attr, None), "to_json_string", None)
+        if to_json is not None:
+            out[fname] = str(to_json())
+    return out
+
+
+def lr_scheduler_json(state: dict[str, Any]) -> bytes:
+    """The bytes of ``lr_scheduler.json`` for a scheduler's ``state_dict()``."""
+    return json.dumps(
+        {"unickpt_lr_scheduler": 1, "state": to_json_value(state, "lr_scheduler")}, indent=2
+    ).encode()
 
 
 def optimizer_tensor_name(fqn: str, state_key: str) -> str:
@@ -129,25 +189,9 @@ class CheckpointIO:
         rank's slices (every rank writes its own, no gather). ``size_per_shard`` is in MB.
         Tied parameters are stored once. Returns the committed path.
         """
-        p = apply_prefix(prefix)
-        tensors = self.model_tensors(model)
-        stored: dict[str, torch.Tensor] = {}
-        aliases: dict[str, str] = {}
-        first: dict[int, str] = {}
-        for name, t in tensors.items():
-            key = _identity(t)
-            if key in first:
-                aliases[p + name] = p + first[key]
-                continue
-            first[key] = name
-            stored[p + name] = t
-        path = save_tensors(
-            stored,
-            os.fspath(checkpoint),
-            self._options("model", shard, gather_dtensor, size_per_shard),
-            self.local_boxes,
-            aliases=aliases,
-            group=self.group,
+        payload = self.plan_model(model, prefix=prefix)
+        path = self.write(
+            payload, checkpoint, shard=shard, gather_dtensor=gather_dtensor, size_per_shard=size_per_shard
         )
         self._save_hf_config(model, path)
         return path
@@ -200,6 +244,29 @@ class CheckpointIO:
         ``optimizer`` is the one ``Booster.boost`` returned (or an ``OptimizerWrapper``): it knows
         the model, whose FQNs name the state. Layout rules are those of ``save_model``.
         """
+        payload = self.plan_optimizer(optimizer, prefix=prefix)
+        return self.write(
+            payload, checkpoint, shard=shard, gather_dtensor=gather_dtensor, size_per_shard=size_per_shard
+        )
+
+    # ------------------------------------------------------------------ plan + write
+    def plan_model(self, model: torch.nn.Module, prefix: str | None = None) -> SavePayload:
+        """What this rank saves of ``model``: tied tensors once (the others become aliases)."""
+        p = apply_prefix(prefix)
+        stored: dict[str, torch.Tensor] = {}
+        aliases: dict[str, str] = {}
+        first: dict[int, str] = {}
+        for name, t in self.model_tensors(model).items():
+            # state_dict(keep_vars=True) returns the same Parameter object under every tied name.
+            if id(t) in first:
+                aliases[p + name] = p + first[id(t)]
+                continue
+            first[id(t)] = name
+            stored[p + name] = t
+        return SavePayload("model", stored, self._boxes(stored), aliases=aliases)
+
+    def plan_optimizer(self, optimizer: Any, prefix: str | None = None) -> SavePayload:
+        """Collective: what this rank saves of ``optimizer`` (param groups merged over ranks)."""
         optim, model = self._optim_and_model(optimizer)
         p = apply_prefix(prefix)
         had_state = {id(param) for param, st in optim.state.items() if st}
@@ -231,19 +298,51 @@ class CheckpointIO:
         # Pipeline stages each know part of every group: merge the ranks' views.
         all_groups = _dist.all_gather_object(groups, self.group)
         all_scalars = _dist.all_gather_object(param_state, self.group)
-        merged_groups = _merge_groups(all_groups)
         merged_scalars: dict[str, dict[str, Any]] = {}
         for ps in all_scalars:
             merged_scalars.update(ps)
-        return save_tensors(
+        return SavePayload(
+            "optimizer",
             tensors,
-            os.fspath(checkpoint),
-            self._options("optimizer", shard, gather_dtensor, size_per_shard),
-            self.local_boxes,
+            self._boxes(tensors),
             entry_extras=extras,
-            block_extras={"param_groups": merged_groups, "param_state": merged_scalars},
-            group=self.group,
+            block_extras={"param_groups": _merge_groups(all_groups), "param_state": merged_scalars},
         )
+
+    def write(
+        self,
+        payload: SavePayload,
+        checkpoint: str | os.PathLike[str],
+        *,
+        shard: bool = True,
+        gather_dtensor: bool = True,
+        size_per_shard: float = 1024,
+        group: Any = None,
+    ) -> str:
+        """Collective over ``group`` (default: this IO's group): save a payload; returns the committed path.
+
+        With ``gather_dtensor=True`` the live tensors are gathered (collectives on their
+        meshes), so a snapshot is written sliced (``gather_dtensor=False``) only.
+        """
+        boxes = payload.boxes
+
+        def boxes_fn(name: str, tensor: torch.Tensor) -> list[LocalSlice]:
+            del tensor
+            return boxes[name]
+
+        return save_tensors(
+            payload.tensors,
+            os.fspath(checkpoint),
+            self._options(payload.kind, shard, gather_dtensor, size_per_shard),
+            boxes_fn,
+            aliases=payload.aliases,
+            entry_extras=payload.entry_extras,
+            block_extras=payload.block_extras,
+            group=self.group if group is None else group,
+        )
+
+    def _boxes(self, tensors: dict[str, torch.Tensor]) -> dict[str, list[LocalSlice]]:
+        return {name: self.local_boxes(name, t) for name, t in tensors.items()}
 
     def load_optimizer(
         self,
@@ -307,10 +406,8 @@ class CheckpointIO:
         err: BaseException | None = None
         if _dist.rank(self.group) == 0:
             try:
-                state = to_json_value(lr_scheduler.state_dict(), "lr_scheduler")
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-                data = json.dumps({"unickpt_lr_scheduler": 1, "state": state}, indent=2).encode()
-                atomic_write_bytes(path, data)
+                atomic_write_bytes(path, lr_scheduler_json(lr_scheduler.state_dict()))
             except BaseException as e:
                 err = e
         _dist.agree(err, f"saving the LR scheduler to {path}", self.group)
@@ -377,22 +474,9 @@ class CheckpointIO:
         """Write config.json / generation_config.json beside the weights when the model has them."""
         if _dist.rank(self.group) != 0:
             return
-        module = self.unwrap_model(model)
         directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-        for attr, fname in (("config", "config.json"), ("generation_config", "generation_config.json")):
-            cfg = getattr(module, attr, None)
-            to_json = getattr(cfg, "to_json_string", None)
-            if cfg is None or to_json is None:
-                continue
-            try:
-                atomic_write_bytes(os.path.join(directory, fname), to_json().encode("utf-8"))
-            except (TypeError, ValueError) as e:
-                logger.warning("could not write %s: %s", fname, e)
-
-
-def _identity(t: torch.Tensor) -> int:
-    # state_dict(keep_vars=True) returns the same Parameter object under every tied name.
-    return id(t)
+        for fname, text in hf_config_files(self.unwrap_model(model)).items():
+            atomic_write_bytes(os.path.join(directory, fname), text.encode("utf-8"))
 
 
 def _param_of(reader: CheckpointReader, name: str) -> str | None:
