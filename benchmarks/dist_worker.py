@@ -119,6 +119,10 @@ def task_save(p: dict[str, Any]) -> dict[str, Any]:
     work = Path(p["workdir"])
     reps = int(p["reps"])
     res: dict[str, Any] = {}
+    want = set(
+        p.get("cases")
+        or ["dcp_save", "dcp_hf_save", "unickpt_save", "unickpt_gathered_save", "torch_gathered_save"]
+    )
 
     # 1. DCP, default FileSystemWriter (.distcp files + pickled .metadata)
     d = work / "dcp"
@@ -127,7 +131,8 @@ def task_save(p: dict[str, Any]) -> dict[str, Any]:
         dcp.save(sd, checkpoint_id=str(d))
         _fsync_rank0(rank, d)
 
-    res["dcp_save"] = _timed_case(rank, reps, dcp_body, _rank0_rm(rank, d))
+    if "dcp_save" in want:
+        res["dcp_save"] = _timed_case(rank, reps, dcp_body, _rank0_rm(rank, d))
 
     # 2. DCP HuggingFaceStorageWriter, one safetensors file per rank with DCP sharding metadata
     hf = work / "dcp_hf"
@@ -138,7 +143,8 @@ def task_save(p: dict[str, Any]) -> dict[str, Any]:
             dcp.save(sd, storage_writer=HuggingFaceStorageWriter(path=str(hf), save_distributed=True))
             _fsync_rank0(rank, hf)
 
-        res["dcp_hf_save"] = _timed_case(rank, reps, hf_body, _rank0_rm(rank, hf))
+        if "dcp_hf_save" in want:
+            res["dcp_hf_save"] = _timed_case(rank, reps, hf_body, _rank0_rm(rank, hf))
     except ImportError as e:
         res["dcp_hf_save"] = {"status": "skipped", "reason": f"not available in this torch: {e}"}
 
@@ -156,13 +162,15 @@ def task_save(p: dict[str, Any]) -> dict[str, Any]:
             io.save_model(model, str(u), shard=True, gather_dtensor=False, size_per_shard=int(p["shard_mb"]))
             _fsync_rank0(rank, u)
 
-        res["unickpt_save"] = _guard(lambda: _timed_case(rank, reps, u_body, _rank0_rm(rank, u)))
+        if "unickpt_save" in want:
+            res["unickpt_save"] = _guard(lambda: _timed_case(rank, reps, u_body, _rank0_rm(rank, u)))
 
         def ug_body() -> None:
             io.save_model(model, str(ug), shard=True, gather_dtensor=True, size_per_shard=int(p["shard_mb"]))
             _fsync_rank0(rank, ug)
 
-        res["unickpt_gathered_save"] = _guard(lambda: _timed_case(rank, 1, ug_body, _rank0_rm(rank, ug)))
+        if "unickpt_gathered_save" in want:
+            res["unickpt_gathered_save"] = _guard(lambda: _timed_case(rank, 1, ug_body, _rank0_rm(rank, ug)))
 
     # 4. torch's own gathered path: full state dict to CPU on rank 0, then safetensors save_file
     from safetensors.torch import save_file
@@ -178,7 +186,8 @@ def task_save(p: dict[str, Any]) -> dict[str, Any]:
         del full
         _fsync_rank0(rank, tg)
 
-    res["torch_gathered_save"] = _timed_case(rank, 1, tg_body, _rank0_rm(rank, tg))
+    if "torch_gathered_save" in want:
+        res["torch_gathered_save"] = _timed_case(rank, 1, tg_body, _rank0_rm(rank, tg))
 
     if rank == 0:
         res["layout"] = {
@@ -212,6 +221,14 @@ def _layout(path: Path, meta_glob: str) -> dict[str, Any]:
                 out["slices"] = sum(len(t.get("slices", [])) for t in tensors.values())
             except (ValueError, AttributeError):
                 pass
+            try:  # what every loading rank pays before reading a byte: parse + validate the index
+                from unickpt.format.index import load_index
+
+                t0 = time.perf_counter()
+                load_index(f)
+                out["index_parse_s"] = time.perf_counter() - t0
+            except Exception as e:
+                out["index_parse_error"] = f"{type(e).__name__}: {e}"[:200]
     return out
 
 

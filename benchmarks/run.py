@@ -254,10 +254,20 @@ def suite(args: argparse.Namespace) -> dict[str, Any]:
     # 2. distributed FSDP2: save on `world`, load resharded on `load_world`
     dist_dirs: dict[float, Path] = {}
 
-    def dist_save(sz: float, world: int, reps: int, tag: str, group: str) -> dict[str, Any]:
+    all_cases = {
+        "dcp_save": "DCP save",
+        "dcp_hf_save": "DCP HuggingFaceStorageWriter save",
+        "unickpt_save": "unickpt sharded save (gather_dtensor=False)",
+        "unickpt_gathered_save": "unickpt gathered save (rank 0 writes)",
+        "torch_gathered_save": "torch full_state_dict + save_file on rank 0",
+    }
+
+    def dist_save(
+        sz: float, world: int, reps: int, tag: str, group: str, cases: tuple[str, ...] = tuple(all_cases)
+    ) -> dict[str, Any]:
         wd = root / f"dist-{sz:g}MB-w{world}"
         wd.mkdir(exist_ok=True)
-        p = dict(base, size_mb=sz, reps=reps, workdir=str(wd))
+        p = dict(base, size_mb=sz, reps=reps, workdir=str(wd), cases=list(cases))
         print(f"  [world {world}, {sz:g} MiB: save]", file=sys.stderr, flush=True)
         out = run_world("save", world, p, to * 3)
         b = C.spec_bytes(C.state_spec(sz))
@@ -268,13 +278,7 @@ def suite(args: argparse.Namespace) -> dict[str, Any]:
             f"FSDP2 x{world} {sz:g} MiB: ",
             out,
             b,
-            {
-                "dcp_save": "DCP save",
-                "dcp_hf_save": "DCP HuggingFaceStorageWriter save",
-                "unickpt_save": "unickpt sharded save (gather_dtensor=False)",
-                "unickpt_gathered_save": "unickpt gathered save (rank 0 writes)",
-                "torch_gathered_save": "torch full_state_dict + save_file on rank 0",
-            },
+            {k: all_cases[k] for k in cases},
         )
         if out.get("ranks") and out["ranks"][0]:
             layouts[tag] = dict(
@@ -304,7 +308,14 @@ def suite(args: argparse.Namespace) -> dict[str, Any]:
     # 3. offline merge at two sizes (the smaller one is a quarter of the bytes)
     small = size / 4
     if "merge" in groups:
-        dist_save(small, args.world, 1, f"w{args.world}_small_", "merge-src")
+        dist_save(
+            small,
+            args.world,
+            1,
+            f"w{args.world}_small_",
+            "merge-src",
+            ("dcp_save", "dcp_hf_save", "unickpt_save"),
+        )
         dist_dirs[small] = root / f"dist-{small:g}MB-w{args.world}"
         for sz in (small, size):
             wd = dist_dirs[sz]
@@ -325,7 +336,8 @@ def suite(args: argparse.Namespace) -> dict[str, Any]:
             for w in args.scaling_worlds:
                 if w == args.world and sz in dist_dirs:
                     continue  # measured above
-                dist_save(sz, w, 1, f"w{w}_{'small_' if sz == small else ''}", "scaling")
+                tag = f"w{w}_{'small_' if sz == small else ''}"
+                dist_save(sz, w, 1, tag, "scaling", ("dcp_save", "unickpt_save"))
                 C.rm(root / f"dist-{sz:g}MB-w{w}")
 
     elapsed = time.perf_counter() - t_start
