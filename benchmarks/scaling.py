@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 GB = 1e9
@@ -64,7 +65,7 @@ def fit_index(layouts: list[dict[str, Any]]) -> tuple[float, float] | None:
 
 
 def main() -> None:
-    rep = json.loads(open(sys.argv[1]).read())
+    rep = json.loads(Path(sys.argv[1]).read_text())
     rows = {r["key"]: r for r in rep["rows"] if r.get("status") == "ok"}
     lay = rep.get("layouts", {})
     print(
