@@ -55,11 +55,12 @@ echo "     ranges of its own heads / MLP columns; AdamW state and the data posit
 launch 2 examples/train_tp.py --steps "$TP_STEPS" --resume-from "$FSDP_CKPT" --save-dir "$TP_CKPT" \
     | tee "$DEMO_DIR/tp.log"
 RESUMED_LOSS=$(sed -n 's/^resumed step .* eval loss \([0-9.]*\)$/\1/p' "$DEMO_DIR/tp.log")
-if [[ "$RESUMED_LOSS" != "$SAVED_LOSS" ]]; then
+# Same weights, different parallel math: equal up to float reduction order (1e-5).
+if [[ -z "$RESUMED_LOSS" ]] || ! awk -v a="$SAVED_LOSS" -v b="$RESUMED_LOSS" 'BEGIN { d = a - b; exit !(d < 1e-5 && d > -1e-5) }'; then
     echo "demo: eval loss after resuming under TP ($RESUMED_LOSS) differs from FSDP2's at save ($SAVED_LOSS)" >&2
     exit 1
 fi
-echo "---> the TP x2 job sees the same model the FSDP2 x4 job saved: eval loss $SAVED_LOSS both ways,"
+echo "---> the TP x2 job sees the same model the FSDP2 x4 job saved: eval loss $SAVED_LOSS at save, $RESUMED_LOSS after resuming,"
 echo "     and its losses continue the FSDP2 curve from step $((FSDP_STEPS + 1))."
 
 headline "3/6  unickpt inspect: what the FSDP2 checkpoint holds (from its index alone; first rows)"

@@ -29,7 +29,8 @@ echo "== TP x$RESUME_NPROC: resume from $WORK/fsdp2 (latest step), train $STEPS 
 
 saved=$(sed -n 's/^saved step .* eval loss \([0-9.]*\)$/\1/p' "$WORK/fsdp2.log")
 resumed=$(sed -n 's/^resumed step .* eval loss \([0-9.]*\)$/\1/p' "$WORK/tp.log")
-if [[ -z "$saved" || "$saved" != "$resumed" ]]; then
+# Same weights, different parallel math: equal up to float reduction order (1e-5).
+if [[ -z "$saved" || -z "$resumed" ]] || ! awk -v a="$saved" -v b="$resumed" 'BEGIN { d = a - b; exit !(d < 1e-5 && d > -1e-5) }'; then
     echo "FAILED: eval loss at save ($saved) and after resuming with TP ($resumed) differ" >&2
     exit 1
 fi
