@@ -390,3 +390,24 @@ def test_hf_config_written_beside_weights(tmp_path: Path) -> None:
     loaded = transformers.LlamaForCausalLM.from_pretrained(out)
     ids = torch.tensor([[1, 2, 3]])
     assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_optimizer_loads_into_fresh_optimizer_when_gradients_exist(tmp_path: Path) -> None:
+    """torch's own state initialisation skips optimizers whose parameters have gradients."""
+    io = GeneralCheckpointIO()
+    m = fresh(0)
+    opt = _optim(m, 0.1)
+    m(torch.tensor([1, 2])).sum().backward()
+    opt.step()
+    io.save_optimizer(OptimizerWrapper(opt, m), tmp_path / "o", shard=True)
+    io.save_model(m, tmp_path / "m", shard=True)
+    m2 = fresh(1)
+    opt2 = _optim(m2, 0.5)
+    m2(torch.tensor([3])).sum().backward()
+    grad = m2.proj.weight.grad.clone()
+    io.load_model(m2, tmp_path / "m")
+    io.load_optimizer(OptimizerWrapper(opt2, m2), tmp_path / "o")
+    assert_same(m, m2)  # loading the optimizer never moves parameters
+    assert torch.equal(m2.proj.weight.grad, grad)  # nor drops the user's gradients
+    assert torch.equal(opt2.state[m2.proj.weight]["exp_avg"], opt.state[m.proj.weight]["exp_avg"])
+    assert opt2.param_groups[0]["lr"] == 0.1

@@ -275,15 +275,16 @@ def test_non_checkpoint_paths(tmp_path: Path) -> None:
         io.load_model(t, tmp_path / "notes.txt")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="io/checkpoint_io.load_lr_scheduler lets KeyError (and RecursionError on deep JSON) escape "
-    "on hostile JSON (reported to the lead; not in this area)",
-)
 @pytest.mark.parametrize(
     "payload",
     [
         b'{"state": {"__tensor__": {"dtype": "F32"}}}',
+        b'{"state": {"x": {"__tensor__": {"dtype": "XX", "shape": [1], "data": [1]}}}}',
+        b'{"state": {"x": {"__tensor__": {"dtype": "F32", "shape": [1000000000], "data": []}}}}',
+        b'{"state": 5}',
+        b"[" * 100_000,
+        b'{"state": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5001,
+        b"\xff\xfe",
     ],
 )
 def test_hostile_lr_scheduler_json(payload: bytes, tmp_path: Path) -> None:

@@ -334,9 +334,6 @@ def test_merged_index_entries_match_plain_hf(tmp_path: Path) -> None:
         assert name in read_header(out / f).entries
 
 
-@pytest.mark.xfail(
-    strict=True, reason="core bug: load_optimizer into a never-stepped optimizer loads no state"
-)
 def test_core_load_optimizer_into_fresh_optimizer(tmp_path: Path) -> None:
     from unickpt import OptimizerWrapper
 

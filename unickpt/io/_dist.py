@@ -6,6 +6,8 @@ code path serves a single process and thousands of ranks.
 
 from __future__ import annotations
 
+import copy
+import pickle
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -61,25 +63,33 @@ def barrier(group: Any = None) -> None:
 def agree(error: BaseException | None, what: str, group: Any = None) -> None:
     """Collective: if any rank hit an error, raise one on every rank, naming each rank's problem.
 
-    Every rank must call this at the same point. An ``UnickptError`` raised on some ranks is
-    re-raised with the same type on all of them, so that no rank waits in a later collective
-    for a peer that already gave up.
+    Every rank must call this at the same point. The error of the lowest failing rank is
+    raised on every rank (same type and attributes, e.g. ``IntegrityError.failures``), with a
+    message listing every failing rank, so that no rank waits in a later collective for a
+    peer that already gave up.
     """
     if not is_distributed(group):
         if error is not None:
             raise error
         return
-    reports = all_gather_object(None if error is None else (type(error).__name__, str(error)), group)
+    payload: Any = None
+    if error is not None:
+        try:
+            pickle.dumps(error)
+            payload = error
+        except Exception:  # an unpicklable error travels as its text
+            payload = DistributedError(f"{type(error).__name__}: {error}")
+    reports = all_gather_object(payload, group)
     bad = [(r, rep) for r, rep in enumerate(reports) if rep is not None]
     if not bad:
         return
     if error is not None and len(bad) == 1:
         raise error
-    lines = "\n".join(f"[rank {r}] {name}: {msg}" for r, (name, msg) in bad)
+    lines = "\n".join(f"[rank {r}] {type(rep).__name__}: {rep}" for r, rep in bad)
     message = f"{what} failed on {len(bad)} of {len(reports)} rank(s):\n{lines}"
-    if error is not None and isinstance(error, UnickptError):
-        try:
-            raise type(error)(message) from error
-        except TypeError:
-            pass
-    raise DistributedError(message) from error
+    first = bad[0][1]
+    if not isinstance(first, UnickptError):
+        first = DistributedError(str(first))
+    raised = copy.copy(first)
+    raised.args = (message,)
+    raise raised from error

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from unickpt.errors import IndexFileError, UnsupportedError
+from unickpt.errors import IndexFileError, StateMismatchError, UnsupportedError
 from unickpt.format.commit import atomic_write_bytes
 from unickpt.format.index import LayoutInfo
 from unickpt.format.reader import CheckpointReader, open_checkpoint
@@ -159,6 +159,7 @@ class CheckpointIO:
         """FQN-keyed optimizer state: ``{"state": {fqn: {key: value}}, "param_groups": [...]}``."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+        _init_state(optim)
         osd: dict[str, Any] = dict(get_optimizer_state_dict(self.unwrap_model(model), optim))
         state = {normalize_name(k): v for k, v in osd["state"].items()}
         groups = [dict(g, params=[normalize_name(p) for p in g["params"]]) for g in osd["param_groups"]]
@@ -368,6 +369,17 @@ class CheckpointIO:
             )
             template = self.optimizer_tensors(model, optim)
             template["state"] = {f: st for f, st in template["state"].items() if p + f in saved_params}
+            with_tensors = {e.param for e in block.tensors.values() if e.param is not None}
+            unfilled = [
+                f
+                for f, _ in self._named_parameters(model)
+                if p + f in with_tensors and f not in template["state"]
+            ]
+            if unfilled:
+                raise StateMismatchError(
+                    f"{os.fspath(checkpoint)}: the optimizer has no state slot for {len(unfilled)} parameter(s) "
+                    f"the checkpoint holds state for, e.g. {unfilled[:3]}; is it the same optimizer class?"
+                )
             targets: dict[str, torch.Tensor] = {}
             for fqn, st in template["state"].items():
                 for k, v in st.items():
@@ -425,11 +437,19 @@ class CheckpointIO:
             from unickpt.errors import IncompleteCheckpointError
 
             raise IncompleteCheckpointError(f"no LR scheduler state at {path}") from e
-        except (ValueError, UnicodeDecodeError) as e:
-            raise IndexFileError(f"{path}: LR scheduler state is not valid JSON ({e})") from None
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            raise IndexFileError(
+                f"{path}: LR scheduler state is not valid JSON ({type(e).__name__}: {e})"
+            ) from None
         if not isinstance(obj, dict) or "state" not in obj:
             raise IndexFileError(f"{path}: not a unickpt LR scheduler file (no 'state' key)")
-        lr_scheduler.load_state_dict(from_json_value(obj["state"]))
+        try:
+            state = from_json_value(obj["state"])
+        except (KeyError, TypeError, ValueError, RecursionError) as e:
+            raise IndexFileError(f"{path}: malformed LR scheduler state ({type(e).__name__}: {e})") from None
+        if not isinstance(state, dict):
+            raise IndexFileError(f"{path}: LR scheduler state must be a JSON object")
+        lr_scheduler.load_state_dict(state)
 
     # ------------------------------------------------------------------ helpers
     def _options(self, kind: str, shard: bool, gather: bool, size_mb: float) -> SaveOptions:
@@ -477,6 +497,33 @@ class CheckpointIO:
         directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
         for fname, text in hf_config_files(self.unwrap_model(model)).items():
             atomic_write_bytes(os.path.join(directory, fname), text.encode("utf-8"))
+
+
+def _init_state(optim: torch.optim.Optimizer) -> None:
+    """Give a fresh optimizer its state tensors, with a zero-gradient step at lr 0.
+
+    torch's own initialisation (inside ``get_optimizer_state_dict``) silently does nothing when
+    any parameter already has a gradient, and a load would then find no state to fill. The
+    user's gradients are put back afterwards; parameters do not move (lr is 0).
+    """
+    if optim.state:
+        return
+    params = [p for g in optim.param_groups for p in g["params"] if p.requires_grad]
+    grads = [p.grad for p in params]
+    lrs = [g.get("lr") for g in optim.param_groups]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for g in optim.param_groups:
+            if "lr" in g:
+                g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+        optim.step()
+    finally:
+        for g, lr in zip(optim.param_groups, lrs, strict=True):
+            if lr is not None:
+                g["lr"] = lr
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad
 
 
 def _param_of(reader: CheckpointReader, name: str) -> str | None:
