@@ -403,7 +403,7 @@ def test_optimizer_loads_into_fresh_optimizer_when_gradients_exist(tmp_path: Pat
     io.save_model(m, tmp_path / "m", shard=True)
     m2 = fresh(1)
     opt2 = _optim(m2, 0.5)
-    m2(torch.tensor([3])).sum().backward()
+    m2(torch.tensor([3, 4])).sum().backward()
     grad = m2.proj.weight.grad.clone()
     io.load_model(m2, tmp_path / "m")
     io.load_optimizer(OptimizerWrapper(opt2, m2), tmp_path / "o")
