@@ -3,7 +3,7 @@
 # hashes, resume it with tensor parallelism on 2 processes, then inspect, verify, merge to a plain
 # Hugging Face checkpoint, load that with transformers, and diff it against the sliced original.
 #
-# CPU only (gloo), about 2-4 minutes on 2 cores. Everything lands in $DEMO_DIR (default build/demo,
+# CPU only (gloo), about 1-3 minutes on 2 cores. Everything lands in $DEMO_DIR (default build/demo,
 # wiped first). Run from anywhere: bash examples/demo.sh
 set -euo pipefail
 
@@ -42,14 +42,14 @@ TP_CKPT="$DEMO_DIR/tp-run"
 HF_OUT="$DEMO_DIR/hf"
 MODEL_DIR="$FSDP_CKPT/step-$FSDP_STEPS/model"
 
-headline "1/6  Train a tiny Llama (37-token vocab, tied head) with FSDP2 on 4 processes, save a sliced checkpoint"
+headline "1/7  Train a tiny Llama (37-token vocab, tied head) with FSDP2 on 4 processes, save a sliced checkpoint"
 echo "     Each rank holds uneven row blocks (37 rows -> 10/10/10/7) and writes only its own blocks,"
 echo "     with an xxh3 hash per block; rank 0 commits the index last."
 launch 4 examples/train_fsdp2.py --steps "$FSDP_STEPS" --save-dir "$FSDP_CKPT" | tee "$DEMO_DIR/fsdp2.log"
 SAVED_LOSS=$(sed -n 's/^saved step .* eval loss \([0-9.]*\)$/\1/p' "$DEMO_DIR/fsdp2.log")
 [[ -n "$SAVED_LOSS" ]] || { echo "demo: the FSDP2 run did not report its eval loss" >&2; exit 1; }
 
-headline "2/6  Resume that checkpoint with tensor parallelism on 2 processes and train on"
+headline "2/7  Resume that checkpoint with tensor parallelism on 2 processes and train on"
 echo "     Same checkpoint, different parallelism and world size: each TP rank reads only the byte"
 echo "     ranges of its own heads / MLP columns; AdamW state and the data position come along."
 launch 2 examples/train_tp.py --steps "$TP_STEPS" --resume-from "$FSDP_CKPT" --save-dir "$TP_CKPT" \
@@ -63,18 +63,18 @@ fi
 echo "---> the TP x2 job sees the same model the FSDP2 x4 job saved: eval loss $SAVED_LOSS at save, $RESUMED_LOSS after resuming,"
 echo "     and its losses continue the FSDP2 curve from step $((FSDP_STEPS + 1))."
 
-headline "3/6  unickpt inspect: what the FSDP2 checkpoint holds (from its index alone; first rows)"
+headline "3/7  unickpt inspect: what the FSDP2 checkpoint holds (from its index alone; first rows)"
 INSPECT=$("$BIN/unickpt" inspect "$MODEL_DIR")
 printf '%s\n' "$INSPECT" | sed -n '1,12p'
 echo "     ... ($(printf '%s\n' "$INSPECT" | grep -c ' F32 ') tensors in all; \`unickpt inspect --slices\` lists every block)"
 
-headline "4/6  unickpt verify: rehash every stored block of the model and optimizer checkpoints"
+headline "4/7  unickpt verify: rehash every stored block of the model and optimizer checkpoints"
 "$BIN/unickpt" verify -q "$MODEL_DIR"
 echo "OK: $MODEL_DIR"
 "$BIN/unickpt" verify -q "$FSDP_CKPT/step-$FSDP_STEPS/optimizer"
 echo "OK: $FSDP_CKPT/step-$FSDP_STEPS/optimizer"
 
-headline "5/6  unickpt merge: offline (no process group) into a plain Hugging Face checkpoint, then load it"
+headline "5/7  unickpt merge: offline (no process group) into a plain Hugging Face checkpoint, then load it"
 "$BIN/unickpt" merge -q "$MODEL_DIR" "$HF_OUT"
 # The training script saved the model's config beside its checkpoints; HF loaders need it.
 cp "$FSDP_CKPT/config.json" "$HF_OUT/config.json"
@@ -82,7 +82,7 @@ ls -l "$HF_OUT" | sed 1d
 "$BIN/python" examples/load_merged.py "$HF_OUT" --expect-loss "$SAVED_LOSS"
 echo "---> LlamaForCausalLM.from_pretrained on the merged files reproduces the saved eval loss $SAVED_LOSS."
 
-headline "6/6  unickpt diff: sliced FSDP2 checkpoint vs merged HF checkpoint (fingerprints from the index files)"
+headline "6/7  unickpt diff: sliced FSDP2 checkpoint vs merged HF checkpoint (fingerprints from the index files)"
 "$BIN/unickpt" diff "$MODEL_DIR" "$HF_OUT"
 echo "---> identical weights, established without reading a single tensor byte."
 echo "     And against the TP run's later checkpoint (trained $TP_STEPS more steps), every tensor differs:"
@@ -97,6 +97,30 @@ if [[ $rc -ne 1 ]]; then
 fi
 sed -n '1,4p' "$DEMO_DIR/diff-tp.txt"
 echo "     ... (exit code 1: the checkpoints differ; full report in $DEMO_DIR/diff-tp.txt)"
+
+headline "7/7  What hashes buy: flip one byte in a copy of the FSDP2 checkpoint and verify again"
+BROKEN="$DEMO_DIR/broken-copy"
+cp -r "$MODEL_DIR" "$BROKEN"
+"$BIN/python" - "$BROKEN/model-00003-of-00004.safetensors" <<'PY'
+import sys
+path = sys.argv[1]
+with open(path, "r+b") as f:
+    f.seek(-100, 2)  # inside the data section, near the end of rank 2's file
+    b = f.read(1)
+    f.seek(-100, 2)
+    f.write(bytes([b[0] ^ 0x01]))
+print(f"flipped the lowest bit of the byte 100 bytes before the end of {path}")
+PY
+set +e
+"$BIN/unickpt" verify -q "$BROKEN" 2>"$DEMO_DIR/verify-broken.txt"
+rc=$?
+set -e
+if [[ $rc -ne 1 ]]; then
+    echo "demo: expected \`unickpt verify\` to fail with exit 1 on the corrupted copy, got exit $rc" >&2
+    exit 1
+fi
+sed -n '/^FAILED/,$p' "$DEMO_DIR/verify-broken.txt"
+echo "---> exit code 1, naming the damaged tensor, its block and its file (the other blocks are intact)."
 
 headline "Done in $((SECONDS - START)) s. Files are in $DEMO_DIR:"
 printf '  %-36s %s\n' \
