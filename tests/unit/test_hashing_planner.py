@@ -132,3 +132,28 @@ def test_plan_refuses_disagreement_and_gaps() -> None:
             size_per_shard_bytes=None,
             sliced=True,
         )
+
+
+def test_coverage_agrees_with_counting_every_element() -> None:
+    import random
+
+    rnd = random.Random(0)
+    for _ in range(500):
+        shape = (rnd.randint(1, 6), rnd.randint(1, 6), rnd.randint(1, 3))
+        boxes = []
+        for _ in range(rnd.randint(1, 6)):
+            off = tuple(rnd.randrange(g) for g in shape)
+            shp = tuple(rnd.randint(1, g - o) for g, o in zip(shape, off, strict=True))
+            boxes.append((off, shp))
+        count = np.zeros(shape, dtype=int)
+        for off, shp in boxes:
+            count[tuple(slice(o, o + n) for o, n in zip(off, shp, strict=True))] += 1
+        assert (coverage_problem(shape, boxes) is None) == bool((count == 1).all()), (shape, boxes)
+
+
+def test_coverage_of_a_hundred_thousand_slices_is_fast_enough() -> None:
+    n = 100_000
+    rows = [((i, 0), (1, 4)) for i in range(n)]
+    assert coverage_problem((n, 4), rows) is None
+    rows[n // 2] = ((n // 2 - 1, 0), (2, 4))
+    assert "overlap" in str(coverage_problem((n, 4), rows))
