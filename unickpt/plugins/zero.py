@@ -172,6 +172,15 @@ class ZeroPartition:
             for buf in self.buffers:
                 dist.broadcast(buf, src=src, group=self.group)
 
+    @torch.no_grad()
+    def refresh_shards(self) -> None:
+        """Copy each rank's range of the parameters into its shard (after a model load; local)."""
+        for b in self.buckets:
+            for p, off in zip(b.params, b.offsets, strict=True):
+                lo, hi = max(off, b.lo), min(off + p.numel(), b.hi)
+                if hi > lo:
+                    b.shard[lo - b.lo : hi - b.lo] = p.detach().reshape(-1)[lo - off : hi - off]
+
     def init_state(self) -> None:
         """Create the optimizer's state for every shard without changing any value.
 
@@ -246,8 +255,10 @@ class ZeroCheckpointIO(CheckpointIO):
         super().__init__(mesh, group)
         self.partition = partition
         self._gather = False
-        # id(view) -> (view, global shape, flat start, flat stop); views are kept alive here.
-        self._flat: dict[int, tuple[torch.Tensor, tuple[int, ...], int, int]] = {}
+        self._loading = False
+        # id(key) -> (key, view, global shape, flat start, stop). The key is the view itself when
+        # saving, and a parameter-shaped meta tensor when loading (the loader matches shapes).
+        self._flat: dict[int, tuple[torch.Tensor, torch.Tensor, tuple[int, ...], int, int]] = {}
 
     def save_optimizer(
         self,
@@ -270,10 +281,21 @@ class ZeroCheckpointIO(CheckpointIO):
 
     def load_optimizer(self, optimizer: Any, checkpoint: Any, verify: bool = False, **kwargs: Any) -> Any:
         """Collective; see :meth:`CheckpointIO.load_optimizer`. State is copied straight into the shards."""
+        self._loading = True
         try:
             return super().load_optimizer(optimizer, checkpoint, verify, **kwargs)
         finally:
+            self._loading = False
             self._flat.clear()
+
+    def load_model(
+        self, model: nn.Module, checkpoint: Any, strict: bool = True, verify: bool = False, **kwargs: Any
+    ) -> Any:
+        """Collective; see :meth:`CheckpointIO.load_model`. The optimizer's shards then follow the weights."""
+        report = super().load_model(model, checkpoint, strict, verify, **kwargs)
+        if self.partition is not None:
+            self.partition.refresh_shards()
+        return report
 
     def _part(self) -> ZeroPartition:
         if self.partition is None:
@@ -303,8 +325,9 @@ class ZeroCheckpointIO(CheckpointIO):
                 if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == b.chunk:
                     base = max(0, b.offsets[i] + start - b.lo)
                     view = v[base : base + (stop - start)]
-                    self._flat[id(view)] = (view, tuple(p.shape), start, stop)
-                    state.setdefault(fqn, {})[k] = view
+                    key = torch.empty(p.shape, dtype=v.dtype, device="meta") if self._loading else view
+                    self._flat[id(key)] = (key, view, tuple(p.shape), start, stop)
+                    state.setdefault(fqn, {})[k] = key
                 else:
                     state.setdefault(fqn, {})[k] = v
         return {"state": state, "param_groups": groups}
@@ -319,12 +342,12 @@ class ZeroCheckpointIO(CheckpointIO):
         hit = self._flat.get(id(tensor))
         if hit is None or hit[0] is not tensor:
             return super().local_boxes(name, tensor)
-        _, gshape, start, stop = hit
+        _, view, gshape, start, stop = hit
         dtype = st_dtype(tensor.dtype, name)
         out = []
         for (off, shp), fs in flat_range_to_boxes(gshape, start, stop):
             n = math.prod(shp)
-            out.append(LocalSlice(name, dtype, gshape, off, shp, tensor[fs - start : fs - start + n]))
+            out.append(LocalSlice(name, dtype, gshape, off, shp, view[fs - start : fs - start + n]))
         return out
 
     def set_optimizer_tensors(
