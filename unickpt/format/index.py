@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from unickpt.errors import IndexFileError, UnsafePathError
+from unickpt.format._json import strict_loads
 from unickpt.format.dtypes import DTYPE_ITEMSIZE
 
 __all__ = [
@@ -184,54 +185,13 @@ class IndexFile(BaseModel):
         return v
 
 
-def _nesting_ok(text: str, limit: int = 64) -> bool:
-    depth = 0
-    deepest = 0
-    in_str = False
-    esc = False
-    for ch in text:
-        if in_str:
-            if esc:
-                esc = False
-            elif ch == "\\":
-                esc = True
-            elif ch == '"':
-                in_str = False
-        elif ch == '"':
-            in_str = True
-        elif ch in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-            if deepest > limit:
-                return False
-        elif ch in "]}":
-            depth -= 1
-    return True
-
-
-def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise IndexFileError(f"duplicate key {k!r}")
-        out[k] = v
-    return out
-
-
 def parse_index(raw: bytes, path: str) -> IndexFile:
     """Parse and validate index bytes; every failure is an ``IndexFileError`` naming ``path``."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise IndexFileError(f"{path}: index is not valid UTF-8 ({e})") from None
-    if not _nesting_ok(text):
-        raise IndexFileError(f"{path}: index JSON is nested deeper than 64 levels")
-    try:
-        obj = json.loads(text, object_pairs_hook=_reject_duplicates)
-    except IndexFileError as e:
-        raise IndexFileError(f"{path}: index has a {e}") from None
-    except (ValueError, RecursionError) as e:
-        raise IndexFileError(f"{path}: index is not valid JSON ({e})") from None
+    obj = strict_loads(text, IndexFileError, f"{path}: index")
     if not isinstance(obj, dict):
         raise IndexFileError(f"{path}: index must be a JSON object with a 'weight_map'")
     try:

@@ -12,7 +12,6 @@ No torch here. ``CheckpointReader`` is what ``load_model``, ``verify``, ``inspec
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -28,6 +27,7 @@ from unickpt.errors import (
     IndexFileError,
     IntegrityFailure,
 )
+from unickpt.format._json import strict_loads
 from unickpt.format.boxes import coverage_problem
 from unickpt.format.hashing import SliceHasher
 from unickpt.format.index import (
@@ -207,7 +207,7 @@ def _block_from_header(h: SafetensorsHeader, kind: str) -> tuple[UnickptBlock, b
     raw = h.metadata.get(UNICKPT_METADATA_KEY)
     if raw is not None:
         try:
-            obj = json.loads(raw)
+            obj = strict_loads(raw, IndexFileError, f"{h.path}: the unickpt metadata block")
             tensors = obj.get("tensors") if isinstance(obj, dict) else None
             if isinstance(tensors, dict):
                 # Slices of a single file live in that file, whatever it was renamed to.

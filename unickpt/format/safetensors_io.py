@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from unickpt.errors import HeaderError, IncompleteCheckpointError
+from unickpt.format._json import strict_loads
 from unickpt.format.dtypes import DTYPE_ITEMSIZE
 
 __all__ = [
@@ -73,15 +74,6 @@ class SafetensorsHeader:
         return self.data_start + e.begin, e.nbytes
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise HeaderError(f"duplicate key {k!r}")
-        out[k] = v
-    return out
-
-
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -94,12 +86,7 @@ def parse_header(raw: bytes, data_len: int, path: str) -> tuple[dict[str, Header
         raise HeaderError(f"{path}: safetensors header is not valid UTF-8 ({e})") from e
     if not text.startswith("{"):
         raise HeaderError(f"{path}: safetensors header must be a JSON object starting with '{{'")
-    try:
-        obj = json.loads(text, object_pairs_hook=_no_duplicates)
-    except HeaderError as e:
-        raise HeaderError(f"{path}: safetensors header has a {e}") from None
-    except (ValueError, RecursionError) as e:
-        raise HeaderError(f"{path}: safetensors header is not valid JSON ({type(e).__name__}: {e})") from None
+    obj = strict_loads(text, HeaderError, f"{path}: safetensors header")
     if not isinstance(obj, dict):
         raise HeaderError(f"{path}: safetensors header must be a JSON object")
     metadata: dict[str, str] = {}
