@@ -387,8 +387,7 @@ class CheckpointManager:
                         f"extra state {name!r} ({type(obj).__name__}) has no state_dict()/load_state_dict()"
                     )
                 state["extra"][name] = _encode(obj.state_dict(), f"extra.{name}", state_tensors)
-            if self.save_hf:
-                hf_config = hf_config_files(self.io.unwrap_model(model))
+            hf_config = hf_config_files(self.io.unwrap_model(model))
         except BaseException as e:
             err = e
         _dist.agree(err, f"capturing the state of step {step}", self.group)
@@ -421,6 +420,10 @@ class CheckpointManager:
             try:
                 if rank == 0 and p.scheduler is not None:
                     atomic_write_bytes(os.path.join(p.stage, "lr_scheduler.json"), p.scheduler)
+                if rank == 0:
+                    # config.json beside the sliced model: `unickpt merge` carries it to the HF copy.
+                    for fname, text in p.hf_config.items():
+                        atomic_write_bytes(os.path.join(p.stage, "model", fname), text.encode("utf-8"))
                 _write_rank_state(p.stage, rank, p.train_state, p.state_tensors)
             except BaseException as e:
                 err = e

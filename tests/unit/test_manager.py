@@ -261,3 +261,17 @@ def test_bad_inputs(tmp_path: Path) -> None:
     assert mgr.all_steps() == []
     mgr.save(1, model, opt)
     assert mgr.all_steps() == [1]
+
+
+def test_hf_config_is_written_beside_the_sliced_model(tmp_path: Path) -> None:
+    class Config:
+        def to_json_string(self) -> str:
+            return '{"model_type": "tiny"}'
+
+    model, opt, _, _ = _setup(0)
+    model.config = Config()  # type: ignore[assignment]
+    mgr = CheckpointManager(tmp_path, save_steps=1)
+    mgr.save(1, model, opt)
+    assert json.loads((tmp_path / "step-1" / "model" / "config.json").read_text()) == {"model_type": "tiny"}
+    merged = unickpt.merge_checkpoint(tmp_path / "step-1" / "model", tmp_path / "hf")
+    assert (Path(merged) / "config.json").exists()
