@@ -1,22 +1,38 @@
 """Shared pieces for tests/dist: the tiny models, data, and layouts the worker ranks build.
 
 The worker functions in the test modules import this file as ``conftest`` inside ranks
-started by ``harness.run_world`` (``tests/dist`` is on their path), so it must stay free
-of fixtures that need pytest state. Everything here is deterministic given a seed.
+started by ``harness`` (``tests/dist`` is on their path); the only fixture, ``world_pool``,
+is for the parent process. Everything else is deterministic given a seed.
 
-The model (``Net``, about 20 KB) has what resharding must survive: odd sizes (vocab 33,
-feed-forward 33, so splits over 2 and 4 ranks are uneven), an embedding tied to the output
+The model (``Net``, about 20 KB) has what resharding must survive: odd sizes (vocab 33:
+the tied embedding and an extra output projection split unevenly over 2 and 4 ranks under
+FSDP2 and TP), an embedding tied to the output
 head, biases, a BatchNorm (running-stat buffers), a bf16 parameter, LayerNorms and two
 small transformer blocks whose attention and MLP can be tensor-parallel.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+@pytest.fixture(scope="session")
+def world_pool() -> Iterator[Any]:
+    """Persistent worlds of each size, shared by every test module of tests/dist."""
+    from harness import WorldPool
+
+    pool = WorldPool()
+    try:
+        yield pool
+    finally:
+        pool.close()
+
 
 VOCAB = 33
 DIM = 16
@@ -69,17 +85,17 @@ class Bf16Scale(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, n_blocks: int = 2) -> None:
+    def __init__(self, n_blocks: int = 2, vocab: int = VOCAB) -> None:
         super().__init__()
-        self.emb = nn.Embedding(VOCAB, DIM)
+        self.emb = nn.Embedding(vocab, DIM)
         self.blocks = nn.ModuleList([Block(DIM, HEADS, FF) for _ in range(n_blocks)])
         self.bn = nn.BatchNorm1d(DIM)
         self.scale = Bf16Scale(DIM)
         self.norm = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head = nn.Linear(DIM, vocab, bias=False)
         self.head.weight = self.emb.weight  # tied
         # An untied second output: its 33 rows split unevenly under tensor parallelism too.
-        self.proj = nn.Linear(DIM, VOCAB)
+        self.proj = nn.Linear(DIM, vocab)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.emb(tokens)
@@ -91,9 +107,10 @@ class Net(nn.Module):
         return self.head(h) + self.proj(h)
 
 
-def make_model(seed: int = 0) -> Net:
+def make_model(seed: int = 0, **kwargs: Any) -> Net:
+    """``Net(**kwargs)`` initialised from ``seed`` (identically on every rank)."""
     torch.manual_seed(seed)
-    model = Net()
+    model = Net(**kwargs)
     # Non-trivial LayerNorm/BatchNorm affine values and buffers, so a load that skips them shows.
     with torch.no_grad():
         g = torch.Generator().manual_seed(seed + 1000)

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 import pytest
-from harness import CaseResult, WorldError, WorldTimeout, run_cases, run_world
+from harness import CaseResult, WorldError, WorldPool, WorldTimeout, run_cases, run_world
 
 STEPS = 4
 WORLD_TIMEOUT_S = 240.0
@@ -232,14 +232,16 @@ def fail_worker() -> None:
 
 
 @pytest.fixture(scope="module")
-def worlds(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
-    return {}
+def worlds(world_pool: WorldPool) -> dict[Any, Any]:
+    return {"pool": world_pool}
 
 
-def _world(worlds: dict[int, Any], ws: int) -> dict[str, CaseResult]:
+def _world(worlds: dict[Any, Any], ws: int) -> dict[str, CaseResult]:
     if ws not in worlds:
         try:
-            worlds[ws] = run_world(ws, "test_plugins_train:train_worker", ws, timeout=WORLD_TIMEOUT_S)[0]
+            worlds[ws] = worlds["pool"].run(
+                ws, "test_plugins_train:train_worker", ws, timeout=WORLD_TIMEOUT_S
+            )[0]
         except WorldError as e:
             worlds[ws] = e
     result = worlds[ws]
@@ -264,12 +266,13 @@ def test_train_matches_single_process(worlds: dict[int, Any], ws: int, case: str
 def test_harness_kills_a_hung_world() -> None:
     t0 = time.monotonic()
     with pytest.raises(WorldTimeout, match="exceeded"):
-        run_world(2, "test_plugins_train:hang_worker", timeout=12)
+        run_world(2, "test_plugins_train:hang_worker", timeout=6)
     assert time.monotonic() - t0 < 30
 
 
 def test_harness_reports_rank_tracebacks() -> None:
     with pytest.raises(WorldError) as info:
-        run_world(2, "test_plugins_train:fail_worker", timeout=60, env={"UNICKPT_TEST_PG_TIMEOUT_S": "10"})
+        run_world(2, "test_plugins_train:fail_worker", timeout=120, fail_grace_s=2)
     assert "rank one fails on purpose" in info.value.rank_errors[1]
+    assert "after a peer failed" in info.value.rank_errors[0]  # blocked in the barrier, killed
     assert "RuntimeError" in str(info.value)

@@ -2,8 +2,8 @@
 
 Layouts: single process, DDP x2, FSDP2 x2, FSDP2 x4, TP x2, TP x4; both ``gather_dtensor``
 values (``True`` as one ``model.safetensors`` file, ``False`` as a sharded directory with
-small shard files). Five worlds run in turn (sizes 1, 2, 4, 2, 1; the world of 4 does both
-phases, as it starts after every other save):
+small shard files). Five jobs run in turn on persistent worlds (sizes 1, 2, 4, 2, 1; the
+world of 4 does both phases, as it runs after every other save):
 
 1. every layout of a world size trains the tiny ``Net`` two steps (the same batch on every
    rank, so replicated state agrees everywhere), saves model and optimizer both ways, and
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import CaseResult, WorldError, run_cases, run_world
+from harness import CaseResult, WorldError, WorldPool, run_cases
 
 SAVE_STEPS = 2
 CONT_STEPS = 4
@@ -72,7 +72,7 @@ def _ckpt(root: Path, layout: str, gather: bool, what: str) -> Path:
 # -- worker side ------------------------------------------------------------------------------
 
 
-def _boost(layout: str, seed: int, lr_scale: float = 1.0) -> tuple[Any, Any, Any, Any, Any]:
+def _boost(layout: str, seed: int, lr_scale: float = 1.0, **model_kw: Any) -> tuple[Any, Any, Any, Any, Any]:
     """A fresh model, optimizer and scheduler boosted for ``layout``: (booster, plugin, m, o, s)."""
     import torch
     from conftest import make_model, make_optimizer, make_plugin
@@ -81,7 +81,7 @@ def _boost(layout: str, seed: int, lr_scale: float = 1.0) -> tuple[Any, Any, Any
 
     plugin = make_plugin(LAYOUTS[layout][0])
     booster = Booster(plugin)
-    model = make_model(seed)
+    model = make_model(seed, **model_kw)
     optim = make_optimizer(model)
     for g in optim.param_groups:
         g["lr"] *= lr_scale
@@ -216,6 +216,40 @@ def load_case(root: Path, saved: str, gather: bool, layout: str) -> dict[str, st
     return out
 
 
+def mismatch_case(root: Path, layout: str) -> dict[str, Any]:
+    """A checkpoint that does not fit: the same clear error on every rank, the model untouched;
+    ``strict=False`` loads the names that fit and reports the rest."""
+    import torch.distributed as dist
+    from conftest import assert_local_state_matches, live_model_state
+
+    from unickpt.errors import StateMismatchError
+
+    saved = "fsdp2x2"
+    ckpt = str(_ckpt(root, saved, False, "model"))
+    booster, _, m, _, _ = _boost(layout, seed=1, vocab=34)
+    before = {k: v.clone() for k, v in live_model_state(m).items()}
+    with pytest.raises(StateMismatchError) as info:
+        booster.load_model(m, ckpt)
+    message = str(info.value)
+    assert "emb.weight" in message and "34" in message and "33" in message, message
+    messages: list[str] = [""] * dist.get_world_size()
+    dist.all_gather_object(messages, message)
+    assert len(set(messages)) == 1, f"ranks raised different errors: {messages}"
+    assert_local_state_matches(live_model_state(m), before, "after a refused load")
+
+    ref = _reference(root / saved / "ref.pt")["model"]
+    booster, _, m, _, _ = _boost(layout, seed=1, n_blocks=1)
+    with pytest.raises(StateMismatchError):
+        booster.load_model(m, ckpt)  # strict by default: blocks.1.* are unexpected
+    report = booster.load_model(m, ckpt, strict=False)
+    expected_unexpected = sorted(k for k in ref if k.startswith("blocks.1."))
+    assert sorted(report.unexpected) == expected_unexpected, report.unexpected
+    assert report.missing == []
+    live = live_model_state(m)
+    assert_local_state_matches(live, {k: ref[k] for k in live}, "strict=False")
+    return {"unexpected": len(report.unexpected)}
+
+
 def save_phase(root: str, world_size: int | str) -> dict[str, CaseResult]:
     ws = int(world_size)
     rootp = Path(root)
@@ -235,6 +269,8 @@ def load_phase(root: str, world_size: int | str) -> dict[str, CaseResult]:
             cases.append(
                 (_load_id(saved, gather, layout), functools.partial(load_case, rootp, saved, gather, layout))
             )
+    for layout in _layouts_of(ws):
+        cases.append((f"mismatch:{layout}", functools.partial(mismatch_case, rootp, layout)))
     for saved, layout in CROSS_PAIRS:
         if LAYOUTS[layout][1] == ws:
             cases.append(
@@ -257,14 +293,14 @@ def _load_id(saved: str, gather: bool, layout: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Run the five worlds once; map case id -> CaseResult (or the WorldError of its world)."""
+def matrix(tmp_path_factory: pytest.TempPathFactory, world_pool: WorldPool) -> dict[str, Any]:
+    """Run the phases once; map case id -> CaseResult (or the WorldError of its world)."""
     root = tmp_path_factory.mktemp("reshard")
     results: dict[str, Any] = {}
     for ws, phase in WORLD_ORDER:
         target = f"test_reshard_matrix:{phase}_phase"
         try:
-            results.update(run_world(ws, target, str(root), ws, timeout=WORLD_TIMEOUT_S)[0])
+            results.update(world_pool.run(ws, target, str(root), ws, timeout=WORLD_TIMEOUT_S)[0])
         except WorldError as e:
             results[f"world:{ws}:{phase}"] = e
     return results
@@ -318,6 +354,13 @@ def test_model_roundtrip_bit_exact(matrix: dict[str, Any], case: str) -> None:
 @pytest.mark.parametrize("case", _params([f"optim:{i}" for i in LOAD_IDS]))
 def test_optimizer_roundtrip_bit_exact(matrix: dict[str, Any], case: str) -> None:
     _load_result(matrix, case.split(":", 1)[1], "optim")
+
+
+@pytest.mark.parametrize("case", _params([f"mismatch:{layout}" for layout in LAYOUTS]))
+def test_mismatch_refused_on_every_rank(matrix: dict[str, Any], case: str) -> None:
+    res = _get(matrix, case, LAYOUTS[case.split(":")[1]][1])
+    if not res.ok:
+        pytest.fail(res.error, pytrace=False)
 
 
 @pytest.mark.parametrize("case", _params(CONT_IDS))
