@@ -106,6 +106,10 @@ class IntegrityError(UnickptError):
             "The data files are corrupted or were partly written; restore them from a good copy."
         )
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Rebuilt from its failures (not its message) when sent between ranks.
+        return (type(self), (self.failures, self.checkpoint), self.__dict__)
+
 
 class StateMismatchError(UnickptError, ValueError):
     """The checkpoint does not match the model or optimizer it is loaded into.

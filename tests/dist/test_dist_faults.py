@@ -5,8 +5,6 @@ collective timeout, so a rank left waiting in a collective fails that case withi
 instead of hanging; each case's observations (error type, message, attributes, time, whether
 the model changed) come back from both ranks and are asserted here. A second, short launch
 (``_dist_faults_worker.py kill``) SIGKILLs rank 1 halfway through writing its data file.
-
-Known bugs in unickpt/io are ``xfail(strict=True)`` tests that pass once fixed.
 """
 
 from __future__ import annotations
@@ -88,11 +86,6 @@ def test_extra_parameter_on_rank0_only(obs: dict[str, list[dict[str, Any]]]) -> 
     assert "[rank 0]" in both[1]["message"] and "'extra'" in both[1]["message"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="agree(): the only failing rank re-raises its own error unchanged, so its message does not "
-    "say that it was the (only) failing rank, unlike every other rank's",
-)
 def test_agreed_message_names_failing_rank_on_every_rank(obs: dict[str, list[dict[str, Any]]]) -> None:
     for name, bad in (("shape_differs_on_rank1", 1), ("extra_param_on_rank0", 0)):
         for r, o in enumerate(case(obs, name)):
@@ -115,12 +108,6 @@ def test_checkpoint_of_other_model_fsdp2(obs: dict[str, list[dict[str, Any]]]) -
 # ------------------------------------------------------------------ corruption seen by one rank only
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="IntegrityError cannot be unpickled (BaseException.__reduce__ passes the message as "
-    "`failures`; IntegrityError(msg) then reads msg[0].tensor), so agree()'s all_gather_object raises "
-    "AttributeError on every rank instead of IntegrityError",
-)
 def test_integrity_failure_on_rank1_rows_only(obs: dict[str, list[dict[str, Any]]]) -> None:
     both = case(obs, "integrity_rank1_rows")
     assert_raised_everywhere(both, "IntegrityError")
@@ -142,11 +129,6 @@ def test_integrity_failure_on_one_rank_is_not_a_hang(obs: dict[str, list[dict[st
 # ------------------------------------------------------------------ a rank fails while copying
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="load_tensors copies in place after its last agree(): an I/O error on rank 1 while reading "
-    "leaves rank 1's model half-loaded and rank 0 returns normally (no error, no agreement)",
-)
 def test_read_error_mid_load_on_rank1(obs: dict[str, list[dict[str, Any]]]) -> None:
     both = case(obs, "fails_mid_load_rank1")
     for r, o in enumerate(both):
@@ -182,11 +164,6 @@ def test_write_error_on_rank1_mid_save(obs: dict[str, list[dict[str, Any]]]) -> 
     assert "model.safetensors.index.json" not in r0["new_files"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="agree(): a non-unickpt error (OSError) is re-raised as-is on the failing rank but becomes a "
-    "DistributedError (errno lost) on the others, so ranks raise different types",
-)
 def test_write_error_same_type_on_every_rank(obs: dict[str, list[dict[str, Any]]]) -> None:
     r0, r1 = case(obs, "save_fails_rank1")
     assert r0["raised"] == r1["raised"] and r0["errno"] == r1["errno"]

@@ -83,13 +83,16 @@ def agree(error: BaseException | None, what: str, group: Any = None) -> None:
     bad = [(r, rep) for r, rep in enumerate(reports) if rep is not None]
     if not bad:
         return
-    if error is not None and len(bad) == 1:
-        raise error
     lines = "\n".join(f"[rank {r}] {type(rep).__name__}: {rep}" for r, rep in bad)
     message = f"{what} failed on {len(bad)} of {len(reports)} rank(s):\n{lines}"
     first = bad[0][1]
-    if not isinstance(first, UnickptError):
-        first = DistributedError(str(first))
-    raised = copy.copy(first)
-    raised.args = (message,)
+    raised: BaseException
+    if isinstance(first, UnickptError):
+        raised = copy.copy(first)
+        raised.args = (message,)
+    elif isinstance(first, OSError):
+        # Keep errno and file name: callers handle ENOSPC and EACCES differently.
+        raised = type(first)(first.errno, message, first.filename)
+    else:
+        raised = DistributedError(message)
     raise raised from error

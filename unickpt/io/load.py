@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from unickpt.errors import IntegrityError, StateMismatchError, UnickptError
+from unickpt.errors import IncompleteCheckpointError, IntegrityError, StateMismatchError, UnickptError
 from unickpt.format.boxes import intersect
 from unickpt.format.index import TensorEntry
 from unickpt.format.reader import CheckpointReader
@@ -187,18 +187,32 @@ def load_tensors(
         err = e
     _dist.agree(err, f"loading {what} from {reader.index_path or reader.directory}", group)
 
+    # Read everything this rank needs before copying anything, and agree once more: a read
+    # error on any rank (a file vanishing, an I/O error) then leaves every model untouched.
+    # The price is one CPU copy of this rank's share of the state.
+    buffers: list[tuple[LocalSlice, torch.Tensor]] = []
     files = _Files(reader)
     try:
-        with torch.no_grad():
-            for _, src, boxes in plan:
-                entry = reader.tensors[src]
-                for b in boxes:
-                    data = read_box(files, entry, b.offsets, b.shape)
-                    if data.dtype != b.tensor.dtype:
-                        data = data.to(b.tensor.dtype)
-                    b.tensor.copy_(data.reshape(b.tensor.shape))
+        for _, src, boxes in plan:
+            entry = reader.tensors[src]
+            for b in boxes:
+                buffers.append((b, read_box(files, entry, b.offsets, b.shape)))
+    except Exception as e:  # safetensors raises its own error types; every rank must hear of it
+        err = (
+            e
+            if isinstance(e, (UnickptError, OSError))
+            else IncompleteCheckpointError(
+                f"{reader.index_path or reader.directory}: reading failed: {type(e).__name__}: {e}"
+            )
+        )
     finally:
         files.close()
+    _dist.agree(err, f"reading {what} from {reader.index_path or reader.directory}", group)
+    with torch.no_grad():
+        for b, data in buffers:
+            if data.dtype != b.tensor.dtype:
+                data = data.to(b.tensor.dtype)
+            b.tensor.copy_(data.reshape(b.tensor.shape))
     return report
 
 
