@@ -220,6 +220,7 @@ def test_rank1_sigkilled_mid_save(tmp_path: Path) -> None:
     assert save["raised"] is not None, "rank 0 returned normally from a save whose peer died"
     print(f"rank 0 raised {save['raised']} after {save['seconds']:.2f} s: {save['message'][:300]}")
     assert save["seconds"] < PG_TIMEOUT_S + 10, f"rank 0 took {save['seconds']:.1f} s"
+    assert save["raised"] == "DistributedError", save
     # not committed, and refused as such
     assert "model.safetensors.index.json" not in report["new_files"]
     with pytest.raises(IncompleteCheckpointError):

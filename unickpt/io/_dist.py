@@ -6,8 +6,10 @@ code path serves a single process and thousands of ranks.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import pickle
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -27,6 +29,19 @@ __all__ = [
 T = TypeVar("T")
 
 
+@contextlib.contextmanager
+def _peer_failures(op: str) -> Iterator[None]:
+    """A collective that fails because a peer died or timed out becomes a ``DistributedError``."""
+    try:
+        yield
+    except RuntimeError as e:
+        if isinstance(e, UnickptError):
+            raise
+        raise DistributedError(
+            f"{op} failed: a peer rank exited or did not answer in time ({type(e).__name__}: {e})"
+        ) from e
+
+
 def is_distributed(group: Any = None) -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -43,7 +58,8 @@ def all_gather_object(obj: T, group: Any = None) -> list[T]:
     if not is_distributed(group):
         return [obj]
     out: list[Any] = [None] * world_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    with _peer_failures("all_gather_object"):
+        dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -51,13 +67,15 @@ def broadcast_object(obj: T, src: int = 0, group: Any = None) -> T:
     if not is_distributed(group):
         return obj
     box: list[Any] = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
+    with _peer_failures("broadcast_object_list"):
+        dist.broadcast_object_list(box, src=src, group=group)
     return box[0]  # type: ignore[no-any-return]
 
 
 def barrier(group: Any = None) -> None:
     if is_distributed(group):
-        dist.barrier(group=group)
+        with _peer_failures("barrier"):
+            dist.barrier(group=group)
 
 
 def agree(error: BaseException | None, what: str, group: Any = None) -> None:
