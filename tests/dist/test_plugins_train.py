@@ -174,6 +174,45 @@ def train_case(kind: str) -> dict[str, Any]:
     return {"losses": losses, "ref_losses": ref_losses}
 
 
+def mixed_precision_case() -> dict[str, Any]:
+    """FSDP2 with a bf16 compute policy: trains, and the sharded parameters keep their own dtype."""
+    import torch
+    import torch.distributed as dist
+    from conftest import batch, local_batch, loss_fn, make_model, make_optimizer, reference_step
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor import DTensor
+
+    from unickpt.booster import Booster
+    from unickpt.plugins import FSDP2Plugin
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    plugin = FSDP2Plugin(mp_policy=policy, reshard_after_forward=False)
+    booster = Booster(plugin)
+    m, o, *_ = booster.boost(make_model(0), make_optimizer(make_model(0)))
+    ref = make_model(0)
+    ref_optim = make_optimizer(ref)
+    losses, ref_losses = [], []
+    for step in range(STEPS):
+        x, y = local_batch(plugin, *batch(step))
+        logits = m(x)
+        assert logits.dtype == torch.bfloat16, logits.dtype
+        loss = loss_fn(logits.float(), y)
+        booster.backward(loss, o)
+        o.step()
+        o.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / dist.get_world_size())
+        ref_losses.append(reference_step(ref, ref_optim, step, plugin.dp_size))
+    for name, p in m.unwrap().named_parameters():
+        assert isinstance(p, DTensor), name
+        expected = torch.bfloat16 if name == "scale.weight" else torch.float32
+        assert p.dtype == expected, (name, p.dtype)
+    assert losses == pytest.approx(ref_losses, rel=5e-2), (losses, ref_losses)
+    assert losses[-1] < losses[0], losses
+    return {"losses": losses}
+
+
 def error_cases() -> dict[str, Any]:
     """Plugin misuse must raise clear unickpt errors on every rank (no hang)."""
     import torch
@@ -208,6 +247,7 @@ def train_worker(world_size: int | str) -> dict[str, CaseResult]:
     kinds = ["ddp", "fsdp2", "tp"]
     cases: list[tuple[str, Any]] = [(f"{k}x{ws}", functools.partial(train_case, k)) for k in kinds]
     if ws == 2:
+        cases.append(("fsdp2-bf16-compute", mixed_precision_case))
         cases.append(("errors", error_cases))
     return run_cases(cases)
 

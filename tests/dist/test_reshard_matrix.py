@@ -45,6 +45,8 @@ LAYOUTS: dict[str, tuple[str, int]] = {
     "tp4": ("tp", 4),
 }
 GATHER = (True, False)
+# Layouts that also save an SGD (momentum) optimizer, loaded under every layout.
+SGD_SAVERS = ("fsdp2x2", "tp4")
 # (save layout, resume layout) pairs for training continuity across layouts.
 CROSS_PAIRS = [
     ("single", "fsdp2x4"),
@@ -72,7 +74,9 @@ def _ckpt(root: Path, layout: str, gather: bool, what: str) -> Path:
 # -- worker side ------------------------------------------------------------------------------
 
 
-def _boost(layout: str, seed: int, lr_scale: float = 1.0, **model_kw: Any) -> tuple[Any, Any, Any, Any, Any]:
+def _boost(
+    layout: str, seed: int, lr_scale: float = 1.0, opt_kind: str = "adamw", **model_kw: Any
+) -> tuple[Any, Any, Any, Any, Any]:
     """A fresh model, optimizer and scheduler boosted for ``layout``: (booster, plugin, m, o, s)."""
     import torch
     from conftest import make_model, make_optimizer, make_plugin
@@ -82,7 +86,7 @@ def _boost(layout: str, seed: int, lr_scale: float = 1.0, **model_kw: Any) -> tu
     plugin = make_plugin(LAYOUTS[layout][0])
     booster = Booster(plugin)
     model = make_model(seed, **model_kw)
-    optim = make_optimizer(model)
+    optim = make_optimizer(model, opt_kind)
     for g in optim.param_groups:
         g["lr"] *= lr_scale
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0 / (1 + s))
@@ -128,7 +132,27 @@ def save_layout(root: Path, layout: str) -> dict[str, Any]:
         booster.save_model(m, str(_ckpt(root, layout, gather, "model")), **kw)
         booster.save_optimizer(o, str(_ckpt(root, layout, gather, "optim")), **kw)
     _save_reference(root / layout / "ref.pt", m, o)
+    if layout in SGD_SAVERS:
+        booster, _, m, o, s = _boost(layout, seed=0, opt_kind="sgd")
+        _train(m, o, s, booster, range(SAVE_STEPS))
+        booster.save_optimizer(o, str(root / layout / "sgd"), shard=True, gather_dtensor=False)
+        _save_reference(root / layout / "sgd_ref.pt", m, o)
     return {"losses": losses}
+
+
+def sgd_case(root: Path, saved: str, layout: str) -> dict[str, Any]:
+    """SGD momentum buffers and per-group hyperparameters reshard bit for bit."""
+    from conftest import assert_local_state_matches, live_optim_state
+
+    ref = _reference(root / saved / "sgd_ref.pt")["optim"]
+    booster, _, m, o, _ = _boost(layout, seed=1, lr_scale=3.0, opt_kind="sgd")
+    booster.load_optimizer(o, str(root / saved / "sgd"))
+    got = live_optim_state(m, o)
+    assert got["state"], "no optimizer state after the load"
+    assert all(set(st) == {"momentum_buffer"} for st in got["state"].values()), got["state"].keys()
+    assert_local_state_matches(got["state"], ref["state"], "sgd.state")
+    assert got["param_groups"] == ref["param_groups"], (got["param_groups"], ref["param_groups"])
+    return {}
 
 
 def continuity_same_layout(root: Path, layout: str) -> dict[str, Any]:
@@ -271,6 +295,8 @@ def load_phase(root: str, world_size: int | str) -> dict[str, CaseResult]:
             )
     for layout in _layouts_of(ws):
         cases.append((f"mismatch:{layout}", functools.partial(mismatch_case, rootp, layout)))
+        for saved in SGD_SAVERS:
+            cases.append((f"sgd:{saved}->{layout}", functools.partial(sgd_case, rootp, saved, layout)))
     for saved, layout in CROSS_PAIRS:
         if LAYOUTS[layout][1] == ws:
             cases.append(
@@ -354,6 +380,15 @@ def test_model_roundtrip_bit_exact(matrix: dict[str, Any], case: str) -> None:
 @pytest.mark.parametrize("case", _params([f"optim:{i}" for i in LOAD_IDS]))
 def test_optimizer_roundtrip_bit_exact(matrix: dict[str, Any], case: str) -> None:
     _load_result(matrix, case.split(":", 1)[1], "optim")
+
+
+@pytest.mark.parametrize(
+    "case", _params([f"sgd:{saved}->{layout}" for layout in LAYOUTS for saved in SGD_SAVERS])
+)
+def test_sgd_momentum_roundtrip_bit_exact(matrix: dict[str, Any], case: str) -> None:
+    res = _get(matrix, case, LAYOUTS[case.split("->")[1]][1])
+    if not res.ok:
+        pytest.fail(res.error, pytrace=False)
 
 
 @pytest.mark.parametrize("case", _params([f"mismatch:{layout}" for layout in LAYOUTS]))
