@@ -8,6 +8,8 @@ from __future__ import annotations
 from unickpt.plugins.base import Plugin
 from unickpt.plugins.ddp import DDPCheckpointIO, DDPPlugin
 from unickpt.plugins.fsdp2 import FSDP2CheckpointIO, FSDP2Plugin
+from unickpt.plugins.hybrid import HybridCheckpointIO, HybridParallelPlugin
+from unickpt.plugins.pp import PPCheckpointIO, PPPlugin
 from unickpt.plugins.tp import TPCheckpointIO, TPPlugin
 from unickpt.plugins.zero import ZeroCheckpointIO, ZeroPlugin
 
@@ -16,6 +18,10 @@ __all__ = [
     "DDPPlugin",
     "FSDP2CheckpointIO",
     "FSDP2Plugin",
+    "HybridCheckpointIO",
+    "HybridParallelPlugin",
+    "PPCheckpointIO",
+    "PPPlugin",
     "Plugin",
     "TPCheckpointIO",
     "TPPlugin",
