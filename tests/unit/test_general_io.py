@@ -411,3 +411,18 @@ def test_optimizer_loads_into_fresh_optimizer_when_gradients_exist(tmp_path: Pat
     assert torch.equal(m2.proj.weight.grad, grad)  # nor drops the user's gradients
     assert torch.equal(opt2.state[m2.proj.weight]["exp_avg"], opt.state[m.proj.weight]["exp_avg"])
     assert opt2.param_groups[0]["lr"] == 0.1
+
+
+def test_loads_a_plain_hugging_face_sharded_checkpoint(tmp_path: Path) -> None:
+    from huggingface_hub import save_torch_state_dict
+
+    src = fresh(0)
+    (tmp_path / "hf").mkdir()
+    save_torch_state_dict(src.state_dict(), tmp_path / "hf", max_shard_size=300)
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    dst = fresh(1)
+    report = GeneralCheckpointIO().load_model(dst, tmp_path / "hf", strict=False)
+    assert report.unexpected == []
+    assert_same(src, dst)
+    r = open_checkpoint(tmp_path / "hf")
+    assert not r.has_unickpt_block and all(s.xxh3 is None for t in r.tensors.values() for s in t.slices)
