@@ -13,6 +13,7 @@ tests/dist/harness.py test_plugins_train:train_worker 2``
 from __future__ import annotations
 
 import functools
+import os
 import time
 from typing import Any
 
@@ -171,7 +172,30 @@ def train_case(kind: str) -> dict[str, Any]:
             if kind == "ddp" and name.startswith("bn.") and name not in current:
                 continue
             assert _all_equal_across_ranks(value), f"{name} differs across ranks"
+    _check_dataloader(kind)
     return {"losses": losses, "ref_losses": ref_losses}
+
+
+def _check_dataloader(kind: str) -> None:
+    """boost() hands dataloaders to unickpt.data with the plugin's data-parallel rank and size."""
+    import torch
+    import torch.distributed as dist
+    from conftest import make_plugin
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from unickpt.booster import Booster
+
+    booster = Booster(make_plugin(kind))
+    loader = DataLoader(TensorDataset(torch.arange(16)), batch_size=2)
+    _, _, _, dl, _ = booster.boost(torch.nn.Linear(2, 2), dataloader=loader)
+    seen = [int(i) for (b,) in dl for i in b]
+    everyone: list[list[int]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(everyone, seen)
+    if kind == "tp":  # one data-parallel replica: every rank reads the same batches
+        assert all(s == list(range(16)) for s in everyone), everyone
+    else:
+        flat = sorted(i for s in everyone for i in s)
+        assert flat == list(range(16)), f"ranks' samples must partition the dataset: {everyone}"
 
 
 def mixed_precision_case() -> dict[str, Any]:
@@ -250,6 +274,48 @@ def train_worker(world_size: int | str) -> dict[str, CaseResult]:
         cases.append(("fsdp2-bf16-compute", mixed_precision_case))
         cases.append(("errors", error_cases))
     return run_cases(cases)
+
+
+NO_TORCHRUN_SCRIPT = """
+import os, sys
+import torch
+from unickpt.booster import Booster
+from unickpt.errors import DistributedError
+from unickpt.plugins import DDPPlugin
+model = torch.nn.Linear(3, 2)
+optim = torch.optim.SGD(model.parameters(), lr=0.1)
+plugin = DDPPlugin()
+m, o, *_ = Booster(plugin).boost(model, optim)
+m(torch.ones(4, 3)).sum().backward()
+o.step()
+assert plugin.layout() == {"plugin": "ddp", "world_size": 1, "mesh": {"dp": 1}, "dp_size": 1}, plugin.layout()
+import torch.distributed as dist
+dist.destroy_process_group()
+os.environ["RANK"] = "0"  # a partial torchrun environment must be refused, not guessed
+try:
+    DDPPlugin().configure(torch.nn.Linear(3, 2))
+except DistributedError as e:
+    assert "WORLD_SIZE" in str(e), e
+else:
+    sys.exit("partial environment accepted")
+print("OK")
+"""
+
+
+def test_plugin_without_torchrun_runs_one_process_world() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env["PYTHONPATH"] = str(repo)
+    proc = subprocess.run(
+        [sys.executable, "-c", NO_TORCHRUN_SCRIPT], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]
 
 
 def hang_worker() -> None:
