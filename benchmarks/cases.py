@@ -37,13 +37,33 @@ def skipped(reason: str) -> dict[str, Any]:
     return {"status": "skipped", "reason": reason}
 
 
+Pair = tuple[Callable[[], Any], Callable[[], Any]]
+
+
 def _measure(
-    p: dict[str, Any], body: Callable[[], Any], before: Callable[[], Any] | None, nbytes: int
+    p: dict[str, Any],
+    body: Callable[[], Any],
+    before: Callable[[], Any] | None,
+    nbytes: int,
+    paired: Pair | None = None,
 ) -> dict[str, Any]:
+    """Time ``body``; with ``paired`` = (raw_body, raw_before), run the raw-disk reference right
+    before every timed repetition, so each tool time has a disk-limit time taken seconds apart
+    (the machine drifts by 2x over minutes; pairs cancel most of it)."""
     base = C.rss_mb()
     C.reset_peak_rss()
-    times, first = C.timed_reps(int(p["reps"]), body, before, warmup=int(p.get("warmup", 1)))
-    return {
+    raw_times: list[float] = []
+    if paired is None:
+        times, first = C.timed_reps(int(p["reps"]), body, before, warmup=int(p.get("warmup", 1)))
+    else:
+        _, first = C.timed_reps(0, body, before, warmup=int(p.get("warmup", 1)))
+        times = []
+        for _ in range(int(p["reps"])):
+            r, _ = C.timed_reps(1, paired[0], paired[1], warmup=0)
+            t, _ = C.timed_reps(1, body, before, warmup=0)
+            raw_times += r
+            times += t
+    out: dict[str, Any] = {
         "status": "ok",
         "bytes": nbytes,
         "times": times,
@@ -51,6 +71,45 @@ def _measure(
         "rss_base_mb": round(base, 1),
         "rss_peak_mb": round(C.peak_rss_mb(), 1),
     }
+    if raw_times:
+        out["paired_raw_times"] = raw_times
+        out["x_raw_paired"] = C.median([r / t for r, t in zip(raw_times, times, strict=True)])
+    return out
+
+
+def _pair_write(p: dict[str, Any], views: list[Any]) -> Pair:
+    """Raw write + fsync of the same bytes (the disk's limit for this save)."""
+    out = Path(p["workdir"]) / "paired_raw.bin"
+
+    def body() -> None:
+        with open(out, "wb", buffering=0) as f:
+            for v in views:
+                f.write(memoryview(v))
+            os.fsync(f.fileno())
+        C.fsync_tree(out.parent)
+
+    return body, lambda: C.rm(out)
+
+
+_READ_BUF: Any = None
+
+
+def _pair_read(src: Path) -> Pair:
+    """Raw read of the tool's own files, page cache dropped (the disk's limit for this load)."""
+    import numpy as np
+
+    global _READ_BUF
+    if _READ_BUF is None:
+        _READ_BUF = np.empty(64 * C.MiB, dtype=np.uint8)
+    mv = memoryview(_READ_BUF)
+
+    def body() -> None:
+        for f in C.iter_files(src):
+            with open(f, "rb", buffering=0) as fh:
+                while fh.readinto(mv):
+                    pass
+
+    return body, lambda: C.drop_cache_tree(src)
 
 
 def _source_state(p: dict[str, Any], fill: str = "random") -> tuple[Any, dict[str, Any], int]:
@@ -150,7 +209,8 @@ def st_save(p: dict[str, Any]) -> dict[str, Any]:
         save_file(state, str(out), metadata={"format": "pt"})
         C.fsync_tree(out.parent)
 
-    return _measure(p, body, lambda: C.rm(out), nbytes)
+    views = [_byte_view(t) for t in state.values()]
+    return _measure(p, body, lambda: C.rm(out), nbytes, _pair_write(p, views))
 
 
 @case("safetensors_load")
@@ -167,7 +227,7 @@ def st_load(p: dict[str, Any]) -> dict[str, Any]:
         # lazily faulted pages; the copy makes every byte arrive).
         model.load_state_dict(load_file(str(src)), strict=True)
 
-    return _measure(p, body, lambda: C.drop_cache_tree(src), nbytes)
+    return _measure(p, body, lambda: C.drop_cache_tree(src), nbytes, _pair_read(src))
 
 
 # ------------------------------------------------------------------------------ torch.save
@@ -185,7 +245,8 @@ def torch_save(p: dict[str, Any]) -> dict[str, Any]:
         torch.save(state, str(out))
         C.fsync_tree(out.parent)
 
-    return _measure(p, body, lambda: C.rm(out), nbytes)
+    views = [_byte_view(t) for t in state.values()]
+    return _measure(p, body, lambda: C.rm(out), nbytes, _pair_write(p, views))
 
 
 @case("torch_load")
@@ -200,7 +261,7 @@ def torch_load(p: dict[str, Any]) -> dict[str, Any]:
     def body() -> None:
         model.load_state_dict(torch.load(str(src), weights_only=True), strict=True)
 
-    return _measure(p, body, lambda: C.drop_cache_tree(src), nbytes)
+    return _measure(p, body, lambda: C.drop_cache_tree(src), nbytes, _pair_read(src))
 
 
 # ------------------------------------------------------------------------------ torch DCP
@@ -221,7 +282,8 @@ def dcp_save(p: dict[str, Any]) -> dict[str, Any]:
             dcp.save(state, checkpoint_id=str(out))
         C.fsync_tree(out)
 
-    return _measure(p, body, lambda: C.rm(out), nbytes)
+    views = [_byte_view(t) for t in state.values()]
+    return _measure(p, body, lambda: C.rm(out), nbytes, _pair_write(p, views))
 
 
 @case("dcp_load")
@@ -240,7 +302,7 @@ def dcp_load(p: dict[str, Any]) -> dict[str, Any]:
             warnings.simplefilter("ignore")
             dcp.load(state, checkpoint_id=str(src))
 
-    return _measure(p, body, lambda: C.drop_cache_tree(src), nbytes)
+    return _measure(p, body, lambda: C.drop_cache_tree(src), nbytes, _pair_read(src))
 
 
 # ------------------------------------------------------------------------------ unickpt
@@ -270,7 +332,8 @@ def unickpt_save(p: dict[str, Any]) -> dict[str, Any]:
         io.save_model(model, str(out), shard=True, size_per_shard=int(p["shard_mb"]), **switch["save"])
         C.fsync_tree(out)
 
-    r = _measure(p, body, lambda: C.rm(out), nbytes)
+    views = [_byte_view(t) for t in C.plain_state(model).values()]
+    r = _measure(p, body, lambda: C.rm(out), nbytes, _pair_write(p, views))
     r["extra"] = {"files": len(list(C.iter_files(out))), "disk_bytes": C.tree_bytes(out), "switch": switch}
     if not (hashes and fps):
         C.rm(out)
@@ -291,7 +354,7 @@ def unickpt_load(p: dict[str, Any]) -> dict[str, Any]:
     def body() -> None:
         io.load_model(model, str(src), strict=True, verify=bool(p.get("verify", False)))
 
-    r = _measure(p, body, lambda: C.drop_cache_tree(src), nbytes)
+    r = _measure(p, body, lambda: C.drop_cache_tree(src), nbytes, _pair_read(src))
     # Honesty check: the loaded values are the saved ones (same seed regenerates them).
     ref, _, _ = _source_state(p)
     import torch
