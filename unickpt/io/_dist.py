@@ -98,7 +98,17 @@ def agree(error: BaseException | None, what: str, group: Any = None) -> None:
         except Exception:  # an unpicklable error travels as its text
             payload = DistributedError(f"{type(error).__name__}: {error}")
     reports = all_gather_object(payload, group)
-    bad = [(r, rep) for r, rep in enumerate(reports) if rep is not None]
+    # A report that is not an error means the ranks reached different collectives.
+    bad = [
+        (
+            r,
+            rep
+            if isinstance(rep, BaseException)
+            else DistributedError(f"out of step: sent {type(rep).__name__}"),
+        )
+        for r, rep in enumerate(reports)
+        if rep is not None
+    ]
     if not bad:
         return
     lines = "\n".join(f"[rank {r}] {type(rep).__name__}: {rep}" for r, rep in bad)

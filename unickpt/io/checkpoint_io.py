@@ -172,6 +172,15 @@ class CheckpointIO:
 
         set_optimizer_state_dict(self.unwrap_model(model), optim, osd)  # type: ignore[arg-type]
 
+    def state_parameters(self, model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+        """``(fqn, tensor)`` for every parameter, where ``tensor`` is the key of its ``optimizer.state``.
+
+        The default is the model's parameters. A plugin whose optimizer keeps state on other
+        tensors (ZeRO's flat shards) or under other names (tied copies across pipeline stages)
+        overrides it.
+        """
+        return [(normalize_name(n), prm) for n, prm in self.unwrap_model(model).named_parameters()]
+
     # ------------------------------------------------------------------ model
     def save_model(
         self,
@@ -274,7 +283,7 @@ class CheckpointIO:
         osd = self.optimizer_tensors(model, optim)
         # torch fills in state for parameters that never stepped (a zero-gradient step);
         # that state is not the user's and is neither saved nor left behind.
-        for fqn, param in self._named_parameters(model):
+        for fqn, param in self.state_parameters(model):
             if id(param) not in had_state:
                 optim.state.pop(param, None)
                 osd["state"].pop(fqn, None)
@@ -372,7 +381,7 @@ class CheckpointIO:
             with_tensors = {e.param for e in block.tensors.values() if e.param is not None}
             unfilled = [
                 f
-                for f, _ in self._named_parameters(model)
+                for f, _ in self.state_parameters(model)
                 if p + f in with_tensors and f not in template["state"]
             ]
             if unfilled:
@@ -402,7 +411,7 @@ class CheckpointIO:
             self.set_optimizer_tensors(model, optim, template)
             # Building the template gave every parameter fresh state (torch initialises it with
             # a zero-gradient step); parameters the checkpoint holds no state for get none.
-            for fqn, param in self._named_parameters(model):
+            for fqn, param in self.state_parameters(model):
                 if p + fqn not in saved_params:
                     optim.state.pop(param, None)
             return report
@@ -486,9 +495,6 @@ class CheckpointIO:
                 "returned by Booster.boost(), or unickpt.OptimizerWrapper(optimizer, model)"
             )
         return optim, model
-
-    def _named_parameters(self, model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-        return [(normalize_name(n), prm) for n, prm in self.unwrap_model(model).named_parameters()]
 
     def _save_hf_config(self, model: torch.nn.Module, path: str) -> None:
         """Write config.json / generation_config.json beside the weights when the model has them."""

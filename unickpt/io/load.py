@@ -27,7 +27,7 @@ from unickpt.format.boxes import intersect
 from unickpt.format.index import TensorEntry
 from unickpt.format.reader import CheckpointReader
 from unickpt.io import _dist
-from unickpt.io.tensors import LocalSlice, global_shape, st_dtype, torch_dtype
+from unickpt.io.tensors import LocalSlice, global_shape, is_dtensor, st_dtype, torch_dtype
 
 __all__ = ["LoadReport", "load_tensors", "read_box"]
 
@@ -252,9 +252,12 @@ def _match(
         src = block.aliases.get(stored, stored)
         used.add(src)
         entry = block.tensors[src]
-        want_shape = list(global_shape(t))
+        boxes = boxes_fn(name, t)
+        # The boxes know the global tensor (a ZeRO target is a flat view of part of it).
+        want_shape = list(boxes[0].global_shape) if boxes else list(global_shape(t))
         want_dtype = st_dtype(t.dtype, name)
-        if entry.shape != want_shape:
+        # A plain tensor with no boxes is a view of a rank's empty share (ZeRO): nothing to check.
+        if entry.shape != want_shape and (boxes or is_dtensor(t)):
             mismatched.append(f"{name}: checkpoint has shape {entry.shape}, {what} has {want_shape}")
             continue
         if entry.dtype != want_dtype and not allow_dtype_cast:
@@ -267,7 +270,7 @@ def _match(
             continue
         done_ids[id(t)] = name
         report.loaded.append(name)
-        plan.append((name, src, boxes_fn(name, t)))
+        plan.append((name, src, boxes))
     for stored, full in available.items():
         if full not in used and (ignore_unexpected is None or not ignore_unexpected(stored)):
             report.unexpected.append(stored)

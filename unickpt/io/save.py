@@ -178,6 +178,16 @@ def save_tensors(
         per_rank: list[list[SliceMeta]] = [merged] + [[] for _ in range(world - 1)]
     else:
         per_rank = _dist.all_gather_object([sl.meta() for sl in local], group)
+    # Entry extras (an optimizer tensor's parameter) and aliases are known to the ranks that
+    # hold those tensors: pipeline stages and ZeRO ranks each know part of them.
+    merged_aliases: dict[str, str] = {}
+    merged_extras: dict[str, dict[str, Any]] = {}
+    for rank_aliases, rank_extras in _dist.all_gather_object((aliases, entry_extras or {}), group):
+        for k, v in rank_aliases.items():
+            merged_aliases.setdefault(k, v)
+        for k, x in rank_extras.items():
+            merged_extras.setdefault(k, x)
+    aliases, entry_extras = merged_aliases, merged_extras
     size = None if not opts.shard else int(opts.size_per_shard_mb * 1024 * 1024)
     plan: SavePlan | None = None
     try:

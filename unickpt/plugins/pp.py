@@ -209,8 +209,8 @@ class PPCheckpointIO(CheckpointIO):
         self._placeholders: set[int] = set()
         self._keep: list[torch.Tensor] = []
 
-    def _named_parameters(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-        return [(self.canonical.get(n, n), p) for n, p in super()._named_parameters(model)]
+    def state_parameters(self, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+        return [(self.canonical.get(n, n), p) for n, p in super().state_parameters(model)]
 
     def save_optimizer(
         self,

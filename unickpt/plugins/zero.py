@@ -332,7 +332,7 @@ class ZeroCheckpointIO(CheckpointIO):
                     state.setdefault(fqn, {})[k] = v
         return {"state": state, "param_groups": groups}
 
-    def _named_parameters(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    def state_parameters(self, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
         # The optimizer's state lives on the shards, not on the model's parameters: report each
         # parameter FQN with the shard that holds its state (the base drops state that never stepped).
         return [(fqn, b.shard) for b in self._part().buckets for fqn in b.fqns]
