@@ -262,6 +262,16 @@ def error_cases() -> dict[str, Any]:
         FSDP2Plugin().configure(model, optim)
     with pytest.raises(UnsupportedError, match="ParallelStyle"):
         TPPlugin({"blocks.0.up": "colwise"})  # type: ignore[dict-item]
+    # shard_modules by class and by name; nested units are sharded deepest first.
+    from conftest import Bf16Scale, Block
+    from torch.distributed.fsdp import FSDPModule
+
+    plugin = FSDP2Plugin(shard_modules=[Block, Bf16Scale, "blocks.0.attn"])
+    m, *_ = plugin.configure(make_model())
+    assert plugin.units == ["blocks.0", "blocks.0.attn", "blocks.1", "scale"], plugin.units
+    inner = m.unwrap()
+    assert all(isinstance(inner.get_submodule(u), FSDPModule) for u in plugin.units)
+    assert not isinstance(inner.bn, FSDPModule) and isinstance(inner, FSDPModule)
     out["ok"] = "yes"
     return out
 

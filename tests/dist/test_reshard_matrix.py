@@ -33,7 +33,10 @@ from harness import CaseResult, WorldError, WorldPool, run_cases
 
 SAVE_STEPS = 2
 CONT_STEPS = 4
-WORLD_TIMEOUT_S = 300.0
+# Per job; a hung collective fails its job after this long. The module-wide pytest timeout
+# covers every job running into it in turn.
+WORLD_TIMEOUT_S = 240.0
+pytestmark = pytest.mark.timeout(5 * WORLD_TIMEOUT_S + 60)
 
 # name -> (plugin kind, world size)
 LAYOUTS: dict[str, tuple[str, int]] = {
