@@ -240,7 +240,8 @@ def mixed_precision_case() -> dict[str, Any]:
 def error_cases() -> dict[str, Any]:
     """Plugin misuse must raise clear unickpt errors on every rank (no hang)."""
     import torch
-    from conftest import make_model, make_optimizer
+    from conftest import make_model, make_optimizer, tp_plan
+    from torch.distributed.fsdp import FSDPModule
 
     from unickpt.errors import UnsupportedError
     from unickpt.plugins import FSDP2Plugin, TPPlugin
@@ -260,11 +261,13 @@ def error_cases() -> dict[str, Any]:
     optim.step()
     with pytest.raises(UnsupportedError, match="already holds state"):
         FSDP2Plugin().configure(model, optim)
+    assert not isinstance(model, FSDPModule), "a refused configure must leave the model unsharded"
+    with pytest.raises(UnsupportedError, match="not a parameter of the model"):
+        TPPlugin(tp_plan()).configure(make_model(), torch.optim.SGD(torch.nn.Linear(2, 2).parameters()))
     with pytest.raises(UnsupportedError, match="ParallelStyle"):
         TPPlugin({"blocks.0.up": "colwise"})  # type: ignore[dict-item]
     # shard_modules by class and by name; nested units are sharded deepest first.
     from conftest import Bf16Scale, Block
-    from torch.distributed.fsdp import FSDPModule
 
     plugin = FSDP2Plugin(shard_modules=[Block, Bf16Scale, "blocks.0.attn"])
     m, *_ = plugin.configure(make_model())

@@ -25,7 +25,7 @@ from unickpt.plugins import _mesh
 if TYPE_CHECKING:
     from unickpt.io import CheckpointIO
 
-__all__ = ["ConfigureResult", "Plugin", "remap_optimizer_params"]
+__all__ = ["ConfigureResult", "Plugin", "check_optimizer", "parameter_fqns", "remap_optimizer_params"]
 
 ConfigureResult = tuple[torch.nn.Module, Any, Any, Any, Any]
 
@@ -122,6 +122,35 @@ def parameter_fqns(model: torch.nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in model.named_parameters()}
 
 
+def check_optimizer(optimizer: torch.optim.Optimizer | None, model: torch.nn.Module) -> None:
+    """Refuse, before anything is parallelised, an optimizer the plugin cannot rebind.
+
+    It must hold no state yet (it has not stepped) and only parameters of ``model``, each
+    once. Called by every rank; raises ``UnsupportedError`` on each of them alike.
+    """
+    if optimizer is None:
+        return
+    if any(len(s) for s in optimizer.state.values()):
+        raise UnsupportedError(
+            "the optimizer already holds state (it has stepped): pass a fresh optimizer to "
+            "Booster.boost and load its state afterwards with booster.load_optimizer"
+        )
+    fqns = parameter_fqns(model)
+    seen: set[int] = set()
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in fqns:
+                raise UnsupportedError(
+                    f"optimizer param group {gi} holds a tensor (shape {tuple(p.shape)}) that is not a "
+                    "parameter of the model given to Booster.boost"
+                )
+            if id(p) in seen:
+                raise UnsupportedError(
+                    f"parameter {fqns[id(p)]!r} appears twice in the optimizer's param groups"
+                )
+            seen.add(id(p))
+
+
 def remap_optimizer_params(
     optimizer: torch.optim.Optimizer | None,
     old_fqns: dict[int, str],
@@ -131,7 +160,9 @@ def remap_optimizer_params(
 
     torch's ``fully_shard`` and ``parallelize_module`` replace parameters by new DTensor
     parameters; an optimizer built on the old ones would silently update nothing. Called by
-    every rank right after parallelising. The optimizer must not hold state yet.
+    every rank right after parallelising, with ``old_fqns = parameter_fqns(model)`` taken
+    before. Call :func:`check_optimizer` before parallelising, so that a refusal leaves the
+    model untouched; the same checks are repeated here.
     """
     if optimizer is None:
         return

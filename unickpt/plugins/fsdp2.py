@@ -16,7 +16,13 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from unickpt.errors import UnsupportedError
 from unickpt.io import CheckpointIO
 from unickpt.plugins import _mesh
-from unickpt.plugins.base import ConfigureResult, Plugin, parameter_fqns, remap_optimizer_params
+from unickpt.plugins.base import (
+    ConfigureResult,
+    Plugin,
+    check_optimizer,
+    parameter_fqns,
+    remap_optimizer_params,
+)
 from unickpt.wrappers import ModelWrapper
 
 __all__ = ["FSDP2CheckpointIO", "FSDP2Plugin", "default_shard_units"]
@@ -164,6 +170,7 @@ class FSDP2Plugin(Plugin):
         self._mesh = _mesh.build_mesh((self.world_size,), ("dp",))
         self._io = None
         model = model.to(self.device)
+        check_optimizer(optimizer, model)
         units = _resolve_units(model, self.shard_modules)
         for unit in [*units, ""]:
             groups = _group_dtypes(model, unit, units)

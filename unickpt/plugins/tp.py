@@ -16,7 +16,13 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from unickpt.errors import UnsupportedError
 from unickpt.io import CheckpointIO
 from unickpt.plugins import _mesh
-from unickpt.plugins.base import ConfigureResult, Plugin, parameter_fqns, remap_optimizer_params
+from unickpt.plugins.base import (
+    ConfigureResult,
+    Plugin,
+    check_optimizer,
+    parameter_fqns,
+    remap_optimizer_params,
+)
 from unickpt.wrappers import ModelWrapper
 
 __all__ = ["TPCheckpointIO", "TPPlugin"]
@@ -69,6 +75,7 @@ class TPPlugin(Plugin):
         self._mesh = _mesh.build_mesh((self.world_size,), ("tp",))
         self._io = None
         model = model.to(self.device)
+        check_optimizer(optimizer, model)
         old_fqns = parameter_fqns(model)
         parallelize_module(model, self._mesh, self.tp_plan)
         remap_optimizer_params(optimizer, old_fqns, model)
