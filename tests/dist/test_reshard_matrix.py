@@ -1,8 +1,8 @@
 """Save under one parallel layout, load under another: bit-exact, for model and optimizer.
 
 Layouts: single process, DDP x2, FSDP2 x2, FSDP2 x4, TP x2, TP x4; both ``gather_dtensor``
-values (``True`` as one ``model.safetensors`` file, ``False`` as a sharded directory with
-small shard files). Five jobs run in turn on persistent worlds (sizes 1, 2, 4, 2, 1; the
+values (``True`` as one ``model.safetensors`` file, or as a directory of gathered shard files
+for DDP x2, TP x2 and FSDP2 x4; ``False`` as a directory of per-rank slices in small files). Five jobs run in turn on persistent worlds (sizes 1, 2, 4, 2, 1; the
 world of 4 does both phases, as it runs after every other save):
 
 1. every layout of a world size trains the tiny ``Net`` two steps (the same batch on every
@@ -48,6 +48,8 @@ LAYOUTS: dict[str, tuple[str, int]] = {
     "tp4": ("tp", 4),
 }
 GATHER = (True, False)
+# Layouts whose gather_dtensor=True saves are sharded directories (the others: one file).
+GATHERED_SHARDED = ("ddp2", "tp2", "fsdp2x4")
 # Layouts that also save an SGD (momentum) optimizer, loaded under every layout.
 SGD_SAVERS = ("fsdp2x2", "tp4")
 # (save layout, resume layout) pairs for training continuity across layouts.
@@ -129,8 +131,10 @@ def save_layout(root: Path, layout: str) -> dict[str, Any]:
     booster, _, m, o, s = _boost(layout, seed=0)
     losses = _train(m, o, s, booster, range(SAVE_STEPS))
     for gather in GATHER:
-        kw: dict[str, Any] = {"shard": not gather, "gather_dtensor": gather}
-        if not gather:
+        # Gathered saves: one file for some layouts, several gathered shard files for others.
+        shard = not gather or layout in GATHERED_SHARDED
+        kw: dict[str, Any] = {"shard": shard, "gather_dtensor": gather}
+        if shard:
             kw["size_per_shard"] = 0.004  # about 4 KB: several files per save
         booster.save_model(m, str(_ckpt(root, layout, gather, "model")), **kw)
         booster.save_optimizer(o, str(_ckpt(root, layout, gather, "optim")), **kw)
