@@ -9,6 +9,7 @@ of a layout, loads a checkpoint of another, and compares every full tensor bit f
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -21,11 +22,11 @@ VOCAB, DIM, FF, SEQ, BATCH = 33, 16, 34, 5, 8  # FF 34: 17 (odd) rows per TP ran
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, ff: int = FF) -> None:
         super().__init__()
         self.ln = nn.LayerNorm(DIM)
-        self.up = nn.Linear(DIM, FF)
-        self.down = nn.Linear(FF, DIM)
+        self.up = nn.Linear(DIM, ff)
+        self.down = nn.Linear(ff, DIM)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(F.gelu(self.up(self.ln(x))))
@@ -43,10 +44,10 @@ class Bf16Scale(nn.Module):
 class PipeNet(nn.Module):
     """A model whose forward skips pruned (None) modules, as PPPlugin requires."""
 
-    def __init__(self) -> None:
+    def __init__(self, ff: int = FF) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList([Block() for _ in range(3)])
+        self.blocks = nn.ModuleList([Block(ff) for _ in range(3)])
         self.norm = nn.LayerNorm(DIM)
         self.scale = Bf16Scale()  # a bf16 parameter
         self.head = nn.Linear(DIM, VOCAB, bias=False)
@@ -65,7 +66,6 @@ class PipeNet(nn.Module):
         return self.head(h) if self.head is not None else h
 
 
-NO_GATHERED_LOAD = {"hyb_pp2tp2"}
 SPLIT = ["blocks.2"]  # stage 0: emb, blocks 0-1; stage 1: blocks.2, norm, scale, head
 
 
@@ -113,6 +113,7 @@ LAYOUTS = {
     "hyb_fsdp_dp2tp2": 4,
     "hyb_ddp_dp2tp2": 4,
     "hyb_pp2tp2": 4,
+    "hyb_3d": 8,
 }
 
 
@@ -138,6 +139,8 @@ def make_plugin(layout: str) -> Any:
         return HybridParallelPlugin(tp_size=2, dp="ddp", tp_plan=tp_plan())
     if layout == "hyb_pp2tp2":
         return HybridParallelPlugin(tp_size=2, pp_size=2, tp_plan=tp_plan(), split_points=SPLIT)
+    if layout == "hyb_3d":
+        return HybridParallelPlugin(tp_size=2, pp_size=2, dp="fsdp2", tp_plan=tp_plan(), split_points=SPLIT)
     raise ValueError(layout)
 
 
@@ -231,11 +234,11 @@ def assert_bits(exp: dict[str, torch.Tensor], got: dict[str, torch.Tensor], wher
         )
 
 
-def save_case(layout: str, root: str) -> list[float | None]:
+def save_case(layout: str, root: str) -> list[float]:
     from safetensors.torch import save_file
 
     s = Setup(layout)
-    losses = [s.train_step(i) for i in range(2)]
+    losses = [_gather_loss(s, s.train_step(i)) for i in range(STEPS_BEFORE)]
     d = os.path.join(root, layout)
     s.booster.save_model(s.model, os.path.join(d, "model"), shard=True, gather_dtensor=False)
     s.booster.save_optimizer(s.optim, os.path.join(d, "optim"), shard=True, gather_dtensor=False)
@@ -244,6 +247,8 @@ def save_case(layout: str, root: str) -> list[float | None]:
     exp = s.expected()
     if not dist.is_initialized() or dist.get_rank() == 0:
         save_file({k: v.contiguous() for k, v in exp.items()}, os.path.join(d, "expected.safetensors"))
+        with open(os.path.join(d, "losses.json"), "w") as f:
+            json.dump(losses, f)
     if dist.is_initialized():
         dist.barrier()
     return losses
@@ -262,33 +267,123 @@ def load_case(layout: str, src: str, root: str, gathered: bool) -> None:
     assert_bits(exp, got, f"{src}{sfx} -> {layout}")
 
 
-def continuity_case(src: str, dst: str, root: str) -> tuple[float | None, float | None]:
-    """Load ``src``'s step-2 checkpoint into ``dst`` and train step 3: losses close to ``src``'s own."""
-    s = Setup(dst, seed=3)
+STEPS_BEFORE, STEPS_AFTER = 2, 2  # continuity: steps trained before the save, and after the load
+LOSS_RTOL = 1e-4  # layouts reduce gradients in other orders: fp32 rounding only
+_REFERENCE: list[float] = []
+
+
+def _gather_loss(s: Setup, loss: float | None) -> float:
+    """The global batch's loss: the mean over dp replicas of their loss (collective).
+
+    Within a replica the loss is on the last pipeline stage (every rank without pipeline).
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        assert loss is not None
+        return loss
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, (s.dp, loss))
+    per_replica: dict[int, float] = {}
+    dp_size = s.dp[0]
+    for (_, dp_rank), x in parts:
+        if x is not None:
+            per_replica.setdefault(dp_rank, float(x))
+    assert sorted(per_replica) == list(range(dp_size)), f"losses of replicas {sorted(per_replica)} only"
+    return sum(per_replica.values()) / dp_size
+
+
+def reference_losses() -> list[float]:
+    """Losses of an uninterrupted single-process run (each rank computes it locally, once)."""
+    if not _REFERENCE:
+        s = Setup("single")
+        _REFERENCE.extend(float(s.train_step(i) or 0.0) for i in range(STEPS_BEFORE + STEPS_AFTER))
+    return list(_REFERENCE)
+
+
+def _assert_close(got: list[float], want: list[float], where: str) -> None:
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert abs(a - b) <= LOSS_RTOL * abs(b), f"{where}: step {i} loss {a!r}, uninterrupted run {b!r}"
+
+
+def continuity_case(src: str, dst: str, root: str) -> list[float]:
+    """``src`` trained ``STEPS_BEFORE`` steps and saved (``save_case``); ``dst`` loads it and trains on.
+
+    Every loss (``src``'s before the save, ``dst``'s after the load) must match an uninterrupted
+    single-process run of the same batches.
+    """
+    ref = reference_losses()
     d = os.path.join(root, src)
+    with open(os.path.join(d, "losses.json")) as f:
+        before = [float(x) for x in json.load(f)]
+    _assert_close(before, ref[:STEPS_BEFORE], f"{src} before the save")
+    s = Setup(dst, seed=3)
     s.booster.load_model(s.model, os.path.join(d, "model"))
     s.booster.load_optimizer(s.optim, os.path.join(d, "optim"))
-    return s.train_step(2), None
+    after = [_gather_loss(s, s.train_step(i)) for i in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER)]
+    _assert_close(after, ref[STEPS_BEFORE:], f"{src} -> {dst} after the load")
+    return before + after
 
 
-def reference_losses(root: str) -> list[float]:
-    s = Setup("single")
-    return [float(s.train_step(i) or 0.0) for i in range(3)]
+def uneven_tp_case() -> None:
+    """TP over a width not divisible by tp_size is refused when the plugin configures the model."""
+    from unickpt.booster import Booster
+    from unickpt.errors import UnsupportedError
+    from unickpt.plugins.hybrid import HybridParallelPlugin
+
+    torch.manual_seed(0)
+    model = PipeNet(ff=FF - 1)  # 33 rows: 17 + 16 over two tp ranks
+    plugin = HybridParallelPlugin(tp_size=dist.get_world_size(), dp="fsdp2", tp_plan=tp_plan())
+    try:
+        Booster(plugin).boost(model, make_optimizer(model), criterion=loss_fn)
+    except UnsupportedError as e:
+        assert "divisible" in str(e) and "blocks.0.up.weight" in str(e), str(e)
+    else:
+        raise AssertionError("HybridParallelPlugin accepted an uneven tensor-parallel split")
+
+
+def merge_case(src: str, root: str) -> None:
+    """``unickpt.merge_checkpoint`` of ``src``'s sliced model equals the saver's full tensors (one process)."""
+    import glob
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    from unickpt import merge_checkpoint
+
+    d = os.path.join(root, src)
+    with tempfile.TemporaryDirectory(dir=root) as tmp:
+        out = merge_checkpoint(os.path.join(d, "model"), os.path.join(tmp, "merged"))
+        merged: dict[str, torch.Tensor] = {}
+        for f in sorted(glob.glob(os.path.join(out, "*.safetensors"))):
+            merged.update(load_file(f))
+    exp = {
+        k: v for k, v in load_file(os.path.join(d, "expected.safetensors")).items() if k.startswith("model/")
+    }
+    got = {f"model/{k}": v for k, v in merged.items()}
+    if "model/head.weight" not in got:  # stored once with the embedding (tied), as Hugging Face does
+        got["model/head.weight"] = got["model/emb.weight"]
+    assert_bits(exp, got, f"merge {src}")
 
 
 def world_worker(
-    root: str, saves: list[str], loads: list[tuple[str, str]], conts: list[tuple[str, str]]
+    root: str,
+    saves: list[str],
+    loads: list[tuple[str, ...]],
+    conts: list[tuple[str, str]],
+    checks: list[str] | None = None,
 ) -> Any:
-    """Run in one world: the saves, then every load (dst layout, src layout), both gathered values."""
+    """Run in one world: the saves, the loads, the continuity runs, then the named checks.
+
+    A load is ``(dst layout, src layout)`` (sliced and gathered checkpoints) or ``(dst, src,
+    modes)`` with ``modes`` among ``"s"`` (sliced) and ``"g"`` (gathered).
+    """
     from harness import run_cases
 
     cases: list[tuple[str, Any]] = []
     for layout in saves:
         cases.append((f"save {layout}", lambda layout=layout: save_case(layout, root)))
-    for dst, src in loads:
-        # Gathered saves of pp x tp miss the ``param`` field of later stages' optimizer entries
-        # (the core takes entry extras from rank 0 only): see docs/guide-parallel.md.
-        for g in (False,) if src in NO_GATHERED_LOAD else (False, True):
+    for dst, src, *rest in loads:
+        modes = rest[0] if rest else "sg"
+        for g in [m == "g" for m in modes]:
             cases.append(
                 (
                     f"load {src}{'_g' if g else ''} -> {dst}",
@@ -297,4 +392,11 @@ def world_worker(
             )
     for src, dst in conts:
         cases.append((f"continue {src} -> {dst}", lambda s=src, d=dst: continuity_case(s, d, root)))
+    for check in checks or []:
+        if check.startswith("merge:"):
+            cases.append((check, lambda src=check[6:]: merge_case(src, root)))
+        elif check == "uneven_tp":
+            cases.append((check, uneven_tp_case))
+        else:
+            raise ValueError(check)
     return run_cases(cases)

@@ -28,10 +28,10 @@ from unickpt.errors import UnsupportedError
 from unickpt.io import CheckpointIO
 from unickpt.plugins import _mesh
 from unickpt.plugins.base import ConfigureResult, Plugin, parameter_fqns, remap_optimizer_params
+from unickpt.plugins.fsdp2 import default_shard_units
 from unickpt.plugins.pp import (
     PipelineRuntime,
     PPCheckpointIO,
-    pipeline_units,
     prune_optimizer,
     split_stage,
     tied_shapes_from,
@@ -136,13 +136,16 @@ class HybridParallelPlugin(Plugin):
             from torch.distributed.tensor.parallel import parallelize_module
 
             parallelize_module(model, mesh["tp"], self.tp_plan)
+            _check_tp_even(model, self.tp_size)
         dp_mesh = mesh["dp"]
         if self.dp == "fsdp2" and self.dp_size > 1:
             from torch.distributed.fsdp import fully_shard
 
-            for _fqn, unit in pipeline_units(model):
-                if any(True for _ in unit.parameters()):
-                    fully_shard(unit, mesh=dp_mesh)
+            # Units as FSDP2Plugin picks them: a unit holding a weight tied to a module outside
+            # it (embedding/head) is left to the root, so tied parameters share one group.
+            units = default_shard_units(model)
+            for unit in sorted(units, key=lambda u: u.count("."), reverse=True):
+                fully_shard(model.get_submodule(unit), mesh=dp_mesh)
             fully_shard(model, mesh=dp_mesh)
         remap_optimizer_params(optimizer, old, model)
         if self.dp == "ddp" and self.dp_size > 1:
@@ -211,3 +214,26 @@ class HybridParallelPlugin(Plugin):
             else:
                 self._io = HybridCheckpointIO(mesh=self._mesh, canonical=self.canonical)
         return self._io
+
+
+def _check_tp_even(model: nn.Module, tp_size: int) -> None:
+    """Refuse tensor-parallel shards of uneven width (every rank, right after ``parallelize_module``).
+
+    torch's Colwise/Rowwise styles rebuild activations with ``DTensor.from_local``, which assumes
+    every tp rank holds the same width: a dimension not divisible by ``tp_size`` fails later in
+    the forward pass with a matmul shape mismatch. FSDP2 (the dp dimension) may split unevenly.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    bad: list[str] = []
+    for name, p in model.named_parameters():
+        if not isinstance(p, DTensor):
+            continue
+        for placement in p.placements:
+            if isinstance(placement, Shard) and p.shape[placement.dim] % tp_size:
+                bad.append(f"{name} {tuple(p.shape)} (dim {placement.dim})")
+    if bad:
+        raise UnsupportedError(
+            f"tensor parallelism over {tp_size} ranks needs every sharded dimension divisible by "
+            f"{tp_size}; these are not: {bad[:5]}. Change the model's sizes, tp_size or tp_plan"
+        )
