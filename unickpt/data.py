@@ -30,7 +30,6 @@ set on the dataloader, which starts the next epoch from its beginning instead.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Iterator, Sized
 from typing import Any
@@ -46,6 +45,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from unickpt._logging import get_logger
 from unickpt.errors import StateMismatchError, UnsupportedError
 
 __all__ = [
@@ -55,7 +55,7 @@ __all__ = [
     "global_order",
 ]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 STATE_VERSION = 1
 _RESHARD_POLICIES = ("error", "fresh_epoch")
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import logging
 import os
 import re
 import shutil
@@ -46,6 +45,7 @@ from typing import Any
 import torch
 
 from unickpt import _rng
+from unickpt._logging import get_logger
 from unickpt.errors import (
     IncompleteCheckpointError,
     IndexFileError,
@@ -59,7 +59,7 @@ from unickpt.io.jsonstate import from_json_value, to_json_value
 
 __all__ = ["CheckpointManager"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 COMMIT_NAME = "COMMIT"
 LATEST_NAME = "latest"

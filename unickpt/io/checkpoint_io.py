@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 from typing import Any
 
 import torch
 
+from unickpt._logging import get_logger
 from unickpt.errors import IndexFileError, StateMismatchError, UnsupportedError
 from unickpt.format.commit import atomic_write_bytes
 from unickpt.format.index import LayoutInfo
@@ -41,7 +41,7 @@ __all__ = [
     "optimizer_tensor_name",
 ]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 SCHEDULER_FILE = "lr_scheduler.json"
 
 

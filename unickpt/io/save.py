@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from unickpt._logging import get_logger
 from unickpt.errors import UnickptError
 from unickpt.format.commit import atomic_write_bytes, directory_lock, fsync_dir, temp_name
 from unickpt.format.hashing import finalize_fingerprint, fingerprint_partial, slice_hash
@@ -41,7 +41,7 @@ from unickpt.io.tensors import LocalSlice, as_bytes, is_dtensor
 
 __all__ = ["SaveOptions", "save_tensors"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 _PLACEHOLDER = "0" * 16
 _VERSION = "unickpt 0.1.0"
 

@@ -11,7 +11,6 @@ All ranks call these functions, in the same order.
 from __future__ import annotations
 
 import datetime
-import logging
 import os
 from collections.abc import Sequence
 
@@ -19,11 +18,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from unickpt._logging import get_logger
 from unickpt.errors import DistributedError
 
 __all__ = ["build_mesh", "default_backend", "device_type", "ensure_process_group", "local_device"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # The variables torchrun (and tests/dist/harness.py) set for every rank.
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -152,6 +152,7 @@ class PipelineRuntime:
         self.device = device
         self._schedule: Any = None
         self._criterion: Any = None
+        self._local_shapes: dict[str, tuple[torch.Size, torch.dtype]] | None = None
 
     def _get_schedule(self, criterion: Callable[..., Any]) -> Any:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -180,18 +181,51 @@ class PipelineRuntime:
         return None
 
     def sync_tied_gradients(self) -> None:
-        """Sum the gradients of weights tied across stages over the pipeline group (collective)."""
+        """Sum the gradients of weights tied across stages over the pipeline group (collective).
+
+        Under FSDP2 (hybrid) the copies are DTensors sharded alike on every stage's dp sub-mesh,
+        and a rank's pipeline group joins the ranks at the same dp/tp coordinates: their local
+        shards hold the same block, so the local shards are summed.
+        """
         if not self.tied_stages:
             return
         local = {self.canonical.get(n, n): p for n, p in self.module.named_parameters()}
+        shapes = self._local_tied_shapes(local)
         for first in sorted(self.tied_stages):
-            shape, dtype = self.tied_shapes[first]
-            p = local.get(first)
-            grad = p.grad if p is not None and p.grad is not None else None
-            buf = grad if grad is not None else torch.zeros(shape, dtype=dtype, device=self.device)
+            shape, dtype = shapes[first]
+            p: Any = local.get(first)
+            grad: Any = p.grad if p is not None and p.grad is not None else None
+            if grad is not None:
+                buf = grad.to_local() if _is_dtensor(grad) else grad
+            else:
+                buf = torch.zeros(shape, dtype=dtype, device=self.device)
             dist.all_reduce(buf, group=self.group)
             if p is not None and grad is None:
-                p.grad = buf
+                if _is_dtensor(p):
+                    from torch.distributed.tensor import DTensor
+
+                    p.grad = DTensor.from_local(
+                        buf, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+                    )
+                else:
+                    p.grad = buf
+
+    def _local_tied_shapes(self, local: dict[str, nn.Parameter]) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """This rank's shard shape of every cross-stage tied weight (all-gathered once when sharded)."""
+        if self._local_shapes is not None:
+            return self._local_shapes
+        mine = {
+            f: (p.to_local().shape, p.dtype)  # type: ignore[attr-defined]
+            for f, p in local.items()
+            if f in self.tied_stages and _is_dtensor(p)
+        }
+        flags: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(flags, mine, group=self.group)
+        shapes = dict(self.tied_shapes)
+        for part in flags:
+            shapes.update(part)
+        self._local_shapes = shapes
+        return shapes
 
 
 class PPCheckpointIO(CheckpointIO):

@@ -19,7 +19,6 @@ under a temporary name and renamed when complete. Needs no process group.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import warnings
@@ -29,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from unickpt import __version__
+from unickpt._logging import get_logger
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, UnsupportedError
 from unickpt.format.index import LayoutInfo
 from unickpt.tools._common import check_output, copy_small_file, staged_output
@@ -36,7 +36,7 @@ from unickpt.tools._write import SliceData, TensorData, write_checkpoint
 
 __all__ = ["convert_checkpoint"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 # Tensors are read from DCP in batches of about this many bytes (one dcp.load call each).
 _BATCH_BYTES = 256 << 20
 _SIDE_FILES = ("config.json", "generation_config.json")

@@ -20,7 +20,6 @@ output is written to a hidden temporary directory and renamed to ``out`` at the 
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from unickpt import __version__
+from unickpt._logging import get_logger
 from unickpt.errors import IntegrityError, IntegrityFailure, UnsupportedError
 from unickpt.format.commit import atomic_write_bytes
 from unickpt.format.dtypes import itemsize, word_dtype
@@ -41,7 +41,7 @@ from unickpt.tools._common import check_output, copy_small_file, staged_output, 
 
 __all__ = ["merge_checkpoint", "DTYPES"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # --dtype names -> safetensors dtype. Only floating-point tensors are cast (as transformers does).
 DTYPES = {

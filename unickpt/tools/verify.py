@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 
+from unickpt._logging import get_logger
 from unickpt.errors import IntegrityFailure
 from unickpt.format.dtypes import itemsize
 from unickpt.tools._common import open_auto
 
 __all__ = ["verify_checkpoint"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def verify_checkpoint(
