@@ -36,10 +36,14 @@ import contextlib
 import dataclasses
 import json
 import os
+import posixpath
 import re
 import shutil
+import tempfile
 import threading
 import uuid
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -67,7 +71,8 @@ TRAIN_STATE_DIR = "train_state"
 HF_DIR = "hf"
 _STEP_RE = re.compile(r"^step-(\d+)$")
 # Hidden work directories: a save in progress, a step being replaced, a step being deleted.
-_WORK_RE = re.compile(r"^\.step-(\d+)\.(staging|old|deleting)-[0-9a-f]+$")
+# (``download``: a remote step fetched for loading, in the local cache of an fsspec URL.)
+_WORK_RE = re.compile(r"^\.step-(\d+)\.(staging|old|deleting|download)-[0-9a-f]+$")
 _STATE_VERSION = 1
 # Shard size of the sliced model/optimizer files (MB): the same for sync and async saves.
 _SHARD_MB = 1024
@@ -91,14 +96,18 @@ class CheckpointManager:
     """Save every ``save_steps`` steps, keep the last ``keep_last``, resume exactly.
 
     Args:
-        checkpoint_dir: a local directory (created if needed). fsspec URLs other than
-            ``file://`` raise ``UnsupportedError`` (see docs/guide-manager.md).
+        checkpoint_dir: a local directory (created if needed; ``file://`` URLs too), or an fsspec
+            URL (``s3://``, ``gs://``, ``memory://``...): see "Remote storage" in the module docstring.
         booster: the ``Booster`` whose plugin's CheckpointIO saves the model and optimizer;
             ``None`` means one process with a ``GeneralCheckpointIO``.
         save_steps: ``save(step)`` saves when ``step % save_steps == 0`` (or ``force=True``).
         keep_last: committed steps to keep (oldest deleted after a new commit); ``None`` or 0 keeps all.
         async_save: write in a background thread (see the module docstring).
         save_hf: also write a merged Hugging Face copy of the model into ``step-<N>/hf``.
+        local_cache_dir: fsspec URLs only: where each rank stages a save and downloads a step
+            to load (``<local_cache_dir>/rank-<r>/``); default a temporary directory per process,
+            removed when the manager is garbage collected.
+        storage_options: fsspec URLs only: passed to the fsspec filesystem (credentials, endpoint).
 
     Built by every rank (with ``async_save`` it creates a process group: collective).
     """
@@ -111,8 +120,9 @@ class CheckpointManager:
         keep_last: int | None = 3,
         async_save: bool = False,
         save_hf: bool = False,
+        local_cache_dir: str | os.PathLike[str] | None = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
-        self.checkpoint_dir = _local_dir(checkpoint_dir)
         self.booster = booster
         if booster is not None:
             self.io = booster.checkpoint_io
@@ -120,6 +130,25 @@ class CheckpointManager:
             from unickpt.io import GeneralCheckpointIO
 
             self.io = GeneralCheckpointIO()
+        self._remote: _RemoteStore | None = None
+        if _is_remote(checkpoint_dir):
+            self._remote = _RemoteStore(os.fspath(checkpoint_dir), storage_options)
+            self.checkpoint_dir = self._remote.url
+            if local_cache_dir is None:
+                base = tempfile.mkdtemp(prefix="unickpt-cache-")
+                weakref.finalize(self, shutil.rmtree, base, True)
+            else:
+                base = os.path.abspath(os.fspath(local_cache_dir))
+            # One directory per rank: ranks never share (or upload) each other's local files.
+            self._root = os.path.join(base, f"rank-{_dist.rank(self.io.group):05d}")
+        else:
+            if local_cache_dir is not None or storage_options is not None:
+                raise ValueError(
+                    "local_cache_dir and storage_options are for fsspec URLs; "
+                    f"{os.fspath(checkpoint_dir)!r} is a local directory"
+                )
+            self.checkpoint_dir = _local_dir(checkpoint_dir)
+            self._root = self.checkpoint_dir
         if save_steps < 1:
             raise ValueError(f"save_steps must be a positive number of steps, got {save_steps}")
         if keep_last is not None and keep_last < 0:
@@ -142,6 +171,8 @@ class CheckpointManager:
     # ------------------------------------------------------------------ queries
     def all_steps(self) -> list[int]:
         """Committed steps in ascending order (files only; any rank may call)."""
+        if self._remote is not None:
+            return self._remote.committed_steps()
         return _committed_steps(self.checkpoint_dir)
 
     def latest_step(self) -> int | None:
@@ -153,10 +184,13 @@ class CheckpointManager:
         steps = self.all_steps()
         if not steps:
             return None
-        rec = _read_latest(self.checkpoint_dir)
+        rec = self._remote.read_latest() if self._remote is not None else _read_latest(self.checkpoint_dir)
         return rec if rec in steps else steps[-1]
 
     def step_dir(self, step: int) -> str:
+        """The path (local) or URL (fsspec) of ``step-<step>``."""
+        if self._remote is not None:
+            return f"{self._remote.url}/step-{step}"
         return os.path.join(self.checkpoint_dir, f"step-{step}")
 
     # ------------------------------------------------------------------ load
@@ -190,15 +224,44 @@ class CheckpointManager:
         step = int(_dist.broadcast_object(step, 0, self.group))
         if step == 0:
             return 0
-        d = self.step_dir(step)
-        logger.info("resuming from %s", d)
+        logger.info("resuming from %s", self.step_dir(step))
+        if self._remote is None:
+            self._load_step(
+                self.step_dir(step), step, model, optimizer, lr_scheduler, dataloader, extra_states
+            )
+            return step
+        d = os.path.join(self._root, f".step-{step}.download-{uuid.uuid4().hex[:12]}")
+        err: BaseException | None = None
+        try:
+            os.makedirs(self._root, exist_ok=True)
+            _clean_work_dirs(self._root)
+            self._remote.download_step(step, d, _dist.rank(self.group))
+        except BaseException as e:
+            err = e
+        try:
+            _dist.agree(err, f"downloading {self.step_dir(step)}", self.group)
+            self._load_step(d, step, model, optimizer, lr_scheduler, dataloader, extra_states)
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+        return step
+
+    def _load_step(
+        self,
+        d: str,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: Any,
+        lr_scheduler: Any,
+        dataloader: Any,
+        extra_states: dict[str, Any],
+    ) -> None:
+        """Collective: load the local step directory ``d``."""
         self.io.load_model(model, os.path.join(d, "model"))
         if optimizer is not None:
             self.io.load_optimizer(optimizer, os.path.join(d, "optimizer"))
         if lr_scheduler is not None:
             self.io.load_lr_scheduler(lr_scheduler, os.path.join(d, "lr_scheduler.json"))
         self._load_train_state(d, step, dataloader, extra_states)
-        return step
 
     def _pick_step(self, wanted: int | str) -> int | None:
         latest = self.latest_step()
@@ -298,9 +361,14 @@ class CheckpointManager:
         rank = _dist.rank(self.group)
         stage_name = f".step-{step}.staging-{uuid.uuid4().hex[:12]}" if rank == 0 else ""
         stage_name = _dist.broadcast_object(stage_name, 0, self.group)
-        stage = os.path.join(self.checkpoint_dir, stage_name)
+        stage = os.path.join(self._root, stage_name)
         err: BaseException | None = None
-        if rank == 0:
+        if self._remote is not None:
+            try:
+                self._start_remote_save(step, stage, rank)
+            except BaseException as e:
+                err = e
+        elif rank == 0:
             try:
                 os.makedirs(self.checkpoint_dir, exist_ok=True)
                 self._lock.enter_context(directory_lock(self.checkpoint_dir))
@@ -323,6 +391,17 @@ class CheckpointManager:
         self._thread = thread
         thread.start()
         return True
+
+    def _start_remote_save(self, step: int, stage: str, rank: int) -> None:
+        """Every rank: its local staging directory; rank 0 clears ``step-<step>`` and dead uploads."""
+        os.makedirs(self._root, exist_ok=True)
+        _clean_work_dirs(self._root)
+        # Every rank writes into its own local copy of the stage, so every rank creates the
+        # directories the writers expect (on a shared directory rank 0 alone creates them).
+        for sub in (TRAIN_STATE_DIR, "model", "optimizer", HF_DIR):
+            os.makedirs(os.path.join(stage, sub))
+        if rank == 0 and self._remote is not None:
+            self._remote.prepare(step)
 
     def wait(self) -> None:
         """Collective for async saves: block until the save in flight is committed; raise its error."""
@@ -428,21 +507,60 @@ class CheckpointManager:
             except BaseException as e:
                 err = e
             _dist.agree(err, f"writing the training state of step {p.step}", group)
+            uploaded: set[str] = set()
+            if self._remote is not None:
+                self._upload(p, group, uploaded)
             if self.save_hf:
-                self._write_hf(p, group, model)
+                self._write_hf(p, group, model, uploaded)
+                if self._remote is not None:
+                    self._upload(p, group, uploaded)
             err = None
             if rank == 0:
                 try:
-                    self._commit(p)
+                    if self._remote is None:
+                        self._commit(p)
+                    else:
+                        self._commit_remote(p)
                 except BaseException as e:
                     err = e
             _dist.agree(err, f"committing step {p.step} in {self.checkpoint_dir}", group)
         finally:
             if rank == 0:
                 self._release()
+            if self._remote is not None:  # uploaded or failed: the local copy is not needed
+                shutil.rmtree(p.stage, ignore_errors=True)
         _dist.barrier(group)
 
-    def _write_hf(self, p: _Payload, group: Any, model: torch.nn.Module | None) -> None:
+    def _upload(self, p: _Payload, group: Any, uploaded: set[str]) -> None:
+        """Collective over ``group``: every rank uploads the files of its stage not uploaded yet."""
+        err: BaseException | None = None
+        try:
+            if self._remote is not None:
+                self._remote.upload_step(p.stage, p.step, uploaded)
+        except BaseException as e:
+            err = e
+        _dist.agree(err, f"uploading step {p.step} to {self.checkpoint_dir}", group)
+
+    def _commit_remote(self, p: _Payload) -> None:
+        """Rank 0, after every rank uploaded its files: ``COMMIT`` object last, ``latest``, retention."""
+        remote = self._remote
+        if remote is None:  # pragma: no cover - only called for URLs
+            raise RuntimeError("internal: remote commit without a remote store")
+        commit = {
+            "unickpt_commit": _STATE_VERSION,
+            "step": p.step,
+            "world_size": int(p.train_state["world_size"]),
+            "plugin": self.io.plugin_name,
+        }
+        remote.put_bytes(f"step-{p.step}/{COMMIT_NAME}", json.dumps(commit).encode())
+        remote.put_bytes(LATEST_NAME, json.dumps({"step": p.step}).encode())
+        logger.info("committed %s", self.step_dir(p.step))
+        if self.keep_last is not None:
+            steps = [s for s in remote.committed_steps() if s != p.step]
+            for s in steps[: max(0, len(steps) - (self.keep_last - 1))]:
+                remote.remove_step(s)
+
+    def _write_hf(self, p: _Payload, group: Any, model: torch.nn.Module | None, uploaded: set[str]) -> None:
         hf = os.path.join(p.stage, HF_DIR)
         if model is not None:  # synchronous: the gathered save of the live model
             self.io.save_model(model, hf, shard=True, gather_dtensor=True)
@@ -456,6 +574,8 @@ class CheckpointManager:
         err: BaseException | None = None
         if _dist.rank(group) == 0:
             try:
+                if self._remote is not None:  # the other ranks' model files are in the store only
+                    self._remote.fetch_missing(p.step, "model", p.stage, uploaded)
                 full, aliases = _read_full(os.path.join(p.stage, "model"))
             except BaseException as e:
                 err = e
@@ -603,16 +723,16 @@ _NOT_RESUMABLE = (
 )
 
 
+def _is_remote(path: str | os.PathLike[str]) -> bool:
+    """An fsspec URL other than ``file://`` (``file://`` paths keep the rename-based commit)."""
+    s = os.fspath(path)
+    return "://" in s and not s.startswith("file://")
+
+
 def _local_dir(path: str | os.PathLike[str]) -> str:
     s = os.fspath(path)
     if s.startswith("file://"):
         s = s[len("file://") :]
-    elif "://" in s:
-        raise UnsupportedError(
-            f"checkpoint_dir {s!r}: fsspec URLs are not supported by CheckpointManager yet (only local "
-            "paths: its commit relies on an atomic directory rename, which object stores lack); save to a "
-            "local or network file system and copy committed step-<N> directories to the object store"
-        )
     return os.path.abspath(s)
 
 
@@ -656,3 +776,131 @@ def _remove_step(directory: str, step: int) -> None:
         return
     shutil.rmtree(dst, ignore_errors=True)
     logger.info("removed %s (keep_last)", src)
+
+
+# ---------------------------------------------------------------------- fsspec storage
+class _RemoteStore:
+    """``step-<N>/`` prefixes under an fsspec URL; a step is committed iff its ``COMMIT`` object exists.
+
+    Never renames or moves anything (object stores cannot rename a prefix atomically): a step
+    is uploaded file by file in place, ``COMMIT`` last, and deleted ``COMMIT`` first.
+    """
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None) -> None:
+        try:
+            from fsspec.core import url_to_fs
+
+            fs, root = url_to_fs(url, **(storage_options or {}))
+        except (ImportError, ValueError) as e:
+            raise UnsupportedError(
+                f"checkpoint_dir {url!r}: fsspec cannot open it ({e}); install the filesystem's package "
+                "(s3fs for s3://, gcsfs for gs://) or pass a local directory"
+            ) from e
+        self.url = url.rstrip("/")
+        self.fs: Any = fs
+        self.root: str = str(root).rstrip("/")
+
+    def path(self, rel: str) -> str:
+        return posixpath.join(self.root, rel) if self.root else rel
+
+    def _step_names(self) -> dict[int, str]:
+        """Every ``step-<N>`` prefix, committed or not: {N: path}."""
+        self.fs.invalidate_cache()  # listings may be cached (s3fs, gcsfs); we need the current state
+        try:
+            names = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return {}
+        out = {}
+        for n in names:
+            m = _STEP_RE.match(posixpath.basename(str(n).rstrip("/")))
+            if m:
+                out[int(m.group(1))] = self.path(f"step-{m.group(1)}")
+        return out
+
+    def _committed(self, path: str) -> bool:
+        return bool(self.fs.exists(posixpath.join(path, COMMIT_NAME)))
+
+    def committed_steps(self) -> list[int]:
+        return sorted(s for s, p in self._step_names().items() if self._committed(p))
+
+    def read_latest(self) -> int | None:
+        try:
+            obj = json.loads(self.fs.cat_file(self.path(LATEST_NAME)))
+            return int(obj["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def put_bytes(self, rel: str, data: bytes) -> None:
+        path = self.path(rel)
+        self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+        self.fs.pipe_file(path, data)
+
+    def remove_step(self, step: int) -> None:
+        """Un-commit (delete ``COMMIT``), then delete the rest: a half-deleted step is never committed."""
+        path = self.path(f"step-{step}")
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(posixpath.join(path, COMMIT_NAME))
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(path, recursive=True)
+        logger.info("removed %s", f"{self.url}/step-{step}")
+
+    def prepare(self, step: int) -> None:
+        """Rank 0, before uploading ``step``: delete it if present, and every uncommitted step."""
+        for s, path in self._step_names().items():
+            if s == step or not self._committed(path):
+                if s != step:
+                    logger.info("removing %s/step-%s left by an interrupted save", self.url, s)
+                self.remove_step(s)
+
+    def upload_step(self, stage: str, step: int, done: set[str]) -> None:
+        """Upload every file under the local ``stage`` not in ``done`` to ``step-<step>/`` (adds them)."""
+        made: set[str] = set()
+        for dirpath, _dirs, files in os.walk(stage):
+            for f in sorted(files):
+                local = os.path.join(dirpath, f)
+                rel = os.path.relpath(local, stage).replace(os.sep, "/")
+                if rel in done:
+                    continue
+                remote = self.path(f"step-{step}/{rel}")
+                parent = posixpath.dirname(remote)
+                if parent not in made:
+                    self.fs.makedirs(parent, exist_ok=True)
+                    made.add(parent)
+                self.fs.put_file(local, remote)
+                done.add(rel)
+
+    def _download(self, step: int, dest: str, keep: Callable[[str], bool]) -> list[str]:
+        base = self.path(f"step-{step}")
+        got = []
+        for remote in sorted(self.fs.find(base)):
+            rel = posixpath.relpath(str(remote), base)
+            if rel.startswith("..") or not keep(rel):
+                continue
+            local = os.path.join(dest, *rel.split("/"))
+            os.makedirs(os.path.dirname(local), exist_ok=True)
+            self.fs.get_file(remote, local)
+            got.append(rel)
+        return got
+
+    def download_step(self, step: int, dest: str, rank: int) -> None:
+        """Fetch what ``load`` reads on ``rank``: all but ``hf/`` and other ranks' train states."""
+        own = {f"rank-{rank:05d}", "rank-00000"}
+
+        def keep(rel: str) -> bool:
+            if rel.startswith(HF_DIR + "/"):
+                return False
+            if rel.startswith(TRAIN_STATE_DIR + "/"):
+                return posixpath.basename(rel).split(".")[0] in own
+            return True
+
+        got = self._download(step, dest, keep)
+        if COMMIT_NAME not in got:  # deleted by retention or a replacing save since it was listed
+            raise IncompleteCheckpointError(f"{self.url}/step-{step} is no longer committed")
+
+    def fetch_missing(self, step: int, sub: str, stage: str, done: set[str]) -> None:
+        """Download the files of ``step-<step>/<sub>/`` absent from the local ``stage``."""
+        have = set(done)
+        for dirpath, _dirs, files in os.walk(stage):
+            for f in files:
+                have.add(os.path.relpath(os.path.join(dirpath, f), stage).replace(os.sep, "/"))
+        done.update(self._download(step, stage, lambda rel: rel.startswith(sub + "/") and rel not in have))

@@ -248,8 +248,10 @@ def test_async_error_surfaces_at_wait(tmp_path: Path, monkeypatch: pytest.Monkey
 
 
 def test_bad_inputs(tmp_path: Path) -> None:
-    with pytest.raises(UnsupportedError, match="fsspec"):
-        CheckpointManager("memory://ckpt")
+    with pytest.raises(UnsupportedError, match="fsspec cannot open"):
+        CheckpointManager("nosuchprotocol://ckpt")
+    with pytest.raises(ValueError, match="fsspec URLs"):
+        CheckpointManager(tmp_path, local_cache_dir=tmp_path / "cache")
     with pytest.raises(ValueError):
         CheckpointManager(tmp_path, save_steps=0)
     model, opt, _, _ = _setup(0)
