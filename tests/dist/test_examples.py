@@ -142,3 +142,25 @@ def test_demo(tmp_path: Path) -> None:
     assert "result: identical" in proc.stdout
     _verify(tmp_path / "demo" / "fsdp2-run" / "step-6" / "model")
     _verify(tmp_path / "demo" / "hf")
+
+
+def test_train_pp_resumes_without_pipeline(tmp_path: Path) -> None:
+    """train_pp.py: 2 stages train and save; one process (no pipeline) resumes the checkpoint."""
+    torchrun = [str(BIN / "torchrun"), "--nproc_per_node", "2"]
+    script = str(EXAMPLES / "train_pp.py")
+    _run([*torchrun, script, "--steps", "1", "--save-dir", str(tmp_path / "pp")], timeout_s=180)
+    _verify(_latest(tmp_path / "pp") / "model")
+    _verify(_latest(tmp_path / "pp") / "optimizer")
+    proc = _run(
+        [sys.executable, script, "--steps", "1", "--resume-from", str(tmp_path / "pp")], timeout_s=120
+    )
+    assert "resumed step 1" in proc.stdout and "step   2  loss" in proc.stdout
+
+
+def test_train_hybrid_saves_strided_slices(tmp_path: Path) -> None:
+    """train_hybrid.py on 2 ranks (dp1 x tp2): trains, saves a sliced checkpoint that verifies."""
+    cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", str(EXAMPLES / "train_hybrid.py")]
+    proc = _run([*cmd, "--steps", "1", "--save-dir", str(tmp_path / "hyb")], timeout_s=180)
+    assert "step   1  loss" in proc.stdout
+    _verify(_latest(tmp_path / "hyb") / "model")
+    _verify(_latest(tmp_path / "hyb") / "optimizer")

@@ -400,6 +400,10 @@ class PPPlugin(Plugin):
         super().__init__()
         if schedule not in ("1F1B", "GPipe"):
             raise UnsupportedError(f"PPPlugin(schedule={schedule!r}): use '1F1B' or 'GPipe'")
+        if schedule == "1F1B" and num_microbatches is not None and num_microbatches < pp_size:
+            raise UnsupportedError(
+                f"PPPlugin: the 1F1B schedule needs num_microbatches >= pp_size ({num_microbatches} < {pp_size})"
+            )
         self.pp_size = pp_size
         self.split_points = list(split_points)
         self.num_microbatches = num_microbatches or pp_size
