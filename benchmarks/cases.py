@@ -166,6 +166,20 @@ def raw_load(p: dict[str, Any]) -> dict[str, Any]:
     return _measure(p, body, lambda: C.drop_cache_tree(src), nbytes)
 
 
+def _copy_files(src: Path, out: Path) -> None:
+    out.mkdir(parents=True)
+    for f in C.iter_files(src):
+        dst = out / f.relative_to(src)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        with open(f, "rb", buffering=0) as fi, open(dst, "wb", buffering=0) as fo:
+            while True:
+                b = fi.read(64 * C.MiB)
+                if not b:
+                    break
+                fo.write(b)
+    C.fsync_tree(out)
+
+
 @case("copy")
 def copy_tree(p: dict[str, Any]) -> dict[str, Any]:
     """Plain copy of a checkpoint's files + fsync: the floor for merge (read + write)."""
@@ -175,17 +189,7 @@ def copy_tree(p: dict[str, Any]) -> dict[str, Any]:
     nbytes = C.tree_bytes(src)
 
     def body() -> None:
-        out.mkdir(parents=True)
-        for f in C.iter_files(src):
-            dst = out / f.relative_to(src)
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            with open(f, "rb", buffering=0) as fi, open(dst, "wb", buffering=0) as fo:
-                while True:
-                    b = fi.read(64 * C.MiB)
-                    if not b:
-                        break
-                    fo.write(b)
-        C.fsync_tree(out)
+        _copy_files(src, out)
 
     def before() -> None:
         C.rm(out)
@@ -464,7 +468,19 @@ def _merge_case(p: dict[str, Any], run: Callable[[Path, Path], None]) -> dict[st
         C.rm(out)
         C.drop_cache_tree(src)
 
-    r = _measure(p, body, before, nbytes)
+    # Paired reference: a plain read+write copy of the same source files, run right before
+    # each repetition (the floor for any merge of these bytes, measured seconds apart).
+    pair_out = out.with_name(out.name + "_paircopy")
+
+    def pair_body() -> None:
+        _copy_files(src, pair_out)
+
+    def pair_before() -> None:
+        C.rm(pair_out)
+        C.drop_cache_tree(src)
+
+    r = _measure(p, body, before, nbytes, (pair_body, pair_before))
+    C.rm(pair_out)
     r["extra"] = {"out_bytes": C.tree_bytes(out)}
     return r
 

@@ -288,7 +288,10 @@ def suite(args: argparse.Namespace) -> dict[str, Any]:
 
     layouts: dict[str, Any] = {}
     if "dist" in groups or "merge" in groups:
-        dist_save(size, args.world, args.reps, f"w{args.world}_", "dist")
+        if "dist" in groups:
+            dist_save(size, args.world, args.reps, f"w{args.world}_", "dist")
+        else:  # merge sources only
+            dist_save(size, args.world, 1, f"w{args.world}_", "merge-src", ("dcp_hf_save", "unickpt_save"))
         dist_dirs[size] = root / f"dist-{size:g}MB-w{args.world}"
     if "dist" in groups:
         wd = dist_dirs[size]
@@ -443,7 +446,26 @@ def ratios(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[st
         f"consolidate_{size:g}",
         1.5,
     )
-    add(f"merge >= 0.7x plain copy ({size:g} MiB)", f"merge_{size:g}", f"copy_{size:g}", 0.7)
+    add(
+        f"merge >= 1.5x consolidate_safetensors_files ({small:g} MiB)",
+        f"merge_{small:g}",
+        f"consolidate_{small:g}",
+        1.5,
+    )
+    add(
+        f"merge >= 0.7x plain copy ({size:g} MiB, paired)",
+        f"merge_{size:g}",
+        f"copy_{size:g}",
+        0.7,
+        how="paired",
+    )
+    add(
+        f"merge >= 0.7x plain copy ({small:g} MiB, paired)",
+        f"merge_{small:g}",
+        f"copy_{small:g}",
+        0.7,
+        how="paired",
+    )
     add(
         f"merge peak RSS {size:g} MiB / {small:g} MiB <= 1.25x",
         f"merge_{size:g}",
