@@ -28,6 +28,17 @@ fsyncs and commits. The background thread talks to the other ranks only through 
 gloo process group created once when the manager is built (``dist.new_group``), never
 through the training's group, so it cannot interleave with the training's collectives. One
 save is in flight at most; its error is raised by the next ``save`` or ``wait``.
+
+Remote storage (``checkpoint_dir`` an fsspec URL other than ``file://``): object stores have no
+atomic rename, so nothing is ever renamed or moved there. Every rank stages its files in its
+own local directory (``<local_cache_dir>/rank-<r>/``, default a temporary directory) exactly as
+above, then uploads them to ``<url>/step-<N>/`` file by file; rank 0 first deletes ``step-*``
+prefixes without ``COMMIT`` and an existing ``step-<N>`` (``COMMIT`` first). Once every rank has
+uploaded everything, rank 0 uploads ``COMMIT`` last, then ``latest``, then applies ``keep_last``
+(deleting ``COMMIT`` first). A step is committed iff its ``COMMIT`` object exists; readers ignore
+the others. Guarantees rest on whole-object PUTs and consistent listings (S3, GCS); limits: no
+lock between writers, re-saving an existing step is not atomic, and each rank downloads the
+whole step (but ``hf/`` and other ranks' states) to load it. See docs/guide.md, "Storage".
 """
 
 from __future__ import annotations
