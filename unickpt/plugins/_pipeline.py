@@ -283,7 +283,7 @@ class PPCheckpointIO(CheckpointIO):
         }
         if self._gather:
             if any(_is_dtensor(v) for st in state.values() for v in st.values()):
-                return state  # DTensor stages: leave to the core (see docs/guide-parallel.md)
+                return state  # DTensor stages: leave to the core (see docs/guide.md, "Parallelism notes")
             everything = _all_gather_objects(cpu, self.group)
             merged: dict[str, Any] = {}
             for part in everything:
