@@ -57,10 +57,14 @@ def _measure(
         times, first = C.timed_reps(int(p["reps"]), body, before, warmup=int(p.get("warmup", 1)))
     else:
         _, first = C.timed_reps(0, body, before, warmup=int(p.get("warmup", 1)))
+        peak = C.peak_rss_mb()
         times = []
         for _ in range(int(p["reps"])):
             r, _ = C.timed_reps(1, paired[0], paired[1], warmup=0)
+            # The reference's own buffers must not count toward the tool's peak RSS.
+            C.reset_peak_rss()
             t, _ = C.timed_reps(1, body, before, warmup=0)
+            peak = max(peak, C.peak_rss_mb())
             raw_times += r
             times += t
     out: dict[str, Any] = {
@@ -69,7 +73,7 @@ def _measure(
         "times": times,
         "first_s": first,
         "rss_base_mb": round(base, 1),
-        "rss_peak_mb": round(C.peak_rss_mb(), 1),
+        "rss_peak_mb": round(C.peak_rss_mb() if paired is None else peak, 1),
     }
     if raw_times:
         out["paired_raw_times"] = raw_times
