@@ -325,7 +325,7 @@ def suite(args: argparse.Namespace) -> dict[str, Any]:
             b = C.spec_bytes(C.state_spec(sz))
             mp = dict(base, size_mb=sz, reps=args.merge_reps, workdir=str(wd), bytes=b)
             for key, label, case, src in (
-                ("copy", "plain copy of unickpt files + fsync", "copy", "unickpt"),
+                ("copy", "plain copy (copy_file_range) of unickpt files + fsync", "copy", "unickpt"),
                 ("consolidate", "torch consolidate_safetensors_files", "merge_consolidate", "dcp_hf"),
                 ("merge", "unickpt.merge_checkpoint", "merge_unickpt", "unickpt"),
             ):
