@@ -99,6 +99,23 @@ def _resumes(log: Path) -> list[int]:
     return [int(line.split()[1]) for line in lines if line.startswith("resume")]
 
 
+def _step_lines(log: Path) -> int:
+    path = Path(f"{log}.rank0")
+    if not path.exists():
+        return 0
+    return sum(1 for line in path.read_text().splitlines() if not line.startswith("resume"))
+
+
+def _wait_for_steps(
+    log: Path, lines: int, procs: list[subprocess.Popen[bytes]], timeout: float = 120
+) -> None:
+    deadline = time.monotonic() + timeout
+    while _step_lines(log) < lines and time.monotonic() < deadline:
+        if all(p.poll() is not None for p in procs):
+            return
+        time.sleep(0.05)
+
+
 def _check_committed(ckpt: Path) -> int | None:
     mgr_steps = CheckpointManager(ckpt).all_steps()
     for step in mgr_steps:
@@ -121,8 +138,12 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
     ckpt, log = tmp_path / "ckpt", tmp_path / "run"
     kills = 0
     for _ in range(3):
+        before = _step_lines(log)
         procs = _launch(ckpt, True, log)
-        time.sleep(rng.uniform(3.0, 7.0))
+        # Kill at a random moment after this run has made progress (k new steps, then a random
+        # fraction of a step), so the kill lands mid-training however fast the machine is.
+        _wait_for_steps(log, before + rng.randint(1, 4), procs)
+        time.sleep(rng.uniform(0.0, 0.4))
         if all(p.poll() is not None for p in procs):
             break
         _kill(procs)
