@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,9 +60,10 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def is_dtensor(t: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
+    # No DTensor can exist unless its module was imported: do not import it (and sympy with
+    # it, seconds on a busy machine) just to learn that a plain tensor is plain.
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
 
 
 def global_shape(t: torch.Tensor) -> tuple[int, ...]:
