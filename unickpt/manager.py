@@ -167,6 +167,8 @@ class CheckpointManager:
         self.save_steps = save_steps
         self.keep_last = keep_last or None
         self.async_save = async_save
+        # CPU buffers of the async snapshot, reused from one save to the next (one save in flight).
+        self._staging: dict[str, dict[tuple[str, int], torch.Tensor]] = {}
         self.save_hf = save_hf
         self.group = self.io.group
         self._bg_group: Any = None
@@ -455,7 +457,7 @@ class CheckpointManager:
         try:
             model_plan = self.io.plan_model(model)
             if copy:
-                model_plan = model_plan.snapshot()
+                model_plan = model_plan.snapshot(self._staging.setdefault("model", {}))
             if lr_scheduler is not None:
                 sched = lr_scheduler_json(lr_scheduler.state_dict())
             rng_js, state_tensors = _rng.capture_rng()
@@ -485,7 +487,7 @@ class CheckpointManager:
         if optimizer is not None:
             optim_plan = self.io.plan_optimizer(optimizer)
             if copy:
-                optim_plan = optim_plan.snapshot()
+                optim_plan = optim_plan.snapshot(self._staging.setdefault("optimizer", {}))
         if model_plan is None:  # pragma: no cover - agree() raised already
             raise RuntimeError("internal: no model plan after a successful capture")
         return _Payload(step, stage, model_plan, optim_plan, sched, state, state_tensors, hf_config)

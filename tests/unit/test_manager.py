@@ -277,3 +277,22 @@ def test_hf_config_is_written_beside_the_sliced_model(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "step-1" / "model" / "config.json").read_text()) == {"model_type": "tiny"}
     merged = unickpt.merge_checkpoint(tmp_path / "step-1" / "model", tmp_path / "hf")
     assert (Path(merged) / "config.json").exists()
+
+
+def test_async_snapshots_reuse_their_buffers_and_hold_each_steps_values(tmp_path: Path) -> None:
+    model, opt, _, _ = _setup(0)
+    mgr = CheckpointManager(tmp_path, save_steps=1, keep_last=0, async_save=True)
+    mgr.save(1, model, opt)
+    mgr.wait()
+    first = {k: v.data_ptr() for k, v in mgr._staging["model"].items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    mgr.save(2, model, opt)
+    mgr.wait()
+    assert {k: v.data_ptr() for k, v in mgr._staging["model"].items()} == first
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    fresh, _, _, _ = _setup(1)
+    CheckpointManager(tmp_path).load(fresh, None, resume_from_checkpoint=2)
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, expected[k]), k
