@@ -16,11 +16,12 @@ Order of events (every rank calls ``save_tensors`` with its own tensors):
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,12 +69,15 @@ def _write_files(
 ) -> dict[tuple[str, int], tuple[str | None, int]]:
     """Stream blocks into files. ``blocks`` yields (key, uint8 array, (global, offsets, shape)) in file order.
 
-    Hashing of block i runs on a worker thread while block i is written (numpy, xxhash and
-    file writes all release the GIL), so hashes cost little on top of the write.
+    Hashing of block i runs on a worker thread while block i is written and block i+1 is
+    fetched and written (numpy, xxhash and file writes all release the GIL), so hashes cost
+    little on top of the write; at most two blocks are alive at once.
     """
     results: dict[tuple[str, int], tuple[str | None, int]] = {}
     written: list[str] = []
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unickpt-hash")
+    # The hash of block i may finish while block i+1 is written: at most two blocks are alive.
+    pending: collections.deque[tuple[tuple[str, int], Future[tuple[str | None, int]]]] = collections.deque()
     try:
         for f in files:
             specs = [(ps.key, plan.tensors[ps.name][0], ps.shape) for ps in f.slices]
@@ -88,11 +92,18 @@ def _write_files(
                     dtype = plan.tensors[ps.name][0]
                     fut = pool.submit(_hash_np, arr, gshape, off, shp, dtype, opts)
                     w.write(ps.key, memoryview(arr))  # type: ignore[arg-type]
-                    results[(ps.name, ps.k)] = fut.result()
+                    pending.append(((ps.name, ps.k), fut))
+                    del arr
+                    while len(pending) > 1:
+                        done, older = pending.popleft()
+                        results[done] = older.result()
                 w.close(fsync=opts.fsync)
             except BaseException:
                 w.abort()
                 raise
+        while pending:
+            done, older = pending.popleft()
+            results[done] = older.result()
     except BaseException:
         for p in written:
             with contextlib.suppress(FileNotFoundError):
