@@ -159,3 +159,62 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
     resumes = _resumes(log)
     assert resumes[0] == 0 and all(s % 2 == 0 for s in resumes)
     assert not [n for n in os.listdir(ckpt) if n.startswith(".step-")]
+
+
+def _run(script: str, world: int, args: list[str], log: Path) -> None:
+    port = _port()
+    procs = []
+    for rank in range(world):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=str(REPO),
+        )
+        with open(f"{log}.err{rank}", "ab") as err:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(HERE / script), *args],
+                    env=env,
+                    cwd=str(REPO),
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                    start_new_session=True,
+                )
+            )
+    deadline = time.monotonic() + 150
+    for p in procs:
+        try:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _kill(procs)
+            pytest.fail(f"world timed out: {Path(f'{log}.err0').read_text()[-3000:]}")
+    if any(p.returncode for p in procs):
+        errs = "\n".join(Path(f"{log}.err{r}").read_text()[-3000:] for r in range(world))
+        pytest.fail(f"a rank failed: {[p.returncode for p in procs]}\n{errs}")
+
+
+def _seen(log: Path, world: int) -> list[int]:
+    ids: list[int] = []
+    for r in range(world):
+        for line in Path(f"{log}.rank{r}").read_text().splitlines():
+            ids.extend(int(v) for v in line.split()[1:])
+    return ids
+
+
+def test_resume_from_dp4_to_dp2_sees_every_sample_of_the_epoch_once(tmp_path: Path) -> None:
+    """DDP x4 trains 3 steps (24 of 40 samples), saves; DDP x2 resumes and finishes the epoch."""
+    ckpt = tmp_path / "ckpt"
+    _run("_dp_resize_worker.py", 4, [str(ckpt), "3", str(tmp_path / "dp4")], tmp_path / "dp4")
+    first = _seen(tmp_path / "dp4", 4)
+    assert len(first) == 24
+    _run("_dp_resize_worker.py", 2, [str(ckpt), "0", str(tmp_path / "dp2")], tmp_path / "dp2")
+    second = _seen(tmp_path / "dp2", 2)
+    assert len(second) == 16  # 4 more steps of 2 ranks x 2 samples
+    assert sorted(first + second) == list(range(40))  # none skipped, none repeated
+    assert CheckpointManager(ckpt).all_steps() == [3, 7]
