@@ -426,3 +426,17 @@ def test_loads_a_plain_hugging_face_sharded_checkpoint(tmp_path: Path) -> None:
     assert_same(src, dst)
     r = open_checkpoint(tmp_path / "hf")
     assert not r.has_unickpt_block and all(s.xxh3 is None for t in r.tensors.values() for s in t.slices)
+
+
+def test_saving_a_stateless_optimizer_invents_no_state(tmp_path: Path) -> None:
+    """SGD without momentum keeps no state: saving it must not run torch's zero-gradient step."""
+    io = GeneralCheckpointIO()
+    m = fresh(0)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    calls = []
+    opt.register_step_pre_hook(lambda *a: calls.append(1))
+    io.save_optimizer(OptimizerWrapper(opt, m), tmp_path / "o", shard=True)
+    assert calls == [] and len(opt.state) == 0 and all(p.grad is None for p in m.parameters())
+    block = open_checkpoint(tmp_path / "o", "optimizer").block
+    assert block.tensors == {} and block.param_groups is not None
+    assert block.param_groups[0]["params"][0] == "emb.weight"

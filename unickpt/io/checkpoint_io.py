@@ -140,6 +140,7 @@ class CheckpointIO:
         self.hashes = hashes
         self.fingerprints = fingerprints
         self.fsync = fsync
+        self._loading_optimizer = False
 
     # ------------------------------------------------------------------ hooks
     def layout(self) -> LayoutInfo:
@@ -167,10 +168,29 @@ class CheckpointIO:
         return local_boxes(name, tensor)
 
     def optimizer_tensors(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
-        """FQN-keyed optimizer state: ``{"state": {fqn: {key: value}}, "param_groups": [...]}``."""
+        """FQN-keyed optimizer state: ``{"state": {fqn: {key: value}}, "param_groups": [...]}``.
+
+        While loading, every parameter gets its state slots first (to be filled from the
+        checkpoint). While saving, an optimizer without state (never stepped, or stateless such
+        as SGD without momentum) is described without asking torch, which would invent state
+        with a zero-gradient step on every save.
+        """
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        _init_state(optim)
+        if self._loading_optimizer:
+            _init_state(optim)
+        elif not optim.state:
+            fqn_of = {id(prm): fqn for fqn, prm in self.state_parameters(model)}
+            groups = []
+            for g in optim.param_groups:
+                missing = [tuple(prm.shape) for prm in g["params"] if id(prm) not in fqn_of]
+                if missing:
+                    raise UnsupportedError(
+                        f"the optimizer updates {len(missing)} tensor(s) that are not parameters of the model "
+                        f"(shapes {missing[:3]}); build it on model.parameters()"
+                    )
+                groups.append(dict(g, params=[fqn_of[id(prm)] for prm in g["params"]]))
+            return {"state": {}, "param_groups": groups}
         osd: dict[str, Any] = dict(get_optimizer_state_dict(self.unwrap_model(model), optim))
         state = {normalize_name(k): v for k, v in osd["state"].items()}
         groups = [dict(g, params=[normalize_name(p) for p in g["params"]]) for g in osd["param_groups"]]
@@ -387,7 +407,11 @@ class CheckpointIO:
             saved_params = {e.param for e in block.tensors.values() if e.param is not None} | set(
                 block.param_state
             )
-            template = self.optimizer_tensors(model, optim)
+            self._loading_optimizer = True
+            try:
+                template = self.optimizer_tensors(model, optim)
+            finally:
+                self._loading_optimizer = False
             template["state"] = {f: st for f, st in template["state"].items() if p + f in saved_params}
             with_tensors = {e.param for e in block.tensors.values() if e.param is not None}
             unfilled = [
