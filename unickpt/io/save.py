@@ -228,20 +228,19 @@ def save_tensors(
             if single_file:
                 if rank == 0:
                     results = _write_single(
-                        plan, tensors, local, file_path, opts, aliases, entry_extras, block_extras, group
+                        plan, tensors, file_path, opts, aliases, entry_extras, block_extras, group
                     )
                 else:
-                    _feed_gather(plan, tensors, local, group, rank)
+                    _feed_gather(plan, tensors, group, rank)
             elif opts.gather:
-                results = _write_gathered(plan, tensors, local, directory, opts, group, rank)
+                results = _write_gathered(plan, tensors, directory, opts, group, rank)
             else:
-                by_index = {i: sl for i, sl in enumerate(local)}
                 mine = plan.files_of(rank)
 
                 def blocks() -> Iterator[Any]:
                     for f in mine:
                         for ps in f.slices:
-                            sl = by_index[ps.local_index]
+                            sl = local[ps.local_index]
                             yield ps.key, as_bytes(sl.tensor), (sl.global_shape, sl.offsets, sl.shape)
 
                 results = _write_files(
@@ -285,18 +284,13 @@ def _full_tensor_for(
     full = None
     if t is not None:
         full = t.full_tensor() if is_dtensor(t) else t  # type: ignore[attr-defined]
-    if holder == 0 or not _dist.is_distributed(group):
-        return full if rank == 0 else None
-    # The tensor lives only on other ranks (pipeline stages): the lowest holder sends it.
-    import torch.distributed as dist
+    if holder != 0 and rank == holder and full is not None:
+        # The tensor lives only on other ranks (pipeline stages): the lowest holder sends it,
+        # and rank 0 receives it in _gathered_blocks.
+        import torch.distributed as dist
 
-    if rank == holder:
-        assert full is not None
         dist.send(full.detach().cpu().contiguous(), dst=0, group=group)
-        return None
-    if rank == 0:
-        return None  # filled by the caller through _recv_full
-    return None
+    return full if rank == 0 else None
 
 
 def _holder_table(tensors: dict[str, torch.Tensor], group: Any) -> dict[str, int]:
@@ -334,9 +328,7 @@ def _gathered_blocks(
             del full
 
 
-def _feed_gather(
-    plan: SavePlan, tensors: dict[str, torch.Tensor], local: list[LocalSlice], group: Any, rank: int
-) -> None:
+def _feed_gather(plan: SavePlan, tensors: dict[str, torch.Tensor], group: Any, rank: int) -> None:
     for _ in _gathered_blocks(plan, tensors, group, rank, plan.files):
         pass
 
@@ -344,14 +336,13 @@ def _feed_gather(
 def _write_gathered(
     plan: SavePlan,
     tensors: dict[str, torch.Tensor],
-    local: list[LocalSlice],
     directory: str,
     opts: SaveOptions,
     group: Any,
     rank: int,
 ) -> dict[tuple[str, int], tuple[str | None, int]]:
     if rank != 0:
-        _feed_gather(plan, tensors, local, group, rank)
+        _feed_gather(plan, tensors, group, rank)
         return {}
     return _write_files(
         plan.files,
@@ -366,7 +357,6 @@ def _write_gathered(
 def _write_single(
     plan: SavePlan,
     tensors: dict[str, torch.Tensor],
-    local: list[LocalSlice],
     file_path: str,
     opts: SaveOptions,
     aliases: dict[str, str],
