@@ -30,26 +30,26 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-def _launch(ckpt: Path, async_save: bool, log: Path) -> list[subprocess.Popen[bytes]]:
+def _spawn(script: str, world: int, args: list[str], log: Path) -> list[subprocess.Popen[bytes]]:
+    """Start ``world`` ranks of ``script`` with torchrun-style variables; stderr to ``LOG.err<rank>``."""
     port = _port()
     procs = []
-    for rank in range(WORLD):
+    for rank in range(world):
         env = dict(
             os.environ,
             RANK=str(rank),
             LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(WORLD),
-            LOCAL_WORLD_SIZE=str(WORLD),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world),
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
             OMP_NUM_THREADS="1",
             PYTHONPATH=str(REPO),
         )
-        cmd = [sys.executable, str(HERE / "_manager_worker.py"), str(ckpt), str(TOTAL), str(int(async_save))]
         with open(f"{log}.err{rank}", "ab") as err:
             procs.append(
                 subprocess.Popen(
-                    [*cmd, str(log)],
+                    [sys.executable, str(HERE / script), *args],
                     env=env,
                     cwd=str(REPO),
                     stdout=subprocess.DEVNULL,
@@ -58,6 +58,11 @@ def _launch(ckpt: Path, async_save: bool, log: Path) -> list[subprocess.Popen[by
                 )
             )
     return procs
+
+
+def _launch(ckpt: Path, async_save: bool, log: Path) -> list[subprocess.Popen[bytes]]:
+    args = [str(ckpt), str(TOTAL), str(int(async_save)), str(log)]
+    return _spawn("_manager_worker.py", WORLD, args, log)
 
 
 def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -77,7 +82,7 @@ def _finish(procs: list[subprocess.Popen[bytes]], log: Path, timeout: float = 15
             _kill(procs)
             pytest.fail(f"world timed out; stderr: {Path(f'{log}.err0').read_text()[-3000:]}")
     if any(p.returncode != 0 for p in procs):
-        errs = "\n".join(Path(f"{log}.err{r}").read_text()[-3000:] for r in range(WORLD))
+        errs = "\n".join(Path(f"{log}.err{r}").read_text()[-3000:] for r in range(len(procs)))
         pytest.fail(f"a rank failed: {[p.returncode for p in procs]}\n{errs}")
 
 
@@ -162,41 +167,7 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
 
 
 def _run(script: str, world: int, args: list[str], log: Path) -> None:
-    port = _port()
-    procs = []
-    for rank in range(world):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-            PYTHONPATH=str(REPO),
-        )
-        with open(f"{log}.err{rank}", "ab") as err:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(HERE / script), *args],
-                    env=env,
-                    cwd=str(REPO),
-                    stdout=subprocess.DEVNULL,
-                    stderr=err,
-                    start_new_session=True,
-                )
-            )
-    deadline = time.monotonic() + 150
-    for p in procs:
-        try:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _kill(procs)
-            pytest.fail(f"world timed out: {Path(f'{log}.err0').read_text()[-3000:]}")
-    if any(p.returncode for p in procs):
-        errs = "\n".join(Path(f"{log}.err{r}").read_text()[-3000:] for r in range(world))
-        pytest.fail(f"a rank failed: {[p.returncode for p in procs]}\n{errs}")
+    _finish(_spawn(script, world, args, log), log)
 
 
 def _seen(log: Path, world: int) -> list[int]:
