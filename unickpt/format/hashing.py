@@ -29,7 +29,9 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Sequence
+from types import ModuleType
 
 import numpy as np
 import xxhash
@@ -40,10 +42,24 @@ __all__ = [
     "slice_hash",
     "SliceHasher",
     "fingerprint_partial",
+    "hash_block",
     "combine_partials",
     "finalize_fingerprint",
     "fingerprint_of_array",
+    "KERNEL",
 ]
+
+_native: ModuleType | None
+try:  # the compiled kernel (unickpt/format/_fpkernel.c); optional, same numbers as numpy
+    from unickpt.format import _fpkernel as _native
+except ImportError:  # pragma: no cover - exercised where no C compiler was available
+    _native = None
+
+if os.environ.get("UNICKPT_REQUIRE_NATIVE") and _native is None:  # pragma: no cover
+    raise ImportError("UNICKPT_REQUIRE_NATIVE is set but unickpt.format._fpkernel was not built")
+
+#: Which fingerprint kernel runs: "avx2" or "scalar" (compiled), or "numpy".
+KERNEL: str = _native.simd() if _native is not None else "numpy"
 
 _MASK = (1 << 64) - 1
 _COL_KEY = np.uint64(0xD1B54A32D192ED03)
@@ -110,6 +126,33 @@ def fingerprint_partial(
         return 0
     if len(global_shape) == 0:
         global_shape, offsets, shape = (1,), (0,), (1,)
+    if _native is not None:
+        w = np.ascontiguousarray(words).reshape(-1)
+        if w.size != n:
+            raise ValueError(f"{w.size} words for a block of shape {list(shape)}")
+        return int(
+            _native.partial(
+                memoryview(w).cast("B"),  # type: ignore[arg-type]
+                w.dtype.itemsize,
+                tuple(global_shape[:-1]),
+                tuple(offsets[:-1]),
+                tuple(shape[:-1]),
+                offsets[-1],
+                shape[-1],
+                0,
+            )
+        )
+    return _partial_numpy(words, global_shape, offsets, shape)
+
+
+def _partial_numpy(
+    words: np.ndarray, global_shape: Sequence[int], offsets: Sequence[int], shape: Sequence[int]
+) -> int:
+    """The numpy reference of :func:`fingerprint_partial` (used where the kernel is not built)."""
+    if math.prod(shape) == 0:
+        return 0
+    if len(global_shape) == 0:
+        global_shape, offsets, shape = (1,), (0,), (1,)
     cols = shape[-1]
     w2 = np.ascontiguousarray(words).reshape(-1, cols)
     a = _mix64(_row_indices(global_shape, offsets, shape)) | np.uint64(1)
@@ -125,6 +168,51 @@ def fingerprint_partial(
             inner *= a[r0 : r0 + step]
             total = (total + int(inner.sum(dtype=np.uint64))) & _MASK
     return total
+
+
+# Blocks are hashed in chunks of this many bytes, each chunk by both hashes while it is in cache.
+_CHUNK_BYTES = 1 << 20
+
+
+def hash_block(
+    data: np.ndarray,
+    itemsize: int,
+    global_shape: Sequence[int],
+    offsets: Sequence[int],
+    shape: Sequence[int],
+    *,
+    xxh3: bool = True,
+    fingerprint: bool = True,
+) -> tuple[str | None, int]:
+    """Slice hash and fingerprint partial of one stored block in one pass over its bytes.
+
+    ``data`` is the block's stored bytes (C order, any contiguous array). Returns the xxh3-64
+    hex digest (None unless ``xxh3``) and the partial sum S (0 unless ``fingerprint``).
+    """
+    raw = memoryview(np.ascontiguousarray(data)).cast("B")  # type: ignore[arg-type]
+    n = math.prod(shape)
+    if len(raw) != n * itemsize:
+        raise ValueError(f"{len(raw)} bytes for a block of shape {list(shape)} with {itemsize}-byte items")
+    fingerprint = fingerprint and n > 0
+    if not (fingerprint and _native is not None):
+        digest = slice_hash(raw) if xxh3 else None
+        total = 0
+        if fingerprint:
+            words = np.frombuffer(raw, dtype=f"<u{itemsize}")
+            total = _partial_numpy(words, global_shape, offsets, shape)
+        return digest, total
+    if len(global_shape) == 0:
+        global_shape, offsets, shape = (1,), (0,), (1,)
+    lead = (tuple(global_shape[:-1]), tuple(offsets[:-1]), tuple(shape[:-1]), offsets[-1], shape[-1])
+    h = xxhash.xxh3_64() if xxh3 else None
+    total = 0
+    step = max(itemsize, _CHUNK_BYTES - _CHUNK_BYTES % itemsize)
+    for start in range(0, len(raw), step):
+        chunk = raw[start : start + step]
+        if h is not None:
+            h.update(chunk)
+        total += _native.partial(chunk, itemsize, *lead, start // itemsize)
+    return (h.hexdigest() if h is not None else None), total & _MASK
 
 
 def combine_partials(partials: Iterable[int]) -> int:

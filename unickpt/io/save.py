@@ -31,7 +31,8 @@ import torch
 from unickpt._logging import get_logger
 from unickpt.errors import UnickptError
 from unickpt.format.commit import atomic_write_bytes, directory_lock, fsync_dir, temp_name
-from unickpt.format.hashing import finalize_fingerprint, fingerprint_partial, slice_hash
+from unickpt.format.dtypes import itemsize
+from unickpt.format.hashing import finalize_fingerprint, hash_block
 from unickpt.format.index import IndexFile, LayoutInfo, SliceEntry, TensorEntry, UnickptBlock, index_to_json
 from unickpt.format.naming import SLICED_SENTINEL, index_name, is_own_data_file, single_name
 from unickpt.format.reader import UNICKPT_METADATA_KEY
@@ -122,13 +123,9 @@ def _hash_np(
     dtype: str,
     opts: SaveOptions,
 ) -> tuple[str | None, int]:
-    from unickpt.format.dtypes import itemsize
-
-    xxh = slice_hash(memoryview(arr)) if opts.hashes else None  # type: ignore[arg-type]
-    partial = 0
-    if opts.fingerprints and arr.size:
-        partial = fingerprint_partial(arr.view(f"<u{itemsize(dtype)}"), gshape, off, shp)
-    return xxh, partial
+    if not (opts.hashes or opts.fingerprints):
+        return None, 0
+    return hash_block(arr, itemsize(dtype), gshape, off, shp, xxh3=opts.hashes, fingerprint=opts.fingerprints)
 
 
 def save_tensors(
