@@ -219,7 +219,7 @@ def case_integrity_rank1_rows(d: Path) -> dict[str, Any]:
     return obs
 
 
-def case_fails_mid_load_rank1(d: Path) -> dict[str, Any]:
+def _fails_mid_load_rank1(d: Path, atomic: bool) -> dict[str, Any]:
     """Rank 1's second read fails with EIO after the agreement step (a disk error while copying)."""
     ckpt = _replicated_ckpt(d)
     model = tiny(1)
@@ -233,15 +233,27 @@ def case_fails_mid_load_rank1(d: Path) -> dict[str, Any]:
             raise OSError(errno.EIO, "injected read error", "model-00002.safetensors")
         return real(*args, **kwargs)
 
+    io = DDPCheckpointIO(atomic_load=atomic)
     if dist.get_rank() == 1:
         with patched(load_mod, "read_box", failing_read_box):
-            obs = attempt(lambda: DDPCheckpointIO().load_model(model, ckpt))
+            obs = attempt(lambda: io.load_model(model, ckpt))
     else:
-        obs = attempt(lambda: DDPCheckpointIO().load_model(model, ckpt))
+        obs = attempt(lambda: io.load_model(model, ckpt))
     obs["unchanged"] = same(before, local_state(model))
     # A bounded wait for the peer: a rank that returned normally must not be left waiting alone.
     dist.barrier()
+    # Loading again after the failure gives the checkpoint's values on every rank.
+    io.load_model(model, ckpt)
+    obs["reload_exact"] = same(local_state(model), local_state(tiny(0)))
     return obs
+
+
+def case_fails_mid_load_rank1(d: Path) -> dict[str, Any]:
+    return _fails_mid_load_rank1(d, atomic=True)
+
+
+def case_fails_mid_load_in_place_rank1(d: Path) -> dict[str, Any]:
+    return _fails_mid_load_rank1(d, atomic=False)
 
 
 class _FailingWriter(SafetensorsWriter):
@@ -313,6 +325,7 @@ CASES: list[tuple[str, Callable[[Path], dict[str, Any]]]] = [
     ("checkpoint_mismatch_fsdp2", case_checkpoint_mismatch_fsdp2),
     ("integrity_rank1_rows", case_integrity_rank1_rows),
     ("fails_mid_load_rank1", case_fails_mid_load_rank1),
+    ("fails_mid_load_in_place_rank1", case_fails_mid_load_in_place_rank1),
     ("save_fails_rank1", case_save_fails_rank1),
 ]
 

@@ -135,6 +135,19 @@ def test_read_error_mid_load_on_rank1(obs: dict[str, list[dict[str, Any]]]) -> N
         assert o["raised"] is not None, f"rank {r} returned normally although rank 1 failed"
         assert o["seconds"] < BOUND_S
         assert o["unchanged"], f"rank {r}: model left half-loaded"
+        assert o["reload_exact"]
+
+
+def test_read_error_mid_load_in_place_on_rank1(obs: dict[str, list[dict[str, Any]]]) -> None:
+    """Without atomic_load the failing rank has copied its first block already: every rank
+    raises IncompleteCheckpointError saying the model is partly loaded, and a second load fixes it."""
+    both = case(obs, "fails_mid_load_in_place_rank1")
+    for r, o in enumerate(both):
+        assert o["raised"] == "IncompleteCheckpointError", (r, o.get("traceback"))
+        assert "partly loaded" in o["message"] and "injected read error" in o["message"], o["message"]
+        assert o["seconds"] < BOUND_S
+        assert o["reload_exact"]
+    assert not both[1]["unchanged"], "rank 1 read its first block in place before the error"
 
 
 # ------------------------------------------------------------------ a rank fails while saving

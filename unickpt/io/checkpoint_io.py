@@ -122,6 +122,11 @@ class CheckpointIO:
         hashes: write an xxh3-64 hash of every stored slice (default on).
         fingerprints: write every tensor's layout-invariant fingerprint (default on).
         fsync: make every data file durable before the index commits it (default on).
+        atomic_load: read a rank's whole share into CPU memory before copying any of it, so that
+            an I/O error while reading leaves every model untouched, at the price of one extra
+            CPU copy of the share (default off: blocks are read in place, one at a time; every
+            mismatch and, with ``verify=True``, every hash failure is still found before anything
+            is copied).
     """
 
     plugin_name = "general"
@@ -134,12 +139,14 @@ class CheckpointIO:
         hashes: bool = True,
         fingerprints: bool = True,
         fsync: bool = True,
+        atomic_load: bool = False,
     ) -> None:
         self.mesh = mesh
         self.group = group
         self.hashes = hashes
         self.fingerprints = fingerprints
         self.fsync = fsync
+        self.atomic_load = atomic_load
         self._loading_optimizer = False
 
     # ------------------------------------------------------------------ hooks
@@ -266,6 +273,7 @@ class CheckpointIO:
                 prefix=apply_prefix(prefix),
                 what="model",
                 group=self.group,
+                atomic=self.atomic_load,
             )
         finally:
             reader.close()
@@ -441,6 +449,7 @@ class CheckpointIO:
                 what="optimizer",
                 group=self.group,
                 ignore_unexpected=lambda n: _param_of(reader, n) not in owned,
+                atomic=self.atomic_load,
             )
             _apply_groups(template["param_groups"], block.param_groups or [], p)
             self.set_optimizer_tensors(model, optim, template)

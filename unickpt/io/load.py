@@ -7,8 +7,11 @@ Order of events (every rank calls ``load_tensors`` with its own targets):
    files it touches) and, with ``verify=True``, the stored slices it will read are rehashed;
 3. ranks agree: any problem on any rank raises the same error on every rank, before any
    rank has copied a byte, so no model is left half-loaded by a mismatch;
-4. each rank reads only the byte ranges overlapping the blocks it owns (``safe_open`` +
-   ``get_slice``) and copies them in place.
+4. each rank reads only the byte ranges overlapping the blocks it owns: a range that is
+   contiguous in the file goes with ``preadv`` straight into the destination tensor when that
+   is a contiguous CPU tensor of the stored dtype, anything else through a buffer of one block.
+   With ``atomic=True`` the rank's whole share is read into CPU buffers first and the ranks
+   agree once more before copying, so even an I/O error leaves every model untouched.
 """
 
 from __future__ import annotations
@@ -70,29 +73,74 @@ class _Files:
         self._stack.close()
 
 
+def _contiguous_run(shape: tuple[int, ...], offsets: tuple[int, ...], sub: tuple[int, ...]) -> int | None:
+    """First element of the region (offsets, sub) of a C-order array of ``shape`` if the region
+    is one contiguous run of elements, else None."""
+    first_partial = next((d for d, n in enumerate(sub) if n != 1), len(sub))
+    if any(sub[d] != shape[d] for d in range(first_partial + 1, len(shape))):
+        return None
+    start = 0
+    for o, n in zip(offsets, shape, strict=True):
+        start = start * n + o
+    return start
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+
+
 def read_box(
-    files: _Files, entry: TensorEntry, offsets: tuple[int, ...], shape: tuple[int, ...]
+    files: _Files,
+    entry: TensorEntry,
+    offsets: tuple[int, ...],
+    shape: tuple[int, ...],
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Assemble the block (offsets, shape) of a stored tensor from the slices that overlap it."""
+    """Assemble the block (offsets, shape) of a stored tensor from the slices that overlap it.
+
+    ``out``, when given, is a contiguous CPU tensor of ``shape`` and the stored dtype that
+    receives the block in place. A part that is one contiguous run of bytes in the file is read
+    with ``preadv`` straight into its place (no mapping, no copy); other parts (a column range
+    of a row-major slice) go through safetensors' ``get_slice``.
+    """
     dtype = torch_dtype(entry.dtype)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype)
     if len(shape) == 0:
         (s,) = [s for s in entry.slices if math.prod(s.shape) > 0] or entry.slices
-        return files.get(s.file).get_tensor(s.key)  # type: ignore[no-any-return]
-    for s in entry.slices:
-        if tuple(s.offsets) == tuple(offsets) and tuple(s.shape) == tuple(shape):
-            return files.get(s.file).get_tensor(s.key)  # type: ignore[no-any-return]
-    out = torch.empty(shape, dtype=dtype)
+        files.reader.read_slice(s, _as_bytes(out))
+        return out
     if math.prod(shape) == 0:
         return out
+    isz = out.element_size()
     for s in entry.slices:
         inter = intersect(offsets, shape, s.offsets, s.shape)
         if inter is None:
             continue
         ioff, ishp = inter
-        src = tuple(slice(a - b, a - b + n) for a, b, n in zip(ioff, s.offsets, ishp, strict=True))
+        src_off = tuple(a - b for a, b in zip(ioff, s.offsets, strict=True))
         dst = tuple(slice(a - b, a - b + n) for a, b, n in zip(ioff, offsets, ishp, strict=True))
-        out[dst] = files.get(s.file).get_slice(s.key)[src]
+        start = _contiguous_run(tuple(s.shape), src_off, ishp)
+        if start is None:
+            files.reader.header(s.file)  # strict validation before safetensors sees the file
+            src = tuple(slice(a, a + n) for a, n in zip(src_off, ishp, strict=True))
+            out[dst] = files.get(s.file).get_slice(s.key)[src]
+            continue
+        target = out[dst]
+        direct = target.is_contiguous()
+        buf = target if direct else torch.empty(ishp, dtype=dtype)
+        files.reader.read_bytes(s, start * isz, math.prod(ishp) * isz, _as_bytes(buf))
+        if not direct:
+            target.copy_(buf)
     return out
+
+
+def _direct_target(b: LocalSlice, dtype: torch.dtype) -> torch.Tensor | None:
+    """A view of ``b.tensor`` shaped like the box if the box can be read straight into it."""
+    t = b.tensor.detach()
+    if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous() or t.numel() != math.prod(b.shape):
+        return None
+    return t.view(b.shape)
 
 
 def _needed_slices(entry: TensorEntry, boxes: list[LocalSlice]) -> list[int]:
@@ -119,8 +167,13 @@ def load_tensors(
     what: str = "model",
     group: Any = None,
     ignore_unexpected: Callable[[str], bool] | None = None,
+    atomic: bool = False,
 ) -> LoadReport:
-    """Collective. Copy the checkpoint's values into ``targets`` (name -> tensor/DTensor) in place."""
+    """Collective. Copy the checkpoint's values into ``targets`` (name -> tensor/DTensor) in place.
+
+    ``atomic`` reads this rank's whole share into CPU memory before copying anything, so that a
+    read error leaves every target untouched; otherwise each block is read in place.
+    """
     err: BaseException | None = None
     report = LoadReport()
     plan: list[tuple[str, str, list[LocalSlice]]] = []  # (target name, source name, boxes)
@@ -187,9 +240,21 @@ def load_tensors(
         err = e
     _dist.agree(err, f"loading {what} from {reader.index_path or reader.directory}", group)
 
-    # Read everything this rank needs before copying anything, and agree once more: a read
-    # error on any rank (a file vanishing, an I/O error) then leaves every model untouched.
-    # The price is one CPU copy of this rank's share of the state.
+    where = reader.index_path or reader.directory
+    if atomic:
+        _read_then_copy(reader, plan, what, where, group)
+    else:
+        _read_in_place(reader, plan, what, where, group)
+    return report
+
+
+def _read_then_copy(
+    reader: CheckpointReader, plan: list[tuple[str, str, list[LocalSlice]]], what: str, where: str, group: Any
+) -> None:
+    """Read everything this rank needs before copying anything, and agree once more: a read error
+    on any rank (a file vanishing, an I/O error) then leaves every model untouched. The price is
+    one CPU copy of this rank's share of the state."""
+    err: BaseException | None = None
     buffers: list[tuple[LocalSlice, torch.Tensor]] = []
     files = _Files(reader)
     try:
@@ -198,22 +263,53 @@ def load_tensors(
             for b in boxes:
                 buffers.append((b, read_box(files, entry, b.offsets, b.shape)))
     except Exception as e:  # safetensors raises its own error types; every rank must hear of it
-        err = (
-            e
-            if isinstance(e, (UnickptError, OSError))
-            else IncompleteCheckpointError(
-                f"{reader.index_path or reader.directory}: reading failed: {type(e).__name__}: {e}"
-            )
-        )
+        err = _read_error(e, where)
     finally:
         files.close()
-    _dist.agree(err, f"reading {what} from {reader.index_path or reader.directory}", group)
+    _dist.agree(err, f"reading {what} from {where}", group)
     with torch.no_grad():
         for b, data in buffers:
             if data.dtype != b.tensor.dtype:
                 data = data.to(b.tensor.dtype)
             b.tensor.copy_(data.reshape(b.tensor.shape))
-    return report
+
+
+def _read_in_place(
+    reader: CheckpointReader, plan: list[tuple[str, str, list[LocalSlice]]], what: str, where: str, group: Any
+) -> None:
+    """Read each block straight into its tensor (CPU, same dtype) or through a buffer of that one
+    block: memory stays at one block over the state. A read error mid-way leaves the state
+    partly loaded; every rank raises, saying so."""
+    err: BaseException | None = None
+    files = _Files(reader)
+    try:
+        with torch.no_grad():
+            for _, src, boxes in plan:
+                entry = reader.tensors[src]
+                dtype = torch_dtype(entry.dtype)
+                for b in boxes:
+                    direct = _direct_target(b, dtype)
+                    data = read_box(files, entry, b.offsets, b.shape, out=direct)
+                    if direct is None:
+                        b.tensor.copy_(data.to(b.tensor.dtype).reshape(b.tensor.shape))
+                    del data
+    except Exception as e:
+        cause = _read_error(e, where)
+        err = IncompleteCheckpointError(
+            f"{where}: reading failed after part of the {what} was copied in place, so the {what} is "
+            f"partly loaded; load it again (CheckpointIO(atomic_load=True) leaves it untouched on a "
+            f"read error): {type(cause).__name__}: {cause}"
+        )
+        err.__cause__ = e
+    finally:
+        files.close()
+    _dist.agree(err, f"reading {what} from {where}", group)
+
+
+def _read_error(e: Exception, where: str) -> BaseException:
+    if isinstance(e, (UnickptError, OSError)):
+        return e
+    return IncompleteCheckpointError(f"{where}: reading failed: {type(e).__name__}: {e}")
 
 
 def _match(

@@ -212,9 +212,9 @@ class PPCheckpointIO(CheckpointIO):
     plugin_name = "pp"
 
     def __init__(
-        self, mesh: Any = None, group: Any = None, *, canonical: dict[str, str] | None = None
+        self, mesh: Any = None, group: Any = None, *, canonical: dict[str, str] | None = None, **options: Any
     ) -> None:
-        super().__init__(mesh, group)
+        super().__init__(mesh, group, **options)
         self.canonical = dict(canonical or {})
         self._saving = False
         self._gather = False

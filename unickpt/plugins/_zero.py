@@ -224,9 +224,9 @@ class ZeroCheckpointIO(CheckpointIO):
     plugin_name = "zero"
 
     def __init__(
-        self, mesh: Any = None, group: Any = None, *, partition: ZeroPartition | None = None
+        self, mesh: Any = None, group: Any = None, *, partition: ZeroPartition | None = None, **options: Any
     ) -> None:
-        super().__init__(mesh, group)
+        super().__init__(mesh, group, **options)
         self.partition = partition
         self._gather = False
         self._loading = False
