@@ -96,7 +96,9 @@ def test_both_row_kernels_agree() -> None:
         env.pop("UNICKPT_FP_SCALAR", None)
         if scalar:
             env["UNICKPT_FP_SCALAR"] = "1"
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
         runs.append(json.loads(out.stdout))
     assert runs[1][0] == "scalar"
     assert runs[0][1:] == runs[1][1:]
@@ -119,3 +121,15 @@ def test_kernel_refuses_bad_arguments() -> None:
         _fpkernel.partial(four, 4, (2,), (), (2,), 0, 2, 0)
     with pytest.raises(ValueError, match="words for a block"):
         fingerprint_partial(np.zeros(5, dtype="<u4"), (2, 2), (0, 0), (2, 2))
+
+
+def test_numpy_fallback_gives_the_same_hashes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernel is not built, save, merge and diff get the same numbers from numpy."""
+    rng = np.random.default_rng(3)
+    words = rng.integers(0, 2**16, size=(40, 3000), dtype=np.uint16)
+    with_kernel = hash_block(words, 2, (50, 3000), (10, 0), words.shape)
+    monkeypatch.setattr(hashing, "_native", None)
+    assert hash_block(words, 2, (50, 3000), (10, 0), words.shape) == with_kernel
+    assert fingerprint_partial(words, (50, 3000), (10, 0), words.shape) == with_kernel[1]
+    assert hash_block(words, 2, (50, 3000), (10, 0), words.shape, fingerprint=False) == (with_kernel[0], 0)
+    assert hash_block(words, 2, (50, 3000), (10, 0), words.shape, xxh3=False) == (None, with_kernel[1])
