@@ -416,6 +416,10 @@ def machine_info(workdir: str) -> dict[str, Any]:
             versions[mod] = "missing"
     with contextlib.suppress(Exception):
         versions["xxhash"] = __import__("xxhash").VERSION
+    with contextlib.suppress(Exception):
+        versions["unickpt fingerprint kernel"] = __import__(
+            "unickpt.format.hashing", fromlist=["KERNEL"]
+        ).KERNEL
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),

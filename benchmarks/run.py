@@ -648,7 +648,8 @@ def main() -> None:
     out.write_text(json.dumps(report, indent=1, default=str))
     m = report["machine"]
     print(
-        f"machine: {m['cpu']}, {m['cores']} cores, {m['mem_gib']} GiB RAM, {m['disk']}, torch {m['versions'].get('torch')}"
+        f"machine: {m['cpu']}, {m['cores']} cores, {m['mem_gib']} GiB RAM, {m['disk']}, torch {m['versions'].get('torch')}, "
+        f"fingerprint kernel {m['versions'].get('unickpt fingerprint kernel')}"
     )
     print(md)
     print(f"\nJSON: {out}  ({report['elapsed_s']} s)")
