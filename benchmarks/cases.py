@@ -318,6 +318,62 @@ def dcp_load(p: dict[str, Any]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ unickpt
 
 
+# ------------------------------------------------------------------------------ Colossal-AI (optional)
+
+
+def _colossalai_io() -> tuple[Any, str]:
+    """Colossal-AI's GeneralCheckpointIO when it is installed; never a dependency (it pins its own
+    torch, so it lives in its own environment: run the suite from there to include it)."""
+    try:
+        from colossalai.checkpoint_io import GeneralCheckpointIO
+    except Exception as e:  # ImportError, or an import-time failure of its CUDA extensions
+        return None, f"not installed ({type(e).__name__}: {str(e)[:80]}); optional: pip install colossalai"
+    return GeneralCheckpointIO, ""
+
+
+def _supported(fn: Any, **kwargs: Any) -> dict[str, Any]:
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+@case("colossalai_save")
+def colossalai_save(p: dict[str, Any]) -> dict[str, Any]:
+    io_cls, why = _colossalai_io()
+    if io_cls is None:
+        return skipped(why)
+    model, _, nbytes = _source_state(p)
+    out = Path(p["workdir"]) / "colossalai"
+    io = io_cls()
+    kw = _supported(io.save_model, shard=True, size_per_shard=int(p["shard_mb"]), use_safetensors=True)
+
+    def body() -> None:
+        io.save_model(model, str(out), **kw)
+        C.fsync_tree(out)
+
+    views = [_byte_view(t) for t in C.plain_state(model).values()]
+    return _measure(p, body, lambda: C.rm(out), nbytes, _pair_write(p, views))
+
+
+@case("colossalai_load")
+def colossalai_load(p: dict[str, Any]) -> dict[str, Any]:
+    io_cls, why = _colossalai_io()
+    if io_cls is None:
+        return skipped(why)
+    src = Path(p["workdir"]) / "colossalai"
+    index = next(iter(src.glob("*.index.json")), None) if src.exists() else None
+    if index is None:
+        return skipped("colossalai_save output missing")
+    model, _, nbytes = _source_state(p, fill="zeros")
+    io = io_cls()
+
+    def body() -> None:
+        io.load_model(model, str(index), **_supported(io.load_model, strict=True))
+
+    return _measure(p, body, lambda: C.drop_cache_tree(src), nbytes, _pair_read(src))
+
+
 def _unickpt_dir(p: dict[str, Any]) -> Path:
     return Path(p["workdir"]) / "unickpt"
 

@@ -32,12 +32,25 @@ sys.path.insert(0, str(HERE))
 
 import _common as C  # noqa: E402
 
-GROUPS = ("raw", "safetensors", "torch", "dcp", "unickpt", "hash", "async", "dist", "merge", "scaling")
+GROUPS = (
+    "raw",
+    "safetensors",
+    "torch",
+    "dcp",
+    "colossalai",
+    "unickpt",
+    "hash",
+    "async",
+    "dist",
+    "merge",
+    "scaling",
+)
 DEFAULT_GROUPS = (
     "raw",
     "safetensors",
     "torch",
     "dcp",
+    "colossalai",
     "unickpt",
     "hash",
     "async",
@@ -229,6 +242,13 @@ def suite(args: argparse.Namespace) -> dict[str, Any]:
     single("torch", "torch_load", "torch.load(weights_only=True) + load_state_dict", "torch_load")
     single("dcp", "dcp_save", "torch DCP save, 1 process", "dcp_save")
     single("dcp", "dcp_load", "torch DCP load, 1 process", "dcp_load")
+    single(
+        "colossalai",
+        "cai_save",
+        "Colossal-AI GeneralCheckpointIO save (sharded safetensors)",
+        "colossalai_save",
+    )
+    single("colossalai", "cai_load", "Colossal-AI GeneralCheckpointIO load", "colossalai_load")
     single("unickpt", "u_save", "unickpt save_model(shard=True), hashes+fingerprints", "unickpt_save")
     single(
         "unickpt",
