@@ -133,3 +133,27 @@ def test_numpy_fallback_gives_the_same_hashes(monkeypatch: pytest.MonkeyPatch) -
     assert fingerprint_partial(words, (50, 3000), (10, 0), words.shape) == with_kernel[1]
     assert hash_block(words, 2, (50, 3000), (10, 0), words.shape, fingerprint=False) == (with_kernel[0], 0)
     assert hash_block(words, 2, (50, 3000), (10, 0), words.shape, xxh3=False) == (None, with_kernel[1])
+
+
+@native
+@pytest.mark.parametrize("cap_cols", [8, 16, 1000])
+def test_narrow_workspace_sums_wide_rows_in_blocks(cap_cols: int) -> None:
+    """A workspace narrower than the rows (rows wider than the kernel's 2^20-column table) gives
+    the same sums, whole or in chunks that start and end mid-row."""
+    from unickpt.format import _fpkernel
+
+    rng = np.random.default_rng(cap_cols)
+    for itemsize in (1, 2, 4, 8):
+        words = rng.integers(0, 2**63, size=(7, 3001), dtype=np.uint64).astype(f"<u{itemsize}")
+        expected = _partial_numpy(words, (9, 5000), (2, 1999), words.shape)
+        raw = words.tobytes()
+        ws = bytearray(_fpkernel.table_bytes(cap_cols))
+        for step in (len(raw), 1000 * itemsize, 24 * itemsize):
+            total = 0
+            for at in range(0, len(raw), step):
+                total += _fpkernel.partial(
+                    raw[at : at + step], itemsize, (9,), (2,), (7,), 1999, 3001, at // itemsize, ws
+                )
+            assert total % 2**64 == expected, (itemsize, step)
+    with pytest.raises(ValueError, match="workspace is too small"):
+        _fpkernel.partial(raw[:8], 8, (), (), (), 0, 1, 0, bytearray(10))

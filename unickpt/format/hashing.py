@@ -207,11 +207,13 @@ def hash_block(
     h = xxhash.xxh3_64() if xxh3 else None
     total = 0
     step = max(itemsize, _CHUNK_BYTES - _CHUNK_BYTES % itemsize)
+    # Keeps the block's column weights from one chunk to the next.
+    workspace = bytearray(_native.table_bytes(shape[-1]))
     for start in range(0, len(raw), step):
         chunk = raw[start : start + step]
         if h is not None:
             h.update(chunk)
-        total += _native.partial(chunk, itemsize, *lead, start // itemsize)
+        total += _native.partial(chunk, itemsize, *lead, start // itemsize, workspace)
     return (h.hexdigest() if h is not None else None), total & _MASK
 
 
