@@ -1,0 +1,767 @@
+"""The fast index parser (``parse_index``) against the pydantic models (``parse_index_validated``).
+
+Random valid indexes and random single mutations of them (wrong types, values pydantic's lax
+mode coerces, negative and huge integers, bad hex, unknown and missing keys, key orders,
+out-of-bounds slices, unsafe file names, dangling aliases, duplicate keys, escaped colons):
+both paths accept exactly the same inputs, build equal indexes (the same objects and the same
+``index_to_json`` bytes) and refuse the others with the same exception and message. Indexes in
+the form unickpt writes must take the fast path, not its fallback to the models.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import math
+import os
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import BaseModel
+
+from unickpt.errors import IndexFileError, UnsafePathError
+from unickpt.format._json import colon_budget, count_pairs_and_colons, strict_loads
+from unickpt.format.dtypes import DTYPE_ITEMSIZE
+from unickpt.format.index import (
+    IndexFile,
+    IndexMetadata,
+    LayoutInfo,
+    SliceEntry,
+    TensorEntry,
+    UnickptBlock,
+    _FastIndex,
+    _NotFast,
+    index_to_json,
+    parse_index,
+    parse_index_validated,
+)
+from unickpt.format.naming import SLICED_SENTINEL
+
+N = int(os.environ.get("UNICKPT_FUZZ_EXAMPLES", "300"))
+PROPS = settings(max_examples=N, deadline=None, suppress_health_check=list(HealthCheck), derandomize=N < 1000)
+
+FILES = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "m.bin", SLICED_SENTINEL]
+BAD_FILES = [
+    "../x.safetensors",
+    "/abs.safetensors",
+    "a/b.safetensors",
+    "a\\b.safetensors",
+    ".hidden.safetensors",
+    "x.txt",
+    "",
+    "C:x.safetensors",
+    "x:y.safetensors",
+    "a..b.safetensors",
+    "x" * 300 + ".safetensors",
+]
+# Values a mutation puts anywhere: each one is wrong for some fields, right or coercible for others.
+REPLACEMENTS: list[Any] = [
+    -1,
+    0,
+    1,
+    2,
+    2**62 - 1,
+    2**62,
+    2**70,
+    1.5,
+    2.0,
+    1.0,
+    -0.0,
+    1e300,
+    True,
+    False,
+    None,
+    "3",
+    " 7 ",
+    "1_0",
+    "abc",
+    "true",
+    "model",
+    "F32",
+    "",
+    [],
+    {},
+    [1],
+    [-1],
+    ["1"],
+    {"a": 1},
+    "0123456789abcdef",
+    "0123456789ABCDEF",
+    "0123456789abcde",
+    "0123456789abcdef0",
+    "0123456789abcdef\n",
+    "\uff10123456789abcdef",  # a full-width digit zero
+    "012345678,abcdef",
+    FILES[0],
+    BAD_FILES[0],
+]
+
+_names = st.one_of(
+    st.text(min_size=1, max_size=8),
+    st.sampled_from(["model.layers.0.mlp.up_proj.weight", "a:b", "x::y", "@0", "é", "state.w.exp_avg"]),
+)
+_hex = st.integers(0, 2**64 - 1).map(lambda v: f"{v:016x}")
+_json_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False), st.text(max_size=6)
+)
+_json_values = st.recursive(
+    _json_scalars,
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
+    max_leaves=8,
+)
+
+
+@st.composite
+def _slice(draw: st.DrawFn, shape: list[int], k: int, name: str) -> dict[str, Any]:
+    offsets, dims = [], []
+    for g in shape:
+        o = draw(st.integers(0, g))
+        offsets.append(o)
+        dims.append(draw(st.integers(0, g - o)))
+    s: dict[str, Any] = {
+        "file": draw(st.sampled_from(FILES[:3])),
+        "key": draw(st.sampled_from([f"{name}@{k}", name])) if draw(st.booleans()) else draw(_names),
+        "offsets": offsets,
+        "shape": dims,
+    }
+    xx = draw(st.sampled_from(["hex", "hex", "hex", "absent", "null"]))
+    if xx == "hex":
+        s["xxh3"] = draw(_hex)
+    elif xx == "null":
+        s["xxh3"] = None
+    return s
+
+
+@st.composite
+def _tensor(draw: st.DrawFn, name: str) -> dict[str, Any]:
+    nd = draw(st.integers(0, 3))
+    dims = st.integers(0, 7) | st.sampled_from([2**20, 2**40])
+    shape = draw(st.lists(dims, min_size=nd, max_size=nd).filter(lambda s: math.prod(s) < 2**62))
+    t: dict[str, Any] = {"dtype": draw(st.sampled_from(sorted(DTYPE_ITEMSIZE))), "shape": shape}
+    if draw(st.booleans()):
+        t["fingerprint"] = draw(st.none() | _hex)
+    t["slices"] = [draw(_slice(shape, k, name)) for k in range(draw(st.integers(0, 4)))]
+    for opt in ("param", "state"):
+        if draw(st.integers(0, 3)) == 0:
+            t[opt] = draw(st.none() | _names)
+    return t
+
+
+@st.composite
+def _index(draw: st.DrawFn) -> dict[str, Any]:
+    """A valid index, keys in model order (the form unickpt writes)."""
+    names = draw(st.lists(_names, min_size=0, max_size=4, unique=True))
+    obj: dict[str, Any] = {}
+    if draw(st.booleans()):
+        meta: dict[str, Any] = {}
+        if draw(st.booleans()):
+            meta["total_size"] = draw(st.integers(0, 2**62 - 1))
+        meta.update(draw(st.dictionaries(st.sampled_from(["format", "a:b", "x"]), _json_values, max_size=2)))
+        obj["metadata"] = meta
+    obj["weight_map"] = {n: draw(st.sampled_from(FILES)) for n in names}
+    if draw(st.integers(0, 5)) > 0:
+        block: dict[str, Any] = {}
+        if draw(st.booleans()):
+            block["format_version"] = 1
+        block["kind"] = draw(st.sampled_from(["model", "optimizer"]))
+        if draw(st.booleans()):
+            block["created_by"] = draw(st.sampled_from(["unickpt 0.1.0", "a:b"]))
+        if draw(st.booleans()):
+            layout: dict[str, Any] = {}
+            for k, strat in (
+                ("plugin", st.sampled_from(["fsdp2", "ddp:x"])),
+                ("world_size", st.integers(1, 1024)),
+                (
+                    "mesh",
+                    st.dictionaries(st.sampled_from(["dp", "tp", "a:b"]), st.integers(1, 8), max_size=2),
+                ),
+                ("gathered", st.booleans()),
+            ):
+                if draw(st.booleans()):
+                    layout[k] = draw(strat)
+            block["layout"] = layout
+        block["tensors"] = {n: draw(_tensor(n)) for n in names}
+        if names and draw(st.booleans()):
+            extra_names = draw(st.lists(_names, max_size=2, unique=True))
+            block["aliases"] = {a: draw(st.sampled_from(names)) for a in extra_names if a not in names}
+        if draw(st.integers(0, 3)) == 0:
+            block["param_groups"] = draw(
+                st.none()
+                | st.lists(
+                    st.dictionaries(st.sampled_from(["lr", "params", "a:b"]), _json_values), max_size=2
+                )
+            )
+        if draw(st.integers(0, 3)) == 0:
+            block["param_state"] = draw(
+                st.dictionaries(
+                    _names, st.dictionaries(st.sampled_from(["step", "x:y"]), _json_values), max_size=2
+                )
+            )
+        obj["unickpt"] = block
+    elif draw(st.booleans()):
+        obj["unickpt"] = None
+    obj.update(
+        draw(
+            st.dictionaries(st.sampled_from(["extra", "_x", "_fields_set", "k:v"]), _json_values, max_size=2)
+        )
+    )
+    return obj
+
+
+# ----------------------------------------------------------------------------------------- mutations
+def _paths(v: Any, at: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Every position in a JSON value (root excluded)."""
+    out = []
+    if isinstance(v, dict):
+        for k, x in v.items():
+            out.append((*at, k))
+            out += _paths(x, (*at, k))
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            out.append((*at, i))
+            out += _paths(x, (*at, i))
+    return out
+
+
+def _containers(v: Any, kind: type, at: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [at] if isinstance(v, kind) else []
+    if isinstance(v, dict):
+        for k, x in v.items():
+            out += _containers(x, kind, (*at, k))
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            out += _containers(x, kind, (*at, i))
+    return out
+
+
+def _get(v: Any, path: tuple[Any, ...]) -> Any:
+    for p in path:
+        v = v[p]
+    return v
+
+
+def _slices_of(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    u = obj.get("unickpt")
+    if not isinstance(u, dict):
+        return []
+    return [s for t in u["tensors"].values() for s in t["slices"]]
+
+
+def _dumps(v: Any, ascii_only: bool, dup: tuple[int, int, int, bool] | None, counter: list[int]) -> str:
+    """Compact JSON, with one duplicated member in the dup[0]-th object (pre-order) when asked."""
+    if isinstance(v, dict):
+        index = counter[0]
+        counter[0] += 1
+        items = [
+            f"{json.dumps(k, ensure_ascii=ascii_only)}:{_dumps(x, ascii_only, dup, counter)}"
+            for k, x in v.items()
+        ]
+        if dup is not None and index == dup[0] and v:
+            k = list(v)[dup[1] % len(v)]
+            again = _dumps(v[k], ascii_only, None, [0]) if dup[3] else "0"
+            items.insert(dup[2] % (len(items) + 1), f"{json.dumps(k, ensure_ascii=ascii_only)}:{again}")
+        return "{" + ",".join(items) + "}"
+    if isinstance(v, list):
+        return "[" + ",".join(_dumps(x, ascii_only, dup, counter) for x in v) + "]"
+    return json.dumps(v, ensure_ascii=ascii_only)
+
+
+@st.composite
+def _case(draw: st.DrawFn) -> tuple[bytes, bool]:
+    """(index bytes, whether the fast path must take it without falling back when it is valid)."""
+    obj = draw(_index())
+    canonical = True
+    dup = None
+    escape = False
+    kind = draw(
+        st.sampled_from(
+            [
+                "none",
+                "replace",
+                "replace",
+                "replace",
+                "extra",
+                "delete",
+                "order",
+                "file",
+                "alias",
+                "bounds",
+                "dims",
+                "dup",
+                "escape",
+                "escaped_dup",
+                "version",
+                "hex",
+            ]
+        )
+    )
+    paths = _paths(obj)
+    if kind == "replace" and paths:
+        path = paths[draw(st.integers(0, len(paths) - 1))]
+        _get(obj, path[:-1])[path[-1]] = copy.deepcopy(draw(st.sampled_from(REPLACEMENTS)))
+        canonical = False  # pydantic's lax mode may take it: the fallback decides
+    elif kind == "extra":
+        dicts = _containers(obj, dict)
+        d = _get(obj, dicts[draw(st.integers(0, len(dicts) - 1))])
+        d[draw(st.sampled_from(["zz", "xxh3", "param", "a:b"]))] = draw(st.sampled_from([1, None, "x"]))
+        canonical = False
+    elif kind == "delete":
+        dicts = [p for p in _containers(obj, dict) if _get(obj, p)]
+        if dicts:
+            d = _get(obj, dicts[draw(st.integers(0, len(dicts) - 1))])
+            del d[draw(st.sampled_from(sorted(d)))]
+    elif kind == "order":
+        dicts = [p for p in _containers(obj, dict) if len(_get(obj, p)) > 1]
+        if dicts:
+            d = _get(obj, dicts[draw(st.integers(0, len(dicts) - 1))])
+            items = list(d.items())
+            order = draw(st.permutations(range(len(items))))
+            d.clear()
+            d.update(items[i] for i in order)
+    elif kind == "file":
+        slices = _slices_of(obj)
+        bad = draw(st.sampled_from(BAD_FILES))
+        if slices and draw(st.booleans()):
+            slices[draw(st.integers(0, len(slices) - 1))]["file"] = bad
+        elif obj["weight_map"]:
+            obj["weight_map"][draw(st.sampled_from(sorted(obj["weight_map"])))] = bad
+    elif kind == "alias" and isinstance(obj.get("unickpt"), dict):
+        tensors = obj["unickpt"]["tensors"]
+        aliases = obj["unickpt"].setdefault("aliases", {})
+        if tensors and draw(st.booleans()):
+            aliases[draw(st.sampled_from(sorted(tensors)))] = draw(st.sampled_from(sorted(tensors)))
+        else:
+            aliases["dangling.alias"] = "not.a.stored.tensor"
+    elif kind in ("bounds", "dims"):
+        slices = [s for s in _slices_of(obj) if s["offsets"]]
+        if slices:
+            s = slices[draw(st.integers(0, len(slices) - 1))]
+            d = draw(st.integers(0, len(s["offsets"]) - 1))
+            if kind == "bounds":
+                s["offsets"][d] += draw(st.integers(1, 3))
+            else:
+                draw(st.sampled_from([s["offsets"], s["shape"]])).append(0)
+    elif kind == "dup":
+        ndicts = len(_containers(obj, dict))
+        dup = (
+            draw(st.integers(0, ndicts - 1)),
+            draw(st.integers(0, 99)),
+            draw(st.integers(0, 99)),
+            draw(st.booleans()),
+        )
+    elif kind in ("escape", "escaped_dup"):
+        obj["zz:esc"] = 1
+        if kind == "escaped_dup":
+            obj["zz\x00esc"] = 2  # becomes a second "zz:esc" once escaped in the text below
+        escape = True
+    elif kind == "version" and isinstance(obj.get("unickpt"), dict):
+        obj["unickpt"]["format_version"] = draw(st.sampled_from([0, 2, True, 1.0, "1"]))
+        canonical = False
+    elif kind == "hex":
+        slices = [s for s in _slices_of(obj) if s.get("xxh3")]
+        if slices:
+            slices[draw(st.integers(0, len(slices) - 1))]["xxh3"] = draw(
+                st.sampled_from(
+                    ["0123456789ABCDEF", "0123456789abcde", "g123456789abcdef", "0123456789abcdef "]
+                )
+            )
+    ascii_only = draw(st.booleans())
+    if dup is not None or escape or draw(st.booleans()):
+        text = _dumps(obj, ascii_only, dup, [0])
+    else:
+        text = json.dumps(obj, indent=draw(st.sampled_from([None, 1, 2])), ensure_ascii=ascii_only)
+    if escape:
+        text = text.replace('"zz:esc"', '"zz\\u003aesc"').replace('"zz\\u0000esc"', '"zz:esc"')
+        canonical = False
+    return text.encode("utf-8", errors="surrogatepass"), canonical
+
+
+# ----------------------------------------------------------------------------------------- comparison
+def _state(v: Any) -> Any:
+    """Everything that makes a model what it is, recursively, order- and type-sensitive."""
+    if isinstance(v, BaseModel):
+        return (
+            type(v).__name__,
+            [(k, _state(x)) for k, x in v.__dict__.items()],
+            sorted(v.__pydantic_fields_set__),
+            _state(v.__pydantic_extra__),
+            v.__pydantic_private__,
+        )
+    if isinstance(v, dict):
+        return ("dict", [(k, _state(x)) for k, x in v.items()])
+    if isinstance(v, list):
+        return ("list", [_state(x) for x in v])
+    return (type(v).__name__, v)
+
+
+def _outcome(fn: Any) -> tuple[Any, ...]:
+    try:
+        return ("ok", fn())
+    except Exception as e:
+        return ("error", type(e), str(e))
+
+
+def _to_json(index: IndexFile) -> bytes | str:
+    try:
+        return index_to_json(index)
+    except UnicodeEncodeError as e:  # a lone surrogate in a name: both paths must fail alike
+        return f"UnicodeEncodeError: {e}"
+
+
+def _check(raw: bytes, canonical: bool) -> None:
+    ref = _outcome(lambda: parse_index_validated(raw, "idx.json"))
+    fast = _outcome(lambda: parse_index(raw, "idx.json"))
+    assert fast[0] == ref[0], (ref, fast)
+    if ref[0] == "ok":
+        a, b = ref[1], fast[1]
+        assert a == b
+        assert _state(a) == _state(b)
+        assert _to_json(a) == _to_json(b)
+    else:
+        assert fast[1:] == ref[1:]  # same exception type and the same message
+    # The fast checks alone: never accept what the models refuse, never flag what they accept,
+    # and take the index unickpt writes without falling back.
+    try:
+        direct = _FastIndex(raw).parse(raw.decode("utf-8"))
+    except _NotFast as nf:
+        if nf.problem is not None:
+            assert ref[0] == "error", nf.problem
+        assert not (canonical and ref[0] == "ok"), "a valid index in unickpt's form took the fallback"
+    except UnicodeDecodeError:
+        assert ref[0] == "error"
+    else:
+        assert ref[0] == "ok" and direct == ref[1]
+
+
+@PROPS
+@given(_case())
+def test_fast_parse_matches_models(case: tuple[bytes, bool]) -> None:
+    _check(*case)
+
+
+@PROPS
+@given(_index())
+def test_valid_indexes_take_the_fast_path(obj: dict[str, Any]) -> None:
+    raw = index_to_json(IndexFile.model_validate(obj))
+    _check(raw, True)
+    # Written by unickpt (index_to_json): every tensor's slices take the bulk path.
+    fast = _FastIndex(raw)
+    fast.parse(raw.decode())
+
+
+def _full_index() -> dict[str, Any]:
+    """A small valid index with every optional field present."""
+    obj = json.loads(_sliced(n_tensors=2, world=2))
+    obj["metadata"]["format"] = "pt"
+    block = obj["unickpt"]
+    block.update(format_version=1, created_by="unickpt 0.1.0", aliases={"tied": "layers.0.weight"})
+    block["layout"].update(mesh={"dp": 2}, gathered=False)
+    block["param_groups"] = [{"lr": 0.1, "params": ["layers.0.weight"]}]
+    block["param_state"] = {"layers.0.weight": {"step": 3}}
+    t = block["tensors"]["layers.1.weight"]
+    t.update(param="layers.1", state="exp_avg")
+    t["slices"][1]["xxh3"] = None
+    del t["slices"][0]["xxh3"]
+    obj["weight_map"]["tied"] = SLICED_SENTINEL
+    return obj
+
+
+@pytest.mark.parametrize("value", REPLACEMENTS + BAD_FILES[1:], ids=repr)
+def test_every_position_with_every_replacement(value: Any) -> None:
+    """Each value put at each position of a full index, one at a time: both paths agree."""
+    base = _full_index()
+    _check(index_to_json(IndexFile.model_validate(base)), True)
+    for path in _paths(base):
+        obj = copy.deepcopy(base)
+        _get(obj, path[:-1])[path[-1]] = copy.deepcopy(value)
+        _check(json.dumps(obj).encode(), False)
+
+
+def test_every_key_removed_added_or_duplicated() -> None:
+    base = _full_index()
+    for at in _containers(base, dict):
+        for k in list(_get(base, at)):
+            obj = copy.deepcopy(base)
+            del _get(obj, at)[k]
+            _check(json.dumps(obj).encode(), True)
+        for k in ("zz", "a:b", "xxh3", "param", "_x"):
+            obj = copy.deepcopy(base)
+            _get(obj, at)[k] = 1
+            _check(json.dumps(obj).encode(), False)
+    for i in range(len(_containers(base, dict))):
+        for same in (True, False):
+            _check(_dumps(base, True, (i, 0, 99, same), [0]).encode(), False)
+
+
+# ----------------------------------------------------------------------------------------- duplicate keys
+@st.composite
+def _doc_with_maybe_dup(draw: st.DrawFn) -> tuple[str, bool]:
+    value = draw(_json_values | st.dictionaries(_names, _json_values, max_size=4))
+    ndicts = len(_containers(value, dict))
+    nonempty = [i for i, p in enumerate(_containers(value, dict)) if _get(value, p)]
+    dup = None
+    if nonempty and draw(st.booleans()):
+        dup = (
+            draw(st.sampled_from(nonempty)),
+            draw(st.integers(0, 99)),
+            draw(st.integers(0, 99)),
+            draw(st.booleans()),
+        )
+    assert ndicts >= len(nonempty)
+    return _dumps(value, draw(st.booleans()), dup, [0]), dup is not None
+
+
+@PROPS
+@given(_doc_with_maybe_dup())
+def test_colon_count_detects_exactly_the_duplicate_keys(case: tuple[str, bool]) -> None:
+    text, has_dup = case
+    raw = text.encode("utf-8", errors="surrogatepass")
+    budget = colon_budget(raw)
+    assert budget is not None  # json.dumps never escapes ':'
+    pairs, colons = count_pairs_and_colons(json.loads(text))
+    assert (pairs + colons != budget) == has_dup
+    strict = _outcome(lambda: strict_loads(text, IndexFileError, "doc"))
+    assert (strict[0] == "error") == has_dup
+
+
+def test_escaped_colon_is_not_counted_and_falls_back() -> None:
+    raw = b'{"a\\u003ab": 1, "a:b": 2, "weight_map": {}}'
+    assert colon_budget(raw) is None
+    with pytest.raises(IndexFileError, match="duplicate key 'a:b'"):
+        parse_index(raw, "idx.json")
+    with pytest.raises(_NotFast):
+        _FastIndex(raw).parse(raw.decode())
+
+
+def test_duplicate_keys_keep_their_message() -> None:
+    raw = b'{"weight_map": {}, "unickpt": {"kind": "model", "tensors": {}, "kind": "model"}}'
+    with pytest.raises(IndexFileError) as e:
+        parse_index(raw, "idx.json")
+    assert str(e.value) == "idx.json: index has a duplicate key 'kind'"
+
+
+# ----------------------------------------------------------------------------------------- behaviour
+def _sliced(n_tensors: int = 3, world: int = 4) -> bytes:
+    tensors = {}
+    for i in range(n_tensors):
+        shape = [10 + i, 3]
+        bounds = [round(r * shape[0] / world) for r in range(world + 1)]
+        tensors[f"layers.{i}.weight"] = {
+            "dtype": "BF16",
+            "shape": shape,
+            "fingerprint": f"{i:016x}",
+            "slices": [
+                {
+                    "file": f"model-{r + 1:05d}-of-{world:05d}.safetensors",
+                    "key": f"layers.{i}.weight@{r}",
+                    "offsets": [bounds[r], 0],
+                    "shape": [bounds[r + 1] - bounds[r], 3],
+                    "xxh3": f"{r * 7919 + i:016x}",
+                }
+                for r in range(world)
+            ],
+        }
+    obj = {
+        "metadata": {"total_size": 123},
+        "weight_map": dict.fromkeys(tensors, SLICED_SENTINEL),
+        "unickpt": {"kind": "model", "layout": {"plugin": "fsdp2", "world_size": world}, "tensors": tensors},
+    }
+    return index_to_json(IndexFile.model_validate(obj))
+
+
+def test_written_index_builds_the_same_objects() -> None:
+    raw = _sliced()
+    fast = _FastIndex(raw).parse(raw.decode())
+    ref = parse_index_validated(raw, "idx.json")
+    assert fast == ref and _state(fast) == _state(ref) and index_to_json(fast) == raw
+    s = fast.unickpt.tensors["layers.0.weight"].slices[0]  # type: ignore[union-attr]
+    assert (
+        type(s) is SliceEntry
+        and type(s.offsets) is list
+        and s.model_fields_set == set(SliceEntry.model_fields)
+    )
+    assert repr(s) == repr(ref.unickpt.tensors["layers.0.weight"].slices[0])  # type: ignore[union-attr]
+    assert type(fast.metadata) is IndexMetadata and type(fast.unickpt.layout) is LayoutInfo  # type: ignore[union-attr]
+    assert fast.unickpt.layout.mesh == {} and fast.unickpt.aliases == {}  # type: ignore[union-attr]
+
+
+def test_slices_sharing_a_fields_set_stay_independent() -> None:
+    raw = _sliced()
+    idx = parse_index(raw, "idx.json")
+    a, b = idx.unickpt.tensors["layers.0.weight"].slices[:2]  # type: ignore[union-attr]
+    c = a.model_copy(update={"xxh3": None})
+    assert c.xxh3 is None and a.xxh3 is not None
+    assert b.model_fields_set == set(SliceEntry.model_fields)
+    with pytest.raises(Exception, match="frozen"):
+        a.key = "x"  # type: ignore[misc]
+    assert b.model_fields_set == set(SliceEntry.model_fields)
+
+
+def test_lax_values_are_taken_like_the_models_take_them() -> None:
+    obj = json.loads(_sliced())
+    s = obj["unickpt"]["tensors"]["layers.0.weight"]["slices"][0]
+    s["offsets"] = ["0", 0.0]
+    obj["unickpt"]["layout"]["gathered"] = "yes"
+    obj["unickpt"]["format_version"] = True
+    raw = json.dumps(obj).encode()
+    with pytest.raises(_NotFast) as e:
+        _FastIndex(raw).parse(raw.decode())
+    assert e.value.problem is None
+    assert _state(parse_index(raw, "i")) == _state(parse_index_validated(raw, "i"))
+
+
+@pytest.mark.parametrize(
+    ("edit", "error", "message"),
+    [
+        (lambda o, s: s.update(offsets=[-1, 0]), IndexFileError, "greater than or equal to 0"),
+        (
+            lambda o, s: s.update(file="../x.safetensors"),
+            UnsafePathError,
+            "refusing data file name '../x.safetensors'",
+        ),
+        (
+            lambda o, s: s.update(offsets=[9, 0]),
+            IndexFileError,
+            "spans [9, 11) on dim 0 of a tensor of size 10",
+        ),
+        (lambda o, s: s.update(xxh3="ABCDEF0123456789"), IndexFileError, "String should match pattern"),
+        (lambda o, s: s.update(extra=1), IndexFileError, "Extra inputs are not permitted"),
+        (
+            lambda o, s: o["unickpt"].update(aliases={"a": "nope"}),
+            IndexFileError,
+            "which is not a stored tensor",
+        ),
+    ],
+)
+def test_errors_keep_their_messages(edit: Any, error: type[Exception], message: str) -> None:
+    obj = json.loads(_sliced())
+    edit(obj, obj["unickpt"]["tensors"]["layers.0.weight"]["slices"][0])
+    raw = json.dumps(obj).encode()
+    with pytest.raises(error) as fast:
+        parse_index(raw, "idx.json")
+    with pytest.raises(error) as ref:
+        parse_index_validated(raw, "idx.json")
+    assert str(fast.value) == str(ref.value)
+    assert message in str(fast.value) and str(fast.value).startswith("idx.json: ")
+    with pytest.raises(_NotFast) as nf:
+        _FastIndex(raw).parse(raw.decode())
+    assert nf.value.problem is not None and nf.value.error is error
+
+
+def test_a_problem_the_models_miss_is_still_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """If the fast checks flag a definite problem and the models accept, the problem is raised."""
+    import unickpt.format.index as index_mod
+
+    raw = _sliced()
+
+    def flag(self: Any, text: str) -> IndexFile:
+        raise _NotFast("index does not match the unickpt index schema: made up", IndexFileError)
+
+    monkeypatch.setattr(index_mod._FastIndex, "parse", flag)
+    with pytest.raises(IndexFileError) as e:
+        parse_index(raw, "idx.json")
+    assert str(e.value) == "idx.json: index does not match the unickpt index schema: made up"
+
+
+def test_an_unexpected_failure_of_the_fast_path_falls_back(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import unickpt.format.index as index_mod
+
+    raw = _sliced()
+
+    def broken(self: Any, text: str) -> IndexFile:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(index_mod._FastIndex, "parse", broken)
+    with caplog.at_level("WARNING", logger="unickpt.format.index"):
+        assert _state(parse_index(raw, "idx.json")) == _state(parse_index_validated(raw, "idx.json"))
+    assert "fast index parse failed (RuntimeError: boom)" in caplog.text
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_garbage_collector_state_is_restored(enabled: bool) -> None:
+    was = gc.isenabled()
+    try:
+        (gc.enable if enabled else gc.disable)()
+        parse_index(_sliced(), "idx.json")
+        assert gc.isenabled() is enabled
+        with pytest.raises(IndexFileError):
+            parse_index(b'{"weight_map": []}', "idx.json")
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
+def test_not_an_object_or_not_json() -> None:
+    for raw in (b"[]", b"1", b"", b"{", b"\xff", b'{"weight_map": {}} x', b"\xef\xbb\xbf{}"):
+        ref = _outcome(lambda raw=raw: parse_index_validated(raw, "i"))
+        fast = _outcome(lambda raw=raw: parse_index(raw, "i"))
+        assert ref[0] == "error" and fast == ref, raw
+
+
+def test_deep_nesting_in_free_form_values_falls_back() -> None:
+    deep: Any = 1
+    for _ in range(300):
+        deep = [deep]
+    raw = json.dumps({"weight_map": {}, "extra": deep}).encode()
+    with pytest.raises(_NotFast):
+        _FastIndex(raw).parse(raw.decode())
+    assert parse_index(raw, "i") == parse_index_validated(raw, "i")
+
+
+def test_fast_checks_know_the_models() -> None:
+    """The fast path mirrors these fields and validators: a change to the models must update it."""
+    fields = {
+        SliceEntry: ["file", "key", "offsets", "shape", "xxh3"],
+        TensorEntry: ["dtype", "shape", "fingerprint", "slices", "param", "state"],
+        LayoutInfo: ["plugin", "world_size", "mesh", "gathered"],
+        UnickptBlock: [
+            "format_version",
+            "kind",
+            "created_by",
+            "layout",
+            "tensors",
+            "aliases",
+            "param_groups",
+            "param_state",
+        ],
+        IndexMetadata: ["total_size"],
+        IndexFile: ["metadata", "weight_map", "unickpt"],
+    }
+    validators = {
+        TensorEntry: {"_dtype", "_slices_in_bounds"},
+        UnickptBlock: {"_files_are_safe", "_aliases_resolve"},
+        IndexFile: {"_safe_files"},
+    }
+    for cls, names in fields.items():
+        assert list(cls.model_fields) == names, cls
+        d = cls.__pydantic_decorators__
+        found = (
+            set(d.field_validators)
+            | set(d.model_validators)
+            | set(d.field_serializers)
+            | set(d.model_serializers)
+        )
+        assert found == validators.get(cls, set()), cls
+        extra = "allow" if cls in (IndexFile, IndexMetadata) else "forbid"
+        assert cls.model_config.get("extra") == extra and cls.model_config.get("frozen") is True, cls
+
+
+def test_a_frozen_heap_is_left_alone() -> None:
+    """The new objects are promoted with freeze + unfreeze only when nothing else is frozen."""
+    assert gc.get_freeze_count() == 0
+    keep = [[i] for i in range(100)]
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        parse_index(_sliced(), "idx.json")
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+    del keep
+    parse_index(_sliced(), "idx.json")
+    assert gc.get_freeze_count() == 0
