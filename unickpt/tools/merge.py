@@ -10,8 +10,14 @@ imported only for ``dtype=`` casts). Each tensor is rebuilt from the shard info 
 - otherwise (column splits, 2-D meshes) the tensor is assembled in one numpy buffer of its
   size, then written; peak memory is about the largest such tensor.
 
+Output files are written front to back and the kernel is asked to start writing them back
+every ``_WRITEBACK`` bytes (``sync_file_range``, a hint), so disk writes overlap the reads of
+the following tensors instead of all waiting for the final fsync; every file and directory
+is still fsynced before the commit.
+
 Slices are checked against their recorded xxh3-64 while they are read (``verify=False``
-skips it), coverage of every tensor is checked before anything is written, and the output
+skips it), coverage of every tensor is checked before anything is written (in O(slices) for
+layouts of contiguous runs, with the reader's general check for the rest), and the output
 carries the fingerprints (unchanged unless cast) and hashes of every tensor, in the index
 (or the single file's header metadata), so ``unickpt diff`` still matches the source. The
 output is written to a hidden temporary directory and renamed to ``out`` at the end.
@@ -19,17 +25,20 @@ output is written to a hidden temporary directory and renamed to ``out`` at the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from unickpt import __version__
 from unickpt._logging import get_logger
-from unickpt.errors import IntegrityError, IntegrityFailure, UnsupportedError
+from unickpt.errors import IndexFileError, IntegrityError, IntegrityFailure, UnsupportedError
+from unickpt.format.boxes import coverage_problem
 from unickpt.format.commit import atomic_write_bytes
 from unickpt.format.dtypes import itemsize, word_dtype
 from unickpt.format.hashing import SliceHasher, finalize_fingerprint, fingerprint_partial
@@ -37,7 +46,7 @@ from unickpt.format.index import IndexFile, LayoutInfo, SliceEntry, TensorEntry,
 from unickpt.format.naming import index_name, single_name
 from unickpt.format.reader import UNICKPT_METADATA_KEY, CheckpointReader, open_checkpoint
 from unickpt.format.safetensors_io import encode_header, read_header
-from unickpt.tools._common import check_output, copy_small_file, staged_output, write_all
+from unickpt.tools._common import check_output, copy_small_file, staged_output, start_writeback, write_all
 
 __all__ = ["merge_checkpoint", "DTYPES"]
 
@@ -53,8 +62,12 @@ DTYPES = {
     "float32": "F32",
 }
 _CASTABLE = {"F16", "BF16", "F32", "F64"}
-# Copy in chunks of this size: large enough for disk speed, small enough to keep memory flat.
-_CHUNK = 16 << 20
+# Copy in chunks of this size: large enough for disk speed (the kernel reads ahead of it anyway),
+# small enough to keep memory flat. 4 MiB measured as fast as 16 MiB for merges of 128 to 512 MiB.
+_CHUNK = 4 << 20
+# Start writeback of an output file every this many bytes written (the final fsync waits for less).
+_WRITEBACK = 8 << 20
+_EMPTY_HASH = SliceHasher().hexdigest()
 _PLACEHOLDER = "0" * 16
 _SIDE_FILES = ("config.json", "generation_config.json")
 
@@ -84,6 +97,66 @@ def _flat_runs(t: TensorEntry) -> list[_Run] | None:
     return runs
 
 
+def _tiles(t: TensorEntry, runs: list[_Run] | None) -> bool:
+    """True when ``runs`` lie inside the tensor and tile its flat range exactly once.
+
+    O(slices) with no numpy: the common layouts (row splits, ZeRO flat ranges, whole tensors)
+    need nothing more, and ``coverage_problem`` would find nothing to report for them. False
+    means "not shown here", not "broken": the general check then decides.
+    """
+    if runs is None:
+        return False
+    end = 0
+    for r in runs:
+        s = r.slice
+        inside = all(o >= 0 and o + n <= g for o, n, g in zip(s.offsets, s.shape, t.shape, strict=True))
+        if r.flat_start != end or not inside:
+            return False
+        end += math.prod(s.shape)
+    return end == math.prod(t.shape)
+
+
+def _validate(r: CheckpointReader) -> dict[str, list[_Run] | None]:
+    """``r.validate_structure()`` with the same checks, order and errors; returns each tensor's
+    flat runs (``_flat_runs``) for the copy.
+
+    Coverage is shown in O(slices) for tensors whose slices are contiguous runs (``_tiles``);
+    only the others go through ``coverage_problem``'s general sweep.
+    """
+    runs_of: dict[str, list[_Run] | None] = {}
+    for name, t in r.block.tensors.items():
+        nd = len(t.shape)
+        same_dims = all(len(s.offsets) == nd and len(s.shape) == nd for s in t.slices)
+        runs = _flat_runs(t) if same_dims else None
+        runs_of[name] = runs
+        if not _tiles(t, runs):
+            problem = coverage_problem(t.shape, [(tuple(s.offsets), tuple(s.shape)) for s in t.slices])
+            if problem:
+                raise IndexFileError(f"{r.index_path or r.directory}: tensor {name!r}: {problem}")
+    for name, t in r.block.tensors.items():
+        for s in t.slices:
+            r._check_slice(name, t, s)
+    return runs_of
+
+
+class _Out:
+    """An output file being written front to back: asks the kernel to start writing back every
+    ``_WRITEBACK`` bytes, so the final fsync does not wait for the whole file."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._flushed = 0
+
+    def write(self, data: memoryview, pos: int) -> None:
+        write_all(self.fd, data, pos)
+        self.wrote(pos + data.nbytes)
+
+    def wrote(self, end: int) -> None:
+        if end - self._flushed >= _WRITEBACK:
+            start_writeback(self.fd, self._flushed, end - self._flushed)
+            self._flushed = end
+
+
 class _Merger:
     def __init__(
         self,
@@ -91,15 +164,18 @@ class _Merger:
         *,
         verify: bool,
         out_dtype: str | None,
-        progress: Callable[[int], None],
+        progress: Callable[[int], object],
         src: str,
+        buf: memoryview,
+        runs_of: dict[str, list[_Run] | None],
     ) -> None:
         self.r = reader
+        self._runs_of = runs_of
         self.verify = verify
         self.out_dtype = out_dtype
         self.progress = progress
         self.src = src
-        self._buf = bytearray(_CHUNK)
+        self._buf = buf
 
     def target_dtype(self, t: TensorEntry) -> str:
         if self.out_dtype is not None and t.dtype in _CASTABLE:
@@ -111,44 +187,69 @@ class _Merger:
         if self.verify and s.xxh3 is not None and found != s.xxh3:
             raise IntegrityError([IntegrityFailure(name, s.file, s.key, s.xxh3, found)], checkpoint=self.src)
 
-    # -------------------------------------------------------------- writing
-    def write_tensor(self, name: str, t: TensorEntry, fd: int, pos: int) -> tuple[str, str | None]:
-        """Write tensor ``name`` at ``pos`` of ``fd``; return (xxh3 of the written bytes, fingerprint)."""
-        out_dtype = self.target_dtype(t)
-        runs = None if out_dtype != t.dtype else _flat_runs(t)
-        if runs is not None:
-            return self._copy_runs(name, t, runs, fd, pos), t.fingerprint
-        return self._assemble(name, t, out_dtype, fd, pos)
+    # -------------------------------------------------------------- planning
+    def _route(self, name: str, t: TensorEntry) -> tuple[str, list[_Run]]:
+        """How a tensor is written: "kernel" (copy_file_range of one stored slice), "stream"
+        (contiguous runs read in pieces, hashed, written) or "assemble" (rebuilt in memory)."""
+        runs = self._runs_of[name] if self.target_dtype(t) == t.dtype else None
+        if runs is None:
+            return "assemble", []
+        if len(runs) == 1 and runs[0].slice.xxh3 is not None and not self.verify:
+            return "kernel", runs
+        return "stream", runs
 
-    def _copy_runs(self, name: str, t: TensorEntry, runs: list[_Run], fd: int, pos: int) -> str:
-        isz = itemsize(t.dtype)
+    # -------------------------------------------------------------- writing
+    def write_file(
+        self, tensors: list[tuple[str, TensorEntry, int]], fd: int
+    ) -> dict[str, tuple[str | None, str | None]]:
+        """Write each (name, entry, position) into ``fd``, in order; return name -> (xxh3, fingerprint)."""
+        out = _Out(fd)
+        results: dict[str, tuple[str | None, str | None]] = {}
+        for name, t, pos in tensors:
+            how, runs = self._route(name, t)
+            if how == "assemble":
+                results[name] = self._assemble(name, t, self.target_dtype(t), out, pos)
+                continue
+            self._check_empty(name, t)
+            if how == "kernel":
+                results[name] = (self._copy_one(runs[0].slice, out, pos), t.fingerprint)
+            else:
+                results[name] = (self._stream_runs(name, t, runs, out, pos), t.fingerprint)
+        return results
+
+    def _check_empty(self, name: str, t: TensorEntry) -> None:
         # Empty slices hold no bytes but still carry a hash: check it.
         for s in t.slices:
             if math.prod(s.shape) == 0:
-                self._check(name, s, SliceHasher().hexdigest())
-        known = runs[0].slice.xxh3 if len(runs) == 1 else None
-        if known is not None and not self.verify:
-            # The output bytes are exactly the stored slice: its hash is the output's hash.
-            s = runs[0].slice
-            _, off, n = self.r.slice_location(s)
-            self._copy_file_range(self.r._fd(s.file), off, fd, pos, n)
-            self.progress(n)
-            return known
+                self._check(name, s, _EMPTY_HASH)
+
+    def _copy_one(self, s: SliceEntry, out: _Out, pos: int) -> str | None:
+        """The output bytes are exactly the stored slice: copy in the kernel, its hash is the output's."""
+        _, off, n = self.r.slice_location(s)
+        self._copy_file_range(self.r._fd(s.file), off, out.fd, pos, n)
+        out.wrote(pos + n)
+        self.progress(n)
+        return s.xxh3
+
+    def _stream_runs(self, name: str, t: TensorEntry, runs: list[_Run], out: _Out, pos: int) -> str:
+        isz = itemsize(t.dtype)
         out_hash = SliceHasher()
-        mv = memoryview(self._buf)
         for run in runs:
             s = run.slice
             n = math.prod(s.shape) * isz
             dst = pos + run.flat_start * isz
-            h = SliceHasher() if self.verify and s.xxh3 is not None else None
+            h = None
+            if self.verify and s.xxh3 is not None:
+                # A tensor stored whole: the slice's bytes are the output's, one hash serves both.
+                h = out_hash if len(runs) == 1 else SliceHasher()
             done = 0
             while done < n:
                 k = min(_CHUNK, n - done)
-                chunk = self.r.read_bytes(s, done, k, mv[:k])
-                if h is not None:
+                chunk = self.r.read_bytes(s, done, k, self._buf[:k])
+                if h is not None and h is not out_hash:
                     h.update(chunk)
                 out_hash.update(chunk)
-                write_all(fd, chunk, dst + done)
+                out.write(chunk, dst + done)
                 done += k
                 self.progress(k)
             if h is not None:
@@ -174,7 +275,7 @@ class _Merger:
             done += len(data)
 
     def _assemble(
-        self, name: str, t: TensorEntry, out_dtype: str, fd: int, pos: int
+        self, name: str, t: TensorEntry, out_dtype: str, out: _Out, pos: int
     ) -> tuple[str, str | None]:
         isz = itemsize(t.dtype)
         numel = math.prod(t.shape)
@@ -200,7 +301,7 @@ class _Merger:
             fingerprint = finalize_fingerprint(name, out_dtype, t.shape, total)
         h = SliceHasher()
         h.update(buf.data)
-        write_all(fd, buf.data, pos)
+        out.write(buf.data, pos)
         return h.hexdigest(), fingerprint
 
 
@@ -229,12 +330,16 @@ def _merge_one(
     max_shard_size: int | str,
     out_dtype: str | None,
     verify: bool,
-    progress: Callable[[int], None],
+    progress: Callable[[int], object],
     src: str,
+    buf: memoryview,
+    runs_of: dict[str, list[_Run] | None],
 ) -> None:
     kind = reader.kind
     block = reader.block
-    m = _Merger(reader, verify=verify, out_dtype=out_dtype, progress=progress, src=src)
+    m = _Merger(
+        reader, verify=verify, out_dtype=out_dtype, progress=progress, src=src, buf=buf, runs_of=runs_of
+    )
     target = {n: m.target_dtype(t) for n, t in block.tensors.items()}
     sizes = {n: math.prod(t.shape) * itemsize(target[n]) for n, t in block.tensors.items()}
     files = _plan_files(kind, sizes, max_shard_size)
@@ -276,7 +381,7 @@ def _merge_one(
     for fname, names in files:
         specs = [(n, target[n], tuple(block.tensors[n].shape)) for n in names]
         meta: dict[str, str] = {"format": "pt"}
-        placeholder_block = None
+        dumped: dict[str, Any] = {}
         if single:
             fname = single_name(kind)
             file_of = {n: fname for n in block.tensors}
@@ -285,20 +390,26 @@ def _merge_one(
                 n: (_PLACEHOLDER, _PLACEHOLDER if (t.fingerprint or target[n] != t.dtype) else None)
                 for n, t in block.tensors.items()
             }
-            placeholder_block = make_block(ph, file_of)
-            meta[UNICKPT_METADATA_KEY] = json.dumps(
-                placeholder_block.model_dump(mode="json", exclude_none=True)
-            )
+            dumped = make_block(ph, file_of).model_dump(mode="json", exclude_none=True)
+            meta[UNICKPT_METADATA_KEY] = json.dumps(dumped)
         header, spans = encode_header(specs, meta)
         path = os.path.join(out_dir, fname)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             write_all(fd, memoryview(header), 0)
-            for (n, _, _), (begin, _end) in zip(specs, spans, strict=True):
-                results[n] = m.write_tensor(n, block.tensors[n], fd, len(header) + begin)
+            todo = [
+                (n, block.tensors[n], len(header) + begin)
+                for (n, _, _), (begin, _end) in zip(specs, spans, strict=True)
+            ]
+            results.update(m.write_file(todo, fd))
             if single:
-                real = make_block(results, file_of)
-                meta[UNICKPT_METADATA_KEY] = json.dumps(real.model_dump(mode="json", exclude_none=True))
+                # The validated placeholder block, dumped, with the real values in its place: the
+                # same JSON as dumping make_block(results, file_of), without building it again.
+                for n, (xxh, fp) in results.items():
+                    entry = dumped["tensors"][n]
+                    _set_or_drop(entry["slices"][0], "xxh3", xxh)
+                    _set_or_drop(entry, "fingerprint", fp)
+                meta[UNICKPT_METADATA_KEY] = json.dumps(dumped)
                 header2, _ = encode_header(specs, meta)
                 if len(header2) != len(header):
                     raise RuntimeError(
@@ -320,6 +431,14 @@ def _merge_one(
             }
         )
         atomic_write_bytes(os.path.join(out_dir, index_name(kind)), index_to_json(index))
+
+
+def _set_or_drop(d: dict[str, Any], key: str, value: str | None) -> None:
+    """``d[key] = value``, or no ``key`` at all for None (as ``model_dump(exclude_none=True)``)."""
+    if value is None:
+        d.pop(key, None)
+    else:
+        d[key] = value
 
 
 def merge_checkpoint(
@@ -362,32 +481,23 @@ def merge_checkpoint(
             readers.append(open_checkpoint(src_s, kind))
         if not readers:
             readers.append(open_checkpoint(src_s, "optimizer"))
-        for r in readers:
-            r.validate_structure()  # coverage + headers: fail before writing anything
+        # Coverage + headers: fail before writing anything.
+        runs_of = [_validate(r) for r in readers]
         total = sum(t.nbytes for r in readers for t in r.block.tensors.values())
-        from tqdm.auto import tqdm
-
-        with (
-            tqdm(
-                total=total,
-                unit="B",
-                unit_scale=True,
-                unit_divisor=1024,
-                desc="merge",
-                disable=None if progress else True,
-                leave=False,
-            ) as bar,
-            staged_output(out_s) as tmp,
-        ):
-            for r in readers:
+        # The copy buffer of every streamed tensor, not zero-filled (each read fills what it uses).
+        buf = np.empty(_CHUNK, dtype=np.uint8).data
+        with _progress_bar(total, progress) as update, staged_output(out_s) as tmp:
+            for r, runs in zip(readers, runs_of, strict=True):
                 _merge_one(
                     r,
                     tmp,
                     max_shard_size=max_shard_size,
                     out_dtype=out_dtype,
                     verify=verify,
-                    progress=bar.update,
+                    progress=update,
                     src=src_s,
+                    buf=buf,
+                    runs_of=runs,
                 )
             side = list(_SIDE_FILES) + (["lr_scheduler.json"] if optimizer else [])
             src_dir = readers[0].directory
@@ -400,6 +510,20 @@ def merge_checkpoint(
     finally:
         for r in readers:
             r.close()
+
+
+@contextlib.contextmanager
+def _progress_bar(total: int, show: bool) -> Iterator[Callable[[int], object]]:
+    """A tqdm bar's ``update`` when ``show``; otherwise a no-op (tqdm is not even imported)."""
+    if not show:
+        yield lambda _n: None
+        return
+    from tqdm.auto import tqdm
+
+    with tqdm(
+        total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="merge", disable=None, leave=False
+    ) as bar:
+        yield bar.update
 
 
 def _has_kind(directory: str, kind: str) -> bool:
