@@ -23,6 +23,7 @@ from test_merge import _check_merged, _flat, _rand, _rows, _tensor, hand_made_re
 
 from unickpt import merge_checkpoint
 from unickpt.errors import IncompleteCheckpointError, IntegrityError
+from unickpt.format import commit as commit_mod
 from unickpt.format import reader as reader_mod
 from unickpt.format.index import SliceEntry, TensorEntry, UnickptBlock
 from unickpt.format.reader import UNICKPT_METADATA_KEY, CheckpointReader, open_checkpoint
@@ -258,8 +259,8 @@ def test_writeback_hint_unavailable_or_failing_changes_nothing(
         calls.append(n)
         return -1  # as sync_file_range does with EIO/EINVAL: the fsync that follows decides
 
-    monkeypatch.setattr(_common, "_sync_file_range_loaded", True)
-    monkeypatch.setattr(_common, "_sync_file_range", None if mode == "unavailable" else failing)
+    monkeypatch.setattr(commit_mod, "_sync_file_range_loaded", True)
+    monkeypatch.setattr(commit_mod, "_sync_file_range", None if mode == "unavailable" else failing)
     monkeypatch.setattr(merge_mod, "_WRITEBACK", 128 << 10)
     merge_checkpoint(tmp_path / "src", tmp_path / "out")
     _check_merged(tmp_path / "out", ref)

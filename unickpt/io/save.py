@@ -91,7 +91,7 @@ def _write_files(
         for f in files:
             specs = [(ps.key, plan.tensors[ps.name][0], ps.shape) for ps in f.slices]
             path = os.path.join(directory, f.name)
-            w = SafetensorsWriter(path, specs, metadata_for(f))
+            w = SafetensorsWriter(path, specs, metadata_for(f), writeback=opts.fsync)
             written.append(path)
             try:
                 for ps in f.slices:

@@ -5,11 +5,10 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from unickpt.errors import IncompleteCheckpointError, UnickptError
-from unickpt.format.commit import fsync_dir, temp_name
+from unickpt.format.commit import fsync_dir, start_writeback, temp_name
 from unickpt.format.naming import index_name, single_name
 from unickpt.format.reader import CheckpointReader, open_checkpoint
 
@@ -109,38 +108,3 @@ def write_all(fd: int, data: memoryview, pos: int) -> None:
     n = data.nbytes
     while done < n:
         done += os.pwrite(fd, data[done:], pos + done)
-
-
-_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, do not wait
-_sync_file_range: Callable[[int, int, int, int], int] | None = None
-_sync_file_range_loaded = False
-
-
-def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):  # pragma: no cover - every Linux libc has it
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn  # type: ignore[no-any-return]
-
-
-def start_writeback(fd: int, offset: int, length: int) -> None:
-    """Ask the kernel to start writing ``length`` bytes at ``offset`` of ``fd`` to disk, without waiting.
-
-    A hint for long sequential writes (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``): the
-    disk works while the rest of the file is produced, so the final ``fsync`` has less left to
-    wait for. It never replaces that ``fsync``, which alone makes the data durable and reports
-    write errors; where the call is unavailable or fails, nothing happens.
-    """
-    global _sync_file_range, _sync_file_range_loaded
-    if not _sync_file_range_loaded:
-        _sync_file_range = _load_sync_file_range()
-        _sync_file_range_loaded = True
-    if _sync_file_range is not None and length > 0:
-        _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
