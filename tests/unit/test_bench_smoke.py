@@ -46,7 +46,8 @@ def test_quick_run_writes_expected_rows(tmp_path: Path) -> None:
         assert len(row["times"]) == 1
         assert row["bytes"] == report["state"]["bytes"] > 15 * 2**20 * 0.9
         assert row["gib_s"] > 0
-        assert row["rss_peak_mb"] >= row["rss_base_mb"] > 0
+        # The peak is reset just after the base is read; RSS may shrink by a page or two between.
+        assert row["rss_peak_mb"] >= row["rss_base_mb"] - 1 > 0
     # The markdown table on stdout names every case, and the scratch dir is cleaned up.
     assert "| raw | raw write + fsync (disk limit) |" in cp.stdout
     assert not (tmp_path / "work").exists()
