@@ -157,6 +157,8 @@ def task_save(p: dict[str, Any]) -> dict[str, Any]:
         res["unickpt_gathered_save"] = {"status": "skipped", "reason": f"not available: {why}"}
     else:
         io = io_cls(mesh=mesh)
+        if p.get("unickpt_hashes") is False:  # PARAMS {"unickpt_hashes": false}: neither hash
+            io.hashes = io.fingerprints = False
 
         def u_body() -> None:
             io.save_model(model, str(u), shard=True, gather_dtensor=False, size_per_shard=int(p["shard_mb"]))
