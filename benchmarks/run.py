@@ -45,19 +45,7 @@ GROUPS = (
     "merge",
     "scaling",
 )
-DEFAULT_GROUPS = (
-    "raw",
-    "safetensors",
-    "torch",
-    "dcp",
-    "colossalai",
-    "unickpt",
-    "hash",
-    "async",
-    "dist",
-    "merge",
-    "scaling",
-)
+DEFAULT_GROUPS = GROUPS  # every group runs unless --only/--skip says otherwise
 
 
 # ------------------------------------------------------------------------------ running cases
