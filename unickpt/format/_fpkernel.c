@@ -399,6 +399,7 @@ PyMODINIT_FUNC PyInit__fpkernel(void) {
     __builtin_cpu_init();
     have_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
 #endif
+    /* UNICKPT_FP_SCALAR=1 forces the plain-C row kernel (tests compare the two; same numbers). */
     if (getenv("UNICKPT_FP_SCALAR")) have_avx2 = 0;
     return PyModule_Create(&module);
 }
