@@ -121,28 +121,10 @@ def fingerprint_partial(
     ``words`` holds the box's elements as unsigned integers of the dtype's item size, in
     C order, any array shape with ``prod(shape)`` elements.
     """
-    n = math.prod(shape)
-    if n == 0:
-        return 0
-    if len(global_shape) == 0:
-        global_shape, offsets, shape = (1,), (0,), (1,)
-    if _native is not None:
-        w = np.ascontiguousarray(words).reshape(-1)
-        if w.size != n:
-            raise ValueError(f"{w.size} words for a block of shape {list(shape)}")
-        return int(
-            _native.partial(
-                memoryview(w).cast("B"),  # type: ignore[arg-type]
-                w.dtype.itemsize,
-                tuple(global_shape[:-1]),
-                tuple(offsets[:-1]),
-                tuple(shape[:-1]),
-                offsets[-1],
-                shape[-1],
-                0,
-            )
-        )
-    return _partial_numpy(words, global_shape, offsets, shape)
+    w = np.ascontiguousarray(words).reshape(-1)
+    if w.size != math.prod(shape):
+        raise ValueError(f"{w.size} words for a block of shape {list(shape)}")
+    return hash_block(w, w.dtype.itemsize, global_shape, offsets, shape, xxh3=False)[1]
 
 
 def _partial_numpy(
