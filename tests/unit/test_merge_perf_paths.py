@@ -28,7 +28,6 @@ from unickpt.format import reader as reader_mod
 from unickpt.format.index import SliceEntry, TensorEntry, UnickptBlock
 from unickpt.format.reader import UNICKPT_METADATA_KEY, CheckpointReader, open_checkpoint
 from unickpt.format.safetensors_io import read_header
-from unickpt.tools import _common
 from unickpt.tools import merge as merge_mod
 from unickpt.tools._write import SliceData, TensorData, write_checkpoint
 
@@ -175,7 +174,7 @@ def test_writeback_hints_cover_the_file_and_every_fsync_precedes_the_commit(
 ) -> None:
     ref = _big_source(tmp_path / "src")
     events: list[tuple[str, str, int, int]] = []
-    real_fsync, real_rename, real_wb = os.fsync, os.rename, merge_mod.start_writeback
+    real_fsync, real_rename, real_wb = os.fsync, os.rename, commit_mod.start_writeback
 
     def fsync(fd: int) -> None:
         events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"), 0, 0))
@@ -192,7 +191,7 @@ def test_writeback_hints_cover_the_file_and_every_fsync_precedes_the_commit(
     monkeypatch.setattr(merge_mod, "_WRITEBACK", 256 << 10)
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "rename", rename)
-    monkeypatch.setattr(merge_mod, "start_writeback", wb)
+    monkeypatch.setattr(commit_mod, "start_writeback", wb)
     out = tmp_path / "out"
     merge_checkpoint(tmp_path / "src", out)
     monkeypatch.undo()
@@ -272,8 +271,8 @@ def test_start_writeback_on_a_bad_descriptor_does_not_raise(tmp_path: Path) -> N
     p.write_bytes(b"x" * 10)
     fd = os.open(p, os.O_RDONLY)
     os.close(fd)
-    _common.start_writeback(fd, 0, 10)  # EBADF: a hint only
-    _common.start_writeback(-1, 0, 0)
+    commit_mod.start_writeback(fd, 0, 10)  # EBADF: a hint only
+    commit_mod.start_writeback(-1, 0, 0)
 
 
 # ---------------------------------------------------------------------------- failing reads

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from unickpt import GeneralCheckpointIO
-from unickpt.format import safetensors_io
+from unickpt.format import commit as commit_mod
 from unickpt.format.safetensors_io import SafetensorsWriter
 
 
@@ -32,7 +32,7 @@ def test_writeback_hints_cover_the_file_in_order_and_change_no_byte(
         f"t{i}": rng.standard_normal(n, dtype=np.float32) for i, n in enumerate([10, 70_000, 3, 250_001])
     }
     hints: list[tuple[int, int]] = []
-    monkeypatch.setattr(safetensors_io, "start_writeback", lambda fd, off, n: hints.append((off, n)))
+    monkeypatch.setattr(commit_mod, "start_writeback", lambda fd, off, n: hints.append((off, n)))
     monkeypatch.setattr(SafetensorsWriter, "WRITEBACK_BYTES", 64 << 10)
     _write(tmp_path / "a.safetensors", arrays, writeback=True)
     _write(tmp_path / "b.safetensors", arrays, writeback=False)
@@ -48,7 +48,7 @@ def test_writeback_hints_cover_the_file_in_order_and_change_no_byte(
 
 def test_save_hints_writeback_only_when_it_fsyncs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
-    monkeypatch.setattr(safetensors_io, "start_writeback", lambda fd, off, n: calls.append(n))
+    monkeypatch.setattr(commit_mod, "start_writeback", lambda fd, off, n: calls.append(n))
     monkeypatch.setattr(SafetensorsWriter, "WRITEBACK_BYTES", 64 << 10)
     fsynced: list[int] = []
     real_fsync = os.fsync

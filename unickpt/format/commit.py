@@ -16,7 +16,15 @@ from collections.abc import Callable, Iterator
 
 from unickpt.errors import CheckpointBusyError
 
-__all__ = ["fsync_dir", "atomic_write_bytes", "temp_name", "directory_lock", "start_writeback", "LOCK_NAME"]
+__all__ = [
+    "fsync_dir",
+    "atomic_write_bytes",
+    "temp_name",
+    "directory_lock",
+    "start_writeback",
+    "Writeback",
+    "LOCK_NAME",
+]
 
 LOCK_NAME = ".unickpt.lock"
 
@@ -140,3 +148,23 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
         _sync_file_range_loaded = True
     if _sync_file_range is not None and length > 0:
         _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
+
+
+class Writeback:
+    """Write-behind bookkeeping for a file written front to back: once ``every`` bytes past the
+    last hint have been written, :func:`start_writeback` is called for them. ``flush`` (for a
+    buffered file object) runs first, so the hinted bytes have reached the kernel."""
+
+    def __init__(self, fd: int, every: int, flush: Callable[[], object] | None = None) -> None:
+        self.fd = fd
+        self.every = every
+        self._flush = flush
+        self._hinted = 0
+
+    def wrote(self, end: int) -> None:
+        """The file now holds bytes up to ``end``."""
+        if end - self._hinted >= self.every:
+            if self._flush is not None:
+                self._flush()
+            start_writeback(self.fd, self._hinted, end - self._hinted)
+            self._hinted = end

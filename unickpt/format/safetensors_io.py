@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 
 from unickpt.errors import HeaderError, IncompleteCheckpointError
 from unickpt.format._json import strict_loads
-from unickpt.format.commit import start_writeback
+from unickpt.format.commit import Writeback
 from unickpt.format.dtypes import DTYPE_ITEMSIZE
 
 __all__ = [
@@ -208,9 +208,6 @@ class SafetensorsWriter:
         writeback: bool = False,
     ) -> None:
         self.path = path
-        self._writeback = writeback
-        self._pos = 0
-        self._flushed = 0
         header, spans = encode_header(specs, metadata)
         self._expected = [(k, e - b) for (k, _, _), (b, e) in zip(specs, spans, strict=True)]
         self._next = 0
@@ -223,6 +220,7 @@ class SafetensorsWriter:
             raise
         self.header_bytes = len(header)
         self._pos = len(header)
+        self._wb = Writeback(self._f.fileno(), self.WRITEBACK_BYTES, self._f.flush) if writeback else None
 
     def write(self, key: str, data: memoryview | bytes) -> None:
         if self._f is None:
@@ -235,18 +233,14 @@ class SafetensorsWriter:
             raise ValueError(
                 f"{self.path}: expected {want_len} bytes of {want_key!r}, got {mv.nbytes} bytes of {key!r}"
             )
-        if not self._writeback:
+        if self._wb is None:
             self._f.write(mv)
         else:
-            step = self.WRITEBACK_BYTES
-            for at in range(0, mv.nbytes, step):
-                piece = mv[at : at + step]
+            for at in range(0, mv.nbytes, self._wb.every):
+                piece = mv[at : at + self._wb.every]
                 self._f.write(piece)
                 self._pos += piece.nbytes
-                if self._pos - self._flushed >= step:
-                    self._f.flush()
-                    start_writeback(self._f.fileno(), self._flushed, self._pos - self._flushed)
-                    self._flushed = self._pos
+                self._wb.wrote(self._pos)
         self._next += 1
 
     def close(self, fsync: bool = True) -> None:

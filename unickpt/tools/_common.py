@@ -8,7 +8,7 @@ import shutil
 from collections.abc import Iterator
 
 from unickpt.errors import IncompleteCheckpointError, UnickptError
-from unickpt.format.commit import fsync_dir, start_writeback, temp_name
+from unickpt.format.commit import fsync_dir, temp_name
 from unickpt.format.naming import index_name, single_name
 from unickpt.format.reader import CheckpointReader, open_checkpoint
 
@@ -21,7 +21,6 @@ __all__ = [
     "staged_output",
     "copy_small_file",
     "write_all",
-    "start_writeback",
 ]
 
 

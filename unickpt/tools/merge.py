@@ -39,14 +39,14 @@ from unickpt import __version__
 from unickpt._logging import get_logger
 from unickpt.errors import IndexFileError, IntegrityError, IntegrityFailure, UnsupportedError
 from unickpt.format.boxes import coverage_problem
-from unickpt.format.commit import atomic_write_bytes
+from unickpt.format.commit import Writeback, atomic_write_bytes
 from unickpt.format.dtypes import itemsize, word_dtype
 from unickpt.format.hashing import SliceHasher, finalize_fingerprint, fingerprint_partial
 from unickpt.format.index import IndexFile, LayoutInfo, SliceEntry, TensorEntry, UnickptBlock, index_to_json
 from unickpt.format.naming import index_name, single_name
 from unickpt.format.reader import UNICKPT_METADATA_KEY, CheckpointReader, open_checkpoint
 from unickpt.format.safetensors_io import encode_header, read_header
-from unickpt.tools._common import check_output, copy_small_file, staged_output, start_writeback, write_all
+from unickpt.tools._common import check_output, copy_small_file, staged_output, write_all
 
 __all__ = ["merge_checkpoint", "DTYPES"]
 
@@ -139,22 +139,16 @@ def _validate(r: CheckpointReader) -> dict[str, list[_Run] | None]:
     return runs_of
 
 
-class _Out:
-    """An output file being written front to back: asks the kernel to start writing back every
-    ``_WRITEBACK`` bytes, so the final fsync does not wait for the whole file."""
+class _Out(Writeback):
+    """An output file being written front to back, with writeback started every ``_WRITEBACK``
+    bytes so the final fsync does not wait for the whole file."""
 
     def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self._flushed = 0
+        super().__init__(fd, _WRITEBACK)
 
     def write(self, data: memoryview, pos: int) -> None:
         write_all(self.fd, data, pos)
         self.wrote(pos + data.nbytes)
-
-    def wrote(self, end: int) -> None:
-        if end - self._flushed >= _WRITEBACK:
-            start_writeback(self.fd, self._flushed, end - self._flushed)
-            self._flushed = end
 
 
 class _Merger:
