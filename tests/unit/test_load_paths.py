@@ -15,18 +15,19 @@ import torch
 from torch import nn
 
 from unickpt import GeneralCheckpointIO
+from unickpt.format.boxes import contiguous_start
 from unickpt.format.reader import open_checkpoint
-from unickpt.io.load import _contiguous_run, _Files, read_box
+from unickpt.io.load import _Files, read_box
 
 
-def test_contiguous_run_detection() -> None:
-    assert _contiguous_run((4, 6), (1, 0), (2, 6)) == 6  # rows 1..2, full width
-    assert _contiguous_run((4, 6), (1, 2), (1, 3)) == 8  # part of one row
-    assert _contiguous_run((4, 6), (1, 2), (2, 3)) is None  # a column range of two rows
-    assert _contiguous_run((2, 1, 5), (1, 0, 0), (1, 1, 5)) == 5
-    assert _contiguous_run((3, 4, 5), (0, 1, 0), (2, 3, 5)) is None
-    assert _contiguous_run((3, 4, 5), (1, 0, 0), (2, 4, 5)) == 20
-    assert _contiguous_run((), (), ()) == 0
+def test_contiguous_start_detection() -> None:
+    assert contiguous_start((4, 6), (1, 0), (2, 6)) == 6  # rows 1..2, full width
+    assert contiguous_start((4, 6), (1, 2), (1, 3)) == 8  # part of one row
+    assert contiguous_start((4, 6), (1, 2), (2, 3)) is None  # a column range of two rows
+    assert contiguous_start((2, 1, 5), (1, 0, 0), (1, 1, 5)) == 5
+    assert contiguous_start((3, 4, 5), (0, 1, 0), (2, 3, 5)) is None
+    assert contiguous_start((3, 4, 5), (1, 0, 0), (2, 4, 5)) == 20
+    assert contiguous_start((), (), ()) == 0
 
 
 def _sliced_checkpoint(tmp_path: Path, full: torch.Tensor) -> Path:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["Box", "intersect", "coverage_problem", "flat_range_to_boxes", "box_volume"]
+__all__ = ["Box", "intersect", "coverage_problem", "flat_range_to_boxes", "box_volume", "contiguous_start"]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -35,6 +35,21 @@ def intersect(
         off.append(lo)
         shp.append(hi - lo)
     return tuple(off), tuple(shp)
+
+
+def contiguous_start(shape: Sequence[int], offsets: Sequence[int], sub: Sequence[int]) -> int | None:
+    """Flat index of the box's first element if the box (offsets, sub) of a C-order array of
+    ``shape`` is one contiguous run of elements, else None.
+
+    Contiguous iff, past the first dim of extent other than 1, every dim spans the whole array.
+    """
+    first_partial = next((d for d, n in enumerate(sub) if n != 1), len(sub))
+    if any(offsets[d] != 0 or sub[d] != shape[d] for d in range(first_partial + 1, len(shape))):
+        return None
+    start = 0
+    for o, n in zip(offsets, shape, strict=True):
+        start = start * n + o
+    return start
 
 
 def coverage_problem(global_shape: Sequence[int], boxes: Sequence[Box]) -> str | None:

@@ -26,7 +26,7 @@ import torch
 from safetensors import safe_open
 
 from unickpt.errors import IncompleteCheckpointError, IntegrityError, StateMismatchError, UnickptError
-from unickpt.format.boxes import intersect
+from unickpt.format.boxes import contiguous_start, intersect
 from unickpt.format.index import TensorEntry
 from unickpt.format.reader import CheckpointReader
 from unickpt.io import _dist
@@ -73,18 +73,6 @@ class _Files:
         self._stack.close()
 
 
-def _contiguous_run(shape: tuple[int, ...], offsets: tuple[int, ...], sub: tuple[int, ...]) -> int | None:
-    """First element of the region (offsets, sub) of a C-order array of ``shape`` if the region
-    is one contiguous run of elements, else None."""
-    first_partial = next((d for d, n in enumerate(sub) if n != 1), len(sub))
-    if any(sub[d] != shape[d] for d in range(first_partial + 1, len(shape))):
-        return None
-    start = 0
-    for o, n in zip(offsets, shape, strict=True):
-        start = start * n + o
-    return start
-
-
 def _as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
@@ -120,7 +108,7 @@ def read_box(
         ioff, ishp = inter
         src_off = tuple(a - b for a, b in zip(ioff, s.offsets, strict=True))
         dst = tuple(slice(a - b, a - b + n) for a, b, n in zip(ioff, offsets, ishp, strict=True))
-        start = _contiguous_run(tuple(s.shape), src_off, ishp)
+        start = contiguous_start(s.shape, src_off, ishp)
         if start is None:
             src = tuple(slice(a, a + n) for a, n in zip(src_off, ishp, strict=True))
             out[dst] = files.get(s.file).get_slice(s.key)[src]

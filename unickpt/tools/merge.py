@@ -38,7 +38,7 @@ import numpy as np
 from unickpt import __version__
 from unickpt._logging import get_logger
 from unickpt.errors import IndexFileError, IntegrityError, IntegrityFailure, UnsupportedError
-from unickpt.format.boxes import coverage_problem
+from unickpt.format.boxes import contiguous_start, coverage_problem
 from unickpt.format.commit import Writeback, atomic_write_bytes
 from unickpt.format.dtypes import itemsize, word_dtype
 from unickpt.format.hashing import SliceHasher, finalize_fingerprint, fingerprint_partial
@@ -82,17 +82,14 @@ class _Run:
 
 def _flat_runs(t: TensorEntry) -> list[_Run] | None:
     """The slices as contiguous runs in flat order, or None when some slice is not contiguous."""
-    shape = t.shape
-    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
     runs = []
     for s in t.slices:
         if math.prod(s.shape) == 0:
             continue
-        # Contiguous iff, past the first dim of extent > 1, every dim spans the whole tensor.
-        k = next((d for d, n in enumerate(s.shape) if n != 1), len(shape))
-        if any(s.offsets[d] != 0 or s.shape[d] != shape[d] for d in range(k + 1, len(shape))):
+        start = contiguous_start(t.shape, s.offsets, s.shape)
+        if start is None:
             return None
-        runs.append(_Run(s, sum(o * st for o, st in zip(s.offsets, strides, strict=True))))
+        runs.append(_Run(s, start))
     runs.sort(key=lambda r: r.flat_start)
     return runs
 
