@@ -1,5 +1,6 @@
-"""The compiled fingerprint kernel gives exactly the numpy reference's numbers, for every item
-size, block placement and chunking, on both of its row kernels (AVX2 and plain C)."""
+"""The compiled fingerprint v1 kernel (legacy, for version 1 indexes) gives exactly the numpy
+reference's numbers, for every item size, block placement and chunking, on both of its row
+kernels (AVX2 and plain C). Fingerprint v2 has its own tests in test_fingerprint_v2.py."""
 
 from __future__ import annotations
 
@@ -17,14 +18,14 @@ from hypothesis import strategies as st
 from unickpt.format import hashing
 from unickpt.format.hashing import KERNEL, _partial_numpy, fingerprint_partial, hash_block
 
-native = pytest.mark.skipif(KERNEL == "numpy", reason="the compiled kernel is not built here")
+native = pytest.mark.skipif(hashing._native is None, reason="the compiled v1 kernel is not built here")
 
 
 def test_kernel_is_built_where_required() -> None:
     # `make test` sets UNICKPT_REQUIRE_NATIVE: a build that silently fell back to numpy fails here
     # (and hashing.py refuses to import at all).
     if os.environ.get("UNICKPT_REQUIRE_NATIVE"):
-        assert KERNEL in ("avx2", "scalar")
+        assert KERNEL in ("avx2", "scalar") and hashing._native is not None
 
 
 @st.composite
@@ -55,12 +56,12 @@ def test_kernel_matches_numpy_reference(
     words = rng.integers(0, 2**64 - 1, size=n, dtype=np.uint64, endpoint=True)
     words = words.view(np.uint8)[: n * itemsize].view(f"<u{itemsize}")
     expected = _partial_numpy(words, gshape, offsets, shape)
-    assert fingerprint_partial(words, gshape, offsets, shape) == expected
+    assert fingerprint_partial(words, gshape, offsets, shape, version=1) == expected
     # In chunks that start and end mid-row, as the save engine feeds it.
     old = hashing._CHUNK_BYTES
     hashing._CHUNK_BYTES = chunk_items * itemsize
     try:
-        digest, total = hash_block(words.view(np.uint8), itemsize, gshape, offsets, shape)
+        digest, total = hash_block(words.view(np.uint8), itemsize, gshape, offsets, shape, version=1)
     finally:
         hashing._CHUNK_BYTES = old
     assert total == expected
@@ -72,7 +73,7 @@ def test_extreme_words_wrap_mod_2_64() -> None:
     # All-ones words make every product and sum overflow: the wrap must match numpy's uint64.
     for itemsize in (1, 2, 4, 8):
         words = np.full((300, 2100), np.iinfo(f"<u{itemsize}").max, dtype=f"<u{itemsize}")
-        assert fingerprint_partial(words, (301, 4200), (1, 7), words.shape) == _partial_numpy(
+        assert fingerprint_partial(words, (301, 4200), (1, 7), words.shape, version=1) == _partial_numpy(
             words, (301, 4200), (1, 7), words.shape
         )
 
@@ -87,7 +88,7 @@ def test_both_row_kernels_agree() -> None:
         "out = [KERNEL]\n"
         "for isz in (1, 2, 4, 8):\n"
         "    w = rng.integers(0, 2**63, size=(37, 2049), dtype=np.uint64).astype(f'<u{isz}')\n"
-        "    out.append(str(fingerprint_partial(w, (40, 3000), (2, 900), w.shape)))\n"
+        "    out.append(str(fingerprint_partial(w, (40, 3000), (2, 900), w.shape, version=1)))\n"
         "print(json.dumps(out))\n"
     )
     runs = []
@@ -120,19 +121,20 @@ def test_kernel_refuses_bad_arguments() -> None:
     with pytest.raises(ValueError, match="differ in length"):
         _fpkernel.partial(four, 4, (2,), (), (2,), 0, 2, 0)
     with pytest.raises(ValueError, match="words for a block"):
-        fingerprint_partial(np.zeros(5, dtype="<u4"), (2, 2), (0, 0), (2, 2))
+        fingerprint_partial(np.zeros(5, dtype="<u4"), (2, 2), (0, 0), (2, 2), version=1)
 
 
 def test_numpy_fallback_gives_the_same_hashes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the kernel is not built, save, merge and diff get the same numbers from numpy."""
     rng = np.random.default_rng(3)
     words = rng.integers(0, 2**16, size=(40, 3000), dtype=np.uint16)
-    with_kernel = hash_block(words, 2, (50, 3000), (10, 0), words.shape)
+    with_kernel = hash_block(words, 2, (50, 3000), (10, 0), words.shape, version=1)
     monkeypatch.setattr(hashing, "_native", None)
-    assert hash_block(words, 2, (50, 3000), (10, 0), words.shape) == with_kernel
-    assert fingerprint_partial(words, (50, 3000), (10, 0), words.shape) == with_kernel[1]
-    assert hash_block(words, 2, (50, 3000), (10, 0), words.shape, fingerprint=False) == (with_kernel[0], 0)
-    assert hash_block(words, 2, (50, 3000), (10, 0), words.shape, xxh3=False) == (None, with_kernel[1])
+    assert hash_block(words, 2, (50, 3000), (10, 0), words.shape, version=1) == with_kernel
+    assert fingerprint_partial(words, (50, 3000), (10, 0), words.shape, version=1) == with_kernel[1]
+    fp_off = hash_block(words, 2, (50, 3000), (10, 0), words.shape, fingerprint=False, version=1)
+    assert fp_off == (with_kernel[0], 0)
+    assert hash_block(words, 2, (50, 3000), (10, 0), words.shape, xxh3=False, version=1) == (None, with_kernel[1])
 
 
 @native

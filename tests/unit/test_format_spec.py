@@ -36,7 +36,7 @@ def test_spec_names_the_constants_the_code_uses() -> None:
 
 
 def _reference_fingerprint(name: str, dtype: str, words: list[int], shape: tuple[int, ...]) -> str:
-    """Section 5.2 of docs/format.md written out literally with Python integers."""
+    """Fingerprint v1 (section 5.2 of docs/format.md, legacy) written out literally with Python integers."""
     mask = (1 << 64) - 1
 
     def mix64(x: int) -> int:
@@ -50,21 +50,21 @@ def _reference_fingerprint(name: str, dtype: str, words: list[int], shape: tuple
     for i, w in enumerate(words):
         r, c = divmod(i, cols)
         total = (total + (mix64(r) | 1) * (mix64(c ^ 0xD1B54A32D192ED03) | 1) * w) & mask
-    return finalize_fingerprint(name, dtype, shape, total)
+    return finalize_fingerprint(name, dtype, shape, total, version=1)
 
 
-def test_fingerprint_follows_the_written_definition() -> None:
+def test_fingerprint_v1_follows_the_written_definition() -> None:
     t = torch.randn(3, 5).to(torch.bfloat16)
     words = [int(x) & 0xFFFF for x in t.view(torch.int16).reshape(-1).tolist()]
     data = t.view(torch.uint8).numpy().tobytes()
-    assert fingerprint_of_array("w", "BF16", data, (3, 5)) == _reference_fingerprint(
+    assert fingerprint_of_array("w", "BF16", data, (3, 5), version=1) == _reference_fingerprint(
         "w", "BF16", words, (3, 5)
     )
     s = torch.tensor(7, dtype=torch.int64)
-    assert fingerprint_of_array("s", "I64", s.reshape(1).view(torch.uint8).numpy().tobytes(), ()) == (
+    assert fingerprint_of_array("s", "I64", s.reshape(1).view(torch.uint8).numpy().tobytes(), (), version=1) == (
         _reference_fingerprint("s", "I64", [7], ())
     )
-    assert fingerprint_partial(t.view(torch.int16).numpy().view("<u2"), (3, 5), (0, 0), (3, 5)) != 0
+    assert fingerprint_partial(t.view(torch.int16).numpy().view("<u2"), (3, 5), (0, 0), (3, 5), version=1) != 0
 
 
 def test_schema_is_valid_json_schema() -> None:

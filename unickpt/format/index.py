@@ -30,6 +30,7 @@ from unickpt.format.dtypes import DTYPE_ITEMSIZE
 
 __all__ = [
     "FORMAT_VERSION",
+    "KNOWN_FORMAT_VERSIONS",
     "MAX_INDEX_BYTES",
     "SliceEntry",
     "TensorEntry",
@@ -45,7 +46,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+#: The version every writer stamps: 2 since fingerprint v2 (docs/format.md sections 5.2, 7).
+FORMAT_VERSION = 2
+#: Versions this reader accepts; version 1 indexes carry fingerprint v1 values.
+KNOWN_FORMAT_VERSIONS = (1, 2)
 # An index describes tensors, never holds them: 70B parameters over 512 ranks is on the
 # order of 10^5 slices, a few tens of MB of JSON. Larger files are refused unread.
 MAX_INDEX_BYTES = 512 << 20
@@ -144,7 +148,7 @@ class LayoutInfo(_Strict):
 
 
 class UnickptBlock(_Strict):
-    format_version: Literal[1] = 1
+    format_version: Literal[1, 2] = FORMAT_VERSION
     kind: Literal["model", "optimizer"]
     created_by: str = "unickpt"
     layout: LayoutInfo = Field(default_factory=LayoutInfo)
@@ -582,9 +586,9 @@ class _FastIndex:
                 if type(x) is not int:
                     if type(x) in (bool, float):
                         raise _NotFast  # pydantic takes true and 1.0 for 1
-                    raise _schema(where, f"{FORMAT_VERSION}", x)
-                if x != FORMAT_VERSION:
-                    raise _schema(where, f"{FORMAT_VERSION} (a format version this reader knows)", x)
+                    raise _schema(where, "1 or 2", x)
+                if x not in KNOWN_FORMAT_VERSIONS:
+                    raise _schema(where, "1 or 2 (a format version this reader knows)", x)
                 given[k] = x
             elif k == "kind":
                 if x not in _KINDS or type(x) is not str:

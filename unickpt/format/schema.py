@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 
-from unickpt.format.index import IndexFile
+from unickpt.format.index import KNOWN_FORMAT_VERSIONS, IndexFile
 
 __all__ = ["index_schema_json"]
 
@@ -17,7 +17,7 @@ __all__ = ["index_schema_json"]
 def index_schema_json() -> str:
     schema = IndexFile.model_json_schema(mode="validation")
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    schema["title"] = "unickpt checkpoint index (format version 1)"
+    schema["title"] = f"unickpt checkpoint index (format versions {', '.join(map(str, KNOWN_FORMAT_VERSIONS))})"
     return json.dumps(schema, indent=2, sort_keys=True) + "\n"
 
 

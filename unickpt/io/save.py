@@ -32,7 +32,7 @@ from unickpt._logging import get_logger
 from unickpt.errors import UnickptError
 from unickpt.format.commit import atomic_write_bytes, directory_lock, fsync_dir, temp_name
 from unickpt.format.dtypes import itemsize
-from unickpt.format.hashing import finalize_fingerprint, hash_block
+from unickpt.format.hashing import combine_partials, finalize_fingerprint, hash_block
 from unickpt.format.index import (
     IndexFile,
     IndexMetadata,
@@ -435,10 +435,8 @@ def _build_block(
     entries: dict[str, TensorEntry] = {}
     for name, (dtype, gshape) in plan.tensors.items():
         slices = []
-        total = 0
         for ps in plan.slices[name]:
-            xxh, partial = results[(name, ps.k)]
-            total = (total + partial) & ((1 << 64) - 1)
+            xxh, _partial = results[(name, ps.k)]
             slices.append(
                 SliceEntry(
                     file=file_name or file_of[(name, ps.k)],
@@ -450,6 +448,7 @@ def _build_block(
             )
         fp = None
         if opts.fingerprints:
+            total = combine_partials(results[(name, ps.k)][1] for ps in plan.slices[name])
             fp = _PLACEHOLDER if placeholder_fp else finalize_fingerprint(name, dtype, gshape, total)
         extra = (entry_extras or {}).get(name, {})
         entries[name] = TensorEntry(dtype=dtype, shape=list(gshape), fingerprint=fp, slices=slices, **extra)

@@ -20,7 +20,7 @@ import numpy as np
 
 from unickpt.format.commit import atomic_write_bytes
 from unickpt.format.dtypes import itemsize
-from unickpt.format.hashing import finalize_fingerprint, fingerprint_partial, slice_hash
+from unickpt.format.hashing import combine_partials, finalize_fingerprint, fingerprint_partial, slice_hash
 from unickpt.format.index import IndexFile, LayoutInfo, SliceEntry, TensorEntry, UnickptBlock, index_to_json
 from unickpt.format.naming import SLICED_SENTINEL, index_name, shard_name, slice_key
 from unickpt.format.safetensors_io import SafetensorsWriter
@@ -119,7 +119,7 @@ def write_checkpoint(
         slices = []
         for k, s in enumerate(t.slices):
             fname, xxh, partial = results[(n, k)]
-            total = (total + partial) & ((1 << 64) - 1)
+            total = combine_partials((total, partial))
             slices.append(
                 SliceEntry(
                     file=fname,

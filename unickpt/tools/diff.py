@@ -4,9 +4,17 @@ Every tensor of a unickpt checkpoint carries a layout-invariant fingerprint (see
 ``unickpt.format.hashing``): the same weights saved under FSDP2 x4, TP x2 or merged into a
 Hugging Face checkpoint have equal fingerprints. Comparing them needs only the two index
 files, so diff is fast on checkpoints of any size and works when the data files are absent.
-Tied names are resolved through each checkpoint's aliases before comparing. ``deep=True``
-also reads the data: every slice is rehashed and every fingerprint recomputed (which also
-compares checkpoints without fingerprints, such as plain Hugging Face ones). No torch.
+Tied names are resolved through each checkpoint's aliases before comparing.
+
+Fingerprints are compared only when both indexes use the same fingerprint algorithm (v1 for
+``format_version`` 1, v2 for 2; docs/format.md section 5.2). Otherwise each tensor is reported
+as ``incomparable`` (rerun with ``--deep``).
+
+``deep=True`` reads the data: every slice is rehashed and every recorded fingerprint recomputed
+with its own algorithm (integrity), and the two tensors are compared element by element,
+streamed chunk by chunk in bounded memory (``_compare``): the report names the first differing
+element and how many differ. This also compares checkpoints without fingerprints, such as
+plain Hugging Face ones. No torch.
 """
 
 from __future__ import annotations
@@ -20,12 +28,19 @@ from typing import Any
 import numpy as np
 
 from unickpt.format.dtypes import itemsize
-from unickpt.format.hashing import SliceHasher, combine_partials, finalize_fingerprint, fingerprint_partial
+from unickpt.format.hashing import (
+    SliceHasher,
+    combine_partials,
+    finalize_fingerprint,
+    fingerprint_partial,
+    fingerprint_version,
+)
 from unickpt.format.index import TensorEntry
 from unickpt.format.reader import CheckpointReader
 from unickpt.tools._common import open_auto
+from unickpt.tools._compare import DataDifference, compare_tensors
 
-__all__ = ["DiffReport", "ShapeChange", "diff_checkpoints"]
+__all__ = ["DataDifference", "DiffReport", "ShapeChange", "diff_checkpoints"]
 
 _CHUNK = 16 << 20
 
@@ -49,8 +64,12 @@ class DiffReport:
     ``identical`` is True only when every tensor of both checkpoints was proven equal.
     ``unverifiable`` lists tensors present in both with equal dtype and shape that could not
     be compared without reading data (no fingerprint, or tied differently): rerun with
-    ``deep=True``. ``integrity_failures`` (deep only) lists slices whose bytes do not match
-    their recorded hash, and recorded fingerprints that do not match the data.
+    ``deep=True``. ``incomparable`` lists such tensors whose fingerprints exist but were made by
+    different algorithms (``fingerprint_versions`` of A and B differ: a version 1 and a
+    version 2 checkpoint); they also need ``deep=True``. ``integrity_failures`` (deep only)
+    lists slices whose bytes do not match their recorded hash, and recorded fingerprints that
+    do not match the data. ``data_differences`` (deep only) says, per changed tensor, the first
+    differing element and how many differ.
     """
 
     a: str
@@ -62,7 +81,10 @@ class DiffReport:
     only_in_b: list[str] = field(default_factory=list)
     dtype_or_shape_changed: list[ShapeChange] = field(default_factory=list)
     unverifiable: list[str] = field(default_factory=list)
+    incomparable: list[str] = field(default_factory=list)
     integrity_failures: list[str] = field(default_factory=list)
+    data_differences: list[DataDifference] = field(default_factory=list)
+    fingerprint_versions: tuple[int, int] = (2, 2)
 
     @property
     def different(self) -> bool:
@@ -76,14 +98,14 @@ class DiffReport:
 
     @property
     def identical(self) -> bool:
-        return not self.different and not self.unverifiable
+        return not self.different and not self.unverifiable and not self.incomparable
 
     @property
     def exit_code(self) -> int:
-        """0 identical, 1 different, 2 could not tell (unverifiable tensors only)."""
+        """0 identical, 1 different, 2 could not tell (unverifiable or incomparable tensors only)."""
         if self.different:
             return 1
-        return 2 if self.unverifiable else 0
+        return 2 if (self.unverifiable or self.incomparable) else 0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -100,10 +122,17 @@ class DiffReport:
                 lines.extend(f"  {x}" for x in items)
 
         section("changed", self.changed)
+        section("data differences", self.data_differences)
         section("only in A", self.only_in_a)
         section("only in B", self.only_in_b)
         section("dtype or shape changed", self.dtype_or_shape_changed)
         section("unverifiable without --deep (no fingerprint, or tied differently)", self.unverifiable)
+        va, vb = self.fingerprint_versions
+        section(
+            f"fingerprints cannot be compared (A has fingerprint v{va}, B v{vb}: different algorithms; "
+            "rerun with --deep to compare the data)",
+            self.incomparable,
+        )
         section("integrity failures", self.integrity_failures)
         if self.identical:
             verdict = "identical"
@@ -124,9 +153,15 @@ def _names(r: CheckpointReader) -> list[str]:
 
 
 def _data_sum(
-    r: CheckpointReader, name: str, t: TensorEntry, failures: list[str], progress: Callable[[int], None]
+    r: CheckpointReader,
+    name: str,
+    t: TensorEntry,
+    failures: list[str],
+    progress: Callable[[int], None],
+    version: int,
 ) -> int:
-    """The fingerprint sum S of a stored tensor, from its data; slice hashes checked on the way."""
+    """The fingerprint partial total of a stored tensor (algorithm ``version``), from its data;
+    slice hashes checked on the way."""
     isz = itemsize(t.dtype)
     partials = []
     for s in t.slices:
@@ -136,7 +171,9 @@ def _data_sum(
             data = r.read_slice(s)
             h.update(data)
             partials.append(
-                fingerprint_partial(np.frombuffer(data, dtype=f"<u{isz}"), t.shape, s.offsets, s.shape)
+                fingerprint_partial(
+                    np.frombuffer(data, dtype=f"<u{isz}"), t.shape, s.offsets, s.shape, version=version
+                )
             )
         elif n:
             row = n // s.shape[0]
@@ -147,7 +184,8 @@ def _data_sum(
                 h.update(data)
                 off = [s.offsets[0] + r0, *s.offsets[1:]]
                 shp = [nr, *s.shape[1:]]
-                partials.append(fingerprint_partial(np.frombuffer(data, dtype=f"<u{isz}"), t.shape, off, shp))
+                words = np.frombuffer(data, dtype=f"<u{isz}")
+                partials.append(fingerprint_partial(words, t.shape, off, shp, version=version))
         progress(n)
         found = h.hexdigest()
         if s.xxh3 is not None and found != s.xxh3:
@@ -155,7 +193,7 @@ def _data_sum(
                 f"{r.directory}: tensor {name!r} in file {s.file!r} (key {s.key!r}): "
                 f"expected xxh3-64 {s.xxh3}, found {found}"
             )
-    return combine_partials(partials)
+    return combine_partials(partials, version=version)
 
 
 def diff_checkpoints(
@@ -173,21 +211,24 @@ def diff_checkpoints(
     input is not a usable checkpoint.
     """
     with open_auto(a, kind) as ra, open_auto(b, kind or ra.kind) as rb:
-        report = DiffReport(os.fspath(a), os.fspath(b), deep)
+        va = fingerprint_version(ra.block.format_version)
+        vb = fingerprint_version(rb.block.format_version)
+        report = DiffReport(os.fspath(a), os.fspath(b), deep, fingerprint_versions=(va, vb))
+        versions = (va, vb)
         names_a = _names(ra)
         names_b = set(_names(rb))
         set_a = set(names_a)
         report.only_in_a = [n for n in names_a if n not in names_b]
         report.only_in_b = [n for n in _names(rb) if n not in set_a]
         common = [n for n in names_a if n in names_b]
-        sums: dict[tuple[int, str], int] = {}
+        checked: set[tuple[int, str]] = set()
         bar: Any = None
         if deep:
             ra.validate_structure()
             rb.validate_structure()
             from tqdm.auto import tqdm
 
-            total = sum(
+            total = 2 * sum(
                 ra.tensors[_resolve(ra, n)].nbytes + rb.tensors[_resolve(rb, n)].nbytes for n in common
             )
             bar = tqdm(
@@ -209,19 +250,31 @@ def diff_checkpoints(
                     )
                     continue
                 if deep:
-                    sa = _cached_sum(sums, 0, ra, ta, ea, report.integrity_failures, bar.update)
-                    sb = _cached_sum(sums, 1, rb, tb, eb, report.integrity_failures, bar.update)
-                    for r, t, e, s in ((ra, ta, ea, sa), (rb, tb, eb, sb)):
-                        if n == t and e.fingerprint is not None:
-                            fp = finalize_fingerprint(t, e.dtype, e.shape, s)
+                    for side, (r, t, e) in enumerate(((ra, ta, ea), (rb, tb, eb))):
+                        if (side, t) in checked:
+                            continue
+                        checked.add((side, t))
+                        v = versions[side]
+                        s = _data_sum(r, t, e, report.integrity_failures, bar.update, v)
+                        if e.fingerprint is not None:
+                            fp = finalize_fingerprint(t, e.dtype, e.shape, s, version=v)
                             if fp != e.fingerprint:
                                 report.integrity_failures.append(
                                     f"{r.index_path or r.directory}: tensor {t!r}: recorded fingerprint "
-                                    f"{e.fingerprint}, data gives {fp}"
+                                    f"{e.fingerprint} (v{v}), data gives {fp}"
                                 )
-                    (report.same if sa == sb else report.changed).append(n)
+                    d = compare_tensors(n, ra, ea, rb, eb)
+                    bar.update(ea.nbytes + eb.nbytes)
+                    if d is None:
+                        report.same.append(n)
+                    else:
+                        report.changed.append(n)
+                        report.data_differences.append(d)
                 elif ta == tb and ea.fingerprint is not None and eb.fingerprint is not None:
-                    (report.same if ea.fingerprint == eb.fingerprint else report.changed).append(n)
+                    if va != vb:
+                        report.incomparable.append(n)
+                    else:
+                        (report.same if ea.fingerprint == eb.fingerprint else report.changed).append(n)
                 else:
                     report.unverifiable.append(n)
         finally:
@@ -229,17 +282,3 @@ def diff_checkpoints(
                 bar.close()
         return report
 
-
-def _cached_sum(
-    cache: dict[tuple[int, str], int],
-    side: int,
-    r: CheckpointReader,
-    name: str,
-    t: TensorEntry,
-    failures: list[str],
-    progress: Callable[[int], None],
-) -> int:
-    key = (side, name)
-    if key not in cache:
-        cache[key] = _data_sum(r, name, t, failures, progress)
-    return cache[key]

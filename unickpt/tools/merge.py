@@ -41,7 +41,7 @@ from unickpt.errors import IndexFileError, IntegrityError, IntegrityFailure, Uns
 from unickpt.format.boxes import contiguous_start, coverage_problem
 from unickpt.format.commit import Writeback, atomic_write_bytes
 from unickpt.format.dtypes import itemsize, word_dtype
-from unickpt.format.hashing import SliceHasher, finalize_fingerprint, fingerprint_partial
+from unickpt.format.hashing import SliceHasher, finalize_fingerprint, fingerprint_partial, fingerprint_version
 from unickpt.format.index import IndexFile, LayoutInfo, SliceEntry, TensorEntry, UnickptBlock, index_to_json
 from unickpt.format.naming import index_name, single_name
 from unickpt.format.reader import UNICKPT_METADATA_KEY, CheckpointReader, open_checkpoint
@@ -288,8 +288,10 @@ class _Merger:
         if out_dtype != t.dtype:
             buf = _cast(buf, t.dtype, out_dtype, t.shape)
             words = buf.view(word_dtype(out_dtype))
-            total = fingerprint_partial(words, t.shape, [0] * len(t.shape), t.shape)
-            fingerprint = finalize_fingerprint(name, out_dtype, t.shape, total)
+            # The output keeps the source's format version, so its fingerprints use the same algorithm.
+            v = fingerprint_version(self.r.block.format_version)
+            total = fingerprint_partial(words, t.shape, [0] * len(t.shape), t.shape, version=v)
+            fingerprint = finalize_fingerprint(name, out_dtype, t.shape, total, version=v)
         h = SliceHasher()
         h.update(buf.data)
         out.write(buf.data, pos)
@@ -358,6 +360,7 @@ def _merge_one(
                 state=t.state,
             )
         return UnickptBlock(
+            format_version=block.format_version,  # fingerprints are copied, so is their algorithm
             kind=block.kind,
             created_by=created_by,
             layout=layout,
