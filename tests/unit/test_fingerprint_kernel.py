@@ -134,7 +134,10 @@ def test_numpy_fallback_gives_the_same_hashes(monkeypatch: pytest.MonkeyPatch) -
     assert fingerprint_partial(words, (50, 3000), (10, 0), words.shape, version=1) == with_kernel[1]
     fp_off = hash_block(words, 2, (50, 3000), (10, 0), words.shape, fingerprint=False, version=1)
     assert fp_off == (with_kernel[0], 0)
-    assert hash_block(words, 2, (50, 3000), (10, 0), words.shape, xxh3=False, version=1) == (None, with_kernel[1])
+    assert hash_block(words, 2, (50, 3000), (10, 0), words.shape, xxh3=False, version=1) == (
+        None,
+        with_kernel[1],
+    )
 
 
 @native

@@ -61,10 +61,12 @@ def test_fingerprint_v1_follows_the_written_definition() -> None:
         "w", "BF16", words, (3, 5)
     )
     s = torch.tensor(7, dtype=torch.int64)
-    assert fingerprint_of_array("s", "I64", s.reshape(1).view(torch.uint8).numpy().tobytes(), (), version=1) == (
-        _reference_fingerprint("s", "I64", [7], ())
+    assert fingerprint_of_array(
+        "s", "I64", s.reshape(1).view(torch.uint8).numpy().tobytes(), (), version=1
+    ) == (_reference_fingerprint("s", "I64", [7], ()))
+    assert (
+        fingerprint_partial(t.view(torch.int16).numpy().view("<u2"), (3, 5), (0, 0), (3, 5), version=1) != 0
     )
-    assert fingerprint_partial(t.view(torch.int16).numpy().view("<u2"), (3, 5), (0, 0), (3, 5), version=1) != 0
 
 
 def test_schema_is_valid_json_schema() -> None:

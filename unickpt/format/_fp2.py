@@ -92,7 +92,7 @@ def _limb_sums(v: np.ndarray, i: np.ndarray) -> tuple[int, int]:
     """(H_1, H_2) of limbs ``v`` (any uint) at global limb indices ``i`` (uint64), same shape."""
     v = v.reshape(-1).astype(np.uint64)
     i = i.reshape(-1)
-    l = i & np.uint64(G - 1)
+    pos = i & np.uint64(G - 1)
     h = i >> np.uint64(GBITS)
     # Segments of equal h (groups; a row break starts a new segment): at most G products each,
     # every product < 2^48, so the uint64 segment sums are exact.
@@ -101,13 +101,17 @@ def _limb_sums(v: np.ndarray, i: np.ndarray) -> tuple[int, int]:
     w1, w2 = _weights(h[seg], SEED_H)
     out = []
     for bl, w, p in ((_BL1, w1, P1), (_BL2, w2, P2)):
-        s = np.add.reduceat(v * bl[l], seg) % np.uint64(p)
+        s = np.add.reduceat(v * bl[pos], seg) % np.uint64(p)
         out.append(int(((s * w) % np.uint64(p)).sum(dtype=np.uint64)) % p)  # < 2^20 terms < 2^32
     return out[0], out[1]
 
 
 def partial_numpy(
-    raw: bytes | memoryview, itemsize: int, global_shape: Sequence[int], offsets: Sequence[int], shape: Sequence[int]
+    raw: bytes | memoryview,
+    itemsize: int,
+    global_shape: Sequence[int],
+    offsets: Sequence[int],
+    shape: Sequence[int],
 ) -> int:
     """The partial value of a whole block given its stored C-order bytes (numpy reference)."""
     if math.prod(shape) == 0:

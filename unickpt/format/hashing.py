@@ -88,6 +88,7 @@ def _check_version(version: int) -> None:
     if version not in (1, 2):
         raise ValueError(f"unknown fingerprint version {version!r} (known: 1, 2)")
 
+
 _MASK = (1 << 64) - 1
 _COL_KEY = np.uint64(0xD1B54A32D192ED03)
 # Rows are processed in blocks of about this many elements to keep the uint64 temporaries
@@ -285,7 +286,12 @@ def finalize_fingerprint(
 
 
 def fingerprint_of_array(
-    name: str, dtype: str, data: bytes | memoryview, shape: Sequence[int], *, version: int = FINGERPRINT_VERSION
+    name: str,
+    dtype: str,
+    data: bytes | memoryview,
+    shape: Sequence[int],
+    *,
+    version: int = FINGERPRINT_VERSION,
 ) -> str:
     """Fingerprint of a whole tensor given its raw C-order bytes (tests and offline tools)."""
     words = np.frombuffer(data, dtype=f"<u{itemsize(dtype)}")

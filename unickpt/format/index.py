@@ -47,7 +47,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: The version every writer stamps: 2 since fingerprint v2 (docs/format.md sections 5.2, 7).
-FORMAT_VERSION = 2
+FORMAT_VERSION: Literal[2] = 2
 #: Versions this reader accepts; version 1 indexes carry fingerprint v1 values.
 KNOWN_FORMAT_VERSIONS = (1, 2)
 # An index describes tensors, never holds them: 70B parameters over 512 ranks is on the

@@ -17,7 +17,9 @@ __all__ = ["index_schema_json"]
 def index_schema_json() -> str:
     schema = IndexFile.model_json_schema(mode="validation")
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    schema["title"] = f"unickpt checkpoint index (format versions {', '.join(map(str, KNOWN_FORMAT_VERSIONS))})"
+    schema["title"] = (
+        f"unickpt checkpoint index (format versions {', '.join(map(str, KNOWN_FORMAT_VERSIONS))})"
+    )
     return json.dumps(schema, indent=2, sort_keys=True) + "\n"
 
 

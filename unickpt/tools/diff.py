@@ -281,4 +281,3 @@ def diff_checkpoints(
             if bar is not None:
                 bar.close()
         return report
-
