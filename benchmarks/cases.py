@@ -466,6 +466,42 @@ def hash_fingerprint(p: dict[str, Any]) -> dict[str, Any]:
     return _measure(p, body, None, nbytes)
 
 
+#: (layout, dtype, item size) of the fingerprint kernel rows: the global shape and the block's
+#: offsets and shape for ``mib`` MiB of data. "cols" is a column range (the middle half) of a
+#: matrix twice as wide, as a tensor-parallel shard hashes it.
+FP_KERNEL_LAYOUTS = {
+    "2d": lambda n: ((n // 8192, 8192), (0, 0), (n // 8192, 8192)),
+    "1d": lambda n: ((n,), (0,), (n,)),
+    "cols": lambda n: ((n // 8192, 16384), (0, 4096), (n // 8192, 8192)),
+}
+
+
+@case("hash_fp_kernel")
+def hash_fp_kernel(p: dict[str, Any]) -> dict[str, Any]:
+    """The fingerprint kernel alone (``hash_block(xxh3=False)``) on one in-memory block of
+    ``mib`` MiB of random bits, one thread: ``version`` 1 or 2, ``dtype``, ``layout``.
+    ``version`` 0 is the memory-read reference: numpy's sum of the same bytes as uint64."""
+    hashing, why = C.probe_hashing()
+    if hashing is None or not hasattr(hashing, "FINGERPRINT_VERSION"):
+        return skipped(f"not available: {why or 'no fingerprint versions'}")
+    import numpy as np
+
+    isz = {"F32": 4, "BF16": 2, "F64": 8}[p["dtype"]]
+    nbytes = int(p["mib"]) * C.MiB
+    gshape, off, shape = FP_KERNEL_LAYOUTS[p["layout"]](nbytes // isz)
+    data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+
+    def body() -> None:
+        if int(p["version"]) == 0:
+            data.view(np.uint64).sum()
+        else:
+            hashing.hash_block(data, isz, gshape, off, shape, xxh3=False, version=int(p["version"]))
+
+    r = _measure(p, body, None, nbytes)
+    r["extra"] = {"kernel": hashing.KERNEL}
+    return r
+
+
 # ------------------------------------------------------------------------------ async save
 
 

@@ -257,6 +257,32 @@ def suite(args: argparse.Namespace) -> dict[str, Any]:
     single("unickpt", "u_load_verify", "unickpt load_model(verify=True)", "unickpt_load", verify=True)
     single("hash", "hash_xxh3", "xxh3-64 of stored bytes (in memory)", "hash_xxh3")
     single("hash", "hash_fp", "layout-invariant fingerprint (in memory)", "hash_fingerprint")
+    # The kernel alone, v2 (what saves write) beside v1 (legacy), per dtype and block layout.
+    fp_mib = min(256, max(16, int(size // 4)))
+    single(
+        "hash",
+        "fp_kernel_v0_2d_F32",
+        f"memory read reference: numpy uint64 sum ({fp_mib} MiB in memory)",
+        "hash_fp_kernel",
+        version=0,
+        dtype="F32",
+        layout="2d",
+        mib=fp_mib,
+        reps=max(5, int(args.reps)),
+    )
+    for layout, dtype in [("2d", "F32"), ("2d", "BF16"), ("2d", "F64"), ("1d", "F32"), ("cols", "F32")]:
+        for v in (2, 1):
+            single(
+                "hash",
+                f"fp_kernel_v{v}_{layout}_{dtype}",
+                f"fingerprint v{v} kernel, {dtype} {layout} ({fp_mib} MiB in memory)",
+                "hash_fp_kernel",
+                version=v,
+                dtype=dtype,
+                layout=layout,
+                mib=fp_mib,
+                reps=max(5, int(args.reps)),
+            )
     single("async", "async", "CheckpointManager async save: blocked", "async_save", reps=max(2, args.reps))
 
     # 2. distributed FSDP2: save on `world`, load resharded on `load_world`
@@ -446,6 +472,30 @@ def ratios(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[st
                 "threshold": 0.05,
                 "met": v <= 0.05,
             }
+        )
+    v2 = by.get("fp_kernel_v2_2d_F32")
+    out.append(
+        {
+            "target": "fingerprint v2 kernel, fp32 in memory, one thread >= 8 GiB/s",
+            "value": v2["gib_s"],
+            "threshold": 8.0,
+            "met": v2["gib_s"] >= 8.0,
+        }
+        if v2
+        else {"target": "fingerprint v2 kernel >= 8 GiB/s", "status": "not measured", "reason": "not run"}
+    )
+    add(
+        "fingerprint v2 kernel fp32 / memory read (numpy sum) in the same run (no threshold)",
+        "fp_kernel_v2_2d_F32",
+        "fp_kernel_v0_2d_F32",
+        0.0,
+    )
+    for layout, dtype in [("2d", "F32"), ("2d", "BF16"), ("2d", "F64"), ("1d", "F32"), ("cols", "F32")]:
+        add(
+            f"fingerprint v2 / v1 kernel speed, {dtype} {layout} (no threshold: v2 is sound, v1 is not)",
+            f"fp_kernel_v2_{layout}_{dtype}",
+            f"fp_kernel_v1_{layout}_{dtype}",
+            0.0,
         )
     small, size = args.size_mb / 4, args.size_mb
     add(
