@@ -92,6 +92,8 @@ def _limb_sums(v: np.ndarray, i: np.ndarray) -> tuple[int, int]:
     """(H_1, H_2) of limbs ``v`` (any uint) at global limb indices ``i`` (uint64), same shape."""
     v = v.reshape(-1).astype(np.uint64)
     i = i.reshape(-1)
+    if v.size == 0:
+        return 0, 0
     pos = i & np.uint64(G - 1)
     h = i >> np.uint64(GBITS)
     # Segments of equal h (groups; a row break starts a new segment): at most G products each,
@@ -104,6 +106,25 @@ def _limb_sums(v: np.ndarray, i: np.ndarray) -> tuple[int, int]:
         s = np.add.reduceat(v * bl[pos], seg) % np.uint64(p)
         out.append(int(((s * w) % np.uint64(p)).sum(dtype=np.uint64)) % p)  # < 2^20 terms < 2^32
     return out[0], out[1]
+
+
+_BL = np.stack([_BL1, _BL2], axis=1)  # G x 2: both primes' position weights
+
+
+def _run_sums(v: np.ndarray, i0: int) -> tuple[int, int]:
+    """(H_1, H_2) of the limbs ``v`` at global limb indices [i0, i0 + len(v))."""
+    head = min(len(v), -i0 % G)
+    h1, h2 = _limb_sums(v[:head], np.arange(i0, i0 + head, dtype=np.uint64))
+    for m0 in range(head, len(v) - G + 1, _STEP_LIMBS):
+        k = min(_STEP_LIMBS, len(v) - m0) // G
+        # k whole groups: each row's dot product with the position weights is < 2^58, exact.
+        s = v[m0 : m0 + k * G].reshape(k, G).astype(np.uint64) @ _BL
+        w1, w2 = _weights(np.arange(k, dtype=np.uint64) + np.uint64((i0 + m0) // G), SEED_H)
+        h1 = (h1 + int(((s[:, 0] % np.uint64(P1)) * w1 % np.uint64(P1)).sum(dtype=np.uint64))) % P1
+        h2 = (h2 + int(((s[:, 1] % np.uint64(P2)) * w2 % np.uint64(P2)).sum(dtype=np.uint64))) % P2
+    tail = head + (len(v) - head) // G * G
+    t1, t2 = _limb_sums(v[tail:], np.arange(i0 + tail, i0 + len(v), dtype=np.uint64))
+    return (h1 + t1) % P1, (h2 + t2) % P2
 
 
 def partial_numpy(
@@ -124,14 +145,17 @@ def partial_numpy(
     rl = run * per
     grid = limbs.reshape(len(starts), rl)
     h1 = h2 = 0
+    if rl >= 4 * G:  # long runs: whole groups as one integer matrix product each
+        for r, i0 in enumerate(starts.tolist()):
+            s1, s2 = _run_sums(grid[r], i0 * per)
+            h1, h2 = (h1 + s1) % P1, (h2 + s2) % P2
+        return encode(h1, h2)
     rows = max(1, _STEP_LIMBS // rl)
-    cols = min(rl, _STEP_LIMBS)
+    c = np.arange(rl, dtype=np.uint64)
     for r0 in range(0, len(starts), rows):
         base = starts[r0 : r0 + rows] * np.uint64(per)
-        for c0 in range(0, rl, cols):
-            c = np.arange(c0, min(rl, c0 + cols), dtype=np.uint64)
-            s1, s2 = _limb_sums(grid[r0 : r0 + rows, c0 : c0 + cols], np.add.outer(base, c))
-            h1, h2 = (h1 + s1) % P1, (h2 + s2) % P2
+        s1, s2 = _limb_sums(grid[r0 : r0 + rows], np.add.outer(base, c))
+        h1, h2 = (h1 + s1) % P1, (h2 + s2) % P2
     return encode(h1, h2)
 
 
