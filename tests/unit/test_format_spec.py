@@ -7,7 +7,9 @@ from pathlib import Path
 
 import torch
 
+from unickpt.format import _fp2
 from unickpt.format.hashing import finalize_fingerprint, fingerprint_of_array, fingerprint_partial
+from unickpt.format.index import FORMAT_VERSION
 from unickpt.format.naming import SLICED_SENTINEL
 from unickpt.format.schema import index_schema_json
 
@@ -31,6 +33,14 @@ def test_spec_names_the_constants_the_code_uses() -> None:
         "100,000,000",
         '"format": "unickpt-sliced"',
         ".unickpt.lock",
+        # fingerprint v2
+        f"0x{_fp2.SEED_L:016X}",
+        f"0x{_fp2.SEED_H:016X}",
+        f"2^32 - 5 = {_fp2.P1}",
+        f"2^32 - 17 = {_fp2.P2}",
+        f"`G = {_fp2.G}`",
+        _fp2.TAG.rstrip(b"\0").decode(),
+        f'"format_version": {FORMAT_VERSION}',
     ]:
         assert needle in spec, needle
 

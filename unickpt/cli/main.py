@@ -151,9 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Compare checkpoints A and B tensor by tensor using the layout-invariant fingerprints in "
             "their indexes (data files are not read, and need not exist). Tied names are resolved "
-            "through aliases. --deep also rehashes the data and recomputes every fingerprint. "
-            "Exit 0 identical, 1 different, 2 unusable input or nothing to compare with "
-            "(tensors without fingerprints: rerun with --deep)."
+            "through aliases. Fingerprints of a version 1 and a version 2 checkpoint use different "
+            "algorithms and are not compared. --deep reads the data: rehashes slices, checks the "
+            "recorded fingerprints and compares the tensors element by element (first differing "
+            "index and count). Exit 0 identical, 1 different, 2 unusable input or nothing to "
+            "compare with (tensors without comparable fingerprints: rerun with --deep)."
         ),
         epilog=_EPILOG,
     )
@@ -161,7 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("b", help="second checkpoint")
     sp.add_argument("--json", action="store_true", help="machine-readable JSON report on stdout")
     sp.add_argument(
-        "--deep", action="store_true", help="also read the data: rehash slices, recompute fingerprints"
+        "--deep",
+        action="store_true",
+        help="also read the data: rehash slices, check fingerprints, compare the tensors element by element",
     )
     kind_arg(sp)
     sp.set_defaults(func=_cmd_diff)
