@@ -150,21 +150,33 @@ static void group_sum(const uint8_t *p, int lb, uint32_t l0, uint32_t n, uint64_
     span_scalar(p, lb, l0, n, s1, s2);
 }
 
+/* x mod p_k up to a small multiple: 2^32 = c (mod p_k) with c = 5 or 17, so folding the high
+ * half onto the low one keeps the residue. Two folds take any x < 2^59 below 2^32 + c. */
+static inline uint64_t fold(uint64_t x, uint64_t c) { return (x >> 32) * c + (x & 0xFFFFFFFFULL); }
+
 /* Adds the weighted sum of n limbs at p, global limb indices [i0, i0 + n), to h1 / h2. */
 static void limb_run(const uint8_t *p, int lb, uint64_t i0, uint64_t n, uint64_t *h1, uint64_t *h2) {
+    uint64_t a1 = 0, a2 = 0; /* unreduced, each step adds < 2^38 */
     while (n > 0) {
         uint64_t h = i0 >> GBITS;
         uint32_t l = (uint32_t)(i0 & (G - 1));
         uint32_t m = n < (uint64_t)(G - l) ? (uint32_t)n : G - l;
         uint64_t s1 = 0, s2 = 0, w1, w2;
-        group_sum(p, lb, l, m, &s1, &s2);
+        group_sum(p, lb, l, m, &s1, &s2); /* each < 1024 * 2^48 = 2^58 */
         weights_h(h, &w1, &w2);
-        *h1 = (*h1 + (s1 % P1) * w1 % P1) % P1;
-        *h2 = (*h2 + (s2 % P2) * w2 % P2) % P2;
+        /* (< 2^32 + 17) * (< p_k) < 2^64; the fold of the product is < 2^38 */
+        a1 += fold(fold(fold(s1, 5), 5) * w1, 5);
+        a2 += fold(fold(fold(s2, 17), 17) * w2, 17);
+        if ((a1 | a2) >> 62) {
+            a1 %= P1;
+            a2 %= P2;
+        }
         p += (size_t)m * lb;
         i0 += m;
         n -= m;
     }
+    *h1 = (*h1 + a1 % P1) % P1;
+    *h2 = (*h2 + a2 % P2) % P2;
 }
 
 typedef struct {
