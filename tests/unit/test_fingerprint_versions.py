@@ -209,3 +209,21 @@ def test_merge_of_a_v1_checkpoint_stays_v1_and_consistent(tmp_path: Path) -> Non
         assert r.block.format_version == 1 and r.block.tensors["w"].dtype == "F16"
     deep = diff_checkpoints(tmp_path / "m16", tmp_path / "m16", deep=True)
     assert deep.identical and not deep.integrity_failures, deep.format()
+
+
+@pytest.mark.parametrize("version,ok", [(1, True), (2, True), (3, False), (0, False)])
+def test_index_parsers_take_versions_1_and_2_only(tmp_path: Path, version: int, ok: bool) -> None:
+    from unickpt.errors import IndexFileError
+    from unickpt.format.index import parse_index, parse_index_validated
+
+    a = _write(tmp_path / "a", _weights(), "rows")
+    obj = json.loads((a / INDEX).read_text())
+    obj["unickpt"]["format_version"] = version
+    raw = json.dumps(obj).encode()
+    for parse in (parse_index, parse_index_validated):
+        if ok:
+            assert parse(raw, "x.json").unickpt is not None
+            assert parse(raw, "x.json").unickpt.format_version == version  # type: ignore[union-attr]
+        else:
+            with pytest.raises(IndexFileError, match="format_version"):
+                parse(raw, "x.json")
