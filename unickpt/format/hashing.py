@@ -163,7 +163,7 @@ def fingerprint_partial(
 def _partial_numpy(
     words: np.ndarray, global_shape: Sequence[int], offsets: Sequence[int], shape: Sequence[int]
 ) -> int:
-    """The numpy reference of :func:`fingerprint_partial` (used where the kernel is not built)."""
+    """The numpy reference of fingerprint v1 (used where the v1 kernel is not built)."""
     if math.prod(shape) == 0:
         return 0
     if len(global_shape) == 0:
