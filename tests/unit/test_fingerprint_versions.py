@@ -5,6 +5,7 @@ a v2 one, and ``diff --deep`` compares the data itself, streamed, with the first
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -227,3 +228,44 @@ def test_index_parsers_take_versions_1_and_2_only(tmp_path: Path, version: int, 
         else:
             with pytest.raises(IndexFileError, match="format_version"):
                 parse(raw, "x.json")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc peak-RSS reset")
+def test_deep_diff_memory_stays_bounded(tmp_path: Path) -> None:
+    """Two 64 MiB tensors in different layouts: deep diff's peak RSS grows by a few chunks,
+    not by the tensors (measured in a fresh process)."""
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(9)
+    big = rng.integers(0, 2**32, (2048, 8192), dtype=np.uint32).view(np.float32)
+    other = big.copy()
+    other[2047, 8191] = np.float32(1.5)
+    write_checkpoint(
+        str(tmp_path / "a"), {"w": _sliced(big, "F32", [((0, 0), (2048, 4096)), ((0, 4096), (2048, 4096))])}
+    )
+    write_checkpoint(
+        str(tmp_path / "b"), {"w": _sliced(other, "F32", [((0, 0), (1000, 8192)), ((1000, 0), (1048, 8192))])}
+    )
+    del big, other
+    code = (
+        "import json, sys\n"
+        "from unickpt import diff_checkpoints\n"
+        "def kib(key):\n"
+        "    return [int(x.split()[1]) for x in open('/proc/self/status') if x.startswith(key)][0]\n"
+        "base = kib('VmRSS')\n"
+        "open('/proc/self/clear_refs', 'w').write('5')  # the peak (VmHWM) starts again from here\n"
+        "rep = diff_checkpoints(sys.argv[1], sys.argv[2], deep=True)\n"
+        "d = rep.data_differences[0]\n"
+        "print(json.dumps([(kib('VmHWM') - base) / 1024, d.first_index, d.count]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "a"), str(tmp_path / "b")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    grown_mib, first, count = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (first, count) == ([2047, 8191], 1)
+    print(f"deep diff of two 64 MiB tensors: peak RSS +{grown_mib:.0f} MiB")
+    assert grown_mib < 100, f"deep diff of two 64 MiB tensors grew RSS by {grown_mib:.0f} MiB"
