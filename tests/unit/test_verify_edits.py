@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from unickpt import GeneralCheckpointIO, IndexFileError, OptimizerWrapper, verify_checkpoint
+from unickpt import GeneralCheckpointIO, IndexFileError, OptimizerWrapper, merge_checkpoint, verify_checkpoint
 from unickpt.cli.main import main as cli
 from unickpt.format.hashing import slice_hash
 from unickpt.format.naming import SLICED_SENTINEL
@@ -136,6 +136,9 @@ def test_key_no_slice_references(tmp_path: Path, capsys: pytest.CaptureFixture[s
     match = r"model-\S+\.safetensors: holds 1 key\(s\) that no slice of the index references: '2\.bias@0'"
     with pytest.raises(IndexFileError, match=match):
         verify_checkpoint(d)
+    with pytest.raises(IndexFileError, match=match):
+        merge_checkpoint(str(d), str(tmp_path / "merged"))
+    assert not (tmp_path / "merged").exists()
     assert cli(["verify", "-q", str(d)]) == 2
     m = _zeros()
     with pytest.raises(IndexFileError, match=match):
