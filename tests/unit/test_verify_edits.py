@@ -330,3 +330,43 @@ def test_plain_safetensors_inspect_claims_nothing(tmp_path: Path) -> None:
     text = format_report(info)
     assert "plain safetensors file checkpoint: no unickpt block" in text
     assert "created by" not in text and "plugin=" not in text
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["listed_twice", "state_of_unlisted", "params_not_names", "param_state_unlisted"],
+)
+def test_optimizer_param_groups_claims(tmp_path: Path, case: str) -> None:
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    for p in m.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    io = GeneralCheckpointIO()
+    d = Path(io.save_optimizer(OptimizerWrapper(opt, m), tmp_path / "o", shard=True))
+    idx = d / "optimizer.safetensors.index.json"
+    obj = json.loads(idx.read_text())
+    groups = obj["unickpt"]["param_groups"]
+    if case == "listed_twice":
+        groups.append(dict(groups[0], params=["0.bias"]))
+        match = r"parameter '0\.bias' is listed in param_groups\[0\] and param_groups\[1\]"
+    elif case == "state_of_unlisted":
+        groups[0]["params"].remove("1.weight")
+        match = (
+            r"optimizer tensor 'state\.1\.weight\.momentum_buffer' is state of parameter '1\.weight', "
+            r"which no param_group lists"
+        )
+    elif case == "params_not_names":
+        groups[0]["params"] = 5
+        match = r"param_groups\[0\]\.params must be a list of parameter names \(FQNs\), found int"
+    else:
+        obj["unickpt"]["param_state"]["9.weight"] = {"k": 1}
+        match = r"param_state holds state of parameter '9\.weight', which no param_group lists"
+    idx.write_text(json.dumps(obj))
+    with pytest.raises(IndexFileError, match=re.escape(str(idx)) + ": " + match):
+        verify_checkpoint(d, kind="optimizer")
+    assert cli(["verify", "-q", "--kind", "optimizer", str(d)]) == 2
+    opt2 = torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9)
+    with pytest.raises(IndexFileError, match=match):
+        io.load_optimizer(OptimizerWrapper(opt2, m), str(d))
+    assert opt2.param_groups[0]["lr"] == 0.5 and not opt2.state

@@ -32,6 +32,7 @@ __all__ = [
     "check_weight_map",
     "check_gathered",
     "check_optimizer_names",
+    "check_param_groups",
     "check_keys_referenced",
     "check_block",
 ]
@@ -153,6 +154,36 @@ def check_optimizer_names(where: str, block: UnickptBlock) -> None:
             raise IndexFileError(
                 f"{where}: optimizer tensor {name!r} says it is state {t.state!r} of parameter {t.param!r}, "
                 f"which is named 'state.{t.param}.{t.state}'"
+            )
+    if block.kind == "optimizer" and block.param_groups is not None:
+        check_param_groups(where, block)
+
+
+def check_param_groups(where: str, block: UnickptBlock) -> None:
+    """Every parameter is listed once in ``param_groups``, and all state belongs to a listed one."""
+    listed: dict[str, int] = {}
+    for i, g in enumerate(block.param_groups or []):
+        params = g.get("params")
+        if not isinstance(params, list) or not all(isinstance(p, str) for p in params):
+            raise IndexFileError(
+                f"{where}: param_groups[{i}].params must be a list of parameter names (FQNs), "
+                f"found {type(params).__name__}"
+            )
+        for p in params:
+            if p in listed:
+                raise IndexFileError(
+                    f"{where}: parameter {p!r} is listed in param_groups[{listed[p]}] and param_groups[{i}]"
+                )
+            listed[p] = i
+    for name, t in block.tensors.items():
+        if t.param is not None and t.param not in listed:
+            raise IndexFileError(
+                f"{where}: optimizer tensor {name!r} is state of parameter {t.param!r}, which no param_group lists"
+            )
+    for p in block.param_state:
+        if p not in listed:
+            raise IndexFileError(
+                f"{where}: param_state holds state of parameter {p!r}, which no param_group lists"
             )
 
 
