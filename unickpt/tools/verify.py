@@ -86,19 +86,26 @@ class VerifyReport(list[IntegrityFailure]):
 
     def summary(self) -> str:
         """One paragraph saying what was checked (and what could not be)."""
-        parts = [
-            f"structure valid ({self.tensors} tensors, {self.slices} slices in {self.files} files: "
-            "index, weight_map, coverage, headers)"
-        ]
+        what = (
+            "index, weight_map against the unickpt block, coverage, headers, every stored key accounted for"
+            if self.unickpt_block
+            else "weight_map and headers"
+        )
+        files = f"{self.files} file" + ("" if self.files == 1 else "s")
+        parts = [f"structure valid ({self.tensors} tensors, {self.slices} slices in {files}: {what})"]
         if self.hashed:
             parts.append(f"{self.hashed} of {self.slices} slices rehashed")
         if self.fingerprints:
             parts.append(f"{self.fingerprints} of {self.tensors} fingerprints recomputed from the data")
         if self.unhashed:
-            what = "a plain Hugging Face / safetensors checkpoint, " if not self.unickpt_block else ""
+            plain = "a plain Hugging Face / safetensors checkpoint, " if not self.unickpt_block else ""
+            then = (
+                "each is a failure under --require-hashes"
+                if self.require_hashes
+                else ("--require-hashes makes this a failure")
+            )
             parts.append(
-                f"{self.unhashed} slice(s) carry no hash ({what}their bytes were not checked; "
-                "--require-hashes makes this a failure)"
+                f"{self.unhashed} slice(s) carry no hash ({plain}their bytes were not checked; {then})"
             )
         if not self.hashed and not self.fingerprints and self.slices:
             parts.append("structure only: no stored byte was checked")
@@ -150,7 +157,15 @@ def verify_checkpoint(
         if progress:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="verify", leave=False)
+            bar = tqdm(
+                total=total,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                desc="verify",
+                leave=False,
+                disable=None,
+            )
             tick = bar.update
         try:
             for name, t, fp in todo:
