@@ -15,6 +15,8 @@ import struct
 import sys
 from pathlib import Path
 
+from unickpt.format.naming import SLICED_SENTINEL
+
 OUT = Path(__file__).resolve().parent / "hostile"
 GOOD = "model-00001-of-00001.safetensors"
 
@@ -327,7 +329,18 @@ def cases() -> dict[str, tuple[bytes, str, str]]:
             "half the tensor missing",
         ),
         "ix_key_missing_in_file.index.json": (
-            with_slice("w", key="nope"),
+            # Sliced (a gathered index must store each tensor under its own name: refused earlier).
+            index(
+                {
+                    **good_tensors(),
+                    "w": {
+                        **good_tensors()["w"],
+                        "slices": [{"file": GOOD, "key": "nope", "offsets": [0, 0], "shape": [2, 3]}],
+                    },
+                },
+                weight_map={k: SLICED_SENTINEL for k in good_tensors()},
+                layout={"gathered": False},
+            ),
             "HeaderError",
             "key absent from the file",
         ),
@@ -360,7 +373,23 @@ def cases() -> dict[str, tuple[bytes, str, str]]:
             "index dtype differs from the header's",
         ),
         "ix_missing_file.index.json": (
-            with_slice("w", file="model-00002-of-00002.safetensors"),
+            index(
+                {
+                    **good_tensors(),
+                    "w": {
+                        **good_tensors()["w"],
+                        "slices": [
+                            {
+                                "file": "model-00002-of-00002.safetensors",
+                                "key": "w",
+                                "offsets": [0, 0],
+                                "shape": [2, 3],
+                            }
+                        ],
+                    },
+                },
+                weight_map={"w": "model-00002-of-00002.safetensors", "n": GOOD},
+            ),
             "IncompleteCheckpointError",
             "data file absent",
         ),

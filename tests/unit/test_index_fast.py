@@ -735,7 +735,7 @@ def test_fast_checks_know_the_models() -> None:
     validators = {
         TensorEntry: {"_dtype", "_slices_in_bounds"},
         UnickptBlock: {"_files_are_safe", "_aliases_resolve"},
-        IndexFile: {"_safe_files"},
+        IndexFile: {"_safe_files", "_plain_metadata_is_informational"},
     }
     for cls, names in fields.items():
         assert list(cls.model_fields) == names, cls

@@ -42,14 +42,19 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from unickpt.tools.verify import verify_checkpoint
 
-    failures = verify_checkpoint(args.path, kind=args.kind, progress=not args.quiet)
-    if failures:
-        print(f"FAILED: {len(failures)} stored slice(s) do not match their recorded hash:", file=sys.stderr)
-        for f in failures:
+    report = verify_checkpoint(
+        args.path, kind=args.kind, progress=not args.quiet, require_hashes=args.require_hashes
+    )
+    if report:
+        print(f"FAILED: {args.path}: {len(report)} integrity failure(s):", file=sys.stderr)
+        for f in report[:50]:
             print(f"  {f}", file=sys.stderr)
+        if len(report) > 50:
+            print(f"  ... and {len(report) - 50} more", file=sys.stderr)
+        print(f"checked: {report.summary()}", file=sys.stderr)
         return EXIT_FAIL
     if not args.quiet:
-        print(f"OK: {args.path}: every stored slice matches its hash and the structure is valid")
+        print(f"OK: {args.path}: {report.summary()}")
     return EXIT_OK
 
 
@@ -134,14 +139,22 @@ def build_parser() -> argparse.ArgumentParser:
         "verify",
         help="validate the structure and rehash every stored slice",
         description=(
-            "Validate the index (schema, safe file names, exact coverage) and every data file header, "
-            "then rehash every stored slice (xxh3-64). Exit 0 when all match, 1 naming each bad "
-            "tensor and file, 2 when the input is not a usable checkpoint."
+            "Validate the index (schema, safe file names, exact coverage, weight_map against the unickpt "
+            "block, no slice named twice) and every data file header (every key accounted for), then "
+            "rehash every stored slice (xxh3-64) and recompute every fingerprint from the data. Says what "
+            "was checked (slices rehashed, slices without a hash, fingerprints recomputed). Exit 0 when "
+            "all match, 1 naming each bad tensor and file (or unhashed slices under --require-hashes), "
+            "2 when the input is not a usable checkpoint."
         ),
         epilog=_EPILOG,
     )
     sp.add_argument("path", help="checkpoint directory, *.index.json file or single .safetensors file")
     sp.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no OK line")
+    sp.add_argument(
+        "--require-hashes",
+        action="store_true",
+        help="a slice without a recorded hash is a failure (exit 1), e.g. a plain Hugging Face checkpoint",
+    )
     kind_arg(sp)
     sp.set_defaults(func=_cmd_verify)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import numpy as np
+from unickpt.format.coverage import coverage_problem
 
 __all__ = ["Box", "intersect", "coverage_problem", "flat_range_to_boxes", "box_volume", "contiguous_start"]
 
@@ -50,69 +50,6 @@ def contiguous_start(shape: Sequence[int], offsets: Sequence[int], sub: Sequence
     for o, n in zip(offsets, shape, strict=True):
         start = start * n + o
     return start
-
-
-def coverage_problem(global_shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
-    """Describe how ``boxes`` fail to tile ``global_shape`` exactly once, or None if they do.
-
-    Checks bounds, that no two non-empty boxes overlap, and that the volumes add up to the
-    whole tensor (which, with no overlaps, means there is no gap).
-    """
-    total = math.prod(global_shape)
-    nonempty = [(tuple(o), tuple(s)) for o, s in boxes if math.prod(s) > 0]
-    for o, s in nonempty:
-        if len(o) != len(global_shape) or len(s) != len(global_shape):
-            return f"slice at {list(o)} has the wrong number of dimensions"
-        if any(x < 0 or x + n > g for x, n, g in zip(o, s, global_shape, strict=True)):
-            return f"slice at {list(o)} with shape {list(s)} lies outside shape {list(global_shape)}"
-    if len(global_shape) == 0:
-        if total and not nonempty:
-            return "no slice holds the 0-dim value"
-        if len(nonempty) > 1:
-            return f"{len(nonempty)} slices hold the same 0-dim value"
-        return None
-    pair = _first_overlap(nonempty)
-    if pair is not None:
-        (o1, s1), (o2, s2) = pair
-        return f"slices at {list(o1)} (shape {list(s1)}) and {list(o2)} (shape {list(s2)}) overlap"
-    covered = sum(math.prod(s) for _, s in nonempty)
-    if covered != total:
-        return f"slices cover {covered} of {total} elements: part of the tensor is missing"
-    return None
-
-
-def _first_overlap(boxes: list[Box]) -> tuple[Box, Box] | None:
-    """A pair of overlapping boxes, or None. A sweep along the dim with the most distinct offsets.
-
-    Only boxes whose extents on that dim intersect are compared, so row, column, grid and
-    flat-range partitions cost about n log n, not n^2 (an index may hold 10^5 slices).
-    """
-    n = len(boxes)
-    if n < 2:
-        return None
-    lo = np.array([o for o, _ in boxes], dtype=np.int64)
-    hi = lo + np.array([s for _, s in boxes], dtype=np.int64)
-    d = int(np.argmax([len(np.unique(lo[:, k])) for k in range(lo.shape[1])]))
-    order = np.argsort(lo[:, d], kind="stable")
-    others = [k for k in range(lo.shape[1]) if k != d]
-    if all((lo[:, k] == lo[0, k]).all() and (hi[:, k] == hi[0, k]).all() for k in others):
-        # A partition along one dim (the usual case): neighbours in sorted order suffice.
-        bad = np.nonzero(hi[order[:-1], d] > lo[order[1:], d])[0]
-        if bad.size:
-            k = int(bad[0])
-            return boxes[int(order[k])], boxes[int(order[k + 1])]
-        return None
-    active = np.empty(0, dtype=np.int64)
-    for i in order:
-        # Drop boxes that end on dim d before this one starts: they cannot meet it, nor any later box.
-        active = active[hi[active, d] > lo[i, d]]
-        if active.size:
-            hit = np.all(np.maximum(lo[active], lo[i]) < np.minimum(hi[active], hi[i]), axis=1)
-            if hit.any():
-                j = int(active[np.argmax(hit)])
-                return boxes[j], boxes[int(i)]
-        active = np.append(active, i)
-    return None
 
 
 def flat_range_to_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[Box, int]]:

@@ -185,6 +185,14 @@ class IndexMetadata(BaseModel):
     total_size: NonNeg = 0
 
 
+def _strict_metadata_ok(md: Any) -> bool:
+    """``metadata`` as a unickpt index must have it: an object whose total_size, if any, is an int."""
+    if type(md) is not dict:
+        return False
+    size = md.get("total_size", 0)
+    return type(size) is int and 0 <= size < _MAX_DIM
+
+
 class IndexFile(BaseModel):
     """A ``*.safetensors.index.json`` file (Hugging Face keys plus the optional unickpt block)."""
 
@@ -192,6 +200,18 @@ class IndexFile(BaseModel):
     metadata: IndexMetadata = Field(default_factory=IndexMetadata)
     weight_map: dict[str, str]
     unickpt: UnickptBlock | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _plain_metadata_is_informational(cls, data: Any) -> Any:
+        # Hugging Face reads only weight_map of a plain index: its metadata is informational
+        # (Colossal-AI writes total_size in MB as a float). A unickpt index stays strict.
+        plain = isinstance(data, dict) and data.get("unickpt") is None
+        if plain and "metadata" in data and not _strict_metadata_ok(data["metadata"]):
+            md = data["metadata"]
+            kept = {k: v for k, v in md.items() if k != "total_size"} if isinstance(md, dict) else {}
+            data = {**data, "metadata": kept}
+        return data
 
     @field_validator("weight_map")
     @classmethod
@@ -529,6 +549,8 @@ class _FastIndex:
         extra: dict[str, Any] = {}
         for k, v in obj.items():
             if k == "metadata":
+                if obj.get("unickpt") is None and not _strict_metadata_ok(v):
+                    raise _NotFast  # a plain index's metadata is informational: the models decide
                 given[k] = self.metadata(v)
             elif k == "weight_map":
                 given[k] = self.weight_map(v)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
@@ -29,6 +29,7 @@ from unickpt.errors import (
 )
 from unickpt.format._json import strict_loads
 from unickpt.format.boxes import coverage_problem
+from unickpt.format.consistency import check_block, check_keys_referenced
 from unickpt.format.hashing import SliceHasher
 from unickpt.format.index import (
     IndexFile,
@@ -38,7 +39,7 @@ from unickpt.format.index import (
     check_file_name,
     load_index,
 )
-from unickpt.format.naming import SLICED_SENTINEL, index_name, single_name
+from unickpt.format.naming import index_name, single_name
 from unickpt.format.safetensors_io import SafetensorsHeader, iter_range, read_header, read_range
 
 __all__ = ["CheckpointReader", "open_checkpoint", "UNICKPT_METADATA_KEY"]
@@ -55,6 +56,7 @@ class CheckpointReader:
     block: UnickptBlock
     index_path: str | None  # None for a single-file checkpoint
     has_unickpt_block: bool
+    index: IndexFile | None = field(default=None, repr=False)  # the parsed index, if any
 
     def __post_init__(self) -> None:
         self._headers: dict[str, SafetensorsHeader] = {}
@@ -111,7 +113,8 @@ class CheckpointReader:
                 raise IndexFileError(f"{self.index_path or self.directory}: tensor {name!r}: {problem}")
 
     def validate_structure(self) -> None:
-        """Coverage, plus every slice present in its file with the recorded dtype and shape.
+        """Coverage, plus every slice present in its file with the recorded dtype and shape, and
+        (for a unickpt checkpoint) every key of every data file referenced by a slice.
 
         Reads every data file's header (small), no tensor data.
         """
@@ -119,6 +122,8 @@ class CheckpointReader:
         for name, t in self.block.tensors.items():
             for s in t.slices:
                 self._check_slice(name, t, s)
+        if self.has_unickpt_block:
+            check_keys_referenced(self.block, self.files, self.header)
 
     def _check_slice(self, name: str, t: TensorEntry, s: SliceEntry) -> None:
         """The slice's key is in its file's (valid) header with the dtype and shape the index records."""
@@ -268,6 +273,8 @@ def open_checkpoint(path: str | os.PathLike[str], kind: str = "model") -> Checkp
     if os.path.isfile(p):
         h = read_header(p)
         block, has = _block_from_header(h, kind)
+        if has:
+            check_block(h.path, block, None)
         r = CheckpointReader(os.path.dirname(os.path.abspath(p)), kind, block, None, has)
         r._headers[os.path.basename(p)] = h
         return r
@@ -290,18 +297,12 @@ def _from_index(idx_path: str, directory: str, kind: str) -> CheckpointReader:
     idx = load_index(idx_path)
     if idx.unickpt is None:
         block = _block_from_plain_index(idx, directory, idx_path, kind)
-        return CheckpointReader(directory, kind, block, idx_path, False)
+        return CheckpointReader(directory, kind, block, idx_path, False, idx)
     block = idx.unickpt
     if block.kind != kind:
         raise IndexFileError(f"{idx_path}: holds a {block.kind} checkpoint, expected a {kind} checkpoint")
-    gathered = all(f != SLICED_SENTINEL for f in idx.weight_map.values())
-    if gathered:
-        for name in block.tensors:
-            if name not in idx.weight_map and name not in block.aliases:
-                raise IndexFileError(
-                    f"{idx_path}: tensor {name!r} is in the unickpt block but not in weight_map"
-                )
-    return CheckpointReader(directory, kind, block, idx_path, True)
+    check_block(idx_path, block, idx.weight_map)
+    return CheckpointReader(directory, kind, block, idx_path, True, idx)
 
 
 def describe(reader: CheckpointReader) -> dict[str, Any]:

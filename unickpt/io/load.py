@@ -27,6 +27,7 @@ from safetensors import safe_open
 
 from unickpt.errors import IncompleteCheckpointError, IntegrityError, StateMismatchError, UnickptError
 from unickpt.format.boxes import contiguous_start, intersect
+from unickpt.format.consistency import check_keys_referenced
 from unickpt.format.index import TensorEntry
 from unickpt.format.reader import CheckpointReader
 from unickpt.io import _dist
@@ -206,6 +207,10 @@ def load_tensors(
                         f"{h.path}: tensor {src!r} (key {s.key!r}): index says {entry.dtype}{list(s.shape)}, "
                         f"file holds {found}"
                     )
+        if reader.has_unickpt_block:
+            # Every key of a file this rank reads is a slice of the index (no data it does not account for).
+            touched = sorted({reader.tensors[src].slices[k].file for src, ks in needed.items() for k in ks})
+            check_keys_referenced(reader.block, touched, reader.header)
         if verify:
             from unickpt.errors import IntegrityFailure
 

@@ -57,10 +57,12 @@ def inspect_checkpoint(path: str | os.PathLike[str], kind: str | None = None) ->
             "path": os.path.abspath(os.fspath(path)),
             "index": r.index_path,
             "kind": b.kind,
-            "format_version": b.format_version,
-            "created_by": b.created_by,
+            # A plain Hugging Face / safetensors checkpoint has no unickpt block: nothing says
+            # who wrote it or from which layout, so nothing is claimed.
+            "format_version": b.format_version if r.has_unickpt_block else None,
+            "created_by": b.created_by if r.has_unickpt_block else None,
             "unickpt_block": r.has_unickpt_block,
-            "layout": b.layout.model_dump(),
+            "layout": b.layout.model_dump() if r.has_unickpt_block else None,
             "files": r.files,
             "totals": {
                 "tensors": len(b.tensors),
@@ -96,14 +98,23 @@ def _fmt_slices(entry: dict[str, Any], shape: list[int]) -> str:
 def format_report(info: dict[str, Any], verbose: bool = False) -> str:
     """A readable table of :func:`inspect_checkpoint`'s result."""
     lay = info["layout"]
-    mesh = " x ".join(f"{k}={v}" for k, v in lay.get("mesh", {}).items()) or "-"
     tot = info["totals"]
-    lines = [
-        f"checkpoint : {info['path']}",
-        f"kind       : {info['kind']}   format v{info['format_version']}   created by {info['created_by']}"
-        + ("" if info["unickpt_block"] else "   (plain Hugging Face checkpoint: no hashes or fingerprints)"),
-        f"layout     : plugin={lay['plugin']} world_size={lay['world_size']} mesh={mesh} "
-        f"{'gathered (HF-loadable)' if lay.get('gathered', True) else 'sliced (run `unickpt merge` for HF)'}",
+    lines = [f"checkpoint : {info['path']}"]
+    if lay is None:
+        plain = "Hugging Face sharded safetensors" if info["index"] else "safetensors file"
+        lines += [
+            f"kind       : {info['kind']}   plain {plain} checkpoint: no unickpt block "
+            "(not written by unickpt; no hashes or fingerprints)",
+            "layout     : whole tensors (HF-loadable); no parallel layout recorded",
+        ]
+    else:
+        mesh = " x ".join(f"{k}={v}" for k, v in lay.get("mesh", {}).items()) or "-"
+        lines += [
+            f"kind       : {info['kind']}   format v{info['format_version']}   created by {info['created_by']}",
+            f"layout     : plugin={lay['plugin']} world_size={lay['world_size']} mesh={mesh} "
+            f"{'gathered (HF-loadable)' if lay.get('gathered', True) else 'sliced (run `unickpt merge` for HF)'}",
+        ]
+    lines += [
         f"files      : {len(info['files'])}"
         + (
             f"  ({', '.join(info['files'][:3])}{' ...' if len(info['files']) > 3 else ''})"

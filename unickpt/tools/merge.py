@@ -40,6 +40,7 @@ from unickpt._logging import get_logger
 from unickpt.errors import IndexFileError, IntegrityError, IntegrityFailure, UnsupportedError
 from unickpt.format.boxes import contiguous_start, coverage_problem
 from unickpt.format.commit import Writeback, atomic_write_bytes
+from unickpt.format.consistency import check_keys_referenced
 from unickpt.format.dtypes import itemsize, word_dtype
 from unickpt.format.hashing import SliceHasher, finalize_fingerprint, fingerprint_partial, fingerprint_version
 from unickpt.format.index import IndexFile, LayoutInfo, SliceEntry, TensorEntry, UnickptBlock, index_to_json
@@ -133,6 +134,8 @@ def _validate(r: CheckpointReader) -> dict[str, list[_Run] | None]:
     for name, t in r.block.tensors.items():
         for s in t.slices:
             r._check_slice(name, t, s)
+    if r.has_unickpt_block:
+        check_keys_referenced(r.block, r.files, r.header)
     return runs_of
 
 

@@ -1,47 +1,163 @@
-"""``unickpt verify``: validate a checkpoint's structure and rehash every stored slice. No torch."""
+"""``unickpt verify``: check every claim of a checkpoint against its files. No torch.
+
+1. Structure (raises, since the input is then not a usable checkpoint): the index schema and
+   safe file names; the index's parts agree (no slice named twice, ``weight_map`` and the
+   unickpt block describe the same tensors in the same files, optimizer tensor names);
+   exact coverage of every tensor; every slice present in its file with the recorded dtype
+   and shape; every key of every data file referenced by a slice; the files' format tags;
+   ``metadata.total_size``.
+2. Data (returned as failures): every stored slice rehashed (xxh3-64) and every recorded
+   fingerprint recomputed from the data, in one streamed pass of bounded memory.
+
+The result says exactly what was checked: how many slices were rehashed, how many carry no
+hash (their bytes cannot be checked), how many fingerprints were recomputed.
+"""
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
+
+import numpy as np
 
 from unickpt._logging import get_logger
-from unickpt.errors import IntegrityFailure
+from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, IndexFileError, IntegrityFailure
+from unickpt.format.boxes import flat_range_to_boxes
 from unickpt.format.dtypes import itemsize
+from unickpt.format.hashing import SliceHasher, combine_partials, finalize_fingerprint, fingerprint_partial
+from unickpt.format.index import SliceEntry, TensorEntry
+from unickpt.format.reader import CheckpointReader
 from unickpt.tools._common import open_auto
 
-__all__ = ["verify_checkpoint"]
+__all__ = ["verify_checkpoint", "VerifyReport", "FingerprintFailure", "MissingHash"]
 
 logger = get_logger(__name__)
 
+# Bytes read (and hashed) at a time: memory stays bounded whatever the tensor's size.
+_CHUNK = 16 << 20
+
+
+class FingerprintFailure(IntegrityFailure):
+    """A tensor whose data does not give the fingerprint its index records."""
+
+    __slots__ = ()
+
+    def __str__(self) -> str:
+        return (
+            f"tensor {self.tensor!r} (in {self.file}): recorded fingerprint {self.expected}, "
+            f"the data gives {self.found}"
+        )
+
+
+class MissingHash(IntegrityFailure):
+    """A stored slice without a recorded hash, reported under ``require_hashes``."""
+
+    __slots__ = ()
+
+    def __str__(self) -> str:
+        return (
+            f"tensor {self.tensor!r} in file {self.file!r} (stored as {self.key!r}): no xxh3-64 recorded, "
+            "so its bytes cannot be checked"
+        )
+
+
+class VerifyReport(list[IntegrityFailure]):
+    """The failures found (a list, empty when all is well) and what was checked.
+
+    ``slices``: stored slices; ``hashed``: slices rehashed; ``unhashed``: slices without a
+    recorded hash (not checked); ``fingerprints``: fingerprints recomputed; ``unfingerprinted``:
+    tensors without one; ``unickpt_block``: False for a plain Hugging Face / safetensors
+    checkpoint.
+    """
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+        self.tensors = 0
+        self.slices = 0
+        self.files = 0
+        self.hashed = 0
+        self.unhashed = 0
+        self.fingerprints = 0
+        self.unfingerprinted = 0
+        self.unickpt_block = True
+        self.require_hashes = False
+
+    def summary(self) -> str:
+        """One paragraph saying what was checked (and what could not be)."""
+        what = (
+            "index, weight_map against the unickpt block, coverage, headers, every stored key accounted for"
+            if self.unickpt_block
+            else "weight_map and headers"
+        )
+        files = f"{self.files} file" + ("" if self.files == 1 else "s")
+        parts = [f"structure valid ({self.tensors} tensors, {self.slices} slices in {files}: {what})"]
+        if self.hashed:
+            parts.append(f"{self.hashed} of {self.slices} slices rehashed")
+        if self.fingerprints:
+            parts.append(f"{self.fingerprints} of {self.tensors} fingerprints recomputed from the data")
+        if self.unhashed:
+            plain = "a plain Hugging Face / safetensors checkpoint, " if not self.unickpt_block else ""
+            then = (
+                "each is a failure under --require-hashes"
+                if self.require_hashes
+                else ("--require-hashes makes this a failure")
+            )
+            parts.append(
+                f"{self.unhashed} slice(s) carry no hash ({plain}their bytes were not checked; {then})"
+            )
+        if not self.hashed and not self.fingerprints and self.slices:
+            parts.append("structure only: no stored byte was checked")
+        return "; ".join(parts)
+
 
 def verify_checkpoint(
-    path: str | os.PathLike[str], *, kind: str | None = None, progress: bool = False
-) -> list[IntegrityFailure]:
-    """Check the checkpoint at ``path``; return every slice whose bytes do not match its hash.
+    path: str | os.PathLike[str],
+    *,
+    kind: str | None = None,
+    progress: bool = False,
+    require_hashes: bool = False,
+    fingerprints: bool = True,
+) -> VerifyReport:
+    """Check the checkpoint at ``path``; return a :class:`VerifyReport` (a list of failures).
 
-    First the structure is validated (index schema, safe file names, exact coverage of every
-    tensor, every slice present in its file with the recorded dtype and shape); a problem
-    there raises (``IndexFileError``, ``HeaderError``, ``IncompleteCheckpointError`` ...),
-    since the input is then not a usable checkpoint at all. Then every stored slice is
-    rehashed (xxh3-64); mismatches are returned, each naming the tensor and the file. An
-    empty list means every hashed slice is intact (plain Hugging Face files carry no hashes:
-    see ``unhashed`` in ``inspect``). ``progress`` shows a tqdm bar on stderr.
+    Structural problems raise (``IndexFileError``, ``HeaderError``, ``IncompleteCheckpointError``
+    ...). Then every stored slice is rehashed and (``fingerprints``) every recorded fingerprint
+    recomputed; each mismatch is returned, naming the tensor and the file. With
+    ``require_hashes`` every slice without a recorded hash is a failure too (``MissingHash``).
+    An empty report means every check made passed: read ``report.summary()`` for which.
+    ``progress`` shows a tqdm bar on stderr.
     """
     with open_auto(path, kind) as r:
+        report = VerifyReport(os.fspath(path))
         r.validate_structure()
-        total = sum(
-            math.prod(s.shape) * itemsize(t.dtype)
-            for t in r.block.tensors.values()
-            for s in t.slices
-            if s.xxh3
-        )
-        if not progress:
-            failures = r.verify()
-        else:
+        check_claims(r)
+        b = r.block
+        report.unickpt_block = r.has_unickpt_block
+        report.require_hashes = require_hashes
+        report.tensors = len(b.tensors)
+        report.files = len(r.files)
+        todo: list[tuple[str, TensorEntry, bool]] = []
+        total = 0
+        for name, t in b.tensors.items():
+            fp = fingerprints and t.fingerprint is not None
+            report.slices += len(t.slices)
+            hashed = sum(1 for s in t.slices if s.xxh3 is not None)
+            report.unhashed += len(t.slices) - hashed
+            if t.fingerprint is None:
+                report.unfingerprinted += 1
+            if hashed or fp:
+                todo.append((name, t, fp))
+                total += sum(math.prod(s.shape) for s in t.slices if fp or s.xxh3) * itemsize(t.dtype)
+            if require_hashes:
+                report.extend(MissingHash(name, s.file, s.key, "-", "-") for s in t.slices if s.xxh3 is None)
+        bar = None
+        tick: Callable[[int], object] = lambda n: None  # noqa: E731
+        if progress:
             from tqdm.auto import tqdm
 
-            with tqdm(
+            bar = tqdm(
                 total=total,
                 unit="B",
                 unit_scale=True,
@@ -49,8 +165,114 @@ def verify_checkpoint(
                 desc="verify",
                 leave=False,
                 disable=None,
-            ) as bar:
-                failures = r.verify(progress=bar.update)
-        for f in failures:
+            )
+            tick = bar.update
+        try:
+            for name, t, fp in todo:
+                _verify_tensor(r, name, t, fp, report, tick)
+        finally:
+            if bar is not None:
+                bar.close()
+        for f in report:
             logger.info("integrity failure: %s", f)
-        return failures
+        return report
+
+
+def _verify_tensor(
+    r: CheckpointReader,
+    name: str,
+    t: TensorEntry,
+    fp: bool,
+    report: VerifyReport,
+    tick: Callable[[int], object],
+) -> None:
+    """Rehash the tensor's slices and recompute its fingerprint, reading each slice once, in chunks."""
+    isz = itemsize(t.dtype)
+    partials: list[int] = []
+    bad = False  # a slice failed its hash or could not be read: that failure says it all
+    for s in t.slices:
+        if not fp and s.xxh3 is None:
+            continue
+        h = SliceHasher()
+        try:
+            for start, data in _ChunkIter(r, s, isz):
+                h.update(data)
+                if fp:
+                    partials.extend(_partials(t, s, data, start, isz))
+                tick(len(data))
+            found = h.hexdigest()
+        except (IncompleteCheckpointError, CheckpointFormatError, OSError) as e:
+            found = f"unreadable ({e})"
+            bad = True
+        if s.xxh3 is not None:
+            report.hashed += 1
+            if found != s.xxh3:
+                report.append(IntegrityFailure(name, s.file, s.key, s.xxh3, found))
+                bad = True
+        elif found.startswith("unreadable"):
+            report.append(IntegrityFailure(name, s.file, s.key, "-", found))
+    if fp and t.fingerprint is not None and not bad:
+        report.fingerprints += 1
+        got = finalize_fingerprint(name, t.dtype, t.shape, combine_partials(partials))
+        if got != t.fingerprint:
+            files = ", ".join(sorted({s.file for s in t.slices}))
+            report.append(FingerprintFailure(name, files, "", t.fingerprint, got))
+
+
+class _ChunkIter:
+    """(first element index within the slice, bytes) of a slice, at most ``_CHUNK`` bytes at a time."""
+
+    def __init__(self, r: CheckpointReader, s: SliceEntry, isz: int) -> None:
+        self.r, self.s, self.isz = r, s, isz
+
+    def __iter__(self) -> _ChunkIter:
+        self.n = math.prod(self.s.shape)
+        self.step = max(1, _CHUNK // self.isz)
+        self.pos = 0
+        self.r.slice_location(self.s)  # a key absent from the file raises here, even for an empty slice
+        return self
+
+    def __next__(self) -> tuple[int, memoryview]:
+        if self.pos >= self.n:
+            raise StopIteration
+        start = self.pos
+        count = min(self.step, self.n - start)
+        data = self.r.read_bytes(self.s, start * self.isz, count * self.isz)
+        self.pos += count
+        return start, data
+
+
+def _partials(t: TensorEntry, s: SliceEntry, data: memoryview, start: int, isz: int) -> list[int]:
+    """Fingerprint partial sums of the flat element range [start, start + len) of a slice."""
+    words = np.frombuffer(data, dtype=f"<u{isz}")
+    out = []
+    for (off, shp), flat in flat_range_to_boxes(s.shape, start, start + len(words)):
+        glob = [a + b for a, b in zip(s.offsets, off, strict=True)]
+        k = flat - start
+        out.append(fingerprint_partial(words[k : k + math.prod(shp)], t.shape, glob, shp))
+    return out
+
+
+def check_claims(r: CheckpointReader) -> None:
+    """The index's remaining claims a reader may rely on: total_size and the files' format tags."""
+    where = r.index_path or r.directory
+    if not r.has_unickpt_block:
+        return  # a plain Hugging Face index: only weight_map matters, and it was read
+    if r.index is not None:
+        want = sum(t.nbytes for t in r.block.tensors.values())
+        if r.index.metadata.total_size != want:
+            raise IndexFileError(
+                f"{where}: metadata.total_size says {r.index.metadata.total_size} bytes, the tensors of the "
+                f"index hold {want}"
+            )
+    sliced = not r.block.layout.gathered
+    want_tag = "unickpt-sliced" if sliced else "pt"
+    for file in r.files:
+        h = r.header(file)
+        tag = h.metadata.get("format")
+        if tag != want_tag:
+            raise IndexFileError(
+                f"{h.path}: format tag {tag!r} in a {'sliced' if sliced else 'gathered'} checkpoint, "
+                f"expected {want_tag!r} (a sliced file tagged 'pt' would be loaded by Hugging Face as whole "
+                "tensors)"
+            )

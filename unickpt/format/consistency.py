@@ -1,0 +1,217 @@
+"""Checks that the parts of a checkpoint agree with each other, not only with the schema.
+
+The schema says each field is well formed; these say the index tells one story:
+
+- no two slices name the same stored key (``check_unique_slices``): a duplicated row would be
+  loaded twice, and merge and diff would call it fine;
+- in a gathered checkpoint, ``weight_map`` (what Hugging Face loaders read) names exactly the
+  tensors of the unickpt block (what unickpt verifies), each in the file that stores it whole
+  under its own name; in a sliced one, every entry points at the sentinel
+  (``check_weight_map``, ``check_gathered``);
+- every key in a data file is referenced by a slice (``check_keys_referenced``): a key nothing
+  references is a tensor Hugging Face loaders would read and unickpt never verified;
+- optimizer tensors are named ``state.<param>.<state>`` after their ``param`` and ``state``.
+
+Each failure is an ``IndexFileError`` naming the file, the tensor and what disagrees. These
+run on every open (index-only checks) or with the headers (``check_keys_referenced``), so
+``load_model`` refuses such an index before it copies anything, and ``verify`` reports it.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterable
+
+from unickpt.errors import IndexFileError
+from unickpt.format.index import UnickptBlock
+from unickpt.format.naming import SLICED_SENTINEL
+from unickpt.format.safetensors_io import SafetensorsHeader
+
+__all__ = [
+    "check_unique_slices",
+    "check_weight_map",
+    "check_gathered",
+    "check_optimizer_names",
+    "check_param_groups",
+    "check_keys_referenced",
+    "check_block",
+]
+
+
+def _names(names: Iterable[str], limit: int = 5) -> str:
+    items = sorted(names)
+    more = f" and {len(items) - limit} more" if len(items) > limit else ""
+    return ", ".join(repr(n) for n in items[:limit]) + more
+
+
+_get_file = operator.attrgetter("file")
+_get_key = operator.attrgetter("key")
+
+
+def check_unique_slices(where: str, block: UnickptBlock) -> None:
+    """No two slices (of one tensor or of two) name the same key of the same file."""
+    # Keys per file, in bulk (no tuple per slice: 10^5 tracked tuples wake the garbage collector).
+    per_file: dict[str, set[str]] = {}
+    dup = False
+    for t in block.tensors.values():
+        files = set(map(_get_file, t.slices))
+        if len(files) == 1:
+            keys = per_file.setdefault(files.pop(), set())
+            before = len(keys)
+            keys.update(map(_get_key, t.slices))
+            dup = dup or len(keys) - before != len(t.slices)
+        else:
+            for sl in t.slices:
+                keys = per_file.setdefault(sl.file, set())
+                dup = dup or sl.key in keys
+                keys.add(sl.key)
+    if not dup:
+        return
+    seen: dict[tuple[str, str], tuple[str, int]] = {}
+    for name, t in block.tensors.items():
+        for i, s in enumerate(t.slices):
+            first = seen.setdefault((s.file, s.key), (name, i))
+            if first != (name, i):
+                raise IndexFileError(
+                    f"{where}: key {s.key!r} of file {s.file!r} is named by two slices: tensor {first[0]!r} "
+                    f"slice {first[1]} and tensor {name!r} slice {i} (one stored block would be read twice)"
+                )
+
+
+def check_gathered(where: str, block: UnickptBlock) -> None:
+    """In a gathered checkpoint every tensor is stored whole, under its own name, in one slice."""
+    for name, t in block.tensors.items():
+        if len(t.slices) != 1:
+            raise IndexFileError(
+                f"{where}: tensor {name!r} has {len(t.slices)} slices in a gathered checkpoint, which stores "
+                "each tensor whole under its own name"
+            )
+        s = t.slices[0]
+        if s.key != name or any(s.offsets) or list(s.shape) != list(t.shape):
+            raise IndexFileError(
+                f"{where}: tensor {name!r} is stored as key {s.key!r} at offsets {list(s.offsets)} with shape "
+                f"{list(s.shape)} in a gathered checkpoint, which stores each tensor whole under its own name "
+                f"(shape {list(t.shape)}): Hugging Face loaders would read something else"
+            )
+
+
+def check_weight_map(where: str, weight_map: dict[str, str], block: UnickptBlock) -> bool:
+    """``weight_map`` and the unickpt block describe the same checkpoint. Returns True if gathered.
+
+    A gathered index maps every stored tensor to the file holding it (so Hugging Face loaders
+    read exactly what unickpt verifies); a sliced one maps every stored tensor to the sentinel.
+    """
+    sentinel = [n for n, f in weight_map.items() if f == SLICED_SENTINEL]
+    real = [n for n, f in weight_map.items() if f != SLICED_SENTINEL]
+    if sentinel and real:
+        raise IndexFileError(
+            f"{where}: weight_map mixes the sliced-checkpoint sentinel (e.g. tensor {sentinel[0]!r}) with "
+            f"real files (e.g. tensor {real[0]!r} -> {weight_map[real[0]]!r}); an index is either gathered "
+            "or sliced"
+        )
+    gathered = not sentinel if weight_map else block.layout.gathered
+    missing = [n for n in block.tensors if n not in weight_map]
+    if missing:
+        raise IndexFileError(
+            f"{where}: tensor(s) {_names(missing)} are in the unickpt block but not in weight_map "
+            "(Hugging Face loaders would not see them)"
+        )
+    extra = [n for n in weight_map if n not in block.tensors]
+    if extra:
+        raise IndexFileError(
+            f"{where}: weight_map names {_names(extra)}, which the unickpt block does not hold "
+            "(Hugging Face loaders would read tensors unickpt never verified)"
+        )
+    if gathered != block.layout.gathered:
+        state = "gathered" if gathered else "sliced"
+        raise IndexFileError(
+            f"{where}: weight_map describes a {state} checkpoint but unickpt.layout.gathered is "
+            f"{str(block.layout.gathered).lower()}"
+        )
+    if not gathered:
+        return False
+    check_gathered(where, block)
+    for name, t in block.tensors.items():
+        if weight_map[name] != t.slices[0].file:
+            raise IndexFileError(
+                f"{where}: weight_map puts tensor {name!r} in {weight_map[name]!r} but the unickpt block "
+                f"stores it in {t.slices[0].file!r} (Hugging Face loaders would read a tensor unickpt "
+                "never verified)"
+            )
+    return True
+
+
+def check_optimizer_names(where: str, block: UnickptBlock) -> None:
+    """Optimizer tensors are named ``state.<param>.<state>``; model tensors carry neither field."""
+    for name, t in block.tensors.items():
+        if block.kind == "model":
+            if t.param is not None or t.state is not None:
+                raise IndexFileError(f"{where}: model tensor {name!r} carries optimizer fields param/state")
+            continue
+        if t.param is None or t.state is None:
+            continue  # an optimizer tensor outside the per-parameter state (none today)
+        if name != f"state.{t.param}.{t.state}":
+            raise IndexFileError(
+                f"{where}: optimizer tensor {name!r} says it is state {t.state!r} of parameter {t.param!r}, "
+                f"which is named 'state.{t.param}.{t.state}'"
+            )
+    if block.kind == "optimizer" and block.param_groups is not None:
+        check_param_groups(where, block)
+
+
+def check_param_groups(where: str, block: UnickptBlock) -> None:
+    """Every parameter is listed once in ``param_groups``, and all state belongs to a listed one."""
+    listed: dict[str, int] = {}
+    for i, g in enumerate(block.param_groups or []):
+        params = g.get("params")
+        if not isinstance(params, list) or not all(isinstance(p, str) for p in params):
+            raise IndexFileError(
+                f"{where}: param_groups[{i}].params must be a list of parameter names (FQNs), "
+                f"found {type(params).__name__}"
+            )
+        for p in params:
+            if p in listed:
+                raise IndexFileError(
+                    f"{where}: parameter {p!r} is listed in param_groups[{listed[p]}] and param_groups[{i}]"
+                )
+            listed[p] = i
+    for name, t in block.tensors.items():
+        if t.param is not None and t.param not in listed:
+            raise IndexFileError(
+                f"{where}: optimizer tensor {name!r} is state of parameter {t.param!r}, which no param_group lists"
+            )
+    for p in block.param_state:
+        if p not in listed:
+            raise IndexFileError(
+                f"{where}: param_state holds state of parameter {p!r}, which no param_group lists"
+            )
+
+
+def check_block(where: str, block: UnickptBlock, weight_map: dict[str, str] | None) -> None:
+    """The index-only checks: unique slices, weight_map vs block (or whole tensors in a single
+    file, ``weight_map=None``), optimizer names."""
+    check_unique_slices(where, block)
+    if weight_map is None:
+        check_gathered(where, block)
+    else:
+        check_weight_map(where, weight_map, block)
+    check_optimizer_names(where, block)
+
+
+def check_keys_referenced(
+    block: UnickptBlock, files: Iterable[str], header: Callable[[str], SafetensorsHeader]
+) -> None:
+    """Every key of each data file in ``files`` is a slice of the index (``header`` reads one)."""
+    refs: dict[str, set[str]] = {}
+    for t in block.tensors.values():
+        for s in t.slices:
+            refs.setdefault(s.file, set()).add(s.key)
+    for file in files:
+        h = header(file)
+        extra = [k for k in h.entries if k not in refs.get(file, ())]
+        if extra:
+            raise IndexFileError(
+                f"{h.path}: holds {len(extra)} key(s) that no slice of the index references: {_names(extra)} "
+                "(data the checkpoint does not account for: Hugging Face loaders may read it, unickpt never "
+                "verifies it)"
+            )
