@@ -25,7 +25,13 @@ from unickpt._logging import get_logger
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, IndexFileError, IntegrityFailure
 from unickpt.format.boxes import flat_range_to_boxes
 from unickpt.format.dtypes import itemsize
-from unickpt.format.hashing import SliceHasher, combine_partials, finalize_fingerprint, fingerprint_partial
+from unickpt.format.hashing import (
+    SliceHasher,
+    combine_partials,
+    finalize_fingerprint,
+    fingerprint_partial,
+    fingerprint_version,
+)
 from unickpt.format.index import SliceEntry, TensorEntry
 from unickpt.format.reader import CheckpointReader
 from unickpt.tools._common import open_auto
@@ -188,6 +194,7 @@ def _verify_tensor(
 ) -> None:
     """Rehash the tensor's slices and recompute its fingerprint, reading each slice once, in chunks."""
     isz = itemsize(t.dtype)
+    version = fingerprint_version(r.block.format_version)
     partials: list[int] = []
     bad = False  # a slice failed its hash or could not be read: that failure says it all
     for s in t.slices:
@@ -198,7 +205,7 @@ def _verify_tensor(
             for start, data in _ChunkIter(r, s, isz):
                 h.update(data)
                 if fp:
-                    partials.extend(_partials(t, s, data, start, isz))
+                    partials.extend(_partials(t, s, data, start, isz, version))
                 tick(len(data))
             found = h.hexdigest()
         except (IncompleteCheckpointError, CheckpointFormatError, OSError) as e:
@@ -213,7 +220,7 @@ def _verify_tensor(
             report.append(IntegrityFailure(name, s.file, s.key, "-", found))
     if fp and t.fingerprint is not None and not bad:
         report.fingerprints += 1
-        got = finalize_fingerprint(name, t.dtype, t.shape, combine_partials(partials))
+        got = finalize_fingerprint(name, t.dtype, t.shape, combine_partials(partials, version=version), version=version)
         if got != t.fingerprint:
             files = ", ".join(sorted({s.file for s in t.slices}))
             report.append(FingerprintFailure(name, files, "", t.fingerprint, got))
@@ -242,14 +249,14 @@ class _ChunkIter:
         return start, data
 
 
-def _partials(t: TensorEntry, s: SliceEntry, data: memoryview, start: int, isz: int) -> list[int]:
+def _partials(t: TensorEntry, s: SliceEntry, data: memoryview, start: int, isz: int, version: int) -> list[int]:
     """Fingerprint partial sums of the flat element range [start, start + len) of a slice."""
     words = np.frombuffer(data, dtype=f"<u{isz}")
     out = []
     for (off, shp), flat in flat_range_to_boxes(s.shape, start, start + len(words)):
         glob = [a + b for a, b in zip(s.offsets, off, strict=True)]
         k = flat - start
-        out.append(fingerprint_partial(words[k : k + math.prod(shp)], t.shape, glob, shp))
+        out.append(fingerprint_partial(words[k : k + math.prod(shp)], t.shape, glob, shp, version=version))
     return out
 
 
