@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from unickpt.errors import CheckpointFormatError, IndexFileError, UnsafePathError
-from unickpt.format._json import TooDeep, colon_budget, count_pairs_and_colons, strict_loads
+from unickpt.format._json import TooDeep, check_unicode, colon_budget, count_pairs_and_colons, strict_loads
 from unickpt.format.dtypes import DTYPE_ITEMSIZE
 
 __all__ = [
@@ -775,9 +775,11 @@ def parse_index_validated(raw: bytes, path: str) -> IndexFile:
 
 def _decode(raw: bytes, path: str) -> str:
     try:
-        return raw.decode("utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise IndexFileError(f"{path}: index is not valid UTF-8 ({e})") from None
+    check_unicode(text, IndexFileError, f"{path}: index")
+    return text
 
 
 def _validate(text: str, path: str) -> IndexFile:

@@ -55,6 +55,10 @@ class CheckpointReader:
     block: UnickptBlock
     index_path: str | None  # None for a single-file checkpoint
     has_unickpt_block: bool
+    # A single-file checkpoint opened by its path: that path, whatever the file is called, and the
+    # name its slices use for it (the file's own name when it is a safe one).
+    single_file: str | None = None
+    single_slice_file: str | None = None
 
     def __post_init__(self) -> None:
         self._headers: dict[str, SafetensorsHeader] = {}
@@ -70,6 +74,8 @@ class CheckpointReader:
         return sorted({s.file for t in self.block.tensors.values() for s in t.slices})
 
     def file_path(self, name: str) -> str:
+        if self.single_file is not None and name == self.single_slice_file:
+            return self.single_file
         return os.path.join(self.directory, check_file_name(name))
 
     def header(self, name: str) -> SafetensorsHeader:
@@ -201,9 +207,22 @@ def _itemsize(dtype: str) -> int:
     return itemsize(dtype)
 
 
+def _slice_file_name(path: str, kind: str) -> str:
+    """The name a single file's slices use for it: its own when safe, else the canonical one.
+
+    The reader maps that name back to the path it was opened with (``single_file``), so a file
+    the user renamed (``my model (1).safetensors``, ``pytorch_model.safetensors``) is read as is.
+    """
+    base = os.path.basename(path)
+    try:
+        return check_file_name(base)
+    except CheckpointFormatError:
+        return single_name(kind)
+
+
 def _block_from_header(h: SafetensorsHeader, kind: str) -> tuple[UnickptBlock, bool]:
     """The unickpt block of a single-file checkpoint, or one synthesised for a plain file."""
-    file = os.path.basename(h.path)
+    file = _slice_file_name(h.path, kind)
     raw = h.metadata.get(UNICKPT_METADATA_KEY)
     if raw is not None:
         try:
@@ -216,9 +235,12 @@ def _block_from_header(h: SafetensorsHeader, kind: str) -> tuple[UnickptBlock, b
                     for s in slices if isinstance(slices, list) else []:
                         if isinstance(s, dict):
                             s["file"] = file
-            return UnickptBlock.model_validate(obj), True
+            block = UnickptBlock.model_validate(obj)
         except (ValueError, ValidationError, RecursionError) as e:
             raise IndexFileError(f"{h.path}: the unickpt metadata block is invalid: {e}") from None
+        if block.kind != kind:
+            raise IndexFileError(f"{h.path}: holds a {block.kind} checkpoint, expected a {kind} checkpoint")
+        return block, True
     tensors = {
         k: TensorEntry(
             dtype=e.dtype,
@@ -268,8 +290,11 @@ def open_checkpoint(path: str | os.PathLike[str], kind: str = "model") -> Checkp
     if os.path.isfile(p):
         h = read_header(p)
         block, has = _block_from_header(h, kind)
-        r = CheckpointReader(os.path.dirname(os.path.abspath(p)), kind, block, None, has)
-        r._headers[os.path.basename(p)] = h
+        file = _slice_file_name(p, kind)
+        r = CheckpointReader(
+            os.path.dirname(os.path.abspath(p)), kind, block, None, has, os.path.abspath(p), file
+        )
+        r._headers[file] = h
         return r
     if os.path.isdir(p):
         idx = os.path.join(p, index_name(kind))
@@ -281,9 +306,41 @@ def open_checkpoint(path: str | os.PathLike[str], kind: str = "model") -> Checkp
         raise IncompleteCheckpointError(
             f"{p} holds no committed {kind} checkpoint: neither {index_name(kind)} nor {single_name(kind)} "
             "is present (an interrupted save leaves data files without an index; such a directory is "
-            "never loaded)"
+            f"never loaded){_hint_other_files(p)}"
         )
     raise IncompleteCheckpointError(f"no checkpoint at {p}: the path does not exist")
+
+
+def _hint_other_files(directory: str) -> str:
+    """For a directory without a committed checkpoint: name the .safetensors files it does hold.
+
+    A directory is never guessed from its data files (they may be those of an interrupted
+    save); a single file of another name is loaded by passing its path.
+    """
+    try:
+        names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
+    except OSError:
+        return ""
+    if not names:
+        return ""
+    shown = ", ".join(ascii(n) if not n.isprintable() else repr(n) for n in names[:3])
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return (
+        f"; it holds {len(names)} other .safetensors file(s) ({shown}{more}): to load a single-file "
+        "checkpoint of another name, pass the path of the file itself"
+    )
+
+
+def file_kind(path: str) -> str | None:
+    """The ``kind`` recorded in a single safetensors file's unickpt metadata, or None (plain file,
+    unreadable metadata: opening the file reports it)."""
+    try:
+        raw = read_header(path).metadata.get(UNICKPT_METADATA_KEY)
+        obj = strict_loads(raw, IndexFileError, path) if raw is not None else None
+    except CheckpointFormatError:
+        return None
+    kind = obj.get("kind") if isinstance(obj, dict) else None
+    return kind if kind in ("model", "optimizer") else None
 
 
 def _from_index(idx_path: str, directory: str, kind: str) -> CheckpointReader:

@@ -46,7 +46,7 @@ from unickpt.format.index import IndexFile, LayoutInfo, SliceEntry, TensorEntry,
 from unickpt.format.naming import index_name, single_name
 from unickpt.format.reader import UNICKPT_METADATA_KEY, CheckpointReader, open_checkpoint
 from unickpt.format.safetensors_io import encode_header, read_header
-from unickpt.tools._common import check_output, copy_small_file, staged_output, write_all
+from unickpt.tools._common import check_output, copy_small_file, detect_kind, staged_output, write_all
 
 __all__ = ["merge_checkpoint", "DTYPES"]
 
@@ -465,7 +465,14 @@ def merge_checkpoint(
         out_dtype = DTYPES[dtype]
     readers: list[CheckpointReader] = []
     try:
-        kinds = ["model", "optimizer"] if optimizer else ["model"]
+        # A file (a single-file checkpoint under any name, or an index) holds one kind; say which.
+        kinds = (
+            [detect_kind(src_s)]
+            if os.path.isfile(src_s)
+            else ["model", "optimizer"]
+            if optimizer
+            else ["model"]
+        )
         for kind in kinds:
             if optimizer and os.path.isdir(src_s) and not _has_kind(src_s, kind):
                 continue
