@@ -8,6 +8,7 @@ next to a valid data file.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -33,8 +34,10 @@ from unickpt.format.safetensors_io import read_header
 DATA = Path(__file__).resolve().parent.parent / "data"
 HOSTILE = DATA / "hostile"
 MANIFEST = json.loads((HOSTILE / "manifest.json").read_text())
-ST_CASES = sorted(n for n in MANIFEST if n.endswith(".safetensors"))
-IX_CASES = sorted(n for n in MANIFEST if n.endswith(".index.json"))
+ALL_CASES = sorted(n for n in MANIFEST if n != "manifest.json")
+# Files that must be refused; the others ("ok") are valid checkpoints with odd contents.
+ST_CASES = sorted(n for n in ALL_CASES if n.endswith(".safetensors") and MANIFEST[n]["error"] != "ok")
+IX_CASES = sorted(n for n in ALL_CASES if n.endswith(".index.json") and MANIFEST[n]["error"] != "ok")
 
 
 def _make_hostile():  # type: ignore[no-untyped-def]
@@ -70,7 +73,7 @@ def test_committed_hostile_files_match_generator(tmp_path: Path) -> None:
     assert got == sorted(os.listdir(HOSTILE)), "rerun tests/data/make_hostile.py"
     for name in got:
         assert (tmp_path / name).read_bytes() == (HOSTILE / name).read_bytes(), name
-    assert len(ST_CASES) >= 25 and len(IX_CASES) >= 30
+    assert len(ST_CASES) >= 55 and len(IX_CASES) >= 50 and len(ALL_CASES) >= 125
 
 
 def _place_index(tmp_path: Path, name: str) -> Path:
@@ -332,3 +335,121 @@ def test_loading_never_unpickles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         assert r.verify() == []
     assert sched2.last_epoch == sched.last_epoch
     assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Every hostile file through every reader and tool, and the command line.
+
+
+def _place(tmp_path: Path, name: str) -> Path:
+    """The case as a checkpoint directory: a safetensors case as model.safetensors, an index case as
+    the model index next to the good data file."""
+    d = tmp_path / "ck"
+    d.mkdir()
+    if name.endswith(".safetensors"):
+        shutil.copy(HOSTILE / name, d / "model.safetensors")
+    else:
+        shutil.copy(HOSTILE / MH.GOOD, d / MH.GOOD)
+        shutil.copy(HOSTILE / name, d / INDEX)
+    return d
+
+
+def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    from unickpt.cli.main import main
+
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ALL_CASES)
+def test_hostile_file_through_every_tool(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """open_checkpoint, verify, inspect, diff (plain and --deep), merge, load_model and the CLI each
+    answer with the manifest's class (or succeed on an "ok" case); nothing is written on refusal."""
+    from unickpt.tools.diff import diff_checkpoints
+    from unickpt.tools.inspect import format_report, inspect_checkpoint
+    from unickpt.tools.merge import merge_checkpoint
+    from unickpt.tools.verify import verify_checkpoint
+
+    d = _place(tmp_path, name)
+    want = MANIFEST[name]["error"]
+    before = tree_state(tmp_path)
+    index_level = True  # the index (or the single file's header) alone shows the problem
+    try:
+        open_checkpoint(d).close()
+    except UnickptError:
+        pass
+    else:
+        index_level = want == "ok"
+    data_tools = {
+        "open+validate": lambda: open_checkpoint(d).validate_structure(),
+        "verify": lambda: verify_checkpoint(d),
+        "diff --deep": lambda: diff_checkpoints(d, d, deep=True),
+        "merge": lambda: merge_checkpoint(d, tmp_path / "merged"),
+    }
+    index_tools = {
+        "inspect": lambda: format_report(inspect_checkpoint(d), verbose=True),
+        "diff": lambda: diff_checkpoints(d, d),
+    }
+    if want == "ok":
+        for _tool, fn in {**data_tools, **index_tools}.items():
+            fn()  # a valid checkpoint: no error at all
+        assert verify_checkpoint(d) == []
+        merged = open_checkpoint(tmp_path / "merged")
+        assert sorted(merged.tensors) == sorted(open_checkpoint(d).tensors)
+        assert merged.verify() == []
+        assert diff_checkpoints(d, tmp_path / "merged", deep=True).identical
+        shutil.rmtree(tmp_path / "merged")
+    else:
+        cls = expected(name)
+        for _tool, fn in data_tools.items():
+            with pytest.raises(cls):
+                fn()
+        for _tool, fn in index_tools.items():
+            if index_level:
+                with pytest.raises(cls):
+                    fn()
+            else:
+                fn()  # reads only the index, which is fine
+        assert not (tmp_path / "merged").exists()
+    # load_model: the model's names differ from the odd ones, so a mismatch; never anything else.
+    m = Good()
+    snap = snapshot(m)
+    if want == "ok":
+        with contextlib.suppress(errors.StateMismatchError):
+            GeneralCheckpointIO().load_model(m, d, verify=True)
+    else:
+        with pytest.raises((expected(name), errors.StateMismatchError)):
+            GeneralCheckpointIO().load_model(m, d, verify=True)
+        assert same_state(m, snap)
+    capsys.readouterr()
+    # The command line: documented exit codes, one line on stderr, never a traceback.
+    code_of = {"ok": 0}
+    for argv in (
+        ["inspect", str(d)],
+        ["inspect", "--json", "--slices", str(d)],
+        ["verify", "-q", str(d)],
+        ["diff", "--deep", str(d), str(d)],
+        ["merge", "-q", str(d), str(tmp_path / "merged-cli")],
+    ):
+        code, out, err = _cli(argv, capsys)
+        index_only = argv[0] == "inspect"
+        if want == "ok" or (index_only and not index_level):
+            assert code == code_of.get(want, 0), (argv, err)
+            if argv[1] == "--json":
+                json.loads(out)
+        else:
+            assert code == 2, (argv, code, err)
+            assert err.startswith(f"unickpt {argv[0]}: error: ") and err.count("\n") == 1, err
+        assert "Traceback" not in err
+    shutil.rmtree(tmp_path / "merged-cli", ignore_errors=True)
+    assert tree_state(tmp_path) == before
+
+
+def test_corpus_covers_every_class_and_valid_oddities() -> None:
+    found = {MANIFEST[n]["error"] for n in ALL_CASES}
+    assert {"HeaderError", "IndexFileError", "UnsafePathError", "IncompleteCheckpointError", "ok"} <= found
+    assert sum(MANIFEST[n]["error"] == "ok" for n in ALL_CASES) >= 14

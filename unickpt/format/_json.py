@@ -75,6 +75,25 @@ def _surrogate_message(what: str, bad: str) -> str:
     )
 
 
+def json_depth(value: Any, limit: int) -> int:
+    """Nesting depth of a decoded JSON value (a scalar is 0, ``[]`` is 1), counted up to ``limit``.
+
+    Iterative, and stops at ``limit``: cheap on hostile input nested thousands deep.
+    """
+    deepest = 0
+    stack = [(value, 0)]
+    while stack:
+        v, d = stack.pop()
+        t = type(v)
+        if t is dict or t is list:
+            d += 1
+            if d >= limit:
+                return limit
+            deepest = max(deepest, d)
+            stack.extend((x, d) for x in (v.values() if t is dict else v))
+    return deepest
+
+
 def lone_surrogate(value: Any) -> str | None:
     """The first string (key or value) of a decoded JSON value that holds a lone surrogate, or None.
 

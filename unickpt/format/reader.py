@@ -26,6 +26,7 @@ from unickpt.errors import (
     IncompleteCheckpointError,
     IndexFileError,
     IntegrityFailure,
+    UnsafePathError,
 )
 from unickpt.format._json import strict_loads
 from unickpt.format.boxes import coverage_problem
@@ -236,7 +237,9 @@ def _block_from_header(h: SafetensorsHeader, kind: str) -> tuple[UnickptBlock, b
                         if isinstance(s, dict):
                             s["file"] = file
             block = UnickptBlock.model_validate(obj)
-        except (ValueError, ValidationError, RecursionError) as e:
+        except ValidationError as e:
+            raise _schema_error(h.path, e) from None
+        except (ValueError, RecursionError) as e:
             raise IndexFileError(f"{h.path}: the unickpt metadata block is invalid: {e}") from None
         if block.kind != kind:
             raise IndexFileError(f"{h.path}: holds a {block.kind} checkpoint, expected a {kind} checkpoint")
@@ -250,6 +253,21 @@ def _block_from_header(h: SafetensorsHeader, kind: str) -> tuple[UnickptBlock, b
         for k, e in h.entries.items()
     }
     return UnickptBlock(kind="model" if kind == "model" else "optimizer", tensors=tensors), False
+
+
+def _schema_error(path: str, e: ValidationError) -> CheckpointFormatError:
+    """One line per problem (at most 10), as the index's own schema errors; unsafe names stay unsafe."""
+    for err in e.errors():
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, UnsafePathError):
+            return UnsafePathError(f"{path}: the unickpt metadata block: {cause}")
+    problems = "; ".join(
+        f"{'.'.join(str(p) for p in err['loc'])}: {' '.join(str(err['msg']).split())}"
+        for err in e.errors()[:10]
+    )
+    return IndexFileError(
+        f"{path}: the unickpt metadata block does not match the unickpt index schema: {problems}"
+    )
 
 
 def _block_from_plain_index(idx: IndexFile, directory: str, path: str, kind: str) -> UnickptBlock:
