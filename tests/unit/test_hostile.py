@@ -453,3 +453,158 @@ def test_corpus_covers_every_class_and_valid_oddities() -> None:
     found = {MANIFEST[n]["error"] for n in ALL_CASES}
     assert {"HeaderError", "IndexFileError", "UnsafePathError", "IncompleteCheckpointError", "ok"} <= found
     assert sum(MANIFEST[n]["error"] == "ok" for n in ALL_CASES) >= 14
+
+
+# ------------------------------------------------------------------------------------------------
+# File-system oddities: a directory, FIFO, device or symlink loop where a file should be.
+
+
+def _fs_case(kind: str, root: Path) -> tuple[Path, type[UnickptError], str]:
+    """Build the case under ``root``; return (path to open, expected class, words of the message)."""
+    d = root / "ck"
+    if kind == "index_is_dir":
+        (d / INDEX).mkdir(parents=True)
+        return d, errors.IndexFileError, "is a directory"
+    if kind == "single_is_dir":
+        (d / "model.safetensors").mkdir(parents=True)
+        return d, errors.HeaderError, "is a directory"
+    if kind == "index_symlink_loop":
+        d.mkdir()
+        os.symlink(INDEX, d / INDEX)
+        return d, errors.IndexFileError, "symbolic link loop"
+    if kind == "single_symlink_loop":
+        d.mkdir()
+        os.symlink("model.safetensors", d / "model.safetensors")
+        return d, errors.HeaderError, "symbolic link loop"
+    if kind == "index_symlink_to_own_dir":
+        d.mkdir()
+        os.symlink(".", d / INDEX)
+        return d, errors.IndexFileError, "is a directory"
+    if kind == "data_file_symlink_loop":
+        save_sharded(d)
+        victim = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))[0]
+        os.unlink(d / victim)
+        os.symlink(victim, d / victim)
+        return d, errors.HeaderError, "symbolic link loop"
+    if kind == "path_is_fifo":
+        d.mkdir()
+        os.mkfifo(d / "model.safetensors")
+        return d / "model.safetensors", errors.HeaderError, "is a FIFO"
+    if kind == "dir_holds_fifo":
+        d.mkdir()
+        os.mkfifo(d / "model.safetensors")
+        return d, errors.HeaderError, "is a FIFO"
+    assert kind == "path_is_device"
+    return Path("/dev/null"), errors.HeaderError, "is a device"
+
+
+FS_CASES = [
+    "index_is_dir",
+    "single_is_dir",
+    "index_symlink_loop",
+    "single_symlink_loop",
+    "index_symlink_to_own_dir",
+    "data_file_symlink_loop",
+    "path_is_fifo",
+    "dir_holds_fifo",
+    "path_is_device",
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", FS_CASES)
+def test_file_system_oddities_refused_by_every_tool(
+    kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from unickpt.tools.diff import diff_checkpoints
+    from unickpt.tools.inspect import inspect_checkpoint
+    from unickpt.tools.merge import merge_checkpoint
+    from unickpt.tools.verify import verify_checkpoint
+
+    if kind == "path_is_device" and not os.path.exists("/dev/null"):
+        pytest.skip("no /dev/null")
+    p, cls, words = _fs_case(kind, tmp_path)
+    before = tree_state(tmp_path)
+    calls = {
+        "open": lambda: open_checkpoint(p).validate_structure(),
+        "load_model": lambda: GeneralCheckpointIO().load_model(Tiny(), p),
+        "verify": lambda: verify_checkpoint(p),
+        "inspect": lambda: inspect_checkpoint(p),
+        "diff --deep": lambda: diff_checkpoints(p, p, deep=True),
+        "merge": lambda: merge_checkpoint(p, tmp_path / "out"),
+    }
+    for tool, fn in calls.items():
+        if kind == "data_file_symlink_loop" and tool == "inspect":
+            fn()  # inspect reads the index only
+            continue
+        with pytest.raises(cls, match=words):
+            fn()
+    for argv in (["verify", "-q", str(p)], ["merge", "-q", str(p), str(tmp_path / "out2")]):
+        code, _, err = _cli(argv, capsys)
+        assert code == 2 and words in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out2").exists()
+    assert tree_state(tmp_path) == before
+
+
+# ------------------------------------------------------------------------------------------------
+# A single file is read under any name; a directory is never guessed from its data files.
+
+
+@pytest.mark.parametrize(
+    "new_name",
+    [
+        "mymodel.safetensors",
+        "pytorch_model.safetensors",
+        "my model (final) \u00e9t\u00e9.safetensors",
+        "weights.bin.x",
+    ],
+)
+def test_renamed_single_file_read_by_every_tool(tmp_path: Path, new_name: str) -> None:
+    from unickpt import OptimizerWrapper
+    from unickpt.tools.diff import diff_checkpoints
+    from unickpt.tools.inspect import inspect_checkpoint
+    from unickpt.tools.merge import merge_checkpoint
+    from unickpt.tools.verify import verify_checkpoint
+
+    io = GeneralCheckpointIO()
+    m = Tiny(3)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.25)
+    for p in m.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    io.save_model(m, tmp_path / "a" / "model.safetensors")
+    io.save_optimizer(OptimizerWrapper(opt, m), tmp_path / "a" / "optimizer.safetensors")
+    model_file = tmp_path / "a" / new_name
+    optim_file = tmp_path / "a" / ("optim-" + new_name)
+    os.rename(tmp_path / "a" / "model.safetensors", model_file)
+    os.rename(tmp_path / "a" / "optimizer.safetensors", optim_file)
+    t = Tiny(4)
+    io.load_model(t, model_file, verify=True)
+    assert same_state(t, snapshot(m))
+    opt2 = torch.optim.AdamW(t.parameters(), lr=0.5)
+    io.load_optimizer(OptimizerWrapper(opt2, t), optim_file, verify=True)
+    assert opt2.param_groups[0]["lr"] == 0.25
+    assert verify_checkpoint(model_file) == [] and verify_checkpoint(optim_file) == []
+    assert inspect_checkpoint(model_file)["kind"] == "model"
+    assert inspect_checkpoint(optim_file)["kind"] == "optimizer"  # from its metadata, not its name
+    assert diff_checkpoints(model_file, model_file, deep=True).identical
+    merge_checkpoint(model_file, tmp_path / "merged")
+    merge_checkpoint(optim_file, tmp_path / "merged-optim")
+    assert os.listdir(tmp_path / "merged-optim") == ["optimizer.safetensors"]
+    assert diff_checkpoints(model_file, tmp_path / "merged").identical
+    # Asking for the other kind is refused by name, never loaded as it.
+    with pytest.raises(errors.IndexFileError, match=r"of kind 'optimizer' .*expected 'model'"):
+        io.load_model(Tiny(), optim_file)
+
+
+def test_directory_with_one_oddly_named_file_is_not_a_checkpoint(tmp_path: Path) -> None:
+    """A directory is a checkpoint through its index or model.safetensors only (data files of an
+    interrupted save are never guessed at); the message names the file to pass instead."""
+    io = GeneralCheckpointIO()
+    io.save_model(Tiny(1), tmp_path / "d" / "model.safetensors")
+    os.rename(tmp_path / "d" / "model.safetensors", tmp_path / "d" / "mymodel.safetensors")
+    with pytest.raises(
+        errors.IncompleteCheckpointError, match=r"'mymodel\.safetensors'.*pass the path of the file"
+    ):
+        io.load_model(Tiny(), tmp_path / "d")
+    io.load_model(Tiny(), tmp_path / "d" / "mymodel.safetensors")

@@ -12,8 +12,10 @@ No torch here. ``CheckpointReader`` is what ``load_model``, ``verify``, ``inspec
 
 from __future__ import annotations
 
+import errno
 import math
 import os
+import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -242,7 +244,9 @@ def _block_from_header(h: SafetensorsHeader, kind: str) -> tuple[UnickptBlock, b
         except (ValueError, RecursionError) as e:
             raise IndexFileError(f"{h.path}: the unickpt metadata block is invalid: {e}") from None
         if block.kind != kind:
-            raise IndexFileError(f"{h.path}: holds a {block.kind} checkpoint, expected a {kind} checkpoint")
+            raise IndexFileError(
+                f"{h.path}: holds a checkpoint of kind {block.kind!r} (its unickpt metadata), expected {kind!r}"
+            )
         return block, True
     tensors = {
         k: TensorEntry(
@@ -302,6 +306,10 @@ def open_checkpoint(path: str | os.PathLike[str], kind: str = "model") -> Checkp
     Raises ``IncompleteCheckpointError`` when there is no committed checkpoint there.
     """
     p = os.fspath(path)
+    if os.path.lexists(p) and not os.path.isfile(p) and not os.path.isdir(p):
+        raise (IndexFileError if p.endswith(".json") else HeaderError)(
+            f"{p} is {_not_regular(p)}, not a checkpoint file or directory"
+        )
     if os.path.isfile(p) and p.endswith(".index.json"):
         directory = os.path.dirname(os.path.abspath(p))
         return _from_index(p, directory, kind)
@@ -318,15 +326,40 @@ def open_checkpoint(path: str | os.PathLike[str], kind: str = "model") -> Checkp
         idx = os.path.join(p, index_name(kind))
         if os.path.isfile(idx):
             return _from_index(idx, p, kind)
+        if os.path.lexists(idx):
+            raise IndexFileError(f"{idx} is {_not_regular(idx)}, not an index file")
         single = os.path.join(p, single_name(kind))
         if os.path.isfile(single):
             return open_checkpoint(single, kind)
+        if os.path.lexists(single):
+            raise HeaderError(f"{single} is {_not_regular(single)}, not a safetensors file")
         raise IncompleteCheckpointError(
             f"{p} holds no committed {kind} checkpoint: neither {index_name(kind)} nor {single_name(kind)} "
             "is present (an interrupted save leaves data files without an index; such a directory is "
             f"never loaded){_hint_other_files(p)}"
         )
     raise IncompleteCheckpointError(f"no checkpoint at {p}: the path does not exist")
+
+
+def _not_regular(path: str) -> str:
+    """What stands at ``path`` instead of a regular file (for messages)."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "a symbolic link loop"
+        if os.path.islink(path):
+            return "a dangling symbolic link"
+        return f"unreadable ({e.strerror})"
+    if stat.S_ISDIR(st.st_mode):
+        return "a directory"
+    if stat.S_ISFIFO(st.st_mode):
+        return "a FIFO"
+    if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
+        return "a device"
+    if stat.S_ISSOCK(st.st_mode):
+        return "a socket"
+    return "not a regular file"
 
 
 def _hint_other_files(directory: str) -> str:

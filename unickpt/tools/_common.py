@@ -29,7 +29,9 @@ def detect_kind(path: str | os.PathLike[str]) -> str:
     p = os.fspath(path)
     if os.path.isdir(p):
         for kind in ("model", "optimizer"):
-            if os.path.isfile(os.path.join(p, index_name(kind))) or os.path.isfile(
+            # lexists: a directory or a broken link under a checkpoint's name is opened (and refused,
+            # naming what it is) rather than reported as absent.
+            if os.path.lexists(os.path.join(p, index_name(kind))) or os.path.lexists(
                 os.path.join(p, single_name(kind))
             ):
                 return kind
