@@ -288,14 +288,34 @@ def test_non_checkpoint_paths(tmp_path: Path) -> None:
         b"[" * 100_000,
         b'{"state": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5001,
         b"\xff\xfe",
+        b'{"state": {"x": {"__tensor__": {"dtype": "F32", "shape": [2], "data": [1]}}}}',
+        b'{"state": {"x": {"__tensor__": {"dtype": "F32", "shape": [-1], "data": [1]}}}}',
+        b'{"state": {"x": {"__tensor__": {"dtype": "F32", "shape": [1], "data": [[1]]}}}}',
+        b'{"state": {"x": {"__tensor__": {"dtype": "F32", "shape": [1], "data": "a"}}}}',
+        b'{"state": {"x": {"__tensor__": {"dtype": "F32", "shape": [true], "data": [1]}}}}',
+        b'{"state": {"x": {"__tensor__": {"dtype": "F32", "shape": [1.0], "data": [1]}}}}',
+        b'{"state": {"x": {"__tensor__": {"dtype": "I8", "shape": [1], "data": [1000]}}}}',
+        b'{"state": {"x": {"__tensor__": {"dtype": "I64", "shape": [1], "data": [1.5]}}}}',
+        b'{"state": {"x": {"__tensor__": {"dtype": "BOOL", "shape": [1], "data": [2]}}}}',
+        b'{"state": {"x": {"__tensor__": {"dtype": "F32", "shape": [1], "data": [1], "more": 1}}}}',
+        b'{"state": {"x": {"__tensor__": 5}}}',
+        b'{"state": {"x": {"__tensor__": {"dtype": "F32", "shape": [1], "data": [1]}, "y": 1}}}',
+        b'{"state": {"x": {"__str__": 5}}}',
+        b'{"state": {"__int__1": 1, "__int__01": 2}}',
+        b'{"state": {"a": 1, "a": 2}}',
+        b'{"state": {"a": "\\ud800"}}',
+        b'{"state": ' + b"[" * 70 + b"]" * 70 + b"}",
     ],
 )
 def test_hostile_lr_scheduler_json(payload: bytes, tmp_path: Path) -> None:
     p = tmp_path / "lr_scheduler.json"
     p.write_bytes(payload)
     sched = torch.optim.lr_scheduler.StepLR(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0), 1)
-    with pytest.raises(UnickptError):
+    before = sched.state_dict()
+    with pytest.raises(errors.IndexFileError) as ei:
         GeneralCheckpointIO().load_lr_scheduler(sched, p)
+    assert str(p) in str(ei.value) and "\n" not in str(ei.value)
+    assert sched.state_dict() == before
 
 
 def test_loading_never_unpickles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -608,3 +628,68 @@ def test_directory_with_one_oddly_named_file_is_not_a_checkpoint(tmp_path: Path)
     ):
         io.load_model(Tiny(), tmp_path / "d")
     io.load_model(Tiny(), tmp_path / "d" / "mymodel.safetensors")
+
+
+def test_json_state_values_round_trip_and_odd_valid_ones() -> None:
+    from unickpt.io.jsonstate import from_json_value, to_json_value
+
+    for v in [
+        torch.tensor(2.5),
+        torch.zeros(0, 3),
+        torch.tensor([True, False]),
+        torch.arange(6).reshape(2, 3),
+    ]:
+        back = from_json_value(json.loads(json.dumps(to_json_value(v, "x"))))
+        assert torch.equal(back, v) and back.dtype == v.dtype
+    nan = from_json_value({"__tensor__": {"dtype": "F32", "shape": [2], "data": [float("nan"), -0.0]}})
+    assert torch.isnan(nan[0]) and str(nan[1].item()) == "-0.0"
+    assert from_json_value({"__int__-3": [1, {"a": None}]}) == {-3: [1, {"a": None}]}
+
+
+# ------------------------------------------------------------------------------------------------
+# The command line never crashes on names, and never exits 1 for a bug.
+
+
+def test_cli_prints_unprintable_names(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import io as _io
+
+    d = _place(tmp_path, "st_name_controls.safetensors")
+    # A terminal that cannot show the names: escaped, not a UnicodeEncodeError.
+    ascii_out = _io.TextIOWrapper(_io.BytesIO(), encoding="ascii")
+    saved = sys.stdout
+    sys.stdout = ascii_out
+    try:
+        from unickpt.cli.main import main
+
+        assert main(["inspect", "--slices", str(_place_rtl(tmp_path))]) == 0
+        assert main(["inspect", str(d)]) == 0
+        ascii_out.flush()
+        text = ascii_out.buffer.getvalue().decode("ascii")  # type: ignore[attr-defined]
+    finally:
+        sys.stdout = saved
+    assert "\\u202e" in text
+
+
+def _place_rtl(tmp_path: Path) -> Path:
+    d = tmp_path / "rtl"
+    d.mkdir()
+    shutil.copy(HOSTILE / "st_name_rtl.safetensors", d / "model.safetensors")
+    return d
+
+
+def test_cli_internal_error_is_one_line_and_exit_3(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from unickpt.cli.main import EXIT_INTERNAL, main
+    from unickpt.tools import inspect as inspect_mod
+
+    def boom(*a: object, **k: object) -> None:
+        raise KeyError("simulated bug\nsecond line")
+
+    monkeypatch.setattr(inspect_mod, "inspect_checkpoint", boom)
+    code, _, err = _cli(["inspect", str(tmp_path)], capsys)
+    assert code == EXIT_INTERNAL == 3
+    assert err.count("\n") == 1 and "Traceback" not in err and "KeyError" in err and "bug in unickpt" in err
+    monkeypatch.setenv("UNICKPT_TRACEBACK", "1")
+    with pytest.raises(KeyError):
+        main(["inspect", str(tmp_path)])
