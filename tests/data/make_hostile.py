@@ -399,7 +399,399 @@ def cases() -> dict[str, tuple[bytes, str, str]]:
             "plain HF index naming a pickle .bin shard",
         ),
     }
+    c.update(more_cases())
     return c
+
+
+def _with_len(raw: bytes, delta: int) -> bytes:
+    """A valid file whose 8-byte header length is off by ``delta``."""
+    (n,) = struct.unpack("<Q", raw[:8])
+    return struct.pack("<Q", n + delta) + raw[8:]
+
+
+def _raw_index(text: str) -> bytes:
+    """An index written by hand (JSON that json.dumps would never produce)."""
+    return text.replace("GOOD", GOOD).encode()
+
+
+def _block_meta(block: str) -> bytes:
+    """A single file holding F32[2] 'a' whose unickpt metadata block is the JSON text ``block``."""
+    return st({"__metadata__": {"format": "pt", "unickpt": block}, "a": ent("F32", [2], 0, 8)}, bytes(8))
+
+
+def more_cases() -> dict[str, tuple[bytes, str, str]]:
+    """Names, numbers and encodings that JSON allows and a checkpoint must not trip over.
+
+    ``"ok"`` marks a file that is a valid checkpoint: every reader and tool must accept it (and
+    print or write its odd names without crashing).
+    """
+    f32 = ent("F32", [2], 0, 8)
+    good = GOOD_BYTES
+    t_ix = good_tensors()
+    slice_w = json.dumps(t_ix["w"]["slices"][0])  # type: ignore[index]
+    slice_n = json.dumps(t_ix["n"]["slices"][0])  # type: ignore[index]
+    tensors_json = (
+        '{"w": {"dtype": "F32", "shape": [2, 3], "slices": [' + slice_w + "]}, "
+        '"n": {"dtype": "I64", "shape": [4], "slices": [' + slice_n + "]}}"
+    )
+    wm = '{"w": "GOOD", "n": "GOOD"}'
+
+    def ix_text(tensors: str = tensors_json, weight_map: str = wm, extra: str = "") -> bytes:
+        return _raw_index(
+            '{"metadata": {"total_size": 56}, "weight_map": ' + weight_map + ', "unickpt": {"kind": "model", '
+            '"tensors": ' + tensors + extra + "}}"
+        )
+
+    def renamed(old: str, new: str) -> bytes:
+        """The good index with tensor ``old`` called ``new`` (its slices keep their keys)."""
+        t = good_tensors()
+        t[new] = t.pop(old)
+        return index(t, {k: GOOD for k in t})
+
+    return {
+        # ------------------------------------------------ safetensors: names
+        "st_name_backslash_u.safetensors": (
+            st(None, raw=b'{"a\\\\ud800":' + json.dumps(f32).encode() + b"}", data=bytes(8)),
+            "ok",
+            "a backslash then 'ud800' in a name: an escaped backslash, not a surrogate",
+        ),
+        "st_name_surrogate_escape.safetensors": (
+            st(None, raw=b'{"a\ud800b":' + json.dumps(f32).encode() + b"}", data=bytes(8)),
+            "HeaderError",
+            "tensor name with a lone surrogate escape",
+        ),
+        "st_name_low_surrogate.safetensors": (
+            st(None, raw=b'{"\udfff":' + json.dumps(f32).encode() + b"}", data=bytes(8)),
+            "HeaderError",
+            "tensor name that is a lone low surrogate",
+        ),
+        "st_name_surrogate_pair.safetensors": (
+            st(None, raw=b'{"\ud83d\ude00":' + json.dumps(f32).encode() + b"}", data=bytes(8)),
+            "ok",
+            "a valid surrogate pair (an emoji) as a name",
+        ),
+        "st_metadata_surrogate.safetensors": (
+            st(
+                None,
+                raw=b'{"__metadata__":{"format":"\udc80"},"a":' + json.dumps(f32).encode() + b"}",
+                data=bytes(8),
+            ),
+            "HeaderError",
+            "lone surrogate in a metadata value",
+        ),
+        "st_name_controls.safetensors": (
+            st({"a\u0000b\n\r\t\u001b[31mred\u0007": f32}, bytes(8)),
+            "ok",
+            "NUL, newline, CR, tab, ANSI escape, bell in a name",
+        ),
+        "st_name_rtl.safetensors": (
+            st({"\u202eexe.txt\u200f\u2066x": f32}, bytes(8)),
+            "ok",
+            "right-to-left override and isolate marks in a name",
+        ),
+        "st_name_long.safetensors": (st({"n" * 20_000: f32}, bytes(8)), "ok", "a 20,000-character name"),
+        "st_name_empty.safetensors": (st({"": f32}, bytes(8)), "ok", "the empty string as a name"),
+        "st_name_at.safetensors": (
+            st({"w@0": f32, "w@": ent("F32", [0], 8, 8)}, bytes(8)),
+            "ok",
+            "names that look like slice keys",
+        ),
+        # ------------------------------------------------ safetensors: numbers
+        "st_shape_nan.safetensors": (
+            st(None, raw=b'{"a":{"dtype":"F32","shape":[NaN],"data_offsets":[0,8]}}', data=bytes(8)),
+            "HeaderError",
+            "NaN literal as a dim",
+        ),
+        "st_shape_infinity.safetensors": (
+            st(None, raw=b'{"a":{"dtype":"F32","shape":[Infinity],"data_offsets":[0,8]}}', data=bytes(8)),
+            "HeaderError",
+            "Infinity literal as a dim",
+        ),
+        "st_offsets_neg_infinity.safetensors": (
+            st(None, raw=b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[-Infinity,8]}}', data=bytes(8)),
+            "HeaderError",
+            "-Infinity as an offset",
+        ),
+        "st_shape_huge_int.safetensors": (
+            st(
+                None,
+                raw=b'{"a":{"dtype":"F32","shape":[' + b"9" * 400 + b'],"data_offsets":[0,8]}}',
+                data=bytes(8),
+            ),
+            "HeaderError",
+            "a 400-digit dim",
+        ),
+        "st_offsets_huge_int.safetensors": (
+            st(
+                None,
+                raw=b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,' + b"9" * 5000 + b"]}}",
+                data=bytes(8),
+            ),
+            "HeaderError",
+            "a 5,000-digit offset",
+        ),
+        "st_shape_float.safetensors": (
+            st(None, raw=b'{"a":{"dtype":"F32","shape":[2.0],"data_offsets":[0,8]}}', data=bytes(8)),
+            "HeaderError",
+            "2.0 as a dim",
+        ),
+        "st_shape_exponent.safetensors": (
+            st(None, raw=b'{"a":{"dtype":"F32","shape":[2e0],"data_offsets":[0,8]}}', data=bytes(8)),
+            "HeaderError",
+            "2e0 as a dim",
+        ),
+        "st_shape_string.safetensors": (
+            st(None, raw=b'{"a":{"dtype":"F32","shape":["2"],"data_offsets":[0,8]}}', data=bytes(8)),
+            "HeaderError",
+            "a number as a string",
+        ),
+        "st_offsets_string.safetensors": (
+            st(None, raw=b'{"a":{"dtype":"F32","shape":[2],"data_offsets":["0","8"]}}', data=bytes(8)),
+            "HeaderError",
+            "offsets as strings",
+        ),
+        "st_offsets_bool.safetensors": (
+            st(None, raw=b'{"a":{"dtype":"F32","shape":[],"data_offsets":[false,true]}}', data=bytes(1)),
+            "HeaderError",
+            "false/true as offsets",
+        ),
+        "st_shape_neg_zero.safetensors": (
+            st(None, raw=b'{"a":{"dtype":"F32","shape":[-0,2],"data_offsets":[0,0]}}'),
+            "ok",
+            "-0 as a dim: the integer 0",
+        ),
+        "st_dtype_lowercase.safetensors": (
+            st({"a": ent("f32", [2], 0, 8)}, bytes(8)),
+            "HeaderError",
+            "dtype in lower case",
+        ),
+        "st_dtype_null.safetensors": (
+            st({"a": {"dtype": None, "shape": [2], "data_offsets": [0, 8]}}, bytes(8)),
+            "HeaderError",
+            "dtype null",
+        ),
+        # ------------------------------------------------ safetensors: structure and encoding
+        "st_empty.safetensors": (b"", "HeaderError", "an empty file"),
+        "st_only_length.safetensors": (
+            struct.pack("<Q", 0),
+            "HeaderError",
+            "a zero header length and nothing else",
+        ),
+        "st_header_spaces.safetensors": (st(None, raw=b" " * 16), "HeaderError", "a header of spaces"),
+        "st_bom.safetensors": (
+            st(None, raw=b"\xef\xbb\xbf" + json.dumps({"a": f32}).encode(), data=bytes(8)),
+            "HeaderError",
+            "UTF-8 BOM before the header",
+        ),
+        "st_utf16.safetensors": (
+            st(None, raw=json.dumps({"a": f32}).encode("utf-16"), data=bytes(8)),
+            "HeaderError",
+            "header in UTF-16",
+        ),
+        "st_latin1_name.safetensors": (
+            st(None, raw=b'{"caf\xe9":' + json.dumps(f32).encode() + b"}", data=bytes(8)),
+            "HeaderError",
+            "a Latin-1 byte in a name",
+        ),
+        "st_header_len_short_by_one.safetensors": (
+            _with_len(good, -1),
+            "HeaderError",
+            "header length one byte short",
+        ),
+        "st_header_len_long_by_one.safetensors": (
+            _with_len(good, 1),
+            "HeaderError",
+            "header length one byte long",
+        ),
+        "st_truncated_in_data.safetensors": (good[:-1], "HeaderError", "last data byte missing"),
+        "st_truncated_in_header.safetensors": (good[:20], "HeaderError", "cut inside the header"),
+        "st_duplicate_metadata.safetensors": (
+            st(None, raw=b'{"__metadata__":{"format":"pt","format":"pt"}}'),
+            "HeaderError",
+            "duplicate metadata key",
+        ),
+        "st_duplicate_entry_field.safetensors": (
+            st(
+                None,
+                raw=b'{"a":{"dtype":"F32","dtype":"I32","shape":[2],"data_offsets":[0,8]}}',
+                data=bytes(8),
+            ),
+            "HeaderError",
+            "dtype given twice in one entry",
+        ),
+        "st_metadata_nested.safetensors": (
+            st({"__metadata__": {"a": {"b": "c"}}}),
+            "HeaderError",
+            "nested metadata value",
+        ),
+        "st_metadata_twice_deep.safetensors": (
+            st(None, raw=b'{"__metadata__":' + b'{"a":' * 3000 + b'"x"' + b"}" * 3000 + b"}"),
+            "HeaderError",
+            "metadata nested 3,000 deep",
+        ),
+        "st_zero_size_and_scalar.safetensors": (
+            st(
+                {"e": ent("F32", [0, 5], 0, 0), "s": ent("F64", [], 0, 8), "z": ent("I8", [3, 0, 2], 8, 8)},
+                bytes(8),
+            ),
+            "ok",
+            "zero-size tensors and a 0-dim tensor",
+        ),
+        "st_only_empty_tensors.safetensors": (
+            st({"e": ent("BOOL", [0], 0, 0)}),
+            "ok",
+            "one empty tensor, no data at all",
+        ),
+        "st_no_tensors.safetensors": (st({"__metadata__": {"format": "pt"}}), "ok", "metadata and no tensor"),
+        "st_unickpt_meta_surrogate.safetensors": (
+            _block_meta(
+                '{"kind": "model", "tensors": {"\\ud800": {"dtype": "F32", "shape": [2], "slices": []}}}'
+            ),
+            "IndexFileError",
+            "lone surrogate inside the unickpt block of a single file",
+        ),
+        "st_unickpt_meta_optimizer_kind.safetensors": (
+            _block_meta(
+                '{"kind": "optimizer", "tensors": {"a": {"dtype": "F32", "shape": [2], "slices": '
+                '[{"file": "x.safetensors", "key": "a", "offsets": [0], "shape": [2]}]}}}'
+            ),
+            "IndexFileError",
+            "a single optimizer checkpoint where the model one is expected",
+        ),
+        "st_unickpt_meta_param_state_deep.safetensors": (
+            _block_meta(
+                '{"kind": "model", "tensors": {"a": {"dtype": "F32", "shape": [2], "slices": '
+                '[{"file": "x.safetensors", "key": "a", "offsets": [0], "shape": [2]}]}}, "param_state": {"p": {"k": '
+                + "[" * 500
+                + "]" * 500
+                + "}}}"
+            ),
+            "IndexFileError",
+            "param_state nested 500 deep",
+        ),
+        "st_unickpt_meta_duplicate.safetensors": (
+            _block_meta('{"kind": "model", "kind": "model", "tensors": {}}'),
+            "IndexFileError",
+            "duplicate key in the unickpt block",
+        ),
+        # ------------------------------------------------ index files
+        "ix_empty.index.json": (b"", "IndexFileError", "an empty index"),
+        "ix_bom.index.json": (b"\xef\xbb\xbf" + index(), "IndexFileError", "UTF-8 BOM before the index"),
+        "ix_utf16.index.json": (index().decode().encode("utf-16"), "IndexFileError", "index in UTF-16"),
+        "ix_name_surrogate.index.json": (
+            ix_text(tensors_json.replace('"w"', '"w\\udbff"', 1), wm.replace('"w"', '"w\\udbff"')),
+            "IndexFileError",
+            "tensor name with a lone surrogate escape",
+        ),
+        "ix_weight_map_file_surrogate.index.json": (
+            ix_text(weight_map='{"w": "\\ud800.safetensors", "n": "GOOD"}'),
+            "IndexFileError",
+            "file name with a lone surrogate escape",
+        ),
+        "ix_metadata_surrogate.index.json": (
+            _raw_index(index().decode().replace('"total_size": 56', '"total_size": 56, "note": "\\udc00"')),
+            "IndexFileError",
+            "lone surrogate in a preserved metadata value",
+        ),
+        "ix_name_controls.index.json": (
+            renamed("w", "w\u0000\n\u001b[2J\u202e"),
+            "ok",
+            "control characters and RTL in a name",
+        ),
+        "ix_name_long.index.json": (renamed("w", "w" * 20_000), "ok", "a 20,000-character name"),
+        "ix_duplicate_tensor.index.json": (
+            ix_text(tensors_json[:-1] + ', "w": ' + json.dumps(good_tensors()["w"]) + "}"),
+            "IndexFileError",
+            "the same tensor twice in unickpt.tensors",
+        ),
+        "ix_duplicate_slice_field.index.json": (
+            ix_text(tensors_json.replace('"key": "w"', '"key": "w", "key": "n"')),
+            "IndexFileError",
+            "key given twice in one slice",
+        ),
+        "ix_duplicate_block.index.json": (
+            _raw_index(index().decode()[:-1] + ', "unickpt": {"kind": "model", "tensors": {}}}'),
+            "IndexFileError",
+            "the unickpt block twice",
+        ),
+        "ix_offsets_true.index.json": (
+            with_slice("n", offsets=[True]),
+            "IndexFileError",
+            "true as an offset",
+        ),
+        "ix_shape_false.index.json": (
+            index({**good_tensors(), "n": {"dtype": "I64", "shape": [False], "slices": []}}),
+            "IndexFileError",
+            "false as a dim",
+        ),
+        "ix_offsets_float.index.json": (with_slice("n", offsets=[0.0]), "IndexFileError", "0.0 as an offset"),
+        "ix_offsets_string.index.json": (
+            with_slice("n", offsets=["0"]),
+            "IndexFileError",
+            "an offset as a string",
+        ),
+        "ix_shape_string.index.json": (with_slice("n", shape=["4"]), "IndexFileError", "a dim as a string"),
+        "ix_offsets_huge.index.json": (
+            with_slice("n", offsets=[10**30]),
+            "IndexFileError",
+            "a 31-digit offset",
+        ),
+        "ix_offsets_nan.index.json": (
+            _raw_index(index().decode().replace('"offsets": [0]', '"offsets": [NaN]')),
+            "IndexFileError",
+            "NaN as an offset",
+        ),
+        "ix_total_size_infinity.index.json": (
+            _raw_index(index().decode().replace('"total_size": 56', '"total_size": Infinity')),
+            "IndexFileError",
+            "Infinity as total_size",
+        ),
+        "ix_version_true.index.json": (
+            index(format_version=True),
+            "IndexFileError",
+            "true as format_version",
+        ),
+        "ix_version_float.index.json": (index(format_version=1.0), "IndexFileError", "1.0 as format_version"),
+        "ix_offsets_neg_zero.index.json": (
+            _raw_index(index().decode().replace('"offsets": [0]', '"offsets": [-0]')),
+            "ok",
+            "-0 as an offset: the integer 0",
+        ),
+        "ix_param_state_deep.index.json": (
+            index(param_state={"p": {"k": json.loads("[" * 200 + "]" * 200)}}),
+            "IndexFileError",
+            "param_state nested 200 deep",
+        ),
+        "ix_weight_map_not_str.index.json": (
+            index(weight_map={"w": 5, "n": GOOD}),
+            "IndexFileError",
+            "a number as a file name",
+        ),  # type: ignore[dict-item]
+        "ix_kind_optimizer.index.json": (
+            index(kind="optimizer"),
+            "IndexFileError",
+            "an optimizer index under the model's name",
+        ),
+        "ix_slices_not_list.index.json": (
+            with_slice("w", shape={"0": 2}),
+            "IndexFileError",
+            "an object as a slice shape",
+        ),
+        "ix_zero_size_and_scalar.index.json": (
+            index(
+                {
+                    **good_tensors(),
+                    "e": {
+                        "dtype": "F32",
+                        "shape": [0, 3],
+                        "slices": [{"file": GOOD, "key": "w", "offsets": [0, 0], "shape": [0, 3]}],
+                    },
+                }
+            ),
+            "HeaderError",
+            "an empty tensor naming a key of another shape",
+        ),
+    }
 
 
 def write(out: Path = OUT) -> None:

@@ -68,6 +68,8 @@ JSON_ATOMS = st.one_of(
     st.integers(-(1 << 70), 1 << 70),
     st.floats(allow_nan=True),
     st.text(max_size=12),
+    # Any code point, lone surrogates and controls included (json.dumps escapes them as \uXXXX).
+    st.text(st.characters(blacklist_categories=()), max_size=6),
 )
 JSON_VALUES = st.recursive(
     JSON_ATOMS,
@@ -177,6 +179,95 @@ def test_structured_index_mutations(which: int, value: object) -> None:
 @given(st.sampled_from(sorted(_FILES)), EDITS)
 def test_byte_mutations_of_shard_file(name: str, edits: list[tuple[int, int, int]]) -> None:
     _load_dir(_INDEX_BYTES, {**_FILES, name: _mutate(_FILES[name], edits)})
+
+
+# ------------------------------------------------------------------ the tools and JSON state
+def _tools_on(path: Path, out_root: Path) -> None:
+    """Every offline tool on one (possibly hostile) checkpoint: success or UnickptError only, and
+    a refused merge leaves no output."""
+    from unickpt.tools.diff import diff_checkpoints
+    from unickpt.tools.inspect import format_report, inspect_checkpoint
+    from unickpt.tools.merge import merge_checkpoint
+    from unickpt.tools.verify import verify_checkpoint
+
+    _only_unickpt(
+        lambda: format_report(inspect_checkpoint(path), verbose=True).encode("utf-8", "backslashreplace")
+    )
+    _only_unickpt(lambda: verify_checkpoint(path))
+    _only_unickpt(lambda: diff_checkpoints(path, path, deep=True))
+    out = out_root / "merged"
+    try:
+        merge_checkpoint(path, out)
+    except UnickptError:
+        assert not out.exists()
+
+
+_SINGLE_META = json.loads(read_header(_SINGLE).metadata["unickpt"])
+_SINGLE_PATHS = _paths(_SINGLE_META)
+
+
+@FUZZ
+@given(st.integers(0, len(_SINGLE_PATHS) - 1), JSON_VALUES)
+def test_structured_single_file_block_mutations(which: int, value: object) -> None:
+    """The unickpt block inside a single file's header metadata, mutated, through every tool."""
+    from unickpt.format.safetensors_io import encode_header
+
+    block = _replace(_SINGLE_META, _SINGLE_PATHS[which], value)
+    h = read_header(_SINGLE)
+    meta = {**h.metadata, "unickpt": json.dumps(block)}
+    specs = [(k, e.dtype, e.shape) for k, e in sorted(h.entries.items(), key=lambda kv: kv[1].begin)]
+    header, _ = encode_header(specs, meta)
+    with tempfile.TemporaryDirectory(dir=_BASE) as d:
+        p = Path(d) / "renamed by user.safetensors"
+        p.write_bytes(header + _SINGLE_BYTES[h.data_start :])
+        m = Tiny(9)
+        snap = snapshot(m)
+        try:
+            GeneralCheckpointIO().load_model(m, p, verify=True)
+        except UnickptError:
+            assert same_state(m, snap)
+        _tools_on(p, Path(d))
+
+
+@FUZZ
+@given(EDITS)
+def test_byte_mutations_of_index_through_the_tools(edits: list[tuple[int, int, int]]) -> None:
+    with tempfile.TemporaryDirectory(dir=_BASE) as d:
+        dd = Path(d) / "ck"
+        dd.mkdir()
+        for f, b in _FILES.items():
+            (dd / f).write_bytes(b)
+        (dd / INDEX).write_bytes(_mutate(_INDEX_BYTES, edits))
+        _tools_on(dd, Path(d))
+
+
+_TENSOR_SPECS = st.fixed_dictionaries(
+    {},
+    optional={
+        "dtype": st.one_of(
+            st.sampled_from(["F32", "I8", "BOOL", "U64", "BF16", "F8_E4M3", "Q4"]), JSON_ATOMS
+        ),
+        "shape": st.one_of(st.lists(st.integers(-2, 5), max_size=3), JSON_VALUES),
+        "data": st.one_of(st.lists(JSON_ATOMS, max_size=8), JSON_VALUES),
+    },
+)
+
+
+@FUZZ
+@given(
+    st.one_of(
+        JSON_VALUES,
+        st.builds(lambda t: {"__tensor__": t}, _TENSOR_SPECS),
+        st.builds(lambda v: {"x": [{"__tensor__": v}]}, JSON_VALUES),
+    )
+)
+def test_json_state_values(value: object) -> None:
+    """JSON state (param_groups, param_state, LR schedulers) from untrusted JSON: a value or IndexFileError."""
+    from unickpt.errors import IndexFileError, UnsupportedError
+    from unickpt.io.jsonstate import from_json_value
+
+    with contextlib.suppress(IndexFileError, UnsupportedError):
+        from_json_value(value)
 
 
 def test_fuzz_settings() -> None:

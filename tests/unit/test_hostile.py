@@ -8,6 +8,7 @@ next to a valid data file.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -33,8 +34,10 @@ from unickpt.format.safetensors_io import read_header
 DATA = Path(__file__).resolve().parent.parent / "data"
 HOSTILE = DATA / "hostile"
 MANIFEST = json.loads((HOSTILE / "manifest.json").read_text())
-ST_CASES = sorted(n for n in MANIFEST if n.endswith(".safetensors"))
-IX_CASES = sorted(n for n in MANIFEST if n.endswith(".index.json"))
+ALL_CASES = sorted(n for n in MANIFEST if n != "manifest.json")
+# Files that must be refused; the others ("ok") are valid checkpoints with odd contents.
+ST_CASES = sorted(n for n in ALL_CASES if n.endswith(".safetensors") and MANIFEST[n]["error"] != "ok")
+IX_CASES = sorted(n for n in ALL_CASES if n.endswith(".index.json") and MANIFEST[n]["error"] != "ok")
 
 
 def _make_hostile():  # type: ignore[no-untyped-def]
@@ -70,7 +73,7 @@ def test_committed_hostile_files_match_generator(tmp_path: Path) -> None:
     assert got == sorted(os.listdir(HOSTILE)), "rerun tests/data/make_hostile.py"
     for name in got:
         assert (tmp_path / name).read_bytes() == (HOSTILE / name).read_bytes(), name
-    assert len(ST_CASES) >= 25 and len(IX_CASES) >= 30
+    assert len(ST_CASES) >= 55 and len(IX_CASES) >= 50 and len(ALL_CASES) >= 125
 
 
 def _place_index(tmp_path: Path, name: str) -> Path:
@@ -285,14 +288,34 @@ def test_non_checkpoint_paths(tmp_path: Path) -> None:
         b"[" * 100_000,
         b'{"state": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5001,
         b"\xff\xfe",
+        b'{"state": {"x": {"__tensor__": {"dtype": "F32", "shape": [2], "data": [1]}}}}',
+        b'{"state": {"x": {"__tensor__": {"dtype": "F32", "shape": [-1], "data": [1]}}}}',
+        b'{"state": {"x": {"__tensor__": {"dtype": "F32", "shape": [1], "data": [[1]]}}}}',
+        b'{"state": {"x": {"__tensor__": {"dtype": "F32", "shape": [1], "data": "a"}}}}',
+        b'{"state": {"x": {"__tensor__": {"dtype": "F32", "shape": [true], "data": [1]}}}}',
+        b'{"state": {"x": {"__tensor__": {"dtype": "F32", "shape": [1.0], "data": [1]}}}}',
+        b'{"state": {"x": {"__tensor__": {"dtype": "I8", "shape": [1], "data": [1000]}}}}',
+        b'{"state": {"x": {"__tensor__": {"dtype": "I64", "shape": [1], "data": [1.5]}}}}',
+        b'{"state": {"x": {"__tensor__": {"dtype": "BOOL", "shape": [1], "data": [2]}}}}',
+        b'{"state": {"x": {"__tensor__": {"dtype": "F32", "shape": [1], "data": [1], "more": 1}}}}',
+        b'{"state": {"x": {"__tensor__": 5}}}',
+        b'{"state": {"x": {"__tensor__": {"dtype": "F32", "shape": [1], "data": [1]}, "y": 1}}}',
+        b'{"state": {"x": {"__str__": 5}}}',
+        b'{"state": {"__int__1": 1, "__int__01": 2}}',
+        b'{"state": {"a": 1, "a": 2}}',
+        b'{"state": {"a": "\\ud800"}}',
+        b'{"state": ' + b"[" * 70 + b"]" * 70 + b"}",
     ],
 )
 def test_hostile_lr_scheduler_json(payload: bytes, tmp_path: Path) -> None:
     p = tmp_path / "lr_scheduler.json"
     p.write_bytes(payload)
     sched = torch.optim.lr_scheduler.StepLR(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0), 1)
-    with pytest.raises(UnickptError):
+    before = sched.state_dict()
+    with pytest.raises(errors.IndexFileError) as ei:
         GeneralCheckpointIO().load_lr_scheduler(sched, p)
+    assert str(p) in str(ei.value) and "\n" not in str(ei.value)
+    assert sched.state_dict() == before
 
 
 def test_loading_never_unpickles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -332,3 +355,341 @@ def test_loading_never_unpickles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         assert r.verify() == []
     assert sched2.last_epoch == sched.last_epoch
     assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Every hostile file through every reader and tool, and the command line.
+
+
+def _place(tmp_path: Path, name: str) -> Path:
+    """The case as a checkpoint directory: a safetensors case as model.safetensors, an index case as
+    the model index next to the good data file."""
+    d = tmp_path / "ck"
+    d.mkdir()
+    if name.endswith(".safetensors"):
+        shutil.copy(HOSTILE / name, d / "model.safetensors")
+    else:
+        shutil.copy(HOSTILE / MH.GOOD, d / MH.GOOD)
+        shutil.copy(HOSTILE / name, d / INDEX)
+    return d
+
+
+def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    from unickpt.cli.main import main
+
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ALL_CASES)
+def test_hostile_file_through_every_tool(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """open_checkpoint, verify, inspect, diff (plain and --deep), merge, load_model and the CLI each
+    answer with the manifest's class (or succeed on an "ok" case); nothing is written on refusal."""
+    from unickpt.tools.diff import diff_checkpoints
+    from unickpt.tools.inspect import format_report, inspect_checkpoint
+    from unickpt.tools.merge import merge_checkpoint
+    from unickpt.tools.verify import verify_checkpoint
+
+    d = _place(tmp_path, name)
+    want = MANIFEST[name]["error"]
+    before = tree_state(tmp_path)
+    index_level = True  # the index (or the single file's header) alone shows the problem
+    try:
+        open_checkpoint(d).close()
+    except UnickptError:
+        pass
+    else:
+        index_level = want == "ok"
+    data_tools = {
+        "open+validate": lambda: open_checkpoint(d).validate_structure(),
+        "verify": lambda: verify_checkpoint(d),
+        "diff --deep": lambda: diff_checkpoints(d, d, deep=True),
+        "merge": lambda: merge_checkpoint(d, tmp_path / "merged"),
+    }
+    index_tools = {
+        "inspect": lambda: format_report(inspect_checkpoint(d), verbose=True),
+        "diff": lambda: diff_checkpoints(d, d),
+    }
+    if want == "ok":
+        for _tool, fn in {**data_tools, **index_tools}.items():
+            fn()  # a valid checkpoint: no error at all
+        assert verify_checkpoint(d) == []
+        merged = open_checkpoint(tmp_path / "merged")
+        assert sorted(merged.tensors) == sorted(open_checkpoint(d).tensors)
+        assert merged.verify() == []
+        assert diff_checkpoints(d, tmp_path / "merged", deep=True).identical
+        shutil.rmtree(tmp_path / "merged")
+    else:
+        cls = expected(name)
+        for _tool, fn in data_tools.items():
+            with pytest.raises(cls):
+                fn()
+        for _tool, fn in index_tools.items():
+            if index_level:
+                with pytest.raises(cls):
+                    fn()
+            else:
+                fn()  # reads only the index, which is fine
+        assert not (tmp_path / "merged").exists()
+    # load_model: the model's names differ from the odd ones, so a mismatch; never anything else.
+    m = Good()
+    snap = snapshot(m)
+    if want == "ok":
+        with contextlib.suppress(errors.StateMismatchError):
+            GeneralCheckpointIO().load_model(m, d, verify=True)
+    else:
+        with pytest.raises((expected(name), errors.StateMismatchError)):
+            GeneralCheckpointIO().load_model(m, d, verify=True)
+        assert same_state(m, snap)
+    capsys.readouterr()
+    # The command line: documented exit codes, one line on stderr, never a traceback.
+    code_of = {"ok": 0}
+    for argv in (
+        ["inspect", str(d)],
+        ["inspect", "--json", "--slices", str(d)],
+        ["verify", "-q", str(d)],
+        ["diff", "--deep", str(d), str(d)],
+        ["merge", "-q", str(d), str(tmp_path / "merged-cli")],
+    ):
+        code, out, err = _cli(argv, capsys)
+        index_only = argv[0] == "inspect"
+        if want == "ok" or (index_only and not index_level):
+            assert code == code_of.get(want, 0), (argv, err)
+            if argv[1] == "--json":
+                json.loads(out)
+        else:
+            assert code == 2, (argv, code, err)
+            assert err.startswith(f"unickpt {argv[0]}: error: ") and err.count("\n") == 1, err
+        assert "Traceback" not in err
+    shutil.rmtree(tmp_path / "merged-cli", ignore_errors=True)
+    assert tree_state(tmp_path) == before
+
+
+def test_corpus_covers_every_class_and_valid_oddities() -> None:
+    found = {MANIFEST[n]["error"] for n in ALL_CASES}
+    assert {"HeaderError", "IndexFileError", "UnsafePathError", "IncompleteCheckpointError", "ok"} <= found
+    assert sum(MANIFEST[n]["error"] == "ok" for n in ALL_CASES) >= 14
+
+
+# ------------------------------------------------------------------------------------------------
+# File-system oddities: a directory, FIFO, device or symlink loop where a file should be.
+
+
+def _fs_case(kind: str, root: Path) -> tuple[Path, type[UnickptError], str]:
+    """Build the case under ``root``; return (path to open, expected class, words of the message)."""
+    d = root / "ck"
+    if kind == "index_is_dir":
+        (d / INDEX).mkdir(parents=True)
+        return d, errors.IndexFileError, "is a directory"
+    if kind == "single_is_dir":
+        (d / "model.safetensors").mkdir(parents=True)
+        return d, errors.HeaderError, "is a directory"
+    if kind == "index_symlink_loop":
+        d.mkdir()
+        os.symlink(INDEX, d / INDEX)
+        return d, errors.IndexFileError, "symbolic link loop"
+    if kind == "single_symlink_loop":
+        d.mkdir()
+        os.symlink("model.safetensors", d / "model.safetensors")
+        return d, errors.HeaderError, "symbolic link loop"
+    if kind == "index_symlink_to_own_dir":
+        d.mkdir()
+        os.symlink(".", d / INDEX)
+        return d, errors.IndexFileError, "is a directory"
+    if kind == "data_file_symlink_loop":
+        save_sharded(d)
+        victim = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))[0]
+        os.unlink(d / victim)
+        os.symlink(victim, d / victim)
+        return d, errors.HeaderError, "symbolic link loop"
+    if kind == "path_is_fifo":
+        d.mkdir()
+        os.mkfifo(d / "model.safetensors")
+        return d / "model.safetensors", errors.HeaderError, "is a FIFO"
+    if kind == "dir_holds_fifo":
+        d.mkdir()
+        os.mkfifo(d / "model.safetensors")
+        return d, errors.HeaderError, "is a FIFO"
+    assert kind == "path_is_device"
+    return Path("/dev/null"), errors.HeaderError, "is a device"
+
+
+FS_CASES = [
+    "index_is_dir",
+    "single_is_dir",
+    "index_symlink_loop",
+    "single_symlink_loop",
+    "index_symlink_to_own_dir",
+    "data_file_symlink_loop",
+    "path_is_fifo",
+    "dir_holds_fifo",
+    "path_is_device",
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", FS_CASES)
+def test_file_system_oddities_refused_by_every_tool(
+    kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from unickpt.tools.diff import diff_checkpoints
+    from unickpt.tools.inspect import inspect_checkpoint
+    from unickpt.tools.merge import merge_checkpoint
+    from unickpt.tools.verify import verify_checkpoint
+
+    if kind == "path_is_device" and not os.path.exists("/dev/null"):
+        pytest.skip("no /dev/null")
+    p, cls, words = _fs_case(kind, tmp_path)
+    before = tree_state(tmp_path)
+    calls = {
+        "open": lambda: open_checkpoint(p).validate_structure(),
+        "load_model": lambda: GeneralCheckpointIO().load_model(Tiny(), p),
+        "verify": lambda: verify_checkpoint(p),
+        "inspect": lambda: inspect_checkpoint(p),
+        "diff --deep": lambda: diff_checkpoints(p, p, deep=True),
+        "merge": lambda: merge_checkpoint(p, tmp_path / "out"),
+    }
+    for tool, fn in calls.items():
+        if kind == "data_file_symlink_loop" and tool == "inspect":
+            fn()  # inspect reads the index only
+            continue
+        with pytest.raises(cls, match=words):
+            fn()
+    for argv in (["verify", "-q", str(p)], ["merge", "-q", str(p), str(tmp_path / "out2")]):
+        code, _, err = _cli(argv, capsys)
+        assert code == 2 and words in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out2").exists()
+    assert tree_state(tmp_path) == before
+
+
+# ------------------------------------------------------------------------------------------------
+# A single file is read under any name; a directory is never guessed from its data files.
+
+
+@pytest.mark.parametrize(
+    "new_name",
+    [
+        "mymodel.safetensors",
+        "pytorch_model.safetensors",
+        "my model (final) \u00e9t\u00e9.safetensors",
+        "weights.bin.x",
+    ],
+)
+def test_renamed_single_file_read_by_every_tool(tmp_path: Path, new_name: str) -> None:
+    from unickpt import OptimizerWrapper
+    from unickpt.tools.diff import diff_checkpoints
+    from unickpt.tools.inspect import inspect_checkpoint
+    from unickpt.tools.merge import merge_checkpoint
+    from unickpt.tools.verify import verify_checkpoint
+
+    io = GeneralCheckpointIO()
+    m = Tiny(3)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.25)
+    for p in m.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    io.save_model(m, tmp_path / "a" / "model.safetensors")
+    io.save_optimizer(OptimizerWrapper(opt, m), tmp_path / "a" / "optimizer.safetensors")
+    model_file = tmp_path / "a" / new_name
+    optim_file = tmp_path / "a" / ("optim-" + new_name)
+    os.rename(tmp_path / "a" / "model.safetensors", model_file)
+    os.rename(tmp_path / "a" / "optimizer.safetensors", optim_file)
+    t = Tiny(4)
+    io.load_model(t, model_file, verify=True)
+    assert same_state(t, snapshot(m))
+    opt2 = torch.optim.AdamW(t.parameters(), lr=0.5)
+    io.load_optimizer(OptimizerWrapper(opt2, t), optim_file, verify=True)
+    assert opt2.param_groups[0]["lr"] == 0.25
+    assert verify_checkpoint(model_file) == [] and verify_checkpoint(optim_file) == []
+    assert inspect_checkpoint(model_file)["kind"] == "model"
+    assert inspect_checkpoint(optim_file)["kind"] == "optimizer"  # from its metadata, not its name
+    assert diff_checkpoints(model_file, model_file, deep=True).identical
+    merge_checkpoint(model_file, tmp_path / "merged")
+    merge_checkpoint(optim_file, tmp_path / "merged-optim")
+    assert os.listdir(tmp_path / "merged-optim") == ["optimizer.safetensors"]
+    assert diff_checkpoints(model_file, tmp_path / "merged").identical
+    # Asking for the other kind is refused by name, never loaded as it.
+    with pytest.raises(errors.IndexFileError, match=r"of kind 'optimizer' .*expected 'model'"):
+        io.load_model(Tiny(), optim_file)
+
+
+def test_directory_with_one_oddly_named_file_is_not_a_checkpoint(tmp_path: Path) -> None:
+    """A directory is a checkpoint through its index or model.safetensors only (data files of an
+    interrupted save are never guessed at); the message names the file to pass instead."""
+    io = GeneralCheckpointIO()
+    io.save_model(Tiny(1), tmp_path / "d" / "model.safetensors")
+    os.rename(tmp_path / "d" / "model.safetensors", tmp_path / "d" / "mymodel.safetensors")
+    with pytest.raises(
+        errors.IncompleteCheckpointError, match=r"'mymodel\.safetensors'.*pass the path of the file"
+    ):
+        io.load_model(Tiny(), tmp_path / "d")
+    io.load_model(Tiny(), tmp_path / "d" / "mymodel.safetensors")
+
+
+def test_json_state_values_round_trip_and_odd_valid_ones() -> None:
+    from unickpt.io.jsonstate import from_json_value, to_json_value
+
+    for v in [
+        torch.tensor(2.5),
+        torch.zeros(0, 3),
+        torch.tensor([True, False]),
+        torch.arange(6).reshape(2, 3),
+    ]:
+        back = from_json_value(json.loads(json.dumps(to_json_value(v, "x"))))
+        assert torch.equal(back, v) and back.dtype == v.dtype
+    nan = from_json_value({"__tensor__": {"dtype": "F32", "shape": [2], "data": [float("nan"), -0.0]}})
+    assert torch.isnan(nan[0]) and str(nan[1].item()) == "-0.0"
+    assert from_json_value({"__int__-3": [1, {"a": None}]}) == {-3: [1, {"a": None}]}
+
+
+# ------------------------------------------------------------------------------------------------
+# The command line never crashes on names, and never exits 1 for a bug.
+
+
+def test_cli_prints_unprintable_names(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import io as _io
+
+    d = _place(tmp_path, "st_name_controls.safetensors")
+    # A terminal that cannot show the names: escaped, not a UnicodeEncodeError.
+    ascii_out = _io.TextIOWrapper(_io.BytesIO(), encoding="ascii")
+    saved = sys.stdout
+    sys.stdout = ascii_out
+    try:
+        from unickpt.cli.main import main
+
+        assert main(["inspect", "--slices", str(_place_rtl(tmp_path))]) == 0
+        assert main(["inspect", str(d)]) == 0
+        ascii_out.flush()
+        text = ascii_out.buffer.getvalue().decode("ascii")  # type: ignore[attr-defined]
+    finally:
+        sys.stdout = saved
+    assert "\\u202e" in text
+
+
+def _place_rtl(tmp_path: Path) -> Path:
+    d = tmp_path / "rtl"
+    d.mkdir()
+    shutil.copy(HOSTILE / "st_name_rtl.safetensors", d / "model.safetensors")
+    return d
+
+
+def test_cli_internal_error_is_one_line_and_exit_3(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from unickpt.cli.main import EXIT_INTERNAL, main
+    from unickpt.tools import inspect as inspect_mod
+
+    def boom(*a: object, **k: object) -> None:
+        raise KeyError("simulated bug\nsecond line")
+
+    monkeypatch.setattr(inspect_mod, "inspect_checkpoint", boom)
+    code, _, err = _cli(["inspect", str(tmp_path)], capsys)
+    assert code == EXIT_INTERNAL == 3
+    assert err.count("\n") == 1 and "Traceback" not in err and "KeyError" in err and "bug in unickpt" in err
+    monkeypatch.setenv("UNICKPT_TRACEBACK", "1")
+    with pytest.raises(KeyError):
+        main(["inspect", str(tmp_path)])

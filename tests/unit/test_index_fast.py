@@ -600,17 +600,31 @@ def test_slices_sharing_a_fields_set_stay_independent() -> None:
     assert b.model_fields_set == set(SliceEntry.model_fields)
 
 
-def test_lax_values_are_taken_like_the_models_take_them() -> None:
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda o, s: s.update(offsets=["0", 0]),
+        lambda o, s: s.update(offsets=[0.0, 0]),
+        lambda o, s: s.update(offsets=[False, 0]),
+        lambda o, s: s.update(shape=[2, 8.0]),
+        lambda o, s: o["unickpt"]["layout"].update(gathered="yes"),
+        lambda o, s: o["unickpt"]["layout"].update(world_size=2.0),
+        lambda o, s: o["unickpt"].update(format_version=True),
+        lambda o, s: o["unickpt"].update(format_version=1.0),
+        lambda o, s: o["metadata"].update(total_size="12"),
+    ],
+)
+def test_lax_values_are_refused_by_both_paths(edit: Any) -> None:
+    """JSON true, 0.0 and "0" are not integers (nor "yes" a boolean): pydantic's lax mode would
+    take them; the index refuses them, through the fast path and the models alike."""
     obj = json.loads(_sliced())
-    s = obj["unickpt"]["tensors"]["layers.0.weight"]["slices"][0]
-    s["offsets"] = ["0", 0.0]
-    obj["unickpt"]["layout"]["gathered"] = "yes"
-    obj["unickpt"]["format_version"] = True
+    edit(obj, obj["unickpt"]["tensors"]["layers.0.weight"]["slices"][0])
     raw = json.dumps(obj).encode()
-    with pytest.raises(_NotFast) as e:
-        _FastIndex(raw).parse(raw.decode())
-    assert e.value.problem is None
-    assert _state(parse_index(raw, "i")) == _state(parse_index_validated(raw, "i"))
+    with pytest.raises(IndexFileError) as fast:
+        parse_index(raw, "i")
+    with pytest.raises(IndexFileError) as models:
+        parse_index_validated(raw, "i")
+    assert str(fast.value) == str(models.value)
 
 
 @pytest.mark.parametrize(
@@ -734,7 +748,12 @@ def test_fast_checks_know_the_models() -> None:
     }
     validators = {
         TensorEntry: {"_dtype", "_slices_in_bounds"},
-        UnickptBlock: {"_files_are_safe", "_aliases_resolve"},
+        UnickptBlock: {
+            "_files_are_safe",
+            "_aliases_resolve",
+            "_version_is_an_integer",
+            "_state_not_too_deep",
+        },
         IndexFile: {"_safe_files", "_plain_metadata_is_informational"},
     }
     for cls, names in fields.items():

@@ -2,7 +2,8 @@
 
 Exit codes (every subcommand): 0 success / identical; 1 the checkpoint is damaged or the
 two checkpoints differ; 2 unusable input (not a checkpoint, malformed index, hostile
-header, bad arguments). Expected failures print one message on stderr, never a traceback.
+header, bad arguments); 3 an unexpected internal error (a bug). Failures print one message
+on stderr, never a traceback (``UNICKPT_TRACEBACK=1`` re-raises internal errors).
 
 Start-up stays fast: ``inspect``, ``verify`` and ``diff`` never import torch; ``merge``
 imports it only for ``--dtype`` and ``convert`` only to read DCP or ``.bin`` files; nothing
@@ -12,7 +13,9 @@ imports ``torch.distributed`` except ``convert --from dcp``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -24,8 +27,12 @@ __all__ = ["main", "build_parser"]
 EXIT_OK = 0
 EXIT_FAIL = 1
 EXIT_UNUSABLE = 2
+EXIT_INTERNAL = 3
 
-_EPILOG = "exit codes: 0 ok/identical, 1 integrity failures or differences, 2 unusable input"
+_EPILOG = (
+    "exit codes: 0 ok/identical, 1 integrity failures or differences, 2 unusable input, "
+    "3 internal error (a bug in unickpt: please report it)"
+)
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -237,11 +244,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _printable_streams() -> None:
+    """Names from a checkpoint are printed as they are; a character the terminal's encoding
+    cannot show (or a lone surrogate in a file name) is escaped instead of crashing the print."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            with contextlib.suppress(ValueError, OSError):  # a stream that cannot change: leave it
+                reconfigure(errors="backslashreplace")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (the console script exits with it)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
+    _printable_streams()
     try:
         return func(args)
     except IntegrityError as e:
@@ -256,6 +274,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"unickpt {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # a bug: one line and a distinct code, never a traceback (unless asked)
+        if os.environ.get("UNICKPT_TRACEBACK"):
+            raise
+        what = " ".join(f"{type(e).__name__}: {e}".split())[:500]
+        print(
+            f"unickpt {args.command}: internal error ({what}); this is a bug in unickpt, please report it "
+            "(set UNICKPT_TRACEBACK=1 to see the traceback)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":  # pragma: no cover

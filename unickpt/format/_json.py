@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import numpy as np
 
 from unickpt.errors import CheckpointFormatError
 
-__all__ = ["strict_loads", "colon_budget", "count_pairs_and_colons", "TooDeep"]
+__all__ = [
+    "strict_loads",
+    "colon_budget",
+    "count_pairs_and_colons",
+    "TooDeep",
+    "check_unicode",
+    "lone_surrogate",
+]
 
 
 class _Duplicate(Exception):
@@ -33,13 +41,96 @@ def strict_loads(text: str, error: type[CheckpointFormatError], what: str) -> An
     for the document's contents.
     """
     try:
-        return json.loads(text, object_pairs_hook=_no_duplicates)
+        obj = json.loads(text, object_pairs_hook=_no_duplicates)
     except _Duplicate as e:
-        raise error(f"{what} has a duplicate key {e.args[0]!r}") from None
+        raise error(f"{what} has a duplicate key {_show(e.args[0])}") from None
     except RecursionError:
         raise error(f"{what} is nested too deeply to be a checkpoint file") from None
     except ValueError as e:
         raise error(f"{what} is not valid JSON ({e})") from None
+    if _SURROGATE_ESCAPE.search(text):
+        bad = lone_surrogate(obj)
+        if bad is not None:
+            raise error(_surrogate_message(what, bad))
+    return obj
+
+
+# A JSON text can hold a UTF-16 surrogate only as a \uD800-\uDFFF escape (UTF-8 cannot encode one).
+# A pair of them decodes to one character; a lone one decodes to a str that cannot be encoded as
+# UTF-8 again, so printing it, writing it into a header or an index, or comparing it with a name
+# from a safetensors file (whose Rust reader refuses lone surrogates) would fail later, far from
+# the file. Such text is refused where it is parsed.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
+
+
+def _show(s: str) -> str:
+    """``repr`` of an untrusted name, printable whatever it holds (lone surrogates escaped)."""
+    return repr(s) if s.isprintable() else ascii(s)
+
+
+def _surrogate_message(what: str, bad: str) -> str:
+    return (
+        f"{what} holds a lone UTF-16 surrogate escape in the string {ascii(bad)[:200]} "
+        "(not valid Unicode: such a name cannot be written as UTF-8)"
+    )
+
+
+def json_depth(value: Any, limit: int) -> int:
+    """Nesting depth of a decoded JSON value (a scalar is 0, ``[]`` is 1), counted up to ``limit``.
+
+    Iterative, and stops at ``limit``: cheap on hostile input nested thousands deep.
+    """
+    deepest = 0
+    stack = [(value, 0)]
+    while stack:
+        v, d = stack.pop()
+        t = type(v)
+        if t is dict or t is list:
+            d += 1
+            if d >= limit:
+                return limit
+            deepest = max(deepest, d)
+            stack.extend((x, d) for x in (v.values() if t is dict else v))
+    return deepest
+
+
+def lone_surrogate(value: Any) -> str | None:
+    """The first string (key or value) of a decoded JSON value that holds a lone surrogate, or None.
+
+    Iterative: depth is bounded by the parser, not by this walk.
+    """
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        t = type(v)
+        if t is str:
+            if not v.isascii():
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    return str(v)
+        elif t is dict:
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif t is list:
+            stack.extend(v)
+    return None
+
+
+def check_unicode(text: str, error: type[CheckpointFormatError], what: str) -> None:
+    """Refuse a JSON ``text`` whose strings hold a lone surrogate escape (see ``_SURROGATE_ESCAPE``).
+
+    Free unless the text holds a surrogate escape at all; then the text is parsed once more.
+    """
+    if not _SURROGATE_ESCAPE.search(text):
+        return
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError):
+        return  # not JSON: the parser that follows says so
+    bad = lone_surrogate(obj)
+    if bad is not None:
+        raise error(_surrogate_message(what, bad))
 
 
 # ---------------------------------------------------------------------------------------------

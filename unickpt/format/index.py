@@ -22,10 +22,17 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
 
 from unickpt.errors import CheckpointFormatError, IndexFileError, UnsafePathError
-from unickpt.format._json import TooDeep, colon_budget, count_pairs_and_colons, strict_loads
+from unickpt.format._json import (
+    TooDeep,
+    check_unicode,
+    colon_budget,
+    count_pairs_and_colons,
+    json_depth,
+    strict_loads,
+)
 from unickpt.format.dtypes import DTYPE_ITEMSIZE
 
 __all__ = [
@@ -56,7 +63,12 @@ MAX_INDEX_BYTES = 512 << 20
 _HEX16 = r"^[0-9a-f]{16}$"
 _MAX_DIM = 1 << 62
 
-NonNeg = Annotated[int, Field(ge=0, lt=_MAX_DIM)]
+# Strict: JSON true, 2.0 and "2" are not integers here (pydantic's lax mode would take them).
+NonNeg = Annotated[int, Strict(), Field(ge=0, lt=_MAX_DIM)]
+Positive = Annotated[int, Strict(), Field(ge=1)]
+# Free-form JSON state (param_groups, param_state) nests at most this deep, so that the whole
+# index stays within the 64 levels of the spec.
+MAX_STATE_DEPTH = 48
 Hex16 = Annotated[str, Field(pattern=_HEX16)]
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]*$")
@@ -142,9 +154,9 @@ class LayoutInfo(_Strict):
     """The parallel layout a checkpoint was saved from (informational: loading never needs it)."""
 
     plugin: str = "general"
-    world_size: Annotated[int, Field(ge=1)] = 1
-    mesh: dict[str, Annotated[int, Field(ge=1)]] = Field(default_factory=dict)
-    gathered: bool = True
+    world_size: Positive = 1
+    mesh: dict[str, Positive] = Field(default_factory=dict)
+    gathered: Annotated[bool, Strict()] = True
 
 
 class UnickptBlock(_Strict):
@@ -162,6 +174,20 @@ class UnickptBlock(_Strict):
     param_state: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="optimizer: non-tensor per-parameter state, by FQN"
     )
+
+    @field_validator("format_version", mode="before")
+    @classmethod
+    def _version_is_an_integer(cls, v: Any) -> Any:
+        if type(v) is not int:
+            raise ValueError(f"format_version must be an integer, found {v!r}")
+        return v
+
+    @field_validator("param_groups", "param_state")
+    @classmethod
+    def _state_not_too_deep(cls, v: Any) -> Any:
+        if json_depth(v, MAX_STATE_DEPTH + 1) > MAX_STATE_DEPTH:
+            raise ValueError(f"nested deeper than {MAX_STATE_DEPTH} levels")
+        return v
 
     @model_validator(mode="after")
     def _files_are_safe(self) -> UnickptBlock:
@@ -637,6 +663,8 @@ class _FastIndex:
                     for i, g in enumerate(x):
                         if type(g) is not dict:
                             raise _schema(f"{where}.{i}", "an object", g)
+                    if json_depth(x, MAX_STATE_DEPTH + 1) > MAX_STATE_DEPTH:
+                        raise _NotFast  # the model's validator names it
                     self.walk(x)
                     x = [dict(g) for g in x]
                 given[k] = x
@@ -646,6 +674,8 @@ class _FastIndex:
                 for p, st in x.items():
                     if type(st) is not dict:
                         raise _schema(f"{where}.{p}", "an object", st)
+                if json_depth(x, MAX_STATE_DEPTH + 1) > MAX_STATE_DEPTH:
+                    raise _NotFast  # the model's validator names it
                 self.walk(x)
                 given[k] = {p: dict(st) for p, st in x.items()}
         # UnickptBlock's model validators.
@@ -801,9 +831,11 @@ def parse_index_validated(raw: bytes, path: str) -> IndexFile:
 
 def _decode(raw: bytes, path: str) -> str:
     try:
-        return raw.decode("utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise IndexFileError(f"{path}: index is not valid UTF-8 ({e})") from None
+    check_unicode(text, IndexFileError, f"{path}: index")
+    return text
 
 
 def _validate(text: str, path: str) -> IndexFile:

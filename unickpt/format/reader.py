@@ -12,8 +12,10 @@ No torch here. ``CheckpointReader`` is what ``load_model``, ``verify``, ``inspec
 
 from __future__ import annotations
 
+import errno
 import math
 import os
+import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +28,7 @@ from unickpt.errors import (
     IncompleteCheckpointError,
     IndexFileError,
     IntegrityFailure,
+    UnsafePathError,
 )
 from unickpt.format._json import strict_loads
 from unickpt.format.boxes import coverage_problem
@@ -57,6 +60,10 @@ class CheckpointReader:
     index_path: str | None  # None for a single-file checkpoint
     has_unickpt_block: bool
     index: IndexFile | None = field(default=None, repr=False)  # the parsed index, if any
+    # A single-file checkpoint opened by its path: that path, whatever the file is called, and the
+    # name its slices use for it (the file's own name when it is a safe one).
+    single_file: str | None = None
+    single_slice_file: str | None = None
 
     def __post_init__(self) -> None:
         self._headers: dict[str, SafetensorsHeader] = {}
@@ -72,6 +79,8 @@ class CheckpointReader:
         return sorted({s.file for t in self.block.tensors.values() for s in t.slices})
 
     def file_path(self, name: str) -> str:
+        if self.single_file is not None and name == self.single_slice_file:
+            return self.single_file
         return os.path.join(self.directory, check_file_name(name))
 
     def header(self, name: str) -> SafetensorsHeader:
@@ -206,9 +215,22 @@ def _itemsize(dtype: str) -> int:
     return itemsize(dtype)
 
 
+def _slice_file_name(path: str, kind: str) -> str:
+    """The name a single file's slices use for it: its own when safe, else the canonical one.
+
+    The reader maps that name back to the path it was opened with (``single_file``), so a file
+    the user renamed (``my model (1).safetensors``, ``pytorch_model.safetensors``) is read as is.
+    """
+    base = os.path.basename(path)
+    try:
+        return check_file_name(base)
+    except CheckpointFormatError:
+        return single_name(kind)
+
+
 def _block_from_header(h: SafetensorsHeader, kind: str) -> tuple[UnickptBlock, bool]:
     """The unickpt block of a single-file checkpoint, or one synthesised for a plain file."""
-    file = os.path.basename(h.path)
+    file = _slice_file_name(h.path, kind)
     raw = h.metadata.get(UNICKPT_METADATA_KEY)
     if raw is not None:
         try:
@@ -221,9 +243,16 @@ def _block_from_header(h: SafetensorsHeader, kind: str) -> tuple[UnickptBlock, b
                     for s in slices if isinstance(slices, list) else []:
                         if isinstance(s, dict):
                             s["file"] = file
-            return UnickptBlock.model_validate(obj), True
-        except (ValueError, ValidationError, RecursionError) as e:
+            block = UnickptBlock.model_validate(obj)
+        except ValidationError as e:
+            raise _schema_error(h.path, e) from None
+        except (ValueError, RecursionError) as e:
             raise IndexFileError(f"{h.path}: the unickpt metadata block is invalid: {e}") from None
+        if block.kind != kind:
+            raise IndexFileError(
+                f"{h.path}: holds a checkpoint of kind {block.kind!r} (its unickpt metadata), expected {kind!r}"
+            )
+        return block, True
     tensors = {
         k: TensorEntry(
             dtype=e.dtype,
@@ -233,6 +262,21 @@ def _block_from_header(h: SafetensorsHeader, kind: str) -> tuple[UnickptBlock, b
         for k, e in h.entries.items()
     }
     return UnickptBlock(kind="model" if kind == "model" else "optimizer", tensors=tensors), False
+
+
+def _schema_error(path: str, e: ValidationError) -> CheckpointFormatError:
+    """One line per problem (at most 10), as the index's own schema errors; unsafe names stay unsafe."""
+    for err in e.errors():
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, UnsafePathError):
+            return UnsafePathError(f"{path}: the unickpt metadata block: {cause}")
+    problems = "; ".join(
+        f"{'.'.join(str(p) for p in err['loc'])}: {' '.join(str(err['msg']).split())}"
+        for err in e.errors()[:10]
+    )
+    return IndexFileError(
+        f"{path}: the unickpt metadata block does not match the unickpt index schema: {problems}"
+    )
 
 
 def _block_from_plain_index(idx: IndexFile, directory: str, path: str, kind: str) -> UnickptBlock:
@@ -267,6 +311,10 @@ def open_checkpoint(path: str | os.PathLike[str], kind: str = "model") -> Checkp
     Raises ``IncompleteCheckpointError`` when there is no committed checkpoint there.
     """
     p = os.fspath(path)
+    if os.path.lexists(p) and not os.path.isfile(p) and not os.path.isdir(p):
+        raise (IndexFileError if p.endswith(".json") else HeaderError)(
+            f"{p} is {_not_regular(p)}, not a checkpoint file or directory"
+        )
     if os.path.isfile(p) and p.endswith(".index.json"):
         directory = os.path.dirname(os.path.abspath(p))
         return _from_index(p, directory, kind)
@@ -275,22 +323,88 @@ def open_checkpoint(path: str | os.PathLike[str], kind: str = "model") -> Checkp
         block, has = _block_from_header(h, kind)
         if has:
             check_block(h.path, block, None)
-        r = CheckpointReader(os.path.dirname(os.path.abspath(p)), kind, block, None, has)
-        r._headers[os.path.basename(p)] = h
+        file = _slice_file_name(p, kind)
+        r = CheckpointReader(
+            os.path.dirname(os.path.abspath(p)),
+            kind,
+            block,
+            None,
+            has,
+            single_file=os.path.abspath(p),
+            single_slice_file=file,
+        )
+        r._headers[file] = h
         return r
     if os.path.isdir(p):
         idx = os.path.join(p, index_name(kind))
         if os.path.isfile(idx):
             return _from_index(idx, p, kind)
+        if os.path.lexists(idx):
+            raise IndexFileError(f"{idx} is {_not_regular(idx)}, not an index file")
         single = os.path.join(p, single_name(kind))
         if os.path.isfile(single):
             return open_checkpoint(single, kind)
+        if os.path.lexists(single):
+            raise HeaderError(f"{single} is {_not_regular(single)}, not a safetensors file")
         raise IncompleteCheckpointError(
             f"{p} holds no committed {kind} checkpoint: neither {index_name(kind)} nor {single_name(kind)} "
             "is present (an interrupted save leaves data files without an index; such a directory is "
-            "never loaded)"
+            f"never loaded){_hint_other_files(p)}"
         )
     raise IncompleteCheckpointError(f"no checkpoint at {p}: the path does not exist")
+
+
+def _not_regular(path: str) -> str:
+    """What stands at ``path`` instead of a regular file (for messages)."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "a symbolic link loop"
+        if os.path.islink(path):
+            return "a dangling symbolic link"
+        return f"unreadable ({e.strerror})"
+    if stat.S_ISDIR(st.st_mode):
+        return "a directory"
+    if stat.S_ISFIFO(st.st_mode):
+        return "a FIFO"
+    if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
+        return "a device"
+    if stat.S_ISSOCK(st.st_mode):
+        return "a socket"
+    return "not a regular file"
+
+
+def _hint_other_files(directory: str) -> str:
+    """For a directory without a committed checkpoint: name the .safetensors files it does hold.
+
+    A directory is never guessed from its data files (they may be those of an interrupted
+    save); a single file of another name is loaded by passing its path.
+    """
+    try:
+        names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
+    except OSError:
+        return ""
+    if not names:
+        return ""
+    shown = ", ".join(ascii(n) if not n.isprintable() else repr(n) for n in names[:3])
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return (
+        f"; it holds {len(names)} other .safetensors file(s) ({shown}{more}): to load a single-file "
+        "checkpoint of another name, pass the path of the file itself"
+    )
+
+
+def file_kind(path: str) -> str | None:
+    """The ``kind`` recorded in a single safetensors file's unickpt metadata, or None (plain file,
+    unreadable metadata: opening the file reports it)."""
+    try:
+        raw = read_header(path).metadata.get(UNICKPT_METADATA_KEY)
+        obj = strict_loads(raw, IndexFileError, path) if raw is not None else None
+    except CheckpointFormatError:
+        return None
+    kind = obj.get("kind") if isinstance(obj, dict) else None
+    return kind if kind in ("model", "optimizer") else None
 
 
 def _from_index(idx_path: str, directory: str, kind: str) -> CheckpointReader:

@@ -13,6 +13,7 @@ in order, so a file never needs all of its tensors in memory at once.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -163,6 +164,10 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
         raise IncompleteCheckpointError(f"data file {p} is missing") from e
     except IsADirectoryError as e:
         raise HeaderError(f"{p} is a directory, not a safetensors file") from e
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise HeaderError(f"{p} is a symbolic link loop, not a safetensors file") from e
+        raise
     entries, metadata = parse_header(raw, size - 8 - n, p)
     return SafetensorsHeader(p, entries, metadata, 8 + n, size)
 

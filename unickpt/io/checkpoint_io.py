@@ -21,6 +21,7 @@ import torch
 
 from unickpt._logging import get_logger
 from unickpt.errors import IndexFileError, StateMismatchError, UnsupportedError
+from unickpt.format._json import strict_loads
 from unickpt.format.commit import atomic_write_bytes
 from unickpt.format.index import LayoutInfo
 from unickpt.format.reader import CheckpointReader, open_checkpoint
@@ -438,7 +439,10 @@ class CheckpointIO:
                     if isinstance(v, torch.Tensor):
                         targets[optimizer_tensor_name(p + fqn, k)] = v
                     elif p + fqn in block.param_state and k in block.param_state[p + fqn]:
-                        st[k] = from_json_value(block.param_state[p + fqn][k])
+                        st[k] = from_json_value(
+                            block.param_state[p + fqn][k],
+                            f"{reader.index_path or reader.directory}: param_state[{p + fqn!r}][{k!r}]",
+                        )
             owned = {p + f for f in template["state"]}
             report = load_tensors(
                 reader,
@@ -485,7 +489,7 @@ class CheckpointIO:
             path = os.path.join(path, SCHEDULER_FILE)
         try:
             with open(path, "rb") as f:
-                obj = json.loads(f.read().decode("utf-8"))
+                obj = strict_loads(f.read().decode("utf-8"), IndexFileError, f"{path}: LR scheduler state")
         except FileNotFoundError as e:
             from unickpt.errors import IncompleteCheckpointError
 
@@ -497,7 +501,9 @@ class CheckpointIO:
         if not isinstance(obj, dict) or "state" not in obj:
             raise IndexFileError(f"{path}: not a unickpt LR scheduler file (no 'state' key)")
         try:
-            state = from_json_value(obj["state"])
+            state = from_json_value(obj["state"], f"{path}: state")
+        except IndexFileError:
+            raise
         except (KeyError, TypeError, ValueError, RecursionError) as e:
             raise IndexFileError(f"{path}: malformed LR scheduler state ({type(e).__name__}: {e})") from None
         if not isinstance(state, dict):

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from unickpt.errors import UnsupportedError
+from unickpt.errors import IndexFileError, UnsupportedError
+from unickpt.format.dtypes import DTYPE_ITEMSIZE
 from unickpt.io.tensors import st_dtype, torch_dtype
 
 __all__ = ["to_json_value", "from_json_value"]
@@ -56,22 +57,101 @@ def to_json_value(value: Any, where: str) -> Any:
     )
 
 
-def from_json_value(value: Any) -> Any:
+# JSON state mirrors a state_dict: a few levels of dicts and lists. Anything deeper is hostile.
+MAX_JSON_DEPTH = 64
+_TENSOR_FIELDS = {"dtype", "shape", "data"}
+
+
+def from_json_value(value: Any, where: str = "JSON state") -> Any:
+    """The live value of a JSON state value; ``IndexFileError`` naming ``where`` for malformed input.
+
+    Checks what ``to_json_value`` writes: ``__tensor__`` entries with exactly ``dtype`` (a known
+    dtype), ``shape`` (at most 64 non-negative integers, at most 4096 elements) and ``data`` (a
+    flat list of that many numbers of the dtype's kind, in its range); ``__str__`` entries holding
+    a string; at most ``MAX_JSON_DEPTH`` levels of nesting.
+    """
+    return _from_json(value, where, 0)
+
+
+def _from_json(value: Any, where: str, depth: int) -> Any:
+    if depth > MAX_JSON_DEPTH:
+        raise IndexFileError(f"{where}: nested deeper than {MAX_JSON_DEPTH} levels")
     if isinstance(value, list):
-        return [from_json_value(v) for v in value]
+        return [_from_json(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
     if isinstance(value, dict):
-        if set(value) == {"__tensor__"}:
-            spec = value["__tensor__"]
-            dt = torch_dtype(spec["dtype"])
-            shape = [int(d) for d in spec["shape"]]
-            if math.prod(shape) > _MAX_JSON_TENSOR_ELEMENTS:
-                raise UnsupportedError("tensor in JSON state is larger than allowed")
-            return torch.tensor(spec["data"], dtype=dt).reshape(shape)
-        if set(value) == {"__str__"}:
+        if "__tensor__" in value:
+            if set(value) != {"__tensor__"}:
+                raise IndexFileError(f"{where}: a '__tensor__' entry must be the only key of its object")
+            return _tensor(value["__tensor__"], where)
+        if "__str__" in value and set(value) == {"__str__"}:
+            if not isinstance(value["__str__"], str):
+                raise IndexFileError(
+                    f"{where}: '__str__' must hold a string, found {_kind(value['__str__'])}"
+                )
             return value["__str__"]
         out: dict[Any, Any] = {}
         for k, v in value.items():
             key: Any = int(k[7:]) if k.startswith("__int__") and k[7:].lstrip("-").isdigit() else k
-            out[key] = from_json_value(v)
+            if key in out:
+                raise IndexFileError(f"{where}: key {k!r} names the same entry as another key")
+            out[key] = _from_json(v, f"{where}.{k}", depth + 1)
         return out
     return value
+
+
+def _kind(v: Any) -> str:
+    return "a boolean" if isinstance(v, bool) else f"{type(v).__name__} {str(v)[:40]!r}"
+
+
+def _tensor(spec: Any, where: str) -> torch.Tensor:
+    at = f"{where}: '__tensor__'"
+    if not isinstance(spec, dict) or set(spec) != _TENSOR_FIELDS:
+        found = sorted(spec) if isinstance(spec, dict) else _kind(spec)
+        raise IndexFileError(f"{at} must have exactly dtype, shape and data; found {found}")
+    dtype, shape, data = spec["dtype"], spec["shape"], spec["data"]
+    if not isinstance(dtype, str) or dtype not in DTYPE_ITEMSIZE:
+        raise IndexFileError(
+            f"{at}: unknown dtype {dtype!r}; expected one of {', '.join(sorted(DTYPE_ITEMSIZE))}"
+        )
+    if (
+        not isinstance(shape, list)
+        or len(shape) > 64
+        or not all(
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= _MAX_JSON_TENSOR_ELEMENTS
+            for d in shape
+        )
+    ):
+        raise IndexFileError(
+            f"{at}: shape must be a list of at most 64 non-negative integers, found {str(shape)[:80]}"
+        )
+    numel = math.prod(shape)
+    if numel > _MAX_JSON_TENSOR_ELEMENTS:
+        raise IndexFileError(
+            f"{at}: shape {shape} has {numel} elements; JSON state holds at most {_MAX_JSON_TENSOR_ELEMENTS}"
+        )
+    if not isinstance(data, list) or len(data) != numel:
+        found = f"{len(data)} values" if isinstance(data, list) else _kind(data)
+        raise IndexFileError(
+            f"{at}: data must be a flat list of {numel} values for shape {shape}, found {found}"
+        )
+    dt = torch_dtype(dtype)
+    for v in data:
+        _check_element(v, dt, at)
+    try:
+        return torch.tensor(data, dtype=dt).reshape(shape)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+        raise IndexFileError(f"{at}: data does not fit {dtype}{shape} ({e})") from None
+
+
+def _check_element(v: Any, dt: torch.dtype, at: str) -> None:
+    if dt == torch.bool:
+        ok = isinstance(v, bool)
+    elif dt.is_floating_point:
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if ok and isinstance(v, int) and not -(1 << 1024) < v < (1 << 1024):
+            ok = False
+    else:
+        info = torch.iinfo(dt)
+        ok = isinstance(v, int) and not isinstance(v, bool) and info.min <= v <= info.max
+    if not ok:
+        raise IndexFileError(f"{at}: value {_kind(v)} is not a {str(dt).replace('torch.', '')} element")

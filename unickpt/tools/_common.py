@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from unickpt.errors import IncompleteCheckpointError, UnickptError
 from unickpt.format.commit import fsync_dir, temp_name
 from unickpt.format.naming import index_name, single_name
-from unickpt.format.reader import CheckpointReader, open_checkpoint
+from unickpt.format.reader import CheckpointReader, file_kind, open_checkpoint
 
 __all__ = [
     "open_auto",
@@ -29,13 +29,20 @@ def detect_kind(path: str | os.PathLike[str]) -> str:
     p = os.fspath(path)
     if os.path.isdir(p):
         for kind in ("model", "optimizer"):
-            if os.path.isfile(os.path.join(p, index_name(kind))) or os.path.isfile(
+            # lexists: a directory or a broken link under a checkpoint's name is opened (and refused,
+            # naming what it is) rather than reported as absent.
+            if os.path.lexists(os.path.join(p, index_name(kind))) or os.path.lexists(
                 os.path.join(p, single_name(kind))
             ):
                 return kind
         raise IncompleteCheckpointError(
             f"{p} holds no committed checkpoint: none of model/optimizer .safetensors(.index.json) is present"
         )
+    if os.path.isfile(p) and not p.endswith(".json"):
+        # A single file says what it holds, whatever the user renamed it to.
+        recorded = file_kind(p)
+        if recorded is not None:
+            return recorded
     base = os.path.basename(p)
     return "optimizer" if base.startswith("optimizer") else "model"
 

@@ -37,6 +37,7 @@ from unickpt.format.hashing import (
 )
 from unickpt.format.index import TensorEntry
 from unickpt.format.reader import CheckpointReader
+from unickpt.tools._bands import band_first, bands
 from unickpt.tools._common import open_auto
 from unickpt.tools._compare import DataDifference, compare_tensors
 
@@ -176,16 +177,14 @@ def _data_sum(
                 )
             )
         elif n:
-            row = n // s.shape[0]
-            step = max(1, _CHUNK // max(row, 1))
-            for r0 in range(0, s.shape[0], step):
-                nr = min(step, s.shape[0] - r0)
-                data = r.read_bytes(s, r0 * row, nr * row)
+            # Bands of at most _CHUNK bytes (ranges of rows, or of one row when a row is larger).
+            for band in bands(s.shape, isz, _CHUNK):
+                data = r.read_bytes(s, band_first(band, s.shape) * isz, math.prod(band.shape) * isz)
                 h.update(data)
-                off = [s.offsets[0] + r0, *s.offsets[1:]]
-                shp = [nr, *s.shape[1:]]
-                words = np.frombuffer(data, dtype=f"<u{isz}")
-                partials.append(fingerprint_partial(words, t.shape, off, shp, version=version))
+                off = [o + b for o, b in zip(s.offsets, band.offsets(len(s.shape)), strict=True)]
+                partials.append(
+                    fingerprint_partial(np.frombuffer(data, dtype=f"<u{isz}"), t.shape, off, band.box_shape(), version=version)
+                )
         progress(n)
         found = h.hexdigest()
         if s.xxh3 is not None and found != s.xxh3:

@@ -42,12 +42,19 @@ from unickpt.format.boxes import contiguous_start, coverage_problem
 from unickpt.format.commit import Writeback, atomic_write_bytes
 from unickpt.format.consistency import check_keys_referenced
 from unickpt.format.dtypes import itemsize, word_dtype
-from unickpt.format.hashing import SliceHasher, finalize_fingerprint, fingerprint_partial, fingerprint_version
+from unickpt.format.hashing import (
+    SliceHasher,
+    combine_partials,
+    finalize_fingerprint,
+    fingerprint_partial,
+    fingerprint_version,
+)
 from unickpt.format.index import IndexFile, LayoutInfo, SliceEntry, TensorEntry, UnickptBlock, index_to_json
 from unickpt.format.naming import index_name, single_name
 from unickpt.format.reader import UNICKPT_METADATA_KEY, CheckpointReader, open_checkpoint
 from unickpt.format.safetensors_io import encode_header, read_header
-from unickpt.tools._common import check_output, copy_small_file, staged_output, write_all
+from unickpt.tools._bands import bands, is_sparse, next_data, pieces
+from unickpt.tools._common import check_output, copy_small_file, detect_kind, staged_output, write_all
 
 __all__ = ["merge_checkpoint", "DTYPES"]
 
@@ -68,6 +75,9 @@ _CASTABLE = {"F16", "BF16", "F32", "F64"}
 _CHUNK = 4 << 20
 # Start writeback of an output file every this many bytes written (the final fsync waits for less).
 _WRITEBACK = 8 << 20
+# Tensors rebuilt in memory (column splits, 2-D meshes, casts) are rebuilt a band of at most this
+# many bytes at a time (``_bands``): peak memory is about two bands, whatever the tensor's size.
+_BAND_BYTES = 16 << 20
 _EMPTY_HASH = SliceHasher().hexdigest()
 _PLACEHOLDER = "0" * 16
 _SIDE_FILES = ("config.json", "generation_config.json")
@@ -170,6 +180,7 @@ class _Merger:
         self.progress = progress
         self.src = src
         self._buf = buf
+        self._sparse_files: dict[str, bool] = {}
 
     def target_dtype(self, t: TensorEntry) -> str:
         if self.out_dtype is not None and t.dtype in _CASTABLE:
@@ -188,7 +199,13 @@ class _Merger:
         runs = self._runs_of[name] if self.target_dtype(t) == t.dtype else None
         if runs is None:
             return "assemble", []
-        if len(runs) == 1 and runs[0].slice.xxh3 is not None and not self.verify:
+        # copy_file_range would write a sparse source's holes out as zeros: stream those.
+        if (
+            len(runs) == 1
+            and runs[0].slice.xxh3 is not None
+            and not self.verify
+            and not self._sparse(runs[0].slice.file)
+        ):
             return "kernel", runs
         return "stream", runs
 
@@ -237,18 +254,42 @@ class _Merger:
                 # A tensor stored whole: the slice's bytes are the output's, one hash serves both.
                 h = out_hash if len(runs) == 1 else SliceHasher()
             done = 0
+            hole_end = self._hole_end(s, 0, n)
             while done < n:
                 k = min(_CHUNK, n - done)
-                chunk = self.r.read_bytes(s, done, k, self._buf[:k])
+                if done + k <= hole_end:
+                    # Inside a hole of a sparse source: zeros, neither read nor written.
+                    chunk = self._zeros[:k]
+                else:
+                    chunk = self.r.read_bytes(s, done, k, self._buf[:k])
+                    out.write(chunk, dst + done)
                 if h is not None and h is not out_hash:
                     h.update(chunk)
                 out_hash.update(chunk)
-                out.write(chunk, dst + done)
                 done += k
                 self.progress(k)
+                if done >= hole_end:
+                    hole_end = self._hole_end(s, done, n)
             if h is not None:
                 self._check(name, s, h.hexdigest())
         return out_hash.hexdigest()
+
+    def _hole_end(self, s: SliceEntry, rel: int, n: int, unit: int = _CHUNK) -> int:
+        """Where the hole at ``rel`` bytes into slice ``s`` ends (``rel`` itself when ``rel`` holds
+        data), as bytes into the slice, rounded down to whole ``unit``s; ``n`` when the hole runs
+        to byte ``n``. Only sparse files are asked."""
+        if not self._sparse(s.file):
+            return rel
+        _, off, _n = self.r.slice_location(s)
+        data = next_data(self.r._fd(s.file), off + rel, off + n) - off
+        return rel + (data - rel) // unit * unit if data < n else n
+
+    @property
+    def _zeros(self) -> memoryview:
+        z = getattr(self, "_zero_chunk", None)
+        if z is None:
+            z = self._zero_chunk = memoryview(bytes(_CHUNK))
+        return z
 
     @staticmethod
     def _copy_file_range(src_fd: int, src_off: int, dst_fd: int, dst_off: int, n: int) -> None:
@@ -268,37 +309,74 @@ class _Merger:
             write_all(dst_fd, memoryview(data), dst_off + done)
             done += len(data)
 
+    def _sparse(self, file: str) -> bool:
+        got = self._sparse_files.get(file)
+        if got is None:
+            got = self._sparse_files[file] = is_sparse(self.r._fd(file))
+        return got
+
     def _assemble(
         self, name: str, t: TensorEntry, out_dtype: str, out: _Out, pos: int
     ) -> tuple[str, str | None]:
+        """Rebuild the tensor band by band (``_bands``): memory stays about two bands, whatever its size."""
         isz = itemsize(t.dtype)
-        numel = math.prod(t.shape)
-        buf = np.empty(numel * isz, dtype=np.uint8)
-        full = buf.view(word_dtype(t.dtype)).reshape(t.shape)
-        for s in t.slices:
-            n = math.prod(s.shape) * isz
-            tmp = np.empty(n, dtype=np.uint8)
-            data = self.r.read_slice(s, tmp.data) if n else tmp.data
-            h = SliceHasher()
-            h.update(data)
-            self._check(name, s, h.hexdigest())
-            if n:
-                box = tuple(slice(o, o + k) for o, k in zip(s.offsets, s.shape, strict=True))
-                full[box] = tmp.view(word_dtype(t.dtype)).reshape(s.shape)
-            self.progress(n)
-            del tmp
+        wdt = word_dtype(t.dtype)
+        nd = len(t.shape)
+        self._check_empty(name, t)
+        live = [s for s in t.slices if math.prod(s.shape)]
+        hashers = {i: SliceHasher() for i, s in enumerate(live) if self.verify and s.xxh3 is not None}
+        done = [0] * len(live)
+        sparse = any(self._sparse(s.file) for s in live)
+        cast = out_dtype != t.dtype
+        # The output keeps the source's format version, so its fingerprints use the same algorithm.
+        version = fingerprint_version(self.r.block.format_version)
+        partials: list[int] = []
+        out_hash = SliceHasher()
+        at = pos
+        for band in bands(t.shape, isz, _BAND_BYTES):
+            buf = np.empty(math.prod(band.shape) * isz, dtype=np.uint8)
+            block = buf.view(wdt).reshape(band.shape or (1,))
+            for i, s in enumerate(live):
+                pc = pieces(band, s.offsets, s.shape)
+                if pc is None:
+                    continue
+                if pc.first != done[i]:  # pragma: no cover - bands visit each slice in its own order
+                    raise RuntimeError(f"internal: merge read {name!r} slice {s.key!r} out of order")
+                if (
+                    self._hole_end(s, pc.first * isz, (pc.first + pc.count) * isz, 1)
+                    >= (pc.first + pc.count) * isz
+                ):
+                    tmp = np.zeros(pc.count * isz, dtype=np.uint8)  # a hole of a sparse source: not read
+                else:
+                    tmp = np.empty(pc.count * isz, dtype=np.uint8)
+                    self.r.read_bytes(s, pc.first * isz, pc.count * isz, tmp.data)
+                h = hashers.get(i)
+                if h is not None:
+                    h.update(tmp.data)
+                done[i] += pc.count
+                if h is not None and done[i] == math.prod(s.shape):
+                    self._check(name, s, h.hexdigest())
+                block[(slice(pc.lo, pc.hi), *pc.inner)] = tmp.view(wdt).reshape(
+                    (pc.hi - pc.lo, *s.shape[band.dim + 1 :])
+                )
+                self.progress(pc.count * isz)
+                del tmp
+            if cast:
+                offs, box = (band.offsets(nd), band.box_shape()) if nd else ([], [])
+                buf = _cast(buf, t.dtype, out_dtype, box)
+                partials.append(
+                    fingerprint_partial(buf.view(word_dtype(out_dtype)), t.shape, offs, box, version=version)
+                )
+            out_hash.update(buf.data)
+            if not (sparse and not buf.any()):  # a zero band of a sparse source stays a hole
+                out.write(buf.data, at)
+            at += buf.nbytes
         fingerprint = t.fingerprint
-        if out_dtype != t.dtype:
-            buf = _cast(buf, t.dtype, out_dtype, t.shape)
-            words = buf.view(word_dtype(out_dtype))
-            # The output keeps the source's format version, so its fingerprints use the same algorithm.
-            v = fingerprint_version(self.r.block.format_version)
-            total = fingerprint_partial(words, t.shape, [0] * len(t.shape), t.shape, version=v)
-            fingerprint = finalize_fingerprint(name, out_dtype, t.shape, total, version=v)
-        h = SliceHasher()
-        h.update(buf.data)
-        out.write(buf.data, pos)
-        return h.hexdigest(), fingerprint
+        if cast:
+            fingerprint = finalize_fingerprint(
+                name, out_dtype, t.shape, combine_partials(partials, version=version), version=version
+            )
+        return out_hash.hexdigest(), fingerprint
 
 
 def _cast(buf: np.ndarray, src: str, dst: str, shape: list[int]) -> np.ndarray:
@@ -399,6 +477,9 @@ def _merge_one(
                 for (n, _, _), (begin, _end) in zip(specs, spans, strict=True)
             ]
             results.update(m.write_file(todo, fd))
+            size = len(header) + (spans[-1][1] if spans else 0)
+            if os.fstat(fd).st_size < size:  # the file ends in a hole left by a sparse source
+                os.ftruncate(fd, size)
             if single:
                 # The validated placeholder block, dumped, with the real values in its place: the
                 # same JSON as dumping make_block(results, file_of), without building it again.
@@ -471,7 +552,14 @@ def merge_checkpoint(
         out_dtype = DTYPES[dtype]
     readers: list[CheckpointReader] = []
     try:
-        kinds = ["model", "optimizer"] if optimizer else ["model"]
+        # A file (a single-file checkpoint under any name, or an index) holds one kind; say which.
+        kinds = (
+            [detect_kind(src_s)]
+            if os.path.isfile(src_s)
+            else ["model", "optimizer"]
+            if optimizer
+            else ["model"]
+        )
         for kind in kinds:
             if optimizer and os.path.isdir(src_s) and not _has_kind(src_s, kind):
                 continue
