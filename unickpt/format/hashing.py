@@ -251,7 +251,8 @@ def _hash_block_v2(
         return digest, total
     h = xxhash.xxh3_64() if xxh3 else None
     h1 = h2 = 0
-    step = max(itemsize, _CHUNK_BYTES - _CHUNK_BYTES % itemsize)
+    # Chunks keep each piece in cache for both hashes; the fingerprint alone takes one call.
+    step = max(itemsize, _CHUNK_BYTES - _CHUNK_BYTES % itemsize) if h is not None else max(1, len(raw))
     args = (tuple(global_shape), tuple(offsets), tuple(shape))
     for start in range(0, len(raw), step):
         chunk = raw[start : start + step]
