@@ -183,7 +183,9 @@ def _data_sum(
                 h.update(data)
                 off = [o + b for o, b in zip(s.offsets, band.offsets(len(s.shape)), strict=True)]
                 partials.append(
-                    fingerprint_partial(np.frombuffer(data, dtype=f"<u{isz}"), t.shape, off, band.box_shape(), version=version)
+                    fingerprint_partial(
+                        np.frombuffer(data, dtype=f"<u{isz}"), t.shape, off, band.box_shape(), version=version
+                    )
                 )
         progress(n)
         found = h.hexdigest()

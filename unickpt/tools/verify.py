@@ -220,7 +220,9 @@ def _verify_tensor(
             report.append(IntegrityFailure(name, s.file, s.key, "-", found))
     if fp and t.fingerprint is not None and not bad:
         report.fingerprints += 1
-        got = finalize_fingerprint(name, t.dtype, t.shape, combine_partials(partials, version=version), version=version)
+        got = finalize_fingerprint(
+            name, t.dtype, t.shape, combine_partials(partials, version=version), version=version
+        )
         if got != t.fingerprint:
             files = ", ".join(sorted({s.file for s in t.slices}))
             report.append(FingerprintFailure(name, files, "", t.fingerprint, got))
@@ -249,7 +251,9 @@ class _ChunkIter:
         return start, data
 
 
-def _partials(t: TensorEntry, s: SliceEntry, data: memoryview, start: int, isz: int, version: int) -> list[int]:
+def _partials(
+    t: TensorEntry, s: SliceEntry, data: memoryview, start: int, isz: int, version: int
+) -> list[int]:
     """Fingerprint partial sums of the flat element range [start, start + len) of a slice."""
     words = np.frombuffer(data, dtype=f"<u{isz}")
     out = []
