@@ -38,6 +38,12 @@ __all__ = [
 ]
 
 
+def _q(v: object) -> str:
+    """A name or value as it appears in a message: repr, cut to 80 characters (names can be any length)."""
+    r = repr(v)
+    return r if len(r) <= 80 else f"{r[:77]}..."
+
+
 def _names(names: Iterable[str], limit: int = 5) -> str:
     items = sorted(names)
     more = f" and {len(items) - limit} more" if len(items) > limit else ""
@@ -73,8 +79,8 @@ def check_unique_slices(where: str, block: UnickptBlock) -> None:
             first = seen.setdefault((s.file, s.key), (name, i))
             if first != (name, i):
                 raise IndexFileError(
-                    f"{where}: key {s.key!r} of file {s.file!r} is named by two slices: tensor {first[0]!r} "
-                    f"slice {first[1]} and tensor {name!r} slice {i} (one stored block would be read twice)"
+                    f"{where}: key {_q(s.key)} of file {_q(s.file)} is named by two slices: tensor {_q(first[0])} "
+                    f"slice {first[1]} and tensor {_q(name)} slice {i} (one stored block would be read twice)"
                 )
 
 
@@ -83,13 +89,13 @@ def check_gathered(where: str, block: UnickptBlock) -> None:
     for name, t in block.tensors.items():
         if len(t.slices) != 1:
             raise IndexFileError(
-                f"{where}: tensor {name!r} has {len(t.slices)} slices in a gathered checkpoint, which stores "
+                f"{where}: tensor {_q(name)} has {len(t.slices)} slices in a gathered checkpoint, which stores "
                 "each tensor whole under its own name"
             )
         s = t.slices[0]
         if s.key != name or any(s.offsets) or list(s.shape) != list(t.shape):
             raise IndexFileError(
-                f"{where}: tensor {name!r} is stored as key {s.key!r} at offsets {list(s.offsets)} with shape "
+                f"{where}: tensor {_q(name)} is stored as key {_q(s.key)} at offsets {list(s.offsets)} with shape "
                 f"{list(s.shape)} in a gathered checkpoint, which stores each tensor whole under its own name "
                 f"(shape {list(t.shape)}): Hugging Face loaders would read something else"
             )
@@ -105,8 +111,8 @@ def check_weight_map(where: str, weight_map: dict[str, str], block: UnickptBlock
     real = [n for n, f in weight_map.items() if f != SLICED_SENTINEL]
     if sentinel and real:
         raise IndexFileError(
-            f"{where}: weight_map mixes the sliced-checkpoint sentinel (e.g. tensor {sentinel[0]!r}) with "
-            f"real files (e.g. tensor {real[0]!r} -> {weight_map[real[0]]!r}); an index is either gathered "
+            f"{where}: weight_map mixes the sliced-checkpoint sentinel (e.g. tensor {_q(sentinel[0])}) with "
+            f"real files (e.g. tensor {_q(real[0])} -> {_q(weight_map[real[0]])}); an index is either gathered "
             "or sliced"
         )
     gathered = not sentinel if weight_map else block.layout.gathered
@@ -134,8 +140,8 @@ def check_weight_map(where: str, weight_map: dict[str, str], block: UnickptBlock
     for name, t in block.tensors.items():
         if weight_map[name] != t.slices[0].file:
             raise IndexFileError(
-                f"{where}: weight_map puts tensor {name!r} in {weight_map[name]!r} but the unickpt block "
-                f"stores it in {t.slices[0].file!r} (Hugging Face loaders would read a tensor unickpt "
+                f"{where}: weight_map puts tensor {_q(name)} in {_q(weight_map[name])} but the unickpt block "
+                f"stores it in {_q(t.slices[0].file)} (Hugging Face loaders would read a tensor unickpt "
                 "never verified)"
             )
     return True
@@ -146,13 +152,13 @@ def check_optimizer_names(where: str, block: UnickptBlock) -> None:
     for name, t in block.tensors.items():
         if block.kind == "model":
             if t.param is not None or t.state is not None:
-                raise IndexFileError(f"{where}: model tensor {name!r} carries optimizer fields param/state")
+                raise IndexFileError(f"{where}: model tensor {_q(name)} carries optimizer fields param/state")
             continue
         if t.param is None or t.state is None:
             continue  # an optimizer tensor outside the per-parameter state (none today)
         if name != f"state.{t.param}.{t.state}":
             raise IndexFileError(
-                f"{where}: optimizer tensor {name!r} says it is state {t.state!r} of parameter {t.param!r}, "
+                f"{where}: optimizer tensor {_q(name)} says it is state {_q(t.state)} of parameter {_q(t.param)}, "
                 f"which is named 'state.{t.param}.{t.state}'"
             )
     if block.kind == "optimizer" and block.param_groups is not None:
@@ -172,18 +178,18 @@ def check_param_groups(where: str, block: UnickptBlock) -> None:
         for p in params:
             if p in listed:
                 raise IndexFileError(
-                    f"{where}: parameter {p!r} is listed in param_groups[{listed[p]}] and param_groups[{i}]"
+                    f"{where}: parameter {_q(p)} is listed in param_groups[{listed[p]}] and param_groups[{i}]"
                 )
             listed[p] = i
     for name, t in block.tensors.items():
         if t.param is not None and t.param not in listed:
             raise IndexFileError(
-                f"{where}: optimizer tensor {name!r} is state of parameter {t.param!r}, which no param_group lists"
+                f"{where}: optimizer tensor {_q(name)} is state of parameter {_q(t.param)}, which no param_group lists"
             )
     for p in block.param_state:
         if p not in listed:
             raise IndexFileError(
-                f"{where}: param_state holds state of parameter {p!r}, which no param_group lists"
+                f"{where}: param_state holds state of parameter {_q(p)}, which no param_group lists"
             )
 
 
