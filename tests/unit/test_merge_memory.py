@@ -230,6 +230,7 @@ def test_sparse_column_split_merges_band_by_band_in_bounded_memory(tmp_path: Pat
         },
         "unickpt": {
             "kind": "model",
+            "layout": {"gathered": False},
             "tensors": {
                 "w": {
                     "dtype": "F32",
