@@ -693,3 +693,36 @@ def test_cli_internal_error_is_one_line_and_exit_3(
     monkeypatch.setenv("UNICKPT_TRACEBACK", "1")
     with pytest.raises(KeyError):
         main(["inspect", str(tmp_path)])
+
+
+@pytest.mark.parametrize(
+    ("index", "cls"),
+    [
+        (b'{"weight_map": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", errors.CheckpointFormatError),
+        (
+            b'{"weight_map": {"a": "pytorch_model.bin", "a": "pytorch_model.bin"}}',
+            errors.CheckpointFormatError,
+        ),
+        (b'\xef\xbb\xbf{"weight_map": {"a": "pytorch_model.bin"}}', errors.CheckpointFormatError),
+        (b'{"weight_map": {"\xff": "pytorch_model.bin"}}', errors.CheckpointFormatError),
+        (b'{"weight_map": {"a": "\\ud800.bin"}}', errors.CheckpointFormatError),
+        (b'{"weight_map": [1]}', errors.CheckpointFormatError),
+        (b'{"weight_map": {"a": 5}}', errors.CheckpointFormatError),
+        (b"[]", errors.CheckpointFormatError),
+        (b"", errors.CheckpointFormatError),
+        (b'{"weight_map": {"a": "../pytorch_model.bin"}}', errors.UnsafePathError),
+        (b'{"weight_map": {"a": "pytorch_model-00002-of-00002.bin"}}', errors.IncompleteCheckpointError),
+    ],
+)
+def test_hostile_bin_index_refused_by_convert(index: bytes, cls: type[UnickptError], tmp_path: Path) -> None:
+    from unickpt.cli.main import main
+    from unickpt.tools.convert import convert_checkpoint
+
+    src = tmp_path / "src"
+    src.mkdir()
+    torch.save({"a": torch.ones(2)}, src / "pytorch_model.bin")
+    (src / "pytorch_model.bin.index.json").write_bytes(index)
+    with pytest.raises(cls):
+        convert_checkpoint(src, tmp_path / "out", source="bin")
+    assert main(["convert", "--from", "bin", "-q", str(src), str(tmp_path / "out")]) == 2
+    assert not (tmp_path / "out").exists()
