@@ -18,6 +18,7 @@ import threading
 import time
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -726,3 +727,36 @@ def test_hostile_bin_index_refused_by_convert(index: bytes, cls: type[UnickptErr
         convert_checkpoint(src, tmp_path / "out", source="bin")
     assert main(["convert", "--from", "bin", "-q", str(src), str(tmp_path / "out")]) == 2
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda b: b["param_state"].update(x={"k": json.loads("[" * 60 + "]" * 60)}),
+        lambda b: b["param_groups"][0].update(extra=json.loads("[" * 60 + "]" * 60)),
+        lambda b: b["param_state"].update(x={"k": "\ud800"}),
+        lambda b: b.update(format_version=True),
+    ],
+)
+def test_hostile_optimizer_block_refused_before_anything_changes(edit: Any, tmp_path: Path) -> None:
+    from unickpt import OptimizerWrapper
+
+    m = Tiny(1)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    for p in m.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    io = GeneralCheckpointIO()
+    d = tmp_path / "optim"
+    io.save_optimizer(OptimizerWrapper(opt, m), d, shard=True)
+    idx = d / "optimizer.safetensors.index.json"
+    obj = json.loads(idx.read_text())
+    obj["unickpt"].setdefault("param_state", {})
+    edit(obj["unickpt"])
+    idx.write_text(json.dumps(obj))  # ensure_ascii: a lone surrogate is written as its escape
+    m2 = Tiny(2)
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=0.5)
+    before = json.dumps(opt2.state_dict(), default=str)
+    with pytest.raises(errors.IndexFileError):
+        io.load_optimizer(OptimizerWrapper(opt2, m2), d)
+    assert json.dumps(opt2.state_dict(), default=str) == before
