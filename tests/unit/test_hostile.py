@@ -760,3 +760,27 @@ def test_hostile_optimizer_block_refused_before_anything_changes(edit: Any, tmp_
     with pytest.raises(errors.IndexFileError):
         io.load_optimizer(OptimizerWrapper(opt2, m2), d)
     assert json.dumps(opt2.state_dict(), default=str) == before
+
+
+@pytest.mark.parametrize(
+    "case", ["st_name_controls.safetensors", "st_name_rtl.safetensors", "ix_name_controls.index.json"]
+)
+def test_tables_escape_control_and_bidi_characters(case: str, tmp_path: Path) -> None:
+    """A tensor name holding a newline, an ANSI escape or a right-to-left override is printed
+    escaped: one table row per tensor, nothing the terminal would act on."""
+    from unickpt.tools.diff import diff_checkpoints
+    from unickpt.tools.inspect import format_report, inspect_checkpoint
+
+    d = _place(tmp_path, case)
+    info = inspect_checkpoint(d)
+    table = format_report(info, verbose=True)
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copy(HOSTILE / "st_no_tensors.safetensors", other / "model.safetensors")
+    report = diff_checkpoints(d, other).format()  # every odd name listed as only in A
+    for out in (table, report):
+        assert all(c.isprintable() for line in out.split("\n") for c in line), ascii(out)[:300]
+    weird = [n for n in info["tensors"] if not n.isprintable()]
+    assert weird and all(ascii(n)[1:-1] in table and ascii(n)[1:-1] in report for n in weird)
+    rows = 8 + len(info["tensors"]) + sum(len(t["slices"]) for t in info["tensors"].values())
+    assert len(table.split("\n")) == rows

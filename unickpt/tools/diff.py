@@ -25,6 +25,7 @@ from unickpt.format.index import TensorEntry
 from unickpt.format.reader import CheckpointReader
 from unickpt.tools._bands import band_first, bands
 from unickpt.tools._common import open_auto
+from unickpt.tools.inspect import shown
 
 __all__ = ["DiffReport", "ShapeChange", "diff_checkpoints"]
 
@@ -98,7 +99,7 @@ class DiffReport:
         def section(title: str, items: list[Any]) -> None:
             if items:
                 lines.append(f"{title} ({len(items)}):")
-                lines.extend(f"  {x}" for x in items)
+                lines.extend(f"  {shown(x)}" for x in items)
 
         section("changed", self.changed)
         section("only in A", self.only_in_a)
