@@ -17,6 +17,7 @@ us per slice of each and the ratio. Not part of ``make test``.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/index_parse.py
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/index_parse.py --sizes 10000,100000 --reps 3
+    .venv/bin/python benchmarks/index_parse.py --memory --sizes 100000,500000   # peak RSS of load_index
 """
 
 from __future__ import annotations
@@ -136,13 +137,66 @@ def _time(fn: Callable[[], object]) -> tuple[float, float]:
     return dt, dc
 
 
+# Peak RSS of one load_index in a fresh process: VmHWM after resetting it (clear_refs 5) once
+# unickpt is imported, then VmRSS once the index is built (what the loading rank keeps).
+_MEMORY_CHILD = """
+import sys
+from unickpt.format.index import load_index
+def kb(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+base = kb("VmRSS")
+index = load_index(sys.argv[1])
+print(base, kb("VmHWM"), kb("VmRSS"))
+"""
+
+
+def memory(sizes: list[int], world: int) -> int:
+    """Peak and retained RSS of ``load_index`` per slice count, as multiples of the file size."""
+    import subprocess
+    import tempfile
+
+    print("| slices | index MB | peak above baseline MB | peak / size | kept MB | kept / size |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    with tempfile.TemporaryDirectory() as d:
+        for size in sizes:
+            path = Path(d) / "model.safetensors.index.json"
+            raw = (json.dumps(build_index(size, world=world), indent=2) + "\n").encode()
+            path.write_bytes(raw)
+            env = {**os.environ, "PYTHONPATH": str(REPO)}
+            out = subprocess.run(
+                [sys.executable, "-c", _MEMORY_CHILD, str(path)],
+                capture_output=True,
+                text=True,
+                check=True,
+                env=env,
+            ).stdout.split()
+            base, peak, kept = (int(x) * 1024 for x in out)
+            mb = 1 << 20
+            print(
+                f"| {size} | {len(raw) / mb:.1f} | {(peak - base) / mb:.1f} | {(peak - base) / len(raw):.1f}x "
+                f"| {(kept - base) / mb:.1f} | {(kept - base) / len(raw):.1f}x |"
+            )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--memory",
+        action="store_true",
+        help="measure load_index's peak and kept RSS instead of timing (Linux)",
+    )
     ap.add_argument("--sizes", default="10000,100000,400000", help="slice counts (comma-separated)")
     ap.add_argument("--world", type=int, default=512, help="slices per tensor")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions per size (median reported)")
     ap.add_argument("--old-reps", type=int, default=0, help="repetitions of the old path (default: --reps)")
     args = ap.parse_args(argv)
+    if args.memory:
+        return memory([int(x) for x in args.sizes.split(",")], args.world)
     old_reps = args.old_reps or args.reps
 
     print(

@@ -710,7 +710,11 @@ def more_cases() -> dict[str, tuple[bytes, str, str]]:
             "ok",
             "control characters and RTL in a tied name",
         ),
-        "ix_alias_long.index.json": (index(aliases={"n" * 20_000: "n"}), "ok", "a 20,000-character tied name"),
+        "ix_alias_long.index.json": (
+            index(aliases={"n" * 20_000: "n"}),
+            "ok",
+            "a 20,000-character tied name",
+        ),
         "ix_duplicate_tensor.index.json": (
             ix_text(tensors_json[:-1] + ', "w": ' + json.dumps(good_tensors()["w"]) + "}"),
             "IndexFileError",

@@ -18,6 +18,7 @@ import threading
 import time
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -693,3 +694,93 @@ def test_cli_internal_error_is_one_line_and_exit_3(
     monkeypatch.setenv("UNICKPT_TRACEBACK", "1")
     with pytest.raises(KeyError):
         main(["inspect", str(tmp_path)])
+
+
+@pytest.mark.parametrize(
+    ("index", "cls"),
+    [
+        (b'{"weight_map": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", errors.CheckpointFormatError),
+        (
+            b'{"weight_map": {"a": "pytorch_model.bin", "a": "pytorch_model.bin"}}',
+            errors.CheckpointFormatError,
+        ),
+        (b'\xef\xbb\xbf{"weight_map": {"a": "pytorch_model.bin"}}', errors.CheckpointFormatError),
+        (b'{"weight_map": {"\xff": "pytorch_model.bin"}}', errors.CheckpointFormatError),
+        (b'{"weight_map": {"a": "\\ud800.bin"}}', errors.CheckpointFormatError),
+        (b'{"weight_map": [1]}', errors.CheckpointFormatError),
+        (b'{"weight_map": {"a": 5}}', errors.CheckpointFormatError),
+        (b"[]", errors.CheckpointFormatError),
+        (b"", errors.CheckpointFormatError),
+        (b'{"weight_map": {"a": "../pytorch_model.bin"}}', errors.UnsafePathError),
+        (b'{"weight_map": {"a": "pytorch_model-00002-of-00002.bin"}}', errors.IncompleteCheckpointError),
+    ],
+)
+def test_hostile_bin_index_refused_by_convert(index: bytes, cls: type[UnickptError], tmp_path: Path) -> None:
+    from unickpt.cli.main import main
+    from unickpt.tools.convert import convert_checkpoint
+
+    src = tmp_path / "src"
+    src.mkdir()
+    torch.save({"a": torch.ones(2)}, src / "pytorch_model.bin")
+    (src / "pytorch_model.bin.index.json").write_bytes(index)
+    with pytest.raises(cls):
+        convert_checkpoint(src, tmp_path / "out", source="bin")
+    assert main(["convert", "--from", "bin", "-q", str(src), str(tmp_path / "out")]) == 2
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda b: b["param_state"].update(x={"k": json.loads("[" * 60 + "]" * 60)}),
+        lambda b: b["param_groups"][0].update(extra=json.loads("[" * 60 + "]" * 60)),
+        lambda b: b["param_state"].update(x={"k": "\ud800"}),
+        lambda b: b.update(format_version=True),
+    ],
+)
+def test_hostile_optimizer_block_refused_before_anything_changes(edit: Any, tmp_path: Path) -> None:
+    from unickpt import OptimizerWrapper
+
+    m = Tiny(1)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    for p in m.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    io = GeneralCheckpointIO()
+    d = tmp_path / "optim"
+    io.save_optimizer(OptimizerWrapper(opt, m), d, shard=True)
+    idx = d / "optimizer.safetensors.index.json"
+    obj = json.loads(idx.read_text())
+    obj["unickpt"].setdefault("param_state", {})
+    edit(obj["unickpt"])
+    idx.write_text(json.dumps(obj))  # ensure_ascii: a lone surrogate is written as its escape
+    m2 = Tiny(2)
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=0.5)
+    before = json.dumps(opt2.state_dict(), default=str)
+    with pytest.raises(errors.IndexFileError):
+        io.load_optimizer(OptimizerWrapper(opt2, m2), d)
+    assert json.dumps(opt2.state_dict(), default=str) == before
+
+
+@pytest.mark.parametrize(
+    "case", ["st_name_controls.safetensors", "st_name_rtl.safetensors", "ix_name_controls.index.json"]
+)
+def test_tables_escape_control_and_bidi_characters(case: str, tmp_path: Path) -> None:
+    """A tensor name holding a newline, an ANSI escape or a right-to-left override is printed
+    escaped: one table row per tensor, nothing the terminal would act on."""
+    from unickpt.tools.diff import diff_checkpoints
+    from unickpt.tools.inspect import format_report, inspect_checkpoint
+
+    d = _place(tmp_path, case)
+    info = inspect_checkpoint(d)
+    table = format_report(info, verbose=True)
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copy(HOSTILE / "st_no_tensors.safetensors", other / "model.safetensors")
+    report = diff_checkpoints(d, other).format()  # every odd name listed as only in A
+    for out in (table, report):
+        assert all(c.isprintable() for line in out.split("\n") for c in line), ascii(out)[:300]
+    weird = [n for n in info["tensors"] if not n.isprintable()]
+    assert weird and all(ascii(n)[1:-1] in table and ascii(n)[1:-1] in report for n in weird)
+    rows = 8 + len(info["tensors"]) + sum(len(t["slices"]) for t in info["tensors"].values())
+    assert len(table.split("\n")) == rows

@@ -15,6 +15,7 @@ import gc
 import json
 import math
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -789,3 +790,63 @@ def test_a_frozen_heap_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     del keep
     parse_index(_sliced(), "idx.json")
     assert gc.get_freeze_count() == 0
+
+
+# ------------------------------------------------------------------ load_index's memory
+def test_load_index_releases_the_bytes_and_text_while_building(tmp_path: Path) -> None:
+    """load_index drops the file's bytes and decoded text before the models are built: its peak
+    (Python allocations) is below parse_index's, which keeps the text for its fallback, by more
+    than the file's size."""
+    import tracemalloc
+
+    from unickpt.format.index import load_index
+
+    raw = _sliced(n_tensors=100, world=32)
+    p = tmp_path / "model.safetensors.index.json"
+    p.write_bytes(raw)
+    want = _state(parse_index_validated(raw, "i"))
+    peaks = {}
+    for name, fn in [
+        ("load_index", lambda: load_index(p)),
+        ("parse_index", lambda: parse_index(p.read_bytes(), str(p))),
+    ]:
+        gc.collect()
+        tracemalloc.start()
+        try:
+            got = fn()
+            peaks[name] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert _state(got) == want
+    assert peaks["parse_index"] - peaks["load_index"] > len(raw), (peaks, len(raw))
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda t: t.replace(
+            '"key": "layers.0.weight@0"', '"key": "layers.0.weight@0", "key": "x"', 1
+        ),  # duplicate
+        lambda t: t.replace(
+            '"layers.1.weight@1"', '"layers.1.weight\\u003a1"', 1
+        ),  # escaped ':' (fast path declines)
+        lambda t: t.replace('"world_size": 4', '"world_size": 4.0', 1),  # lax value
+    ],
+)
+def test_load_index_fallback_reads_the_file_again(tmp_path: Path, edit: Any) -> None:
+    """When the fast path declines, load_index validates the file read again: same answer as
+    parse_index on the same bytes (an index, or the same error)."""
+    from unickpt.format.index import load_index
+
+    raw = edit(_sliced().decode()).encode()
+    p = tmp_path / "model.safetensors.index.json"
+    p.write_bytes(raw)
+    try:
+        want: object = _state(parse_index(raw, str(p)))
+    except IndexFileError as e:
+        want = str(e)
+    try:
+        got: object = _state(load_index(p))
+    except IndexFileError as e:
+        got = str(e)
+    assert got == want

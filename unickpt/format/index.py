@@ -491,21 +491,26 @@ def _bulk_slices(
 class _FastIndex:
     """One pass over the decoded index: checks, counts members and colons, builds the models."""
 
-    __slots__ = ("colons", "files", "pairs", "raw", "shared")
+    __slots__ = ("budget", "colons", "files", "pairs", "raw", "shared")
 
-    def __init__(self, raw: bytes) -> None:
+    def __init__(self, raw: bytes | None, budget: int | None = None) -> None:
         self.raw = raw
+        self.budget = budget  # colon_budget(raw), when the caller computed it and dropped raw
         self.pairs = 0  # members of every JSON object met
         self.colons = 0  # ':' in every string met that may hold one
         self.files: set[str] = set()  # distinct slice file names
         self.shared: dict[tuple[str, ...], set[str]] = {}  # fields sets of slices, by key order
 
-    def parse(self, text: str) -> IndexFile:
-        budget = colon_budget(self.raw)
+    def parse(self, text: str | list[str]) -> IndexFile:
+        """Parse ``text``; given as a one-item list, the text is taken out of it and dropped once
+        decoded (with ``raw`` released by the caller, the index's bytes then cost nothing while
+        the models are built)."""
+        budget = colon_budget(self.raw) if self.raw is not None else self.budget
+        self.raw = None
         if budget is None:
             raise _NotFast
         try:
-            obj = json.loads(text)
+            obj = json.loads(text.pop() if isinstance(text, list) else text)
         except (ValueError, RecursionError):
             raise _NotFast from None
         if type(obj) is not dict:
@@ -806,11 +811,27 @@ def parse_index(raw: bytes, path: str) -> IndexFile:
     fast checks do not vouch for the input (an error, a value pydantic would coerce, an unusual
     layout), the full validation runs and its answer and messages are the ones reported.
     """
-    text = _decode(raw, path)
+    return _parse_owned([raw], path, None)
+
+
+def _parse_owned(box: list[bytes], path: str, reread: Callable[[], bytes] | None) -> IndexFile:
+    """``parse_index`` of the bytes in ``box`` (taken out of it).
+
+    With ``reread`` (``load_index``: the bytes can be read again), neither the bytes nor the
+    decoded text are kept while the models are built, which lowers the peak memory of a parse by
+    about twice the index's size; the rare fallback to the reference validation reads the file
+    again. Without it, the text is kept for the fallback.
+    """
+    raw = box.pop()
+    text_box = [_decode(raw, path)]
+    budget = colon_budget(raw)
+    del raw
+    kept = text_box[0] if reread is None else None
     try:
         with _gc_paused():
-            return _FastIndex(raw).parse(text)
+            return _FastIndex(None, budget).parse(text_box)
     except _NotFast as nf:
+        text = kept if kept is not None else _decode(_again(reread), path)
         index = _validate(text, path)
         if nf.problem is not None:
             # The fast checks found a definite violation that the models let through: never
@@ -821,6 +842,7 @@ def parse_index(raw: bytes, path: str) -> IndexFile:
         logger.warning(
             "%s: fast index parse failed (%s: %s); validating with the models", path, type(e).__name__, e
         )
+        text = kept if kept is not None else _decode(_again(reread), path)
         return _validate(text, path)
 
 
@@ -855,17 +877,37 @@ def _validate(text: str, path: str) -> IndexFile:
         raise IndexFileError(f"{path}: index does not match the unickpt index schema: {problems}") from None
 
 
+def _again(reread: Callable[[], bytes] | None) -> bytes:
+    assert reread is not None  # the text is kept whenever the bytes cannot be read again
+    return reread()
+
+
 def load_index(path: str | os.PathLike[str]) -> IndexFile:
     p = os.fspath(path)
     size = os.path.getsize(p)
     if size > MAX_INDEX_BYTES:
         raise IndexFileError(f"{p}: {size} bytes exceeds the {MAX_INDEX_BYTES}-byte limit for an index")
+    box = [_read_index_bytes(p)]
+    return _parse_owned(box, p, lambda: _read_index_bytes(p))
+
+
+def _read_index_bytes(p: str) -> bytes:
     with open(p, "rb") as f:
-        # Bounded even when the size lied (a symlink to a /proc file reports 0 bytes).
-        raw = f.read(MAX_INDEX_BYTES + 1)
+        # The size the file reports (no 512 MiB buffer for a small index), then on to the end:
+        # bounded even when the size lied (a symlink to a /proc file reports 0 bytes).
+        size = os.fstat(f.fileno()).st_size
+        chunks = [f.read(min(size, MAX_INDEX_BYTES) + 1)]
+        total = len(chunks[0])
+        while total <= MAX_INDEX_BYTES:
+            more = f.read(min(1 << 20, MAX_INDEX_BYTES + 1 - total))
+            if not more:
+                break
+            chunks.append(more)
+            total += len(more)
+    raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
     if len(raw) > MAX_INDEX_BYTES:
         raise IndexFileError(f"{p}: more than the {MAX_INDEX_BYTES}-byte limit for an index")
-    return parse_index(raw, p)
+    return raw
 
 
 def index_to_json(index: IndexFile) -> bytes:

@@ -18,7 +18,6 @@ under a temporary name and renamed when complete. Needs no process group.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import warnings
@@ -30,6 +29,7 @@ import numpy as np
 from unickpt import __version__
 from unickpt._logging import get_logger
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, UnsupportedError
+from unickpt.format._json import strict_loads
 from unickpt.format.index import LayoutInfo
 from unickpt.tools._common import check_output, copy_small_file, staged_output
 from unickpt.tools._write import SliceData, TensorData, write_checkpoint
@@ -141,12 +141,22 @@ def _bin_files(src: str) -> list[str]:
 
         with open(idx, "rb") as f:
             try:
-                wm = json.loads(f.read())["weight_map"]
-            except (ValueError, KeyError, TypeError) as e:
+                obj = strict_loads(f.read().decode("utf-8"), CheckpointFormatError, f"{idx}: index")
+            except UnicodeDecodeError as e:
                 raise CheckpointFormatError(
                     f"{idx}: not a valid pytorch_model.bin.index.json ({e})"
                 ) from None
-        return [os.path.join(src, check_file_name(fn, idx)) for fn in sorted(set(wm.values()))]
+        wm = obj.get("weight_map") if isinstance(obj, dict) else None
+        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+            raise CheckpointFormatError(
+                f"{idx}: not a valid pytorch_model.bin.index.json (expected an object with a 'weight_map' "
+                "object mapping names to file names)"
+            )
+        files = [os.path.join(src, check_file_name(fn, idx)) for fn in sorted(set(wm.values()))]
+        for path in files:
+            if not os.path.isfile(path):
+                raise IncompleteCheckpointError(f"{idx}: names {os.path.basename(path)!r}, which is missing")
+        return files
     single = os.path.join(src, "pytorch_model.bin")
     if os.path.isfile(single):
         return [single]

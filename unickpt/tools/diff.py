@@ -40,6 +40,7 @@ from unickpt.format.reader import CheckpointReader
 from unickpt.tools._bands import band_first, bands
 from unickpt.tools._common import open_auto
 from unickpt.tools._compare import DataDifference, compare_tensors
+from unickpt.tools.inspect import shown
 
 __all__ = ["DataDifference", "DiffReport", "ShapeChange", "diff_checkpoints"]
 
@@ -120,7 +121,7 @@ class DiffReport:
         def section(title: str, items: list[Any]) -> None:
             if items:
                 lines.append(f"{title} ({len(items)}):")
-                lines.extend(f"  {x}" for x in items)
+                lines.extend(f"  {shown(x)}" for x in items)
 
         section("changed", self.changed)
         section("data differences", self.data_differences)

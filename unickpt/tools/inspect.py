@@ -95,11 +95,19 @@ def _fmt_slices(entry: dict[str, Any], shape: list[int]) -> str:
     return f"{len(slices)}: " + " ".join(parts) + more
 
 
+def shown(text: object) -> str:
+    """A name from a checkpoint as printed: as it is when printable, else escaped (a newline, an
+    ANSI escape or a right-to-left mark in a tensor name must not break the table or drive the
+    terminal)."""
+    s = str(text)
+    return s if s.isprintable() else ascii(s)[1:-1]
+
+
 def format_report(info: dict[str, Any], verbose: bool = False) -> str:
-    """A readable table of :func:`inspect_checkpoint`'s result."""
+    """A readable table of :func:`inspect_checkpoint`'s result (names escaped by :func:`shown`)."""
     lay = info["layout"]
     tot = info["totals"]
-    lines = [f"checkpoint : {info['path']}"]
+    lines = [f"checkpoint : {shown(info['path'])}"]
     if lay is None:
         plain = "Hugging Face sharded safetensors" if info["index"] else "safetensors file"
         lines += [
@@ -110,14 +118,14 @@ def format_report(info: dict[str, Any], verbose: bool = False) -> str:
     else:
         mesh = " x ".join(f"{k}={v}" for k, v in lay.get("mesh", {}).items()) or "-"
         lines += [
-            f"kind       : {info['kind']}   format v{info['format_version']}   created by {info['created_by']}",
-            f"layout     : plugin={lay['plugin']} world_size={lay['world_size']} mesh={mesh} "
+            f"kind       : {info['kind']}   format v{info['format_version']}   created by {shown(info['created_by'])}",
+            f"layout     : plugin={shown(lay['plugin'])} world_size={lay['world_size']} mesh={mesh} "
             f"{'gathered (HF-loadable)' if lay.get('gathered', True) else 'sliced (run `unickpt merge` for HF)'}",
         ]
     lines += [
         f"files      : {len(info['files'])}"
         + (
-            f"  ({', '.join(info['files'][:3])}{' ...' if len(info['files']) > 3 else ''})"
+            f"  ({', '.join(shown(f) for f in info['files'][:3])}{' ...' if len(info['files']) > 3 else ''})"
             if info["files"]
             else ""
         ),
@@ -126,18 +134,22 @@ def format_report(info: dict[str, Any], verbose: bool = False) -> str:
         f"fingerprints {tot['fingerprinted_tensors']}",
     ]
     if info["aliases"]:
-        lines.append("aliases    : " + ", ".join(f"{a} -> {t}" for a, t in info["aliases"].items()))
+        lines.append(
+            "aliases    : " + ", ".join(f"{shown(a)} -> {shown(t)}" for a, t in info["aliases"].items())
+        )
     rows = [("tensor", "dtype", "shape", "bytes", "slices", "files", "fingerprint")]
-    for name, e in info["tensors"].items():
+    names = list(info["tensors"])
+    for name in names:
+        e = info["tensors"][name]
         files = e["files"]
         rows.append(
             (
-                name,
+                shown(name),
                 e["dtype"],
                 "[" + ",".join(str(d) for d in e["shape"]) + "]",
                 human_bytes(e["bytes"]),
                 _fmt_slices(e, e["shape"]),
-                files[0] if len(files) == 1 else f"{len(files)} files",
+                shown(files[0]) if len(files) == 1 else f"{len(files)} files",
                 e["fingerprint"] or "-",
             )
         )
@@ -153,14 +165,14 @@ def format_report(info: dict[str, Any], verbose: bool = False) -> str:
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
         if verbose and i > 0:
-            e = info["tensors"][r[0]]
+            e = info["tensors"][names[i - 1]]
             for s in e["slices"]:
                 lines.append(
-                    f"      {s['key']} in {s['file']} offsets={s['offsets']} shape={s['shape']} xxh3={s['xxh3'] or '-'}"
+                    f"      {shown(s['key'])} in {shown(s['file'])} offsets={s['offsets']} shape={s['shape']} xxh3={s['xxh3'] or '-'}"
                 )
     if info.get("param_groups") is not None:
         lines.append("")
         for i, g in enumerate(info["param_groups"]):
-            hp = ", ".join(f"{k}={v}" for k, v in g.items() if k != "params")
+            hp = ", ".join(f"{shown(k)}={shown(v)}" for k, v in g.items() if k != "params")
             lines.append(f"param_group {i}: {len(g.get('params', []))} params; {hp}")
     return "\n".join(lines)
