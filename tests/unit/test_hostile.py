@@ -762,9 +762,7 @@ def test_hostile_optimizer_block_refused_before_anything_changes(edit: Any, tmp_
     assert json.dumps(opt2.state_dict(), default=str) == before
 
 
-@pytest.mark.parametrize(
-    "case", ["st_name_controls.safetensors", "st_name_rtl.safetensors", "ix_name_controls.index.json"]
-)
+@pytest.mark.parametrize("case", ["st_name_controls.safetensors", "st_name_rtl.safetensors"])
 def test_tables_escape_control_and_bidi_characters(case: str, tmp_path: Path) -> None:
     """A tensor name holding a newline, an ANSI escape or a right-to-left override is printed
     escaped: one table row per tensor, nothing the terminal would act on."""
