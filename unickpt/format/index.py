@@ -55,6 +55,7 @@ _MAX_DIM = 1 << 62
 NonNeg = Annotated[int, Field(ge=0, lt=_MAX_DIM)]
 Hex16 = Annotated[str, Field(pattern=_HEX16)]
 
+_SAVE_ID = re.compile(r"[0-9a-f]{32}")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]*$")
 
 
@@ -157,6 +158,12 @@ class UnickptBlock(_Strict):
     )
     param_state: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="optimizer: non-tensor per-parameter state, by FQN"
+    )
+    save_id: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{32}$",
+        description="random id of the save that wrote this checkpoint; every data file's header "
+        "metadata carries it under 'unickpt_save'",
     )
 
     @model_validator(mode="after")
@@ -613,6 +620,10 @@ class _FastIndex:
                             raise _schema(f"{where}.{i}", "an object", g)
                     self.walk(x)
                     x = [dict(g) for g in x]
+                given[k] = x
+            elif k == "save_id":
+                if x is not None and (type(x) is not str or _SAVE_ID.fullmatch(x) is None):
+                    raise _NotFast  # the schema's own message names the pattern
                 given[k] = x
             else:  # param_state
                 if type(x) is not dict:

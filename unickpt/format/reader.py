@@ -8,6 +8,11 @@ No torch here. ``CheckpointReader`` is what ``load_model``, ``verify``, ``inspec
 3. every slice's key exists in its file with the recorded dtype and shape, and every
    file's header is itself valid (``validate_structure``);
 4. optionally, every slice's bytes hash to the recorded xxh3-64 (``verify``).
+
+A data file is opened once; its header and its bytes are read through the same descriptor,
+and the save id in its header must be the one the index records, so that a reader racing a
+save reads the old checkpoint, the new one, or raises ``CheckpointChangedError``: never a mix
+(writers never modify a file in place, they rename new files over old names).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from unickpt.errors import (
+    CheckpointChangedError,
     CheckpointFormatError,
     HeaderError,
     IncompleteCheckpointError,
@@ -29,6 +35,7 @@ from unickpt.errors import (
 )
 from unickpt.format._json import strict_loads
 from unickpt.format.boxes import coverage_problem
+from unickpt.format.commit import SAVE_ID_KEY
 from unickpt.format.hashing import SliceHasher
 from unickpt.format.index import (
     IndexFile,
@@ -39,7 +46,13 @@ from unickpt.format.index import (
     load_index,
 )
 from unickpt.format.naming import SLICED_SENTINEL, index_name, single_name
-from unickpt.format.safetensors_io import SafetensorsHeader, iter_range, read_header, read_range
+from unickpt.format.safetensors_io import (
+    SafetensorsHeader,
+    iter_range,
+    open_with_header,
+    read_header,
+    read_range,
+)
 
 __all__ = ["CheckpointReader", "open_checkpoint", "UNICKPT_METADATA_KEY"]
 
@@ -73,23 +86,65 @@ class CheckpointReader:
         return os.path.join(self.directory, check_file_name(name))
 
     def header(self, name: str) -> SafetensorsHeader:
+        """The validated header of data file ``name``, which stays open for reading its bytes."""
         h = self._headers.get(name)
         if h is None:
-            h = read_header(self.file_path(name))
-            self._headers[name] = h
-        return h
-
-    def _fd(self, name: str) -> int:
-        fd = self._fds.get(name)
-        if fd is None:
             try:
-                fd = os.open(self.file_path(name), os.O_RDONLY)
-            except FileNotFoundError as e:
+                fd, h = open_with_header(self.file_path(name))
+            except IncompleteCheckpointError as e:
+                if self._index_changed():
+                    raise CheckpointChangedError(
+                        f"{self.index_path}: data file {name!r} vanished while the checkpoint was read, "
+                        "and the index is no longer the one read: a save replaced the checkpoint; "
+                        "load it again"
+                    ) from None
                 raise IncompleteCheckpointError(
                     f"{self.directory}: data file {name!r} named by the index is missing"
                 ) from e
+            try:
+                self.check_same_save(name, h.metadata)
+            except CheckpointChangedError:
+                os.close(fd)
+                raise
             self._fds[name] = fd
-        return fd
+            self._headers[name] = h
+        return h
+
+    def pinned_path(self, name: str) -> str:
+        """A path to the very file whose header :meth:`header` checked (``/proc/self/fd/N`` on
+        Linux), for libraries that open files by name; the file's own name elsewhere."""
+        self.header(name)
+        proc = f"/proc/self/fd/{self._fds[name]}"
+        return proc if os.path.exists(proc) else self.file_path(name)
+
+    def check_same_save(self, name: str, metadata: dict[str, str] | None) -> None:
+        """Raise ``CheckpointChangedError`` unless ``metadata`` (a header's) is of this checkpoint's save."""
+        found = (metadata or {}).get(SAVE_ID_KEY)
+        if self.block.save_id is not None and found != self.block.save_id:
+            raise CheckpointChangedError(
+                f"{self.file_path(name)}: written by save {found or '(no save id)'}, but the index "
+                f"{self.index_path} records save {self.block.save_id}: a save replaced the "
+                "checkpoint while it was read; load it again"
+            )
+
+    def _index_changed(self) -> bool:
+        """True when the index this reader parsed is no longer the committed one (or is gone)."""
+        if self.index_path is None or self.block.save_id is None:
+            return False
+        try:
+            now = load_index(self.index_path).unickpt
+        except (OSError, ValueError):
+            return True
+        return now is None or now.save_id != self.block.save_id
+
+    def _fd(self, name: str) -> int:
+        self.header(name)
+        return self._fds[name]
+
+    def pin(self) -> None:
+        """Open every data file now (headers checked, save ids matched): later reads need no name."""
+        for name in self.files:
+            self.header(name)
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -256,20 +311,48 @@ def _block_from_plain_index(idx: IndexFile, directory: str, path: str, kind: str
     return UnickptBlock(kind="model" if kind == "model" else "optimizer", tensors=tensors)
 
 
-def open_checkpoint(path: str | os.PathLike[str], kind: str = "model") -> CheckpointReader:
+def open_checkpoint(
+    path: str | os.PathLike[str], kind: str = "model", *, pin: bool = False
+) -> CheckpointReader:
     """Open the checkpoint at ``path`` (a directory, an index file or a single .safetensors file).
 
-    Raises ``IncompleteCheckpointError`` when there is no committed checkpoint there.
+    Raises ``IncompleteCheckpointError`` when there is no committed checkpoint there. With
+    ``pin``, every data file is opened and matched to the index at once; when a save replaced
+    the checkpoint meanwhile (``CheckpointChangedError``), the new one is opened instead, once.
     """
+    r = _open_checkpoint(path, kind)
+    if not pin:
+        return r
+    for attempt in range(2):
+        try:
+            r.pin()
+            return r
+        except CheckpointChangedError:
+            r.close()
+            if attempt:
+                raise
+        except BaseException:
+            r.close()
+            raise
+        r = _open_checkpoint(path, kind)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _open_checkpoint(path: str | os.PathLike[str], kind: str) -> CheckpointReader:
     p = os.fspath(path)
     if os.path.isfile(p) and p.endswith(".index.json"):
         directory = os.path.dirname(os.path.abspath(p))
         return _from_index(p, directory, kind)
     if os.path.isfile(p):
-        h = read_header(p)
-        block, has = _block_from_header(h, kind)
+        fd, h = open_with_header(p)
+        try:
+            block, has = _block_from_header(h, kind)
+        except BaseException:
+            os.close(fd)
+            raise
         r = CheckpointReader(os.path.dirname(os.path.abspath(p)), kind, block, None, has)
         r._headers[os.path.basename(p)] = h
+        r._fds[os.path.basename(p)] = fd
         return r
     if os.path.isdir(p):
         idx = os.path.join(p, index_name(kind))
@@ -277,7 +360,7 @@ def open_checkpoint(path: str | os.PathLike[str], kind: str = "model") -> Checkp
             return _from_index(idx, p, kind)
         single = os.path.join(p, single_name(kind))
         if os.path.isfile(single):
-            return open_checkpoint(single, kind)
+            return _open_checkpoint(single, kind)
         raise IncompleteCheckpointError(
             f"{p} holds no committed {kind} checkpoint: neither {index_name(kind)} nor {single_name(kind)} "
             "is present (an interrupted save leaves data files without an index; such a directory is "
@@ -287,7 +370,13 @@ def open_checkpoint(path: str | os.PathLike[str], kind: str = "model") -> Checkp
 
 
 def _from_index(idx_path: str, directory: str, kind: str) -> CheckpointReader:
-    idx = load_index(idx_path)
+    try:
+        idx = load_index(idx_path)
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(
+            f"{idx_path} vanished while being opened: a save into {directory} is replacing the "
+            f"{kind} checkpoint; open it again once the save has finished"
+        ) from None
     if idx.unickpt is None:
         block = _block_from_plain_index(idx, directory, idx_path, kind)
         return CheckpointReader(directory, kind, block, idx_path, False)

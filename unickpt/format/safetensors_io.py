@@ -32,6 +32,7 @@ __all__ = [
     "HeaderEntry",
     "SafetensorsHeader",
     "read_header",
+    "open_with_header",
     "parse_header",
     "encode_header",
     "SafetensorsWriter",
@@ -142,12 +143,30 @@ def parse_header(raw: bytes, data_len: int, path: str) -> tuple[dict[str, Header
 
 def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
     """Read and validate the header of a safetensors file. Reads only the header bytes."""
+    fd, h = open_with_header(path)
+    os.close(fd)
+    return h
+
+
+def open_with_header(path: str | os.PathLike[str]) -> tuple[int, SafetensorsHeader]:
+    """Open a safetensors file and validate its header: (open fd, header), both of the same file.
+
+    Reading data through that fd reads the file whose header was checked, even if the name is
+    renamed over meanwhile. The caller closes the fd.
+    """
     p = os.fspath(path)
     try:
         # O_NONBLOCK: a FIFO planted under a data file's name must not block the open forever.
         fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        with open(fd, "rb") as f:
+    except FileNotFoundError as e:
+        raise IncompleteCheckpointError(f"data file {p} is missing") from e
+    except IsADirectoryError as e:
+        raise HeaderError(f"{p} is a directory, not a safetensors file") from e
+    try:
+        with open(fd, "rb", closefd=False) as f:
             st = os.fstat(f.fileno())
+            if stat.S_ISDIR(st.st_mode):
+                raise HeaderError(f"{p} is a directory, not a safetensors file")
             if not stat.S_ISREG(st.st_mode):
                 raise HeaderError(f"{p} is not a regular file")
             size = st.st_size
@@ -159,12 +178,11 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
             if 8 + n > size:
                 raise HeaderError(f"{p}: header length {n} runs past the end of the {size}-byte file")
             raw = f.read(n)
-    except FileNotFoundError as e:
-        raise IncompleteCheckpointError(f"data file {p} is missing") from e
-    except IsADirectoryError as e:
-        raise HeaderError(f"{p} is a directory, not a safetensors file") from e
-    entries, metadata = parse_header(raw, size - 8 - n, p)
-    return SafetensorsHeader(p, entries, metadata, 8 + n, size)
+        entries, metadata = parse_header(raw, size - 8 - n, p)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, SafetensorsHeader(p, entries, metadata, 8 + n, size)
 
 
 def encode_header(

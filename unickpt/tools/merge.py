@@ -39,7 +39,7 @@ from unickpt import __version__
 from unickpt._logging import get_logger
 from unickpt.errors import IndexFileError, IntegrityError, IntegrityFailure, UnsupportedError
 from unickpt.format.boxes import contiguous_start, coverage_problem
-from unickpt.format.commit import Writeback, atomic_write_bytes
+from unickpt.format.commit import SAVE_ID_KEY, Writeback, atomic_write_bytes, new_save_id
 from unickpt.format.dtypes import itemsize, word_dtype
 from unickpt.format.hashing import SliceHasher, finalize_fingerprint, fingerprint_partial
 from unickpt.format.index import IndexFile, LayoutInfo, SliceEntry, TensorEntry, UnickptBlock, index_to_json
@@ -338,6 +338,7 @@ def _merge_one(
     src_layout = block.layout
     layout = LayoutInfo(plugin=src_layout.plugin, world_size=src_layout.world_size, mesh=src_layout.mesh)
     created_by = f"unickpt {__version__} merge (from {src_layout.plugin} x{src_layout.world_size})"
+    save_id = new_save_id()
 
     def make_block(
         results: dict[str, tuple[str | None, str | None]], file_of: dict[str, str]
@@ -365,13 +366,14 @@ def _merge_one(
             aliases=dict(block.aliases),
             param_groups=block.param_groups,
             param_state=dict(block.param_state),
+            save_id=save_id,
         )
 
     file_of = {n: f for f, names in files for n in names}
     results: dict[str, tuple[str | None, str | None]] = {}
     for fname, names in files:
         specs = [(n, target[n], tuple(block.tensors[n].shape)) for n in names]
-        meta: dict[str, str] = {"format": "pt"}
+        meta: dict[str, str] = {"format": "pt", SAVE_ID_KEY: save_id}
         dumped: dict[str, Any] = {}
         if single:
             fname = single_name(kind)
