@@ -49,6 +49,9 @@ from unickpt.io.tensors import local_boxes
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 
 KINDS = ("model", "optimizer")
+# fsync changes nothing a reader or a SIGKILL sees (only a power loss); the fast runs skip it,
+# the slow runs keep it (its steps are then interleaving and kill points too).
+FSYNC = [False]
 LAYOUTS = ("single", "gathered", "sliced", "sliced-sharded")
 Content = dict[str, bytes]  # tensor name -> raw bytes
 # One committed checkpoint as the test knows it: (content, layout), or None for "nothing committed".
@@ -91,7 +94,7 @@ def save(directory: str, kind: str, layout: str, seed: int, n: int, shard_bytes:
         gather=layout in ("single", "gathered"),
         size_per_shard_mb=shard_bytes / (1024 * 1024),
         layout=LayoutInfo(),
-        fsync=True,
+        fsync=FSYNC[0],
     )
     save_tensors(tensors_for(kind, seed, n), directory, opts, local_boxes)
 
@@ -379,9 +382,80 @@ def _run(examples: int, steps: int) -> None:
 
 
 def test_commit_protocol_state_machine() -> None:
-    _run(examples=12, steps=12)
+    _run(examples=16, steps=15)
 
 
 @pytest.mark.slow
-def test_commit_protocol_state_machine_long() -> None:
+def test_commit_protocol_state_machine_long(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(FSYNC, 0, True)
     _run(examples=150, steps=25)
+
+
+def _race_every_step(root: str, transitions: list[tuple[str, str]]) -> dict[str, int]:
+    """For each layout change (from, to): a reader opens the committed ``from`` checkpoint (index or
+    header only), then a ``to`` save runs, and the reader reads all data at its k-th file-system event,
+    for every k. The reader gets the old tensors, the new ones, or CheckpointChangedError /
+    IncompleteCheckpointError: never a mix."""
+    outcomes = {"old": 0, "new": 0, "error": 0, "cases": 0}
+    for i, (a, b) in enumerate(transitions):
+        old = content_of(tensors_for("model", 1, 3))
+        # Even cases: the same file names as the old save (files renamed over the old ones);
+        # odd cases: fewer tensors and bigger shards (other names, old files removed after).
+        n_new, shard_new = (3, 100) if i % 2 == 0 else (2, 400)
+        new = content_of(tensors_for("model", 2, n_new))
+        k = 0
+        while True:
+            k += 1
+            d = os.path.join(root, f"race-{i}-{k}")
+            save(d, "model", a, 1, 3, 100)
+            r = open_checkpoint(d, "model")
+            got: list[Content | str] = []
+            events = [0]
+
+            def on_event(
+                what: str,
+                r: CheckpointReader = r,
+                k: int = k,
+                got: list[Content | str] = got,
+                events: list[int] = events,
+            ) -> None:
+                del what
+                events[0] += 1
+                if events[0] == k:
+                    try:
+                        got.append(read_all(r))
+                    except (CheckpointChangedError, IncompleteCheckpointError):
+                        got.append(ERR)
+
+            with fs_events(on_event):
+                save(d, "model", b, 2, n_new, shard_new)
+            r.close()
+            shutil.rmtree(d)
+            if not got:
+                break  # k is past the save's last event
+            outcomes["cases"] += 1
+            if got[0] == ERR:
+                outcomes["error"] += 1
+            else:
+                assert got[0] in (old, new), f"{a} -> {b}: a reader read a mix of two saves at event {k}"
+                outcomes["old" if got[0] == old else "new"] += 1
+    return outcomes
+
+
+def test_a_reader_racing_a_save_at_every_step(tmp_path: Any) -> None:
+    transitions = [("gathered", "gathered"), ("sliced-sharded", "single")]
+    outcomes = _race_every_step(str(tmp_path), transitions)
+    print("race at every step:", outcomes)
+    # Data files opened before the new ones are renamed in are the old save's: old bytes. After,
+    # the reader finds another save's file and refuses it. The old index never names new data.
+    assert outcomes["old"] > 0 and outcomes["error"] > 0 and outcomes["cases"] > 40
+
+
+@pytest.mark.slow
+def test_a_reader_racing_a_save_at_every_step_all_layouts(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(FSYNC, 0, True)
+    outcomes = _race_every_step(str(tmp_path), [(a, b) for a in LAYOUTS for b in LAYOUTS])
+    print("race at every step, all layout pairs:", outcomes)
+    assert outcomes["old"] > 0 and outcomes["error"] > 0
