@@ -35,6 +35,7 @@ __all__ = [
     "temp_name",
     "parse_temp_name",
     "new_save_id",
+    "content_save_id",
     "SAVE_ID_KEY",
     "write_staged",
     "commit_directory",
@@ -75,6 +76,14 @@ _TEMP_RE = re.compile(r"^\.(?P<base>.+)\.tmp-(?:(?P<pid>[0-9]+)-)?(?P<token>[0-9
 def new_save_id() -> str:
     """A random id for one save: 32 lowercase hex digits."""
     return uuid.uuid4().hex
+
+
+def content_save_id(data: bytes) -> str:
+    """A save id derived from what a save wrote (``merge``: its block, which holds every slice's
+    hash), so that the same output is the same bytes; 32 lowercase hex digits, like :func:`new_save_id`."""
+    import xxhash
+
+    return xxhash.xxh3_128_hexdigest(data)
 
 
 def temp_name(final_path: str, save_id: str | None = None) -> str:

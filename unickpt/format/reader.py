@@ -120,11 +120,14 @@ class CheckpointReader:
     def check_same_save(self, name: str, metadata: dict[str, str] | None) -> None:
         """Raise ``CheckpointChangedError`` unless ``metadata`` (a header's) is of this checkpoint's save."""
         found = (metadata or {}).get(SAVE_ID_KEY)
-        if self.block.save_id is not None and found != self.block.save_id:
+        # A file that names no save (older writers, edited metadata) is not refused: every writer
+        # of this version names its save. An index without a save id never names a file that has one.
+        if found is not None and found != self.block.save_id:
             raise CheckpointChangedError(
-                f"{self.file_path(name)}: written by save {found or '(no save id)'}, but the index "
-                f"{self.index_path} records save {self.block.save_id}: a save replaced the "
-                "checkpoint while it was read; load it again"
+                f"{self.file_path(name)}: written by save {found}, but the index "
+                f"{self.index_path or self.directory} records "
+                f"{'save ' + self.block.save_id if self.block.save_id else 'no save id'}: a save "
+                "replaced the checkpoint while it was read; load it again"
             )
 
     def _index_changed(self) -> bool:

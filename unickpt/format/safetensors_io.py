@@ -163,12 +163,12 @@ def open_with_header(path: str | os.PathLike[str]) -> tuple[int, SafetensorsHead
     except IsADirectoryError as e:
         raise HeaderError(f"{p} is a directory, not a safetensors file") from e
     try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise HeaderError(f"{p} is a directory, not a safetensors file")
+        if not stat.S_ISREG(st.st_mode):
+            raise HeaderError(f"{p} is not a regular file")
         with open(fd, "rb", closefd=False) as f:
-            st = os.fstat(f.fileno())
-            if stat.S_ISDIR(st.st_mode):
-                raise HeaderError(f"{p} is a directory, not a safetensors file")
-            if not stat.S_ISREG(st.st_mode):
-                raise HeaderError(f"{p} is not a regular file")
             size = st.st_size
             if size < 8:
                 raise HeaderError(f"{p}: {size} bytes is too short for a safetensors file (needs 8+)")
