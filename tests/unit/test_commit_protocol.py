@@ -51,7 +51,7 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 KINDS = ("model", "optimizer")
 # fsync changes nothing a reader or a SIGKILL sees (only a power loss); the fast runs skip it,
 # the slow runs keep it (its steps are then interleaving and kill points too).
-FSYNC = [False]
+FSYNC = {"on": False}
 LAYOUTS = ("single", "gathered", "sliced", "sliced-sharded")
 Content = dict[str, bytes]  # tensor name -> raw bytes
 # One committed checkpoint as the test knows it: (content, layout), or None for "nothing committed".
@@ -94,7 +94,7 @@ def save(directory: str, kind: str, layout: str, seed: int, n: int, shard_bytes:
         gather=layout in ("single", "gathered"),
         size_per_shard_mb=shard_bytes / (1024 * 1024),
         layout=LayoutInfo(),
-        fsync=FSYNC[0],
+        fsync=FSYNC["on"],
     )
     save_tensors(tensors_for(kind, seed, n), directory, opts, local_boxes)
 
@@ -318,6 +318,12 @@ class CommitProtocol(RuleBasedStateMachine):
     def every_reader_sees_one_committed_checkpoint(self) -> None:
         STATS["steps"] += 1
         for kind in KINDS:
+            # Never both commit markers: readers preferring either (transformers: the single file;
+            # unickpt, huggingface_hub: the index) find the same checkpoint.
+            assert not (
+                os.path.exists(os.path.join(self.dir, single_name(kind)))
+                and os.path.exists(os.path.join(self.dir, index_name(kind)))
+            ), f"{kind}: both a single file and an index are committed"
             u = read_unickpt(self.dir, kind)
             h = read_hf(self.dir, kind)
             STATS["reader_checks"] += 2
@@ -387,7 +393,7 @@ def test_commit_protocol_state_machine() -> None:
 
 @pytest.mark.slow
 def test_commit_protocol_state_machine_long(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(FSYNC, 0, True)
+    monkeypatch.setitem(FSYNC, "on", True)
     _run(examples=150, steps=25)
 
 
@@ -455,7 +461,7 @@ def test_a_reader_racing_a_save_at_every_step(tmp_path: Any) -> None:
 def test_a_reader_racing_a_save_at_every_step_all_layouts(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(FSYNC, 0, True)
+    monkeypatch.setitem(FSYNC, "on", True)
     outcomes = _race_every_step(str(tmp_path), [(a, b) for a in LAYOUTS for b in LAYOUTS])
     print("race at every step, all layout pairs:", outcomes)
     assert outcomes["old"] > 0 and outcomes["error"] > 0
