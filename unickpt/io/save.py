@@ -37,6 +37,7 @@ from unickpt.format.commit import (
     commit_directory,
     commit_single_file,
     directory_lock,
+    discard,
     new_save_id,
     temp_name,
 )
@@ -267,7 +268,13 @@ def save_tensors(
                 )
         except BaseException as e:
             err = e
-        _dist.agree(err, f"writing {directory}", group)
+        try:
+            _dist.agree(err, f"writing {directory}", group)
+        except BaseException:
+            # Every rank has stopped writing: the files staged by ranks that succeeded go too.
+            if rank == 0 and not single_file:
+                discard(temp_name(os.path.join(directory, f.name), save_id) for f in plan.files)
+            raise
 
         # 5-6. commit.
         all_results = _dist.all_gather_object(results, group) if not single_file else [results]
