@@ -203,7 +203,10 @@ class CommitProtocol(RuleBasedStateMachine):
         self.root = tempfile.mkdtemp(prefix="unickpt-commit-")
         self.dir = os.path.join(self.root, "ck")
         self.known: dict[str, list[Known]] = {k: [None] for k in KINDS}  # possible committed states
-        self.clean = True  # the last step was a completed save: no leftovers allowed
+        self.clean = True  # the last step was a completed save: no staging file, no lock
+        # Kinds whose every data file is named by their committed checkpoint: a completed save of a
+        # kind removes its superseded files; a killed one may leave them until the next save of it.
+        self.tidy: set[str] = set(KINDS)
 
     def teardown(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
@@ -214,6 +217,7 @@ class CommitProtocol(RuleBasedStateMachine):
         save(self.dir, kind, layout, seed, n, shard)
         self.known[kind] = [(content_of(tensors_for(kind, seed, n)), layout)]
         self.clean = True
+        self.tidy.add(kind)
         STATS["saves"] += 1
 
     @rule(kind=kinds, layout=layouts, seed=seeds, n=counts, shard=shard_sizes, k=st.integers(1, 90))
@@ -228,11 +232,13 @@ class CommitProtocol(RuleBasedStateMachine):
         if sig == signal.SIGKILL:
             self.known[kind] = [*self.known[kind], new, None]
             self.clean = False
+            self.tidy.discard(kind)
             STATS["kills"] += 1
         else:
             assert sig == 0, f"the save failed in the child ({sig})"
             self.known[kind] = [new]
             self.clean = True
+            self.tidy.add(kind)
 
     @rule(
         rkind=kinds,
@@ -298,6 +304,7 @@ class CommitProtocol(RuleBasedStateMachine):
         allowed = old + ([new] if rkind == kind else [])  # a save of the other kind changes nothing here
         self.known[kind] = [new]
         self.clean = True
+        self.tidy.add(kind)
         if result == ERR or result is None:
             # Nothing committed at that instant, or the checkpoint changed under the reader.
             assert rkind == kind or None in allowed, f"a save of the other kind disturbed a {rkind} reader"
@@ -312,6 +319,7 @@ class CommitProtocol(RuleBasedStateMachine):
         shutil.rmtree(self.dir, ignore_errors=True)
         self.known = {k: [None] for k in KINDS}
         self.clean = True
+        self.tidy = set(KINDS)
 
     # ------------------------------------------------------------------ what every reader sees
     @invariant()
@@ -359,10 +367,11 @@ class CommitProtocol(RuleBasedStateMachine):
         entries = os.listdir(self.dir)
         assert LOCK_NAME not in entries
         assert not [e for e in entries if parse_temp_name(e) is not None], entries
-        for kind in KINDS:
+        for kind in self.tidy:
             kn = self.known[kind][0]
             own = sorted(e for e in entries if is_own_data_file(kind, e))
             if kn is None:
+                assert own == [], f"{kind}: data files with no committed checkpoint: {own}"
                 continue
             with open_checkpoint(self.dir, kind) as r:
                 assert own == r.files, (
