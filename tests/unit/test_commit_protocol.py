@@ -217,10 +217,10 @@ class CommitProtocol(RuleBasedStateMachine):
         save(self.dir, kind, layout, seed, n, shard)
         self.known[kind] = [(content_of(tensors_for(kind, seed, n)), layout)]
         self.clean = True
-        self.tidy.add(kind)
+        self._completed(kind)
         STATS["saves"] += 1
 
-    @rule(kind=kinds, layout=layouts, seed=seeds, n=counts, shard=shard_sizes, k=st.integers(1, 90))
+    @rule(kind=kinds, layout=layouts, seed=seeds, n=counts, shard=shard_sizes, k=st.integers(1, 45))
     def killed_save(self, kind: str, layout: str, seed: int, n: int, shard: int, k: int) -> None:
         os.makedirs(self.dir, exist_ok=True)
         sig = run_child(
@@ -238,7 +238,7 @@ class CommitProtocol(RuleBasedStateMachine):
             assert sig == 0, f"the save failed in the child ({sig})"
             self.known[kind] = [new]
             self.clean = True
-            self.tidy.add(kind)
+            self._completed(kind)
 
     @rule(
         rkind=kinds,
@@ -304,7 +304,7 @@ class CommitProtocol(RuleBasedStateMachine):
         allowed = old + ([new] if rkind == kind else [])  # a save of the other kind changes nothing here
         self.known[kind] = [new]
         self.clean = True
-        self.tidy.add(kind)
+        self._completed(kind)
         if result == ERR or result is None:
             # Nothing committed at that instant, or the checkpoint changed under the reader.
             assert rkind == kind or None in allowed, f"a save of the other kind disturbed a {rkind} reader"
@@ -320,6 +320,14 @@ class CommitProtocol(RuleBasedStateMachine):
         self.known = {k: [None] for k in KINDS}
         self.clean = True
         self.tidy = set(KINDS)
+
+    def _completed(self, kind: str) -> None:
+        """A save of ``kind`` completed: its superseded files are gone, and the other kind's shard
+        files too when that kind has no committed index."""
+        self.tidy.add(kind)
+        for other in KINDS:
+            if not os.path.exists(os.path.join(self.dir, index_name(other))):
+                self.tidy.add(other)
 
     # ------------------------------------------------------------------ what every reader sees
     @invariant()

@@ -325,9 +325,16 @@ def commit_single_file(file_path: str, staged: str, kind: str, *, fsync: bool = 
 
 
 def _remove_superseded(directory: str, kind: str, keep: set[str]) -> None:
-    """Remove data files of ``kind`` (standard names only) that the committed checkpoint does not use."""
-    for entry in os.listdir(directory):
-        if entry not in keep and is_own_data_file(kind, entry):
+    """Remove data files of ``kind`` (standard names only) that the committed checkpoint does not use.
+
+    Shard files of the other kind are removed too when that kind has no committed index (a killed
+    save left them beside a single file, or nothing is committed): no reader ever reads them.
+    """
+    entries = os.listdir(directory)
+    orphaned = {k for k in _KINDS if k != kind and index_name(k) not in entries}
+    for entry in entries:
+        mine = entry not in keep and is_own_data_file(kind, entry)
+        if mine or any(is_own_data_file(k, entry) and entry != single_name(k) for k in orphaned):
             _unlink(os.path.join(directory, entry))
 
 
