@@ -409,9 +409,10 @@ def test_commit_protocol_state_machine() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_commit_protocol_state_machine_long(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(FSYNC, "on", True)
-    _run(examples=150, steps=25)
+    _run(examples=80, steps=25)
 
 
 def _race_every_step(root: str, transitions: list[tuple[str, str]]) -> dict[str, int]:
@@ -475,6 +476,7 @@ def test_a_reader_racing_a_save_at_every_step(tmp_path: Any) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_a_reader_racing_a_save_at_every_step_all_layouts(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -39,6 +39,9 @@ __all__ = [
     "SAVE_ID_KEY",
     "write_staged",
     "commit_directory",
+    "prepare_commit",
+    "place_staged",
+    "finish_commit",
     "commit_single_file",
     "discard",
     "clean_leftovers",
@@ -275,26 +278,63 @@ def commit_directory(
        keeps its old bytes; a reader opening it now finds this save's id and refuses it);
     4. the index is renamed into place: the commit;
     5. data files of the kind that the new index does not name are removed, then leftovers.
+
+    A save whose ranks stage files in directories of their own (node-local disks) runs the three
+    parts itself: :func:`prepare_commit` (steps 1-2, the index's rank), :func:`place_staged`
+    (step 3, every rank its own files), :func:`finish_commit` (steps 4-5).
     """
-    idx = os.path.join(directory, index_name(kind))
-    idx_tmp = temp_name(idx, save_id)
+    try:
+        idx_tmp = prepare_commit(directory, kind, index, save_id=save_id, fsync=fsync)
+    except BaseException:
+        discard(staged.values())
+        raise
+    try:
+        place_staged(directory, staged, fsync=fsync)
+    except BaseException:
+        discard([idx_tmp, *staged.values()])
+        raise
+    finish_commit(directory, kind, idx_tmp, set(staged), fsync=fsync)
+
+
+def prepare_commit(directory: str, kind: str, index: bytes, *, save_id: str, fsync: bool = True) -> str:
+    """Stage the index, then un-commit the kind's previous checkpoint. Returns the staged index path."""
+    idx_tmp = temp_name(os.path.join(directory, index_name(kind)), save_id)
     try:
         write_staged(idx_tmp, index, fsync=fsync)
         if fsync:
             fsync_dir(directory)
-        removed = _unlink(idx)
+        removed = _unlink(os.path.join(directory, index_name(kind)))
         removed = _unlink(os.path.join(directory, single_name(kind))) or removed
         if removed and fsync:
             fsync_dir(directory)
+    except BaseException:
+        discard([idx_tmp])
+        raise
+    return idx_tmp
+
+
+def place_staged(directory: str, staged: Mapping[str, str], *, fsync: bool = True) -> None:
+    """Rename staged data files over their final names in ``directory`` (after :func:`prepare_commit`)."""
+    try:
         for final, tmp in staged.items():
             os.replace(tmp, os.path.join(directory, final))
-        os.replace(idx_tmp, idx)
     except BaseException:
-        discard([idx_tmp, *staged.values()])
+        discard(staged.values())
+        raise
+    if fsync and staged:
+        fsync_dir(directory)
+
+
+def finish_commit(directory: str, kind: str, idx_tmp: str, keep: set[str], *, fsync: bool = True) -> None:
+    """Rename the staged index into place (the commit), then remove superseded files and leftovers."""
+    try:
+        os.replace(idx_tmp, os.path.join(directory, index_name(kind)))
+    except BaseException:
+        discard([idx_tmp])
         raise
     if fsync:
         fsync_dir(directory)
-    _remove_superseded(directory, kind, set(staged))
+    _remove_superseded(directory, kind, keep)
     clean_leftovers(directory)
 
 

@@ -34,7 +34,6 @@ from unickpt._logging import get_logger
 from unickpt.errors import UnickptError
 from unickpt.format.commit import (
     SAVE_ID_KEY,
-    commit_directory,
     commit_single_file,
     directory_lock,
     discard,
@@ -56,6 +55,7 @@ from unickpt.format.naming import SLICED_SENTINEL, single_name
 from unickpt.format.reader import UNICKPT_METADATA_KEY
 from unickpt.format.safetensors_io import SafetensorsWriter, encode_header
 from unickpt.io import _dist
+from unickpt.io._commit import commit_collective
 from unickpt.io.planner import PlannedFile, SavePlan, SliceMeta, plan_save
 from unickpt.io.tensors import LocalSlice, as_bytes, is_dtensor
 
@@ -268,32 +268,35 @@ def save_tensors(
                 )
         except BaseException as e:
             err = e
+        # Each rank's own staged files (in its own directory: shared, or node-local before an upload).
+        own = (
+            [] if single_file else plan.files_of(rank) if not opts.gather else plan.files if rank == 0 else []
+        )
+        staged = {f.name: temp_name(os.path.join(directory, f.name), save_id) for f in own}
         try:
             _dist.agree(err, f"writing {directory}", group)
         except BaseException:
-            # Every rank has stopped writing: the files staged by ranks that succeeded go too.
-            if rank == 0 and not single_file:
-                discard(temp_name(os.path.join(directory, f.name), save_id) for f in plan.files)
+            discard(staged.values())  # every rank has stopped writing: the successful ranks' files go too
             raise
 
         # 5-6. commit.
         all_results = _dist.all_gather_object(results, group) if not single_file else [results]
-        if rank == 0 and not single_file:
-            try:
-                merged_results: dict[tuple[str, int], tuple[str | None, int]] = {}
-                for r in all_results:
-                    merged_results.update(r)
-                block = _build_block(
-                    plan, merged_results, opts, aliases, entry_extras, block_extras, save_id=save_id
-                )
-                index = _build_index(plan, block, opts)
-                staged = {f.name: temp_name(os.path.join(directory, f.name), save_id) for f in plan.files}
-                commit_directory(
-                    directory, opts.kind, staged, index_to_json(index), save_id=save_id, fsync=opts.fsync
-                )
-            except BaseException as e:
-                err = e
-        _dist.agree(err, f"committing {directory}", group)
+        if not single_file:
+            index = b""
+            if rank == 0:
+                try:
+                    merged_results: dict[tuple[str, int], tuple[str | None, int]] = {}
+                    for r in all_results:
+                        merged_results.update(r)
+                    block = _build_block(
+                        plan, merged_results, opts, aliases, entry_extras, block_extras, save_id=save_id
+                    )
+                    index = index_to_json(_build_index(plan, block, opts))
+                except BaseException as e:
+                    err = e
+            commit_collective(
+                directory, opts.kind, opts.fsync, plan, staged, index, save_id, err, group, rank, world
+            )
     finally:
         lock.close()
     _dist.barrier(group)
