@@ -240,3 +240,23 @@ def test_merge_into_a_directory_of_leftovers_and_beside_dead_staging(tmp_path: P
     with pytest.raises(OutputExistsError):
         merge_checkpoint(src, out)  # a checkpoint is never replaced by a merge
     _loads_as(out, 1)
+
+
+def test_indexes_of_older_writers_and_plain_hugging_face_indexes(tmp_path: Path) -> None:
+    d = tmp_path / "ck"
+    GeneralCheckpointIO().save_model(Tiny(1), str(d), shard=True, size_per_shard=TINY_SHARD_MB)
+    idx = json.loads((d / IDX).read_text())
+    # A unickpt index without a save id (an older writer) never names files of a save.
+    old = json.loads(json.dumps(idx))
+    del old["unickpt"]["save_id"]
+    (d / IDX).write_text(json.dumps(old))
+    r = open_checkpoint(d)
+    with pytest.raises(CheckpointChangedError, match="records no save id"):
+        r.header(r.files[0])
+    r.close()
+    # A plain Hugging Face index (no unickpt block) says nothing about saves: it loads.
+    plain = {"metadata": idx["metadata"], "weight_map": idx["weight_map"]}
+    (d / IDX).write_text(json.dumps(plain))
+    m = Tiny(99)
+    GeneralCheckpointIO().load_model(m, d)
+    assert same_state(m, snapshot(Tiny(1)))

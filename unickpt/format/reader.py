@@ -121,8 +121,9 @@ class CheckpointReader:
         """Raise ``CheckpointChangedError`` unless ``metadata`` (a header's) is of this checkpoint's save."""
         found = (metadata or {}).get(SAVE_ID_KEY)
         # A file that names no save (older writers, edited metadata) is not refused: every writer
-        # of this version names its save. An index without a save id never names a file that has one.
-        if found is not None and found != self.block.save_id:
+        # of this version names its save. A unickpt index without a save id (older writers) never
+        # names a file that has one; a plain Hugging Face index says nothing about saves.
+        if found is not None and found != self.block.save_id and self.has_unickpt_block:
             raise CheckpointChangedError(
                 f"{self.file_path(name)}: written by save {found}, but the index "
                 f"{self.index_path or self.directory} records "
