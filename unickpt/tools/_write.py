@@ -22,7 +22,6 @@ from unickpt.format.commit import (
     SAVE_ID_KEY,
     commit_directory,
     directory_lock,
-    discard,
     new_save_id,
     temp_name,
 )
@@ -136,14 +135,31 @@ def _write_locked(
         groups = [items[i :: max(1, files)] for i in range(max(1, files))]
     groups = [g for g in groups if g] or [[]]
     results: dict[tuple[str, int], tuple[str, str | None, int]] = {}
+    # Staged files of a failed write are removed by the next save into the directory (leftovers).
     staged: dict[str, str] = {}
-    try:
-        _write_files(
-            directory, tensors, groups, kind, sliced, save_id, staged, results, hashes, fingerprints, fsync
-        )
-    except BaseException:
-        discard(staged.values())
-        raise
+    for j, group in enumerate(groups):
+        fname = shard_name(kind, j + 1, len(groups))
+        key_of = {(n, k): (slice_key(n, k) if sliced else n) for n, k, _ in group}
+        specs = [(key_of[(n, k)], tensors[n].dtype, tuple(int(d) for d in s.shape)) for n, k, s in group]
+        path = temp_name(os.path.join(directory, fname), save_id)
+        meta = {"format": "unickpt-sliced" if sliced else "pt", SAVE_ID_KEY: save_id}
+        w = SafetensorsWriter(path, specs, meta)
+        staged[fname] = path
+        try:
+            for n, k, s in group:
+                t = tensors[n]
+                data = _raw(s.data)
+                partial = 0
+                if fingerprints and data.nbytes:
+                    words = np.frombuffer(data, dtype=f"<u{itemsize(t.dtype)}")
+                    partial = fingerprint_partial(words, list(t.shape), list(s.offsets), list(s.shape))
+                results[(n, k)] = (fname, slice_hash(data) if hashes else None, partial)
+                w.write(key_of[(n, k)], data)
+                del data
+            w.close(fsync=fsync)
+        except BaseException:
+            w.abort()
+            raise
     entries = {}
     for n, t in tensors.items():
         total = 0
@@ -180,42 +196,3 @@ def _write_locked(
         {"metadata": {"total_size": total_size}, "weight_map": weight_map, "unickpt": block.model_dump()}
     )
     commit_directory(directory, kind, staged, index_to_json(index), save_id=save_id, fsync=fsync)
-
-
-def _write_files(
-    directory: str,
-    tensors: dict[str, TensorData],
-    groups: list[list[tuple[str, int, SliceData]]],
-    kind: str,
-    sliced: bool,
-    save_id: str,
-    staged: dict[str, str],
-    results: dict[tuple[str, int], tuple[str, str | None, int]],
-    hashes: bool,
-    fingerprints: bool,
-    fsync: bool,
-) -> None:
-    """Write each group of slices into a staged data file; record staged paths and slice results."""
-    for j, group in enumerate(groups):
-        fname = shard_name(kind, j + 1, len(groups))
-        key_of = {(n, k): (slice_key(n, k) if sliced else n) for n, k, _ in group}
-        specs = [(key_of[(n, k)], tensors[n].dtype, tuple(int(d) for d in s.shape)) for n, k, s in group]
-        path = temp_name(os.path.join(directory, fname), save_id)
-        meta = {"format": "unickpt-sliced" if sliced else "pt", SAVE_ID_KEY: save_id}
-        w = SafetensorsWriter(path, specs, meta)
-        staged[fname] = path
-        try:
-            for n, k, s in group:
-                t = tensors[n]
-                data = _raw(s.data)
-                partial = 0
-                if fingerprints and data.nbytes:
-                    words = np.frombuffer(data, dtype=f"<u{itemsize(t.dtype)}")
-                    partial = fingerprint_partial(words, list(t.shape), list(s.offsets), list(s.shape))
-                results[(n, k)] = (fname, slice_hash(data) if hashes else None, partial)
-                w.write(key_of[(n, k)], data)
-                del data
-            w.close(fsync=fsync)
-        except BaseException:
-            w.abort()
-            raise
