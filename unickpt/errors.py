@@ -15,6 +15,7 @@ handlers keep working::
     +-- UnsupportedError (TypeError)             a dtype, object or option unickpt cannot handle
     +-- DistributedError (RuntimeError)          ranks disagree, or a peer failed
     +-- CheckpointBusyError (RuntimeError)       another save holds the directory lock
+    +-- CheckpointChangedError (RuntimeError)    a save replaced the checkpoint while it was read
 
 Messages say where (file, tensor, rank), what was expected, what was found and, where
 there is one, what to do about it.
@@ -37,6 +38,7 @@ __all__ = [
     "UnsupportedError",
     "DistributedError",
     "CheckpointBusyError",
+    "CheckpointChangedError",
 ]
 
 
@@ -141,3 +143,12 @@ class DistributedError(UnickptError, RuntimeError):
 
 class CheckpointBusyError(UnickptError, RuntimeError):
     """Another save is writing to the same checkpoint directory."""
+
+
+class CheckpointChangedError(UnickptError, RuntimeError):
+    """A save committed a new checkpoint (or started replacing it) while this one was being read.
+
+    Data files carry the save id of the index that names them; a reader that finds a data file
+    of another save, or finds it gone, raises this instead of mixing two checkpoints. Reading
+    again reads the newly committed checkpoint.
+    """

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import torch
 from torch import nn
 
 from unickpt import GeneralCheckpointIO
+from unickpt.format.safetensors_io import SafetensorsWriter
 
 INDEX = "model.safetensors.index.json"
 # size_per_shard is in MB; this many MB puts roughly one tensor per file for the model below.
@@ -90,3 +93,73 @@ def tree_state(root: Path | str) -> dict[str, tuple[int, int]]:
             st = os.lstat(p)
             out[p] = (st.st_size, st.st_mtime_ns)
     return out
+
+
+def install_kill_hooks(kill_at: int, log: list[str]) -> None:
+    """In the child only: SIGKILL this process at the ``kill_at``-th event (0: never)."""
+    state = {"n": 0}
+
+    def tick(what: str, before_kill: Callable[[], None] | None = None) -> None:
+        state["n"] += 1
+        log.append(what)
+        if state["n"] == kill_at:
+            if before_kill is not None:
+                before_kill()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    orig_write = SafetensorsWriter.write
+
+    def write(self: SafetensorsWriter, key: str, data: Any) -> None:
+        tick(f"write-start {os.path.basename(self.path)}:{key}")
+        mv = memoryview(data).cast("B")
+
+        def half() -> None:
+            assert self._f is not None
+            self._f.write(mv[: mv.nbytes // 2])
+            self._f.flush()
+
+        tick(f"write-half {os.path.basename(self.path)}:{key}", half)
+        orig_write(self, key, data)
+        tick(f"write-end {os.path.basename(self.path)}:{key}")
+
+    SafetensorsWriter.write = write  # type: ignore[method-assign]
+
+    def around(mod: Any, name: str) -> None:
+        orig = getattr(mod, name)
+
+        def wrapped(*a: Any, **k: Any) -> Any:
+            label = f"{name} {os.path.basename(str(a[0])) if a and not isinstance(a[0], int) else ''}".strip()
+            tick(f"before {label}")
+            out = orig(*a, **k)
+            tick(f"after {label}")
+            return out
+
+        setattr(mod, name, wrapped)
+
+    for name in ("fsync", "replace", "unlink", "rename"):
+        around(os, name)
+
+
+def run_child(kill_at: int, fn: Callable[[], None], log_path: Path) -> int:
+    """Fork; the child runs ``fn`` under the kill hooks. Returns the child's signal (or -exit code)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(r)
+        code = 0
+        log: list[str] = []
+        try:
+            install_kill_hooks(kill_at, log)
+            fn()
+        except BaseException:
+            code = 3
+        finally:
+            with open(log_path, "w") as f:
+                json.dump(log, f)
+            os._exit(code)
+    os.close(w)
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        return os.WTERMSIG(status)
+    return -os.WEXITSTATUS(status)

@@ -13,96 +13,24 @@ import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from _reliability import TINY_SHARD_MB, Tiny, data_files, same_state, save_sharded, snapshot
+from _reliability import TINY_SHARD_MB, Tiny, data_files, run_child, same_state, save_sharded, snapshot
 
 import unickpt.io.save as save_mod
 from unickpt import GeneralCheckpointIO
 from unickpt.errors import CheckpointBusyError, IncompleteCheckpointError
 from unickpt.format.commit import LOCK_NAME
 from unickpt.format.reader import open_checkpoint
-from unickpt.format.safetensors_io import SafetensorsWriter
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 OLD_SEED, NEW_SEED = 1, 2
 
 
-def _install_kill_hooks(kill_at: int, log: list[str]) -> None:
-    """In the child only: SIGKILL this process at the ``kill_at``-th event (0: never)."""
-    state = {"n": 0}
-
-    def tick(what: str, before_kill: Callable[[], None] | None = None) -> None:
-        state["n"] += 1
-        log.append(what)
-        if state["n"] == kill_at:
-            if before_kill is not None:
-                before_kill()
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    orig_write = SafetensorsWriter.write
-
-    def write(self: SafetensorsWriter, key: str, data: Any) -> None:
-        tick(f"write-start {os.path.basename(self.path)}:{key}")
-        mv = memoryview(data).cast("B")
-
-        def half() -> None:
-            assert self._f is not None
-            self._f.write(mv[: mv.nbytes // 2])
-            self._f.flush()
-
-        tick(f"write-half {os.path.basename(self.path)}:{key}", half)
-        orig_write(self, key, data)
-        tick(f"write-end {os.path.basename(self.path)}:{key}")
-
-    SafetensorsWriter.write = write  # type: ignore[method-assign]
-
-    def around(mod: Any, name: str) -> None:
-        orig = getattr(mod, name)
-
-        def wrapped(*a: Any, **k: Any) -> Any:
-            label = f"{name} {os.path.basename(str(a[0])) if a and not isinstance(a[0], int) else ''}".strip()
-            tick(f"before {label}")
-            out = orig(*a, **k)
-            tick(f"after {label}")
-            return out
-
-        setattr(mod, name, wrapped)
-
-    for name in ("fsync", "replace", "unlink", "rename"):
-        around(os, name)
-
-
-def _run_child(kill_at: int, fn: Callable[[], None], log_path: Path) -> int:
-    """Fork; the child runs ``fn`` under the kill hooks. Returns the child's signal (or -exit code)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        os.close(r)
-        code = 0
-        log: list[str] = []
-        try:
-            _install_kill_hooks(kill_at, log)
-            fn()
-        except BaseException:
-            code = 3
-        finally:
-            with open(log_path, "w") as f:
-                json.dump(log, f)
-            os._exit(code)
-    os.close(w)
-    os.close(r)
-    _, status = os.waitpid(pid, 0)
-    if os.WIFSIGNALED(status):
-        return os.WTERMSIG(status)
-    return -os.WEXITSTATUS(status)
-
-
 def _count_events(fn: Callable[[], None], tmp: Path) -> list[str]:
     log_path = tmp / "events.json"
-    assert _run_child(0, fn, log_path) == 0
+    assert run_child(0, fn, log_path) == 0
     events: list[str] = json.loads(log_path.read_text())
     return events
 
@@ -146,7 +74,7 @@ def test_kill_at_every_event_of_a_fresh_save(tmp_path: Path) -> None:
     outcomes = {"refused": 0, "committed": 0, "absent": 0}
     for k in range(1, len(events) + 1):
         new = tmp_path / f"step-2-k{k}"
-        sig = _run_child(k, _save_new(new), tmp_path / "log.json")
+        sig = run_child(k, _save_new(new), tmp_path / "log.json")
         assert sig == signal.SIGKILL, f"child was not killed at event {k} ({events[k - 1]})"
         _assert_committed_as(old, OLD_SEED)  # the previous checkpoint is never touched
         if not new.exists():
@@ -175,7 +103,7 @@ def test_kill_during_in_place_overwrite_is_never_a_mix(tmp_path: Path) -> None:
     for k in range(1, len(events) + 1, 2):
         ck = tmp_path / f"ck-{k}"
         save_sharded(ck, OLD_SEED)
-        assert _run_child(k, _save_new(ck), tmp_path / "log.json") == signal.SIGKILL
+        assert run_child(k, _save_new(ck), tmp_path / "log.json") == signal.SIGKILL
         if not os.path.exists(ck / "model.safetensors.index.json"):
             _assert_refused(ck)
             outcomes["refused"] += 1
@@ -203,7 +131,7 @@ def test_kill_during_single_file_save_keeps_old_file(tmp_path: Path) -> None:
     GeneralCheckpointIO().save_model(Tiny(OLD_SEED), str(p))
     seen = set()
     for k in range(1, len(events) + 1):
-        assert _run_child(k, fn, tmp_path / "log.json") == signal.SIGKILL
+        assert run_child(k, fn, tmp_path / "log.json") == signal.SIGKILL
         m = Tiny(99)
         GeneralCheckpointIO().load_model(m, p, verify=True)
         seed = OLD_SEED if same_state(m, snapshot(Tiny(OLD_SEED))) else NEW_SEED

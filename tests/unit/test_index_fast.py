@@ -743,6 +743,7 @@ def test_fast_checks_know_the_models() -> None:
             "aliases",
             "param_groups",
             "param_state",
+            "save_id",
         ],
         IndexMetadata: ["total_size"],
         IndexFile: ["metadata", "weight_map", "unickpt"],

@@ -71,6 +71,7 @@ Positive = Annotated[int, Strict(), Field(ge=1)]
 MAX_STATE_DEPTH = 48
 Hex16 = Annotated[str, Field(pattern=_HEX16)]
 
+_SAVE_ID = re.compile(r"[0-9a-f]{32}")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]*$")
 
 
@@ -173,6 +174,12 @@ class UnickptBlock(_Strict):
     )
     param_state: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="optimizer: non-tensor per-parameter state, by FQN"
+    )
+    save_id: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{32}$",
+        description="random id of the save that wrote this checkpoint; every data file's header "
+        "metadata carries it under 'unickpt_save'",
     )
 
     @field_validator("format_version", mode="before")
@@ -672,6 +679,10 @@ class _FastIndex:
                         raise _NotFast  # the model's validator names it
                     self.walk(x)
                     x = [dict(g) for g in x]
+                given[k] = x
+            elif k == "save_id":
+                if x is not None and (type(x) is not str or _SAVE_ID.fullmatch(x) is None):
+                    raise _NotFast  # the schema's own message names the pattern
                 given[k] = x
             else:  # param_state
                 if type(x) is not dict:

@@ -8,6 +8,11 @@ No torch here. ``CheckpointReader`` is what ``load_model``, ``verify``, ``inspec
 3. every slice's key exists in its file with the recorded dtype and shape, and every
    file's header is itself valid (``validate_structure``);
 4. optionally, every slice's bytes hash to the recorded xxh3-64 (``verify``).
+
+A data file is opened once; its header and its bytes are read through the same descriptor,
+and the save id in its header must be the one the index records, so that a reader racing a
+save reads the old checkpoint, the new one, or raises ``CheckpointChangedError``: never a mix
+(writers never modify a file in place, they rename new files over old names).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from unickpt.errors import (
+    CheckpointChangedError,
     CheckpointFormatError,
     HeaderError,
     IncompleteCheckpointError,
@@ -32,6 +38,7 @@ from unickpt.errors import (
 )
 from unickpt.format._json import strict_loads
 from unickpt.format.boxes import coverage_problem
+from unickpt.format.commit import SAVE_ID_KEY
 from unickpt.format.consistency import check_block, check_keys_referenced
 from unickpt.format.hashing import SliceHasher
 from unickpt.format.index import (
@@ -43,7 +50,13 @@ from unickpt.format.index import (
     load_index,
 )
 from unickpt.format.naming import index_name, single_name
-from unickpt.format.safetensors_io import SafetensorsHeader, iter_range, read_header, read_range
+from unickpt.format.safetensors_io import (
+    SafetensorsHeader,
+    iter_range,
+    open_with_header,
+    read_header,
+    read_range,
+)
 
 __all__ = ["CheckpointReader", "open_checkpoint", "UNICKPT_METADATA_KEY"]
 
@@ -84,23 +97,69 @@ class CheckpointReader:
         return os.path.join(self.directory, check_file_name(name))
 
     def header(self, name: str) -> SafetensorsHeader:
+        """The validated header of data file ``name``, which stays open for reading its bytes."""
         h = self._headers.get(name)
         if h is None:
-            h = read_header(self.file_path(name))
-            self._headers[name] = h
-        return h
-
-    def _fd(self, name: str) -> int:
-        fd = self._fds.get(name)
-        if fd is None:
             try:
-                fd = os.open(self.file_path(name), os.O_RDONLY)
-            except FileNotFoundError as e:
+                fd, h = open_with_header(self.file_path(name))
+            except IncompleteCheckpointError as e:
+                if self._index_changed():
+                    raise CheckpointChangedError(
+                        f"{self.index_path}: data file {name!r} vanished while the checkpoint was read, "
+                        "and the index is no longer the one read: a save replaced the checkpoint; "
+                        "load it again"
+                    ) from None
                 raise IncompleteCheckpointError(
                     f"{self.directory}: data file {name!r} named by the index is missing"
                 ) from e
+            try:
+                self.check_same_save(name, h.metadata)
+            except CheckpointChangedError:
+                os.close(fd)
+                raise
             self._fds[name] = fd
-        return fd
+            self._headers[name] = h
+        return h
+
+    def pinned_path(self, name: str) -> str:
+        """A path to the very file whose header :meth:`header` checked (``/proc/self/fd/N`` on
+        Linux), for libraries that open files by name; the file's own name elsewhere."""
+        self.header(name)
+        proc = f"/proc/self/fd/{self._fds[name]}"
+        return proc if os.path.exists(proc) else self.file_path(name)
+
+    def check_same_save(self, name: str, metadata: dict[str, str] | None) -> None:
+        """Raise ``CheckpointChangedError`` unless ``metadata`` (a header's) is of this checkpoint's save."""
+        found = (metadata or {}).get(SAVE_ID_KEY)
+        # A file that names no save (older writers, edited metadata) is not refused: every writer
+        # of this version names its save. A unickpt index without a save id (older writers) never
+        # names a file that has one; a plain Hugging Face index says nothing about saves.
+        if found is not None and found != self.block.save_id and self.has_unickpt_block:
+            raise CheckpointChangedError(
+                f"{self.file_path(name)}: written by save {found}, but the index "
+                f"{self.index_path or self.directory} records "
+                f"{'save ' + self.block.save_id if self.block.save_id else 'no save id'}: a save "
+                "replaced the checkpoint while it was read; load it again"
+            )
+
+    def _index_changed(self) -> bool:
+        """True when the index this reader parsed is no longer the committed one (or is gone)."""
+        if self.index_path is None or self.block.save_id is None:
+            return False
+        try:
+            now = load_index(self.index_path).unickpt
+        except (OSError, ValueError):
+            return True
+        return now is None or now.save_id != self.block.save_id
+
+    def _fd(self, name: str) -> int:
+        self.header(name)
+        return self._fds[name]
+
+    def pin(self) -> None:
+        """Open every data file now (headers checked, save ids matched): later reads need no name."""
+        for name in self.files:
+            self.header(name)
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -305,11 +364,34 @@ def _block_from_plain_index(idx: IndexFile, directory: str, path: str, kind: str
     return UnickptBlock(kind="model" if kind == "model" else "optimizer", tensors=tensors)
 
 
-def open_checkpoint(path: str | os.PathLike[str], kind: str = "model") -> CheckpointReader:
+def open_checkpoint(
+    path: str | os.PathLike[str], kind: str = "model", *, pin: bool = False
+) -> CheckpointReader:
     """Open the checkpoint at ``path`` (a directory, an index file or a single .safetensors file).
 
-    Raises ``IncompleteCheckpointError`` when there is no committed checkpoint there.
+    Raises ``IncompleteCheckpointError`` when there is no committed checkpoint there. With
+    ``pin``, every data file is opened and matched to the index at once; when a save replaced
+    the checkpoint meanwhile (``CheckpointChangedError``), the new one is opened instead, once.
     """
+    r = _open_checkpoint(path, kind)
+    if not pin:
+        return r
+    for attempt in range(2):
+        try:
+            r.pin()
+            return r
+        except CheckpointChangedError:
+            r.close()
+            if attempt:
+                raise
+        except BaseException:
+            r.close()
+            raise
+        r = _open_checkpoint(path, kind)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _open_checkpoint(path: str | os.PathLike[str], kind: str) -> CheckpointReader:
     p = os.fspath(path)
     if os.path.lexists(p) and not os.path.isfile(p) and not os.path.isdir(p):
         raise (IndexFileError if p.endswith(".json") else HeaderError)(
@@ -319,10 +401,14 @@ def open_checkpoint(path: str | os.PathLike[str], kind: str = "model") -> Checkp
         directory = os.path.dirname(os.path.abspath(p))
         return _from_index(p, directory, kind)
     if os.path.isfile(p):
-        h = read_header(p)
-        block, has = _block_from_header(h, kind)
-        if has:
-            check_block(h.path, block, None)
+        fd, h = open_with_header(p)
+        try:
+            block, has = _block_from_header(h, kind)
+            if has:
+                check_block(h.path, block, None)
+        except BaseException:
+            os.close(fd)
+            raise
         file = _slice_file_name(p, kind)
         r = CheckpointReader(
             os.path.dirname(os.path.abspath(p)),
@@ -334,6 +420,7 @@ def open_checkpoint(path: str | os.PathLike[str], kind: str = "model") -> Checkp
             single_slice_file=file,
         )
         r._headers[file] = h
+        r._fds[file] = fd
         return r
     if os.path.isdir(p):
         idx = os.path.join(p, index_name(kind))
@@ -343,7 +430,7 @@ def open_checkpoint(path: str | os.PathLike[str], kind: str = "model") -> Checkp
             raise IndexFileError(f"{idx} is {_not_regular(idx)}, not an index file")
         single = os.path.join(p, single_name(kind))
         if os.path.isfile(single):
-            return open_checkpoint(single, kind)
+            return _open_checkpoint(single, kind)
         if os.path.lexists(single):
             raise HeaderError(f"{single} is {_not_regular(single)}, not a safetensors file")
         raise IncompleteCheckpointError(
@@ -408,7 +495,13 @@ def file_kind(path: str) -> str | None:
 
 
 def _from_index(idx_path: str, directory: str, kind: str) -> CheckpointReader:
-    idx = load_index(idx_path)
+    try:
+        idx = load_index(idx_path)
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(
+            f"{idx_path} vanished while being opened: a save into {directory} is replacing the "
+            f"{kind} checkpoint; open it again once the save has finished"
+        ) from None
     if idx.unickpt is None:
         block = _block_from_plain_index(idx, directory, idx_path, kind)
         return CheckpointReader(directory, kind, block, idx_path, False, idx)

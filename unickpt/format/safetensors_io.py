@@ -33,6 +33,7 @@ __all__ = [
     "HeaderEntry",
     "SafetensorsHeader",
     "read_header",
+    "open_with_header",
     "parse_header",
     "encode_header",
     "SafetensorsWriter",
@@ -143,14 +144,36 @@ def parse_header(raw: bytes, data_len: int, path: str) -> tuple[dict[str, Header
 
 def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
     """Read and validate the header of a safetensors file. Reads only the header bytes."""
+    fd, h = open_with_header(path)
+    os.close(fd)
+    return h
+
+
+def open_with_header(path: str | os.PathLike[str]) -> tuple[int, SafetensorsHeader]:
+    """Open a safetensors file and validate its header: (open fd, header), both of the same file.
+
+    Reading data through that fd reads the file whose header was checked, even if the name is
+    renamed over meanwhile. The caller closes the fd.
+    """
     p = os.fspath(path)
     try:
         # O_NONBLOCK: a FIFO planted under a data file's name must not block the open forever.
         fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        with open(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise HeaderError(f"{p} is not a regular file")
+    except FileNotFoundError as e:
+        raise IncompleteCheckpointError(f"data file {p} is missing") from e
+    except IsADirectoryError as e:
+        raise HeaderError(f"{p} is a directory, not a safetensors file") from e
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise HeaderError(f"{p} is a symbolic link loop, not a safetensors file") from e
+        raise
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise HeaderError(f"{p} is a directory, not a safetensors file")
+        if not stat.S_ISREG(st.st_mode):
+            raise HeaderError(f"{p} is not a regular file")
+        with open(fd, "rb", closefd=False) as f:
             size = st.st_size
             if size < 8:
                 raise HeaderError(f"{p}: {size} bytes is too short for a safetensors file (needs 8+)")
@@ -160,16 +183,11 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
             if 8 + n > size:
                 raise HeaderError(f"{p}: header length {n} runs past the end of the {size}-byte file")
             raw = f.read(n)
-    except FileNotFoundError as e:
-        raise IncompleteCheckpointError(f"data file {p} is missing") from e
-    except IsADirectoryError as e:
-        raise HeaderError(f"{p} is a directory, not a safetensors file") from e
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise HeaderError(f"{p} is a symbolic link loop, not a safetensors file") from e
+        entries, metadata = parse_header(raw, size - 8 - n, p)
+    except BaseException:
+        os.close(fd)
         raise
-    entries, metadata = parse_header(raw, size - 8 - n, p)
-    return SafetensorsHeader(p, entries, metadata, 8 + n, size)
+    return fd, SafetensorsHeader(p, entries, metadata, 8 + n, size)
 
 
 def encode_header(

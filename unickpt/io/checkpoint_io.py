@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from unickpt._logging import get_logger
-from unickpt.errors import IndexFileError, StateMismatchError, UnsupportedError
+from unickpt.errors import IndexFileError, StateMismatchError, UnickptError, UnsupportedError
 from unickpt.format._json import strict_loads
 from unickpt.format.commit import atomic_write_bytes
 from unickpt.format.index import LayoutInfo
@@ -530,8 +530,10 @@ class CheckpointIO:
         reader: CheckpointReader | None = None
         err: BaseException | None = None
         try:
-            reader = open_checkpoint(checkpoint, kind)
-        except (OSError, ValueError) as e:
+            # One process reads every file: open them all now, so that a save committed while the
+            # checkpoint is opened is retried once here, before anything is loaded.
+            reader = open_checkpoint(checkpoint, kind, pin=_dist.world_size(self.group) == 1)
+        except (OSError, ValueError, UnickptError) as e:
             err = e
         _dist.agree(err, f"opening {os.fspath(checkpoint)}", self.group)
         assert reader is not None

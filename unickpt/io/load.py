@@ -66,7 +66,9 @@ class _Files:
         h = self._handles.get(file)
         if h is None:
             self.reader.header(file)  # strict validation before safetensors sees the file
-            h = self._stack.enter_context(safe_open(self.reader.file_path(file), framework="pt"))
+            # The very file whose header was checked, even if a save renamed a new one over its name.
+            h = self._stack.enter_context(safe_open(self.reader.pinned_path(file), framework="pt"))
+            self.reader.check_same_save(file, h.metadata())
             self._handles[file] = h
         return h
 

@@ -4,14 +4,16 @@ Order of events (every rank calls ``save_tensors`` with its own tensors):
 
 1. every rank lists the blocks it holds; the lists are all-gathered (names and shapes only);
 2. every rank computes the same plan (``planner.plan_save``);
-3. rank 0 prepares the directory: takes the save lock, removes an older index (the old
-   checkpoint stops being committed before any of its files is overwritten);
-4. each writer streams its blocks into its files, hashing each block on a second thread
-   while the previous one is written, and fsyncs every file;
+3. rank 0 prepares the directory and takes the save lock; the previous checkpoint stays
+   committed and untouched while this save writes;
+4. each writer streams its blocks into staging files (hidden temporary names derived from the
+   save id), hashing each block on a second thread while the previous one is written, and
+   fsyncs every file; every file's header carries the save id;
 5. ranks agree that every write succeeded (else every rank raises, partial files removed);
-6. rank 0 writes the index last (temporary name, fsync, rename, fsync directory), removes
-   data files an older save left behind, and releases the lock; a final barrier means no
-   rank returns before the checkpoint is committed.
+6. rank 0 commits through ``format.commit`` (stage the index, un-commit the previous
+   checkpoint, rename the data files and then the index into place, remove superseded files
+   and leftovers of killed saves) and releases the lock; a final barrier means no rank
+   returns before the checkpoint is committed.
 """
 
 from __future__ import annotations
@@ -30,7 +32,14 @@ import torch
 
 from unickpt._logging import get_logger
 from unickpt.errors import UnickptError
-from unickpt.format.commit import atomic_write_bytes, directory_lock, fsync_dir, temp_name
+from unickpt.format.commit import (
+    SAVE_ID_KEY,
+    commit_single_file,
+    directory_lock,
+    discard,
+    new_save_id,
+    temp_name,
+)
 from unickpt.format.dtypes import itemsize
 from unickpt.format.hashing import combine_partials, finalize_fingerprint, hash_block
 from unickpt.format.index import (
@@ -42,10 +51,11 @@ from unickpt.format.index import (
     UnickptBlock,
     index_to_json,
 )
-from unickpt.format.naming import SLICED_SENTINEL, index_name, is_own_data_file, single_name
+from unickpt.format.naming import SLICED_SENTINEL, single_name
 from unickpt.format.reader import UNICKPT_METADATA_KEY
 from unickpt.format.safetensors_io import SafetensorsWriter, encode_header
 from unickpt.io import _dist
+from unickpt.io._commit import commit_collective
 from unickpt.io.planner import PlannedFile, SavePlan, SliceMeta, plan_save
 from unickpt.io.tensors import LocalSlice, as_bytes, is_dtensor
 
@@ -198,7 +208,10 @@ def save_tensors(
     # hold those tensors: pipeline stages and ZeRO ranks each know part of them.
     merged_aliases: dict[str, str] = {}
     merged_extras: dict[str, dict[str, Any]] = {}
-    for rank_aliases, rank_extras in _dist.all_gather_object((aliases, entry_extras or {}), group):
+    save_id = new_save_id()  # rank 0's id is the save's id
+    gathered = _dist.all_gather_object((aliases, entry_extras or {}, save_id), group)
+    save_id = gathered[0][2]
+    for rank_aliases, rank_extras, _ in gathered:
         for k, v in rank_aliases.items():
             merged_aliases.setdefault(k, v)
         for k, x in rank_extras.items():
@@ -219,9 +232,6 @@ def save_tensors(
         try:
             os.makedirs(directory, exist_ok=True)
             lock.enter_context(directory_lock(directory))
-            if not single_file:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(directory, index_name(opts.kind)))
         except BaseException as e:
             err = e
     try:
@@ -233,12 +243,12 @@ def save_tensors(
             if single_file:
                 if rank == 0:
                     results = _write_single(
-                        plan, tensors, file_path, opts, aliases, entry_extras, block_extras, group
+                        plan, tensors, file_path, opts, aliases, entry_extras, block_extras, group, save_id
                     )
                 else:
                     _feed_gather(plan, tensors, group, rank)
             elif opts.gather:
-                results = _write_gathered(plan, tensors, directory, opts, group, rank)
+                results = _write_gathered(plan, tensors, directory, opts, group, rank, save_id)
             else:
                 mine = plan.files_of(rank)
 
@@ -249,36 +259,62 @@ def save_tensors(
                             yield ps.key, as_bytes(sl.tensor), (sl.global_shape, sl.offsets, sl.shape)
 
                 results = _write_files(
-                    mine, plan, directory, opts, blocks(), lambda f: _file_meta(opts, True)
+                    _staged(mine, directory, save_id),
+                    plan,
+                    directory,
+                    opts,
+                    blocks(),
+                    lambda f: _file_meta(opts, True, save_id),
                 )
         except BaseException as e:
             err = e
-        _dist.agree(err, f"writing {directory}", group)
+        # Each rank's own staged files (in its own directory: shared, or node-local before an upload).
+        own = (
+            [] if single_file else plan.files_of(rank) if not opts.gather else plan.files if rank == 0 else []
+        )
+        staged = {f.name: temp_name(os.path.join(directory, f.name), save_id) for f in own}
+        try:
+            _dist.agree(err, f"writing {directory}", group)
+        except BaseException:
+            discard(staged.values())  # every rank has stopped writing: the successful ranks' files go too
+            raise
 
         # 5-6. commit.
         all_results = _dist.all_gather_object(results, group) if not single_file else [results]
-        if rank == 0 and not single_file:
-            try:
-                merged_results: dict[tuple[str, int], tuple[str | None, int]] = {}
-                for r in all_results:
-                    merged_results.update(r)
-                block = _build_block(plan, merged_results, opts, aliases, entry_extras, block_extras)
-                index = _build_index(plan, block, opts)
-                fsync_dir(directory)
-                atomic_write_bytes(os.path.join(directory, index_name(opts.kind)), index_to_json(index))
-                _remove_leftovers(directory, opts.kind, {f.name for f in plan.files})
-            except BaseException as e:
-                err = e
-        _dist.agree(err, f"committing {directory}", group)
+        if not single_file:
+            index = b""
+            if rank == 0:
+                try:
+                    merged_results: dict[tuple[str, int], tuple[str | None, int]] = {}
+                    for r in all_results:
+                        merged_results.update(r)
+                    block = _build_block(
+                        plan, merged_results, opts, aliases, entry_extras, block_extras, save_id=save_id
+                    )
+                    index = index_to_json(_build_index(plan, block, opts))
+                except BaseException as e:
+                    err = e
+            commit_collective(
+                directory, opts.kind, opts.fsync, plan, staged, index, save_id, err, group, rank, world
+            )
     finally:
         lock.close()
     _dist.barrier(group)
     return file_path if single_file else directory
 
 
-def _file_meta(opts: SaveOptions, sliced: bool) -> dict[str, str]:
+def _file_meta(opts: SaveOptions, sliced: bool, save_id: str) -> dict[str, str]:
     # Sliced files say so in their format tag: transformers refuses any format it does not know.
-    return {"format": "unickpt-sliced" if sliced else "pt"}
+    # Hugging Face loaders check only "format"; unickpt's reader checks the save id.
+    return {"format": "unickpt-sliced" if sliced else "pt", SAVE_ID_KEY: save_id}
+
+
+def _staged(files: list[PlannedFile], directory: str, save_id: str) -> list[PlannedFile]:
+    """The same files under their staging names (renamed into place by the commit)."""
+    return [
+        PlannedFile(os.path.basename(temp_name(os.path.join(directory, f.name), save_id)), f.rank, f.slices)
+        for f in files
+    ]
 
 
 def _full_tensor_for(
@@ -345,17 +381,18 @@ def _write_gathered(
     opts: SaveOptions,
     group: Any,
     rank: int,
+    save_id: str,
 ) -> dict[tuple[str, int], tuple[str | None, int]]:
     if rank != 0:
         _feed_gather(plan, tensors, group, rank)
         return {}
     return _write_files(
-        plan.files,
+        _staged(plan.files, directory, save_id),
         plan,
         directory,
         opts,
         _gathered_blocks(plan, tensors, group, rank, plan.files),
-        lambda f: _file_meta(opts, False),
+        lambda f: _file_meta(opts, False, save_id),
     )
 
 
@@ -368,11 +405,13 @@ def _write_single(
     entry_extras: dict[str, dict[str, Any]] | None,
     block_extras: dict[str, Any] | None,
     group: Any,
+    save_id: str,
 ) -> dict[tuple[str, int], tuple[str | None, int]]:
     """One ``.safetensors`` file carrying the unickpt block in its header metadata.
 
     The header is written first with placeholder hashes of the same length as the real ones,
-    and rewritten in place once the data is hashed; the file is committed by renaming it.
+    and rewritten once the data is hashed, in the staging file no reader opens; the file is
+    committed by ``commit_single_file``.
     """
     (f,) = plan.files
     name = os.path.basename(file_path)
@@ -381,23 +420,35 @@ def _write_single(
         k: (_PLACEHOLDER if opts.hashes else None, 0) for k in ((ps.name, ps.k) for ps in f.slices)
     }
     block0 = _build_block(
-        plan, placeholder, opts, aliases, entry_extras, block_extras, file_name=name, placeholder_fp=True
+        plan,
+        placeholder,
+        opts,
+        aliases,
+        entry_extras,
+        block_extras,
+        file_name=name,
+        placeholder_fp=True,
+        save_id=save_id,
     )
     meta0 = {
         "format": "pt",
         UNICKPT_METADATA_KEY: json.dumps(block0.model_dump(mode="json", exclude_none=True)),
+        SAVE_ID_KEY: save_id,
     }
-    tmp = temp_name(file_path)
+    tmp = temp_name(file_path, save_id)
     tmp_dir = os.path.dirname(tmp)
     staged = PlannedFile(os.path.basename(tmp), 0, f.slices)
     results = _write_files(
         [staged], plan, tmp_dir, opts, _gathered_blocks(plan, tensors, group, 0, [f]), lambda _f: meta0
     )
     try:
-        block = _build_block(plan, results, opts, aliases, entry_extras, block_extras, file_name=name)
+        block = _build_block(
+            plan, results, opts, aliases, entry_extras, block_extras, file_name=name, save_id=save_id
+        )
         meta = {
             "format": "pt",
             UNICKPT_METADATA_KEY: json.dumps(block.model_dump(mode="json", exclude_none=True)),
+            SAVE_ID_KEY: save_id,
         }
         specs = [(ps.key, plan.tensors[ps.name][0], ps.shape) for ps in f.slices]
         header0, _ = encode_header(specs, meta0)
@@ -411,12 +462,11 @@ def _write_single(
                 os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, file_path)
-        fsync_dir(os.path.dirname(os.path.abspath(file_path)))
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    commit_single_file(file_path, tmp, opts.kind, fsync=opts.fsync)
     return results
 
 
@@ -430,6 +480,7 @@ def _build_block(
     *,
     file_name: str | None = None,
     placeholder_fp: bool = False,
+    save_id: str | None = None,
 ) -> UnickptBlock:
     file_of = {(ps.name, ps.k): f.name for f in plan.files for ps in f.slices}
     entries: dict[str, TensorEntry] = {}
@@ -459,6 +510,7 @@ def _build_block(
         layout=layout,
         tensors=entries,  # type: ignore[arg-type]
         aliases=dict(aliases),
+        save_id=save_id,
         **(block_extras or {}),
     )
 
@@ -472,24 +524,3 @@ def _build_index(plan: SavePlan, block: UnickptBlock, opts: SaveOptions) -> Inde
     # The block's models were validated as they were built; pydantic keeps model instances
     # as they are (no dump and re-validation of every slice, seconds at 10^5 slices).
     return IndexFile(metadata=IndexMetadata(total_size=total), weight_map=weight_map, unickpt=block)
-
-
-def _remove_leftovers(directory: str, kind: str, keep: set[str]) -> None:
-    """Remove data files of ``kind`` that an older save left and the new index does not name.
-
-    Also removes the staging files (``.<name>.tmp-<hex>``) of a save that was killed before its
-    rename: this save holds the directory lock, so no live save owns them.
-    """
-    for entry in os.listdir(directory):
-        if entry not in keep and (is_own_data_file(kind, entry) or _is_stale_temp(kind, entry)):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(directory, entry))
-                logger.info("removed %s left by an earlier save", os.path.join(directory, entry))
-
-
-def _is_stale_temp(kind: str, entry: str) -> bool:
-    """A staging name made by ``temp_name`` for this kind's index or data files."""
-    if not entry.startswith(".") or ".tmp-" not in entry:
-        return False
-    base = entry[1 : entry.rindex(".tmp-")]
-    return base == index_name(kind) or is_own_data_file(kind, base)

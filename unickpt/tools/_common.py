@@ -8,7 +8,7 @@ import shutil
 from collections.abc import Iterator
 
 from unickpt.errors import IncompleteCheckpointError, UnickptError
-from unickpt.format.commit import fsync_dir, temp_name
+from unickpt.format.commit import only_leftovers, publish_directory, temp_name
 from unickpt.format.naming import index_name, single_name
 from unickpt.format.reader import CheckpointReader, file_kind, open_checkpoint
 
@@ -66,20 +66,25 @@ class OutputExistsError(UnickptError, FileExistsError):
 
 
 def check_output(out: str) -> str:
-    """Absolute output path; refuses a path holding a file or a non-empty directory."""
+    """Absolute output path; refuses a path holding a file or a non-empty directory.
+
+    A directory holding only what killed saves left (staging files, a dead save's lock file)
+    counts as empty: those leftovers are removed when the output is published.
+    """
     p = os.path.abspath(out)
-    if os.path.lexists(p) and not (os.path.isdir(p) and not os.listdir(p)):
+    if os.path.lexists(p) and not (os.path.isdir(p) and not os.path.islink(p) and only_leftovers(p)):
         raise OutputExistsError(f"{p} already exists and is not an empty directory; choose a new output path")
     return p
 
 
 @contextlib.contextmanager
 def staged_output(out: str) -> Iterator[str]:
-    """Yield a hidden temporary directory beside ``out``; rename it to ``out`` on success.
+    """Yield a hidden temporary directory beside ``out``; publish it as ``out`` on success.
 
     On any failure the temporary directory is removed, so a failed run leaves no ``out``.
-    Every file written into it must already be fsynced; the directory and its parent are
-    fsynced here around the rename.
+    Every file written into it must already be fsynced; ``format.commit.publish_directory``
+    fsyncs the directory and its parent around the rename, and removes what killed runs left
+    (in ``out``, and staging directories of dead processes beside it).
     """
     final = check_output(out)
     parent = os.path.dirname(final)
@@ -88,11 +93,12 @@ def staged_output(out: str) -> Iterator[str]:
     os.mkdir(tmp)
     try:
         yield tmp
-        fsync_dir(tmp)
-        if os.path.isdir(final):
-            os.rmdir(final)  # empty (checked above); rename() would replace it too, but not on every OS
-        os.rename(tmp, final)
-        fsync_dir(parent)
+        try:
+            publish_directory(tmp, final)
+        except FileExistsError:
+            raise OutputExistsError(
+                f"{final} was filled by someone else while this run wrote; its output is discarded"
+            ) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -18,11 +18,17 @@ from typing import Any
 
 import numpy as np
 
-from unickpt.format.commit import atomic_write_bytes
+from unickpt.format.commit import (
+    SAVE_ID_KEY,
+    commit_directory,
+    directory_lock,
+    new_save_id,
+    temp_name,
+)
 from unickpt.format.dtypes import itemsize
 from unickpt.format.hashing import combine_partials, finalize_fingerprint, fingerprint_partial, slice_hash
 from unickpt.format.index import IndexFile, LayoutInfo, SliceEntry, TensorEntry, UnickptBlock, index_to_json
-from unickpt.format.naming import SLICED_SENTINEL, index_name, shard_name, slice_key
+from unickpt.format.naming import SLICED_SENTINEL, shard_name, slice_key
 from unickpt.format.safetensors_io import SafetensorsWriter
 
 __all__ = ["SliceData", "TensorData", "write_checkpoint"]
@@ -71,9 +77,47 @@ def write_checkpoint(
     """Write ``tensors`` as a committed unickpt checkpoint directory (index written last).
 
     Slices are dealt round-robin over ``files`` data files, or (``max_shard_bytes``)
-    packed in order into files of at most that many bytes. Returns ``directory``.
+    packed in order into files of at most that many bytes. Files are staged and committed by
+    ``format.commit.commit_directory`` under the directory's save lock, as a save does, so a
+    checkpoint of either layout already there is replaced whole. Returns ``directory``.
     """
     os.makedirs(directory, exist_ok=True)
+    with directory_lock(directory):
+        _write_locked(
+            directory,
+            tensors,
+            kind=kind,
+            sliced=sliced,
+            files=files,
+            max_shard_bytes=max_shard_bytes,
+            aliases=aliases,
+            layout=layout,
+            block_extras=block_extras,
+            hashes=hashes,
+            fingerprints=fingerprints,
+            created_by=created_by,
+            fsync=fsync,
+        )
+    return directory
+
+
+def _write_locked(
+    directory: str,
+    tensors: dict[str, TensorData],
+    *,
+    kind: str,
+    sliced: bool,
+    files: int,
+    max_shard_bytes: int | None,
+    aliases: dict[str, str] | None,
+    layout: LayoutInfo | None,
+    block_extras: dict[str, Any] | None,
+    hashes: bool,
+    fingerprints: bool,
+    created_by: str,
+    fsync: bool,
+) -> None:
+    save_id = new_save_id()
     items = [(n, k, s) for n, t in tensors.items() for k, s in enumerate(t.slices)]
     groups: list[list[tuple[str, int, SliceData]]] = []
     if max_shard_bytes is not None:
@@ -91,13 +135,16 @@ def write_checkpoint(
         groups = [items[i :: max(1, files)] for i in range(max(1, files))]
     groups = [g for g in groups if g] or [[]]
     results: dict[tuple[str, int], tuple[str, str | None, int]] = {}
+    # Staged files of a failed write are removed by the next save into the directory (leftovers).
+    staged: dict[str, str] = {}
     for j, group in enumerate(groups):
         fname = shard_name(kind, j + 1, len(groups))
         key_of = {(n, k): (slice_key(n, k) if sliced else n) for n, k, _ in group}
         specs = [(key_of[(n, k)], tensors[n].dtype, tuple(int(d) for d in s.shape)) for n, k, s in group]
-        w = SafetensorsWriter(
-            os.path.join(directory, fname), specs, {"format": "unickpt-sliced" if sliced else "pt"}
-        )
+        path = temp_name(os.path.join(directory, fname), save_id)
+        meta = {"format": "unickpt-sliced" if sliced else "pt", SAVE_ID_KEY: save_id}
+        w = SafetensorsWriter(path, specs, meta)
+        staged[fname] = path
         try:
             for n, k, s in group:
                 t = tensors[n]
@@ -140,6 +187,7 @@ def write_checkpoint(
         layout=lay,
         tensors=entries,
         aliases=dict(aliases or {}),
+        save_id=save_id,
         **(block_extras or {}),
     )
     weight_map = {n: (SLICED_SENTINEL if sliced else entries[n].slices[0].file) for n in entries}
@@ -147,5 +195,4 @@ def write_checkpoint(
     index = IndexFile.model_validate(
         {"metadata": {"total_size": total_size}, "weight_map": weight_map, "unickpt": block.model_dump()}
     )
-    atomic_write_bytes(os.path.join(directory, index_name(kind)), index_to_json(index))
-    return directory
+    commit_directory(directory, kind, staged, index_to_json(index), save_id=save_id, fsync=fsync)

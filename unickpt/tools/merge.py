@@ -39,7 +39,7 @@ from unickpt import __version__
 from unickpt._logging import get_logger
 from unickpt.errors import IndexFileError, IntegrityError, IntegrityFailure, UnsupportedError
 from unickpt.format.boxes import contiguous_start, coverage_problem
-from unickpt.format.commit import Writeback, atomic_write_bytes
+from unickpt.format.commit import SAVE_ID_KEY, Writeback, atomic_write_bytes, content_save_id
 from unickpt.format.consistency import check_keys_referenced
 from unickpt.format.dtypes import itemsize, word_dtype
 from unickpt.format.hashing import (
@@ -80,6 +80,7 @@ _WRITEBACK = 8 << 20
 _BAND_BYTES = 16 << 20
 _EMPTY_HASH = SliceHasher().hexdigest()
 _PLACEHOLDER = "0" * 16
+_PLACEHOLDER_ID = "0" * 32
 _SIDE_FILES = ("config.json", "generation_config.json")
 
 
@@ -421,9 +422,13 @@ def _merge_one(
     src_layout = block.layout
     layout = LayoutInfo(plugin=src_layout.plugin, world_size=src_layout.world_size, mesh=src_layout.mesh)
     created_by = f"unickpt {__version__} merge (from {src_layout.plugin} x{src_layout.world_size})"
+    # The save id is derived from the merged block (every slice's hash) once the data is written:
+    # headers are written with a same-length placeholder and rewritten, so that merging the same
+    # checkpoint twice gives the same bytes.
+    save_id = _PLACEHOLDER_ID
 
     def make_block(
-        results: dict[str, tuple[str | None, str | None]], file_of: dict[str, str]
+        results: dict[str, tuple[str | None, str | None]], file_of: dict[str, str], save_id: str
     ) -> UnickptBlock:
         entries = {}
         for n, t in block.tensors.items():
@@ -449,13 +454,15 @@ def _merge_one(
             aliases=dict(block.aliases),
             param_groups=block.param_groups,
             param_state=dict(block.param_state),
+            save_id=save_id,
         )
 
     file_of = {n: f for f, names in files for n in names}
     results: dict[str, tuple[str | None, str | None]] = {}
+    written: list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]] = []
     for fname, names in files:
         specs = [(n, target[n], tuple(block.tensors[n].shape)) for n in names]
-        meta: dict[str, str] = {"format": "pt"}
+        meta: dict[str, str] = {"format": "pt", SAVE_ID_KEY: save_id}
         dumped: dict[str, Any] = {}
         if single:
             fname = single_name(kind)
@@ -465,7 +472,7 @@ def _merge_one(
                 n: (_PLACEHOLDER, _PLACEHOLDER if (t.fingerprint or target[n] != t.dtype) else None)
                 for n, t in block.tensors.items()
             }
-            dumped = make_block(ph, file_of).model_dump(mode="json", exclude_none=True)
+            dumped = make_block(ph, file_of, save_id).model_dump(mode="json", exclude_none=True)
             meta[UNICKPT_METADATA_KEY] = json.dumps(dumped)
         header, spans = encode_header(specs, meta)
         path = os.path.join(out_dir, fname)
@@ -487,6 +494,7 @@ def _merge_one(
                     entry = dumped["tensors"][n]
                     _set_or_drop(entry["slices"][0], "xxh3", xxh)
                     _set_or_drop(entry, "fingerprint", fp)
+                dumped["save_id"] = meta[SAVE_ID_KEY] = content_save_id(json.dumps(dumped).encode())
                 meta[UNICKPT_METADATA_KEY] = json.dumps(dumped)
                 header2, _ = encode_header(specs, meta)
                 if len(header2) != len(header):
@@ -498,8 +506,19 @@ def _merge_one(
         finally:
             os.close(fd)
         read_header(path)  # the file we wrote must pass the strict reader
+        written.append((path, specs))
     if not single:
-        final = make_block(results, file_of)
+        final = make_block(results, file_of, _PLACEHOLDER_ID)
+        final_id = content_save_id(_block_bytes(final))
+        final = final.model_copy(update={"save_id": final_id})
+        for path, specs in written:
+            header, _ = encode_header(specs, {"format": "pt", SAVE_ID_KEY: final_id})
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                write_all(fd, memoryview(header), 0)  # same length: only the id's digits change
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         total = sum(sizes.values())
         index = IndexFile.model_validate(
             {
@@ -509,6 +528,10 @@ def _merge_one(
             }
         )
         atomic_write_bytes(os.path.join(out_dir, index_name(kind)), index_to_json(index))
+
+
+def _block_bytes(block: UnickptBlock) -> bytes:
+    return json.dumps(block.model_dump(mode="json", exclude_none=True), sort_keys=True).encode()
 
 
 def _set_or_drop(d: dict[str, Any], key: str, value: str | None) -> None:

@@ -1,0 +1,67 @@
+"""The commit step of a save across ranks, on top of ``format.commit`` (docs/format.md, section 6)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from unickpt.format.commit import commit_directory, discard, finish_commit, place_staged, prepare_commit
+from unickpt.io import _dist
+from unickpt.io.planner import SavePlan
+
+__all__ = ["commit_collective"]
+
+
+def commit_collective(
+    directory: str,
+    kind: str,
+    fsync: bool,
+    plan: SavePlan,
+    staged: dict[str, str],
+    index: bytes,
+    save_id: str,
+    err: BaseException | None,
+    group: Any,
+    rank: int,
+    world: int,
+) -> None:
+    """Collective: commit a sharded or sliced save (``format.commit``), or raise on every rank.
+
+    One process commits in one call. Several ranks each rename their own staged files (their
+    directories may differ, as with node-local staging before an upload) between rank 0's
+    un-commit of the previous checkpoint and its rename of the index.
+    """
+    where = f"committing {directory}"
+    if world == 1:
+        try:
+            if err is None:
+                commit_directory(directory, kind, staged, index, save_id=save_id, fsync=fsync)
+        except BaseException as e:
+            err = e
+        _dist.agree(err, where, group)
+        return
+    idx_tmp = ""
+    if rank == 0 and err is None:
+        try:
+            idx_tmp = prepare_commit(directory, kind, index, save_id=save_id, fsync=fsync)
+        except BaseException as e:
+            err = e
+    try:
+        _dist.agree(err, where, group)
+    except BaseException:
+        discard(staged.values())
+        raise
+    try:
+        place_staged(directory, staged, fsync=fsync)
+    except BaseException as e:
+        err = e
+    try:
+        _dist.agree(err, where, group)
+    except BaseException:
+        discard([idx_tmp] if idx_tmp else [])
+        raise
+    if rank == 0:
+        try:
+            finish_commit(directory, kind, idx_tmp, {f.name for f in plan.files}, fsync=fsync)
+        except BaseException as e:
+            err = e
+    _dist.agree(err, where, group)
