@@ -48,7 +48,6 @@ import dataclasses
 import json
 import os
 import posixpath
-import re
 import shutil
 import tempfile
 import threading
@@ -61,10 +60,24 @@ import torch
 
 from unickpt import _rng
 from unickpt._logging import get_logger
+from unickpt._stepdirs import (
+    COMMIT_NAME,
+    LATEST_NAME,
+    STEP_RE,
+    clean_work_dirs,
+    committed_step_dirs,
+    committed_steps,
+    discard,
+    install_step,
+    make_work_dir,
+    read_latest,
+    remove_step,
+)
 from unickpt.errors import (
     IncompleteCheckpointError,
     IndexFileError,
     StateMismatchError,
+    UnickptError,
     UnsupportedError,
 )
 from unickpt.format.commit import atomic_write_bytes, directory_lock, fsync_dir
@@ -76,14 +89,8 @@ __all__ = ["CheckpointManager"]
 
 logger = get_logger(__name__)
 
-COMMIT_NAME = "COMMIT"
-LATEST_NAME = "latest"
 TRAIN_STATE_DIR = "train_state"
 HF_DIR = "hf"
-_STEP_RE = re.compile(r"^step-(\d+)$")
-# Hidden work directories: a save in progress, a step being replaced, a step being deleted.
-# (``download``: a remote step fetched for loading, in the local cache of an fsspec URL.)
-_WORK_RE = re.compile(r"^\.step-(\d+)\.(staging|old|deleting|download)-[0-9a-f]+$")
 _STATE_VERSION = 1
 # Shard size of the sliced model/optimizer files (MB): the same for sync and async saves.
 _SHARD_MB = 1024
@@ -186,7 +193,7 @@ class CheckpointManager:
         """Committed steps in ascending order (files only; any rank may call)."""
         if self._remote is not None:
             return self._remote.committed_steps()
-        return _committed_steps(self.checkpoint_dir)
+        return committed_steps(self.checkpoint_dir)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or ``None`` (files only; any rank may call).
@@ -197,7 +204,7 @@ class CheckpointManager:
         steps = self.all_steps()
         if not steps:
             return None
-        rec = self._remote.read_latest() if self._remote is not None else _read_latest(self.checkpoint_dir)
+        rec = self._remote.read_latest() if self._remote is not None else read_latest(self.checkpoint_dir)
         return rec if rec in steps else steps[-1]
 
     def step_dir(self, step: int) -> str:
@@ -231,31 +238,39 @@ class CheckpointManager:
             raise ValueError(
                 f"resume_from_checkpoint must be None, an int step or 'latest', got {resume_from_checkpoint!r}"
             )
-        step = 0
+        picked: tuple[int, str] = (0, "")
+        err: BaseException | None = None
         if _dist.rank(self.group) == 0:
-            step = self._pick_step(resume_from_checkpoint) or 0
-        step = int(_dist.broadcast_object(step, 0, self.group))
+            try:
+                picked = self._pick_step(resume_from_checkpoint)
+            except BaseException as e:
+                err = e
+        _dist.agree(err, f"choosing the step to resume from in {self.checkpoint_dir}", self.group)
+        step, path = _dist.broadcast_object(picked, 0, self.group)
+        step = int(step)
         if step == 0:
             return 0
-        logger.info("resuming from %s", self.step_dir(step))
+        logger.info("resuming from %s", path)
         if self._remote is None:
-            self._load_step(
-                self.step_dir(step), step, model, optimizer, lr_scheduler, dataloader, extra_states
-            )
+            self._load_picked(path, step, model, optimizer, lr_scheduler, dataloader, extra_states)
             return step
         d = os.path.join(self._root, f".step-{step}.download-{uuid.uuid4().hex[:12]}")
-        err: BaseException | None = None
+        err = None
+        owned: int | None = None
         try:
             os.makedirs(self._root, exist_ok=True)
-            _clean_work_dirs(self._root)
+            clean_work_dirs(self._root)
+            owned = make_work_dir(d)
             self._remote.download_step(step, d, _dist.rank(self.group))
         except BaseException as e:
             err = e
         try:
             _dist.agree(err, f"downloading {self.step_dir(step)}", self.group)
-            self._load_step(d, step, model, optimizer, lr_scheduler, dataloader, extra_states)
+            self._load_picked(d, step, model, optimizer, lr_scheduler, dataloader, extra_states)
         finally:
             shutil.rmtree(d, ignore_errors=True)
+            if owned is not None:
+                os.close(owned)
         return step
 
     def _load_step(
@@ -276,19 +291,78 @@ class CheckpointManager:
             self.io.load_lr_scheduler(lr_scheduler, os.path.join(d, "lr_scheduler.json"))
         self._load_train_state(d, step, dataloader, extra_states)
 
-    def _pick_step(self, wanted: int | str) -> int | None:
-        latest = self.latest_step()
+    def _load_picked(
+        self,
+        d: str,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: Any,
+        lr_scheduler: Any,
+        dataloader: Any,
+        extra_states: dict[str, Any],
+    ) -> None:
+        """``_load_step``; a damaged step is reported with the committed steps to resume from instead.
+
+        No silent fallback to an older step: that would throw away training progress unnoticed,
+        and the objects may already hold part of the damaged step. The error names the step and
+        the other committed steps; ``resume_from_checkpoint=<step>`` picks one.
+        """
+        try:
+            self._load_step(d, step, model, optimizer, lr_scheduler, dataloader, extra_states)
+        except UnickptError as e:
+            others = [s for s in self.all_steps() if s != step]
+            where = d if self._remote is None else self.step_dir(step)
+            hint = (
+                f"step {step} ({where}) could not be loaded; the model, optimizer and other objects may hold "
+                f"part of it. Other committed steps: {others or 'none'}"
+                + (f"; resume from one with resume_from_checkpoint={others[-1]}" if others else "")
+                + " (or fix or delete the damaged step)"
+            )
+            logger.error("%s: %s", hint, e)
+            e.add_note(hint)
+            raise
+
+    def _pick_step(self, wanted: int | str) -> tuple[int, str]:
+        """Rank 0: (step, directory to load it from); (0, "") when there is nothing to resume from.
+
+        Raises ``IncompleteCheckpointError`` when ``latest`` records a save but no committed step
+        is left: resuming from scratch would silently throw the run away.
+        """
+        if self._remote is not None:
+            dirs = {s: self.step_dir(s) for s in self._remote.committed_steps()}
+            rec = self._remote.read_latest()
+        else:
+            dirs = committed_step_dirs(self.checkpoint_dir)
+            rec = read_latest(self.checkpoint_dir)
+        if not dirs:
+            if rec is not None:
+                raise IncompleteCheckpointError(
+                    f"{self.checkpoint_dir}: 'latest' records a save of step {rec}, but no committed step "
+                    "is left (step-<N> directories without COMMIT, or deleted); pass "
+                    "resume_from_checkpoint=None to start afresh"
+                )
+            return 0, ""
+        newest = max(dirs)
+        if rec is not None and rec not in dirs:
+            logger.warning(
+                "%s: 'latest' records step %s, which is not committed (deleted or damaged); "
+                "the highest committed step is %s",
+                self.checkpoint_dir,
+                rec,
+                newest,
+            )
+        latest = rec if rec in dirs else newest
         if wanted == "latest":
-            return latest
-        if int(wanted) in self.all_steps():
-            return int(wanted)
+            return latest, dirs[latest]
+        if int(wanted) in dirs:
+            return int(wanted), dirs[int(wanted)]
         logger.warning(
             "step %s is not a committed checkpoint in %s; resuming from the latest committed step %s",
             wanted,
             self.checkpoint_dir,
             latest,
         )
-        return latest
+        return latest, dirs[latest]
 
     def _load_train_state(self, d: str, step: int, dataloader: Any, extra_states: dict[str, Any]) -> None:
         rank, world = _dist.rank(self.group), _dist.world_size(self.group)
@@ -385,7 +459,8 @@ class CheckpointManager:
             try:
                 os.makedirs(self.checkpoint_dir, exist_ok=True)
                 self._lock.enter_context(directory_lock(self.checkpoint_dir))
-                _clean_work_dirs(self.checkpoint_dir)
+                clean_work_dirs(self.checkpoint_dir)
+                self._lock.callback(os.close, make_work_dir(stage))
                 os.makedirs(os.path.join(stage, TRAIN_STATE_DIR))
             except BaseException as e:
                 err = e
@@ -408,7 +483,8 @@ class CheckpointManager:
     def _start_remote_save(self, step: int, stage: str, rank: int) -> None:
         """Every rank: its local staging directory; rank 0 clears ``step-<step>`` and dead uploads."""
         os.makedirs(self._root, exist_ok=True)
-        _clean_work_dirs(self._root)
+        clean_work_dirs(self._root)
+        self._lock.callback(os.close, make_work_dir(stage))
         # Every rank writes into its own local copy of the stage, so every rank creates the
         # directories the writers expect (on a shared directory rank 0 alone creates them).
         for sub in (TRAIN_STATE_DIR, "model", "optimizer", HF_DIR):
@@ -538,10 +614,9 @@ class CheckpointManager:
                     err = e
             _dist.agree(err, f"committing step {p.step} in {self.checkpoint_dir}", group)
         finally:
-            if rank == 0:
-                self._release()
             if self._remote is not None:  # uploaded or failed: the local copy is not needed
                 shutil.rmtree(p.stage, ignore_errors=True)
+            self._release()  # the save lock (rank 0) and this rank's claim on its staging directory
         _dist.barrier(group)
 
     def _upload(self, p: _Payload, group: Any, uploaded: set[str]) -> None:
@@ -610,23 +685,18 @@ class CheckpointManager:
         atomic_write_bytes(os.path.join(p.stage, COMMIT_NAME), json.dumps(commit).encode())
         fsync_dir(p.stage)
         final = self.step_dir(p.step)
-        old = None
-        if os.path.exists(final):  # the same step saved again (a resumed run): replace it
-            old = os.path.join(self.checkpoint_dir, f".step-{p.step}.old-{uuid.uuid4().hex[:12]}")
-            os.rename(final, old)
-        os.rename(p.stage, final)
-        fsync_dir(self.checkpoint_dir)
+        replaced = install_step(self.checkpoint_dir, p.stage, final, p.step)
         atomic_write_bytes(
             os.path.join(self.checkpoint_dir, LATEST_NAME), json.dumps({"step": p.step}).encode()
         )
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        if replaced is not None:  # the new step-<N> is committed: the replaced copy may go
+            discard(replaced)
         logger.info("committed %s", final)
         if self.keep_last is not None:
-            steps = [s for s in _committed_steps(self.checkpoint_dir) if s != p.step]
+            steps = [s for s in committed_steps(self.checkpoint_dir) if s != p.step]
             doomed = steps[: max(0, len(steps) - (self.keep_last - 1))]
             for s in doomed:
-                _remove_step(self.checkpoint_dir, s)
+                remove_step(self.checkpoint_dir, s)
 
 
 # ---------------------------------------------------------------------- tensor plans
@@ -749,48 +819,6 @@ def _local_dir(path: str | os.PathLike[str]) -> str:
     return os.path.abspath(s)
 
 
-def _committed_steps(directory: str) -> list[int]:
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return []
-    steps = []
-    for n in names:
-        m = _STEP_RE.match(n)
-        if m and os.path.isfile(os.path.join(directory, n, COMMIT_NAME)):
-            steps.append(int(m.group(1)))
-    return sorted(steps)
-
-
-def _read_latest(directory: str) -> int | None:
-    try:
-        with open(os.path.join(directory, LATEST_NAME), "rb") as f:
-            obj = json.loads(f.read())
-        return int(obj["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _clean_work_dirs(directory: str) -> None:
-    """Rank 0, under the lock: remove staging/old/deleting directories left by killed saves."""
-    for n in os.listdir(directory):
-        if _WORK_RE.match(n):
-            logger.info("removing %s left by an interrupted save", os.path.join(directory, n))
-            shutil.rmtree(os.path.join(directory, n), ignore_errors=True)
-
-
-def _remove_step(directory: str, step: int) -> None:
-    """Rank 0: un-commit a step by renaming it (atomic), then delete it."""
-    src = os.path.join(directory, f"step-{step}")
-    dst = os.path.join(directory, f".step-{step}.deleting-{uuid.uuid4().hex[:12]}")
-    try:
-        os.rename(src, dst)
-    except FileNotFoundError:
-        return
-    shutil.rmtree(dst, ignore_errors=True)
-    logger.info("removed %s (keep_last)", src)
-
-
 # ---------------------------------------------------------------------- fsspec storage
 class _RemoteStore:
     """``step-<N>/`` prefixes under an fsspec URL; a step is committed iff its ``COMMIT`` object exists.
@@ -825,7 +853,7 @@ class _RemoteStore:
             return {}
         out = {}
         for n in names:
-            m = _STEP_RE.match(posixpath.basename(str(n).rstrip("/")))
+            m = STEP_RE.match(posixpath.basename(str(n).rstrip("/")))
             if m:
                 out[int(m.group(1))] = self.path(f"step-{m.group(1)}")
         return out

@@ -147,7 +147,9 @@ def test_crash_before_commit_upload_leaves_the_step_ignored(
     fs, root = fsspec.core.url_to_fs(url)
     fs.rm_file(f"{root}/step-1/COMMIT")
     assert fresh.all_steps() == [] and fresh.latest_step() is None
-    assert fresh.load(m2, o2) == 0
+    # 'latest' still records step 1: losing every committed step is reported, not a fresh start.
+    with pytest.raises(IncompleteCheckpointError, match="records a save of step 1, but no committed step"):
+        fresh.load(m2, o2)
     # The next save removes both leftovers.
     fresh.save(3, model, opt)
     assert {k.split("/")[0] for k in _objects(url)} == {"latest", "step-3"}
@@ -157,7 +159,7 @@ def test_step_deleted_after_listing_is_refused(url: str, monkeypatch: pytest.Mon
     model, opt, _, _ = _setup(0)
     mgr = CheckpointManager(url, save_steps=1)
     mgr.save(1, model, opt)
-    monkeypatch.setattr(CheckpointManager, "_pick_step", lambda self, wanted: 1)
+    monkeypatch.setattr(CheckpointManager, "_pick_step", lambda self, wanted: (1, mgr.step_dir(1)))
     fs, root = fsspec.core.url_to_fs(url)
     fs.rm(f"{root}/step-1", recursive=True)
     with pytest.raises(IncompleteCheckpointError, match="no longer committed"):
