@@ -113,7 +113,7 @@ def _events(fn: Callable[[], None], tmp: Path) -> list[str]:
     return ev
 
 
-def _run_kills(tmp_path: Path, exchange: bool, stride: int) -> dict[str, int]:
+def _run_kills(tmp_path: Path, exchange: bool, dense: bool) -> dict[str, int]:
     template = tmp_path / "template"
     _save(template, OLD_SEED, step=STEP - 2)  # an older committed step too
     _save(template, OLD_SEED)
@@ -127,11 +127,14 @@ def _run_kills(tmp_path: Path, exchange: bool, stride: int) -> dict[str, int]:
     # retention); every ``stride``-th one before (writing the stage: the old step is not touched).
     commit = next(i for i, e in enumerate(events) if "COMMIT" in e)
     latest = max(i for i, e in enumerate(events) if ".latest.tmp" in e) + 2  # and its directory fsync
-    ks = sorted(
-        set(range(1, commit + 1, stride))
-        | set(range(commit + 1, latest + 1))
-        | set(range(latest + 1, n + 1, max(1, stride // 8)))
-    )
+    if dense:
+        ks = list(range(1, n + 1))
+    else:  # the commit window: every other event (before/after pairs), a few before and after it
+        ks = sorted(
+            set(range(1, commit + 1, commit // 2))
+            | set(range(commit + 1, latest + 1, 2))
+            | {latest + 1, (latest + n) // 2, n}
+        )
     seen = {"old": 0, "new": 0, "kills": 0}
     for k in ks:
         d = tmp_path / f"k{k}"
@@ -145,7 +148,6 @@ def _run_kills(tmp_path: Path, exchange: bool, stride: int) -> dict[str, int]:
         seen["old" if seed == OLD_SEED else "new"] += 1
         # The next save (with retention keeping 2) neither deletes the surviving copy nor keeps debris.
         _save(d, 3, step=STEP + 1, keep_last=2)
-        assert _loaded(d, keep_last=2) == (STEP + 1, 3)
         m, opt = _trained(99)
         mgr = CheckpointManager(d, save_steps=1, keep_last=2)
         assert mgr.all_steps() == [STEP, STEP + 1]
@@ -161,14 +163,15 @@ def _run_kills(tmp_path: Path, exchange: bool, stride: int) -> dict[str, int]:
 def test_kill_during_resave_never_loses_the_step(tmp_path: Path, exchange: bool) -> None:
     if exchange:
         assert _exchange_works(tmp_path), "this filesystem has no RENAME_EXCHANGE: the swap path is untested"
-    seen = _run_kills(tmp_path, exchange, stride=25)
-    assert seen["kills"] >= 15
+    seen = _run_kills(tmp_path, exchange, dense=False)
+    assert seen["kills"] >= 12
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2-exchange", "rename-aside"])
 def test_kill_at_every_event_of_a_resave(tmp_path: Path, exchange: bool) -> None:
-    _run_kills(tmp_path, exchange, stride=1)
+    seen = _run_kills(tmp_path, exchange, dense=True)
+    assert seen["kills"] >= 100
 
 
 def _exchange_works(tmp: Path) -> bool:

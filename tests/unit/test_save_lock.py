@@ -16,6 +16,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _reliability import TINY_SHARD_MB, Tiny, same_state, snapshot
@@ -135,9 +136,62 @@ def _race(tmp_path: Path, workers: int, iters: int) -> dict[str, int]:
     return counts
 
 
-@pytest.mark.parametrize("workers", [2, 4])
-def test_lock_is_never_held_twice_with_killed_holders(tmp_path: Path, workers: int) -> None:
-    counts = _race(tmp_path, workers, iters=150)
+def _stampede_worker(d: Path, log: Path, rounds: int, start: float, period: float) -> Callable[[], None]:
+    """Every round, at the same instant as the other workers, try to take the lock a killed holder left."""
+
+    def fn() -> None:
+        unlink = os.unlink
+
+        def slow_unlink(*a: Any, **k: Any) -> None:
+            time.sleep(0.001)  # widen every window between looking at the lock file and changing it
+            unlink(*a, **k)
+
+        os.unlink = slow_unlink
+        for r in range(rounds):
+            t = start + r * period
+            while time.time() < t:
+                pass  # spin: every worker starts within microseconds of the others
+            try:
+                with directory_lock(str(d)):
+                    _log(log, f"A {os.getpid()}")
+                    time.sleep(0.002)
+                    _log(log, f"R {os.getpid()}")
+            except CheckpointBusyError:
+                _log(log, f"B {os.getpid()}")
+
+    return fn
+
+
+def _stampede(tmp_path: Path, workers: int, rounds: int) -> dict[str, int]:
+    """Rounds: a holder is killed while holding the lock, then every worker rushes to take it over."""
+    d = tmp_path / "ck"
+    d.mkdir(parents=True)
+    log = tmp_path / "log"
+    period = 0.03
+    start = time.time() + 0.3
+    pids = [_fork(_stampede_worker(d, log, rounds, start, period)) for _ in range(workers)]
+    try:
+        for r in range(rounds):
+            while time.time() < start + (r - 0.5) * period:
+                time.sleep(0.0005)
+            _hold_and_die(d, log)  # the lock file is left behind, naming a dead pid
+    finally:
+        _wait_all(pids, timeout=120)
+    counts = _check_log(log)
+    assert counts["A"] == counts["R"] + counts["K"]
+    assert counts["B"] >= rounds // 4, counts  # the workers did collide
+    return counts
+
+
+def test_lock_takeover_stampede_after_killed_holders(tmp_path: Path) -> None:
+    counts = _stampede(tmp_path, 4, rounds=40)
+    # Most rounds: a holder killed holding the lock, then a worker took it over (timing on a loaded
+    # machine can make a round miss, hence the margins).
+    assert counts["K"] >= 20 and counts["A"] - counts["K"] >= 20, counts
+
+
+def test_lock_is_never_held_twice_with_killed_holders(tmp_path: Path) -> None:
+    counts = _race(tmp_path, 3, iters=120)
     assert counts["A"] >= 100
 
 
@@ -145,6 +199,8 @@ def test_lock_is_never_held_twice_with_killed_holders(tmp_path: Path, workers: i
 def test_lock_is_never_held_twice_long_run(tmp_path: Path) -> None:
     counts = _race(tmp_path, 4, iters=3000)
     assert counts["A"] >= 3000
+    counts = _stampede(tmp_path / "stampede", 4, rounds=1000)
+    assert counts["A"] - counts["K"] >= 500
 
 
 def test_lock_refuses_a_second_holder_in_one_process(tmp_path: Path) -> None:
@@ -264,8 +320,8 @@ def test_racing_savers_with_kills_never_commit_a_mix(tmp_path: Path) -> None:
     d.mkdir()
     log = tmp_path / "log"
     start = time.time() + 0.5
-    pids = [_fork(_save_worker(d, seed, 10, start, log)) for seed in (1, 2, 3)]
-    pids.append(_fork(_checker(d, start + 6, log)))
+    pids = [_fork(_save_worker(d, seed, 6, start, log)) for seed in (1, 2, 3)]
+    pids.append(_fork(_checker(d, start + 3, log)))
     _wait_all(pids, timeout=120)
     lines = log.read_text().split("\n")
     checks = [x for x in lines if x.startswith("C ")]
