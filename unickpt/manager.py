@@ -47,23 +47,21 @@ import contextlib
 import dataclasses
 import json
 import os
-import posixpath
 import shutil
 import tempfile
 import threading
 import uuid
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from unickpt import _rng
 from unickpt._logging import get_logger
+from unickpt._remote_store import RemoteStore
 from unickpt._stepdirs import (
     COMMIT_NAME,
     LATEST_NAME,
-    STEP_RE,
     clean_work_dirs,
     committed_step_dirs,
     committed_steps,
@@ -108,6 +106,7 @@ class _Payload:
     train_state: dict[str, Any]
     state_tensors: dict[str, torch.Tensor]
     hf_config: dict[str, str]
+    target: str = ""  # fsspec URLs: the prefix uploaded into (``step-<N>`` or a replacement copy)
 
 
 class CheckpointManager:
@@ -148,9 +147,9 @@ class CheckpointManager:
             from unickpt.io import GeneralCheckpointIO
 
             self.io = GeneralCheckpointIO()
-        self._remote: _RemoteStore | None = None
+        self._remote: RemoteStore | None = None
         if _is_remote(checkpoint_dir):
-            self._remote = _RemoteStore(os.fspath(checkpoint_dir), storage_options)
+            self._remote = RemoteStore(os.fspath(checkpoint_dir), storage_options)
             self.checkpoint_dir = self._remote.url
             if local_cache_dir is None:
                 base = tempfile.mkdtemp(prefix="unickpt-cache-")
@@ -450,9 +449,10 @@ class CheckpointManager:
         stage_name = _dist.broadcast_object(stage_name, 0, self.group)
         stage = os.path.join(self._root, stage_name)
         err: BaseException | None = None
+        target = ""
         if self._remote is not None:
             try:
-                self._start_remote_save(step, stage, rank)
+                target = self._start_remote_save(step, stage, rank)
             except BaseException as e:
                 err = e
         elif rank == 0:
@@ -467,6 +467,8 @@ class CheckpointManager:
         try:
             _dist.agree(err, f"starting the save of step {step} in {self.checkpoint_dir}", self.group)
             payload = self._capture(step, stage, model, optimizer, lr_scheduler, dataloader, extra_states)
+            if self._remote is not None:
+                payload.target = _dist.broadcast_object(target, 0, self.group)
         except BaseException:
             self._release()
             raise
@@ -480,8 +482,8 @@ class CheckpointManager:
         thread.start()
         return True
 
-    def _start_remote_save(self, step: int, stage: str, rank: int) -> None:
-        """Every rank: its local staging directory; rank 0 clears ``step-<step>`` and dead uploads."""
+    def _start_remote_save(self, step: int, stage: str, rank: int) -> str:
+        """Every rank: its local staging directory; rank 0 tidies the store and returns the upload prefix."""
         os.makedirs(self._root, exist_ok=True)
         clean_work_dirs(self._root)
         self._lock.callback(os.close, make_work_dir(stage))
@@ -490,7 +492,8 @@ class CheckpointManager:
         for sub in (TRAIN_STATE_DIR, "model", "optimizer", HF_DIR):
             os.makedirs(os.path.join(stage, sub))
         if rank == 0 and self._remote is not None:
-            self._remote.prepare(step)
+            return self._remote.prepare(step)
+        return ""
 
     def wait(self) -> None:
         """Collective for async saves: block until the save in flight is committed; raise its error."""
@@ -624,7 +627,7 @@ class CheckpointManager:
         err: BaseException | None = None
         try:
             if self._remote is not None:
-                self._remote.upload_step(p.stage, p.step, uploaded)
+                self._remote.upload_step(p.stage, p.target, uploaded)
         except BaseException as e:
             err = e
         _dist.agree(err, f"uploading step {p.step} to {self.checkpoint_dir}", group)
@@ -640,7 +643,7 @@ class CheckpointManager:
             "world_size": int(p.train_state["world_size"]),
             "plugin": self.io.plugin_name,
         }
-        remote.put_bytes(f"step-{p.step}/{COMMIT_NAME}", json.dumps(commit).encode())
+        remote.commit(p.step, p.target, json.dumps(commit).encode())  # COMMIT last, then promoted
         remote.put_bytes(LATEST_NAME, json.dumps({"step": p.step}).encode())
         logger.info("committed %s", self.step_dir(p.step))
         if self.keep_last is not None:
@@ -663,7 +666,7 @@ class CheckpointManager:
         if _dist.rank(group) == 0:
             try:
                 if self._remote is not None:  # the other ranks' model files are in the store only
-                    self._remote.fetch_missing(p.step, "model", p.stage, uploaded)
+                    self._remote.fetch_missing(p.target, "model", p.stage, uploaded)
                 full, aliases = _read_full(os.path.join(p.stage, "model"))
             except BaseException as e:
                 err = e
@@ -819,129 +822,4 @@ def _local_dir(path: str | os.PathLike[str]) -> str:
     return os.path.abspath(s)
 
 
-# ---------------------------------------------------------------------- fsspec storage
-class _RemoteStore:
-    """``step-<N>/`` prefixes under an fsspec URL; a step is committed iff its ``COMMIT`` object exists.
-
-    Never renames or moves anything (object stores cannot rename a prefix atomically): a step
-    is uploaded file by file in place, ``COMMIT`` last, and deleted ``COMMIT`` first.
-    """
-
-    def __init__(self, url: str, storage_options: dict[str, Any] | None) -> None:
-        try:
-            from fsspec.core import url_to_fs
-
-            fs, root = url_to_fs(url, **(storage_options or {}))
-        except (ImportError, ValueError) as e:
-            raise UnsupportedError(
-                f"checkpoint_dir {url!r}: fsspec cannot open it ({e}); install the filesystem's package "
-                "(s3fs for s3://, gcsfs for gs://) or pass a local directory"
-            ) from e
-        self.url = url.rstrip("/")
-        self.fs: Any = fs
-        self.root: str = str(root).rstrip("/")
-
-    def path(self, rel: str) -> str:
-        return posixpath.join(self.root, rel) if self.root else rel
-
-    def _step_names(self) -> dict[int, str]:
-        """Every ``step-<N>`` prefix, committed or not: {N: path}."""
-        self.fs.invalidate_cache()  # listings may be cached (s3fs, gcsfs); we need the current state
-        try:
-            names = self.fs.ls(self.root, detail=False)
-        except FileNotFoundError:
-            return {}
-        out = {}
-        for n in names:
-            m = STEP_RE.match(posixpath.basename(str(n).rstrip("/")))
-            if m:
-                out[int(m.group(1))] = self.path(f"step-{m.group(1)}")
-        return out
-
-    def _committed(self, path: str) -> bool:
-        return bool(self.fs.exists(posixpath.join(path, COMMIT_NAME)))
-
-    def committed_steps(self) -> list[int]:
-        return sorted(s for s, p in self._step_names().items() if self._committed(p))
-
-    def read_latest(self) -> int | None:
-        try:
-            obj = json.loads(self.fs.cat_file(self.path(LATEST_NAME)))
-            return int(obj["step"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-
-    def put_bytes(self, rel: str, data: bytes) -> None:
-        path = self.path(rel)
-        self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
-        self.fs.pipe_file(path, data)
-
-    def remove_step(self, step: int) -> None:
-        """Un-commit (delete ``COMMIT``), then delete the rest: a half-deleted step is never committed."""
-        path = self.path(f"step-{step}")
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm_file(posixpath.join(path, COMMIT_NAME))
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm(path, recursive=True)
-        logger.info("removed %s", f"{self.url}/step-{step}")
-
-    def prepare(self, step: int) -> None:
-        """Rank 0, before uploading ``step``: delete it if present, and every uncommitted step."""
-        for s, path in self._step_names().items():
-            if s == step or not self._committed(path):
-                if s != step:
-                    logger.info("removing %s/step-%s left by an interrupted save", self.url, s)
-                self.remove_step(s)
-
-    def upload_step(self, stage: str, step: int, done: set[str]) -> None:
-        """Upload every file under the local ``stage`` not in ``done`` to ``step-<step>/`` (adds them)."""
-        made: set[str] = set()
-        for dirpath, _dirs, files in os.walk(stage):
-            for f in sorted(files):
-                local = os.path.join(dirpath, f)
-                rel = os.path.relpath(local, stage).replace(os.sep, "/")
-                if rel in done:
-                    continue
-                remote = self.path(f"step-{step}/{rel}")
-                parent = posixpath.dirname(remote)
-                if parent not in made:
-                    self.fs.makedirs(parent, exist_ok=True)
-                    made.add(parent)
-                self.fs.put_file(local, remote)
-                done.add(rel)
-
-    def _download(self, step: int, dest: str, keep: Callable[[str], bool]) -> list[str]:
-        base = self.path(f"step-{step}")
-        got = []
-        for remote in sorted(self.fs.find(base)):
-            rel = posixpath.relpath(str(remote), base)
-            if rel.startswith("..") or not keep(rel):
-                continue
-            local = os.path.join(dest, *rel.split("/"))
-            os.makedirs(os.path.dirname(local), exist_ok=True)
-            self.fs.get_file(remote, local)
-            got.append(rel)
-        return got
-
-    def download_step(self, step: int, dest: str, rank: int) -> None:
-        """Fetch what ``load`` reads on ``rank``: all but ``hf/`` and other ranks' train states."""
-        own = {f"rank-{rank:05d}", "rank-00000"}
-
-        def keep(rel: str) -> bool:
-            if rel.startswith(HF_DIR + "/"):
-                return False
-            if rel.startswith(TRAIN_STATE_DIR + "/"):
-                return posixpath.basename(rel).split(".")[0] in own
-            return True
-
-        got = self._download(step, dest, keep)
-        if COMMIT_NAME not in got:  # deleted by retention or a replacing save since it was listed
-            raise IncompleteCheckpointError(f"{self.url}/step-{step} is no longer committed")
-
-    def fetch_missing(self, step: int, sub: str, stage: str, done: set[str]) -> None:
-        """Download the files of ``step-<step>/<sub>/`` absent from the local ``stage``."""
-        have = set(done)
-        for dirpath, _dirs, files in os.walk(stage):
-            for f in files:
-                have.add(os.path.relpath(os.path.join(dirpath, f), stage).replace(os.sep, "/"))
-        done.update(self._download(step, stage, lambda rel: rel.startswith(sub + "/") and rel not in have))
+_RemoteStore = RemoteStore  # (its former name here)
