@@ -255,13 +255,23 @@ def exchange(a: str, b: str) -> bool:
 
 
 def remove_step(directory: str, step: int) -> None:
-    """Rank 0: un-commit a step by renaming it (atomic), then delete it."""
-    src = committed_step_dirs(directory).get(step)
-    if src is None:
-        return
+    """Rank 0, under the lock: un-commit every copy of ``step`` (atomic renames), then delete them.
+
+    Replaced copies (``.step-<N>.old-<id>``) go first: a kill part way never leaves one of them
+    to be taken for step N once ``step-<N>`` is gone.
+    """
     try:
-        dst = _rename_aside(directory, src, step, "deleting")
+        names = sorted(os.listdir(directory))
     except FileNotFoundError:
         return
-    discard(dst)
-    logger.info("removed %s (keep_last)", src)
+    copies = [n for n in names if (m := WORK_RE.match(n)) and m.group(2) == "old" and int(m.group(1)) == step]
+    if f"step-{step}" in names:
+        copies.append(f"step-{step}")
+    for n in copies:
+        try:
+            dst = _rename_aside(directory, os.path.join(directory, n), step, "deleting")
+        except FileNotFoundError:
+            continue
+        discard(dst)
+    if copies:
+        logger.info("removed %s (keep_last)", os.path.join(directory, f"step-{step}"))

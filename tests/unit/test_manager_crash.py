@@ -342,3 +342,13 @@ def test_replaced_copy_is_the_step_until_the_new_one_is_committed(tmp_path: Path
     assert _loaded(tmp_path, keep_last=None) == (STEP, NEW_SEED)
     _save(tmp_path, 3, step=STEP + 2)
     assert not old.exists()
+
+
+def test_retention_removes_every_copy_of_a_step(tmp_path: Path) -> None:
+    _save(tmp_path, OLD_SEED, step=STEP)
+    _save(tmp_path, NEW_SEED, step=STEP + 1)
+    old = tmp_path / f".step-{STEP}.old-0123456789ab"
+    shutil.copytree(tmp_path / f"step-{STEP}", old)
+    stepdirs.remove_step(str(tmp_path), STEP)
+    assert sorted(os.listdir(tmp_path)) == ["latest", f"step-{STEP + 1}"]  # no copy left to resurrect
+    assert CheckpointManager(tmp_path).all_steps() == [STEP + 1]
