@@ -12,12 +12,24 @@ Layout of ``checkpoint_dir``::
         COMMIT                     written last, before the directory is renamed into place
     latest                         {"step": N}: moved only after step-<N> is committed
     .step-<N>.staging-<id>/        a save in progress (or killed): never loaded, removed by a later save
+    .step-<N>.old-<id>/            a replaced step N kept until its replacement is committed
 
 A save is staged under ``.step-<N>.staging-<id>``; every rank fsyncs what it wrote; rank 0
-writes ``COMMIT``, fsyncs, renames the directory to ``step-<N>`` (one atomic rename), fsyncs
+writes ``COMMIT``, fsyncs, puts the directory in place as ``step-<N>``, fsyncs
 ``checkpoint_dir``, then replaces ``latest`` atomically and only then applies ``keep_last``.
-A process killed at any moment therefore leaves every committed step intact. Saves into one
-directory are serialised by a lock file (``CheckpointBusyError`` for a second manager).
+Putting in place is one atomic rename for a new step. A step already committed (a resumed run
+saving it again) is swapped with the stage atomically (Linux ``renameat2(RENAME_EXCHANGE)``);
+where the filesystem cannot swap, it is first renamed to ``.step-<N>.old-<id>``, which stays
+committed (readers take it for step N while ``step-<N>`` is not committed, the next save moves
+it back) and is deleted only once the new ``step-<N>`` is committed. A process killed at any
+moment therefore leaves a committed copy of every committed step (``_stepdirs.py``).
+
+Saves into one directory are serialised by the kernel lock of ``.unickpt.lock`` (``flock``;
+``CheckpointBusyError`` for a second manager, released by the kernel when a holder dies). A
+cleanup removes only work directories whose owner is dead (each owner holds a ``flock`` on
+its directory). ``load`` never silently starts from 0 when ``latest`` records a save and no
+committed step is left (``IncompleteCheckpointError``), and does not fall back to an older
+step when the chosen one is damaged: it raises, naming the other committed steps.
 
 Every public method is collective: every rank calls it, in the same order, with its own
 objects. Rank 0 does the directory work; every rank writes its own tensor blocks and state.
@@ -33,12 +45,14 @@ Remote storage (``checkpoint_dir`` an fsspec URL other than ``file://``): object
 atomic rename, so nothing is ever renamed or moved there. Every rank stages its files in its
 own local directory (``<local_cache_dir>/rank-<r>/``, default a temporary directory) exactly as
 above, then uploads them to ``<url>/step-<N>/`` file by file; rank 0 first deletes ``step-*``
-prefixes without ``COMMIT`` and an existing ``step-<N>`` (``COMMIT`` first). Once every rank has
-uploaded everything, rank 0 uploads ``COMMIT`` last, then ``latest``, then applies ``keep_last``
-(deleting ``COMMIT`` first). A step is committed iff its ``COMMIT`` object exists; readers ignore
-the others. Guarantees rest on whole-object PUTs and consistent listings (S3, GCS); limits: no
-lock between writers, re-saving an existing step is not atomic, and each rank downloads the
-whole step (but ``hf/`` and other ranks' states) to load it. See docs/guide.md, "Storage".
+prefixes without ``COMMIT``. Once every rank has uploaded everything, rank 0 uploads ``COMMIT``
+last, then ``latest``, then applies ``keep_last`` (deleting ``COMMIT`` first). A step is
+committed iff its ``COMMIT`` object exists; readers ignore the others. A committed step saved
+again is uploaded to ``.step-<N>.replacing-<id>/``, committed there, then copied over
+``step-<N>`` (see ``_remote_store.py``): step N stays committed throughout. Guarantees rest on
+whole-object PUTs and consistent listings (S3, GCS); limits: no lock between writers, and each
+rank downloads the whole step (but ``hf/`` and other ranks' states) to load it. See
+docs/guide.md, "Storage".
 """
 
 from __future__ import annotations

@@ -156,6 +156,7 @@ def _run_kills(tmp_path: Path, exchange: bool, dense: bool) -> dict[str, int]:
         assert sorted(os.listdir(d)) == sorted(["latest", f"step-{STEP}", f"step-{STEP + 1}"]), k
         shutil.rmtree(d)
     assert seen["old"] > 0 and seen["new"] > 0, seen
+    print(f"re-save of step {STEP} ({'exchange' if exchange else 'rename aside'}): {n} events, {seen}")
     return seen
 
 

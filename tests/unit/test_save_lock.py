@@ -129,6 +129,7 @@ def _race(tmp_path: Path, workers: int, iters: int) -> dict[str, int]:
     counts = _check_log(log)
     assert counts["K"] >= 1 and counts["B"] >= 1, counts  # kills happened and the workers did collide
     assert counts["A"] == counts["R"] + counts["K"]
+    print(f"lock race, {workers} workers x {iters}: {counts}")
     # Nobody holds it now: a new holder gets it, and it leaves no lock file behind.
     with directory_lock(str(d)):
         pass
@@ -180,6 +181,7 @@ def _stampede(tmp_path: Path, workers: int, rounds: int) -> dict[str, int]:
     counts = _check_log(log)
     assert counts["A"] == counts["R"] + counts["K"]
     assert counts["B"] >= rounds // 4, counts  # the workers did collide
+    print(f"lock stampede, {workers} workers x {rounds} rounds: {counts}")
     return counts
 
 
