@@ -125,7 +125,7 @@ def _race(tmp_path: Path, workers: int, iters: int) -> dict[str, int]:
     log = tmp_path / "log"
     start = time.time() + 0.3
     pids = [_fork(_lock_worker(d, log, iters, seed, start)) for seed in range(workers)]
-    _wait_all(pids, timeout=120)
+    _wait_all(pids, timeout=60 + 0.2 * iters)
     counts = _check_log(log)
     assert counts["K"] >= 1 and counts["B"] >= 1, counts  # kills happened and the workers did collide
     assert counts["A"] == counts["R"] + counts["K"]
@@ -177,7 +177,7 @@ def _stampede(tmp_path: Path, workers: int, rounds: int) -> dict[str, int]:
                 time.sleep(0.0005)
             _hold_and_die(d, log)  # the lock file is left behind, naming a dead pid
     finally:
-        _wait_all(pids, timeout=120)
+        _wait_all(pids, timeout=60 + 0.1 * rounds)
     counts = _check_log(log)
     assert counts["A"] == counts["R"] + counts["K"]
     assert counts["B"] >= rounds // 4, counts  # the workers did collide
@@ -199,8 +199,8 @@ def test_lock_is_never_held_twice_with_killed_holders(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_lock_is_never_held_twice_long_run(tmp_path: Path) -> None:
-    counts = _race(tmp_path, 4, iters=3000)
-    assert counts["A"] >= 3000
+    counts = _race(tmp_path, 4, iters=1000)
+    assert counts["A"] >= 1000
     counts = _stampede(tmp_path / "stampede", 4, rounds=1000)
     assert counts["A"] - counts["K"] >= 500
 
