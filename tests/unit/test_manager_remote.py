@@ -274,7 +274,7 @@ class _Killed(BaseException):
     """A simulated kill: raised at the k-th mutating store call, caught by nothing in unickpt."""
 
 
-@pytest.mark.parametrize("every", [pytest.param(1, marks=pytest.mark.slow), 5])
+@pytest.mark.parametrize("every", [pytest.param(1, marks=pytest.mark.slow), 6])
 def test_resave_killed_at_store_operations_never_loses_the_step(
     url: str, monkeypatch: pytest.MonkeyPatch, every: int
 ) -> None:

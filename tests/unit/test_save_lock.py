@@ -186,15 +186,15 @@ def _stampede(tmp_path: Path, workers: int, rounds: int) -> dict[str, int]:
 
 
 def test_lock_takeover_stampede_after_killed_holders(tmp_path: Path) -> None:
-    counts = _stampede(tmp_path, 4, rounds=40)
+    counts = _stampede(tmp_path, 4, rounds=30)
     # Most rounds: a holder killed holding the lock, then a worker took it over (timing on a loaded
     # machine can make a round miss, hence the margins).
-    assert counts["K"] >= 20 and counts["A"] - counts["K"] >= 20, counts
+    assert counts["K"] >= 15 and counts["A"] - counts["K"] >= 15, counts
 
 
 def test_lock_is_never_held_twice_with_killed_holders(tmp_path: Path) -> None:
-    counts = _race(tmp_path, 3, iters=120)
-    assert counts["A"] >= 100
+    counts = _race(tmp_path, 3, iters=80)
+    assert counts["A"] >= 60
 
 
 @pytest.mark.slow
