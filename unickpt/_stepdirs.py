@@ -151,13 +151,26 @@ def make_work_dir(path: str) -> int:
     os.makedirs(path)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # a cleaner holds it only while deleting
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # a cleaner holds it only while deleting
+        except OSError as e:
+            if isinstance(e, InterruptedError) or e.errno not in _NO_DIR_LOCK:
+                raise
+            # Some network filesystems (NFS: flock emulated by POSIX locks, which need a file
+            # open for writing) cannot lock a directory. The save lock of the checkpoint
+            # directory still serialises its writers and cleanups; only a local_cache_dir shared
+            # by several managers loses this protection there.
+            logger.debug("%s: cannot lock the work directory (%s)", path, e)
+            return fd
         if os.fstat(fd).st_nlink == 0:  # a cleaner removed it between mkdir and flock
             raise FileNotFoundError(errno.ENOENT, "work directory removed by a concurrent cleanup", path)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+_NO_DIR_LOCK = {errno.EBADF, errno.ENOLCK, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
 
 
 def _try_own(path: str) -> int | None:
@@ -173,6 +186,10 @@ def _try_own(path: str) -> int | None:
     except BlockingIOError:
         os.close(fd)
         return None
+    except OSError as e:  # no directory locks on this filesystem (see make_work_dir)
+        if e.errno not in _NO_DIR_LOCK:
+            os.close(fd)
+            raise
     return fd
 
 

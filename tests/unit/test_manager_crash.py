@@ -22,6 +22,7 @@ from test_crash_safety import _run_child
 
 import unickpt._stepdirs as stepdirs
 from unickpt.errors import CheckpointBusyError, IncompleteCheckpointError, UnickptError
+from unickpt.format.commit import directory_lock
 from unickpt.manager import CheckpointManager
 from unickpt.wrappers import OptimizerWrapper
 
@@ -353,3 +354,28 @@ def test_retention_removes_every_copy_of_a_step(tmp_path: Path) -> None:
     stepdirs.remove_step(str(tmp_path), STEP)
     assert sorted(os.listdir(tmp_path)) == ["latest", f"step-{STEP + 1}"]  # no copy left to resurrect
     assert CheckpointManager(tmp_path).all_steps() == [STEP + 1]
+
+
+def test_filesystem_without_directory_locks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NFS-like: flock on a directory fails with EBADF. Saves still work (the save lock serialises
+    them) and leftovers of killed saves are still removed."""
+    import errno
+    import fcntl
+    import stat
+
+    orig = fcntl.flock
+
+    def flock(fd: int, op: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        orig(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    _save(tmp_path, OLD_SEED, step=2)
+    dead = tmp_path / ".step-3.staging-0123456789ab"
+    (dead / "model").mkdir(parents=True)
+    _save(tmp_path, NEW_SEED, step=3)
+    assert not dead.exists()
+    assert _loaded(tmp_path) == (3, NEW_SEED)
+    with directory_lock(str(tmp_path)), pytest.raises(CheckpointBusyError):
+        _save(tmp_path, 3, step=4)  # the save lock (a regular file) still works
