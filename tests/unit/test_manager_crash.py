@@ -411,3 +411,47 @@ def test_async_save_in_flight_keeps_the_lock_until_committed(
     assert other.all_steps() == [10, 20] and _loaded(tmp_path) == (20, NEW_SEED)
     m3, opt3 = _trained(99)
     assert other.load(m3, opt3, resume_from_checkpoint=10) == 10 and _state(m3, opt3) == EXPECTED[OLD_SEED]
+
+
+def _save_in_child(d: Path, seed: int, step: int, keep_last: int | None) -> Callable[[], None]:
+    def fn() -> None:
+        torch.set_num_threads(1)
+        _save(d, seed, step=step, keep_last=keep_last)
+
+    return fn
+
+
+@pytest.mark.parametrize("dense", [pytest.param(True, marks=pytest.mark.slow), False])
+def test_kill_during_the_recovery_of_a_replaced_copy(tmp_path: Path, dense: bool) -> None:
+    """State: a re-save without RENAME_EXCHANGE was killed between its two renames (step 4 exists only
+    as `.step-4.old-*`, the new copy committed under its staging name). The next save (step 5,
+    keep_last=2) restores it first: killed at each of its events, step 4 is never lost."""
+    template = tmp_path / "template"
+    _save(template, OLD_SEED, step=2)
+    _save(template, OLD_SEED)
+    probe = tmp_path / "probe"
+    shutil.copytree(template, probe)
+    events = _events(_resave_in_child(probe, False), tmp_path)
+    k_window = events.index(f"after rename step-{STEP}")
+    assert _run_child(k_window + 1, _resave_in_child(template, False), tmp_path / "l") == signal.SIGKILL
+    names = [x for x in os.listdir(template) if x.startswith(f".step-{STEP}.old-")]
+    assert f"step-{STEP}" not in os.listdir(template) and len(names) == 1, os.listdir(template)
+    probe2 = tmp_path / "probe2"
+    shutil.copytree(template, probe2)
+    next_events = _events(_save_in_child(probe2, 3, STEP + 1, 2), tmp_path)
+    restore = next_events.index(f"after rename .step-{STEP}.old-{names[0].split('-')[-1]}") + 1
+    n = len(next_events)
+    ks = range(1, n + 1) if dense else sorted({*range(1, restore + 3), n // 2, n})
+    for k in ks:
+        d = tmp_path / f"k{k}"
+        shutil.copytree(template, d)
+        assert _run_child(k, _save_in_child(d, 3, STEP + 1, 2), tmp_path / "l") == signal.SIGKILL
+        steps = CheckpointManager(d).all_steps()
+        assert STEP in steps, (k, next_events[k - 1], sorted(os.listdir(d)))
+        m, opt = _trained(99)
+        assert CheckpointManager(d).load(m, opt, resume_from_checkpoint=STEP) == STEP
+        assert _state(m, opt) == EXPECTED[OLD_SEED], k
+        _save(d, NEW_SEED, step=STEP + 2, keep_last=2)
+        assert CheckpointManager(d).all_steps()[-1] == STEP + 2
+        assert not [x for x in os.listdir(d) if x.startswith(".")], (k, os.listdir(d))
+        shutil.rmtree(d)
