@@ -442,6 +442,7 @@ def test_kill_during_the_recovery_of_a_replaced_copy(tmp_path: Path, dense: bool
     restore = next_events.index(f"after rename .step-{STEP}.old-{names[0].split('-')[-1]}") + 1
     n = len(next_events)
     ks = range(1, n + 1) if dense else sorted({*range(1, restore + 3), n // 2, n})
+    print(f"save restoring a replaced copy: {n} events, {len(ks)} kills")
     for k in ks:
         d = tmp_path / f"k{k}"
         shutil.copytree(template, d)
