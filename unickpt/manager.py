@@ -12,12 +12,24 @@ Layout of ``checkpoint_dir``::
         COMMIT                     written last, before the directory is renamed into place
     latest                         {"step": N}: moved only after step-<N> is committed
     .step-<N>.staging-<id>/        a save in progress (or killed): never loaded, removed by a later save
+    .step-<N>.old-<id>/            a replaced step N kept until its replacement is committed
 
 A save is staged under ``.step-<N>.staging-<id>``; every rank fsyncs what it wrote; rank 0
-writes ``COMMIT``, fsyncs, renames the directory to ``step-<N>`` (one atomic rename), fsyncs
+writes ``COMMIT``, fsyncs, puts the directory in place as ``step-<N>``, fsyncs
 ``checkpoint_dir``, then replaces ``latest`` atomically and only then applies ``keep_last``.
-A process killed at any moment therefore leaves every committed step intact. Saves into one
-directory are serialised by a lock file (``CheckpointBusyError`` for a second manager).
+Putting in place is one atomic rename for a new step. A step already committed (a resumed run
+saving it again) is swapped with the stage atomically (Linux ``renameat2(RENAME_EXCHANGE)``);
+where the filesystem cannot swap, it is first renamed to ``.step-<N>.old-<id>``, which stays
+committed (readers take it for step N while ``step-<N>`` is not committed, the next save moves
+it back) and is deleted only once the new ``step-<N>`` is committed. A process killed at any
+moment therefore leaves a committed copy of every committed step (``_stepdirs.py``).
+
+Saves into one directory are serialised by the kernel lock of ``.unickpt.lock`` (``flock``;
+``CheckpointBusyError`` for a second manager, released by the kernel when a holder dies). A
+cleanup removes only work directories whose owner is dead (each owner holds a ``flock`` on
+its directory). ``load`` never silently starts from 0 when ``latest`` records a save and no
+committed step is left (``IncompleteCheckpointError``), and does not fall back to an older
+step when the chosen one is damaged: it raises, naming the other committed steps.
 
 Every public method is collective: every rank calls it, in the same order, with its own
 objects. Rank 0 does the directory work; every rank writes its own tensor blocks and state.
@@ -33,12 +45,14 @@ Remote storage (``checkpoint_dir`` an fsspec URL other than ``file://``): object
 atomic rename, so nothing is ever renamed or moved there. Every rank stages its files in its
 own local directory (``<local_cache_dir>/rank-<r>/``, default a temporary directory) exactly as
 above, then uploads them to ``<url>/step-<N>/`` file by file; rank 0 first deletes ``step-*``
-prefixes without ``COMMIT`` and an existing ``step-<N>`` (``COMMIT`` first). Once every rank has
-uploaded everything, rank 0 uploads ``COMMIT`` last, then ``latest``, then applies ``keep_last``
-(deleting ``COMMIT`` first). A step is committed iff its ``COMMIT`` object exists; readers ignore
-the others. Guarantees rest on whole-object PUTs and consistent listings (S3, GCS); limits: no
-lock between writers, re-saving an existing step is not atomic, and each rank downloads the
-whole step (but ``hf/`` and other ranks' states) to load it. See docs/guide.md, "Storage".
+prefixes without ``COMMIT``. Once every rank has uploaded everything, rank 0 uploads ``COMMIT``
+last, then ``latest``, then applies ``keep_last`` (deleting ``COMMIT`` first). A step is
+committed iff its ``COMMIT`` object exists; readers ignore the others. A committed step saved
+again is uploaded to ``.step-<N>.replacing-<id>/``, committed there, then copied over
+``step-<N>`` (see ``_remote_store.py``): step N stays committed throughout. Guarantees rest on
+whole-object PUTs and consistent listings (S3, GCS); limits: no lock between writers, and each
+rank downloads the whole step (but ``hf/`` and other ranks' states) to load it. See
+docs/guide.md, "Storage".
 """
 
 from __future__ import annotations
@@ -47,24 +61,35 @@ import contextlib
 import dataclasses
 import json
 import os
-import posixpath
-import re
 import shutil
 import tempfile
 import threading
 import uuid
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from unickpt import _rng
 from unickpt._logging import get_logger
+from unickpt._remote_store import RemoteStore
+from unickpt._stepdirs import (
+    COMMIT_NAME,
+    LATEST_NAME,
+    clean_work_dirs,
+    committed_step_dirs,
+    committed_steps,
+    discard,
+    install_step,
+    make_work_dir,
+    read_latest,
+    remove_step,
+)
 from unickpt.errors import (
     IncompleteCheckpointError,
     IndexFileError,
     StateMismatchError,
+    UnickptError,
     UnsupportedError,
 )
 from unickpt.format.commit import atomic_write_bytes, directory_lock, fsync_dir
@@ -76,14 +101,8 @@ __all__ = ["CheckpointManager"]
 
 logger = get_logger(__name__)
 
-COMMIT_NAME = "COMMIT"
-LATEST_NAME = "latest"
 TRAIN_STATE_DIR = "train_state"
 HF_DIR = "hf"
-_STEP_RE = re.compile(r"^step-(\d+)$")
-# Hidden work directories: a save in progress, a step being replaced, a step being deleted.
-# (``download``: a remote step fetched for loading, in the local cache of an fsspec URL.)
-_WORK_RE = re.compile(r"^\.step-(\d+)\.(staging|old|deleting|download)-[0-9a-f]+$")
 _STATE_VERSION = 1
 # Shard size of the sliced model/optimizer files (MB): the same for sync and async saves.
 _SHARD_MB = 1024
@@ -101,6 +120,7 @@ class _Payload:
     train_state: dict[str, Any]
     state_tensors: dict[str, torch.Tensor]
     hf_config: dict[str, str]
+    target: str = ""  # fsspec URLs: the prefix uploaded into (``step-<N>`` or a replacement copy)
 
 
 class CheckpointManager:
@@ -141,9 +161,9 @@ class CheckpointManager:
             from unickpt.io import GeneralCheckpointIO
 
             self.io = GeneralCheckpointIO()
-        self._remote: _RemoteStore | None = None
+        self._remote: RemoteStore | None = None
         if _is_remote(checkpoint_dir):
-            self._remote = _RemoteStore(os.fspath(checkpoint_dir), storage_options)
+            self._remote = RemoteStore(os.fspath(checkpoint_dir), storage_options)
             self.checkpoint_dir = self._remote.url
             if local_cache_dir is None:
                 base = tempfile.mkdtemp(prefix="unickpt-cache-")
@@ -186,7 +206,7 @@ class CheckpointManager:
         """Committed steps in ascending order (files only; any rank may call)."""
         if self._remote is not None:
             return self._remote.committed_steps()
-        return _committed_steps(self.checkpoint_dir)
+        return committed_steps(self.checkpoint_dir)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or ``None`` (files only; any rank may call).
@@ -197,7 +217,7 @@ class CheckpointManager:
         steps = self.all_steps()
         if not steps:
             return None
-        rec = self._remote.read_latest() if self._remote is not None else _read_latest(self.checkpoint_dir)
+        rec = self._remote.read_latest() if self._remote is not None else read_latest(self.checkpoint_dir)
         return rec if rec in steps else steps[-1]
 
     def step_dir(self, step: int) -> str:
@@ -231,31 +251,39 @@ class CheckpointManager:
             raise ValueError(
                 f"resume_from_checkpoint must be None, an int step or 'latest', got {resume_from_checkpoint!r}"
             )
-        step = 0
+        picked: tuple[int, str] = (0, "")
+        err: BaseException | None = None
         if _dist.rank(self.group) == 0:
-            step = self._pick_step(resume_from_checkpoint) or 0
-        step = int(_dist.broadcast_object(step, 0, self.group))
+            try:
+                picked = self._pick_step(resume_from_checkpoint)
+            except BaseException as e:
+                err = e
+        _dist.agree(err, f"choosing the step to resume from in {self.checkpoint_dir}", self.group)
+        step, path = _dist.broadcast_object(picked, 0, self.group)
+        step = int(step)
         if step == 0:
             return 0
-        logger.info("resuming from %s", self.step_dir(step))
+        logger.info("resuming from %s", path)
         if self._remote is None:
-            self._load_step(
-                self.step_dir(step), step, model, optimizer, lr_scheduler, dataloader, extra_states
-            )
+            self._load_picked(path, step, model, optimizer, lr_scheduler, dataloader, extra_states)
             return step
         d = os.path.join(self._root, f".step-{step}.download-{uuid.uuid4().hex[:12]}")
-        err: BaseException | None = None
+        err = None
+        owned: int | None = None
         try:
             os.makedirs(self._root, exist_ok=True)
-            _clean_work_dirs(self._root)
+            clean_work_dirs(self._root)
+            owned = make_work_dir(d)
             self._remote.download_step(step, d, _dist.rank(self.group))
         except BaseException as e:
             err = e
         try:
             _dist.agree(err, f"downloading {self.step_dir(step)}", self.group)
-            self._load_step(d, step, model, optimizer, lr_scheduler, dataloader, extra_states)
+            self._load_picked(d, step, model, optimizer, lr_scheduler, dataloader, extra_states)
         finally:
             shutil.rmtree(d, ignore_errors=True)
+            if owned is not None:
+                os.close(owned)
         return step
 
     def _load_step(
@@ -276,19 +304,78 @@ class CheckpointManager:
             self.io.load_lr_scheduler(lr_scheduler, os.path.join(d, "lr_scheduler.json"))
         self._load_train_state(d, step, dataloader, extra_states)
 
-    def _pick_step(self, wanted: int | str) -> int | None:
-        latest = self.latest_step()
+    def _load_picked(
+        self,
+        d: str,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: Any,
+        lr_scheduler: Any,
+        dataloader: Any,
+        extra_states: dict[str, Any],
+    ) -> None:
+        """``_load_step``; a damaged step is reported with the committed steps to resume from instead.
+
+        No silent fallback to an older step: that would throw away training progress unnoticed,
+        and the objects may already hold part of the damaged step. The error names the step and
+        the other committed steps; ``resume_from_checkpoint=<step>`` picks one.
+        """
+        try:
+            self._load_step(d, step, model, optimizer, lr_scheduler, dataloader, extra_states)
+        except UnickptError as e:
+            others = [s for s in self.all_steps() if s != step]
+            where = d if self._remote is None else self.step_dir(step)
+            hint = (
+                f"step {step} ({where}) could not be loaded; the model, optimizer and other objects may hold "
+                f"part of it. Other committed steps: {others or 'none'}"
+                + (f"; resume from one with resume_from_checkpoint={others[-1]}" if others else "")
+                + " (or fix or delete the damaged step)"
+            )
+            logger.error("%s: %s", hint, e)
+            e.add_note(hint)
+            raise
+
+    def _pick_step(self, wanted: int | str) -> tuple[int, str]:
+        """Rank 0: (step, directory to load it from); (0, "") when there is nothing to resume from.
+
+        Raises ``IncompleteCheckpointError`` when ``latest`` records a save but no committed step
+        is left: resuming from scratch would silently throw the run away.
+        """
+        if self._remote is not None:
+            dirs = {s: self.step_dir(s) for s in self._remote.committed_steps()}
+            rec = self._remote.read_latest()
+        else:
+            dirs = committed_step_dirs(self.checkpoint_dir)
+            rec = read_latest(self.checkpoint_dir)
+        if not dirs:
+            if rec is not None:
+                raise IncompleteCheckpointError(
+                    f"{self.checkpoint_dir}: 'latest' records a save of step {rec}, but no committed step "
+                    "is left (step-<N> directories without COMMIT, or deleted); pass "
+                    "resume_from_checkpoint=None to start afresh"
+                )
+            return 0, ""
+        newest = max(dirs)
+        if rec is not None and rec not in dirs:
+            logger.warning(
+                "%s: 'latest' records step %s, which is not committed (deleted or damaged); "
+                "the highest committed step is %s",
+                self.checkpoint_dir,
+                rec,
+                newest,
+            )
+        latest = rec if rec in dirs else newest
         if wanted == "latest":
-            return latest
-        if int(wanted) in self.all_steps():
-            return int(wanted)
+            return latest, dirs[latest]
+        if int(wanted) in dirs:
+            return int(wanted), dirs[int(wanted)]
         logger.warning(
             "step %s is not a committed checkpoint in %s; resuming from the latest committed step %s",
             wanted,
             self.checkpoint_dir,
             latest,
         )
-        return latest
+        return latest, dirs[latest]
 
     def _load_train_state(self, d: str, step: int, dataloader: Any, extra_states: dict[str, Any]) -> None:
         rank, world = _dist.rank(self.group), _dist.world_size(self.group)
@@ -376,22 +463,26 @@ class CheckpointManager:
         stage_name = _dist.broadcast_object(stage_name, 0, self.group)
         stage = os.path.join(self._root, stage_name)
         err: BaseException | None = None
+        target = ""
         if self._remote is not None:
             try:
-                self._start_remote_save(step, stage, rank)
+                target = self._start_remote_save(step, stage, rank)
             except BaseException as e:
                 err = e
         elif rank == 0:
             try:
                 os.makedirs(self.checkpoint_dir, exist_ok=True)
                 self._lock.enter_context(directory_lock(self.checkpoint_dir))
-                _clean_work_dirs(self.checkpoint_dir)
+                clean_work_dirs(self.checkpoint_dir)
+                self._lock.callback(os.close, make_work_dir(stage))
                 os.makedirs(os.path.join(stage, TRAIN_STATE_DIR))
             except BaseException as e:
                 err = e
         try:
             _dist.agree(err, f"starting the save of step {step} in {self.checkpoint_dir}", self.group)
             payload = self._capture(step, stage, model, optimizer, lr_scheduler, dataloader, extra_states)
+            if self._remote is not None:
+                payload.target = _dist.broadcast_object(target, 0, self.group)
         except BaseException:
             self._release()
             raise
@@ -405,16 +496,18 @@ class CheckpointManager:
         thread.start()
         return True
 
-    def _start_remote_save(self, step: int, stage: str, rank: int) -> None:
-        """Every rank: its local staging directory; rank 0 clears ``step-<step>`` and dead uploads."""
+    def _start_remote_save(self, step: int, stage: str, rank: int) -> str:
+        """Every rank: its local staging directory; rank 0 tidies the store and returns the upload prefix."""
         os.makedirs(self._root, exist_ok=True)
-        _clean_work_dirs(self._root)
+        clean_work_dirs(self._root)
+        self._lock.callback(os.close, make_work_dir(stage))
         # Every rank writes into its own local copy of the stage, so every rank creates the
         # directories the writers expect (on a shared directory rank 0 alone creates them).
         for sub in (TRAIN_STATE_DIR, "model", "optimizer", HF_DIR):
             os.makedirs(os.path.join(stage, sub))
         if rank == 0 and self._remote is not None:
-            self._remote.prepare(step)
+            return self._remote.prepare(step)
+        return ""
 
     def wait(self) -> None:
         """Collective for async saves: block until the save in flight is committed; raise its error."""
@@ -538,10 +631,9 @@ class CheckpointManager:
                     err = e
             _dist.agree(err, f"committing step {p.step} in {self.checkpoint_dir}", group)
         finally:
-            if rank == 0:
-                self._release()
             if self._remote is not None:  # uploaded or failed: the local copy is not needed
                 shutil.rmtree(p.stage, ignore_errors=True)
+            self._release()  # the save lock (rank 0) and this rank's claim on its staging directory
         _dist.barrier(group)
 
     def _upload(self, p: _Payload, group: Any, uploaded: set[str]) -> None:
@@ -549,7 +641,7 @@ class CheckpointManager:
         err: BaseException | None = None
         try:
             if self._remote is not None:
-                self._remote.upload_step(p.stage, p.step, uploaded)
+                self._remote.upload_step(p.stage, p.target, uploaded)
         except BaseException as e:
             err = e
         _dist.agree(err, f"uploading step {p.step} to {self.checkpoint_dir}", group)
@@ -565,7 +657,7 @@ class CheckpointManager:
             "world_size": int(p.train_state["world_size"]),
             "plugin": self.io.plugin_name,
         }
-        remote.put_bytes(f"step-{p.step}/{COMMIT_NAME}", json.dumps(commit).encode())
+        remote.commit(p.step, p.target, json.dumps(commit).encode())  # COMMIT last, then promoted
         remote.put_bytes(LATEST_NAME, json.dumps({"step": p.step}).encode())
         logger.info("committed %s", self.step_dir(p.step))
         if self.keep_last is not None:
@@ -588,7 +680,7 @@ class CheckpointManager:
         if _dist.rank(group) == 0:
             try:
                 if self._remote is not None:  # the other ranks' model files are in the store only
-                    self._remote.fetch_missing(p.step, "model", p.stage, uploaded)
+                    self._remote.fetch_missing(p.target, "model", p.stage, uploaded)
                 full, aliases = _read_full(os.path.join(p.stage, "model"))
             except BaseException as e:
                 err = e
@@ -610,23 +702,18 @@ class CheckpointManager:
         atomic_write_bytes(os.path.join(p.stage, COMMIT_NAME), json.dumps(commit).encode())
         fsync_dir(p.stage)
         final = self.step_dir(p.step)
-        old = None
-        if os.path.exists(final):  # the same step saved again (a resumed run): replace it
-            old = os.path.join(self.checkpoint_dir, f".step-{p.step}.old-{uuid.uuid4().hex[:12]}")
-            os.rename(final, old)
-        os.rename(p.stage, final)
-        fsync_dir(self.checkpoint_dir)
+        replaced = install_step(self.checkpoint_dir, p.stage, final, p.step)
         atomic_write_bytes(
             os.path.join(self.checkpoint_dir, LATEST_NAME), json.dumps({"step": p.step}).encode()
         )
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        if replaced is not None:  # the new step-<N> is committed: the replaced copy may go
+            discard(replaced)
         logger.info("committed %s", final)
         if self.keep_last is not None:
-            steps = [s for s in _committed_steps(self.checkpoint_dir) if s != p.step]
+            steps = [s for s in committed_steps(self.checkpoint_dir) if s != p.step]
             doomed = steps[: max(0, len(steps) - (self.keep_last - 1))]
             for s in doomed:
-                _remove_step(self.checkpoint_dir, s)
+                remove_step(self.checkpoint_dir, s)
 
 
 # ---------------------------------------------------------------------- tensor plans
@@ -749,171 +836,4 @@ def _local_dir(path: str | os.PathLike[str]) -> str:
     return os.path.abspath(s)
 
 
-def _committed_steps(directory: str) -> list[int]:
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return []
-    steps = []
-    for n in names:
-        m = _STEP_RE.match(n)
-        if m and os.path.isfile(os.path.join(directory, n, COMMIT_NAME)):
-            steps.append(int(m.group(1)))
-    return sorted(steps)
-
-
-def _read_latest(directory: str) -> int | None:
-    try:
-        with open(os.path.join(directory, LATEST_NAME), "rb") as f:
-            obj = json.loads(f.read())
-        return int(obj["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _clean_work_dirs(directory: str) -> None:
-    """Rank 0, under the lock: remove staging/old/deleting directories left by killed saves."""
-    for n in os.listdir(directory):
-        if _WORK_RE.match(n):
-            logger.info("removing %s left by an interrupted save", os.path.join(directory, n))
-            shutil.rmtree(os.path.join(directory, n), ignore_errors=True)
-
-
-def _remove_step(directory: str, step: int) -> None:
-    """Rank 0: un-commit a step by renaming it (atomic), then delete it."""
-    src = os.path.join(directory, f"step-{step}")
-    dst = os.path.join(directory, f".step-{step}.deleting-{uuid.uuid4().hex[:12]}")
-    try:
-        os.rename(src, dst)
-    except FileNotFoundError:
-        return
-    shutil.rmtree(dst, ignore_errors=True)
-    logger.info("removed %s (keep_last)", src)
-
-
-# ---------------------------------------------------------------------- fsspec storage
-class _RemoteStore:
-    """``step-<N>/`` prefixes under an fsspec URL; a step is committed iff its ``COMMIT`` object exists.
-
-    Never renames or moves anything (object stores cannot rename a prefix atomically): a step
-    is uploaded file by file in place, ``COMMIT`` last, and deleted ``COMMIT`` first.
-    """
-
-    def __init__(self, url: str, storage_options: dict[str, Any] | None) -> None:
-        try:
-            from fsspec.core import url_to_fs
-
-            fs, root = url_to_fs(url, **(storage_options or {}))
-        except (ImportError, ValueError) as e:
-            raise UnsupportedError(
-                f"checkpoint_dir {url!r}: fsspec cannot open it ({e}); install the filesystem's package "
-                "(s3fs for s3://, gcsfs for gs://) or pass a local directory"
-            ) from e
-        self.url = url.rstrip("/")
-        self.fs: Any = fs
-        self.root: str = str(root).rstrip("/")
-
-    def path(self, rel: str) -> str:
-        return posixpath.join(self.root, rel) if self.root else rel
-
-    def _step_names(self) -> dict[int, str]:
-        """Every ``step-<N>`` prefix, committed or not: {N: path}."""
-        self.fs.invalidate_cache()  # listings may be cached (s3fs, gcsfs); we need the current state
-        try:
-            names = self.fs.ls(self.root, detail=False)
-        except FileNotFoundError:
-            return {}
-        out = {}
-        for n in names:
-            m = _STEP_RE.match(posixpath.basename(str(n).rstrip("/")))
-            if m:
-                out[int(m.group(1))] = self.path(f"step-{m.group(1)}")
-        return out
-
-    def _committed(self, path: str) -> bool:
-        return bool(self.fs.exists(posixpath.join(path, COMMIT_NAME)))
-
-    def committed_steps(self) -> list[int]:
-        return sorted(s for s, p in self._step_names().items() if self._committed(p))
-
-    def read_latest(self) -> int | None:
-        try:
-            obj = json.loads(self.fs.cat_file(self.path(LATEST_NAME)))
-            return int(obj["step"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-
-    def put_bytes(self, rel: str, data: bytes) -> None:
-        path = self.path(rel)
-        self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
-        self.fs.pipe_file(path, data)
-
-    def remove_step(self, step: int) -> None:
-        """Un-commit (delete ``COMMIT``), then delete the rest: a half-deleted step is never committed."""
-        path = self.path(f"step-{step}")
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm_file(posixpath.join(path, COMMIT_NAME))
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm(path, recursive=True)
-        logger.info("removed %s", f"{self.url}/step-{step}")
-
-    def prepare(self, step: int) -> None:
-        """Rank 0, before uploading ``step``: delete it if present, and every uncommitted step."""
-        for s, path in self._step_names().items():
-            if s == step or not self._committed(path):
-                if s != step:
-                    logger.info("removing %s/step-%s left by an interrupted save", self.url, s)
-                self.remove_step(s)
-
-    def upload_step(self, stage: str, step: int, done: set[str]) -> None:
-        """Upload every file under the local ``stage`` not in ``done`` to ``step-<step>/`` (adds them)."""
-        made: set[str] = set()
-        for dirpath, _dirs, files in os.walk(stage):
-            for f in sorted(files):
-                local = os.path.join(dirpath, f)
-                rel = os.path.relpath(local, stage).replace(os.sep, "/")
-                if rel in done:
-                    continue
-                remote = self.path(f"step-{step}/{rel}")
-                parent = posixpath.dirname(remote)
-                if parent not in made:
-                    self.fs.makedirs(parent, exist_ok=True)
-                    made.add(parent)
-                self.fs.put_file(local, remote)
-                done.add(rel)
-
-    def _download(self, step: int, dest: str, keep: Callable[[str], bool]) -> list[str]:
-        base = self.path(f"step-{step}")
-        got = []
-        for remote in sorted(self.fs.find(base)):
-            rel = posixpath.relpath(str(remote), base)
-            if rel.startswith("..") or not keep(rel):
-                continue
-            local = os.path.join(dest, *rel.split("/"))
-            os.makedirs(os.path.dirname(local), exist_ok=True)
-            self.fs.get_file(remote, local)
-            got.append(rel)
-        return got
-
-    def download_step(self, step: int, dest: str, rank: int) -> None:
-        """Fetch what ``load`` reads on ``rank``: all but ``hf/`` and other ranks' train states."""
-        own = {f"rank-{rank:05d}", "rank-00000"}
-
-        def keep(rel: str) -> bool:
-            if rel.startswith(HF_DIR + "/"):
-                return False
-            if rel.startswith(TRAIN_STATE_DIR + "/"):
-                return posixpath.basename(rel).split(".")[0] in own
-            return True
-
-        got = self._download(step, dest, keep)
-        if COMMIT_NAME not in got:  # deleted by retention or a replacing save since it was listed
-            raise IncompleteCheckpointError(f"{self.url}/step-{step} is no longer committed")
-
-    def fetch_missing(self, step: int, sub: str, stage: str, done: set[str]) -> None:
-        """Download the files of ``step-<step>/<sub>/`` absent from the local ``stage``."""
-        have = set(done)
-        for dirpath, _dirs, files in os.walk(stage):
-            for f in files:
-                have.add(os.path.relpath(os.path.join(dirpath, f), stage).replace(os.sep, "/"))
-        done.update(self._download(step, stage, lambda rel: rel.startswith(sub + "/") and rel not in have))
+_RemoteStore = RemoteStore  # (its former name here)

@@ -21,7 +21,7 @@ from _reliability import TINY_SHARD_MB, Tiny, data_files, run_child, same_state,
 import unickpt.io.save as save_mod
 from unickpt import GeneralCheckpointIO
 from unickpt.errors import CheckpointBusyError, IncompleteCheckpointError
-from unickpt.format.commit import LOCK_NAME
+from unickpt.format.commit import LOCK_NAME, directory_lock
 from unickpt.format.reader import open_checkpoint
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
@@ -155,10 +155,27 @@ def test_data_files_without_index_are_refused(tmp_path: Path) -> None:
 def test_lock_of_a_live_process_refuses_a_second_save(tmp_path: Path) -> None:
     ck = tmp_path / "ck"
     save_sharded(ck, OLD_SEED)
-    (ck / LOCK_NAME).write_text(f"{os.getppid()}\n")  # a live process (pytest's parent) holds it
-    with pytest.raises(CheckpointBusyError):
-        save_sharded(ck, NEW_SEED)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a live process holds the lock
+        with directory_lock(str(ck)):
+            os.write(w, b"x")
+            os.read(r, 1)
+        os._exit(0)
+    try:
+        assert os.read(r, 1) == b"x"
+        with pytest.raises(CheckpointBusyError, match=f"held by pid {pid}"):
+            save_sharded(ck, NEW_SEED)
+    finally:
+        os.write(w, b"x")
+        os.waitpid(pid, 0)
+        os.close(r)
+        os.close(w)
     _assert_committed_as(ck, OLD_SEED)
+    # A lock file left with a live pid in it but not held (a killed holder's pid reused): not a lock.
+    (ck / LOCK_NAME).write_text(f"{os.getppid()}\n")
+    save_sharded(ck, NEW_SEED)
+    _assert_committed_as(ck, NEW_SEED)
 
 
 def test_save_module_has_no_test_hooks() -> None:

@@ -147,7 +147,9 @@ def test_crash_before_commit_upload_leaves_the_step_ignored(
     fs, root = fsspec.core.url_to_fs(url)
     fs.rm_file(f"{root}/step-1/COMMIT")
     assert fresh.all_steps() == [] and fresh.latest_step() is None
-    assert fresh.load(m2, o2) == 0
+    # 'latest' still records step 1: losing every committed step is reported, not a fresh start.
+    with pytest.raises(IncompleteCheckpointError, match="records a save of step 1, but no committed step"):
+        fresh.load(m2, o2)
     # The next save removes both leftovers.
     fresh.save(3, model, opt)
     assert {k.split("/")[0] for k in _objects(url)} == {"latest", "step-3"}
@@ -157,7 +159,7 @@ def test_step_deleted_after_listing_is_refused(url: str, monkeypatch: pytest.Mon
     model, opt, _, _ = _setup(0)
     mgr = CheckpointManager(url, save_steps=1)
     mgr.save(1, model, opt)
-    monkeypatch.setattr(CheckpointManager, "_pick_step", lambda self, wanted: 1)
+    monkeypatch.setattr(CheckpointManager, "_pick_step", lambda self, wanted: (1, mgr.step_dir(1)))
     fs, root = fsspec.core.url_to_fs(url)
     fs.rm(f"{root}/step-1", recursive=True)
     with pytest.raises(IncompleteCheckpointError, match="no longer committed"):
@@ -267,3 +269,77 @@ def test_two_ranks_each_upload_their_own_files(tmp_path: Path) -> None:
         str(p.relative_to(store / "ckpt-1")) for p in (store / "ckpt-1").rglob("*")
     }
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+
+
+class _Killed(BaseException):
+    """A simulated kill: raised at the k-th mutating store call, caught by nothing in unickpt."""
+
+
+@pytest.mark.parametrize("every", [pytest.param(1, marks=pytest.mark.slow), 6])
+def test_resave_killed_at_store_operations_never_loses_the_step(
+    url: str, monkeypatch: pytest.MonkeyPatch, every: int
+) -> None:
+    """Re-saving a committed step N, "killed" (the save stops) at each object write, copy or delete:
+    afterwards step N loads bit-exactly as the old or the new save, and the next save with retention
+    keeps it and leaves nothing else behind."""
+    from test_manager_crash import EXPECTED, _state, _trained
+
+    ops = ("pipe_file", "put_file", "rm_file", "cp_file")
+    n = {"count": 0, "kill_at": 0}
+
+    def counting(name: str) -> Any:
+        orig = getattr(MemoryFileSystem, name)
+
+        def f(self: Any, *a: Any, **k: Any) -> Any:
+            n["count"] += 1
+            if n["count"] == n["kill_at"]:
+                raise _Killed(f"{name} {a[0]}")
+            return orig(self, *a, **k)
+
+        return f
+
+    for name in ops:
+        monkeypatch.setattr(MemoryFileSystem, name, counting(name))
+
+    def resave(u: str, kill_at: int) -> int:
+        m, o = _trained(2)
+        n["count"], n["kill_at"] = 0, kill_at
+        try:
+            CheckpointManager(u, save_steps=1).save(4, m, o)
+        except _Killed:
+            return n["count"]
+        finally:
+            n["kill_at"] = 0
+        return 0
+
+    def base(u: str) -> None:
+        for step in (2, 4):
+            m, o = _trained(1)
+            CheckpointManager(u, save_steps=1).save(step, m, o)
+
+    def loaded(u: str, step: Any = "latest") -> tuple[int, int | None]:
+        m, o = _trained(99)
+        got = CheckpointManager(u, save_steps=1).load(m, o, resume_from_checkpoint=step)
+        st = _state(m, o)
+        return got, next((s for s, e in EXPECTED.items() if e == st), None)
+
+    base(url + "-probe")
+    assert resave(url + "-probe", 0) == 0
+    total = n["count"]
+    objs = _objects(url + "-probe")
+    assert not [k for k in objs if "replacing" in k] and loaded(url + "-probe") == (4, 2)
+    seen: dict[int, int] = {}
+    for k in sorted({*range(1, total + 1, every), total}):
+        u = f"{url}-k{k}"
+        base(u)
+        assert resave(u, k) == k
+        step, seed = loaded(u)
+        assert step == 4 and seed in (1, 2), (k, step, seed, sorted(_objects(u)))
+        seen[seed] = seen.get(seed, 0) + 1
+        m, o = _trained(3)
+        CheckpointManager(u, save_steps=1, keep_last=2).save(5, m, o)
+        assert CheckpointManager(u, save_steps=1).all_steps() == [4, 5]
+        assert loaded(u, 4) == (4, seed)  # the copy that survived the kill, not lost by the next save
+        assert {key.split("/")[0] for key in _objects(u)} == {"latest", "step-4", "step-5"}, k
+    assert seen.get(1, 0) > 0 and seen.get(2, 0) > 0 and total >= 10, (seen, total)
+    print(f"remote re-save: {total} store operations, {sum(seen.values())} kills, outcomes {seen}")

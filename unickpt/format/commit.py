@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import sys
+import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
@@ -127,54 +128,106 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
 
 @contextlib.contextmanager
 def directory_lock(directory: str) -> Iterator[None]:
-    """Hold an exclusive lock file in ``directory`` for the duration of one save.
+    """Hold the exclusive save lock of ``directory`` for the duration of one save.
 
     Two saves into the same directory at once would interleave files; the second one is
-    refused with ``CheckpointBusyError``. A lock left by a killed process names its pid and
-    is taken over when that pid no longer runs on this host.
+    refused with ``CheckpointBusyError``. The lock is a kernel advisory lock (``flock``) on the
+    file ``.unickpt.lock``: it cannot be held twice (two processes, or two holders in one
+    process), and the kernel releases it when its holder dies, so a killed save never blocks
+    the next one and there is no "stale lock" to take over. The file is unlinked only by its
+    holder, under the lock; a process that locked a file which was unlinked meanwhile sees
+    that the path no longer names the inode it locked and tries again. The file holds the
+    holder's pid for diagnostics only.
     """
     path = os.path.join(directory, LOCK_NAME)
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            if _stale(path):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-                continue
-            raise CheckpointBusyError(
-                f"{directory} is being written by another save (lock file {path}); "
-                "wait for it to finish, or remove the lock file if no save is running"
-            ) from None
-        try:
-            os.write(fd, f"{os.getpid()}\n".encode())
-        finally:
-            os.close(fd)
-        break
-    else:  # pragma: no cover - lost a race twice
-        raise CheckpointBusyError(f"{directory}: could not take the save lock {path}")
+    fd, key = _acquire_flock(path, directory)
     try:
         yield
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        _release_flock(path, fd, key)
 
 
-def _stale(lock_path: str) -> bool:
+# (st_dev, st_ino) of every save lock this process holds: ``flock`` already refuses a second
+# open file description of the same file, this also covers filesystems that emulate ``flock``
+# with per-process POSIX locks (NFS), where a process would otherwise not conflict with itself.
+_HELD: set[tuple[int, int]] = set()
+_HELD_GUARD = threading.Lock()
+
+
+def _busy(directory: str, path: str, own: bool = False) -> CheckpointBusyError:
+    holder = f" (held by this process, pid {os.getpid()})" if own else ""
+    if not own:  # (never open a lock file this process holds: see _HELD)
+        with contextlib.suppress(OSError, ValueError, IndexError), open(path, "rb") as f:
+            holder = f" (held by pid {int(f.read(32).split()[0])})"
+    return CheckpointBusyError(
+        f"{directory} is being written by another save: its lock {path} is held{holder}; "
+        "wait for that save to finish (the lock is released when its process ends)"
+    )
+
+
+def _acquire_flock(path: str, directory: str) -> tuple[int, tuple[int, int]]:
+    import fcntl
+
+    with _HELD_GUARD:  # never open (then close) a second descriptor of a lock this process holds
+        while True:
+            with contextlib.suppress(FileNotFoundError):
+                st = os.stat(path)
+                if (st.st_dev, st.st_ino) in _HELD:
+                    raise _busy(directory, path, own=True)
+            fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o644)
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise _busy(directory, path) from None
+                st = os.fstat(fd)
+                key = (st.st_dev, st.st_ino)
+                try:
+                    now = os.stat(path)
+                except FileNotFoundError:
+                    now = None
+                if now is None or (now.st_dev, now.st_ino) != key:
+                    # Its holder unlinked this inode when releasing it: lock the file there now.
+                    os.close(fd)
+                    continue
+                with contextlib.suppress(OSError):  # the pid is for diagnostics only
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                _HELD.add(key)
+                return fd, key
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+                raise
+
+
+def _release_flock(path: str, fd: int, key: tuple[int, int]) -> None:
+    """Unlink the lock file if it still is the one we locked (only the holder unlinks), then unlock."""
+    with _HELD_GUARD:
+        try:
+            with contextlib.suppress(OSError):
+                now = os.stat(path)
+                if (now.st_dev, now.st_ino) == key:
+                    os.unlink(path)
+        finally:
+            _HELD.discard(key)
+            os.close(fd)
+
+
+def _take_unheld_lock(path: str, *, remove: bool) -> bool:
+    """True when nobody holds the lock file at ``path`` (a dead save's leftover); with ``remove``,
+    unlink it while holding it, as only a holder may."""
     try:
-        with open(lock_path) as f:
-            pid = int(f.read().strip() or "0")
-    except (OSError, ValueError):
+        fd, key = _acquire_flock(path, os.path.dirname(path))
+    except CheckpointBusyError:
         return False
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+    if remove:
+        _release_flock(path, fd, key)
+    else:
+        with _HELD_GUARD:
+            _HELD.discard(key)
+            os.close(fd)
+    return True
 
 
 _SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, do not wait
@@ -426,7 +479,7 @@ def only_leftovers(directory: str) -> bool:
         parsed = parse_temp_name(entry)
         if parsed is not None and (parsed[1] is None or not _pid_alive(parsed[1])):
             continue
-        if entry == LOCK_NAME and _stale(os.path.join(directory, entry)):
+        if entry == LOCK_NAME and _take_unheld_lock(os.path.join(directory, entry), remove=False):
             continue
         return False
     return True
@@ -446,7 +499,10 @@ def publish_directory(staged_dir: str, final: str, *, fsync: bool = True) -> Non
             raise FileExistsError(errno.ENOTEMPTY, "output directory is not empty", final)
         for entry in os.listdir(final):
             p = os.path.join(final, entry)
-            if os.path.isdir(p) and not os.path.islink(p):
+            if entry == LOCK_NAME:
+                if not _take_unheld_lock(p, remove=True):
+                    raise _busy(final, p)
+            elif os.path.isdir(p) and not os.path.islink(p):
                 shutil.rmtree(p, ignore_errors=True)
             else:
                 _unlink(p)
