@@ -60,6 +60,7 @@ from typing import Any
 import torch
 
 from unickpt import _rng
+from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
 from unickpt.errors import (
     IncompleteCheckpointError,
@@ -292,9 +293,10 @@ class CheckpointManager:
 
     def _load_train_state(self, d: str, step: int, dataloader: Any, extra_states: dict[str, Any]) -> None:
         rank, world = _dist.rank(self.group), _dist.world_size(self.group)
-        js, tensors = _read_rank_state(d, rank)
         err: BaseException | None = None
         try:
+            maybe_fail("manager.load.train_state")
+            js, tensors = _read_rank_state(d, rank)
             if js is None:
                 saved_world = _read_commit(d).get("world_size", "?")
                 logger.warning(
@@ -383,6 +385,7 @@ class CheckpointManager:
                 err = e
         elif rank == 0:
             try:
+                maybe_fail("manager.start")
                 os.makedirs(self.checkpoint_dir, exist_ok=True)
                 self._lock.enter_context(directory_lock(self.checkpoint_dir))
                 _clean_work_dirs(self.checkpoint_dir)
@@ -455,6 +458,7 @@ class CheckpointManager:
         state_tensors: dict[str, torch.Tensor] = {}
         hf_config: dict[str, str] = {}
         try:
+            maybe_fail("manager.capture")
             model_plan = self.io.plan_model(model)
             if copy:
                 model_plan = model_plan.snapshot(self._staging.setdefault("model", {}))
@@ -510,6 +514,7 @@ class CheckpointManager:
                 )
             err: BaseException | None = None
             try:
+                maybe_fail("manager.train_state")
                 if rank == 0 and p.scheduler is not None:
                     atomic_write_bytes(os.path.join(p.stage, "lr_scheduler.json"), p.scheduler)
                 if rank == 0:
@@ -530,6 +535,7 @@ class CheckpointManager:
             err = None
             if rank == 0:
                 try:
+                    maybe_fail("manager.commit")
                     if self._remote is None:
                         self._commit(p)
                     else:

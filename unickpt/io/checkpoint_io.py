@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
+from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
-from unickpt.errors import IndexFileError, StateMismatchError, UnsupportedError
+from unickpt.errors import DistributedError, IndexFileError, StateMismatchError, UnsupportedError
 from unickpt.format.commit import atomic_write_bytes
 from unickpt.format.index import LayoutInfo
 from unickpt.format.reader import CheckpointReader, open_checkpoint
@@ -28,6 +29,8 @@ from unickpt.io import _dist
 from unickpt.io.jsonstate import from_json_value, to_json_value
 from unickpt.io.load import LoadReport, load_tensors
 from unickpt.io.names import apply_prefix, normalize_name, unwrap_model
+from unickpt.io.param_groups import validate_param_groups
+from unickpt.io.replicas import REPLICA_MODES, check_replicas
 from unickpt.io.save import SaveOptions, save_tensors
 from unickpt.io.tensors import LocalSlice, local_boxes
 from unickpt.wrappers import unwrap_optimizer
@@ -127,6 +130,12 @@ class CheckpointIO:
             CPU copy of the share (default off: blocks are read in place, one at a time; every
             mismatch and, with ``verify=True``, every hash failure is still found before anything
             is copied).
+        check_replicas: what a save does when ranks holding the same block of a tensor (DDP
+            replicas, replicated DTensor placements) hold different bytes, of which only one copy
+            would be written: ``"warn"`` (default: a ``ReplicaMismatchWarning`` naming the tensors
+            and ranks), ``"raise"`` (a ``DistributedError`` on every rank, nothing written) or
+            ``"off"`` (no check: saves skip one xxh3 pass over the replicated tensors and one
+            all-gather of their digests). Also settable as an attribute.
     """
 
     plugin_name = "general"
@@ -140,7 +149,11 @@ class CheckpointIO:
         fingerprints: bool = True,
         fsync: bool = True,
         atomic_load: bool = False,
+        check_replicas: str = "warn",
     ) -> None:
+        if check_replicas not in REPLICA_MODES:
+            raise ValueError(f"check_replicas must be one of {REPLICA_MODES}, got {check_replicas!r}")
+        self.check_replicas = check_replicas
         self.mesh = mesh
         self.group = group
         self.hashes = hashes
@@ -206,9 +219,16 @@ class CheckpointIO:
     def set_optimizer_tensors(
         self, model: torch.nn.Module, optim: torch.optim.Optimizer, osd: dict[str, Any]
     ) -> None:
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        set_optimizer_state_dict(self.unwrap_model(model), optim, osd)  # type: ignore[arg-type]
+        # strict=False: parameters that never stepped have no saved state and get none (torch's
+        # strict mode refuses them with "Missing optimizer state for parameter").
+        set_optimizer_state_dict(
+            self.unwrap_model(model),
+            optim,
+            osd,  # type: ignore[arg-type]
+            options=StateDictOptions(strict=False),
+        )
 
     def state_parameters(self, model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
         """``(fqn, tensor)`` for every parameter, where ``tensor`` is the key of its ``optimizer.state``.
@@ -241,7 +261,9 @@ class CheckpointIO:
         path = self.write(
             payload, checkpoint, shard=shard, gather_dtensor=gather_dtensor, size_per_shard=size_per_shard
         )
-        self._save_hf_config(model, path)
+        _dist.agreed(
+            lambda: self._save_hf_config(model, path), f"writing the model config beside {path}", self.group
+        )
         return path
 
     def load_model(
@@ -263,9 +285,12 @@ class CheckpointIO:
         """
         reader = self._open(checkpoint, "model")
         try:
+            targets = _dist.agreed(
+                lambda: self.model_tensors(model), "listing the model's tensors to load", self.group
+            )
             return load_tensors(
                 reader,
-                self.model_tensors(model),
+                targets,
                 self.local_boxes,
                 strict=strict,
                 verify=verify,
@@ -301,6 +326,10 @@ class CheckpointIO:
     # ------------------------------------------------------------------ plan + write
     def plan_model(self, model: torch.nn.Module, prefix: str | None = None) -> SavePayload:
         """What this rank saves of ``model``: tied tensors once (the others become aliases)."""
+        return _dist.agreed(lambda: self._plan_model(model, prefix), "planning the model save", self.group)
+
+    def _plan_model(self, model: torch.nn.Module, prefix: str | None) -> SavePayload:
+        maybe_fail("model.plan")
         p = apply_prefix(prefix)
         stored: dict[str, torch.Tensor] = {}
         aliases: dict[str, str] = {}
@@ -315,17 +344,49 @@ class CheckpointIO:
         return SavePayload("model", stored, self._boxes(stored), aliases=aliases)
 
     def plan_optimizer(self, optimizer: Any, prefix: str | None = None) -> SavePayload:
-        """Collective: what this rank saves of ``optimizer`` (param groups merged over ranks)."""
-        optim, model = self._optim_and_model(optimizer)
-        p = apply_prefix(prefix)
+        """Collective: what this rank saves of ``optimizer`` (param groups merged over ranks).
+
+        Each local phase is agreed before the next collective: an optimizer that fails on one
+        rank (another class, a value JSON cannot hold) raises on every rank, none waits.
+        """
+        optim, model = _dist.agreed(
+            lambda: self._optim_and_model(optimizer), "checking the optimizer to save", self.group
+        )
+        _same_optimizer_class(optim, self.group)
         had_state = {id(param) for param, st in optim.state.items() if st}
-        osd = self.optimizer_tensors(model, optim)
+        osd = _dist.agreed(
+            lambda: self.optimizer_tensors(model, optim), "collecting the optimizer's state", self.group
+        )
+        payload = _dist.agreed(
+            lambda: self._plan_optimizer(optim, model, osd, had_state, prefix),
+            "planning the optimizer save",
+            self.group,
+        )
+        # Pipeline stages each know part of every group: merge the ranks' views.
+        all_groups = _dist.all_gather_object(payload.block_extras["param_groups"], self.group)
+        all_scalars = _dist.all_gather_object(payload.block_extras["param_state"], self.group)
+        merged_scalars: dict[str, dict[str, Any]] = {}
+        for ps in all_scalars:
+            merged_scalars.update(ps)
+        payload.block_extras = {"param_groups": _merge_groups(all_groups), "param_state": merged_scalars}
+        return payload
+
+    def _plan_optimizer(
+        self,
+        optim: torch.optim.Optimizer,
+        model: torch.nn.Module,
+        osd: dict[str, Any],
+        had_state: set[int],
+        prefix: str | None,
+    ) -> SavePayload:
+        p = apply_prefix(prefix)
         # torch fills in state for parameters that never stepped (a zero-gradient step);
         # that state is not the user's and is neither saved nor left behind.
         for fqn, param in self.state_parameters(model):
             if id(param) not in had_state:
                 optim.state.pop(param, None)
                 osd["state"].pop(fqn, None)
+        maybe_fail("optimizer.plan")
         tensors: dict[str, torch.Tensor] = {}
         extras: dict[str, dict[str, Any]] = {}
         param_state: dict[str, dict[str, Any]] = {}
@@ -344,18 +405,13 @@ class CheckpointIO:
             }
             for i, g in enumerate(osd["param_groups"])
         ]
-        # Pipeline stages each know part of every group: merge the ranks' views.
-        all_groups = _dist.all_gather_object(groups, self.group)
-        all_scalars = _dist.all_gather_object(param_state, self.group)
-        merged_scalars: dict[str, dict[str, Any]] = {}
-        for ps in all_scalars:
-            merged_scalars.update(ps)
+        boxes = self._boxes(tensors)
         return SavePayload(
             "optimizer",
             tensors,
-            self._boxes(tensors),
+            boxes,
             entry_extras=extras,
-            block_extras={"param_groups": _merge_groups(all_groups), "param_state": merged_scalars},
+            block_extras={"param_groups": groups, "param_state": param_state},
         )
 
     def write(
@@ -374,6 +430,12 @@ class CheckpointIO:
         meshes), so a snapshot is written sliced (``gather_dtensor=False``) only.
         """
         boxes = payload.boxes
+        check_replicas(
+            boxes,
+            self.check_replicas,
+            f"saving the {payload.kind} to {os.fspath(checkpoint)}",
+            self.group if group is None else group,
+        )
 
         def boxes_fn(name: str, tensor: torch.Tensor) -> list[LocalSlice]:
             del tensor
@@ -407,14 +469,83 @@ class CheckpointIO:
         group holding the same parameters. A parameter with no saved state (never stepped)
         gets none.
         """
-        optim, model = self._optim_and_model(optimizer)
+        optim, model = _dist.agreed(
+            lambda: self._optim_and_model(optimizer), "checking the optimizer to load", self.group
+        )
+        _same_optimizer_class(optim, self.group)
         p = apply_prefix(prefix)
+        where = os.fspath(checkpoint)
         reader = self._open(checkpoint, "optimizer")
         try:
             block = reader.block
-            saved_params = {e.param for e in block.tensors.values() if e.param is not None} | set(
-                block.param_state
-            )
+            # Every FQN some rank's optimizer holds (pipeline stages each hold a part).
+            mine = [p + f for f, _ in self.state_parameters(model)]
+            known = {f for fs in _dist.all_gather_object(mine, self.group) for f in fs}
+
+            def check_groups() -> None:
+                maybe_fail("optimizer.load.prepare")
+                validate_param_groups(
+                    block.param_groups or [],
+                    self._live_groups(model, optim),
+                    prefix=p,
+                    known=known,
+                    where=where,
+                )
+
+            # Before anything changes: a refused checkpoint leaves the optimizer as it was.
+            _dist.agreed(check_groups, f"checking the param_groups of {where}", self.group)
+            had_state = {id(param) for param, st in optim.state.items() if st}
+            done = False
+            saved_params: set[str] = set()
+            try:
+                report, template, saved_params = self._load_optimizer_state(
+                    reader, model, optim, p, verify, where
+                )
+
+                def apply() -> None:
+                    maybe_fail("optimizer.load.apply")
+                    _apply_groups(template["param_groups"], block.param_groups or [], p)
+                    self.set_optimizer_tensors(model, optim, template)
+
+                _dist.agreed(apply, f"applying the optimizer state of {where}", self.group)
+                done = True
+            finally:
+                # Building the template gave parameters without state fresh state (a zero-gradient
+                # step); parameters the checkpoint holds no state for get none, and a failed load
+                # leaves none invented behind.
+                for fqn, param in self.state_parameters(model):
+                    if (done and p + fqn not in saved_params) or (not done and id(param) not in had_state):
+                        optim.state.pop(param, None)
+            return report
+        finally:
+            reader.close()
+
+    def _live_groups(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> list[dict[str, Any]]:
+        """The optimizer's param groups with ``params`` as FQN lists, read without changing anything."""
+        fqns: dict[int, list[str]] = {}
+        for fqn, t in self.state_parameters(model):
+            fqns.setdefault(id(t), []).append(fqn)
+        return [
+            dict(g, params=[f for prm in g["params"] for f in fqns.get(id(prm), [])])
+            for g in optim.param_groups
+        ]
+
+    def _load_optimizer_state(
+        self,
+        reader: CheckpointReader,
+        model: torch.nn.Module,
+        optim: torch.optim.Optimizer,
+        p: str,
+        verify: bool,
+        where: str,
+    ) -> tuple[LoadReport, dict[str, Any], set[str]]:
+        """Collective: build the state template, then read the saved tensors into it."""
+        block = reader.block
+        saved_params = {e.param for e in block.tensors.values() if e.param is not None} | set(
+            block.param_state
+        )
+
+        def prepare() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
             self._loading_optimizer = True
             try:
                 template = self.optimizer_tensors(model, optim)
@@ -429,8 +560,10 @@ class CheckpointIO:
             ]
             if unfilled:
                 raise StateMismatchError(
-                    f"{os.fspath(checkpoint)}: the optimizer has no state slot for {len(unfilled)} parameter(s) "
-                    f"the checkpoint holds state for, e.g. {unfilled[:3]}; is it the same optimizer class?"
+                    f"{where}: the optimizer has no state slot for {len(unfilled)} parameter(s) "
+                    f"the checkpoint holds state for, e.g. {unfilled[:3]}; is it the same optimizer class, "
+                    "and are these parameters trainable (requires_grad) as when it was saved?",
+                    missing=unfilled,
                 )
             targets: dict[str, torch.Tensor] = {}
             for fqn, st in template["state"].items():
@@ -439,28 +572,22 @@ class CheckpointIO:
                         targets[optimizer_tensor_name(p + fqn, k)] = v
                     elif p + fqn in block.param_state and k in block.param_state[p + fqn]:
                         st[k] = from_json_value(block.param_state[p + fqn][k])
-            owned = {p + f for f in template["state"]}
-            report = load_tensors(
-                reader,
-                targets,
-                self.local_boxes,
-                strict=True,
-                verify=verify,
-                what="optimizer",
-                group=self.group,
-                ignore_unexpected=lambda n: _param_of(reader, n) not in owned,
-                atomic=self.atomic_load,
-            )
-            _apply_groups(template["param_groups"], block.param_groups or [], p)
-            self.set_optimizer_tensors(model, optim, template)
-            # Building the template gave every parameter fresh state (torch initialises it with
-            # a zero-gradient step); parameters the checkpoint holds no state for get none.
-            for fqn, param in self.state_parameters(model):
-                if p + fqn not in saved_params:
-                    optim.state.pop(param, None)
-            return report
-        finally:
-            reader.close()
+            return template, targets
+
+        template, targets = _dist.agreed(prepare, f"preparing the optimizer to load {where}", self.group)
+        owned = {p + f for f in template["state"]}
+        report = load_tensors(
+            reader,
+            targets,
+            self.local_boxes,
+            strict=True,
+            verify=verify,
+            what="optimizer",
+            group=self.group,
+            ignore_unexpected=lambda n: _param_of(reader, n) not in owned,
+            atomic=self.atomic_load,
+        )
+        return report, template, saved_params
 
     # ------------------------------------------------------------------ lr scheduler
     def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> str:
@@ -471,6 +598,7 @@ class CheckpointIO:
         err: BaseException | None = None
         if _dist.rank(self.group) == 0:
             try:
+                maybe_fail("scheduler.save")
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
                 atomic_write_bytes(path, lr_scheduler_json(lr_scheduler.state_dict()))
             except BaseException as e:
@@ -479,10 +607,14 @@ class CheckpointIO:
         return path
 
     def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> None:
-        """Collective: every rank reads the scheduler JSON and loads it."""
+        """Collective: every rank reads the scheduler JSON and loads it; an error on any rank raises on all."""
         path = os.fspath(checkpoint)
         if os.path.isdir(path):
             path = os.path.join(path, SCHEDULER_FILE)
+        _dist.agreed(lambda: self._load_lr_scheduler(lr_scheduler, path), f"loading {path}", self.group)
+
+    def _load_lr_scheduler(self, lr_scheduler: Any, path: str) -> None:
+        maybe_fail("scheduler.load")
         try:
             with open(path, "rb") as f:
                 obj = json.loads(f.read().decode("utf-8"))
@@ -524,10 +656,16 @@ class CheckpointIO:
         reader: CheckpointReader | None = None
         err: BaseException | None = None
         try:
+            maybe_fail("open")
             reader = open_checkpoint(checkpoint, kind)
-        except (OSError, ValueError) as e:
+        except BaseException as e:
             err = e
-        _dist.agree(err, f"opening {os.fspath(checkpoint)}", self.group)
+        try:
+            _dist.agree(err, f"opening {os.fspath(checkpoint)}", self.group)
+        except BaseException:
+            if reader is not None:
+                reader.close()
+            raise
         assert reader is not None
         return reader
 
@@ -544,26 +682,40 @@ class CheckpointIO:
         """Write config.json / generation_config.json beside the weights when the model has them."""
         if _dist.rank(self.group) != 0:
             return
+        maybe_fail("model.hf_config")
         directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
         for fname, text in hf_config_files(self.unwrap_model(model)).items():
             atomic_write_bytes(os.path.join(directory, fname), text.encode("utf-8"))
 
 
+def _same_optimizer_class(optim: torch.optim.Optimizer, group: Any) -> None:
+    """Collective: refuse, on every rank, optimizers of different classes on different ranks."""
+    names = _dist.all_gather_object(f"{type(optim).__module__}.{type(optim).__qualname__}", group)
+    if len(set(names)) > 1:
+        by_class: dict[str, list[int]] = {}
+        for r, n in enumerate(names):
+            by_class.setdefault(n, []).append(r)
+        desc = "; ".join(f"ranks {rs}: {n}" for n, rs in by_class.items())
+        raise DistributedError(f"the ranks hold optimizers of different classes ({desc})")
+
+
 def _init_state(optim: torch.optim.Optimizer) -> None:
-    """Give a fresh optimizer its state tensors, with a zero-gradient step at lr 0.
+    """Give every trainable parameter without state its state tensors: a zero-gradient step at lr 0.
 
     torch's own initialisation (inside ``get_optimizer_state_dict``) silently does nothing when
-    any parameter already has a gradient, and a load would then find no state to fill. The
-    user's gradients are put back afterwards; parameters do not move (lr is 0).
+    any parameter already has a gradient or any state exists, and a load would then find no
+    state to fill. Parameters that have state keep it untouched (their gradient is ``None``
+    during the step, so the optimizer skips them). The user's gradients are put back
+    afterwards; parameters do not move (lr is 0).
     """
-    if optim.state:
-        return
     params = [p for g in optim.param_groups for p in g["params"] if p.requires_grad]
+    if all(optim.state.get(p) for p in params):
+        return
     grads = [p.grad for p in params]
     lrs = [g.get("lr") for g in optim.param_groups]
     try:
         for p in params:
-            p.grad = torch.zeros_like(p)
+            p.grad = None if optim.state.get(p) else torch.zeros_like(p)
         for g in optim.param_groups:
             if "lr" in g:
                 g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
