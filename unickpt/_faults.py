@@ -9,7 +9,8 @@ every rank raises within seconds (no peer left waiting in a collective) and that
 checkpoint is damaged. ``rank`` may be ``*`` (every rank).
 
 ``STAGES`` lists every stage the library defines, so a test can prove it injected all of them
-(``hits`` counts how often each armed stage was reached).
+(``hits`` counts how often each armed stage was reached). :func:`tracing` records the stages an
+operation reaches on this rank without failing, so a test injects exactly those.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import contextlib
 import os
 from collections.abc import Iterable, Iterator
 
-__all__ = ["STAGES", "InjectedFault", "arm", "hits", "injected", "maybe_fail"]
+__all__ = ["STAGES", "InjectedFault", "arm", "hits", "injected", "maybe_fail", "tracing"]
 
 STAGES: tuple[str, ...] = (
     # io/save.py: save_tensors
@@ -82,6 +83,8 @@ def _parse(spec: str) -> frozenset[tuple[str, str]]:
 
 _armed: frozenset[tuple[str, str]] = _parse(os.environ.get("UNICKPT_FAULTS", ""))
 hits: collections.Counter[str] = collections.Counter()
+_TRACE = ("", "trace")  # armed marker of tracing(): never matches a stage
+_trace: list[str] = []
 
 
 def _rank() -> int:
@@ -98,6 +101,9 @@ def _rank() -> int:
 def maybe_fail(stage: str) -> None:
     """Raise ``InjectedFault`` if ``stage`` is armed for this rank; otherwise do nothing."""
     if not _armed:
+        return
+    if _TRACE in _armed:
+        _trace.append(stage)
         return
     r = _rank()
     if (stage, str(r)) in _armed or (stage, "*") in _armed:
@@ -123,4 +129,20 @@ def injected(stage: str, rank: int | str) -> Iterator[None]:
     try:
         yield
     finally:
+        _armed = old
+
+
+@contextlib.contextmanager
+def tracing() -> Iterator[list[str]]:
+    """Record, in order, every stage reached on this rank during the block (nothing fails)."""
+    global _armed
+    old = _armed
+    _trace.clear()
+    _armed = frozenset({_TRACE})
+    out: list[str] = []
+    try:
+        yield out
+    finally:
+        out.extend(_trace)
+        _trace.clear()
         _armed = old

@@ -457,9 +457,10 @@ class CheckpointManager:
         state: dict[str, Any] = {}
         state_tensors: dict[str, torch.Tensor] = {}
         hf_config: dict[str, str] = {}
+        # Collective, and agreed inside: not part of the local phase below.
+        model_plan = self.io.plan_model(model)
         try:
             maybe_fail("manager.capture")
-            model_plan = self.io.plan_model(model)
             if copy:
                 model_plan = model_plan.snapshot(self._staging.setdefault("model", {}))
             if lr_scheduler is not None:
