@@ -139,6 +139,8 @@ class CheckpointIO:
     """
 
     plugin_name = "general"
+    # Every rank holds every tensor whole (DDP): a tensor some ranks lack is a divergence.
+    replicated_everywhere = False
 
     def __init__(
         self,
@@ -435,6 +437,7 @@ class CheckpointIO:
             self.check_replicas,
             f"saving the {payload.kind} to {os.fspath(checkpoint)}",
             self.group if group is None else group,
+            everywhere=self.replicated_everywhere,
         )
 
         def boxes_fn(name: str, tensor: torch.Tensor) -> list[LocalSlice]:

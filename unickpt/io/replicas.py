@@ -4,7 +4,9 @@
   the data-parallel copies of HSDP/hybrid shards, ZeRO's replicated parameters) must hold the
   same bytes, since only one of them is written. Each rank digests its blocks (xxh3-64 of the
   bytes, about 10 GiB/s); the digests (16 hex digits per block, not the data) are all-gathered
-  and compared. Divergent replicas are reported naming each tensor and which ranks hold which
+  and compared. With ``everywhere=True`` (DDP: every rank holds every tensor) a block some
+  ranks lack counts as divergent too (a parameter frozen on one rank has no optimizer state
+  there). Divergent replicas are reported naming each tensor and which ranks hold which
   digest: a ``ReplicaMismatchWarning`` (``mode="warn"``, the default), a ``DistributedError``
   on every rank (``"raise"``), or not checked at all (``"off"``).
 * ``check_gathered_metas``: a gathered save writes each tensor from one rank's view; ranks
@@ -56,13 +58,15 @@ def _describe(key: BlockKey, by_digest: dict[str, list[int]]) -> str:
     name, offsets, shape = key
     where = "" if not any(offsets) else f" (block at offsets {list(offsets)}, shape {list(shape)})"
     groups = "; ".join(
-        f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: xxh3 {d}"
+        f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {d if d == 'missing' else 'xxh3 ' + d}"
         for d, rs in sorted(by_digest.items(), key=lambda kv: kv[1][0])
     )
     return f"tensor {name!r}{where}: {groups}"
 
 
-def check_replicas(boxes: dict[str, list[LocalSlice]], mode: str, what: str, group: Any = None) -> None:
+def check_replicas(
+    boxes: dict[str, list[LocalSlice]], mode: str, what: str, group: Any = None, *, everywhere: bool = False
+) -> None:
     """Collective: compare the digests of the blocks several ranks hold; act on divergence per ``mode``."""
     if mode not in REPLICA_MODES:
         raise ValueError(f"check_replicas must be one of {REPLICA_MODES}, got {mode!r}")
@@ -75,9 +79,15 @@ def check_replicas(boxes: dict[str, list[LocalSlice]], mode: str, what: str, gro
 
     mine = _dist.agreed(digest, f"digesting the replicated tensors of {what}", group)
     holders: dict[BlockKey, dict[str, list[int]]] = {}
-    for r, ds in enumerate(_dist.all_gather_object(mine, group)):
+    everyone = _dist.all_gather_object(mine, group)
+    for r, ds in enumerate(everyone):
         for key, d in ds.items():
             holders.setdefault(key, {}).setdefault(d, []).append(r)
+    if everywhere:
+        for key, by_digest in holders.items():
+            lacking = [r for r, ds in enumerate(everyone) if key not in ds]
+            if lacking:
+                by_digest["missing"] = lacking
     diverged = sorted((k, v) for k, v in holders.items() if len(v) > 1)
     if not diverged:
         return

@@ -163,8 +163,10 @@ class ZeroPartition:
         """
         if all(len(self.optim.state.get(b.shard, {})) for b in self.buckets):
             return
+        # Shards that have state keep it untouched: no gradient, so the optimizer skips them
+        # (a zero-gradient step would still advance their step count and decay their moments).
         for b in self.buckets:
-            b.shard.grad = torch.zeros_like(b.shard)
+            b.shard.grad = None if self.optim.state.get(b.shard) else torch.zeros_like(b.shard)
         lrs = [g["lr"] for g in self.optim.param_groups]
         for g in self.optim.param_groups:
             g["lr"] = 0.0 if not isinstance(g["lr"], torch.Tensor) else torch.zeros_like(g["lr"])
