@@ -184,6 +184,7 @@ LAYOUTS = ["ddp", "fsdp2", "tp", "zero2", "pp2"]
 
 def make_plugin(layout: str) -> Any:
     from unickpt.plugins import DDPPlugin, FSDP2Plugin, TPPlugin
+    from unickpt.plugins.hybrid import HybridParallelPlugin
     from unickpt.plugins.pp import PPPlugin
     from unickpt.plugins.zero import ZeroPlugin
 
@@ -193,6 +194,8 @@ def make_plugin(layout: str) -> Any:
         "tp": lambda: TPPlugin(tp_plan()),
         "zero2": lambda: ZeroPlugin(stage=2),
         "pp2": lambda: PPPlugin(2, SPLIT, num_microbatches=2),
+        "hyb_fsdp_dp2tp2": lambda: HybridParallelPlugin(tp_size=2, dp="fsdp2", tp_plan=tp_plan()),
+        "hyb_pp2tp2": lambda: HybridParallelPlugin(tp_size=2, pp_size=2, tp_plan=tp_plan(), split_points=SPLIT),
     }[layout]()
 
 
@@ -314,6 +317,21 @@ CASES: list[tuple[str, Callable[[Path], Any]]] = [
     *[(f"never_stepped_{lay}", lambda d, lay=lay: case_never_stepped(d, lay)) for lay in LAYOUTS],
     ("never_stepped_manager", case_never_stepped_manager),
 ]
+
+
+def never_stepped_cases(root: str, layouts: list[str]) -> dict[str, Any]:
+    """The never-stepped round trip for layouts that need another world size (hybrid on 4 ranks)."""
+    out: dict[str, Any] = {}
+    for lay in layouts:
+        d = Path(root) / f"never_stepped_{lay}"
+        if dist.get_rank() == 0:
+            d.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        try:
+            out[f"never_stepped_{lay}"] = case_never_stepped(d, lay)
+        except Exception:
+            out[f"never_stepped_{lay}"] = {"case_error": traceback.format_exc()[-4000:]}
+    return out
 
 
 def divergence_cases(root: str) -> dict[str, Any]:

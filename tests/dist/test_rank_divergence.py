@@ -116,11 +116,28 @@ def test_scheduler_failing_on_one_rank(obs: list[dict[str, Any]]) -> None:
 # ---------------------------------------------------------------- never-stepped parameters
 
 LAYOUTS = ["ddp", "fsdp2", "tp", "zero2", "pp2"]
+HYBRID = ["hyb_fsdp_dp2tp2", "hyb_pp2tp2"]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_never_stepped_parameters_round_trip_and_resume_exactly(obs: list[dict[str, Any]], layout: str) -> None:
-    for r, o in enumerate(case(obs, f"never_stepped_{layout}")):
+@pytest.fixture(scope="module")
+def obs4(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """The hybrid layouts (dp2 x tp2 with FSDP2, pp2 x tp2) on one 4-rank world."""
+    root = tmp_path_factory.mktemp("divergence4")
+    return run_world(
+        4,
+        "_rank_divergence_worker:never_stepped_cases",
+        str(root),
+        HYBRID,
+        timeout=540,
+        env={"UNICKPT_TEST_PG_TIMEOUT_S": str(PG_TIMEOUT_S)},
+    )
+
+
+@pytest.mark.parametrize("layout", LAYOUTS + HYBRID)
+def test_never_stepped_parameters_round_trip_and_resume_exactly(
+    obs: list[dict[str, Any]], obs4: list[dict[str, Any]], layout: str
+) -> None:
+    for r, o in enumerate(case(obs4 if layout in HYBRID else obs, f"never_stepped_{layout}")):
         never = {"blocks.0.ln.weight", "blocks.2.expert.weight", "blocks.2.expert.bias"}
         if layout != "zero2":
             # ZeRO keeps one flat state per bucket: every parameter in it has state
