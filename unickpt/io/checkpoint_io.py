@@ -21,7 +21,7 @@ import torch
 
 from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
-from unickpt.errors import DistributedError, IndexFileError, StateMismatchError, UnsupportedError
+from unickpt.errors import IndexFileError, UnsupportedError
 from unickpt.format.commit import atomic_write_bytes
 from unickpt.format.index import LayoutInfo
 from unickpt.format.reader import CheckpointReader, open_checkpoint
@@ -29,6 +29,15 @@ from unickpt.io import _dist
 from unickpt.io.jsonstate import from_json_value, to_json_value
 from unickpt.io.load import LoadReport, load_tensors
 from unickpt.io.names import apply_prefix, normalize_name, unwrap_model
+from unickpt.io.optim_state import (
+    apply_groups,
+    init_state,
+    merge_groups,
+    optimizer_tensor_name,
+    param_of,
+    same_optimizer_class,
+    state_targets,
+)
 from unickpt.io.param_groups import validate_param_groups
 from unickpt.io.replicas import REPLICA_MODES, check_replicas
 from unickpt.io.save import SaveOptions, save_tensors
@@ -109,11 +118,6 @@ def lr_scheduler_json(state: dict[str, Any]) -> bytes:
     return json.dumps(
         {"unickpt_lr_scheduler": 1, "state": to_json_value(state, "lr_scheduler")}, indent=2
     ).encode()
-
-
-def optimizer_tensor_name(fqn: str, state_key: str) -> str:
-    """Name of one optimizer state tensor in an optimizer checkpoint."""
-    return f"state.{fqn}.{state_key}"
 
 
 class CheckpointIO:
@@ -200,7 +204,7 @@ class CheckpointIO:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         if self._loading_optimizer:
-            _init_state(optim)
+            init_state(optim)
         elif not optim.state:
             fqn_of = {id(prm): fqn for fqn, prm in self.state_parameters(model)}
             groups = []
@@ -354,7 +358,7 @@ class CheckpointIO:
         optim, model = _dist.agreed(
             lambda: self._optim_and_model(optimizer), "checking the optimizer to save", self.group
         )
-        _same_optimizer_class(optim, self.group)
+        same_optimizer_class(optim, self.group)
         had_state = {id(param) for param, st in optim.state.items() if st}
         osd = _dist.agreed(
             lambda: self.optimizer_tensors(model, optim), "collecting the optimizer's state", self.group
@@ -370,7 +374,7 @@ class CheckpointIO:
         merged_scalars: dict[str, dict[str, Any]] = {}
         for ps in all_scalars:
             merged_scalars.update(ps)
-        payload.block_extras = {"param_groups": _merge_groups(all_groups), "param_state": merged_scalars}
+        payload.block_extras = {"param_groups": merge_groups(all_groups), "param_state": merged_scalars}
         return payload
 
     def _plan_optimizer(
@@ -475,7 +479,7 @@ class CheckpointIO:
         optim, model = _dist.agreed(
             lambda: self._optim_and_model(optimizer), "checking the optimizer to load", self.group
         )
-        _same_optimizer_class(optim, self.group)
+        same_optimizer_class(optim, self.group)
         p = apply_prefix(prefix)
         where = os.fspath(checkpoint)
         reader = self._open(checkpoint, "optimizer")
@@ -507,7 +511,7 @@ class CheckpointIO:
 
                 def apply() -> None:
                     maybe_fail("optimizer.load.apply")
-                    _apply_groups(template["param_groups"], block.param_groups or [], p)
+                    apply_groups(template["param_groups"], block.param_groups or [], p)
                     self.set_optimizer_tensors(model, optim, template)
 
                 _dist.agreed(apply, f"applying the optimizer state of {where}", self.group)
@@ -554,28 +558,8 @@ class CheckpointIO:
                 template = self.optimizer_tensors(model, optim)
             finally:
                 self._loading_optimizer = False
-            template["state"] = {f: st for f, st in template["state"].items() if p + f in saved_params}
-            with_tensors = {e.param for e in block.tensors.values() if e.param is not None}
-            unfilled = [
-                f
-                for f, _ in self.state_parameters(model)
-                if p + f in with_tensors and f not in template["state"]
-            ]
-            if unfilled:
-                raise StateMismatchError(
-                    f"{where}: the optimizer has no state slot for {len(unfilled)} parameter(s) "
-                    f"the checkpoint holds state for, e.g. {unfilled[:3]}; is it the same optimizer class, "
-                    "and are these parameters trainable (requires_grad) as when it was saved?",
-                    missing=unfilled,
-                )
-            targets: dict[str, torch.Tensor] = {}
-            for fqn, st in template["state"].items():
-                for k, v in st.items():
-                    if isinstance(v, torch.Tensor):
-                        targets[optimizer_tensor_name(p + fqn, k)] = v
-                    elif p + fqn in block.param_state and k in block.param_state[p + fqn]:
-                        st[k] = from_json_value(block.param_state[p + fqn][k])
-            return template, targets
+            fqns = [f for f, _ in self.state_parameters(model)]
+            return template, state_targets(template, block, p, saved_params, fqns, where)
 
         template, targets = _dist.agreed(prepare, f"preparing the optimizer to load {where}", self.group)
         owned = {p + f for f in template["state"]}
@@ -587,7 +571,7 @@ class CheckpointIO:
             verify=verify,
             what="optimizer",
             group=self.group,
-            ignore_unexpected=lambda n: _param_of(reader, n) not in owned,
+            ignore_unexpected=lambda n: param_of(reader, n) not in owned,
             atomic=self.atomic_load,
         )
         return report, template, saved_params
@@ -689,79 +673,3 @@ class CheckpointIO:
         directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
         for fname, text in hf_config_files(self.unwrap_model(model)).items():
             atomic_write_bytes(os.path.join(directory, fname), text.encode("utf-8"))
-
-
-def _same_optimizer_class(optim: torch.optim.Optimizer, group: Any) -> None:
-    """Collective: refuse, on every rank, optimizers of different classes on different ranks."""
-    names = _dist.all_gather_object(f"{type(optim).__module__}.{type(optim).__qualname__}", group)
-    if len(set(names)) > 1:
-        by_class: dict[str, list[int]] = {}
-        for r, n in enumerate(names):
-            by_class.setdefault(n, []).append(r)
-        desc = "; ".join(f"ranks {rs}: {n}" for n, rs in by_class.items())
-        raise DistributedError(f"the ranks hold optimizers of different classes ({desc})")
-
-
-def _init_state(optim: torch.optim.Optimizer) -> None:
-    """Give every trainable parameter without state its state tensors: a zero-gradient step at lr 0.
-
-    torch's own initialisation (inside ``get_optimizer_state_dict``) silently does nothing when
-    any parameter already has a gradient or any state exists, and a load would then find no
-    state to fill. Parameters that have state keep it untouched (their gradient is ``None``
-    during the step, so the optimizer skips them). The user's gradients are put back
-    afterwards; parameters do not move (lr is 0).
-    """
-    params = [p for g in optim.param_groups for p in g["params"] if p.requires_grad]
-    if all(optim.state.get(p) for p in params):
-        return
-    grads = [p.grad for p in params]
-    lrs = [g.get("lr") for g in optim.param_groups]
-    try:
-        for p in params:
-            p.grad = None if optim.state.get(p) else torch.zeros_like(p)
-        for g in optim.param_groups:
-            if "lr" in g:
-                g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
-        optim.step()
-    finally:
-        for g, lr in zip(optim.param_groups, lrs, strict=True):
-            if lr is not None:
-                g["lr"] = lr
-        for p, grad in zip(params, grads, strict=True):
-            p.grad = grad
-
-
-def _param_of(reader: CheckpointReader, name: str) -> str | None:
-    e = reader.tensors.get(name)
-    return e.param if e is not None else None
-
-
-def _merge_groups(all_groups: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    merged: list[dict[str, Any]] = []
-    for groups in all_groups:
-        for i, g in enumerate(groups):
-            if i >= len(merged):
-                merged.append(dict(g, params=list(g["params"])))
-                continue
-            have = set(merged[i]["params"])
-            merged[i]["params"].extend(f for f in g["params"] if f not in have)
-    return merged
-
-
-def _apply_groups(groups: list[dict[str, Any]], saved: list[dict[str, Any]], prefix: str) -> None:
-    """Copy each saved group's hyperparameters into the live group holding the same parameters."""
-    owner: dict[str, dict[str, Any]] = {}
-    for g in saved:
-        for f in g.get("params", []):
-            owner[f] = g
-    for g in groups:
-        src = next((owner[prefix + f] for f in g["params"] if prefix + f in owner), None)
-        if src is None:
-            continue
-        for k, v in src.items():
-            if k == "params":
-                continue
-            value = from_json_value(v)
-            if isinstance(g.get(k), tuple) and isinstance(value, list):
-                value = tuple(value)
-            g[k] = value
