@@ -177,6 +177,32 @@ def case_scheduler_fails_on_one_rank(d: Path) -> dict[str, Any]:
     return attempt(lambda: io.load_lr_scheduler(_Picky(opt, 3), path))
 
 
+def case_boost_inputs_differ(d: Path) -> dict[str, Any]:
+    """Booster.boost with an optimizer of another class, or a frozen parameter, on rank 1 only."""
+    del d
+    from unickpt.plugins import DDPPlugin, FSDP2Plugin
+
+    rank = dist.get_rank()
+    out = {}
+    for plugin_cls in (DDPPlugin, FSDP2Plugin):
+        model = Tiny()
+        cls = torch.optim.AdamW if rank == 0 else torch.optim.SGD
+        out[f"class/{plugin_cls.name}"] = attempt(
+            lambda model=model, cls=cls, plugin_cls=plugin_cls: Booster(plugin_cls()).boost(
+                model, cls(model.parameters(), lr=0.1)
+            )
+        )
+        frozen = Tiny()
+        if rank == 1:
+            frozen.up.bias.requires_grad_(False)
+        out[f"frozen/{plugin_cls.name}"] = attempt(
+            lambda frozen=frozen, plugin_cls=plugin_cls: Booster(plugin_cls()).boost(
+                frozen, torch.optim.AdamW(frozen.parameters(), lr=0.1)
+            )
+        )
+    return out
+
+
 # --------------------------------------------------------------------------- never-stepped parameters
 
 LAYOUTS = ["ddp", "fsdp2", "tp", "zero2", "pp2"]
@@ -314,6 +340,7 @@ CASES: list[tuple[str, Callable[[Path], Any]]] = [
     ("optimizer_class_differs", case_optimizer_class_differs),
     ("unsupported_group_value_on_one_rank", case_unsupported_group_value_on_one_rank),
     ("scheduler_fails_on_one_rank", case_scheduler_fails_on_one_rank),
+    ("boost_inputs_differ", case_boost_inputs_differ),
     *[(f"never_stepped_{lay}", lambda d, lay=lay: case_never_stepped(d, lay)) for lay in LAYOUTS],
     ("never_stepped_manager", case_never_stepped_manager),
 ]

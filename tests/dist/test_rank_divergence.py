@@ -113,6 +113,18 @@ def test_scheduler_failing_on_one_rank(obs: list[dict[str, Any]]) -> None:
     assert "[rank 1] KeyError: \"rank 1's scheduler refuses this state\"" in r0["message"]
 
 
+def test_boost_refuses_objects_that_differ_between_ranks(obs: list[dict[str, Any]]) -> None:
+    for o in case(obs, "boost_inputs_differ"):
+        for plugin in ("ddp", "fsdp2"):
+            c = o[f"class/{plugin}"]
+            raised_fast(c, "DistributedError")
+            assert "the ranks passed different models or optimizers" in c["message"]
+            assert "optimizer class: rank 0: 'torch.optim.adamw.AdamW'; rank 1: 'torch.optim.sgd.SGD'" in c["message"]
+            f = o[f"frozen/{plugin}"]
+            raised_fast(f, "DistributedError")
+            assert "parameters: rank 0: " in f["message"], f["message"]
+
+
 # ---------------------------------------------------------------- never-stepped parameters
 
 LAYOUTS = ["ddp", "fsdp2", "tp", "zero2", "pp2"]
