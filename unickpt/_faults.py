@@ -47,12 +47,21 @@ STAGES: tuple[str, ...] = (
     "manager.capture",  # state_dicts, RNG, dataloader, extra states
     "manager.train_state",  # this rank's training state file
     "manager.commit",  # rank 0: COMMIT, rename, latest (rank 0 only)
+    "manager.load.pick",  # rank 0: which step to resume (rank 0 only)
     "manager.load.train_state",  # this rank's RNG, dataloader and extra states
 )
 
 # Stages reached by rank 0 only: a test injects them there.
 RANK0_ONLY: frozenset[str] = frozenset(
-    {"save.prepare", "save.commit", "model.hf_config", "scheduler.save", "manager.start", "manager.commit"}
+    {
+        "save.prepare",
+        "save.commit",
+        "model.hf_config",
+        "scheduler.save",
+        "manager.start",
+        "manager.commit",
+        "manager.load.pick",
+    }
 )
 
 

@@ -232,9 +232,15 @@ class CheckpointManager:
             raise ValueError(
                 f"resume_from_checkpoint must be None, an int step or 'latest', got {resume_from_checkpoint!r}"
             )
-        step = 0
-        if _dist.rank(self.group) == 0:
-            step = self._pick_step(resume_from_checkpoint) or 0
+
+        def pick() -> int:
+            if _dist.rank(self.group) != 0:
+                return 0
+            maybe_fail("manager.load.pick")
+            return self._pick_step(resume_from_checkpoint) or 0
+
+        # Rank 0 reads the directory; a failure there reaches every rank (not a wait in broadcast).
+        step = _dist.agreed(pick, f"picking the step to resume in {self.checkpoint_dir}", self.group)
         step = int(_dist.broadcast_object(step, 0, self.group))
         if step == 0:
             return 0
