@@ -93,6 +93,8 @@ class Env:
             root / "manager", self.booster, save_steps=1, keep_last=None, save_hf=True
         )
         self.mgr.save(1, self.model, self.optim, self.sched)
+        # Async: the write runs on a background thread and group; its error comes from wait().
+        self.amgr = CheckpointManager(root / "async", self.booster, save_steps=1, keep_last=None, async_save=True)
         self.next_step = 2
         dist.barrier()
         self.digests = self._digests()
@@ -110,6 +112,14 @@ class Env:
             del t
             step, self.next_step = self.next_step, self.next_step + 1
             self.mgr.save(step, m, o, s, force=True)
+
+        def async_save(t: Path) -> None:
+            del t
+            step, self.next_step = self.next_step, self.next_step + 1
+            try:
+                self.amgr.save(step, m, o, s, force=True)
+            finally:
+                self.amgr.wait()
 
         return [
             (
@@ -138,6 +148,7 @@ class Env:
             ("save_lr_scheduler", "", lambda t: io.save_lr_scheduler(s, t)),
             ("load_lr_scheduler", "", lambda t: io.load_lr_scheduler(s, self.good["scheduler"])),
             ("manager_save", "", mgr_save),
+            ("manager_save_async", "", async_save),
             ("manager_load", "", lambda t: self.mgr.load(m, o, s, resume_from_checkpoint=1)),
         ]
 

@@ -2,7 +2,7 @@
 
 One 2-rank gloo world (20 s collective timeout) runs ``_fault_stages_worker.stage_cases``:
 DDP and FSDP2, model/optimizer/scheduler save and load (gathered, sliced, single file) and
-the CheckpointManager's save and load, each with each stage it reaches failing on one rank.
+the CheckpointManager's save (sync and async) and load, each with each stage it reaches failing on one rank.
 A rank left waiting in a collective would need the 20 s timeout; the bound here is 10 s.
 """
 
