@@ -1,6 +1,6 @@
 """Rank side of tests/dist/test_fault_stages.py: a failure on one rank at every stage of save and load.
 
-For each plugin (DDP, FSDP2) the ranks boost a tiny model, train two steps and save good
+For each plugin (DDP, FSDP2, TP, ZeRO-2) the ranks boost a tiny model, train two steps and save good
 checkpoints (model, optimizer, scheduler, a manager step). Then, for every operation (model,
 optimizer and scheduler save/load, gathered, sliced and single-file, the manager's save and
 load), the ranks first run it once while tracing the fault stages it reaches
@@ -59,14 +59,22 @@ class Env:
     """One plugin's boosted objects, its good checkpoints and the operations under test."""
 
     def __init__(self, kind: str, root: Path) -> None:
-        from unickpt.plugins import DDPPlugin, FSDP2Plugin
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        from unickpt.plugins import DDPPlugin, FSDP2Plugin, TPPlugin
+        from unickpt.plugins.zero import ZeroPlugin
 
         self.kind = kind
         self.root = root
         if dist.get_rank() == 0:
             root.mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        plugin = DDPPlugin() if kind == "ddp" else FSDP2Plugin()
+        plugin = {
+            "ddp": DDPPlugin,
+            "fsdp2": FSDP2Plugin,
+            "tp": lambda: TPPlugin({"up": ColwiseParallel(), "down": RowwiseParallel()}),
+            "zero2": lambda: ZeroPlugin(stage=2),
+        }[kind]()
         net = Tiny()
         opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
         sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
@@ -186,12 +194,12 @@ def _attempt(fn: Callable[[], Any]) -> dict[str, Any]:
     return obs
 
 
-def stage_cases(root: str) -> dict[str, Any]:
+def stage_cases(root: str, kinds: tuple[str, ...] = ("ddp", "fsdp2")) -> dict[str, Any]:
     rank = dist.get_rank()
     runs: list[dict[str, Any]] = []
     traced: dict[str, list[list[str]]] = {}
     final: dict[str, Any] = {}
-    for kind in ("ddp", "fsdp2"):
+    for kind in kinds:
         env = Env(kind, Path(root) / kind)
         for k, (op, out_kind, fn) in enumerate(env.ops()):
             base = Path(root) / kind / "runs"
