@@ -360,14 +360,21 @@ class CheckpointIO:
         )
         same_optimizer_class(optim, self.group)
         had_state = {id(param) for param, st in optim.state.items() if st}
-        osd = _dist.agreed(
-            lambda: self.optimizer_tensors(model, optim), "collecting the optimizer's state", self.group
-        )
-        payload = _dist.agreed(
-            lambda: self._plan_optimizer(optim, model, osd, had_state, prefix),
-            "planning the optimizer save",
-            self.group,
-        )
+        try:
+            osd = _dist.agreed(
+                lambda: self.optimizer_tensors(model, optim), "collecting the optimizer's state", self.group
+            )
+            payload = _dist.agreed(
+                lambda: self._plan_optimizer(optim, model, osd, had_state, prefix),
+                "planning the optimizer save",
+                self.group,
+            )
+        except BaseException:
+            # A failed save leaves behind no state torch invented for parameters that never stepped.
+            for _, param in self.state_parameters(model):
+                if id(param) not in had_state:
+                    optim.state.pop(param, None)
+            raise
         # Pipeline stages each know part of every group: merge the ranks' views.
         all_groups = _dist.all_gather_object(payload.block_extras["param_groups"], self.group)
         all_scalars = _dist.all_gather_object(payload.block_extras["param_state"], self.group)
