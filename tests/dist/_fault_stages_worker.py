@@ -1,6 +1,6 @@
 """Rank side of tests/dist/test_fault_stages.py: a failure on one rank at every stage of save and load.
 
-For each plugin (DDP, FSDP2, TP, ZeRO-2) the ranks boost a tiny model, train two steps and save good
+For each plugin (DDP, FSDP2, TP, ZeRO-2, PP) the ranks boost a tiny model, train two steps and save good
 checkpoints (model, optimizer, scheduler, a manager step). Then, for every operation (model,
 optimizer and scheduler save/load, gathered, sliced and single-file, the manager's save and
 load), the ranks first run it once while tracing the fault stages it reaches
@@ -61,7 +61,10 @@ class Env:
     def __init__(self, kind: str, root: Path) -> None:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+        from _pp_zero_hybrid_worker import SPLIT, batch, loss_fn, make_model
+
         from unickpt.plugins import DDPPlugin, FSDP2Plugin, TPPlugin
+        from unickpt.plugins.pp import PPPlugin
         from unickpt.plugins.zero import ZeroPlugin
 
         self.kind = kind
@@ -74,17 +77,22 @@ class Env:
             "fsdp2": FSDP2Plugin,
             "tp": lambda: TPPlugin({"up": ColwiseParallel(), "down": RowwiseParallel()}),
             "zero2": lambda: ZeroPlugin(stage=2),
+            "pp2": lambda: PPPlugin(2, SPLIT, num_microbatches=2),
         }[kind]()
-        net = Tiny()
+        net: nn.Module = make_model(0) if kind == "pp2" else Tiny()
         opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
         sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
         self.booster = Booster(plugin)
-        self.model, self.optim, _, _, self.sched = self.booster.boost(net, opt, lr_scheduler=sched)
+        self.model, self.optim, _, _, self.sched = self.booster.boost(
+            net, opt, criterion=loss_fn, lr_scheduler=sched
+        )
         for step in range(2):
-            x = torch.randn(4, 4, generator=torch.Generator().manual_seed(step * 10 + dist.get_rank()))
-            loss = self.model(x).square().mean()
             self.optim.zero_grad()
-            self.booster.backward(loss, self.optim)
+            if kind == "pp2":  # every stage runs the same global batch through the pipeline
+                self.booster.execute_pipeline(iter([batch(step)]), self.model, loss_fn, self.optim)
+            else:
+                x = torch.randn(4, 4, generator=torch.Generator().manual_seed(step * 10 + dist.get_rank()))
+                self.booster.backward(self.model(x).square().mean(), self.optim)
             self.optim.step()
             self.sched.step()
         self.io = plugin.get_checkpoint_io()

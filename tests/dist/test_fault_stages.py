@@ -1,7 +1,7 @@
 """A failure on one rank at EVERY fault stage of save and load: every rank raises within seconds.
 
 One 2-rank gloo world (20 s collective timeout) runs ``_fault_stages_worker.stage_cases``:
-DDP, FSDP2, TP and ZeRO-2, model/optimizer/scheduler save and load (gathered, sliced, single file) and
+DDP, FSDP2, TP, ZeRO-2 and PP, model/optimizer/scheduler save and load (gathered, sliced, single file) and
 the CheckpointManager's save (sync and async) and load, each with each stage it reaches failing on one rank.
 A rank left waiting in a collective would need the 20 s timeout; the bound here is 10 s.
 """
@@ -17,7 +17,7 @@ from unickpt._faults import RANK0_ONLY, STAGES
 
 PG_TIMEOUT_S = 20
 BOUND_S = 10.0
-KINDS = ("ddp", "fsdp2", "tp", "zero2")
+KINDS = ("ddp", "fsdp2", "tp", "zero2", "pp2")
 
 pytestmark = pytest.mark.timeout(600)
 
