@@ -20,7 +20,7 @@ import contextlib
 import os
 from collections.abc import Iterable, Iterator
 
-__all__ = ["STAGES", "InjectedFault", "arm", "hits", "injected", "maybe_fail", "tracing"]
+__all__ = ["RANK0_ONLY", "STAGES", "InjectedFault", "arm", "hits", "injected", "maybe_fail", "tracing"]
 
 STAGES: tuple[str, ...] = (
     # io/save.py: save_tensors
