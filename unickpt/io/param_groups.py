@@ -6,6 +6,8 @@ one is finite (``lr: NaN``), a tuple of the wrong length (``betas: [1]``), a ``p
 not a list of names, an unknown or missing key, or groups that do not match the optimizer's
 would be accepted and break training later. ``validate_param_groups`` refuses each of them
 with a ``StateMismatchError`` naming the group, the key, what was expected and what was found.
+A key the checkpoint lacks keeps the live value (logged): torch adds group options over
+versions, and an older checkpoint must still load.
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ from typing import Any
 
 import torch
 
+from unickpt._logging import get_logger
 from unickpt.errors import StateMismatchError
 from unickpt.io.jsonstate import from_json_value
 
 __all__ = ["validate_param_groups"]
+
+logger = get_logger(__name__)
 
 
 def _fail(where: str, gi: int | str, key: str, expected: str, found: Any) -> StateMismatchError:
@@ -135,9 +140,17 @@ def validate_param_groups(
         have = set(sg) - {"params"}
         for key in sorted(have - want):
             raise _fail(where, gi, key, "no such key (the optimizer's groups have none)", sg[key])
+        # A key the checkpoint lacks (torch adds group options over versions, e.g. AdamW's
+        # decoupled_weight_decay) keeps the live value: refusing would strand every older checkpoint.
         for key in sorted(want - have):
-            raise _fail(where, gi, key, f"a value like the optimizer's {lg[key]!r}", "nothing")
-        for key in sorted(want):
+            logger.warning(
+                "%s: param_groups[%s] has no %r; the optimizer keeps its own value %r",
+                where,
+                gi,
+                key,
+                lg[key],
+            )
+        for key in sorted(want & have):
             try:
                 found = from_json_value(sg[key])
             except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as e:
