@@ -289,7 +289,12 @@ def case_never_stepped(d: Path, layout: str) -> dict[str, Any]:
     for s in range(4):
         ref.step(s)
     ref_state = _state_summary(ref)
-    out: dict[str, Any] = {"ref_with_state": ref_state["with_state"]}
+    initial = make_model(0).get_parameter(FROZEN).detach()
+    out: dict[str, Any] = {
+        "ref_with_state": ref_state["with_state"],
+        # a frozen parameter never changes, whatever the optimizer does with its state
+        "frozen_unchanged": torch.equal(ref_state["full"][f"model/{FROZEN}"], initial),
+    }
     for mode, gather in (("sliced", False), ("gathered", True)):
         run = Run(layout)
         for s in range(2):

@@ -151,6 +151,7 @@ def test_never_stepped_parameters_round_trip_and_resume_exactly(
 ) -> None:
     for r, o in enumerate(case(obs4 if layout in HYBRID else obs, f"never_stepped_{layout}")):
         never = {"blocks.0.ln.weight", "blocks.2.expert.weight", "blocks.2.expert.bias"}
+        assert o["frozen_unchanged"], f"rank {r}: the frozen parameter changed during training"
         if layout != "zero2":
             # ZeRO keeps one flat state per bucket: every parameter in it has state
             assert not never & set(o["ref_with_state"]), (r, o["ref_with_state"])

@@ -140,7 +140,15 @@ class ZeroPartition:
             else:
                 flat = b.shard.detach()
             for p, off in zip(b.params, b.offsets, strict=True):
-                p.copy_(flat[off : off + p.numel()].view_as(p))
+                if p.requires_grad:
+                    p.copy_(flat[off : off + p.numel()].view_as(p))
+                    continue
+                # A frozen parameter shares its bucket's step (zero gradient), and decoupled
+                # weight decay would still shrink it: it keeps its value, and its range of the
+                # shard is reset to it.
+                lo, hi = max(off, b.lo), min(off + p.numel(), b.hi)
+                if hi > lo:
+                    b.shard.data[lo - b.lo : hi - b.lo] = p.detach().reshape(-1)[lo - off : hi - off]
         if self.size > 1:
             src = dist.get_global_rank(self.group, 0)
             for buf in self.buffers:
