@@ -45,6 +45,47 @@ def _wrap_dataloader(dataloader: Any, plugin: Plugin | None) -> Any:
     return dataloader if wrap is None else wrap(dataloader, plugin)
 
 
+def _inputs_signature(model: torch.nn.Module, optim: torch.optim.Optimizer | None) -> dict[str, Any]:
+    fqn = {id(p): n for n, p in model.named_parameters()}
+    sig: dict[str, Any] = {
+        "parameters": [
+            (n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()
+        ]
+    }
+    if optim is not None:
+        sig["optimizer class"] = f"{type(optim).__module__}.{type(optim).__qualname__}"
+        sig["optimizer groups"] = [
+            (sorted(k for k in g if k != "params"), [fqn.get(id(p), "?") for p in g["params"]])
+            for g in optim.param_groups
+        ]
+        sig["optimizer has state"] = any(len(st) for st in optim.state.values())
+    return sig
+
+
+def _same_inputs_on_every_rank(model: torch.nn.Module, optim: torch.optim.Optimizer | None) -> None:
+    """Collective: refuse, on every rank, a model or optimizer that differs between ranks.
+
+    A plugin's set-up communicates (DDP broadcasts, ZeRO partitions); a rank whose objects differ
+    would raise there alone and leave the others waiting in a collective. Parameter names,
+    shapes, dtypes and ``requires_grad``, the optimizer's class, groups and whether it has state
+    are compared first.
+    """
+    from unickpt.errors import DistributedError
+    from unickpt.io import _dist
+
+    sigs = _dist.all_gather_object(_inputs_signature(model, optim))
+    if all(s == sigs[0] for s in sigs[1:]):
+        return
+    lines = []
+    for key in sigs[0].keys() | {k for s in sigs for k in s}:
+        values = [repr(s.get(key))[:300] for s in sigs]
+        if len(set(values)) > 1:
+            lines.append(f"{key}: " + "; ".join(f"rank {r}: {v}" for r, v in enumerate(values)))
+    raise DistributedError(
+        "Booster.boost: the ranks passed different models or optimizers:\n  " + "\n  ".join(sorted(lines))
+    )
+
+
 class Booster:
     """Entry point of training with unickpt. ``plugin=None`` means one process, no parallelism."""
 
@@ -86,6 +127,10 @@ class Booster:
         if optimizer is not None:
             optim, _ = unwrap_optimizer(optimizer)
         if self.plugin is not None:
+            from unickpt.plugins import _mesh
+
+            _mesh.ensure_process_group()
+            _same_inputs_on_every_rank(model, optim)
             wrapped, optim, criterion, dataloader, lr_scheduler = self.plugin.configure(
                 model, optim, criterion, dataloader, lr_scheduler
             )

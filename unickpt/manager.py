@@ -71,6 +71,7 @@ from typing import Any
 import torch
 
 from unickpt import _rng
+from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
 from unickpt._remote_store import RemoteStore
 from unickpt._stepdirs import (
@@ -251,14 +252,15 @@ class CheckpointManager:
             raise ValueError(
                 f"resume_from_checkpoint must be None, an int step or 'latest', got {resume_from_checkpoint!r}"
             )
-        picked: tuple[int, str] = (0, "")
-        err: BaseException | None = None
-        if _dist.rank(self.group) == 0:
-            try:
-                picked = self._pick_step(resume_from_checkpoint)
-            except BaseException as e:
-                err = e
-        _dist.agree(err, f"choosing the step to resume from in {self.checkpoint_dir}", self.group)
+
+        def pick() -> tuple[int, str]:
+            if _dist.rank(self.group) != 0:
+                return (0, "")
+            maybe_fail("manager.load.pick")
+            return self._pick_step(resume_from_checkpoint)
+
+        # Rank 0 reads the directory; a failure there reaches every rank (not a wait in broadcast).
+        picked = _dist.agreed(pick, f"picking the step to resume in {self.checkpoint_dir}", self.group)
         step, path = _dist.broadcast_object(picked, 0, self.group)
         step = int(step)
         if step == 0:
@@ -379,9 +381,10 @@ class CheckpointManager:
 
     def _load_train_state(self, d: str, step: int, dataloader: Any, extra_states: dict[str, Any]) -> None:
         rank, world = _dist.rank(self.group), _dist.world_size(self.group)
-        js, tensors = _read_rank_state(d, rank)
         err: BaseException | None = None
         try:
+            maybe_fail("manager.load.train_state")
+            js, tensors = _read_rank_state(d, rank)
             if js is None:
                 saved_world = _read_commit(d).get("world_size", "?")
                 logger.warning(
@@ -471,6 +474,7 @@ class CheckpointManager:
                 err = e
         elif rank == 0:
             try:
+                maybe_fail("manager.start")
                 os.makedirs(self.checkpoint_dir, exist_ok=True)
                 self._lock.enter_context(directory_lock(self.checkpoint_dir))
                 clean_work_dirs(self.checkpoint_dir)
@@ -547,8 +551,10 @@ class CheckpointManager:
         state: dict[str, Any] = {}
         state_tensors: dict[str, torch.Tensor] = {}
         hf_config: dict[str, str] = {}
+        # Collective, and agreed inside: not part of the local phase below.
+        model_plan = self.io.plan_model(model)
         try:
-            model_plan = self.io.plan_model(model)
+            maybe_fail("manager.capture")
             if copy:
                 model_plan = model_plan.snapshot(self._staging.setdefault("model", {}))
             if lr_scheduler is not None:
@@ -603,6 +609,7 @@ class CheckpointManager:
                 )
             err: BaseException | None = None
             try:
+                maybe_fail("manager.train_state")
                 if rank == 0 and p.scheduler is not None:
                     atomic_write_bytes(os.path.join(p.stage, "lr_scheduler.json"), p.scheduler)
                 if rank == 0:
@@ -623,6 +630,7 @@ class CheckpointManager:
             err = None
             if rank == 0:
                 try:
+                    maybe_fail("manager.commit")
                     if self._remote is None:
                         self._commit(p)
                     else:

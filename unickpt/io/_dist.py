@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import pickle
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -24,6 +24,7 @@ __all__ = [
     "broadcast_object",
     "barrier",
     "agree",
+    "agreed",
 ]
 
 T = TypeVar("T")
@@ -84,7 +85,9 @@ def agree(error: BaseException | None, what: str, group: Any = None) -> None:
     Every rank must call this at the same point. The error of the lowest failing rank is
     raised on every rank (same type and attributes, e.g. ``IntegrityError.failures``), with a
     message listing every failing rank, so that no rank waits in a later collective for a
-    peer that already gave up.
+    peer that already gave up. An error that is neither a ``UnickptError`` nor an ``OSError``
+    (a bug, a user callback's own exception) is raised unchanged on the rank where it happened;
+    the other ranks raise a ``DistributedError`` naming that rank and its message.
     """
     if not is_distributed(group):
         if error is not None:
@@ -123,4 +126,21 @@ def agree(error: BaseException | None, what: str, group: Any = None) -> None:
         raised = type(first)(first.errno, message, first.filename)
     else:
         raised = DistributedError(message)
+    if error is not None and not isinstance(error, (UnickptError, OSError)):
+        raise error
     raise raised from error
+
+
+def agreed(fn: Callable[[], T], what: str, group: Any = None) -> T:
+    """Collective: run the local phase ``fn`` on every rank, then :func:`agree` on its outcome.
+
+    Any exception ``fn`` raises on any rank reaches every rank before the next collective.
+    """
+    err: BaseException | None = None
+    out: Any = None
+    try:
+        out = fn()
+    except BaseException as e:
+        err = e
+    agree(err, what, group)
+    return out  # type: ignore[no-any-return]

@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
+from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
-from unickpt.errors import IndexFileError, StateMismatchError, UnickptError, UnsupportedError
+from unickpt.errors import IndexFileError, UnsupportedError
 from unickpt.format._json import strict_loads
 from unickpt.format.commit import atomic_write_bytes
 from unickpt.format.index import LayoutInfo
@@ -29,6 +30,17 @@ from unickpt.io import _dist
 from unickpt.io.jsonstate import from_json_value, to_json_value
 from unickpt.io.load import LoadReport, load_tensors
 from unickpt.io.names import apply_prefix, normalize_name, unwrap_model
+from unickpt.io.optim_state import (
+    apply_groups,
+    init_state,
+    merge_groups,
+    optimizer_tensor_name,
+    param_of,
+    same_optimizer_class,
+    state_targets,
+)
+from unickpt.io.param_groups import validate_param_groups
+from unickpt.io.replicas import REPLICA_MODES, check_replicas
 from unickpt.io.save import SaveOptions, save_tensors
 from unickpt.io.tensors import LocalSlice, local_boxes
 from unickpt.wrappers import unwrap_optimizer
@@ -109,11 +121,6 @@ def lr_scheduler_json(state: dict[str, Any]) -> bytes:
     ).encode()
 
 
-def optimizer_tensor_name(fqn: str, state_key: str) -> str:
-    """Name of one optimizer state tensor in an optimizer checkpoint."""
-    return f"state.{fqn}.{state_key}"
-
-
 class CheckpointIO:
     """Save and load models, optimizers and LR schedulers in the unickpt format.
 
@@ -128,9 +135,17 @@ class CheckpointIO:
             CPU copy of the share (default off: blocks are read in place, one at a time; every
             mismatch and, with ``verify=True``, every hash failure is still found before anything
             is copied).
+        check_replicas: what a save does when ranks holding the same block of a tensor (DDP
+            replicas, replicated DTensor placements) hold different bytes, of which only one copy
+            would be written: ``"warn"`` (default: a ``ReplicaMismatchWarning`` naming the tensors
+            and ranks), ``"raise"`` (a ``DistributedError`` on every rank, nothing written) or
+            ``"off"`` (no check: saves skip one xxh3 pass over the replicated tensors and one
+            all-gather of their digests). Also settable as an attribute.
     """
 
     plugin_name = "general"
+    # Every rank holds every tensor whole (DDP): a tensor some ranks lack is a divergence.
+    replicated_everywhere = False
 
     def __init__(
         self,
@@ -141,7 +156,11 @@ class CheckpointIO:
         fingerprints: bool = True,
         fsync: bool = True,
         atomic_load: bool = False,
+        check_replicas: str = "warn",
     ) -> None:
+        if check_replicas not in REPLICA_MODES:
+            raise ValueError(f"check_replicas must be one of {REPLICA_MODES}, got {check_replicas!r}")
+        self.check_replicas = check_replicas
         self.mesh = mesh
         self.group = group
         self.hashes = hashes
@@ -186,7 +205,7 @@ class CheckpointIO:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         if self._loading_optimizer:
-            _init_state(optim)
+            init_state(optim)
         elif not optim.state:
             fqn_of = {id(prm): fqn for fqn, prm in self.state_parameters(model)}
             groups = []
@@ -207,9 +226,16 @@ class CheckpointIO:
     def set_optimizer_tensors(
         self, model: torch.nn.Module, optim: torch.optim.Optimizer, osd: dict[str, Any]
     ) -> None:
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        set_optimizer_state_dict(self.unwrap_model(model), optim, osd)  # type: ignore[arg-type]
+        # strict=False: parameters that never stepped have no saved state and get none (torch's
+        # strict mode refuses them with "Missing optimizer state for parameter").
+        set_optimizer_state_dict(
+            self.unwrap_model(model),
+            optim,
+            osd,  # type: ignore[arg-type]
+            options=StateDictOptions(strict=False),
+        )
 
     def state_parameters(self, model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
         """``(fqn, tensor)`` for every parameter, where ``tensor`` is the key of its ``optimizer.state``.
@@ -242,7 +268,9 @@ class CheckpointIO:
         path = self.write(
             payload, checkpoint, shard=shard, gather_dtensor=gather_dtensor, size_per_shard=size_per_shard
         )
-        self._save_hf_config(model, path)
+        _dist.agreed(
+            lambda: self._save_hf_config(model, path), f"writing the model config beside {path}", self.group
+        )
         return path
 
     def load_model(
@@ -264,9 +292,12 @@ class CheckpointIO:
         """
         reader = self._open(checkpoint, "model")
         try:
+            targets = _dist.agreed(
+                lambda: self.model_tensors(model), "listing the model's tensors to load", self.group
+            )
             return load_tensors(
                 reader,
-                self.model_tensors(model),
+                targets,
                 self.local_boxes,
                 strict=strict,
                 verify=verify,
@@ -302,6 +333,10 @@ class CheckpointIO:
     # ------------------------------------------------------------------ plan + write
     def plan_model(self, model: torch.nn.Module, prefix: str | None = None) -> SavePayload:
         """What this rank saves of ``model``: tied tensors once (the others become aliases)."""
+        return _dist.agreed(lambda: self._plan_model(model, prefix), "planning the model save", self.group)
+
+    def _plan_model(self, model: torch.nn.Module, prefix: str | None) -> SavePayload:
+        maybe_fail("model.plan")
         p = apply_prefix(prefix)
         stored: dict[str, torch.Tensor] = {}
         aliases: dict[str, str] = {}
@@ -316,17 +351,56 @@ class CheckpointIO:
         return SavePayload("model", stored, self._boxes(stored), aliases=aliases)
 
     def plan_optimizer(self, optimizer: Any, prefix: str | None = None) -> SavePayload:
-        """Collective: what this rank saves of ``optimizer`` (param groups merged over ranks)."""
-        optim, model = self._optim_and_model(optimizer)
-        p = apply_prefix(prefix)
+        """Collective: what this rank saves of ``optimizer`` (param groups merged over ranks).
+
+        Each local phase is agreed before the next collective: an optimizer that fails on one
+        rank (another class, a value JSON cannot hold) raises on every rank, none waits.
+        """
+        optim, model = _dist.agreed(
+            lambda: self._optim_and_model(optimizer), "checking the optimizer to save", self.group
+        )
+        same_optimizer_class(optim, self.group)
         had_state = {id(param) for param, st in optim.state.items() if st}
-        osd = self.optimizer_tensors(model, optim)
+        try:
+            osd = _dist.agreed(
+                lambda: self.optimizer_tensors(model, optim), "collecting the optimizer's state", self.group
+            )
+            payload = _dist.agreed(
+                lambda: self._plan_optimizer(optim, model, osd, had_state, prefix),
+                "planning the optimizer save",
+                self.group,
+            )
+        except BaseException:
+            # A failed save leaves behind no state torch invented for parameters that never stepped.
+            for _, param in self.state_parameters(model):
+                if id(param) not in had_state:
+                    optim.state.pop(param, None)
+            raise
+        # Pipeline stages each know part of every group: merge the ranks' views.
+        all_groups = _dist.all_gather_object(payload.block_extras["param_groups"], self.group)
+        all_scalars = _dist.all_gather_object(payload.block_extras["param_state"], self.group)
+        merged_scalars: dict[str, dict[str, Any]] = {}
+        for ps in all_scalars:
+            merged_scalars.update(ps)
+        payload.block_extras = {"param_groups": merge_groups(all_groups), "param_state": merged_scalars}
+        return payload
+
+    def _plan_optimizer(
+        self,
+        optim: torch.optim.Optimizer,
+        model: torch.nn.Module,
+        osd: dict[str, Any],
+        had_state: set[int],
+        prefix: str | None,
+    ) -> SavePayload:
+        p = apply_prefix(prefix)
         # torch fills in state for parameters that never stepped (a zero-gradient step);
         # that state is not the user's and is neither saved nor left behind.
         for fqn, param in self.state_parameters(model):
             if id(param) not in had_state:
                 optim.state.pop(param, None)
                 osd["state"].pop(fqn, None)
+        maybe_fail("optimizer.plan")
         tensors: dict[str, torch.Tensor] = {}
         extras: dict[str, dict[str, Any]] = {}
         param_state: dict[str, dict[str, Any]] = {}
@@ -345,18 +419,13 @@ class CheckpointIO:
             }
             for i, g in enumerate(osd["param_groups"])
         ]
-        # Pipeline stages each know part of every group: merge the ranks' views.
-        all_groups = _dist.all_gather_object(groups, self.group)
-        all_scalars = _dist.all_gather_object(param_state, self.group)
-        merged_scalars: dict[str, dict[str, Any]] = {}
-        for ps in all_scalars:
-            merged_scalars.update(ps)
+        boxes = self._boxes(tensors)
         return SavePayload(
             "optimizer",
             tensors,
-            self._boxes(tensors),
+            boxes,
             entry_extras=extras,
-            block_extras={"param_groups": _merge_groups(all_groups), "param_state": merged_scalars},
+            block_extras={"param_groups": groups, "param_state": param_state},
         )
 
     def write(
@@ -375,6 +444,13 @@ class CheckpointIO:
         meshes), so a snapshot is written sliced (``gather_dtensor=False``) only.
         """
         boxes = payload.boxes
+        check_replicas(
+            boxes,
+            self.check_replicas,
+            f"saving the {payload.kind} to {os.fspath(checkpoint)}",
+            self.group if group is None else group,
+            everywhere=self.replicated_everywhere,
+        )
 
         def boxes_fn(name: str, tensor: torch.Tensor) -> list[LocalSlice]:
             del tensor
@@ -408,63 +484,105 @@ class CheckpointIO:
         group holding the same parameters. A parameter with no saved state (never stepped)
         gets none.
         """
-        optim, model = self._optim_and_model(optimizer)
+        optim, model = _dist.agreed(
+            lambda: self._optim_and_model(optimizer), "checking the optimizer to load", self.group
+        )
+        same_optimizer_class(optim, self.group)
         p = apply_prefix(prefix)
+        where = os.fspath(checkpoint)
         reader = self._open(checkpoint, "optimizer")
         try:
             block = reader.block
-            saved_params = {e.param for e in block.tensors.values() if e.param is not None} | set(
-                block.param_state
-            )
+            # Every FQN some rank's optimizer holds (pipeline stages each hold a part).
+            mine = [p + f for f, _ in self.state_parameters(model)]
+            known = {f for fs in _dist.all_gather_object(mine, self.group) for f in fs}
+
+            def check_groups() -> None:
+                maybe_fail("optimizer.load.prepare")
+                validate_param_groups(
+                    block.param_groups or [],
+                    self._live_groups(model, optim),
+                    prefix=p,
+                    known=known,
+                    where=where,
+                )
+
+            # Before anything changes: a refused checkpoint leaves the optimizer as it was.
+            _dist.agreed(check_groups, f"checking the param_groups of {where}", self.group)
+            had_state = {id(param) for param, st in optim.state.items() if st}
+            done = False
+            saved_params: set[str] = set()
+            try:
+                report, template, saved_params = self._load_optimizer_state(
+                    reader, model, optim, p, verify, where
+                )
+
+                def apply() -> None:
+                    maybe_fail("optimizer.load.apply")
+                    apply_groups(template["param_groups"], block.param_groups or [], p)
+                    self.set_optimizer_tensors(model, optim, template)
+
+                _dist.agreed(apply, f"applying the optimizer state of {where}", self.group)
+                done = True
+            finally:
+                # Building the template gave parameters without state fresh state (a zero-gradient
+                # step); parameters the checkpoint holds no state for get none, and a failed load
+                # leaves none invented behind.
+                for fqn, param in self.state_parameters(model):
+                    if (done and p + fqn not in saved_params) or (not done and id(param) not in had_state):
+                        optim.state.pop(param, None)
+            return report
+        finally:
+            reader.close()
+
+    def _live_groups(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> list[dict[str, Any]]:
+        """The optimizer's param groups with ``params`` as FQN lists, read without changing anything."""
+        fqns: dict[int, list[str]] = {}
+        for fqn, t in self.state_parameters(model):
+            fqns.setdefault(id(t), []).append(fqn)
+        return [
+            dict(g, params=[f for prm in g["params"] for f in fqns.get(id(prm), [])])
+            for g in optim.param_groups
+        ]
+
+    def _load_optimizer_state(
+        self,
+        reader: CheckpointReader,
+        model: torch.nn.Module,
+        optim: torch.optim.Optimizer,
+        p: str,
+        verify: bool,
+        where: str,
+    ) -> tuple[LoadReport, dict[str, Any], set[str]]:
+        """Collective: build the state template, then read the saved tensors into it."""
+        block = reader.block
+        saved_params = {e.param for e in block.tensors.values() if e.param is not None} | set(
+            block.param_state
+        )
+
+        def prepare() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
             self._loading_optimizer = True
             try:
                 template = self.optimizer_tensors(model, optim)
             finally:
                 self._loading_optimizer = False
-            template["state"] = {f: st for f, st in template["state"].items() if p + f in saved_params}
-            with_tensors = {e.param for e in block.tensors.values() if e.param is not None}
-            unfilled = [
-                f
-                for f, _ in self.state_parameters(model)
-                if p + f in with_tensors and f not in template["state"]
-            ]
-            if unfilled:
-                raise StateMismatchError(
-                    f"{os.fspath(checkpoint)}: the optimizer has no state slot for {len(unfilled)} parameter(s) "
-                    f"the checkpoint holds state for, e.g. {unfilled[:3]}; is it the same optimizer class?"
-                )
-            targets: dict[str, torch.Tensor] = {}
-            for fqn, st in template["state"].items():
-                for k, v in st.items():
-                    if isinstance(v, torch.Tensor):
-                        targets[optimizer_tensor_name(p + fqn, k)] = v
-                    elif p + fqn in block.param_state and k in block.param_state[p + fqn]:
-                        st[k] = from_json_value(
-                            block.param_state[p + fqn][k],
-                            f"{reader.index_path or reader.directory}: param_state[{p + fqn!r}][{k!r}]",
-                        )
-            owned = {p + f for f in template["state"]}
-            report = load_tensors(
-                reader,
-                targets,
-                self.local_boxes,
-                strict=True,
-                verify=verify,
-                what="optimizer",
-                group=self.group,
-                ignore_unexpected=lambda n: _param_of(reader, n) not in owned,
-                atomic=self.atomic_load,
-            )
-            _apply_groups(template["param_groups"], block.param_groups or [], p)
-            self.set_optimizer_tensors(model, optim, template)
-            # Building the template gave every parameter fresh state (torch initialises it with
-            # a zero-gradient step); parameters the checkpoint holds no state for get none.
-            for fqn, param in self.state_parameters(model):
-                if p + fqn not in saved_params:
-                    optim.state.pop(param, None)
-            return report
-        finally:
-            reader.close()
+            fqns = [f for f, _ in self.state_parameters(model)]
+            return template, state_targets(template, block, p, saved_params, fqns, where)
+
+        template, targets = _dist.agreed(prepare, f"preparing the optimizer to load {where}", self.group)
+        owned = {p + f for f in template["state"]}
+        report = load_tensors(
+            reader,
+            targets,
+            self.local_boxes,
+            strict=True,
+            verify=verify,
+            what="optimizer",
+            group=self.group,
+            ignore_unexpected=lambda n: param_of(reader, n) not in owned,
+            atomic=self.atomic_load,
+        )
+        return report, template, saved_params
 
     # ------------------------------------------------------------------ lr scheduler
     def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> str:
@@ -475,6 +593,7 @@ class CheckpointIO:
         err: BaseException | None = None
         if _dist.rank(self.group) == 0:
             try:
+                maybe_fail("scheduler.save")
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
                 atomic_write_bytes(path, lr_scheduler_json(lr_scheduler.state_dict()))
             except BaseException as e:
@@ -483,10 +602,14 @@ class CheckpointIO:
         return path
 
     def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> None:
-        """Collective: every rank reads the scheduler JSON and loads it."""
+        """Collective: every rank reads the scheduler JSON and loads it; an error on any rank raises on all."""
         path = os.fspath(checkpoint)
         if os.path.isdir(path):
             path = os.path.join(path, SCHEDULER_FILE)
+        _dist.agreed(lambda: self._load_lr_scheduler(lr_scheduler, path), f"loading {path}", self.group)
+
+    def _load_lr_scheduler(self, lr_scheduler: Any, path: str) -> None:
+        maybe_fail("scheduler.load")
         try:
             with open(path, "rb") as f:
                 obj = strict_loads(f.read().decode("utf-8"), IndexFileError, f"{path}: LR scheduler state")
@@ -530,12 +653,18 @@ class CheckpointIO:
         reader: CheckpointReader | None = None
         err: BaseException | None = None
         try:
+            maybe_fail("open")
             # One process reads every file: open them all now, so that a save committed while the
             # checkpoint is opened is retried once here, before anything is loaded.
             reader = open_checkpoint(checkpoint, kind, pin=_dist.world_size(self.group) == 1)
-        except (OSError, ValueError, UnickptError) as e:
+        except BaseException as e:
             err = e
-        _dist.agree(err, f"opening {os.fspath(checkpoint)}", self.group)
+        try:
+            _dist.agree(err, f"opening {os.fspath(checkpoint)}", self.group)
+        except BaseException:
+            if reader is not None:
+                reader.close()
+            raise
         assert reader is not None
         return reader
 
@@ -552,69 +681,7 @@ class CheckpointIO:
         """Write config.json / generation_config.json beside the weights when the model has them."""
         if _dist.rank(self.group) != 0:
             return
+        maybe_fail("model.hf_config")
         directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
         for fname, text in hf_config_files(self.unwrap_model(model)).items():
             atomic_write_bytes(os.path.join(directory, fname), text.encode("utf-8"))
-
-
-def _init_state(optim: torch.optim.Optimizer) -> None:
-    """Give a fresh optimizer its state tensors, with a zero-gradient step at lr 0.
-
-    torch's own initialisation (inside ``get_optimizer_state_dict``) silently does nothing when
-    any parameter already has a gradient, and a load would then find no state to fill. The
-    user's gradients are put back afterwards; parameters do not move (lr is 0).
-    """
-    if optim.state:
-        return
-    params = [p for g in optim.param_groups for p in g["params"] if p.requires_grad]
-    grads = [p.grad for p in params]
-    lrs = [g.get("lr") for g in optim.param_groups]
-    try:
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        for g in optim.param_groups:
-            if "lr" in g:
-                g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
-        optim.step()
-    finally:
-        for g, lr in zip(optim.param_groups, lrs, strict=True):
-            if lr is not None:
-                g["lr"] = lr
-        for p, grad in zip(params, grads, strict=True):
-            p.grad = grad
-
-
-def _param_of(reader: CheckpointReader, name: str) -> str | None:
-    e = reader.tensors.get(name)
-    return e.param if e is not None else None
-
-
-def _merge_groups(all_groups: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    merged: list[dict[str, Any]] = []
-    for groups in all_groups:
-        for i, g in enumerate(groups):
-            if i >= len(merged):
-                merged.append(dict(g, params=list(g["params"])))
-                continue
-            have = set(merged[i]["params"])
-            merged[i]["params"].extend(f for f in g["params"] if f not in have)
-    return merged
-
-
-def _apply_groups(groups: list[dict[str, Any]], saved: list[dict[str, Any]], prefix: str) -> None:
-    """Copy each saved group's hyperparameters into the live group holding the same parameters."""
-    owner: dict[str, dict[str, Any]] = {}
-    for g in saved:
-        for f in g.get("params", []):
-            owner[f] = g
-    for g in groups:
-        src = next((owner[prefix + f] for f in g["params"] if prefix + f in owner), None)
-        if src is None:
-            continue
-        for k, v in src.items():
-            if k == "params":
-                continue
-            value = from_json_value(v)
-            if isinstance(g.get(k), tuple) and isinstance(value, list):
-                value = tuple(value)
-            g[k] = value

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from unickpt._faults import maybe_fail
 from unickpt.errors import IncompleteCheckpointError, IntegrityError, StateMismatchError, UnickptError
 from unickpt.format.boxes import contiguous_start, intersect
 from unickpt.format.consistency import check_keys_referenced
@@ -178,7 +179,7 @@ def load_tensors(
             ignore_unexpected=ignore_unexpected,
             what=what,
         )
-    except UnickptError as e:
+    except Exception as e:  # whatever it is, every rank must hear of it before the next collective
         err = e
         mismatched = []
     # A name is unexpected only if no rank loads it (pipeline stages each hold a part).
@@ -189,6 +190,7 @@ def load_tensors(
     try:
         if err is not None:
             raise err
+        maybe_fail("load.match")
         _raise_mismatch(reader, report, mismatched, strict=strict, what=what)
         reader.check_coverage()
         needed: dict[str, list[int]] = {}
@@ -228,9 +230,7 @@ def load_tensors(
                         failures.append(IntegrityFailure(src, s.file, s.key, s.xxh3, digest))
             if failures:
                 raise IntegrityError(failures, reader.index_path or reader.directory)
-    except UnickptError as e:
-        err = e
-    except OSError as e:
+    except Exception as e:
         err = e
     _dist.agree(err, f"loading {what} from {reader.index_path or reader.directory}", group)
 
@@ -252,6 +252,7 @@ def _read_then_copy(
     buffers: list[tuple[LocalSlice, torch.Tensor]] = []
     files = _Files(reader)
     try:
+        maybe_fail("load.read")
         for _, src, boxes in plan:
             entry = reader.tensors[src]
             for b in boxes:
@@ -284,6 +285,7 @@ def _read_in_place(
                 for b in boxes:
                     direct = _direct_target(b, dtype)
                     data = read_box(files, entry, b.offsets, b.shape, out=direct)
+                    maybe_fail("load.read")
                     if direct is None:
                         b.tensor.copy_(data.to(b.tensor.dtype).reshape(b.tensor.shape))
                     del data

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
 from unickpt.errors import UnickptError
 from unickpt.format.commit import (
@@ -57,6 +58,7 @@ from unickpt.format.safetensors_io import SafetensorsWriter, encode_header
 from unickpt.io import _dist
 from unickpt.io._commit import commit_collective
 from unickpt.io.planner import PlannedFile, SavePlan, SliceMeta, plan_save
+from unickpt.io.replicas import check_gathered_metas
 from unickpt.io.tensors import LocalSlice, as_bytes, is_dtensor
 
 __all__ = ["SaveOptions", "save_tensors"]
@@ -111,6 +113,7 @@ def _write_files(
                     dtype = plan.tensors[ps.name][0]
                     fut = pool.submit(_hash_np, arr, gshape, off, shp, dtype, opts)
                     w.write(ps.key, memoryview(arr))  # type: ignore[arg-type]
+                    maybe_fail("save.write")
                     pending.append(((ps.name, ps.k), fut))
                     del arr
                     while len(pending) > 1:
@@ -178,11 +181,13 @@ def save_tensors(
     err: BaseException | None = None
     local: list[LocalSlice] = []
     try:
+        maybe_fail("save.list")
         for name, t in tensors.items():
             local.extend(boxes_fn(name, t))
     except BaseException as e:
         err = e
     _dist.agree(err, "listing tensors to save", group)
+    all_metas: list[list[SliceMeta]] = []
     if opts.gather:
         # Each tensor is written whole by rank 0; metas only say which tensors exist.
         metas: list[SliceMeta] = []
@@ -220,6 +225,9 @@ def save_tensors(
     size = None if not opts.shard else int(opts.size_per_shard_mb * 1024 * 1024)
     plan: SavePlan | None = None
     try:
+        maybe_fail("save.plan")
+        if opts.gather:
+            check_gathered_metas(all_metas, path)
         plan = plan_save(per_rank, kind=opts.kind, size_per_shard_bytes=size, sliced=not opts.gather)
     except BaseException as e:
         err = e
@@ -230,6 +238,7 @@ def save_tensors(
     lock = contextlib.ExitStack()
     if rank == 0:
         try:
+            maybe_fail("save.prepare")
             os.makedirs(directory, exist_ok=True)
             lock.enter_context(directory_lock(directory))
         except BaseException as e:
@@ -285,6 +294,7 @@ def save_tensors(
             index = b""
             if rank == 0:
                 try:
+                    maybe_fail("save.commit")
                     merged_results: dict[tuple[str, int], tuple[str | None, int]] = {}
                     for r in all_results:
                         merged_results.update(r)
@@ -386,14 +396,30 @@ def _write_gathered(
     if rank != 0:
         _feed_gather(plan, tensors, group, rank)
         return {}
-    return _write_files(
-        _staged(plan.files, directory, save_id),
-        plan,
-        directory,
-        opts,
-        _gathered_blocks(plan, tensors, group, rank, plan.files),
-        lambda f: _file_meta(opts, False, save_id),
-    )
+    gen = _gathered_blocks(plan, tensors, group, rank, plan.files)
+    with _draining(gen):
+        return _write_files(
+            _staged(plan.files, directory, save_id),
+            plan,
+            directory,
+            opts,
+            gen,
+            lambda f: _file_meta(opts, False, save_id),
+        )
+
+
+@contextlib.contextmanager
+def _draining(blocks: Iterator[Any]) -> Iterator[None]:
+    """Rank 0's writer failed: keep taking part in the gather collectives of the remaining
+    blocks (discarding them), so that the other ranks reach the agreement instead of waiting
+    in a gather that rank 0 left."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(Exception):
+            for _ in blocks:
+                pass
+        raise
 
 
 def _write_single(
@@ -438,9 +464,9 @@ def _write_single(
     tmp = temp_name(file_path, save_id)
     tmp_dir = os.path.dirname(tmp)
     staged = PlannedFile(os.path.basename(tmp), 0, f.slices)
-    results = _write_files(
-        [staged], plan, tmp_dir, opts, _gathered_blocks(plan, tensors, group, 0, [f]), lambda _f: meta0
-    )
+    gen = _gathered_blocks(plan, tensors, group, 0, [f])
+    with _draining(gen):
+        results = _write_files([staged], plan, tmp_dir, opts, gen, lambda _f: meta0)
     try:
         block = _build_block(
             plan, results, opts, aliases, entry_extras, block_extras, file_name=name, save_id=save_id

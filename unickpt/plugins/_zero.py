@@ -140,7 +140,15 @@ class ZeroPartition:
             else:
                 flat = b.shard.detach()
             for p, off in zip(b.params, b.offsets, strict=True):
-                p.copy_(flat[off : off + p.numel()].view_as(p))
+                if p.requires_grad:
+                    p.copy_(flat[off : off + p.numel()].view_as(p))
+                    continue
+                # A frozen parameter shares its bucket's step (zero gradient), and decoupled
+                # weight decay would still shrink it: it keeps its value, and its range of the
+                # shard is reset to it.
+                lo, hi = max(off, b.lo), min(off + p.numel(), b.hi)
+                if hi > lo:
+                    b.shard.data[lo - b.lo : hi - b.lo] = p.detach().reshape(-1)[lo - off : hi - off]
         if self.size > 1:
             src = dist.get_global_rank(self.group, 0)
             for buf in self.buffers:
@@ -163,8 +171,10 @@ class ZeroPartition:
         """
         if all(len(self.optim.state.get(b.shard, {})) for b in self.buckets):
             return
+        # Shards that have state keep it untouched: no gradient, so the optimizer skips them
+        # (a zero-gradient step would still advance their step count and decay their moments).
         for b in self.buckets:
-            b.shard.grad = torch.zeros_like(b.shard)
+            b.shard.grad = None if self.optim.state.get(b.shard) else torch.zeros_like(b.shard)
         lrs = [g["lr"] for g in self.optim.param_groups]
         for g in self.optim.param_groups:
             g["lr"] = 0.0 if not isinstance(g["lr"], torch.Tensor) else torch.zeros_like(g["lr"])

@@ -23,6 +23,7 @@ class DDPCheckpointIO(CheckpointIO):
     """CheckpointIO for models set up by :class:`DDPPlugin` (the base class does all the work)."""
 
     plugin_name = "ddp"
+    replicated_everywhere = True
 
 
 class DDPModelWrapper(ModelWrapper):
