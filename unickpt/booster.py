@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from unickpt.errors import UnsupportedError
+from unickpt.io.names import normalize_name
+from unickpt.io.param_names import check_param_names
 from unickpt.wrappers import ModelWrapper, OptimizerWrapper, unwrap_optimizer
 
 if TYPE_CHECKING:
@@ -85,6 +87,8 @@ class Booster:
         optim = None
         if optimizer is not None:
             optim, _ = unwrap_optimizer(optimizer)
+            # An optimizer built from named_parameters() must name this model's parameters.
+            check_param_names(optim, [(normalize_name(n), p) for n, p in model.named_parameters()])
         if self.plugin is not None:
             wrapped, optim, criterion, dataloader, lr_scheduler = self.plugin.configure(
                 model, optim, criterion, dataloader, lr_scheduler
@@ -121,8 +125,14 @@ class Booster:
         gather_dtensor: bool = True,
         prefix: str | None = None,
         size_per_shard: int = 1024,
+        use_safetensors: bool | None = None,
+        use_async: bool = False,
     ) -> None:
-        """Save the model's weights and buffers; see ``CheckpointIO.save_model``."""
+        """Save the model's weights and buffers; see ``CheckpointIO.save_model``.
+
+        ``use_async=True`` returns once the data is copied; ``booster.checkpoint_io.wait()``
+        (Colossal-AI: ``_sync_io()``) waits for the write, and so does every later save or load.
+        """
         self.checkpoint_io.save_model(
             model,
             checkpoint,
@@ -130,6 +140,8 @@ class Booster:
             gather_dtensor=gather_dtensor,
             prefix=prefix,
             size_per_shard=size_per_shard,
+            use_safetensors=use_safetensors,
+            use_async=use_async,
         )
 
     def load_model(
@@ -151,6 +163,7 @@ class Booster:
         gather_dtensor: bool = True,
         prefix: str | None = None,
         size_per_shard: int = 1024,
+        use_async: bool = False,
     ) -> None:
         """Save optimizer state keyed by parameter FQN; see ``CheckpointIO.save_optimizer``."""
         self.checkpoint_io.save_optimizer(
@@ -160,6 +173,7 @@ class Booster:
             gather_dtensor=gather_dtensor,
             prefix=prefix,
             size_per_shard=size_per_shard,
+            use_async=use_async,
         )
 
     def load_optimizer(self, optimizer: Any, checkpoint: str, verify: bool = False, **kwargs: Any) -> Any:

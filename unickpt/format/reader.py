@@ -26,6 +26,7 @@ from unickpt.errors import (
     IncompleteCheckpointError,
     IndexFileError,
     IntegrityFailure,
+    UnsafePathError,
 )
 from unickpt.format._json import strict_loads
 from unickpt.format.boxes import coverage_problem
@@ -41,7 +42,7 @@ from unickpt.format.index import (
 from unickpt.format.naming import SLICED_SENTINEL, index_name, single_name
 from unickpt.format.safetensors_io import SafetensorsHeader, iter_range, read_header, read_range
 
-__all__ = ["CheckpointReader", "open_checkpoint", "UNICKPT_METADATA_KEY"]
+__all__ = ["CheckpointReader", "open_checkpoint", "single_file_name", "UNICKPT_METADATA_KEY"]
 
 UNICKPT_METADATA_KEY = "unickpt"
 
@@ -59,6 +60,8 @@ class CheckpointReader:
     def __post_init__(self) -> None:
         self._headers: dict[str, SafetensorsHeader] = {}
         self._fds: dict[str, int] = {}
+        # A single-file checkpoint: every slice lives in this file, whatever its name.
+        self.single_path: str | None = None
 
     # ----------------------------------------------------------------- paths and files
     @property
@@ -70,7 +73,10 @@ class CheckpointReader:
         return sorted({s.file for t in self.block.tensors.values() for s in t.slices})
 
     def file_path(self, name: str) -> str:
-        return os.path.join(self.directory, check_file_name(name))
+        check_file_name(name)
+        if self.single_path is not None:
+            return self.single_path
+        return os.path.join(self.directory, name)
 
     def header(self, name: str) -> SafetensorsHeader:
         h = self._headers.get(name)
@@ -203,7 +209,7 @@ def _itemsize(dtype: str) -> int:
 
 def _block_from_header(h: SafetensorsHeader, kind: str) -> tuple[UnickptBlock, bool]:
     """The unickpt block of a single-file checkpoint, or one synthesised for a plain file."""
-    file = os.path.basename(h.path)
+    file = single_file_name(h.path, kind)
     raw = h.metadata.get(UNICKPT_METADATA_KEY)
     if raw is not None:
         try:
@@ -228,6 +234,18 @@ def _block_from_header(h: SafetensorsHeader, kind: str) -> tuple[UnickptBlock, b
         for k, e in h.entries.items()
     }
     return UnickptBlock(kind="model" if kind == "model" else "optimizer", tensors=tensors), False
+
+
+def single_file_name(path: str, kind: str) -> str:
+    """The data-file name a single-file checkpoint's slices record: its own name when that is a
+    valid data-file name, else ``<kind>.safetensors`` (a file saved onto e.g. a temporary file
+    named ``tmpab12cd``); the reader maps every slice to the file it opened either way."""
+    name = os.path.basename(path)
+    try:
+        check_file_name(name)
+    except UnsafePathError:
+        return single_name("model" if kind == "model" else "optimizer")
+    return name
 
 
 def _block_from_plain_index(idx: IndexFile, directory: str, path: str, kind: str) -> UnickptBlock:
@@ -269,7 +287,8 @@ def open_checkpoint(path: str | os.PathLike[str], kind: str = "model") -> Checkp
         h = read_header(p)
         block, has = _block_from_header(h, kind)
         r = CheckpointReader(os.path.dirname(os.path.abspath(p)), kind, block, None, has)
-        r._headers[os.path.basename(p)] = h
+        r.single_path = os.path.abspath(p)
+        r._headers[single_file_name(p, kind)] = h
         return r
     if os.path.isdir(p):
         idx = os.path.join(p, index_name(kind))

@@ -232,13 +232,14 @@ class PPCheckpointIO(CheckpointIO):
         gather_dtensor: bool = True,
         prefix: str | None = None,
         size_per_shard: int = 1024,
+        use_async: bool = False,
     ) -> str:
         """Collective; every stage writes its own state (see :meth:`CheckpointIO.save_optimizer`)."""
         self._saving = True
         self._gather = gather_dtensor
         try:
             return super().save_optimizer(
-                optimizer, checkpoint, shard, gather_dtensor, prefix, size_per_shard
+                optimizer, checkpoint, shard, gather_dtensor, prefix, size_per_shard, use_async=use_async
             )
         finally:
             self._saving = False

@@ -242,12 +242,13 @@ class ZeroCheckpointIO(CheckpointIO):
         gather_dtensor: bool = True,
         prefix: str | None = None,
         size_per_shard: int = 1024,
+        use_async: bool = False,
     ) -> str:
         """Collective; see :meth:`CheckpointIO.save_optimizer`."""
         self._gather = gather_dtensor
         try:
             return super().save_optimizer(
-                optimizer, checkpoint, shard, gather_dtensor, prefix, size_per_shard
+                optimizer, checkpoint, shard, gather_dtensor, prefix, size_per_shard, use_async=use_async
             )
         finally:
             self._gather = False
