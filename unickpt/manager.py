@@ -8,6 +8,8 @@ Layout of ``checkpoint_dir``::
         lr_scheduler.json          rank 0
         train_state/rank-<r>.json  per rank: step, RNG (Python, numpy), dataloader position, extra states
         train_state/rank-<r>.safetensors   per rank: torch RNG byte tensors, tensors of extra states
+        train_state/rank-<r>.hashes.json   per rank: xxh3-64 of the two files above (rank 0: and
+                                           lr_scheduler.json), checked by `unickpt verify`
         hf/                        merged Hugging Face copy (save_hf=True)
         COMMIT                     written last, before the directory is renamed into place
     latest                         {"step": N}: moved only after step-<N> is committed
