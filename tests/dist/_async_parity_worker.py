@@ -44,3 +44,43 @@ def _async_case(layout: str, root: str) -> None:
 
 def async_cases(root: str, layouts: list[str]) -> dict[str, object]:
     return run_cases([(f"async_{lay}", lambda lay=lay: _async_case(lay, root)) for lay in layouts])  # type: ignore[misc]
+
+
+def _manager_case(root: str) -> None:
+    """A 2-rank FSDP2 CheckpointManager run: `verify` checks both ranks' train-state hashes."""
+    from unickpt.manager import CheckpointManager
+    from unickpt.tools.run import verify_run
+
+    s = Setup("fsdp2x2")
+    run = os.path.join(root, "manager_run")
+    mgr = CheckpointManager(run, s.booster, save_steps=1, keep_last=None, async_save=True)
+    for step in (1, 2):
+        s.train_step(step)
+        mgr.save(step, s.model, s.optim)
+    mgr.wait()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        results = verify_run(run, all_steps=True, require_hashes=True)
+        assert [(r.step, r.part) for r in results] == [
+            (1, "model"),
+            (1, "optimizer"),
+            (1, "train_state"),
+            (2, "model"),
+            (2, "optimizer"),
+            (2, "train_state"),
+        ]
+        assert all(not r.failures for r in results), [r.failures for r in results]
+        assert results[-1].checked == "2 rank(s), 4 file(s) rehashed"
+        victim = os.path.join(run, "step-2", "train_state", "rank-00001.safetensors")
+        with open(victim, "rb") as f:
+            raw = bytearray(f.read())
+        raw[-1] ^= 1
+        with open(victim, "wb") as f:
+            f.write(bytes(raw))
+        bad = [f for r in verify_run(run) for f in r.failures]
+        assert len(bad) == 1 and "rank-00001.safetensors: expected xxh3-64" in bad[0], bad
+    dist.barrier()
+
+
+def manager_cases(root: str) -> dict[str, object]:
+    return run_cases([("manager_run_verify", lambda: _manager_case(root))])
