@@ -68,7 +68,8 @@ def check_use_safetensors(use_safetensors: bool | None, method: str) -> None:
         f"{method}(use_safetensors=False): unickpt always writes safetensors (never pickled .bin files: "
         "a pickle executes code when loaded, cannot be read one slice at a time, and has no room for the "
         "slice hashes and fingerprints); saving as safetensors. transformers, huggingface_hub and "
-        "Colossal-AI's own loaders read the result. Pass use_safetensors=True (or omit it) to silence this.",
+        "Colossal-AI's loaders (given a directory or a .safetensors path) read the result. Pass "
+        "use_safetensors=True (or omit it) to silence this.",
         SafetensorsOnlyWarning,
         stacklevel=3,
     )
