@@ -84,3 +84,49 @@ def _manager_case(root: str) -> None:
 
 def manager_cases(root: str) -> dict[str, object]:
     return run_cases([("manager_run_verify", lambda: _manager_case(root))])
+
+
+def _named_setup(layout: str, seed: int) -> Setup:
+    """``Setup`` with the optimizer built from ``model.named_parameters()`` (one group)."""
+    import _pp_zero_hybrid_worker as w
+    import torch
+
+    orig = w.make_optimizer
+    w.make_optimizer = lambda model: torch.optim.AdamW(model.named_parameters(), lr=1e-2, foreach=False)
+    try:
+        return Setup(layout, seed)
+    finally:
+        w.make_optimizer = orig
+
+
+def _named_case(layout: str, root: str) -> None:
+    """The plain torch optimizer (no wrapper) under a plugin, where it knows its FQNs."""
+    from unickpt.errors import UnsupportedError
+
+    s = _named_setup(layout, 0)
+    s.train_step(0)
+    exp = s.expected()
+    d = os.path.join(root, f"named_{layout}")
+    s.booster.save_model(s.model, os.path.join(d, "m"), shard=True, gather_dtensor=False)
+    raw = s.optim.optim  # the user's own torch optimizer object, not the wrapper
+    if layout == "zero2x2":  # it now updates flat shards, which have no FQN: the IO alone cannot name them
+        assert "param_names" not in raw.param_groups[0]
+        try:
+            s.booster.checkpoint_io.save_optimizer(raw, os.path.join(d, "o_io"))
+        except UnsupportedError as e:
+            assert "or an optimizer built from model.named_parameters()" in str(e)
+        else:
+            raise AssertionError("saving ZeRO's raw optimizer through the IO should need the wrapper")
+    elif layout == "fsdp2x2":  # the IO alone names the state from param_names
+        s.booster.checkpoint_io.save_optimizer(raw, os.path.join(d, "o_io"), shard=True, gather_dtensor=False)
+    # Through the Booster, the raw optimizer is the one boost() saw: its model names the state.
+    s.booster.save_optimizer(raw, os.path.join(d, "o"), shard=True, gather_dtensor=False)
+    for src in ("o", "o_io") if layout == "fsdp2x2" else ("o",):
+        t = _named_setup(layout, 9)
+        t.booster.load_model(t.model, os.path.join(d, "m"))
+        t.booster.load_optimizer(t.optim.optim, os.path.join(d, src))
+        assert_bits(exp, t.expected(), f"{layout} named optimizer ({src})")
+
+
+def named_cases(root: str, layouts: list[str]) -> dict[str, object]:
+    return run_cases([(f"named_{lay}", lambda lay=lay: _named_case(lay, root)) for lay in layouts])  # type: ignore[misc]

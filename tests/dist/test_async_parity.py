@@ -29,3 +29,14 @@ def test_world2_manager_run_verifies_every_ranks_train_state(tmp_path: Any, worl
     results = world_pool.run(2, "_async_parity_worker:manager_cases", str(tmp_path), timeout=TIMEOUT_S)
     failed = [c for c in results[0].values() if not c.ok]
     assert not failed, "\n\n".join(f"{c.name}:\n{c.error[:4000]}" for c in failed)
+
+
+@pytest.mark.timeout(TIMEOUT_S + 20)
+def test_world2_plain_named_optimizer_under_plugins(tmp_path: Any, world_pool: WorldPool) -> None:
+    """A torch optimizer built from named_parameters(), not the wrapper, saves and loads through the
+    Booster under FSDP2, PP and ZeRO-2; under FSDP2 also through the bare IO (its param_names)."""
+    results = world_pool.run(
+        2, "_async_parity_worker:named_cases", str(tmp_path), ["fsdp2x2", "pp2", "zero2x2"], timeout=TIMEOUT_S
+    )
+    failed = [c for c in results[0].values() if not c.ok]
+    assert not failed, "\n\n".join(f"{c.name}:\n{c.error[:4000]}" for c in failed)

@@ -321,3 +321,22 @@ def test_sharded_save_onto_a_file_is_refused(tmp_path: Path) -> None:
         ),
     ):
         GeneralCheckpointIO().save_optimizer(opt, f.name, shard=True)
+
+
+def test_booster_accepts_the_torch_optimizer_it_boosted(tmp_path: Path) -> None:
+    """booster.save_optimizer(opt) with the user's own optimizer object (bare parameters even)."""
+    booster = Booster()
+    m = fresh(0)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)  # no param_names
+    model, _wrapped, *_ = booster.boost(m, opt)
+    model(torch.tensor([1, 2])).backward()
+    opt.step()
+    booster.save_optimizer(opt, str(tmp_path / "o"), shard=True)
+    with pytest.raises(UnsupportedError):  # the IO alone cannot name its state
+        booster.checkpoint_io.save_optimizer(opt, tmp_path / "o2")
+    m2 = fresh(1)
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=9.0)
+    b2 = Booster()
+    b2.boost(m2, opt2)
+    b2.load_optimizer(opt2, str(tmp_path / "o"))
+    assert_same_optim(opt, opt2)

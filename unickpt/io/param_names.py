@@ -29,7 +29,8 @@ def _named(optim: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]] | Non
         if len(names) != len(params):
             raise StateMismatchError(
                 f"param_groups[{i}] of the optimizer lists {len(names)} param_names for {len(params)} "
-                "parameters; build it from model.named_parameters()"
+                "parameters (its groups were changed after it was built); pass the optimizer "
+                "Booster.boost returned, or unickpt.OptimizerWrapper(optimizer, model)"
             )
         out.extend((normalize_name(str(n)), p) for n, p in zip(names, params, strict=True))
     return out

@@ -353,6 +353,10 @@ def prune_optimizer(optimizer: torch.optim.Optimizer | None, module: nn.Module) 
         raise UnsupportedError("the optimizer already holds state: pass a fresh optimizer to Booster.boost")
     keep = {id(p) for p in module.parameters()}
     for g in optimizer.param_groups:
+        if "param_names" in g:  # built from named_parameters(): the names follow their parameters
+            g["param_names"] = [
+                n for n, p in zip(g["param_names"], g["params"], strict=True) if id(p) in keep
+            ]
         g["params"] = [p for p in g["params"] if id(p) in keep]
 
 

@@ -94,6 +94,7 @@ class ZeroPartition:
                 )
                 shards.append(shard)
             g["params"] = shards
+            g.pop("param_names", None)  # flat shards have no FQN (the buckets keep the names)
         self._hooks = [
             optim.register_step_pre_hook(lambda *_: self.reduce_gradients()),
             optim.register_step_post_hook(lambda *_: self.gather_parameters()),
