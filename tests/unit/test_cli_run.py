@@ -148,6 +148,12 @@ def test_verify_fails_on_any_damaged_byte(run: Path, rel: str, capsys: pytest.Ca
     assert main(["verify", "-q", str(run / "step-2")]) == 0
 
 
+def test_verify_fails_on_an_unreadable_commit_marker(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (run / "step-3" / "COMMIT").write_bytes(b'{"unickpt_commit": 1, "st')
+    assert main(["verify", str(run / "step-3")]) == 1
+    assert "COMMIT: unreadable" in capsys.readouterr().err
+
+
 def test_verify_all_finds_damage_in_an_older_step(run: Path) -> None:
     _flip(run / "step-1" / "train_state" / "rank-00000.safetensors")
     assert main(["verify", "-q", str(run)]) == 0

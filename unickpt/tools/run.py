@@ -308,7 +308,10 @@ def _verify_step(step_dir: str, require_hashes: bool) -> list[PartResult]:
         except (UnickptError, OSError) as e:
             res.failures.append(f"{sub}: {e}")
         results.append(res)
-    results.append(_verify_train_state(lay, require_hashes))
+    ts = _verify_train_state(lay, require_hashes)
+    if not lay.commit:
+        ts.failures.append(f"{os.path.join(lay.path, rl.COMMIT_NAME)}: unreadable (not a JSON object)")
+    results.append(ts)
     return results
 
 
