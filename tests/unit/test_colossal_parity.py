@@ -340,3 +340,25 @@ def test_booster_accepts_the_torch_optimizer_it_boosted(tmp_path: Path) -> None:
     b2.boost(m2, opt2)
     b2.load_optimizer(opt2, str(tmp_path / "o"))
     assert_same_optim(opt, opt2)
+
+
+@pytest.mark.parametrize("gather", [True, False])
+def test_async_snapshot_buffers_are_reused_and_each_save_keeps_its_values(
+    tmp_path: Path, gather: bool
+) -> None:
+    io = GeneralCheckpointIO()
+    model, _ = trained()
+    first = {k: v.clone() for k, v in model.state_dict().items()}
+    io.save_model(model, tmp_path / "a", shard=not gather, gather_dtensor=gather, use_async=True)
+    io.wait()
+    bufs = {k: t.data_ptr() for k, t in io._async.staging[("model", gather)].items()}
+    with torch.no_grad():
+        model.proj.weight.mul_(-2.0)
+    io.save_model(model, tmp_path / "b", shard=not gather, gather_dtensor=gather, use_async=True)
+    io.wait()
+    assert {k: t.data_ptr() for k, t in io._async.staging[("model", gather)].items()} == bufs
+    for path, want in ((tmp_path / "a", first), (tmp_path / "b", model.state_dict())):
+        got = fresh(7)
+        io.load_model(got, path)
+        for k, v in got.state_dict().items():
+            assert torch.equal(v, want[k]), (path, k)

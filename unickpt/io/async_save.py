@@ -83,6 +83,11 @@ class AsyncSaves:
         self._errors: list[BaseException] = []
         self._bg_group: Any = None
         self._made_group = False
+        # CPU buffers of the snapshots, reused by the next save of the same kind and layout (one
+        # save is in flight at most): copying into memory already mapped is several times
+        # faster than into fresh allocations. Kept for the IO's lifetime, as Colossal-AI keeps
+        # its pinned state dicts.
+        self.staging: dict[tuple[str, bool], dict[Any, torch.Tensor]] = {}
         # A process that exits with a save in flight finishes it first (like Colossal-AI's
         # CheckpointIO.__del__); the thread holds no reference back to this object.
         self._box: list[threading.Thread] = []
@@ -140,12 +145,13 @@ def _join_all(box: list[threading.Thread]) -> None:
 
 
 def gathered_snapshot(
-    tensors: dict[str, torch.Tensor], group: Any
+    tensors: dict[str, torch.Tensor], group: Any, staging: dict[Any, torch.Tensor] | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, list[Any]]]:
     """Collective: CPU copies of the full tensors for a gathered save, on the rank that writes each.
 
     Returns ``(tensors, boxes)`` for a ``SavePayload``. Every rank runs the same loop, so the
-    ``full_tensor`` collectives line up as in the synchronous gathered save.
+    ``full_tensor`` collectives line up as in the synchronous gathered save. ``staging`` keeps
+    the buffers for the next call (reused when the name, shape and dtype match).
     """
     names = _dist.all_gather_object(list(tensors), group)
     holder: dict[str, int] = {}
@@ -158,8 +164,12 @@ def gathered_snapshot(
         full = t.full_tensor() if is_dtensor(t) else t  # type: ignore[attr-defined]
         if holder[name] == me:
             src = full.detach()
-            buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.device.type == "cuda")
-            buf.copy_(src)
+            buf = None if staging is None else staging.get(name)
+            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+                buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.device.type == "cuda")
+                if staging is not None:
+                    staging[name] = buf
+            buf.copy_(src, non_blocking=src.device.type == "cuda")
             out[name] = buf
         del full
     if torch.cuda.is_available():
@@ -231,11 +241,12 @@ class AsyncSaveMixin:
         self._options(payload.kind, shard, gather_dtensor, size_per_shard)
         path = os.fspath(checkpoint)
         final = committed_path(path, payload.kind, shard, gather_dtensor)
+        staging = self._async.staging.setdefault((payload.kind, gather_dtensor), {})
         if gather_dtensor:
-            tensors, boxes = gathered_snapshot(payload.tensors, self.group)
+            tensors, boxes = gathered_snapshot(payload.tensors, self.group, staging)
             copy = dataclasses.replace(payload, tensors=tensors, boxes=boxes)
         else:
-            copy = payload.snapshot()
+            copy = payload.snapshot(staging)
         group = self._async.background_group(self.group)
 
         def work() -> None:
