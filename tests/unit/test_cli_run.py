@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -220,3 +222,22 @@ def test_a_checkpoint_directory_named_step_n_is_still_a_checkpoint(
     shutil.copytree(run / "step-3" / "model", d)
     assert main(["inspect", "--json", str(d)]) == 0
     assert json.loads(capsys.readouterr().out)["kind"] == "model"
+
+
+def test_run_inspect_and_verify_never_import_torch(run: Path) -> None:
+    code = f"""
+import sys, contextlib, io
+import unickpt.cli.main as m
+with contextlib.redirect_stdout(io.StringIO()):
+    assert m.main(["inspect", {str(run)!r}]) == 0
+    assert m.main(["inspect", "--json", {str(run / "step-2")!r}]) == 0
+    assert m.main(["verify", "--all", {str(run)!r}]) == 0
+bad = sorted(k for k in sys.modules if k == "torch" or k.startswith("torch."))
+assert not bad, bad
+print("CLEAN")
+"""
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().endswith("CLEAN")
