@@ -16,12 +16,15 @@ Every method is called by every rank (the save/load methods are collective).
 from __future__ import annotations
 
 import importlib
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from unickpt.errors import UnsupportedError
+from unickpt.io.names import normalize_name
+from unickpt.io.param_names import check_param_names
 from unickpt.wrappers import ModelWrapper, OptimizerWrapper, unwrap_optimizer
 
 if TYPE_CHECKING:
@@ -92,6 +95,10 @@ class Booster:
     def __init__(self, plugin: Plugin | None = None) -> None:
         self.plugin = plugin
         self._general_io: CheckpointIO | None = None
+        # torch optimizer -> the model boost() returned with it: booster.save_optimizer(opt) on
+        # the user's own optimizer object then saves as with the wrapper boost() returned.
+        # (The model does not refer to the optimizer, so the entry goes when the optimizer does.)
+        self._boosted: weakref.WeakKeyDictionary[Any, ModelWrapper] = weakref.WeakKeyDictionary()
 
     @property
     def checkpoint_io(self) -> CheckpointIO:
@@ -126,6 +133,8 @@ class Booster:
         optim = None
         if optimizer is not None:
             optim, _ = unwrap_optimizer(optimizer)
+            # An optimizer built from named_parameters() must name this model's parameters.
+            check_param_names(optim, [(normalize_name(n), p) for n, p in model.named_parameters()])
         if self.plugin is not None:
             from unickpt.plugins import _mesh
 
@@ -140,7 +149,19 @@ class Booster:
         if dataloader is not None:
             dataloader = _wrap_dataloader(dataloader, self.plugin)
         opt_wrapper = OptimizerWrapper(optim, boosted) if optim is not None else None
+        if optim is not None:
+            self._boosted[optim] = boosted
         return boosted, opt_wrapper, criterion, dataloader, lr_scheduler
+
+    def _optimizer(self, optimizer: Any) -> Any:
+        """The wrapper for a torch optimizer this booster boosted (its model names the state)."""
+        if isinstance(optimizer, OptimizerWrapper):
+            return optimizer
+        try:
+            model = self._boosted.get(optimizer)
+        except TypeError:  # not weak-referenceable: not one of ours
+            return optimizer
+        return optimizer if model is None else OptimizerWrapper(optimizer, model)
 
     def backward(self, loss: torch.Tensor, optimizer: Any) -> None:
         """Back-propagate ``loss`` the way the plugin needs (every rank)."""
@@ -166,8 +187,14 @@ class Booster:
         gather_dtensor: bool = True,
         prefix: str | None = None,
         size_per_shard: int = 1024,
+        use_safetensors: bool | None = None,
+        use_async: bool = False,
     ) -> None:
-        """Save the model's weights and buffers; see ``CheckpointIO.save_model``."""
+        """Save the model's weights and buffers; see ``CheckpointIO.save_model``.
+
+        ``use_async=True`` returns once the data is copied; ``booster.checkpoint_io.wait()``
+        (Colossal-AI: ``_sync_io()``) waits for the write, and so does every later save or load.
+        """
         self.checkpoint_io.save_model(
             model,
             checkpoint,
@@ -175,6 +202,8 @@ class Booster:
             gather_dtensor=gather_dtensor,
             prefix=prefix,
             size_per_shard=size_per_shard,
+            use_safetensors=use_safetensors,
+            use_async=use_async,
         )
 
     def load_model(
@@ -196,20 +225,28 @@ class Booster:
         gather_dtensor: bool = True,
         prefix: str | None = None,
         size_per_shard: int = 1024,
+        use_async: bool = False,
     ) -> None:
-        """Save optimizer state keyed by parameter FQN; see ``CheckpointIO.save_optimizer``."""
+        """Save optimizer state keyed by parameter FQN; see ``CheckpointIO.save_optimizer``.
+
+        ``optimizer``: the one ``boost`` returned, or the torch optimizer given to ``boost``
+        (either way the boosted model names the state), or one built from ``named_parameters()``.
+        """
         self.checkpoint_io.save_optimizer(
-            optimizer,
+            self._optimizer(optimizer),
             checkpoint,
             shard=shard,
             gather_dtensor=gather_dtensor,
             prefix=prefix,
             size_per_shard=size_per_shard,
+            use_async=use_async,
         )
 
     def load_optimizer(self, optimizer: Any, checkpoint: str, verify: bool = False, **kwargs: Any) -> Any:
         """Load optimizer state, resharded to this layout; see ``CheckpointIO.load_optimizer``."""
-        return self.checkpoint_io.load_optimizer(optimizer, checkpoint, verify=verify, **kwargs)
+        return self.checkpoint_io.load_optimizer(
+            self._optimizer(optimizer), checkpoint, verify=verify, **kwargs
+        )
 
     def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None:
         """Save the scheduler's state (every rank calls; one rank writes)."""

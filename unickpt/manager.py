@@ -8,6 +8,8 @@ Layout of ``checkpoint_dir``::
         lr_scheduler.json          rank 0
         train_state/rank-<r>.json  per rank: step, RNG (Python, numpy), dataloader position, extra states
         train_state/rank-<r>.safetensors   per rank: torch RNG byte tensors, tensors of extra states
+        train_state/rank-<r>.hashes.json   per rank: xxh3-64 of the two files above (rank 0: and
+                                           lr_scheduler.json), checked by `unickpt verify`
         hf/                        merged Hugging Face copy (save_hf=True)
         COMMIT                     written last, before the directory is renamed into place
     latest                         {"step": N}: moved only after step-<N> is committed
@@ -93,6 +95,7 @@ from unickpt.errors import (
     UnickptError,
     UnsupportedError,
 )
+from unickpt.format import run_layout
 from unickpt.format.commit import atomic_write_bytes, directory_lock, fsync_dir
 from unickpt.io import _dist
 from unickpt.io.checkpoint_io import SavePayload, hf_config_files, lr_scheduler_json
@@ -616,7 +619,9 @@ class CheckpointManager:
                     # config.json beside the sliced model: `unickpt merge` carries it to the HF copy.
                     for fname, text in p.hf_config.items():
                         atomic_write_bytes(os.path.join(p.stage, "model", fname), text.encode("utf-8"))
-                _write_rank_state(p.stage, rank, p.train_state, p.state_tensors)
+                _write_rank_state(
+                    p.stage, rank, p.train_state, p.state_tensors, p.scheduler if rank == 0 else None
+                )
             except BaseException as e:
                 err = e
             _dist.agree(err, f"writing the training state of step {p.step}", group)
@@ -788,13 +793,26 @@ def _rank_paths(step_dir: str, rank: int) -> tuple[str, str]:
     return base + ".json", base + ".safetensors"
 
 
-def _write_rank_state(stage: str, rank: int, js: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-    """Every rank: its JSON state and tensors, each written and fsynced atomically."""
+def _write_rank_state(
+    stage: str,
+    rank: int,
+    js: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    scheduler: bytes | None = None,
+) -> None:
+    """Every rank: its JSON state and tensors, each written and fsynced atomically, then their
+    xxh3-64 hashes (and those of ``lr_scheduler.json``, written by rank 0) for ``unickpt verify``."""
     from safetensors.torch import save
 
     jpath, tpath = _rank_paths(stage, rank)
-    atomic_write_bytes(tpath, save(tensors, metadata={"format": "unickpt-train-state"}))
-    atomic_write_bytes(jpath, json.dumps(js, sort_keys=True).encode())
+    tbytes = save(tensors, metadata={"format": "unickpt-train-state"})
+    jbytes = json.dumps(js, sort_keys=True).encode()
+    atomic_write_bytes(tpath, tbytes)
+    atomic_write_bytes(jpath, jbytes)
+    written = {os.path.relpath(tpath, stage): tbytes, os.path.relpath(jpath, stage): jbytes}
+    if scheduler is not None:
+        written["lr_scheduler.json"] = scheduler
+    run_layout.write_hashes(stage, rank, written)
 
 
 def _read_rank_state(step_dir: str, rank: int) -> tuple[dict[str, Any] | None, dict[str, torch.Tensor]]:

@@ -36,8 +36,15 @@ _EPILOG = (
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    from unickpt.format.run_layout import looks_like_run
     from unickpt.tools.inspect import format_report, inspect_checkpoint
 
+    if looks_like_run(args.path):  # a CheckpointManager run directory or one of its steps
+        from unickpt.tools.run import format_run_report, inspect_run
+
+        run_info = inspect_run(args.path)
+        print(json.dumps(run_info, indent=2) if args.json else format_run_report(run_info))
+        return EXIT_OK
     info = inspect_checkpoint(args.path, kind=args.kind)
     if args.json:
         print(json.dumps(info, indent=2))
@@ -47,8 +54,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    from unickpt.format.run_layout import looks_like_run
     from unickpt.tools.verify import verify_checkpoint
 
+    if looks_like_run(args.path):  # a CheckpointManager run directory or one of its steps
+        return _verify_run(args)
     report = verify_checkpoint(
         args.path, kind=args.kind, progress=not args.quiet, require_hashes=args.require_hashes
     )
@@ -62,6 +72,25 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         return EXIT_FAIL
     if not args.quiet:
         print(f"OK: {args.path}: {report.summary()}")
+    return EXIT_OK
+
+
+def _verify_run(args: argparse.Namespace) -> int:
+    from unickpt.tools.run import format_verify_report, verify_run
+
+    results = verify_run(
+        args.path, all_steps=args.all, require_hashes=bool(getattr(args, "require_hashes", False))
+    )
+    text, bad = format_verify_report(results)
+    if not args.quiet:
+        print(text)
+    if bad:
+        print(f"FAILED: {args.path}: damaged or missing data:", file=sys.stderr)
+        print(bad, file=sys.stderr)
+        return EXIT_FAIL
+    if not args.quiet:
+        steps = sorted({r.step for r in results})
+        print(f"OK: {args.path}: step(s) {', '.join(map(str, steps))}: every part checked, no damage found")
     return EXIT_OK
 
 
@@ -134,7 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Describe a checkpoint from its index (and headers) without reading tensor data.",
         epilog=_EPILOG,
     )
-    sp.add_argument("path", help="checkpoint directory, *.index.json file or single .safetensors file")
+    sp.add_argument(
+        "path",
+        help="checkpoint directory, *.index.json file, single .safetensors file, or a CheckpointManager "
+        "run directory or step-<N> directory",
+    )
     sp.add_argument("--json", action="store_true", help="machine-readable JSON on stdout")
     sp.add_argument(
         "--slices", action="store_true", help="table: also list every slice (key, file, offsets, hash)"
@@ -155,12 +188,21 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog=_EPILOG,
     )
-    sp.add_argument("path", help="checkpoint directory, *.index.json file or single .safetensors file")
+    sp.add_argument(
+        "path",
+        help="checkpoint directory, *.index.json file, single .safetensors file, or a CheckpointManager "
+        "run directory (its latest step) or step-<N> directory (every part of it)",
+    )
     sp.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no OK line")
     sp.add_argument(
         "--require-hashes",
         action="store_true",
         help="a slice without a recorded hash is a failure (exit 1), e.g. a plain Hugging Face checkpoint",
+    )
+    sp.add_argument(
+        "--all",
+        action="store_true",
+        help="on a CheckpointManager run directory: verify every committed step, not only the latest",
     )
     kind_arg(sp)
     sp.set_defaults(func=_cmd_verify)

@@ -58,7 +58,7 @@ from unickpt.format.safetensors_io import (
     read_range,
 )
 
-__all__ = ["CheckpointReader", "open_checkpoint", "UNICKPT_METADATA_KEY"]
+__all__ = ["CheckpointReader", "open_checkpoint", "single_file_name", "UNICKPT_METADATA_KEY"]
 
 UNICKPT_METADATA_KEY = "unickpt"
 
@@ -274,22 +274,9 @@ def _itemsize(dtype: str) -> int:
     return itemsize(dtype)
 
 
-def _slice_file_name(path: str, kind: str) -> str:
-    """The name a single file's slices use for it: its own when safe, else the canonical one.
-
-    The reader maps that name back to the path it was opened with (``single_file``), so a file
-    the user renamed (``my model (1).safetensors``, ``pytorch_model.safetensors``) is read as is.
-    """
-    base = os.path.basename(path)
-    try:
-        return check_file_name(base)
-    except CheckpointFormatError:
-        return single_name(kind)
-
-
 def _block_from_header(h: SafetensorsHeader, kind: str) -> tuple[UnickptBlock, bool]:
     """The unickpt block of a single-file checkpoint, or one synthesised for a plain file."""
-    file = _slice_file_name(h.path, kind)
+    file = single_file_name(h.path, kind)
     raw = h.metadata.get(UNICKPT_METADATA_KEY)
     if raw is not None:
         try:
@@ -336,6 +323,18 @@ def _schema_error(path: str, e: ValidationError) -> CheckpointFormatError:
     return IndexFileError(
         f"{path}: the unickpt metadata block does not match the unickpt index schema: {problems}"
     )
+
+
+def single_file_name(path: str, kind: str) -> str:
+    """The data-file name a single-file checkpoint's slices record: its own name when that is a
+    valid data-file name, else ``<kind>.safetensors`` (a file saved onto e.g. a temporary file
+    named ``tmpab12cd``); the reader maps every slice to the file it opened either way."""
+    name = os.path.basename(path)
+    try:
+        check_file_name(name)
+    except UnsafePathError:
+        return single_name("model" if kind == "model" else "optimizer")
+    return name
 
 
 def _block_from_plain_index(idx: IndexFile, directory: str, path: str, kind: str) -> UnickptBlock:
@@ -409,7 +408,7 @@ def _open_checkpoint(path: str | os.PathLike[str], kind: str) -> CheckpointReade
         except BaseException:
             os.close(fd)
             raise
-        file = _slice_file_name(p, kind)
+        file = single_file_name(p, kind)
         r = CheckpointReader(
             os.path.dirname(os.path.abspath(p)),
             kind,

@@ -27,6 +27,7 @@ from unickpt.format.commit import atomic_write_bytes
 from unickpt.format.index import LayoutInfo
 from unickpt.format.reader import CheckpointReader, open_checkpoint
 from unickpt.io import _dist
+from unickpt.io.async_save import AsyncSaveMixin, check_use_safetensors, write_config_files
 from unickpt.io.jsonstate import from_json_value, to_json_value
 from unickpt.io.load import LoadReport, load_tensors
 from unickpt.io.names import apply_prefix, normalize_name, unwrap_model
@@ -40,6 +41,7 @@ from unickpt.io.optim_state import (
     state_targets,
 )
 from unickpt.io.param_groups import validate_param_groups
+from unickpt.io.param_names import check_param_names, model_from_param_names
 from unickpt.io.replicas import REPLICA_MODES, check_replicas
 from unickpt.io.save import SaveOptions, save_tensors
 from unickpt.io.tensors import LocalSlice, local_boxes
@@ -121,7 +123,7 @@ def lr_scheduler_json(state: dict[str, Any]) -> bytes:
     ).encode()
 
 
-class CheckpointIO:
+class CheckpointIO(AsyncSaveMixin):
     """Save and load models, optimizers and LR schedulers in the unickpt format.
 
     Args:
@@ -255,6 +257,8 @@ class CheckpointIO:
         gather_dtensor: bool = True,
         prefix: str | None = None,
         size_per_shard: int = 1024,
+        use_safetensors: bool | None = None,
+        use_async: bool = False,
     ) -> str:
         """Collective: save the model's parameters and persistent buffers.
 
@@ -262,9 +266,27 @@ class CheckpointIO:
         ``.safetensors`` path, or a directory to put it in). Otherwise ``checkpoint`` is a
         directory with ``model.safetensors.index.json``. ``gather_dtensor=False`` keeps each
         rank's slices (every rank writes its own, no gather). ``size_per_shard`` is in MB.
-        Tied parameters are stored once. Returns the committed path.
+        Tied parameters are stored once. ``checkpoint`` may be an existing file (e.g. a
+        ``tempfile.NamedTemporaryFile``): an unsharded save then replaces it atomically.
+        Returns the committed path.
+
+        Colossal-AI's flags: ``use_async=True`` copies the data to CPU memory and writes it in a
+        background thread (see :meth:`wait`); ``use_safetensors`` is accepted, and ``False``
+        warns that unickpt writes safetensors regardless.
         """
+        self.wait()
+        check_use_safetensors(use_safetensors, "save_model")
         payload = self.plan_model(model, prefix=prefix)
+        if use_async:
+            config = hf_config_files(self.unwrap_model(model))
+            return self._write_async(
+                payload,
+                checkpoint,
+                shard,
+                gather_dtensor,
+                size_per_shard,
+                after=lambda path: write_config_files(config, path),
+            )
         path = self.write(
             payload, checkpoint, shard=shard, gather_dtensor=gather_dtensor, size_per_shard=size_per_shard
         )
@@ -282,14 +304,20 @@ class CheckpointIO:
         *,
         prefix: str | None = None,
         allow_dtype_cast: bool = False,
+        low_cpu_mem_mode: bool = True,
+        num_threads: int = 1,
     ) -> LoadReport:
         """Collective: load a checkpoint of any layout and world size into this model, in place.
 
         Each rank reads only the bytes of the blocks it holds. Every problem (missing or
         unexpected names under ``strict``, shape or dtype mismatches always) is reported in
         one ``StateMismatchError`` raised on every rank before anything is copied.
-        ``verify=True`` rehashes the slices read first. Returns a ``LoadReport``.
+        ``verify=True`` rehashes the slices read first. Returns a ``LoadReport``. An async save
+        in flight is waited for first. ``low_cpu_mem_mode``/``num_threads`` (Colossal-AI's
+        tuning knobs) are accepted and change nothing: each rank reads its blocks directly.
         """
+        del low_cpu_mem_mode, num_threads
+        self.wait()
         reader = self._open(checkpoint, "model")
         try:
             targets = _dist.agreed(
@@ -319,13 +347,21 @@ class CheckpointIO:
         gather_dtensor: bool = True,
         prefix: str | None = None,
         size_per_shard: int = 1024,
+        use_async: bool = False,
     ) -> str:
         """Collective: save optimizer state keyed by parameter FQN, ``param_groups`` as JSON.
 
         ``optimizer`` is the one ``Booster.boost`` returned (or an ``OptimizerWrapper``): it knows
-        the model, whose FQNs name the state. Layout rules are those of ``save_model``.
+        the model, whose FQNs name the state), or a torch optimizer built from
+        ``model.named_parameters()`` (torch keeps the names in its ``param_groups``). Layout rules
+        are those of ``save_model``: ``shard=False`` writes one ``optimizer.safetensors`` file (or
+        replaces the existing file ``checkpoint``), whose header metadata holds ``param_groups``
+        and the scalar state. ``use_async=True`` writes in the background (see :meth:`wait`).
         """
+        self.wait()
         payload = self.plan_optimizer(optimizer, prefix=prefix)
+        if use_async:
+            return self._write_async(payload, checkpoint, shard, gather_dtensor, size_per_shard)
         return self.write(
             payload, checkpoint, shard=shard, gather_dtensor=gather_dtensor, size_per_shard=size_per_shard
         )
@@ -414,7 +450,11 @@ class CheckpointIO:
                     param_state.setdefault(p + fqn, {})[k] = to_json_value(v, f"state[{fqn!r}][{k!r}]")
         groups = [
             {
-                **{k: to_json_value(v, f"param_groups[{i}][{k!r}]") for k, v in g.items() if k != "params"},
+                **{
+                    k: to_json_value(v, f"param_groups[{i}][{k!r}]")
+                    for k, v in g.items()
+                    if k not in ("params", "param_names")  # the FQNs are "params" already
+                },
                 "params": [p + f for f in g["params"]],
             }
             for i, g in enumerate(osd["param_groups"])
@@ -477,13 +517,18 @@ class CheckpointIO:
         verify: bool = False,
         *,
         prefix: str | None = None,
+        low_cpu_mem_mode: bool = True,
+        num_threads: int = 1,
     ) -> LoadReport:
         """Collective: load optimizer state saved under any layout into this optimizer.
 
         State is matched by parameter FQN; hyperparameters of each group come from the saved
         group holding the same parameters. A parameter with no saved state (never stepped)
-        gets none.
+        gets none. ``checkpoint`` is a directory or the single file of an unsharded save.
+        ``low_cpu_mem_mode``/``num_threads`` are accepted (Colossal-AI) and change nothing.
         """
+        del low_cpu_mem_mode, num_threads
+        self.wait()
         optim, model = _dist.agreed(
             lambda: self._optim_and_model(optimizer), "checking the optimizer to load", self.group
         )
@@ -587,6 +632,7 @@ class CheckpointIO:
     # ------------------------------------------------------------------ lr scheduler
     def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> str:
         """Collective: rank 0 writes the scheduler's state as JSON (``checkpoint`` is a file or a directory)."""
+        self.wait()
         path = os.fspath(checkpoint)
         if os.path.isdir(path) or not path.endswith(".json"):
             path = os.path.join(path, SCHEDULER_FILE)
@@ -603,6 +649,7 @@ class CheckpointIO:
 
     def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> None:
         """Collective: every rank reads the scheduler JSON and loads it; an error on any rank raises on all."""
+        self.wait()
         path = os.fspath(checkpoint)
         if os.path.isdir(path):
             path = os.path.join(path, SCHEDULER_FILE)
@@ -671,10 +718,16 @@ class CheckpointIO:
     def _optim_and_model(self, optimizer: Any) -> tuple[torch.optim.Optimizer, torch.nn.Module]:
         optim, model = unwrap_optimizer(optimizer)
         if model is None:
-            raise UnsupportedError(
-                "optimizer state is saved keyed by parameter FQN, which needs the model: pass the optimizer "
-                "returned by Booster.boost(), or unickpt.OptimizerWrapper(optimizer, model)"
-            )
+            # torch keeps the names of an optimizer built from model.named_parameters().
+            model = model_from_param_names(optim)
+            if model is None:
+                raise UnsupportedError(
+                    "optimizer state is saved keyed by parameter FQN, which needs the model: pass the optimizer "
+                    "returned by Booster.boost(), unickpt.OptimizerWrapper(optimizer, model), or an optimizer "
+                    "built from model.named_parameters()"
+                )
+        else:
+            check_param_names(optim, self.state_parameters(model))
         return optim, model
 
     def _save_hf_config(self, model: torch.nn.Module, path: str) -> None:

@@ -53,7 +53,7 @@ from unickpt.format.index import (
     index_to_json,
 )
 from unickpt.format.naming import SLICED_SENTINEL, single_name
-from unickpt.format.reader import UNICKPT_METADATA_KEY
+from unickpt.format.reader import UNICKPT_METADATA_KEY, single_file_name
 from unickpt.format.safetensors_io import SafetensorsWriter, encode_header
 from unickpt.io import _dist
 from unickpt.io._commit import commit_collective
@@ -164,13 +164,15 @@ def save_tensors(
     rank, world = _dist.rank(group), _dist.world_size(group)
     aliases = aliases or {}
     single_file = opts.gather and not opts.shard
+    # An existing file (e.g. a tempfile.NamedTemporaryFile) is replaced by an unsharded save.
+    is_file = path.endswith(".safetensors") or os.path.isfile(path)
     if single_file:
-        file_path = path if path.endswith(".safetensors") else os.path.join(path, single_name(opts.kind))
+        file_path = path if is_file else os.path.join(path, single_name(opts.kind))
         directory = os.path.dirname(os.path.abspath(file_path))
     else:
         file_path = ""
         directory = os.path.abspath(path)
-        if path.endswith(".safetensors"):
+        if is_file:
             _dist.agree(
                 UnickptError(f"{path}: a sharded or sliced checkpoint is a directory; pass a directory path"),
                 "save",
@@ -440,7 +442,7 @@ def _write_single(
     committed by ``commit_single_file``.
     """
     (f,) = plan.files
-    name = os.path.basename(file_path)
+    name = single_file_name(file_path, opts.kind)
     f = PlannedFile(name, 0, f.slices)
     placeholder = {
         k: (_PLACEHOLDER if opts.hashes else None, 0) for k in ((ps.name, ps.k) for ps in f.slices)

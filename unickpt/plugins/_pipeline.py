@@ -232,13 +232,14 @@ class PPCheckpointIO(CheckpointIO):
         gather_dtensor: bool = True,
         prefix: str | None = None,
         size_per_shard: int = 1024,
+        use_async: bool = False,
     ) -> str:
         """Collective; every stage writes its own state (see :meth:`CheckpointIO.save_optimizer`)."""
         self._saving = True
         self._gather = gather_dtensor
         try:
             return super().save_optimizer(
-                optimizer, checkpoint, shard, gather_dtensor, prefix, size_per_shard
+                optimizer, checkpoint, shard, gather_dtensor, prefix, size_per_shard, use_async=use_async
             )
         finally:
             self._saving = False
@@ -352,6 +353,10 @@ def prune_optimizer(optimizer: torch.optim.Optimizer | None, module: nn.Module) 
         raise UnsupportedError("the optimizer already holds state: pass a fresh optimizer to Booster.boost")
     keep = {id(p) for p in module.parameters()}
     for g in optimizer.param_groups:
+        if "param_names" in g:  # built from named_parameters(): the names follow their parameters
+            g["param_names"] = [
+                n for n, p in zip(g["param_names"], g["params"], strict=True) if id(p) in keep
+            ]
         g["params"] = [p for p in g["params"] if id(p) in keep]
 
 

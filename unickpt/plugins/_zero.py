@@ -94,6 +94,7 @@ class ZeroPartition:
                 )
                 shards.append(shard)
             g["params"] = shards
+            g.pop("param_names", None)  # flat shards have no FQN (the buckets keep the names)
         self._hooks = [
             optim.register_step_pre_hook(lambda *_: self.reduce_gradients()),
             optim.register_step_post_hook(lambda *_: self.gather_parameters()),
@@ -252,12 +253,13 @@ class ZeroCheckpointIO(CheckpointIO):
         gather_dtensor: bool = True,
         prefix: str | None = None,
         size_per_shard: int = 1024,
+        use_async: bool = False,
     ) -> str:
         """Collective; see :meth:`CheckpointIO.save_optimizer`."""
         self._gather = gather_dtensor
         try:
             return super().save_optimizer(
-                optimizer, checkpoint, shard, gather_dtensor, prefix, size_per_shard
+                optimizer, checkpoint, shard, gather_dtensor, prefix, size_per_shard, use_async=use_async
             )
         finally:
             self._gather = False
