@@ -253,6 +253,10 @@ def import_training(
         from unickpt.format.commit import atomic_write_bytes
 
         state = _nest({f: values[k] for f, k in lay.scheduler.items()})
+        if set(state) == {"last_epoch"} and groups:
+            # torchtitan saves only last_epoch of its LambdaLR; torch's LambdaLR.load_state_dict
+            # also needs lr_lambdas, which its state_dict() stores as None for plain functions.
+            state["lr_lambdas"] = [None] * len(groups)
         atomic_write_bytes(os.path.join(out_dir, "lr_scheduler.json"), lr_scheduler_json(state))
 
 

@@ -27,6 +27,7 @@ import warnings
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -161,8 +162,8 @@ def load_entries(src: str, keys: list[str], md: Metadata) -> dict[str, Any]:
             )
         except UnsupportedError:
             raise
-        except Exception as e:
-            # DCP wraps errors of its reader in CheckpointException.
+        except (Exception, CheckpointException) as e:
+            # DCP wraps errors of its reader in CheckpointException (a BaseException).
             cause = _unickpt_cause(e)
             if cause is not None:
                 raise cause from None
@@ -176,7 +177,7 @@ def _unickpt_cause(e: BaseException) -> BaseException | None:
     failures = getattr(e, "failures", None)
     if isinstance(failures, dict):
         for v in failures.values():
-            inner = getattr(v, "exception", v)
+            inner = v[0] if isinstance(v, tuple) and v else v  # (exception, traceback) pairs
             if isinstance(inner, UnickptError):
                 return inner
     return e.__cause__ if isinstance(e.__cause__, UnickptError) else None
