@@ -459,3 +459,58 @@ def test_colossalai_live_output(tmp_path: Path) -> None:
     for pid, st in a["state"].items():
         for k, v in st.items():
             assert torch.equal(v, b["state"][pid][k]), (pid, k)
+
+
+# ---------------------------------------------------------------- HuggingFaceStorageWriter(save_distributed=True)
+def _hf_shards(d: Path, full: dict[str, torch.Tensor], cut: int) -> None:
+    """Two rank files as torch's HF writer lays them out (rows split at ``cut``); the real
+    2-rank output is tested in tests/dist/test_migrate_dist.py."""
+    from safetensors.torch import save_file
+
+    d.mkdir()
+    for r, rows in enumerate((slice(0, cut), slice(cut, None))):
+        part = {k: v[rows].contiguous() for k, v in full.items()}
+        info = {k: {"saved_offsets": [rows.start] + [0] * (v.dim() - 1)} for k, v in full.items()}
+        save_file(
+            part,
+            str(d / f"shard-0000{r + 1}-model-00001-of-00001.safetensors"),
+            metadata={"format": "pt", "DCP_VERSION": "1.0", "DCP_SHARDING_INFO": json.dumps(info)},
+        )
+
+
+def test_hf_distributed_layout_loads_and_refuses_a_missing_rank(tmp_path: Path) -> None:
+    from unickpt.errors import IndexFileError
+
+    m = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 7))
+    _hf_shards(tmp_path / "hf", dict(m.state_dict()), 3)
+    m2 = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 7))
+    GeneralCheckpointIO().load_model(m2, tmp_path / "hf")
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, m2.state_dict()[k]), k
+    convert_checkpoint(tmp_path / "hf", tmp_path / "u", source="dcp")
+    m3 = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 7))
+    GeneralCheckpointIO().load_model(m3, tmp_path / "u", verify=True)
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, m3.state_dict()[k]), k
+    # rank 1's file gone: the rows it held are missing, refused before anything is copied
+    (tmp_path / "hf" / "shard-00001-model-00001-of-00001.safetensors").unlink()
+    before = {k: v.clone() for k, v in m2.state_dict().items()}
+    with pytest.raises(IndexFileError, match=r"tensor '0\.(weight|bias)'"):
+        GeneralCheckpointIO().load_model(m2, tmp_path / "hf")
+    assert all(torch.equal(v, m2.state_dict()[k]) for k, v in before.items())
+
+
+def test_hf_distributed_layout_bad_offsets(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    d = tmp_path / "hf"
+    d.mkdir()
+    save_file(
+        {"w": torch.zeros(2, 3)},
+        str(d / "shard-00001-model-00001-of-00001.safetensors"),
+        metadata={"DCP_SHARDING_INFO": json.dumps({"w": {"saved_offsets": [0]}})},
+    )
+    with pytest.raises(
+        CheckpointFormatError, match=r"tensor 'w' has no valid saved_offsets.*expected 2 .*found \[0\]"
+    ):
+        GeneralCheckpointIO().load_model(torch.nn.Linear(3, 2), d)

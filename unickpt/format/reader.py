@@ -29,6 +29,7 @@ from unickpt.errors import (
 )
 from unickpt.format._json import strict_loads
 from unickpt.format.boxes import coverage_problem
+from unickpt.format.dcp_hf import block_from_dcp_hf, dcp_hf_files
 from unickpt.format.hashing import SliceHasher
 from unickpt.format.index import (
     IndexFile,
@@ -278,6 +279,11 @@ def open_checkpoint(path: str | os.PathLike[str], kind: str = "model") -> Checkp
         single = os.path.join(p, single_name(kind))
         if os.path.isfile(single):
             return open_checkpoint(single, kind)
+        shards = dcp_hf_files(p) if kind == "model" else []
+        if shards:  # torch's HuggingFaceStorageWriter(save_distributed=True): see format/dcp_hf.py
+            r = CheckpointReader(p, kind, block_from_dcp_hf(p, shards), None, False)
+            r.check_coverage()
+            return r
         raise IncompleteCheckpointError(
             f"{p} holds no committed {kind} checkpoint: neither {index_name(kind)} nor {single_name(kind)} "
             "is present (an interrupted save leaves data files without an index; such a directory is "

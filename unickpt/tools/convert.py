@@ -30,6 +30,7 @@ import numpy as np
 from unickpt import __version__
 from unickpt._logging import get_logger
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, UnsupportedError
+from unickpt.format.dcp_hf import dcp_hf_files
 from unickpt.format.index import LayoutInfo
 from unickpt.tools._common import check_output, copy_small_file, staged_output
 from unickpt.tools._write import SliceData, TensorData, write_checkpoint
@@ -192,7 +193,9 @@ def convert_checkpoint(
 ) -> str:
     """Convert the ``source`` checkpoint at ``src`` into ``target`` at ``out``; returns ``out``.
 
-    - ``source="dcp"``: a DCP directory (or a torchtitan folder of ``step-<N>/``: the latest).
+    - ``source="dcp"``: a DCP directory (or a torchtitan folder of ``step-<N>/``: the latest),
+      or what ``HuggingFaceStorageWriter(save_distributed=True)`` writes (per-rank
+      ``shard-*-model-*.safetensors``, see ``unickpt.format.dcp_hf``), merged into whole tensors.
       A training checkpoint (optimizer / scheduler / train state entries, see
       ``unickpt.tools.convert_dcp``) gives a model and an optimizer checkpoint in ``out`` plus
       ``lr_scheduler.json``; ``target="run"`` writes them as ``step-<N>/`` of a
@@ -244,6 +247,12 @@ def convert_checkpoint(
         from unickpt.tools.dcp_read import read_metadata
 
         src_s = _dcp_source(src_s)
+        if not os.path.isfile(os.path.join(src_s, ".metadata")) and dcp_hf_files(src_s):
+            # HuggingFaceStorageWriter(save_distributed=True): per-rank safetensors, read as slices
+            from unickpt.tools.merge import merge_checkpoint
+
+            merge_checkpoint(src_s, out_s, max_shard_size=max_shard_size)
+            return out_s
         md = read_metadata(src_s)
         lay = classify(md)
         if strip_prefix is None and (lay.is_training or target == "run"):
