@@ -1,18 +1,22 @@
-"""``unickpt convert``: import checkpoints users already have into the unickpt format.
+"""``unickpt convert``: bring checkpoints users already have in, and take unickpt ones out to DCP.
 
 - ``--from dcp``: a PyTorch Distributed Checkpoint directory (``.metadata`` + ``__N_M.distcp``),
-  read through torch's own DCP reader (``FileSystemReader`` + ``dcp.load(no_dist=True)``),
-  one batch of tensors at a time. **Security**: DCP's ``.metadata`` file is a pickle, which
-  torch unpickles to read it; only convert DCP directories from a source you trust. The
-  non-tensor entries of a DCP checkpoint (stored as pickled bytes) are never loaded: they
-  are skipped with a warning.
+  a torchtitan folder of ``step-<N>/`` (the latest), or the per-rank files of
+  ``HuggingFaceStorageWriter(save_distributed=True)``. A whole training checkpoint (model,
+  optimizer, LR scheduler, train state: ``unickpt.tools.convert_dcp``) becomes model and
+  optimizer checkpoints, or with ``--to run`` a ``CheckpointManager`` step. Read through
+  ``unickpt.tools.dcp_read``: ``.metadata`` with an allowlist unpickler, non-tensor entries with
+  ``torch.load(weights_only=True)``; no code from the checkpoint runs.
 - ``--from bin``: Hugging Face / Colossal-AI ``pytorch_model*.bin`` shards (with or without
   ``pytorch_model.bin.index.json``), read with ``torch.load(weights_only=True)`` only, which
   refuses arbitrary pickled objects.
+- ``--from colossalai``: a Colossal-AI sharded optimizer checkpoint
+  (``unickpt.tools.convert_colossalai``).
+- ``--to dcp``: a unickpt checkpoint written back as DCP (``unickpt.tools.export_dcp``).
 
-The output is a gathered, sharded unickpt checkpoint (``model-0000k-of-0000n.safetensors``
+The unickpt output is a gathered, sharded checkpoint (``model-0000k-of-0000n.safetensors``
 + ``model.safetensors.index.json`` with hashes and fingerprints), which is at the same time
-a valid Hugging Face checkpoint; ``--to hf`` writes the same files. The output is written
+a valid Hugging Face checkpoint; ``--to hf`` writes the same files. Every output is written
 under a temporary name and renamed when complete. Needs no process group.
 """
 
