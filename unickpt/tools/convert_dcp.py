@@ -204,7 +204,8 @@ def import_training(
     )
     values = load_entries(src, value_keys, md) if value_keys else {}
     specs = tensor_specs(md)
-    order = [(k, math.prod(s) * dt.itemsize) for k, (dt, s) in specs.items()]
+    wanted = set(lay.model.values()) | set(lay.optim_tensors.values())
+    order = [(k, math.prod(s) * dt.itemsize) for k, (dt, s) in specs.items() if k in wanted]
     lazy = _LazyTensors(order, lambda keys: load_entries(src, keys, md))
 
     def tensor(key: str, name: str, extras: dict[str, Any] | None = None) -> TensorData:
