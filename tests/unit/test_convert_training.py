@@ -514,3 +514,21 @@ def test_hf_distributed_layout_bad_offsets(tmp_path: Path) -> None:
         CheckpointFormatError, match=r"tensor 'w' has no valid saved_offsets.*expected 2 .*found \[0\]"
     ):
         GeneralCheckpointIO().load_model(torch.nn.Linear(3, 2), d)
+
+
+def test_dcp_metadata_without_planner_data(tmp_path: Path) -> None:
+    """Older or hand-made DCP metadata may lack planner_data (the nested paths of each key):
+    the keys are then cut with the model's FQNs, and the import is the same."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    src, m, opt, _ = _dcp_run(tmp_path)
+    md = FileSystemReader(str(src)).read_metadata()  # test code: our own file
+    md.planner_data = None
+    (src / ".metadata").write_bytes(pickle.dumps(md))
+    convert_checkpoint(src, tmp_path / "u", source="dcp")
+    m2, opt2 = _fresh()
+    GeneralCheckpointIO().load_model(m2, tmp_path / "u", verify=True)
+    GeneralCheckpointIO().load_optimizer(OptimizerWrapper(opt2, m2), tmp_path / "u", verify=True)
+    index = json.loads((tmp_path / "u" / "optimizer.safetensors.index.json").read_text())["unickpt"]
+    assert index["layout"]["plugin"] == "dcp"
+    _assert_same_training((m, opt), (m2, opt2))

@@ -83,7 +83,9 @@ def classify(md: Any) -> DcpLayout:
     planner = md.planner_data if isinstance(md.planner_data, dict) else {}
     for key in md.state_dict_metadata:
         p = planner.get(key)
-        paths[key] = tuple(p) if isinstance(p, (tuple, list)) and p else tuple(key.split("."))
+        # Without planner_data (the nested paths), split off the first component only; the
+        # flattened optimizer keys are then cut with the model's FQNs below.
+        paths[key] = tuple(p) if isinstance(p, (tuple, list)) and p else tuple(key.split(".", 1))
     nested_model = any(p[0] == "model" and len(p) == 2 for p in paths.values())
     flat_optim: list[tuple[str, str, bool]] = []
     for key, p in paths.items():
@@ -115,14 +117,20 @@ def classify(md: Any) -> DcpLayout:
         else:
             lay.skipped.append(key)
     fqns = sorted(lay.model)
+    indexed = {r for _, r, _ in flat_optim if r.startswith("param_groups.") and r.endswith(".params")}
     for key, rest_s, is_tensor in flat_optim:
-        lay.flavour = "torchtitan"
         kind, _, tail = rest_s.partition(".")
+        seg, _, hyper = tail.partition(".")
+        if kind == "param_groups" and seg.isdigit() and f"param_groups.{seg}.params" in indexed:
+            lay.groups.setdefault(int(seg), {})[hyper] = key  # get_state_dict groups, paths not recorded
+            continue
         fqn, name = _split_fqn(tail, fqns, key)
         if kind == "state":
             (lay.optim_tensors if is_tensor else lay.optim_values)[(fqn, name)] = key
         else:
             lay.flat_groups.setdefault(fqn, {})[name] = key
+    if lay.flat_groups:  # per-parameter hyperparameters: torchtitan's flat optimizer state dict
+        lay.flavour = "torchtitan"
     return lay
 
 
