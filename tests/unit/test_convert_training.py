@@ -316,6 +316,11 @@ def test_hostile_dcp_metadata_runs_no_code(tmp_path: Path) -> None:
         convert_checkpoint(src, tmp_path / "u", source="dcp")
     assert not marker.exists() and not (tmp_path / "u").exists()
     assert main(["convert", "-q", "--from", "dcp", str(src), str(tmp_path / "u")]) == 2
+    # a name the metadata module imports (os, Enum, dataclass) is not one of its classes
+    for ref in (b"os", b"Enum", b"field"):
+        (src / ".metadata").write_bytes(b"ctorch.distributed.checkpoint.metadata\n" + ref + b"\n.")
+        with pytest.raises(UnsupportedError, match=r"which is not a metadata class"):
+            convert_checkpoint(src, tmp_path / "u", source="dcp")
     (src / ".metadata").write_bytes(b"\x80\x04garbage")
     with pytest.raises(CheckpointFormatError, match=r"\.metadata: not a readable DCP metadata file"):
         convert_checkpoint(src, tmp_path / "u", source="dcp")

@@ -58,15 +58,14 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         allowed = _ALLOWED.get(module, set())
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format)):
-            return getattr(torch, name)
-        if module == "torch.strided" or (
-            module == "torch" and isinstance(getattr(torch, name, None), torch.layout)
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.memory_format, torch.layout)
         ):
-            return super().find_class(module, name)
+            return getattr(torch, name)
         if allowed is None or name in allowed:
             obj = super().find_class(module, name)
-            if allowed is None and not isinstance(obj, type):
+            if allowed is None and not (isinstance(obj, type) and obj.__module__ == module):
+                # only the classes defined there, not whatever the module imports
                 raise UnsupportedError(
                     f"{self.where}: refers to {module}.{name}, which is not a metadata class"
                 )
