@@ -401,6 +401,9 @@ class CheckpointManager:
                 js, tensors = _read_rank_state(d, 0)
                 if js is None:
                     raise IncompleteCheckpointError(f"{d}: no train state for rank 0")
+            elif js.get("rng") is None:
+                # a step imported by `unickpt convert --to run`: the source saved no RNG states
+                logger.warning("step %s holds no RNG states (imported): RNG states are not restored", step)
             elif int(js["world_size"]) == world:
                 _rng.restore_rng(js["rng"], tensors)
             else:

@@ -6,8 +6,8 @@ header, bad arguments); 3 an unexpected internal error (a bug). Failures print o
 on stderr, never a traceback (``UNICKPT_TRACEBACK=1`` re-raises internal errors).
 
 Start-up stays fast: ``inspect``, ``verify`` and ``diff`` never import torch; ``merge``
-imports it only for ``--dtype`` and ``convert`` only to read DCP or ``.bin`` files; nothing
-imports ``torch.distributed`` except ``convert --from dcp``.
+imports it only for ``--dtype`` and ``convert`` only to read or write DCP, ``.bin`` and
+Colossal-AI files; nothing imports ``torch.distributed`` except ``convert`` from or to DCP.
 """
 
 from __future__ import annotations
@@ -125,17 +125,26 @@ def _cmd_merge(args: argparse.Namespace) -> int:
 def _cmd_convert(args: argparse.Namespace) -> int:
     from unickpt.tools.convert import convert_checkpoint
 
+    source = args.source or ("unickpt" if args.target == "dcp" else None)
+    if source is None:
+        from unickpt.errors import UnsupportedError
+
+        raise UnsupportedError(
+            "convert: give --from (dcp, bin or colossalai), or --to dcp to export a unickpt checkpoint"
+        )
     out = convert_checkpoint(
         args.src,
         args.out,
-        source=args.source,
+        source=source,
         target=args.target,
         max_shard_size=args.max_shard_size,
         strip_prefix=args.strip_prefix,
+        step=args.step,
+        model=args.model,
         progress=not args.quiet,
     )
     if not args.quiet:
-        print(f"converted {args.src} ({args.source}) -> {out} ({args.target})")
+        print(f"converted {args.src} ({source}) -> {out} ({args.target})")
     return EXIT_OK
 
 
@@ -259,27 +268,58 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser(
         "convert",
-        help="import a torch DCP directory or pytorch_model*.bin shards as a unickpt checkpoint",
+        help="import DCP / torchtitan / Colossal-AI / .bin checkpoints, or export to DCP",
         description=(
-            "Convert a PyTorch Distributed Checkpoint directory (.metadata + __N_M.distcp), read with "
-            "torch's own DCP reader, or Hugging Face / Colossal-AI pytorch_model*.bin shards, read "
-            "with torch.load(weights_only=True), into a unickpt checkpoint with hashes and "
-            "fingerprints (--to unickpt) or a plain Hugging Face checkpoint (--to hf). Warning: "
-            "DCP's .metadata file is itself a pickle that torch unpickles; convert only DCP "
-            "directories you trust. Non-tensor DCP entries (pickled bytes) are skipped."
+            "Bring checkpoints in: --from dcp reads a PyTorch Distributed Checkpoint directory "
+            "(.metadata + __N_M.distcp, or a torchtitan folder of step-N/: the latest step). A training "
+            "checkpoint (dcp.save of get_state_dict(model, optimizer) as {'model', 'optim'}, or "
+            "torchtitan's layout) becomes a model checkpoint, an optimizer checkpoint with its "
+            "param_groups and lr_scheduler.json in OUT; --to run writes OUT as a CheckpointManager "
+            "directory (OUT/step-N, resumable with manager.load). --from bin reads pytorch_model*.bin "
+            "shards; --from colossalai reads a Colossal-AI sharded optimizer checkpoint "
+            "(pytorch_optim.bin.index.json), mapping parameter ids to names with --model. "
+            "Take checkpoints out: --to dcp writes the unickpt checkpoint SRC (model, optimizer, "
+            "scheduler of a manager step) as DCP for torch.distributed.checkpoint.load / torchtitan. "
+            "Nothing is unpickled except through restricted unpicklers: DCP .metadata with an "
+            "allowlist of DCP's own classes, every other pickle with torch.load(weights_only=True)."
         ),
         epilog=_EPILOG,
     )
-    sp.add_argument("--from", dest="source", choices=("dcp", "bin"), required=True, help="source format")
-    sp.add_argument("--to", dest="target", choices=("unickpt", "hf"), default="unickpt", help="output format")
-    sp.add_argument("src", help="source directory (or a single .bin file)")
+    sp.add_argument(
+        "--from",
+        dest="source",
+        choices=("dcp", "bin", "colossalai", "unickpt"),
+        default=None,
+        help="source format (default with --to dcp: unickpt)",
+    )
+    sp.add_argument(
+        "--to",
+        dest="target",
+        choices=("unickpt", "hf", "run", "dcp"),
+        default="unickpt",
+        help="output: unickpt (default) or hf (the same files), run (a CheckpointManager directory), "
+        "dcp (from a unickpt checkpoint)",
+    )
+    sp.add_argument("src", help="source directory (or a single .bin / .safetensors file)")
     sp.add_argument("out", help="output directory (must not exist, or be empty)")
     sp.add_argument("--max-shard-size", default="5GB", help="largest output file (default: 5GB)")
     sp.add_argument(
         "--strip-prefix",
         default=None,
-        help='keep only tensors whose name starts with this prefix, without it (e.g. "model." for '
-        'DCP state dicts saved as {"model": ..., "optim": ...})',
+        help='model tensors only: keep names starting with this prefix, without it (e.g. "model."); '
+        "without it a DCP training checkpoint is recognised and imported whole",
+    )
+    sp.add_argument(
+        "--step",
+        type=int,
+        default=None,
+        help="--to run: the step number (default: the checkpoint's train_state.step)",
+    )
+    sp.add_argument(
+        "--model",
+        default=None,
+        help="--from colossalai: the model checkpoint directory whose parameter order gives the ids' names "
+        "(default: the model/ directory beside SRC)",
     )
     sp.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     sp.set_defaults(func=_cmd_convert)

@@ -40,6 +40,7 @@ from unickpt.format._json import strict_loads
 from unickpt.format.boxes import coverage_problem
 from unickpt.format.commit import SAVE_ID_KEY
 from unickpt.format.consistency import check_block, check_keys_referenced
+from unickpt.format.dcp_hf import block_from_dcp_hf, dcp_hf_files
 from unickpt.format.hashing import SliceHasher
 from unickpt.format.index import (
     IndexFile,
@@ -432,6 +433,11 @@ def _open_checkpoint(path: str | os.PathLike[str], kind: str) -> CheckpointReade
             return _open_checkpoint(single, kind)
         if os.path.lexists(single):
             raise HeaderError(f"{single} is {_not_regular(single)}, not a safetensors file")
+        shards = dcp_hf_files(p) if kind == "model" else []
+        if shards:  # torch's HuggingFaceStorageWriter(save_distributed=True): see format/dcp_hf.py
+            r = CheckpointReader(p, kind, block_from_dcp_hf(p, shards), None, False)
+            r.check_coverage()
+            return r
         raise IncompleteCheckpointError(
             f"{p} holds no committed {kind} checkpoint: neither {index_name(kind)} nor {single_name(kind)} "
             "is present (an interrupted save leaves data files without an index; such a directory is "

@@ -35,6 +35,10 @@ def detect_kind(path: str | os.PathLike[str]) -> str:
                 os.path.join(p, single_name(kind))
             ):
                 return kind
+        from unickpt.format.dcp_hf import dcp_hf_files
+
+        if dcp_hf_files(p):  # HuggingFaceStorageWriter(save_distributed=True) output
+            return "model"
         raise IncompleteCheckpointError(
             f"{p} holds no committed checkpoint: none of model/optimizer .safetensors(.index.json) is present"
         )

@@ -1,18 +1,22 @@
-"""``unickpt convert``: import checkpoints users already have into the unickpt format.
+"""``unickpt convert``: bring checkpoints users already have in, and take unickpt ones out to DCP.
 
 - ``--from dcp``: a PyTorch Distributed Checkpoint directory (``.metadata`` + ``__N_M.distcp``),
-  read through torch's own DCP reader (``FileSystemReader`` + ``dcp.load(no_dist=True)``),
-  one batch of tensors at a time. **Security**: DCP's ``.metadata`` file is a pickle, which
-  torch unpickles to read it; only convert DCP directories from a source you trust. The
-  non-tensor entries of a DCP checkpoint (stored as pickled bytes) are never loaded: they
-  are skipped with a warning.
+  a torchtitan folder of ``step-<N>/`` (the latest), or the per-rank files of
+  ``HuggingFaceStorageWriter(save_distributed=True)``. A whole training checkpoint (model,
+  optimizer, LR scheduler, train state: ``unickpt.tools.convert_dcp``) becomes model and
+  optimizer checkpoints, or with ``--to run`` a ``CheckpointManager`` step. Read through
+  ``unickpt.tools.dcp_read``: ``.metadata`` with an allowlist unpickler, non-tensor entries with
+  ``torch.load(weights_only=True)``; no code from the checkpoint runs.
 - ``--from bin``: Hugging Face / Colossal-AI ``pytorch_model*.bin`` shards (with or without
   ``pytorch_model.bin.index.json``), read with ``torch.load(weights_only=True)`` only, which
   refuses arbitrary pickled objects.
+- ``--from colossalai``: a Colossal-AI sharded optimizer checkpoint
+  (``unickpt.tools.convert_colossalai``).
+- ``--to dcp``: a unickpt checkpoint written back as DCP (``unickpt.tools.export_dcp``).
 
-The output is a gathered, sharded unickpt checkpoint (``model-0000k-of-0000n.safetensors``
+The unickpt output is a gathered, sharded checkpoint (``model-0000k-of-0000n.safetensors``
 + ``model.safetensors.index.json`` with hashes and fingerprints), which is at the same time
-a valid Hugging Face checkpoint; ``--to hf`` writes the same files. The output is written
+a valid Hugging Face checkpoint; ``--to hf`` writes the same files. Every output is written
 under a temporary name and renamed when complete. Needs no process group.
 """
 
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,6 +34,7 @@ from unickpt import __version__
 from unickpt._logging import get_logger
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, UnsupportedError
 from unickpt.format._json import strict_loads
+from unickpt.format.dcp_hf import dcp_hf_files
 from unickpt.format.index import LayoutInfo
 from unickpt.tools._common import check_output, copy_small_file, staged_output
 from unickpt.tools._write import SliceData, TensorData, write_checkpoint
@@ -40,6 +45,7 @@ logger = get_logger(__name__)
 # Tensors are read from DCP in batches of about this many bytes (one dcp.load call each).
 _BATCH_BYTES = 256 << 20
 _SIDE_FILES = ("config.json", "generation_config.json")
+_STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 def _parse_size(size: int | str) -> int:
@@ -72,19 +78,12 @@ class _LazyTensors:
         return tensor_bytes(self.cache.pop(name))
 
 
-def _dcp_tensors(src: str, strip_prefix: str | None) -> tuple[dict[str, TensorData], list[str]]:
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
+def _dcp_tensors(src: str, strip_prefix: str | None, md: Any) -> tuple[dict[str, TensorData], list[str]]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from unickpt.tools._torch import st_of
+    from unickpt.tools.dcp_read import load_entries
 
-    if not os.path.isfile(os.path.join(src, ".metadata")):
-        raise IncompleteCheckpointError(f"{src} is not a DCP checkpoint: it has no .metadata file")
-    try:
-        md = FileSystemReader(src).read_metadata()
-    except Exception as e:  # torch raises many types for a damaged pickle
-        raise CheckpointFormatError(f"{src}/.metadata could not be read by torch's DCP reader: {e}") from e
     specs: dict[str, tuple[str, Any, list[int]]] = {}
     skipped = []
     for key, meta in md.state_dict_metadata.items():
@@ -99,26 +98,11 @@ def _dcp_tensors(src: str, strip_prefix: str | None) -> tuple[dict[str, TensorDa
         dtype = meta.properties.dtype
         specs[name] = (key, dtype, list(meta.size))
     if skipped:
-        logger.warning(
-            "skipped %d non-tensor DCP entries (pickled bytes, never loaded): %s", len(skipped), skipped[:10]
-        )
+        logger.warning("skipped %d non-tensor DCP entries (never loaded): %s", len(skipped), skipped[:10])
 
     def load(names: list[str]) -> dict[str, Any]:
-        import torch
-
-        sd = {specs[n][0]: torch.empty(specs[n][2], dtype=specs[n][1]) for n in names}
-        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-
-        with warnings.catch_warnings():
-            # "torch.distributed is disabled ... assuming ... a single process": exactly what we want.
-            warnings.simplefilter("ignore", UserWarning)
-            dcp_load(
-                sd,
-                storage_reader=FileSystemReader(src),
-                planner=DefaultLoadPlanner(allow_partial_load=True),
-                no_dist=True,
-            )
-        return {n: sd[specs[n][0]] for n in names}
+        got = load_entries(src, [specs[n][0] for n in names], md)
+        return {n: got[specs[n][0]] for n in names}
 
     order = [(n, math.prod(s) * dt.itemsize) for n, (_, dt, s) in specs.items()]
     lazy = _LazyTensors(order, load)
@@ -188,6 +172,26 @@ def _bin_tensors(src: str, strip_prefix: str | None) -> Iterator[tuple[str, Any]
             yield k, v
 
 
+SOURCES = ("dcp", "bin", "colossalai", "unickpt")
+TARGETS = ("unickpt", "hf", "run", "dcp")
+
+
+def _dcp_source(src: str) -> str:
+    """``src`` itself, or for a torchtitan checkpoint folder (``step-<N>/`` DCP directories) its latest step."""
+    if os.path.isfile(os.path.join(src, ".metadata")) or not os.path.isdir(src):
+        return src
+    steps = []
+    for n in os.listdir(src):
+        m = _STEP_DIR.match(n)
+        if m and os.path.isfile(os.path.join(src, n, ".metadata")):
+            steps.append((int(m.group(1)), n))
+    if not steps:
+        return src
+    chosen = os.path.join(src, max(steps)[1])
+    logger.info("%s holds %d step directories; converting the latest, %s", src, len(steps), chosen)
+    return chosen
+
+
 def convert_checkpoint(
     src: str | os.PathLike[str],
     out: str | os.PathLike[str],
@@ -196,23 +200,86 @@ def convert_checkpoint(
     target: str = "unickpt",
     max_shard_size: int | str = "5GB",
     strip_prefix: str | None = None,
+    step: int | None = None,
+    model: str | os.PathLike[str] | Any = None,
+    optimizer: Any = None,
     progress: bool = False,
 ) -> str:
-    """Convert the ``source`` ("dcp" or "bin") checkpoint at ``src`` into a unickpt checkpoint at ``out``.
+    """Convert the ``source`` checkpoint at ``src`` into ``target`` at ``out``; returns ``out``.
 
-    ``target`` "unickpt" or "hf" (the same files: a gathered unickpt checkpoint is a Hugging
-    Face checkpoint). ``strip_prefix`` keeps only names starting with it, without it.
-    Returns ``out``. See the module docstring for what is (never) unpickled.
+    - ``source="dcp"``: a DCP directory (or a torchtitan folder of ``step-<N>/``: the latest),
+      or what ``HuggingFaceStorageWriter(save_distributed=True)`` writes (per-rank
+      ``shard-*-model-*.safetensors``, see ``unickpt.format.dcp_hf``), merged into whole tensors.
+      A training checkpoint (optimizer / scheduler / train state entries, see
+      ``unickpt.tools.convert_dcp``) gives a model and an optimizer checkpoint in ``out`` plus
+      ``lr_scheduler.json``; ``target="run"`` writes them as ``step-<N>/`` of a
+      ``CheckpointManager`` directory (``step`` or the checkpoint's ``train_state.step``).
+      A model-only DCP checkpoint keeps its full names (``strip_prefix`` selects and strips).
+    - ``source="bin"``: ``pytorch_model*.bin`` shards (``torch.load(weights_only=True)`` only).
+    - ``source="colossalai"``: a Colossal-AI sharded optimizer checkpoint
+      (``pytorch_optim.bin.index.json``); ``model`` maps its integer ids to FQNs: a model
+      checkpoint directory, or a ``torch.nn.Module`` (its ``named_parameters()`` order, or with
+      ``optimizer`` the optimizer's parameter order); default the ``model/`` directory beside ``src``.
+    - ``target="dcp"`` (``source="unickpt"``): a DCP checkpoint of the unickpt model (and
+      optimizer, when ``src`` holds one) in the ``get_state_dict`` layout.
+
+    ``target`` "unickpt" and "hf" write the same files (a gathered unickpt checkpoint is a
+    Hugging Face checkpoint). See the module docstring for what is (never) unpickled.
     """
-    if target not in ("unickpt", "hf"):
-        raise UnsupportedError(f"convert --to {target!r}: choose unickpt or hf")
+    if source not in SOURCES:
+        raise UnsupportedError(f"convert --from {source!r}: choose one of {', '.join(SOURCES)}")
+    if target not in TARGETS:
+        raise UnsupportedError(f"convert --to {target!r}: choose one of {', '.join(TARGETS)}")
+    if (target == "dcp") != (source == "unickpt"):
+        raise UnsupportedError(
+            f"convert --from {source} --to {target}: DCP output is written from a unickpt checkpoint "
+            "(--from unickpt --to dcp); other sources convert to unickpt, hf or run"
+        )
+    if target == "run" and source != "dcp":
+        raise UnsupportedError(
+            f"convert --to run: only a DCP / torchtitan training checkpoint becomes a run (got --from {source})"
+        )
     src_s = os.fspath(src)
     out_s = check_output(os.fspath(out))
     shard_bytes = _parse_size(max_shard_size)
+    del progress  # conversions are bounded by torch's reader; no byte-level progress to report
+    created_by = f"unickpt {__version__} convert --from {source}"
+    if source == "unickpt":
+        from unickpt.tools.export_dcp import export_dcp
+
+        return export_dcp(src_s, out_s)
+    if source == "colossalai":
+        from unickpt.tools.convert_colossalai import convert_colossalai_optimizer
+
+        with staged_output(out_s) as tmp:
+            convert_colossalai_optimizer(
+                src_s, tmp, model=model, optimizer=optimizer, shard_bytes=shard_bytes, created_by=created_by
+            )
+        return out_s
     if source == "dcp":
-        tensors, _ = _dcp_tensors(src_s, strip_prefix)
+        from unickpt.tools.convert_dcp import classify, import_training
+        from unickpt.tools.dcp_read import read_metadata
+
+        src_s = _dcp_source(src_s)
+        if not os.path.isfile(os.path.join(src_s, ".metadata")) and dcp_hf_files(src_s):
+            # HuggingFaceStorageWriter(save_distributed=True): per-rank safetensors, read as slices
+            from unickpt.tools.merge import merge_checkpoint
+
+            merge_checkpoint(src_s, out_s, max_shard_size=max_shard_size)
+            return out_s
+        md = read_metadata(src_s)
+        lay = classify(md)
+        if strip_prefix is None and (lay.is_training or target == "run"):
+            if not lay.model and not lay.optim_tensors:
+                raise CheckpointFormatError(f"{src_s}: no model or optimizer tensors to convert")
+            if target == "run":
+                return _write_run(src_s, md, lay, out_s, step, shard_bytes, created_by)
+            with staged_output(out_s) as tmp:
+                import_training(src_s, md, lay, tmp, shard_bytes=shard_bytes, created_by=created_by)
+            return out_s
+        tensors, _ = _dcp_tensors(src_s, strip_prefix, md)
         plugin = "dcp"
-    elif source == "bin":
+    else:
         from unickpt.tools._torch import st_of, tensor_bytes
 
         tensors = {}
@@ -222,8 +289,6 @@ def convert_checkpoint(
                 st_of(v.dtype, k), shape, [SliceData([0] * len(shape), shape, tensor_bytes(v))]
             )
         plugin = "bin"
-    else:
-        raise UnsupportedError(f"convert --from {source!r}: choose dcp or bin")
     if not tensors:
         raise CheckpointFormatError(
             f"{src_s}: no tensors to convert" + (f" under prefix {strip_prefix!r}" if strip_prefix else "")
@@ -235,12 +300,56 @@ def convert_checkpoint(
             sliced=False,
             max_shard_bytes=shard_bytes,
             layout=LayoutInfo(plugin=plugin),
-            created_by=f"unickpt {__version__} convert --from {source}",
+            created_by=created_by,
         )
         src_dir = src_s if os.path.isdir(src_s) else os.path.dirname(os.path.abspath(src_s))
         for fname in _SIDE_FILES:
             p = os.path.join(src_dir, fname)
             if os.path.isfile(p):
                 copy_small_file(p, os.path.join(tmp, fname))
-    del progress  # conversions are bounded by torch's reader; no byte-level progress to report
     return out_s
+
+
+def _write_run(
+    src: str, md: Any, lay: Any, out: str, step: int | None, shard_bytes: int, created_by: str
+) -> str:
+    """A ``CheckpointManager`` directory at ``out`` holding ``step-<N>`` of the DCP checkpoint ``src``.
+
+    The checkpoint's ``train_state.*`` values become the manager's extra state ``train_state``
+    (``manager.load(..., train_state=obj)`` calls ``obj.load_state_dict`` with them).
+    """
+    from unickpt.tools.convert_dcp import import_training, read_train_state, writer_ranks
+    from unickpt.tools.run_layout import write_step
+
+    train = read_train_state(src, md, lay)
+    n = step
+    if n is None and "step" in train:
+        try:
+            n = int(train["step"])
+        except (TypeError, ValueError):
+            raise CheckpointFormatError(
+                f"{src}: train_state.step is {train['step']!r}, not a step number"
+            ) from None
+    if n is None:
+        raise CheckpointFormatError(
+            f"{src}: holds no train_state.step; give the step number (--step N) for the run directory"
+        )
+
+    def fill(stage: str) -> None:
+        parts = {"model": os.path.join(stage, "model"), "optimizer": os.path.join(stage, "optimizer")}
+        both = os.path.join(stage, ".import")
+        os.makedirs(both)
+        import_training(src, md, lay, both, shard_bytes=shard_bytes, created_by=created_by)
+        for name in os.listdir(both):
+            kind = (
+                "optimizer" if name.startswith("optimizer") else "model" if name.startswith("model") else None
+            )
+            dest = os.path.join(stage, name) if kind is None else os.path.join(parts[kind], name)
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            os.rename(os.path.join(both, name), dest)
+        os.rmdir(both)
+
+    with staged_output(out) as tmp:
+        extra = {"train_state": train} if train else {}
+        write_step(tmp, int(n), fill, extra=extra, world_size=writer_ranks(md), plugin=lay.flavour)
+    return out
