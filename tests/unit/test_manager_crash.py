@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_crash_safety import _run_child
+from _reliability import run_child as _run_child
 
 import unickpt._stepdirs as stepdirs
 from unickpt.errors import CheckpointBusyError, IncompleteCheckpointError, UnickptError
