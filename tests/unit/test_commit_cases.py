@@ -210,7 +210,8 @@ def test_killed_single_file_saves_leave_nothing_after_the_next_save(tmp_path: Pa
     leftovers = [
         f for f in os.listdir(d) if (p := parse_temp_name(f)) is not None and p[0] == "model.safetensors"
     ]
-    assert killed >= 20 and len(leftovers) >= 10
+    # Kills before the staging file exists or after its rename leave none; the rest leave one each.
+    assert killed >= 20 and len(leftovers) >= 5
     io.save_model(Tiny(3), str(d))
     assert sorted(os.listdir(d)) == sorted(
         ["model.safetensors", "notes.tmp-0123456789ab", ".mine.tmp-0123456789ab"]

@@ -22,7 +22,7 @@ from torch import nn
 
 from unickpt import GeneralCheckpointIO, OptimizerWrapper
 from unickpt._faults import InjectedFault, injected
-from unickpt.errors import StateMismatchError
+from unickpt.errors import IndexFileError, StateMismatchError
 
 OPT_INDEX = "optimizer.safetensors.index.json"
 
@@ -190,15 +190,18 @@ HOSTILE = [
     ("betas_strings", _set(0, "betas", ["a", 0.9]), ["['betas']", "a number at index 0"]),
     ("betas_scalar", _set(0, "betas", 0.9), ["['betas']", "a list of 2"]),
     ("amsgrad_int", _set(0, "amsgrad", 1), ["['amsgrad']", "expected a bool", "1"]),
-    ("params_int", _set(0, "params", 5), ["param_groups[0]['params']", "a list of parameter names", "5"]),
-    ("params_ints", _set(0, "params", [1, 2]), ["['params']", "a list of parameter names"]),
+    # Malformed params lists are refused when the index is opened (IndexFileError), before any
+    # comparison with the optimizer.
+    ("params_int", _set(0, "params", 5), ["param_groups[0].params must be a list of parameter names"]),
+    ("params_ints", _set(0, "params", [1, 2]), ["param_groups[0].params", "a list of parameter names"]),
     (
         "params_unknown",
         _set(1, "params", ["nope.weight"]),
         ["['params']", "optimizer's parameters", "nope.weight"],
     ),
-    ("params_twice", _dup_param, ["['params']", "each parameter in one group", "also in group 0"]),
-    ("unknown_key", _set(0, "warp_factor", 9), ["['warp_factor']", "no such key", "9"]),
+    ("params_twice", _dup_param, ["is listed in param_groups[0] and param_groups[1]"]),
+    ("unknown_key_nan", _set(0, "warp_factor", math.nan), ["['warp_factor']", "a plain value", "nan"]),
+    ("unknown_key_object", _set(0, "warp_factor", {"a": 1}), ["['warp_factor']", "a plain value"]),
     ("group_split", _move_param(0, 1), ["param group 0 is split over saved groups [0, 1]"]),
     (
         "tensor_lr_hostile",
@@ -221,7 +224,7 @@ def test_hostile_param_groups_refused_before_any_change(
         before_groups = copy.deepcopy(groups_without_params(opt))
         before_ids = [[id(p) for p in g["params"]] for g in opt.param_groups]
         before_model = {k: v.clone() for k, v in net.state_dict().items()}
-        with pytest.raises(StateMismatchError) as ei:
+        with pytest.raises((StateMismatchError, IndexFileError)) as ei:
             GeneralCheckpointIO().load_optimizer(OptimizerWrapper(opt, net), saved_optimizer)
         msg = str(ei.value)
         for frag in fragments:
@@ -276,3 +279,20 @@ def test_key_missing_from_the_checkpoint_keeps_the_live_value(
     assert opt.param_groups[1]["weight_decay"] == 0.25  # kept
     assert opt.param_groups[0]["lr"] == 0.05 and opt.param_groups[1]["lr"] == 0.01  # from the checkpoint
     assert "param_groups[1] has no 'weight_decay'; the optimizer keeps its own value 0.25" in caplog.text
+
+
+def test_scheduler_keys_of_the_saved_groups_are_kept(tmp_path: Path) -> None:
+    """A checkpoint saved with an LR scheduler attached carries ``initial_lr`` in its groups; a fresh
+    optimizer (no scheduler yet) takes it, as torch's own load_state_dict does, so a scheduler
+    created afterwards with ``last_epoch`` resumes."""
+    net, opt = build(lr=0.3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    train(net, opt, range(2))
+    sched.step()
+    GeneralCheckpointIO().save_optimizer(OptimizerWrapper(opt, net), tmp_path / "o", shard=True)
+    net2, opt2 = build(lr=0.3)
+    assert "initial_lr" not in opt2.param_groups[0]
+    GeneralCheckpointIO().load_optimizer(OptimizerWrapper(opt2, net2), tmp_path / "o")
+    assert [g["initial_lr"] for g in opt2.param_groups] == [g["initial_lr"] for g in opt.param_groups]
+    assert [g["lr"] for g in opt2.param_groups] == [g["lr"] for g in opt.param_groups]
+    torch.optim.lr_scheduler.StepLR(opt2, step_size=1, gamma=0.5, last_epoch=0)  # needs initial_lr

@@ -3,8 +3,9 @@
 The saved groups are JSON written by anyone; their values end up as the optimizer's
 hyperparameters. A value of the wrong type (``lr: "abc"``), a non-finite number where the live
 one is finite (``lr: NaN``), a tuple of the wrong length (``betas: [1]``), a ``params`` that is
-not a list of names, an unknown or missing key, or groups that do not match the optimizer's
-would be accepted and break training later. ``validate_param_groups`` refuses each of them
+not a list of names, or groups that do not match the optimizer's
+would be accepted and break training later; a key the optimizer's groups lack must hold a
+plain finite value (an LR scheduler's ``initial_lr`` is kept, as torch keeps it). ``validate_param_groups`` refuses each of them
 with a ``StateMismatchError`` naming the group, the key, what was expected and what was found.
 A key the checkpoint lacks keeps the live value (logged): torch adds group options over
 versions, and an older checkpoint must still load.
@@ -39,6 +40,16 @@ def _fail(where: str, gi: int | str, key: str, expected: str, found: Any) -> Sta
 
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _plain(v: Any, depth: int = 0) -> bool:
+    if v is None or isinstance(v, (bool, str)):
+        return True
+    if _is_number(v):
+        return math.isfinite(v)
+    if isinstance(v, list) and depth == 0:
+        return all(_plain(x, 1) for x in v)
+    return False
 
 
 def _check_value(live: Any, found: Any, path: str) -> str | None:
@@ -138,8 +149,19 @@ def validate_param_groups(
         sg = saved[gi]
         want = set(lg) - {"params"}
         have = set(sg) - {"params"}
+        # A key the optimizer's groups lack is kept, as torch keeps it (an LR scheduler's
+        # ``initial_lr``, options of another torch version), when it is a plain finite value: the
+        # optimizer ignores it, but a scheduler created later may read it.
         for key in sorted(have - want):
-            raise _fail(where, gi, key, "no such key (the optimizer's groups have none)", sg[key])
+            if not _plain(sg[key]):
+                raise _fail(
+                    where,
+                    gi,
+                    key,
+                    "a plain value (finite number, bool, string, null or a list of them) for a key the "
+                    "optimizer's groups do not have",
+                    sg[key],
+                )
         # A key the checkpoint lacks (torch adds group options over versions, e.g. AdamW's
         # decoupled_weight_decay) keeps the live value: refusing would strand every older checkpoint.
         for key in sorted(want - have):
