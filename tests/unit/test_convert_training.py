@@ -441,12 +441,17 @@ def test_colossalai_errors(tmp_path: Path) -> None:
         convert_checkpoint(COLO / "one_group" / "optimizer", tmp_path / "o", source="colossalai", model=m)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("colossalai") is None, reason="colossalai not installed")
 def test_colossalai_live_output(tmp_path: Path) -> None:
-    """Against Colossal-AI itself: ``.venv/bin/pip install --no-deps colossalai psutil peft accelerate``."""
+    """Against Colossal-AI itself: ``.venv/bin/pip install --no-deps colossalai psutil peft accelerate``.
+
+    (``tests/data/colossalai`` can make a bare ``colossalai`` namespace package importable, so the
+    skip tests the real modules.)"""
     warnings.simplefilter("ignore")
-    from colossalai.checkpoint_io import GeneralCheckpointIO as ColoIO
-    from colossalai.interface import OptimizerWrapper as ColoWrapper
+    try:
+        from colossalai.checkpoint_io import GeneralCheckpointIO as ColoIO
+        from colossalai.interface import OptimizerWrapper as ColoWrapper
+    except Exception as e:  # absent, or not importable beside this torch
+        pytest.skip(f"colossalai is not importable ({type(e).__name__}: {e})")
 
     m, opt = _colo_model_opt(True)
     g = torch.Generator().manual_seed(1)

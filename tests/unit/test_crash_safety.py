@@ -155,22 +155,23 @@ def test_data_files_without_index_are_refused(tmp_path: Path) -> None:
 def test_lock_of_a_live_process_refuses_a_second_save(tmp_path: Path) -> None:
     ck = tmp_path / "ck"
     save_sharded(ck, OLD_SEED)
-    r, w = os.pipe()
+    held_r, held_w = os.pipe()  # child -> parent: the lock is held
+    done_r, done_w = os.pipe()  # parent -> child: release it (two pipes: neither reads its own byte)
     pid = os.fork()
     if pid == 0:  # a live process holds the lock
         with directory_lock(str(ck)):
-            os.write(w, b"x")
-            os.read(r, 1)
+            os.write(held_w, b"x")
+            os.read(done_r, 1)
         os._exit(0)
     try:
-        assert os.read(r, 1) == b"x"
+        assert os.read(held_r, 1) == b"x"
         with pytest.raises(CheckpointBusyError, match=f"held by pid {pid}"):
             save_sharded(ck, NEW_SEED)
     finally:
-        os.write(w, b"x")
+        os.write(done_w, b"x")
         os.waitpid(pid, 0)
-        os.close(r)
-        os.close(w)
+        for fd in (held_r, held_w, done_r, done_w):
+            os.close(fd)
     _assert_committed_as(ck, OLD_SEED)
     # A lock file left with a live pid in it but not held (a killed holder's pid reused): not a lock.
     (ck / LOCK_NAME).write_text(f"{os.getppid()}\n")
