@@ -25,6 +25,7 @@ import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -309,6 +310,7 @@ def write_single_file(
 
 
 # -------------------------------------------------------------- one checkpoint
+@dataclass
 class CheckpointWriter:
     """Writes the files of one checkpoint of ``kind`` into ``directory`` under one save id.
 
@@ -318,25 +320,14 @@ class CheckpointWriter:
     renames, removal of superseded files and leftovers). The caller holds the directory lock.
     """
 
-    def __init__(
-        self,
-        directory: str,
-        kind: str,
-        *,
-        save_id: str,
-        sliced: bool,
-        hashes: bool = True,
-        fingerprints: bool = True,
-        fsync: bool = True,
-    ) -> None:
-        self.directory = directory
-        self.kind = kind
-        self.save_id = save_id
-        self.sliced = sliced
-        self.hashes = hashes
-        self.fingerprints = fingerprints
-        self.fsync = fsync
-        self.staged: dict[str, str] = {}
+    directory: str
+    kind: str
+    save_id: str
+    sliced: bool
+    staged: dict[str, str] = field(default_factory=dict, init=False)  # final name -> staging path
+    hashes: bool = True
+    fingerprints: bool = True
+    fsync: bool = True
 
     def staged_name(self, fname: str) -> str:
         """The staging path of data file ``fname`` (renamed into place by the commit)."""

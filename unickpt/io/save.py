@@ -229,13 +229,7 @@ def save_tensors(
 
 def _writer(directory: str, opts: SaveOptions, plan: SavePlan, save_id: str) -> CheckpointWriter:
     return CheckpointWriter(
-        directory,
-        opts.kind,
-        save_id=save_id,
-        sliced=plan.sliced,
-        hashes=opts.hashes,
-        fingerprints=opts.fingerprints,
-        fsync=opts.fsync,
+        directory, opts.kind, save_id, plan.sliced, opts.hashes, opts.fingerprints, opts.fsync
     )
 
 
