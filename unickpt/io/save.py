@@ -1,4 +1,6 @@
-"""The save engine shared by every CheckpointIO: plan, write, hash, commit.
+"""The save engine shared by every CheckpointIO: the collective work of a save (listing
+blocks, planning, moving tensors to their writer, agreeing); files, hashes and the index are
+written by ``format.writer``, as ``merge`` and ``convert`` write theirs.
 
 Order of events (every rank calls ``save_tensors`` with its own tensors):
 
@@ -6,9 +8,10 @@ Order of events (every rank calls ``save_tensors`` with its own tensors):
 2. every rank computes the same plan (``planner.plan_save``);
 3. rank 0 prepares the directory and takes the save lock; the previous checkpoint stays
    committed and untouched while this save writes;
-4. each writer streams its blocks into staging files (hidden temporary names derived from the
-   save id), hashing each block on a second thread while the previous one is written, and
-   fsyncs every file; every file's header carries the save id;
+4. each writer streams its blocks into staging files (``format.writer.CheckpointWriter``:
+   hidden temporary names derived from the save id), hashing each block on a second thread
+   while the previous one is written, and fsyncs every file; every file's header carries the
+   save id (a single file is written by ``format.writer.write_single_file``);
 5. ranks agree that every write succeeded (else every rank raises, partial files removed);
 6. rank 0 commits through ``format.commit`` (stage the index, un-commit the previous
    checkpoint, rename the data files and then the index into place, remove superseded files
