@@ -11,12 +11,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from huggingface_hub import split_state_dict_into_shards_factory
-
 from unickpt.errors import StateMismatchError
 from unickpt.format.boxes import coverage_problem
 from unickpt.format.dtypes import itemsize
 from unickpt.format.naming import shard_name, single_name, slice_key
+from unickpt.format.writer import group_files
 
 __all__ = ["SliceMeta", "PlannedSlice", "PlannedFile", "SavePlan", "plan_save"]
 
@@ -130,16 +129,10 @@ def plan_save(
             groups.append((r, mine))
             continue
         sizes = {ps.key: math.prod(ps.shape) * itemsize(tensors[ps.name][0]) for ps in mine}
-        split = split_state_dict_into_shards_factory(
-            sizes,
-            get_storage_size=lambda n: n,
-            filename_pattern="shard{suffix}",
-            max_shard_size=max(1, size_per_shard_bytes),
-        )
         by_key = {ps.key: ps for ps in mine}
-        # The splitter's file order follows insertion; its names are replaced by global ones.
-        for fname in sorted(split.filename_to_tensors, key=_shard_order):
-            groups.append((r, [by_key[k] for k in split.filename_to_tensors[fname]]))
+        # The splitter's names are replaced by global ones.
+        for keys in group_files(sizes, max(1, size_per_shard_bytes)):
+            groups.append((r, [by_key[k] for k in keys]))
     n = len(groups)
     files = []
     for j, (r, members) in enumerate(groups):
@@ -150,8 +143,3 @@ def plan_save(
         )
         files.append(PlannedFile(fname, r, list(members)))
     return SavePlan(tensors, files, slices, sliced)
-
-
-def _shard_order(fname: str) -> tuple[int, str]:
-    digits = "".join(ch if ch.isdigit() else " " for ch in fname).split()
-    return (int(digits[0]) if digits else 0, fname)

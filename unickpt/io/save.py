@@ -1,4 +1,6 @@
-"""The save engine shared by every CheckpointIO: plan, write, hash, commit.
+"""The save engine shared by every CheckpointIO: the collective work of a save (listing
+blocks, planning, moving tensors to their writer, agreeing); files, hashes and the index are
+written by ``format.writer``, as ``merge`` and ``convert`` write theirs.
 
 Order of events (every rank calls ``save_tensors`` with its own tensors):
 
@@ -6,9 +8,10 @@ Order of events (every rank calls ``save_tensors`` with its own tensors):
 2. every rank computes the same plan (``planner.plan_save``);
 3. rank 0 prepares the directory and takes the save lock; the previous checkpoint stays
    committed and untouched while this save writes;
-4. each writer streams its blocks into staging files (hidden temporary names derived from the
-   save id), hashing each block on a second thread while the previous one is written, and
-   fsyncs every file; every file's header carries the save id;
+4. each writer streams its blocks into staging files (``format.writer.CheckpointWriter``:
+   hidden temporary names derived from the save id), hashing each block on a second thread
+   while the previous one is written, and fsyncs every file; every file's header carries the
+   save id (a single file is written by ``format.writer.write_single_file``);
 5. ranks agree that every write succeeded (else every rank raises, partial files removed);
 6. rank 0 commits through ``format.commit`` (stage the index, un-commit the previous
    checkpoint, rename the data files and then the index into place, remove superseded files
@@ -18,43 +21,29 @@ Order of events (every rank calls ``save_tensors`` with its own tensors):
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import json
 import os
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
 from unickpt.errors import UnickptError
-from unickpt.format.commit import (
-    SAVE_ID_KEY,
-    commit_single_file,
-    directory_lock,
-    discard,
-    new_save_id,
-    temp_name,
+from unickpt.format.commit import directory_lock, discard, new_save_id
+from unickpt.format.index import LayoutInfo, SliceEntry, TensorEntry, UnickptBlock, index_to_json
+from unickpt.format.naming import single_name
+from unickpt.format.reader import single_file_name
+from unickpt.format.writer import (
+    CheckpointWriter,
+    FileSpec,
+    build_block,
+    build_index,
+    tensor_entry,
+    write_single_file,
 )
-from unickpt.format.dtypes import itemsize
-from unickpt.format.hashing import combine_partials, finalize_fingerprint, hash_block
-from unickpt.format.index import (
-    IndexFile,
-    IndexMetadata,
-    LayoutInfo,
-    SliceEntry,
-    TensorEntry,
-    UnickptBlock,
-    index_to_json,
-)
-from unickpt.format.naming import SLICED_SENTINEL, single_name
-from unickpt.format.reader import UNICKPT_METADATA_KEY, single_file_name
-from unickpt.format.safetensors_io import SafetensorsWriter, encode_header
 from unickpt.io import _dist
 from unickpt.io._commit import commit_collective
 from unickpt.io.planner import PlannedFile, SavePlan, SliceMeta, plan_save
@@ -64,8 +53,9 @@ from unickpt.io.tensors import LocalSlice, as_bytes, is_dtensor
 __all__ = ["SaveOptions", "save_tensors"]
 
 logger = get_logger(__name__)
-_PLACEHOLDER = "0" * 16
 _VERSION = "unickpt 0.1.0"
+# (tensor name, slice number) -> (xxh3-64 or None, fingerprint partial)
+_Results = dict[tuple[str, int], tuple[str | None, int]]
 
 
 @dataclass(frozen=True)
@@ -78,75 +68,6 @@ class SaveOptions:
     hashes: bool = True
     fingerprints: bool = True
     fsync: bool = True
-
-
-def _write_files(
-    files: list[PlannedFile],
-    plan: SavePlan,
-    directory: str,
-    opts: SaveOptions,
-    blocks: Iterator[tuple[str, np.ndarray, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]],
-    metadata_for: Callable[[PlannedFile], dict[str, str]],
-) -> dict[tuple[str, int], tuple[str | None, int]]:
-    """Stream blocks into files. ``blocks`` yields (key, uint8 array, (global, offsets, shape)) in file order.
-
-    Hashing of block i runs on a worker thread while block i is written and block i+1 is
-    fetched and written (numpy, xxhash and file writes all release the GIL), so hashes cost
-    little on top of the write; at most two blocks are alive at once.
-    """
-    results: dict[tuple[str, int], tuple[str | None, int]] = {}
-    written: list[str] = []
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unickpt-hash")
-    # The hash of block i may finish while block i+1 is written: at most two blocks are alive.
-    pending: collections.deque[tuple[tuple[str, int], Future[tuple[str | None, int]]]] = collections.deque()
-    try:
-        for f in files:
-            specs = [(ps.key, plan.tensors[ps.name][0], ps.shape) for ps in f.slices]
-            path = os.path.join(directory, f.name)
-            w = SafetensorsWriter(path, specs, metadata_for(f), writeback=opts.fsync)
-            written.append(path)
-            try:
-                for ps in f.slices:
-                    key, arr, (gshape, off, shp) = next(blocks)
-                    if key != ps.key:
-                        raise RuntimeError(f"internal: expected block {ps.key!r}, got {key!r}")
-                    dtype = plan.tensors[ps.name][0]
-                    fut = pool.submit(_hash_np, arr, gshape, off, shp, dtype, opts)
-                    w.write(ps.key, memoryview(arr))  # type: ignore[arg-type]
-                    maybe_fail("save.write")
-                    pending.append(((ps.name, ps.k), fut))
-                    del arr
-                    while len(pending) > 1:
-                        done, older = pending.popleft()
-                        results[done] = older.result()
-                w.close(fsync=opts.fsync)
-            except BaseException:
-                w.abort()
-                raise
-        while pending:
-            done, older = pending.popleft()
-            results[done] = older.result()
-    except BaseException:
-        for p in written:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(p)
-        raise
-    finally:
-        pool.shutdown(wait=True)
-    return results
-
-
-def _hash_np(
-    arr: np.ndarray,
-    gshape: tuple[int, ...],
-    off: tuple[int, ...],
-    shp: tuple[int, ...],
-    dtype: str,
-    opts: SaveOptions,
-) -> tuple[str | None, int]:
-    if not (opts.hashes or opts.fingerprints):
-        return None, 0
-    return hash_block(arr, itemsize(dtype), gshape, off, shp, xxh3=opts.hashes, fingerprint=opts.fingerprints)
 
 
 def save_tensors(
@@ -249,7 +170,7 @@ def save_tensors(
         _dist.agree(err, f"preparing {directory}", group)
 
         # 4. write.
-        results: dict[tuple[str, int], tuple[str | None, int]] = {}
+        results: _Results = {}
         try:
             if single_file:
                 if rank == 0:
@@ -269,21 +190,15 @@ def save_tensors(
                             sl = local[ps.local_index]
                             yield ps.key, as_bytes(sl.tensor), (sl.global_shape, sl.offsets, sl.shape)
 
-                results = _write_files(
-                    _staged(mine, directory, save_id),
-                    plan,
-                    directory,
-                    opts,
-                    blocks(),
-                    lambda f: _file_meta(opts, True, save_id),
-                )
+                written = _writer(directory, opts, plan, save_id).write(_file_specs(plan, mine), blocks())
+                results = _by_slice(mine, written)
         except BaseException as e:
             err = e
         # Each rank's own staged files (in its own directory: shared, or node-local before an upload).
         own = (
             [] if single_file else plan.files_of(rank) if not opts.gather else plan.files if rank == 0 else []
         )
-        staged = {f.name: temp_name(os.path.join(directory, f.name), save_id) for f in own}
+        staged = {f.name: _writer(directory, opts, plan, save_id).staged_name(f.name) for f in own}
         try:
             _dist.agree(err, f"writing {directory}", group)
         except BaseException:
@@ -297,13 +212,13 @@ def save_tensors(
             if rank == 0:
                 try:
                     maybe_fail("save.commit")
-                    merged_results: dict[tuple[str, int], tuple[str | None, int]] = {}
+                    merged_results: _Results = {}
                     for r in all_results:
                         merged_results.update(r)
                     block = _build_block(
                         plan, merged_results, opts, aliases, entry_extras, block_extras, save_id=save_id
                     )
-                    index = index_to_json(_build_index(plan, block, opts))
+                    index = index_to_json(build_index(block, sliced=plan.sliced))
                 except BaseException as e:
                     err = e
             commit_collective(
@@ -315,18 +230,19 @@ def save_tensors(
     return file_path if single_file else directory
 
 
-def _file_meta(opts: SaveOptions, sliced: bool, save_id: str) -> dict[str, str]:
-    # Sliced files say so in their format tag: transformers refuses any format it does not know.
-    # Hugging Face loaders check only "format"; unickpt's reader checks the save id.
-    return {"format": "unickpt-sliced" if sliced else "pt", SAVE_ID_KEY: save_id}
+def _writer(directory: str, opts: SaveOptions, plan: SavePlan, save_id: str) -> CheckpointWriter:
+    return CheckpointWriter(
+        directory, opts.kind, save_id, plan.sliced, opts.hashes, opts.fingerprints, opts.fsync
+    )
 
 
-def _staged(files: list[PlannedFile], directory: str, save_id: str) -> list[PlannedFile]:
-    """The same files under their staging names (renamed into place by the commit)."""
-    return [
-        PlannedFile(os.path.basename(temp_name(os.path.join(directory, f.name), save_id)), f.rank, f.slices)
-        for f in files
-    ]
+def _file_specs(plan: SavePlan, files: list[PlannedFile]) -> list[FileSpec]:
+    return [(f.name, [(ps.key, plan.tensors[ps.name][0], ps.shape) for ps in f.slices]) for f in files]
+
+
+def _by_slice(files: list[PlannedFile], written: dict[str, tuple[str | None, int]]) -> _Results:
+    """What the writer returned per key, per (tensor, slice number) (merged across ranks)."""
+    return {(ps.name, ps.k): written[ps.key] for f in files for ps in f.slices}
 
 
 def _full_tensor_for(
@@ -394,20 +310,14 @@ def _write_gathered(
     group: Any,
     rank: int,
     save_id: str,
-) -> dict[tuple[str, int], tuple[str | None, int]]:
+) -> _Results:
     if rank != 0:
         _feed_gather(plan, tensors, group, rank)
         return {}
     gen = _gathered_blocks(plan, tensors, group, rank, plan.files)
     with _draining(gen):
-        return _write_files(
-            _staged(plan.files, directory, save_id),
-            plan,
-            directory,
-            opts,
-            gen,
-            lambda f: _file_meta(opts, False, save_id),
-        )
+        written = _writer(directory, opts, plan, save_id).write(_file_specs(plan, plan.files), gen)
+    return _by_slice(plan.files, written)
 
 
 @contextlib.contextmanager
@@ -434,121 +344,80 @@ def _write_single(
     block_extras: dict[str, Any] | None,
     group: Any,
     save_id: str,
-) -> dict[tuple[str, int], tuple[str | None, int]]:
-    """One ``.safetensors`` file carrying the unickpt block in its header metadata.
-
-    The header is written first with placeholder hashes of the same length as the real ones,
-    and rewritten once the data is hashed, in the staging file no reader opens; the file is
-    committed by ``commit_single_file``.
-    """
+) -> _Results:
+    """One ``.safetensors`` file carrying the unickpt block in its header metadata
+    (``format.writer.write_single_file``: placeholder header, data, rewritten header, commit)."""
     (f,) = plan.files
     name = single_file_name(file_path, opts.kind)
     f = PlannedFile(name, 0, f.slices)
-    placeholder = {
-        k: (_PLACEHOLDER if opts.hashes else None, 0) for k in ((ps.name, ps.k) for ps in f.slices)
-    }
-    block0 = _build_block(
-        plan,
-        placeholder,
-        opts,
-        aliases,
-        entry_extras,
-        block_extras,
-        file_name=name,
-        placeholder_fp=True,
-        save_id=save_id,
-    )
-    meta0 = {
-        "format": "pt",
-        UNICKPT_METADATA_KEY: json.dumps(block0.model_dump(mode="json", exclude_none=True)),
-        SAVE_ID_KEY: save_id,
-    }
-    tmp = temp_name(file_path, save_id)
-    tmp_dir = os.path.dirname(tmp)
-    staged = PlannedFile(os.path.basename(tmp), 0, f.slices)
+
+    def make_block(written: Mapping[str, tuple[str | None, int]], placeholder: bool) -> UnickptBlock:
+        results = {(ps.name, ps.k): written[ps.key] for ps in f.slices}
+        return _build_block(
+            plan,
+            results,
+            opts,
+            aliases,
+            entry_extras,
+            block_extras,
+            file_name=name,
+            placeholder=placeholder,
+            save_id=save_id,
+        )
+
     gen = _gathered_blocks(plan, tensors, group, 0, [f])
     with _draining(gen):
-        results = _write_files([staged], plan, tmp_dir, opts, gen, lambda _f: meta0)
-    try:
-        block = _build_block(
-            plan, results, opts, aliases, entry_extras, block_extras, file_name=name, save_id=save_id
+        written = write_single_file(
+            file_path,
+            _file_specs(plan, [f])[0][1],
+            gen,
+            make_block,
+            kind=opts.kind,
+            save_id=save_id,
+            hashes=opts.hashes,
+            fingerprints=opts.fingerprints,
+            fsync=opts.fsync,
         )
-        meta = {
-            "format": "pt",
-            UNICKPT_METADATA_KEY: json.dumps(block.model_dump(mode="json", exclude_none=True)),
-            SAVE_ID_KEY: save_id,
-        }
-        specs = [(ps.key, plan.tensors[ps.name][0], ps.shape) for ps in f.slices]
-        header0, _ = encode_header(specs, meta0)
-        header, _ = encode_header(specs, meta)
-        if len(header) != len(header0):
-            raise RuntimeError("internal: single-file header changed length after hashing")
-        fd = os.open(tmp, os.O_WRONLY)
-        try:
-            os.pwrite(fd, header, 0)
-            if opts.fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    commit_single_file(file_path, tmp, opts.kind, fsync=opts.fsync)
-    return results
+    return _by_slice([f], written)
 
 
 def _build_block(
     plan: SavePlan,
-    results: dict[tuple[str, int], tuple[str | None, int]],
+    results: _Results,
     opts: SaveOptions,
     aliases: dict[str, str],
     entry_extras: dict[str, dict[str, Any]] | None,
     block_extras: dict[str, Any] | None,
     *,
     file_name: str | None = None,
-    placeholder_fp: bool = False,
+    placeholder: bool = False,
     save_id: str | None = None,
 ) -> UnickptBlock:
+    """The unickpt block of ``plan`` from each slice's (xxh3, partial); file names from the plan
+    (or ``file_name`` for a single file)."""
     file_of = {(ps.name, ps.k): f.name for f in plan.files for ps in f.slices}
     entries: dict[str, TensorEntry] = {}
     for name, (dtype, gshape) in plan.tensors.items():
-        slices = []
-        for ps in plan.slices[name]:
-            xxh, _partial = results[(name, ps.k)]
-            slices.append(
-                SliceEntry(
-                    file=file_name or file_of[(name, ps.k)],
-                    key=ps.key,
-                    offsets=list(ps.offsets),
-                    shape=list(ps.shape),
-                    xxh3=xxh,
-                )
+        planned = plan.slices[name]
+        slices = [
+            SliceEntry(
+                file=file_name or file_of[(name, ps.k)],
+                key=ps.key,
+                offsets=list(ps.offsets),
+                shape=list(ps.shape),
+                xxh3=results[(name, ps.k)][0],
             )
-        fp = None
-        if opts.fingerprints:
-            total = combine_partials(results[(name, ps.k)][1] for ps in plan.slices[name])
-            fp = _PLACEHOLDER if placeholder_fp else finalize_fingerprint(name, dtype, gshape, total)
+            for ps in planned
+        ]
+        partials = [results[(name, ps.k)][1] for ps in planned] if opts.fingerprints else None
         extra = (entry_extras or {}).get(name, {})
-        entries[name] = TensorEntry(dtype=dtype, shape=list(gshape), fingerprint=fp, slices=slices, **extra)
-    layout = opts.layout.model_copy(update={"gathered": opts.gather})
-    return UnickptBlock(
-        kind=opts.kind,  # type: ignore[arg-type]
+        entries[name] = tensor_entry(name, dtype, gshape, slices, partials, placeholder=placeholder, **extra)
+    return build_block(
+        kind=opts.kind,
         created_by=_VERSION,
-        layout=layout,
-        tensors=entries,  # type: ignore[arg-type]
-        aliases=dict(aliases),
+        layout=opts.layout.model_copy(update={"gathered": opts.gather}),
+        tensors=entries,
+        aliases=aliases,
         save_id=save_id,
         **(block_extras or {}),
     )
-
-
-def _build_index(plan: SavePlan, block: UnickptBlock, opts: SaveOptions) -> IndexFile:
-    total = sum(t.nbytes for t in block.tensors.values())
-    if plan.sliced:
-        weight_map = {name: SLICED_SENTINEL for name in block.tensors}
-    else:
-        weight_map = {name: t.slices[0].file for name, t in block.tensors.items()}
-    # The block's models were validated as they were built; pydantic keeps model instances
-    # as they are (no dump and re-validation of every slice, seconds at 10^5 slices).
-    return IndexFile(metadata=IndexMetadata(total_size=total), weight_map=weight_map, unickpt=block)

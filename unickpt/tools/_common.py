@@ -11,6 +11,7 @@ from unickpt.errors import IncompleteCheckpointError, UnickptError
 from unickpt.format.commit import only_leftovers, publish_directory, temp_name
 from unickpt.format.naming import index_name, single_name
 from unickpt.format.reader import CheckpointReader, file_kind, open_checkpoint
+from unickpt.format.writer import write_all
 
 __all__ = [
     "open_auto",
@@ -116,11 +117,3 @@ def copy_small_file(src: str, dst: str) -> None:
         g.write(data)
         g.flush()
         os.fsync(g.fileno())
-
-
-def write_all(fd: int, data: memoryview, pos: int) -> None:
-    """pwrite all of ``data`` at ``pos`` (pwrite may write less than asked)."""
-    done = 0
-    n = data.nbytes
-    while done < n:
-        done += os.pwrite(fd, data[done:], pos + done)

@@ -12,24 +12,17 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from unickpt.format.commit import (
-    SAVE_ID_KEY,
-    commit_directory,
-    directory_lock,
-    new_save_id,
-    temp_name,
-)
+from unickpt.format.commit import directory_lock, new_save_id
 from unickpt.format.dtypes import itemsize
-from unickpt.format.hashing import combine_partials, finalize_fingerprint, fingerprint_partial, slice_hash
-from unickpt.format.index import IndexFile, LayoutInfo, SliceEntry, TensorEntry, UnickptBlock, index_to_json
-from unickpt.format.naming import SLICED_SENTINEL, shard_name, slice_key
-from unickpt.format.safetensors_io import SafetensorsWriter
+from unickpt.format.index import LayoutInfo, SliceEntry, index_to_json
+from unickpt.format.naming import shard_name, slice_key
+from unickpt.format.writer import Block, CheckpointWriter, FileSpec, build_block, build_index, tensor_entry
 
 __all__ = ["SliceData", "TensorData", "write_checkpoint"]
 
@@ -51,11 +44,11 @@ class TensorData:
     extras: dict[str, Any] = field(default_factory=dict)  # TensorEntry extras (param, state)
 
 
-def _raw(d: Bytes | Callable[[], Bytes]) -> memoryview:
+def _raw(d: Bytes | Callable[[], Bytes]) -> np.ndarray:
     v = d() if callable(d) else d
     if isinstance(v, np.ndarray):
-        return np.ascontiguousarray(v).reshape(-1).view(np.uint8).data
-    return memoryview(v).cast("B")
+        return np.ascontiguousarray(v).reshape(-1).view(np.uint8)
+    return np.frombuffer(memoryview(v).cast("B"), dtype=np.uint8)
 
 
 def write_checkpoint(
@@ -134,65 +127,47 @@ def _write_locked(
     else:
         groups = [items[i :: max(1, files)] for i in range(max(1, files))]
     groups = [g for g in groups if g] or [[]]
-    results: dict[tuple[str, int], tuple[str, str | None, int]] = {}
-    # Staged files of a failed write are removed by the next save into the directory (leftovers).
-    staged: dict[str, str] = {}
-    for j, group in enumerate(groups):
-        fname = shard_name(kind, j + 1, len(groups))
-        key_of = {(n, k): (slice_key(n, k) if sliced else n) for n, k, _ in group}
-        specs = [(key_of[(n, k)], tensors[n].dtype, tuple(int(d) for d in s.shape)) for n, k, s in group]
-        path = temp_name(os.path.join(directory, fname), save_id)
-        meta = {"format": "unickpt-sliced" if sliced else "pt", SAVE_ID_KEY: save_id}
-        w = SafetensorsWriter(path, specs, meta)
-        staged[fname] = path
-        try:
+    writer = CheckpointWriter(
+        directory, kind, save_id=save_id, sliced=sliced, hashes=hashes, fingerprints=fingerprints, fsync=fsync
+    )
+
+    def key(n: str, k: int) -> str:
+        return slice_key(n, k) if sliced else n
+
+    planned: list[FileSpec] = [
+        (
+            shard_name(kind, j + 1, len(groups)),
+            [(key(n, k), tensors[n].dtype, tuple(int(d) for d in s.shape)) for n, k, s in group],
+        )
+        for j, group in enumerate(groups)
+    ]
+
+    def blocks() -> Iterator[Block]:
+        for group in groups:
             for n, k, s in group:
-                t = tensors[n]
-                data = _raw(s.data)
-                partial = 0
-                if fingerprints and data.nbytes:
-                    words = np.frombuffer(data, dtype=f"<u{itemsize(t.dtype)}")
-                    partial = fingerprint_partial(words, list(t.shape), list(s.offsets), list(s.shape))
-                results[(n, k)] = (fname, slice_hash(data) if hashes else None, partial)
-                w.write(key_of[(n, k)], data)
-                del data
-            w.close(fsync=fsync)
-        except BaseException:
-            w.abort()
-            raise
+                yield key(n, k), _raw(s.data), (tensors[n].shape, s.offsets, s.shape)
+
+    # Staged files of a failed write are removed before the error propagates.
+    written = writer.write(planned, blocks())
+    file_of = {k: fname for fname, specs in planned for k, _, _ in specs}
     entries = {}
     for n, t in tensors.items():
-        total = 0
-        slices = []
-        for k, s in enumerate(t.slices):
-            fname, xxh, partial = results[(n, k)]
-            total = combine_partials((total, partial))
-            slices.append(
-                SliceEntry(
-                    file=fname,
-                    key=slice_key(n, k) if sliced else n,
-                    offsets=list(s.offsets),
-                    shape=list(s.shape),
-                    xxh3=xxh,
-                )
+        keys = [key(n, k) for k in range(len(t.slices))]
+        slices = [
+            SliceEntry(
+                file=file_of[k], key=k, offsets=list(s.offsets), shape=list(s.shape), xxh3=written[k][0]
             )
-        fp = finalize_fingerprint(n, t.dtype, list(t.shape), total) if fingerprints else None
-        entries[n] = TensorEntry(
-            dtype=t.dtype, shape=list(t.shape), fingerprint=fp, slices=slices, **t.extras
-        )
-    lay = (layout or LayoutInfo()).model_copy(update={"gathered": not sliced})
-    block = UnickptBlock(
+            for k, s in zip(keys, t.slices, strict=True)
+        ]
+        partials = [written[k][1] for k in keys] if fingerprints else None
+        entries[n] = tensor_entry(n, t.dtype, t.shape, slices, partials, **t.extras)
+    block = build_block(
         kind="model" if kind == "model" else "optimizer",
         created_by=created_by,
-        layout=lay,
+        layout=(layout or LayoutInfo()).model_copy(update={"gathered": not sliced}),
         tensors=entries,
-        aliases=dict(aliases or {}),
+        aliases=aliases,
         save_id=save_id,
         **(block_extras or {}),
     )
-    weight_map = {n: (SLICED_SENTINEL if sliced else entries[n].slices[0].file) for n in entries}
-    total_size = sum(e.nbytes for e in entries.values())
-    index = IndexFile.model_validate(
-        {"metadata": {"total_size": total_size}, "weight_map": weight_map, "unickpt": block.model_dump()}
-    )
-    commit_directory(directory, kind, staged, index_to_json(index), save_id=save_id, fsync=fsync)
+    writer.commit(index_to_json(build_index(block, sliced=sliced)))

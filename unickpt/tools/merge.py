@@ -49,10 +49,11 @@ from unickpt.format.hashing import (
     fingerprint_partial,
     fingerprint_version,
 )
-from unickpt.format.index import IndexFile, LayoutInfo, SliceEntry, TensorEntry, UnickptBlock, index_to_json
-from unickpt.format.naming import index_name, single_name
+from unickpt.format.index import LayoutInfo, SliceEntry, TensorEntry, UnickptBlock, index_to_json
+from unickpt.format.naming import index_name, shard_name, single_name
 from unickpt.format.reader import UNICKPT_METADATA_KEY, CheckpointReader, open_checkpoint
 from unickpt.format.safetensors_io import encode_header, read_header
+from unickpt.format.writer import build_block, build_index, data_file_metadata, group_files, rewrite_header
 from unickpt.tools._bands import bands, is_sparse, next_data, pieces
 from unickpt.tools._common import check_output, copy_small_file, detect_kind, staged_output, write_all
 
@@ -386,18 +387,6 @@ def _cast(buf: np.ndarray, src: str, dst: str, shape: list[int]) -> np.ndarray:
     return tensor_bytes(from_bytes(buf, src, shape).to(torch_of(dst)))
 
 
-def _plan_files(kind: str, sizes: dict[str, int], max_shard_size: int | str) -> list[tuple[str, list[str]]]:
-    from huggingface_hub import split_state_dict_into_shards_factory
-
-    split = split_state_dict_into_shards_factory(
-        sizes,
-        get_storage_size=lambda n: n,
-        filename_pattern=kind + "{suffix}.safetensors",
-        max_shard_size=max_shard_size,
-    )
-    return [(f, list(names)) for f, names in split.filename_to_tensors.items()]
-
-
 def _merge_one(
     reader: CheckpointReader,
     out_dir: str,
@@ -417,8 +406,9 @@ def _merge_one(
     )
     target = {n: m.target_dtype(t) for n, t in block.tensors.items()}
     sizes = {n: math.prod(t.shape) * itemsize(target[n]) for n, t in block.tensors.items()}
-    files = _plan_files(kind, sizes, max_shard_size)
-    single = len(files) == 1
+    groups = group_files(sizes, max_shard_size)
+    single = len(groups) == 1
+    files = [(shard_name(kind, j + 1, len(groups)), names) for j, names in enumerate(groups)]
     src_layout = block.layout
     layout = LayoutInfo(plugin=src_layout.plugin, world_size=src_layout.world_size, mesh=src_layout.mesh)
     created_by = f"unickpt {__version__} merge (from {src_layout.plugin} x{src_layout.world_size})"
@@ -445,13 +435,13 @@ def _merge_one(
                 param=t.param,
                 state=t.state,
             )
-        return UnickptBlock(
+        return build_block(
             format_version=block.format_version,  # fingerprints are copied, so is their algorithm
             kind=block.kind,
             created_by=created_by,
             layout=layout,
             tensors=entries,
-            aliases=dict(block.aliases),
+            aliases=block.aliases,
             param_groups=block.param_groups,
             param_state=dict(block.param_state),
             save_id=save_id,
@@ -462,7 +452,7 @@ def _merge_one(
     written: list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]] = []
     for fname, names in files:
         specs = [(n, target[n], tuple(block.tensors[n].shape)) for n in names]
-        meta: dict[str, str] = {"format": "pt", SAVE_ID_KEY: save_id}
+        meta = data_file_metadata(False, save_id)
         dumped: dict[str, Any] = {}
         if single:
             fname = single_name(kind)
@@ -494,14 +484,9 @@ def _merge_one(
                     entry = dumped["tensors"][n]
                     _set_or_drop(entry["slices"][0], "xxh3", xxh)
                     _set_or_drop(entry, "fingerprint", fp)
-                dumped["save_id"] = meta[SAVE_ID_KEY] = content_save_id(json.dumps(dumped).encode())
-                meta[UNICKPT_METADATA_KEY] = json.dumps(dumped)
-                header2, _ = encode_header(specs, meta)
-                if len(header2) != len(header):
-                    raise RuntimeError(
-                        "internal: merged header changed length after hashing"
-                    )  # pragma: no cover
-                write_all(fd, memoryview(header2), 0)
+                dumped["save_id"] = final_id = content_save_id(json.dumps(dumped).encode())
+                new = {**meta, SAVE_ID_KEY: final_id, UNICKPT_METADATA_KEY: json.dumps(dumped)}
+                rewrite_header(fd, specs, meta, new, fsync=False)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -512,21 +497,14 @@ def _merge_one(
         final_id = content_save_id(_block_bytes(final))
         final = final.model_copy(update={"save_id": final_id})
         for path, specs in written:
-            header, _ = encode_header(specs, {"format": "pt", SAVE_ID_KEY: final_id})
             fd = os.open(path, os.O_WRONLY)
-            try:
-                write_all(fd, memoryview(header), 0)  # same length: only the id's digits change
-                os.fsync(fd)
+            try:  # same length: only the id's digits change
+                rewrite_header(
+                    fd, specs, data_file_metadata(False, save_id), data_file_metadata(False, final_id)
+                )
             finally:
                 os.close(fd)
-        total = sum(sizes.values())
-        index = IndexFile.model_validate(
-            {
-                "metadata": {"total_size": total},
-                "weight_map": {n: file_of[n] for n in block.tensors},
-                "unickpt": final.model_dump(),
-            }
-        )
+        index = build_index(final, sliced=False)
         atomic_write_bytes(os.path.join(out_dir, index_name(kind)), index_to_json(index))
 
 
