@@ -234,7 +234,8 @@ def save_tensors(
     except BaseException as e:
         err = e
     _dist.agree(err, "planning the save", group)
-    assert plan is not None  # for the type checker; agree() raised otherwise
+    if plan is None:  # never: agree() raised when planning failed on any rank
+        raise RuntimeError(f"{path}: no save plan after planning succeeded")
 
     # 3. rank 0 prepares the directory.
     lock = contextlib.ExitStack()
