@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from unickpt import __version__
 from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
 from unickpt.errors import UnickptError
@@ -65,7 +66,7 @@ __all__ = ["SaveOptions", "save_tensors"]
 
 logger = get_logger(__name__)
 _PLACEHOLDER = "0" * 16
-_VERSION = "unickpt 0.1.0"
+_VERSION = f"unickpt {__version__}"
 
 
 @dataclass(frozen=True)

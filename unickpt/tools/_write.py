@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from unickpt import __version__
 from unickpt.format.commit import (
     SAVE_ID_KEY,
     commit_directory,
@@ -71,7 +72,7 @@ def write_checkpoint(
     block_extras: dict[str, Any] | None = None,
     hashes: bool = True,
     fingerprints: bool = True,
-    created_by: str = "unickpt",
+    created_by: str = f"unickpt {__version__}",
     fsync: bool = True,
 ) -> str:
     """Write ``tensors`` as a committed unickpt checkpoint directory (index written last).
