@@ -851,3 +851,14 @@ def test_load_index_fallback_reads_the_file_again(tmp_path: Path, edit: Any) -> 
     except IndexFileError as e:
         got = str(e)
     assert got == want
+
+
+def test_the_fast_path_checks_every_field_of_the_models() -> None:
+    """The fast path reads field lists, bounds and rules from index_models; the per-field checks
+    it writes out cover exactly the models' fields (a new field must get a check there too)."""
+    from unickpt.format.index_fast import HANDLED_FIELDS
+
+    models = {IndexFile, IndexMetadata, UnickptBlock, LayoutInfo, TensorEntry, SliceEntry}
+    assert set(HANDLED_FIELDS) == models
+    for cls, names in HANDLED_FIELDS.items():
+        assert names == set(cls.model_fields), cls.__name__

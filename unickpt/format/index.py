@@ -21,35 +21,20 @@ from pydantic import ValidationError
 from unickpt.errors import IndexFileError, UnsafePathError
 from unickpt.format._json import check_unicode, colon_budget, strict_loads
 from unickpt.format.index_fast import _FastIndex, _gc_paused, _NotFast
-from unickpt.format.index_models import (
-    FORMAT_VERSION,
-    KNOWN_FORMAT_VERSIONS,
-    MAX_INDEX_BYTES,
-    IndexFile,
-    IndexMetadata,
-    LayoutInfo,
-    SliceEntry,
-    TensorEntry,
-    UnickptBlock,
-    check_file_name,
-)
 
-__all__ = [
-    "FORMAT_VERSION",
-    "KNOWN_FORMAT_VERSIONS",
-    "MAX_INDEX_BYTES",
-    "SliceEntry",
-    "TensorEntry",
-    "LayoutInfo",
-    "UnickptBlock",
-    "IndexMetadata",
-    "IndexFile",
-    "check_file_name",
-    "parse_index",
-    "parse_index_validated",
-    "load_index",
-    "index_to_json",
-]
+# The schema (index_models) is re-exported: callers import the models from here.
+from unickpt.format.index_models import FORMAT_VERSION as FORMAT_VERSION
+from unickpt.format.index_models import KNOWN_FORMAT_VERSIONS as KNOWN_FORMAT_VERSIONS
+from unickpt.format.index_models import MAX_INDEX_BYTES as MAX_INDEX_BYTES
+from unickpt.format.index_models import IndexFile as IndexFile
+from unickpt.format.index_models import IndexMetadata as IndexMetadata
+from unickpt.format.index_models import LayoutInfo as LayoutInfo
+from unickpt.format.index_models import SliceEntry as SliceEntry
+from unickpt.format.index_models import TensorEntry as TensorEntry
+from unickpt.format.index_models import UnickptBlock as UnickptBlock
+from unickpt.format.index_models import check_file_name as check_file_name
+
+__all__ = ["parse_index", "parse_index_validated", "load_index", "index_to_json"]
 
 logger = logging.getLogger(__name__)
 

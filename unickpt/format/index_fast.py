@@ -37,6 +37,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from unickpt.errors import CheckpointFormatError, IndexFileError, UnsafePathError
+from unickpt.format import index_models as models
 from unickpt.format._json import TooDeep, colon_budget, count_pairs_and_colons, json_depth
 from unickpt.format.dtypes import DTYPE_ITEMSIZE
 from unickpt.format.index_bulk import SLICE_FIELDS, SLICE_REQUIRED, bulk_slices, construct
@@ -49,12 +50,6 @@ from unickpt.format.index_models import (
     MAX_STATE_DEPTH,
     MIN_POSITIVE,
     SAVE_ID_BODY,
-    IndexFile,
-    IndexMetadata,
-    LayoutInfo,
-    SliceEntry,
-    TensorEntry,
-    UnickptBlock,
     alias_problem,
     check_file_name,
     fields_of,
@@ -65,14 +60,37 @@ from unickpt.format.index_models import (
 
 __all__ = ["_FastIndex", "_NotFast", "_gc_paused"]
 
-_TENSOR_FIELDS, _TENSOR_REQUIRED = fields_of(TensorEntry)
-_LAYOUT_FIELDS, _LAYOUT_REQUIRED = fields_of(LayoutInfo)
-_BLOCK_FIELDS, _BLOCK_REQUIRED = fields_of(UnickptBlock)
+_TENSOR_FIELDS, _TENSOR_REQUIRED = fields_of(models.TensorEntry)
+_LAYOUT_FIELDS, _LAYOUT_REQUIRED = fields_of(models.LayoutInfo)
+_BLOCK_FIELDS, _BLOCK_REQUIRED = fields_of(models.UnickptBlock)
 _VERSIONS = " or ".join(map(str, KNOWN_FORMAT_VERSIONS))
 _KIND_CHOICES = " or ".join(map(repr, KINDS))
 _hex16 = re.compile(HEX16_BODY).fullmatch
 _save_id = re.compile(SAVE_ID_BODY).fullmatch
 _SCHEMA = "index does not match the unickpt index schema"
+# The fields _FastIndex checks by name, per model. Its field lists come from the models, but
+# how each field is checked is written below: tests/unit/test_index_fast.py keeps this table
+# equal to the models' fields, so a field a model gains cannot slip past the fast path.
+HANDLED_FIELDS: dict[type, frozenset[str]] = {
+    models.IndexFile: frozenset({"metadata", "weight_map", "unickpt"}),
+    models.IndexMetadata: frozenset({"total_size"}),
+    models.UnickptBlock: frozenset(
+        [
+            "format_version",
+            "kind",
+            "created_by",
+            "layout",
+            "tensors",
+            "aliases",
+            "param_groups",
+            "param_state",
+            "save_id",
+        ]
+    ),
+    models.LayoutInfo: frozenset({"plugin", "world_size", "mesh", "gathered"}),
+    models.TensorEntry: frozenset({"dtype", "shape", "fingerprint", "slices", "param", "state"}),
+    models.SliceEntry: frozenset({"file", "key", "offsets", "shape", "xxh3"}),
+}
 
 
 class _NotFast(Exception):
@@ -144,7 +162,7 @@ class _FastIndex:
         self.files: set[str] = set()  # distinct slice file names
         self.shared: dict[tuple[str, ...], set[str]] = {}  # fields sets of slices, by key order
 
-    def parse(self, text: str | list[str]) -> IndexFile:
+    def parse(self, text: str | list[str]) -> models.IndexFile:
         """Parse ``text``; given as a one-item list, the text is taken out of it and dropped once
         decoded (with ``raw`` released by the caller, the index's bytes then cost nothing while
         the models are built)."""
@@ -215,7 +233,7 @@ class _FastIndex:
         return v
 
     # ------------------------------------------------------------------ the index
-    def index(self, obj: dict[str, Any]) -> IndexFile:
+    def index(self, obj: dict[str, Any]) -> models.IndexFile:
         self.pairs += len(obj)
         given: dict[str, Any] = {}
         extra: dict[str, Any] = {}
@@ -234,9 +252,9 @@ class _FastIndex:
                 extra[k] = v
         if "weight_map" not in given:
             raise _NotFast(f"{_SCHEMA}: weight_map: missing")
-        return construct(IndexFile, given, set(obj), extra)
+        return construct(models.IndexFile, given, set(obj), extra)
 
-    def metadata(self, v: Any) -> IndexMetadata:
+    def metadata(self, v: Any) -> models.IndexMetadata:
         if type(v) is not dict:
             raise _schema("metadata", "an object", v)
         self.pairs += len(v)
@@ -249,7 +267,7 @@ class _FastIndex:
                 self.colons += k.count(":")
                 self.walk(x)
                 extra[k] = x
-        return construct(IndexMetadata, given, set(v), extra)
+        return construct(models.IndexMetadata, given, set(v), extra)
 
     def weight_map(self, v: Any) -> dict[str, str]:
         if type(v) is not dict:
@@ -271,7 +289,7 @@ class _FastIndex:
             if ":" in name:
                 raise _NotFast  # never, with today's names: the colon count skips file names
 
-    def block(self, v: Any) -> UnickptBlock:
+    def block(self, v: Any) -> models.UnickptBlock:
         b = self.obj(v, "unickpt", _BLOCK_FIELDS, _BLOCK_REQUIRED)
         given: dict[str, Any] = {}
         for k, x in b.items():
@@ -328,15 +346,15 @@ class _FastIndex:
                     raise _NotFast  # the model's validator names it
                 self.walk(x)
                 given[k] = {p: dict(st) for p, st in x.items()}
-        # UnickptBlock's model validators.
+        # models.UnickptBlock's model validators.
         self._safe_names(self.files)
         tensors = given["tensors"]
         problem = alias_problem(given.get("aliases", {}), tensors)
         if problem is not None:
             raise _NotFast(f"{_SCHEMA}: unickpt.aliases: {problem}")
-        return construct(UnickptBlock, given, set(b), None)
+        return construct(models.UnickptBlock, given, set(b), None)
 
-    def layout(self, v: Any) -> LayoutInfo:
+    def layout(self, v: Any) -> models.LayoutInfo:
         d = self.obj(v, "unickpt.layout", _LAYOUT_FIELDS, _LAYOUT_REQUIRED)
         given: dict[str, Any] = {}
         for k, x in d.items():
@@ -359,16 +377,16 @@ class _FastIndex:
                         raise _NotFast  # pydantic takes 0, 1, "true", "no"...
                     raise _schema(where, "a boolean", x)
                 given[k] = x
-        return construct(LayoutInfo, given, set(d), None)
+        return construct(models.LayoutInfo, given, set(d), None)
 
-    def tensors(self, v: Any) -> dict[str, TensorEntry]:
+    def tensors(self, v: Any) -> dict[str, models.TensorEntry]:
         if type(v) is not dict:
             raise _schema("unickpt.tensors", "an object", v)
         self.pairs += len(v)
         self.colons += "".join(v).count(":")
         return {name: self.tensor(name, t) for name, t in v.items()}
 
-    def tensor(self, name: str, v: Any) -> TensorEntry:
+    def tensor(self, name: str, v: Any) -> models.TensorEntry:
         where = f"unickpt.tensors.{name}"
         t = self.obj(v, where, _TENSOR_FIELDS, _TENSOR_REQUIRED)
         given: dict[str, Any] = {}
@@ -400,9 +418,9 @@ class _FastIndex:
             self.pairs += pairs
             self.colons += colons
             self.files |= files
-        return construct(TensorEntry, given, set(t), None)
+        return construct(models.TensorEntry, given, set(t), None)
 
-    def slices_slow(self, where: str, gshape: list[int], sl: list[Any]) -> list[SliceEntry]:
+    def slices_slow(self, where: str, gshape: list[int], sl: list[Any]) -> list[models.SliceEntry]:
         """Slice by slice, as the models check them (any key order), with a message for each problem."""
         out = []
         for i, v in enumerate(sl):
@@ -426,5 +444,5 @@ class _FastIndex:
             if problem is not None:
                 raise _NotFast(f"{_SCHEMA}: {where}: {problem}")
             self.files.add(file)
-            built.append(construct(SliceEntry, given, set(s), None))
+            built.append(construct(models.SliceEntry, given, set(s), None))
         return built
