@@ -33,8 +33,11 @@ import contextlib
 import gc
 import json
 import re
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, cast
+
+from annotated_types import Ge, Lt
+from pydantic import BaseModel, Strict
 
 from unickpt.errors import CheckpointFormatError, IndexFileError, UnsafePathError
 from unickpt.format import index_models as models
@@ -50,6 +53,8 @@ from unickpt.format.index_models import (
     MAX_STATE_DEPTH,
     MIN_POSITIVE,
     SAVE_ID_BODY,
+    Hex16,
+    NonNeg,
     alias_problem,
     check_file_name,
     fields_of,
@@ -68,28 +73,17 @@ _KIND_CHOICES = " or ".join(map(repr, KINDS))
 _hex16 = re.compile(HEX16_BODY).fullmatch
 _save_id = re.compile(SAVE_ID_BODY).fullmatch
 _SCHEMA = "index does not match the unickpt index schema"
-# The fields _FastIndex checks by name, per model. Its field lists come from the models, but
-# how each field is checked is written below: tests/unit/test_index_fast.py keeps this table
-# equal to the models' fields, so a field a model gains cannot slip past the fast path.
-HANDLED_FIELDS: dict[type, frozenset[str]] = {
+# The fields whose checks _FastIndex writes out (a rule, a bulk path or a lax case of their
+# own), per model. Every other field is checked by the plain check its declared type calls for
+# (_plain_check, read from index_models: str, str | None, a bounded strict int, a strict bool,
+# list[NonNeg], Hex16 | None); a field of any other type fails at import until it gets a check.
+CUSTOM_FIELDS: dict[type[BaseModel], frozenset[str]] = {
     models.IndexFile: frozenset({"metadata", "weight_map", "unickpt"}),
-    models.IndexMetadata: frozenset({"total_size"}),
-    models.UnickptBlock: frozenset(
-        [
-            "format_version",
-            "kind",
-            "created_by",
-            "layout",
-            "tensors",
-            "aliases",
-            "param_groups",
-            "param_state",
-            "save_id",
-        ]
-    ),
-    models.LayoutInfo: frozenset({"plugin", "world_size", "mesh", "gathered"}),
-    models.TensorEntry: frozenset({"dtype", "shape", "fingerprint", "slices", "param", "state"}),
-    models.SliceEntry: frozenset({"file", "key", "offsets", "shape", "xxh3"}),
+    models.IndexMetadata: frozenset(),
+    models.UnickptBlock: frozenset(set(models.UnickptBlock.model_fields) - {"created_by"}),
+    models.LayoutInfo: frozenset({"mesh"}),
+    models.TensorEntry: frozenset({"dtype", "slices"}),
+    models.SliceEntry: frozenset({"file"}),
 }
 
 
@@ -207,6 +201,16 @@ class _FastIndex:
             raise _NotFast  # pydantic's lax mode may coerce it
         raise _schema(where, "an integer", v)
 
+    def optional_string(self, v: Any, where: str) -> str | None:
+        return None if v is None else self.string(v, where)
+
+    def boolean(self, v: Any, where: str) -> bool:
+        if type(v) is not bool:
+            if type(v) in (int, float, str):
+                raise _NotFast  # pydantic takes 0, 1, "true", "no"...
+            raise _schema(where, "a boolean", v)
+        return v
+
     def dims(self, v: Any, where: str) -> list[int]:
         if type(v) is not list:
             raise _schema(where, "an array of integers", v)
@@ -261,8 +265,9 @@ class _FastIndex:
         given: dict[str, Any] = {}
         extra: dict[str, Any] = {}
         for k, x in v.items():
-            if k == "total_size":
-                given[k] = self.integer(x, "metadata.total_size", 0, MAX_DIM)
+            check = _META_PLAIN.get(k)
+            if check is not None:
+                given[k] = check(self, x, f"metadata.{k}")
             else:
                 self.colons += k.count(":")
                 self.walk(x)
@@ -294,7 +299,10 @@ class _FastIndex:
         given: dict[str, Any] = {}
         for k, x in b.items():
             where = f"unickpt.{k}"
-            if k == "format_version":
+            check = _BLOCK_PLAIN.get(k)
+            if check is not None:
+                given[k] = check(self, x, where)
+            elif k == "format_version":
                 if type(x) is not int:
                     if type(x) in (bool, float):
                         raise _NotFast  # pydantic takes true and 1.0 for 1
@@ -306,8 +314,6 @@ class _FastIndex:
                 if x not in KINDS or type(x) is not str:
                     raise _schema(where, _KIND_CHOICES, x)
                 given[k] = x
-            elif k == "created_by":
-                given[k] = self.string(x, where)
             elif k == "layout":
                 given[k] = self.layout(x)
             elif k == "tensors":
@@ -359,11 +365,10 @@ class _FastIndex:
         given: dict[str, Any] = {}
         for k, x in d.items():
             where = f"unickpt.layout.{k}"
-            if k == "plugin":
-                given[k] = self.string(x, where)
-            elif k == "world_size":
-                given[k] = self.integer(x, where, MIN_POSITIVE)
-            elif k == "mesh":
+            check = _LAYOUT_PLAIN.get(k)
+            if check is not None:
+                given[k] = check(self, x, where)
+            else:  # mesh
                 if type(x) is not dict:
                     raise _schema(where, "an object", x)
                 self.pairs += len(x)
@@ -371,12 +376,6 @@ class _FastIndex:
                 for axis, size in x.items():
                     self.integer(size, f"{where}.{axis}", MIN_POSITIVE)
                 given[k] = dict(x)
-            else:  # gathered
-                if type(x) is not bool:
-                    if type(x) in (int, float, str):
-                        raise _NotFast  # pydantic takes 0, 1, "true", "no"...
-                    raise _schema(where, "a boolean", x)
-                given[k] = x
         return construct(models.LayoutInfo, given, set(d), None)
 
     def tensors(self, v: Any) -> dict[str, models.TensorEntry]:
@@ -391,21 +390,18 @@ class _FastIndex:
         t = self.obj(v, where, _TENSOR_FIELDS, _TENSOR_REQUIRED)
         given: dict[str, Any] = {}
         for k, x in t.items():
-            if k == "dtype":
+            check = _TENSOR_PLAIN.get(k)
+            if check is not None:
+                given[k] = check(self, x, f"{where}.{k}")
+            elif k == "dtype":
                 dtype = self.string(x, f"{where}.dtype", colons=False)
                 if dtype not in DTYPE_ITEMSIZE or ":" in dtype:
                     raise _schema(f"{where}.dtype", f"a dtype in {sorted(DTYPE_ITEMSIZE)}", x)
                 given[k] = x
-            elif k == "shape":
-                given[k] = self.dims(x, f"{where}.shape")
-            elif k == "fingerprint":
-                given[k] = self.hex16(x, f"{where}.fingerprint")
-            elif k == "slices":
+            else:  # slices
                 if type(x) is not list:
                     raise _schema(f"{where}.slices", "an array of slice objects", x)
                 given[k] = x
-            else:  # param, state
-                given[k] = None if x is None else self.string(x, f"{where}.{k}")
         shape = given["shape"]
         problem = shape_problem(shape)
         if problem is not None:
@@ -428,14 +424,11 @@ class _FastIndex:
             s = self.obj(v, w, SLICE_FIELDS, SLICE_REQUIRED)
             given: dict[str, Any] = {}
             for k, x in s.items():
-                if k == "file":
+                check = _SLICE_PLAIN.get(k)
+                if check is not None:
+                    given[k] = check(self, x, f"{w}.{k}")
+                else:  # file
                     given[k] = self.string(x, f"{w}.file", colons=False)  # a safe name has none
-                elif k == "key":
-                    given[k] = self.string(x, f"{w}.key")
-                elif k == "xxh3":
-                    given[k] = self.hex16(x, f"{w}.xxh3")
-                else:  # offsets, shape
-                    given[k] = self.dims(x, f"{w}.{k}")
             out.append((s, given))
         built = []
         for s, given in out:
@@ -446,3 +439,39 @@ class _FastIndex:
             self.files.add(file)
             built.append(construct(models.SliceEntry, given, set(s), None))
         return built
+
+
+_Check = Callable[[_FastIndex, Any, str], Any]
+
+
+def _plain_check(cls: type[BaseModel], name: str) -> _Check:
+    """The check of a field declared with one of the schema's plain types, read from its declaration."""
+    field = cls.model_fields[name]
+    ann, meta = field.annotation, field.metadata
+    if ann is str:
+        return _FastIndex.string
+    if ann == str | None and not meta:
+        return _FastIndex.optional_string
+    if ann is bool and Strict(strict=True) in meta:
+        return _FastIndex.boolean
+    if ann is int and Strict(strict=True) in meta:
+        lo = next(cast(int, m.ge) for m in meta if isinstance(m, Ge))
+        hi = next((cast(int, m.lt) for m in meta if isinstance(m, Lt)), None)
+        return lambda fast, v, where: fast.integer(v, where, lo, hi)
+    if ann == list[NonNeg]:
+        return _FastIndex.dims
+    if ann == Hex16 | None:
+        return _FastIndex.hex16
+    raise TypeError(f"{cls.__name__}.{name}: the fast index path has no check for {ann!r}")
+
+
+#: The plain checks, by model and field: every field not in CUSTOM_FIELDS.
+PLAIN_CHECKS: dict[type[BaseModel], dict[str, _Check]] = {
+    cls: {name: _plain_check(cls, name) for name in cls.model_fields if name not in custom}
+    for cls, custom in CUSTOM_FIELDS.items()
+}
+_META_PLAIN = PLAIN_CHECKS[models.IndexMetadata]
+_BLOCK_PLAIN = PLAIN_CHECKS[models.UnickptBlock]
+_LAYOUT_PLAIN = PLAIN_CHECKS[models.LayoutInfo]
+_TENSOR_PLAIN = PLAIN_CHECKS[models.TensorEntry]
+_SLICE_PLAIN = PLAIN_CHECKS[models.SliceEntry]
