@@ -80,7 +80,9 @@ _SCHEMA = "index does not match the unickpt index schema"
 CUSTOM_FIELDS: dict[type[BaseModel], frozenset[str]] = {
     models.IndexFile: frozenset({"metadata", "weight_map", "unickpt"}),
     models.IndexMetadata: frozenset(),
-    models.UnickptBlock: frozenset(set(models.UnickptBlock.model_fields) - {"created_by"}),
+    models.UnickptBlock: frozenset(
+        {"format_version", "kind", "layout", "tensors", "aliases", "param_groups", "param_state", "save_id"}
+    ),
     models.LayoutInfo: frozenset({"mesh"}),
     models.TensorEntry: frozenset({"dtype", "slices"}),
     models.SliceEntry: frozenset({"file"}),
