@@ -10,12 +10,15 @@ from typing import Any
 
 from unickpt.errors import (
     CheckpointBusyError,
+    CheckpointChangedError,
     CheckpointFormatError,
+    ConfigError,
     DistributedError,
     HeaderError,
     IncompleteCheckpointError,
     IndexFileError,
     IntegrityError,
+    OutputExistsError,
     StateMismatchError,
     UnickptError,
     UnsafePathError,
@@ -47,6 +50,9 @@ __all__ = [
     "UnsupportedError",
     "DistributedError",
     "CheckpointBusyError",
+    "CheckpointChangedError",
+    "OutputExistsError",
+    "ConfigError",
 ]
 
 # Heavy parts (torch, torch.distributed) load on first use, so `unickpt` and its CLI start fast.

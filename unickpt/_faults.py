@@ -20,6 +20,8 @@ import contextlib
 import os
 from collections.abc import Iterable, Iterator
 
+from unickpt.errors import ConfigError
+
 __all__ = ["RANK0_ONLY", "STAGES", "InjectedFault", "arm", "hits", "injected", "maybe_fail", "tracing"]
 
 STAGES: tuple[str, ...] = (
@@ -85,7 +87,7 @@ def _parse(spec: str) -> frozenset[tuple[str, str]]:
             continue
         stage, _, rank = item.partition("@")
         if stage not in STAGES:
-            raise ValueError(f"UNICKPT_FAULTS: unknown stage {stage!r}; stages: {', '.join(STAGES)}")
+            raise ConfigError(f"UNICKPT_FAULTS: unknown stage {stage!r}; stages: {', '.join(STAGES)}")
         out.add((stage, rank.strip() or "*"))
     return frozenset(out)
 

@@ -46,7 +46,7 @@ from torch.utils.data import (
 )
 
 from unickpt._logging import get_logger
-from unickpt.errors import StateMismatchError, UnsupportedError
+from unickpt.errors import ConfigError, StateMismatchError, UnsupportedError
 
 __all__ = [
     "ResumableDistributedSampler",
@@ -88,7 +88,7 @@ class ResumableDistributedSampler(Sampler[int]):
         drop_last: bool = False,
     ) -> None:
         if num_replicas < 1 or not 0 <= rank < num_replicas:
-            raise ValueError(f"rank {rank} is not in [0, num_replicas={num_replicas})")
+            raise ConfigError(f"rank {rank} is not in [0, num_replicas={num_replicas})")
         self.dataset_len = len(dataset)
         self.num_replicas = num_replicas
         self.rank = rank
@@ -103,7 +103,7 @@ class ResumableDistributedSampler(Sampler[int]):
 
     def set_start(self, start: int) -> None:
         if not 0 <= start <= self.dataset_len:
-            raise ValueError(f"start {start} is outside the epoch of {self.dataset_len} samples")
+            raise ConfigError(f"start {start} is outside the epoch of {self.dataset_len} samples")
         self.start = start
 
     def _remaining(self) -> list[int]:
@@ -345,7 +345,7 @@ def wrap_dataloader(dataloader: Any, plugin: Any = None, *, on_reshard: str = "e
       with the manager raises ``UnsupportedError``.
     """
     if on_reshard not in _RESHARD_POLICIES:
-        raise ValueError(f"on_reshard must be one of {_RESHARD_POLICIES}, got {on_reshard!r}")
+        raise ConfigError(f"on_reshard must be one of {_RESHARD_POLICIES}, got {on_reshard!r}")
     if hasattr(dataloader, "state_dict") and hasattr(dataloader, "load_state_dict"):
         return dataloader
     if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):

@@ -16,6 +16,8 @@ handlers keep working::
     +-- DistributedError (RuntimeError)          ranks disagree, or a peer failed
     +-- CheckpointBusyError (RuntimeError)       another save holds the directory lock
     +-- CheckpointChangedError (RuntimeError)    a save replaced the checkpoint while it was read
+    +-- OutputExistsError (FileExistsError)      merge/convert output path already holds something
+    +-- ConfigError (ValueError)                 an argument or setting unickpt was given is invalid
 
 Messages say where (file, tensor, rank), what was expected, what was found and, where
 there is one, what to do about it.
@@ -39,6 +41,8 @@ __all__ = [
     "DistributedError",
     "CheckpointBusyError",
     "CheckpointChangedError",
+    "OutputExistsError",
+    "ConfigError",
 ]
 
 
@@ -151,4 +155,16 @@ class CheckpointChangedError(UnickptError, RuntimeError):
     Data files carry the save id of the index that names them; a reader that finds a data file
     of another save, or finds it gone, raises this instead of mixing two checkpoints. Reading
     again reads the newly committed checkpoint.
+    """
+
+
+class OutputExistsError(UnickptError, FileExistsError):
+    """The output path of merge/convert already holds something; nothing is overwritten."""
+
+
+class ConfigError(UnickptError, ValueError):
+    """An argument, option or environment setting passed to unickpt is invalid.
+
+    Raised before anything is read or written; the message names the setting, the accepted
+    values and the value given.
     """

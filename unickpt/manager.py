@@ -89,6 +89,7 @@ from unickpt._stepdirs import (
     remove_step,
 )
 from unickpt.errors import (
+    ConfigError,
     IncompleteCheckpointError,
     IndexFileError,
     StateMismatchError,
@@ -178,16 +179,16 @@ class CheckpointManager:
             self._root = os.path.join(base, f"rank-{_dist.rank(self.io.group):05d}")
         else:
             if local_cache_dir is not None or storage_options is not None:
-                raise ValueError(
+                raise ConfigError(
                     "local_cache_dir and storage_options are for fsspec URLs; "
                     f"{os.fspath(checkpoint_dir)!r} is a local directory"
                 )
             self.checkpoint_dir = _local_dir(checkpoint_dir)
             self._root = self.checkpoint_dir
         if save_steps < 1:
-            raise ValueError(f"save_steps must be a positive number of steps, got {save_steps}")
+            raise ConfigError(f"save_steps must be a positive number of steps, got {save_steps}")
         if keep_last is not None and keep_last < 0:
-            raise ValueError(f"keep_last must be >= 0 (0 or None keeps all), got {keep_last}")
+            raise ConfigError(f"keep_last must be >= 0 (0 or None keeps all), got {keep_last}")
         self.save_steps = save_steps
         self.keep_last = keep_last or None
         self.async_save = async_save
@@ -252,7 +253,7 @@ class CheckpointManager:
         if resume_from_checkpoint is None:
             return 0
         if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint != "latest":
-            raise ValueError(
+            raise ConfigError(
                 f"resume_from_checkpoint must be None, an int step or 'latest', got {resume_from_checkpoint!r}"
             )
 

@@ -851,3 +851,22 @@ def test_load_index_fallback_reads_the_file_again(tmp_path: Path, edit: Any) -> 
     except IndexFileError as e:
         got = str(e)
     assert got == want
+
+
+def test_the_fast_path_checks_every_field_of_the_models() -> None:
+    """The fast path reads field lists, types, bounds and rules from index_models: each field
+    either has a check written out (CUSTOM_FIELDS) or the plain check its declared type calls
+    for; a field of a type with no plain check is refused when the module is built."""
+    from unickpt.format.index_fast import CUSTOM_FIELDS, PLAIN_CHECKS, _plain_check
+
+    models = {IndexFile, IndexMetadata, UnickptBlock, LayoutInfo, TensorEntry, SliceEntry}
+    assert set(CUSTOM_FIELDS) == set(PLAIN_CHECKS) == models
+    for cls in models:
+        assert CUSTOM_FIELDS[cls] <= set(cls.model_fields), cls.__name__
+        assert CUSTOM_FIELDS[cls] | set(PLAIN_CHECKS[cls]) == set(cls.model_fields), cls.__name__
+
+    class Odd(BaseModel):
+        ratio: float
+
+    with pytest.raises(TypeError, match=r"Odd\.ratio"):
+        _plain_check(Odd, "ratio")

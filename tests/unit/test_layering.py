@@ -128,6 +128,9 @@ def test_public_surface_is_deliberate() -> None:
             "UnsupportedError",
             "DistributedError",
             "CheckpointBusyError",
+            "CheckpointChangedError",
+            "OutputExistsError",
+            "ConfigError",
         ]
     )
     for name in unickpt.__all__:

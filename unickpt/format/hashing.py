@@ -41,6 +41,7 @@ from types import ModuleType
 import numpy as np
 import xxhash
 
+from unickpt.errors import ConfigError
 from unickpt.format import _fp2
 from unickpt.format.dtypes import itemsize
 
@@ -86,7 +87,7 @@ def fingerprint_version(format_version: int) -> int:
 
 def _check_version(version: int) -> None:
     if version not in (1, 2):
-        raise ValueError(f"unknown fingerprint version {version!r} (known: 1, 2)")
+        raise ConfigError(f"unknown fingerprint version {version!r} (known: 1, 2)")
 
 
 _MASK = (1 << 64) - 1

@@ -22,6 +22,7 @@ import os
 import re
 from typing import Any
 
+from unickpt.errors import CheckpointFormatError, ConfigError
 from unickpt.format.commit import atomic_write_bytes
 from unickpt.format.hashing import slice_hash
 
@@ -133,12 +134,12 @@ def looks_like_run(path: str | os.PathLike[str]) -> bool:
 
 
 def step_layout(step_dir: str | os.PathLike[str]) -> StepLayout:
-    """The parts of a step directory (raises ``ValueError`` if it is not a committed step)."""
+    """The parts of a step directory (raises ``ConfigError``, a ``ValueError``, if it is not a committed step)."""
     d = os.path.abspath(os.fspath(step_dir))
     step = step_of(d)
     commit = read_commit(d)
     if step is None or commit is None:
-        raise ValueError(f"{d} is not a committed step directory (step-<N> with a {COMMIT_NAME} file)")
+        raise ConfigError(f"{d} is not a committed step directory (step-<N> with a {COMMIT_NAME} file)")
 
     def opt(name: str, isdir: bool) -> str | None:
         p = os.path.join(d, name)
@@ -184,14 +185,14 @@ def write_hashes(step_dir: str, rank: int, files: dict[str, bytes]) -> None:
 
 
 def read_hashes(path: str) -> dict[str, str]:
-    """``{relative path: xxh3-64}`` from a hashes file; ``ValueError`` if it is malformed."""
+    """``{relative path: xxh3-64}`` from a hashes file; ``ValueError`` (``CheckpointFormatError``) if it is malformed."""
     with open(path, "rb") as f:
         obj = json.loads(f.read())
     if not isinstance(obj, dict) or obj.get("unickpt_hashes") != _HASHES_VERSION:
-        raise ValueError("not a unickpt hashes file")
+        raise CheckpointFormatError("not a unickpt hashes file")
     table = obj.get("xxh3")
     if not isinstance(table, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in table.items()
     ):
-        raise ValueError("'xxh3' must map relative paths to hex digests")
+        raise CheckpointFormatError("'xxh3' must map relative paths to hex digests")
     return table

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 
-from unickpt.format.index import KNOWN_FORMAT_VERSIONS, IndexFile
+from unickpt.format.index_models import KNOWN_FORMAT_VERSIONS, IndexFile
 
 __all__ = ["index_schema_json"]
 

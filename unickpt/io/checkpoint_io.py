@@ -21,7 +21,7 @@ import torch
 
 from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
-from unickpt.errors import IndexFileError, UnsupportedError
+from unickpt.errors import ConfigError, IndexFileError, UnsupportedError
 from unickpt.format._json import strict_loads
 from unickpt.format.commit import atomic_write_bytes
 from unickpt.format.index import LayoutInfo
@@ -161,7 +161,7 @@ class CheckpointIO(AsyncSaveMixin):
         check_replicas: str = "warn",
     ) -> None:
         if check_replicas not in REPLICA_MODES:
-            raise ValueError(f"check_replicas must be one of {REPLICA_MODES}, got {check_replicas!r}")
+            raise ConfigError(f"check_replicas must be one of {REPLICA_MODES}, got {check_replicas!r}")
         self.check_replicas = check_replicas
         self.mesh = mesh
         self.group = group
@@ -683,7 +683,7 @@ class CheckpointIO(AsyncSaveMixin):
     # ------------------------------------------------------------------ helpers
     def _options(self, kind: str, shard: bool, gather: bool, size_mb: float) -> SaveOptions:
         if size_mb <= 0:
-            raise ValueError(f"size_per_shard must be a positive number of MB, got {size_mb}")
+            raise ConfigError(f"size_per_shard must be a positive number of MB, got {size_mb}")
         layout = self.layout()
         return SaveOptions(
             kind=kind,
@@ -712,7 +712,8 @@ class CheckpointIO(AsyncSaveMixin):
             if reader is not None:
                 reader.close()
             raise
-        assert reader is not None
+        if reader is None:  # never: agree() raised when opening failed on any rank
+            raise RuntimeError(f"{os.fspath(checkpoint)}: no reader after opening succeeded")
         return reader
 
     def _optim_and_model(self, optimizer: Any) -> tuple[torch.optim.Optimizer, torch.nn.Module]:

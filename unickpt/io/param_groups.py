@@ -144,7 +144,8 @@ def validate_param_groups(
                 mismatched=[f"param_groups[{li}]"],
             )
         home = homes.pop()
-        assert home is not None
+        if home is None:  # never: a group of saved params has a home
+            raise RuntimeError(f"{where}: param group {li} has no saved group")
         gi = home
         sg = saved[gi]
         want = set(lg) - {"params"}

@@ -24,7 +24,7 @@ import xxhash
 
 from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
-from unickpt.errors import DistributedError
+from unickpt.errors import ConfigError, DistributedError
 from unickpt.io import _dist
 from unickpt.io.tensors import LocalSlice, as_bytes
 
@@ -69,7 +69,7 @@ def check_replicas(
 ) -> None:
     """Collective: compare the digests of the blocks several ranks hold; act on divergence per ``mode``."""
     if mode not in REPLICA_MODES:
-        raise ValueError(f"check_replicas must be one of {REPLICA_MODES}, got {mode!r}")
+        raise ConfigError(f"check_replicas must be one of {REPLICA_MODES}, got {mode!r}")
     if mode == "off" or _dist.world_size(group) == 1:
         return
 

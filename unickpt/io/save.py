@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from unickpt import __version__
 from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
 from unickpt.errors import UnickptError
@@ -53,7 +54,7 @@ from unickpt.io.tensors import LocalSlice, as_bytes, is_dtensor
 __all__ = ["SaveOptions", "save_tensors"]
 
 logger = get_logger(__name__)
-_VERSION = "unickpt 0.1.0"
+_VERSION = f"unickpt {__version__}"
 # (tensor name, slice number) -> (xxh3-64 or None, fingerprint partial)
 _Results = dict[tuple[str, int], tuple[str | None, int]]
 
@@ -155,7 +156,8 @@ def save_tensors(
     except BaseException as e:
         err = e
     _dist.agree(err, "planning the save", group)
-    assert plan is not None  # for the type checker; agree() raised otherwise
+    if plan is None:  # never: agree() raised when planning failed on any rank
+        raise RuntimeError(f"{path}: no save plan after planning succeeded")
 
     # 3. rank 0 prepares the directory.
     lock = contextlib.ExitStack()

@@ -7,7 +7,7 @@ import os
 import shutil
 from collections.abc import Iterator
 
-from unickpt.errors import IncompleteCheckpointError, UnickptError
+from unickpt.errors import IncompleteCheckpointError, OutputExistsError
 from unickpt.format.commit import only_leftovers, publish_directory, temp_name
 from unickpt.format.naming import index_name, single_name
 from unickpt.format.reader import CheckpointReader, file_kind, open_checkpoint
@@ -64,10 +64,6 @@ def human_bytes(n: int) -> str:
             return f"{int(x)} {unit}" if unit == "B" else f"{x:.1f} {unit}"
         x /= 1024
     return f"{n} B"  # pragma: no cover
-
-
-class OutputExistsError(UnickptError, FileExistsError):
-    """The output path of merge/convert already holds something; nothing is overwritten."""
 
 
 def check_output(out: str) -> str:

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from unickpt import __version__
 from unickpt.format.commit import directory_lock, new_save_id
 from unickpt.format.dtypes import itemsize
 from unickpt.format.index import LayoutInfo, SliceEntry, index_to_json
@@ -64,7 +65,7 @@ def write_checkpoint(
     block_extras: dict[str, Any] | None = None,
     hashes: bool = True,
     fingerprints: bool = True,
-    created_by: str = "unickpt",
+    created_by: str = f"unickpt {__version__}",
     fsync: bool = True,
 ) -> str:
     """Write ``tensors`` as a committed unickpt checkpoint directory (index written last).

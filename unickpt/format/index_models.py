@@ -1,0 +1,286 @@
+"""The index schema, defined once: the pydantic models of ``*.safetensors.index.json``.
+
+Hugging Face's keys plus a versioned ``unickpt`` block. Everything the schema says lives here:
+the field types and bounds (the ``Annotated`` aliases and ``Literal`` choices below), and the
+rules that span fields (:func:`slice_problem`, :func:`shape_problem`, :func:`alias_problem`,
+:func:`check_file_name`). The models apply them as validators; the fast path of ``parse_index``
+(``index_fast``) reads the same field lists, bounds and choices from here and calls the same
+rule functions, so a change here changes both. ``docs/index.schema.json`` is exported from
+:class:`IndexFile` (``unickpt.format.schema``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
+
+from unickpt.errors import UnsafePathError
+from unickpt.format._json import json_depth
+from unickpt.format.dtypes import DTYPE_ITEMSIZE
+
+__all__ = [
+    "FORMAT_VERSION",
+    "KNOWN_FORMAT_VERSIONS",
+    "KINDS",
+    "MAX_INDEX_BYTES",
+    "MAX_DIM",
+    "MAX_STATE_DEPTH",
+    "HEX16",
+    "SAVE_ID",
+    "SliceEntry",
+    "TensorEntry",
+    "LayoutInfo",
+    "UnickptBlock",
+    "IndexMetadata",
+    "IndexFile",
+    "check_file_name",
+    "strict_metadata_ok",
+    "shape_problem",
+    "slice_problem",
+    "alias_problem",
+    "fields_of",
+]
+
+#: Format versions this reader accepts; version 1 indexes carry fingerprint v1 values.
+FormatVersion = Literal[1, 2]
+KNOWN_FORMAT_VERSIONS: tuple[int, ...] = get_args(FormatVersion)
+#: The version every writer stamps: 2 since fingerprint v2 (docs/format.md sections 5.2, 7).
+FORMAT_VERSION: Literal[2] = 2
+Kind = Literal["model", "optimizer"]
+KINDS: tuple[str, ...] = get_args(Kind)
+# An index describes tensors, never holds them: 70B parameters over 512 ranks is on the
+# order of 10^5 slices, a few tens of MB of JSON. Larger files are refused unread.
+MAX_INDEX_BYTES = 512 << 20
+#: Exclusive bound of a dimension, an offset and a tensor's element count.
+MAX_DIM = 1 << 62
+#: Smallest world size and mesh axis size.
+MIN_POSITIVE = 1
+#: Digests and fingerprints: 16 lower-case hex digits (``HEX16_BODY`` unanchored).
+HEX16_BODY = "[0-9a-f]{16}"
+HEX16 = f"^{HEX16_BODY}$"
+#: A save id: 32 lower-case hex digits (``SAVE_ID_BODY`` unanchored).
+SAVE_ID_BODY = "[0-9a-f]{32}"
+SAVE_ID = f"^{SAVE_ID_BODY}$"
+
+# Strict: JSON true, 2.0 and "2" are not integers here (pydantic's lax mode would take them).
+NonNeg = Annotated[int, Strict(), Field(ge=0, lt=MAX_DIM)]
+Positive = Annotated[int, Strict(), Field(ge=MIN_POSITIVE)]
+# Free-form JSON state (param_groups, param_state) nests at most this deep, so that the whole
+# index stays within the 64 levels of the spec.
+MAX_STATE_DEPTH = 48
+Hex16 = Annotated[str, Field(pattern=HEX16)]
+
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]*$")
+
+
+def shape_problem(shape: Sequence[int]) -> str | None:
+    """What is wrong with a tensor's shape as a whole (each dim is checked as a ``NonNeg``)."""
+    if math.prod(shape) >= MAX_DIM:
+        return f"shape {list(shape)} has too many elements"
+    return None
+
+
+def slice_problem(
+    key: str, file: str, offsets: Sequence[int], shape: Sequence[int], gshape: Sequence[int]
+) -> str | None:
+    """What is wrong with one slice of a tensor of shape ``gshape``: rank, or a block past its end."""
+    nd = len(gshape)
+    if len(offsets) != nd or len(shape) != nd:
+        return (
+            f"slice {key!r} in {file!r} has {len(offsets)}-dim offsets and "
+            f"{len(shape)}-dim shape for a {nd}-dim tensor"
+        )
+    for d, (o, n, g) in enumerate(zip(offsets, shape, gshape, strict=True)):
+        if o + n > g:
+            return f"slice {key!r} in {file!r} spans [{o}, {o + n}) on dim {d} of a tensor of size {g}"
+    return None
+
+
+def alias_problem(aliases: Mapping[str, str], tensors: Mapping[str, Any]) -> str | None:
+    """What is wrong with the aliases of a block: one naming no stored tensor, or one that is stored."""
+    for alias, target in aliases.items():
+        if target not in tensors:
+            return f"alias {alias!r} points at {target!r}, which is not a stored tensor"
+        if alias in tensors:
+            return f"alias {alias!r} is also a stored tensor"
+    return None
+
+
+def check_file_name(name: str, where: str = "") -> str:
+    """Refuse any data-file name that could leave the checkpoint directory.
+
+    Only plain file names are allowed: no directory separators (either kind), no
+    absolute paths or drive letters, no ``..``, no hidden files, ending in ``.safetensors``
+    (or ``.bin`` for legacy Hugging Face / Colossal-AI checkpoints, read without pickle).
+    """
+    at = f" ({where})" if where else ""
+    if (
+        not isinstance(name, str)
+        or not _SAFE_NAME.match(name)
+        or ".." in name
+        or len(name) > 255
+        or not (name.endswith(".safetensors") or name.endswith(".bin"))
+    ):
+        raise UnsafePathError(
+            f"refusing data file name {name!r}{at}: names must be plain file names inside the checkpoint "
+            "directory (no '/', '\\', '..', absolute paths or hidden files) ending in .safetensors"
+        )
+    return name
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SliceEntry(_Strict):
+    """One stored block of a global tensor: which file, which key, where it sits."""
+
+    file: str = Field(description="data file name, relative to the checkpoint directory")
+    key: str = Field(description="tensor name inside that safetensors file")
+    offsets: list[NonNeg] = Field(description="global index of the block's first element, per dim")
+    shape: list[NonNeg] = Field(description="block shape; the stored tensor has exactly this shape")
+    xxh3: Hex16 | None = Field(default=None, description="xxh3-64 of the stored bytes, 16 hex digits")
+
+
+class TensorEntry(_Strict):
+    """A global tensor: dtype, shape, fingerprint and the slices that tile it."""
+
+    dtype: str
+    shape: list[NonNeg]
+    fingerprint: Hex16 | None = Field(default=None, description="layout-invariant fingerprint")
+    slices: list[SliceEntry]
+    param: str | None = Field(default=None, description="optimizer tensors: the parameter FQN")
+    state: str | None = Field(default=None, description="optimizer tensors: the state key")
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v: str) -> str:
+        if v not in DTYPE_ITEMSIZE:
+            raise ValueError(f"unknown dtype {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _slices_in_bounds(self) -> TensorEntry:
+        problem = shape_problem(self.shape)
+        for s in self.slices:
+            if problem is not None:
+                break
+            problem = slice_problem(s.key, s.file, s.offsets, s.shape, self.shape)
+        if problem is not None:
+            raise ValueError(problem)
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
+
+
+class LayoutInfo(_Strict):
+    """The parallel layout a checkpoint was saved from (informational: loading never needs it)."""
+
+    plugin: str = "general"
+    world_size: Positive = 1
+    mesh: dict[str, Positive] = Field(default_factory=dict)
+    gathered: Annotated[bool, Strict()] = True
+
+
+class UnickptBlock(_Strict):
+    format_version: FormatVersion = FORMAT_VERSION
+    kind: Kind
+    created_by: str = "unickpt"
+    layout: LayoutInfo = Field(default_factory=LayoutInfo)
+    tensors: dict[str, TensorEntry]
+    aliases: dict[str, str] = Field(
+        default_factory=dict, description="tied names -> the stored name they share storage with"
+    )
+    param_groups: list[dict[str, Any]] | None = Field(
+        default=None, description="optimizer: hyperparameters, 'params' lists parameter FQNs"
+    )
+    param_state: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="optimizer: non-tensor per-parameter state, by FQN"
+    )
+    save_id: str | None = Field(
+        default=None,
+        pattern=SAVE_ID,
+        description="random id of the save that wrote this checkpoint; every data file's header "
+        "metadata carries it under 'unickpt_save'",
+    )
+
+    @field_validator("format_version", mode="before")
+    @classmethod
+    def _version_is_an_integer(cls, v: Any) -> Any:
+        if type(v) is not int:
+            raise ValueError(f"format_version must be an integer, found {v!r}")
+        return v
+
+    @field_validator("param_groups", "param_state")
+    @classmethod
+    def _state_not_too_deep(cls, v: Any) -> Any:
+        if json_depth(v, MAX_STATE_DEPTH + 1) > MAX_STATE_DEPTH:
+            raise ValueError(f"nested deeper than {MAX_STATE_DEPTH} levels")
+        return v
+
+    @model_validator(mode="after")
+    def _files_are_safe(self) -> UnickptBlock:
+        # Checked once per distinct name (an index of 10^5 slices names a few hundred files).
+        for name in {s.file for t in self.tensors.values() for s in t.slices}:
+            check_file_name(name)
+        return self
+
+    @model_validator(mode="after")
+    def _aliases_resolve(self) -> UnickptBlock:
+        problem = alias_problem(self.aliases, self.tensors)
+        if problem is not None:
+            raise ValueError(problem)
+        return self
+
+
+class IndexMetadata(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+    total_size: NonNeg = 0
+
+
+def strict_metadata_ok(md: Any) -> bool:
+    """``metadata`` as a unickpt index must have it: an object whose total_size, if any, is an int."""
+    if type(md) is not dict:
+        return False
+    size = md.get("total_size", 0)
+    return type(size) is int and 0 <= size < MAX_DIM
+
+
+class IndexFile(BaseModel):
+    """A ``*.safetensors.index.json`` file (Hugging Face keys plus the optional unickpt block)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    metadata: IndexMetadata = Field(default_factory=IndexMetadata)
+    weight_map: dict[str, str]
+    unickpt: UnickptBlock | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _plain_metadata_is_informational(cls, data: Any) -> Any:
+        # Hugging Face reads only weight_map of a plain index: its metadata is informational
+        # (Colossal-AI writes total_size in MB as a float). A unickpt index stays strict.
+        plain = isinstance(data, dict) and data.get("unickpt") is None
+        if plain and "metadata" in data and not strict_metadata_ok(data["metadata"]):
+            md = data["metadata"]
+            kept = {k: v for k, v in md.items() if k != "total_size"} if isinstance(md, dict) else {}
+            data = {**data, "metadata": kept}
+        return data
+
+    @field_validator("weight_map")
+    @classmethod
+    def _safe_files(cls, v: dict[str, str]) -> dict[str, str]:
+        for k, f in v.items():
+            check_file_name(f, f"weight_map[{k!r}]")
+        return v
+
+
+def fields_of(cls: type[BaseModel]) -> tuple[tuple[str, ...], frozenset[str]]:
+    """(all fields of a model in declaration order, the required ones)."""
+    fields = cls.model_fields
+    return tuple(fields), frozenset(n for n, f in fields.items() if f.is_required())
