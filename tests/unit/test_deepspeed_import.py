@@ -246,3 +246,31 @@ def test_live_zero_to_fp32_agrees(tmp_path: Path) -> None:
         assert set(theirs) == set(ours)
         for k, v in theirs.items():
             assert torch.equal(v.contiguous(), ours[k]), (case, k)
+
+
+def test_saved_lr_scheduler_becomes_lr_scheduler_json(tmp_path: Path) -> None:
+    """DeepSpeed stores the scheduler's ``state_dict`` in the model states file; it comes along."""
+    ck = _copy(tmp_path, "zero1_ws1")
+    path = ck / "global_step3" / "mp_rank_00_model_states.pt"
+    ms = torch.load(path, weights_only=True)
+    m = _model()
+    opt = _optimizer(m, _expected("zero1_ws1")[1])
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    ms["lr_scheduler"] = sched.state_dict()
+    torch.save(ms, path)
+    run = tmp_path / "run"
+    convert_checkpoint(ck, run, source="deepspeed", target="run")
+    assert (run / "step-3" / "lr_scheduler.json").is_file()
+    m2 = _model()
+    opt2 = _optimizer(m2, _expected("zero1_ws1")[1])
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=1)
+    assert CheckpointManager(run).load(m2, OptimizerWrapper(opt2, m2), sched2) == 3
+    assert sched2.state_dict() == sched.state_dict()
+    out = tmp_path / "out"
+    convert_checkpoint(ck, out, source="deepspeed")
+    sched3 = torch.optim.lr_scheduler.StepLR(opt2, step_size=1)
+    GeneralCheckpointIO().load_lr_scheduler(sched3, str(out))
+    assert sched3.state_dict() == sched.state_dict()
