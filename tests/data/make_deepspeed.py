@@ -37,15 +37,9 @@ def _free_port() -> int:
 
 
 def _run(rank: int, world: int, stage: int, port: int, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        DS_ACCELERATOR="cpu",
-    )
+    for k, v in (("RANK", rank), ("WORLD_SIZE", world), ("MASTER_PORT", port)):
+        os.environ[k] = os.environ["LOCAL_" + k] = str(v)
+    os.environ.update(MASTER_ADDR="127.0.0.1", DS_ACCELERATOR="cpu")
     import deepspeed
     import torch
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

@@ -26,6 +26,7 @@ are refused with :class:`UnsupportedError`.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -271,15 +272,14 @@ def write_deepspeed(
             st_of(t.dtype, name), shape, [SliceData([0] * len(shape), shape, tensor_bytes(t))], extras or {}
         )
 
-    layout = LayoutInfo(plugin="deepspeed", world_size=ck.world_size)
-    write_checkpoint(
-        model_dir,
-        {n: td(t, n) for n, t in ck.model.items()},
+    write = functools.partial(
+        write_checkpoint,
         sliced=False,
         max_shard_bytes=shard_bytes,
-        layout=layout,
+        layout=LayoutInfo(plugin="deepspeed", world_size=ck.world_size),
         created_by=created_by,
     )
+    write(model_dir, {n: td(t, n) for n, t in ck.model.items()})
     tensors: dict[str, TensorData] = {}
     param_state: dict[str, dict[str, Any]] = {}
     for fqn, st in ck.state.items():
@@ -293,15 +293,11 @@ def write_deepspeed(
         {k: to_json_value(v, f"param_groups[{i}][{k!r}]") for k, v in g.items()}
         for i, g in enumerate(ck.param_groups)
     ]
-    write_checkpoint(
+    write(
         optim_dir,
         tensors,
         kind="optimizer",
-        sliced=False,
-        max_shard_bytes=shard_bytes,
-        layout=layout,
         block_extras={"param_groups": groups, "param_state": param_state},
-        created_by=created_by,
     )
     if ck.lr_scheduler is not None:
         from unickpt.format.commit import atomic_write_bytes

@@ -79,9 +79,10 @@ def load_deepspeed_file(path: str) -> dict[str, Any]:
             "(unickpt never runs code from a checkpoint)"
         ) from None
     except (RuntimeError, ValueError, EOFError, TypeError, KeyError, zipfile.BadZipFile) as e:
-        raise CheckpointFormatError(
-            f"{path}: not a readable DeepSpeed checkpoint file ({type(e).__name__}: {e})"
-        ) from None
+        obj = e  # damaged: reported below with what torch said
     if not isinstance(obj, dict):
-        raise CheckpointFormatError(f"{path}: holds a {type(obj).__name__}, not a DeepSpeed state dict")
+        got = (
+            f"{type(obj).__name__}: {obj}" if isinstance(obj, Exception) else f"holds a {type(obj).__name__}"
+        )
+        raise CheckpointFormatError(f"{path}: not a readable DeepSpeed state dict ({got})")
     return obj
