@@ -6,7 +6,8 @@
 For a tiny model (Linear(4, 6), LayerNorm(6), Linear(6, 3), and a non-trainable buffer)
 trained 3 Adam steps (torch's Adam, ``torch_adam: true``, so no op is compiled) in fp32,
 with two param groups (different lr and weight decay), writes ``zero<S>_ws<W>/`` for ZeRO
-stage S in (1, 2) and world size W in (1, 2) (W=2: two processes on gloo), each holding:
+stage S in (1, 2, 3) and world size W in (1, 2) (W=2: two processes on gloo), each holding
+(``make_deepspeed.py 3`` remakes stage 3 only):
 
 - ``ckpt/``: what ``engine.save_checkpoint(dir)`` writes (``latest``, ``global_step3/``);
 - ``expected.safetensors``: DeepSpeed's own ``get_fp32_state_dict_from_zero_checkpoint`` of
@@ -42,6 +43,7 @@ def _run(rank: int, world: int, stage: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", DS_ACCELERATOR="cpu")
     import deepspeed
     import torch
+    from deepspeed.utils import safe_get_full_optimizer_state
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors.torch import save_file
     from torch import nn
@@ -75,9 +77,13 @@ def _run(rank: int, world: int, stage: int, port: int, out: str) -> None:
     expected = {}
     for n, p in engine.module.named_parameters():
         for key in ("exp_avg", "exp_avg_sq"):
-            expected[f"state.{n}.{key}"] = _full_state(opt, p, key)
+            if stage == 3:
+                full = safe_get_full_optimizer_state(p, key)
+                expected[f"state.{n}.{key}"] = full.detach().clone()
+            else:
+                expected[f"state.{n}.{key}"] = _full_state(opt, p, key)
         gi = next(i for i, gn in enumerate(group_names) if n in gn)
-        flat = opt.single_partition_of_fp32_groups[gi]
+        flat = (opt.fp32_partitioned_groups_flat if stage == 3 else opt.single_partition_of_fp32_groups)[gi]
         expected[f"state.{n}.step"] = opt.optimizer.state[flat]["step"].detach().clone()
     torch.distributed.barrier()
     if rank == 0:
@@ -87,8 +93,9 @@ def _run(rank: int, world: int, stage: int, port: int, out: str) -> None:
         fp32 = get_fp32_state_dict_from_zero_checkpoint(ckpt)
         for k, v in fp32.items():
             expected[f"model.{k}"] = v.contiguous()
-        for k, v in engine.module.state_dict().items():
-            expected[f"module.{k}"] = v.detach().clone()
+        if stage != 3:  # under ZeRO-3 the module holds empty placeholders
+            for k, v in engine.module.state_dict().items():
+                expected[f"module.{k}"] = v.detach().clone()
         save_file(expected, os.path.join(out, "expected.safetensors"))
         pgs = []
         for grp in opt.optimizer.param_groups if hasattr(opt, "optimizer") else opt.param_groups:
@@ -120,7 +127,8 @@ def _full_state(opt, p, key):  # type: ignore[no-untyped-def]
 def main() -> None:
     import torch.multiprocessing as mp
 
-    for stage in (1, 2):
+    stages = [int(x) for x in sys.argv[1].split(",")] if len(sys.argv) > 1 else [1, 2, 3]
+    for stage in stages:
         for world in (1, 2):
             out = os.path.join(HERE, f"zero{stage}_ws{world}")
             shutil.rmtree(out, ignore_errors=True)

@@ -1,7 +1,7 @@
-"""``convert --from deepspeed``: DeepSpeed ZeRO stage 1/2 checkpoints in, bit-exact, no code run.
+"""``convert --from deepspeed``: DeepSpeed ZeRO stage 1/2/3 checkpoints in, bit-exact, no code run.
 
-The fixtures under tests/data/deepspeed/ were written by real DeepSpeed 0.19.8 on CPU (ZeRO 1
-and 2, world size 1 and 2 over gloo) by tests/data/make_deepspeed.py, whose docstring says how
+The fixtures under tests/data/deepspeed/ were written by real DeepSpeed 0.19.8 on CPU (ZeRO 1,
+2 and 3, world size 1 and 2 over gloo) by tests/data/make_deepspeed.py, whose docstring says how
 to install DeepSpeed (``pip install --no-deps deepspeed hjson einops msgpack py-cpuinfo``) and
 run it. Beside each checkpoint, ``expected.safetensors`` holds what DeepSpeed's own
 ``get_fp32_state_dict_from_zero_checkpoint`` returned (``model.*``) and the live optimizer's
@@ -30,7 +30,7 @@ from unickpt.tools.convert import convert_checkpoint
 from unickpt.tools.convert_deepspeed import read_deepspeed
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "deepspeed"
-CASES = ["zero1_ws1", "zero1_ws2", "zero2_ws1", "zero2_ws2"]
+CASES = ["zero1_ws1", "zero1_ws2", "zero2_ws1", "zero2_ws2", "zero3_ws1", "zero3_ws2"]
 
 
 def _model() -> nn.Module:

@@ -278,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
             "directory (OUT/step-N, resumable with manager.load). --from bin reads pytorch_model*.bin "
             "shards; --from colossalai reads a Colossal-AI sharded optimizer checkpoint "
             "(pytorch_optim.bin.index.json), mapping parameter ids to names with --model; --from deepspeed "
-            "reads a DeepSpeed ZeRO stage 1/2 checkpoint (latest + global_stepN/): fp32 master weights, "
+            "reads a DeepSpeed ZeRO stage 1/2/3 checkpoint (latest + global_stepN/): fp32 master weights, "
             "Adam moments and param groups (--to run as for dcp, step = the engine's global_steps). "
             "Take checkpoints out: --to dcp writes the unickpt checkpoint SRC (model, optimizer, "
             "scheduler of a manager step) as DCP for torch.distributed.checkpoint.load / torchtitan. "

@@ -12,7 +12,7 @@
   refuses arbitrary pickled objects.
 - ``--from colossalai``: a Colossal-AI sharded optimizer checkpoint
   (``unickpt.tools.convert_colossalai``).
-- ``--from deepspeed``: a DeepSpeed ZeRO stage 1/2 checkpoint (``unickpt.tools.convert_deepspeed``).
+- ``--from deepspeed``: a DeepSpeed ZeRO stage 1/2/3 checkpoint (``unickpt.tools.convert_deepspeed``).
 - ``--to dcp``: a unickpt checkpoint written back as DCP (``unickpt.tools.export_dcp``).
 
 The unickpt output is a gathered, sharded checkpoint (``model-0000k-of-0000n.safetensors``
@@ -221,7 +221,7 @@ def convert_checkpoint(
       (``pytorch_optim.bin.index.json``); ``model`` maps its integer ids to FQNs: a model
       checkpoint directory, or a ``torch.nn.Module`` (its ``named_parameters()`` order, or with
       ``optimizer`` the optimizer's parameter order); default the ``model/`` directory beside ``src``.
-    - ``source="deepspeed"``: a DeepSpeed ZeRO stage 1/2 checkpoint (``latest`` + ``global_stepN/``):
+    - ``source="deepspeed"``: a DeepSpeed ZeRO stage 1/2/3 checkpoint (``latest`` + ``global_stepN/``):
       fp32 master weights, Adam moments per FQN and param groups (``unickpt.tools.convert_deepspeed``);
       ``target="run"`` as for DCP (``step`` or the engine's ``global_steps``).
     - ``target="dcp"`` (``source="unickpt"``): a DCP checkpoint of the unickpt model (and

@@ -1,4 +1,4 @@
-"""Import a DeepSpeed ZeRO (stage 1 and 2) checkpoint: fp32 master weights, Adam moments, groups.
+"""Import a DeepSpeed ZeRO (stage 1, 2 or 3) checkpoint: fp32 master weights, Adam moments, groups.
 
 ``engine.save_checkpoint(dir)`` writes ``dir/latest`` (the tag, e.g. ``global_step3``) and
 ``dir/<tag>/`` holding ``mp_rank_00_model_states.pt`` (the module's ``state_dict`` in the
@@ -15,13 +15,19 @@ in it one after the other in ``param_shapes`` order, each followed by its alignm
 moment pieces at the same offsets, so each parameter FQN gets its ``exp_avg``/``exp_avg_sq``
 (and the group's ``step``) back in its own shape.
 
+ZeRO-3 writes one ``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` per rank (the module holds
+empty placeholders there) and, per rank, ``fp32_flat_groups``: its part of every parameter,
+each parameter split into ``world size`` equal parts (``ceil(numel / ws)``, the last one
+padded), one after the other in ``param_shapes`` order across the sub-groups. A parameter is
+its parts gathered from every rank in rank order, cut to its size; the moments likewise.
+
 The model checkpoint holds the **fp32 master weights** (what ``zero_to_fp32`` gives: the
 exact values training continues from; the 16-bit copies of a bf16/fp16 run in the model
 states file are their rounding), buffers from the module state (floating ones as fp32, as
 ``zero_to_fp32`` does), frozen parameters, and tied (shared) parameters under every name.
 Files are read only through :mod:`unickpt.tools.deepspeed_read` (no code from them runs).
-ZeRO stage 3, tensor/pipeline parallel (``mp_rank_01`` ...) and the bf16 optimizer layout
-are refused with :class:`UnsupportedError`.
+Tensor/pipeline parallel checkpoints (``mp_rank_01`` ...) and the bf16 optimizer layout are
+refused with :class:`UnsupportedError`.
 """
 
 from __future__ import annotations
@@ -89,7 +95,7 @@ def _listdir(d: str) -> list[str]:
         raise IncompleteCheckpointError(f"{d} is not a directory") from None
 
 
-def _rank_files(step_dir: str) -> tuple[str, list[str]]:
+def _rank_files(step_dir: str) -> tuple[list[str], list[str]]:
     names = _listdir(step_dir)
     optim: dict[int, str] = {}
     for n in names:
@@ -102,9 +108,7 @@ def _rank_files(step_dir: str) -> tuple[str, list[str]]:
                 )
             optim[int(m.group(1))] = os.path.join(step_dir, n)
         elif n.endswith("_optim_states.pt"):
-            raise UnsupportedError(
-                f"{step_dir}: {n} is not a ZeRO stage 1/2 optimizer file (bf16 optimizer?)"
-            )
+            raise UnsupportedError(f"{step_dir}: {n} is not a ZeRO optimizer file (bf16 optimizer?)")
     models = [n for n in names if _MODEL.match(n)]
     if any(int(_MODEL.match(n).group(1)) != 0 for n in models):  # type: ignore[union-attr]
         raise UnsupportedError(
@@ -116,12 +120,16 @@ def _rank_files(step_dir: str) -> tuple[str, list[str]]:
         raise IncompleteCheckpointError(
             f"{step_dir}: optimizer files for ranks {sorted(optim)}, expected 0..{len(optim) - 1}"
         )
-    model = "mp_rank_00_model_states.pt"
-    if model not in names:
-        if "zero_pp_rank_0_mp_rank_00_model_states.pt" in names:
-            raise UnsupportedError(f"{step_dir}: a ZeRO stage 3 checkpoint; unickpt imports stage 1 and 2")
-        raise IncompleteCheckpointError(f"{step_dir}: no {model}")
-    return os.path.join(step_dir, model), [optim[r] for r in range(len(optim))]
+    ranks = [optim[r] for r in range(len(optim))]
+    if "mp_rank_00_model_states.pt" in names:  # stage 1/2: one model states file
+        return [os.path.join(step_dir, "mp_rank_00_model_states.pt")], ranks
+    z3 = [os.path.join(step_dir, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt") for r in range(len(optim))]
+    if not all(os.path.isfile(f) for f in z3):
+        raise IncompleteCheckpointError(
+            f"{step_dir}: no mp_rank_00_model_states.pt, nor zero_pp_rank_<r>_mp_rank_00_model_states.pt "
+            f"for each of the {len(optim)} ranks"
+        )
+    return z3, ranks
 
 
 def _get(d: Any, key: str, where: str) -> Any:
@@ -132,14 +140,13 @@ def _get(d: Any, key: str, where: str) -> Any:
 
 def read_deepspeed(src: str, tag: str | None = None) -> DeepSpeedCheckpoint:
     """Reassemble the ZeRO checkpoint ``src`` (its ``latest`` tag, or ``tag``) per FQN."""
-    import torch
-
     from unickpt.io.names import normalize_name
     from unickpt.tools.deepspeed_read import load_deepspeed_file
 
     step_dir = find_step_dir(src, tag)
-    model_path, optim_paths = _rank_files(step_dir)
-    ms = load_deepspeed_file(model_path)
+    model_paths, optim_paths = _rank_files(step_dir)
+    models = [load_deepspeed_file(p) for p in model_paths]
+    ms, model_path = models[0], model_paths[0]
     module = _get(ms, "module", model_path)
     param_shapes = _get(ms, "param_shapes", model_path)
     if not isinstance(module, dict) or not isinstance(param_shapes, list):
@@ -155,14 +162,14 @@ def read_deepspeed(src: str, tag: str | None = None) -> DeepSpeedCheckpoint:
         if name in module:
             v = module[name]
             out.model[name] = v.float() if v.is_floating_point() else v
-    for name, t in (ms.get("frozen_param_fragments") or {}).items():
-        out.model[name] = t
 
     osds = [_get(load_deepspeed_file(p), _OSD, p) for p in optim_paths]
-    stage = _get(osds[0], "zero_stage", optim_paths[0])
-    if int(stage) not in (1, 2):
-        raise UnsupportedError(f"{optim_paths[0]}: ZeRO stage {int(stage)}; unickpt imports stage 1 and 2")
-    out.zero_stage = int(stage)
+    stage = int(_get(osds[0], "zero_stage", optim_paths[0]))
+    if stage not in (1, 2, 3) or (stage == 3) != (len(models) > 1 or "zero_pp" in model_path):
+        raise CheckpointFormatError(
+            f"{optim_paths[0]}: ZeRO stage {stage} does not match the model states files"
+        )
+    out.zero_stage = stage
     counts = _get(osds[0], "partition_count", optim_paths[0])
     ws = max(counts) if isinstance(counts, list) else int(counts)
     if ws != len(osds):
@@ -170,62 +177,171 @@ def read_deepspeed(src: str, tag: str | None = None) -> DeepSpeedCheckpoint:
             f"{step_dir}: the checkpoint was written by {ws} ranks but holds {len(osds)} optimizer files"
         )
     out.world_size = ws
+    frozen = ms.get("frozen_param_shapes") or {}
+    for name, shape in frozen.items():
+        frags = [m.get("frozen_param_fragments", {}).get(name) for m in models]
+        if any(f is None for f in frags):
+            raise CheckpointFormatError(
+                f"{step_dir}: frozen parameter {name!r} has no fragment on every rank"
+            )
+        out.model[name] = _cat(frags)[: math.prod(shape)].view([int(x) for x in shape]).clone()
+    merged = (
+        _zero3(osds, optim_paths, param_shapes, ws)
+        if stage == 3
+        else _zero12(osds, optim_paths, param_shapes, ws)
+    )
+    for params, hyper in merged:
+        fqns = []
+        for name, weight, state in params:
+            fqn = normalize_name(name)
+            fqns.append(fqn)
+            out.model[fqn] = weight
+            out.state[fqn] = state
+        out.param_groups.append({**hyper, "params": fqns})
+    for a, b in (ms.get("shared_params") or {}).items():
+        if b in out.model:
+            out.model[a] = out.model[b]
+    return out
+
+
+_Group = tuple[list[tuple[str, Any, dict[str, Any]]], dict[str, Any]]  # [(name, weight, state)], hyper
+
+
+def _cat(parts: list[Any]) -> Any:
+    import torch
+
+    return torch.cat([p.reshape(-1) for p in parts])
+
+
+def _split_state(
+    states: list[dict[str, Any]], lengths: list[int], where: list[str], what: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Per state key, the ranks' flat tensors cut to ``lengths`` and concatenated (moments), and
+    the other (scalar) values of rank 0."""
+    import torch
+
+    flat: dict[str, Any] = {}
+    scalars: dict[str, Any] = {}
+    for key, v in states[0].items():
+        if not (isinstance(v, torch.Tensor) and v.dim() > 0):
+            scalars[key] = v
+            continue
+        parts = []
+        for st, n, path in zip(states, lengths, where, strict=True):
+            t = st.get(key)
+            if not isinstance(t, torch.Tensor) or t.numel() < n:
+                raise CheckpointFormatError(
+                    f"{path}: optimizer state {key!r} of {what} is shorter than its {n}-element fp32 partition"
+                )
+            parts.append(t.reshape(-1)[:n])
+        flat[key] = parts
+    return flat, scalars
+
+
+def _param_state(moments: dict[str, Any], scalars: dict[str, Any], cut: Any) -> dict[str, Any]:
+    import torch
+
+    st = {k: cut(v) for k, v in moments.items()}
+    st.update({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()})
+    return st
+
+
+def _zero12(osds: list[Any], paths: list[str], param_shapes: list[Any], ws: int) -> list[_Group]:
+    """Stage 1/2: each group's flat vector is the ranks' pieces end to end; parameters lie in it
+    one after the other (plus their alignment padding)."""
     paddings = osds[0].get("param_alignment_paddings")
-    base0 = _get(osds[0], "base_optimizer_state", optim_paths[0])
+    base0 = _get(osds[0], "base_optimizer_state", paths[0])
+    out: list[_Group] = []
     for gi, shapes in enumerate(param_shapes):
-        pieces = [
-            _get(o, "single_partition_of_fp32_groups", p)[gi] for o, p in zip(osds, optim_paths, strict=True)
-        ]
-        flat = torch.cat([x.reshape(-1).float() for x in pieces])
-        states = [
-            _group_state(o["base_optimizer_state"], gi, p) for o, p in zip(osds, optim_paths, strict=True)
-        ]
-        moments: dict[str, Any] = {}
-        scalars: dict[str, Any] = {}
-        for key, v in states[0].items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
-                parts = []
-                for r, (st, piece) in enumerate(zip(states, pieces, strict=True)):
-                    t = st.get(key)
-                    if not isinstance(t, torch.Tensor) or t.numel() < piece.numel():
-                        raise CheckpointFormatError(
-                            f"{optim_paths[r]}: optimizer state {key!r} of group {gi} is shorter than its "
-                            f"{piece.numel()}-element fp32 partition"
-                        )
-                    parts.append(t.reshape(-1)[: piece.numel()])
-                moments[key] = torch.cat(parts)
-            else:
-                scalars[key] = v
+        pieces = [_get(o, "single_partition_of_fp32_groups", p)[gi] for o, p in zip(osds, paths, strict=True)]
+        flat = _cat(pieces).float()
+        states = [_group_state(o["base_optimizer_state"], gi, p) for o, p in zip(osds, paths, strict=True)]
+        parts, scalars = _split_state(states, [x.numel() for x in pieces], paths, f"group {gi}")
+        moments = {k: _cat(v) for k, v in parts.items()}
         pads = paddings[gi] if isinstance(paddings, list) else [0] * len(shapes)
         if len(pads) != len(shapes):
             raise CheckpointFormatError(
-                f"{optim_paths[0]}: {len(pads)} alignment paddings for {len(shapes)} parameters"
+                f"{paths[0]}: {len(pads)} alignment paddings for {len(shapes)} parameters"
             )
         offset = 0
-        fqns = []
+        params = []
         for (name, shape), pad in zip(shapes.items(), pads, strict=True):
             shape = [int(x) for x in shape]
             n = math.prod(shape)
             if offset + n > flat.numel():
                 raise CheckpointFormatError(
-                    f"{step_dir}: parameter {name!r} of group {gi} ends past the group's {flat.numel()} elements"
+                    f"{paths[0]}: parameter {name!r} of group {gi} ends past the group's {flat.numel()} elements"
                 )
-            fqn = normalize_name(name)
-            fqns.append(fqn)
-            out.model[fqn] = flat.narrow(0, offset, n).view(shape).clone()
-            st = {k: m.narrow(0, offset, n).view(shape).clone() for k, m in moments.items()}
-            st.update({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()})
-            out.state[fqn] = st
+
+            def cut(v: Any, o: int = offset, n: int = n, shape: list[int] = shape) -> Any:
+                return v.narrow(0, o, n).view(shape).clone()
+
+            params.append((name, cut(flat), _param_state(moments, scalars, cut)))
             offset += n + int(pad)
         align = 2 * ws  # ZeRO-2 pads each group to a multiple of 2 x world size (zero_to_fp32's check)
         if math.ceil(offset / align) != math.ceil(flat.numel() / align):
             raise CheckpointFormatError(
-                f"{step_dir}: group {gi} holds {flat.numel()} elements but its parameters take {offset}"
+                f"{paths[0]}: group {gi} holds {flat.numel()} elements but its parameters take {offset}"
             )
-        out.param_groups.append({**_hyper(base0, gi), "params": fqns})
-    for a, b in (ms.get("shared_params") or {}).items():
-        if b in out.model:
-            out.model[a] = out.model[b]
+        out.append((params, _hyper(base0, gi)))
+    return out
+
+
+def _zero3(osds: list[Any], paths: list[str], param_shapes: list[Any], ws: int) -> list[_Group]:
+    """Stage 3: every parameter is split into ``ws`` equal parts (the last padded); each rank's
+    sub-group vectors, end to end, hold its part of every parameter in ``param_shapes`` order."""
+    subs = [_get(o, "fp32_flat_groups", p) for o, p in zip(osds, paths, strict=True)]
+    base0 = _get(osds[0], "optimizer_state_dict", paths[0])
+    n_sub = len(subs[0])
+    if any(len(x) != n_sub for x in subs):
+        raise CheckpointFormatError(f"{paths[0]}: ranks hold different numbers of sub-groups")
+    rank_flat = [_cat(x).float() for x in subs]
+    states = [
+        [_group_state(o["optimizer_state_dict"], i, p) for i in range(n_sub)]
+        for o, p in zip(osds, paths, strict=True)
+    ]
+    # per sub-group: each rank's moments cut to its fp32 piece; then per rank, the sub-groups end to end
+    cuts = [
+        _split_state([st[i] for st in states], [x[i].numel() for x in subs], paths, f"sub-group {i}")
+        for i in range(n_sub)
+    ]
+    scalars = cuts[0][1] if cuts else {}
+    rank_moments = (
+        [{k: _cat([c[0][k][r] for c in cuts]) for k in cuts[0][0]} for r in range(ws)] if cuts else []
+    )
+    keys = list(cuts[0][0]) if cuts else []
+    bounds = [0]
+    for x in subs[0]:
+        bounds.append(bounds[-1] + x.numel())
+    offset = 0
+    out: list[_Group] = []
+    for shapes in param_shapes:
+        first = offset
+        params = []
+        for name, shape in shapes.items():
+            shape = [int(x) for x in shape]
+            n = math.prod(shape)
+            part = math.ceil(n / ws)
+            if offset + part > rank_flat[0].numel():
+                raise CheckpointFormatError(
+                    f"{paths[0]}: parameter {name!r} ends past the rank's fp32 partition"
+                )
+
+            def cut(
+                vs: list[Any], o: int = offset, part: int = part, n: int = n, shape: list[int] = shape
+            ) -> Any:
+                return _cat([v.narrow(0, o, part) for v in vs])[:n].view(shape).clone()
+
+            weight = cut(rank_flat)
+            st = _param_state({k: [m[k] for m in rank_moments] for k in keys}, scalars, cut)
+            params.append((name, weight, st))
+            offset += part
+        sub = max(i for i in range(n_sub) if bounds[i] <= first) if n_sub else 0
+        out.append((params, _hyper(base0, sub)))
+    if offset * ws != sum(x.numel() for x in rank_flat):
+        raise CheckpointFormatError(
+            f"{paths[0]}: the ranks hold {sum(x.numel() for x in rank_flat)} elements but the parameters take {offset * ws}"
+        )
     return out
 
 
