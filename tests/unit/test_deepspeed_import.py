@@ -24,7 +24,7 @@ from torch import nn
 
 from unickpt import CheckpointManager, GeneralCheckpointIO, OptimizerWrapper, UnickptError
 from unickpt.cli.main import main as cli
-from unickpt.errors import IncompleteCheckpointError, UnsafePathError, UnsupportedError
+from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, UnsafePathError, UnsupportedError
 from unickpt.io.jsonstate import to_json_value
 from unickpt.tools.convert import convert_checkpoint
 from unickpt.tools.convert_deepspeed import read_deepspeed
@@ -229,6 +229,20 @@ def test_damaged_and_incomplete_checkpoints(tmp_path: Path) -> None:
         read_deepspeed(str(ck))
     with pytest.raises(IncompleteCheckpointError):
         read_deepspeed(str(tmp_path / "nothing"))
+
+
+def test_wrong_structure_is_a_format_error(tmp_path: Path) -> None:
+    ck = _copy(tmp_path, "zero1_ws1")
+    path = ck / "global_step3" / "mp_rank_00_model_states.pt"
+    ms = torch.load(path, weights_only=True)
+    ms["param_shapes"] = [{"0.weight": "six by four", "0.bias": [6], "2.weight": [3, 6]}]
+    torch.save(ms, path)
+    with pytest.raises(CheckpointFormatError, match="not a readable DeepSpeed ZeRO checkpoint"):
+        read_deepspeed(str(ck))
+    ms["param_shapes"] = [{"0.weight": [600, 4], "0.bias": [6], "2.weight": [3, 6]}]
+    torch.save(ms, path)
+    with pytest.raises(CheckpointFormatError, match="ends past"):
+        read_deepspeed(str(ck))
 
 
 def test_live_zero_to_fp32_agrees(tmp_path: Path) -> None:

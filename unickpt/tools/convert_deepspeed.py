@@ -39,7 +39,13 @@ import re
 from typing import Any
 
 from unickpt._logging import get_logger
-from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, UnsafePathError, UnsupportedError
+from unickpt.errors import (
+    CheckpointFormatError,
+    IncompleteCheckpointError,
+    UnickptError,
+    UnsafePathError,
+    UnsupportedError,
+)
 
 __all__ = ["DeepSpeedCheckpoint", "read_deepspeed", "write_deepspeed"]
 
@@ -139,7 +145,21 @@ def _get(d: Any, key: str, where: str) -> Any:
 
 
 def read_deepspeed(src: str, tag: str | None = None) -> DeepSpeedCheckpoint:
-    """Reassemble the ZeRO checkpoint ``src`` (its ``latest`` tag, or ``tag``) per FQN."""
+    """Reassemble the ZeRO checkpoint ``src`` (its ``latest`` tag, or ``tag``) per FQN.
+
+    Everything is read into memory (about twice the size of the checkpoint files at the peak).
+    Files whose contents do not have DeepSpeed's structure raise ``CheckpointFormatError``."""
+    try:
+        return _read(src, tag)
+    except UnickptError:
+        raise
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError, RuntimeError) as e:
+        raise CheckpointFormatError(
+            f"{src}: not a readable DeepSpeed ZeRO checkpoint ({type(e).__name__}: {e})"
+        ) from None
+
+
+def _read(src: str, tag: str | None) -> DeepSpeedCheckpoint:
     from unickpt.io.names import normalize_name
     from unickpt.tools.deepspeed_read import load_deepspeed_file
 
@@ -216,8 +236,8 @@ def _cat(parts: list[Any]) -> Any:
 def _split_state(
     states: list[dict[str, Any]], lengths: list[int], where: list[str], what: str
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Per state key, the ranks' flat tensors cut to ``lengths`` and concatenated (moments), and
-    the other (scalar) values of rank 0."""
+    """Per state key with a flat tensor (the moments), the ranks' tensors cut to ``lengths`` (a
+    list in rank order); and the other (scalar) values, rank 0's."""
     import torch
 
     flat: dict[str, Any] = {}
