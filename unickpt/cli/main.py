@@ -130,7 +130,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         from unickpt.errors import UnsupportedError
 
         raise UnsupportedError(
-            "convert: give --from (dcp, bin or colossalai), or --to dcp to export a unickpt checkpoint"
+            "convert: give --from (dcp, bin, colossalai or deepspeed), or --to dcp to export a unickpt checkpoint"
         )
     out = convert_checkpoint(
         args.src,
@@ -268,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser(
         "convert",
-        help="import DCP / torchtitan / Colossal-AI / .bin checkpoints, or export to DCP",
+        help="import DCP / torchtitan / Colossal-AI / DeepSpeed / .bin checkpoints, or export to DCP",
         description=(
             "Bring checkpoints in: --from dcp reads a PyTorch Distributed Checkpoint directory "
             "(.metadata + __N_M.distcp, or a torchtitan folder of step-N/: the latest step). A training "
@@ -277,7 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
             "param_groups and lr_scheduler.json in OUT; --to run writes OUT as a CheckpointManager "
             "directory (OUT/step-N, resumable with manager.load). --from bin reads pytorch_model*.bin "
             "shards; --from colossalai reads a Colossal-AI sharded optimizer checkpoint "
-            "(pytorch_optim.bin.index.json), mapping parameter ids to names with --model. "
+            "(pytorch_optim.bin.index.json), mapping parameter ids to names with --model; --from deepspeed "
+            "reads a DeepSpeed ZeRO stage 1/2/3 checkpoint (latest + global_stepN/): fp32 master weights, "
+            "Adam moments and param groups (--to run as for dcp, step = the engine's global_steps). "
             "Take checkpoints out: --to dcp writes the unickpt checkpoint SRC (model, optimizer, "
             "scheduler of a manager step) as DCP for torch.distributed.checkpoint.load / torchtitan. "
             "Nothing is unpickled except through restricted unpicklers: DCP .metadata with an "
@@ -288,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--from",
         dest="source",
-        choices=("dcp", "bin", "colossalai", "unickpt"),
+        choices=("dcp", "bin", "colossalai", "deepspeed", "unickpt"),
         default=None,
         help="source format (default with --to dcp: unickpt)",
     )

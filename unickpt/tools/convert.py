@@ -12,6 +12,7 @@
   refuses arbitrary pickled objects.
 - ``--from colossalai``: a Colossal-AI sharded optimizer checkpoint
   (``unickpt.tools.convert_colossalai``).
+- ``--from deepspeed``: a DeepSpeed ZeRO stage 1/2/3 checkpoint (``unickpt.tools.convert_deepspeed``).
 - ``--to dcp``: a unickpt checkpoint written back as DCP (``unickpt.tools.export_dcp``).
 
 The unickpt output is a gathered, sharded checkpoint (``model-0000k-of-0000n.safetensors``
@@ -172,7 +173,7 @@ def _bin_tensors(src: str, strip_prefix: str | None) -> Iterator[tuple[str, Any]
             yield k, v
 
 
-SOURCES = ("dcp", "bin", "colossalai", "unickpt")
+SOURCES = ("dcp", "bin", "colossalai", "deepspeed", "unickpt")
 TARGETS = ("unickpt", "hf", "run", "dcp")
 
 
@@ -220,6 +221,9 @@ def convert_checkpoint(
       (``pytorch_optim.bin.index.json``); ``model`` maps its integer ids to FQNs: a model
       checkpoint directory, or a ``torch.nn.Module`` (its ``named_parameters()`` order, or with
       ``optimizer`` the optimizer's parameter order); default the ``model/`` directory beside ``src``.
+    - ``source="deepspeed"``: a DeepSpeed ZeRO stage 1/2/3 checkpoint (``latest`` + ``global_stepN/``):
+      fp32 master weights, Adam moments per FQN and param groups (``unickpt.tools.convert_deepspeed``);
+      ``target="run"`` as for DCP (``step`` or the engine's ``global_steps``).
     - ``target="dcp"`` (``source="unickpt"``): a DCP checkpoint of the unickpt model (and
       optimizer, when ``src`` holds one) in the ``get_state_dict`` layout.
 
@@ -235,9 +239,9 @@ def convert_checkpoint(
             f"convert --from {source} --to {target}: DCP output is written from a unickpt checkpoint "
             "(--from unickpt --to dcp); other sources convert to unickpt, hf or run"
         )
-    if target == "run" and source != "dcp":
+    if target == "run" and source not in ("dcp", "deepspeed"):
         raise UnsupportedError(
-            f"convert --to run: only a DCP / torchtitan training checkpoint becomes a run (got --from {source})"
+            f"convert --to run: only a DCP / torchtitan or DeepSpeed training checkpoint becomes a run (got --from {source})"
         )
     src_s = os.fspath(src)
     out_s = check_output(os.fspath(out))
@@ -248,6 +252,12 @@ def convert_checkpoint(
         from unickpt.tools.export_dcp import export_dcp
 
         return export_dcp(src_s, out_s)
+    if source == "deepspeed":
+        from unickpt.tools.convert_deepspeed import convert_deepspeed
+
+        return convert_deepspeed(
+            src_s, out_s, target=target, step=step, shard_bytes=shard_bytes, created_by=created_by
+        )
     if source == "colossalai":
         from unickpt.tools.convert_colossalai import convert_colossalai_optimizer
 

@@ -1,0 +1,145 @@
+"""Regenerate tests/data/deepspeed/ with real DeepSpeed (0.19.8 was used), on CPU with gloo.
+
+    .venv/bin/pip install --no-deps deepspeed hjson einops msgpack py-cpuinfo   # beside torch
+    DS_ACCELERATOR=cpu .venv/bin/python tests/data/make_deepspeed.py
+
+For a tiny model (Linear(4, 6), LayerNorm(6), Linear(6, 3), and a non-trainable buffer)
+trained 3 Adam steps (torch's Adam, ``torch_adam: true``, so no op is compiled) in fp32,
+with two param groups (different lr and weight decay), writes ``zero<S>_ws<W>/`` for ZeRO
+stage S in (1, 2, 3) and world size W in (1, 2) (W=2: two processes on gloo), each holding
+(``make_deepspeed.py 3`` remakes stage 3 only):
+
+- ``ckpt/``: what ``engine.save_checkpoint(dir)`` writes (``latest``, ``global_step3/``);
+- ``expected.safetensors``: DeepSpeed's own ``get_fp32_state_dict_from_zero_checkpoint`` of
+  it (``model.<fqn>``), the live optimizer's Adam moments per parameter (``state.<fqn>.<key>``,
+  gathered from every rank's flat partition through the live optimizer's fragment addresses)
+  and the module's own ``state_dict()`` (``module.<name>``, the dtype DeepSpeed trains in);
+- ``expected.json``: the param groups' hyperparameters (``params`` as FQNs) and the step.
+
+The helper scripts DeepSpeed copies beside the checkpoint (``zero_to_fp32.py``) are deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import sys
+
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "deepspeed")
+STEPS = 3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run(rank: int, world: int, stage: int, port: int, out: str) -> None:
+    for k, v in (("RANK", rank), ("WORLD_SIZE", world), ("MASTER_PORT", port)):
+        os.environ[k] = os.environ["LOCAL_" + k] = str(v)
+    os.environ.update(MASTER_ADDR="127.0.0.1", DS_ACCELERATOR="cpu")
+    import deepspeed
+    import torch
+    from deepspeed.utils import safe_get_full_optimizer_state
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import save_file
+    from torch import nn
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 3))
+    model.register_buffer("scale", torch.tensor([1.5, 2.0, 0.5]))
+    groups = [
+        {"params": [model[0].weight, model[0].bias, model[2].weight], "weight_decay": 0.01},
+        {"params": [model[1].weight, model[1].bias, model[2].bias], "weight_decay": 0.0, "lr": 5e-4},
+    ]
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "betas": [0.85, 0.95], "torch_adam": True}},
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 1000,
+    }
+    pre = {id(p): n for n, p in model.named_parameters()}
+    group_names = [[pre[id(p)] for p in grp["params"]] for grp in groups]
+    engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
+    g = torch.Generator().manual_seed(1 + rank)
+    for _ in range(STEPS):
+        x = torch.randn(2, 4, generator=g)
+        loss = (engine(x) * engine.module.scale).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    ckpt = os.path.join(out, "ckpt")
+    engine.save_checkpoint(ckpt)
+    expected = {}
+    for n, p in engine.module.named_parameters():
+        for key in ("exp_avg", "exp_avg_sq"):
+            if stage == 3:
+                full = safe_get_full_optimizer_state(p, key)
+                expected[f"state.{n}.{key}"] = full.detach().clone()
+            else:
+                expected[f"state.{n}.{key}"] = _full_state(opt, p, key)
+        gi = next(i for i, gn in enumerate(group_names) if n in gn)
+        flat = (opt.fp32_partitioned_groups_flat if stage == 3 else opt.single_partition_of_fp32_groups)[gi]
+        expected[f"state.{n}.step"] = opt.optimizer.state[flat]["step"].detach().clone()
+    torch.distributed.barrier()
+    if rank == 0:
+        for f in os.listdir(ckpt):
+            if f.endswith(".py"):
+                os.remove(os.path.join(ckpt, f))
+        fp32 = get_fp32_state_dict_from_zero_checkpoint(ckpt)
+        for k, v in fp32.items():
+            expected[f"model.{k}"] = v.contiguous()
+        if stage != 3:  # under ZeRO-3 the module holds empty placeholders
+            for k, v in engine.module.state_dict().items():
+                expected[f"module.{k}"] = v.detach().clone()
+        save_file(expected, os.path.join(out, "expected.safetensors"))
+        pgs = []
+        for grp in opt.optimizer.param_groups if hasattr(opt, "optimizer") else opt.param_groups:
+            pgs.append({k: v for k, v in grp.items() if k not in ("params", "param_names")})
+        for pg, gn in zip(pgs, group_names, strict=True):
+            pg["params"] = gn
+        with open(os.path.join(out, "expected.json"), "w") as f:
+            json.dump({"param_groups": pgs, "step": STEPS}, f, indent=1, sort_keys=True, default=str)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _full_state(opt, p, key):  # type: ignore[no-untyped-def]
+    """The ``key`` moment of ``p`` gathered from every rank's flat partition, through the live
+    optimizer's own fragment addresses (``deepspeed.utils.safe_get_full_optimizer_state`` does
+    this too, but refuses a group whose flat partition carries alignment padding)."""
+    import torch
+
+    buf = torch.zeros(p.numel(), dtype=torch.float32)
+    m = p._hp_mapping
+    if m is not None:
+        flat = opt.optimizer.state[opt.single_partition_of_fp32_groups[m.param_group_index]][key]
+        hp, lp = m.hp_fragment_address, m.lp_fragment_address
+        buf.narrow(0, lp.start, lp.numel).copy_(flat.narrow(0, hp.start, hp.numel))
+    torch.distributed.all_reduce(buf)
+    return buf.reshape(p.shape)
+
+
+def main() -> None:
+    import torch.multiprocessing as mp
+
+    stages = [int(x) for x in sys.argv[1].split(",")] if len(sys.argv) > 1 else [1, 2, 3]
+    for stage in stages:
+        for world in (1, 2):
+            out = os.path.join(HERE, f"zero{stage}_ws{world}")
+            shutil.rmtree(out, ignore_errors=True)
+            os.makedirs(out)
+            port = _free_port()
+            if world == 1:
+                mp.spawn(_run, args=(1, stage, port, out), nprocs=1)
+            else:
+                mp.spawn(_run, args=(world, stage, port, out), nprocs=world)
+            print("wrote", out, file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

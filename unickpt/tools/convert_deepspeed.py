@@ -1,0 +1,476 @@
+"""Import a DeepSpeed ZeRO (stage 1, 2 or 3) checkpoint: fp32 master weights, Adam moments, groups.
+
+``engine.save_checkpoint(dir)`` writes ``dir/latest`` (the tag, e.g. ``global_step3``) and
+``dir/<tag>/`` holding ``mp_rank_00_model_states.pt`` (the module's ``state_dict`` in the
+training dtype, ``param_shapes`` per param group, buffers, frozen and shared parameters, the
+step counters) and one ``zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` per data-parallel rank.
+Each optimizer file holds, per param group, that rank's piece of the group's flat fp32 master
+vector (``single_partition_of_fp32_groups``, alignment padding removed), the torch optimizer's
+``state_dict`` over those flat pieces (one "parameter" per group: ``exp_avg`` etc. of the same
+length plus padding at the end, and the group hyperparameters), and ``param_alignment_paddings``.
+
+The flat vector of a group is the ranks' pieces concatenated in rank order; its parameters lie
+in it one after the other in ``param_shapes`` order, each followed by its alignment padding
+(as DeepSpeed's ``zero_to_fp32.py`` reads it). The moments are cut from the concatenated
+moment pieces at the same offsets, so each parameter FQN gets its ``exp_avg``/``exp_avg_sq``
+(and the group's ``step``) back in its own shape.
+
+ZeRO-3 writes one ``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` per rank (the module holds
+empty placeholders there) and, per rank, ``fp32_flat_groups``: its part of every parameter,
+each parameter split into ``world size`` equal parts (``ceil(numel / ws)``, the last one
+padded), one after the other in ``param_shapes`` order across the sub-groups. A parameter is
+its parts gathered from every rank in rank order, cut to its size; the moments likewise.
+
+The model checkpoint holds the **fp32 master weights** (what ``zero_to_fp32`` gives: the
+exact values training continues from; the 16-bit copies of a bf16/fp16 run in the model
+states file are their rounding), buffers from the module state (floating ones as fp32, as
+``zero_to_fp32`` does), frozen parameters, and tied (shared) parameters under every name.
+Files are read only through :mod:`unickpt.tools.deepspeed_read` (no code from them runs).
+Tensor/pipeline parallel checkpoints (``mp_rank_01`` ...) and the bf16 optimizer layout are
+refused with :class:`UnsupportedError`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import re
+from typing import Any
+
+from unickpt._logging import get_logger
+from unickpt.errors import (
+    CheckpointFormatError,
+    IncompleteCheckpointError,
+    UnickptError,
+    UnsafePathError,
+    UnsupportedError,
+)
+
+__all__ = ["DeepSpeedCheckpoint", "read_deepspeed", "write_deepspeed"]
+
+logger = get_logger(__name__)
+
+_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")
+_OPTIM = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_MODEL = re.compile(r"^(?:zero_pp_rank_\d+_)?mp_rank_(\d+)_model_states\.pt$")
+_OSD = "optimizer_state_dict"
+
+
+class DeepSpeedCheckpoint:
+    """A ZeRO checkpoint reassembled per parameter FQN (all on CPU)."""
+
+    def __init__(self) -> None:
+        self.model: dict[str, Any] = {}  # fqn -> tensor (fp32 master weights, buffers, frozen, tied)
+        self.state: dict[str, dict[str, Any]] = {}  # fqn -> {exp_avg, exp_avg_sq, step, ...}
+        self.param_groups: list[dict[str, Any]] = []  # hyperparameters, params as FQNs
+        self.step: int | None = None  # the engine's global_steps
+        self.lr_scheduler: dict[str, Any] | None = None
+        self.train_state: dict[str, Any] = {}
+        self.world_size = 1
+        self.zero_stage = 0
+
+
+def find_step_dir(src: str, tag: str | None = None) -> str:
+    """The ``<tag>/`` directory of the checkpoint ``src`` (``tag``, else the ``latest`` file's),
+    or ``src`` itself when it already holds the rank files."""
+    if tag is None:
+        if any(_OPTIM.match(n) for n in _listdir(src)):
+            return src
+        latest = os.path.join(src, "latest")
+        if not os.path.isfile(latest):
+            raise IncompleteCheckpointError(
+                f"{src} is not a DeepSpeed checkpoint: no 'latest' file and no *_optim_states.pt files"
+            )
+        with open(latest, "rb") as f:
+            tag = f.read(4096).decode("utf-8", "replace").strip()
+    if not _TAG.match(tag) or ".." in tag:
+        raise UnsafePathError(f"{src}: checkpoint tag {tag!r} is not a plain directory name")
+    step_dir = os.path.join(src, tag)
+    if not os.path.isdir(step_dir):
+        raise IncompleteCheckpointError(f"{src}: the tag {tag!r} names no directory")
+    return step_dir
+
+
+def _listdir(d: str) -> list[str]:
+    try:
+        return sorted(os.listdir(d))
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(f"{d} does not exist") from None
+    except NotADirectoryError:
+        raise IncompleteCheckpointError(f"{d} is not a directory") from None
+
+
+def _rank_files(step_dir: str) -> tuple[list[str], list[str]]:
+    names = _listdir(step_dir)
+    optim: dict[int, str] = {}
+    for n in names:
+        m = _OPTIM.match(n)
+        if m:
+            if int(m.group(2)) != 0:
+                raise UnsupportedError(
+                    f"{step_dir}: {n} belongs to model-parallel rank {int(m.group(2))}; only data-parallel "
+                    "ZeRO checkpoints (mp_rank_00) are imported"
+                )
+            optim[int(m.group(1))] = os.path.join(step_dir, n)
+        elif n.endswith("_optim_states.pt"):
+            raise UnsupportedError(f"{step_dir}: {n} is not a ZeRO optimizer file (bf16 optimizer?)")
+    models = [n for n in names if _MODEL.match(n)]
+    if any(int(_MODEL.match(n).group(1)) != 0 for n in models):  # type: ignore[union-attr]
+        raise UnsupportedError(
+            f"{step_dir}: model-parallel checkpoint (mp_rank_01 ...); only mp_rank_00 is imported"
+        )
+    if not optim:
+        raise IncompleteCheckpointError(f"{step_dir}: no zero_pp_rank_*_mp_rank_00_optim_states.pt files")
+    if sorted(optim) != list(range(len(optim))):
+        raise IncompleteCheckpointError(
+            f"{step_dir}: optimizer files for ranks {sorted(optim)}, expected 0..{len(optim) - 1}"
+        )
+    ranks = [optim[r] for r in range(len(optim))]
+    if "mp_rank_00_model_states.pt" in names:  # stage 1/2: one model states file
+        return [os.path.join(step_dir, "mp_rank_00_model_states.pt")], ranks
+    z3 = [os.path.join(step_dir, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt") for r in range(len(optim))]
+    if not all(os.path.isfile(f) for f in z3):
+        raise IncompleteCheckpointError(
+            f"{step_dir}: no mp_rank_00_model_states.pt, nor zero_pp_rank_<r>_mp_rank_00_model_states.pt "
+            f"for each of the {len(optim)} ranks"
+        )
+    return z3, ranks
+
+
+def _get(d: Any, key: str, where: str) -> Any:
+    if not isinstance(d, dict) or key not in d:
+        raise CheckpointFormatError(f"{where}: no {key!r} (not a DeepSpeed ZeRO checkpoint file)")
+    return d[key]
+
+
+def read_deepspeed(src: str, tag: str | None = None) -> DeepSpeedCheckpoint:
+    """Reassemble the ZeRO checkpoint ``src`` (its ``latest`` tag, or ``tag``) per FQN.
+
+    Everything is read into memory (about twice the size of the checkpoint files at the peak).
+    Files whose contents do not have DeepSpeed's structure raise ``CheckpointFormatError``."""
+    try:
+        return _read(src, tag)
+    except UnickptError:
+        raise
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError, RuntimeError) as e:
+        raise CheckpointFormatError(
+            f"{src}: not a readable DeepSpeed ZeRO checkpoint ({type(e).__name__}: {e})"
+        ) from None
+
+
+def _read(src: str, tag: str | None) -> DeepSpeedCheckpoint:
+    from unickpt.io.names import normalize_name
+    from unickpt.tools.deepspeed_read import load_deepspeed_file
+
+    step_dir = find_step_dir(src, tag)
+    model_paths, optim_paths = _rank_files(step_dir)
+    models = [load_deepspeed_file(p) for p in model_paths]
+    ms, model_path = models[0], model_paths[0]
+    module = _get(ms, "module", model_path)
+    param_shapes = _get(ms, "param_shapes", model_path)
+    if not isinstance(module, dict) or not isinstance(param_shapes, list):
+        raise CheckpointFormatError(f"{model_path}: 'module' or 'param_shapes' has the wrong type")
+    out = DeepSpeedCheckpoint()
+    for k in ("global_steps", "global_samples", "skipped_steps"):
+        if isinstance(ms.get(k), int):
+            out.train_state[k] = ms[k]
+    out.step = out.train_state.get("global_steps")
+    if isinstance(ms.get("lr_scheduler"), dict):
+        out.lr_scheduler = ms["lr_scheduler"]
+    for name in ms.get("buffer_names") or []:
+        if name in module:
+            v = module[name]
+            out.model[name] = v.float() if v.is_floating_point() else v
+
+    osds = [_get(load_deepspeed_file(p), _OSD, p) for p in optim_paths]
+    stage = int(_get(osds[0], "zero_stage", optim_paths[0]))
+    if stage not in (1, 2, 3) or (stage == 3) != (len(models) > 1 or "zero_pp" in model_path):
+        raise CheckpointFormatError(
+            f"{optim_paths[0]}: ZeRO stage {stage} does not match the model states files"
+        )
+    out.zero_stage = stage
+    counts = _get(osds[0], "partition_count", optim_paths[0])
+    ws = max(counts) if isinstance(counts, list) else int(counts)
+    if ws != len(osds):
+        raise IncompleteCheckpointError(
+            f"{step_dir}: the checkpoint was written by {ws} ranks but holds {len(osds)} optimizer files"
+        )
+    out.world_size = ws
+    frozen = ms.get("frozen_param_shapes") or {}
+    for name, shape in frozen.items():
+        frags = [m.get("frozen_param_fragments", {}).get(name) for m in models]
+        if any(f is None for f in frags):
+            raise CheckpointFormatError(
+                f"{step_dir}: frozen parameter {name!r} has no fragment on every rank"
+            )
+        out.model[name] = _cat(frags)[: math.prod(shape)].view([int(x) for x in shape]).clone()
+    merged = (
+        _zero3(osds, optim_paths, param_shapes, ws)
+        if stage == 3
+        else _zero12(osds, optim_paths, param_shapes, ws)
+    )
+    for params, hyper in merged:
+        fqns = []
+        for name, weight, state in params:
+            fqn = normalize_name(name)
+            fqns.append(fqn)
+            out.model[fqn] = weight
+            out.state[fqn] = state
+        out.param_groups.append({**hyper, "params": fqns})
+    for a, b in (ms.get("shared_params") or {}).items():
+        if b in out.model:
+            out.model[a] = out.model[b]
+    return out
+
+
+_Group = tuple[list[tuple[str, Any, dict[str, Any]]], dict[str, Any]]  # [(name, weight, state)], hyper
+
+
+def _cat(parts: list[Any]) -> Any:
+    import torch
+
+    return torch.cat([p.reshape(-1) for p in parts])
+
+
+def _split_state(
+    states: list[dict[str, Any]], lengths: list[int], where: list[str], what: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Per state key with a flat tensor (the moments), the ranks' tensors cut to ``lengths`` (a
+    list in rank order); and the other (scalar) values, rank 0's."""
+    import torch
+
+    flat: dict[str, Any] = {}
+    scalars: dict[str, Any] = {}
+    for key, v in states[0].items():
+        if not (isinstance(v, torch.Tensor) and v.dim() > 0):
+            scalars[key] = v
+            continue
+        parts = []
+        for st, n, path in zip(states, lengths, where, strict=True):
+            t = st.get(key)
+            if not isinstance(t, torch.Tensor) or t.numel() < n:
+                raise CheckpointFormatError(
+                    f"{path}: optimizer state {key!r} of {what} is shorter than its {n}-element fp32 partition"
+                )
+            parts.append(t.reshape(-1)[:n])
+        flat[key] = parts
+    return flat, scalars
+
+
+def _param_state(moments: dict[str, Any], scalars: dict[str, Any], cut: Any) -> dict[str, Any]:
+    import torch
+
+    st = {k: cut(v) for k, v in moments.items()}
+    st.update({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()})
+    return st
+
+
+def _zero12(osds: list[Any], paths: list[str], param_shapes: list[Any], ws: int) -> list[_Group]:
+    """Stage 1/2: each group's flat vector is the ranks' pieces end to end; parameters lie in it
+    one after the other (plus their alignment padding)."""
+    paddings = osds[0].get("param_alignment_paddings")
+    base0 = _get(osds[0], "base_optimizer_state", paths[0])
+    out: list[_Group] = []
+    for gi, shapes in enumerate(param_shapes):
+        pieces = [_get(o, "single_partition_of_fp32_groups", p)[gi] for o, p in zip(osds, paths, strict=True)]
+        flat = _cat(pieces).float()
+        states = [_group_state(o["base_optimizer_state"], gi, p) for o, p in zip(osds, paths, strict=True)]
+        parts, scalars = _split_state(states, [x.numel() for x in pieces], paths, f"group {gi}")
+        moments = {k: _cat(v) for k, v in parts.items()}
+        pads = paddings[gi] if isinstance(paddings, list) else [0] * len(shapes)
+        if len(pads) != len(shapes):
+            raise CheckpointFormatError(
+                f"{paths[0]}: {len(pads)} alignment paddings for {len(shapes)} parameters"
+            )
+        offset = 0
+        params = []
+        for (name, shape), pad in zip(shapes.items(), pads, strict=True):
+            shape = [int(x) for x in shape]
+            n = math.prod(shape)
+            if offset + n > flat.numel():
+                raise CheckpointFormatError(
+                    f"{paths[0]}: parameter {name!r} of group {gi} ends past the group's {flat.numel()} elements"
+                )
+
+            def cut(v: Any, o: int = offset, n: int = n, shape: list[int] = shape) -> Any:
+                return v.narrow(0, o, n).view(shape).clone()
+
+            params.append((name, cut(flat), _param_state(moments, scalars, cut)))
+            offset += n + int(pad)
+        align = 2 * ws  # ZeRO-2 pads each group to a multiple of 2 x world size (zero_to_fp32's check)
+        if math.ceil(offset / align) != math.ceil(flat.numel() / align):
+            raise CheckpointFormatError(
+                f"{paths[0]}: group {gi} holds {flat.numel()} elements but its parameters take {offset}"
+            )
+        out.append((params, _hyper(base0, gi)))
+    return out
+
+
+def _zero3(osds: list[Any], paths: list[str], param_shapes: list[Any], ws: int) -> list[_Group]:
+    """Stage 3: every parameter is split into ``ws`` equal parts (the last padded); each rank's
+    sub-group vectors, end to end, hold its part of every parameter in ``param_shapes`` order."""
+    subs = [_get(o, "fp32_flat_groups", p) for o, p in zip(osds, paths, strict=True)]
+    base0 = _get(osds[0], "optimizer_state_dict", paths[0])
+    n_sub = len(subs[0])
+    if any(len(x) != n_sub for x in subs):
+        raise CheckpointFormatError(f"{paths[0]}: ranks hold different numbers of sub-groups")
+    rank_flat = [_cat(x).float() for x in subs]
+    states = [
+        [_group_state(o["optimizer_state_dict"], i, p) for i in range(n_sub)]
+        for o, p in zip(osds, paths, strict=True)
+    ]
+    # per sub-group: each rank's moments cut to its fp32 piece; then per rank, the sub-groups end to end
+    cuts = [
+        _split_state([st[i] for st in states], [x[i].numel() for x in subs], paths, f"sub-group {i}")
+        for i in range(n_sub)
+    ]
+    scalars = cuts[0][1] if cuts else {}
+    rank_moments = (
+        [{k: _cat([c[0][k][r] for c in cuts]) for k in cuts[0][0]} for r in range(ws)] if cuts else []
+    )
+    keys = list(cuts[0][0]) if cuts else []
+    bounds = [0]
+    for x in subs[0]:
+        bounds.append(bounds[-1] + x.numel())
+    offset = 0
+    out: list[_Group] = []
+    for shapes in param_shapes:
+        first = offset
+        params = []
+        for name, shape in shapes.items():
+            shape = [int(x) for x in shape]
+            n = math.prod(shape)
+            part = math.ceil(n / ws)
+            if offset + part > rank_flat[0].numel():
+                raise CheckpointFormatError(
+                    f"{paths[0]}: parameter {name!r} ends past the rank's fp32 partition"
+                )
+
+            def cut(
+                vs: list[Any], o: int = offset, part: int = part, n: int = n, shape: list[int] = shape
+            ) -> Any:
+                return _cat([v.narrow(0, o, part) for v in vs])[:n].view(shape).clone()
+
+            weight = cut(rank_flat)
+            st = _param_state({k: [m[k] for m in rank_moments] for k in keys}, scalars, cut)
+            params.append((name, weight, st))
+            offset += part
+        sub = max(i for i in range(n_sub) if bounds[i] <= first) if n_sub else 0
+        out.append((params, _hyper(base0, sub)))
+    if offset * ws != sum(x.numel() for x in rank_flat):
+        raise CheckpointFormatError(
+            f"{paths[0]}: the ranks hold {sum(x.numel() for x in rank_flat)} elements but the parameters take {offset * ws}"
+        )
+    return out
+
+
+def _group_state(base: Any, gi: int, where: str) -> dict[str, Any]:
+    """The optimizer state of group ``gi``'s flat piece (torch's state_dict, or the elastic list)."""
+    if isinstance(base, list):
+        st = base[gi] if gi < len(base) else None
+    else:
+        groups = _get(base, "param_groups", where)
+        ids = groups[gi].get("params") if gi < len(groups) and isinstance(groups[gi], dict) else None
+        if not isinstance(ids, list) or len(ids) != 1:
+            raise CheckpointFormatError(f"{where}: param group {gi} is not one flat partition")
+        st = _get(base, "state", where).get(ids[0], {})
+    if not isinstance(st, dict):
+        raise CheckpointFormatError(f"{where}: no optimizer state for param group {gi}")
+    return st
+
+
+def _hyper(base: Any, gi: int) -> dict[str, Any]:
+    if isinstance(base, list):  # elastic checkpoint: DeepSpeed stores no group hyperparameters
+        logger.warning("DeepSpeed elastic optimizer state holds no hyperparameters for group %d", gi)
+        return {}
+    g = base["param_groups"][gi]
+    return {k: v for k, v in g.items() if k not in ("params", "param_names")}
+
+
+def write_deepspeed(
+    ck: DeepSpeedCheckpoint, model_dir: str, optim_dir: str, *, shard_bytes: int, created_by: str
+) -> None:
+    """Write the model checkpoint into ``model_dir`` and the optimizer checkpoint into
+    ``optim_dir`` (which exist; may be the same directory), plus ``lr_scheduler.json`` beside
+    the optimizer when the engine saved a scheduler."""
+    import torch
+
+    from unickpt.format.index import LayoutInfo
+    from unickpt.io.checkpoint_io import lr_scheduler_json, optimizer_tensor_name
+    from unickpt.io.jsonstate import to_json_value
+    from unickpt.tools._torch import st_of, tensor_bytes
+    from unickpt.tools._write import SliceData, TensorData, write_checkpoint
+
+    def td(t: Any, name: str, extras: dict[str, Any] | None = None) -> TensorData:
+        shape = list(t.shape)
+        return TensorData(
+            st_of(t.dtype, name), shape, [SliceData([0] * len(shape), shape, tensor_bytes(t))], extras or {}
+        )
+
+    write = functools.partial(
+        write_checkpoint,
+        sliced=False,
+        max_shard_bytes=shard_bytes,
+        layout=LayoutInfo(plugin="deepspeed", world_size=ck.world_size),
+        created_by=created_by,
+    )
+    write(model_dir, {n: td(t, n) for n, t in ck.model.items()})
+    tensors: dict[str, TensorData] = {}
+    param_state: dict[str, dict[str, Any]] = {}
+    for fqn, st in ck.state.items():
+        for key, v in st.items():
+            if isinstance(v, torch.Tensor):
+                name = optimizer_tensor_name(fqn, key)
+                tensors[name] = td(v, name, {"param": fqn, "state": key})
+            else:
+                param_state.setdefault(fqn, {})[key] = to_json_value(v, f"state[{fqn!r}][{key!r}]")
+    groups = [
+        {k: to_json_value(v, f"param_groups[{i}][{k!r}]") for k, v in g.items()}
+        for i, g in enumerate(ck.param_groups)
+    ]
+    write(
+        optim_dir,
+        tensors,
+        kind="optimizer",
+        block_extras={"param_groups": groups, "param_state": param_state},
+    )
+    if ck.lr_scheduler is not None:
+        from unickpt.format.commit import atomic_write_bytes
+
+        atomic_write_bytes(os.path.join(optim_dir, "lr_scheduler.json"), lr_scheduler_json(ck.lr_scheduler))
+
+
+def convert_deepspeed(
+    src: str, out: str, *, target: str, step: int | None, shard_bytes: int, created_by: str
+) -> str:
+    """``convert --from deepspeed``: ``out`` holds the model and optimizer checkpoints (and
+    ``lr_scheduler.json``), or with ``target="run"`` is a ``CheckpointManager`` directory whose
+    ``step-<N>`` (``step``, else the engine's ``global_steps``) holds them, with the engine's
+    step counters as the extra state ``train_state``."""
+    from unickpt.tools._common import staged_output
+
+    ck = read_deepspeed(src)
+    if target != "run":
+        with staged_output(out) as tmp:
+            write_deepspeed(ck, tmp, tmp, shard_bytes=shard_bytes, created_by=created_by)
+        return out
+    from unickpt.tools.run_layout import write_step
+
+    n = step if step is not None else ck.step
+    if n is None:
+        raise CheckpointFormatError(f"{src}: holds no global_steps; give the step number (--step N)")
+
+    def fill(stage: str) -> None:
+        model_dir, optim_dir = os.path.join(stage, "model"), os.path.join(stage, "optimizer")
+        os.makedirs(model_dir)
+        os.makedirs(optim_dir)
+        write_deepspeed(ck, model_dir, optim_dir, shard_bytes=shard_bytes, created_by=created_by)
+        sched = os.path.join(optim_dir, "lr_scheduler.json")
+        if os.path.exists(sched):
+            os.rename(sched, os.path.join(stage, "lr_scheduler.json"))
+
+    train = {"train_state": dict(ck.train_state)} if ck.train_state else {}
+    with staged_output(out) as tmp:
+        write_step(tmp, int(n), fill, extra=train, world_size=ck.world_size, plugin="deepspeed")
+    return out
