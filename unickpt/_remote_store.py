@@ -24,15 +24,13 @@ from collections.abc import Callable
 from typing import Any
 
 from unickpt._logging import get_logger
-from unickpt._stepdirs import COMMIT_NAME, LATEST_NAME, STEP_RE
 from unickpt.errors import IncompleteCheckpointError, UnsupportedError
+from unickpt.format.run_layout import COMMIT_NAME, HF_DIR, LATEST_NAME, STEP_RE, TRAIN_STATE_DIR
 
 __all__ = ["RemoteStore"]
 
 logger = get_logger("unickpt.manager")
 
-HF_DIR = "hf"
-TRAIN_STATE_DIR = "train_state"
 REPLACING_RE = re.compile(r"^\.step-(\d+)\.replacing-[0-9a-f]+$")
 
 
