@@ -12,15 +12,22 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import re
 import shutil
 import sys
-import uuid
 from typing import Any
 
 from unickpt._logging import get_logger
 from unickpt.format.commit import atomic_write_bytes, fsync_dir, parse_temp_name
-from unickpt.format.run_layout import COMMIT_NAME, LATEST_NAME, STEP_RE, latest_record, read_latest, step_name
+from unickpt.format.run_layout import (
+    COMMIT_NAME,
+    LATEST_NAME,
+    STEP_RE,
+    WORK_RE,
+    latest_record,
+    read_latest,
+    step_name,
+    work_name,
+)
 
 __all__ = [
     "COMMIT_NAME",
@@ -40,10 +47,6 @@ __all__ = [
 ]
 
 logger = get_logger("unickpt.manager")
-
-# Hidden work directories: a save in progress, a step being replaced, a step being deleted.
-# (``download``: a remote step fetched for loading, in the local cache of an fsspec URL.)
-WORK_RE = re.compile(r"^\.step-(\d+)\.(staging|old|deleting|download)-[0-9a-f]+$")
 
 
 def committed_steps(directory: str) -> list[int]:
@@ -192,7 +195,7 @@ def discard(path: str) -> None:
 
 
 def _rename_aside(directory: str, path: str, step: int, kind: str) -> str:
-    dst = os.path.join(directory, f".step-{step}.{kind}-{uuid.uuid4().hex[:12]}")
+    dst = os.path.join(directory, work_name(step, kind))
     os.rename(path, dst)
     return dst
 

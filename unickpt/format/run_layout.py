@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import re
+import uuid
 from typing import Any
 
 from unickpt.format.commit import atomic_write_bytes
@@ -36,6 +37,9 @@ __all__ = [
     "STEP_RE",
     "COMMIT_VERSION",
     "step_name",
+    "work_name",
+    "WORK_RE",
+    "REPLACING_RE",
     "commit_record",
     "latest_record",
     "read_latest",
@@ -59,6 +63,11 @@ HASHES_SUFFIX = ".hashes.json"
 COMMIT_VERSION = 1
 _HASHES_VERSION = 1
 STEP_RE = re.compile(r"^step-(\d+)$")
+# Hidden work directories of a local run: a save in progress, a step being replaced, a step being
+# deleted, a remote step downloaded for loading (in the local cache of an fsspec URL).
+WORK_RE = re.compile(r"^\.step-(\d+)\.(staging|old|deleting|download)-[0-9a-f]+$")
+# Under an fsspec URL: a committed step saved again, uploaded beside it.
+REPLACING_RE = re.compile(r"^\.step-(\d+)\.replacing-[0-9a-f]+$")
 _STEP_RE = STEP_RE
 _RANK_RE = re.compile(r"^rank-(\d+)\.(json|safetensors)$")
 
@@ -81,6 +90,11 @@ class StepLayout:
 def step_name(step: int) -> str:
     """The directory name of committed step ``step``."""
     return f"step-{step}"
+
+
+def work_name(step: int, kind: str) -> str:
+    """A fresh name ``.step-<N>.<kind>-<id>`` for a work directory (or prefix) of step ``step``."""
+    return f".{step_name(step)}.{kind}-{uuid.uuid4().hex[:12]}"
 
 
 def commit_record(step: int, world_size: int, plugin: str) -> bytes:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import uuid
 from typing import Any
 
 import torch
@@ -222,7 +221,7 @@ class CheckpointManager:
             return False
         self.wait()
         rank = _dist.rank(self.group)
-        stage_name = f".{run_layout.step_name(step)}.staging-{uuid.uuid4().hex[:12]}" if rank == 0 else ""
+        stage_name = run_layout.work_name(step, "staging") if rank == 0 else ""
         stage_name = _dist.broadcast_object(stage_name, 0, self.group)
         stage = os.path.join(self.storage.root, stage_name)
         err: BaseException | None = None

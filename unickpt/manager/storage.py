@@ -12,7 +12,6 @@ import contextlib
 import os
 import shutil
 import tempfile
-import uuid
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -174,7 +173,7 @@ class RemoteStorage(Storage):
 
     @contextlib.contextmanager
     def open_step(self, step: int, path: str, group: Any) -> Iterator[str]:
-        d = os.path.join(self.root, f".step-{step}.download-{uuid.uuid4().hex[:12]}")
+        d = os.path.join(self.root, run_layout.work_name(step, "download"))
         err = None
         owned: int | None = None
         try:

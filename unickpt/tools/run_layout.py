@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +25,7 @@ from unickpt.format.run_layout import (
     LATEST_NAME,
     TRAIN_STATE_DIR,
     commit_record,
-    step_name,
+    work_name,
 )
 
 __all__ = ["write_step", "COMMIT_NAME", "LATEST_NAME", "TRAIN_STATE_DIR", "STATE_VERSION"]
@@ -48,7 +47,7 @@ def write_step(
     extra states, no RNG) and the commit. Returns the step directory."""
     from safetensors.numpy import save
 
-    stage = os.path.join(run_dir, f".{step_name(step)}.staging-{uuid.uuid4().hex[:12]}")
+    stage = os.path.join(run_dir, work_name(step, "staging"))
     os.makedirs(os.path.join(stage, TRAIN_STATE_DIR))
     fill(stage)
     base = os.path.join(stage, TRAIN_STATE_DIR, "rank-00000")
