@@ -44,7 +44,7 @@ STAGES: tuple[str, ...] = (
     "scheduler.save",  # rank 0: lr_scheduler.json (rank 0 only)
     "scheduler.load",  # every rank: reading and applying the scheduler state
     "replicas.digest",  # digests of replicated tensors, for the replica check
-    # manager.py
+    # manager/ (checkpoint_manager.py, storage.py, snapshot.py)
     "manager.start",  # rank 0: lock and staging directory (rank 0 only)
     "manager.capture",  # state_dicts, RNG, dataloader, extra states
     "manager.train_state",  # this rank's training state file

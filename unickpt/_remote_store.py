@@ -18,22 +18,24 @@ import contextlib
 import json
 import os
 import posixpath
-import re
-import uuid
 from collections.abc import Callable
 from typing import Any
 
 from unickpt._logging import get_logger
-from unickpt._stepdirs import COMMIT_NAME, LATEST_NAME, STEP_RE
 from unickpt.errors import IncompleteCheckpointError, UnsupportedError
+from unickpt.format.run_layout import (
+    COMMIT_NAME,
+    HF_DIR,
+    LATEST_NAME,
+    REPLACING_RE,
+    STEP_RE,
+    TRAIN_STATE_DIR,
+    work_name,
+)
 
 __all__ = ["RemoteStore"]
 
 logger = get_logger("unickpt.manager")
-
-HF_DIR = "hf"
-TRAIN_STATE_DIR = "train_state"
-REPLACING_RE = re.compile(r"^\.step-(\d+)\.replacing-[0-9a-f]+$")
 
 
 class RemoteStore:
@@ -170,7 +172,7 @@ class RemoteStore:
         for s, rel in steps.items():
             if self._committed(rel):
                 if s == step:
-                    target = f".step-{step}.replacing-{uuid.uuid4().hex[:12]}"
+                    target = work_name(step, "replacing")
                 continue
             logger.info("removing %s/%s left by an interrupted save", self.url, rel)
             self._delete(rel)

@@ -11,16 +11,23 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
-import re
 import shutil
 import sys
-import uuid
 from typing import Any
 
 from unickpt._logging import get_logger
-from unickpt.format.commit import fsync_dir
+from unickpt.format.commit import atomic_write_bytes, fsync_dir, parse_temp_name
+from unickpt.format.run_layout import (
+    COMMIT_NAME,
+    LATEST_NAME,
+    STEP_RE,
+    WORK_RE,
+    latest_record,
+    read_latest,
+    step_name,
+    work_name,
+)
 
 __all__ = [
     "COMMIT_NAME",
@@ -29,6 +36,7 @@ __all__ = [
     "WORK_RE",
     "clean_work_dirs",
     "committed_step_dirs",
+    "commit_step",
     "committed_steps",
     "discard",
     "exchange",
@@ -39,15 +47,6 @@ __all__ = [
 ]
 
 logger = get_logger("unickpt.manager")
-
-COMMIT_NAME = "COMMIT"
-LATEST_NAME = "latest"
-STEP_RE = re.compile(r"^step-(\d+)$")
-# Hidden work directories: a save in progress, a step being replaced, a step being deleted.
-# (``download``: a remote step fetched for loading, in the local cache of an fsspec URL.)
-WORK_RE = re.compile(r"^\.step-(\d+)\.(staging|old|deleting|download)-[0-9a-f]+$")
-# The temporary file of an interrupted replacement of ``latest`` (format.commit.atomic_write_bytes).
-LATEST_TMP_RE = re.compile(r"^\.latest\.tmp-[0-9a-f]+$")
 
 
 def committed_steps(directory: str) -> list[int]:
@@ -80,16 +79,6 @@ def committed_step_dirs(directory: str) -> dict[int, str]:
     return out
 
 
-def read_latest(directory: str) -> int | None:
-    """The step recorded in ``latest``, or ``None``."""
-    try:
-        with open(os.path.join(directory, LATEST_NAME), "rb") as f:
-            obj = json.loads(f.read())
-        return int(obj["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
 def clean_work_dirs(directory: str) -> None:
     """Remove staging/old/deleting/download directories left by killed saves and loads.
 
@@ -107,14 +96,15 @@ def clean_work_dirs(directory: str) -> None:
     for n in names:
         m = WORK_RE.match(n)
         if not m:
-            if LATEST_TMP_RE.match(n):
+            # the temporary file of an interrupted replacement of ``latest`` (atomic_write_bytes)
+            if (parsed := parse_temp_name(n)) is not None and parsed[0] == LATEST_NAME:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(directory, n))
             continue
         path = os.path.join(directory, n)
         step = int(m.group(1))
         if m.group(2) == "old" and recovered.get(step) == path:
-            final = os.path.join(directory, f"step-{step}")
+            final = os.path.join(directory, step_name(step))
             logger.warning(
                 "step %s: restoring its committed copy %s to %s (a save replacing it was interrupted)",
                 step,
@@ -205,7 +195,7 @@ def discard(path: str) -> None:
 
 
 def _rename_aside(directory: str, path: str, step: int, kind: str) -> str:
-    dst = os.path.join(directory, f".step-{step}.{kind}-{uuid.uuid4().hex[:12]}")
+    dst = os.path.join(directory, work_name(step, kind))
     os.rename(path, dst)
     return dst
 
@@ -232,6 +222,23 @@ def install_step(directory: str, stage: str, final: str, step: int) -> str | Non
     os.rename(stage, final)
     fsync_dir(directory)
     return old
+
+
+def commit_step(directory: str, stage: str, step: int, record: bytes) -> str:
+    """Commit the fully written (and fsynced) ``stage`` as step ``step`` of ``directory``; returns ``step-<N>``.
+
+    ``COMMIT`` (``record``) is written last into the stage, which is then put in place
+    (:func:`install_step`); only then is ``latest`` replaced and a replaced copy deleted.
+    The manager's saves (rank 0, under the lock) and ``unickpt convert --to run`` commit here.
+    """
+    atomic_write_bytes(os.path.join(stage, COMMIT_NAME), record)
+    fsync_dir(stage)
+    final = os.path.join(directory, step_name(step))
+    replaced = install_step(directory, stage, final, step)
+    atomic_write_bytes(os.path.join(directory, LATEST_NAME), latest_record(step))
+    if replaced is not None:  # the new step-<N> is committed: the replaced copy may go
+        discard(replaced)
+    return final
 
 
 _RENAME_EXCHANGE = 2  # <linux/fs.h>
@@ -282,8 +289,8 @@ def remove_step(directory: str, step: int) -> None:
     except FileNotFoundError:
         return
     copies = [n for n in names if (m := WORK_RE.match(n)) and m.group(2) == "old" and int(m.group(1)) == step]
-    if f"step-{step}" in names:
-        copies.append(f"step-{step}")
+    if step_name(step) in names:
+        copies.append(step_name(step))
     for n in copies:
         try:
             dst = _rename_aside(directory, os.path.join(directory, n), step, "deleting")
@@ -291,4 +298,4 @@ def remove_step(directory: str, step: int) -> None:
             continue
         discard(dst)
     if copies:
-        logger.info("removed %s (keep_last)", os.path.join(directory, f"step-{step}"))
+        logger.info("removed %s (keep_last)", os.path.join(directory, step_name(step)))

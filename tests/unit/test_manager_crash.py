@@ -194,10 +194,10 @@ def _paused_save(target: str, gate: Path, cache: Path | None) -> Callable[[], No
     """Child: a manager save of step 1 that stops after writing model and optimizer, until ``gate``."""
 
     def fn() -> None:
-        import unickpt.manager as manager_mod
+        import unickpt.manager.train_state as manager_mod
 
         torch.set_num_threads(1)
-        orig = manager_mod._write_rank_state
+        orig = manager_mod.write_rank_state
 
         def paused(*a: Any, **k: Any) -> None:
             (gate.parent / "ready").write_text("")
@@ -205,7 +205,7 @@ def _paused_save(target: str, gate: Path, cache: Path | None) -> Callable[[], No
                 time.sleep(0.005)
             orig(*a, **k)
 
-        manager_mod._write_rank_state = paused
+        manager_mod.write_rank_state = paused
         m, opt = _trained(NEW_SEED)
         kw: dict[str, Any] = {} if cache is None else {"local_cache_dir": cache}
         assert CheckpointManager(target, save_steps=1, **kw).save(1, m, opt)
@@ -388,16 +388,16 @@ def test_async_save_in_flight_keeps_the_lock_until_committed(
     flight: it is refused; once the async save committed, the newer one commits and wins `latest`."""
     import threading
 
-    import unickpt.manager as manager_mod
+    import unickpt.manager.train_state as manager_mod
 
     go = threading.Event()
-    orig = manager_mod._write_rank_state
+    orig = manager_mod.write_rank_state
 
     def paused(*a: Any, **k: Any) -> None:
         assert go.wait(60)
         orig(*a, **k)
 
-    monkeypatch.setattr(manager_mod, "_write_rank_state", paused)
+    monkeypatch.setattr(manager_mod, "write_rank_state", paused)
     m, opt = _trained(OLD_SEED)
     slow = CheckpointManager(tmp_path, save_steps=1, async_save=True)
     assert slow.save(10, m, opt)

@@ -1,7 +1,7 @@
 """The directory layout ``CheckpointManager`` writes, read from files alone (no torch).
 
 A run directory holds ``step-<N>/`` directories; a step is committed iff its ``COMMIT`` marker
-exists (see unickpt/manager.py and docs/guide.md). Inside a step::
+exists (see unickpt/manager/ and docs/guide.md). Inside a step::
 
     model/  optimizer/  lr_scheduler.json  train_state/rank-<r>.{json,safetensors}  hf/  COMMIT
 
@@ -10,8 +10,9 @@ so each rank also writes ``train_state/rank-<r>.hashes.json``: the xxh3-64 of ev
 it wrote (path relative to the step directory). Steps saved before these files existed have
 none; their train state is checked for structure only.
 
-The manager and the command line (``unickpt inspect``/``verify`` on a run or a step) share the
-functions here.
+This is the one definition of the layout's names and records: the manager (``_stepdirs.py``,
+``_remote_store.py``, ``unickpt/manager/``), ``convert --to run`` (``tools/run_layout.py``) and
+the command line (``unickpt inspect``/``verify`` on a run or a step) use the functions here.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import dataclasses
 import json
 import os
 import re
+import uuid
 from typing import Any
 
 from unickpt.errors import CheckpointFormatError, ConfigError
@@ -31,6 +33,17 @@ __all__ = [
     "LATEST_NAME",
     "TRAIN_STATE_DIR",
     "HASHES_SUFFIX",
+    "HF_DIR",
+    "SCHEDULER_NAME",
+    "STEP_RE",
+    "COMMIT_VERSION",
+    "step_name",
+    "work_name",
+    "WORK_RE",
+    "REPLACING_RE",
+    "commit_record",
+    "latest_record",
+    "read_latest",
     "StepLayout",
     "step_of",
     "committed_steps",
@@ -46,9 +59,17 @@ COMMIT_NAME = "COMMIT"
 LATEST_NAME = "latest"
 TRAIN_STATE_DIR = "train_state"
 SCHEDULER_NAME = "lr_scheduler.json"
+HF_DIR = "hf"
 HASHES_SUFFIX = ".hashes.json"
+COMMIT_VERSION = 1
 _HASHES_VERSION = 1
-_STEP_RE = re.compile(r"^step-(\d+)$")
+STEP_RE = re.compile(r"^step-(\d+)$")
+# Hidden work directories of a local run: a save in progress, a step being replaced, a step being
+# deleted, a remote step downloaded for loading (in the local cache of an fsspec URL).
+WORK_RE = re.compile(r"^\.step-(\d+)\.(staging|old|deleting|download)-[0-9a-f]+$")
+# Under an fsspec URL: a committed step saved again, uploaded beside it.
+REPLACING_RE = re.compile(r"^\.step-(\d+)\.replacing-[0-9a-f]+$")
+_STEP_RE = STEP_RE
 _RANK_RE = re.compile(r"^rank-(\d+)\.(json|safetensors)$")
 
 
@@ -65,6 +86,37 @@ class StepLayout:
     hf: str | None
     train_state: dict[int, list[str]]  # rank -> its files (json, safetensors)
     hash_files: dict[int, str]  # rank -> its train_state/rank-<r>.hashes.json
+
+
+def step_name(step: int) -> str:
+    """The directory name of committed step ``step``."""
+    return f"step-{step}"
+
+
+def work_name(step: int, kind: str) -> str:
+    """A fresh name ``.step-<N>.<kind>-<id>`` for a work directory (or prefix) of step ``step``."""
+    return f".{step_name(step)}.{kind}-{uuid.uuid4().hex[:12]}"
+
+
+def commit_record(step: int, world_size: int, plugin: str) -> bytes:
+    """The contents of a step's ``COMMIT`` marker."""
+    commit = {"unickpt_commit": COMMIT_VERSION, "step": step, "world_size": world_size, "plugin": plugin}
+    return json.dumps(commit).encode()
+
+
+def latest_record(step: int) -> bytes:
+    """The contents of ``latest`` naming ``step``."""
+    return json.dumps({"step": step}).encode()
+
+
+def read_latest(run_dir: str | os.PathLike[str]) -> int | None:
+    """The step recorded in ``latest``, or ``None``."""
+    try:
+        with open(os.path.join(os.fspath(run_dir), LATEST_NAME), "rb") as f:
+            obj = json.loads(f.read())
+        return int(obj["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def step_of(path: str | os.PathLike[str]) -> int | None:
@@ -93,11 +145,7 @@ def latest_step(run_dir: str | os.PathLike[str]) -> int | None:
     steps = committed_steps(run_dir)
     if not steps:
         return None
-    try:
-        with open(os.path.join(os.fspath(run_dir), LATEST_NAME), "rb") as f:
-            rec = int(json.loads(f.read())["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        rec = None
+    rec = read_latest(run_dir)
     return rec if rec in steps else steps[-1]
 
 
@@ -165,7 +213,7 @@ def step_layout(step_dir: str | os.PathLike[str]) -> StepLayout:
         model=opt("model", True),
         optimizer=opt("optimizer", True),
         scheduler=opt(SCHEDULER_NAME, False),
-        hf=opt("hf", True),
+        hf=opt(HF_DIR, True),
         train_state=train,
         hash_files=hashes,
     )

@@ -23,20 +23,33 @@ __all__ = ["to_json_value", "from_json_value"]
 _MAX_JSON_TENSOR_ELEMENTS = 4096
 
 
-def to_json_value(value: Any, where: str) -> Any:
+def to_json_value(value: Any, where: str, tensors: dict[str, torch.Tensor] | None = None) -> Any:
+    """The JSON form of ``value`` (``where`` names it in errors).
+
+    With ``tensors`` (the manager's train state, stored beside a safetensors file): every tensor,
+    whatever its size, is copied into ``tensors`` and referenced as ``{"__st__": key}``, tuples
+    keep their type as ``{"__tuple__": [...]}``, and boolean dict keys are refused.
+    """
+    if tensors is not None:
+        if isinstance(value, torch.Tensor):
+            key = f"{where}#{len(tensors)}"
+            tensors[key] = value.detach().to("cpu", copy=True).contiguous()
+            return {"__st__": key}
+        if isinstance(value, tuple):
+            return {"__tuple__": [to_json_value(v, f"{where}[{i}]", tensors) for i, v in enumerate(value)]}
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
         return value
     if isinstance(value, (tuple, list)):
         # Tuples (Adam's betas) are stored as lists; loading restores the live value's type.
-        return [to_json_value(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return [to_json_value(v, f"{where}[{i}]", tensors) for i, v in enumerate(value)]
     if isinstance(value, dict):
         out = {}
         for k, v in value.items():
-            if not isinstance(k, (str, int)):
+            if not isinstance(k, (str, int)) or (tensors is not None and isinstance(k, bool)):
                 raise UnsupportedError(f"{where}: dict key {k!r} is neither str nor int")
-            out[str(k) if isinstance(k, str) else f"__int__{k}"] = to_json_value(v, f"{where}.{k}")
+            out[str(k) if isinstance(k, str) else f"__int__{k}"] = to_json_value(v, f"{where}.{k}", tensors)
         return out
     if isinstance(value, torch.Tensor):
         if value.numel() > _MAX_JSON_TENSOR_ELEMENTS:
@@ -62,23 +75,34 @@ MAX_JSON_DEPTH = 64
 _TENSOR_FIELDS = {"dtype", "shape", "data"}
 
 
-def from_json_value(value: Any, where: str = "JSON state") -> Any:
+def from_json_value(
+    value: Any, where: str = "JSON state", tensors: dict[str, torch.Tensor] | None = None
+) -> Any:
     """The live value of a JSON state value; ``IndexFileError`` naming ``where`` for malformed input.
 
     Checks what ``to_json_value`` writes: ``__tensor__`` entries with exactly ``dtype`` (a known
     dtype), ``shape`` (at most 64 non-negative integers, at most 4096 elements) and ``data`` (a
     flat list of that many numbers of the dtype's kind, in its range); ``__str__`` entries holding
-    a string; at most ``MAX_JSON_DEPTH`` levels of nesting.
+    a string; at most ``MAX_JSON_DEPTH`` levels of nesting. With ``tensors`` (what
+    ``to_json_value`` filled), ``__st__`` references and ``__tuple__`` entries are restored too.
     """
-    return _from_json(value, where, 0)
+    return _from_json(value, where, 0, tensors)
 
 
-def _from_json(value: Any, where: str, depth: int) -> Any:
+def _from_json(value: Any, where: str, depth: int, tensors: dict[str, torch.Tensor] | None = None) -> Any:
     if depth > MAX_JSON_DEPTH:
         raise IndexFileError(f"{where}: nested deeper than {MAX_JSON_DEPTH} levels")
     if isinstance(value, list):
-        return [_from_json(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
+        return [_from_json(v, f"{where}[{i}]", depth + 1, tensors) for i, v in enumerate(value)]
     if isinstance(value, dict):
+        if tensors is not None and set(value) == {"__st__"}:
+            if value["__st__"] not in tensors:
+                raise IndexFileError(f"{where}: tensor {value['__st__']!r} is not in the state's tensors")
+            return tensors[value["__st__"]].clone()
+        if tensors is not None and set(value) == {"__tuple__"} and isinstance(value["__tuple__"], list):
+            return tuple(
+                _from_json(v, f"{where}[{i}]", depth + 1, tensors) for i, v in enumerate(value["__tuple__"])
+            )
         if "__tensor__" in value:
             if set(value) != {"__tensor__"}:
                 raise IndexFileError(f"{where}: a '__tensor__' entry must be the only key of its object")
@@ -94,7 +118,7 @@ def _from_json(value: Any, where: str, depth: int) -> Any:
             key: Any = int(k[7:]) if k.startswith("__int__") and k[7:].lstrip("-").isdigit() else k
             if key in out:
                 raise IndexFileError(f"{where}: key {k!r} names the same entry as another key")
-            out[key] = _from_json(v, f"{where}.{k}", depth + 1)
+            out[key] = _from_json(v, f"{where}.{k}", depth + 1, tensors)
         return out
     return value
 

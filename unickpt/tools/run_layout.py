@@ -1,11 +1,10 @@
 """Write one committed ``step-<N>/`` of a ``CheckpointManager`` run directory from converted files.
 
-The layout is the manager's (``unickpt/manager.py``): ``step-<N>/model/``, ``optimizer/``,
-``lr_scheduler.json``, ``train_state/rank-00000.{json,safetensors}``, the ``COMMIT`` marker
-written last, then one atomic rename of the staged directory to ``step-<N>``, then
-``latest``. The tools layer may not import the manager (docs/architecture.md), so the file
-names are repeated here; ``tests/unit/test_convert_run.py`` checks they agree with the
-manager's constants and that ``CheckpointManager.load`` resumes from the result.
+The layout is the manager's (``unickpt/format/run_layout.py``): ``step-<N>/model/``,
+``optimizer/``, ``lr_scheduler.json``, ``train_state/rank-00000.{json,safetensors}``, then the
+manager's own step commit (``_stepdirs.commit_step``: the ``COMMIT`` marker written last, the
+staged directory put in place as ``step-<N>``, then ``latest``). ``CheckpointManager.load``
+resumes from the result (tests/unit/test_convert_training.py).
 
 An imported step holds no RNG states (the source did not save them, or saved them in a form
 unickpt does not read); the manager then leaves the RNGs as they are and says so.
@@ -15,18 +14,23 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from collections.abc import Callable
 from typing import Any
 
+from unickpt._stepdirs import commit_step
 from unickpt.format.commit import atomic_write_bytes, fsync_dir
+from unickpt.format.run_layout import (
+    COMMIT_NAME,
+    COMMIT_VERSION,
+    LATEST_NAME,
+    TRAIN_STATE_DIR,
+    commit_record,
+    work_name,
+)
 
-__all__ = ["write_step"]
+__all__ = ["write_step", "COMMIT_NAME", "LATEST_NAME", "TRAIN_STATE_DIR", "STATE_VERSION"]
 
-COMMIT_NAME = "COMMIT"
-LATEST_NAME = "latest"
-TRAIN_STATE_DIR = "train_state"
-STATE_VERSION = 1
+STATE_VERSION = COMMIT_VERSION  # the train-state files' version (the manager's STATE_VERSION)
 
 
 def write_step(
@@ -43,8 +47,7 @@ def write_step(
     extra states, no RNG) and the commit. Returns the step directory."""
     from safetensors.numpy import save
 
-    final = os.path.join(run_dir, f"step-{step}")
-    stage = os.path.join(run_dir, f".step-{step}.staging-{uuid.uuid4().hex[:12]}")
+    stage = os.path.join(run_dir, work_name(step, "staging"))
     os.makedirs(os.path.join(stage, TRAIN_STATE_DIR))
     fill(stage)
     base = os.path.join(stage, TRAIN_STATE_DIR, "rank-00000")
@@ -59,10 +62,4 @@ def write_step(
     atomic_write_bytes(base + ".safetensors", save({}, metadata={"format": "unickpt-train-state"}))
     atomic_write_bytes(base + ".json", json.dumps(js, sort_keys=True).encode())
     fsync_dir(os.path.join(stage, TRAIN_STATE_DIR))
-    commit = {"unickpt_commit": STATE_VERSION, "step": step, "world_size": world_size, "plugin": plugin}
-    atomic_write_bytes(os.path.join(stage, COMMIT_NAME), json.dumps(commit).encode())
-    fsync_dir(stage)
-    os.rename(stage, final)
-    fsync_dir(run_dir)
-    atomic_write_bytes(os.path.join(run_dir, LATEST_NAME), json.dumps({"step": step}).encode())
-    return final
+    return commit_step(run_dir, stage, step, commit_record(step, world_size, plugin))

@@ -1,0 +1,359 @@
+"""``CheckpointManager``: the collective save and load of a step (see the package docstring).
+
+The policy (``policy.py``), the training state (``train_state.py``), the capture of a step
+(``snapshot.py``) and where steps live (``storage.py``) are separate modules; this one runs
+the collective protocol over them, with one code path for local directories and fsspec URLs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import torch
+
+from unickpt._faults import maybe_fail
+from unickpt._logging import get_logger
+from unickpt.errors import ConfigError, UnickptError
+from unickpt.format import run_layout
+from unickpt.format.commit import atomic_write_bytes
+from unickpt.format.run_layout import HF_DIR
+from unickpt.io import _dist
+from unickpt.io.async_save import AsyncSaves
+from unickpt.io.checkpoint_io import SavePayload
+from unickpt.manager import policy, snapshot, train_state
+from unickpt.manager.storage import Storage, open_storage
+
+__all__ = ["CheckpointManager"]
+
+logger = get_logger("unickpt.manager")
+
+# Shard size of the sliced model/optimizer files (MB): the same for sync and async saves.
+_SHARD_MB = 1024
+
+
+class CheckpointManager:
+    """Save every ``save_steps`` steps, keep the last ``keep_last``, resume exactly.
+
+    Args:
+        checkpoint_dir: a local directory (created if needed; ``file://`` URLs too), or an fsspec
+            URL (``s3://``, ``gs://``, ``memory://``...): see "Remote storage" in the package docstring.
+        booster: the ``Booster`` whose plugin's CheckpointIO saves the model and optimizer;
+            ``None`` means one process with a ``GeneralCheckpointIO``.
+        save_steps: ``save(step)`` saves when ``step % save_steps == 0`` (or ``force=True``).
+        keep_last: committed steps to keep (oldest deleted after a new commit); ``None`` or 0 keeps all.
+        async_save: write in a background thread (see the package docstring).
+        save_hf: also write a merged Hugging Face copy of the model into ``step-<N>/hf``.
+        local_cache_dir: fsspec URLs only: where each rank stages a save and downloads a step
+            to load (``<local_cache_dir>/rank-<r>/``); default a temporary directory per process,
+            removed when the manager is garbage collected.
+        storage_options: fsspec URLs only: passed to the fsspec filesystem (credentials, endpoint).
+
+    Built by every rank (with ``async_save`` it creates a process group: collective).
+    """
+
+    def __init__(
+        self,
+        checkpoint_dir: str | os.PathLike[str],
+        booster: Any = None,
+        save_steps: int = 100,
+        keep_last: int | None = 3,
+        async_save: bool = False,
+        save_hf: bool = False,
+        local_cache_dir: str | os.PathLike[str] | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.booster = booster
+        if booster is not None:
+            self.io = booster.checkpoint_io
+        else:
+            from unickpt.io import GeneralCheckpointIO
+
+            self.io = GeneralCheckpointIO()
+        self.storage: Storage = open_storage(
+            checkpoint_dir, local_cache_dir, storage_options, _dist.rank(self.io.group)
+        )
+        self.checkpoint_dir = self.storage.location
+        policy.check_settings(save_steps, keep_last)
+        self.save_steps = save_steps
+        self.keep_last = keep_last or None
+        self.async_save = async_save
+        # CPU buffers of the async snapshot, reused from one save to the next (one save in flight).
+        self._staging: dict[str, dict[tuple[str, int], torch.Tensor]] = {}
+        self.save_hf = save_hf
+        self.group = self.io.group
+        self._async = AsyncSaves()
+        self._bg_group: Any = self._async.background_group(self.group) if async_save else None
+        self._lock = contextlib.ExitStack()
+
+    # ------------------------------------------------------------------ queries
+    def all_steps(self) -> list[int]:
+        """Committed steps in ascending order (files only; any rank may call)."""
+        return sorted(self.storage.committed_step_dirs())
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or ``None`` (files only; any rank may call).
+
+        The ``latest`` record wins when it names a committed step (after a resume from an older
+        step, it is the most recent save); otherwise the highest committed step.
+        """
+        steps = self.all_steps()
+        if not steps:
+            return None
+        return policy.latest_of(steps, self.storage.read_latest())
+
+    def step_dir(self, step: int) -> str:
+        """The path (local) or URL (fsspec) of ``step-<step>``."""
+        return self.storage.step_dir(step)
+
+    # ------------------------------------------------------------------ load
+    def load(
+        self,
+        model: torch.nn.Module,
+        optimizer: Any,
+        lr_scheduler: Any = None,
+        dataloader: Any = None,
+        resume_from_checkpoint: int | str | None = "latest",
+        **extra_states: Any,
+    ) -> int:
+        """Collective: restore a committed step into the given objects; returns that step (0: none).
+
+        ``resume_from_checkpoint``: ``None`` loads nothing; an int loads that step (the latest
+        committed one, with a warning, if it is not there); ``"latest"`` the newest committed
+        step. Rank 0 picks the step and tells the others. Model and optimizer load through the
+        resharding path (any saved layout); RNG states, dataloader position and extra states
+        come from this rank's own file when the world size is unchanged.
+        """
+        self.wait()
+        if resume_from_checkpoint is None:
+            return 0
+        if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint != "latest":
+            raise ConfigError(
+                f"resume_from_checkpoint must be None, an int step or 'latest', got {resume_from_checkpoint!r}"
+            )
+
+        def pick() -> tuple[int, str]:
+            if _dist.rank(self.group) != 0:
+                return (0, "")
+            maybe_fail("manager.load.pick")
+            return self._pick_step(resume_from_checkpoint)
+
+        # Rank 0 reads the directory; a failure there reaches every rank (not a wait in broadcast).
+        picked = _dist.agreed(pick, f"picking the step to resume in {self.checkpoint_dir}", self.group)
+        step, path = _dist.broadcast_object(picked, 0, self.group)
+        step = int(step)
+        if step == 0:
+            return 0
+        logger.info("resuming from %s", path)
+        with self.storage.open_step(step, path, self.group) as d:
+            self._load_picked(d, path, step, model, optimizer, lr_scheduler, dataloader, extra_states)
+        return step
+
+    def _load_picked(
+        self,
+        d: str,
+        where: str,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: Any,
+        lr_scheduler: Any,
+        dataloader: Any,
+        extra_states: dict[str, Any],
+    ) -> None:
+        """Collective: load the local copy ``d`` of the committed step at ``where``.
+
+        A damaged step is reported with the committed steps to resume from instead.
+
+        No silent fallback to an older step: that would throw away training progress unnoticed,
+        and the objects may already hold part of the damaged step. The error names the step and
+        the other committed steps; ``resume_from_checkpoint=<step>`` picks one.
+        """
+        try:
+            self.io.load_model(model, os.path.join(d, "model"))
+            if optimizer is not None:
+                self.io.load_optimizer(optimizer, os.path.join(d, "optimizer"))
+            if lr_scheduler is not None:
+                self.io.load_lr_scheduler(lr_scheduler, os.path.join(d, run_layout.SCHEDULER_NAME))
+            err: BaseException | None = None
+            try:
+                maybe_fail("manager.load.train_state")
+                rank, world = _dist.rank(self.group), _dist.world_size(self.group)
+                train_state.restore(d, step, rank, world, dataloader, extra_states)
+            except BaseException as e:
+                err = e
+            _dist.agree(err, f"loading the training state of {d}", self.group)
+        except UnickptError as e:
+            others = [s for s in self.all_steps() if s != step]
+            hint = (
+                f"step {step} ({where}) could not be loaded; the model, optimizer and other objects may hold "
+                f"part of it. Other committed steps: {others or 'none'}"
+                + (f"; resume from one with resume_from_checkpoint={others[-1]}" if others else "")
+                + " (or fix or delete the damaged step)"
+            )
+            logger.error("%s: %s", hint, e)
+            e.add_note(hint)
+            raise
+
+    def _pick_step(self, wanted: int | str) -> tuple[int, str]:
+        """Rank 0: (step, directory to load it from); (0, "") when there is nothing to resume from."""
+        dirs = self.storage.committed_step_dirs()
+        return policy.pick_step(dirs, self.storage.read_latest(), wanted, self.checkpoint_dir)
+
+    # ------------------------------------------------------------------ save
+    def save(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: Any,
+        lr_scheduler: Any = None,
+        dataloader: Any = None,
+        force: bool = False,
+        **extra_states: Any,
+    ) -> bool:
+        """Collective: save when ``step % save_steps == 0`` or ``force``; returns whether it saved.
+
+        Synchronous: returns once ``step-<N>`` is committed on disk. Async: returns once this
+        rank's tensors are copied; an earlier save still in flight is waited for first, and its
+        error (if any) is raised here.
+        """
+        if not policy.should_save(step, self.save_steps, force):
+            return False
+        self.wait()
+        rank = _dist.rank(self.group)
+        stage_name = run_layout.work_name(step, "staging") if rank == 0 else ""
+        stage_name = _dist.broadcast_object(stage_name, 0, self.group)
+        stage = os.path.join(self.storage.root, stage_name)
+        err: BaseException | None = None
+        target = ""
+        try:
+            target = self.storage.begin_save(step, stage, rank, self._lock)
+        except BaseException as e:
+            err = e
+        try:
+            _dist.agree(err, f"starting the save of step {step} in {self.checkpoint_dir}", self.group)
+            staging = self._staging if self.async_save else None
+            payload = snapshot.capture(
+                self.io, step, stage, model, optimizer, lr_scheduler, dataloader, extra_states, staging
+            )
+            payload.target = self.storage.share_target(target, self.group)
+        except BaseException:
+            self._release()
+            raise
+        if not self.async_save:
+            self._write(payload, self.group, model)
+            return True
+        self._async.start(f"step-{step}", lambda: self._write(payload, self._bg_group, None))
+        return True
+
+    def wait(self) -> None:
+        """Collective for async saves: block until the save in flight is committed; raise its error."""
+        self._async.wait()
+
+    def _release(self) -> None:
+        self._lock.close()
+        self._lock = contextlib.ExitStack()
+
+    # ------------------------------------------------------------------ write + commit
+    def _write(self, p: snapshot.Payload, group: Any, model: torch.nn.Module | None) -> None:
+        """Collective over ``group``: write the staged step, then rank 0 commits it."""
+        rank = _dist.rank(group)
+        try:
+            for kind, plan in (("model", p.model), ("optimizer", p.optimizer)):
+                if plan is None:
+                    continue
+                self.io.write(
+                    plan,
+                    os.path.join(p.stage, kind),
+                    shard=True,
+                    gather_dtensor=False,
+                    size_per_shard=_SHARD_MB,
+                    group=group,
+                )
+            err: BaseException | None = None
+            try:
+                maybe_fail("manager.train_state")
+                if rank == 0 and p.scheduler is not None:
+                    atomic_write_bytes(os.path.join(p.stage, run_layout.SCHEDULER_NAME), p.scheduler)
+                if rank == 0:
+                    # config.json beside the sliced model: `unickpt merge` carries it to the HF copy.
+                    for fname, text in p.hf_config.items():
+                        atomic_write_bytes(os.path.join(p.stage, "model", fname), text.encode("utf-8"))
+                train_state.write_rank_state(
+                    p.stage, rank, p.train_state, p.state_tensors, p.scheduler if rank == 0 else None
+                )
+            except BaseException as e:
+                err = e
+            _dist.agree(err, f"writing the training state of step {p.step}", group)
+            uploaded: set[str] = set()
+            self.storage.upload(p.stage, p.target, uploaded, group, p.step)
+            if self.save_hf:
+                self._write_hf(p, group, model, uploaded)
+                self.storage.upload(p.stage, p.target, uploaded, group, p.step)
+            err = None
+            if rank == 0:
+                try:
+                    maybe_fail("manager.commit")
+                    self._commit(p)
+                except BaseException as e:
+                    err = e
+            _dist.agree(err, f"committing step {p.step} in {self.checkpoint_dir}", group)
+        finally:
+            self.storage.end_save(p.stage)
+            self._release()  # the save lock (rank 0) and this rank's claim on its staging directory
+        _dist.barrier(group)
+
+    def _commit(self, p: snapshot.Payload) -> None:
+        """Rank 0, after every rank wrote its files: commit, ``latest``, then retention."""
+        record = run_layout.commit_record(p.step, int(p.train_state["world_size"]), self.io.plugin_name)
+        self.storage.commit(p.step, p.stage, p.target, record)
+        logger.info("committed %s", self.step_dir(p.step))
+        for s in policy.retired_steps(self.all_steps(), p.step, self.keep_last):
+            self.storage.remove_step(s)
+
+    def _write_hf(
+        self, p: snapshot.Payload, group: Any, model: torch.nn.Module | None, uploaded: set[str]
+    ) -> None:
+        hf = os.path.join(p.stage, HF_DIR)
+        if model is not None:  # synchronous: the gathered save of the live model
+            self.io.save_model(model, hf, shard=True, gather_dtensor=True)
+            return
+        # Async: rank 0 assembles full tensors from the sliced copy just written; every rank
+        # joins the gathered save on the background group (ranks other than 0 hold nothing).
+        from unickpt.io.tensors import local_boxes
+
+        full: dict[str, torch.Tensor] = {}
+        aliases: dict[str, str] = {}
+        err: BaseException | None = None
+        if _dist.rank(group) == 0:
+            try:
+                # fsspec URLs: the other ranks' model files are in the store only
+                self.storage.fetch(p.target, "model", p.stage, uploaded)
+                full, aliases = _read_full(os.path.join(p.stage, "model"))
+            except BaseException as e:
+                err = e
+        _dist.agree(err, f"assembling the Hugging Face copy of step {p.step}", group)
+        payload = SavePayload("model", full, {n: local_boxes(n, t) for n, t in full.items()}, aliases=aliases)
+        self.io.write(payload, hf, shard=True, gather_dtensor=True, size_per_shard=_SHARD_MB, group=group)
+        if _dist.rank(group) == 0:
+            for fname, text in p.hf_config.items():
+                atomic_write_bytes(os.path.join(hf, fname), text.encode("utf-8"))
+
+
+def _read_full(model_dir: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Rank 0: every tensor of a sliced model checkpoint, assembled whole in CPU memory."""
+    from unickpt.format.reader import open_checkpoint
+    from unickpt.io.tensors import torch_dtype
+
+    out: dict[str, torch.Tensor] = {}
+    with open_checkpoint(model_dir, "model") as reader:
+        for name, entry in reader.tensors.items():
+            dt = torch_dtype(entry.dtype)
+            full = torch.empty(tuple(entry.shape), dtype=dt)
+            for s in entry.slices:
+                data = torch.frombuffer(bytearray(reader.read_slice(s)), dtype=dt).reshape(tuple(s.shape))
+                idx = tuple(slice(o, o + n) for o, n in zip(s.offsets, s.shape, strict=True))
+                full[idx] = data
+            out[name] = full
+        aliases = dict(reader.block.aliases)
+    return out, aliases

@@ -1,0 +1,163 @@
+"""The per-rank training state of a step: RNG states, dataloader position, extra states.
+
+``train_state/rank-<r>.json`` holds the JSON (``io/jsonstate`` encoding: tensors referenced into
+``rank-<r>.safetensors``, tuples kept), ``rank-<r>.hashes.json`` the xxh3-64 of both files (rank 0:
+and of ``lr_scheduler.json``) for ``unickpt verify``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from unickpt import _rng
+from unickpt._logging import get_logger
+from unickpt.errors import IncompleteCheckpointError, IndexFileError, StateMismatchError, UnsupportedError
+from unickpt.format import run_layout
+from unickpt.format.commit import atomic_write_bytes
+from unickpt.format.run_layout import TRAIN_STATE_DIR
+from unickpt.io.jsonstate import from_json_value, to_json_value
+
+__all__ = ["STATE_VERSION", "capture", "restore", "write_rank_state", "read_rank_state"]
+
+logger = get_logger("unickpt.manager")
+
+STATE_VERSION = 1
+
+NOT_RESUMABLE = (
+    "the dataloader ({}) has no state_dict(): pass the dataloader returned by Booster.boost, or wrap it "
+    "with unickpt.data.wrap_dataloader (or use torchdata's StatefulDataLoader)"
+)
+
+
+def capture(
+    step: int, rank: int, world: int, dataloader: Any, extra_states: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """This rank's state as (JSON, tensors); the tensors are copies."""
+    rng_js, tensors = _rng.capture_rng()
+    state: dict[str, Any] = {
+        "unickpt_train_state": STATE_VERSION,
+        "step": step,
+        "rank": rank,
+        "world_size": world,
+        "rng": rng_js,
+        "extra": {},
+    }
+    if dataloader is not None:
+        if not hasattr(dataloader, "state_dict"):
+            raise UnsupportedError(NOT_RESUMABLE.format(type(dataloader).__name__))
+        state["dataloader"] = to_json_value(dataloader.state_dict(), "dataloader", tensors)
+    for name, obj in extra_states.items():
+        if not hasattr(obj, "state_dict") or not hasattr(obj, "load_state_dict"):
+            raise UnsupportedError(
+                f"extra state {name!r} ({type(obj).__name__}) has no state_dict()/load_state_dict()"
+            )
+        state["extra"][name] = to_json_value(obj.state_dict(), f"extra.{name}", tensors)
+    return state, tensors
+
+
+def restore(d: str, step: int, rank: int, world: int, dataloader: Any, extra_states: dict[str, Any]) -> None:
+    """Load this rank's state of the step directory ``d`` into the RNGs, ``dataloader`` and ``extra_states``."""
+    js, tensors = read_rank_state(d, rank)
+    if js is None:
+        saved_world = (run_layout.read_commit(d) or {}).get("world_size", "?")
+        logger.warning(
+            "step %s was saved by %s rank(s), this is rank %s of %s: RNG states are not restored "
+            "and per-rank states come from rank 0",
+            step,
+            saved_world,
+            rank,
+            world,
+        )
+        js, tensors = read_rank_state(d, 0)
+        if js is None:
+            raise IncompleteCheckpointError(f"{d}: no train state for rank 0")
+    elif js.get("rng") is None:
+        # a step imported by `unickpt convert --to run`: the source saved no RNG states
+        logger.warning("step %s holds no RNG states (imported): RNG states are not restored", step)
+    elif int(js["world_size"]) == world:
+        _rng.restore_rng(js["rng"], tensors)
+    else:
+        logger.warning(
+            "step %s was saved by %s rank(s), resumed on %s: RNG states are not restored",
+            step,
+            js["world_size"],
+            world,
+        )
+    if dataloader is not None:
+        _load_dataloader(dataloader, js, tensors, world)
+    saved_extra = js.get("extra", {})
+    for name, obj in extra_states.items():
+        if name not in saved_extra:
+            raise StateMismatchError(
+                f"extra state {name!r} is not in {d} (saved: {sorted(saved_extra)})",
+                missing=[name],
+            )
+        obj.load_state_dict(from_json_value(saved_extra[name], f"extra.{name}", tensors))
+
+
+def _load_dataloader(dataloader: Any, js: dict[str, Any], tensors: dict[str, Any], world: int) -> None:
+    if not hasattr(dataloader, "load_state_dict"):
+        raise UnsupportedError(NOT_RESUMABLE.format(type(dataloader).__name__))
+    state = js.get("dataloader")
+    if state is None:
+        raise StateMismatchError("the checkpoint holds no dataloader position", missing=["dataloader"])
+    value = from_json_value(state, "dataloader", tensors)
+    from unickpt.data import ResumableDataLoader
+
+    if int(js["world_size"]) != world and not isinstance(dataloader, ResumableDataLoader):
+        raise StateMismatchError(
+            f"the dataloader ({type(dataloader).__name__}) keeps per-rank state saved by "
+            f"{js['world_size']} rank(s); it cannot be resumed on {world}. Wrap a torch DataLoader with "
+            "unickpt.data.wrap_dataloader (global sample position), or do not pass the dataloader "
+            "to load() to start it afresh"
+        )
+    dataloader.load_state_dict(value)
+
+
+def _rank_paths(step_dir: str, rank: int) -> tuple[str, str]:
+    base = os.path.join(step_dir, TRAIN_STATE_DIR, f"rank-{rank:05d}")
+    return base + ".json", base + ".safetensors"
+
+
+def write_rank_state(
+    stage: str,
+    rank: int,
+    js: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    scheduler: bytes | None = None,
+) -> None:
+    """Every rank: its JSON state and tensors, each written and fsynced atomically, then their
+    xxh3-64 hashes (and those of ``lr_scheduler.json``, written by rank 0) for ``unickpt verify``."""
+    from safetensors.torch import save
+
+    jpath, tpath = _rank_paths(stage, rank)
+    tbytes = save(tensors, metadata={"format": "unickpt-train-state"})
+    jbytes = json.dumps(js, sort_keys=True).encode()
+    atomic_write_bytes(tpath, tbytes)
+    atomic_write_bytes(jpath, jbytes)
+    written = {os.path.relpath(tpath, stage): tbytes, os.path.relpath(jpath, stage): jbytes}
+    if scheduler is not None:
+        written["lr_scheduler.json"] = scheduler
+    run_layout.write_hashes(stage, rank, written)
+
+
+def read_rank_state(step_dir: str, rank: int) -> tuple[dict[str, Any] | None, dict[str, torch.Tensor]]:
+    from safetensors.torch import load
+
+    jpath, tpath = _rank_paths(step_dir, rank)
+    try:
+        with open(jpath, "rb") as f:
+            js = json.loads(f.read())
+        with open(tpath, "rb") as f:
+            tensors = load(f.read())
+    except FileNotFoundError:
+        return None, {}
+    except ValueError as e:
+        raise IndexFileError(f"{jpath}: unreadable training state ({e})") from None
+    if not isinstance(js, dict) or js.get("unickpt_train_state") != STATE_VERSION:
+        raise IndexFileError(f"{jpath}: not a unickpt training state")
+    return js, tensors
