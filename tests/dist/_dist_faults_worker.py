@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 import unickpt.io.load as load_mod
-import unickpt.io.save as save_mod
+import unickpt.format.writer as writer_mod
 from unickpt.errors import IntegrityError, StateMismatchError
 from unickpt.format.safetensors_io import SafetensorsWriter
 from unickpt.plugins.ddp import DDPCheckpointIO
@@ -295,7 +295,7 @@ def case_save_fails_rank1(d: Path) -> dict[str, Any]:
         io.save_model(model, new, shard=True, gather_dtensor=False, size_per_shard=TINY_MB)
 
     if dist.get_rank() == 1:
-        with patched(save_mod, "SafetensorsWriter", _FailingWriter):
+        with patched(writer_mod, "SafetensorsWriter", _FailingWriter):
             obs = attempt(save)
     else:
         obs = attempt(save)
@@ -378,7 +378,7 @@ def kill_main(root: str) -> None:
     dist.barrier()
     model = tiny(1, mesh=mesh)
     if rank == 1:
-        save_mod.SafetensorsWriter = _KillingWriter  # type: ignore[misc]
+        writer_mod.SafetensorsWriter = _KillingWriter  # type: ignore[misc]
     report: dict[str, Any] = {"prev_digest": dir_digest(prev)}
     report["save"] = attempt(lambda: io.save_model(model, new, shard=True, gather_dtensor=False))
     report["new_files"] = sorted(os.listdir(new)) if new.exists() else []
