@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import unickpt.plugins
-from unickpt.io.checkpoint_io import FINAL_METHODS, CheckpointIO, HookContext
+from unickpt.io.checkpoint_io import CheckpointIO
+from unickpt.io.hooks import FINAL_METHODS, HookContext
 
 
 def _all_io_classes() -> list[type[CheckpointIO]]:

@@ -13,7 +13,7 @@ from torch import nn
 
 from unickpt.errors import UnsupportedError
 from unickpt.io import CheckpointIO
-from unickpt.io.checkpoint_io import HookContext
+from unickpt.io.hooks import HookContext
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 

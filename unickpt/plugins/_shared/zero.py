@@ -15,7 +15,7 @@ from torch import nn
 from unickpt.errors import UnsupportedError
 from unickpt.format.boxes import flat_range_to_boxes
 from unickpt.io import CheckpointIO
-from unickpt.io.checkpoint_io import HookContext
+from unickpt.io.hooks import HookContext
 from unickpt.io.tensors import LocalSlice, st_dtype
 
 
