@@ -6,6 +6,8 @@ import dataclasses
 import importlib
 import inspect
 import pkgutil
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -74,3 +76,32 @@ def test_hook_context_is_frozen() -> None:
         ctx.saving = False  # type: ignore[misc]
     with pytest.raises(Exception, match="optimizer"):
         _ = ctx.optim
+
+
+def test_every_save_path_hands_the_hooks_its_context(tmp_path: Path) -> None:
+    from unickpt import GeneralCheckpointIO, OptimizerWrapper
+
+    seen: list[HookContext] = []
+
+    class Recording(GeneralCheckpointIO):
+        def _optimizer_state(self, ctx: HookContext) -> dict[str, Any]:
+            seen.append(ctx)
+            return super()._optimizer_state(ctx)
+
+    model = torch.nn.Linear(3, 2)
+    optim = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optim.step()
+    io, wrapped = Recording(), OptimizerWrapper(optim, model)
+    io.save_optimizer(wrapped, tmp_path / "a", shard=True, gather_dtensor=False)
+    io.plan_optimizer(wrapped)  # CheckpointManager's path
+    io.save_optimizer(wrapped, tmp_path / "b")
+    io.load_optimizer(wrapped, tmp_path / "b")
+    assert [(c.kind, c.saving, c.gather, c.shard) for c in seen] == [
+        ("optimizer", True, False, True),
+        ("optimizer", True, False, True),
+        ("optimizer", True, True, False),
+        ("optimizer", False, False, True),
+    ]
+    assert all(c.model is model and c.optimizer is optim for c in seen)
+    assert len({id(c) for c in seen}) == 4  # one context per call
