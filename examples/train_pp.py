@@ -84,7 +84,7 @@ def main() -> None:
 
     args = parse_args("Train a small transformer with pipeline parallelism and save/resume with unickpt.", 4)
     t0 = time.perf_counter()
-    from unickpt.plugins import _mesh
+    from unickpt.plugins._shared import mesh as _mesh
 
     _mesh.ensure_process_group()
     stages = dist.get_world_size()

@@ -136,7 +136,7 @@ class Booster:
             # An optimizer built from named_parameters() must name this model's parameters.
             check_param_names(optim, [(normalize_name(n), p) for n, p in model.named_parameters()])
         if self.plugin is not None:
-            from unickpt.plugins import _mesh
+            from unickpt.plugins._shared import mesh as _mesh
 
             _mesh.ensure_process_group()
             _same_inputs_on_every_rank(model, optim)

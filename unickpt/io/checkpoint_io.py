@@ -2,12 +2,16 @@
 
 Public methods own validation, rank coordination and the commit; they are collective:
 every rank of the job calls each of them, in the same order, with its own view of the
-model. A plugin's subclass describes only what differs for its parallelism, through the
-hooks ``unwrap_model``, ``model_tensors``, ``local_boxes``, ``optimizer_tensors`` and
-``set_optimizer_tensors``. The defaults already handle plain tensors (replicated: one rank
-writes each), DTensors of any placement (each rank writes the block it holds), tied
-parameters and wrapper-free names, so DDP, FSDP2, TP and their combinations need no
-checkpoint code of their own.
+model. They are final (``CheckpointIO.__init_subclass__`` refuses a subclass that overrides
+one). A plugin's subclass describes only what differs for its parallelism, through the
+private hooks ``_model_tensors``, ``_local_boxes``, ``_optimizer_state``,
+``_set_optimizer_state``, ``_state_parameters`` and ``_after_load``; each public call passes
+them one ``HookContext`` (what is being done: kind, save or load, gathered or sliced, the
+model and optimizer; both live in ``unickpt.io.hooks``), so no hook depends on state left
+on the IO by the call. The defaults
+already handle plain tensors (replicated: one rank writes each), DTensors of any placement
+(each rank writes the block it holds), tied parameters and wrapper-free names, so DDP,
+FSDP2, TP and their combinations need no checkpoint code of their own.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,12 +33,12 @@ from unickpt.format.index import LayoutInfo
 from unickpt.format.reader import CheckpointReader, open_checkpoint
 from unickpt.io import _dist
 from unickpt.io.async_save import AsyncSaveMixin, check_use_safetensors, write_config_files
+from unickpt.io.hooks import FINAL_METHODS, CheckpointHooks, HookContext
 from unickpt.io.jsonstate import from_json_value, to_json_value
 from unickpt.io.load import LoadReport, load_tensors
-from unickpt.io.names import apply_prefix, normalize_name, unwrap_model
+from unickpt.io.names import apply_prefix
 from unickpt.io.optim_state import (
     apply_groups,
-    init_state,
     merge_groups,
     optimizer_tensor_name,
     param_of,
@@ -44,11 +49,13 @@ from unickpt.io.param_groups import validate_param_groups
 from unickpt.io.param_names import check_param_names, model_from_param_names
 from unickpt.io.replicas import REPLICA_MODES, check_replicas
 from unickpt.io.save import SaveOptions, save_tensors
-from unickpt.io.tensors import LocalSlice, local_boxes
+from unickpt.io.tensors import LocalSlice
 from unickpt.wrappers import unwrap_optimizer
 
 __all__ = [
+    "FINAL_METHODS",
     "CheckpointIO",
+    "HookContext",
     "LoadReport",
     "SavePayload",
     "hf_config_files",
@@ -123,7 +130,7 @@ def lr_scheduler_json(state: dict[str, Any]) -> bytes:
     ).encode()
 
 
-class CheckpointIO(AsyncSaveMixin):
+class CheckpointIO(CheckpointHooks, AsyncSaveMixin):
     """Save and load models, optimizers and LR schedulers in the unickpt format.
 
     Args:
@@ -149,6 +156,16 @@ class CheckpointIO(AsyncSaveMixin):
     # Every rank holds every tensor whole (DDP): a tensor some ranks lack is a divergence.
     replicated_everywhere = False
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        overridden = sorted(name for name in FINAL_METHODS if name in vars(cls))
+        if overridden:
+            raise TypeError(
+                f"{cls.__qualname__} overrides {overridden}: the public CheckpointIO methods are final; "
+                "implement the private hooks (_model_tensors, _local_boxes, _optimizer_state, "
+                "_set_optimizer_state, _state_parameters, _after_load) instead"
+            )
+
     def __init__(
         self,
         mesh: Any = None,
@@ -169,7 +186,6 @@ class CheckpointIO(AsyncSaveMixin):
         self.fingerprints = fingerprints
         self.fsync = fsync
         self.atomic_load = atomic_load
-        self._loading_optimizer = False
 
     # ------------------------------------------------------------------ hooks
     def layout(self) -> LayoutInfo:
@@ -179,74 +195,6 @@ class CheckpointIO(AsyncSaveMixin):
             names = self.mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(self.mesh.ndim))
             mesh = {str(n): int(s) for n, s in zip(names, self.mesh.shape, strict=True)}
         return LayoutInfo(plugin=self.plugin_name, world_size=_dist.world_size(self.group), mesh=mesh)
-
-    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        return unwrap_model(model)
-
-    def model_tensors(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """This rank's parameters and persistent buffers by checkpoint name (tied ones share a tensor)."""
-        module = self.unwrap_model(model)
-        out: dict[str, torch.Tensor] = {}
-        for name, t in module.state_dict(keep_vars=True).items():
-            if not isinstance(t, torch.Tensor):
-                raise UnsupportedError(f"state_dict entry {name!r} is a {type(t).__name__}, not a tensor")
-            out[normalize_name(name)] = t
-        return out
-
-    def local_boxes(self, name: str, tensor: torch.Tensor) -> list[LocalSlice]:
-        return local_boxes(name, tensor)
-
-    def optimizer_tensors(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
-        """FQN-keyed optimizer state: ``{"state": {fqn: {key: value}}, "param_groups": [...]}``.
-
-        While loading, every parameter gets its state slots first (to be filled from the
-        checkpoint). While saving, an optimizer without state (never stepped, or stateless such
-        as SGD without momentum) is described without asking torch, which would invent state
-        with a zero-gradient step on every save.
-        """
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        if self._loading_optimizer:
-            init_state(optim)
-        elif not optim.state:
-            fqn_of = {id(prm): fqn for fqn, prm in self.state_parameters(model)}
-            groups = []
-            for g in optim.param_groups:
-                missing = [tuple(prm.shape) for prm in g["params"] if id(prm) not in fqn_of]
-                if missing:
-                    raise UnsupportedError(
-                        f"the optimizer updates {len(missing)} tensor(s) that are not parameters of the model "
-                        f"(shapes {missing[:3]}); build it on model.parameters()"
-                    )
-                groups.append(dict(g, params=[fqn_of[id(prm)] for prm in g["params"]]))
-            return {"state": {}, "param_groups": groups}
-        osd: dict[str, Any] = dict(get_optimizer_state_dict(self.unwrap_model(model), optim))
-        state = {normalize_name(k): v for k, v in osd["state"].items()}
-        groups = [dict(g, params=[normalize_name(p) for p in g["params"]]) for g in osd["param_groups"]]
-        return {"state": state, "param_groups": groups}
-
-    def set_optimizer_tensors(
-        self, model: torch.nn.Module, optim: torch.optim.Optimizer, osd: dict[str, Any]
-    ) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        # strict=False: parameters that never stepped have no saved state and get none (torch's
-        # strict mode refuses them with "Missing optimizer state for parameter").
-        set_optimizer_state_dict(
-            self.unwrap_model(model),
-            optim,
-            osd,  # type: ignore[arg-type]
-            options=StateDictOptions(strict=False),
-        )
-
-    def state_parameters(self, model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-        """``(fqn, tensor)`` for every parameter, where ``tensor`` is the key of its ``optimizer.state``.
-
-        The default is the model's parameters. A plugin whose optimizer keeps state on other
-        tensors (ZeRO's flat shards) or under other names (tied copies across pipeline stages)
-        overrides it.
-        """
-        return [(normalize_name(n), prm) for n, prm in self.unwrap_model(model).named_parameters()]
 
     # ------------------------------------------------------------------ model
     def save_model(
@@ -276,7 +224,7 @@ class CheckpointIO(AsyncSaveMixin):
         """
         self.wait()
         check_use_safetensors(use_safetensors, "save_model")
-        payload = self.plan_model(model, prefix=prefix)
+        payload = self.plan_model(model, prefix=prefix, shard=shard, gather_dtensor=gather_dtensor)
         if use_async:
             config = hf_config_files(self.unwrap_model(model))
             return self._write_async(
@@ -319,14 +267,15 @@ class CheckpointIO(AsyncSaveMixin):
         del low_cpu_mem_mode, num_threads
         self.wait()
         reader = self._open(checkpoint, "model")
+        ctx = HookContext("model", saving=False, model=model)
         try:
             targets = _dist.agreed(
-                lambda: self.model_tensors(model), "listing the model's tensors to load", self.group
+                lambda: self._model_tensors(ctx), "listing the model's tensors to load", self.group
             )
-            return load_tensors(
+            report = load_tensors(
                 reader,
                 targets,
-                self.local_boxes,
+                self._boxes_fn(ctx),
                 strict=strict,
                 verify=verify,
                 allow_dtype_cast=allow_dtype_cast,
@@ -337,6 +286,8 @@ class CheckpointIO(AsyncSaveMixin):
             )
         finally:
             reader.close()
+        self._after_load(ctx)
+        return report
 
     # ------------------------------------------------------------------ optimizer
     def save_optimizer(
@@ -359,7 +310,7 @@ class CheckpointIO(AsyncSaveMixin):
         and the scalar state. ``use_async=True`` writes in the background (see :meth:`wait`).
         """
         self.wait()
-        payload = self.plan_optimizer(optimizer, prefix=prefix)
+        payload = self.plan_optimizer(optimizer, prefix=prefix, shard=shard, gather_dtensor=gather_dtensor)
         if use_async:
             return self._write_async(payload, checkpoint, shard, gather_dtensor, size_per_shard)
         return self.write(
@@ -367,48 +318,70 @@ class CheckpointIO(AsyncSaveMixin):
         )
 
     # ------------------------------------------------------------------ plan + write
-    def plan_model(self, model: torch.nn.Module, prefix: str | None = None) -> SavePayload:
-        """What this rank saves of ``model``: tied tensors once (the others become aliases)."""
-        return _dist.agreed(lambda: self._plan_model(model, prefix), "planning the model save", self.group)
+    def plan_model(
+        self,
+        model: torch.nn.Module,
+        prefix: str | None = None,
+        *,
+        shard: bool = True,
+        gather_dtensor: bool = False,
+    ) -> SavePayload:
+        """What this rank saves of ``model``: tied tensors once (the others become aliases).
 
-    def _plan_model(self, model: torch.nn.Module, prefix: str | None) -> SavePayload:
+        ``shard``/``gather_dtensor`` name the layout the payload will be written in (the
+        arguments of :meth:`write`); the default is the sliced save of ``CheckpointManager``.
+        """
+        ctx = HookContext("model", saving=True, model=model, gather=gather_dtensor, shard=shard)
+        return _dist.agreed(lambda: self._plan_model(ctx, prefix), "planning the model save", self.group)
+
+    def _plan_model(self, ctx: HookContext, prefix: str | None) -> SavePayload:
         maybe_fail("model.plan")
         p = apply_prefix(prefix)
         stored: dict[str, torch.Tensor] = {}
         aliases: dict[str, str] = {}
         first: dict[int, str] = {}
-        for name, t in self.model_tensors(model).items():
+        for name, t in self._model_tensors(ctx).items():
             # state_dict(keep_vars=True) returns the same Parameter object under every tied name.
             if id(t) in first:
                 aliases[p + name] = p + first[id(t)]
                 continue
             first[id(t)] = name
             stored[p + name] = t
-        return SavePayload("model", stored, self._boxes(stored), aliases=aliases)
+        return SavePayload("model", stored, self._boxes(stored, ctx), aliases=aliases)
 
-    def plan_optimizer(self, optimizer: Any, prefix: str | None = None) -> SavePayload:
+    def plan_optimizer(
+        self,
+        optimizer: Any,
+        prefix: str | None = None,
+        *,
+        shard: bool = True,
+        gather_dtensor: bool = False,
+    ) -> SavePayload:
         """Collective: what this rank saves of ``optimizer`` (param groups merged over ranks).
 
-        Each local phase is agreed before the next collective: an optimizer that fails on one
+        ``shard``/``gather_dtensor`` as for :meth:`plan_model`. Each local phase is agreed before the next collective: an optimizer that fails on one
         rank (another class, a value JSON cannot hold) raises on every rank, none waits.
         """
         optim, model = _dist.agreed(
             lambda: self._optim_and_model(optimizer), "checking the optimizer to save", self.group
         )
         same_optimizer_class(optim, self.group)
+        ctx = HookContext(
+            "optimizer", saving=True, model=model, optimizer=optim, gather=gather_dtensor, shard=shard
+        )
         had_state = {id(param) for param, st in optim.state.items() if st}
         try:
             osd = _dist.agreed(
-                lambda: self.optimizer_tensors(model, optim), "collecting the optimizer's state", self.group
+                lambda: self._optimizer_state(ctx), "collecting the optimizer's state", self.group
             )
             payload = _dist.agreed(
-                lambda: self._plan_optimizer(optim, model, osd, had_state, prefix),
+                lambda: self._plan_optimizer(ctx, osd, had_state, prefix),
                 "planning the optimizer save",
                 self.group,
             )
         except BaseException:
             # A failed save leaves behind no state torch invented for parameters that never stepped.
-            for _, param in self.state_parameters(model):
+            for _, param in self._state_parameters(model):
                 if id(param) not in had_state:
                     optim.state.pop(param, None)
             raise
@@ -422,17 +395,13 @@ class CheckpointIO(AsyncSaveMixin):
         return payload
 
     def _plan_optimizer(
-        self,
-        optim: torch.optim.Optimizer,
-        model: torch.nn.Module,
-        osd: dict[str, Any],
-        had_state: set[int],
-        prefix: str | None,
+        self, ctx: HookContext, osd: dict[str, Any], had_state: set[int], prefix: str | None
     ) -> SavePayload:
+        model, optim = ctx.model, ctx.optim
         p = apply_prefix(prefix)
         # torch fills in state for parameters that never stepped (a zero-gradient step);
         # that state is not the user's and is neither saved nor left behind.
-        for fqn, param in self.state_parameters(model):
+        for fqn, param in self._state_parameters(model):
             if id(param) not in had_state:
                 optim.state.pop(param, None)
                 osd["state"].pop(fqn, None)
@@ -459,7 +428,7 @@ class CheckpointIO(AsyncSaveMixin):
             }
             for i, g in enumerate(osd["param_groups"])
         ]
-        boxes = self._boxes(tensors)
+        boxes = self._boxes(tensors, ctx)
         return SavePayload(
             "optimizer",
             tensors,
@@ -507,8 +476,12 @@ class CheckpointIO(AsyncSaveMixin):
             group=self.group if group is None else group,
         )
 
-    def _boxes(self, tensors: dict[str, torch.Tensor]) -> dict[str, list[LocalSlice]]:
-        return {name: self.local_boxes(name, t) for name, t in tensors.items()}
+    def _boxes(self, tensors: dict[str, torch.Tensor], ctx: HookContext) -> dict[str, list[LocalSlice]]:
+        return {name: self._local_boxes(name, t, ctx) for name, t in tensors.items()}
+
+    def _boxes_fn(self, ctx: HookContext) -> Callable[[str, torch.Tensor], list[LocalSlice]]:
+        """:meth:`_local_boxes` of one call, as the loader asks for it."""
+        return lambda name, tensor: self._local_boxes(name, tensor, ctx)
 
     def load_optimizer(
         self,
@@ -539,7 +512,7 @@ class CheckpointIO(AsyncSaveMixin):
         try:
             block = reader.block
             # Every FQN some rank's optimizer holds (pipeline stages each hold a part).
-            mine = [p + f for f, _ in self.state_parameters(model)]
+            mine = [p + f for f, _ in self._state_parameters(model)]
             known = {f for fs in _dist.all_gather_object(mine, self.group) for f in fs}
 
             def check_groups() -> None:
@@ -555,25 +528,25 @@ class CheckpointIO(AsyncSaveMixin):
             # Before anything changes: a refused checkpoint leaves the optimizer as it was.
             _dist.agreed(check_groups, f"checking the param_groups of {where}", self.group)
             had_state = {id(param) for param, st in optim.state.items() if st}
+            ctx = HookContext("optimizer", saving=False, model=model, optimizer=optim)
             done = False
             saved_params: set[str] = set()
             try:
-                report, template, saved_params = self._load_optimizer_state(
-                    reader, model, optim, p, verify, where
-                )
+                report, template, saved_params = self._load_optimizer_state(reader, ctx, p, verify, where)
 
                 def apply() -> None:
                     maybe_fail("optimizer.load.apply")
                     apply_groups(template["param_groups"], block.param_groups or [], p)
-                    self.set_optimizer_tensors(model, optim, template)
+                    self._set_optimizer_state(ctx, template)
 
                 _dist.agreed(apply, f"applying the optimizer state of {where}", self.group)
                 done = True
+                self._after_load(ctx)
             finally:
                 # Building the template gave parameters without state fresh state (a zero-gradient
                 # step); parameters the checkpoint holds no state for get none, and a failed load
                 # leaves none invented behind.
-                for fqn, param in self.state_parameters(model):
+                for fqn, param in self._state_parameters(model):
                     if (done and p + fqn not in saved_params) or (not done and id(param) not in had_state):
                         optim.state.pop(param, None)
             return report
@@ -583,7 +556,7 @@ class CheckpointIO(AsyncSaveMixin):
     def _live_groups(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> list[dict[str, Any]]:
         """The optimizer's param groups with ``params`` as FQN lists, read without changing anything."""
         fqns: dict[int, list[str]] = {}
-        for fqn, t in self.state_parameters(model):
+        for fqn, t in self._state_parameters(model):
             fqns.setdefault(id(t), []).append(fqn)
         return [
             dict(g, params=[f for prm in g["params"] for f in fqns.get(id(prm), [])])
@@ -591,13 +564,7 @@ class CheckpointIO(AsyncSaveMixin):
         ]
 
     def _load_optimizer_state(
-        self,
-        reader: CheckpointReader,
-        model: torch.nn.Module,
-        optim: torch.optim.Optimizer,
-        p: str,
-        verify: bool,
-        where: str,
+        self, reader: CheckpointReader, ctx: HookContext, p: str, verify: bool, where: str
     ) -> tuple[LoadReport, dict[str, Any], set[str]]:
         """Collective: build the state template, then read the saved tensors into it."""
         block = reader.block
@@ -606,12 +573,8 @@ class CheckpointIO(AsyncSaveMixin):
         )
 
         def prepare() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-            self._loading_optimizer = True
-            try:
-                template = self.optimizer_tensors(model, optim)
-            finally:
-                self._loading_optimizer = False
-            fqns = [f for f, _ in self.state_parameters(model)]
+            template = self._optimizer_state(ctx)
+            fqns = [f for f, _ in self._state_parameters(ctx.model)]
             return template, state_targets(template, block, p, saved_params, fqns, where)
 
         template, targets = _dist.agreed(prepare, f"preparing the optimizer to load {where}", self.group)
@@ -619,7 +582,7 @@ class CheckpointIO(AsyncSaveMixin):
         report = load_tensors(
             reader,
             targets,
-            self.local_boxes,
+            self._boxes_fn(ctx),
             strict=True,
             verify=verify,
             what="optimizer",
@@ -728,7 +691,7 @@ class CheckpointIO(AsyncSaveMixin):
                     "built from model.named_parameters()"
                 )
         else:
-            check_param_names(optim, self.state_parameters(model))
+            check_param_names(optim, self._state_parameters(model))
         return optim, model
 
     def _save_hf_config(self, model: torch.nn.Module, path: str) -> None:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from unickpt.errors import UnsupportedError
-from unickpt.plugins import _mesh
+from unickpt.plugins._shared import mesh as _mesh
 
 if TYPE_CHECKING:
     from unickpt.io import CheckpointIO

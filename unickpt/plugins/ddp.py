@@ -12,7 +12,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from unickpt.io import CheckpointIO
-from unickpt.plugins import _mesh
+from unickpt.plugins._shared import mesh as _mesh
 from unickpt.plugins.base import ConfigureResult, Plugin
 from unickpt.wrappers import ModelWrapper
 

@@ -15,8 +15,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from unickpt.errors import UnsupportedError
 from unickpt.io import CheckpointIO
-from unickpt.plugins import _mesh
-from unickpt.plugins._fsdp_units import _group_dtypes, _resolve_units, default_shard_units
+from unickpt.plugins._shared import mesh as _mesh
+from unickpt.plugins._shared.fsdp_units import _group_dtypes, _resolve_units, default_shard_units
 from unickpt.plugins.base import (
     ConfigureResult,
     Plugin,

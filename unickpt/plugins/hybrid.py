@@ -30,16 +30,16 @@ from torch import nn
 
 from unickpt.errors import UnsupportedError
 from unickpt.io import CheckpointIO
-from unickpt.plugins import _mesh
-from unickpt.plugins._fsdp_units import default_shard_units
-from unickpt.plugins._pipeline import (
+from unickpt.plugins._shared import mesh as _mesh
+from unickpt.plugins._shared.fsdp_units import default_shard_units
+from unickpt.plugins._shared.pipeline import (
     PipelineRuntime,
     PPCheckpointIO,
     prune_optimizer,
     split_stage,
     tied_shapes_from,
 )
-from unickpt.plugins._zero import ZeroCheckpointIO, ZeroPartition
+from unickpt.plugins._shared.zero import ZeroCheckpointIO, ZeroPartition
 from unickpt.plugins.base import ConfigureResult, Plugin, parameter_fqns, remap_optimizer_params
 from unickpt.wrappers import ModelWrapper
 

@@ -30,8 +30,8 @@ from torch import nn
 
 from unickpt.errors import UnsupportedError
 from unickpt.io import CheckpointIO
-from unickpt.plugins import _mesh
-from unickpt.plugins._pipeline import (
+from unickpt.plugins._shared import mesh as _mesh
+from unickpt.plugins._shared.pipeline import (
     PipelineRuntime,
     PPCheckpointIO,
     pipeline_units,
@@ -43,8 +43,6 @@ from unickpt.plugins.base import ConfigureResult, Plugin
 from unickpt.wrappers import ModelWrapper
 
 __all__ = ["PPCheckpointIO", "PPPlugin", "PipelineRuntime", "pipeline_units", "split_stage"]
-
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
 class PPPlugin(Plugin):

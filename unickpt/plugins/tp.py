@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from unickpt.errors import UnsupportedError
 from unickpt.io import CheckpointIO
-from unickpt.plugins import _mesh
+from unickpt.plugins._shared import mesh as _mesh
 from unickpt.plugins.base import (
     ConfigureResult,
     Plugin,

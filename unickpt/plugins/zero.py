@@ -33,8 +33,8 @@ from torch import nn
 
 from unickpt.errors import UnsupportedError
 from unickpt.io import CheckpointIO
-from unickpt.plugins import _mesh
-from unickpt.plugins._zero import ZeroCheckpointIO, ZeroPartition
+from unickpt.plugins._shared import mesh as _mesh
+from unickpt.plugins._shared.zero import ZeroCheckpointIO, ZeroPartition
 from unickpt.plugins.base import ConfigureResult, Plugin
 from unickpt.wrappers import ModelWrapper
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from unickpt.errors import UnsupportedError
 from unickpt.io import CheckpointIO
-from unickpt.io.tensors import LocalSlice
+from unickpt.io.hooks import HookContext
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
@@ -216,112 +216,29 @@ class PPCheckpointIO(CheckpointIO):
     ) -> None:
         super().__init__(mesh, group, **options)
         self.canonical = dict(canonical or {})
-        self._saving = False
-        self._gather = False
-        self._placeholders: set[int] = set()
-        self._keep: list[torch.Tensor] = []
 
-    def state_parameters(self, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-        return [(self.canonical.get(n, n), p) for n, p in super().state_parameters(model)]
+    def _state_parameters(self, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+        return [(self.canonical.get(n, n), p) for n, p in super()._state_parameters(model)]
 
-    def save_optimizer(
-        self,
-        optimizer: Any,
-        checkpoint: Any,
-        shard: bool = False,
-        gather_dtensor: bool = True,
-        prefix: str | None = None,
-        size_per_shard: int = 1024,
-        use_async: bool = False,
-    ) -> str:
-        """Collective; every stage writes its own state (see :meth:`CheckpointIO.save_optimizer`)."""
-        self._saving = True
-        self._gather = gather_dtensor
-        try:
-            return super().save_optimizer(
-                optimizer, checkpoint, shard, gather_dtensor, prefix, size_per_shard, use_async=use_async
-            )
-        finally:
-            self._saving = False
-            self._placeholders.clear()
-            self._keep.clear()
-
-    def optimizer_tensors(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    def _optimizer_state(self, ctx: HookContext) -> dict[str, Any]:
         """The stage's FQN-keyed state; tied copies renamed to the first FQN (dropped when saving)."""
-        osd = super().optimizer_tensors(model, optim)
+        osd = super()._optimizer_state(ctx)
         state: dict[str, Any] = {}
         for fqn, st in osd["state"].items():
             if fqn in self.canonical:
-                if self._saving:
+                if ctx.saving:
                     continue
                 fqn = self.canonical[fqn]
             state[fqn] = st
         groups = []
         for g in osd["param_groups"]:
             params = [
-                self.canonical.get(f, f) for f in g["params"] if not (self._saving and f in self.canonical)
+                self.canonical.get(f, f) for f in g["params"] if not (ctx.saving and f in self.canonical)
             ]
             groups.append(dict(g, params=params))
-        if self._saving:
-            state = self._with_foreign_names(state)
         return {"state": state, "param_groups": groups}
 
-    def _with_foreign_names(self, state: dict[str, Any]) -> dict[str, Any]:
-        """Work around the index taking each entry's ``param`` from rank 0 only.
-
-        Gathered saves: every rank receives every other stage's state (so rank 0 names and holds
-        everything). Sliced saves: every rank names the others' tensors with empty placeholders
-        that :meth:`local_boxes` reports as holding nothing.
-        """
-        if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
-            return state
-        cpu = {
-            f: {
-                k: (v.detach().cpu() if isinstance(v, torch.Tensor) and not _is_dtensor(v) else v)
-                for k, v in st.items()
-            }
-            for f, st in state.items()
-        }
-        if self._gather:
-            if any(_is_dtensor(v) for st in state.values() for v in st.values()):
-                return state  # DTensor stages: leave to the core (see docs/guide.md, "Parallelism notes")
-            everything = _all_gather_objects(cpu, self.group)
-            merged: dict[str, Any] = {}
-            for part in everything:
-                for f, st in part.items():
-                    merged.setdefault(f, st)
-            merged.update(state)
-            return merged
-        meta = {
-            f: {
-                k: ((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None) for k, v in st.items()
-            }
-            for f, st in state.items()
-        }
-        out = dict(state)
-        for part in _all_gather_objects(meta, self.group):
-            for f, st in part.items():
-                if f in out:
-                    continue
-                ph: dict[str, Any] = {}
-                for k, info in st.items():
-                    if info is None:
-                        continue
-                    t = torch.empty(info[0], dtype=info[1], device="meta")
-                    self._placeholders.add(id(t))
-                    self._keep.append(t)
-                    ph[k] = t
-                out[f] = ph
-        return out
-
-    def local_boxes(self, name: str, tensor: torch.Tensor) -> list[LocalSlice]:
-        if id(tensor) in self._placeholders:
-            return []
-        return super().local_boxes(name, tensor)
-
-    def set_optimizer_tensors(
-        self, model: nn.Module, optim: torch.optim.Optimizer, osd: dict[str, Any]
-    ) -> None:
+    def _set_optimizer_state(self, ctx: HookContext, osd: dict[str, Any]) -> None:
         """Rename tied weights back to this stage's FQN, then torch's ``set_optimizer_state_dict``."""
         back = {v: k for k, v in self.canonical.items()}
         osd = {
@@ -330,7 +247,7 @@ class PPCheckpointIO(CheckpointIO):
                 dict(g, params=[back.get(f, f) for f in g["params"]]) for g in osd["param_groups"]
             ],
         }
-        super().set_optimizer_tensors(model, optim, osd)
+        super()._set_optimizer_state(ctx, osd)
 
 
 def _is_dtensor(t: Any) -> bool:

@@ -15,6 +15,7 @@ from torch import nn
 from unickpt.errors import UnsupportedError
 from unickpt.format.boxes import flat_range_to_boxes
 from unickpt.io import CheckpointIO
+from unickpt.io.hooks import HookContext
 from unickpt.io.tensors import LocalSlice, st_dtype
 
 
@@ -230,6 +231,8 @@ class ZeroCheckpointIO(CheckpointIO):
     ``gather_dtensor=False`` writes each rank's ranges (every rank in parallel, no gather);
     ``gather_dtensor=True`` all-gathers each state tensor over the data-parallel group first, so
     every rank briefly holds the full optimizer state (like the other plugins' gathered save).
+    A model load refreshes the optimizer's shards from the loaded weights; an optimizer load
+    copies the state straight into the shards.
     """
 
     plugin_name = "zero"
@@ -239,64 +242,30 @@ class ZeroCheckpointIO(CheckpointIO):
     ) -> None:
         super().__init__(mesh, group, **options)
         self.partition = partition
-        self._gather = False
-        self._loading = False
-        # id(key) -> (key, view, global shape, flat start, stop). The key is the view itself when
-        # saving, and a parameter-shaped meta tensor when loading (the loader matches shapes).
-        self._flat: dict[int, tuple[torch.Tensor, torch.Tensor, tuple[int, ...], int, int]] = {}
 
-    def save_optimizer(
-        self,
-        optimizer: Any,
-        checkpoint: Any,
-        shard: bool = False,
-        gather_dtensor: bool = True,
-        prefix: str | None = None,
-        size_per_shard: int = 1024,
-        use_async: bool = False,
-    ) -> str:
-        """Collective; see :meth:`CheckpointIO.save_optimizer`."""
-        self._gather = gather_dtensor
-        try:
-            return super().save_optimizer(
-                optimizer, checkpoint, shard, gather_dtensor, prefix, size_per_shard, use_async=use_async
-            )
-        finally:
-            self._gather = False
-            self._flat.clear()
-
-    def load_optimizer(self, optimizer: Any, checkpoint: Any, verify: bool = False, **kwargs: Any) -> Any:
-        """Collective; see :meth:`CheckpointIO.load_optimizer`. State is copied straight into the shards."""
-        self._loading = True
-        try:
-            return super().load_optimizer(optimizer, checkpoint, verify, **kwargs)
-        finally:
-            self._loading = False
-            self._flat.clear()
-
-    def load_model(
-        self, model: nn.Module, checkpoint: Any, strict: bool = True, verify: bool = False, **kwargs: Any
-    ) -> Any:
-        """Collective; see :meth:`CheckpointIO.load_model`. The optimizer's shards then follow the weights."""
-        report = super().load_model(model, checkpoint, strict, verify, **kwargs)
-        if self.partition is not None:
+    def _after_load(self, ctx: HookContext) -> None:
+        if ctx.kind == "model" and self.partition is not None:
             self.partition.refresh_shards()
-        return report
 
     def _part(self) -> ZeroPartition:
         if self.partition is None:
             raise UnsupportedError("ZeroCheckpointIO has no partition: get it from ZeroPlugin after boost()")
         return self.partition
 
-    def optimizer_tensors(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
-        """FQN-keyed state: this rank's flat ranges (registered for :meth:`local_boxes`), or full tensors."""
-        part = self._part()
+    def _optimizer_state(self, ctx: HookContext) -> dict[str, Any]:
+        """FQN-keyed state: this rank's flat ranges (noted in ``ctx`` for :meth:`_local_boxes`), or full tensors.
+
+        Each flat range is listed under a key tensor: the range's view itself when saving, a
+        parameter-shaped meta tensor when loading (the loader matches shapes). ``ctx.notes``
+        maps ``id(key)`` to ``(key, view, global shape, flat start, stop)``.
+        """
+        part, optim = self._part(), ctx.optim
         groups: list[dict[str, Any]] = [
             {**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in optim.param_groups
         ]
         for b in part.buckets:
             groups[b.group_index]["params"].extend(b.fqns)
-        if self._gather:
+        if ctx.saving and ctx.gather:
             return {"state": part.full_state(), "param_groups": groups}
         part.init_state()
         state: dict[str, dict[str, Any]] = {}
@@ -311,23 +280,23 @@ class ZeroCheckpointIO(CheckpointIO):
                 if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == b.chunk:
                     base = max(0, b.offsets[i] + start - b.lo)
                     view = v[base : base + (stop - start)]
-                    key = torch.empty(p.shape, dtype=v.dtype, device="meta") if self._loading else view
-                    self._flat[id(key)] = (key, view, tuple(p.shape), start, stop)
+                    key = view if ctx.saving else torch.empty(p.shape, dtype=v.dtype, device="meta")
+                    ctx.notes[id(key)] = (key, view, tuple(p.shape), start, stop)
                     state.setdefault(fqn, {})[k] = key
                 else:
                     state.setdefault(fqn, {})[k] = v
         return {"state": state, "param_groups": groups}
 
-    def state_parameters(self, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    def _state_parameters(self, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
         # The optimizer's state lives on the shards, not on the model's parameters: report each
         # parameter FQN with the shard that holds its state (the base drops state that never stepped).
         return [(fqn, b.shard) for b in self._part().buckets for fqn in b.fqns]
 
-    def local_boxes(self, name: str, tensor: torch.Tensor) -> list[LocalSlice]:
-        """Boxes of a registered flat range (each a contiguous run of the view), else the default."""
-        hit = self._flat.get(id(tensor))
+    def _local_boxes(self, name: str, tensor: torch.Tensor, ctx: HookContext) -> list[LocalSlice]:
+        """Boxes of a noted flat range (each a contiguous run of the view), else the default."""
+        hit = ctx.notes.get(id(tensor))
         if hit is None or hit[0] is not tensor:
-            return super().local_boxes(name, tensor)
+            return super()._local_boxes(name, tensor, ctx)
         _, view, gshape, start, stop = hit
         dtype = st_dtype(tensor.dtype, name)
         out = []
@@ -336,11 +305,9 @@ class ZeroCheckpointIO(CheckpointIO):
             out.append(LocalSlice(name, dtype, gshape, off, shp, view[fs - start : fs - start + n]))
         return out
 
-    def set_optimizer_tensors(
-        self, model: nn.Module, optim: torch.optim.Optimizer, osd: dict[str, Any]
-    ) -> None:
+    def _set_optimizer_state(self, ctx: HookContext, osd: dict[str, Any]) -> None:
         """Tensor state was loaded in place; copy hyperparameters and scalar (non-tensor) state."""
-        part = self._part()
+        part, optim = self._part(), ctx.optim
         for g, saved in zip(optim.param_groups, osd["param_groups"], strict=True):
             for k, v in saved.items():
                 if k != "params":
