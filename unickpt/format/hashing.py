@@ -114,14 +114,8 @@ class SliceHasher:
         return self._h.hexdigest()
 
 
-def _mix64(x: np.ndarray) -> np.ndarray:
-    z = x.astype(np.uint64, copy=True)
-    with np.errstate(over="ignore"):
-        z += np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z ^= z >> np.uint64(31)
-    return z
+# The splitmix64 finalizer: one definition for both fingerprint versions.
+_mix64 = _fp2._mix64
 
 
 def _row_indices(global_shape: Sequence[int], offsets: Sequence[int], shape: Sequence[int]) -> np.ndarray:
