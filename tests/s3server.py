@@ -1,0 +1,118 @@
+"""A real S3 API for the tests: moto's server on a free local port, with a byte counter.
+
+Every response's body bytes are counted per request method and per client (the
+``user_agent_extra`` a client sets, e.g. ``rank-3``), so tests assert how much each load
+fetched. Clients reach it with s3fs through ``storage_options`` or the standard
+``AWS_ENDPOINT_URL`` environment (subprocesses inherit :meth:`S3Server.env`).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import Any
+
+_AGENT = re.compile(r"unickpt-client/(\S+)")
+
+
+class _Counting:
+    """WSGI middleware counting the body bytes of every response."""
+
+    def __init__(self, app: Any, server: S3Server) -> None:
+        self.app, self.server = app, server
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        method = environ.get("REQUEST_METHOD", "")
+        m = _AGENT.search(environ.get("HTTP_USER_AGENT", ""))
+        client = m.group(1) if m else "other"
+        self.server.count_request(method, client)
+        for chunk in self.app(environ, start_response):
+            self.server.count(method, client, len(chunk), environ.get("HTTP_RANGE") is not None)
+            yield chunk
+
+
+class S3Server:
+    def __init__(self) -> None:
+        from moto.moto_server.threaded_moto_server import ThreadedMotoServer
+
+        self._lock = threading.Lock()
+        self.bytes_out: Counter[tuple[str, str]] = Counter()
+        self.requests: Counter[tuple[str, str]] = Counter()
+        self.ranged_gets = 0
+        self._moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self._wrap()
+        self._moto.start()
+        host, port = self._moto.get_host_and_port()
+        self.endpoint = f"http://{host}:{port}"
+
+    def _wrap(self) -> None:
+        # ThreadedMotoServer builds its WSGI app in its thread; wrap make_server's app argument.
+        import moto.moto_server.threaded_moto_server as tms
+
+        real = tms.make_server
+        server = self
+
+        def make_server(host: str, port: int, app: Any, *a: Any, **k: Any) -> Any:
+            return real(host, port, _Counting(app, server), *a, **k)
+
+        self._moto_make_server = real
+        tms.make_server = make_server  # type: ignore[assignment]
+
+    def count(self, method: str, client: str, n: int, ranged: bool) -> None:
+        with self._lock:
+            self.bytes_out[(method, client)] += n
+
+    def count_request(self, method: str, client: str) -> None:
+        with self._lock:
+            self.requests[(method, client)] += 1
+
+    def reset(self) -> None:
+        with self._lock:
+            self.bytes_out.clear()
+            self.requests.clear()
+
+    def served(self, method: str = "GET", client: str | None = None) -> int:
+        with self._lock:
+            return sum(n for (m, c), n in self.bytes_out.items() if m == method and client in (None, c))
+
+    def env(self) -> dict[str, str]:
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+
+    def storage_options(self, client: str | None = None) -> dict[str, Any]:
+        opts: dict[str, Any] = {
+            "endpoint_url": self.endpoint,
+            "key": "testing",
+            "secret": "testing",
+            "client_kwargs": {"region_name": "us-east-1"},
+            "skip_instance_cache": True,
+        }
+        if client is not None:
+            opts["config_kwargs"] = {"user_agent_extra": f"unickpt-client/{client}"}
+        return opts
+
+    def new_bucket(self) -> str:
+        import boto3
+
+        name = f"b-{uuid.uuid4().hex[:12]}"
+        boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+        ).create_bucket(Bucket=name)
+        return name
+
+    def stop(self) -> None:
+        import moto.moto_server.threaded_moto_server as tms
+
+        self._moto.stop()
+        tms.make_server = self._moto_make_server  # type: ignore[assignment]

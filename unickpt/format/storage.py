@@ -1,0 +1,407 @@
+"""Where checkpoint files live: one interface for a local directory and an fsspec URL.
+
+Everything that touches checkpoint bytes (the reader, the writer, the commit, listing and
+cleanup) goes through a :class:`Storage`. Two implementations:
+
+- :class:`LocalStorage`: POSIX files. Ranged reads are ``pread`` on one descriptor, writes
+  are streamed into staged files, commits are atomic renames (``format/commit.py``).
+- :class:`FsspecStorage`: any fsspec file system (``s3://``, ``gs://``, ``az://``,
+  ``memory://``...). Ranged reads are exact ranged GETs, neighbouring ranges coalesced and
+  several in flight at once (``cat_ranges``); writes stream as multipart uploads; there is no
+  rename, so a checkpoint is committed by an object written last, with a conditional write
+  (``put(..., exclusive=True)``) where the store offers one.
+
+Locations are strings: a local path, or a URL. :func:`open_storage` maps what a user passed
+(``"s3://bucket/run"``, ``"file:///x"``, ``"/x"``, a ``PathLike``) to ``(storage, root)``,
+where ``root`` is the location inside that storage; :meth:`Storage.join` builds locations
+below it. Credentials and endpoints come the way each ecosystem expects (``AWS_ENDPOINT_URL``,
+profiles, ...) or from ``storage_options``, passed to fsspec as is. No torch here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import posixpath
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any, BinaryIO, Protocol
+
+from unickpt.errors import ConfigError, IncompleteCheckpointError, UnsupportedError
+
+__all__ = [
+    "Storage",
+    "LocalStorage",
+    "FsspecStorage",
+    "ReadHandle",
+    "open_storage",
+    "is_url",
+    "coalesce",
+    "EXTRAS",
+]
+
+#: The pip extra that installs each protocol's fsspec backend.
+EXTRAS: dict[str, str] = {
+    "s3": "s3",
+    "s3a": "s3",
+    "gs": "gcs",
+    "gcs": "gcs",
+    "az": "azure",
+    "abfs": "azure",
+    "abfss": "azure",
+}
+#: Two wanted ranges closer than this are fetched as one request (the gap is read and dropped).
+COALESCE_GAP = 1 << 20
+#: A coalesced request is never made larger than this (several stay in flight instead).
+MAX_REQUEST = 64 << 20
+
+
+def is_url(location: str | os.PathLike[str]) -> bool:
+    """True for ``proto://...`` locations other than ``file://`` (which is a local path)."""
+    s = os.fspath(location)
+    return "://" in s and not s.startswith("file://")
+
+
+def coalesce(
+    ranges: Sequence[tuple[int, int]], gap: int = COALESCE_GAP, most: int = MAX_REQUEST
+) -> list[tuple[int, int, list[int]]]:
+    """Group ``(offset, length)`` ranges into requests ``(start, end, [indexes of ranges])``.
+
+    Ranges are sorted; one joins the current request when it starts within ``gap`` bytes of its
+    end and the request stays within ``most`` bytes (a single larger range is one request).
+    """
+    order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
+    out: list[tuple[int, int, list[int]]] = []
+    for i in order:
+        off, n = ranges[i]
+        if out:
+            start, end, members = out[-1]
+            if off <= end + gap and max(end, off + n) - start <= most:
+                out[-1] = (start, max(end, off + n), [*members, i])
+                continue
+        out.append((off, off + n, [i]))
+    return out
+
+
+class ReadHandle(Protocol):
+    """An open file to read ranges of: ``size`` is fixed at open (one version of the file)."""
+
+    size: int
+
+    def pread(self, offset: int, length: int) -> bytes: ...
+
+    def pread_many(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]: ...
+
+    def close(self) -> None: ...
+
+
+class Storage:
+    """The operations on checkpoint files; locations are paths or URLs below ``root``."""
+
+    #: True when files can be renamed atomically (POSIX); object stores commit by a marker.
+    atomic_rename: bool = False
+    #: True when ``put(..., exclusive=True)`` refuses to overwrite on this store.
+    exclusive_put: bool = False
+    #: How users named this storage's root (for messages).
+    url: str = ""
+
+    def join(self, *parts: str) -> str:
+        raise NotImplementedError
+
+    def open_read(self, path: str) -> ReadHandle:
+        """Open ``path`` for ranged reads; ``IncompleteCheckpointError`` when it does not exist."""
+        raise NotImplementedError
+
+    def read_bytes(self, path: str, limit: int | None = None) -> bytes:
+        """The whole file (refused unread past ``limit`` bytes with ``IncompleteCheckpointError``
+        for a missing file, ``ValueError`` for a larger one)."""
+        h = self.open_read(path)
+        try:
+            if limit is not None and h.size > limit:
+                raise ValueError(f"{path} is {h.size} bytes, more than the {limit} allowed")
+            return h.pread(0, h.size) if h.size else b""
+        finally:
+            h.close()
+
+    def open_write(self, path: str) -> BinaryIO:
+        """A new file written front to back; ``close()`` makes it whole, ``abort(f)`` drops it."""
+        raise NotImplementedError
+
+    def abort(self, f: BinaryIO) -> None:
+        """Drop a file opened by :meth:`open_write` without leaving it behind."""
+        raise NotImplementedError
+
+    def put(self, path: str, data: bytes, *, exclusive: bool = False) -> bool:
+        """Write a small file whole. With ``exclusive``, return False (and write nothing) when
+        it already exists; atomic where ``exclusive_put`` is True."""
+        raise NotImplementedError
+
+    def exists(self, path: str) -> bool:
+        raise NotImplementedError
+
+    def size(self, path: str) -> int:
+        raise NotImplementedError
+
+    def listdir(self, path: str) -> list[str]:
+        """Names (not paths) directly below ``path``; [] when it does not exist."""
+        raise NotImplementedError
+
+    def remove(self, paths: Iterable[str]) -> None:
+        """Remove files; missing ones are not an error."""
+        raise NotImplementedError
+
+    def remove_tree(self, path: str) -> None:
+        raise NotImplementedError
+
+    def rename(self, src: str, dst: str) -> None:
+        """Atomic rename (only where ``atomic_rename``)."""
+        raise UnsupportedError(f"{self.url}: this storage has no atomic rename")
+
+    def makedirs(self, path: str) -> None:
+        """Create a directory (a no-op on object stores, which have only prefixes)."""
+
+
+class _LocalRead:
+    def __init__(self, path: str) -> None:
+        try:
+            self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        except FileNotFoundError as e:
+            raise IncompleteCheckpointError(f"{path} is missing") from e
+        self.path = path
+        self.size = os.fstat(self.fd).st_size
+
+    def pread(self, offset: int, length: int) -> bytes:
+        data = os.pread(self.fd, length, offset)
+        if len(data) != length:
+            raise IncompleteCheckpointError(
+                f"{self.path} is truncated: wanted {length} bytes at offset {offset}, got {len(data)}"
+            )
+        return data
+
+    def pread_many(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        return [self.pread(o, n) for o, n in ranges]
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class LocalStorage(Storage):
+    """POSIX files below a directory."""
+
+    atomic_rename = True
+    exclusive_put = True
+
+    def __init__(self, root: str) -> None:
+        self.url = root
+
+    def join(self, *parts: str) -> str:
+        return os.path.join(*parts)
+
+    def open_read(self, path: str) -> ReadHandle:
+        return _LocalRead(path)
+
+    def open_write(self, path: str) -> BinaryIO:
+        return open(path, "xb")
+
+    def abort(self, f: BinaryIO) -> None:
+        f.close()
+        self.remove([f.name])  # type: ignore[list-item]
+
+    def put(self, path: str, data: bytes, *, exclusive: bool = False) -> bool:
+        try:
+            with open(path, "xb" if exclusive else "wb") as f:
+                f.write(data)
+        except FileExistsError:
+            return False
+        return True
+
+    def exists(self, path: str) -> bool:
+        return os.path.lexists(path)
+
+    def size(self, path: str) -> int:
+        return os.stat(path).st_size
+
+    def listdir(self, path: str) -> list[str]:
+        try:
+            return sorted(os.listdir(path))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def remove(self, paths: Iterable[str]) -> None:
+        for p in paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+
+    def remove_tree(self, path: str) -> None:
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+
+    def rename(self, src: str, dst: str) -> None:
+        os.replace(src, dst)
+
+    def makedirs(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+
+class _FsspecRead:
+    def __init__(self, fs: Any, path: str, size: int) -> None:
+        self.fs, self.path, self.size = fs, path, size
+
+    def _check(self, offset: int, length: int) -> None:
+        if offset + length > self.size:
+            raise IncompleteCheckpointError(
+                f"{self.path} is truncated: wanted {length} bytes at offset {offset} of a "
+                f"{self.size}-byte object"
+            )
+
+    def pread(self, offset: int, length: int) -> bytes:
+        self._check(offset, length)
+        if length == 0:
+            return b""
+        data = bytes(self.fs.cat_file(self.path, start=offset, end=offset + length))
+        if len(data) != length:
+            raise IncompleteCheckpointError(
+                f"{self.path}: wanted {length} bytes at offset {offset}, the store returned {len(data)}"
+            )
+        return data
+
+    def pread_many(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """Fetch the ranges with coalesced requests, all in flight at once (fsspec's ``cat_ranges``)."""
+        for o, n in ranges:
+            self._check(o, n)
+        reqs = [r for r in coalesce(ranges) if r[1] > r[0]]
+        got = self.fs.cat_ranges([self.path] * len(reqs), [r[0] for r in reqs], [r[1] for r in reqs])
+        out: list[bytes] = [b""] * len(ranges)
+        for (start, end, members), data in zip(reqs, got, strict=True):
+            if isinstance(data, BaseException):
+                raise IncompleteCheckpointError(f"{self.path}: reading [{start}, {end}) failed: {data}")
+            if len(data) != end - start:
+                raise IncompleteCheckpointError(
+                    f"{self.path}: wanted {end - start} bytes at offset {start}, the store returned {len(data)}"
+                )
+            view = memoryview(data)
+            for i in members:
+                o, n = ranges[i]
+                out[i] = bytes(view[o - start : o - start + n])
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+class FsspecStorage(Storage):
+    """Files on an fsspec file system (object stores have no rename: commits write a marker)."""
+
+    def __init__(self, fs: Any, url: str) -> None:
+        self.fs = fs
+        self.url = url
+        protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+        self.protocol = str(protocol)
+        # s3fs sends If-None-Match: * for mode="create"; other stores get a check-then-write.
+        self.exclusive_put = self.protocol in ("s3", "s3a")
+        self._lock = threading.Lock()
+
+    def join(self, *parts: str) -> str:
+        return posixpath.join(*parts)
+
+    def open_read(self, path: str) -> ReadHandle:
+        try:
+            size = int(self.fs.size(path))
+        except FileNotFoundError as e:
+            raise IncompleteCheckpointError(f"{self.protocol}://{path} is missing") from e
+        return _FsspecRead(self.fs, path, size)
+
+    def open_write(self, path: str) -> BinaryIO:
+        f: BinaryIO = self.fs.open(path, "wb")
+        return f
+
+    def abort(self, f: BinaryIO) -> None:
+        discard = getattr(f, "discard", None)
+        if discard is not None:  # s3fs: abort the multipart upload, nothing becomes visible
+            discard()
+            f.closed = True  # type: ignore[misc]  # fsspec files would flush again when collected
+            return
+        path = getattr(f, "path", None)
+        f.close()
+        if path is not None:
+            self.remove([path])
+
+    def put(self, path: str, data: bytes, *, exclusive: bool = False) -> bool:
+        if not exclusive:
+            self.fs.pipe_file(path, data)
+            return True
+        if self.exclusive_put:
+            try:
+                self.fs.pipe_file(path, data, mode="create")
+            except (FileExistsError, OSError) as e:
+                if isinstance(e, FileExistsError) or "PreconditionFailed" in str(e) or "412" in str(e):
+                    return False
+                raise
+            return True
+        with self._lock:  # best effort on stores without conditional writes
+            if self.fs.exists(path):
+                return False
+            self.fs.pipe_file(path, data)
+            return True
+
+    def exists(self, path: str) -> bool:
+        return bool(self.fs.exists(path))
+
+    def size(self, path: str) -> int:
+        return int(self.fs.size(path))
+
+    def listdir(self, path: str) -> list[str]:
+        try:
+            entries = self.fs.ls(path, detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        base = path.rstrip("/")
+        return sorted(posixpath.basename(str(e).rstrip("/")) for e in entries if str(e).rstrip("/") != base)
+
+    def remove(self, paths: Iterable[str]) -> None:
+        todo = [p for p in paths]
+        if not todo:
+            return
+        try:
+            self.fs.rm(todo)
+        except FileNotFoundError:
+            for p in todo:
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm_file(p)
+
+    def remove_tree(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(path, recursive=True)
+
+
+def open_storage(
+    location: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+) -> tuple[Storage, str]:
+    """``(storage, root)`` for a local path, a ``file://`` URL or an fsspec URL.
+
+    A missing fsspec backend raises ``UnsupportedError`` naming the extra that installs it
+    (``pip install unickpt[s3]``); ``storage_options`` on a local path is a ``ConfigError``.
+    """
+    s = os.fspath(location)
+    if not is_url(s):
+        if storage_options:
+            raise ConfigError(f"storage_options are for fsspec URLs; {s!r} is a local path")
+        if s.startswith("file://"):
+            s = s[len("file://") :]
+        root = os.path.abspath(s)
+        return LocalStorage(root), root
+    protocol = s.split("://", 1)[0]
+    try:
+        from fsspec.core import url_to_fs
+
+        fs, root = url_to_fs(s, **(storage_options or {}))
+    except ImportError as e:
+        extra = EXTRAS.get(protocol)
+        hint = f"pip install 'unickpt[{extra}]'" if extra else f"install the fsspec backend for {protocol}://"
+        raise UnsupportedError(f"{s}: no file system for {protocol}:// is installed ({e}); {hint}") from e
+    except ValueError as e:
+        raise UnsupportedError(f"{s}: fsspec cannot open it ({e})") from e
+    return FsspecStorage(fs, s.rstrip("/")), str(root).rstrip("/")
