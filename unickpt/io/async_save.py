@@ -24,23 +24,20 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from unickpt._logging import get_logger
 from unickpt.errors import UnickptError
-from unickpt.format.commit import atomic_write_bytes
 from unickpt.format.naming import single_name
 from unickpt.io import _dist
+from unickpt.io.core import IOCore
+from unickpt.io.payload import SavePayload, cpu_copy
 from unickpt.io.tensors import is_dtensor, local_boxes
 
-if TYPE_CHECKING:
-    from unickpt.io.checkpoint_io import SavePayload
-    from unickpt.io.save import SaveOptions
-
 __all__ = [
-    "AsyncSaveMixin",
+    "AsyncSaveIO",
     "AsyncSaves",
     "gathered_snapshot",
     "check_use_safetensors",
@@ -163,40 +160,15 @@ def gathered_snapshot(
     for name, t in tensors.items():
         full = t.full_tensor() if is_dtensor(t) else t  # type: ignore[attr-defined]
         if holder[name] == me:
-            src = full.detach()
-            buf = None if staging is None else staging.get(name)
-            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-                buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.device.type == "cuda")
-                if staging is not None:
-                    staging[name] = buf
-            buf.copy_(src, non_blocking=src.device.type == "cuda")
-            out[name] = buf
+            out[name] = cpu_copy(full, staging, name)
         del full
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return out, {n: local_boxes(n, t) for n, t in out.items()}
 
 
-class AsyncSaveMixin:
-    """The async half of ``CheckpointIO``: :meth:`wait`, Colossal-AI's names for it, the background write."""
-
-    group: Any
-
-    # Provided by CheckpointIO.
-    def write(
-        self,
-        payload: SavePayload,
-        checkpoint: str | os.PathLike[str],
-        *,
-        shard: bool = True,
-        gather_dtensor: bool = True,
-        size_per_shard: float = 1024,
-        group: Any = None,
-    ) -> str:
-        raise NotImplementedError
-
-    def _options(self, kind: str, shard: bool, gather: bool, size_mb: float) -> SaveOptions:
-        raise NotImplementedError
+class AsyncSaveIO(IOCore):
+    """``IOCore`` with async saves: :meth:`wait`, Colossal-AI's names for it, the background write."""
 
     @property
     def _async(self) -> AsyncSaves:
@@ -273,10 +245,3 @@ def committed_path(path: str, kind: str, shard: bool, gather: bool) -> str:
     if is_file:
         raise UnickptError(f"{path}: a sharded or sliced checkpoint is a directory; pass a directory path")
     return os.path.abspath(path)
-
-
-def write_config_files(config: dict[str, str], path: str) -> None:
-    """Write ``config.json``-like files beside the committed checkpoint ``path``."""
-    directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    for fname, text in config.items():
-        atomic_write_bytes(os.path.join(directory, fname), text.encode("utf-8"))

@@ -21,7 +21,7 @@ from unickpt.format.commit import atomic_write_bytes
 from unickpt.format.run_layout import HF_DIR
 from unickpt.io import _dist
 from unickpt.io.async_save import AsyncSaves
-from unickpt.io.checkpoint_io import SavePayload
+from unickpt.io.payload import SavePayload
 from unickpt.manager import policy, snapshot, train_state
 from unickpt.manager.storage import Storage, open_storage
 
