@@ -1,6 +1,7 @@
 """The dependency arrows of docs/architecture.md, enforced.
 
-booster -> plugins -> io -> format -> errors;  cli -> tools -> format.
+booster -> plugins -> io -> format -> errors;  cli -> tools -> format;
+io, manager, booster -> _dist -> errors (the object collectives, shared; never format or tools).
 """
 
 from __future__ import annotations
@@ -58,12 +59,21 @@ FORBIDDEN = {
         "unickpt.manager",
         "unickpt.tools",
         "unickpt.cli",
+        "unickpt._dist",
         "torch",
     ],
     "unickpt.io": ["unickpt.plugins", "unickpt.booster", "unickpt.manager", "unickpt.tools", "unickpt.cli"],
     "unickpt.plugins": ["unickpt.booster", "unickpt.manager", "unickpt.tools", "unickpt.cli"],
-    "unickpt.tools": ["unickpt.plugins", "unickpt.booster", "unickpt.manager", "unickpt.cli"],
+    "unickpt.tools": [
+        "unickpt.plugins",
+        "unickpt.booster",
+        "unickpt.manager",
+        "unickpt.cli",
+        "unickpt._dist",
+    ],
     "unickpt.errors": ["unickpt.", "torch"],
+    # The shared collectives know only the errors: every layer that runs collectives may use them.
+    "unickpt._dist": ["unickpt."],
 }
 
 

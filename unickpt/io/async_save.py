@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
+from unickpt import _dist
 from unickpt._logging import get_logger
 from unickpt.errors import UnickptError
 from unickpt.format.naming import single_name
-from unickpt.io import _dist
 from unickpt.io.core import IOCore
 from unickpt.io.payload import SavePayload, cpu_copy
 from unickpt.io.tensors import is_dtensor, local_boxes

@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
+from unickpt import _dist
 from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
 from unickpt.format.commit import atomic_write_bytes
-from unickpt.io import _dist
 from unickpt.io.async_save import check_use_safetensors
 from unickpt.io.hooks import FINAL_METHODS, HookContext
 from unickpt.io.load import LoadReport, load_tensors

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
+from unickpt import _dist
 from unickpt._faults import maybe_fail
 from unickpt.errors import ConfigError
 from unickpt.format.index import LayoutInfo
 from unickpt.format.reader import CheckpointReader, open_checkpoint
-from unickpt.io import _dist
 from unickpt.io.hooks import CheckpointHooks, HookContext
 from unickpt.io.payload import SavePayload
 from unickpt.io.replicas import REPLICA_MODES, check_replicas

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
+from unickpt import _dist
 from unickpt._faults import maybe_fail
 from unickpt.errors import UnsupportedError
 from unickpt.format.reader import CheckpointReader
-from unickpt.io import _dist
 from unickpt.io.async_save import AsyncSaveIO
 from unickpt.io.hooks import HookContext
 from unickpt.io.jsonstate import to_json_value

@@ -22,10 +22,10 @@ from typing import Any
 
 import xxhash
 
+from unickpt import _dist
 from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
 from unickpt.errors import ConfigError, DistributedError
-from unickpt.io import _dist
 from unickpt.io.tensors import LocalSlice, as_bytes
 
 __all__ = ["REPLICA_MODES", "ReplicaMismatchWarning", "check_gathered_metas", "check_replicas"]

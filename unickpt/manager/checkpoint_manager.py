@@ -13,13 +13,13 @@ from typing import Any
 
 import torch
 
+from unickpt import _dist
 from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
 from unickpt.errors import ConfigError, UnickptError
 from unickpt.format import run_layout
 from unickpt.format.commit import atomic_write_bytes
 from unickpt.format.run_layout import HF_DIR
-from unickpt.io import _dist
 from unickpt.io.async_save import AsyncSaves
 from unickpt.io.payload import SavePayload
 from unickpt.manager import policy, snapshot, train_state
