@@ -40,6 +40,8 @@ from unickpt.io.side_files import (
     write_config_files,
 )
 
+# CheckpointIO is this module's own; the other names are re-exported from the modules that
+# define them, for code written when they lived here.
 __all__ = [
     "FINAL_METHODS",
     "CheckpointIO",
