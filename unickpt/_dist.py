@@ -83,10 +83,10 @@ def all_gather_object(obj: T, group: Any = None) -> list[T]:
 def broadcast_object(obj: T, src: int = 0, group: Any = None) -> T:
     if not is_distributed(group):
         return obj
-    box: list[Any] = [obj]
+    holder: list[Any] = [obj]
     with _peer_failures("broadcast_object_list"):
-        dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]  # type: ignore[no-any-return]
+        dist.broadcast_object_list(holder, src=src, group=group)
+    return holder[0]  # type: ignore[no-any-return]
 
 
 def barrier(group: Any = None) -> None:

@@ -74,6 +74,9 @@ FORBIDDEN = {
     "unickpt.errors": ["unickpt.", "torch"],
     # The shared collectives know only the errors: every layer that runs collectives may use them.
     "unickpt._dist": ["unickpt."],
+    # The manager duck-types the booster and never names a plugin; the booster never the manager.
+    "unickpt.manager": ["unickpt.booster", "unickpt.plugins", "unickpt.cli"],
+    "unickpt.booster": ["unickpt.manager", "unickpt.tools", "unickpt.cli"],
 }
 
 

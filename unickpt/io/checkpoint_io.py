@@ -4,13 +4,13 @@ Public methods own validation, rank coordination and the commit; they are collec
 every rank of the job calls each of them, in the same order, with its own view of the
 model. They are final (``CheckpointIO.__init_subclass__`` refuses a subclass that overrides
 one). A plugin's subclass describes only what differs for its parallelism, through the
-private hooks ``_model_tensors``, ``_local_boxes``, ``_optimizer_state``,
+private hooks ``_model_tensors``, ``_local_slices``, ``_optimizer_state``,
 ``_set_optimizer_state``, ``_state_parameters`` and ``_after_load``; each public call passes
 them one ``HookContext`` (what is being done: kind, save or load, gathered or sliced, the
 model and optimizer; both live in ``unickpt.io.hooks``), so no hook depends on state left
 on the IO by the call. The defaults
 already handle plain tensors (replicated: one rank writes each), DTensors of any placement
-(each rank writes the block it holds), tied parameters and wrapper-free names, so DDP,
+(each rank writes the slice it holds), tied parameters and wrapper-free names, so DDP,
 FSDP2, TP and their combinations need no checkpoint code of their own.
 """
 
@@ -67,10 +67,10 @@ class CheckpointIO(OptimizerIO):
         fsync: make every data file durable before the index commits it (default on).
         atomic_load: read a rank's whole share into CPU memory before copying any of it, so that
             an I/O error while reading leaves every model untouched, at the price of one extra
-            CPU copy of the share (default off: blocks are read in place, one at a time; every
+            CPU copy of the share (default off: slices are read in place, one at a time; every
             mismatch and, with ``verify=True``, every hash failure is still found before anything
             is copied).
-        check_replicas: what a save does when ranks holding the same block of a tensor (DDP
+        check_replicas: what a save does when ranks holding the same slice of a tensor (DDP
             replicas, replicated DTensor placements) hold different bytes, of which only one copy
             would be written: ``"warn"`` (default: a ``ReplicaMismatchWarning`` naming the tensors
             and ranks), ``"raise"`` (a ``DistributedError`` on every rank, nothing written) or
@@ -84,7 +84,7 @@ class CheckpointIO(OptimizerIO):
         if overridden:
             raise TypeError(
                 f"{cls.__qualname__} overrides {overridden}: the public CheckpointIO methods are final; "
-                "implement the private hooks (_model_tensors, _local_boxes, _optimizer_state, "
+                "implement the private hooks (_model_tensors, _local_slices, _optimizer_state, "
                 "_set_optimizer_state, _state_parameters, _after_load) instead"
             )
 
@@ -149,12 +149,12 @@ class CheckpointIO(OptimizerIO):
     ) -> LoadReport:
         """Collective: load a checkpoint of any layout and world size into this model, in place.
 
-        Each rank reads only the bytes of the blocks it holds. Every problem (missing or
+        Each rank reads only the bytes of the slices it holds. Every problem (missing or
         unexpected names under ``strict``, shape or dtype mismatches always) is reported in
         one ``StateMismatchError`` raised on every rank before anything is copied.
         ``verify=True`` rehashes the slices read first. Returns a ``LoadReport``. An async save
         in flight is waited for first. ``low_cpu_mem_mode``/``num_threads`` (Colossal-AI's
-        tuning knobs) are accepted and change nothing: each rank reads its blocks directly.
+        tuning knobs) are accepted and change nothing: each rank reads its slices directly.
         """
         del low_cpu_mem_mode, num_threads
         self.wait()
@@ -167,7 +167,7 @@ class CheckpointIO(OptimizerIO):
             report = load_tensors(
                 reader,
                 targets,
-                self._boxes_fn(ctx),
+                self._local_slices_fn(ctx),
                 strict=strict,
                 verify=verify,
                 allow_dtype_cast=allow_dtype_cast,
@@ -239,7 +239,7 @@ class CheckpointIO(OptimizerIO):
                 continue
             first[id(t)] = name
             stored[p + name] = t
-        return SavePayload("model", stored, self._boxes(stored, ctx), aliases=aliases)
+        return SavePayload("model", stored, self._local_slices_of(stored, ctx), aliases=aliases)
 
     # ------------------------------------------------------------------ lr scheduler
     def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> str:

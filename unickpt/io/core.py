@@ -80,36 +80,38 @@ class IOCore(CheckpointHooks):
         With ``gather_dtensor=True`` the live tensors are gathered (collectives on their
         meshes), so a snapshot is written sliced (``gather_dtensor=False``) only.
         """
-        boxes = payload.boxes
+        slices = payload.slices
         check_replicas(
-            boxes,
+            slices,
             self.check_replicas,
             f"saving the {payload.kind} to {os.fspath(checkpoint)}",
             self.group if group is None else group,
             everywhere=self.replicated_everywhere,
         )
 
-        def boxes_fn(name: str, tensor: torch.Tensor) -> list[LocalSlice]:
+        def slices_fn(name: str, tensor: torch.Tensor) -> list[LocalSlice]:
             del tensor
-            return boxes[name]
+            return slices[name]
 
         return save_tensors(
             payload.tensors,
             os.fspath(checkpoint),
             self._options(payload.kind, shard, gather_dtensor, size_per_shard),
-            boxes_fn,
+            slices_fn,
             aliases=payload.aliases,
             entry_extras=payload.entry_extras,
             block_extras=payload.block_extras,
             group=self.group if group is None else group,
         )
 
-    def _boxes(self, tensors: dict[str, torch.Tensor], ctx: HookContext) -> dict[str, list[LocalSlice]]:
-        return {name: self._local_boxes(name, t, ctx) for name, t in tensors.items()}
+    def _local_slices_of(
+        self, tensors: dict[str, torch.Tensor], ctx: HookContext
+    ) -> dict[str, list[LocalSlice]]:
+        return {name: self._local_slices(name, t, ctx) for name, t in tensors.items()}
 
-    def _boxes_fn(self, ctx: HookContext) -> Callable[[str, torch.Tensor], list[LocalSlice]]:
-        """:meth:`_local_boxes` of one call, as the loader asks for it."""
-        return lambda name, tensor: self._local_boxes(name, tensor, ctx)
+    def _local_slices_fn(self, ctx: HookContext) -> Callable[[str, torch.Tensor], list[LocalSlice]]:
+        """:meth:`_local_slices` of one call, as the loader asks for it."""
+        return lambda name, tensor: self._local_slices(name, tensor, ctx)
 
     def _options(self, kind: str, shard: bool, gather: bool, size_mb: float) -> SaveOptions:
         if size_mb <= 0:

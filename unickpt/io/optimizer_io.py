@@ -120,11 +120,11 @@ class OptimizerIO(AsyncSaveIO):
             }
             for i, g in enumerate(osd["param_groups"])
         ]
-        boxes = self._boxes(tensors, ctx)
+        slices = self._local_slices_of(tensors, ctx)
         return SavePayload(
             "optimizer",
             tensors,
-            boxes,
+            slices,
             entry_extras=extras,
             block_extras={"param_groups": groups, "param_state": param_state},
         )
@@ -228,7 +228,7 @@ class OptimizerIO(AsyncSaveIO):
         report = load_tensors(
             reader,
             targets,
-            self._boxes_fn(ctx),
+            self._local_slices_fn(ctx),
             strict=True,
             verify=verify,
             what="optimizer",

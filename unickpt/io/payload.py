@@ -41,7 +41,7 @@ class SavePayload:
 
     kind: str
     tensors: dict[str, torch.Tensor]
-    boxes: dict[str, list[LocalSlice]]
+    slices: dict[str, list[LocalSlice]]
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)
     entry_extras: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     block_extras: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -54,13 +54,13 @@ class SavePayload:
         a snapshot is then a plain copy into memory that is already mapped, several times
         faster than allocating fresh buffers each time.
         """
-        boxes = {
+        slices = {
             name: [
                 dataclasses.replace(sl, tensor=cpu_copy(sl.tensor, staging, (name, i)))
                 for i, sl in enumerate(sls)
             ]
-            for name, sls in self.boxes.items()
+            for name, sls in self.slices.items()
         }
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        return dataclasses.replace(self, boxes=boxes)
+        return dataclasses.replace(self, slices=slices)

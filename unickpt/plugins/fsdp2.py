@@ -43,7 +43,7 @@ class FSDP2Plugin(Plugin):
     Args:
         reshard_after_forward: passed to every ``fully_shard`` call.
         shard_modules: FQNs and/or module classes that get their own ``fully_shard`` (their own
-            all-gather group) before the root does. ``None`` picks each block as described in
+            all-gather group) before the root does. ``None`` picks the units described in
             :func:`default_shard_units`.
         mp_policy: a ``torch.distributed.fsdp.MixedPrecisionPolicy`` (default: none).
     """

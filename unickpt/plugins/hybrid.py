@@ -7,8 +7,8 @@ torch's components are composed on the named sub-meshes, in this order: the pipe
 - ``"fsdp2"``: ``fully_shard`` on the units :func:`unickpt.plugins.fsdp2.default_shard_units`
   picks (tied weights stay in one group), then the root. Over TP on the same tensor dimension
   this gives ``(_StridedShard, Shard)`` placements; the CheckpointIO base computes each rank's
-  block with torch's ``compute_local_shape_and_global_offset`` (one contiguous block in every
-  case the tests cover; the planner's coverage check fails loudly otherwise).
+  local slice with torch's ``compute_local_shape_and_global_offset`` (one rectangular slice in
+  every case the tests cover; the planner's coverage check fails loudly otherwise).
 
 Tensor parallelism needs every sharded dimension divisible by ``tp_size`` (checked at configure
 time, ``UnsupportedError``); the dp dimension may split unevenly.

@@ -1,7 +1,7 @@
 """The slices of each tensor as contiguous runs of its flat range, and merge's structure check.
 
 Most layouts store every slice of a tensor as one contiguous run of the flattened tensor (row
-blocks of FSDP/TP ``Shard(0)``, ZeRO flat ranges, whole tensors): merge then copies bytes
+slices of FSDP/TP ``Shard(0)``, ZeRO flat ranges, whole tensors): merge then copies bytes
 straight from source to output, and coverage is shown in O(slices) instead of the general sweep.
 """
 

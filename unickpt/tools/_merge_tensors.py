@@ -227,7 +227,7 @@ class TensorMerger:
         at = pos
         for band in bands(t.shape, isz, _BAND_BYTES):
             buf = np.empty(math.prod(band.shape) * isz, dtype=np.uint8)
-            block = buf.view(wdt).reshape(band.shape or (1,))
+            dense = buf.view(wdt).reshape(band.shape or (1,))
             for i, s in enumerate(live):
                 pc = pieces(band, s.offsets, s.shape)
                 if pc is None:
@@ -248,7 +248,7 @@ class TensorMerger:
                 done[i] += pc.count
                 if h is not None and done[i] == math.prod(s.shape):
                     self._check(name, s, h.hexdigest())
-                block[(slice(pc.lo, pc.hi), *pc.inner)] = tmp.view(wdt).reshape(
+                dense[(slice(pc.lo, pc.hi), *pc.inner)] = tmp.view(wdt).reshape(
                     (pc.hi - pc.lo, *s.shape[band.dim + 1 :])
                 )
                 self.progress(pc.count * isz)

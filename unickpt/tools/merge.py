@@ -3,7 +3,7 @@
 Pure file IO plus numpy on raw bytes: no torch.distributed, no launcher, no GPU (torch is
 imported only for ``dtype=`` casts). Each tensor is rebuilt from the shard info in the index:
 
-- when every slice of a tensor is one contiguous run of the flattened tensor (row blocks
+- when every slice of a tensor is one contiguous run of the flattened tensor (row slices
   of FSDP/TP ``Shard(0)``, ZeRO flat ranges, whole tensors), its bytes are copied straight
   from the source files to their place in the output file, in chunks, hashing each chunk
   on the way (``copy_file_range`` when nothing needs hashing); memory stays constant;
