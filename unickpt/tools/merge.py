@@ -25,11 +25,10 @@ output is written to a hidden temporary directory and renamed to ``out`` at the 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -47,6 +46,7 @@ from unickpt.format.writer import build_block, build_index, data_file_metadata, 
 from unickpt.tools._common import check_output, copy_small_file, detect_kind, staged_output, write_all
 from unickpt.tools._merge_runs import Run, validate_runs
 from unickpt.tools._merge_tensors import CHUNK, TensorMerger
+from unickpt.tools._progress import progress_bar
 
 __all__ = ["merge_checkpoint", "DTYPES"]
 
@@ -251,7 +251,7 @@ def merge_checkpoint(
         total = sum(t.nbytes for r in readers for t in r.block.tensors.values())
         # The copy buffer of every streamed tensor, not zero-filled (each read fills what it uses).
         buf = np.empty(CHUNK, dtype=np.uint8).data
-        with _progress_bar(total, progress) as update, staged_output(out_s) as tmp:
+        with progress_bar(total, "merge", progress) as update, staged_output(out_s) as tmp:
             for r, runs in zip(readers, runs_of, strict=True):
                 _merge_one(
                     r,
@@ -275,20 +275,6 @@ def merge_checkpoint(
     finally:
         for r in readers:
             r.close()
-
-
-@contextlib.contextmanager
-def _progress_bar(total: int, show: bool) -> Iterator[Callable[[int], object]]:
-    """A tqdm bar's ``update`` when ``show``; otherwise a no-op (tqdm is not even imported)."""
-    if not show:
-        yield lambda _n: None
-        return
-    from tqdm.auto import tqdm
-
-    with tqdm(
-        total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="merge", disable=None, leave=False
-    ) as bar:
-        yield bar.update
 
 
 def _has_kind(directory: str, kind: str) -> bool:
