@@ -155,7 +155,10 @@ io2.load_model(fresh, out + "/m", verify=True)
 for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
     assert torch.equal(a.full_tensor(), b.full_tensor())
 import json
-assert json.load(open(out + "/m/model.safetensors.index.json"))["unickpt"]["layout"]["plugin"] == "cp"
+layout = json.load(open(out + "/m/model.safetensors.index.json"))["unickpt"]["layout"]
+assert (layout["plugin"], layout["mesh"], layout["world_size"]) == ("cp", {"cp": 1}, 1), layout
+assert plugin.layout() == {"plugin": "cp", "world_size": 1, "mesh": {"cp": 1}, "dp_size": 1}, plugin.layout()
+assert CheckpointIO().layout().mesh == {}
 try:
     NoIO().get_checkpoint_io()
 except NotImplementedError as e:

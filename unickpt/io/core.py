@@ -24,7 +24,7 @@ from unickpt.io.hooks import CheckpointHooks, HookContext
 from unickpt.io.payload import SavePayload
 from unickpt.io.replicas import REPLICA_MODES, check_replicas
 from unickpt.io.save import SaveOptions, save_tensors
-from unickpt.io.tensors import LocalSlice
+from unickpt.io.tensors import LocalSlice, mesh_dims
 
 __all__ = ["IOCore"]
 
@@ -59,11 +59,9 @@ class IOCore(CheckpointHooks):
 
     def layout(self) -> LayoutInfo:
         """The parallel layout recorded in the index."""
-        mesh: dict[str, int] = {}
-        if self.mesh is not None:
-            names = self.mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(self.mesh.ndim))
-            mesh = {str(n): int(s) for n, s in zip(names, self.mesh.shape, strict=True)}
-        return LayoutInfo(plugin=self.plugin_name, world_size=_dist.world_size(self.group), mesh=mesh)
+        return LayoutInfo(
+            plugin=self.plugin_name, world_size=_dist.world_size(self.group), mesh=mesh_dims(self.mesh)
+        )
 
     def write(
         self,

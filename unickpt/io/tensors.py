@@ -22,6 +22,7 @@ __all__ = [
     "is_dtensor",
     "local_slices",
     "global_shape",
+    "mesh_dims",
 ]
 
 TORCH_TO_ST: dict[torch.dtype, str] = {
@@ -92,6 +93,14 @@ class LocalSlice:
 
     def meta(self) -> tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         return (self.name, self.dtype, self.global_shape, self.offsets, self.shape)
+
+
+def mesh_dims(mesh: Any) -> dict[str, int]:
+    """A ``DeviceMesh``'s dimensions by name (``dim0``, ``dim1`` ... where it names none), as the index records them."""
+    if mesh is None:
+        return {}
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    return {str(n): int(s) for n, s in zip(names, mesh.shape, strict=True)}
 
 
 def as_bytes(t: torch.Tensor) -> np.ndarray:

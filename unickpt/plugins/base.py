@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from unickpt.errors import UnsupportedError
+from unickpt.io.tensors import mesh_dims
 from unickpt.plugins._shared import mesh as _mesh
 
 if TYPE_CHECKING:
@@ -129,12 +130,12 @@ class Plugin(abc.ABC):
 
     def layout(self) -> dict[str, Any]:
         """A JSON-able description: plugin name, world size, mesh dimensions, dp size."""
-        mesh = self._mesh
-        dims: dict[str, int] = {}
-        if mesh is not None:
-            names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
-            dims = {str(n): int(s) for n, s in zip(names, mesh.shape, strict=True)}
-        return {"plugin": self.name, "world_size": self.world_size, "mesh": dims, "dp_size": self.dp_size}
+        return {
+            "plugin": self.name,
+            "world_size": self.world_size,
+            "mesh": mesh_dims(self._mesh),
+            "dp_size": self.dp_size,
+        }
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.layout()})"
