@@ -40,6 +40,8 @@ class Plugin(abc.ABC):
     """
 
     name: ClassVar[str] = "plugin"
+    # False for a plugin whose ranks all consume the same batches (TP, PP): dp_size 1, dp_rank 0.
+    data_parallel: ClassVar[bool] = True
     checkpoint_io_class: ClassVar[type[CheckpointIO] | None] = None
 
     def __init__(self) -> None:
@@ -117,12 +119,12 @@ class Plugin(abc.ABC):
     @property
     def dp_size(self) -> int:
         """How many data-parallel replicas consume different batches."""
-        return self.world_size
+        return self.world_size if self.data_parallel else 1
 
     @property
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel replicas."""
-        return dist.get_rank() if dist.is_initialized() else 0
+        return dist.get_rank() if self.data_parallel and dist.is_initialized() else 0
 
     @property
     def world_size(self) -> int:

@@ -57,6 +57,7 @@ class PPPlugin(Plugin):
     """
 
     name = "pp"
+    data_parallel = False
 
     def __init__(
         self,
@@ -78,14 +79,6 @@ class PPPlugin(Plugin):
         self.schedule = schedule
         self.runtime: PipelineRuntime | None = None
         self.canonical: dict[str, str] = {}
-
-    @property
-    def dp_size(self) -> int:
-        return 1
-
-    @property
-    def dp_rank(self) -> int:
-        return 0
 
     @property
     def stage(self) -> int:

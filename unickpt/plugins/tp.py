@@ -41,6 +41,7 @@ class TPPlugin(Plugin):
     """
 
     name = "tp"
+    data_parallel = False
     checkpoint_io_class = TPCheckpointIO
 
     def __init__(self, tp_plan: Mapping[str, ParallelStyle]) -> None:
@@ -52,14 +53,6 @@ class TPPlugin(Plugin):
                 "(ColwiseParallel(), RowwiseParallel(), SequenceParallel() ...)"
             )
         self.tp_plan = dict(tp_plan)
-
-    @property
-    def dp_size(self) -> int:
-        return 1
-
-    @property
-    def dp_rank(self) -> int:
-        return 0
 
     def _parallelize(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
