@@ -73,8 +73,8 @@ def _same_inputs_on_every_rank(model: torch.nn.Module, optim: torch.optim.Optimi
     shapes, dtypes and ``requires_grad``, the optimizer's class, groups and whether it has state
     are compared first.
     """
+    from unickpt import _dist
     from unickpt.errors import DistributedError
-    from unickpt.io import _dist
 
     sigs = _dist.all_gather_object(_inputs_signature(model, optim))
     if all(s == sigs[0] for s in sigs[1:]):

@@ -319,6 +319,26 @@ def case_save_fails_rank1(d: Path) -> dict[str, Any]:
     return obs
 
 
+def case_group_of_rank0_only(d: Path) -> dict[str, Any]:
+    """The object collectives honour their group: a group holding rank 0 only is a world of one
+    there, and rank 1, which is not a member, is refused instead of acting as rank 0 (torch says
+    rank -1 for it)."""
+    from unickpt import _dist
+
+    del d
+    g0 = dist.new_group(ranks=[0])  # collective over the world: every rank calls it
+    obs: dict[str, Any] = {"world": [_dist.rank(), _dist.world_size()]}
+    if dist.get_rank() == 0:
+        obs["in_g0"] = [_dist.is_distributed(g0), _dist.rank(g0), _dist.world_size(g0)]
+        obs["gathered"] = _dist.all_gather_object("mine", g0)
+        obs["agreed"] = _dist.agreed(lambda: 5, "a phase", g0)
+    obs["is_distributed"] = attempt(lambda: _dist.is_distributed(g0))
+    obs["rank"] = attempt(lambda: _dist.rank(g0))
+    obs["agree"] = attempt(lambda: _dist.agree(None, "a phase", g0))
+    dist.barrier()
+    return obs
+
+
 CASES: list[tuple[str, Callable[[Path], dict[str, Any]]]] = [
     ("shape_differs_on_rank1", case_shape_differs_on_rank1),
     ("extra_param_on_rank0", case_extra_param_on_rank0),
@@ -327,6 +347,7 @@ CASES: list[tuple[str, Callable[[Path], dict[str, Any]]]] = [
     ("fails_mid_load_rank1", case_fails_mid_load_rank1),
     ("fails_mid_load_in_place_rank1", case_fails_mid_load_in_place_rank1),
     ("save_fails_rank1", case_save_fails_rank1),
+    ("group_of_rank0_only", case_group_of_rank0_only),
 ]
 
 

@@ -243,3 +243,20 @@ def test_rank1_sigkilled_mid_save(tmp_path: Path) -> None:
     now = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(prev.iterdir()) if p.is_file()}
     assert now == report["prev_digest"]
     open_checkpoint(prev).close()
+
+
+# ------------------------------------------------------------------ collectives over a sub-group
+
+
+def test_object_collectives_honour_their_group(obs: dict[str, list[dict[str, Any]]]) -> None:
+    r0, r1 = case(obs, "group_of_rank0_only")
+    assert r0["world"] == [0, 2] and r1["world"] == [1, 2]
+    assert r0["in_g0"] == [True, 0, 1]
+    assert r0["gathered"] == ["mine"] and r0["agreed"] == 5
+    for key in ("is_distributed", "rank", "agree"):
+        assert r0[key]["raised"] is None, r0[key]
+        assert r1[key]["raised"] == "DistributedError", r1[key]
+        assert r1[key]["message"] == (
+            "rank 1 of the world is not a member of the process group given to a collective "
+            "checkpoint call; call it on the ranks of that group only"
+        )

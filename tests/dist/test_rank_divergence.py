@@ -52,7 +52,7 @@ def test_divergent_replicas_warn_by_default(obs: list[dict[str, Any]]) -> None:
             assert w["raised"] is None and w["committed"], (r, layout, w)
             assert len(w["warnings"]) == 1, (r, layout, w["warnings"])
             msg = w["warnings"][0]["message"]
-            assert "1 replicated tensor block(s) differ across ranks" in msg, msg
+            assert "1 replicated tensor slice(s) differ across ranks" in msg, msg
             assert "tensor 'up.weight': rank 0: xxh3 " in msg and "; rank 1: xxh3 " in msg, msg
             assert "down.weight" not in msg
         assert o["identical"]["raised"] is None and o["identical"]["warnings"] == []

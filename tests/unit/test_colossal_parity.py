@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
-import unickpt.io.checkpoint_io as cio
+import unickpt.io.core as cio
 from unickpt import (
     Booster,
     GeneralCheckpointIO,

@@ -44,7 +44,7 @@ from unickpt.format.naming import SLICED_SENTINEL, index_name, is_own_data_file,
 from unickpt.format.reader import CheckpointReader, open_checkpoint
 from unickpt.format.safetensors_io import SafetensorsWriter
 from unickpt.io.save import SaveOptions, save_tensors
-from unickpt.io.tensors import local_boxes
+from unickpt.io.tensors import local_slices
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 
@@ -96,7 +96,7 @@ def save(directory: str, kind: str, layout: str, seed: int, n: int, shard_bytes:
         layout=LayoutInfo(),
         fsync=FSYNC["on"],
     )
-    save_tensors(tensors_for(kind, seed, n), directory, opts, local_boxes)
+    save_tensors(tensors_for(kind, seed, n), directory, opts, local_slices)
 
 
 ERR = "error"  # a reader raised (the accepted UnickptError classes)

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from unickpt import _faults
+from unickpt import _dist, _faults
 from unickpt._faults import RANK0_ONLY, STAGES, InjectedFault, arm, injected, maybe_fail
 from unickpt.errors import DistributedError
-from unickpt.io import _dist
 
 PKG = Path(__file__).resolve().parents[2] / "unickpt"
 

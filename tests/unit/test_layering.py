@@ -1,6 +1,7 @@
 """The dependency arrows of docs/architecture.md, enforced.
 
-booster -> plugins -> io -> format -> errors;  cli -> tools -> format.
+booster -> plugins -> io -> format -> errors;  cli -> tools -> format;
+io, manager, booster -> _dist -> errors (the object collectives, shared; never format or tools).
 """
 
 from __future__ import annotations
@@ -58,12 +59,24 @@ FORBIDDEN = {
         "unickpt.manager",
         "unickpt.tools",
         "unickpt.cli",
+        "unickpt._dist",
         "torch",
     ],
     "unickpt.io": ["unickpt.plugins", "unickpt.booster", "unickpt.manager", "unickpt.tools", "unickpt.cli"],
     "unickpt.plugins": ["unickpt.booster", "unickpt.manager", "unickpt.tools", "unickpt.cli"],
-    "unickpt.tools": ["unickpt.plugins", "unickpt.booster", "unickpt.manager", "unickpt.cli"],
+    "unickpt.tools": [
+        "unickpt.plugins",
+        "unickpt.booster",
+        "unickpt.manager",
+        "unickpt.cli",
+        "unickpt._dist",
+    ],
     "unickpt.errors": ["unickpt.", "torch"],
+    # The shared collectives know only the errors: every layer that runs collectives may use them.
+    "unickpt._dist": ["unickpt."],
+    # The manager duck-types the booster and never names a plugin; the booster never the manager.
+    "unickpt.manager": ["unickpt.booster", "unickpt.plugins", "unickpt.cli"],
+    "unickpt.booster": ["unickpt.manager", "unickpt.tools", "unickpt.cli"],
 }
 
 
@@ -139,37 +152,26 @@ def test_importing_unickpt_is_light() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_public_surface_is_deliberate() -> None:
-    import unickpt
+MAX_MODULE_LINES = 500
+# Modules over the limit that their owners are splitting, each capped at its length today so it
+# cannot grow: the reader (issue 18) and the commit module (issue 17). Delete an entry once split.
+OVER_LIMIT_FOR_NOW = {"unickpt.format.reader": 529, "unickpt.format.commit": 513}
 
-    assert sorted(unickpt.__all__) == sorted(
-        [
-            "__version__",
-            "Booster",
-            "CheckpointIO",
-            "GeneralCheckpointIO",
-            "LoadReport",
-            "ModelWrapper",
-            "OptimizerWrapper",
-            "CheckpointManager",
-            "merge_checkpoint",
-            "diff_checkpoints",
-            "verify_checkpoint",
-            "UnickptError",
-            "CheckpointFormatError",
-            "IndexFileError",
-            "HeaderError",
-            "UnsafePathError",
-            "IncompleteCheckpointError",
-            "IntegrityError",
-            "StateMismatchError",
-            "UnsupportedError",
-            "DistributedError",
-            "CheckpointBusyError",
-            "CheckpointChangedError",
-            "OutputExistsError",
-            "ConfigError",
-        ]
+
+def _too_long(lengths: dict[str, int]) -> list[str]:
+    return sorted(
+        f"{mod}: {n} lines (limit {OVER_LIMIT_FOR_NOW.get(mod, MAX_MODULE_LINES)})"
+        for mod, n in lengths.items()
+        if n > OVER_LIMIT_FOR_NOW.get(mod, MAX_MODULE_LINES)
     )
-    for name in unickpt.__all__:
-        assert getattr(unickpt, name) is not None, name
+
+
+def test_no_module_passes_500_lines() -> None:
+    lengths = {mod: len(path.read_text().splitlines()) for mod, path in PATHS.items()}
+    assert not _too_long(lengths), "split these modules:\n" + "\n".join(_too_long(lengths))
+
+
+def test_the_line_limit_check_catches_a_long_module() -> None:
+    assert _too_long({"unickpt.io.x": 501, "unickpt.io.y": 500}) == ["unickpt.io.x: 501 lines (limit 500)"]
+    assert _too_long({"unickpt.format.reader": 530}) == ["unickpt.format.reader: 530 lines (limit 529)"]
+    assert _too_long({"unickpt.format.reader": 529}) == []

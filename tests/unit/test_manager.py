@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import unickpt
-import unickpt.io.checkpoint_io as save_mod
+import unickpt.io.core as save_mod
 from unickpt.data import ResumableDataLoader, wrap_dataloader
 from unickpt.errors import CheckpointBusyError, UnsupportedError
 from unickpt.format.commit import directory_lock

@@ -27,7 +27,7 @@ from test_merge import _check_merged, hand_made_reference
 from unickpt import merge_checkpoint
 from unickpt.errors import IntegrityError
 from unickpt.format.reader import open_checkpoint
-from unickpt.tools import merge as merge_mod
+from unickpt.tools import _merge_tensors as merge_tensors
 from unickpt.tools._bands import band_first, bands, pieces
 from unickpt.tools._write import write_checkpoint
 from unickpt.tools.diff import diff_checkpoints
@@ -68,16 +68,16 @@ def test_band_pieces_follow_each_slice_in_storage_order() -> None:
 
 @pytest.mark.parametrize("band_bytes", [1, 8, 40, 1 << 20])
 def test_banded_merge_bit_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, band_bytes: int) -> None:
-    monkeypatch.setattr(merge_mod, "_BAND_BYTES", band_bytes)
+    monkeypatch.setattr(merge_tensors, "_BAND_BYTES", band_bytes)
     tensors, ref = hand_made_reference()
     src = tmp_path / "src"
     write_checkpoint(str(src), tensors, sliced=True, files=3)
     merge_checkpoint(src, tmp_path / "out")
     _check_merged(tmp_path / "out", ref)
     # Cast band by band: same bytes and fingerprints as casting the whole tensor.
-    monkeypatch.setattr(merge_mod, "_BAND_BYTES", 1 << 30)
+    monkeypatch.setattr(merge_tensors, "_BAND_BYTES", 1 << 30)
     merge_checkpoint(src, tmp_path / "whole", dtype="bf16")
-    monkeypatch.setattr(merge_mod, "_BAND_BYTES", band_bytes)
+    monkeypatch.setattr(merge_tensors, "_BAND_BYTES", band_bytes)
     merge_checkpoint(src, tmp_path / "banded", dtype="bf16")
     a = (tmp_path / "whole" / "model.safetensors").read_bytes()
     assert a == (tmp_path / "banded" / "model.safetensors").read_bytes()
@@ -85,7 +85,7 @@ def test_banded_merge_bit_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 
 
 def test_banded_merge_checks_every_slice_hash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(merge_mod, "_BAND_BYTES", 8)
+    monkeypatch.setattr(merge_tensors, "_BAND_BYTES", 8)
     tensors, _ = hand_made_reference()
     src = tmp_path / "src"
     write_checkpoint(str(src), tensors, sliced=True, files=2)

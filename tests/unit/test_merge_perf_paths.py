@@ -1,6 +1,6 @@
 """merge's fast paths behave exactly like the general ones they short-cut.
 
-- coverage is shown in O(slices) for contiguous layouts (``merge._validate``): same checks,
+- coverage is shown in O(slices) for contiguous layouts (``_merge_runs.validate_runs``): same checks,
   order and errors as ``CheckpointReader.validate_structure`` on every layout, valid or not;
 - output files ask the kernel to start writeback while they are written (``start_writeback``),
   which never replaces the fsync of every file and directory before the commit rename;
@@ -28,6 +28,8 @@ from unickpt.format import reader as reader_mod
 from unickpt.format.index import SliceEntry, TensorEntry, UnickptBlock
 from unickpt.format.reader import UNICKPT_METADATA_KEY, CheckpointReader, open_checkpoint
 from unickpt.format.safetensors_io import read_header
+from unickpt.tools import _merge_runs as merge_runs
+from unickpt.tools import _merge_tensors as merge_tensors
 from unickpt.tools import merge as merge_mod
 from unickpt.tools._write import SliceData, TensorData, write_checkpoint
 
@@ -108,7 +110,7 @@ LAYOUTS: dict[str, tuple[list[int], Boxes]] = {
 def test_fast_coverage_same_outcome_as_validate_structure(tmp_path: Path, name: str) -> None:
     # A valid layout goes on to the header check, which fails the same way in both (no file).
     r = _unchecked_reader(tmp_path, {"a.ok": LAYOUTS["rows"], name: LAYOUTS[name]})
-    assert _outcome(lambda: merge_mod._validate(r)) == _outcome(r.validate_structure)
+    assert _outcome(lambda: merge_mod.validate_runs(r)) == _outcome(r.validate_structure)
 
 
 def test_fast_coverage_same_outcome_on_random_layouts(tmp_path: Path) -> None:
@@ -141,15 +143,18 @@ def test_fast_coverage_same_outcome_on_random_layouts(tmp_path: Path) -> None:
                 boxes[i] = (o, tuple(max(0, x - (1 if k == d else 0)) for k, x in enumerate(s)))
         rng.shuffle(boxes)
         r = _unchecked_reader(tmp_path, {"t": (shape, boxes)})
-        assert _outcome(lambda r=r: merge_mod._validate(r)) == _outcome(r.validate_structure), (shape, boxes)
+        assert _outcome(lambda r=r: merge_mod.validate_runs(r)) == _outcome(r.validate_structure), (
+            shape,
+            boxes,
+        )
 
 
 def test_fast_coverage_returns_the_runs_the_copy_uses(tmp_path: Path) -> None:
     tensors, _ = hand_made_reference()
     write_checkpoint(str(tmp_path / "src"), tensors, sliced=True, files=2)
     r = open_checkpoint(tmp_path / "src")
-    runs = merge_mod._validate(r)
-    assert runs == {n: merge_mod._flat_runs(t) for n, t in r.tensors.items()}
+    runs = merge_mod.validate_runs(r)
+    assert runs == {n: merge_runs.flat_runs(t) for n, t in r.tensors.items()}
     assert runs["col.weight"] is None and runs["rows.uneven"] is not None
     r.close()
 
@@ -188,7 +193,7 @@ def test_writeback_hints_cover_the_file_and_every_fsync_precedes_the_commit(
         events.append(("writeback", os.readlink(f"/proc/self/fd/{fd}"), off, n))
         real_wb(fd, off, n)
 
-    monkeypatch.setattr(merge_mod, "_WRITEBACK", 256 << 10)
+    monkeypatch.setattr(merge_tensors, "_WRITEBACK", 256 << 10)
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "rename", rename)
     monkeypatch.setattr(commit_mod, "start_writeback", wb)
@@ -232,7 +237,7 @@ def test_sharded_output_every_file_fsynced_before_commit(
         renamed.append(os.fspath(a))
         real_rename(a, b)
 
-    monkeypatch.setattr(merge_mod, "_WRITEBACK", 64 << 10)
+    monkeypatch.setattr(merge_tensors, "_WRITEBACK", 64 << 10)
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "rename", rename)
     out = tmp_path / "out"
@@ -260,7 +265,7 @@ def test_writeback_hint_unavailable_or_failing_changes_nothing(
 
     monkeypatch.setattr(commit_mod, "_sync_file_range_loaded", True)
     monkeypatch.setattr(commit_mod, "_sync_file_range", None if mode == "unavailable" else failing)
-    monkeypatch.setattr(merge_mod, "_WRITEBACK", 128 << 10)
+    monkeypatch.setattr(merge_tensors, "_WRITEBACK", 128 << 10)
     merge_checkpoint(tmp_path / "src", tmp_path / "out")
     _check_merged(tmp_path / "out", ref)
     assert (len(calls) > 0) == (mode == "failing")
@@ -304,7 +309,7 @@ def test_source_truncated_after_validation_fails_and_leaves_no_output(
 ) -> None:
     _big_source(tmp_path / "src")
     victim = tmp_path / "src" / "model-00003-of-00004.safetensors"
-    real = merge_mod._validate
+    real = merge_mod.validate_runs
 
     def then_truncate(r: CheckpointReader) -> Any:
         runs = real(r)
@@ -312,7 +317,7 @@ def test_source_truncated_after_validation_fails_and_leaves_no_output(
         os.truncate(victim, h.data_start + 100)  # headers were fine; the data is now short
         return runs
 
-    monkeypatch.setattr(merge_mod, "_validate", then_truncate)
+    monkeypatch.setattr(merge_mod, "validate_runs", then_truncate)
     out = tmp_path / "out"
     with pytest.raises((IncompleteCheckpointError, OSError), match="truncated"):
         merge_checkpoint(tmp_path / "src", out, verify=verify)
@@ -364,13 +369,13 @@ def test_gathered_whole_tensors_without_verify_use_the_kernel_copy(
     whole = {n: TensorData(d, a.shape, [SliceData((0,) * a.ndim, a.shape, a)]) for n, (d, a) in ref.items()}
     write_checkpoint(str(tmp_path / "src"), whole, sliced=False, files=2)
     kernel: list[int] = []
-    real = merge_mod._Merger._copy_file_range
+    real = merge_tensors.TensorMerger._copy_file_range
 
     def spy(src_fd: int, src_off: int, dst_fd: int, dst_off: int, n: int) -> None:
         kernel.append(n)
         real(src_fd, src_off, dst_fd, dst_off, n)
 
-    monkeypatch.setattr(merge_mod._Merger, "_copy_file_range", staticmethod(spy))
+    monkeypatch.setattr(merge_tensors.TensorMerger, "_copy_file_range", staticmethod(spy))
     merge_checkpoint(tmp_path / "src", tmp_path / "out", verify=False)
     _check_merged(tmp_path / "out", ref)
     assert sum(kernel) == sum(a.nbytes for _, a in ref.values())

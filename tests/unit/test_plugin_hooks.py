@@ -105,3 +105,82 @@ def test_every_save_path_hands_the_hooks_its_context(tmp_path: Path) -> None:
     ]
     assert all(c.model is model and c.optimizer is optim for c in seen)
     assert len({id(c) for c in seen}) == 4  # one context per call
+
+
+_NEW_PLUGIN = r"""
+import sys, tempfile
+import torch
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from unickpt import Booster, CheckpointIO
+from unickpt.plugins import Plugin
+from unickpt.plugins._shared import mesh as _mesh
+from unickpt.plugins.base import check_optimizer, parameter_fqns, remap_optimizer_params
+from unickpt.wrappers import ModelWrapper
+
+class CPCheckpointIO(CheckpointIO):
+    plugin_name = "cp"
+
+class CPPlugin(Plugin):
+    name = "cp"
+    checkpoint_io_class = CPCheckpointIO
+    def _parallelize(self, model, optimizer):
+        self._mesh = _mesh.build_mesh((self.world_size,), ("cp",))
+        check_optimizer(optimizer, model)
+        old = parameter_fqns(model)
+        parallelize_module(model, self._mesh, {"0": ColwiseParallel()})
+        remap_optimizer_params(optimizer, old, model)
+        return ModelWrapper(model)
+
+class NoIO(CPPlugin):
+    checkpoint_io_class = None
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.ReLU())
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+crit, loader, sched = object(), object(), object()
+plugin = CPPlugin()
+booster = Booster(plugin=plugin)
+m, o, c, d, s = plugin.configure(model, opt, crit, loader, sched)
+assert (o, c, d, s) == (opt, crit, loader, sched), "configure hands the other objects back"
+assert type(m) is ModelWrapper and [p for g in opt.param_groups for p in g["params"]][0] is m.unwrap()[0].weight
+io = plugin.get_checkpoint_io()
+assert type(io) is CPCheckpointIO and plugin.get_checkpoint_io() is io and io.mesh is plugin.device_mesh
+out = tempfile.mkdtemp()
+io.save_model(m, out + "/m", shard=True, gather_dtensor=False)
+fresh = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.ReLU())
+plugin.configure(fresh)
+io2 = plugin.get_checkpoint_io()
+assert io2 is not io, "a new configure builds a new IO for the new mesh"
+io2.load_model(fresh, out + "/m", verify=True)
+for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
+    assert torch.equal(a.full_tensor(), b.full_tensor())
+import json
+layout = json.load(open(out + "/m/model.safetensors.index.json"))["unickpt"]["layout"]
+assert (layout["plugin"], layout["mesh"], layout["world_size"]) == ("cp", {"cp": 1}, 1), layout
+assert plugin.layout() == {"plugin": "cp", "world_size": 1, "mesh": {"cp": 1}, "dp_size": 1}, plugin.layout()
+assert CheckpointIO().layout().mesh == {}
+try:
+    NoIO().get_checkpoint_io()
+except NotImplementedError as e:
+    assert str(e) == "NoIO names no checkpoint_io_class", e
+else:
+    sys.exit("a plugin without checkpoint_io_class built an IO")
+try:
+    type("Half", (Plugin,), {"name": "half"})()
+except TypeError as e:
+    assert "_parallelize" in str(e), e
+else:
+    sys.exit("a plugin without _parallelize was built")
+print("ok")
+"""
+
+
+def test_a_new_dtensor_plugin_is_a_few_lines(tmp_path: Path) -> None:
+    """docs/architecture.md's example plugin, in a one-process world: configure, IO, save, load."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "cp_plugin.py"
+    script.write_text(_NEW_PLUGIN)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

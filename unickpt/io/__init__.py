@@ -1,23 +1,20 @@
-"""Checkpoint IO: the CheckpointIO base class and its single-process implementation."""
+"""Checkpoint IO: ``CheckpointIO``, its single-process case, and what a plugin's hooks work with.
 
-from unickpt.io.checkpoint_io import (
-    CheckpointIO,
-    SavePayload,
-    hf_config_files,
-    lr_scheduler_json,
-    optimizer_tensor_name,
-)
+A plugin's ``CheckpointIO`` subclass implements hooks that receive a ``HookContext`` and describe
+the ``LocalSlice`` objects a rank holds; loads return a ``LoadReport``. What only the manager
+and the tools use (``SavePayload``, the side-file helpers) is imported from its module.
+"""
+
+from unickpt.io.checkpoint_io import CheckpointIO
 from unickpt.io.general import GeneralCheckpointIO
+from unickpt.io.hooks import HookContext
 from unickpt.io.load import LoadReport
 from unickpt.io.tensors import LocalSlice
 
 __all__ = [
     "CheckpointIO",
     "GeneralCheckpointIO",
+    "HookContext",
     "LoadReport",
     "LocalSlice",
-    "SavePayload",
-    "hf_config_files",
-    "lr_scheduler_json",
-    "optimizer_tensor_name",
 ]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from unickpt import _dist
 from unickpt.format.commit import commit_directory, discard, finish_commit, place_staged, prepare_commit
-from unickpt.io import _dist
 from unickpt.io.planner import SavePlan
 
 __all__ = ["commit_collective"]

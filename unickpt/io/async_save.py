@@ -10,7 +10,7 @@ through it, and ``CheckpointIO.wait()``, first waits for it and raises its error
 
 The copy depends on the layout asked for:
 
-- sliced (``gather_dtensor=False``): each rank's blocks, as the manager's async save copies them;
+- sliced (``gather_dtensor=False``): each rank's local slices, as the manager's async save copies them;
 - gathered (the default): the full tensor of each name (``DTensor.full_tensor()``, a collective
   on its mesh, run in the foreground), kept only by the one rank that writes or sends it (the
   lowest rank holding the name), so a replicated model costs one copy, on rank 0.
@@ -24,23 +24,20 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from unickpt import _dist
 from unickpt._logging import get_logger
 from unickpt.errors import UnickptError
-from unickpt.format.commit import atomic_write_bytes
 from unickpt.format.naming import single_name
-from unickpt.io import _dist
-from unickpt.io.tensors import is_dtensor, local_boxes
-
-if TYPE_CHECKING:
-    from unickpt.io.checkpoint_io import SavePayload
-    from unickpt.io.save import SaveOptions
+from unickpt.io.core import IOCore
+from unickpt.io.payload import SavePayload, cpu_copy
+from unickpt.io.tensors import is_dtensor, local_slices
 
 __all__ = [
-    "AsyncSaveMixin",
+    "AsyncSaveIO",
     "AsyncSaves",
     "gathered_snapshot",
     "check_use_safetensors",
@@ -90,8 +87,8 @@ class AsyncSaves:
         self.staging: dict[tuple[str, bool], dict[Any, torch.Tensor]] = {}
         # A process that exits with a save in flight finishes it first (like Colossal-AI's
         # CheckpointIO.__del__); the thread holds no reference back to this object.
-        self._box: list[threading.Thread] = []
-        weakref.finalize(self, _join_all, self._box)
+        self._running: list[threading.Thread] = []
+        weakref.finalize(self, _join_all, self._running)
 
     @property
     def pending(self) -> bool:
@@ -124,7 +121,7 @@ class AsyncSaves:
 
         thread = threading.Thread(target=run, name=f"unickpt-async-{name}", daemon=True)
         self._thread = thread
-        self._box[:] = [thread]
+        self._running[:] = [thread]
         thread.start()
 
     def wait(self) -> None:
@@ -132,15 +129,15 @@ class AsyncSaves:
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
-        self._box.clear()
+        self._running.clear()
         if self._errors:
             err = self._errors.pop()
             self._errors.clear()
             raise err
 
 
-def _join_all(box: list[threading.Thread]) -> None:
-    for t in box:
+def _join_all(threads: list[threading.Thread]) -> None:
+    for t in threads:
         t.join()
 
 
@@ -149,7 +146,7 @@ def gathered_snapshot(
 ) -> tuple[dict[str, torch.Tensor], dict[str, list[Any]]]:
     """Collective: CPU copies of the full tensors for a gathered save, on the rank that writes each.
 
-    Returns ``(tensors, boxes)`` for a ``SavePayload``. Every rank runs the same loop, so the
+    Returns ``(tensors, slices)`` for a ``SavePayload``. Every rank runs the same loop, so the
     ``full_tensor`` collectives line up as in the synchronous gathered save. ``staging`` keeps
     the buffers for the next call (reused when the name, shape and dtype match).
     """
@@ -163,40 +160,15 @@ def gathered_snapshot(
     for name, t in tensors.items():
         full = t.full_tensor() if is_dtensor(t) else t  # type: ignore[attr-defined]
         if holder[name] == me:
-            src = full.detach()
-            buf = None if staging is None else staging.get(name)
-            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-                buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.device.type == "cuda")
-                if staging is not None:
-                    staging[name] = buf
-            buf.copy_(src, non_blocking=src.device.type == "cuda")
-            out[name] = buf
+            out[name] = cpu_copy(full, staging, name)
         del full
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return out, {n: local_boxes(n, t) for n, t in out.items()}
+    return out, {n: local_slices(n, t) for n, t in out.items()}
 
 
-class AsyncSaveMixin:
-    """The async half of ``CheckpointIO``: :meth:`wait`, Colossal-AI's names for it, the background write."""
-
-    group: Any
-
-    # Provided by CheckpointIO.
-    def write(
-        self,
-        payload: SavePayload,
-        checkpoint: str | os.PathLike[str],
-        *,
-        shard: bool = True,
-        gather_dtensor: bool = True,
-        size_per_shard: float = 1024,
-        group: Any = None,
-    ) -> str:
-        raise NotImplementedError
-
-    def _options(self, kind: str, shard: bool, gather: bool, size_mb: float) -> SaveOptions:
-        raise NotImplementedError
+class AsyncSaveIO(IOCore):
+    """``IOCore`` with async saves: :meth:`wait`, Colossal-AI's names for it, the background write."""
 
     @property
     def _async(self) -> AsyncSaves:
@@ -243,8 +215,8 @@ class AsyncSaveMixin:
         final = committed_path(path, payload.kind, shard, gather_dtensor)
         staging = self._async.staging.setdefault((payload.kind, gather_dtensor), {})
         if gather_dtensor:
-            tensors, boxes = gathered_snapshot(payload.tensors, self.group, staging)
-            copy = dataclasses.replace(payload, tensors=tensors, boxes=boxes)
+            tensors, slices = gathered_snapshot(payload.tensors, self.group, staging)
+            copy = dataclasses.replace(payload, tensors=tensors, slices=slices)
         else:
             copy = payload.snapshot(staging)
         group = self._async.background_group(self.group)
@@ -273,10 +245,3 @@ def committed_path(path: str, kind: str, shard: bool, gather: bool) -> str:
     if is_file:
         raise UnickptError(f"{path}: a sharded or sliced checkpoint is a directory; pass a directory path")
     return os.path.abspath(path)
-
-
-def write_config_files(config: dict[str, str], path: str) -> None:
-    """Write ``config.json``-like files beside the committed checkpoint ``path``."""
-    directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    for fname, text in config.items():
-        atomic_write_bytes(os.path.join(directory, fname), text.encode("utf-8"))

@@ -17,7 +17,7 @@ import torch
 from unickpt.errors import UnsupportedError
 from unickpt.io.names import normalize_name, unwrap_model
 from unickpt.io.optim_state import init_state
-from unickpt.io.tensors import LocalSlice, local_boxes
+from unickpt.io.tensors import LocalSlice, local_slices
 
 __all__ = ["FINAL_METHODS", "CheckpointHooks", "HookContext"]
 
@@ -81,10 +81,10 @@ class CheckpointHooks:
             out[normalize_name(name)] = t
         return out
 
-    def _local_boxes(self, name: str, tensor: torch.Tensor, ctx: HookContext) -> list[LocalSlice]:
-        """The blocks of the global tensor ``name`` that ``tensor`` holds on this rank."""
+    def _local_slices(self, name: str, tensor: torch.Tensor, ctx: HookContext) -> list[LocalSlice]:
+        """The local slices of the global tensor ``name`` that ``tensor`` holds on this rank."""
         del ctx
-        return local_boxes(name, tensor)
+        return local_slices(name, tensor)
 
     def _after_load(self, ctx: HookContext) -> None:
         """Called on every rank once a load has copied everything in (ZeRO refreshes its shards)."""

@@ -25,13 +25,13 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from unickpt import _dist
 from unickpt._faults import maybe_fail
 from unickpt.errors import IncompleteCheckpointError, IntegrityError, StateMismatchError, UnickptError
 from unickpt.format.boxes import contiguous_start, intersect
 from unickpt.format.consistency import check_keys_referenced
 from unickpt.format.index import TensorEntry
 from unickpt.format.reader import CheckpointReader
-from unickpt.io import _dist
 from unickpt.io.tensors import LocalSlice, global_shape, is_dtensor, st_dtype, torch_dtype
 
 __all__ = ["LoadReport", "load_tensors", "read_box"]

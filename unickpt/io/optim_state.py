@@ -6,10 +6,10 @@ from typing import Any
 
 import torch
 
+from unickpt import _dist
 from unickpt.errors import DistributedError, StateMismatchError
 from unickpt.format.index import UnickptBlock
 from unickpt.format.reader import CheckpointReader
-from unickpt.io import _dist
 from unickpt.io.jsonstate import from_json_value
 
 __all__ = [

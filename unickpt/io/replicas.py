@@ -1,10 +1,10 @@
 """Cross-rank agreement on what is saved: replicas that must be identical, shapes that must match.
 
-* ``check_replicas``: the ranks holding the same block of a tensor (DDP replicas, a TP bias,
+* ``check_replicas``: the ranks holding the same slice of a tensor (DDP replicas, a TP bias,
   the data-parallel copies of HSDP/hybrid shards, ZeRO's replicated parameters) must hold the
-  same bytes, since only one of them is written. Each rank digests its blocks (xxh3-64 of the
-  bytes, about 10 GiB/s); the digests (16 hex digits per block, not the data) are all-gathered
-  and compared. With ``everywhere=True`` (DDP: every rank holds every tensor) a block some
+  same bytes, since only one of them is written. Each rank digests its local slices (xxh3-64 of the
+  bytes, about 10 GiB/s); the digests (16 hex digits per slice, not the data) are all-gathered
+  and compared. With ``everywhere=True`` (DDP: every rank holds every tensor) a slice some
   ranks lack counts as divergent too (a parameter frozen on one rank has no optimizer state
   there). Divergent replicas are reported naming each tensor and which ranks hold which
   digest: a ``ReplicaMismatchWarning`` (``mode="warn"``, the default), a ``DistributedError``
@@ -22,10 +22,10 @@ from typing import Any
 
 import xxhash
 
+from unickpt import _dist
 from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
 from unickpt.errors import ConfigError, DistributedError
-from unickpt.io import _dist
 from unickpt.io.tensors import LocalSlice, as_bytes
 
 __all__ = ["REPLICA_MODES", "ReplicaMismatchWarning", "check_gathered_metas", "check_replicas"]
@@ -34,16 +34,16 @@ logger = get_logger(__name__)
 REPLICA_MODES = ("warn", "raise", "off")
 _SHOWN = 20
 
-BlockKey = tuple[str, tuple[int, ...], tuple[int, ...]]
+SliceKey = tuple[str, tuple[int, ...], tuple[int, ...]]
 
 
 class ReplicaMismatchWarning(UserWarning):
-    """Ranks that should hold identical copies of a tensor block hold different bytes."""
+    """Ranks that should hold identical copies of a tensor slice hold different bytes."""
 
 
-def _digests(boxes: dict[str, list[LocalSlice]]) -> dict[BlockKey, str]:
-    out: dict[BlockKey, str] = {}
-    for name, sls in boxes.items():
+def _digests(slices: dict[str, list[LocalSlice]]) -> dict[SliceKey, str]:
+    out: dict[SliceKey, str] = {}
+    for name, sls in slices.items():
         for sl in sls:
             if sl.tensor.device.type == "meta":
                 continue
@@ -54,9 +54,9 @@ def _digests(boxes: dict[str, list[LocalSlice]]) -> dict[BlockKey, str]:
     return out
 
 
-def _describe(key: BlockKey, by_digest: dict[str, list[int]]) -> str:
+def _describe(key: SliceKey, by_digest: dict[str, list[int]]) -> str:
     name, offsets, shape = key
-    where = "" if not any(offsets) else f" (block at offsets {list(offsets)}, shape {list(shape)})"
+    where = "" if not any(offsets) else f" (slice at offsets {list(offsets)}, shape {list(shape)})"
     groups = "; ".join(
         f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {d if d == 'missing' else 'xxh3 ' + d}"
         for d, rs in sorted(by_digest.items(), key=lambda kv: kv[1][0])
@@ -65,20 +65,20 @@ def _describe(key: BlockKey, by_digest: dict[str, list[int]]) -> str:
 
 
 def check_replicas(
-    boxes: dict[str, list[LocalSlice]], mode: str, what: str, group: Any = None, *, everywhere: bool = False
+    slices: dict[str, list[LocalSlice]], mode: str, what: str, group: Any = None, *, everywhere: bool = False
 ) -> None:
-    """Collective: compare the digests of the blocks several ranks hold; act on divergence per ``mode``."""
+    """Collective: compare the digests of the slices several ranks hold; act on divergence per ``mode``."""
     if mode not in REPLICA_MODES:
         raise ConfigError(f"check_replicas must be one of {REPLICA_MODES}, got {mode!r}")
     if mode == "off" or _dist.world_size(group) == 1:
         return
 
-    def digest() -> dict[BlockKey, str]:
+    def digest() -> dict[SliceKey, str]:
         maybe_fail("replicas.digest")
-        return _digests(boxes)
+        return _digests(slices)
 
     mine = _dist.agreed(digest, f"digesting the replicated tensors of {what}", group)
-    holders: dict[BlockKey, dict[str, list[int]]] = {}
+    holders: dict[SliceKey, dict[str, list[int]]] = {}
     everyone = _dist.all_gather_object(mine, group)
     for r, ds in enumerate(everyone):
         for key, d in ds.items():
@@ -94,7 +94,7 @@ def check_replicas(
     lines = "\n  ".join(_describe(k, v) for k, v in diverged[:_SHOWN])
     more = f"\n  ... and {len(diverged) - _SHOWN} more" if len(diverged) > _SHOWN else ""
     message = (
-        f"{what}: {len(diverged)} replicated tensor block(s) differ across ranks, and only one copy is "
+        f"{what}: {len(diverged)} replicated tensor slice(s) differ across ranks, and only one copy is "
         f"saved:\n  {lines}{more}\nThe replicas diverged (a rank skipped a gradient all-reduce or an "
         "update, or was initialised differently)."
     )

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from unickpt import __version__
+from unickpt import __version__, _dist
 from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
 from unickpt.errors import UnickptError
@@ -45,7 +45,6 @@ from unickpt.format.writer import (
     tensor_entry,
     write_single_file,
 )
-from unickpt.io import _dist
 from unickpt.io._commit import commit_collective
 from unickpt.io.planner import PlannedFile, SavePlan, SliceMeta, plan_save
 from unickpt.io.replicas import check_gathered_metas

@@ -1,4 +1,4 @@
-"""The torch side of the format: dtype names, raw bytes of tensors, local boxes of DTensors."""
+"""The torch side of the format: dtype names, raw bytes of tensors, the local slices of DTensors."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ __all__ = [
     "LocalSlice",
     "as_bytes",
     "is_dtensor",
-    "local_boxes",
+    "local_slices",
     "global_shape",
+    "mesh_dims",
 ]
 
 TORCH_TO_ST: dict[torch.dtype, str] = {
@@ -72,11 +73,11 @@ def global_shape(t: torch.Tensor) -> tuple[int, ...]:
 
 @dataclass
 class LocalSlice:
-    """One block of a global tensor held by this rank.
+    """A local slice: one rectangular piece of a global tensor that this rank holds, to save or load.
 
-    ``tensor`` is the local data (any device, any strides); ``offsets`` is where its first
-    element sits in the global tensor. ``flat_start`` is set for blocks cut from a flat
-    buffer (ZeRO): then ``tensor`` is 1-D and is reshaped to ``shape`` when written.
+    Its box is ``offsets`` (where its first element sits in the global tensor) and ``shape``.
+    ``tensor`` is the local data (any device, any strides), either of ``shape`` or, for a piece
+    cut from a flat buffer (ZeRO), a 1-D run of ``prod(shape)`` elements, reshaped when written.
     """
 
     name: str
@@ -94,6 +95,14 @@ class LocalSlice:
         return (self.name, self.dtype, self.global_shape, self.offsets, self.shape)
 
 
+def mesh_dims(mesh: Any) -> dict[str, int]:
+    """A ``DeviceMesh``'s dimensions by name (``dim0``, ``dim1`` ... where it names none), as the index records them."""
+    if mesh is None:
+        return {}
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    return {str(n): int(s) for n, s in zip(names, mesh.shape, strict=True)}
+
+
 def as_bytes(t: torch.Tensor) -> np.ndarray:
     """A tensor's elements in C order as a uint8 numpy array (a copy only when needed)."""
     t = t.detach()
@@ -103,11 +112,11 @@ def as_bytes(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.uint8).numpy()
 
 
-def local_boxes(name: str, t: torch.Tensor) -> list[LocalSlice]:
-    """The block(s) of the global tensor that this rank holds, for a DTensor or plain tensor.
+def local_slices(name: str, t: torch.Tensor) -> list[LocalSlice]:
+    """The local slices of the global tensor ``name`` that this rank holds, for a DTensor or plain tensor.
 
     A plain tensor is the whole tensor (replicated: the planner picks one rank to write it).
-    A DTensor's block is computed from its mesh and placements; ``Partial`` placements are
+    A DTensor's box is computed from its mesh and placements; ``Partial`` placements are
     refused because the values are not reduced yet.
     """
     dtype = st_dtype(t.dtype, name)

@@ -13,15 +13,15 @@ from typing import Any
 
 import torch
 
+from unickpt import _dist
 from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
 from unickpt.errors import ConfigError, UnickptError
 from unickpt.format import run_layout
 from unickpt.format.commit import atomic_write_bytes
 from unickpt.format.run_layout import HF_DIR
-from unickpt.io import _dist
 from unickpt.io.async_save import AsyncSaves
-from unickpt.io.checkpoint_io import SavePayload
+from unickpt.io.payload import SavePayload
 from unickpt.manager import policy, snapshot, train_state
 from unickpt.manager.storage import Storage, open_storage
 
@@ -320,7 +320,7 @@ class CheckpointManager:
             return
         # Async: rank 0 assembles full tensors from the sliced copy just written; every rank
         # joins the gathered save on the background group (ranks other than 0 hold nothing).
-        from unickpt.io.tensors import local_boxes
+        from unickpt.io.tensors import local_slices
 
         full: dict[str, torch.Tensor] = {}
         aliases: dict[str, str] = {}
@@ -333,7 +333,9 @@ class CheckpointManager:
             except BaseException as e:
                 err = e
         _dist.agree(err, f"assembling the Hugging Face copy of step {p.step}", group)
-        payload = SavePayload("model", full, {n: local_boxes(n, t) for n, t in full.items()}, aliases=aliases)
+        payload = SavePayload(
+            "model", full, {n: local_slices(n, t) for n, t in full.items()}, aliases=aliases
+        )
         self.io.write(payload, hf, shard=True, gather_dtensor=True, size_per_shard=_SHARD_MB, group=group)
         if _dist.rank(group) == 0:
             for fname, text in p.hf_config.items():

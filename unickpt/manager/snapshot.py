@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 
+from unickpt import _dist
 from unickpt._faults import maybe_fail
-from unickpt.io import _dist
-from unickpt.io.checkpoint_io import SavePayload, hf_config_files, lr_scheduler_json
+from unickpt.io.payload import SavePayload
+from unickpt.io.side_files import hf_config_files, lr_scheduler_json
 from unickpt.manager import train_state
 
 __all__ = ["Payload", "capture"]

@@ -16,6 +16,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+from unickpt import _dist
 from unickpt._faults import maybe_fail
 from unickpt._remote_store import RemoteStore
 from unickpt._stepdirs import (
@@ -29,7 +30,6 @@ from unickpt.errors import ConfigError
 from unickpt.format import run_layout
 from unickpt.format.commit import directory_lock
 from unickpt.format.run_layout import HF_DIR, LATEST_NAME, TRAIN_STATE_DIR
-from unickpt.io import _dist
 
 __all__ = ["Storage", "LocalStorage", "RemoteStorage", "open_storage"]
 

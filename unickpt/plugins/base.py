@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from unickpt.errors import UnsupportedError
+from unickpt.io.tensors import mesh_dims
 from unickpt.plugins._shared import mesh as _mesh
 
 if TYPE_CHECKING:
@@ -33,10 +34,15 @@ ConfigureResult = tuple[torch.nn.Module, Any, Any, Any, Any]
 class Plugin(abc.ABC):
     """Base class of every parallelism plugin.
 
-    Subclasses implement :meth:`configure` and :meth:`get_checkpoint_io`, and set ``name``.
+    Subclasses set ``name``, implement :meth:`_parallelize`, and name their CheckpointIO: set
+    ``checkpoint_io_class`` (built with the plugin's mesh), or override
+    :meth:`_make_checkpoint_io` when it needs more than the mesh.
     """
 
     name: ClassVar[str] = "plugin"
+    # False for a plugin whose ranks all consume the same batches (TP, PP): dp_size 1, dp_rank 0.
+    data_parallel: ClassVar[bool] = True
+    checkpoint_io_class: ClassVar[type[CheckpointIO] | None] = None
 
     def __init__(self) -> None:
         self._mesh: DeviceMesh | None = None
@@ -45,7 +51,6 @@ class Plugin(abc.ABC):
 
     # -- set-up ---------------------------------------------------------------------------
 
-    @abc.abstractmethod
     def configure(
         self,
         model: torch.nn.Module,
@@ -56,14 +61,35 @@ class Plugin(abc.ABC):
     ) -> ConfigureResult:
         """Parallelise ``model`` and return ``(model, optimizer, criterion, dataloader, lr_scheduler)``.
 
-        Called once by every rank. The returned optimizer is the same torch optimizer object
-        (so a scheduler built on it stays valid), with its parameters replaced by the
-        parallelised ones. The returned model is a :class:`unickpt.wrappers.ModelWrapper`.
+        Called once by every rank. The process group is initialised from the torchrun
+        environment if needed, then :meth:`_parallelize` builds the mesh and sets the model up.
+        The returned optimizer is the same torch optimizer object (so a scheduler built on it
+        stays valid), with its parameters replaced by the parallelised ones. The returned model
+        is a :class:`unickpt.wrappers.ModelWrapper`; ``criterion``, ``dataloader`` and
+        ``lr_scheduler`` come back unchanged.
         """
+        _mesh.ensure_process_group()
+        self._io = None  # the mesh changes: the next get_checkpoint_io builds a new IO
+        return self._parallelize(model, optimizer), optimizer, criterion, dataloader, lr_scheduler
 
     @abc.abstractmethod
+    def _parallelize(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> torch.nn.Module:
+        """Build ``self._mesh``, set ``model`` up with torch's parallelism, point ``optimizer`` at its
+        new parameters, and return the model's :class:`unickpt.wrappers.ModelWrapper` (every rank)."""
+
     def get_checkpoint_io(self) -> CheckpointIO:
         """The CheckpointIO that saves and loads models set up by this plugin (all ranks)."""
+        if self._io is None:
+            self._io = self._make_checkpoint_io()
+        return self._io
+
+    def _make_checkpoint_io(self) -> CheckpointIO:
+        """A new CheckpointIO for the current mesh: ``checkpoint_io_class(mesh=...)`` by default."""
+        if self.checkpoint_io_class is None:
+            raise NotImplementedError(f"{type(self).__name__} names no checkpoint_io_class")
+        return self.checkpoint_io_class(mesh=self._mesh)
 
     def backward(self, loss: torch.Tensor, optimizer: Any) -> None:
         """Back-propagate ``loss`` (every rank). Gradient reduction is done by torch's wrappers."""
@@ -93,12 +119,12 @@ class Plugin(abc.ABC):
     @property
     def dp_size(self) -> int:
         """How many data-parallel replicas consume different batches."""
-        return self.world_size
+        return self.world_size if self.data_parallel else 1
 
     @property
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel replicas."""
-        return dist.get_rank() if dist.is_initialized() else 0
+        return dist.get_rank() if self.data_parallel and dist.is_initialized() else 0
 
     @property
     def world_size(self) -> int:
@@ -106,12 +132,12 @@ class Plugin(abc.ABC):
 
     def layout(self) -> dict[str, Any]:
         """A JSON-able description: plugin name, world size, mesh dimensions, dp size."""
-        mesh = self._mesh
-        dims: dict[str, int] = {}
-        if mesh is not None:
-            names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
-            dims = {str(n): int(s) for n, s in zip(names, mesh.shape, strict=True)}
-        return {"plugin": self.name, "world_size": self.world_size, "mesh": dims, "dp_size": self.dp_size}
+        return {
+            "plugin": self.name,
+            "world_size": self.world_size,
+            "mesh": mesh_dims(self._mesh),
+            "dp_size": self.dp_size,
+        }
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.layout()})"
@@ -122,6 +148,14 @@ def parameter_fqns(model: torch.nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in model.named_parameters()}
 
 
+def _refuse_stepped(optimizer: torch.optim.Optimizer) -> None:
+    if any(len(s) for s in optimizer.state.values()):
+        raise UnsupportedError(
+            "the optimizer already holds state (it has stepped): pass a fresh optimizer to "
+            "Booster.boost and load its state afterwards with booster.load_optimizer"
+        )
+
+
 def check_optimizer(optimizer: torch.optim.Optimizer | None, model: torch.nn.Module) -> None:
     """Refuse, before anything is parallelised, an optimizer the plugin cannot rebind.
 
@@ -130,11 +164,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer | None, model: torch.nn.Mod
     """
     if optimizer is None:
         return
-    if any(len(s) for s in optimizer.state.values()):
-        raise UnsupportedError(
-            "the optimizer already holds state (it has stepped): pass a fresh optimizer to "
-            "Booster.boost and load its state afterwards with booster.load_optimizer"
-        )
+    _refuse_stepped(optimizer)
     fqns = parameter_fqns(model)
     seen: set[int] = set()
     for gi, group in enumerate(optimizer.param_groups):
@@ -166,11 +196,7 @@ def remap_optimizer_params(
     """
     if optimizer is None:
         return
-    if any(len(s) for s in optimizer.state.values()):
-        raise UnsupportedError(
-            "the optimizer already holds state (it has stepped): pass a fresh optimizer to "
-            "Booster.boost and load its state afterwards with booster.load_optimizer"
-        )
+    _refuse_stepped(optimizer)
     current = dict(model.named_parameters())
     seen: set[int] = set()
     for gi, group in enumerate(optimizer.param_groups):

@@ -5,7 +5,6 @@ Parameters stay plain replicated tensors; the CheckpointIO base writes each of t
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -13,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from unickpt.io import CheckpointIO
 from unickpt.plugins._shared import mesh as _mesh
-from unickpt.plugins.base import ConfigureResult, Plugin
+from unickpt.plugins.base import Plugin
 from unickpt.wrappers import ModelWrapper
 
 __all__ = ["DDPCheckpointIO", "DDPModelWrapper", "DDPPlugin"]
@@ -45,23 +44,17 @@ class DDPPlugin(Plugin):
     """
 
     name = "ddp"
+    checkpoint_io_class = DDPCheckpointIO
 
     def __init__(self, **ddp_kwargs: Any) -> None:
         super().__init__()
         self.ddp_kwargs = ddp_kwargs
 
-    def configure(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        criterion: Callable[..., Any] | None = None,
-        dataloader: Any = None,
-        lr_scheduler: Any = None,
-    ) -> ConfigureResult:
+    def _parallelize(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> torch.nn.Module:
         """Wrap ``model`` in DDP (every rank; DDP broadcasts rank 0's parameters and buffers)."""
-        _mesh.ensure_process_group()
         self._mesh = _mesh.build_mesh((self.world_size,), ("dp",))
-        self._io = None
         device = self.device
         model = model.to(device)
         kwargs = dict(self.ddp_kwargs)
@@ -69,9 +62,4 @@ class DDPPlugin(Plugin):
             kwargs.setdefault("device_ids", [device.index])
         # DDP keeps the parameter objects, so the optimizer needs no remapping.
         ddp = DistributedDataParallel(model, **kwargs)
-        return DDPModelWrapper(ddp), optimizer, criterion, dataloader, lr_scheduler
-
-    def get_checkpoint_io(self) -> CheckpointIO:
-        if self._io is None:
-            self._io = DDPCheckpointIO(mesh=self._mesh)
-        return self._io
+        return DDPModelWrapper(ddp)

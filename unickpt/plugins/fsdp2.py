@@ -6,7 +6,7 @@ saves and reshards them generically.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -18,7 +18,6 @@ from unickpt.io import CheckpointIO
 from unickpt.plugins._shared import mesh as _mesh
 from unickpt.plugins._shared.fsdp_units import _group_dtypes, _resolve_units, default_shard_units
 from unickpt.plugins.base import (
-    ConfigureResult,
     Plugin,
     check_optimizer,
     parameter_fqns,
@@ -43,12 +42,13 @@ class FSDP2Plugin(Plugin):
     Args:
         reshard_after_forward: passed to every ``fully_shard`` call.
         shard_modules: FQNs and/or module classes that get their own ``fully_shard`` (their own
-            all-gather group) before the root does. ``None`` picks each block as described in
+            all-gather group) before the root does. ``None`` picks the units described in
             :func:`default_shard_units`.
         mp_policy: a ``torch.distributed.fsdp.MixedPrecisionPolicy`` (default: none).
     """
 
     name = "fsdp2"
+    checkpoint_io_class = FSDP2CheckpointIO
 
     def __init__(
         self,
@@ -62,20 +62,13 @@ class FSDP2Plugin(Plugin):
         self.mp_policy = mp_policy
         self.units: list[str] = []
 
-    def configure(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        criterion: Callable[..., Any] | None = None,
-        dataloader: Any = None,
-        lr_scheduler: Any = None,
-    ) -> ConfigureResult:
+    def _parallelize(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> torch.nn.Module:
         """Apply ``fully_shard`` to each unit, deepest first, then to the root (every rank)."""
         if isinstance(model, FSDPModule):
             raise UnsupportedError("the model is already sharded with fully_shard; pass the plain model")
-        _mesh.ensure_process_group()
         self._mesh = _mesh.build_mesh((self.world_size,), ("dp",))
-        self._io = None
         model = model.to(self.device)
         check_optimizer(optimizer, model)
         units = _resolve_units(model, self.shard_modules)
@@ -97,9 +90,4 @@ class FSDP2Plugin(Plugin):
         fully_shard(model, **kwargs)
         self.units = units
         remap_optimizer_params(optimizer, old_fqns, model)
-        return ModelWrapper(model), optimizer, criterion, dataloader, lr_scheduler
-
-    def get_checkpoint_io(self) -> CheckpointIO:
-        if self._io is None:
-            self._io = FSDP2CheckpointIO(mesh=self._mesh)
-        return self._io
+        return ModelWrapper(model)

@@ -7,8 +7,8 @@ torch's components are composed on the named sub-meshes, in this order: the pipe
 - ``"fsdp2"``: ``fully_shard`` on the units :func:`unickpt.plugins.fsdp2.default_shard_units`
   picks (tied weights stay in one group), then the root. Over TP on the same tensor dimension
   this gives ``(_StridedShard, Shard)`` placements; the CheckpointIO base computes each rank's
-  block with torch's ``compute_local_shape_and_global_offset`` (one contiguous block in every
-  case the tests cover; the planner's coverage check fails loudly otherwise).
+  local slice with torch's ``compute_local_shape_and_global_offset`` (one rectangular slice in
+  every case the tests cover; the planner's coverage check fails loudly otherwise).
 
 Tensor parallelism needs every sharded dimension divisible by ``tp_size`` (checked at configure
 time, ``UnsupportedError``); the dp dimension may split unevenly.
@@ -40,7 +40,7 @@ from unickpt.plugins._shared.pipeline import (
     tied_shapes_from,
 )
 from unickpt.plugins._shared.zero import ZeroCheckpointIO, ZeroPartition
-from unickpt.plugins.base import ConfigureResult, Plugin, parameter_fqns, remap_optimizer_params
+from unickpt.plugins.base import Plugin, parameter_fqns, remap_optimizer_params
 from unickpt.wrappers import ModelWrapper
 
 __all__ = ["HybridCheckpointIO", "HybridParallelPlugin"]
@@ -110,23 +110,14 @@ class HybridParallelPlugin(Plugin):
     def dp_rank(self) -> int:
         return self._mesh.get_local_rank("dp") if self._mesh is not None else 0
 
-    def configure(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        criterion: Callable[..., Any] | None = None,
-        dataloader: Any = None,
-        lr_scheduler: Any = None,
-    ) -> ConfigureResult:
+    def _parallelize(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> nn.Module:
         """Split, tensor-parallelise, then data-parallelise ``model`` (every rank)."""
-        _mesh.ensure_process_group()
         if self.world_size % (self.tp_size * self.pp_size):
             raise UnsupportedError(
                 f"world size {self.world_size} is not a multiple of tp_size*pp_size={self.tp_size * self.pp_size}"
             )
         mesh = _mesh.build_mesh((self.dp_size, self.pp_size, self.tp_size), ("dp", "pp", "tp"))
         self._mesh = mesh
-        self._io = None
         stage = mesh.get_local_rank("pp")
         canonical: dict[str, str] = {}
         tied: dict[str, list[int]] = {}
@@ -178,7 +169,7 @@ class HybridParallelPlugin(Plugin):
                 canonical,
                 self.device,
             )
-        return ModelWrapper(model), optimizer, criterion, dataloader, lr_scheduler
+        return ModelWrapper(model)
 
     def _reduce_dp(self) -> None:
         """Average gradients over the dp sub-mesh (``dp="ddp"``; collective over it)."""
@@ -211,13 +202,10 @@ class HybridParallelPlugin(Plugin):
         self._reduce_dp()
         return loss
 
-    def get_checkpoint_io(self) -> CheckpointIO:
-        if self._io is None:
-            if self.partition is not None:
-                self._io = HybridZeroCheckpointIO(mesh=self._mesh, partition=self.partition)
-            else:
-                self._io = HybridCheckpointIO(mesh=self._mesh, canonical=self.canonical)
-        return self._io
+    def _make_checkpoint_io(self) -> CheckpointIO:
+        if self.partition is not None:
+            return HybridZeroCheckpointIO(mesh=self._mesh, partition=self.partition)
+        return HybridCheckpointIO(mesh=self._mesh, canonical=self.canonical)
 
 
 def _check_tp_even(model: nn.Module, tp_size: int) -> None:

@@ -39,7 +39,7 @@ from unickpt.plugins._shared.pipeline import (
     split_stage,
     tied_shapes_from,
 )
-from unickpt.plugins.base import ConfigureResult, Plugin
+from unickpt.plugins.base import Plugin
 from unickpt.wrappers import ModelWrapper
 
 __all__ = ["PPCheckpointIO", "PPPlugin", "PipelineRuntime", "pipeline_units", "split_stage"]
@@ -57,6 +57,7 @@ class PPPlugin(Plugin):
     """
 
     name = "pp"
+    data_parallel = False
 
     def __init__(
         self,
@@ -80,29 +81,12 @@ class PPPlugin(Plugin):
         self.canonical: dict[str, str] = {}
 
     @property
-    def dp_size(self) -> int:
-        return 1
-
-    @property
-    def dp_rank(self) -> int:
-        return 0
-
-    @property
     def stage(self) -> int:
         return dist.get_rank() if dist.is_initialized() else 0
 
-    def configure(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        criterion: Callable[..., Any] | None = None,
-        dataloader: Any = None,
-        lr_scheduler: Any = None,
-    ) -> ConfigureResult:
+    def _parallelize(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> nn.Module:
         """Keep this rank's stage of ``model`` (in place) and prune the optimizer (every rank)."""
-        _mesh.ensure_process_group()
         self._mesh = _mesh.build_mesh((self.pp_size,), ("pp",))
-        self._io = None
         stage = self._mesh.get_local_rank("pp")
         canonical, tied = split_stage(model, self.split_points, stage, self.pp_size)
         shapes = tied_shapes_from(model, tied, canonical)
@@ -121,7 +105,7 @@ class PPPlugin(Plugin):
             canonical,
             self.device,
         )
-        return ModelWrapper(model), optimizer, criterion, dataloader, lr_scheduler
+        return ModelWrapper(model)
 
     def execute_pipeline(
         self, data_iter: Iterator[Any], model: Any, criterion: Callable[..., Any], optimizer: Any
@@ -137,7 +121,5 @@ class PPPlugin(Plugin):
             raise UnsupportedError("execute_pipeline before Booster.boost")
         return self.runtime.run(next(data_iter), criterion)
 
-    def get_checkpoint_io(self) -> CheckpointIO:
-        if self._io is None:
-            self._io = PPCheckpointIO(mesh=self._mesh, canonical=self.canonical)
-        return self._io
+    def _make_checkpoint_io(self) -> CheckpointIO:
+        return PPCheckpointIO(mesh=self._mesh, canonical=self.canonical)

@@ -7,8 +7,7 @@ the plan stay plain tensors, replicated on every rank. Every rank must see the s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
 
 import torch
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
@@ -17,7 +16,6 @@ from unickpt.errors import UnsupportedError
 from unickpt.io import CheckpointIO
 from unickpt.plugins._shared import mesh as _mesh
 from unickpt.plugins.base import (
-    ConfigureResult,
     Plugin,
     check_optimizer,
     parameter_fqns,
@@ -43,6 +41,8 @@ class TPPlugin(Plugin):
     """
 
     name = "tp"
+    data_parallel = False
+    checkpoint_io_class = TPCheckpointIO
 
     def __init__(self, tp_plan: Mapping[str, ParallelStyle]) -> None:
         super().__init__()
@@ -54,34 +54,14 @@ class TPPlugin(Plugin):
             )
         self.tp_plan = dict(tp_plan)
 
-    @property
-    def dp_size(self) -> int:
-        return 1
-
-    @property
-    def dp_rank(self) -> int:
-        return 0
-
-    def configure(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        criterion: Callable[..., Any] | None = None,
-        dataloader: Any = None,
-        lr_scheduler: Any = None,
-    ) -> ConfigureResult:
+    def _parallelize(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> torch.nn.Module:
         """Apply ``tp_plan`` with ``parallelize_module`` (every rank, same model on each)."""
-        _mesh.ensure_process_group()
         self._mesh = _mesh.build_mesh((self.world_size,), ("tp",))
-        self._io = None
         model = model.to(self.device)
         check_optimizer(optimizer, model)
         old_fqns = parameter_fqns(model)
         parallelize_module(model, self._mesh, self.tp_plan)
         remap_optimizer_params(optimizer, old_fqns, model)
-        return ModelWrapper(model), optimizer, criterion, dataloader, lr_scheduler
-
-    def get_checkpoint_io(self) -> CheckpointIO:
-        if self._io is None:
-            self._io = TPCheckpointIO(mesh=self._mesh)
-        return self._io
+        return ModelWrapper(model)

@@ -24,7 +24,6 @@ by every rank in parallel with no gather.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,7 +34,7 @@ from unickpt.errors import UnsupportedError
 from unickpt.io import CheckpointIO
 from unickpt.plugins._shared import mesh as _mesh
 from unickpt.plugins._shared.zero import ZeroCheckpointIO, ZeroPartition
-from unickpt.plugins.base import ConfigureResult, Plugin
+from unickpt.plugins.base import Plugin
 from unickpt.wrappers import ModelWrapper
 
 __all__ = ["ZeroCheckpointIO", "ZeroPartition", "ZeroPlugin"]
@@ -59,18 +58,9 @@ class ZeroPlugin(Plugin):
         self.stage = stage
         self.partition: ZeroPartition | None = None
 
-    def configure(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        criterion: Callable[..., Any] | None = None,
-        dataloader: Any = None,
-        lr_scheduler: Any = None,
-    ) -> ConfigureResult:
+    def _parallelize(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> nn.Module:
         """Broadcast rank 0's parameters and buffers, partition the optimizer (every rank)."""
-        _mesh.ensure_process_group()
         self._mesh = _mesh.build_mesh((self.world_size,), ("dp",))
-        self._io = None
         model = model.to(self.device)
         group = self._mesh.get_group()
         if self.world_size > 1:
@@ -80,7 +70,7 @@ class ZeroPlugin(Plugin):
         if optimizer is not None:
             names = {id(p): n for n, p in model.named_parameters()}
             self.partition = ZeroPartition(optimizer, names, group, self.stage, list(model.buffers()))
-        return ModelWrapper(model), optimizer, criterion, dataloader, lr_scheduler
+        return ModelWrapper(model)
 
     def backward(self, loss: torch.Tensor, optimizer: Any) -> None:
         """Back-propagate; stage 2 then reduce-scatters the gradients at once (every rank)."""
@@ -89,7 +79,5 @@ class ZeroPlugin(Plugin):
         if self.stage == 2 and self.partition is not None:
             self.partition.reduce_gradients()
 
-    def get_checkpoint_io(self) -> CheckpointIO:
-        if self._io is None:
-            self._io = ZeroCheckpointIO(mesh=self._mesh, partition=self.partition)
-        return self._io
+    def _make_checkpoint_io(self) -> CheckpointIO:
+        return ZeroCheckpointIO(mesh=self._mesh, partition=self.partition)

@@ -1,7 +1,7 @@
 """Bounded-memory pieces of ``unickpt merge``: bands of a tensor, and holes of sparse files.
 
 A tensor whose slices are not contiguous runs of it (column splits, 2-D meshes), or that is
-cast, cannot be copied byte range by byte range. It is rebuilt one *band* at a time: a block
+cast, cannot be copied byte range by byte range. It is rebuilt one *band* at a time: a box
 of consecutive elements in C order (a range of rows, or of a row when one row is too large)
 of at most ``budget`` bytes. Within a band, every stored slice contributes one contiguous
 piece of its own bytes, and across the bands of a tensor each slice's pieces come in its
@@ -32,7 +32,7 @@ class Band:
     dim: int
     start: int
     stop: int
-    shape: tuple[int, ...]  # the band as a block: (stop - start, *global_shape[dim + 1:])
+    shape: tuple[int, ...]  # the band as a box: (stop - start, *global_shape[dim + 1:])
 
     def offsets(self, ndim: int) -> list[int]:
         """The band's first element as a global index (its box offsets)."""

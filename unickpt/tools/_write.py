@@ -34,7 +34,7 @@ Bytes = bytes | bytearray | memoryview | np.ndarray
 class SliceData:
     offsets: Sequence[int]
     shape: Sequence[int]
-    data: Bytes | Callable[[], Bytes]  # raw C-order bytes of the block, or a function producing them
+    data: Bytes | Callable[[], Bytes]  # raw C-order bytes of the slice, or a function producing them
 
 
 @dataclass

@@ -153,8 +153,8 @@ def convert_colossalai_optimizer(
     import torch
 
     from unickpt.format.index import LayoutInfo, check_file_name
-    from unickpt.io.checkpoint_io import optimizer_tensor_name
     from unickpt.io.jsonstate import to_json_value
+    from unickpt.io.optim_state import optimizer_tensor_name
     from unickpt.tools._torch import st_of, tensor_bytes
     from unickpt.tools._write import SliceData, TensorData, write_checkpoint
 

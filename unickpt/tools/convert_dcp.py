@@ -193,8 +193,9 @@ def import_training(
     ``train_state.*`` is not written here (see :func:`read_train_state`).
     """
     from unickpt.format.index import LayoutInfo
-    from unickpt.io.checkpoint_io import lr_scheduler_json, optimizer_tensor_name
     from unickpt.io.jsonstate import to_json_value
+    from unickpt.io.optim_state import optimizer_tensor_name
+    from unickpt.io.side_files import lr_scheduler_json
     from unickpt.tools._torch import st_of
     from unickpt.tools._write import SliceData, TensorData, write_checkpoint
     from unickpt.tools.convert import _getter, _LazyTensors

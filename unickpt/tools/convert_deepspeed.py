@@ -397,8 +397,9 @@ def write_deepspeed(
     import torch
 
     from unickpt.format.index import LayoutInfo
-    from unickpt.io.checkpoint_io import lr_scheduler_json, optimizer_tensor_name
     from unickpt.io.jsonstate import to_json_value
+    from unickpt.io.optim_state import optimizer_tensor_name
+    from unickpt.io.side_files import lr_scheduler_json
     from unickpt.tools._torch import st_of, tensor_bytes
     from unickpt.tools._write import SliceData, TensorData, write_checkpoint
 

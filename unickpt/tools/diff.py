@@ -40,6 +40,7 @@ from unickpt.format.reader import CheckpointReader
 from unickpt.tools._bands import band_first, bands
 from unickpt.tools._common import open_auto
 from unickpt.tools._compare import DataDifference, compare_tensors
+from unickpt.tools._progress import progress_bar
 from unickpt.tools.inspect import shown
 
 __all__ = ["DataDifference", "DiffReport", "ShapeChange", "diff_checkpoints"]
@@ -159,7 +160,7 @@ def _data_sum(
     name: str,
     t: TensorEntry,
     failures: list[str],
-    progress: Callable[[int], None],
+    progress: Callable[[int], object],
     version: int,
 ) -> int:
     """The fingerprint partial total of a stored tensor (algorithm ``version``), from its data;
@@ -224,25 +225,14 @@ def diff_checkpoints(
         report.only_in_b = [n for n in _names(rb) if n not in set_a]
         common = [n for n in names_a if n in names_b]
         checked: set[tuple[int, str]] = set()
-        bar: Any = None
+        total = 0
         if deep:
             ra.validate_structure()
             rb.validate_structure()
-            from tqdm.auto import tqdm
-
             total = 2 * sum(
                 ra.tensors[_resolve(ra, n)].nbytes + rb.tensors[_resolve(rb, n)].nbytes for n in common
             )
-            bar = tqdm(
-                total=total,
-                unit="B",
-                unit_scale=True,
-                unit_divisor=1024,
-                desc="diff --deep",
-                disable=None if progress else True,
-                leave=False,
-            )
-        try:
+        with progress_bar(total, "diff --deep", progress and deep) as update:
             for n in common:
                 ta, tb = _resolve(ra, n), _resolve(rb, n)
                 ea, eb = ra.tensors[ta], rb.tensors[tb]
@@ -257,7 +247,7 @@ def diff_checkpoints(
                             continue
                         checked.add((side, t))
                         v = versions[side]
-                        s = _data_sum(r, t, e, report.integrity_failures, bar.update, v)
+                        s = _data_sum(r, t, e, report.integrity_failures, update, v)
                         if e.fingerprint is not None:
                             fp = finalize_fingerprint(t, e.dtype, e.shape, s, version=v)
                             if fp != e.fingerprint:
@@ -266,7 +256,7 @@ def diff_checkpoints(
                                     f"{e.fingerprint} (v{v}), data gives {fp}"
                                 )
                     d = compare_tensors(n, ra, ea, rb, eb)
-                    bar.update(ea.nbytes + eb.nbytes)
+                    update(ea.nbytes + eb.nbytes)
                     if d is None:
                         report.same.append(n)
                     else:
@@ -279,7 +269,4 @@ def diff_checkpoints(
                         (report.same if ea.fingerprint == eb.fingerprint else report.changed).append(n)
                 else:
                     report.unverifiable.append(n)
-        finally:
-            if bar is not None:
-                bar.close()
         return report

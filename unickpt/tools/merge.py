@@ -3,7 +3,7 @@
 Pure file IO plus numpy on raw bytes: no torch.distributed, no launcher, no GPU (torch is
 imported only for ``dtype=`` casts). Each tensor is rebuilt from the shard info in the index:
 
-- when every slice of a tensor is one contiguous run of the flattened tensor (row blocks
+- when every slice of a tensor is one contiguous run of the flattened tensor (row slices
   of FSDP/TP ``Shard(0)``, ZeRO flat ranges, whole tensors), its bytes are copied straight
   from the source files to their place in the output file, in chunks, hashing each chunk
   on the way (``copy_file_range`` when nothing needs hashing); memory stays constant;
@@ -11,7 +11,7 @@ imported only for ``dtype=`` casts). Each tensor is rebuilt from the shard info 
   size, then written; peak memory is about the largest such tensor.
 
 Output files are written front to back and the kernel is asked to start writing them back
-every ``_WRITEBACK`` bytes (``sync_file_range``, a hint), so disk writes overlap the reads of
+every ``_WRITEBACK`` bytes (``_merge_tensors``) (``sync_file_range``, a hint), so disk writes overlap the reads of
 the following tensors instead of all waiting for the final fsync; every file and directory
 is still fsynced before the commit.
 
@@ -25,37 +25,28 @@ output is written to a hidden temporary directory and renamed to ``out`` at the 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from unickpt import __version__
 from unickpt._logging import get_logger
-from unickpt.errors import IndexFileError, IntegrityError, IntegrityFailure, UnsupportedError
-from unickpt.format.boxes import contiguous_start, coverage_problem
-from unickpt.format.commit import SAVE_ID_KEY, Writeback, atomic_write_bytes, content_save_id
-from unickpt.format.consistency import check_keys_referenced
-from unickpt.format.dtypes import itemsize, word_dtype
-from unickpt.format.hashing import (
-    SliceHasher,
-    combine_partials,
-    finalize_fingerprint,
-    fingerprint_partial,
-    fingerprint_version,
-)
+from unickpt.errors import UnsupportedError
+from unickpt.format.commit import SAVE_ID_KEY, atomic_write_bytes, content_save_id
+from unickpt.format.dtypes import itemsize
 from unickpt.format.index import LayoutInfo, SliceEntry, TensorEntry, UnickptBlock, index_to_json
 from unickpt.format.naming import index_name, shard_name, single_name
 from unickpt.format.reader import UNICKPT_METADATA_KEY, CheckpointReader, open_checkpoint
 from unickpt.format.safetensors_io import encode_header, read_header
 from unickpt.format.writer import build_block, build_index, data_file_metadata, group_files, rewrite_header
-from unickpt.tools._bands import bands, is_sparse, next_data, pieces
 from unickpt.tools._common import check_output, copy_small_file, detect_kind, staged_output, write_all
+from unickpt.tools._merge_runs import Run, validate_runs
+from unickpt.tools._merge_tensors import CHUNK, TensorMerger
+from unickpt.tools._progress import progress_bar
 
 __all__ = ["merge_checkpoint", "DTYPES"]
 
@@ -70,321 +61,9 @@ DTYPES = {
     "float16": "F16",
     "float32": "F32",
 }
-_CASTABLE = {"F16", "BF16", "F32", "F64"}
-# Copy in chunks of this size: large enough for disk speed (the kernel reads ahead of it anyway),
-# small enough to keep memory flat. 4 MiB measured as fast as 16 MiB for merges of 128 to 512 MiB.
-_CHUNK = 4 << 20
-# Start writeback of an output file every this many bytes written (the final fsync waits for less).
-_WRITEBACK = 8 << 20
-# Tensors rebuilt in memory (column splits, 2-D meshes, casts) are rebuilt a band of at most this
-# many bytes at a time (``_bands``): peak memory is about two bands, whatever the tensor's size.
-_BAND_BYTES = 16 << 20
-_EMPTY_HASH = SliceHasher().hexdigest()
 _PLACEHOLDER = "0" * 16
 _PLACEHOLDER_ID = "0" * 32
 _SIDE_FILES = ("config.json", "generation_config.json")
-
-
-@dataclass(frozen=True)
-class _Run:
-    """One contiguous run of the flattened tensor stored as one slice."""
-
-    slice: SliceEntry
-    flat_start: int  # in elements
-
-
-def _flat_runs(t: TensorEntry) -> list[_Run] | None:
-    """The slices as contiguous runs in flat order, or None when some slice is not contiguous."""
-    runs = []
-    for s in t.slices:
-        if math.prod(s.shape) == 0:
-            continue
-        start = contiguous_start(t.shape, s.offsets, s.shape)
-        if start is None:
-            return None
-        runs.append(_Run(s, start))
-    runs.sort(key=lambda r: r.flat_start)
-    return runs
-
-
-def _tiles(t: TensorEntry, runs: list[_Run] | None) -> bool:
-    """True when ``runs`` lie inside the tensor and tile its flat range exactly once.
-
-    O(slices) with no numpy: the common layouts (row splits, ZeRO flat ranges, whole tensors)
-    need nothing more, and ``coverage_problem`` would find nothing to report for them. False
-    means "not shown here", not "broken": the general check then decides.
-    """
-    if runs is None:
-        return False
-    end = 0
-    for r in runs:
-        s = r.slice
-        inside = all(o >= 0 and o + n <= g for o, n, g in zip(s.offsets, s.shape, t.shape, strict=True))
-        if r.flat_start != end or not inside:
-            return False
-        end += math.prod(s.shape)
-    return end == math.prod(t.shape)
-
-
-def _validate(r: CheckpointReader) -> dict[str, list[_Run] | None]:
-    """``r.validate_structure()`` with the same checks, order and errors; returns each tensor's
-    flat runs (``_flat_runs``) for the copy.
-
-    Coverage is shown in O(slices) for tensors whose slices are contiguous runs (``_tiles``);
-    only the others go through ``coverage_problem``'s general sweep.
-    """
-    runs_of: dict[str, list[_Run] | None] = {}
-    for name, t in r.block.tensors.items():
-        nd = len(t.shape)
-        same_dims = all(len(s.offsets) == nd and len(s.shape) == nd for s in t.slices)
-        runs = _flat_runs(t) if same_dims else None
-        runs_of[name] = runs
-        if not _tiles(t, runs):
-            problem = coverage_problem(t.shape, [(tuple(s.offsets), tuple(s.shape)) for s in t.slices])
-            if problem:
-                raise IndexFileError(f"{r.index_path or r.directory}: tensor {name!r}: {problem}")
-    for name, t in r.block.tensors.items():
-        for s in t.slices:
-            r._check_slice(name, t, s)
-    if r.has_unickpt_block:
-        check_keys_referenced(r.block, r.files, r.header)
-    return runs_of
-
-
-class _Out(Writeback):
-    """An output file being written front to back, with writeback started every ``_WRITEBACK``
-    bytes so the final fsync does not wait for the whole file."""
-
-    def __init__(self, fd: int) -> None:
-        super().__init__(fd, _WRITEBACK)
-
-    def write(self, data: memoryview, pos: int) -> None:
-        write_all(self.fd, data, pos)
-        self.wrote(pos + data.nbytes)
-
-
-class _Merger:
-    def __init__(
-        self,
-        reader: CheckpointReader,
-        *,
-        verify: bool,
-        out_dtype: str | None,
-        progress: Callable[[int], object],
-        src: str,
-        buf: memoryview,
-        runs_of: dict[str, list[_Run] | None],
-    ) -> None:
-        self.r = reader
-        self._runs_of = runs_of
-        self.verify = verify
-        self.out_dtype = out_dtype
-        self.progress = progress
-        self.src = src
-        self._buf = buf
-        self._sparse_files: dict[str, bool] = {}
-
-    def target_dtype(self, t: TensorEntry) -> str:
-        if self.out_dtype is not None and t.dtype in _CASTABLE:
-            return self.out_dtype
-        return t.dtype
-
-    # -------------------------------------------------------------- checking
-    def _check(self, name: str, s: SliceEntry, found: str) -> None:
-        if self.verify and s.xxh3 is not None and found != s.xxh3:
-            raise IntegrityError([IntegrityFailure(name, s.file, s.key, s.xxh3, found)], checkpoint=self.src)
-
-    # -------------------------------------------------------------- planning
-    def _route(self, name: str, t: TensorEntry) -> tuple[str, list[_Run]]:
-        """How a tensor is written: "kernel" (copy_file_range of one stored slice), "stream"
-        (contiguous runs read in pieces, hashed, written) or "assemble" (rebuilt in memory)."""
-        runs = self._runs_of[name] if self.target_dtype(t) == t.dtype else None
-        if runs is None:
-            return "assemble", []
-        # copy_file_range would write a sparse source's holes out as zeros: stream those.
-        if (
-            len(runs) == 1
-            and runs[0].slice.xxh3 is not None
-            and not self.verify
-            and not self._sparse(runs[0].slice.file)
-        ):
-            return "kernel", runs
-        return "stream", runs
-
-    # -------------------------------------------------------------- writing
-    def write_file(
-        self, tensors: list[tuple[str, TensorEntry, int]], fd: int
-    ) -> dict[str, tuple[str | None, str | None]]:
-        """Write each (name, entry, position) into ``fd``, in order; return name -> (xxh3, fingerprint)."""
-        out = _Out(fd)
-        results: dict[str, tuple[str | None, str | None]] = {}
-        for name, t, pos in tensors:
-            how, runs = self._route(name, t)
-            if how == "assemble":
-                results[name] = self._assemble(name, t, self.target_dtype(t), out, pos)
-                continue
-            self._check_empty(name, t)
-            if how == "kernel":
-                results[name] = (self._copy_one(runs[0].slice, out, pos), t.fingerprint)
-            else:
-                results[name] = (self._stream_runs(name, t, runs, out, pos), t.fingerprint)
-        return results
-
-    def _check_empty(self, name: str, t: TensorEntry) -> None:
-        # Empty slices hold no bytes but still carry a hash: check it.
-        for s in t.slices:
-            if math.prod(s.shape) == 0:
-                self._check(name, s, _EMPTY_HASH)
-
-    def _copy_one(self, s: SliceEntry, out: _Out, pos: int) -> str | None:
-        """The output bytes are exactly the stored slice: copy in the kernel, its hash is the output's."""
-        _, off, n = self.r.slice_location(s)
-        self._copy_file_range(self.r._fd(s.file), off, out.fd, pos, n)
-        out.wrote(pos + n)
-        self.progress(n)
-        return s.xxh3
-
-    def _stream_runs(self, name: str, t: TensorEntry, runs: list[_Run], out: _Out, pos: int) -> str:
-        isz = itemsize(t.dtype)
-        out_hash = SliceHasher()
-        for run in runs:
-            s = run.slice
-            n = math.prod(s.shape) * isz
-            dst = pos + run.flat_start * isz
-            h = None
-            if self.verify and s.xxh3 is not None:
-                # A tensor stored whole: the slice's bytes are the output's, one hash serves both.
-                h = out_hash if len(runs) == 1 else SliceHasher()
-            done = 0
-            hole_end = self._hole_end(s, 0, n)
-            while done < n:
-                k = min(_CHUNK, n - done)
-                if done + k <= hole_end:
-                    # Inside a hole of a sparse source: zeros, neither read nor written.
-                    chunk = self._zeros[:k]
-                else:
-                    chunk = self.r.read_bytes(s, done, k, self._buf[:k])
-                    out.write(chunk, dst + done)
-                if h is not None and h is not out_hash:
-                    h.update(chunk)
-                out_hash.update(chunk)
-                done += k
-                self.progress(k)
-                if done >= hole_end:
-                    hole_end = self._hole_end(s, done, n)
-            if h is not None:
-                self._check(name, s, h.hexdigest())
-        return out_hash.hexdigest()
-
-    def _hole_end(self, s: SliceEntry, rel: int, n: int, unit: int = _CHUNK) -> int:
-        """Where the hole at ``rel`` bytes into slice ``s`` ends (``rel`` itself when ``rel`` holds
-        data), as bytes into the slice, rounded down to whole ``unit``s; ``n`` when the hole runs
-        to byte ``n``. Only sparse files are asked."""
-        if not self._sparse(s.file):
-            return rel
-        _, off, _n = self.r.slice_location(s)
-        data = next_data(self.r._fd(s.file), off + rel, off + n) - off
-        return rel + (data - rel) // unit * unit if data < n else n
-
-    @property
-    def _zeros(self) -> memoryview:
-        z = getattr(self, "_zero_chunk", None)
-        if z is None:
-            z = self._zero_chunk = memoryview(bytes(_CHUNK))
-        return z
-
-    @staticmethod
-    def _copy_file_range(src_fd: int, src_off: int, dst_fd: int, dst_off: int, n: int) -> None:
-        done = 0
-        try:
-            while done < n:
-                k = os.copy_file_range(src_fd, dst_fd, n - done, src_off + done, dst_off + done)
-                if k <= 0:
-                    break
-                done += k
-        except OSError:
-            pass  # cross-device or unsupported filesystem: fall back to read/write below
-        while done < n:
-            data = os.pread(src_fd, min(_CHUNK, n - done), src_off + done)
-            if not data:
-                raise OSError(f"source file truncated at byte {src_off + done}")
-            write_all(dst_fd, memoryview(data), dst_off + done)
-            done += len(data)
-
-    def _sparse(self, file: str) -> bool:
-        got = self._sparse_files.get(file)
-        if got is None:
-            got = self._sparse_files[file] = is_sparse(self.r._fd(file))
-        return got
-
-    def _assemble(
-        self, name: str, t: TensorEntry, out_dtype: str, out: _Out, pos: int
-    ) -> tuple[str, str | None]:
-        """Rebuild the tensor band by band (``_bands``): memory stays about two bands, whatever its size."""
-        isz = itemsize(t.dtype)
-        wdt = word_dtype(t.dtype)
-        nd = len(t.shape)
-        self._check_empty(name, t)
-        live = [s for s in t.slices if math.prod(s.shape)]
-        hashers = {i: SliceHasher() for i, s in enumerate(live) if self.verify and s.xxh3 is not None}
-        done = [0] * len(live)
-        sparse = any(self._sparse(s.file) for s in live)
-        cast = out_dtype != t.dtype
-        # The output keeps the source's format version, so its fingerprints use the same algorithm.
-        version = fingerprint_version(self.r.block.format_version)
-        partials: list[int] = []
-        out_hash = SliceHasher()
-        at = pos
-        for band in bands(t.shape, isz, _BAND_BYTES):
-            buf = np.empty(math.prod(band.shape) * isz, dtype=np.uint8)
-            block = buf.view(wdt).reshape(band.shape or (1,))
-            for i, s in enumerate(live):
-                pc = pieces(band, s.offsets, s.shape)
-                if pc is None:
-                    continue
-                if pc.first != done[i]:  # pragma: no cover - bands visit each slice in its own order
-                    raise RuntimeError(f"internal: merge read {name!r} slice {s.key!r} out of order")
-                if (
-                    self._hole_end(s, pc.first * isz, (pc.first + pc.count) * isz, 1)
-                    >= (pc.first + pc.count) * isz
-                ):
-                    tmp = np.zeros(pc.count * isz, dtype=np.uint8)  # a hole of a sparse source: not read
-                else:
-                    tmp = np.empty(pc.count * isz, dtype=np.uint8)
-                    self.r.read_bytes(s, pc.first * isz, pc.count * isz, tmp.data)
-                h = hashers.get(i)
-                if h is not None:
-                    h.update(tmp.data)
-                done[i] += pc.count
-                if h is not None and done[i] == math.prod(s.shape):
-                    self._check(name, s, h.hexdigest())
-                block[(slice(pc.lo, pc.hi), *pc.inner)] = tmp.view(wdt).reshape(
-                    (pc.hi - pc.lo, *s.shape[band.dim + 1 :])
-                )
-                self.progress(pc.count * isz)
-                del tmp
-            if cast:
-                offs, box = (band.offsets(nd), band.box_shape()) if nd else ([], [])
-                buf = _cast(buf, t.dtype, out_dtype, box)
-                partials.append(
-                    fingerprint_partial(buf.view(word_dtype(out_dtype)), t.shape, offs, box, version=version)
-                )
-            out_hash.update(buf.data)
-            if not (sparse and not buf.any()):  # a zero band of a sparse source stays a hole
-                out.write(buf.data, at)
-            at += buf.nbytes
-        fingerprint = t.fingerprint
-        if cast:
-            fingerprint = finalize_fingerprint(
-                name, out_dtype, t.shape, combine_partials(partials, version=version), version=version
-            )
-        return out_hash.hexdigest(), fingerprint
-
-
-def _cast(buf: np.ndarray, src: str, dst: str, shape: list[int]) -> np.ndarray:
-    from unickpt.tools._torch import from_bytes, tensor_bytes, torch_of
-
-    return tensor_bytes(from_bytes(buf, src, shape).to(torch_of(dst)))
 
 
 def _merge_one(
@@ -397,11 +76,11 @@ def _merge_one(
     progress: Callable[[int], object],
     src: str,
     buf: memoryview,
-    runs_of: dict[str, list[_Run] | None],
+    runs_of: dict[str, list[Run] | None],
 ) -> None:
     kind = reader.kind
     block = reader.block
-    m = _Merger(
+    m = TensorMerger(
         reader, verify=verify, out_dtype=out_dtype, progress=progress, src=src, buf=buf, runs_of=runs_of
     )
     target = {n: m.target_dtype(t) for n, t in block.tensors.items()}
@@ -568,11 +247,11 @@ def merge_checkpoint(
         if not readers:
             readers.append(open_checkpoint(src_s, "optimizer"))
         # Coverage + headers: fail before writing anything.
-        runs_of = [_validate(r) for r in readers]
+        runs_of = [validate_runs(r) for r in readers]
         total = sum(t.nbytes for r in readers for t in r.block.tensors.values())
         # The copy buffer of every streamed tensor, not zero-filled (each read fills what it uses).
-        buf = np.empty(_CHUNK, dtype=np.uint8).data
-        with _progress_bar(total, progress) as update, staged_output(out_s) as tmp:
+        buf = np.empty(CHUNK, dtype=np.uint8).data
+        with progress_bar(total, "merge", progress) as update, staged_output(out_s) as tmp:
             for r, runs in zip(readers, runs_of, strict=True):
                 _merge_one(
                     r,
@@ -596,20 +275,6 @@ def merge_checkpoint(
     finally:
         for r in readers:
             r.close()
-
-
-@contextlib.contextmanager
-def _progress_bar(total: int, show: bool) -> Iterator[Callable[[int], object]]:
-    """A tqdm bar's ``update`` when ``show``; otherwise a no-op (tqdm is not even imported)."""
-    if not show:
-        yield lambda _n: None
-        return
-    from tqdm.auto import tqdm
-
-    with tqdm(
-        total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="merge", disable=None, leave=False
-    ) as bar:
-        yield bar.update
 
 
 def _has_kind(directory: str, kind: str) -> bool:

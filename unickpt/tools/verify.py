@@ -35,6 +35,7 @@ from unickpt.format.hashing import (
 from unickpt.format.index import SliceEntry, TensorEntry
 from unickpt.format.reader import CheckpointReader
 from unickpt.tools._common import open_auto
+from unickpt.tools._progress import progress_bar
 
 __all__ = ["verify_checkpoint", "VerifyReport", "FingerprintFailure", "MissingHash"]
 
@@ -158,27 +159,9 @@ def verify_checkpoint(
                 total += sum(math.prod(s.shape) for s in t.slices if fp or s.xxh3) * itemsize(t.dtype)
             if require_hashes:
                 report.extend(MissingHash(name, s.file, s.key, "-", "-") for s in t.slices if s.xxh3 is None)
-        bar = None
-        tick: Callable[[int], object] = lambda n: None  # noqa: E731
-        if progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(
-                total=total,
-                unit="B",
-                unit_scale=True,
-                unit_divisor=1024,
-                desc="verify",
-                leave=False,
-                disable=None,
-            )
-            tick = bar.update
-        try:
+        with progress_bar(total, "verify", progress) as tick:
             for name, t, fp in todo:
                 _verify_tensor(r, name, t, fp, report, tick)
-        finally:
-            if bar is not None:
-                bar.close()
         for f in report:
             logger.info("integrity failure: %s", f)
         return report

@@ -163,7 +163,7 @@ class PipelineRuntime:
 
         Under FSDP2 (hybrid) the copies are DTensors sharded alike on every stage's dp sub-mesh,
         and a rank's pipeline group joins the ranks at the same dp/tp coordinates: their local
-        shards hold the same block, so the local shards are summed.
+        shards hold the same slice, so the local shards are summed.
         """
         if not self.tied_stages:
             return

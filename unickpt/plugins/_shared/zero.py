@@ -253,7 +253,7 @@ class ZeroCheckpointIO(CheckpointIO):
         return self.partition
 
     def _optimizer_state(self, ctx: HookContext) -> dict[str, Any]:
-        """FQN-keyed state: this rank's flat ranges (noted in ``ctx`` for :meth:`_local_boxes`), or full tensors.
+        """FQN-keyed state: this rank's flat ranges (noted in ``ctx`` for :meth:`_local_slices`), or full tensors.
 
         Each flat range is listed under a key tensor: the range's view itself when saving, a
         parameter-shaped meta tensor when loading (the loader matches shapes). ``ctx.notes``
@@ -292,11 +292,11 @@ class ZeroCheckpointIO(CheckpointIO):
         # parameter FQN with the shard that holds its state (the base drops state that never stepped).
         return [(fqn, b.shard) for b in self._part().buckets for fqn in b.fqns]
 
-    def _local_boxes(self, name: str, tensor: torch.Tensor, ctx: HookContext) -> list[LocalSlice]:
-        """Boxes of a noted flat range (each a contiguous run of the view), else the default."""
+    def _local_slices(self, name: str, tensor: torch.Tensor, ctx: HookContext) -> list[LocalSlice]:
+        """Local slices of a noted flat range (one per box, each a contiguous run of the view), else the default."""
         hit = ctx.notes.get(id(tensor))
         if hit is None or hit[0] is not tensor:
-            return super()._local_boxes(name, tensor, ctx)
+            return super()._local_slices(name, tensor, ctx)
         _, view, gshape, start, stop = hit
         dtype = st_dtype(tensor.dtype, name)
         out = []

@@ -1,7 +1,10 @@
-"""Every torch.distributed call that checkpoint IO makes, in one place.
+"""The object collectives and the error agreement of unickpt, shared by io, the manager and the booster.
 
 Outside an initialised process group each helper behaves as a world of one, so the same
-code path serves a single process and thousands of ranks.
+code path serves a single process and thousands of ranks. Every helper takes the process group
+it runs over (default: the whole world); a process that is not a member of that group gets a
+``DistributedError`` instead of torch's rank -1. Bulk tensor transfers (DTensor gathers, ZeRO's
+and the pipeline's own collectives) call torch directly; these helpers move Python objects.
 """
 
 from __future__ import annotations
@@ -44,7 +47,20 @@ def _peer_failures(op: str) -> Iterator[None]:
 
 
 def is_distributed(group: Any = None) -> bool:
-    return dist.is_available() and dist.is_initialized()
+    """Whether collectives over ``group`` (default: the whole world) involve a process group.
+
+    False outside an initialised process group (a world of one). Raises ``DistributedError``
+    when this process is not a member of ``group``: it must not take part in a collective over
+    that group, and treating it as a world of one would make it write as rank 0.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    if group is not None and dist.get_rank(group) < 0:  # torch's answer for a non-member
+        raise DistributedError(
+            f"rank {dist.get_rank()} of the world is not a member of the process group given to a "
+            "collective checkpoint call; call it on the ranks of that group only"
+        )
+    return True
 
 
 def rank(group: Any = None) -> int:
@@ -67,10 +83,10 @@ def all_gather_object(obj: T, group: Any = None) -> list[T]:
 def broadcast_object(obj: T, src: int = 0, group: Any = None) -> T:
     if not is_distributed(group):
         return obj
-    box: list[Any] = [obj]
+    holder: list[Any] = [obj]
     with _peer_failures("broadcast_object_list"):
-        dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]  # type: ignore[no-any-return]
+        dist.broadcast_object_list(holder, src=src, group=group)
+    return holder[0]  # type: ignore[no-any-return]
 
 
 def barrier(group: Any = None) -> None:

@@ -1,0 +1,147 @@
+"""``IOCore``: the configuration of a ``CheckpointIO`` and the steps every public method shares.
+
+``CheckpointIO`` is built in layers, each a class adding one side to the one below:
+``CheckpointHooks`` (hooks.py, the defaults plugins override) -> ``IOCore`` (this module: the
+options, the layout recorded in the index, opening a checkpoint on every rank, writing a
+``SavePayload``) -> ``AsyncSaveIO`` (async_save.py) -> ``OptimizerIO`` (optimizer_io.py) ->
+``CheckpointIO`` (checkpoint_io.py: the model and scheduler methods, and the final public API).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from unickpt import _dist
+from unickpt._faults import maybe_fail
+from unickpt.errors import ConfigError
+from unickpt.format.index import LayoutInfo
+from unickpt.format.reader import CheckpointReader, open_checkpoint
+from unickpt.io.hooks import CheckpointHooks, HookContext
+from unickpt.io.payload import SavePayload
+from unickpt.io.replicas import REPLICA_MODES, check_replicas
+from unickpt.io.save import SaveOptions, save_tensors
+from unickpt.io.tensors import LocalSlice, mesh_dims
+
+__all__ = ["IOCore"]
+
+
+class IOCore(CheckpointHooks):
+    """The options of a ``CheckpointIO`` (documented there) and the steps its methods share."""
+
+    plugin_name = "general"
+    # Every rank holds every tensor whole (DDP): a tensor some ranks lack is a divergence.
+    replicated_everywhere = False
+
+    def __init__(
+        self,
+        mesh: Any = None,
+        group: Any = None,
+        *,
+        hashes: bool = True,
+        fingerprints: bool = True,
+        fsync: bool = True,
+        atomic_load: bool = False,
+        check_replicas: str = "warn",
+    ) -> None:
+        if check_replicas not in REPLICA_MODES:
+            raise ConfigError(f"check_replicas must be one of {REPLICA_MODES}, got {check_replicas!r}")
+        self.check_replicas = check_replicas
+        self.mesh = mesh
+        self.group = group
+        self.hashes = hashes
+        self.fingerprints = fingerprints
+        self.fsync = fsync
+        self.atomic_load = atomic_load
+
+    def layout(self) -> LayoutInfo:
+        """The parallel layout recorded in the index."""
+        return LayoutInfo(
+            plugin=self.plugin_name, world_size=_dist.world_size(self.group), mesh=mesh_dims(self.mesh)
+        )
+
+    def write(
+        self,
+        payload: SavePayload,
+        checkpoint: str | os.PathLike[str],
+        *,
+        shard: bool = True,
+        gather_dtensor: bool = True,
+        size_per_shard: float = 1024,
+        group: Any = None,
+    ) -> str:
+        """Collective over ``group`` (default: this IO's group): save a payload; returns the committed path.
+
+        With ``gather_dtensor=True`` the live tensors are gathered (collectives on their
+        meshes), so a snapshot is written sliced (``gather_dtensor=False``) only.
+        """
+        slices = payload.slices
+        check_replicas(
+            slices,
+            self.check_replicas,
+            f"saving the {payload.kind} to {os.fspath(checkpoint)}",
+            self.group if group is None else group,
+            everywhere=self.replicated_everywhere,
+        )
+
+        def slices_fn(name: str, tensor: torch.Tensor) -> list[LocalSlice]:
+            del tensor
+            return slices[name]
+
+        return save_tensors(
+            payload.tensors,
+            os.fspath(checkpoint),
+            self._options(payload.kind, shard, gather_dtensor, size_per_shard),
+            slices_fn,
+            aliases=payload.aliases,
+            entry_extras=payload.entry_extras,
+            block_extras=payload.block_extras,
+            group=self.group if group is None else group,
+        )
+
+    def _local_slices_of(
+        self, tensors: dict[str, torch.Tensor], ctx: HookContext
+    ) -> dict[str, list[LocalSlice]]:
+        return {name: self._local_slices(name, t, ctx) for name, t in tensors.items()}
+
+    def _local_slices_fn(self, ctx: HookContext) -> Callable[[str, torch.Tensor], list[LocalSlice]]:
+        """:meth:`_local_slices` of one call, as the loader asks for it."""
+        return lambda name, tensor: self._local_slices(name, tensor, ctx)
+
+    def _options(self, kind: str, shard: bool, gather: bool, size_mb: float) -> SaveOptions:
+        if size_mb <= 0:
+            raise ConfigError(f"size_per_shard must be a positive number of MB, got {size_mb}")
+        layout = self.layout()
+        return SaveOptions(
+            kind=kind,
+            shard=shard,
+            gather=gather,
+            size_per_shard_mb=size_mb,
+            layout=layout,
+            hashes=self.hashes,
+            fingerprints=self.fingerprints,
+            fsync=self.fsync,
+        )
+
+    def _open(self, checkpoint: str | os.PathLike[str], kind: str) -> CheckpointReader:
+        reader: CheckpointReader | None = None
+        err: BaseException | None = None
+        try:
+            maybe_fail("open")
+            # One process reads every file: open them all now, so that a save committed while the
+            # checkpoint is opened is retried once here, before anything is loaded.
+            reader = open_checkpoint(checkpoint, kind, pin=_dist.world_size(self.group) == 1)
+        except BaseException as e:
+            err = e
+        try:
+            _dist.agree(err, f"opening {os.fspath(checkpoint)}", self.group)
+        except BaseException:
+            if reader is not None:
+                reader.close()
+            raise
+        if reader is None:  # never: agree() raised when opening failed on any rank
+            raise RuntimeError(f"{os.fspath(checkpoint)}: no reader after opening succeeded")
+        return reader

@@ -1,0 +1,66 @@
+"""``SavePayload``: what one rank saves in one checkpoint, and its copy into CPU memory."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+
+from unickpt.io.tensors import LocalSlice
+
+__all__ = ["SavePayload", "cpu_copy"]
+
+
+def cpu_copy(src: torch.Tensor, staging: dict[Any, torch.Tensor] | None, key: Hashable) -> torch.Tensor:
+    """``src`` copied into a CPU buffer (pinned when ``src`` lives on CUDA).
+
+    ``staging`` keeps the buffers between calls under ``key``: one whose shape and dtype still
+    match is reused, so a repeated snapshot copies into memory that is already mapped. A copy
+    from CUDA is asynchronous; the caller synchronizes once after its last copy.
+    """
+    src = src.detach()
+    buf = None if staging is None else staging.get(key)
+    if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+        buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.device.type == "cuda")
+        if staging is not None:
+            staging[key] = buf
+    buf.copy_(src, non_blocking=src.device.type == "cuda")
+    return buf
+
+
+@dataclasses.dataclass
+class SavePayload:
+    """What one rank saves in one checkpoint: its tensors, the local slices it holds, and the extras.
+
+    ``CheckpointIO.plan_model``/``plan_optimizer`` build it from live objects; ``snapshot``
+    copies the local slices to CPU memory (an async save writes the copy while training goes
+    on); ``CheckpointIO.write`` saves it.
+    """
+
+    kind: str
+    tensors: dict[str, torch.Tensor]
+    slices: dict[str, list[LocalSlice]]
+    aliases: dict[str, str] = dataclasses.field(default_factory=dict)
+    entry_extras: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    block_extras: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def snapshot(self, staging: dict[tuple[str, int], torch.Tensor] | None = None) -> SavePayload:
+        """A copy whose local slices live in CPU memory (pinned when they come from CUDA).
+
+        ``staging`` keeps the CPU buffers between calls: a caller that snapshots repeatedly
+        (the async checkpoint manager, which has one save in flight at most) reuses them, and
+        a snapshot is then a plain copy into memory that is already mapped, several times
+        faster than allocating fresh buffers each time.
+        """
+        slices = {
+            name: [
+                dataclasses.replace(sl, tensor=cpu_copy(sl.tensor, staging, (name, i)))
+                for i, sl in enumerate(sls)
+            ]
+            for name, sls in self.slices.items()
+        }
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return dataclasses.replace(self, slices=slices)

@@ -1,0 +1,76 @@
+"""The small JSON files saved beside the tensors: a Hugging Face model's config and the LR scheduler state."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from unickpt.errors import IncompleteCheckpointError, IndexFileError
+from unickpt.format._json import strict_loads
+from unickpt.format.commit import atomic_write_bytes
+from unickpt.io.jsonstate import from_json_value, to_json_value
+
+__all__ = [
+    "SCHEDULER_FILE",
+    "hf_config_files",
+    "lr_scheduler_json",
+    "read_lr_scheduler_state",
+    "write_config_files",
+]
+
+SCHEDULER_FILE = "lr_scheduler.json"
+
+
+def hf_config_files(module: torch.nn.Module) -> dict[str, str]:
+    """``config.json`` / ``generation_config.json`` contents of a Hugging Face model, if it has them."""
+    out: dict[str, str] = {}
+    for attr, fname in (("config", "config.json"), ("generation_config", "generation_config.json")):
+        to_json = getattr(getattr(module, attr, None), "to_json_string", None)
+        if to_json is not None:
+            out[fname] = str(to_json())
+    return out
+
+
+def write_config_files(config: dict[str, str], path: str) -> None:
+    """Write ``config.json``-like files beside the committed checkpoint ``path``."""
+    directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    for fname, text in config.items():
+        atomic_write_bytes(os.path.join(directory, fname), text.encode("utf-8"))
+
+
+def lr_scheduler_json(state: dict[str, Any]) -> bytes:
+    """The bytes of ``lr_scheduler.json`` for a scheduler's ``state_dict()``."""
+    return json.dumps(
+        {"unickpt_lr_scheduler": 1, "state": to_json_value(state, "lr_scheduler")}, indent=2
+    ).encode()
+
+
+def read_lr_scheduler_state(path: str) -> dict[str, Any]:
+    """The scheduler ``state_dict()`` stored in the ``lr_scheduler.json`` at ``path``.
+
+    A missing file is an ``IncompleteCheckpointError``; anything else that is not a scheduler
+    state written by :func:`lr_scheduler_json` is an ``IndexFileError`` naming ``path``.
+    """
+    try:
+        with open(path, "rb") as f:
+            obj = strict_loads(f.read().decode("utf-8"), IndexFileError, f"{path}: LR scheduler state")
+    except FileNotFoundError as e:
+        raise IncompleteCheckpointError(f"no LR scheduler state at {path}") from e
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise IndexFileError(
+            f"{path}: LR scheduler state is not valid JSON ({type(e).__name__}: {e})"
+        ) from None
+    if not isinstance(obj, dict) or "state" not in obj:
+        raise IndexFileError(f"{path}: not a unickpt LR scheduler file (no 'state' key)")
+    try:
+        state = from_json_value(obj["state"], f"{path}: state")
+    except IndexFileError:
+        raise
+    except (KeyError, TypeError, ValueError, RecursionError) as e:
+        raise IndexFileError(f"{path}: malformed LR scheduler state ({type(e).__name__}: {e})") from None
+    if not isinstance(state, dict):
+        raise IndexFileError(f"{path}: LR scheduler state must be a JSON object")
+    return state

@@ -1,0 +1,277 @@
+"""How merge writes each tensor into its output file: copied in the kernel, streamed in chunks, or
+rebuilt band by band in memory (column splits, 2-D meshes, dtype casts), hashing on the way."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+
+import numpy as np
+
+from unickpt.errors import IntegrityError, IntegrityFailure
+from unickpt.format.commit import Writeback
+from unickpt.format.dtypes import itemsize, word_dtype
+from unickpt.format.hashing import (
+    SliceHasher,
+    combine_partials,
+    finalize_fingerprint,
+    fingerprint_partial,
+    fingerprint_version,
+)
+from unickpt.format.index import SliceEntry, TensorEntry
+from unickpt.format.reader import CheckpointReader
+from unickpt.tools._bands import bands, is_sparse, next_data, pieces
+from unickpt.tools._common import write_all
+from unickpt.tools._merge_runs import Run
+
+__all__ = ["CASTABLE", "CHUNK", "TensorMerger"]
+
+CASTABLE = {"F16", "BF16", "F32", "F64"}
+# Copy in chunks of this size: large enough for disk speed (the kernel reads ahead of it anyway),
+# small enough to keep memory flat. 4 MiB measured as fast as 16 MiB for merges of 128 to 512 MiB.
+CHUNK = 4 << 20
+# Start writeback of an output file every this many bytes written (the final fsync waits for less).
+_WRITEBACK = 8 << 20
+# Tensors rebuilt in memory (column splits, 2-D meshes, casts) are rebuilt a band of at most this
+# many bytes at a time (``_bands``): peak memory is about two bands, whatever the tensor's size.
+_BAND_BYTES = 16 << 20
+_EMPTY_HASH = SliceHasher().hexdigest()
+
+
+class _Out(Writeback):
+    """An output file being written front to back, with writeback started every ``_WRITEBACK``
+    bytes so the final fsync does not wait for the whole file."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__(fd, _WRITEBACK)
+
+    def write(self, data: memoryview, pos: int) -> None:
+        write_all(self.fd, data, pos)
+        self.wrote(pos + data.nbytes)
+
+
+class TensorMerger:
+    """Writes the tensors of one source checkpoint into output files, checking slice hashes on the way."""
+
+    def __init__(
+        self,
+        reader: CheckpointReader,
+        *,
+        verify: bool,
+        out_dtype: str | None,
+        progress: Callable[[int], object],
+        src: str,
+        buf: memoryview,
+        runs_of: dict[str, list[Run] | None],
+    ) -> None:
+        self.r = reader
+        self._runs_of = runs_of
+        self.verify = verify
+        self.out_dtype = out_dtype
+        self.progress = progress
+        self.src = src
+        self._buf = buf
+        self._sparse_files: dict[str, bool] = {}
+
+    def target_dtype(self, t: TensorEntry) -> str:
+        if self.out_dtype is not None and t.dtype in CASTABLE:
+            return self.out_dtype
+        return t.dtype
+
+    # -------------------------------------------------------------- checking
+    def _check(self, name: str, s: SliceEntry, found: str) -> None:
+        if self.verify and s.xxh3 is not None and found != s.xxh3:
+            raise IntegrityError([IntegrityFailure(name, s.file, s.key, s.xxh3, found)], checkpoint=self.src)
+
+    # -------------------------------------------------------------- planning
+    def _route(self, name: str, t: TensorEntry) -> tuple[str, list[Run]]:
+        """How a tensor is written: "kernel" (copy_file_range of one stored slice), "stream"
+        (contiguous runs read in pieces, hashed, written) or "assemble" (rebuilt in memory)."""
+        runs = self._runs_of[name] if self.target_dtype(t) == t.dtype else None
+        if runs is None:
+            return "assemble", []
+        # copy_file_range would write a sparse source's holes out as zeros: stream those.
+        if (
+            len(runs) == 1
+            and runs[0].slice.xxh3 is not None
+            and not self.verify
+            and not self._sparse(runs[0].slice.file)
+        ):
+            return "kernel", runs
+        return "stream", runs
+
+    # -------------------------------------------------------------- writing
+    def write_file(
+        self, tensors: list[tuple[str, TensorEntry, int]], fd: int
+    ) -> dict[str, tuple[str | None, str | None]]:
+        """Write each (name, entry, position) into ``fd``, in order; return name -> (xxh3, fingerprint)."""
+        out = _Out(fd)
+        results: dict[str, tuple[str | None, str | None]] = {}
+        for name, t, pos in tensors:
+            how, runs = self._route(name, t)
+            if how == "assemble":
+                results[name] = self._assemble(name, t, self.target_dtype(t), out, pos)
+                continue
+            self._check_empty(name, t)
+            if how == "kernel":
+                results[name] = (self._copy_one(runs[0].slice, out, pos), t.fingerprint)
+            else:
+                results[name] = (self._stream_runs(name, t, runs, out, pos), t.fingerprint)
+        return results
+
+    def _check_empty(self, name: str, t: TensorEntry) -> None:
+        # Empty slices hold no bytes but still carry a hash: check it.
+        for s in t.slices:
+            if math.prod(s.shape) == 0:
+                self._check(name, s, _EMPTY_HASH)
+
+    def _copy_one(self, s: SliceEntry, out: _Out, pos: int) -> str | None:
+        """The output bytes are exactly the stored slice: copy in the kernel, its hash is the output's."""
+        _, off, n = self.r.slice_location(s)
+        self._copy_file_range(self.r._fd(s.file), off, out.fd, pos, n)
+        out.wrote(pos + n)
+        self.progress(n)
+        return s.xxh3
+
+    def _stream_runs(self, name: str, t: TensorEntry, runs: list[Run], out: _Out, pos: int) -> str:
+        isz = itemsize(t.dtype)
+        out_hash = SliceHasher()
+        for run in runs:
+            s = run.slice
+            n = math.prod(s.shape) * isz
+            dst = pos + run.flat_start * isz
+            h = None
+            if self.verify and s.xxh3 is not None:
+                # A tensor stored whole: the slice's bytes are the output's, one hash serves both.
+                h = out_hash if len(runs) == 1 else SliceHasher()
+            done = 0
+            hole_end = self._hole_end(s, 0, n)
+            while done < n:
+                k = min(CHUNK, n - done)
+                if done + k <= hole_end:
+                    # Inside a hole of a sparse source: zeros, neither read nor written.
+                    chunk = self._zeros[:k]
+                else:
+                    chunk = self.r.read_bytes(s, done, k, self._buf[:k])
+                    out.write(chunk, dst + done)
+                if h is not None and h is not out_hash:
+                    h.update(chunk)
+                out_hash.update(chunk)
+                done += k
+                self.progress(k)
+                if done >= hole_end:
+                    hole_end = self._hole_end(s, done, n)
+            if h is not None:
+                self._check(name, s, h.hexdigest())
+        return out_hash.hexdigest()
+
+    def _hole_end(self, s: SliceEntry, rel: int, n: int, unit: int = CHUNK) -> int:
+        """Where the hole at ``rel`` bytes into slice ``s`` ends (``rel`` itself when ``rel`` holds
+        data), as bytes into the slice, rounded down to whole ``unit``s; ``n`` when the hole runs
+        to byte ``n``. Only sparse files are asked."""
+        if not self._sparse(s.file):
+            return rel
+        _, off, _n = self.r.slice_location(s)
+        data = next_data(self.r._fd(s.file), off + rel, off + n) - off
+        return rel + (data - rel) // unit * unit if data < n else n
+
+    @property
+    def _zeros(self) -> memoryview:
+        z = getattr(self, "_zero_chunk", None)
+        if z is None:
+            z = self._zero_chunk = memoryview(bytes(CHUNK))
+        return z
+
+    @staticmethod
+    def _copy_file_range(src_fd: int, src_off: int, dst_fd: int, dst_off: int, n: int) -> None:
+        done = 0
+        try:
+            while done < n:
+                k = os.copy_file_range(src_fd, dst_fd, n - done, src_off + done, dst_off + done)
+                if k <= 0:
+                    break
+                done += k
+        except OSError:
+            pass  # cross-device or unsupported filesystem: fall back to read/write below
+        while done < n:
+            data = os.pread(src_fd, min(CHUNK, n - done), src_off + done)
+            if not data:
+                raise OSError(f"source file truncated at byte {src_off + done}")
+            write_all(dst_fd, memoryview(data), dst_off + done)
+            done += len(data)
+
+    def _sparse(self, file: str) -> bool:
+        got = self._sparse_files.get(file)
+        if got is None:
+            got = self._sparse_files[file] = is_sparse(self.r._fd(file))
+        return got
+
+    def _assemble(
+        self, name: str, t: TensorEntry, out_dtype: str, out: _Out, pos: int
+    ) -> tuple[str, str | None]:
+        """Rebuild the tensor band by band (``_bands``): memory stays about two bands, whatever its size."""
+        isz = itemsize(t.dtype)
+        wdt = word_dtype(t.dtype)
+        nd = len(t.shape)
+        self._check_empty(name, t)
+        live = [s for s in t.slices if math.prod(s.shape)]
+        hashers = {i: SliceHasher() for i, s in enumerate(live) if self.verify and s.xxh3 is not None}
+        done = [0] * len(live)
+        sparse = any(self._sparse(s.file) for s in live)
+        cast = out_dtype != t.dtype
+        # The output keeps the source's format version, so its fingerprints use the same algorithm.
+        version = fingerprint_version(self.r.block.format_version)
+        partials: list[int] = []
+        out_hash = SliceHasher()
+        at = pos
+        for band in bands(t.shape, isz, _BAND_BYTES):
+            buf = np.empty(math.prod(band.shape) * isz, dtype=np.uint8)
+            dense = buf.view(wdt).reshape(band.shape or (1,))
+            for i, s in enumerate(live):
+                pc = pieces(band, s.offsets, s.shape)
+                if pc is None:
+                    continue
+                if pc.first != done[i]:  # pragma: no cover - bands visit each slice in its own order
+                    raise RuntimeError(f"internal: merge read {name!r} slice {s.key!r} out of order")
+                if (
+                    self._hole_end(s, pc.first * isz, (pc.first + pc.count) * isz, 1)
+                    >= (pc.first + pc.count) * isz
+                ):
+                    tmp = np.zeros(pc.count * isz, dtype=np.uint8)  # a hole of a sparse source: not read
+                else:
+                    tmp = np.empty(pc.count * isz, dtype=np.uint8)
+                    self.r.read_bytes(s, pc.first * isz, pc.count * isz, tmp.data)
+                h = hashers.get(i)
+                if h is not None:
+                    h.update(tmp.data)
+                done[i] += pc.count
+                if h is not None and done[i] == math.prod(s.shape):
+                    self._check(name, s, h.hexdigest())
+                dense[(slice(pc.lo, pc.hi), *pc.inner)] = tmp.view(wdt).reshape(
+                    (pc.hi - pc.lo, *s.shape[band.dim + 1 :])
+                )
+                self.progress(pc.count * isz)
+                del tmp
+            if cast:
+                offs, box = (band.offsets(nd), band.box_shape()) if nd else ([], [])
+                buf = _cast(buf, t.dtype, out_dtype, box)
+                partials.append(
+                    fingerprint_partial(buf.view(word_dtype(out_dtype)), t.shape, offs, box, version=version)
+                )
+            out_hash.update(buf.data)
+            if not (sparse and not buf.any()):  # a zero band of a sparse source stays a hole
+                out.write(buf.data, at)
+            at += buf.nbytes
+        fingerprint = t.fingerprint
+        if cast:
+            fingerprint = finalize_fingerprint(
+                name, out_dtype, t.shape, combine_partials(partials, version=version), version=version
+            )
+        return out_hash.hexdigest(), fingerprint
+
+
+def _cast(buf: np.ndarray, src: str, dst: str, shape: list[int]) -> np.ndarray:
+    from unickpt.tools._torch import from_bytes, tensor_bytes, torch_of
+
+    return tensor_bytes(from_bytes(buf, src, shape).to(torch_of(dst)))
