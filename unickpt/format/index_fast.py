@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import math
 import re
 from collections.abc import Callable, Iterator
 from typing import Any, cast
@@ -58,6 +59,7 @@ from unickpt.format.index_models import (
     alias_problem,
     check_file_name,
     fields_of,
+    ranges_problem,
     shape_problem,
     slice_problem,
     strict_metadata_ok,
@@ -85,7 +87,8 @@ CUSTOM_FIELDS: dict[type[BaseModel], frozenset[str]] = {
     ),
     models.LayoutInfo: frozenset({"mesh"}),
     models.TensorEntry: frozenset({"dtype", "slices"}),
-    models.SliceEntry: frozenset({"file"}),
+    models.SliceEntry: frozenset({"file", "ranges"}),
+    models.ByteRange: frozenset({"xxh3"}),
 }
 
 
@@ -410,7 +413,7 @@ class _FastIndex:
             raise _NotFast(f"{_SCHEMA}: {where}: {problem}")
         bulk = bulk_slices(shape, given["slices"], self.shared)
         if bulk is None:
-            given["slices"] = self.slices_slow(where, shape, given["slices"])
+            given["slices"] = self.slices_slow(where, shape, given["slices"], DTYPE_ITEMSIZE[given["dtype"]])
         else:
             given["slices"], pairs, colons, files = bulk
             self.pairs += pairs
@@ -418,7 +421,31 @@ class _FastIndex:
             self.files |= files
         return construct(models.TensorEntry, given, set(t), None)
 
-    def slices_slow(self, where: str, gshape: list[int], sl: list[Any]) -> list[models.SliceEntry]:
+    def ranges(self, v: Any, where: str) -> list[models.ByteRange] | None:
+        """A slice's byte ranges (``ByteRange`` objects); their tiling is checked with the slice."""
+        if v is None:
+            return None
+        if type(v) is not list:
+            raise _schema(where, "null or an array of range objects", v)
+        out = []
+        for i, r in enumerate(v):
+            w = f"{where}.{i}"
+            obj = self.obj(r, w, _RANGE_FIELDS, _RANGE_REQUIRED)
+            given = {}
+            for k, x in obj.items():
+                check = _RANGE_PLAIN.get(k)
+                if check is not None:
+                    given[k] = check(self, x, f"{w}.{k}")
+                elif type(x) is str and _hex16(x):  # xxh3: never null in a range
+                    given[k] = x
+                else:
+                    raise _schema(f"{w}.xxh3", f"a string matching {HEX16}", x)
+            out.append(construct(models.ByteRange, given, set(obj), None))
+        return out
+
+    def slices_slow(
+        self, where: str, gshape: list[int], sl: list[Any], isize: int = 1
+    ) -> list[models.SliceEntry]:
         """Slice by slice, as the models check them (any key order), with a message for each problem."""
         out = []
         for i, v in enumerate(sl):
@@ -429,6 +456,8 @@ class _FastIndex:
                 check = _SLICE_PLAIN.get(k)
                 if check is not None:
                     given[k] = check(self, x, f"{w}.{k}")
+                elif k == "ranges":
+                    given[k] = self.ranges(x, f"{w}.ranges")
                 else:  # file
                     given[k] = self.string(x, f"{w}.file", colons=False)  # a safe name has none
             out.append((s, given))
@@ -436,6 +465,9 @@ class _FastIndex:
         for s, given in out:
             file = given["file"]
             problem = slice_problem(given["key"], file, given["offsets"], given["shape"], gshape)
+            if problem is None and given.get("ranges") is not None:
+                nbytes = math.prod(given["shape"]) * isize
+                problem = ranges_problem(given["key"], file, given["ranges"], nbytes)
             if problem is not None:
                 raise _NotFast(f"{_SCHEMA}: {where}: {problem}")
             self.files.add(file)
@@ -477,3 +509,5 @@ _BLOCK_PLAIN = PLAIN_CHECKS[models.UnickptBlock]
 _LAYOUT_PLAIN = PLAIN_CHECKS[models.LayoutInfo]
 _TENSOR_PLAIN = PLAIN_CHECKS[models.TensorEntry]
 _SLICE_PLAIN = PLAIN_CHECKS[models.SliceEntry]
+_RANGE_PLAIN = PLAIN_CHECKS[models.ByteRange]
+_RANGE_FIELDS, _RANGE_REQUIRED = models.fields_of(models.ByteRange)
