@@ -34,6 +34,7 @@ import xxhash
 
 from unickpt import __version__
 from unickpt._faults import maybe_fail
+from unickpt.errors import UnsupportedError
 from unickpt.format.commit import commit_single_file, discard, temp_name
 from unickpt.format.dtypes import itemsize
 from unickpt.format.hashing import hash_block, slice_hash
@@ -227,7 +228,7 @@ def _write_own(
                 continue
             place = layout.places[name]
             if place.file not in fds:
-                fds[place.file] = os.open(staged[place.file], os.O_WRONLY)
+                fds[place.file] = _open_staged(staged[place.file], rank)
             fd = fds[place.file]
             isize = itemsize(dtype)
             blocks: list[tuple[np.ndarray, tuple[int, ...], tuple[int, ...]]] = []
@@ -257,6 +258,16 @@ def _write_own(
             os.close(fd)
         pool.shutdown(wait=True)
     return hashes, partials
+
+
+def _open_staged(path: str, rank: int) -> int:
+    try:
+        return os.open(path, os.O_WRONLY)
+    except FileNotFoundError:
+        raise UnsupportedError(
+            f"{path}: rank {rank} cannot see the file rank 0 created for this gathered save; every rank "
+            "writes its own bytes into the same files, so the ranks must share the checkpoint directory"
+        ) from None
 
 
 def _hash_tensor(
