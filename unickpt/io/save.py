@@ -1,6 +1,7 @@
 """The save engine shared by every CheckpointIO: the collective work of a save (listing
-blocks, planning, moving tensors to their writer, agreeing); files, hashes and the index are
-written by ``format.writer``, as ``merge`` and ``convert`` write theirs.
+slices, planning, agreeing); a sliced save's files, hashes and index are written by
+``format.writer``, as ``merge`` and ``convert`` write theirs. A gathered save (Hugging Face
+files) takes steps 4-6 in ``io.hf_save``: every rank writes its own bytes into the files.
 
 Order of events (every rank calls ``save_tensors`` with its own tensors):
 
@@ -11,7 +12,7 @@ Order of events (every rank calls ``save_tensors`` with its own tensors):
 4. each writer streams its blocks into staging files (``format.writer.CheckpointWriter``:
    hidden temporary names derived from the save id), hashing each block on a second thread
    while the previous one is written, and fsyncs every file; every file's header carries the
-   save id (a single file is written by ``format.writer.write_single_file``);
+   save id;
 5. ranks agree that every write succeeded (else every rank raises, partial files removed);
 6. rank 0 commits through ``format.commit`` (stage the index, un-commit the previous
    checkpoint, rename the data files and then the index into place, remove superseded files
@@ -242,19 +243,16 @@ def _build_block(
     entry_extras: dict[str, dict[str, Any]] | None,
     block_extras: dict[str, Any] | None,
     *,
-    file_name: str | None = None,
-    placeholder: bool = False,
     save_id: str | None = None,
 ) -> UnickptBlock:
-    """The unickpt block of ``plan`` from each slice's (xxh3, partial); file names from the plan
-    (or ``file_name`` for a single file)."""
+    """The unickpt block of a sliced save's ``plan`` from each slice's (xxh3, partial)."""
     file_of = {(ps.name, ps.k): f.name for f in plan.files for ps in f.slices}
     entries: dict[str, TensorEntry] = {}
     for name, (dtype, gshape) in plan.tensors.items():
         planned = plan.slices[name]
         slices = [
             SliceEntry(
-                file=file_name or file_of[(name, ps.k)],
+                file=file_of[(name, ps.k)],
                 key=ps.key,
                 offsets=list(ps.offsets),
                 shape=list(ps.shape),
@@ -264,7 +262,7 @@ def _build_block(
         ]
         partials = [results[(name, ps.k)][1] for ps in planned] if opts.fingerprints else None
         extra = (entry_extras or {}).get(name, {})
-        entries[name] = tensor_entry(name, dtype, gshape, slices, partials, placeholder=placeholder, **extra)
+        entries[name] = tensor_entry(name, dtype, gshape, slices, partials, **extra)
     return build_block(
         kind=opts.kind,
         created_by=_VERSION,
