@@ -268,6 +268,55 @@ def transformers_case(root: str) -> None:
     on_rank0(check)
 
 
+def _tree_without_save_id(d: str) -> dict[str, bytes]:
+    """Every file of a checkpoint directory, each save id replaced by zeros (ids are random per save)."""
+    from unickpt.format.index import load_index
+
+    idx = load_index(os.path.join(d, "model.safetensors.index.json"))
+    assert idx.unickpt is not None and idx.unickpt.save_id is not None
+    sid = idx.unickpt.save_id.encode()
+    out = {}
+    for f in sorted(os.listdir(d)):
+        with open(os.path.join(d, f), "rb") as fh:
+            out[f] = fh.read().replace(sid, b"0" * 32)
+    return out
+
+
+def manager_case(layout: str, root: str) -> None:
+    """save_hf=True, sync and async (the live tensors change while the background thread writes):
+    byte-identical Hugging Face copies, equal to a gathered save_model of the same state."""
+    from _pp_zero_hybrid_worker import full_state
+
+    from unickpt import CheckpointManager
+
+    trees = []
+    for mode in (False, True):
+        s = _setup(layout)
+        s.train_step(0)
+        exp = full_state(s)
+        mroot = os.path.join(root, f"mgr-{layout}-{mode}")
+        mgr = CheckpointManager(mroot, booster=s.booster, save_steps=1, async_save=mode, save_hf=True)
+        mgr.save(1, s.model, s.optim, force=True)
+        if mode:
+            with torch.no_grad():
+                for p in s.model.parameters():
+                    p.add_(100.0)
+        mgr.wait()
+        hf = os.path.join(mroot, "step-1", "hf")
+
+        def check(hf: str = hf, exp: dict[str, torch.Tensor] = exp) -> None:
+            got = _read_all(hf)
+            want = {k[len("model/") :]: v for k, v in exp.items() if k.startswith("model/") and k[6:] in got}
+            assert len(want) == len(got) and all(_bits_equal(got[k], want[k]) for k in want)
+
+        on_rank0(check)
+        trees.append(_tree_without_save_id(hf) if dist.get_rank() == 0 else {})
+    if dist.get_rank() == 0:
+        assert trees[0].keys() == trees[1].keys()
+        diff = [k for k in trees[0] if trees[0][k] != trees[1][k]]
+        assert not diff, f"async Hugging Face copy differs from the sync one: {diff}"
+
+
 def world_worker(root: str, layouts: list[str]) -> Any:
     from harness import run_cases
 
@@ -277,4 +326,7 @@ def world_worker(root: str, layouts: list[str]) -> Any:
     if "fsdp2x4" in layouts:
         cases.append(("flipped byte", lambda: flipped_byte_case(root)))
     cases.append(("transformers", lambda: transformers_case(root)))
+    for lay in ("fsdp2x4", "hyb_fsdp_dp2tp2"):
+        if lay in layouts:
+            cases.append((f"manager save_hf {lay}", lambda lay=lay: manager_case(lay, root)))
     return run_cases(cases)

@@ -257,6 +257,7 @@ class CheckpointManager:
     def _write(self, p: snapshot.Payload, group: Any) -> None:
         """Collective over ``group``: write the staged step, then rank 0 commits it."""
         rank = _dist.rank(group)
+        hf_in_place = self.save_hf and self._shared_stage(group)
         try:
             for kind, plan in (("model", p.model), ("optimizer", p.optimizer)):
                 if plan is None:
@@ -265,7 +266,9 @@ class CheckpointManager:
                     plan,
                     os.path.join(p.stage, kind),
                     shard=True,
-                    gather_dtensor=False,
+                    # save_hf: the model is written once, as Hugging Face files (every rank
+                    # writes its own bytes); it loads under any layout like a sliced one.
+                    gather_dtensor=kind == "model" and hf_in_place,
                     size_per_shard=_SHARD_MB,
                     group=group,
                 )
@@ -310,24 +313,29 @@ class CheckpointManager:
         for s in policy.retired_steps(self.all_steps(), p.step, self.keep_last):
             self.storage.remove_step(s)
 
+    def _shared_stage(self, group: Any) -> bool:
+        """Whether every rank writes into one staging directory (not so for an fsspec URL's local caches)."""
+        return not isinstance(self.storage, RemoteStorage) or _dist.world_size(group) == 1
+
     def _write_hf(self, p: snapshot.Payload, group: Any, uploaded: set[str]) -> None:
         """Collective over ``group``: the Hugging Face copy of the model into ``<stage>/hf``.
 
-        In a directory the ranks share, every rank writes its own bytes of the files from the
-        same payload as the sliced copy (the live tensors, or an async save's snapshot): no
-        gather and no re-read (``io/hf_save.py``). With an fsspec URL each rank stages in its
-        own local directory: with more than one rank, rank 0 falls back to merging the uploaded
-        sliced copy (``merge_checkpoint``, streamed in bounded memory; one ``model.safetensors``
-        when the model fits in one shard).
+        In a directory the ranks share, ``_write`` saved the model itself as Hugging Face files
+        (every rank writes its own bytes from the payload: the live tensors, or an async save's
+        snapshot; no gather, no re-read, ``io/hf_save.py``), and ``hf/`` holds hard links to
+        them: the bytes are written once. With an fsspec URL each rank stages in its own local
+        directory, so the model is saved sliced; with more than one rank, rank 0 falls back to
+        merging the uploaded sliced copy (``merge_checkpoint``, streamed in bounded memory; one
+        ``model.safetensors`` when the model fits in one shard).
         """
         hf = os.path.join(p.stage, HF_DIR)
-        merge = isinstance(self.storage, RemoteStorage) and _dist.world_size(group) > 1
-        if not merge:
-            self.io.write(p.model, hf, shard=True, gather_dtensor=True, size_per_shard=_SHARD_MB, group=group)
+        merge = not self._shared_stage(group)
         err: BaseException | None = None
         if _dist.rank(group) == 0:
             try:
-                if merge:
+                if not merge:  # model/ holds the Hugging Face files: hf/ links to them
+                    _link_files(os.path.join(p.stage, "model"), hf)
+                else:
                     from unickpt.tools.merge import merge_checkpoint
 
                     self.storage.fetch(p.target, "model", p.stage, uploaded)
@@ -339,3 +347,21 @@ class CheckpointManager:
             except BaseException as e:
                 err = e
         _dist.agree(err, f"writing the Hugging Face copy of step {p.step}", group)
+
+
+def _link_files(src: str, dst: str) -> None:
+    """Rank 0: ``dst`` holds a hard link (a copy where links fail) to every file of ``src``."""
+    import shutil
+
+    from unickpt.format.commit import fsync_dir
+
+    os.makedirs(dst, exist_ok=True)
+    for name in sorted(os.listdir(src)):
+        a, b = os.path.join(src, name), os.path.join(dst, name)
+        if not os.path.isfile(a) or name.startswith("."):
+            continue
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+    fsync_dir(dst)
