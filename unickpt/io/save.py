@@ -46,6 +46,7 @@ from unickpt.format.writer import (
 )
 from unickpt.io import _dist
 from unickpt.io._commit import commit_collective
+from unickpt.io.hf_save import GatheredSave, save_gathered
 from unickpt.io.planner import PlannedFile, SavePlan, SliceMeta, plan_save
 from unickpt.io.replicas import check_gathered_metas
 from unickpt.io.tensors import LocalSlice, as_bytes
@@ -154,8 +155,6 @@ def save_tensors(
         _dist.agree(err, f"preparing {directory}", group)
 
         if opts.gather:  # 4-6: every rank writes its bytes of the Hugging Face files (io/hf_save.py)
-            from unickpt.io.hf_save import GatheredSave, save_gathered
-
             gs = GatheredSave(
                 plan,
                 local,
@@ -170,50 +169,51 @@ def save_tensors(
                 block_extras or {},
             )
             save_gathered(gs, group, rank, world)
-            return file_path if single_file else directory
-        # 4. write.
-        results: _Results = {}
-        try:
-            mine = plan.files_of(rank)
-
-            def blocks() -> Iterator[Any]:
-                for f in mine:
-                    for ps in f.slices:
-                        sl = local[ps.local_index]
-                        yield ps.key, as_bytes(sl.tensor), (sl.global_shape, sl.offsets, sl.shape)
-
-            written = _writer(directory, opts, plan, save_id).write(_file_specs(plan, mine), blocks())
-            results = _by_slice(mine, written)
-        except BaseException as e:
-            err = e
-        # Each rank's own staged files (in its own directory: shared, or node-local before an upload).
-        staged = {
-            f.name: _writer(directory, opts, plan, save_id).staged_name(f.name) for f in plan.files_of(rank)
-        }
-        try:
-            _dist.agree(err, f"writing {directory}", group)
-        except BaseException:
-            discard(staged.values())  # every rank has stopped writing: the successful ranks' files go too
-            raise
-
-        # 5-6. commit.
-        all_results = _dist.all_gather_object(results, group)
-        index = b""
-        if rank == 0:
+        else:  # 4-6: every writer streams its slices into its own files
+            # 4. write.
+            results: _Results = {}
             try:
-                maybe_fail("save.commit")
-                merged_results: _Results = {}
-                for r in all_results:
-                    merged_results.update(r)
-                block = _build_block(
-                    plan, merged_results, opts, aliases, entry_extras, block_extras, save_id=save_id
-                )
-                index = index_to_json(build_index(block, sliced=plan.sliced))
+                mine = plan.files_of(rank)
+
+                def blocks() -> Iterator[Any]:
+                    for f in mine:
+                        for ps in f.slices:
+                            sl = local[ps.local_index]
+                            yield ps.key, as_bytes(sl.tensor), (sl.global_shape, sl.offsets, sl.shape)
+
+                written = _writer(directory, opts, plan, save_id).write(_file_specs(plan, mine), blocks())
+                results = _by_slice(mine, written)
             except BaseException as e:
                 err = e
-        commit_collective(
-            directory, opts.kind, opts.fsync, plan, staged, index, save_id, err, group, rank, world
-        )
+            # Each rank's own staged files (in its own directory: shared, or node-local before an upload).
+            staged = {
+                f.name: _writer(directory, opts, plan, save_id).staged_name(f.name)
+                for f in plan.files_of(rank)
+            }
+            try:
+                _dist.agree(err, f"writing {directory}", group)
+            except BaseException:
+                discard(staged.values())  # every rank has stopped writing: the successful ranks' files go too
+                raise
+
+            # 5-6. commit.
+            all_results = _dist.all_gather_object(results, group)
+            index = b""
+            if rank == 0:
+                try:
+                    maybe_fail("save.commit")
+                    merged_results: _Results = {}
+                    for r in all_results:
+                        merged_results.update(r)
+                    block = _build_block(
+                        plan, merged_results, opts, aliases, entry_extras, block_extras, save_id=save_id
+                    )
+                    index = index_to_json(build_index(block, sliced=plan.sliced))
+                except BaseException as e:
+                    err = e
+            commit_collective(
+                directory, opts.kind, opts.fsync, plan, staged, index, save_id, err, group, rank, world
+            )
     finally:
         lock.close()
     _dist.barrier(group)
