@@ -35,6 +35,7 @@ import xxhash
 from unickpt import __version__
 from unickpt._faults import maybe_fail
 from unickpt.errors import UnsupportedError
+from unickpt.format import commit
 from unickpt.format.commit import commit_single_file, discard, temp_name
 from unickpt.format.dtypes import itemsize
 from unickpt.format.hashing import hash_block, slice_hash
@@ -186,13 +187,10 @@ def _create_files(
             else:
                 meta = data_file_metadata(False, save_id)
             path = staged[f.name]
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
             made.append(path)
-            try:
-                write_all(fd, memoryview(f.header(meta)), 0)
-                os.ftruncate(fd, f.size)
-            finally:
-                os.close(fd)
+            with open(path, "wb") as fh:
+                fh.write(f.header(meta))
+                fh.truncate(f.size)
     except BaseException:
         discard(made)
         raise
@@ -244,6 +242,9 @@ def _write_own(
             pending.append(pool.submit(_hash_tensor, name, dtype, gshape, blocks, pieces, mine_ranges, opts))
             for b, piece in pieces:
                 write_all(fd, memoryview(piece), place.pos + b)  # type: ignore[arg-type]
+            if opts.fsync:  # the disk starts on each range now: the final fsync has little left
+                for b, e in mine_ranges:
+                    commit.start_writeback(fd, place.pos + b, e - b)
             maybe_fail("save.write")
             del blocks, pieces
             while len(pending) > 1:
