@@ -82,11 +82,20 @@ class GatheredSave:
     aliases: dict[str, str]
     entry_extras: dict[str, dict[str, Any]]
     block_extras: dict[str, Any]
+    order: list[str]  # tensor names as the ranks list them, rank 0's first: the files' order
 
 
 def save_gathered(s: GatheredSave, group: Any, rank: int, world: int) -> None:
     """Collective: write and commit a gathered save; every rank raises if any rank failed."""
-    plan, opts = s.plan, s.opts
+    opts = s.opts
+    # The files' order: the ranks' order of names (rank 0's first), not the order in which
+    # slices appear (a rank may hold no slice of a tensor it names).
+    known = [n for n in s.order if n in s.plan.tensors]
+    listed = set(known)
+    known += [n for n in s.plan.tensors if n not in listed]
+    s.plan = plan = SavePlan(
+        {n: s.plan.tensors[n] for n in known}, s.plan.files, s.plan.slices, s.plan.sliced
+    )
     ranges = {
         name: writer_ranges(gshape, dtype, [(ps.offsets, ps.shape, ps.rank) for ps in plan.slices[name]])
         for name, (dtype, gshape) in plan.tensors.items()

@@ -118,9 +118,13 @@ def save_tensors(
     merged_aliases: dict[str, str] = {}
     merged_extras: dict[str, dict[str, Any]] = {}
     save_id = new_save_id()  # rank 0's id is the save's id
-    gathered = _dist.all_gather_object((aliases, entry_extras or {}, save_id), group)
+    # A gathered save orders its files by the tensors' names as the ranks list them (rank 0's
+    # first): a rank may hold no slice of a tensor (a ZeRO range it does not own).
+    names = list(tensors) if opts.gather else []
+    gathered = _dist.all_gather_object((aliases, entry_extras or {}, save_id, names), group)
     save_id = gathered[0][2]
-    for rank_aliases, rank_extras, _ in gathered:
+    order = list(dict.fromkeys(n for g in gathered for n in g[3]))
+    for rank_aliases, rank_extras, _, _ in gathered:
         for k, v in rank_aliases.items():
             merged_aliases.setdefault(k, v)
         for k, x in rank_extras.items():
@@ -167,6 +171,7 @@ def save_tensors(
                 aliases,
                 entry_extras,
                 block_extras or {},
+                order,
             )
             save_gathered(gs, group, rank, world)
         else:  # 4-6: every writer streams its slices into its own files

@@ -274,7 +274,8 @@ class ZeroCheckpointIO(CheckpointIO):
             start, stop = pieces.get((id(b), i), (0, 0))
             p = b.params[i]
             st = optim.state[b.shard]
-            for k, v in st.items():
+            # A gathered save lists state keys sorted, the order its files have always had.
+            for k, v in sorted(st.items()) if ctx.gather else st.items():
                 if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == b.chunk:
                     base = max(0, b.offsets[i] + start - b.lo)
                     view = v[base : base + (stop - start)]
