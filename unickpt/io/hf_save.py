@@ -130,7 +130,7 @@ def save_gathered(s: GatheredSave, group: Any, rank: int, world: int) -> None:
     if rank == 0:
         try:
             maybe_fail("save.hf_create")
-            _create_files(layout, staged, s.kind, s.save_id, placeholders)
+            _create_files(layout, staged, s.save_id, placeholders, opts.fsync)
         except BaseException as e:
             err = e
     try:
@@ -185,7 +185,7 @@ def save_gathered(s: GatheredSave, group: Any, rank: int, world: int) -> None:
 
 
 def _create_files(
-    layout: HFLayout, staged: dict[str, str], kind: str, save_id: str, placeholders: UnickptBlock | None
+    layout: HFLayout, staged: dict[str, str], save_id: str, placeholders: UnickptBlock | None, fsync: bool
 ) -> None:
     """Rank 0: every staged file with its header, sized to its final length (removed on failure)."""
     made: list[str] = []
@@ -200,6 +200,9 @@ def _create_files(
             with open(path, "wb") as fh:
                 fh.write(f.header(meta))
                 fh.truncate(f.size)
+                if fsync:  # the header is durable even in a file rank 0 writes no data into
+                    fh.flush()
+                    os.fsync(fh.fileno())
     except BaseException:
         discard(made)
         raise
