@@ -245,3 +245,15 @@ def test_a_flipped_byte_is_pinpointed_to_its_range(tmp_path: Path) -> None:
     assert isinstance(f2, RangeFailure) and (f2.start, f2.end) == (560, 840)
     with pytest.raises(IntegrityError, match=r"1\.weight.*bytes \[560, 840\)"):
         unickpt.GeneralCheckpointIO().load_model(_model(), d, verify=True)
+
+
+def test_a_rank_that_cannot_see_the_files_says_the_directory_must_be_shared(tmp_path: Path) -> None:
+    from unickpt.errors import UnsupportedError
+    from unickpt.io.hf_save import _open_staged
+
+    missing = tmp_path / ".model-00001-of-00002.safetensors.tmp-0123456789ab"
+    with pytest.raises(
+        UnsupportedError,
+        match=r"rank 3 cannot see the file rank 0 created.*must share the checkpoint directory",
+    ):
+        _open_staged(str(missing), 3)
