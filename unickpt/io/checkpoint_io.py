@@ -449,8 +449,8 @@ class CheckpointIO(CheckpointHooks, AsyncSaveMixin):
     ) -> str:
         """Collective over ``group`` (default: this IO's group): save a payload; returns the committed path.
 
-        With ``gather_dtensor=True`` the live tensors are gathered (collectives on their
-        meshes), so a snapshot is written sliced (``gather_dtensor=False``) only.
+        Both layouts write each rank's slices (``gather_dtensor=True``: straight into the Hugging
+        Face files, ``io/hf_save.py``), so a snapshot (``SavePayload.snapshot``) is written either way.
         """
         boxes = payload.boxes
         check_replicas(
