@@ -166,7 +166,7 @@ def task_save(p: dict[str, Any]) -> dict[str, Any]:
 
         if "dcp_hf_consolidated_save" in want:
             res["dcp_hf_consolidated_save"] = _guard(
-                lambda: _timed_case(rank, 1, hfc_body, _rank0_rm(rank, hfc))
+                lambda: _timed_case(rank, reps, hfc_body, _rank0_rm(rank, hfc))
             )
     except ImportError as e:
         res["dcp_hf_save"] = {"status": "skipped", "reason": f"not available in this torch: {e}"}
