@@ -32,13 +32,12 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import math
 import re
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 from annotated_types import Ge, Lt
-from pydantic import BaseModel, Strict
+from pydantic import BaseModel, Strict, ValidationError
 
 from unickpt.errors import CheckpointFormatError, IndexFileError, UnsafePathError
 from unickpt.format import index_models as models
@@ -88,7 +87,7 @@ CUSTOM_FIELDS: dict[type[BaseModel], frozenset[str]] = {
     models.LayoutInfo: frozenset({"mesh"}),
     models.TensorEntry: frozenset({"dtype", "slices"}),
     models.SliceEntry: frozenset({"file", "ranges"}),
-    models.ByteRange: frozenset({"xxh3"}),
+    models.ByteRange: frozenset({"start", "end", "xxh3"}),  # each range checked by its model
 }
 
 
@@ -422,26 +421,15 @@ class _FastIndex:
         return construct(models.TensorEntry, given, set(t), None)
 
     def ranges(self, v: Any, where: str) -> list[models.ByteRange] | None:
-        """A slice's byte ranges (``ByteRange`` objects); their tiling is checked with the slice."""
+        """A slice's byte ranges, each checked by its model (a few per slice); their tiling with the slice."""
         if v is None:
             return None
         if type(v) is not list:
             raise _schema(where, "null or an array of range objects", v)
-        out = []
-        for i, r in enumerate(v):
-            w = f"{where}.{i}"
-            obj = self.obj(r, w, _RANGE_FIELDS, _RANGE_REQUIRED)
-            given = {}
-            for k, x in obj.items():
-                check = _RANGE_PLAIN.get(k)
-                if check is not None:
-                    given[k] = check(self, x, f"{w}.{k}")
-                elif type(x) is str and _hex16(x):  # xxh3: never null in a range
-                    given[k] = x
-                else:
-                    raise _schema(f"{w}.xxh3", f"a string matching {HEX16}", x)
-            out.append(construct(models.ByteRange, given, set(obj), None))
-        return out
+        try:
+            return [models.ByteRange.model_validate(self.obj(r, where, *_RANGE)) for r in v]
+        except ValidationError as e:
+            raise _NotFast(f"{_SCHEMA}: {where}: {e.errors()[0]['msg']}") from None
 
     def slices_slow(
         self, where: str, gshape: list[int], sl: list[Any], isize: int = 1
@@ -465,9 +453,9 @@ class _FastIndex:
         for s, given in out:
             file = given["file"]
             problem = slice_problem(given["key"], file, given["offsets"], given["shape"], gshape)
-            if problem is None and given.get("ranges") is not None:
-                nbytes = math.prod(given["shape"]) * isize
-                problem = ranges_problem(given["key"], file, given["ranges"], nbytes)
+            problem = problem or ranges_problem(
+                given["key"], file, given.get("ranges"), given["shape"], isize
+            )
             if problem is not None:
                 raise _NotFast(f"{_SCHEMA}: {where}: {problem}")
             self.files.add(file)
@@ -509,5 +497,4 @@ _BLOCK_PLAIN = PLAIN_CHECKS[models.UnickptBlock]
 _LAYOUT_PLAIN = PLAIN_CHECKS[models.LayoutInfo]
 _TENSOR_PLAIN = PLAIN_CHECKS[models.TensorEntry]
 _SLICE_PLAIN = PLAIN_CHECKS[models.SliceEntry]
-_RANGE_PLAIN = PLAIN_CHECKS[models.ByteRange]
-_RANGE_FIELDS, _RANGE_REQUIRED = models.fields_of(models.ByteRange)
+_RANGE = fields_of(models.ByteRange)

@@ -102,8 +102,13 @@ def slice_problem(
     return None
 
 
-def ranges_problem(key: str, file: str, ranges: Sequence[Any], nbytes: int) -> str | None:
-    """What is wrong with a slice's byte ranges: they must tile its ``nbytes`` stored bytes in order."""
+def ranges_problem(
+    key: str, file: str, ranges: Sequence[Any] | None, shape: Sequence[int], isize: int
+) -> str | None:
+    """What is wrong with a slice's byte ranges, if it has any: they must tile its stored bytes in order."""
+    if ranges is None:
+        return None
+    nbytes = math.prod(shape) * isize
     pos = 0
     for r in ranges:
         if r.start != pos or r.end <= r.start:
@@ -200,10 +205,7 @@ class TensorEntry(_Strict):
             if problem is not None:
                 break
             problem = slice_problem(s.key, s.file, s.offsets, s.shape, self.shape)
-            if problem is None and s.ranges is not None:
-                problem = ranges_problem(
-                    s.key, s.file, s.ranges, math.prod(s.shape) * DTYPE_ITEMSIZE[self.dtype]
-                )
+            problem = problem or ranges_problem(s.key, s.file, s.ranges, s.shape, DTYPE_ITEMSIZE[self.dtype])
         if problem is not None:
             raise ValueError(problem)
         return self
