@@ -15,7 +15,7 @@ import xxhash
 from unickpt.errors import IntegrityFailure
 from unickpt.format.index_models import SliceEntry
 
-__all__ = ["RangeChecker", "RangeFailure", "check_ranges", "has_hashes"]
+__all__ = ["RangeChecker", "RangeFailure", "check_ranges", "has_hashes", "slice_failures"]
 
 
 class RangeFailure(IntegrityFailure):
@@ -89,3 +89,21 @@ def check_ranges(tensor: str, s: SliceEntry, chunks: Iterable[bytes | memoryview
     for data in chunks:
         c.update(data)
     return c.failures()
+
+
+def slice_failures(
+    tensor: str, s: SliceEntry, chunks: Iterable[bytes | memoryview]
+) -> list[IntegrityFailure]:
+    """Rehash a slice's bytes (``chunks``, the whole slice in order) against its ``xxh3`` and each of
+    its ``ranges``; the failures (empty when every recorded hash matches)."""
+    h = xxhash.xxh3_64() if s.xxh3 is not None else None
+    c = RangeChecker(tensor, s) if s.ranges is not None else None
+    for data in chunks:
+        if h is not None:
+            h.update(data)
+        if c is not None:
+            c.update(data)
+    out: list[IntegrityFailure] = list(c.failures()) if c is not None else []
+    if h is not None and s.xxh3 is not None and h.hexdigest() != s.xxh3:
+        out.append(IntegrityFailure(tensor, s.file, s.key, s.xxh3, h.hexdigest()))
+    return out
