@@ -121,7 +121,16 @@ def task_save(p: dict[str, Any]) -> dict[str, Any]:
     res: dict[str, Any] = {}
     want = set(
         p.get("cases")
-        or ["dcp_save", "dcp_hf_save", "unickpt_save", "unickpt_gathered_save", "torch_gathered_save"]
+        or [
+            "dcp_save",
+            "dcp_hf_save",
+            "dcp_hf_consolidated_save",
+            "unickpt_save",
+            "unickpt_gathered_save",
+            "manager_save",
+            "manager_save_hf",
+            "torch_gathered_save",
+        ]
     )
 
     # 1. DCP, default FileSystemWriter (.distcp files + pickled .metadata)
@@ -145,6 +154,20 @@ def task_save(p: dict[str, Any]) -> dict[str, Any]:
 
         if "dcp_hf_save" in want:
             res["dcp_hf_save"] = _timed_case(rank, reps, hf_body, _rank0_rm(rank, hf))
+
+        # 2b. the same with consolidation into Hugging Face files (what a user loading them in
+        # transformers needs; rank 0 consolidates after every rank wrote its shard file)
+        hfc = work / "dcp_hf_consolidated"
+
+        def hfc_body() -> None:
+            w = HuggingFaceStorageWriter(path=str(hfc), save_distributed=True, enable_consolidation=True)
+            dcp.save(sd, storage_writer=w)
+            _fsync_rank0(rank, hfc)
+
+        if "dcp_hf_consolidated_save" in want:
+            res["dcp_hf_consolidated_save"] = _guard(
+                lambda: _timed_case(rank, reps, hfc_body, _rank0_rm(rank, hfc))
+            )
     except ImportError as e:
         res["dcp_hf_save"] = {"status": "skipped", "reason": f"not available in this torch: {e}"}
 
@@ -172,7 +195,36 @@ def task_save(p: dict[str, Any]) -> dict[str, Any]:
             _fsync_rank0(rank, ug)
 
         if "unickpt_gathered_save" in want:
-            res["unickpt_gathered_save"] = _guard(lambda: _timed_case(rank, 1, ug_body, _rank0_rm(rank, ug)))
+            res["unickpt_gathered_save"] = _guard(
+                lambda: _timed_case(rank, reps, ug_body, _rank0_rm(rank, ug))
+            )
+
+        # 3b. the CheckpointManager (model only, sync), without and with its Hugging Face copy
+        for case, save_hf in (("manager_save", False), ("manager_save_hf", True)):
+            if case not in want:
+                continue
+            from types import SimpleNamespace
+
+            from unickpt import CheckpointManager
+
+            mroot = work / case
+            mgr = CheckpointManager(
+                str(mroot),
+                booster=SimpleNamespace(checkpoint_io=io),
+                save_steps=1,
+                keep_last=1,
+                save_hf=save_hf,
+            )
+            step = [0]
+
+            def m_body(mgr: Any = mgr, mroot: Path = mroot, step: list[int] = step) -> None:
+                step[0] += 1
+                mgr.save(step[0], model, None, force=True)
+                _fsync_rank0(rank, mroot)
+
+            res[case] = _guard(lambda m_body=m_body: _timed_case(rank, reps, m_body))
+            if rank == 0:
+                C.rm(mroot)
 
     # 4. torch's own gathered path: full state dict to CPU on rank 0, then safetensors save_file
     from safetensors.torch import save_file
@@ -199,6 +251,7 @@ def task_save(p: dict[str, Any]) -> dict[str, Any]:
         }
         C.rm(ug)
         C.rm(tg)
+        C.rm(hfc)
     del torch
     return res
 

@@ -189,6 +189,10 @@ def _world_rows(
         res = dict(r0)
         if res.get("status") == "ok":
             res["rss_peak_max_mb"] = max((r.get(key) or {}).get("rss_peak_mb", 0) for r in ranks)
+            res["rss_extra_max_mb"] = max(
+                (r.get(key) or {}).get("rss_peak_mb", 0) - (r.get(key) or {}).get("rss_base_mb", 0)
+                for r in ranks
+            )
         rows.add(group, f"{prefix}{key}", f"{label_prefix}{label}", res, nbytes)
 
 
@@ -292,7 +296,10 @@ def suite(args: argparse.Namespace) -> dict[str, Any]:
         "dcp_save": "DCP save",
         "dcp_hf_save": "DCP HuggingFaceStorageWriter save",
         "unickpt_save": "unickpt sharded save (gather_dtensor=False)",
-        "unickpt_gathered_save": "unickpt gathered save (rank 0 writes)",
+        "dcp_hf_consolidated_save": "DCP HuggingFaceStorageWriter save + consolidation",
+        "unickpt_gathered_save": "unickpt gathered save (every rank writes its bytes)",
+        "manager_save": "CheckpointManager save (model, sync)",
+        "manager_save_hf": "CheckpointManager save, save_hf=True",
         "torch_gathered_save": "torch full_state_dict + save_file on rank 0",
     }
 
@@ -430,6 +437,40 @@ def ratios(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[st
     )
     add("unickpt save >= 2x DCP save (1 process)", "u_save", "dcp_save", 2.0)
     add(f"unickpt save >= 2x DCP save (FSDP2 x{w})", f"w{w}_unickpt_save", f"w{w}_dcp_save", 2.0)
+    # issue 19: gathered (Hugging Face) saves without a rank-0 funnel
+    g, sl = f"w{w}_unickpt_gathered_save", f"w{w}_unickpt_save"
+    add(f"gathered save time <= 1.25x sliced save (FSDP2 x{w})", sl, g, 1.25, False, "time")
+    add(
+        f"gathered save >= 3x torch full_state_dict + save_file (FSDP2 x{w})",
+        g,
+        f"w{w}_torch_gathered_save",
+        3.0,
+    )
+    add(
+        f"gathered save >= 3x DCP HuggingFaceStorageWriter + consolidation (FSDP2 x{w})",
+        g,
+        f"w{w}_dcp_hf_consolidated_save",
+        3.0,
+    )
+    add(
+        f"manager save_hf=True time <= 1.3x without (FSDP2 x{w})",
+        f"w{w}_manager_save",
+        f"w{w}_manager_save_hf",
+        1.3,
+        False,
+        "time",
+    )
+    gr = by.get(g)
+    if gr and "rss_extra_max_mb" in gr:
+        v = float(gr["rss_extra_max_mb"])
+        out.append(
+            {
+                "target": "gathered save: extra peak RSS on any rank <= 160 MB (MB)",
+                "value": v,
+                "threshold": 160.0,
+                "met": v <= 160,
+            }
+        )
     add("unickpt load >= 1x DCP load (1 process)", "u_load", "dcp_load", 1.0)
     add(
         f"unickpt load >= 1x DCP load (resharded {w}->{lw})",

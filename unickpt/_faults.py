@@ -30,6 +30,8 @@ STAGES: tuple[str, ...] = (
     "save.plan",  # planning files (every rank computes the same plan)
     "save.prepare",  # rank 0: lock + directory (rank 0 only)
     "save.write",  # writing this rank's files
+    "save.hf_create",  # gathered saves (io/hf_save.py): rank 0 creates the staged files (rank 0 only)
+    "save.hf_write",  # gathered saves: writing this rank's bytes into the staged files
     "save.commit",  # rank 0: the index (rank 0 only)
     # io/load.py: load_tensors
     "load.match",  # matching names/shapes, coverage, headers, verify
@@ -57,6 +59,7 @@ STAGES: tuple[str, ...] = (
 RANK0_ONLY: frozenset[str] = frozenset(
     {
         "save.prepare",
+        "save.hf_create",
         "save.commit",
         "model.hf_config",
         "scheduler.save",

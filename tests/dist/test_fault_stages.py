@@ -59,6 +59,11 @@ def test_operations_reach_their_stages(result: list[dict[str, Any]]) -> None:
         assert {"save.list", "save.plan", "save.prepare", "save.write", "save.commit", "model.plan"} <= r0
         assert {"save.list", "save.plan", "save.write", "model.plan", "replicas.digest"} <= r1
         assert "save.commit" not in r1 and "save.prepare" not in r1
+        # Gathered saves: rank 0 creates the files, every rank writes its own bytes into them.
+        g0 = set(traced[f"{kind}/save_model_gathered"][0])
+        g1 = set(traced[f"{kind}/save_model_gathered"][1])
+        assert {"save.hf_create", "save.hf_write", "save.commit"} <= g0
+        assert "save.hf_write" in g1 and "save.hf_create" not in g1
         load = set(traced[f"{kind}/load_optimizer"][1])
         assert {"open", "optimizer.load.prepare", "optimizer.load.apply", "load.match", "load.read"} <= load
         mgr = set(traced[f"{kind}/manager_save"][0])

@@ -124,6 +124,21 @@ def install_kill_hooks(kill_at: int, log: list[str]) -> None:
 
     SafetensorsWriter.write = write  # type: ignore[method-assign]
 
+    # Gathered saves (io/hf_save.py) write headers and data in place with write_all (pwrite).
+    import unickpt.io.hf_save as hf_save
+
+    orig_write_all = hf_save.write_all
+
+    def write_all(fd: int, data: memoryview, pos: int) -> None:
+        name = f"{os.path.basename(os.readlink(f'/proc/self/fd/{fd}'))}@{pos}"
+        tick(f"write-start {name}")
+        mv = memoryview(data).cast("B")
+        tick(f"write-half {name}", lambda: orig_write_all(fd, mv[: mv.nbytes // 2], pos))
+        orig_write_all(fd, data, pos)
+        tick(f"write-end {name}")
+
+    hf_save.write_all = write_all  # type: ignore[assignment]
+
     def around(mod: Any, name: str) -> None:
         orig = getattr(mod, name)
 

@@ -179,7 +179,8 @@ def fs_events(callback: Callable[[str], None]) -> Iterator[None]:
         orig_write(self, key, data)
         tick("after write")
 
-    for name in ("fsync", "replace", "unlink", "rename"):
+    # pwrite: gathered saves write headers and data in place (io/hf_save.py).
+    for name in ("fsync", "replace", "unlink", "rename", "pwrite"):
         around(name)
     SafetensorsWriter.write = write  # type: ignore[method-assign]
     try:

@@ -19,6 +19,7 @@ from _reliability import TINY_SHARD_MB, Tiny, same_state, save_sharded, snapshot
 
 import unickpt.format.commit as commit_mod
 import unickpt.format.safetensors_io as st_mod
+import unickpt.io.hf_save as hf_mod
 from unickpt import GeneralCheckpointIO
 from unickpt.errors import CheckpointBusyError, IncompleteCheckpointError
 from unickpt.format.commit import LOCK_NAME, directory_lock
@@ -47,6 +48,24 @@ def _full_disk_open(budget: int):  # type: ignore[no-untyped-def]
     return fake_open
 
 
+def _full_disk(monkeypatch: pytest.MonkeyPatch, budget: int) -> None:
+    """A disk with ``budget`` bytes left for every write of a save: streamed files (sliced saves),
+    and the headers and in-place ``pwrite``s of gathered saves (``io/hf_save.py``)."""
+    fake = _full_disk_open(budget)
+    monkeypatch.setattr(st_mod, "open", fake, raising=False)
+    monkeypatch.setattr(hf_mod, "open", fake, raising=False)
+    real = os.pwrite
+
+    def pwrite(fd: int, data: Any, pos: int) -> int:
+        n = memoryview(data).nbytes
+        if n > _FullDisk.budget:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        _FullDisk.budget -= n
+        return real(fd, data, pos)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+
+
 def _committed_ok(path: Path, seed: int) -> None:
     assert open_checkpoint(path).verify() == []
     m = Tiny(99)
@@ -73,7 +92,7 @@ def _only(path: Path) -> list[str]:
 def test_disk_full_during_data_writes(
     budget: int, old: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(st_mod, "open", _full_disk_open(budget), raising=False)
+    _full_disk(monkeypatch, budget)
     new = tmp_path / "step-2"
     with pytest.raises(OSError) as ei:
         _save(new)
@@ -135,6 +154,7 @@ def test_permission_denied_opening_data_file(
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
 
     monkeypatch.setattr(st_mod, "open", fake_open, raising=False)
+    monkeypatch.setattr(hf_mod, "open", fake_open, raising=False)
     new = tmp_path / "step-2"
     with pytest.raises(PermissionError) as ei:
         _save(new)
@@ -150,7 +170,7 @@ def test_disk_full_single_file_keeps_old_file(
 ) -> None:
     p = tmp_path / "model.safetensors"
     GeneralCheckpointIO().save_model(Tiny(1), str(p))
-    monkeypatch.setattr(st_mod, "open", _full_disk_open(budget), raising=False)
+    _full_disk(monkeypatch, budget)
     with pytest.raises(OSError):
         GeneralCheckpointIO().save_model(Tiny(2), str(p))
     monkeypatch.undo()

@@ -23,10 +23,12 @@ __all__ = ["construct", "bulk_slices", "SLICE_FIELDS", "SLICE_REQUIRED"]
 _M = TypeVar("_M", bound=BaseModel)
 
 SLICE_FIELDS, SLICE_REQUIRED = fields_of(SliceEntry)
+# Fields the bulk path never takes: a slice with byte ranges goes through slices_slow.
+_SLOW_FIELDS = frozenset({"ranges"})
 # Key orders of a slice object that the bulk path takes as is (what unickpt writes): every
-# field in model order, or the required ones only. Anything else goes through slices_slow.
-_SLICE_LAYOUTS = frozenset({SLICE_FIELDS, tuple(f for f in SLICE_FIELDS if f in SLICE_REQUIRED)})
-_FULL_LAYOUT = SLICE_FIELDS
+# other field in model order, or the required ones only. Anything else goes through slices_slow.
+_FULL_LAYOUT = tuple(f for f in SLICE_FIELDS if f not in _SLOW_FIELDS)
+_SLICE_LAYOUTS = frozenset({_FULL_LAYOUT, tuple(f for f in SLICE_FIELDS if f in SLICE_REQUIRED)})
 _HEX_DIGITS_COMMA = b"0123456789abcdef,"
 _get_file = operator.itemgetter("file")
 _get_key = operator.itemgetter("key")
@@ -152,6 +154,8 @@ def bulk_slices(
         fields_sets = list(map(shared.__getitem__, map(tuple, sl)))
         for s in sl:
             s.setdefault("xxh3", None)  # appended last: the field order holds
+    for f in _SLOW_FIELDS:  # absent from every slice taken here; appended last, in model order
+        _consume(map(dict.setdefault, sl, itertools.repeat(f), itertools.repeat(None)))
     _consume(map(_set_dict, objs, sl))
     _consume(map(_set_fields_set, objs, fields_sets))
     none = itertools.repeat(None)

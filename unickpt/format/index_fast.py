@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 from annotated_types import Ge, Lt
-from pydantic import BaseModel, Strict
+from pydantic import BaseModel, Strict, ValidationError
 
 from unickpt.errors import CheckpointFormatError, IndexFileError, UnsafePathError
 from unickpt.format import index_models as models
@@ -58,6 +58,7 @@ from unickpt.format.index_models import (
     alias_problem,
     check_file_name,
     fields_of,
+    ranges_problem,
     shape_problem,
     slice_problem,
     strict_metadata_ok,
@@ -85,7 +86,8 @@ CUSTOM_FIELDS: dict[type[BaseModel], frozenset[str]] = {
     ),
     models.LayoutInfo: frozenset({"mesh"}),
     models.TensorEntry: frozenset({"dtype", "slices"}),
-    models.SliceEntry: frozenset({"file"}),
+    models.SliceEntry: frozenset({"file", "ranges"}),
+    models.ByteRange: frozenset({"start", "end", "xxh3"}),  # each range checked by its model
 }
 
 
@@ -410,7 +412,7 @@ class _FastIndex:
             raise _NotFast(f"{_SCHEMA}: {where}: {problem}")
         bulk = bulk_slices(shape, given["slices"], self.shared)
         if bulk is None:
-            given["slices"] = self.slices_slow(where, shape, given["slices"])
+            given["slices"] = self.slices_slow(where, shape, given["slices"], DTYPE_ITEMSIZE[given["dtype"]])
         else:
             given["slices"], pairs, colons, files = bulk
             self.pairs += pairs
@@ -418,7 +420,20 @@ class _FastIndex:
             self.files |= files
         return construct(models.TensorEntry, given, set(t), None)
 
-    def slices_slow(self, where: str, gshape: list[int], sl: list[Any]) -> list[models.SliceEntry]:
+    def ranges(self, v: Any, where: str) -> list[models.ByteRange] | None:
+        """A slice's byte ranges, each checked by its model (a few per slice); their tiling with the slice."""
+        if v is None:
+            return None
+        if type(v) is not list:
+            raise _schema(where, "null or an array of range objects", v)
+        try:
+            return [models.ByteRange.model_validate(self.obj(r, where, *_RANGE)) for r in v]
+        except ValidationError as e:
+            raise _NotFast(f"{_SCHEMA}: {where}: {e.errors()[0]['msg']}") from None
+
+    def slices_slow(
+        self, where: str, gshape: list[int], sl: list[Any], isize: int = 1
+    ) -> list[models.SliceEntry]:
         """Slice by slice, as the models check them (any key order), with a message for each problem."""
         out = []
         for i, v in enumerate(sl):
@@ -429,6 +444,8 @@ class _FastIndex:
                 check = _SLICE_PLAIN.get(k)
                 if check is not None:
                     given[k] = check(self, x, f"{w}.{k}")
+                elif k == "ranges":
+                    given[k] = self.ranges(x, f"{w}.ranges")
                 else:  # file
                     given[k] = self.string(x, f"{w}.file", colons=False)  # a safe name has none
             out.append((s, given))
@@ -436,6 +453,9 @@ class _FastIndex:
         for s, given in out:
             file = given["file"]
             problem = slice_problem(given["key"], file, given["offsets"], given["shape"], gshape)
+            problem = problem or ranges_problem(
+                given["key"], file, given.get("ranges"), given["shape"], isize
+            )
             if problem is not None:
                 raise _NotFast(f"{_SCHEMA}: {where}: {problem}")
             self.files.add(file)
@@ -477,3 +497,4 @@ _BLOCK_PLAIN = PLAIN_CHECKS[models.UnickptBlock]
 _LAYOUT_PLAIN = PLAIN_CHECKS[models.LayoutInfo]
 _TENSOR_PLAIN = PLAIN_CHECKS[models.TensorEntry]
 _SLICE_PLAIN = PLAIN_CHECKS[models.SliceEntry]
+_RANGE = fields_of(models.ByteRange)

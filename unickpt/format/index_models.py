@@ -31,6 +31,7 @@ __all__ = [
     "MAX_STATE_DEPTH",
     "HEX16",
     "SAVE_ID",
+    "ByteRange",
     "SliceEntry",
     "TensorEntry",
     "LayoutInfo",
@@ -42,6 +43,7 @@ __all__ = [
     "shape_problem",
     "slice_problem",
     "alias_problem",
+    "ranges_problem",
     "fields_of",
 ]
 
@@ -100,6 +102,26 @@ def slice_problem(
     return None
 
 
+def ranges_problem(
+    key: str, file: str, ranges: Sequence[Any] | None, shape: Sequence[int], isize: int
+) -> str | None:
+    """What is wrong with a slice's byte ranges, if it has any: they must tile its stored bytes in order."""
+    if ranges is None:
+        return None
+    nbytes = math.prod(shape) * isize
+    pos = 0
+    for r in ranges:
+        if r.start != pos or r.end <= r.start:
+            return (
+                f"slice {key!r} in {file!r}: range [{r.start}, {r.end}) does not continue at byte {pos} "
+                f"(ranges tile the slice's {nbytes} bytes in order)"
+            )
+        pos = r.end
+    if pos != nbytes:
+        return f"slice {key!r} in {file!r}: ranges cover {pos} of its {nbytes} bytes"
+    return None
+
+
 def alias_problem(aliases: Mapping[str, str], tensors: Mapping[str, Any]) -> str | None:
     """What is wrong with the aliases of a block: one naming no stored tensor, or one that is stored."""
     for alias, target in aliases.items():
@@ -136,6 +158,14 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class ByteRange(_Strict):
+    """Bytes ``[start, end)`` of a slice's stored bytes and their xxh3-64 (docs/format.md 5.1)."""
+
+    start: NonNeg
+    end: NonNeg
+    xxh3: Hex16
+
+
 class SliceEntry(_Strict):
     """One stored block of a global tensor: which file, which key, where it sits."""
 
@@ -144,6 +174,11 @@ class SliceEntry(_Strict):
     offsets: list[NonNeg] = Field(description="global index of the block's first element, per dim")
     shape: list[NonNeg] = Field(description="block shape; the stored tensor has exactly this shape")
     xxh3: Hex16 | None = Field(default=None, description="xxh3-64 of the stored bytes, 16 hex digits")
+    ranges: list[ByteRange] | None = Field(
+        default=None,
+        description="xxh3-64 of consecutive byte ranges tiling the stored bytes (gathered saves written "
+        "by several ranks: one range per rank's run)",
+    )
 
 
 class TensorEntry(_Strict):
@@ -170,6 +205,7 @@ class TensorEntry(_Strict):
             if problem is not None:
                 break
             problem = slice_problem(s.key, s.file, s.offsets, s.shape, self.shape)
+            problem = problem or ranges_problem(s.key, s.file, s.ranges, s.shape, DTYPE_ITEMSIZE[self.dtype])
         if problem is not None:
             raise ValueError(problem)
         return self

@@ -51,6 +51,7 @@ from unickpt.format.index import (
     load_index,
 )
 from unickpt.format.naming import index_name, single_name
+from unickpt.format.range_hashes import has_hashes, slice_failures
 from unickpt.format.safetensors_io import (
     SafetensorsHeader,
     iter_range,
@@ -254,16 +255,14 @@ class CheckpointReader:
         for name in names if names is not None else list(self.block.tensors):
             t = self.block.tensors[name]
             for s in t.slices:
-                if s.xxh3 is None:
+                if not has_hashes(s):  # xxh3, or ranges (docs/format.md 5.1)
                     continue
                 try:
                     self._check_slice(name, t, s)
-                    found = self.hash_slice(s)
+                    failures.extend(slice_failures(name, s, self.iter_slice(s)))
                 except (IncompleteCheckpointError, CheckpointFormatError) as e:
                     # Missing or truncated file, edited header, key absent: report it with the rest.
-                    found = f"unreadable ({e})"
-                if found != s.xxh3:
-                    failures.append(IntegrityFailure(name, s.file, s.key, s.xxh3, found))
+                    failures.append(IntegrityFailure(name, s.file, s.key, s.xxh3 or "-", f"unreadable ({e})"))
                 if progress is not None:
                     progress(math.prod(s.shape) * _itemsize(t.dtype))
         return failures

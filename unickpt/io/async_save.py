@@ -8,17 +8,13 @@ process group made once per ``CheckpointIO`` (``dist.new_group``), never through
 training's group. One save is in flight at most per ``CheckpointIO``: every later save or load
 through it, and ``CheckpointIO.wait()``, first waits for it and raises its error, if any.
 
-The copy depends on the layout asked for:
-
-- sliced (``gather_dtensor=False``): each rank's local slices, as the manager's async save copies them;
-- gathered (the default): the full tensor of each name (``DTensor.full_tensor()``, a collective
-  on its mesh, run in the foreground), kept only by the one rank that writes or sends it (the
-  lowest rank holding the name), so a replicated model costs one copy, on rank 0.
+The copy is each rank's own slices (``SavePayload.snapshot``), whatever the layout asked for:
+a sliced save writes them as slices, a gathered one straight into their place in the Hugging
+Face files (``io/hf_save.py``). Nothing is gathered, in the foreground or in the thread.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 import warnings
@@ -33,13 +29,11 @@ from unickpt._logging import get_logger
 from unickpt.errors import UnickptError
 from unickpt.format.naming import single_name
 from unickpt.io.core import IOCore
-from unickpt.io.payload import SavePayload, cpu_copy
-from unickpt.io.tensors import is_dtensor, local_slices
+from unickpt.io.payload import SavePayload
 
 __all__ = [
     "AsyncSaveIO",
     "AsyncSaves",
-    "gathered_snapshot",
     "check_use_safetensors",
     "SafetensorsOnlyWarning",
 ]
@@ -141,32 +135,6 @@ def _join_all(threads: list[threading.Thread]) -> None:
         t.join()
 
 
-def gathered_snapshot(
-    tensors: dict[str, torch.Tensor], group: Any, staging: dict[Any, torch.Tensor] | None = None
-) -> tuple[dict[str, torch.Tensor], dict[str, list[Any]]]:
-    """Collective: CPU copies of the full tensors for a gathered save, on the rank that writes each.
-
-    Returns ``(tensors, slices)`` for a ``SavePayload``. Every rank runs the same loop, so the
-    ``full_tensor`` collectives line up as in the synchronous gathered save. ``staging`` keeps
-    the buffers for the next call (reused when the name, shape and dtype match).
-    """
-    names = _dist.all_gather_object(list(tensors), group)
-    holder: dict[str, int] = {}
-    for r, ns in enumerate(names):
-        for n in ns:
-            holder.setdefault(n, r)
-    me = _dist.rank(group)
-    out: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        full = t.full_tensor() if is_dtensor(t) else t  # type: ignore[attr-defined]
-        if holder[name] == me:
-            out[name] = cpu_copy(full, staging, name)
-        del full
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return out, {n: local_slices(n, t) for n, t in out.items()}
-
-
 class AsyncSaveIO(IOCore):
     """``IOCore`` with async saves: :meth:`wait`, Colossal-AI's names for it, the background write."""
 
@@ -214,11 +182,8 @@ class AsyncSaveIO(IOCore):
         path = os.fspath(checkpoint)
         final = committed_path(path, payload.kind, shard, gather_dtensor)
         staging = self._async.staging.setdefault((payload.kind, gather_dtensor), {})
-        if gather_dtensor:
-            tensors, slices = gathered_snapshot(payload.tensors, self.group, staging)
-            copy = dataclasses.replace(payload, tensors=tensors, slices=slices)
-        else:
-            copy = payload.snapshot(staging)
+        # Gathered saves too: every rank writes its own slices into the files (io/hf_save.py).
+        copy = payload.snapshot(staging)
         group = self._async.background_group(self.group)
 
         def work() -> None:

@@ -31,6 +31,7 @@ from unickpt.errors import IncompleteCheckpointError, IntegrityError, StateMisma
 from unickpt.format.boxes import contiguous_start, intersect
 from unickpt.format.consistency import check_keys_referenced
 from unickpt.format.index import TensorEntry
+from unickpt.format.range_hashes import has_hashes, slice_failures
 from unickpt.format.reader import CheckpointReader
 from unickpt.io.tensors import LocalSlice, global_shape, is_dtensor, st_dtype, torch_dtype
 
@@ -223,11 +224,8 @@ def load_tensors(
                 entry = reader.tensors[src]
                 for k in ks:
                     s = entry.slices[k]
-                    if s.xxh3 is None:
-                        continue
-                    digest = reader.hash_slice(s)
-                    if digest != s.xxh3:
-                        failures.append(IntegrityFailure(src, s.file, s.key, s.xxh3, digest))
+                    if has_hashes(s):  # xxh3, or ranges (docs/format.md 5.1)
+                        failures.extend(slice_failures(src, s, reader.iter_slice(s)))
             if failures:
                 raise IntegrityError(failures, reader.index_path or reader.directory)
     except Exception as e:

@@ -1,6 +1,7 @@
 """The save engine shared by every CheckpointIO: the collective work of a save (listing
-blocks, planning, moving tensors to their writer, agreeing); files, hashes and the index are
-written by ``format.writer``, as ``merge`` and ``convert`` write theirs.
+slices, planning, agreeing); a sliced save's files, hashes and index are written by
+``format.writer``, as ``merge`` and ``convert`` write theirs. A gathered save (Hugging Face
+files) takes steps 4-6 in ``io.hf_save``: every rank writes its own bytes into the files.
 
 Order of events (every rank calls ``save_tensors`` with its own tensors):
 
@@ -11,7 +12,7 @@ Order of events (every rank calls ``save_tensors`` with its own tensors):
 4. each writer streams its blocks into staging files (``format.writer.CheckpointWriter``:
    hidden temporary names derived from the save id), hashing each block on a second thread
    while the previous one is written, and fsyncs every file; every file's header carries the
-   save id (a single file is written by ``format.writer.write_single_file``);
+   save id;
 5. ranks agree that every write succeeded (else every rank raises, partial files removed);
 6. rank 0 commits through ``format.commit`` (stage the index, un-commit the previous
    checkpoint, rename the data files and then the index into place, remove superseded files
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,19 +37,18 @@ from unickpt.errors import UnickptError
 from unickpt.format.commit import directory_lock, discard, new_save_id
 from unickpt.format.index import LayoutInfo, SliceEntry, TensorEntry, UnickptBlock, index_to_json
 from unickpt.format.naming import single_name
-from unickpt.format.reader import single_file_name
 from unickpt.format.writer import (
     CheckpointWriter,
     FileSpec,
     build_block,
     build_index,
     tensor_entry,
-    write_single_file,
 )
 from unickpt.io._commit import commit_collective
+from unickpt.io.hf_save import GatheredSave, save_gathered
 from unickpt.io.planner import PlannedFile, SavePlan, SliceMeta, plan_save
 from unickpt.io.replicas import check_gathered_metas
-from unickpt.io.tensors import LocalSlice, as_bytes, is_dtensor
+from unickpt.io.tensors import LocalSlice, as_bytes
 
 __all__ = ["SaveOptions", "save_tensors"]
 
@@ -110,36 +110,20 @@ def save_tensors(
     except BaseException as e:
         err = e
     _dist.agree(err, "listing tensors to save", group)
-    all_metas: list[list[SliceMeta]] = []
-    if opts.gather:
-        # Each tensor is written whole by rank 0; metas only say which tensors exist.
-        metas: list[SliceMeta] = []
-        seen = set()
-        for sl in local:
-            if sl.name not in seen:
-                seen.add(sl.name)
-                metas.append(
-                    (sl.name, sl.dtype, sl.global_shape, (0,) * len(sl.global_shape), sl.global_shape)
-                )
-        all_metas = _dist.all_gather_object(metas, group)
-        merged: list[SliceMeta] = []
-        names: set[str] = set()
-        for ms in all_metas:
-            for m in ms:
-                if m[0] not in names:
-                    names.add(m[0])
-                    merged.append(m)
-        per_rank: list[list[SliceMeta]] = [merged] + [[] for _ in range(world - 1)]
-    else:
-        per_rank = _dist.all_gather_object([sl.meta() for sl in local], group)
+    # Every rank's slices (names and boxes only); a gathered save writes them in place too.
+    per_rank: list[list[SliceMeta]] = _dist.all_gather_object([sl.meta() for sl in local], group)
     # Entry extras (an optimizer tensor's parameter) and aliases are known to the ranks that
     # hold those tensors: pipeline stages and ZeRO ranks each know part of them.
     merged_aliases: dict[str, str] = {}
     merged_extras: dict[str, dict[str, Any]] = {}
     save_id = new_save_id()  # rank 0's id is the save's id
-    gathered = _dist.all_gather_object((aliases, entry_extras or {}, save_id), group)
+    # A gathered save orders its files by the tensors' names as the ranks list them (rank 0's
+    # first): a rank may hold no slice of a tensor (a ZeRO range it does not own).
+    names = list(tensors) if opts.gather else []
+    gathered = _dist.all_gather_object((aliases, entry_extras or {}, save_id, names), group)
     save_id = gathered[0][2]
-    for rank_aliases, rank_extras, _ in gathered:
+    order = list(dict.fromkeys(n for g in gathered for n in g[3]))
+    for rank_aliases, rank_extras, _, _ in gathered:
         for k, v in rank_aliases.items():
             merged_aliases.setdefault(k, v)
         for k, x in rank_extras.items():
@@ -150,8 +134,11 @@ def save_tensors(
     try:
         maybe_fail("save.plan")
         if opts.gather:
-            check_gathered_metas(all_metas, path)
-        plan = plan_save(per_rank, kind=opts.kind, size_per_shard_bytes=size, sliced=not opts.gather)
+            check_gathered_metas(per_rank, path)
+        # A gathered save uses the plan for its writers only: its files are planned by hf_save.
+        plan = plan_save(
+            per_rank, kind=opts.kind, size_per_shard_bytes=None if opts.gather else size, sliced=True
+        )
     except BaseException as e:
         err = e
     _dist.agree(err, "planning the save", group)
@@ -170,19 +157,26 @@ def save_tensors(
     try:
         _dist.agree(err, f"preparing {directory}", group)
 
-        # 4. write.
-        results: _Results = {}
-        try:
-            if single_file:
-                if rank == 0:
-                    results = _write_single(
-                        plan, tensors, file_path, opts, aliases, entry_extras, block_extras, group, save_id
-                    )
-                else:
-                    _feed_gather(plan, tensors, group, rank)
-            elif opts.gather:
-                results = _write_gathered(plan, tensors, directory, opts, group, rank, save_id)
-            else:
+        if opts.gather:  # 4-6: every rank writes its bytes of the Hugging Face files (io/hf_save.py)
+            gs = GatheredSave(
+                plan,
+                local,
+                opts.kind,
+                directory,
+                file_path if single_file else "",
+                size,
+                save_id,
+                opts,
+                aliases,
+                entry_extras,
+                block_extras or {},
+                order,
+            )
+            save_gathered(gs, group, rank, world)
+        else:  # 4-6: every writer streams its slices into its own files
+            # 4. write.
+            results: _Results = {}
+            try:
                 mine = plan.files_of(rank)
 
                 def blocks() -> Iterator[Any]:
@@ -193,22 +187,21 @@ def save_tensors(
 
                 written = _writer(directory, opts, plan, save_id).write(_file_specs(plan, mine), blocks())
                 results = _by_slice(mine, written)
-        except BaseException as e:
-            err = e
-        # Each rank's own staged files (in its own directory: shared, or node-local before an upload).
-        own = (
-            [] if single_file else plan.files_of(rank) if not opts.gather else plan.files if rank == 0 else []
-        )
-        staged = {f.name: _writer(directory, opts, plan, save_id).staged_name(f.name) for f in own}
-        try:
-            _dist.agree(err, f"writing {directory}", group)
-        except BaseException:
-            discard(staged.values())  # every rank has stopped writing: the successful ranks' files go too
-            raise
+            except BaseException as e:
+                err = e
+            # Each rank's own staged files (in its own directory: shared, or node-local before an upload).
+            staged = {
+                f.name: _writer(directory, opts, plan, save_id).staged_name(f.name)
+                for f in plan.files_of(rank)
+            }
+            try:
+                _dist.agree(err, f"writing {directory}", group)
+            except BaseException:
+                discard(staged.values())  # every rank has stopped writing: the successful ranks' files go too
+                raise
 
-        # 5-6. commit.
-        all_results = _dist.all_gather_object(results, group) if not single_file else [results]
-        if not single_file:
+            # 5-6. commit.
+            all_results = _dist.all_gather_object(results, group)
             index = b""
             if rank == 0:
                 try:
@@ -246,142 +239,6 @@ def _by_slice(files: list[PlannedFile], written: dict[str, tuple[str | None, int
     return {(ps.name, ps.k): written[ps.key] for f in files for ps in f.slices}
 
 
-def _full_tensor_for(
-    name: str, tensors: dict[str, torch.Tensor], group: Any, rank: int, holder: int
-) -> torch.Tensor | None:
-    """Collective over the holders of ``name``: return the full tensor on rank 0, None elsewhere."""
-    t = tensors.get(name)
-    full = None
-    if t is not None:
-        full = t.full_tensor() if is_dtensor(t) else t  # type: ignore[attr-defined]
-    if holder != 0 and rank == holder and full is not None:
-        # The tensor lives only on other ranks (pipeline stages): the lowest holder sends it,
-        # and rank 0 receives it in _gathered_blocks.
-        import torch.distributed as dist
-
-        dist.send(full.detach().cpu().contiguous(), dst=0, group=group)
-    return full if rank == 0 else None
-
-
-def _holder_table(tensors: dict[str, torch.Tensor], group: Any) -> dict[str, int]:
-    names = _dist.all_gather_object(list(tensors), group)
-    table: dict[str, int] = {}
-    for r, ns in enumerate(names):
-        for n in ns:
-            table.setdefault(n, r)
-    return table
-
-
-def _gathered_blocks(
-    plan: SavePlan, tensors: dict[str, torch.Tensor], group: Any, rank: int, files: list[PlannedFile]
-) -> Iterator[Any]:
-    """Yield (key, bytes, geometry) for each planned block on rank 0, one tensor at a time.
-
-    Every rank must run the same iteration (``_feed_gather`` on ranks other than 0) so that
-    the collectives of ``full_tensor`` and the sends line up.
-    """
-    import torch.distributed as dist
-
-    holders = _holder_table(tensors, group)
-    for f in files:
-        for ps in f.slices:
-            holder = holders[ps.name]
-            full = _full_tensor_for(ps.name, tensors, group, rank, holder)
-            if rank == 0:
-                dtype_name, gshape = plan.tensors[ps.name]
-                if full is None:
-                    from unickpt.io.tensors import torch_dtype
-
-                    full = torch.empty(gshape, dtype=torch_dtype(dtype_name))
-                    dist.recv(full, src=holder, group=group)
-                yield ps.key, as_bytes(full), (gshape, (0,) * len(gshape), gshape)
-            del full
-
-
-def _feed_gather(plan: SavePlan, tensors: dict[str, torch.Tensor], group: Any, rank: int) -> None:
-    for _ in _gathered_blocks(plan, tensors, group, rank, plan.files):
-        pass
-
-
-def _write_gathered(
-    plan: SavePlan,
-    tensors: dict[str, torch.Tensor],
-    directory: str,
-    opts: SaveOptions,
-    group: Any,
-    rank: int,
-    save_id: str,
-) -> _Results:
-    if rank != 0:
-        _feed_gather(plan, tensors, group, rank)
-        return {}
-    gen = _gathered_blocks(plan, tensors, group, rank, plan.files)
-    with _draining(gen):
-        written = _writer(directory, opts, plan, save_id).write(_file_specs(plan, plan.files), gen)
-    return _by_slice(plan.files, written)
-
-
-@contextlib.contextmanager
-def _draining(blocks: Iterator[Any]) -> Iterator[None]:
-    """Rank 0's writer failed: keep taking part in the gather collectives of the remaining
-    blocks (discarding them), so that the other ranks reach the agreement instead of waiting
-    in a gather that rank 0 left."""
-    try:
-        yield
-    except BaseException:
-        with contextlib.suppress(Exception):
-            for _ in blocks:
-                pass
-        raise
-
-
-def _write_single(
-    plan: SavePlan,
-    tensors: dict[str, torch.Tensor],
-    file_path: str,
-    opts: SaveOptions,
-    aliases: dict[str, str],
-    entry_extras: dict[str, dict[str, Any]] | None,
-    block_extras: dict[str, Any] | None,
-    group: Any,
-    save_id: str,
-) -> _Results:
-    """One ``.safetensors`` file carrying the unickpt block in its header metadata
-    (``format.writer.write_single_file``: placeholder header, data, rewritten header, commit)."""
-    (f,) = plan.files
-    name = single_file_name(file_path, opts.kind)
-    f = PlannedFile(name, 0, f.slices)
-
-    def make_block(written: Mapping[str, tuple[str | None, int]], placeholder: bool) -> UnickptBlock:
-        results = {(ps.name, ps.k): written[ps.key] for ps in f.slices}
-        return _build_block(
-            plan,
-            results,
-            opts,
-            aliases,
-            entry_extras,
-            block_extras,
-            file_name=name,
-            placeholder=placeholder,
-            save_id=save_id,
-        )
-
-    gen = _gathered_blocks(plan, tensors, group, 0, [f])
-    with _draining(gen):
-        written = write_single_file(
-            file_path,
-            _file_specs(plan, [f])[0][1],
-            gen,
-            make_block,
-            kind=opts.kind,
-            save_id=save_id,
-            hashes=opts.hashes,
-            fingerprints=opts.fingerprints,
-            fsync=opts.fsync,
-        )
-    return _by_slice([f], written)
-
-
 def _build_block(
     plan: SavePlan,
     results: _Results,
@@ -390,19 +247,16 @@ def _build_block(
     entry_extras: dict[str, dict[str, Any]] | None,
     block_extras: dict[str, Any] | None,
     *,
-    file_name: str | None = None,
-    placeholder: bool = False,
     save_id: str | None = None,
 ) -> UnickptBlock:
-    """The unickpt block of ``plan`` from each slice's (xxh3, partial); file names from the plan
-    (or ``file_name`` for a single file)."""
+    """The unickpt block of a sliced save's ``plan`` from each slice's (xxh3, partial)."""
     file_of = {(ps.name, ps.k): f.name for f in plan.files for ps in f.slices}
     entries: dict[str, TensorEntry] = {}
     for name, (dtype, gshape) in plan.tensors.items():
         planned = plan.slices[name]
         slices = [
             SliceEntry(
-                file=file_name or file_of[(name, ps.k)],
+                file=file_of[(name, ps.k)],
                 key=ps.key,
                 offsets=list(ps.offsets),
                 shape=list(ps.shape),
@@ -412,7 +266,7 @@ def _build_block(
         ]
         partials = [results[(name, ps.k)][1] for ps in planned] if opts.fingerprints else None
         extra = (entry_extras or {}).get(name, {})
-        entries[name] = tensor_entry(name, dtype, gshape, slices, partials, placeholder=placeholder, **extra)
+        entries[name] = tensor_entry(name, dtype, gshape, slices, partials, **extra)
     return build_block(
         kind=opts.kind,
         created_by=_VERSION,

@@ -8,14 +8,15 @@ fsspec URL behind one interface). The layout's names are defined in ``format/run
 Layout of ``checkpoint_dir``::
 
     step-<N>/                      one committed checkpoint (COMMIT marker inside)
-        model/                     sliced model checkpoint (every rank writes its own blocks)
+        model/                     model checkpoint, every rank writing its own blocks: sliced, or
+                                   Hugging Face files with save_hf=True
         optimizer/                 sliced optimizer checkpoint
         lr_scheduler.json          rank 0
         train_state/rank-<r>.json  per rank: step, RNG (Python, numpy), dataloader position, extra states
         train_state/rank-<r>.safetensors   per rank: torch RNG byte tensors, tensors of extra states
         train_state/rank-<r>.hashes.json   per rank: xxh3-64 of the two files above (rank 0: and
                                            lr_scheduler.json), checked by `unickpt verify`
-        hf/                        merged Hugging Face copy (save_hf=True)
+        hf/                        Hugging Face copy (save_hf=True): hard links to model/'s files
         COMMIT                     written last, before the directory is renamed into place
     latest                         {"step": N}: moved only after step-<N> is committed
     .step-<N>.staging-<id>/        a save in progress (or killed): never loaded, removed by a later save

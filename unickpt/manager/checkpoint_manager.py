@@ -21,9 +21,8 @@ from unickpt.format import run_layout
 from unickpt.format.commit import atomic_write_bytes
 from unickpt.format.run_layout import HF_DIR
 from unickpt.io.async_save import AsyncSaves
-from unickpt.io.payload import SavePayload
 from unickpt.manager import policy, snapshot, train_state
-from unickpt.manager.storage import Storage, open_storage
+from unickpt.manager.storage import RemoteStorage, Storage, open_storage
 
 __all__ = ["CheckpointManager"]
 
@@ -241,9 +240,9 @@ class CheckpointManager:
             self._release()
             raise
         if not self.async_save:
-            self._write(payload, self.group, model)
+            self._write(payload, self.group)
             return True
-        self._async.start(f"step-{step}", lambda: self._write(payload, self._bg_group, None))
+        self._async.start(f"step-{step}", lambda: self._write(payload, self._bg_group))
         return True
 
     def wait(self) -> None:
@@ -255,9 +254,10 @@ class CheckpointManager:
         self._lock = contextlib.ExitStack()
 
     # ------------------------------------------------------------------ write + commit
-    def _write(self, p: snapshot.Payload, group: Any, model: torch.nn.Module | None) -> None:
+    def _write(self, p: snapshot.Payload, group: Any) -> None:
         """Collective over ``group``: write the staged step, then rank 0 commits it."""
         rank = _dist.rank(group)
+        hf_in_place = self.save_hf and self._shared_stage(group)
         try:
             for kind, plan in (("model", p.model), ("optimizer", p.optimizer)):
                 if plan is None:
@@ -266,7 +266,9 @@ class CheckpointManager:
                     plan,
                     os.path.join(p.stage, kind),
                     shard=True,
-                    gather_dtensor=False,
+                    # save_hf: the model is written once, as Hugging Face files (every rank
+                    # writes its own bytes); it loads under any layout like a sliced one.
+                    gather_dtensor=kind == "model" and hf_in_place,
                     size_per_shard=_SHARD_MB,
                     group=group,
                 )
@@ -288,7 +290,7 @@ class CheckpointManager:
             uploaded: set[str] = set()
             self.storage.upload(p.stage, p.target, uploaded, group, p.step)
             if self.save_hf:
-                self._write_hf(p, group, model, uploaded)
+                self._write_hf(p, group, uploaded)
                 self.storage.upload(p.stage, p.target, uploaded, group, p.step)
             err = None
             if rank == 0:
@@ -311,51 +313,55 @@ class CheckpointManager:
         for s in policy.retired_steps(self.all_steps(), p.step, self.keep_last):
             self.storage.remove_step(s)
 
-    def _write_hf(
-        self, p: snapshot.Payload, group: Any, model: torch.nn.Module | None, uploaded: set[str]
-    ) -> None:
-        hf = os.path.join(p.stage, HF_DIR)
-        if model is not None:  # synchronous: the gathered save of the live model
-            self.io.save_model(model, hf, shard=True, gather_dtensor=True)
-            return
-        # Async: rank 0 assembles full tensors from the sliced copy just written; every rank
-        # joins the gathered save on the background group (ranks other than 0 hold nothing).
-        from unickpt.io.tensors import local_slices
+    def _shared_stage(self, group: Any) -> bool:
+        """Whether every rank writes into one staging directory (not so for an fsspec URL's local caches)."""
+        return not isinstance(self.storage, RemoteStorage) or _dist.world_size(group) == 1
 
-        full: dict[str, torch.Tensor] = {}
-        aliases: dict[str, str] = {}
+    def _write_hf(self, p: snapshot.Payload, group: Any, uploaded: set[str]) -> None:
+        """Collective over ``group``: the Hugging Face copy of the model into ``<stage>/hf``.
+
+        In a directory the ranks share, ``_write`` saved the model itself as Hugging Face files
+        (every rank writes its own bytes from the payload: the live tensors, or an async save's
+        snapshot; no gather, no re-read, ``io/hf_save.py``), and ``hf/`` holds hard links to
+        them: the bytes are written once. With an fsspec URL each rank stages in its own local
+        directory, so the model is saved sliced; with more than one rank, rank 0 falls back to
+        merging the uploaded sliced copy (``merge_checkpoint``, streamed in bounded memory; one
+        ``model.safetensors`` when the model fits in one shard).
+        """
+        hf = os.path.join(p.stage, HF_DIR)
+        merge = not self._shared_stage(group)
         err: BaseException | None = None
         if _dist.rank(group) == 0:
             try:
-                # fsspec URLs: the other ranks' model files are in the store only
-                self.storage.fetch(p.target, "model", p.stage, uploaded)
-                full, aliases = _read_full(os.path.join(p.stage, "model"))
+                if not merge:  # model/ holds the Hugging Face files: hf/ links to them
+                    _link_files(os.path.join(p.stage, "model"), hf)
+                else:
+                    from unickpt.tools.merge import merge_checkpoint
+
+                    self.storage.fetch(p.target, "model", p.stage, uploaded)
+                    merge_checkpoint(
+                        os.path.join(p.stage, "model"), hf, max_shard_size=int(_SHARD_MB * 1024 * 1024)
+                    )
+                for fname, text in p.hf_config.items():
+                    atomic_write_bytes(os.path.join(hf, fname), text.encode("utf-8"))
             except BaseException as e:
                 err = e
-        _dist.agree(err, f"assembling the Hugging Face copy of step {p.step}", group)
-        payload = SavePayload(
-            "model", full, {n: local_slices(n, t) for n, t in full.items()}, aliases=aliases
-        )
-        self.io.write(payload, hf, shard=True, gather_dtensor=True, size_per_shard=_SHARD_MB, group=group)
-        if _dist.rank(group) == 0:
-            for fname, text in p.hf_config.items():
-                atomic_write_bytes(os.path.join(hf, fname), text.encode("utf-8"))
+        _dist.agree(err, f"writing the Hugging Face copy of step {p.step}", group)
 
 
-def _read_full(model_dir: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Rank 0: every tensor of a sliced model checkpoint, assembled whole in CPU memory."""
-    from unickpt.format.reader import open_checkpoint
-    from unickpt.io.tensors import torch_dtype
+def _link_files(src: str, dst: str) -> None:
+    """Rank 0: ``dst`` holds a hard link (a copy where links fail) to every file of ``src``."""
+    import shutil
 
-    out: dict[str, torch.Tensor] = {}
-    with open_checkpoint(model_dir, "model") as reader:
-        for name, entry in reader.tensors.items():
-            dt = torch_dtype(entry.dtype)
-            full = torch.empty(tuple(entry.shape), dtype=dt)
-            for s in entry.slices:
-                data = torch.frombuffer(bytearray(reader.read_slice(s)), dtype=dt).reshape(tuple(s.shape))
-                idx = tuple(slice(o, o + n) for o, n in zip(s.offsets, s.shape, strict=True))
-                full[idx] = data
-            out[name] = full
-        aliases = dict(reader.block.aliases)
-    return out, aliases
+    from unickpt.format.commit import fsync_dir
+
+    os.makedirs(dst, exist_ok=True)
+    for name in sorted(os.listdir(src)):
+        a, b = os.path.join(src, name), os.path.join(dst, name)
+        if not os.path.isfile(a) or name.startswith("."):
+            continue
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+    fsync_dir(dst)

@@ -228,9 +228,9 @@ class ZeroPartition:
 class ZeroCheckpointIO(CheckpointIO):
     """CheckpointIO for :class:`ZeroPlugin`: optimizer state as flat ranges of parameter-shaped tensors.
 
-    ``gather_dtensor=False`` writes each rank's ranges (every rank in parallel, no gather);
-    ``gather_dtensor=True`` all-gathers each state tensor over the data-parallel group first, so
-    every rank briefly holds the full optimizer state (like the other plugins' gathered save).
+    Every save writes each rank's flat ranges from the rank that owns them, with no gather:
+    ``gather_dtensor=False`` as slices, ``gather_dtensor=True`` straight into their place in the
+    Hugging Face files (``io/hf_save.py``; a flat range is one contiguous run of bytes).
     A model load refreshes the optimizer's shards from the loaded weights; an optimizer load
     copies the state straight into the shards.
     """
@@ -265,8 +265,6 @@ class ZeroCheckpointIO(CheckpointIO):
         ]
         for b in part.buckets:
             groups[b.group_index]["params"].extend(b.fqns)
-        if ctx.saving and ctx.gather:
-            return {"state": part.full_state(), "param_groups": groups}
         part.init_state()
         state: dict[str, dict[str, Any]] = {}
         # Every rank names every parameter's state, with an empty range where it owns none:
@@ -276,7 +274,8 @@ class ZeroCheckpointIO(CheckpointIO):
             start, stop = pieces.get((id(b), i), (0, 0))
             p = b.params[i]
             st = optim.state[b.shard]
-            for k, v in st.items():
+            # A gathered save lists state keys sorted, the order its files have always had.
+            for k, v in sorted(st.items()) if ctx.gather else st.items():
                 if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == b.chunk:
                     base = max(0, b.offsets[i] + start - b.lo)
                     view = v[base : base + (stop - start)]

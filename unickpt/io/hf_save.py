@@ -1,0 +1,394 @@
+"""Gathered saves without a rank-0 funnel: every rank writes its own bytes of the Hugging Face files.
+
+A gathered save (``gather_dtensor=True``, the manager's ``save_hf``) writes ordinary Hugging
+Face safetensors files, each tensor whole under its own name. No rank gathers a tensor:
+
+1. every rank computes the same file layout (``format.hf_layout``: files, headers, where each
+   tensor's bytes start) from the plan's global shapes, and the same writer of every slice
+   (``planner.plan_save``: a replicated slice is written once);
+2. rank 0 creates every staged file (hidden name, ``format.commit.temp_name``), writes its
+   header and sizes it; the ranks agree (they share the directory, as sliced saves do);
+3. each rank ``pwrite``s the byte runs of the slices it writes straight into place (a row
+   slice is one run, a column slice one run per row), hashing each range it wrote (xxh3-64)
+   and each slice's fingerprint partial on a second thread while the next tensor is written,
+   then fsyncs; the ranks agree that every write succeeded (else rank 0 removes the files);
+4. the hashes are all-gathered; rank 0 builds the block (one whole slice per tensor: its
+   ``xxh3`` when one rank wrote it all, else its ``ranges``), rewrites a single file's header
+   with the real values (same length as the placeholders) and commits through ``format.commit``
+   (``io._commit.commit_collective`` for sharded saves), index last.
+
+Files are byte-identical to what the rank-0 gathered save wrote (same order, header and metadata).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from unickpt import __version__
+from unickpt._faults import maybe_fail
+from unickpt.errors import UnsupportedError
+from unickpt.format import commit
+from unickpt.format.commit import commit_single_file, discard, temp_name
+from unickpt.format.dtypes import itemsize
+from unickpt.format.hashing import hash_block, slice_hash
+from unickpt.format.hf_layout import HFLayout, box_runs, plan_hf_layout, writer_ranges
+from unickpt.format.index import SliceEntry, TensorEntry, UnickptBlock, index_to_json
+from unickpt.format.index_models import ByteRange
+from unickpt.format.reader import single_file_name
+from unickpt.format.writer import (
+    PLACEHOLDER,
+    build_block,
+    build_index,
+    data_file_metadata,
+    single_file_metadata,
+    tensor_entry,
+    write_all,
+)
+from unickpt import _dist
+from unickpt.io._commit import commit_collective
+from unickpt.io.planner import PlannedFile, SavePlan
+from unickpt.io.tensors import LocalSlice, as_bytes
+
+__all__ = ["GatheredSave", "save_gathered"]
+
+_VERSION = f"unickpt {__version__}"
+# name -> [(start, end, writer rank)]: the byte ranges of each tensor, relative to its first byte.
+_Ranges = dict[str, list[tuple[int, int, int]]]
+# What a rank's writes give: {(name, range start): xxh3}, {name: [fingerprint partials]}.
+_Hashes = dict[tuple[str, int], str]
+_Partials = dict[str, list[int]]
+
+
+@dataclass
+class GatheredSave:
+    """One gathered save as every rank sees it (built by ``io.save.save_tensors``)."""
+
+    plan: SavePlan  # the writer of every slice (keys unused)
+    local: list[LocalSlice]  # this rank's slices (``PlannedSlice.local_index`` points here)
+    kind: str
+    directory: str
+    file_path: str  # the single file, or "" for a sharded save
+    size_per_shard_bytes: int | None
+    save_id: str
+    opts: Any  # io.save.SaveOptions (hashes, fingerprints, fsync, layout)
+    aliases: dict[str, str]
+    entry_extras: dict[str, dict[str, Any]]
+    block_extras: dict[str, Any]
+    order: list[str]  # tensor names as the ranks list them, rank 0's first: the files' order
+
+
+def save_gathered(s: GatheredSave, group: Any, rank: int, world: int) -> None:
+    """Collective: write and commit a gathered save; every rank raises if any rank failed."""
+    opts = s.opts
+    # The files' order: the ranks' order of names (rank 0's first), not the order in which
+    # slices appear (a rank may hold no slice of a tensor it names).
+    known = [n for n in s.order if n in s.plan.tensors]
+    listed = set(known)
+    known += [n for n in s.plan.tensors if n not in listed]
+    s.plan = plan = SavePlan(
+        {n: s.plan.tensors[n] for n in known}, s.plan.files, s.plan.slices, s.plan.sliced
+    )
+    ranges = {
+        name: writer_ranges(gshape, dtype, [(ps.offsets, ps.shape, ps.rank) for ps in plan.slices[name]])
+        for name, (dtype, gshape) in plan.tensors.items()
+    }
+    descs = [(n, d, g) for n, (d, g) in plan.tensors.items()]
+    single = bool(s.file_path)
+    file_name = single_file_name(s.file_path, s.kind) if single else None
+    if single:
+        placeholders = _block(s, ranges, None, None, file_name=file_name, placeholder=True)
+        layout = plan_hf_layout(
+            descs,
+            kind=s.kind,
+            size_per_shard_bytes=None,
+            metadata=single_file_metadata(placeholders, s.save_id),
+            single_file=file_name,
+        )
+        staged = {layout.files[0].name: temp_name(s.file_path, s.save_id)}
+    else:
+        placeholders = None
+        layout = plan_hf_layout(
+            descs,
+            kind=s.kind,
+            size_per_shard_bytes=s.size_per_shard_bytes,
+            metadata=data_file_metadata(False, s.save_id),
+        )
+        staged = {f.name: temp_name(os.path.join(s.directory, f.name), s.save_id) for f in layout.files}
+    own = staged if rank == 0 else {}
+    where = f"writing {s.file_path or s.directory}"
+
+    # 2. rank 0 creates the staged files: header, full size.
+    err: BaseException | None = None
+    if rank == 0:
+        try:
+            maybe_fail("save.hf_create")
+            _create_files(layout, staged, s.save_id, placeholders, opts.fsync)
+        except BaseException as e:
+            err = e
+    try:
+        _dist.agree(err, where, group)
+    except BaseException:
+        discard(own.values())
+        raise
+
+    # 3. every rank writes its slices into place.
+    hashes: _Hashes = {}
+    partials: _Partials = {}
+    try:
+        hashes, partials = _write_own(plan, layout, ranges, s.local, staged, rank, opts)
+    except BaseException as e:
+        err = e
+    try:
+        _dist.agree(err, where, group)
+    except BaseException:
+        discard(own.values())  # every rank has stopped writing
+        raise
+
+    # 4. rank 0: the block, then the commit.
+    results = _dist.all_gather_object((hashes, partials), group)
+    all_hashes: _Hashes = {}
+    all_partials: _Partials = {}
+    for h, p in results:
+        all_hashes.update(h)
+        for name, parts in p.items():
+            all_partials.setdefault(name, []).extend(parts)
+    if single:
+        if rank == 0:
+            try:
+                maybe_fail("save.commit")
+                block = _block(s, ranges, all_hashes, all_partials, file_name=file_name)
+                _finish_single(layout, staged, placeholders, block, s)
+            except BaseException as e:
+                err = e
+        _dist.agree(err, f"committing {s.file_path}", group)
+        return
+    index = b""
+    if rank == 0:
+        try:
+            maybe_fail("save.commit")
+            block = _block(s, ranges, all_hashes, all_partials, {n: p.file for n, p in layout.places.items()})
+            index = index_to_json(build_index(block, sliced=False))
+        except BaseException as e:
+            err = e
+    commit_plan = SavePlan(plan.tensors, [PlannedFile(f.name, 0) for f in layout.files], {}, False)
+    commit_collective(
+        s.directory, s.kind, opts.fsync, commit_plan, own, index, s.save_id, err, group, rank, world
+    )
+
+
+def _create_files(
+    layout: HFLayout, staged: dict[str, str], save_id: str, placeholders: UnickptBlock | None, fsync: bool
+) -> None:
+    """Rank 0: every staged file with its header, sized to its final length (removed on failure)."""
+    made: list[str] = []
+    try:
+        for f in layout.files:
+            if placeholders is not None:
+                meta = single_file_metadata(placeholders, save_id)
+            else:
+                meta = data_file_metadata(False, save_id)
+            path = staged[f.name]
+            made.append(path)
+            with open(path, "wb") as fh:
+                fh.write(f.header(meta))
+                fh.truncate(f.size)
+                if fsync:  # the header is durable even in a file rank 0 writes no data into
+                    fh.flush()
+                    os.fsync(fh.fileno())
+    except BaseException:
+        discard(made)
+        raise
+
+
+def _write_own(
+    plan: SavePlan,
+    layout: HFLayout,
+    ranges: _Ranges,
+    local: list[LocalSlice],
+    staged: dict[str, str],
+    rank: int,
+    opts: Any,
+) -> tuple[_Hashes, _Partials]:
+    """This rank's slices written into place; hashed on a second thread while the next is written."""
+    hashes: _Hashes = {}
+    partials: _Partials = {}
+    fds: dict[str, int] = {}
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unickpt-hash")
+    pending: collections.deque[Future[tuple[_Hashes, _Partials]]] = collections.deque()
+
+    def collect(fut: Future[tuple[_Hashes, _Partials]]) -> None:
+        h, p = fut.result()
+        hashes.update(h)
+        for name, parts in p.items():
+            partials.setdefault(name, []).extend(parts)
+
+    try:
+        maybe_fail("save.hf_write")
+        for name, (dtype, gshape) in plan.tensors.items():
+            mine = [ps for ps in plan.slices[name] if ps.rank == rank]
+            if not mine:
+                continue
+            place = layout.places[name]
+            if place.file not in fds:
+                fds[place.file] = _open_staged(staged[place.file], rank)
+            fd = fds[place.file]
+            isize = itemsize(dtype)
+            blocks: list[tuple[np.ndarray, tuple[int, ...], tuple[int, ...]]] = []
+            pieces: list[tuple[int, np.ndarray]] = []
+            for ps in mine:
+                arr = as_bytes(local[ps.local_index].tensor)
+                blocks.append((arr, ps.offsets, ps.shape))
+                runs = box_runs(gshape, ps.offsets, ps.shape, isize)
+                n = runs[0][1] - runs[0][0] if runs else 0
+                pieces.extend((b, arr[j * n : (j + 1) * n]) for j, (b, _) in enumerate(runs))
+            pieces.sort(key=lambda bp: bp[0])
+            mine_ranges = [(b, e) for b, e, w in ranges[name] if w == rank]
+            pending.append(pool.submit(_hash_tensor, name, dtype, gshape, blocks, pieces, mine_ranges, opts))
+            for b, piece in pieces:
+                write_all(fd, memoryview(piece), place.pos + b)  # type: ignore[arg-type]
+            if opts.fsync:  # the disk starts on each range now: the final fsync has little left
+                for b, e in mine_ranges:
+                    commit.start_writeback(fd, place.pos + b, e - b)
+            maybe_fail("save.write")
+            del blocks, pieces
+            while len(pending) > 1:
+                collect(pending.popleft())
+        while pending:
+            collect(pending.popleft())
+        if opts.fsync:
+            for fd in fds.values():
+                os.fsync(fd)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+        pool.shutdown(wait=True)
+    return hashes, partials
+
+
+def _open_staged(path: str, rank: int) -> int:
+    try:
+        return os.open(path, os.O_WRONLY)
+    except FileNotFoundError:
+        raise UnsupportedError(
+            f"{path}: rank {rank} cannot see the file rank 0 created for this gathered save; every rank "
+            "writes its own bytes into the same files, so the ranks must share the checkpoint directory"
+        ) from None
+
+
+def _hash_tensor(
+    name: str,
+    dtype: str,
+    gshape: tuple[int, ...],
+    blocks: Sequence[tuple[np.ndarray, tuple[int, ...], tuple[int, ...]]],
+    pieces: Sequence[tuple[int, np.ndarray]],
+    mine_ranges: Sequence[tuple[int, int]],
+    opts: Any,
+) -> tuple[_Hashes, _Partials]:
+    """xxh3-64 of each range this rank wrote (its pieces, in file order) and each slice's partial."""
+    hashes: _Hashes = {}
+    if opts.hashes:
+        it = iter(pieces)
+        for b, e in mine_ranges:
+            h = xxhash.xxh3_64()
+            pos = b
+            while pos < e:
+                at, piece = next(it)
+                if at != pos:  # pragma: no cover - the ranges are the merged pieces
+                    raise RuntimeError(f"internal: tensor {name!r}: piece at {at}, expected {pos}")
+                h.update(memoryview(piece))  # type: ignore[arg-type]
+                pos += piece.nbytes
+            hashes[(name, b)] = h.hexdigest()
+    parts: _Partials = {}
+    if opts.fingerprints:
+        isize = itemsize(dtype)
+        parts[name] = [
+            hash_block(arr, isize, gshape, off, shp, xxh3=False, fingerprint=True)[1]
+            for arr, off, shp in blocks
+        ]
+    return hashes, parts
+
+
+def _block(
+    s: GatheredSave,
+    ranges: _Ranges,
+    hashes: _Hashes | None,
+    partials: _Partials | None,
+    files: Mapping[str, str] | None = None,
+    *,
+    file_name: str | None = None,
+    placeholder: bool = False,
+) -> UnickptBlock:
+    """The block: one whole slice per tensor, with its ``xxh3`` (one writer) or its ``ranges``.
+
+    ``placeholder``: same-length placeholders for every hash (a single file's first header).
+    """
+    opts = s.opts
+    entries: dict[str, TensorEntry] = {}
+    for name, (dtype, gshape) in s.plan.tensors.items():
+        rs = ranges[name]
+        xxh3: str | None = None
+        brs: list[ByteRange] | None = None
+        if opts.hashes:
+            if not rs:
+                xxh3 = slice_hash(b"")
+            elif len(rs) == 1:
+                xxh3 = PLACEHOLDER if hashes is None else hashes[(name, rs[0][0])]
+            else:
+                brs = [
+                    ByteRange(start=b, end=e, xxh3=PLACEHOLDER if hashes is None else hashes[(name, b)])
+                    for b, e, _ in rs
+                ]
+        file = file_name or (files or {})[name]
+        sl = SliceEntry(
+            file=file, key=name, offsets=[0] * len(gshape), shape=list(gshape), xxh3=xxh3, ranges=brs
+        )
+        parts = None
+        if opts.fingerprints:
+            parts = [] if partials is None else partials.get(name, [])
+        extra = s.entry_extras.get(name, {})
+        entries[name] = tensor_entry(name, dtype, gshape, [sl], parts, placeholder=placeholder, **extra)
+    return build_block(
+        kind=s.kind,
+        created_by=_VERSION,
+        layout=opts.layout.model_copy(update={"gathered": True}),
+        tensors=entries,
+        aliases=s.aliases,
+        save_id=s.save_id,
+        **s.block_extras,
+    )
+
+
+def _finish_single(
+    layout: HFLayout,
+    staged: dict[str, str],
+    placeholders: UnickptBlock | None,
+    block: UnickptBlock,
+    s: GatheredSave,
+) -> None:
+    """Rank 0: the single file's real header (same length as the placeholder one), then its commit."""
+    (f,) = layout.files
+    path = staged[f.name]
+    try:
+        old = f.header(single_file_metadata(placeholders or block, s.save_id))
+        new = f.header(single_file_metadata(block, s.save_id))
+        if len(old) != len(new):  # pragma: no cover - every placeholder has its value's length
+            raise RuntimeError("internal: a single file's header changed length after hashing")
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            write_all(fd, memoryview(new), 0)
+            if s.opts.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException:
+        discard([path])
+        raise
+    commit_single_file(s.file_path, path, s.kind, fsync=s.opts.fsync)
