@@ -732,11 +732,15 @@ def test_fast_checks_know_the_models() -> None:
     """The fast path mirrors these fields and validators: a change to the models must update it."""
     fields = {
         SliceEntry: ["file", "key", "offsets", "shape", "xxh3"],
-        TensorEntry: ["dtype", "shape", "fingerprint", "slices", "param", "state"],
+        TensorEntry: [
+            *("dtype", "shape", "fingerprint", "slices", "param", "state"),
+            *("grid", "boxes", "file", "keys", "xxh3"),
+        ],
         LayoutInfo: ["plugin", "world_size", "mesh", "gathered"],
         UnickptBlock: [
             "format_version",
             "kind",
+            "files",
             "created_by",
             "layout",
             "tensors",
@@ -749,7 +753,7 @@ def test_fast_checks_know_the_models() -> None:
         IndexFile: ["metadata", "weight_map", "unickpt"],
     }
     validators = {
-        TensorEntry: {"_dtype", "_slices_in_bounds"},
+        TensorEntry: {"_dtype", "_slices_in_bounds", "_dump"},
         UnickptBlock: {
             "_files_are_safe",
             "_aliases_resolve",

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import json
 import re
 from collections.abc import Callable, Iterator
@@ -56,11 +57,14 @@ from unickpt.format.index_models import (
     Hex16,
     NonNeg,
     alias_problem,
+    attach_tables,
     check_file_name,
+    compact_problem,
     fields_of,
     shape_problem,
     slice_problem,
     strict_metadata_ok,
+    version_problem,
 )
 
 __all__ = ["_FastIndex", "_NotFast", "_gc_paused"]
@@ -71,6 +75,8 @@ _BLOCK_FIELDS, _BLOCK_REQUIRED = fields_of(models.UnickptBlock)
 _VERSIONS = " or ".join(map(str, KNOWN_FORMAT_VERSIONS))
 _KIND_CHOICES = " or ".join(map(repr, KINDS))
 _hex16 = re.compile(HEX16_BODY).fullmatch
+_hashes = re.compile(models.HASHES).fullmatch
+_STR, _INT = {str}, {int}
 _save_id = re.compile(SAVE_ID_BODY).fullmatch
 _SCHEMA = "index does not match the unickpt index schema"
 # The fields whose checks _FastIndex writes out (a rule, a bulk path or a lax case of their
@@ -81,10 +87,20 @@ CUSTOM_FIELDS: dict[type[BaseModel], frozenset[str]] = {
     models.IndexFile: frozenset({"metadata", "weight_map", "unickpt"}),
     models.IndexMetadata: frozenset(),
     models.UnickptBlock: frozenset(
-        {"format_version", "kind", "layout", "tensors", "aliases", "param_groups", "param_state", "save_id"}
+        {
+            "format_version",
+            "kind",
+            "files",
+            "layout",
+            "tensors",
+            "aliases",
+            "param_groups",
+            "param_state",
+            "save_id",
+        }
     ),
     models.LayoutInfo: frozenset({"mesh"}),
-    models.TensorEntry: frozenset({"dtype", "slices"}),
+    models.TensorEntry: frozenset({"dtype", "slices", "grid", "boxes", "file", "keys", "xxh3"}),
     models.SliceEntry: frozenset({"file"}),
 }
 
@@ -318,6 +334,12 @@ class _FastIndex:
                 given[k] = x
             elif k == "layout":
                 given[k] = self.layout(x)
+            elif k == "files":
+                if x is not None:
+                    if type(x) is not list or set(map(type, x)) - {str}:
+                        raise _NotFast  # the models name what is wrong
+                    self.files |= set(x)
+                given[k] = x
             elif k == "tensors":
                 given[k] = self.tensors(x)
             elif k == "aliases":
@@ -355,11 +377,16 @@ class _FastIndex:
                 self.walk(x)
                 given[k] = {p: dict(st) for p, st in x.items()}
         # models.UnickptBlock's model validators.
-        self._safe_names(self.files)
         tensors = given["tensors"]
+        version = given.get("format_version", models.FORMAT_VERSION)
+        problem = version_problem(version, given.get("files"), tensors)
+        if problem is not None:
+            raise _NotFast(f"{_SCHEMA}: unickpt: {problem}")
+        self._safe_names(self.files)
         problem = alias_problem(given.get("aliases", {}), tensors)
         if problem is not None:
             raise _NotFast(f"{_SCHEMA}: unickpt.aliases: {problem}")
+        attach_tables(given.get("files"), tensors)
         return construct(models.UnickptBlock, given, set(b), None)
 
     def layout(self, v: Any) -> models.LayoutInfo:
@@ -400,14 +427,29 @@ class _FastIndex:
                 if dtype not in DTYPE_ITEMSIZE or ":" in dtype:
                     raise _schema(f"{where}.dtype", f"a dtype in {sorted(DTYPE_ITEMSIZE)}", x)
                 given[k] = x
-            else:  # slices
+            elif k == "slices":
                 if type(x) is not list:
                     raise _schema(f"{where}.slices", "an array of slice objects", x)
                 given[k] = x
+            else:  # the compact fields of version 3
+                given[k] = self.compact_field(k, x)
         shape = given["shape"]
         problem = shape_problem(shape)
         if problem is not None:
             raise _NotFast(f"{_SCHEMA}: {where}: {problem}")
+        if "slices" not in given:
+            if given.get("file") is not None:
+                problem = compact_problem(
+                    shape,
+                    given.get("grid"),
+                    given.get("boxes"),
+                    given["file"],
+                    given.get("keys"),
+                    given.get("xxh3"),
+                )
+                if problem is not None:
+                    raise _NotFast(f"{_SCHEMA}: {where}: {problem}")
+            return construct(models.TensorEntry, given, set(t), None)
         bulk = bulk_slices(shape, given["slices"], self.shared)
         if bulk is None:
             given["slices"] = self.slices_slow(where, shape, given["slices"])
@@ -417,6 +459,40 @@ class _FastIndex:
             self.colons += colons
             self.files |= files
         return construct(models.TensorEntry, given, set(t), None)
+
+    def compact_field(self, k: str, x: Any) -> Any:
+        """A version 3 field of a tensor, type-checked in bulk; any doubt goes to the models."""
+        if x is None:
+            return None
+        if k == "xxh3":
+            if type(x) is not str or len(x) % 16 or not _hashes(x):
+                raise _NotFast
+            return x
+        if k == "keys":
+            if type(x) is not list or set(map(type, x)) - _STR:
+                raise _NotFast
+            self.colons += "".join(x).count(":")
+            return x
+        if k == "file":
+            if type(x) is int:
+                ints = [x]
+            elif type(x) is list:
+                ints = x
+            else:
+                raise _NotFast
+        else:  # grid, boxes: a list of ints (grid) or of lists of ints
+            if type(x) is not list:
+                raise _NotFast
+            lists = [i for i in x if type(i) is list]
+            if k == "boxes" and len(lists) != len(x):
+                raise _NotFast
+            scalars = [i for i in x if type(i) is not list]
+            if scalars and (set(map(type, scalars)) - _INT or min(scalars) < MIN_POSITIVE):
+                raise _NotFast
+            ints = list(itertools.chain.from_iterable(lists))
+        if ints and (set(map(type, ints)) - _INT or min(ints) < 0 or max(ints) >= MAX_DIM):
+            raise _NotFast
+        return x
 
     def slices_slow(self, where: str, gshape: list[int], sl: list[Any]) -> list[models.SliceEntry]:
         """Slice by slice, as the models check them (any key order), with a message for each problem."""

@@ -1,0 +1,400 @@
+"""A tensor's slices as arrays: the in-memory form of every index, and the compact form of version 3.
+
+A :class:`SliceTable` holds the S slices of one tensor as numpy arrays (offsets and shapes,
+``(S, ndim)``; file ids into a file table, ``(S,)``), the hashes as one string of ``16 x S``
+characters and the keys either as a list or by the rule ``NAME@K``. Nothing per slice is a Python
+object until asked for: :meth:`SliceTable.entry` builds one ``SliceEntry`` on demand, and
+:class:`LazySlices` (what ``TensorEntry.slices`` holds for a version 3 index) builds the whole
+list the first time something iterates it.
+
+Version 3 writes a tensor's slices compactly (docs/format.md section 3.1):
+
+- ``grid``: when the slices are the cells of a grid in C order, one item per dim: an integer
+  ``k`` (the dim is cut in ``k`` parts with ``torch.chunk`` semantics: parts of ``ceil(g / k)``,
+  the last ones smaller or empty) or the list of the parts' extents;
+- ``boxes``: otherwise, one ``offsets + shape`` list per slice;
+- neither: one slice, the whole tensor;
+- ``file``: the index of the file in the block's ``files`` table, one for all slices or one per slice;
+- ``keys``: the slices' keys, absent when they are ``NAME@K`` (K = the slice's position);
+- ``xxh3``: the slice hashes concatenated, 16 characters each (16 ``-`` for a slice without one).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, SupportsIndex, overload
+
+import numpy as np
+
+__all__ = [
+    "SliceTable",
+    "LazySlices",
+    "NO_HASH",
+    "chunk_extents",
+    "grid_extents",
+    "compact_fields",
+]
+
+#: The 16 characters standing for a slice without a hash in a concatenated ``xxh3`` string.
+NO_HASH = "-" * 16
+_EMPTY = np.zeros((0, 0), dtype=np.int64)
+
+
+def chunk_extents(g: int, k: int) -> list[int]:
+    """The extents of ``torch.chunk``-style parts: ``k`` parts of ``ceil(g / k)``, the last ones
+    smaller or empty (what FSDP2's and TP's ``Shard`` produce, empty trailing ranks included)."""
+    c = -(-g // k) if k else 0
+    return [min(c, max(0, g - i * c)) for i in range(k)]
+
+
+def grid_extents(gshape: Sequence[int], grid: Sequence[int | Sequence[int]]) -> list[list[int]]:
+    """Each dim's part extents of a ``grid`` field (an int: chunk parts; a list: the extents)."""
+    return [chunk_extents(g, p) if isinstance(p, int) else list(p) for g, p in zip(gshape, grid, strict=True)]
+
+
+def _grid_boxes(extents: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Offsets and shapes ``(S, nd)`` of the cells of a grid, in C order."""
+    nd = len(extents)
+    if nd == 0:
+        return np.zeros((1, 0), dtype=np.int64), np.zeros((1, 0), dtype=np.int64)
+    ext = [np.asarray(e, dtype=np.int64) for e in extents]
+    starts = [np.concatenate(([0], np.cumsum(e)[:-1])).astype(np.int64) for e in ext]
+    n = math.prod(len(e) for e in ext)
+    offs = np.empty((n, nd), dtype=np.int64)
+    shps = np.empty((n, nd), dtype=np.int64)
+    for d in range(nd):
+        before = math.prod(len(e) for e in ext[:d])
+        after = math.prod(len(e) for e in ext[d + 1 :])
+        offs[:, d] = np.tile(np.repeat(starts[d], after), before)
+        shps[:, d] = np.tile(np.repeat(ext[d], after), before)
+    return offs, shps
+
+
+class SliceTable:
+    """The slices of one tensor, as arrays (see the module docstring)."""
+
+    __slots__ = ("_hashes", "_keys", "file_ids", "files", "grid", "gshape", "name", "offsets", "shapes")
+
+    def __init__(
+        self,
+        name: str,
+        gshape: Sequence[int],
+        offsets: np.ndarray,
+        shapes: np.ndarray,
+        file_ids: np.ndarray,
+        files: Sequence[str],
+        keys: list[str] | None,
+        hashes: str | None,
+        grid: list[list[int]] | None = None,
+    ) -> None:
+        self.name = name
+        self.gshape = tuple(gshape)
+        self.offsets = offsets
+        self.shapes = shapes
+        self.file_ids = file_ids
+        self.files = files
+        self._keys = keys
+        self._hashes = hashes
+        self.grid = grid  # part extents per dim when the slices are the cells of a grid in C order
+
+    # ------------------------------------------------------------ building
+    @classmethod
+    def from_entries(cls, name: str, gshape: Sequence[int], slices: Sequence[Any]) -> SliceTable:
+        """The table of a list of ``SliceEntry`` (versions 1 and 2, and what writers hand over)."""
+        n, nd = len(slices), len(gshape)
+        if n and any(len(s.offsets) != nd or len(s.shape) != nd for s in slices):
+            nd = len(slices[0].offsets)  # a malformed list: coverage names it
+        offs = np.fromiter((o for s in slices for o in s.offsets), dtype=np.int64, count=n * nd)
+        shps = np.fromiter((x for s in slices for x in s.shape), dtype=np.int64, count=n * nd)
+        names: dict[str, int] = {}
+        ids = np.fromiter((names.setdefault(s.file, len(names)) for s in slices), dtype=np.int64, count=n)
+        hashes = [s.xxh3 for s in slices]
+        joined = "".join(h if h is not None else NO_HASH for h in hashes) if any(hashes) else None
+        return cls(
+            name,
+            gshape,
+            offs.reshape(n, nd),
+            shps.reshape(n, nd),
+            ids,
+            list(names),
+            [s.key for s in slices],
+            joined,
+        )
+
+    @classmethod
+    def from_compact(
+        cls,
+        name: str,
+        gshape: Sequence[int],
+        files: Sequence[str],
+        *,
+        grid: Sequence[int | Sequence[int]] | None,
+        boxes: Sequence[Sequence[int]] | None,
+        file: int | Sequence[int],
+        keys: list[str] | None,
+        xxh3: str | None,
+    ) -> SliceTable:
+        """The table of a version 3 tensor entry (fields already checked by ``compact_problem``)."""
+        nd = len(gshape)
+        extents: list[list[int]] | None = None
+        if boxes is not None:
+            arr = np.asarray(boxes, dtype=np.int64).reshape(len(boxes), 2 * nd)
+            offs, shps = arr[:, :nd], arr[:, nd:]
+        else:
+            extents = grid_extents(gshape, grid) if grid is not None else [[g] for g in gshape]
+            offs, shps = _grid_boxes(extents)
+        n = len(offs)
+        ids = np.full(n, file, dtype=np.int64) if isinstance(file, int) else np.asarray(file, dtype=np.int64)
+        return cls(name, gshape, offs, shps, ids, files, keys, xxh3, extents)
+
+    # ------------------------------------------------------------ per slice, on demand
+    def __len__(self) -> int:
+        return len(self.file_ids)
+
+    def key(self, k: int) -> str:
+        return self._keys[k] if self._keys is not None else f"{self.name}@{k}"
+
+    def keys(self) -> list[str]:
+        if self._keys is not None:
+            return self._keys
+        return [f"{self.name}@{k}" for k in range(len(self))]
+
+    def file(self, k: int) -> str:
+        return self.files[int(self.file_ids[k])]
+
+    def xxh3(self, k: int) -> str | None:
+        if self._hashes is None:
+            return None
+        h = self._hashes[16 * k : 16 * k + 16]
+        return None if h == NO_HASH else h
+
+    @property
+    def hashes(self) -> str | None:
+        """The concatenated hashes (16 characters per slice), or None when no slice has one."""
+        return self._hashes
+
+    def hashed_count(self) -> int:
+        if self._hashes is None:
+            return 0
+        return len(self) - self._hashes[::16].count("-")
+
+    def entry(self, k: int) -> Any:
+        """Slice ``k`` as a ``SliceEntry``."""
+        from unickpt.format.index_models import SliceEntry
+
+        return SliceEntry.model_construct(
+            file=self.file(k),
+            key=self.key(k),
+            offsets=self.offsets[k].tolist(),
+            shape=self.shapes[k].tolist(),
+            xxh3=self.xxh3(k),
+        )
+
+    def entries(self) -> list[Any]:
+        return [self.entry(k) for k in range(len(self))]
+
+    # ------------------------------------------------------------ in bulk
+    def distinct_files(self) -> list[str]:
+        return [self.files[i] for i in np.unique(self.file_ids).tolist()]
+
+    def volumes(self) -> np.ndarray:
+        return np.prod(self.shapes, axis=1, dtype=np.int64) if len(self) else np.zeros(0, dtype=np.int64)
+
+    def overlapping(self, offsets: Sequence[int], shape: Sequence[int]) -> list[int]:
+        """The non-empty slices that share an element with the box (offsets, shape), in slice order.
+
+        A grid is searched per dim (binary search on its cut points, O(nd log S)); other tables
+        with one vectorised test per slice. A 0-dim box needs every slice (there is one element).
+        """
+        nd = len(self.gshape)
+        if nd == 0 or len(offsets) == 0:
+            return list(range(len(self)))
+        if any(n == 0 for n in shape):
+            return []
+        if self.grid is not None:
+            per_dim: list[np.ndarray] = []
+            for ext, o, n in zip(self.grid, offsets, shape, strict=True):
+                e = np.asarray(ext, dtype=np.int64)
+                ends = np.cumsum(e)
+                starts = ends - e
+                first = int(np.searchsorted(ends, o, side="right"))
+                stop = int(np.searchsorted(starts, o + n, side="left"))
+                idx = np.arange(first, stop, dtype=np.int64)
+                per_dim.append(idx[e[idx] > 0])
+            if any(len(i) == 0 for i in per_dim):
+                return []
+            flat = np.zeros(1, dtype=np.int64)
+            for ext, idx in zip(self.grid, per_dim, strict=True):
+                flat = (flat[:, None] * len(ext) + idx[None, :]).reshape(-1)
+            return [int(k) for k in flat.tolist()]
+        lo_box = np.asarray(offsets, dtype=np.int64)
+        hi_box = lo_box + np.asarray(shape, dtype=np.int64)
+        ends = self.offsets + self.shapes
+        meet = ((self.offsets < hi_box) & (ends > lo_box) & (self.shapes > 0)).all(axis=1)
+        return [int(k) for k in np.flatnonzero(meet).tolist()]
+
+    def boxes(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Every slice's ``(offsets, shape)`` as tuples (coverage messages, merges)."""
+        return [
+            (tuple(o), tuple(s)) for o, s in zip(self.offsets.tolist(), self.shapes.tolist(), strict=True)
+        ]
+
+    def coverage_problem(self) -> str | None:
+        """How the slices fail to tile the tensor exactly once, or None.
+
+        A grid tiles by construction (its extents sum to each dim, which the schema checks):
+        O(1). Listed slices that form a grid are recognised as one (``detect_grid``, O(S log S)),
+        which also makes later searches binary; the rest goes through
+        ``coverage.coverage_problem``, O(S log S).
+        """
+        if self.grid is not None:
+            return None
+        if len(self.gshape) and len(self) > 1 and self.offsets.shape[1:] == (len(self.gshape),):
+            self.grid = self.detect_grid()
+            if self.grid is not None:
+                return None
+        from unickpt.format.coverage import coverage_problem
+
+        return coverage_problem(self.gshape, self.boxes())
+
+    # ------------------------------------------------------------ writing version 3
+    def detect_grid(self) -> list[list[int]] | None:
+        """The part extents per dim when the slices are exactly the cells of a grid in C order."""
+        n, nd = self.offsets.shape if self.offsets.ndim == 2 else (len(self), 0)
+        if nd == 0 or n == 0:
+            return None
+        extents: list[list[int]] = []
+        for d in range(nd):
+            pairs = np.unique(np.stack([self.offsets[:, d], self.shapes[:, d]], axis=1), axis=0)
+            o, e = pairs[:, 0], pairs[:, 1]
+            if o[0] != 0 or (o[1:] != o[:-1] + e[:-1]).any() or o[-1] + e[-1] != self.gshape[d]:
+                return None
+            extents.append(e.tolist())
+        if math.prod(len(e) for e in extents) != n:
+            return None
+        offs, shps = _grid_boxes(extents)
+        if not (np.array_equal(offs, self.offsets) and np.array_equal(shps, self.shapes)):
+            return None
+        return extents
+
+
+def compact_fields(table: SliceTable, file_index: Mapping[str, int]) -> dict[str, Any]:
+    """The version 3 fields (``grid``/``boxes``, ``file``, ``keys``, ``xxh3``) of a table.
+
+    ``file_index`` maps each file name to its position in the block's ``files`` table.
+    """
+    out: dict[str, Any] = {}
+    n, nd = len(table), len(table.gshape)
+    whole = n == 1 and not table.offsets.any() and list(table.shapes[0].tolist()) == list(table.gshape)
+    if not whole:
+        extents = table.detect_grid()
+        if extents is not None:
+            out["grid"] = [
+                len(e) if e == chunk_extents(g, len(e)) else e
+                for g, e in zip(table.gshape, extents, strict=True)
+            ]
+        else:
+            out["boxes"] = np.concatenate([table.offsets, table.shapes], axis=1).reshape(n, 2 * nd).tolist()
+    remap = np.asarray([file_index[f] for f in table.files], dtype=np.int64)
+    ids = remap[table.file_ids] if n else table.file_ids
+    if n and (ids == ids[0]).all():
+        out["file"] = int(ids[0])
+    else:
+        out["file"] = ids.tolist()
+    keys = table.keys()
+    if table._keys is not None and any(k != f"{table.name}@{i}" for i, k in enumerate(keys)):
+        out["keys"] = list(keys)
+    if table.hashes is not None:
+        out["xxh3"] = table.hashes
+    return out
+
+
+class LazySlices(list):  # type: ignore[type-arg]
+    """A tensor's ``slices`` list that builds its ``SliceEntry`` objects the first time it is read.
+
+    It carries the tensor's :class:`SliceTable` (``.table``); ``len`` needs no objects. Every way
+    of reading the elements goes through the methods below, which build the list once.
+    """
+
+    __slots__ = ("_built", "table")
+
+    def __init__(self, table: SliceTable, built: Iterable[Any] | None = None) -> None:
+        super().__init__()
+        self.table = table
+        self._built = False
+        if built is not None:
+            list.extend(self, built)
+            self._built = True
+
+    def _build(self) -> None:
+        if not self._built:
+            list.extend(self, self.table.entries())
+            self._built = True
+
+    def __len__(self) -> int:
+        return list.__len__(self) if self._built else len(self.table)
+
+    def __iter__(self) -> Iterator[Any]:
+        self._build()
+        return list.__iter__(self)
+
+    def __reversed__(self) -> Iterator[Any]:
+        self._build()
+        return list.__reversed__(self)
+
+    @overload
+    def __getitem__(self, i: SupportsIndex) -> Any: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Any]: ...
+    def __getitem__(self, i: Any) -> Any:
+        if not self._built and isinstance(i, int) and -len(self.table) <= i < len(self.table):
+            return self.table.entry(i % len(self.table))
+        self._build()
+        return list.__getitem__(self, i)
+
+    def __contains__(self, x: object) -> bool:
+        self._build()
+        return list.__contains__(self, x)
+
+    def __eq__(self, other: object) -> bool:
+        self._build()
+        if isinstance(other, LazySlices):
+            other._build()
+        return list.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        self._build()
+        return list.__repr__(self)
+
+    def __bool__(self) -> bool:
+        return len(self) > 0
+
+    def copy(self) -> list[Any]:
+        self._build()
+        return list(list.__iter__(self))
+
+    def index(self, *args: Any) -> int:
+        self._build()
+        return list.index(self, *args)
+
+    def count(self, x: Any) -> int:
+        self._build()
+        return list.count(self, x)
+
+    def __add__(self, other: Any) -> list[Any]:
+        return self.copy() + list(other)
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
+        return (list, (self.copy(),))
+
+    def __copy__(self) -> list[Any]:
+        return self.copy()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> list[Any]:
+        return self.copy()
