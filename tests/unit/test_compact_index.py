@@ -215,3 +215,28 @@ def test_lazy_slices_build_nothing_until_read() -> None:
     assert sl[1].offsets == [9, 0] and sl[1].key == "fsdp_uneven@1" and list.__len__(sl) == 0
     assert [s.shape for s in sl] == [[9, 8], [9, 8], [9, 8], [6, 8]]
     assert np.array_equal(idx.unickpt.tensors["fsdp_uneven"].table.shapes[:, 0], [9, 9, 9, 6])
+
+
+def _block_with(extra: dict[str, Any]) -> dict[str, Any]:
+    obj = json.loads(_index())
+    obj["unickpt"]["tensors"]["extra"] = extra
+    obj["weight_map"]["extra"] = obj["weight_map"]["tp_columns"]
+    return obj
+
+
+def test_a_written_key_equal_to_a_ruled_key_is_a_duplicate(tmp_path: Any) -> None:
+    """``tp_columns@1`` in file 1 is the ruled key of tp_columns' slice 1: naming it again is refused."""
+    from unickpt.format.reader import open_checkpoint
+
+    base = {"dtype": "F32", "shape": [2], "file": 1, "grid": [1]}
+    for key, ok in [("tp_columns@1", False), ("tp_columns@01", True), ("tp_columns@²", True), ("x@1", True)]:
+        d = tmp_path / f"k{len(key)}{ok}{key.encode().hex()}"
+        d.mkdir()
+        (d / "model.safetensors.index.json").write_text(json.dumps(_block_with({**base, "keys": [key]})))
+        if ok:
+            with pytest.raises(Exception) as e:  # the data files are absent; the index itself is fine
+                open_checkpoint(d).validate_structure()
+            assert "named by two slices" not in str(e.value)
+        else:
+            with pytest.raises(IndexFileError, match=r"'tp_columns@1' of file .* is named by two slices"):
+                open_checkpoint(d)

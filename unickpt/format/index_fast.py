@@ -29,12 +29,9 @@ equal indexes and refuse the rest with the same messages.
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import itertools
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, cast
 
 from annotated_types import Ge, Lt
@@ -44,7 +41,15 @@ from unickpt.errors import CheckpointFormatError, IndexFileError, UnsafePathErro
 from unickpt.format import index_models as models
 from unickpt.format._json import TooDeep, colon_budget, count_pairs_and_colons, json_depth
 from unickpt.format.dtypes import DTYPE_ITEMSIZE
-from unickpt.format.index_bulk import SLICE_FIELDS, SLICE_REQUIRED, bulk_slices, construct
+from unickpt.format.index_bulk import (
+    SLICE_FIELDS,
+    SLICE_REQUIRED,
+    _found,
+    bulk_slices,
+    compact_field_colons,
+    construct,
+)
+from unickpt.format.index_bulk import _gc_paused as _gc_paused
 from unickpt.format.index_models import (
     HEX16,
     HEX16_BODY,
@@ -75,8 +80,6 @@ _BLOCK_FIELDS, _BLOCK_REQUIRED = fields_of(models.UnickptBlock)
 _VERSIONS = " or ".join(map(str, KNOWN_FORMAT_VERSIONS))
 _KIND_CHOICES = " or ".join(map(repr, KINDS))
 _hex16 = re.compile(HEX16_BODY).fullmatch
-_hashes = re.compile(models.HASHES).fullmatch
-_STR, _INT = {str}, {int}
 _save_id = re.compile(SAVE_ID_BODY).fullmatch
 _SCHEMA = "index does not match the unickpt index schema"
 # The fields whose checks _FastIndex writes out (a rule, a bulk path or a lax case of their
@@ -124,41 +127,6 @@ class _NotFast(Exception):
 
 def _schema(where: str, expected: str, value: Any) -> _NotFast:
     return _NotFast(f"{_SCHEMA}: {where}: expected {expected}, found {_found(value)}")
-
-
-def _found(v: Any) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    if isinstance(v, str):
-        return repr(v) if len(v) <= 80 else f"{v[:77]!r}..."
-    return "an array" if isinstance(v, list) else "an object" if isinstance(v, dict) else type(v).__name__
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector (process-wide) while a large JSON tree and its models are built.
-
-    The tree and the models hold no reference cycles, so pausing frees nothing less; it spares
-    the collector walking every new container again and again (about 2 us per slice). On success
-    the new objects are then moved to the oldest generation (``gc.freeze()`` + ``gc.unfreeze()``,
-    two list splices), as repeated collections would have done, instead of leaving millions of
-    young objects for the next two collections to walk (about 1 us per slice more). Skipped when
-    the process keeps objects frozen itself, so as not to unfreeze them.
-    """
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-        if was and gc.get_freeze_count() == 0:
-            gc.freeze()
-            gc.unfreeze()
-    finally:
-        if was:
-            gc.enable()
 
 
 class _FastIndex:
@@ -449,6 +417,7 @@ class _FastIndex:
                 )
                 if problem is not None:
                     raise _NotFast(f"{_SCHEMA}: {where}: {problem}")
+            given["slices"] = []  # replaced by attach_tables (a default_factory costs 1 ms here)
             return construct(models.TensorEntry, given, set(t), None)
         bulk = bulk_slices(shape, given["slices"], self.shared)
         if bulk is None:
@@ -462,36 +431,10 @@ class _FastIndex:
 
     def compact_field(self, k: str, x: Any) -> Any:
         """A version 3 field of a tensor, type-checked in bulk; any doubt goes to the models."""
-        if x is None:
-            return None
-        if k == "xxh3":
-            if type(x) is not str or len(x) % 16 or not _hashes(x):
-                raise _NotFast
-            return x
-        if k == "keys":
-            if type(x) is not list or set(map(type, x)) - _STR:
-                raise _NotFast
-            self.colons += "".join(x).count(":")
-            return x
-        if k == "file":
-            if type(x) is int:
-                ints = [x]
-            elif type(x) is list:
-                ints = x
-            else:
-                raise _NotFast
-        else:  # grid, boxes: a list of ints (grid) or of lists of ints
-            if type(x) is not list:
-                raise _NotFast
-            lists = [i for i in x if type(i) is list]
-            if k == "boxes" and len(lists) != len(x):
-                raise _NotFast
-            scalars = [i for i in x if type(i) is not list]
-            if scalars and (set(map(type, scalars)) - _INT or min(scalars) < MIN_POSITIVE):
-                raise _NotFast
-            ints = list(itertools.chain.from_iterable(lists))
-        if ints and (set(map(type, ints)) - _INT or min(ints) < 0 or max(ints) >= MAX_DIM):
+        colons = compact_field_colons(k, x)
+        if colons is None:
             raise _NotFast
+        self.colons += colons
         return x
 
     def slices_slow(self, where: str, gshape: list[int], sl: list[Any]) -> list[models.SliceEntry]:

@@ -30,7 +30,8 @@ from pydantic import (
 from unickpt.errors import UnsafePathError
 from unickpt.format._json import json_depth
 from unickpt.format.dtypes import DTYPE_ITEMSIZE
-from unickpt.format.slice_table import LazySlices, SliceTable
+from unickpt.format.lazy_slices import LazySlices
+from unickpt.format.slice_table import SliceTable
 
 __all__ = [
     "FORMAT_VERSION",

@@ -186,22 +186,26 @@ class CheckpointReader:
         """
         self.check_coverage()
         for name, t in self.block.tensors.items():
-            for s in t.slices:
-                self._check_slice(name, t, s)
+            table = t.table
+            for file, key, shape in zip(table.file_list(), table.keys(), table.shapes.tolist(), strict=True):
+                self._check_key(name, t.dtype, file, key, shape)
         if self.has_unickpt_block:
             check_keys_referenced(self.block, self.files, self.header)
 
     def _check_slice(self, name: str, t: TensorEntry, s: SliceEntry) -> None:
         """The slice's key is in its file's (valid) header with the dtype and shape the index records."""
-        h = self.header(s.file)
-        e = h.entries.get(s.key)
+        self._check_key(name, t.dtype, s.file, s.key, list(s.shape))
+
+    def _check_key(self, name: str, dtype: str, file: str, key: str, shape: list[int]) -> None:
+        h = self.header(file)
+        e = h.entries.get(key)
         if e is None:
             raise HeaderError(
-                f"{h.path}: tensor {name!r} should be stored under key {s.key!r}, which the file lacks"
+                f"{h.path}: tensor {name!r} should be stored under key {key!r}, which the file lacks"
             )
-        if e.dtype != t.dtype or list(e.shape) != list(s.shape):
+        if e.dtype != dtype or list(e.shape) != shape:
             raise HeaderError(
-                f"{h.path}: tensor {name!r} (key {s.key!r}): index says {t.dtype}{list(s.shape)}, "
+                f"{h.path}: tensor {name!r} (key {key!r}): index says {dtype}{shape}, "
                 f"file holds {e.dtype}{list(e.shape)}"
             )
 

@@ -21,15 +21,16 @@ Version 3 writes a tensor's slices compactly (docs/format.md section 3.1):
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, SupportsIndex, overload
+import operator
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 __all__ = [
     "SliceTable",
-    "LazySlices",
     "NO_HASH",
     "chunk_extents",
     "grid_extents",
@@ -38,7 +39,11 @@ __all__ = [
 
 #: The 16 characters standing for a slice without a hash in a concatenated ``xxh3`` string.
 NO_HASH = "-" * 16
-_EMPTY = np.zeros((0, 0), dtype=np.int64)
+_get_offsets = operator.attrgetter("offsets")
+_get_shape = operator.attrgetter("shape")
+_get_file = operator.attrgetter("file")
+_get_key = operator.attrgetter("key")
+_get_xxh3 = operator.attrgetter("xxh3")
 
 
 def chunk_extents(g: int, k: int) -> list[int]:
@@ -72,31 +77,58 @@ def _grid_boxes(extents: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarra
 
 
 class SliceTable:
-    """The slices of one tensor, as arrays (see the module docstring)."""
+    """The slices of one tensor, as arrays (see the module docstring).
 
-    __slots__ = ("_hashes", "_keys", "file_ids", "files", "grid", "gshape", "name", "offsets", "shapes")
+    A version 3 grid is kept as its specification until asked: ``len``, the binary search of
+    :meth:`overlapping`, the coverage proof and the file ids need no per-slice array, so parsing
+    a tensor costs O(1) in its slice count beyond the JSON itself.
+    """
+
+    __slots__ = (
+        "_file_ids",
+        "_file_spec",
+        "_grid",
+        "_grid_spec",
+        "_hashes",
+        "_keys",
+        "_n",
+        "_offsets",
+        "_shapes",
+        "files",
+        "gshape",
+        "name",
+    )
 
     def __init__(
         self,
         name: str,
         gshape: Sequence[int],
-        offsets: np.ndarray,
-        shapes: np.ndarray,
-        file_ids: np.ndarray,
+        offsets: np.ndarray | None,
+        shapes: np.ndarray | None,
+        file_ids: np.ndarray | None,
         files: Sequence[str],
         keys: list[str] | None,
         hashes: str | None,
         grid: list[list[int]] | None = None,
+        *,
+        grid_spec: Sequence[int | Sequence[int]] | None = None,
+        file_spec: int | Sequence[int] | None = None,
+        count: int | None = None,
     ) -> None:
         self.name = name
         self.gshape = tuple(gshape)
-        self.offsets = offsets
-        self.shapes = shapes
-        self.file_ids = file_ids
         self.files = files
+        self._offsets = offsets
+        self._shapes = shapes
+        self._file_ids = file_ids
+        self._file_spec = file_spec
         self._keys = keys
         self._hashes = hashes
-        self.grid = grid  # part extents per dim when the slices are the cells of a grid in C order
+        self._grid = grid  # part extents per dim when the slices are the cells of a grid in C order
+        self._grid_spec = grid_spec
+        if count is None:
+            count = len(offsets) if offsets is not None else len(file_ids) if file_ids is not None else 0
+        self._n = count
 
     # ------------------------------------------------------------ building
     @classmethod
@@ -105,20 +137,34 @@ class SliceTable:
         n, nd = len(slices), len(gshape)
         if n and any(len(s.offsets) != nd or len(s.shape) != nd for s in slices):
             nd = len(slices[0].offsets)  # a malformed list: coverage names it
-        offs = np.fromiter((o for s in slices for o in s.offsets), dtype=np.int64, count=n * nd)
-        shps = np.fromiter((x for s in slices for x in s.shape), dtype=np.int64, count=n * nd)
+        offs = np.fromiter(
+            itertools.chain.from_iterable(map(_get_offsets, slices)), dtype=np.int64, count=n * nd
+        )
+        shps = np.fromiter(
+            itertools.chain.from_iterable(map(_get_shape, slices)), dtype=np.int64, count=n * nd
+        )
         names: dict[str, int] = {}
-        ids = np.fromiter((names.setdefault(s.file, len(names)) for s in slices), dtype=np.int64, count=n)
-        hashes = [s.xxh3 for s in slices]
-        joined = "".join(h if h is not None else NO_HASH for h in hashes) if any(hashes) else None
+        ids = np.fromiter(
+            map(names.setdefault, map(_get_file, slices), itertools.count()), dtype=np.int64, count=n
+        )
+        order = sorted(names, key=names.__getitem__)
+        hashes = list(map(_get_xxh3, slices))
+        try:
+            joined: str | None = "".join(hashes)
+            if len(joined or "") != 16 * n:
+                raise TypeError
+        except TypeError:
+            joined = "".join(h if h is not None else NO_HASH for h in hashes) if any(hashes) else None
+        if joined == "":
+            joined = None
         return cls(
             name,
             gshape,
             offs.reshape(n, nd),
             shps.reshape(n, nd),
             ids,
-            list(names),
-            [s.key for s in slices],
+            order,
+            list(map(_get_key, slices)),
             joined,
         )
 
@@ -137,20 +183,66 @@ class SliceTable:
     ) -> SliceTable:
         """The table of a version 3 tensor entry (fields already checked by ``compact_problem``)."""
         nd = len(gshape)
-        extents: list[list[int]] | None = None
         if boxes is not None:
             arr = np.asarray(boxes, dtype=np.int64).reshape(len(boxes), 2 * nd)
-            offs, shps = arr[:, :nd], arr[:, nd:]
-        else:
-            extents = grid_extents(gshape, grid) if grid is not None else [[g] for g in gshape]
-            offs, shps = _grid_boxes(extents)
-        n = len(offs)
-        ids = np.full(n, file, dtype=np.int64) if isinstance(file, int) else np.asarray(file, dtype=np.int64)
-        return cls(name, gshape, offs, shps, ids, files, keys, xxh3, extents)
+            return cls(
+                name,
+                gshape,
+                arr[:, :nd],
+                arr[:, nd:],
+                None,
+                files,
+                keys,
+                xxh3,
+                file_spec=file,
+                count=len(boxes),
+            )
+        spec: list[int | Sequence[int]] = list(grid) if grid is not None else [1] * nd
+        n = math.prod(p if isinstance(p, int) else len(p) for p in spec)
+        return cls(name, gshape, None, None, None, files, keys, xxh3, grid_spec=spec, file_spec=file, count=n)
+
+    # ------------------------------------------------------------ arrays, built when first asked
+    @property
+    def grid(self) -> list[list[int]] | None:
+        """The part extents per dim when the slices are known to be a grid, else None."""
+        if self._grid is None and self._grid_spec is not None:
+            self._grid = grid_extents(self.gshape, self._grid_spec)
+        return self._grid
+
+    @grid.setter
+    def grid(self, extents: list[list[int]] | None) -> None:
+        self._grid = extents
+
+    @property
+    def offsets(self) -> np.ndarray:
+        if self._offsets is None:
+            self._offsets, self._shapes = _grid_boxes(self.grid or [])
+        return self._offsets
+
+    @property
+    def shapes(self) -> np.ndarray:
+        if self._shapes is None:
+            self._offsets, self._shapes = _grid_boxes(self.grid or [])
+        return self._shapes
+
+    @property
+    def file_ids(self) -> np.ndarray:
+        if self._file_ids is None:
+            spec = self._file_spec if self._file_spec is not None else 0
+            if isinstance(spec, int):
+                self._file_ids = np.full(self._n, spec, dtype=np.int64)
+            else:
+                self._file_ids = np.asarray(spec, dtype=np.int64)
+        return self._file_ids
 
     # ------------------------------------------------------------ per slice, on demand
     def __len__(self) -> int:
-        return len(self.file_ids)
+        return self._n
+
+    @property
+    def ruled_keys(self) -> bool:
+        """True when every key is ``NAME@K`` by the rule (no key list kept)."""
+        return self._keys is None
 
     def key(self, k: int) -> str:
         return self._keys[k] if self._keys is not None else f"{self.name}@{k}"
@@ -191,12 +283,47 @@ class SliceTable:
             xxh3=self.xxh3(k),
         )
 
+    def hash_list(self) -> list[str | None]:
+        """Every slice's hash (None: none), in slice order."""
+        h = self._hashes
+        if h is None:
+            return [None] * len(self)
+        return [
+            None if x == NO_HASH else x
+            for x in map(h.__getitem__, map(slice, range(0, len(h), 16), range(16, len(h) + 16, 16)))
+        ]
+
+    def file_list(self) -> list[str]:
+        """Every slice's file name, in slice order."""
+        return list(map(self.files.__getitem__, self.file_ids.tolist()))
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every slice as a plain dict with the fields of ``SliceEntry``, built in bulk."""
+        return [
+            {"file": f, "key": k, "offsets": o, "shape": s, "xxh3": h}
+            for f, k, o, s, h in zip(
+                self.file_list(),
+                self.keys(),
+                self.offsets.tolist(),
+                self.shapes.tolist(),
+                self.hash_list(),
+                strict=True,
+            )
+        ]
+
     def entries(self) -> list[Any]:
-        return [self.entry(k) for k in range(len(self))]
+        """Every slice as a ``SliceEntry`` (built in bulk, as the index parser builds them)."""
+        from unickpt.format.index_bulk import entries_from_records
+
+        return entries_from_records(self.records())
 
     # ------------------------------------------------------------ in bulk
     def distinct_files(self) -> list[str]:
-        return [self.files[i] for i in np.unique(self.file_ids).tolist()]
+        spec = self._file_spec
+        if isinstance(spec, int):
+            return [self.files[spec]] if self._n else []
+        ids = set(spec) if spec is not None else set(self.file_ids.tolist())
+        return [self.files[i] for i in sorted(ids)]
 
     def volumes(self) -> np.ndarray:
         return np.prod(self.shapes, axis=1, dtype=np.int64) if len(self) else np.zeros(0, dtype=np.int64)
@@ -308,93 +435,3 @@ def compact_fields(table: SliceTable, file_index: Mapping[str, int]) -> dict[str
     if table.hashes is not None:
         out["xxh3"] = table.hashes
     return out
-
-
-class LazySlices(list):  # type: ignore[type-arg]
-    """A tensor's ``slices`` list that builds its ``SliceEntry`` objects the first time it is read.
-
-    It carries the tensor's :class:`SliceTable` (``.table``); ``len`` needs no objects. Every way
-    of reading the elements goes through the methods below, which build the list once.
-    """
-
-    __slots__ = ("_built", "table")
-
-    def __init__(self, table: SliceTable, built: Iterable[Any] | None = None) -> None:
-        super().__init__()
-        self.table = table
-        self._built = False
-        if built is not None:
-            list.extend(self, built)
-            self._built = True
-
-    def _build(self) -> None:
-        if not self._built:
-            list.extend(self, self.table.entries())
-            self._built = True
-
-    def __len__(self) -> int:
-        return list.__len__(self) if self._built else len(self.table)
-
-    def __iter__(self) -> Iterator[Any]:
-        self._build()
-        return list.__iter__(self)
-
-    def __reversed__(self) -> Iterator[Any]:
-        self._build()
-        return list.__reversed__(self)
-
-    @overload
-    def __getitem__(self, i: SupportsIndex) -> Any: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[Any]: ...
-    def __getitem__(self, i: Any) -> Any:
-        if not self._built and isinstance(i, int) and -len(self.table) <= i < len(self.table):
-            return self.table.entry(i % len(self.table))
-        self._build()
-        return list.__getitem__(self, i)
-
-    def __contains__(self, x: object) -> bool:
-        self._build()
-        return list.__contains__(self, x)
-
-    def __eq__(self, other: object) -> bool:
-        self._build()
-        if isinstance(other, LazySlices):
-            other._build()
-        return list.__eq__(self, other)
-
-    def __ne__(self, other: object) -> bool:
-        return not self.__eq__(other)
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        self._build()
-        return list.__repr__(self)
-
-    def __bool__(self) -> bool:
-        return len(self) > 0
-
-    def copy(self) -> list[Any]:
-        self._build()
-        return list(list.__iter__(self))
-
-    def index(self, *args: Any) -> int:
-        self._build()
-        return list.index(self, *args)
-
-    def count(self, x: Any) -> int:
-        self._build()
-        return list.count(self, x)
-
-    def __add__(self, other: Any) -> list[Any]:
-        return self.copy() + list(other)
-
-    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
-        return (list, (self.copy(),))
-
-    def __copy__(self) -> list[Any]:
-        return self.copy()
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> list[Any]:
-        return self.copy()

@@ -37,10 +37,11 @@ from unickpt.format.hashing import combine_partials, finalize_fingerprint, hash_
 from unickpt.format.index import IndexFile, IndexMetadata, LayoutInfo, SliceEntry, TensorEntry, UnickptBlock
 from unickpt.format.index_compact import compact_tensors
 from unickpt.format.index_models import COMPACT_VERSION, FORMAT_VERSION
+from unickpt.format.lazy_slices import LazySlices
 from unickpt.format.naming import SLICED_SENTINEL
 from unickpt.format.reader import UNICKPT_METADATA_KEY
 from unickpt.format.safetensors_io import SafetensorsWriter, encode_header
-from unickpt.format.slice_table import LazySlices, SliceTable
+from unickpt.format.slice_table import SliceTable
 
 __all__ = [
     "PLACEHOLDER",

@@ -98,6 +98,7 @@ def read_box(
     dtype = torch_dtype(entry.dtype)
     if out is None:
         out = torch.empty(shape, dtype=dtype)
+    table = entry.table
     if len(shape) == 0:
         (s,) = [s for s in entry.slices if math.prod(s.shape) > 0] or entry.slices
         files.reader.read_slice(s, _as_bytes(out))
@@ -105,7 +106,8 @@ def read_box(
     if math.prod(shape) == 0:
         return out
     isz = out.element_size()
-    for s in entry.slices:
+    for k in table.overlapping(offsets, shape):
+        s = table.entry(k)
         inter = intersect(offsets, shape, s.offsets, s.shape)
         if inter is None:
             continue
@@ -135,15 +137,18 @@ def _direct_target(b: LocalSlice, dtype: torch.dtype) -> torch.Tensor | None:
 
 
 def _needed_slices(entry: TensorEntry, boxes: list[LocalSlice]) -> list[int]:
-    ks = []
-    for k, s in enumerate(entry.slices):
-        if math.prod(s.shape) == 0 and len(s.shape):
-            continue
-        for b in boxes:
-            if len(b.shape) == 0 or intersect(b.offsets, b.shape, s.offsets, s.shape) is not None:
-                ks.append(k)
-                break
-    return ks
+    """The stored slices (by position) that share an element with one of this rank's boxes.
+
+    A search in the tensor's slice table per box (binary per dim for a grid): O(boxes x log S),
+    no per-slice object.
+    """
+    table = entry.table
+    if len(entry.shape) == 0:
+        return [k for k in range(len(table)) if boxes]
+    ks: set[int] = set()
+    for b in boxes:
+        ks.update(table.overlapping(b.offsets, b.shape))
+    return sorted(ks)
 
 
 def load_tensors(
@@ -199,21 +204,22 @@ def load_tensors(
             needed[src] = sorted(set(needed[src]) | set(_needed_slices(reader.tensors[src], boxes)))
         for src, ks in needed.items():
             entry = reader.tensors[src]
+            table = entry.table
             for k in ks:
-                s = entry.slices[k]
-                h = reader.header(s.file)
-                he = h.entries.get(s.key)
-                if he is None or he.dtype != entry.dtype or list(he.shape) != list(s.shape):
+                file, key, shape = table.file(k), table.key(k), table.shapes[k].tolist()
+                h = reader.header(file)
+                he = h.entries.get(key)
+                if he is None or he.dtype != entry.dtype or list(he.shape) != shape:
                     found = "nothing" if he is None else f"{he.dtype}{list(he.shape)}"
                     from unickpt.errors import HeaderError
 
                     raise HeaderError(
-                        f"{h.path}: tensor {src!r} (key {s.key!r}): index says {entry.dtype}{list(s.shape)}, "
+                        f"{h.path}: tensor {src!r} (key {key!r}): index says {entry.dtype}{shape}, "
                         f"file holds {found}"
                     )
         if reader.has_unickpt_block:
             # Every key of a file this rank reads is a slice of the index (no data it does not account for).
-            touched = sorted({reader.tensors[src].slices[k].file for src, ks in needed.items() for k in ks})
+            touched = sorted({reader.tensors[src].table.file(k) for src, ks in needed.items() for k in ks})
             check_keys_referenced(reader.block, touched, reader.header)
         if verify:
             from unickpt.errors import IntegrityFailure
@@ -222,9 +228,9 @@ def load_tensors(
             for src, ks in needed.items():
                 entry = reader.tensors[src]
                 for k in ks:
-                    s = entry.slices[k]
-                    if s.xxh3 is None:
+                    if entry.table.xxh3(k) is None:
                         continue
+                    s = entry.table.entry(k)
                     digest = reader.hash_slice(s)
                     if digest != s.xxh3:
                         failures.append(IntegrityFailure(src, s.file, s.key, s.xxh3, digest))

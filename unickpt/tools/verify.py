@@ -148,15 +148,19 @@ def verify_checkpoint(
         total = 0
         for name, t in b.tensors.items():
             fp = fingerprints and t.fingerprint is not None
-            report.slices += len(t.slices)
-            hashed = sum(1 for s in t.slices if s.xxh3 is not None)
-            report.unhashed += len(t.slices) - hashed
+            table = t.table  # counted from the slice table: no per-slice object
+            report.slices += len(table)
+            hashed = table.hashed_count()
+            report.unhashed += len(table) - hashed
             if t.fingerprint is None:
                 report.unfingerprinted += 1
             if hashed or fp:
                 todo.append((name, t, fp))
-                total += sum(math.prod(s.shape) for s in t.slices if fp or s.xxh3) * itemsize(t.dtype)
-            if require_hashes:
+                vol = table.volumes()
+                if not fp and hashed < len(table):
+                    vol = vol[[h is not None for h in table.hash_list()]]
+                total += int(vol.sum()) * itemsize(t.dtype)
+            if require_hashes and hashed < len(table):
                 report.extend(MissingHash(name, s.file, s.key, "-", "-") for s in t.slices if s.xxh3 is None)
         bar = None
         tick: Callable[[int], object] = lambda n: None  # noqa: E731
