@@ -311,6 +311,32 @@ class SliceTable:
             )
         ]
 
+    def entries_at(self, ks: Sequence[int]) -> list[Any]:
+        """The slices at positions ``ks`` as ``SliceEntry`` objects (built in bulk)."""
+        from unickpt.format.index_bulk import entries_from_records
+
+        if not ks:
+            return []
+        sel = np.asarray(ks, dtype=np.int64)
+        hashes = self.hash_list() if self._hashes is not None else None
+        records = [
+            {
+                "file": self.files[f],
+                "key": self.key(k),
+                "offsets": o,
+                "shape": s,
+                "xxh3": hashes[k] if hashes else None,
+            }
+            for k, f, o, s in zip(
+                ks,
+                self.file_ids[sel].tolist(),
+                self.offsets[sel].tolist(),
+                self.shapes[sel].tolist(),
+                strict=True,
+            )
+        ]
+        return entries_from_records(records)
+
     def entries(self) -> list[Any]:
         """Every slice as a ``SliceEntry`` (built in bulk, as the index parser builds them)."""
         from unickpt.format.index_bulk import entries_from_records

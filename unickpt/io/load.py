@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -106,8 +107,10 @@ def read_box(
     if math.prod(shape) == 0:
         return out
     isz = out.element_size()
-    for k in table.overlapping(offsets, shape):
-        s = table.entry(k)
+    ks = table.overlapping(offsets, shape)
+    if _read_row_blocks(files, entry, ks, offsets, shape, out):
+        return out
+    for s in table.entries_at(ks):
         inter = intersect(offsets, shape, s.offsets, s.shape)
         if inter is None:
             continue
@@ -126,6 +129,38 @@ def read_box(
         if not direct:
             target.copy_(buf)
     return out
+
+
+def _read_row_blocks(
+    files: _Files,
+    entry: TensorEntry,
+    ks: list[int],
+    offsets: tuple[int, ...],
+    shape: tuple[int, ...],
+    out: torch.Tensor,
+) -> bool:
+    """Read the box when it and the slices ``ks`` are all row blocks (every dim past the first
+    whole: FSDP's and TP's ``Shard(0)``), each part straight into its byte range of ``out``.
+
+    The parts are computed for all slices at once from the slice table; False (nothing read)
+    when the shapes are not row blocks or ``out`` is not contiguous.
+    """
+    table = entry.table
+    gshape = list(entry.shape)
+    if not ks or len(gshape) < 1 or not out.is_contiguous() or list(shape[1:]) != gshape[1:]:
+        return False
+    sel = np.asarray(ks, dtype=np.int64)
+    if len(gshape) > 1 and not (table.shapes[sel, 1:] == np.asarray(gshape[1:], dtype=np.int64)).all():
+        return False
+    row = math.prod(gshape[1:]) * out.element_size()
+    starts = table.offsets[sel, 0]
+    lo = np.maximum(starts, offsets[0])
+    hi = np.minimum(starts + table.shapes[sel, 0], offsets[0] + shape[0])
+    dst = _as_bytes(out)
+    read = files.reader.read_bytes
+    for s, a, b, s0 in zip(table.entries_at(ks), lo.tolist(), hi.tolist(), starts.tolist(), strict=True):
+        read(s, (a - s0) * row, (b - a) * row, dst[(a - offsets[0]) * row : (b - offsets[0]) * row])
+    return True
 
 
 def _direct_target(b: LocalSlice, dtype: torch.dtype) -> torch.Tensor | None:
