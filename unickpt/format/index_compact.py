@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from unickpt.format.index_models import TensorEntry
 from unickpt.format.slice_table import SliceTable, compact_fields
 
@@ -38,11 +40,14 @@ def named_table(name: str, t: TensorEntry) -> SliceTable:
 def compact_tensors(tensors: Mapping[str, TensorEntry]) -> tuple[dict[str, TensorEntry], list[str]]:
     """(the tensors in their version 3 form, the block's ``files`` table: sorted distinct names)."""
     tables = {name: named_table(name, t) for name, t in tensors.items()}
-    files = sorted({f for table in tables.values() for f in table.files})
+    # Tables often share one file list (a plan's): each distinct list is read once.
+    tables_files = {id(table.files): table.files for table in tables.values()}
+    files = sorted({f for names in tables_files.values() for f in names})
     index = {f: i for i, f in enumerate(files)}
+    remaps = {k: np.asarray([index[f] for f in names], dtype=np.int64) for k, names in tables_files.items()}
     out: dict[str, TensorEntry] = {}
     for name, t in tensors.items():
-        fields = compact_fields(tables[name], index)
+        fields = compact_fields(tables[name], index, remaps[id(tables[name].files)])
         common = {k: v for k in ("fingerprint", "param", "state") if (v := getattr(t, k)) is not None}
         out[name] = TensorEntry(dtype=t.dtype, shape=list(t.shape), **common, **fields)
     return out, files

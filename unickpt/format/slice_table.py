@@ -432,10 +432,13 @@ class SliceTable:
         return extents
 
 
-def compact_fields(table: SliceTable, file_index: Mapping[str, int]) -> dict[str, Any]:
+def compact_fields(
+    table: SliceTable, file_index: Mapping[str, int], remap: np.ndarray | None = None
+) -> dict[str, Any]:
     """The version 3 fields (``grid``/``boxes``, ``file``, ``keys``, ``xxh3``) of a table.
 
-    ``file_index`` maps each file name to its position in the block's ``files`` table.
+    ``file_index`` maps each file name to its position in the block's ``files`` table;
+    ``remap``, when given, is that map applied to ``table.files`` already.
     """
     out: dict[str, Any] = {}
     n, nd = len(table), len(table.gshape)
@@ -449,7 +452,8 @@ def compact_fields(table: SliceTable, file_index: Mapping[str, int]) -> dict[str
             ]
         else:
             out["boxes"] = np.concatenate([table.offsets, table.shapes], axis=1).reshape(n, 2 * nd).tolist()
-    remap = np.asarray([file_index[f] for f in table.files], dtype=np.int64)
+    if remap is None:
+        remap = np.asarray([file_index[f] for f in table.files], dtype=np.int64)
     ids = remap[table.file_ids] if n else table.file_ids
     if n and (ids == ids[0]).all():
         out["file"] = int(ids[0])
