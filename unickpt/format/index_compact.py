@@ -62,7 +62,7 @@ def as_listed(obj: dict[str, Any], version: int | None = None) -> dict[str, Any]
         return obj
     files = block.pop("files", None)
     for name, t in block["tensors"].items():
-        if "file" not in t:
+        if "slices" in t:
             continue
         fields = {k: t.pop(k, None) for k in ("grid", "boxes", "file", "keys", "xxh3")}
         table = SliceTable.from_compact(name, t["shape"], files or [], **fields)

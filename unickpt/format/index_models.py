@@ -190,7 +190,9 @@ class TensorEntry(_Strict):
         default=None, description="version 3, no grid: each slice's offsets then shape"
     )
     file: FileId | list[FileId] | None = Field(
-        default=None, description="version 3: index into the block's files, for all slices or per slice"
+        default=None,
+        description="version 3: index into the block's files, for all slices or per slice; "
+        "absent: slice K is in files[K]",
     )
     keys: list[str] | None = Field(default=None, description="version 3: the slices' keys when not NAME@K")
     xxh3: Annotated[str, Field(pattern=HASHES)] | None = Field(
@@ -199,8 +201,8 @@ class TensorEntry(_Strict):
 
     @property
     def compact(self) -> bool:
-        """True for a version 3 entry (its slices described by grid/boxes, file, keys, xxh3)."""
-        return self.file is not None
+        """True for a version 3 entry that does not list its slices (grid/boxes, file, keys, xxh3)."""
+        return "slices" not in self.model_fields_set
 
     @property
     def table(self) -> SliceTable:
@@ -360,6 +362,17 @@ _COMPACT_DUMP = ("dtype", "shape", "fingerprint", "param", "state", "grid", "box
 _COMPACT_FIELDS = ("grid", "boxes", "file", "keys", "xxh3")
 
 
+def compact_count(
+    gshape: Sequence[int], grid: Sequence[int | Sequence[int]] | None, boxes: Sequence[Any] | None
+) -> int:
+    """The number of slices the compact fields describe (``grid`` checked to have ``len(gshape)`` items)."""
+    if boxes is not None:
+        return len(boxes)
+    if grid is None:
+        return 1
+    return math.prod(p if isinstance(p, int) else len(p) for p in grid)
+
+
 def compact_problem(
     gshape: Sequence[int],
     grid: Sequence[int | Sequence[int]] | None,
@@ -372,30 +385,21 @@ def compact_problem(
     nd = len(gshape)
     if grid is not None and boxes is not None:
         return "has both 'grid' and 'boxes' (one describes the slices)"
-    if file is None:
-        return "has no 'file'"
     if grid is not None:
         if len(grid) != nd:
             return f"grid has {len(grid)} dims for a {nd}-dim tensor"
-        n = 1
         for d, (p, g) in enumerate(zip(grid, gshape, strict=True)):
-            if isinstance(p, int):
-                n *= p
-            elif not p or sum(p) != g:
+            if not isinstance(p, int) and (not p or sum(p) != g):
                 return f"grid dim {d}: part extents {list(p)[:8]} do not add up to the tensor's size {g}"
-            else:
-                n *= len(p)
     elif boxes is not None:
-        n = len(boxes)
         for i, b in enumerate(boxes):
             if len(b) != 2 * nd:
                 return f"box {i} has {len(b)} integers, expected {2 * nd} (offsets then shape)"
             for d in range(nd):
                 if b[d] + b[nd + d] > gshape[d]:
                     return f"box {i} spans [{b[d]}, {b[d] + b[nd + d]}) on dim {d} of a tensor of size {gshape[d]}"
-    else:
-        n = 1
-    if not isinstance(file, int) and len(file) != n:
+    n = compact_count(gshape, grid, boxes)
+    if file is not None and not isinstance(file, int) and len(file) != n:
         return f"'file' lists {len(file)} file(s) for {n} slice(s)"
     if keys is not None and len(keys) != n:
         return f"'keys' lists {len(keys)} key(s) for {n} slice(s)"
@@ -407,24 +411,30 @@ def compact_problem(
 def version_problem(
     version: int, files: Sequence[str] | None, tensors: Mapping[str, TensorEntry]
 ) -> str | None:
-    """Version 3 tensors list their slices (``slices``) or describe them compactly (``file`` and
-    ``grid`` or ``boxes``: then the block has ``files``); versions 1 and 2 only list them."""
+    """Version 3 tensors list their slices (``slices``) or describe them compactly (then the block
+    has ``files``); versions 1 and 2 only list them."""
     compact = version >= COMPACT_VERSION
     for name, t in tensors.items():
-        listed = "slices" in t.model_fields_set
         given = [f for f in _COMPACT_FIELDS if getattr(t, f) is not None]
-        if not compact and given:
-            return f"tensor {name!r} has version {COMPACT_VERSION} field(s) {given} in a format_version {version} index"
-        if listed and given:
+        if not compact and (given or t.compact):
+            what = f"has version {COMPACT_VERSION} field(s) {given}" if given else "has no 'slices'"
+            return f"tensor {name!r} {what} in a format_version {version} index"
+        if not t.compact and given:
             return f"tensor {name!r} has both 'slices' and the compact field(s) {given}: one describes its slices"
-        if not listed and not t.compact:
-            return f"tensor {name!r} has no 'slices'" + (" and no 'file'" if compact else "")
         if t.compact:
             if files is None:
-                return f"tensor {name!r} names files by index, but the block has no 'files' table"
+                return f"tensor {name!r} names its files by index, but the block has no 'files' table"
+            if t.file is None:
+                n = compact_count(t.shape, t.grid, t.boxes)
+                if n != len(files):
+                    return (
+                        f"tensor {name!r} has no 'file' (slice K in files[K]) but {n} slice(s) for "
+                        f"{len(files)} file(s)"
+                    )
+                continue
             ids = [t.file] if isinstance(t.file, int) else t.file
-            if ids and max(ids) >= len(files):  # type: ignore[type-var]
-                return f"tensor {name!r}: file index {max(ids)} is past the {len(files)} files of the block"  # type: ignore[type-var]
+            if ids and max(ids) >= len(files):
+                return f"tensor {name!r}: file index {max(ids)} is past the {len(files)} files of the block"
     if files is not None and not compact:
         return f"'files' is a format_version {COMPACT_VERSION} field (this index is version {version})"
     return None
@@ -435,7 +445,7 @@ def attach_tables(files: Sequence[str] | None, tensors: Mapping[str, TensorEntry
     if files is None:
         return
     for name, t in tensors.items():
-        if t.file is None:
+        if not t.compact:
             continue
         table = SliceTable.from_compact(
             name, t.shape, files, grid=t.grid, boxes=t.boxes, file=t.file, keys=t.keys, xxh3=t.xxh3

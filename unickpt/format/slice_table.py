@@ -177,11 +177,12 @@ class SliceTable:
         *,
         grid: Sequence[int | Sequence[int]] | None,
         boxes: Sequence[Sequence[int]] | None,
-        file: int | Sequence[int],
+        file: int | Sequence[int] | None,
         keys: list[str] | None,
         xxh3: str | None,
     ) -> SliceTable:
-        """The table of a version 3 tensor entry (fields already checked by ``compact_problem``)."""
+        """The table of a version 3 tensor entry (fields already checked by ``compact_problem``;
+        ``file`` None: slice K is in ``files[K]``)."""
         nd = len(gshape)
         if boxes is not None:
             arr = np.asarray(boxes, dtype=np.int64).reshape(len(boxes), 2 * nd)
@@ -228,8 +229,10 @@ class SliceTable:
     @property
     def file_ids(self) -> np.ndarray:
         if self._file_ids is None:
-            spec = self._file_spec if self._file_spec is not None else 0
-            if isinstance(spec, int):
+            spec = self._file_spec
+            if spec is None:
+                self._file_ids = np.arange(self._n, dtype=np.int64)
+            elif isinstance(spec, int):
                 self._file_ids = np.full(self._n, spec, dtype=np.int64)
             else:
                 self._file_ids = np.asarray(spec, dtype=np.int64)
@@ -348,6 +351,8 @@ class SliceTable:
         spec = self._file_spec
         if isinstance(spec, int):
             return [self.files[spec]] if self._n else []
+        if spec is None and self._file_ids is None:
+            return sorted(self.files[: self._n])
         ids = set(spec) if spec is not None else set(self.file_ids.tolist())
         return [self.files[i] for i in sorted(ids)]
 
@@ -455,7 +460,9 @@ def compact_fields(
     if remap is None:
         remap = np.asarray([file_index[f] for f in table.files], dtype=np.int64)
     ids = remap[table.file_ids] if n else table.file_ids
-    if n and (ids == ids[0]).all():
+    if n == len(file_index) and n > 1 and (ids == np.arange(n)).all():
+        pass  # slice K in files[K]: no 'file' (one file per rank, in rank order)
+    elif n and (ids == ids[0]).all():
         out["file"] = int(ids[0])
     else:
         out["file"] = ids.tolist()
