@@ -96,10 +96,12 @@ def check_unique_slices(where: str, block: UnickptBlock) -> None:
 def _ruled_key_in(ruled: dict[str, TensorEntry], file: str, key: str) -> bool:
     """Whether ``key`` is the ``NAME@K`` key of slice K of a tensor in ``ruled``, stored in ``file``."""
     base, at, k = key.rpartition("@")
-    if not (at and k.isascii() and k.isdigit() and k == str(int(k))):
-        return False
     t = ruled.get(base)
-    return t is not None and int(k) < len(t.table) and t.table.file(int(k)) == file
+    if t is None or not (at and k.isascii() and k.isdigit()):
+        return False
+    i = int(k)
+    table = t.table
+    return k == str(i) and i < len(table) and table.file(i) == file
 
 
 def check_gathered(where: str, block: UnickptBlock) -> None:

@@ -296,6 +296,10 @@ class SliceTable:
             for x in map(h.__getitem__, map(slice, range(0, len(h), 16), range(16, len(h) + 16, 16)))
         ]
 
+    def files_of(self, ks: np.ndarray) -> set[str]:
+        """The distinct files of the slices at positions ``ks``."""
+        return {self.files[i] for i in set(self.file_ids[ks].tolist())}
+
     def file_list(self) -> list[str]:
         """Every slice's file name, in slice order."""
         return list(map(self.files.__getitem__, self.file_ids.tolist()))

@@ -240,8 +240,10 @@ def load_tensors(
         for src, ks in needed.items():
             entry = reader.tensors[src]
             table = entry.table
-            for k in ks:
-                file, key, shape = table.file(k), table.key(k), table.shapes[k].tolist()
+            sel = np.asarray(ks, dtype=np.int64)
+            names = [table.files[i] for i in table.file_ids[sel].tolist()]
+            for k, file, shape in zip(ks, names, table.shapes[sel].tolist(), strict=True):
+                key = table.key(k)
                 h = reader.header(file)
                 he = h.entries.get(key)
                 if he is None or he.dtype != entry.dtype or list(he.shape) != shape:
@@ -254,7 +256,13 @@ def load_tensors(
                     )
         if reader.has_unickpt_block:
             # Every key of a file this rank reads is a slice of the index (no data it does not account for).
-            touched = sorted({reader.tensors[src].table.file(k) for src, ks in needed.items() for k in ks})
+            touched = sorted(
+                {
+                    f
+                    for src, ks in needed.items()
+                    for f in reader.tensors[src].table.files_of(np.asarray(ks, dtype=np.int64))
+                }
+            )
             check_keys_referenced(reader.block, touched, reader.header)
         if verify:
             from unickpt.errors import IntegrityFailure
