@@ -189,20 +189,28 @@ def main() -> None:
         t0 = time.perf_counter()
         build(base, args.world, args.tensors)
         print(f"built {args.tensors} x {args.world} slices in {time.perf_counter() - t0:.1f} s under {base}")
-    print("| index | bytes | op | s | x json.load | extra peak MB | x json.load |")
-    print("|---|---:|---|---:|---:|---:|---:|")
-    for v in args.versions.split(","):
-        ck = base / v
-        size = (ck / "model.safetensors.index.json").stat().st_size
-        ref = run("json", ck, base / "out")
-        print(f"| {v} | {size} | json.load | {ref['s']:.2f} | 1.0 | {ref['extra_mb']:.0f} | 1.0 |")
-        for op in args.ops.split(","):
-            r = run(op, ck, base / "out")
-            print(
-                f"| {v} | {size} | {op} | {r['s']:.2f} | {r['s'] / ref['s']:.1f} | {r['extra_mb']:.0f} | "
-                f"{r['extra_mb'] / max(ref['extra_mb'], 1):.2f} |",
-                flush=True,
-            )
+    # Interleaved, so that both versions and their json.load see the same machine load: per op,
+    # json.load of the version 1 index, then the op on version 1, then on version 3.
+    versions = args.versions.split(",")
+    sizes = {v: (base / v / "model.safetensors.index.json").stat().st_size for v in versions}
+    print("index bytes: " + ", ".join(f"{v} {sizes[v]}" for v in versions))
+    print(
+        "| op | json.load of v1 s | "
+        + " | ".join(f"{v} s (x json.load of v1)" for v in versions)
+        + " | "
+        + " | ".join(f"{v} extra peak MB (x json.load of v1)" for v in versions)
+        + " |"
+    )
+    print("|---|---:|" + "---:|" * (2 * len(versions)))
+    for op in args.ops.split(","):
+        ref = run("json", base / versions[0], base / "out")
+        res = {v: run(op, base / v, base / "out") for v in versions}
+        times = " | ".join(f"{res[v]['s']:.2f} ({res[v]['s'] / ref['s']:.1f}x)" for v in versions)
+        mems = " | ".join(
+            f"{res[v]['extra_mb']:.0f} ({res[v]['extra_mb'] / max(ref['extra_mb'], 1):.2f}x)"
+            for v in versions
+        )
+        print(f"| {op} | {ref['s']:.2f} (peak +{ref['extra_mb']:.0f} MB) | {times} | {mems} |", flush=True)
     if not args.dir:
         shutil.rmtree(base)
 
