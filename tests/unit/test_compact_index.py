@@ -299,3 +299,18 @@ def test_every_version_loads_verifies_and_merges_bit_exact(tmp_path: Any, versio
     m2.w = torch.nn.Parameter(torch.zeros(33, 5))
     GeneralCheckpointIO().load_model(m2, out, verify=True)
     assert torch.equal(m2.w.detach(), full)
+
+
+def test_lazy_slices_copy_and_pickle_as_plain_lists() -> None:
+    import copy
+    import pickle
+
+    idx = parse_index(_index(), "i.json")
+    assert idx.unickpt is not None
+    sl = idx.unickpt.tensors["strided"].slices
+    plain = [SliceEntry.model_validate(s.model_dump()) for s in sl]
+    assert copy.copy(sl) == plain and copy.deepcopy(sl) == plain and type(copy.copy(sl)) is list
+    assert pickle.loads(pickle.dumps(sl)) == plain and list.__len__(pickle.loads(pickle.dumps(sl))) == 0
+    again = pickle.loads(pickle.dumps(idx))
+    assert again == idx and again.unickpt is not None
+    assert again.unickpt.tensors["strided"].table.grid == [[3, 2, 3, 2], [4]]

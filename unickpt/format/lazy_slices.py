@@ -91,7 +91,7 @@ class LazySlices(list):  # type: ignore[type-arg]
         return self.copy() + list(other)
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
-        return (list, (self.copy(),))
+        return (LazySlices, (self.table,))  # pickled as its table: no SliceEntry per slice
 
     def __copy__(self) -> list[Any]:
         return self.copy()
