@@ -102,11 +102,14 @@ def plan_save(
 
     load = [0] * max(1, len(per_rank))
     assignment: dict[tuple[str, tuple[int, ...], tuple[int, ...]], tuple[int, int]] = {}
-    order = sorted(holders, key=lambda b: (-math.prod(b[2]) * itemsize(tensors[b[0]][0]), b[0], b[1]))
+    isz = {name: itemsize(dtype) for name, (dtype, _) in tensors.items()}
+    nbytes_of = {box: math.prod(box[2]) * isz[box[0]] for box in holders}
+    order = sorted(holders, key=lambda b: (-nbytes_of[b], b[0], b[1]))
     for box in order:
-        nbytes = math.prod(box[2]) * itemsize(tensors[box[0]][0])
-        r, i = min(holders[box], key=lambda ri: (load[ri[0]], ri[0]))
-        load[r] += nbytes
+        held = holders[box]
+        # One holder (a sharded block): it writes it; replicas go to the least loaded rank.
+        r, i = held[0] if len(held) == 1 else min(held, key=lambda ri: (load[ri[0]], ri[0]))
+        load[r] += nbytes_of[box]
         assignment[box] = (r, i)
 
     slices: dict[str, list[PlannedSlice]] = {}
