@@ -245,26 +245,19 @@ def rank_dcp(layout: str, path: str) -> dict[str, Any]:
     return _measure(measured)
 
 
-def _kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
 def _measure(fn: Any) -> dict[str, Any]:
     import gc
     import time
 
+    from benchmarks._common import peak_rss_mb, reset_peak_rss, rss_mb
+
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    base = _kb("VmRSS")
+    reset_peak_rss()
+    base = rss_mb()
     t0 = time.perf_counter()
     count = fn()
     dt = time.perf_counter() - t0
-    return {"s": dt, "extra_mb": (_kb("VmHWM") - base) / 1024, "count": count}
+    return {"s": dt, "extra_mb": peak_rss_mb() - base, "count": count}
 
 
 STEPS = {
