@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: venv test lint typecheck unit dist test-slow fuzz demo bench clean
+.PHONY: venv test lint typecheck unit dist test-slow fuzz demo bench bench-scale clean
 
 # setup.py builds the compiled fingerprint kernel (unickpt/format/_fpkernel.c) in place.
 $(BIN)/.installed: pyproject.toml setup.py unickpt/format/_fpkernel.c unickpt/format/_fp2kernel.c
@@ -47,6 +47,10 @@ demo: venv
 
 bench: venv
 	$(BIN)/python benchmarks/run.py $(BENCH_ARGS)
+
+# Metadata at 512 and 2048 ranks, unickpt's index against DCP's .metadata (docs/performance.md).
+bench-scale: venv
+	$(BIN)/python benchmarks/scale.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

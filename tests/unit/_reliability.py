@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from unickpt import GeneralCheckpointIO
+from unickpt.format.index_compact import as_listed
 from unickpt.format.safetensors_io import SafetensorsWriter
 
 INDEX = "model.safetensors.index.json"
@@ -62,9 +63,10 @@ def data_files(path: Path | str) -> list[str]:
 
 
 def read_index(path: Path | str) -> dict[str, Any]:
+    """The index as JSON, each tensor's slices listed (version 3 takes them too), to be edited."""
     with open(os.path.join(path, INDEX), "rb") as f:
         obj: dict[str, Any] = json.loads(f.read())
-    return obj
+    return as_listed(obj)
 
 
 def write_index(path: Path | str, obj: Any) -> None:

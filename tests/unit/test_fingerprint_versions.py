@@ -15,6 +15,7 @@ import torch
 from unickpt import GeneralCheckpointIO, diff_checkpoints, merge_checkpoint
 from unickpt.format.hashing import fingerprint_of_array
 from unickpt.format.index import FORMAT_VERSION
+from unickpt.format.index_compact import as_listed
 from unickpt.format.reader import open_checkpoint
 from unickpt.tools import _compare
 from unickpt.tools._write import SliceData, TensorData, write_checkpoint
@@ -61,20 +62,19 @@ def _write(path: Path, w: dict[str, np.ndarray], how: str) -> Path:
 def _to_v1(path: Path, w: dict[str, np.ndarray]) -> None:
     """Rewrite a checkpoint's index as format version 1 would have: v1 fingerprints."""
     f = path / INDEX
-    obj = json.loads(f.read_text())
-    obj["unickpt"]["format_version"] = 1
+    obj = as_listed(json.loads(f.read_text()), 1)
     for n, e in obj["unickpt"]["tensors"].items():
         e["fingerprint"] = fingerprint_of_array(n, DT[n], w[n].tobytes(), list(w[n].shape), version=1)
     f.write_text(json.dumps(obj))
 
 
-def test_saves_write_format_version_2_with_v2_fingerprints(tmp_path: Path) -> None:
-    assert FORMAT_VERSION == 2
+def test_saves_write_format_version_3_with_v2_fingerprints(tmp_path: Path) -> None:
+    assert FORMAT_VERSION == 3
     torch.manual_seed(0)
     m = torch.nn.Linear(6, 4)
     GeneralCheckpointIO().save_model(m, tmp_path / "c", shard=True, gather_dtensor=False)
     obj = json.loads((tmp_path / "c" / INDEX).read_text())
-    assert obj["unickpt"]["format_version"] == 2
+    assert obj["unickpt"]["format_version"] == 3
     for n, t in m.state_dict().items():
         raw = t.detach().contiguous().view(torch.uint8).numpy().tobytes()
         assert obj["unickpt"]["tensors"][n]["fingerprint"] == fingerprint_of_array(
@@ -89,8 +89,7 @@ def test_v1_checkpoints_still_load_and_verify(tmp_path: Path) -> None:
     io.save_model(m, tmp_path / "c", shard=True, gather_dtensor=True)
     w = {n: t.detach().numpy().copy() for n, t in m.state_dict().items()}
     f = tmp_path / "c" / INDEX
-    obj = json.loads(f.read_text())
-    obj["unickpt"]["format_version"] = 1
+    obj = as_listed(json.loads(f.read_text()), 1)
     for n, e in obj["unickpt"]["tensors"].items():
         e["fingerprint"] = fingerprint_of_array(n, "F32", w[n].tobytes(), list(w[n].shape), version=1)
     f.write_text(json.dumps(obj))
@@ -212,13 +211,15 @@ def test_merge_of_a_v1_checkpoint_stays_v1_and_consistent(tmp_path: Path) -> Non
     assert deep.identical and not deep.integrity_failures, deep.format()
 
 
-@pytest.mark.parametrize("version,ok", [(1, True), (2, True), (3, False), (0, False)])
-def test_index_parsers_take_versions_1_and_2_only(tmp_path: Path, version: int, ok: bool) -> None:
+@pytest.mark.parametrize("version,ok", [(1, True), (2, True), (3, True), (4, False), (0, False)])
+def test_index_parsers_take_versions_1_to_3_only(tmp_path: Path, version: int, ok: bool) -> None:
     from unickpt.errors import IndexFileError
     from unickpt.format.index import parse_index, parse_index_validated
 
     a = _write(tmp_path / "a", _weights(), "rows")
     obj = json.loads((a / INDEX).read_text())
+    if version in (1, 2):
+        as_listed(obj, version)
     obj["unickpt"]["format_version"] = version
     raw = json.dumps(obj).encode()
     for parse in (parse_index, parse_index_validated):

@@ -169,7 +169,9 @@ def test_writer_ranges_merge_a_flat_range_and_split_columns() -> None:
 
 def _with_ranges(src: Path, name: str, cuts: list[int]) -> Path:
     """Rewrite a gathered checkpoint's index so ``name`` records ranges (as a multi-rank save does)."""
-    raw = json.loads((src / "model.safetensors.index.json").read_text())
+    from unickpt.format.index_compact import as_listed
+
+    raw = as_listed(json.loads((src / "model.safetensors.index.json").read_text()))
     t = raw["unickpt"]["tensors"][name]
     (s,) = t["slices"]
     from unickpt.format.reader import open_checkpoint

@@ -734,11 +734,15 @@ def test_fast_checks_know_the_models() -> None:
     fields = {
         SliceEntry: ["file", "key", "offsets", "shape", "xxh3", "ranges"],
         ByteRange: ["start", "end", "xxh3"],
-        TensorEntry: ["dtype", "shape", "fingerprint", "slices", "param", "state"],
+        TensorEntry: [
+            *("dtype", "shape", "fingerprint", "slices", "param", "state"),
+            *("grid", "boxes", "file", "keys", "xxh3"),
+        ],
         LayoutInfo: ["plugin", "world_size", "mesh", "gathered"],
         UnickptBlock: [
             "format_version",
             "kind",
+            "files",
             "created_by",
             "layout",
             "tensors",
@@ -751,7 +755,7 @@ def test_fast_checks_know_the_models() -> None:
         IndexFile: ["metadata", "weight_map", "unickpt"],
     }
     validators = {
-        TensorEntry: {"_dtype", "_slices_in_bounds"},
+        TensorEntry: {"_dtype", "_slices_in_bounds", "_dump"},
         UnickptBlock: {
             "_files_are_safe",
             "_aliases_resolve",

@@ -22,6 +22,7 @@ import torch
 from unickpt import GeneralCheckpointIO, IndexFileError, OptimizerWrapper, merge_checkpoint, verify_checkpoint
 from unickpt.cli.main import main as cli
 from unickpt.format.hashing import slice_hash
+from unickpt.format.index_compact import as_listed as listed
 from unickpt.format.naming import SLICED_SENTINEL
 from unickpt.format.reader import open_checkpoint
 from unickpt.tools import verify as verify_mod
@@ -45,7 +46,7 @@ def _save(tmp_path: Path, gather: bool, name: str = "ck") -> Path:
 
 def _edit(d: Path, change: Callable[[dict[str, Any]], None]) -> None:
     p = d / INDEX
-    obj = json.loads(p.read_text())
+    obj = listed(json.loads(p.read_text()))
     change(obj)
     p.write_text(json.dumps(obj))
 
@@ -152,7 +153,7 @@ def test_key_no_slice_references(tmp_path: Path, capsys: pytest.CaptureFixture[s
 )
 def test_gathered_weight_map_disagrees(tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str) -> None:
     d = _save(tmp_path, gather=True)
-    idx = json.loads((d / INDEX).read_text())
+    idx = listed(json.loads((d / INDEX).read_text()))
     real = idx["weight_map"]["1.weight"]
     stale = "model-00002-of-00002.safetensors"
     shutil.copy(d / real, d / stale)  # a stale file a Hugging Face loader would read instead
@@ -186,7 +187,7 @@ def test_gathered_weight_map_disagrees(tmp_path: Path, capsys: pytest.CaptureFix
 
 def test_real_file_in_sliced_index(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     d = _save(tmp_path, gather=False)
-    idx = json.loads((d / INDEX).read_text())
+    idx = listed(json.loads((d / INDEX).read_text()))
     file = _slice(idx, "2.bias")["file"]
     _edit(d, lambda o: o["weight_map"].update({"2.bias": file}))
     _refused(
@@ -305,7 +306,7 @@ def test_optimizer_param_and_state_fields(tmp_path: Path, capsys: pytest.Capture
     io = GeneralCheckpointIO()
     d = Path(io.save_optimizer(OptimizerWrapper(opt, m), tmp_path / "o", shard=True))
     idx = d / "optimizer.safetensors.index.json"
-    obj = json.loads(idx.read_text())
+    obj = listed(json.loads(idx.read_text()))
     obj["unickpt"]["tensors"]["state.0.weight.exp_avg"]["param"] = "1.weight"
     idx.write_text(json.dumps(obj))
     match = (
@@ -345,7 +346,7 @@ def test_optimizer_param_groups_claims(tmp_path: Path, case: str) -> None:
     io = GeneralCheckpointIO()
     d = Path(io.save_optimizer(OptimizerWrapper(opt, m), tmp_path / "o", shard=True))
     idx = d / "optimizer.safetensors.index.json"
-    obj = json.loads(idx.read_text())
+    obj = listed(json.loads(idx.read_text()))
     groups = obj["unickpt"]["param_groups"]
     if case == "listed_twice":
         groups.append(dict(groups[0], params=["0.bias"]))

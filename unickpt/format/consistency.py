@@ -19,11 +19,10 @@ run on every open (index-only checks) or with the headers (``check_keys_referenc
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Iterable
 
 from unickpt.errors import IndexFileError
-from unickpt.format.index import UnickptBlock
+from unickpt.format.index import TensorEntry, UnickptBlock
 from unickpt.format.naming import SLICED_SENTINEL
 from unickpt.format.safetensors_io import SafetensorsHeader
 
@@ -50,38 +49,59 @@ def _names(names: Iterable[str], limit: int = 5) -> str:
     return ", ".join(repr(n) for n in items[:limit]) + more
 
 
-_get_file = operator.attrgetter("file")
-_get_key = operator.attrgetter("key")
-
-
 def check_unique_slices(where: str, block: UnickptBlock) -> None:
-    """No two slices (of one tensor or of two) name the same key of the same file."""
-    # Keys per file, in bulk (no tuple per slice: 10^5 tracked tuples wake the garbage collector).
+    """No two slices (of one tensor or of two) name the same key of the same file.
+
+    Keys by the ``NAME@K`` rule (version 3 tensors without ``keys``) are distinct by
+    construction (the name and K follow from the key: K is the digits after the last ``@``), so
+    only written-out keys are collected, per file, in bulk from the slice tables; a written key
+    that has the rule's form is then looked up among the rule's keys of its file.
+    """
     per_file: dict[str, set[str]] = {}
+    ruled: dict[str, TensorEntry] = {}
     dup = False
-    for t in block.tensors.values():
-        files = set(map(_get_file, t.slices))
+    for name, t in block.tensors.items():
+        table = t.table
+        if table.ruled_keys:
+            ruled[name] = t
+            continue
+        files = table.distinct_files()
+        keys_of = table.keys()
         if len(files) == 1:
-            keys = per_file.setdefault(files.pop(), set())
+            keys = per_file.setdefault(files[0], set())
             before = len(keys)
-            keys.update(map(_get_key, t.slices))
-            dup = dup or len(keys) - before != len(t.slices)
+            keys.update(keys_of)
+            dup = dup or len(keys) - before != len(keys_of)
         else:
-            for sl in t.slices:
-                keys = per_file.setdefault(sl.file, set())
-                dup = dup or sl.key in keys
-                keys.add(sl.key)
+            for file, key in zip(table.file_list(), keys_of, strict=True):
+                keys = per_file.setdefault(file, set())
+                dup = dup or key in keys
+                keys.add(key)
+    if ruled and not dup:
+        dup = any(_ruled_key_in(ruled, file, key) for file, keys in per_file.items() for key in keys)
     if not dup:
         return
     seen: dict[tuple[str, str], tuple[str, int]] = {}
     for name, t in block.tensors.items():
-        for i, s in enumerate(t.slices):
-            first = seen.setdefault((s.file, s.key), (name, i))
+        table = t.table
+        for i, (file, key) in enumerate(zip(table.file_list(), table.keys(), strict=True)):
+            first = seen.setdefault((file, key), (name, i))
             if first != (name, i):
                 raise IndexFileError(
-                    f"{where}: key {_q(s.key)} of file {_q(s.file)} is named by two slices: tensor {_q(first[0])} "
+                    f"{where}: key {_q(key)} of file {_q(file)} is named by two slices: tensor {_q(first[0])} "
                     f"slice {first[1]} and tensor {_q(name)} slice {i} (one stored block would be read twice)"
                 )
+
+
+def _ruled_key_in(ruled: dict[str, TensorEntry], file: str, key: str) -> bool:
+    """Whether ``key`` is the ``NAME@K`` key of slice K of a tensor in ``ruled``, stored in ``file``."""
+    base, at, k = key.rpartition("@")
+    t = ruled.get(base)
+    if t is None or not (at and k.isascii() and k.isdigit()):
+        return False
+    i = int(k)
+    table = t.table
+    return k == str(i) and i < len(table) and table.file(i) == file
 
 
 def check_gathered(where: str, block: UnickptBlock) -> None:
@@ -92,7 +112,7 @@ def check_gathered(where: str, block: UnickptBlock) -> None:
                 f"{where}: tensor {_q(name)} has {len(t.slices)} slices in a gathered checkpoint, which stores "
                 "each tensor whole under its own name"
             )
-        s = t.slices[0]
+        s = t.table.entry(0)
         if s.key != name or any(s.offsets) or list(s.shape) != list(t.shape):
             raise IndexFileError(
                 f"{where}: tensor {_q(name)} is stored as key {_q(s.key)} at offsets {list(s.offsets)} with shape "
@@ -138,10 +158,10 @@ def check_weight_map(where: str, weight_map: dict[str, str], block: UnickptBlock
         return False
     check_gathered(where, block)
     for name, t in block.tensors.items():
-        if weight_map[name] != t.slices[0].file:
+        if weight_map[name] != t.table.file(0):
             raise IndexFileError(
                 f"{where}: weight_map puts tensor {_q(name)} in {_q(weight_map[name])} but the unickpt block "
-                f"stores it in {_q(t.slices[0].file)} (Hugging Face loaders would read a tensor unickpt "
+                f"stores it in {_q(t.table.file(0))} (Hugging Face loaders would read a tensor unickpt "
                 "never verified)"
             )
     return True
@@ -207,14 +227,25 @@ def check_block(where: str, block: UnickptBlock, weight_map: dict[str, str] | No
 def check_keys_referenced(
     block: UnickptBlock, files: Iterable[str], header: Callable[[str], SafetensorsHeader]
 ) -> None:
-    """Every key of each data file in ``files`` is a slice of the index (``header`` reads one)."""
+    """Every key of each data file in ``files`` is a slice of the index (``header`` reads one).
+
+    Keys are looked up, not collected: a ``NAME@K`` key of a version 3 tensor is checked against
+    its tensor's table (O(1)), so a rank that reads a few files costs O(their keys).
+    """
     refs: dict[str, set[str]] = {}
-    for t in block.tensors.values():
-        for s in t.slices:
-            refs.setdefault(s.file, set()).add(s.key)
+    ruled: dict[str, TensorEntry] = {}
+    for name, t in block.tensors.items():
+        table = t.table
+        if table.ruled_keys:
+            ruled[name] = t
+            continue
+        for file, key in zip(table.file_list(), table.keys(), strict=True):
+            refs.setdefault(file, set()).add(key)
+
     for file in files:
         h = header(file)
-        extra = [k for k in h.entries if k not in refs.get(file, ())]
+        known = refs.get(file, set())
+        extra = [k for k in h.entries if k not in known and not _ruled_key_in(ruled, file, k)]
         if extra:
             raise IndexFileError(
                 f"{h.path}: holds {len(extra)} key(s) that no slice of the index references: {_names(extra)} "

@@ -9,16 +9,26 @@ would. Anything it does not take (None) goes through ``index_fast``'s slice-by-s
 from __future__ import annotations
 
 import collections
+import contextlib
+import gc
 import itertools
 import operator
-from collections.abc import Callable, Iterable
+import re
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from unickpt.format.index_models import SliceEntry, fields_of
+from unickpt.format.index_models import HASHES, MAX_DIM, MIN_POSITIVE, SliceEntry, fields_of
 
-__all__ = ["construct", "bulk_slices", "SLICE_FIELDS", "SLICE_REQUIRED"]
+__all__ = [
+    "construct",
+    "bulk_slices",
+    "compact_field_colons",
+    "entries_from_records",
+    "SLICE_FIELDS",
+    "SLICE_REQUIRED",
+]
 
 _M = TypeVar("_M", bound=BaseModel)
 
@@ -30,6 +40,7 @@ _SLOW_FIELDS = frozenset({"ranges"})
 _FULL_LAYOUT = tuple(f for f in SLICE_FIELDS if f not in _SLOW_FIELDS)
 _SLICE_LAYOUTS = frozenset({_FULL_LAYOUT, tuple(f for f in SLICE_FIELDS if f in SLICE_REQUIRED)})
 _HEX_DIGITS_COMMA = b"0123456789abcdef,"
+_hashes = re.compile(HASHES).fullmatch
 _get_file = operator.itemgetter("file")
 _get_key = operator.itemgetter("key")
 _get_offsets = operator.itemgetter("offsets")
@@ -162,3 +173,86 @@ def bulk_slices(
     _consume(map(_set_extra, objs, none))
     _consume(map(_set_private, objs, none))
     return objs, pairs, keys.count(":"), files
+
+
+_FULL_FIELDS_SET = set(_FULL_LAYOUT)
+
+
+def entries_from_records(records: list[dict[str, Any]]) -> list[SliceEntry]:
+    """``SliceEntry`` objects from checked dicts with every field in model order (a slice
+    table's records): what ``model_construct`` builds, in four C-level passes. The dicts become
+    the entries' ``__dict__``; they share one fields set, as the parser's slices do."""
+    n = len(records)
+    objs: list[SliceEntry] = list(map(_object_new, itertools.repeat(SliceEntry, n)))
+    _consume(map(_set_dict, objs, records))
+    _consume(map(_set_fields_set, objs, itertools.repeat(_FULL_FIELDS_SET)))
+    none = itertools.repeat(None)
+    _consume(map(_set_extra, objs, none))
+    _consume(map(_set_private, objs, none))
+    return objs
+
+
+def compact_field_colons(k: str, x: Any) -> int | None:
+    """Type checks of a version 3 tensor field (``grid``, ``boxes``, ``file``, ``keys``, ``xxh3``)
+    in bulk, as the models declare them; returns the ':' its strings hold, or None when in doubt
+    (the models then decide and word the error). ``compact_problem`` checks the rest."""
+    if x is None:
+        return 0
+    if k == "xxh3":
+        return 0 if type(x) is str and _hashes(x) else None
+    if k == "keys":
+        if type(x) is not list or set(map(type, x)) - _STR:
+            return None
+        return "".join(x).count(":")
+    if k == "file":
+        ints = [x] if type(x) is int else x if type(x) is list else None
+        if ints is None:
+            return None
+    else:  # grid: ints and lists of ints; boxes: lists of ints
+        if type(x) is not list:
+            return None
+        lists = [i for i in x if type(i) is list]
+        scalars = [i for i in x if type(i) is not list]
+        if (k == "boxes" and scalars) or (
+            scalars and (set(map(type, scalars)) - _INT or min(scalars) < MIN_POSITIVE)
+        ):
+            return None
+        ints = list(itertools.chain.from_iterable(lists))
+    if ints and (set(map(type, ints)) - _INT or min(ints) < 0 or max(ints) >= MAX_DIM):
+        return None
+    return 0
+
+
+def _found(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return repr(v) if len(v) <= 80 else f"{v[:77]!r}..."
+    return "an array" if isinstance(v, list) else "an object" if isinstance(v, dict) else type(v).__name__
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector (process-wide) while a large JSON tree and its models are built.
+
+    The tree and the models hold no reference cycles, so pausing frees nothing less; it spares
+    the collector walking every new container again and again (about 2 us per slice). On success
+    the new objects are then moved to the oldest generation (``gc.freeze()`` + ``gc.unfreeze()``,
+    two list splices), as repeated collections would have done, instead of leaving millions of
+    young objects for the next two collections to walk (about 1 us per slice more). Skipped when
+    the process keeps objects frozen itself, so as not to unfreeze them.
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+        if was and gc.get_freeze_count() == 0:
+            gc.freeze()
+            gc.unfreeze()
+    finally:
+        if was:
+            gc.enable()

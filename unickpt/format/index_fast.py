@@ -1,39 +1,24 @@
 """The fast path of ``parse_index``: the schema of ``index_models`` checked in one plain pass.
 
-Validating a sliced index with the models costs 13 to 20 us per slice, and every loading rank
-pays it for every slice of the checkpoint (70B over 512 ranks: 370,000 slices). Most of that
-is per-object overhead: a Python call per JSON object for the duplicate-key check, pydantic's
-model machinery per slice, and the cyclic garbage collector walking the growing tree again and
-again. The fast path:
+Validating with the models costs 13 to 20 us per listed slice, paid by every loading rank,
+mostly per-object overhead. The fast path parses with plain ``json.loads`` and checks duplicate
+keys by counting colons (``_json.colon_budget``); pauses the garbage collector while it builds
+the tree (``_gc_paused``); checks listed slices with C-level bulk operations
+(``index_bulk.bulk_slices``; anything else through ``slices_slow``) and everything else with
+plain code driven by the schema's one definition in ``index_models`` (field lists, bounds and
+choices, and the rule functions the validators call); and builds the objects validation builds
+(``model_construct``, or the attributes it sets, in bulk).
 
-- parses with plain ``json.loads`` (no hook) and checks for duplicate keys exactly by counting
-  (``_json.colon_budget``: one ':' per object member as written);
-- pauses the garbage collector while it builds the tree and the models (they hold no reference
-  cycles), then moves them to the oldest generation at once (``_gc_paused``);
-- checks each tensor's slices with C-level bulk operations (``index_bulk.bulk_slices``; a slice
-  list it does not take, e.g. keys in another order, goes through ``slices_slow``), and
-  everything else with plain code driven by the schema's one definition in ``index_models``:
-  the models' field lists (unknown and missing keys), the bounds and choices their annotations
-  are built from (``MAX_DIM``, ``MIN_POSITIVE``, ``HEX16``, ``KINDS``, ``KNOWN_FORMAT_VERSIONS``,
-  dtypes, ``MAX_STATE_DEPTH``), and the rule functions their validators call
-  (``shape_problem``, ``slice_problem``, ``alias_problem``, ``check_file_name``);
-- builds the objects validation builds: ``model_construct`` for the few large objects, and for
-  slices the four attributes ``model_construct`` sets, in bulk (one model_construct call costs
-  more than the whole per-slice budget).
-
-Any doubt (an error, a value pydantic's lax mode might coerce, a duplicate key, an escaped
-colon, deep nesting) raises _NotFast, and parse_index then runs the models and reports their
-answer. tests/unit/test_index_fast.py checks that both paths accept the same inputs, build
-equal indexes and refuse the rest with the same messages.
+Any doubt raises _NotFast, and parse_index then runs the models and reports their answer.
+tests/unit/test_index_fast.py checks that both paths accept the same inputs, build equal
+indexes and refuse the rest with the same messages.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, cast
 
 from annotated_types import Ge, Lt
@@ -43,7 +28,15 @@ from unickpt.errors import CheckpointFormatError, IndexFileError, UnsafePathErro
 from unickpt.format import index_models as models
 from unickpt.format._json import TooDeep, colon_budget, count_pairs_and_colons, json_depth
 from unickpt.format.dtypes import DTYPE_ITEMSIZE
-from unickpt.format.index_bulk import SLICE_FIELDS, SLICE_REQUIRED, bulk_slices, construct
+from unickpt.format.index_bulk import (
+    SLICE_FIELDS,
+    SLICE_REQUIRED,
+    _found,
+    bulk_slices,
+    compact_field_colons,
+    construct,
+)
+from unickpt.format.index_bulk import _gc_paused as _gc_paused
 from unickpt.format.index_models import (
     HEX16,
     HEX16_BODY,
@@ -56,12 +49,15 @@ from unickpt.format.index_models import (
     Hex16,
     NonNeg,
     alias_problem,
+    attach_tables,
     check_file_name,
+    compact_problem,
     fields_of,
     ranges_problem,
     shape_problem,
     slice_problem,
     strict_metadata_ok,
+    version_problem,
 )
 
 __all__ = ["_FastIndex", "_NotFast", "_gc_paused"]
@@ -82,10 +78,11 @@ CUSTOM_FIELDS: dict[type[BaseModel], frozenset[str]] = {
     models.IndexFile: frozenset({"metadata", "weight_map", "unickpt"}),
     models.IndexMetadata: frozenset(),
     models.UnickptBlock: frozenset(
-        {"format_version", "kind", "layout", "tensors", "aliases", "param_groups", "param_state", "save_id"}
+        {"format_version", "kind", "files", "layout", "tensors", "aliases"}
+        | {"param_groups", "param_state", "save_id"}
     ),
     models.LayoutInfo: frozenset({"mesh"}),
-    models.TensorEntry: frozenset({"dtype", "slices"}),
+    models.TensorEntry: frozenset({"dtype", "slices", "grid", "boxes", "file", "keys", "xxh3"}),
     models.SliceEntry: frozenset({"file", "ranges"}),
     models.ByteRange: frozenset({"start", "end", "xxh3"}),  # each range checked by its model
 }
@@ -110,41 +107,6 @@ class _NotFast(Exception):
 
 def _schema(where: str, expected: str, value: Any) -> _NotFast:
     return _NotFast(f"{_SCHEMA}: {where}: expected {expected}, found {_found(value)}")
-
-
-def _found(v: Any) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    if isinstance(v, str):
-        return repr(v) if len(v) <= 80 else f"{v[:77]!r}..."
-    return "an array" if isinstance(v, list) else "an object" if isinstance(v, dict) else type(v).__name__
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector (process-wide) while a large JSON tree and its models are built.
-
-    The tree and the models hold no reference cycles, so pausing frees nothing less; it spares
-    the collector walking every new container again and again (about 2 us per slice). On success
-    the new objects are then moved to the oldest generation (``gc.freeze()`` + ``gc.unfreeze()``,
-    two list splices), as repeated collections would have done, instead of leaving millions of
-    young objects for the next two collections to walk (about 1 us per slice more). Skipped when
-    the process keeps objects frozen itself, so as not to unfreeze them.
-    """
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-        if was and gc.get_freeze_count() == 0:
-            gc.freeze()
-            gc.unfreeze()
-    finally:
-        if was:
-            gc.enable()
 
 
 class _FastIndex:
@@ -320,6 +282,12 @@ class _FastIndex:
                 given[k] = x
             elif k == "layout":
                 given[k] = self.layout(x)
+            elif k == "files":
+                if x is not None:
+                    if type(x) is not list or set(map(type, x)) - {str}:
+                        raise _NotFast  # the models name what is wrong
+                    self.files |= set(x)
+                given[k] = x
             elif k == "tensors":
                 given[k] = self.tensors(x)
             elif k == "aliases":
@@ -357,11 +325,16 @@ class _FastIndex:
                 self.walk(x)
                 given[k] = {p: dict(st) for p, st in x.items()}
         # models.UnickptBlock's model validators.
-        self._safe_names(self.files)
         tensors = given["tensors"]
+        version = given.get("format_version", models.FORMAT_VERSION)
+        problem = version_problem(version, given.get("files"), tensors)
+        if problem is not None:
+            raise _NotFast(f"{_SCHEMA}: unickpt: {problem}")
+        self._safe_names(self.files)
         problem = alias_problem(given.get("aliases", {}), tensors)
         if problem is not None:
             raise _NotFast(f"{_SCHEMA}: unickpt.aliases: {problem}")
+        attach_tables(given.get("files"), tensors)
         return construct(models.UnickptBlock, given, set(b), None)
 
     def layout(self, v: Any) -> models.LayoutInfo:
@@ -402,14 +375,30 @@ class _FastIndex:
                 if dtype not in DTYPE_ITEMSIZE or ":" in dtype:
                     raise _schema(f"{where}.dtype", f"a dtype in {sorted(DTYPE_ITEMSIZE)}", x)
                 given[k] = x
-            else:  # slices
+            elif k == "slices":
                 if type(x) is not list:
                     raise _schema(f"{where}.slices", "an array of slice objects", x)
                 given[k] = x
+            else:  # the compact fields of version 3
+                given[k] = self.compact_field(k, x)
         shape = given["shape"]
         problem = shape_problem(shape)
         if problem is not None:
             raise _NotFast(f"{_SCHEMA}: {where}: {problem}")
+        if "slices" not in given:
+            if given.get("file") is not None:
+                problem = compact_problem(
+                    shape,
+                    given.get("grid"),
+                    given.get("boxes"),
+                    given["file"],
+                    given.get("keys"),
+                    given.get("xxh3"),
+                )
+                if problem is not None:
+                    raise _NotFast(f"{_SCHEMA}: {where}: {problem}")
+            given["slices"] = []  # replaced by attach_tables (a default_factory costs 1 ms here)
+            return construct(models.TensorEntry, given, set(t), None)
         bulk = bulk_slices(shape, given["slices"], self.shared)
         if bulk is None:
             given["slices"] = self.slices_slow(where, shape, given["slices"], DTYPE_ITEMSIZE[given["dtype"]])
@@ -421,7 +410,7 @@ class _FastIndex:
         return construct(models.TensorEntry, given, set(t), None)
 
     def ranges(self, v: Any, where: str) -> list[models.ByteRange] | None:
-        """A slice's byte ranges, each checked by its model (a few per slice); their tiling with the slice."""
+        """A slice's byte ranges, each checked by its model; their tiling with the slice."""
         if v is None:
             return None
         if type(v) is not list:
@@ -430,6 +419,14 @@ class _FastIndex:
             return [models.ByteRange.model_validate(self.obj(r, where, *_RANGE)) for r in v]
         except ValidationError as e:
             raise _NotFast(f"{_SCHEMA}: {where}: {e.errors()[0]['msg']}") from None
+
+    def compact_field(self, k: str, x: Any) -> Any:
+        """A version 3 field of a tensor, type-checked in bulk; any doubt goes to the models."""
+        colons = compact_field_colons(k, x)
+        if colons is None:
+            raise _NotFast
+        self.colons += colons
+        return x
 
     def slices_slow(
         self, where: str, gshape: list[int], sl: list[Any], isize: int = 1

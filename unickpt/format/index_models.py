@@ -16,11 +16,22 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    Strict,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from unickpt.errors import UnsafePathError
 from unickpt.format._json import json_depth
 from unickpt.format.dtypes import DTYPE_ITEMSIZE
+from unickpt.format.lazy_slices import LazySlices
+from unickpt.format.slice_table import SliceTable
 
 __all__ = [
     "FORMAT_VERSION",
@@ -45,13 +56,18 @@ __all__ = [
     "alias_problem",
     "ranges_problem",
     "fields_of",
+    "compact_problem",
+    "version_problem",
+    "attach_tables",
 ]
 
 #: Format versions this reader accepts; version 1 indexes carry fingerprint v1 values.
-FormatVersion = Literal[1, 2]
+FormatVersion = Literal[1, 2, 3]
 KNOWN_FORMAT_VERSIONS: tuple[int, ...] = get_args(FormatVersion)
-#: The version every writer stamps: 2 since fingerprint v2 (docs/format.md sections 5.2, 7).
-FORMAT_VERSION: Literal[2] = 2
+#: The version every writer stamps: 3 since the compact slice encoding (docs/format.md sections 3.1, 7).
+FORMAT_VERSION: Literal[3] = 3
+#: The first version whose tensors describe their slices compactly (``grid``/``boxes``, ``file``, ...).
+COMPACT_VERSION = 3
 Kind = Literal["model", "optimizer"]
 KINDS: tuple[str, ...] = get_args(Kind)
 # An index describes tensors, never holds them: 70B parameters over 512 ranks is on the
@@ -71,6 +87,11 @@ SAVE_ID = f"^{SAVE_ID_BODY}$"
 # Strict: JSON true, 2.0 and "2" are not integers here (pydantic's lax mode would take them).
 NonNeg = Annotated[int, Strict(), Field(ge=0, lt=MAX_DIM)]
 Positive = Annotated[int, Strict(), Field(ge=MIN_POSITIVE)]
+#: A version 3 grid item: the number of parts (torch.chunk semantics) or the parts' extents.
+GridItem = Annotated[int, Strict(), Field(ge=MIN_POSITIVE, lt=MAX_DIM)] | list[NonNeg]
+FileId = Annotated[int, Strict(), Field(ge=0, lt=MAX_DIM)]
+#: Concatenated slice hashes: 16 lower-case hex digits (or 16 '-': no hash) per slice.
+HASHES = "^([0-9a-f]{16}|-{16})*$"
 # Free-form JSON state (param_groups, param_state) nests at most this deep, so that the whole
 # index stays within the 64 levels of the spec.
 MAX_STATE_DEPTH = 48
@@ -182,14 +203,60 @@ class SliceEntry(_Strict):
 
 
 class TensorEntry(_Strict):
-    """A global tensor: dtype, shape, fingerprint and the slices that tile it."""
+    """A global tensor: dtype, shape, fingerprint and the slices that tile it.
+
+    Versions 1 and 2 list the slices (``slices``); version 3 describes them compactly (``grid`` or
+    ``boxes``, ``file``, ``keys``, ``xxh3``: docs/format.md section 3.1) and, once the block is
+    validated, ``slices`` is a ``LazySlices`` over the tensor's ``SliceTable`` (``table``).
+    """
 
     dtype: str
     shape: list[NonNeg]
     fingerprint: Hex16 | None = Field(default=None, description="layout-invariant fingerprint")
-    slices: list[SliceEntry]
+    slices: list[SliceEntry] = Field(default_factory=list, description="versions 1 and 2: every slice")
     param: str | None = Field(default=None, description="optimizer tensors: the parameter FQN")
     state: str | None = Field(default=None, description="optimizer tensors: the state key")
+    grid: list[GridItem] | None = Field(
+        default=None,
+        description="version 3: the slices are the cells of this grid in C order; per dim the number "
+        "of parts (torch.chunk semantics) or the parts' extents",
+    )
+    boxes: list[list[NonNeg]] | None = Field(
+        default=None, description="version 3, no grid: each slice's offsets then shape"
+    )
+    file: FileId | list[FileId] | None = Field(
+        default=None,
+        description="version 3: index into the block's files, for all slices or per slice; "
+        "absent: slice K is in files[K]",
+    )
+    keys: list[str] | None = Field(default=None, description="version 3: the slices' keys when not NAME@K")
+    xxh3: Annotated[str, Field(pattern=HASHES)] | None = Field(
+        default=None, description="version 3: the slice hashes, 16 characters each ('-' x 16: none)"
+    )
+
+    @property
+    def compact(self) -> bool:
+        """True for a version 3 entry that does not list its slices (grid/boxes, file, keys, xxh3)."""
+        return "slices" not in self.model_fields_set
+
+    @property
+    def table(self) -> SliceTable:
+        """The slices as a :class:`SliceTable` (built once from ``slices`` for versions 1 and 2)."""
+        sl = self.__dict__["slices"]
+        if isinstance(sl, LazySlices):
+            return sl.table
+        table = SliceTable.from_entries("", self.shape, sl)
+        self.__dict__["slices"] = LazySlices(table, sl)
+        return table
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        if not self.compact:
+            out: dict[str, Any] = handler(self)
+            return out
+        # A version 3 entry writes its compact fields, never its slices (no per-slice objects).
+        d = self.__dict__
+        return {k: d[k] for k in _COMPACT_DUMP if d[k] is not None}
 
     @field_validator("dtype")
     @classmethod
@@ -206,6 +273,8 @@ class TensorEntry(_Strict):
                 break
             problem = slice_problem(s.key, s.file, s.offsets, s.shape, self.shape)
             problem = problem or ranges_problem(s.key, s.file, s.ranges, s.shape, DTYPE_ITEMSIZE[self.dtype])
+        if problem is None and self.compact:
+            problem = compact_problem(self.shape, self.grid, self.boxes, self.file, self.keys, self.xxh3)
         if problem is not None:
             raise ValueError(problem)
         return self
@@ -227,6 +296,9 @@ class LayoutInfo(_Strict):
 class UnickptBlock(_Strict):
     format_version: FormatVersion = FORMAT_VERSION
     kind: Kind
+    files: list[str] | None = Field(
+        default=None, description="version 3: the data files, which tensors' 'file' fields index"
+    )
     created_by: str = "unickpt"
     layout: LayoutInfo = Field(default_factory=LayoutInfo)
     tensors: dict[str, TensorEntry]
@@ -262,9 +334,15 @@ class UnickptBlock(_Strict):
 
     @model_validator(mode="after")
     def _files_are_safe(self) -> UnickptBlock:
+        problem = version_problem(self.format_version, self.files, self.tensors)
+        if problem is not None:
+            raise ValueError(problem)
         # Checked once per distinct name (an index of 10^5 slices names a few hundred files).
-        for name in {s.file for t in self.tensors.values() for s in t.slices}:
+        names = set(self.files or ())
+        names.update(s.file for t in self.tensors.values() if not t.compact for s in t.slices)
+        for name in names:
             check_file_name(name)
+        attach_tables(self.files, self.tensors)
         return self
 
     @model_validator(mode="after")
@@ -314,6 +392,101 @@ class IndexFile(BaseModel):
         for k, f in v.items():
             check_file_name(f, f"weight_map[{k!r}]")
         return v
+
+
+_COMPACT_DUMP = ("dtype", "shape", "fingerprint", "param", "state", "grid", "boxes", "file", "keys", "xxh3")
+_COMPACT_FIELDS = ("grid", "boxes", "file", "keys", "xxh3")
+
+
+def compact_count(
+    gshape: Sequence[int], grid: Sequence[int | Sequence[int]] | None, boxes: Sequence[Any] | None
+) -> int:
+    """The number of slices the compact fields describe (``grid`` checked to have ``len(gshape)`` items)."""
+    if boxes is not None:
+        return len(boxes)
+    if grid is None:
+        return 1
+    return math.prod(p if isinstance(p, int) else len(p) for p in grid)
+
+
+def compact_problem(
+    gshape: Sequence[int],
+    grid: Sequence[int | Sequence[int]] | None,
+    boxes: Sequence[Sequence[int]] | None,
+    file: int | Sequence[int] | None,
+    keys: Sequence[str] | None,
+    xxh3: str | None,
+) -> str | None:
+    """What is wrong with the compact slice fields of a version 3 tensor (types already checked)."""
+    nd = len(gshape)
+    if grid is not None and boxes is not None:
+        return "has both 'grid' and 'boxes' (one describes the slices)"
+    if grid is not None:
+        if len(grid) != nd:
+            return f"grid has {len(grid)} dims for a {nd}-dim tensor"
+        for d, (p, g) in enumerate(zip(grid, gshape, strict=True)):
+            if not isinstance(p, int) and (not p or sum(p) != g):
+                return f"grid dim {d}: part extents {list(p)[:8]} do not add up to the tensor's size {g}"
+    elif boxes is not None:
+        for i, b in enumerate(boxes):
+            if len(b) != 2 * nd:
+                return f"box {i} has {len(b)} integers, expected {2 * nd} (offsets then shape)"
+            for d in range(nd):
+                if b[d] + b[nd + d] > gshape[d]:
+                    return f"box {i} spans [{b[d]}, {b[d] + b[nd + d]}) on dim {d} of a tensor of size {gshape[d]}"
+    n = compact_count(gshape, grid, boxes)
+    if file is not None and not isinstance(file, int) and len(file) != n:
+        return f"'file' lists {len(file)} file(s) for {n} slice(s)"
+    if keys is not None and len(keys) != n:
+        return f"'keys' lists {len(keys)} key(s) for {n} slice(s)"
+    if xxh3 is not None and len(xxh3) != 16 * n:
+        return f"'xxh3' holds {len(xxh3)} characters for {n} slice(s) (16 per slice)"
+    return None
+
+
+def version_problem(
+    version: int, files: Sequence[str] | None, tensors: Mapping[str, TensorEntry]
+) -> str | None:
+    """Version 3 tensors list their slices (``slices``) or describe them compactly (then the block
+    has ``files``); versions 1 and 2 only list them."""
+    compact = version >= COMPACT_VERSION
+    for name, t in tensors.items():
+        given = [f for f in _COMPACT_FIELDS if getattr(t, f) is not None]
+        if not compact and (given or t.compact):
+            what = f"has version {COMPACT_VERSION} field(s) {given}" if given else "has no 'slices'"
+            return f"tensor {name!r} {what} in a format_version {version} index"
+        if not t.compact and given:
+            return f"tensor {name!r} has both 'slices' and the compact field(s) {given}: one describes its slices"
+        if t.compact:
+            if files is None:
+                return f"tensor {name!r} names its files by index, but the block has no 'files' table"
+            if t.file is None:
+                n = compact_count(t.shape, t.grid, t.boxes)
+                if n != len(files):
+                    return (
+                        f"tensor {name!r} has no 'file' (slice K in files[K]) but {n} slice(s) for "
+                        f"{len(files)} file(s)"
+                    )
+                continue
+            ids = [t.file] if isinstance(t.file, int) else t.file
+            if ids and max(ids) >= len(files):
+                return f"tensor {name!r}: file index {max(ids)} is past the {len(files)} files of the block"
+    if files is not None and not compact:
+        return f"'files' is a format_version {COMPACT_VERSION} field (this index is version {version})"
+    return None
+
+
+def attach_tables(files: Sequence[str] | None, tensors: Mapping[str, TensorEntry]) -> None:
+    """Give every version 3 tensor its ``SliceTable`` and the lazy ``slices`` list over it."""
+    if files is None:
+        return
+    for name, t in tensors.items():
+        if not t.compact:
+            continue
+        table = SliceTable.from_compact(
+            name, t.shape, files, grid=t.grid, boxes=t.boxes, file=t.file, keys=t.keys, xxh3=t.xxh3
+        )
+        t.__dict__["slices"] = LazySlices(table)
 
 
 def fields_of(cls: type[BaseModel]) -> tuple[tuple[str, ...], frozenset[str]]:

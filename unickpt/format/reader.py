@@ -23,9 +23,6 @@ import os
 import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
-
-from pydantic import ValidationError
 
 from unickpt.errors import (
     CheckpointChangedError,
@@ -34,10 +31,7 @@ from unickpt.errors import (
     IncompleteCheckpointError,
     IndexFileError,
     IntegrityFailure,
-    UnsafePathError,
 )
-from unickpt.format._json import strict_loads
-from unickpt.format.boxes import coverage_problem
 from unickpt.format.commit import SAVE_ID_KEY
 from unickpt.format.consistency import check_block, check_keys_referenced
 from unickpt.format.dcp_hf import block_from_dcp_hf, dcp_hf_files
@@ -52,17 +46,19 @@ from unickpt.format.index import (
 )
 from unickpt.format.naming import index_name, single_name
 from unickpt.format.range_hashes import has_hashes, slice_failures
+from unickpt.format.reader_blocks import UNICKPT_METADATA_KEY as UNICKPT_METADATA_KEY
+from unickpt.format.reader_blocks import block_from_header, block_from_plain_index
+from unickpt.format.reader_blocks import describe as describe
+from unickpt.format.reader_blocks import file_kind as file_kind
+from unickpt.format.reader_blocks import single_file_name as single_file_name
 from unickpt.format.safetensors_io import (
     SafetensorsHeader,
     iter_range,
     open_with_header,
-    read_header,
     read_range,
 )
 
 __all__ = ["CheckpointReader", "open_checkpoint", "single_file_name", "UNICKPT_METADATA_KEY"]
-
-UNICKPT_METADATA_KEY = "unickpt"
 
 
 @dataclass
@@ -91,7 +87,8 @@ class CheckpointReader:
 
     @property
     def files(self) -> list[str]:
-        return sorted({s.file for t in self.block.tensors.values() for s in t.slices})
+        """The data files the slices name, sorted (from the slice tables: no per-slice object)."""
+        return sorted({f for t in self.block.tensors.values() for f in t.table.distinct_files()})
 
     def file_path(self, name: str) -> str:
         if self.single_file is not None and name == self.single_slice_file:
@@ -178,7 +175,7 @@ class CheckpointReader:
     def check_coverage(self) -> None:
         """Every tensor's slices tile it exactly once. Reads no data file."""
         for name, t in self.block.tensors.items():
-            problem = coverage_problem(t.shape, [(tuple(s.offsets), tuple(s.shape)) for s in t.slices])
+            problem = t.table.coverage_problem()
             if problem:
                 raise IndexFileError(f"{self.index_path or self.directory}: tensor {name!r}: {problem}")
 
@@ -190,22 +187,26 @@ class CheckpointReader:
         """
         self.check_coverage()
         for name, t in self.block.tensors.items():
-            for s in t.slices:
-                self._check_slice(name, t, s)
+            table = t.table
+            for file, key, shape in zip(table.file_list(), table.keys(), table.shapes.tolist(), strict=True):
+                self._check_key(name, t.dtype, file, key, shape)
         if self.has_unickpt_block:
             check_keys_referenced(self.block, self.files, self.header)
 
     def _check_slice(self, name: str, t: TensorEntry, s: SliceEntry) -> None:
         """The slice's key is in its file's (valid) header with the dtype and shape the index records."""
-        h = self.header(s.file)
-        e = h.entries.get(s.key)
+        self._check_key(name, t.dtype, s.file, s.key, list(s.shape))
+
+    def _check_key(self, name: str, dtype: str, file: str, key: str, shape: list[int]) -> None:
+        h = self.header(file)
+        e = h.entries.get(key)
         if e is None:
             raise HeaderError(
-                f"{h.path}: tensor {name!r} should be stored under key {s.key!r}, which the file lacks"
+                f"{h.path}: tensor {name!r} should be stored under key {key!r}, which the file lacks"
             )
-        if e.dtype != t.dtype or list(e.shape) != list(s.shape):
+        if e.dtype != dtype or list(e.shape) != shape:
             raise HeaderError(
-                f"{h.path}: tensor {name!r} (key {s.key!r}): index says {t.dtype}{list(s.shape)}, "
+                f"{h.path}: tensor {name!r} (key {key!r}): index says {dtype}{shape}, "
                 f"file holds {e.dtype}{list(e.shape)}"
             )
 
@@ -274,95 +275,6 @@ def _itemsize(dtype: str) -> int:
     return itemsize(dtype)
 
 
-def _block_from_header(h: SafetensorsHeader, kind: str) -> tuple[UnickptBlock, bool]:
-    """The unickpt block of a single-file checkpoint, or one synthesised for a plain file."""
-    file = single_file_name(h.path, kind)
-    raw = h.metadata.get(UNICKPT_METADATA_KEY)
-    if raw is not None:
-        try:
-            obj = strict_loads(raw, IndexFileError, f"{h.path}: the unickpt metadata block")
-            tensors = obj.get("tensors") if isinstance(obj, dict) else None
-            if isinstance(tensors, dict):
-                # Slices of a single file live in that file, whatever it was renamed to.
-                for t in tensors.values():
-                    slices = t.get("slices") if isinstance(t, dict) else None
-                    for s in slices if isinstance(slices, list) else []:
-                        if isinstance(s, dict):
-                            s["file"] = file
-            block = UnickptBlock.model_validate(obj)
-        except ValidationError as e:
-            raise _schema_error(h.path, e) from None
-        except (ValueError, RecursionError) as e:
-            raise IndexFileError(f"{h.path}: the unickpt metadata block is invalid: {e}") from None
-        if block.kind != kind:
-            raise IndexFileError(
-                f"{h.path}: holds a checkpoint of kind {block.kind!r} (its unickpt metadata), expected {kind!r}"
-            )
-        return block, True
-    tensors = {
-        k: TensorEntry(
-            dtype=e.dtype,
-            shape=list(e.shape),
-            slices=[SliceEntry(file=file, key=k, offsets=[0] * len(e.shape), shape=list(e.shape))],
-        )
-        for k, e in h.entries.items()
-    }
-    return UnickptBlock(kind="model" if kind == "model" else "optimizer", tensors=tensors), False
-
-
-def _schema_error(path: str, e: ValidationError) -> CheckpointFormatError:
-    """One line per problem (at most 10), as the index's own schema errors; unsafe names stay unsafe."""
-    for err in e.errors():
-        cause = (err.get("ctx") or {}).get("error")
-        if isinstance(cause, UnsafePathError):
-            return UnsafePathError(f"{path}: the unickpt metadata block: {cause}")
-    problems = "; ".join(
-        f"{'.'.join(str(p) for p in err['loc'])}: {' '.join(str(err['msg']).split())}"
-        for err in e.errors()[:10]
-    )
-    return IndexFileError(
-        f"{path}: the unickpt metadata block does not match the unickpt index schema: {problems}"
-    )
-
-
-def single_file_name(path: str, kind: str) -> str:
-    """The data-file name a single-file checkpoint's slices record: its own name when that is a
-    valid data-file name, else ``<kind>.safetensors`` (a file saved onto e.g. a temporary file
-    named ``tmpab12cd``); the reader maps every slice to the file it opened either way."""
-    name = os.path.basename(path)
-    try:
-        check_file_name(name)
-    except UnsafePathError:
-        return single_name("model" if kind == "model" else "optimizer")
-    return name
-
-
-def _block_from_plain_index(idx: IndexFile, directory: str, path: str, kind: str) -> UnickptBlock:
-    """Synthesise the slice table of a plain Hugging Face sharded checkpoint from its headers."""
-    tensors: dict[str, TensorEntry] = {}
-    for file in sorted(set(idx.weight_map.values())):
-        if file.endswith(".bin"):
-            raise CheckpointFormatError(
-                f"{path}: shard {file!r} is a pickle (.bin) file; convert it first with "
-                "`unickpt convert --from bin` (read with torch.load(weights_only=True))"
-            )
-        h = read_header(os.path.join(directory, file))
-        for k, e in h.entries.items():
-            if idx.weight_map.get(k) != file:
-                continue
-            tensors[k] = TensorEntry(
-                dtype=e.dtype,
-                shape=list(e.shape),
-                slices=[SliceEntry(file=file, key=k, offsets=[0] * len(e.shape), shape=list(e.shape))],
-            )
-    missing = sorted(set(idx.weight_map) - set(tensors))
-    if missing:
-        raise IndexFileError(
-            f"{path}: weight_map names {len(missing)} tensor(s) absent from their files, e.g. {missing[:3]}"
-        )
-    return UnickptBlock(kind="model" if kind == "model" else "optimizer", tensors=tensors)
-
-
 def open_checkpoint(
     path: str | os.PathLike[str], kind: str = "model", *, pin: bool = False
 ) -> CheckpointReader:
@@ -402,7 +314,7 @@ def _open_checkpoint(path: str | os.PathLike[str], kind: str) -> CheckpointReade
     if os.path.isfile(p):
         fd, h = open_with_header(p)
         try:
-            block, has = _block_from_header(h, kind)
+            block, has = block_from_header(h, kind)
             if has:
                 check_block(h.path, block, None)
         except BaseException:
@@ -486,18 +398,6 @@ def _hint_other_files(directory: str) -> str:
     )
 
 
-def file_kind(path: str) -> str | None:
-    """The ``kind`` recorded in a single safetensors file's unickpt metadata, or None (plain file,
-    unreadable metadata: opening the file reports it)."""
-    try:
-        raw = read_header(path).metadata.get(UNICKPT_METADATA_KEY)
-        obj = strict_loads(raw, IndexFileError, path) if raw is not None else None
-    except CheckpointFormatError:
-        return None
-    kind = obj.get("kind") if isinstance(obj, dict) else None
-    return kind if kind in ("model", "optimizer") else None
-
-
 def _from_index(idx_path: str, directory: str, kind: str) -> CheckpointReader:
     try:
         idx = load_index(idx_path)
@@ -507,22 +407,10 @@ def _from_index(idx_path: str, directory: str, kind: str) -> CheckpointReader:
             f"{kind} checkpoint; open it again once the save has finished"
         ) from None
     if idx.unickpt is None:
-        block = _block_from_plain_index(idx, directory, idx_path, kind)
+        block = block_from_plain_index(idx, directory, idx_path, kind)
         return CheckpointReader(directory, kind, block, idx_path, False, idx)
     block = idx.unickpt
     if block.kind != kind:
         raise IndexFileError(f"{idx_path}: holds a {block.kind} checkpoint, expected a {kind} checkpoint")
     check_block(idx_path, block, idx.weight_map)
     return CheckpointReader(directory, kind, block, idx_path, True, idx)
-
-
-def describe(reader: CheckpointReader) -> dict[str, Any]:
-    """A plain-data summary (used by ``inspect --json``)."""
-    b = reader.block
-    return {
-        "path": reader.index_path or reader.directory,
-        "kind": b.kind,
-        "layout": b.layout.model_dump(),
-        "tensors": len(b.tensors),
-        "total_bytes": sum(t.nbytes for t in b.tensors.values()),
-    }

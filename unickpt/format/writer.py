@@ -35,9 +35,13 @@ from unickpt.format.commit import SAVE_ID_KEY, commit_directory, commit_single_f
 from unickpt.format.dtypes import itemsize
 from unickpt.format.hashing import combine_partials, finalize_fingerprint, hash_block
 from unickpt.format.index import IndexFile, IndexMetadata, LayoutInfo, SliceEntry, TensorEntry, UnickptBlock
+from unickpt.format.index_compact import compact_tensors
+from unickpt.format.index_models import COMPACT_VERSION, FORMAT_VERSION
+from unickpt.format.lazy_slices import LazySlices
 from unickpt.format.naming import SLICED_SENTINEL
 from unickpt.format.reader import UNICKPT_METADATA_KEY
 from unickpt.format.safetensors_io import SafetensorsWriter, encode_header
+from unickpt.format.slice_table import SliceTable
 
 __all__ = [
     "PLACEHOLDER",
@@ -214,17 +218,25 @@ def tensor_entry(
     name: str,
     dtype: str,
     shape: Sequence[int],
-    slices: list[SliceEntry],
+    slices: list[SliceEntry] | SliceTable,
     partials: Iterable[int] | None,
     *,
     placeholder: bool = False,
     **extras: Any,
 ) -> TensorEntry:
-    """A tensor's index entry; its fingerprint from the partials of its slices (None: no fingerprint)."""
+    """A tensor's index entry; its fingerprint from the partials of its slices (None: no fingerprint).
+
+    ``slices`` is a list of ``SliceEntry`` or, with no per-slice object, a ``SliceTable``;
+    ``build_block`` writes either in the form of the block's format version.
+    """
     fp = None
     if partials is not None:
         total = combine_partials(partials)
         fp = PLACEHOLDER if placeholder else finalize_fingerprint(name, dtype, shape, total)
+    if isinstance(slices, SliceTable):
+        entry = TensorEntry(dtype=dtype, shape=list(shape), fingerprint=fp, **extras)
+        entry.__dict__["slices"] = LazySlices(slices)
+        return entry
     return TensorEntry(dtype=dtype, shape=list(shape), fingerprint=fp, slices=slices, **extras)
 
 
@@ -238,7 +250,13 @@ def build_block(
     save_id: str | None,
     **extras: Any,
 ) -> UnickptBlock:
-    """The unickpt block (``extras``: ``param_groups``, ``param_state``, ``format_version`` ...)."""
+    """The unickpt block (``extras``: ``param_groups``, ``param_state``, ``format_version`` ...).
+
+    Version 3 (the default) describes each tensor's slices compactly (``index_compact``); an
+    older ``format_version`` (a merge of an older checkpoint) lists them.
+    """
+    if extras.get("format_version", FORMAT_VERSION) >= COMPACT_VERSION:
+        tensors, extras["files"] = compact_tensors(tensors)
     return UnickptBlock(
         kind=kind,  # type: ignore[arg-type]
         created_by=created_by,
@@ -256,7 +274,7 @@ def build_index(block: UnickptBlock, *, sliced: bool) -> IndexFile:
     if sliced:
         weight_map = {name: SLICED_SENTINEL for name in block.tensors}
     else:
-        weight_map = {name: t.slices[0].file for name, t in block.tensors.items()}
+        weight_map = {name: t.table.file(0) for name, t in block.tensors.items()}
     # The block's models were validated as they were built; pydantic keeps model instances
     # as they are (no dump and re-validation of every slice, seconds at 10^5 slices).
     return IndexFile(metadata=IndexMetadata(total_size=total), weight_map=weight_map, unickpt=block)

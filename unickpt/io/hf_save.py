@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from unickpt import __version__
+from unickpt import __version__, _dist
 from unickpt._faults import maybe_fail
 from unickpt.errors import UnsupportedError
 from unickpt.format import commit
@@ -52,7 +52,6 @@ from unickpt.format.writer import (
     tensor_entry,
     write_all,
 )
-from unickpt import _dist
 from unickpt.io._commit import commit_collective
 from unickpt.io.planner import PlannedFile, SavePlan
 from unickpt.io.tensors import LocalSlice, as_bytes

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -99,6 +100,7 @@ def read_box(
     dtype = torch_dtype(entry.dtype)
     if out is None:
         out = torch.empty(shape, dtype=dtype)
+    table = entry.table
     if len(shape) == 0:
         (s,) = [s for s in entry.slices if math.prod(s.shape) > 0] or entry.slices
         files.reader.read_slice(s, _as_bytes(out))
@@ -106,7 +108,10 @@ def read_box(
     if math.prod(shape) == 0:
         return out
     isz = out.element_size()
-    for s in entry.slices:
+    ks = table.overlapping(offsets, shape)
+    if _read_row_blocks(files, entry, ks, offsets, shape, out):
+        return out
+    for s in table.entries_at(ks):
         inter = intersect(offsets, shape, s.offsets, s.shape)
         if inter is None:
             continue
@@ -127,6 +132,38 @@ def read_box(
     return out
 
 
+def _read_row_blocks(
+    files: _Files,
+    entry: TensorEntry,
+    ks: list[int],
+    offsets: tuple[int, ...],
+    shape: tuple[int, ...],
+    out: torch.Tensor,
+) -> bool:
+    """Read the box when it and the slices ``ks`` are all row blocks (every dim past the first
+    whole: FSDP's and TP's ``Shard(0)``), each part straight into its byte range of ``out``.
+
+    The parts are computed for all slices at once from the slice table; False (nothing read)
+    when the shapes are not row blocks or ``out`` is not contiguous.
+    """
+    table = entry.table
+    gshape = list(entry.shape)
+    if not ks or len(gshape) < 1 or not out.is_contiguous() or list(shape[1:]) != gshape[1:]:
+        return False
+    sel = np.asarray(ks, dtype=np.int64)
+    if len(gshape) > 1 and not (table.shapes[sel, 1:] == np.asarray(gshape[1:], dtype=np.int64)).all():
+        return False
+    row = math.prod(gshape[1:]) * out.element_size()
+    starts = table.offsets[sel, 0]
+    lo = np.maximum(starts, offsets[0])
+    hi = np.minimum(starts + table.shapes[sel, 0], offsets[0] + shape[0])
+    dst = _as_bytes(out)
+    read = files.reader.read_bytes
+    for s, a, b, s0 in zip(table.entries_at(ks), lo.tolist(), hi.tolist(), starts.tolist(), strict=True):
+        read(s, (a - s0) * row, (b - a) * row, dst[(a - offsets[0]) * row : (b - offsets[0]) * row])
+    return True
+
+
 def _direct_target(b: LocalSlice, dtype: torch.dtype) -> torch.Tensor | None:
     """A view of ``b.tensor`` shaped like the box if the box can be read straight into it."""
     t = b.tensor.detach()
@@ -136,15 +173,18 @@ def _direct_target(b: LocalSlice, dtype: torch.dtype) -> torch.Tensor | None:
 
 
 def _needed_slices(entry: TensorEntry, boxes: list[LocalSlice]) -> list[int]:
-    ks = []
-    for k, s in enumerate(entry.slices):
-        if math.prod(s.shape) == 0 and len(s.shape):
-            continue
-        for b in boxes:
-            if len(b.shape) == 0 or intersect(b.offsets, b.shape, s.offsets, s.shape) is not None:
-                ks.append(k)
-                break
-    return ks
+    """The stored slices (by position) that share an element with one of this rank's boxes.
+
+    A search in the tensor's slice table per box (binary per dim for a grid): O(boxes x log S),
+    no per-slice object.
+    """
+    table = entry.table
+    if len(entry.shape) == 0:
+        return [k for k in range(len(table)) if boxes]
+    ks: set[int] = set()
+    for b in boxes:
+        ks.update(table.overlapping(b.offsets, b.shape))
+    return sorted(ks)
 
 
 def load_tensors(
@@ -200,21 +240,30 @@ def load_tensors(
             needed[src] = sorted(set(needed[src]) | set(_needed_slices(reader.tensors[src], boxes)))
         for src, ks in needed.items():
             entry = reader.tensors[src]
-            for k in ks:
-                s = entry.slices[k]
-                h = reader.header(s.file)
-                he = h.entries.get(s.key)
-                if he is None or he.dtype != entry.dtype or list(he.shape) != list(s.shape):
+            table = entry.table
+            sel = np.asarray(ks, dtype=np.int64)
+            names = [table.files[i] for i in table.file_ids[sel].tolist()]
+            for k, file, shape in zip(ks, names, table.shapes[sel].tolist(), strict=True):
+                key = table.key(k)
+                h = reader.header(file)
+                he = h.entries.get(key)
+                if he is None or he.dtype != entry.dtype or list(he.shape) != shape:
                     found = "nothing" if he is None else f"{he.dtype}{list(he.shape)}"
                     from unickpt.errors import HeaderError
 
                     raise HeaderError(
-                        f"{h.path}: tensor {src!r} (key {s.key!r}): index says {entry.dtype}{list(s.shape)}, "
+                        f"{h.path}: tensor {src!r} (key {key!r}): index says {entry.dtype}{shape}, "
                         f"file holds {found}"
                     )
         if reader.has_unickpt_block:
             # Every key of a file this rank reads is a slice of the index (no data it does not account for).
-            touched = sorted({reader.tensors[src].slices[k].file for src, ks in needed.items() for k in ks})
+            touched = sorted(
+                {
+                    f
+                    for src, ks in needed.items()
+                    for f in reader.tensors[src].table.files_of(np.asarray(ks, dtype=np.int64))
+                }
+            )
             check_keys_referenced(reader.block, touched, reader.header)
         if verify:
             from unickpt.errors import IntegrityFailure
@@ -223,7 +272,7 @@ def load_tensors(
             for src, ks in needed.items():
                 entry = reader.tensors[src]
                 for k in ks:
-                    s = entry.slices[k]
+                    s = entry.table.entry(k)
                     if has_hashes(s):  # xxh3, or ranges (docs/format.md 5.1)
                         failures.extend(slice_failures(src, s, reader.iter_slice(s)))
             if failures:

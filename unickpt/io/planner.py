@@ -8,16 +8,19 @@ inputs; no further coordination is needed to agree on file names.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from unickpt.errors import StateMismatchError
 from unickpt.format.boxes import coverage_problem
 from unickpt.format.dtypes import itemsize
 from unickpt.format.naming import shard_name, single_name, slice_key
+from unickpt.format.slice_table import SliceTable
 from unickpt.format.writer import group_files
 
-__all__ = ["SliceMeta", "PlannedSlice", "PlannedFile", "SavePlan", "plan_save"]
+__all__ = ["SliceMeta", "PlannedSlice", "PlannedFile", "SavePlan", "plan_save", "plan_tables"]
 
 # (name, dtype, global_shape, offsets, shape)
 SliceMeta = tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]
@@ -99,11 +102,14 @@ def plan_save(
 
     load = [0] * max(1, len(per_rank))
     assignment: dict[tuple[str, tuple[int, ...], tuple[int, ...]], tuple[int, int]] = {}
-    order = sorted(holders, key=lambda b: (-math.prod(b[2]) * itemsize(tensors[b[0]][0]), b[0], b[1]))
+    isz = {name: itemsize(dtype) for name, (dtype, _) in tensors.items()}
+    nbytes_of = {box: math.prod(box[2]) * isz[box[0]] for box in holders}
+    order = sorted(holders, key=lambda b: (-nbytes_of[b], b[0], b[1]))
     for box in order:
-        nbytes = math.prod(box[2]) * itemsize(tensors[box[0]][0])
-        r, i = min(holders[box], key=lambda ri: (load[ri[0]], ri[0]))
-        load[r] += nbytes
+        held = holders[box]
+        # One holder (a sharded block): it writes it; replicas go to the least loaded rank.
+        r, i = held[0] if len(held) == 1 else min(held, key=lambda ri: (load[ri[0]], ri[0]))
+        load[r] += nbytes_of[box]
         assignment[box] = (r, i)
 
     slices: dict[str, list[PlannedSlice]] = {}
@@ -143,3 +149,22 @@ def plan_save(
         )
         files.append(PlannedFile(fname, r, list(members)))
     return SavePlan(tensors, files, slices, sliced)
+
+
+def plan_tables(plan: SavePlan, hashes: Mapping[str, str | None] | None = None) -> dict[str, SliceTable]:
+    """Each tensor's slices in ``plan`` as a ``SliceTable`` (files indexing one shared table of the
+    plan's files; keys by the ``NAME@K`` rule when sliced), with ``hashes[name]`` (the slice
+    hashes concatenated) when given: what ``tensor_entry`` takes to build an index without a
+    ``SliceEntry`` per slice."""
+    files = [f.name for f in plan.files]
+    fid = {id(ps): i for i, f in enumerate(plan.files) for ps in f.slices}
+    out: dict[str, SliceTable] = {}
+    for name, (_, gshape) in plan.tensors.items():
+        planned = plan.slices[name]
+        n, nd = len(planned), len(gshape)
+        offs = np.array([ps.offsets for ps in planned], dtype=np.int64).reshape(n, nd)
+        shps = np.array([ps.shape for ps in planned], dtype=np.int64).reshape(n, nd)
+        ids = np.array([fid[id(ps)] for ps in planned], dtype=np.int64)
+        keys = None if plan.sliced else [ps.key for ps in planned]
+        out[name] = SliceTable(name, gshape, offs, shps, ids, files, keys, (hashes or {}).get(name))
+    return out

@@ -24,30 +24,24 @@ def inspect_checkpoint(path: str | os.PathLike[str], kind: str | None = None) ->
         total_bytes = 0
         total_elems = 0
         n_slices = 0
+        hashed = 0
         for name, t in b.tensors.items():
             numel = math.prod(t.shape)
             nbytes = numel * itemsize(t.dtype)
             total_bytes += nbytes
             total_elems += numel
-            n_slices += len(t.slices)
+            table = t.table  # the slice table: records built in bulk, no per-slice model
+            n_slices += len(table)
+            hashed += table.hashed_count()
             entry: dict[str, Any] = {
                 "dtype": t.dtype,
                 "shape": list(t.shape),
                 "numel": numel,
                 "bytes": nbytes,
                 "fingerprint": t.fingerprint,
-                "files": sorted({s.file for s in t.slices}),
-                "num_slices": len(t.slices),
-                "slices": [
-                    {
-                        "file": s.file,
-                        "key": s.key,
-                        "offsets": list(s.offsets),
-                        "shape": list(s.shape),
-                        "xxh3": s.xxh3,
-                    }
-                    for s in t.slices
-                ],
+                "files": table.distinct_files(),
+                "num_slices": len(table),
+                "slices": table.records(),
             }
             if t.param is not None:
                 entry["param"] = t.param
@@ -69,7 +63,7 @@ def inspect_checkpoint(path: str | os.PathLike[str], kind: str | None = None) ->
                 "slices": n_slices,
                 "elements": total_elems,
                 "bytes": total_bytes,
-                "hashed_slices": sum(1 for t in b.tensors.values() for s in t.slices if s.xxh3),
+                "hashed_slices": hashed,
                 "fingerprinted_tensors": sum(1 for t in b.tensors.values() if t.fingerprint),
             },
             "aliases": dict(b.aliases),

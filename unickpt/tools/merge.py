@@ -161,7 +161,8 @@ def _merge_one(
                 # same JSON as dumping make_block(results, file_of), without building it again.
                 for n, (xxh, fp) in results.items():
                     entry = dumped["tensors"][n]
-                    _set_or_drop(entry["slices"][0], "xxh3", xxh)
+                    # version 3: the one slice's hash is the tensor's xxh3 (docs/format.md 3.1)
+                    _set_or_drop(entry["slices"][0] if "slices" in entry else entry, "xxh3", xxh)
                     _set_or_drop(entry, "fingerprint", fp)
                 dumped["save_id"] = final_id = content_save_id(json.dumps(dumped).encode())
                 new = {**meta, SAVE_ID_KEY: final_id, UNICKPT_METADATA_KEY: json.dumps(dumped)}

@@ -150,16 +150,22 @@ def verify_checkpoint(
         total = 0
         for name, t in b.tensors.items():
             fp = fingerprints and t.fingerprint is not None
-            report.slices += len(t.slices)
-            hashed = sum(1 for s in t.slices if has_hashes(s))
-            report.unhashed += len(t.slices) - hashed
+            table = t.table  # counted from the slice table: no per-slice object
+            report.slices += len(table)
+            hashed = table.hashed_count()
+            report.unhashed += len(table) - hashed
             if t.fingerprint is None:
                 report.unfingerprinted += 1
             if hashed or fp:
                 todo.append((name, t, fp))
-                total += sum(math.prod(s.shape) for s in t.slices if fp or has_hashes(s)) * itemsize(t.dtype)
-            if require_hashes:
-                report.extend(MissingHash(name, s.file, s.key, "-", "-") for s in t.slices if not has_hashes(s))
+                vol = table.volumes()
+                if not fp and hashed < len(table):
+                    vol = vol[table.hashed_mask()]
+                total += int(vol.sum()) * itemsize(t.dtype)
+            if require_hashes and hashed < len(table):
+                report.extend(
+                    MissingHash(name, s.file, s.key, "-", "-") for s in t.slices if not has_hashes(s)
+                )
         with progress_bar(total, "verify", progress) as tick:
             for name, t, fp in todo:
                 _verify_tensor(r, name, t, fp, report, tick)

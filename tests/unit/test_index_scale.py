@@ -1,0 +1,143 @@
+"""The index at scale: bytes per slice, and no ceiling at 405B on 2048 ranks (metadata only)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from unickpt.format.index import MAX_INDEX_BYTES, LayoutInfo, index_to_json, parse_index
+from unickpt.format.index_compact import as_listed
+from unickpt.format.slice_table import SliceTable
+from unickpt.format.writer import build_block, build_index, tensor_entry
+from unickpt.io.load import _needed_slices
+from unickpt.io.planner import plan_save, plan_tables
+from unickpt.io.tensors import LocalSlice
+
+
+def _chunks(g: int, k: int) -> list[tuple[int, int]]:
+    c = -(-g // k)
+    return [(min(i * c, g), min(c, max(0, g - i * c))) for i in range(k)]
+
+
+def _small_model() -> list[tuple[str, tuple[int, ...]]]:
+    """A tiny transformer's state dict (names and odd shapes like the test suite's models)."""
+    out: list[tuple[str, tuple[int, ...]]] = [("embed.weight", (1001, 64))]
+    for i in range(4):
+        p = f"layers.{i}."
+        out += [
+            (p + "attn.qkv.weight", (192, 64)),
+            (p + "attn.qkv.bias", (192,)),
+            (p + "attn.out.weight", (64, 64)),
+            (p + "mlp_up.weight", (259, 64)),
+            (p + "mlp_up.bias", (259,)),
+            (p + "mlp_down.weight", (64, 259)),
+            (p + "norm.weight", (64,)),
+        ]
+    return [*out, ("head.weight", (1001, 64))]
+
+
+def _fsdp_index(world: int) -> tuple[bytes, int]:
+    """The model index of an FSDP2 save of ``_small_model`` on ``world`` ranks (Shard(0) of every
+    tensor, one file per rank), built as a save builds it: plan, tables, hashes, fingerprints."""
+    rng = random.Random(world)
+    per_rank = [[] for _ in range(world)]  # type: list[list[tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]]
+    for name, shape in _small_model():
+        for r, (o, n) in enumerate(_chunks(shape[0], world)):
+            per_rank[r].append((name, "F32", shape, (o, *[0] * (len(shape) - 1)), (n, *shape[1:])))
+    plan = plan_save(per_rank, kind="model", size_per_shard_bytes=None, sliced=True)
+    hashes = {n: "".join(f"{rng.getrandbits(64):016x}" for _ in sl) for n, sl in plan.slices.items()}
+    tables = plan_tables(plan, hashes)
+    entries = {
+        n: tensor_entry(n, dtype, shape, tables[n], [rng.getrandbits(60)])
+        for n, (dtype, shape) in plan.tensors.items()
+    }
+    block = build_block(
+        kind="model",
+        created_by="unickpt 0.1.0",
+        layout=LayoutInfo(plugin="fsdp2", world_size=world, mesh={"dp": world}, gathered=False),
+        tensors=entries,
+        aliases={},
+        save_id=f"{rng.getrandbits(128):032x}",
+    )
+    return index_to_json(build_index(block, sliced=True)), sum(len(sl) for sl in plan.slices.values())
+
+
+def test_fsdp2_index_bytes_per_slice() -> None:
+    """Version 3 at 4 ranks: the unickpt block at most 64 bytes per slice, the whole index (with
+    Hugging Face's weight_map, ~100 bytes per tensor of sentinel that stays as it is) at least 4x
+    smaller than the same slices listed as version 2 wrote them, and at most 64 bytes per slice
+    from 8 ranks on; less per slice at every larger world."""
+    per_slice = {}
+    for world in (4, 8, 16, 64):
+        raw, slices = _fsdp_index(world)
+        parsed = parse_index(raw, "i.json")
+        assert parsed.unickpt is not None and parsed.unickpt.format_version == 3
+        assert sum(len(t.slices) for t in parsed.unickpt.tensors.values()) == slices
+        per_slice[world] = len(raw) / slices
+        obj = json.loads(raw)
+        if world == 4:
+            block = json.dumps(obj["unickpt"], separators=(",", ":"), ensure_ascii=False)
+            assert len(block) / slices <= 64, len(block) / slices
+            listed = (json.dumps(as_listed(obj, 2), indent=2) + "\n").encode()
+            assert len(listed) >= 4 * len(raw), (len(listed), len(raw))
+    assert per_slice[8] <= 64, per_slice
+    assert per_slice[64] < per_slice[16] < per_slice[8] < per_slice[4], per_slice
+
+
+@pytest.mark.slow
+def test_an_index_of_2_3_million_slices_stays_far_below_the_cap_and_plans_per_rank() -> None:
+    """405B (Llama-3.1 shapes) under FSDP on 2048 ranks: 1137 tensors x 2048 slices."""
+    world, hidden, ffn, kv, vocab, layers = 2048, 16384, 53248, 1024, 128256, 126
+    shapes = [("embed", (vocab, hidden))]
+    for i in range(layers):
+        for n, s in [
+            ("q", (hidden, hidden)),
+            ("k", (kv, hidden)),
+            ("v", (kv, hidden)),
+            ("o", (hidden, hidden)),
+        ]:
+            shapes.append((f"layers.{i}.{n}", s))
+        for n, s in [("gate", (ffn, hidden)), ("up", (ffn, hidden)), ("down", (hidden, ffn))]:
+            shapes.append((f"layers.{i}.{n}", s))
+        shapes += [(f"layers.{i}.norm1", (hidden,)), (f"layers.{i}.norm2", (hidden,))]
+    shapes += [("norm", (hidden,)), ("head", (vocab, hidden))]
+    files = [f"model-{r + 1:05d}-of-{world:05d}.safetensors" for r in range(world)]
+    digits = "0123456789abcdef" * (world // 16) * 16
+    entries = {}
+    for name, shape in shapes:
+        t = SliceTable.from_compact(
+            name,
+            shape,
+            files,
+            grid=[world, *[1] * (len(shape) - 1)],
+            boxes=None,
+            file=list(range(world)),
+            keys=None,
+            xxh3=digits[: 16 * world],
+        )
+        entries[name] = tensor_entry(name, "BF16", shape, t, None)
+    block = build_block(
+        kind="model",
+        created_by="unickpt",
+        layout=LayoutInfo(plugin="fsdp2", world_size=world, mesh={"dp": world}, gathered=False),
+        tensors=entries,
+        aliases={},
+        save_id=None,
+    )
+    raw = index_to_json(build_index(block, sliced=True))
+    slices = len(shapes) * world
+    # ~46 MB (20 bytes per slice): the optimizer's (two states) stays far below the cap too.
+    assert 3 * len(raw) < MAX_INDEX_BYTES and len(raw) / slices < 24, (len(raw), slices)
+    idx = parse_index(raw, "405b.json")
+    assert idx.unickpt is not None
+    obj = json.loads(raw)
+    assert obj["unickpt"]["tensors"]["layers.0.q"]["grid"] == [world, 1]
+    # The last rank's plan: each of its boxes needs exactly the one slice it saved.
+    for name, shape in shapes:
+        t = idx.unickpt.tensors[name]
+        assert t.table.coverage_problem() is None
+        o, n = _chunks(shape[0], world)[-1]
+        box = LocalSlice(name, "BF16", shape, (o, *[0] * (len(shape) - 1)), (n, *shape[1:]), None)  # type: ignore[arg-type]
+        assert _needed_slices(t, [box]) == ([world - 1] if n else [])

@@ -1,0 +1,75 @@
+"""Writing version 3: every tensor's slices turned into the compact fields of docs/format.md 3.1.
+
+Writers hand over tensors whose slices are a list of ``SliceEntry`` (or, without any per-slice
+object, a ``LazySlices`` over a ``SliceTable``); :func:`compact_tensors` builds the block's file
+table and each tensor's ``grid`` (or ``boxes``), ``file``, ``keys`` and ``xxh3`` from the tables,
+in bulk: O(S) numpy work plus O(S log S) for the grid detection, no per-slice model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from unickpt.format.index_models import TensorEntry
+from unickpt.format.slice_table import SliceTable, compact_fields
+
+__all__ = ["compact_tensors", "named_table", "as_listed"]
+
+
+def named_table(name: str, t: TensorEntry) -> SliceTable:
+    """``t``'s slice table, with the tensor's name (the ``NAME@K`` key rule needs it)."""
+    table = t.table
+    if table.name != name:
+        table = SliceTable(
+            name,
+            table.gshape,
+            table.offsets,
+            table.shapes,
+            table.file_ids,
+            table.files,
+            table._keys,
+            table.hashes,
+            table.grid,
+        )
+    return table
+
+
+def compact_tensors(tensors: Mapping[str, TensorEntry]) -> tuple[dict[str, TensorEntry], list[str]]:
+    """(the tensors in their version 3 form, the block's ``files`` table: sorted distinct names)."""
+    tables = {name: named_table(name, t) for name, t in tensors.items()}
+    # Tables often share one file list (a plan's): each distinct list is read once.
+    tables_files = {id(table.files): table.files for table in tables.values()}
+    files = sorted({f for names in tables_files.values() for f in names})
+    index = {f: i for i, f in enumerate(files)}
+    remaps = {k: np.asarray([index[f] for f in names], dtype=np.int64) for k, names in tables_files.items()}
+    out: dict[str, TensorEntry] = {}
+    for name, t in tensors.items():
+        if tables[name].ranges_count():
+            out[name] = t  # byte-range hashes have no compact form: listed, as in version 2
+            continue
+        fields = compact_fields(tables[name], index, remaps[id(tables[name].files)])
+        common = {k: v for k in ("fingerprint", "param", "state") if (v := getattr(t, k)) is not None}
+        out[name] = TensorEntry(dtype=t.dtype, shape=list(t.shape), **common, **fields)
+    return out, files
+
+
+def as_listed(obj: dict[str, Any], version: int | None = None) -> dict[str, Any]:
+    """A parsed index JSON object (``json.loads``) with every compact tensor's slices listed, as
+    versions 1 and 2 write them (version 3 takes them too), stamped ``version`` (default: its
+    own): fixtures of older versions, tools that edit slice objects. Changed in place, returned."""
+    block = obj.get("unickpt")
+    if not isinstance(block, dict):
+        return obj
+    files = block.pop("files", None)
+    for name, t in block["tensors"].items():
+        if "slices" in t:
+            continue
+        fields = {k: t.pop(k, None) for k in ("grid", "boxes", "file", "keys", "xxh3")}
+        table = SliceTable.from_compact(name, t["shape"], files or [], **fields)
+        t["slices"] = [s.model_dump(exclude_none=True) for s in table.entries()]
+    if version is not None:
+        block["format_version"] = version
+    return obj
