@@ -47,7 +47,7 @@ def compact_tensors(tensors: Mapping[str, TensorEntry]) -> tuple[dict[str, Tenso
     remaps = {k: np.asarray([index[f] for f in names], dtype=np.int64) for k, names in tables_files.items()}
     out: dict[str, TensorEntry] = {}
     for name, t in tensors.items():
-        if tables[name].ranges_count():
+        if t.table.ranges_count():
             out[name] = t  # byte-range hashes have no compact form: listed, as in version 2
             continue
         fields = compact_fields(tables[name], index, remaps[id(tables[name].files)])
