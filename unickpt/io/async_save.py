@@ -30,8 +30,9 @@ import torch
 
 from unickpt._logging import get_logger
 from unickpt.errors import UnickptError
-from unickpt.format.commit import atomic_write_bytes
+from unickpt.format.commit_store import checkpoint_directory, write_small_file
 from unickpt.format.naming import single_name
+from unickpt.format.storage import is_url
 from unickpt.io import _dist
 from unickpt.io.tensors import is_dtensor, local_boxes
 
@@ -267,16 +268,19 @@ class AsyncSaveMixin:
 
 def committed_path(path: str, kind: str, shard: bool, gather: bool) -> str:
     """The path a save with these arguments commits (what ``save_tensors`` returns)."""
-    is_file = path.endswith(".safetensors") or os.path.isfile(path)
+    url = is_url(path)
+    is_file = path.endswith(".safetensors") or (not url and os.path.isfile(path))
     if gather and not shard:
         return path if is_file else os.path.join(path, single_name(kind))
     if is_file:
         raise UnickptError(f"{path}: a sharded or sliced checkpoint is a directory; pass a directory path")
-    return os.path.abspath(path)
+    return path if url else os.path.abspath(path)
 
 
-def write_config_files(config: dict[str, str], path: str) -> None:
-    """Write ``config.json``-like files beside the committed checkpoint ``path``."""
-    directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+def write_config_files(
+    config: dict[str, str], path: str, storage_options: dict[str, Any] | None = None
+) -> None:
+    """Write ``config.json``-like files beside the committed checkpoint ``path`` (a URL too)."""
+    directory = checkpoint_directory(path)
     for fname, text in config.items():
-        atomic_write_bytes(os.path.join(directory, fname), text.encode("utf-8"))
+        write_small_file(os.path.join(directory, fname), text.encode("utf-8"), storage_options)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import posixpath
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +29,7 @@ from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
 from unickpt.errors import ConfigError, IndexFileError, UnsupportedError
 from unickpt.format._json import strict_loads
-from unickpt.format.commit import atomic_write_bytes
+from unickpt.format.commit_store import checkpoint_directory, write_small_file
 from unickpt.format.index import LayoutInfo
 from unickpt.format.reader import CheckpointReader, open_checkpoint
 from unickpt.io import _dist
@@ -150,6 +151,9 @@ class CheckpointIO(CheckpointHooks, AsyncSaveMixin):
             and ranks), ``"raise"`` (a ``DistributedError`` on every rank, nothing written) or
             ``"off"`` (no check: saves skip one xxh3 pass over the replicated tensors and one
             all-gather of their digests). Also settable as an attribute.
+        storage_options: fsspec options (credentials, endpoint...) for checkpoint URLs
+            (``s3://``, ``gs://``...); ``None`` uses the store's standard environment and config
+            (``AWS_ENDPOINT_URL``, profiles). Also settable as an attribute.
     """
 
     plugin_name = "general"
@@ -176,7 +180,10 @@ class CheckpointIO(CheckpointHooks, AsyncSaveMixin):
         fsync: bool = True,
         atomic_load: bool = False,
         check_replicas: str = "warn",
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
+        # fsspec options (credentials, endpoint) of checkpoint URLs; None: the environment's.
+        self.storage_options = storage_options
         if check_replicas not in REPLICA_MODES:
             raise ConfigError(f"check_replicas must be one of {REPLICA_MODES}, got {check_replicas!r}")
         self.check_replicas = check_replicas
@@ -233,7 +240,7 @@ class CheckpointIO(CheckpointHooks, AsyncSaveMixin):
                 shard,
                 gather_dtensor,
                 size_per_shard,
-                after=lambda path: write_config_files(config, path),
+                after=lambda path: write_config_files(config, path, self.storage_options),
             )
         path = self.write(
             payload, checkpoint, shard=shard, gather_dtensor=gather_dtensor, size_per_shard=size_per_shard
@@ -603,8 +610,7 @@ class CheckpointIO(CheckpointHooks, AsyncSaveMixin):
         if _dist.rank(self.group) == 0:
             try:
                 maybe_fail("scheduler.save")
-                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-                atomic_write_bytes(path, lr_scheduler_json(lr_scheduler.state_dict()))
+                write_small_file(path, lr_scheduler_json(lr_scheduler.state_dict()), self.storage_options)
             except BaseException as e:
                 err = e
         _dist.agree(err, f"saving the LR scheduler to {path}", self.group)
@@ -657,6 +663,7 @@ class CheckpointIO(CheckpointHooks, AsyncSaveMixin):
             hashes=self.hashes,
             fingerprints=self.fingerprints,
             fsync=self.fsync,
+            storage_options=self.storage_options,
         )
 
     def _open(self, checkpoint: str | os.PathLike[str], kind: str) -> CheckpointReader:
@@ -699,6 +706,6 @@ class CheckpointIO(CheckpointHooks, AsyncSaveMixin):
         if _dist.rank(self.group) != 0:
             return
         maybe_fail("model.hf_config")
-        directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+        directory = checkpoint_directory(path)
         for fname, text in hf_config_files(self.unwrap_model(model)).items():
-            atomic_write_bytes(os.path.join(directory, fname), text.encode("utf-8"))
+            write_small_file(posixpath.join(directory, fname), text.encode("utf-8"), self.storage_options)

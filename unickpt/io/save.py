@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import posixpath
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,11 +33,13 @@ import torch
 from unickpt import __version__
 from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
-from unickpt.errors import UnickptError
+from unickpt.errors import ConfigError, UnickptError
 from unickpt.format.commit import directory_lock, discard, new_save_id
+from unickpt.format.commit_store import committed_on_store, store_file_name
 from unickpt.format.index import LayoutInfo, SliceEntry, TensorEntry, UnickptBlock, index_to_json
 from unickpt.format.naming import single_name
 from unickpt.format.reader import single_file_name
+from unickpt.format.storage import Storage, is_url, open_storage
 from unickpt.format.writer import (
     CheckpointWriter,
     FileSpec,
@@ -69,6 +72,8 @@ class SaveOptions:
     hashes: bool = True
     fingerprints: bool = True
     fsync: bool = True
+    # fsspec options of a URL ``path`` (credentials, endpoint); None: the environment's.
+    storage_options: dict[str, Any] | None = None
 
 
 def save_tensors(
@@ -86,14 +91,19 @@ def save_tensors(
     rank, world = _dist.rank(group), _dist.world_size(group)
     aliases = aliases or {}
     single_file = opts.gather and not opts.shard
+    # A URL is written through the storage layer (object stores: no staging, no rename).
+    store, root = open_store(path, opts.storage_options)
     # An existing file (e.g. a tempfile.NamedTemporaryFile) is replaced by an unsharded save.
-    is_file = path.endswith(".safetensors") or os.path.isfile(path)
-    if single_file:
+    is_file = path.endswith(".safetensors") or (store is None and os.path.isfile(path))
+    if store is not None:
+        file_path = root if is_file else store.join(root, single_name(opts.kind))
+        directory = posixpath.dirname(file_path) if single_file else root
+    elif single_file:
         file_path = path if is_file else os.path.join(path, single_name(opts.kind))
         directory = os.path.dirname(os.path.abspath(file_path))
-    else:
+    if not single_file:
         file_path = ""
-        directory = os.path.abspath(path)
+        directory = os.path.abspath(path) if store is None else root
         if is_file:
             _dist.agree(
                 UnickptError(f"{path}: a sharded or sliced checkpoint is a directory; pass a directory path"),
@@ -161,15 +171,22 @@ def save_tensors(
 
     # 3. rank 0 prepares the directory.
     lock = contextlib.ExitStack()
+    over = False  # an object store holds a committed checkpoint of the kind here
     if rank == 0:
         try:
             maybe_fail("save.prepare")
-            os.makedirs(directory, exist_ok=True)
-            lock.enter_context(directory_lock(directory))
+            if store is None:
+                os.makedirs(directory, exist_ok=True)
+                lock.enter_context(directory_lock(directory))
+            elif not single_file:
+                over = committed_on_store(store, directory, opts.kind)
         except BaseException as e:
             err = e
     try:
         _dist.agree(err, f"preparing {directory}", group)
+        if store is not None and not single_file and _dist.broadcast_object(over, 0, group):
+            for pf in plan.files:  # never overwrite the committed checkpoint's files
+                pf.name = store_file_name(pf.name, save_id)
 
         # 4. write.
         results: _Results = {}
@@ -177,12 +194,21 @@ def save_tensors(
             if single_file:
                 if rank == 0:
                     results = _write_single(
-                        plan, tensors, file_path, opts, aliases, entry_extras, block_extras, group, save_id
+                        plan,
+                        tensors,
+                        file_path,
+                        opts,
+                        aliases,
+                        entry_extras,
+                        block_extras,
+                        group,
+                        save_id,
+                        store,
                     )
                 else:
                     _feed_gather(plan, tensors, group, rank)
             elif opts.gather:
-                results = _write_gathered(plan, tensors, directory, opts, group, rank, save_id)
+                results = _write_gathered(plan, tensors, directory, opts, group, rank, save_id, store)
             else:
                 mine = plan.files_of(rank)
 
@@ -192,7 +218,9 @@ def save_tensors(
                             sl = local[ps.local_index]
                             yield ps.key, as_bytes(sl.tensor), (sl.global_shape, sl.offsets, sl.shape)
 
-                written = _writer(directory, opts, plan, save_id).write(_file_specs(plan, mine), blocks())
+                written = _writer(directory, opts, plan, save_id, store).write(
+                    _file_specs(plan, mine), blocks()
+                )
                 results = _by_slice(mine, written)
         except BaseException as e:
             err = e
@@ -200,11 +228,12 @@ def save_tensors(
         own = (
             [] if single_file else plan.files_of(rank) if not opts.gather else plan.files if rank == 0 else []
         )
-        staged = {f.name: _writer(directory, opts, plan, save_id).staged_name(f.name) for f in own}
+        staged = {f.name: _writer(directory, opts, plan, save_id, store).staged_name(f.name) for f in own}
         try:
             _dist.agree(err, f"writing {directory}", group)
         except BaseException:
-            discard(staged.values())  # every rank has stopped writing: the successful ranks' files go too
+            # every rank has stopped writing: the successful ranks' files go too
+            discard(staged.values()) if store is None else store.remove(staged.values())
             raise
 
         # 5-6. commit.
@@ -224,18 +253,32 @@ def save_tensors(
                 except BaseException as e:
                     err = e
             commit_collective(
-                directory, opts.kind, opts.fsync, plan, staged, index, save_id, err, group, rank, world
+                directory, opts.kind, opts.fsync, plan, staged, index, save_id, err, group, rank, world, store
             )
     finally:
         lock.close()
     _dist.barrier(group)
+    if store is not None:
+        return path
     return file_path if single_file else directory
 
 
-def _writer(directory: str, opts: SaveOptions, plan: SavePlan, save_id: str) -> CheckpointWriter:
+def _writer(
+    directory: str, opts: SaveOptions, plan: SavePlan, save_id: str, store: Storage | None = None
+) -> CheckpointWriter:
     return CheckpointWriter(
-        directory, opts.kind, save_id, plan.sliced, opts.hashes, opts.fingerprints, opts.fsync
+        directory, opts.kind, save_id, plan.sliced, opts.hashes, opts.fingerprints, opts.fsync, store
     )
+
+
+def open_store(path: str, storage_options: dict[str, Any] | None) -> tuple[Storage | None, str]:
+    """``(storage, location in it)`` for a URL; ``(None, path)`` for a local path (today's path)."""
+    if not is_url(path):
+        if storage_options:
+            raise ConfigError(f"storage_options are for fsspec URLs; {path!r} is a local path")
+        return None, path[len("file://") :] if path.startswith("file://") else path
+    store, root = open_storage(path, storage_options)
+    return store, root
 
 
 def _file_specs(plan: SavePlan, files: list[PlannedFile]) -> list[FileSpec]:
@@ -312,13 +355,14 @@ def _write_gathered(
     group: Any,
     rank: int,
     save_id: str,
+    store: Storage | None,
 ) -> _Results:
     if rank != 0:
         _feed_gather(plan, tensors, group, rank)
         return {}
     gen = _gathered_blocks(plan, tensors, group, rank, plan.files)
     with _draining(gen):
-        written = _writer(directory, opts, plan, save_id).write(_file_specs(plan, plan.files), gen)
+        written = _writer(directory, opts, plan, save_id, store).write(_file_specs(plan, plan.files), gen)
     return _by_slice(plan.files, written)
 
 
@@ -346,6 +390,7 @@ def _write_single(
     block_extras: dict[str, Any] | None,
     group: Any,
     save_id: str,
+    store: Storage | None,
 ) -> _Results:
     """One ``.safetensors`` file carrying the unickpt block in its header metadata
     (``format.writer.write_single_file``: placeholder header, data, rewritten header, commit)."""
@@ -379,6 +424,7 @@ def _write_single(
             hashes=opts.hashes,
             fingerprints=opts.fingerprints,
             fsync=opts.fsync,
+            storage=store,
         )
     return _by_slice([f], written)
 
