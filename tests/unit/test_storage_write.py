@@ -178,3 +178,116 @@ def test_environment_credentials_without_storage_options(s3, tmp_path) -> None:
     url = f"s3://{s3.bucket}/env"
     GeneralCheckpointIO().save_model(Net(4), url, shard=True)
     same(load_into(download(s3, "env", tmp_path / "e")), Net(4))
+
+
+# ------------------------------------------------------------------ killed saves
+_CHILD = r"""
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from test_storage_write import Net
+from unickpt.format import storage as st
+from unickpt.format import safetensors_io as sio
+from unickpt.io import GeneralCheckpointIO
+
+point = {point!r}
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+real_put, real_remove, real_write = st.FsspecStorage.put, st.FsspecStorage.remove, sio.SafetensorsWriter.write
+count = {{"w": 0}}
+def put(self, path, data, **k):
+    if point == "before-index" and path.endswith(".index.json"):
+        die()
+    out = real_put(self, path, data, **k)
+    if point == "after-index" and path.endswith(".index.json"):
+        die()
+    return out
+def remove(self, paths):
+    paths = list(paths)
+    if point == "mid-superseded" and paths:
+        real_remove(self, paths[:1])
+        die()
+    return real_remove(self, paths)
+def write(self, key, data):
+    count["w"] += 1
+    if point == "mid-upload" and count["w"] == 3:
+        die()
+    return real_write(self, key, data)
+st.FsspecStorage.put, st.FsspecStorage.remove, sio.SafetensorsWriter.write = put, remove, write
+GeneralCheckpointIO().save_model(Net(2), {url!r}, shard={shard!r}, size_per_shard=0.002)
+print("not killed")
+"""
+
+
+def _killed_save(s3: Any, url: str, point: str, shard: bool = True) -> None:
+    import os
+    import subprocess
+    import sys
+
+    code = _CHILD.format(tests=str(Path(__file__).parent), point=point, url=url, shard=shard)
+    env = {**os.environ, **s3.env(), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == -9, (p.returncode, p.stdout, p.stderr[-3000:])
+
+
+@pytest.mark.parametrize("point", ["mid-upload", "before-index", "after-index", "mid-superseded"])
+def test_resave_killed_at_every_step_leaves_old_or_new_then_cleans(s3, tmp_path, point: str) -> None:
+    import time
+
+    url = f"s3://{s3.bucket}/k"
+    io = _io(s3)
+    io.save_model(Net(1), url, shard=True, size_per_shard=0.002)
+    _killed_save(s3, url, point)
+    got = load_into(download(s3, "k", tmp_path / "after-kill"))
+    committed_new = point in ("after-index", "mid-superseded")
+    same(got, Net(2) if committed_new else Net(1))
+    # The next save finds the killed save's files (older than the commit it reads) and removes them.
+    time.sleep(1.1)  # S3 times objects to the second: leftovers must be older than the commit
+    io.save_model(Net(3), url, shard=True, size_per_shard=0.002)
+    idx = json.loads(fs_of(s3).cat_file(f"{s3.bucket}/k/model.safetensors.index.json"))
+    assert set(objects(s3, "k")) == set(idx["weight_map"].values()) | {"model.safetensors.index.json"}
+    same(load_into(download(s3, "k", tmp_path / "final")), Net(3))
+
+
+def test_killed_fresh_save_leaves_nothing_committed(s3, tmp_path) -> None:
+    from unickpt.errors import IncompleteCheckpointError
+
+    _killed_save(s3, f"s3://{s3.bucket}/f", "before-index")
+    names = objects(s3, "f")
+    assert names and all(n.endswith(".safetensors") for n in names)  # data, no index
+    with pytest.raises(IncompleteCheckpointError, match="holds no committed model checkpoint"):
+        load_into(download(s3, "f", tmp_path / "f"))
+
+
+def test_killed_single_file_save_keeps_the_old_file_whole(s3, tmp_path) -> None:
+    url = f"s3://{s3.bucket}/one/model.safetensors"
+    _io(s3).save_model(Net(1), url)
+    _killed_save(s3, url, "mid-upload", shard=False)
+    assert objects(s3, "one") == ["model.safetensors"]
+    same(load_into(download(s3, "one", tmp_path / "one") / "model.safetensors"), Net(1))
+
+
+def test_dead_multipart_upload_is_aborted_by_the_next_save(s3, tmp_path) -> None:
+    import time
+
+    from unickpt.format.commit_store import clean_store_leftovers
+    from unickpt.format.storage import open_storage
+
+    fs = fs_of(s3)
+    key = "mp/model-00001-of-00002.safetensors"
+    up = fs.call_s3("create_multipart_upload", Bucket=s3.bucket, Key=key)
+    fs.call_s3(
+        "upload_part", Bucket=s3.bucket, Key=key, PartNumber=1, UploadId=up["UploadId"], Body=b"x" * (5 << 20)
+    )
+    other = fs.call_s3("create_multipart_upload", Bucket=s3.bucket, Key="elsewhere/x.bin")
+
+    def uploads() -> set[str]:
+        return {u["Key"] for u in fs.call_s3("list_multipart_uploads", Bucket=s3.bucket).get("Uploads", [])}
+
+    assert uploads() == {key, "elsewhere/x.bin"}
+    time.sleep(1.1)
+    store, root = open_storage(f"s3://{s3.bucket}/mp", s3.storage_options("c"))
+    assert clean_store_leftovers(store, root) == []  # nothing committed yet: a save may be running
+    _io(s3).save_model(Net(1), f"s3://{s3.bucket}/mp", shard=True, size_per_shard=0.002)
+    assert uploads() == {"elsewhere/x.bin"}  # only the dead upload below the checkpoint went
+    fs.call_s3("abort_multipart_upload", Bucket=s3.bucket, Key="elsewhere/x.bin", UploadId=other["UploadId"])
