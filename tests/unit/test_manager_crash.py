@@ -21,6 +21,7 @@ import torch
 from _reliability import run_child as _run_child
 
 import unickpt._stepdirs as stepdirs
+import unickpt.format.commit_steps as commit_steps
 from unickpt.errors import CheckpointBusyError, IncompleteCheckpointError, UnickptError
 from unickpt.format.commit import directory_lock
 from unickpt.manager import CheckpointManager
@@ -85,7 +86,7 @@ def _resave_in_child(d: Path, exchange: bool) -> Callable[[], None]:
     def fn() -> None:
         torch.set_num_threads(1)
         if exchange:
-            orig = stepdirs.exchange
+            orig = commit_steps.exchange
 
             def ticked(a: str, b: str) -> bool:
                 # The swap is one syscall the hooks do not see: an fsync of the directory (hooked:
@@ -99,9 +100,9 @@ def _resave_in_child(d: Path, exchange: bool) -> Callable[[], None]:
                     os.close(fd)
                 return ok
 
-            stepdirs.exchange = ticked
+            commit_steps.exchange = ticked  # (install_step, the one caller, looks it up there)
         else:
-            stepdirs.exchange = lambda a, b: False  # a filesystem without RENAME_EXCHANGE
+            commit_steps.exchange = lambda a, b: False  # a filesystem without RENAME_EXCHANGE
         _save(d, NEW_SEED)
 
     return fn

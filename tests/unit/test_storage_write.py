@@ -291,3 +291,26 @@ def test_dead_multipart_upload_is_aborted_by_the_next_save(s3, tmp_path) -> None
     _io(s3).save_model(Net(1), f"s3://{s3.bucket}/mp", shard=True, size_per_shard=0.002)
     assert uploads() == {"elsewhere/x.bin"}  # only the dead upload below the checkpoint went
     fs.call_s3("abort_multipart_upload", Bucket=s3.bucket, Key="elsewhere/x.bin", UploadId=other["UploadId"])
+
+
+def test_s3_upload_streams_parts_in_flight_and_aborts_cleanly(s3) -> None:
+    import os
+
+    from unickpt.format.storage import open_storage
+    from unickpt.format.storage_s3 import S3Upload
+
+    st, root = open_storage(f"s3://{s3.bucket}/up", s3.storage_options("up"))
+    data = os.urandom((11 << 20) + 12345)
+    f = S3Upload(st.fs, st.join(root, "big.bin"), part_size=5 << 20, in_flight=2)  # type: ignore[attr-defined]
+    for at in range(0, len(data), 3 << 20):  # writes that straddle part boundaries
+        f.write(memoryview(data)[at : at + (3 << 20)])
+    assert not st.exists(st.join(root, "big.bin"))  # nothing visible before close
+    f.close()
+    assert st.read_bytes(st.join(root, "big.bin")) == data
+    assert s3.received("PUT", "up") == len(data)  # three parts, each sent once
+    g = st.open_write(st.join(root, "gone.bin"))
+    g.write(b"y" * (20 << 20))  # one full 16 MiB part already sent
+    st.abort(g)
+    assert st.listdir(root) == ["big.bin"]
+    fs = fs_of(s3)
+    assert not fs.call_s3("list_multipart_uploads", Bucket=s3.bucket).get("Uploads")

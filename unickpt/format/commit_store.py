@@ -44,6 +44,8 @@ __all__ = [
     "commit_store_index",
     "remove_superseded",
     "clean_store_leftovers",
+    "abort_dead_uploads",
+    "object_time",
     "write_small_file",
     "checkpoint_directory",
 ]
@@ -70,9 +72,8 @@ def is_store_data_file(kind: str, name: str) -> bool:
 
 def committed_on_store(storage: Storage, directory: str, kind: str) -> bool:
     """True when ``directory`` holds a committed ``kind`` checkpoint (an index or a single file)."""
-    return storage.exists(storage.join(directory, index_name(kind))) or storage.exists(
-        storage.join(directory, single_name(kind))
-    )
+    names = set(storage.listdir(directory))  # one LIST request on a store, not two HEADs
+    return index_name(kind) in names or single_name(kind) in names
 
 
 def referenced_files(index: bytes) -> set[str]:
@@ -115,7 +116,7 @@ def remove_superseded(storage: Storage, directory: str, kind: str, keep: set[str
     )
 
 
-def _mtime(storage: Storage, path: str) -> float | None:
+def object_time(storage: Storage, path: str) -> float | None:
     """Seconds since the epoch of an object's last modification, where the store says it."""
     if not isinstance(storage, FsspecStorage):
         try:
@@ -148,7 +149,7 @@ def _commit_time(storage: Storage, directory: str) -> tuple[float | None, set[st
         idx = storage.join(directory, index_name(kind))
         single = storage.join(directory, single_name(kind))
         for path, is_index in ((idx, True), (single, False)):
-            t = _mtime(storage, path)
+            t = object_time(storage, path)
             if t is None:
                 continue
             newest = t if newest is None else max(newest, t)
@@ -174,6 +175,27 @@ def _uploads(storage: FsspecStorage, prefix: str) -> list[dict[str, Any]]:
     return [dict(u, Bucket=bucket) for u in out.get("Uploads", []) or []]
 
 
+def abort_dead_uploads(storage: Storage, prefix: str, before: float | str) -> list[str]:
+    """Abort the multipart uploads below ``prefix`` begun before ``before`` (seconds since the
+    epoch, or the path of an object whose time is used): a killed save's. Returns them."""
+    if not isinstance(storage, FsspecStorage):
+        return []
+    if isinstance(before, str):
+        t = object_time(storage, before)
+        if t is None:
+            return []
+        before = t
+    aborted = []
+    for u in _uploads(storage, prefix):
+        started = u.get("Initiated")
+        if isinstance(started, datetime) and started.timestamp() < before:
+            storage.fs.call_s3(
+                "abort_multipart_upload", Bucket=u["Bucket"], Key=u["Key"], UploadId=u["UploadId"]
+            )
+            aborted.append(f"{u['Bucket']}/{u['Key']} (upload {u['UploadId']})")
+    return aborted
+
+
 def clean_store_leftovers(storage: Storage, directory: str) -> list[str]:
     """Remove what killed saves left in ``directory`` on a store; returns the paths removed.
 
@@ -191,17 +213,11 @@ def clean_store_leftovers(storage: Storage, directory: str) -> list[str]:
         if n in used or not any(is_store_data_file(k, n) for k in _KINDS):
             continue
         path = storage.join(directory, n)
-        t = _mtime(storage, path)
+        t = object_time(storage, path)
         if t is not None and t < newest:
             removed.append(path)
     storage.remove(removed)
-    for u in _uploads(storage, directory):
-        started = u.get("Initiated")
-        if isinstance(started, datetime) and started.timestamp() < newest:
-            storage.fs.call_s3(
-                "abort_multipart_upload", Bucket=u["Bucket"], Key=u["Key"], UploadId=u["UploadId"]
-            )
-            removed.append(f"{u['Bucket']}/{u['Key']} (upload {u['UploadId']})")
+    removed += abort_dead_uploads(storage, directory, newest)
     if removed:
         logger.info("%s: removed leftovers of killed saves: %s", storage.url, removed)
     return removed
@@ -216,6 +232,7 @@ def write_small_file(location: str, data: bytes, storage_options: dict[str, Any]
         atomic_write_bytes(path, data)
         return
     store, path = open_storage(location, storage_options)
+    store.makedirs(posixpath.dirname(path))
     store.put(path, data)
 
 

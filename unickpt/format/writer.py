@@ -168,6 +168,8 @@ def write_files(
     # The hash of block i may finish while block i+1 is written: at most two blocks are alive.
     pending: collections.deque[tuple[str, Future[Written]]] = collections.deque()
     try:
+        if store is not None:
+            store.makedirs(directory)
         for fname, specs in files:
             path = os.path.join(directory, fname) if store is None else store.join(directory, fname)
             w = SafetensorsWriter(
@@ -360,6 +362,7 @@ def _write_single_to_store(
         kept.append((key, arr))
         del arr
     meta = single_file_metadata(make_block(results, False), save_id)
+    store.makedirs(posixpath.dirname(file_path))
     w = SafetensorsWriter(file_path, list(specs), meta, storage=store)
     try:
         while kept:

@@ -17,7 +17,7 @@ from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
 from unickpt.errors import ConfigError, UnickptError
 from unickpt.format import run_layout
-from unickpt.format.commit import atomic_write_bytes
+from unickpt.format.commit_store import write_small_file
 from unickpt.format.run_layout import HF_DIR
 from unickpt.io import _dist
 from unickpt.io.async_save import AsyncSaves
@@ -45,10 +45,11 @@ class CheckpointManager:
         keep_last: committed steps to keep (oldest deleted after a new commit); ``None`` or 0 keeps all.
         async_save: write in a background thread (see the package docstring).
         save_hf: also write a merged Hugging Face copy of the model into ``step-<N>/hf``.
-        local_cache_dir: fsspec URLs only: where each rank stages a save and downloads a step
-            to load (``<local_cache_dir>/rank-<r>/``); default a temporary directory per process,
+        local_cache_dir: fsspec URLs only: where each rank downloads a step to load (saves write
+            straight to the store) (``<local_cache_dir>/rank-<r>/``); default a temporary directory per process,
             removed when the manager is garbage collected.
-        storage_options: fsspec URLs only: passed to the fsspec filesystem (credentials, endpoint).
+        storage_options: fsspec URLs only: passed to the fsspec filesystem (credentials, endpoint);
+            also given to the CheckpointIO when it has none of its own.
 
     Built by every rank (with ``async_save`` it creates a process group: collective).
     """
@@ -75,6 +76,10 @@ class CheckpointManager:
             checkpoint_dir, local_cache_dir, storage_options, _dist.rank(self.io.group)
         )
         self.checkpoint_dir = self.storage.location
+        # A store's options reach the CheckpointIO's saves (which write the step's files there).
+        self._storage_options: dict[str, Any] | None = getattr(self.storage, "storage_options", None)
+        if self._storage_options is not None and getattr(self.io, "storage_options", None) is None:
+            self.io.storage_options = self._storage_options
         policy.check_settings(save_steps, keep_last)
         self.save_steps = save_steps
         self.keep_last = keep_last or None
@@ -237,6 +242,7 @@ class CheckpointManager:
                 self.io, step, stage, model, optimizer, lr_scheduler, dataloader, extra_states, staging
             )
             payload.target = self.storage.share_target(target, self.group)
+            payload.stage = self.storage.write_root(payload.stage, payload.target)
         except BaseException:
             self._release()
             raise
@@ -273,23 +279,21 @@ class CheckpointManager:
             err: BaseException | None = None
             try:
                 maybe_fail("manager.train_state")
+                opts = self._storage_options
                 if rank == 0 and p.scheduler is not None:
-                    atomic_write_bytes(os.path.join(p.stage, run_layout.SCHEDULER_NAME), p.scheduler)
+                    write_small_file(os.path.join(p.stage, run_layout.SCHEDULER_NAME), p.scheduler, opts)
                 if rank == 0:
                     # config.json beside the sliced model: `unickpt merge` carries it to the HF copy.
                     for fname, text in p.hf_config.items():
-                        atomic_write_bytes(os.path.join(p.stage, "model", fname), text.encode("utf-8"))
+                        write_small_file(os.path.join(p.stage, "model", fname), text.encode("utf-8"), opts)
                 train_state.write_rank_state(
-                    p.stage, rank, p.train_state, p.state_tensors, p.scheduler if rank == 0 else None
+                    p.stage, rank, p.train_state, p.state_tensors, p.scheduler if rank == 0 else None, opts
                 )
             except BaseException as e:
                 err = e
             _dist.agree(err, f"writing the training state of step {p.step}", group)
-            uploaded: set[str] = set()
-            self.storage.upload(p.stage, p.target, uploaded, group, p.step)
             if self.save_hf:
-                self._write_hf(p, group, model, uploaded)
-                self.storage.upload(p.stage, p.target, uploaded, group, p.step)
+                self._write_hf(p, group, model)
             err = None
             if rank == 0:
                 try:
@@ -311,9 +315,7 @@ class CheckpointManager:
         for s in policy.retired_steps(self.all_steps(), p.step, self.keep_last):
             self.storage.remove_step(s)
 
-    def _write_hf(
-        self, p: snapshot.Payload, group: Any, model: torch.nn.Module | None, uploaded: set[str]
-    ) -> None:
+    def _write_hf(self, p: snapshot.Payload, group: Any, model: torch.nn.Module | None) -> None:
         hf = os.path.join(p.stage, HF_DIR)
         if model is not None:  # synchronous: the gathered save of the live model
             self.io.save_model(model, hf, shard=True, gather_dtensor=True)
@@ -327,9 +329,9 @@ class CheckpointManager:
         err: BaseException | None = None
         if _dist.rank(group) == 0:
             try:
-                # fsspec URLs: the other ranks' model files are in the store only
-                self.storage.fetch(p.target, "model", p.stage, uploaded)
-                full, aliases = _read_full(os.path.join(p.stage, "model"))
+                # fsspec URLs: the ranks' model files are in the store only
+                with self.storage.written_copy(p.stage, "model") as model_dir:
+                    full, aliases = _read_full(model_dir)
             except BaseException as e:
                 err = e
         _dist.agree(err, f"assembling the Hugging Face copy of step {p.step}", group)
@@ -337,7 +339,7 @@ class CheckpointManager:
         self.io.write(payload, hf, shard=True, gather_dtensor=True, size_per_shard=_SHARD_MB, group=group)
         if _dist.rank(group) == 0:
             for fname, text in p.hf_config.items():
-                atomic_write_bytes(os.path.join(hf, fname), text.encode("utf-8"))
+                write_small_file(os.path.join(hf, fname), text.encode("utf-8"), self._storage_options)
 
 
 def _read_full(model_dir: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
