@@ -259,38 +259,6 @@ def test_cleanup_never_deletes_a_live_writers_stage(tmp_path: Path) -> None:
     assert sorted(os.listdir(d)) == ["latest", "step-1"]
 
 
-def test_cleanup_of_a_shared_local_cache_spares_a_live_upload(tmp_path: Path) -> None:
-    """fsspec URLs: two managers sharing local_cache_dir; one's save and load clean the other's stage
-    only once its owner is dead."""
-    cache = tmp_path / "cache"
-    gate = tmp_path / "go"
-    url = f"memory://unickpt-crash-{os.getpid()}"
-    pid = _start(_paused_save(url + "-a", gate, cache))
-    root = cache / "rank-00000"
-    try:
-        _wait_ready(tmp_path, pid)
-        (stage,) = _stages(root)
-        m, opt = _trained(3)
-        other = CheckpointManager(url + "-b", save_steps=1, local_cache_dir=cache)
-        assert other.save(2, m, opt)
-        assert other.load(*_trained(99)) == 2
-        assert _stages(root) == [stage]  # the live writer's stage survived both cleanups
-        gate.write_text("")
-    finally:
-        _, status = os.waitpid(pid, 0)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
-    # A writer killed while staging: its stage is removed by the next save.
-    (tmp_path / "ready").unlink()
-    gate.unlink()
-    pid = _start(_paused_save(url + "-c", gate, cache))
-    _wait_ready(tmp_path, pid)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    assert len(_stages(root)) == 1
-    assert other.save(3, m, opt)
-    assert _stages(root) == []
-
-
 # ---------------------------------------------------------------------- load() of a damaged or lost step
 def test_damaged_latest_step_is_reported_not_skipped(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
