@@ -411,31 +411,20 @@ class CheckpointWriter:
         return temp_name(os.path.join(self.directory, fname), self.save_id)
 
     def write(self, files: Sequence[FileSpec], blocks: Iterator[Block]) -> dict[str, Written]:
-        """Stream ``blocks`` into ``files`` (final names; written under staging names)."""
+        """Stream ``blocks`` into ``files`` (final names; written under staging names locally,
+        under the names given on an object store)."""
         store = _object_store(self.storage)
-        if store is not None:
-            meta = data_file_metadata(self.sliced, self.save_id)
-            results = write_files(
-                self.directory,
-                files,
-                lambda _f: meta,
-                blocks,
-                hashes=self.hashes,
-                fingerprints=self.fingerprints,
-                storage=store,
-            )
-            self.staged.update({f: self.staged_name(f) for f, _ in files})
-            return results
-        staged = [(os.path.basename(self.staged_name(f)), specs) for f, specs in files]
+        names = [(f if store is not None else os.path.basename(self.staged_name(f)), s) for f, s in files]
         meta = data_file_metadata(self.sliced, self.save_id)
         results = write_files(
             self.directory,
-            staged,
+            names,
             lambda _f: meta,
             blocks,
             hashes=self.hashes,
             fingerprints=self.fingerprints,
             fsync=self.fsync,
+            storage=store,
         )
         self.staged.update({f: self.staged_name(f) for f, _ in files})
         return results

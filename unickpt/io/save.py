@@ -17,6 +17,11 @@ Order of events (every rank calls ``save_tensors`` with its own tensors):
    checkpoint, rename the data files and then the index into place, remove superseded files
    and leftovers of killed saves) and releases the lock; a final barrier means no rank
    returns before the checkpoint is committed.
+
+A URL (``s3://``, ``gs://``...: ``SaveOptions.storage_options``) goes through the storage layer
+instead (``format/commit_store.py``, docs/format.md section 6.1): no lock and no staging; rank 0
+finds whether a checkpoint is committed there (then every file gets a save-id name), each writer
+streams its files as multipart uploads, and rank 0's commit is the index's PUT.
 """
 
 from __future__ import annotations
