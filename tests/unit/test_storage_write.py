@@ -314,3 +314,16 @@ def test_s3_upload_streams_parts_in_flight_and_aborts_cleanly(s3) -> None:
     assert st.listdir(root) == ["big.bin"]
     fs = fs_of(s3)
     assert not fs.call_s3("list_multipart_uploads", Bucket=s3.bucket).get("Uploads")
+
+
+def test_async_save_to_s3_uploads_the_snapshot(s3, tmp_path) -> None:
+    model = Net(5)
+    io = _io(s3, "async")
+    url = f"s3://{s3.bucket}/as"
+    assert io.save_model(model, url, shard=True, size_per_shard=0.002, use_async=True) == url
+    with torch.no_grad():  # training goes on: the upload is of the snapshot taken at save time
+        for p in model.parameters():
+            p.add_(1.0)
+    io.wait()
+    same(load_into(download(s3, "as", tmp_path / "as")), Net(5))
+    assert not [p for p in tmp_path.rglob("*.tmp-*")]
