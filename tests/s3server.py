@@ -29,6 +29,7 @@ class _Counting:
         m = _AGENT.search(environ.get("HTTP_USER_AGENT", ""))
         client = m.group(1) if m else "other"
         self.server.count_request(method, client)
+        self.server.count_in(method, client, int(environ.get("CONTENT_LENGTH") or 0))
         for chunk in self.app(environ, start_response):
             self.server.count(method, client, len(chunk), environ.get("HTTP_RANGE") is not None)
             yield chunk
@@ -41,6 +42,7 @@ class S3Server:
         self._lock = threading.Lock()
         self.bytes_out: Counter[tuple[str, str]] = Counter()
         self.requests: Counter[tuple[str, str]] = Counter()
+        self.bytes_in: Counter[tuple[str, str]] = Counter()
         self.ranged_gets = 0
         self._moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self._wrap()
@@ -65,6 +67,15 @@ class S3Server:
         with self._lock:
             self.bytes_out[(method, client)] += n
 
+    def count_in(self, method: str, client: str, n: int) -> None:
+        with self._lock:
+            self.bytes_in[(method, client)] += n
+
+    def received(self, method: str = "PUT", client: str | None = None) -> int:
+        """Request body bytes the server received (uploads: PUT parts and objects)."""
+        with self._lock:
+            return sum(n for (m, c), n in self.bytes_in.items() if m == method and client in (None, c))
+
     def count_request(self, method: str, client: str) -> None:
         with self._lock:
             self.requests[(method, client)] += 1
@@ -73,6 +84,7 @@ class S3Server:
         with self._lock:
             self.bytes_out.clear()
             self.requests.clear()
+            self.bytes_in.clear()
 
     def served(self, method: str = "GET", client: str | None = None) -> int:
         with self._lock:

@@ -13,20 +13,18 @@ import contextlib
 import errno
 import os
 import shutil
-import sys
-from typing import Any
 
 from unickpt._logging import get_logger
-from unickpt.format.commit import atomic_write_bytes, fsync_dir, parse_temp_name
+from unickpt.format.commit import parse_temp_name
+from unickpt.format.commit_steps import commit_step as _commit_step
+from unickpt.format.commit_steps import exchange, install_step, rename_aside, restore_step
 from unickpt.format.run_layout import (
     COMMIT_NAME,
     LATEST_NAME,
     STEP_RE,
     WORK_RE,
-    latest_record,
     read_latest,
     step_name,
-    work_name,
 )
 
 __all__ = [
@@ -111,10 +109,7 @@ def clean_work_dirs(directory: str) -> None:
                 path,
                 final,
             )
-            if os.path.lexists(final):  # an uncommitted leftover in the way
-                discard(_rename_aside(directory, final, step, "deleting"))
-            os.rename(path, final)
-            fsync_dir(directory)
+            restore_step(directory, path, final, step, discard)
             continue
         if not os.path.isdir(path) or os.path.islink(path):
             discard(path)
@@ -194,88 +189,9 @@ def discard(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _rename_aside(directory: str, path: str, step: int, kind: str) -> str:
-    dst = os.path.join(directory, work_name(step, kind))
-    os.rename(path, dst)
-    return dst
-
-
-def install_step(directory: str, stage: str, final: str, step: int) -> str | None:
-    """Rank 0, under the lock: make the committed ``stage`` the directory ``final`` (``step-<N>``).
-
-    Returns the path now holding the copy it replaced (to delete once ``latest`` is written), or
-    ``None``. At every instant a committed copy of step N exists: a replaced ``step-<N>`` is
-    swapped atomically with the stage (``renameat2(RENAME_EXCHANGE)``: the old copy ends up
-    under the staging name, never loaded), or, where the kernel or filesystem cannot swap,
-    renamed to ``.step-<N>.old-<id>`` (still committed: see :func:`committed_step_dirs`)
-    before the stage is renamed into place.
-    """
-    if not os.path.lexists(final):
-        os.rename(stage, final)
-        fsync_dir(directory)
-        return None
-    if exchange(stage, final):
-        fsync_dir(directory)
-        return stage
-    old = _rename_aside(directory, final, step, "old")
-    fsync_dir(directory)
-    os.rename(stage, final)
-    fsync_dir(directory)
-    return old
-
-
 def commit_step(directory: str, stage: str, step: int, record: bytes) -> str:
-    """Commit the fully written (and fsynced) ``stage`` as step ``step`` of ``directory``; returns ``step-<N>``.
-
-    ``COMMIT`` (``record``) is written last into the stage, which is then put in place
-    (:func:`install_step`); only then is ``latest`` replaced and a replaced copy deleted.
-    The manager's saves (rank 0, under the lock) and ``unickpt convert --to run`` commit here.
-    """
-    atomic_write_bytes(os.path.join(stage, COMMIT_NAME), record)
-    fsync_dir(stage)
-    final = os.path.join(directory, step_name(step))
-    replaced = install_step(directory, stage, final, step)
-    atomic_write_bytes(os.path.join(directory, LATEST_NAME), latest_record(step))
-    if replaced is not None:  # the new step-<N> is committed: the replaced copy may go
-        discard(replaced)
-    return final
-
-
-_RENAME_EXCHANGE = 2  # <linux/fs.h>
-_AT_FDCWD = -100
-_renameat2: Any = None
-_renameat2_loaded = False
-
-
-def exchange(a: str, b: str) -> bool:
-    """Swap the names ``a`` and ``b`` atomically (Linux ``renameat2(RENAME_EXCHANGE)``).
-
-    False (nothing changed) where the call is missing or the filesystem refuses it.
-    """
-    global _renameat2, _renameat2_loaded
-    if not _renameat2_loaded:
-        _renameat2_loaded = True
-        if sys.platform.startswith("linux"):
-            import ctypes
-
-            try:
-                fn = ctypes.CDLL(None, use_errno=True).renameat2
-            except (OSError, AttributeError):  # glibc < 2.28
-                fn = None
-            if fn is not None:
-                fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-                fn.restype = ctypes.c_int
-                _renameat2 = fn
-    if _renameat2 is None:
-        return False
-    import ctypes
-
-    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, f"renameat2(RENAME_EXCHANGE) {a} <-> {b}: {os.strerror(err)}")
+    """Commit the fully written ``stage`` as step ``step`` (``format.commit_steps.commit_step``)."""
+    return _commit_step(directory, stage, step, record, discard)
 
 
 def remove_step(directory: str, step: int) -> None:
@@ -293,7 +209,7 @@ def remove_step(directory: str, step: int) -> None:
         copies.append(step_name(step))
     for n in copies:
         try:
-            dst = _rename_aside(directory, os.path.join(directory, n), step, "deleting")
+            dst = rename_aside(directory, os.path.join(directory, n), step, "deleting")
         except FileNotFoundError:
             continue
         discard(dst)

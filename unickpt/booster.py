@@ -90,10 +90,15 @@ def _same_inputs_on_every_rank(model: torch.nn.Module, optim: torch.optim.Optimi
 
 
 class Booster:
-    """Entry point of training with unickpt. ``plugin=None`` means one process, no parallelism."""
+    """Entry point of training with unickpt. ``plugin=None`` means one process, no parallelism.
 
-    def __init__(self, plugin: Plugin | None = None) -> None:
+    ``storage_options``: fsspec options (credentials, endpoint) for checkpoint URLs, given to
+    the CheckpointIO (a plugin's own ``storage_options`` is used when this is ``None``).
+    """
+
+    def __init__(self, plugin: Plugin | None = None, storage_options: dict[str, Any] | None = None) -> None:
         self.plugin = plugin
+        self.storage_options = storage_options
         self._general_io: CheckpointIO | None = None
         # torch optimizer -> the model boost() returned with it: booster.save_optimizer(opt) on
         # the user's own optimizer object then saves as with the wrapper boost() returned.
@@ -104,12 +109,19 @@ class Booster:
     def checkpoint_io(self) -> CheckpointIO:
         """The plugin's CheckpointIO, or a ``GeneralCheckpointIO`` without a plugin."""
         if self.plugin is not None:
-            return self.plugin.get_checkpoint_io()
-        if self._general_io is None:
-            from unickpt.io import GeneralCheckpointIO
+            io = self.plugin.get_checkpoint_io()
+        else:
+            if self._general_io is None:
+                from unickpt.io import GeneralCheckpointIO
 
-            self._general_io = GeneralCheckpointIO()
-        return self._general_io
+                self._general_io = GeneralCheckpointIO()
+            io = self._general_io
+        options = self.storage_options
+        if options is None and self.plugin is not None:
+            options = getattr(self.plugin, "storage_options", None)
+        if options is not None:
+            io.storage_options = options
+        return io
 
     def boost(
         self,

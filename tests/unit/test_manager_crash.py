@@ -21,6 +21,7 @@ import torch
 from _reliability import run_child as _run_child
 
 import unickpt._stepdirs as stepdirs
+import unickpt.format.commit_steps as commit_steps
 from unickpt.errors import CheckpointBusyError, IncompleteCheckpointError, UnickptError
 from unickpt.format.commit import directory_lock
 from unickpt.manager import CheckpointManager
@@ -85,7 +86,7 @@ def _resave_in_child(d: Path, exchange: bool) -> Callable[[], None]:
     def fn() -> None:
         torch.set_num_threads(1)
         if exchange:
-            orig = stepdirs.exchange
+            orig = commit_steps.exchange
 
             def ticked(a: str, b: str) -> bool:
                 # The swap is one syscall the hooks do not see: an fsync of the directory (hooked:
@@ -99,9 +100,9 @@ def _resave_in_child(d: Path, exchange: bool) -> Callable[[], None]:
                     os.close(fd)
                 return ok
 
-            stepdirs.exchange = ticked
+            commit_steps.exchange = ticked  # (install_step, the one caller, looks it up there)
         else:
-            stepdirs.exchange = lambda a, b: False  # a filesystem without RENAME_EXCHANGE
+            commit_steps.exchange = lambda a, b: False  # a filesystem without RENAME_EXCHANGE
         _save(d, NEW_SEED)
 
     return fn
@@ -256,38 +257,6 @@ def test_cleanup_never_deletes_a_live_writers_stage(tmp_path: Path) -> None:
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
     assert _loaded(d) == (1, NEW_SEED)
     assert sorted(os.listdir(d)) == ["latest", "step-1"]
-
-
-def test_cleanup_of_a_shared_local_cache_spares_a_live_upload(tmp_path: Path) -> None:
-    """fsspec URLs: two managers sharing local_cache_dir; one's save and load clean the other's stage
-    only once its owner is dead."""
-    cache = tmp_path / "cache"
-    gate = tmp_path / "go"
-    url = f"memory://unickpt-crash-{os.getpid()}"
-    pid = _start(_paused_save(url + "-a", gate, cache))
-    root = cache / "rank-00000"
-    try:
-        _wait_ready(tmp_path, pid)
-        (stage,) = _stages(root)
-        m, opt = _trained(3)
-        other = CheckpointManager(url + "-b", save_steps=1, local_cache_dir=cache)
-        assert other.save(2, m, opt)
-        assert other.load(*_trained(99)) == 2
-        assert _stages(root) == [stage]  # the live writer's stage survived both cleanups
-        gate.write_text("")
-    finally:
-        _, status = os.waitpid(pid, 0)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
-    # A writer killed while staging: its stage is removed by the next save.
-    (tmp_path / "ready").unlink()
-    gate.unlink()
-    pid = _start(_paused_save(url + "-c", gate, cache))
-    _wait_ready(tmp_path, pid)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    assert len(_stages(root)) == 1
-    assert other.save(3, m, opt)
-    assert _stages(root) == []
 
 
 # ---------------------------------------------------------------------- load() of a damaged or lost step

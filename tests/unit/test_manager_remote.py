@@ -126,10 +126,10 @@ def test_crash_before_commit_upload_leaves_the_step_ignored(
     before = {k: v for k, v in _objects(url).items() if k.startswith("step-1/")}
     put = _RemoteStore.put_bytes
 
-    def killed(self: _RemoteStore, rel: str, data: bytes) -> None:
+    def killed(self: _RemoteStore, rel: str, data: bytes, **k: Any) -> bool:
         if rel.endswith("COMMIT"):
             raise OSError("killed between the data upload and the COMMIT upload")
-        put(self, rel, data)
+        return put(self, rel, data, **k)
 
     monkeypatch.setattr(_RemoteStore, "put_bytes", killed)
     with pytest.raises(OSError, match="killed between"):
@@ -199,7 +199,9 @@ def test_async_upload_error_surfaces_at_wait(url: str, monkeypatch: pytest.Monke
     def boom(*a: Any, **k: Any) -> None:
         raise OSError("bucket unreachable")
 
-    monkeypatch.setattr(_RemoteStore, "upload_step", boom)
+    from unickpt.format.storage import FsspecStorage
+
+    monkeypatch.setattr(FsspecStorage, "open_write", boom)  # the background thread's uploads
     assert mgr.save(1, model, opt)
     with pytest.raises(OSError, match="bucket unreachable"):
         mgr.wait()
@@ -286,15 +288,19 @@ def test_resave_killed_at_store_operations_never_loses_the_step(
     keeps it and leaves nothing else behind."""
     from test_manager_crash import EXPECTED, _state, _trained
 
-    ops = ("pipe_file", "put_file", "rm_file", "cp_file")
-    n = {"count": 0, "kill_at": 0}
+    # Every object write (whole PUTs and streamed files opened for writing), copy and delete.
+    ops = ("pipe_file", "put_file", "rm_file", "cp_file", "_open")
+    n = {"count": 0, "kill_at": 0, "killed": 0}
 
     def counting(name: str) -> Any:
         orig = getattr(MemoryFileSystem, name)
 
         def f(self: Any, *a: Any, **k: Any) -> Any:
+            if name == "_open" and "w" not in (a[1] if len(a) > 1 else k.get("mode", "rb")):
+                return orig(self, *a, **k)
             n["count"] += 1
             if n["count"] == n["kill_at"]:
+                n["killed"] = n["count"]
                 raise _Killed(f"{name} {a[0]}")
             return orig(self, *a, **k)
 
@@ -309,7 +315,7 @@ def test_resave_killed_at_store_operations_never_loses_the_step(
         try:
             CheckpointManager(u, save_steps=1).save(4, m, o)
         except _Killed:
-            return n["count"]
+            return n["killed"]
         finally:
             n["kill_at"] = 0
         return 0

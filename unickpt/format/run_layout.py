@@ -11,7 +11,7 @@ it wrote (path relative to the step directory). Steps saved before these files e
 none; their train state is checked for structure only.
 
 This is the one definition of the layout's names and records: the manager (``_stepdirs.py``,
-``_remote_store.py``, ``unickpt/manager/``), ``convert --to run`` (``tools/run_layout.py``) and
+``unickpt/manager/``), ``convert --to run`` (``tools/run_layout.py``) and
 the command line (``unickpt inspect``/``verify`` on a run or a step) use the functions here.
 """
 
@@ -25,7 +25,7 @@ import uuid
 from typing import Any
 
 from unickpt.errors import CheckpointFormatError, ConfigError
-from unickpt.format.commit import atomic_write_bytes
+from unickpt.format.commit_store import write_small_file
 from unickpt.format.hashing import slice_hash
 
 __all__ = [
@@ -223,13 +223,18 @@ def hashes_path(step_dir: str, rank: int) -> str:
     return os.path.join(step_dir, TRAIN_STATE_DIR, f"rank-{rank:05d}{HASHES_SUFFIX}")
 
 
-def write_hashes(step_dir: str, rank: int, files: dict[str, bytes]) -> None:
-    """Record the xxh3-64 of the bytes written to ``files`` (paths relative to ``step_dir``) for ``rank``."""
+def write_hashes(
+    step_dir: str, rank: int, files: dict[str, bytes], storage_options: dict[str, Any] | None = None
+) -> None:
+    """Record the xxh3-64 of the bytes written to ``files`` (paths relative to ``step_dir``, a
+    local directory or a URL) for ``rank``."""
     record = {
         "unickpt_hashes": _HASHES_VERSION,
         "xxh3": {rel: slice_hash(data) for rel, data in sorted(files.items())},
     }
-    atomic_write_bytes(hashes_path(step_dir, rank), json.dumps(record, sort_keys=True).encode())
+    write_small_file(
+        hashes_path(step_dir, rank), json.dumps(record, sort_keys=True).encode(), storage_options
+    )
 
 
 def read_hashes(path: str) -> dict[str, str]:

@@ -27,6 +27,7 @@ from unickpt.errors import HeaderError, IncompleteCheckpointError
 from unickpt.format._json import strict_loads
 from unickpt.format.commit import Writeback
 from unickpt.format.dtypes import DTYPE_ITEMSIZE
+from unickpt.format.storage import Storage
 
 __all__ = [
     "MAX_HEADER_BYTES",
@@ -229,13 +230,18 @@ class SafetensorsWriter:
         metadata: dict[str, str] | None = None,
         *,
         writeback: bool = False,
+        storage: Storage | None = None,
     ) -> None:
         self.path = path
         header, spans = encode_header(specs, metadata)
         self._expected = [(k, e - b) for (k, _, _), (b, e) in zip(specs, spans, strict=True)]
         self._next = 0
         self._written = 0
-        self._f: BinaryIO | None = open(path, "wb")  # noqa: SIM115 - closed in close()/abort()
+        # On an object store the file is a streamed (multipart) upload: no fsync, no writeback.
+        self._storage = storage
+        if storage is not None:
+            writeback = False
+        self._f: BinaryIO | None = open(path, "wb") if storage is None else storage.open_write(path)  # noqa: SIM115
         try:
             self._f.write(header)
         except BaseException:
@@ -274,13 +280,26 @@ class SafetensorsWriter:
             if self._next != len(self._expected):
                 missing = [k for k, _ in self._expected[self._next :]]
                 raise ValueError(f"{self.path}: closed before tensors {missing[:5]} were written")
+            if self._storage is not None:
+                f.close()  # completes the upload: the object becomes visible whole
+                return
             f.flush()
             if fsync:
                 os.fsync(f.fileno())
+        except BaseException:
+            if self._storage is not None:
+                self._storage.abort(f)
+            raise
         finally:
-            f.close()
+            if self._storage is None:
+                f.close()
 
     def abort(self) -> None:
+        if self._storage is not None:
+            if self._f is not None:
+                f, self._f = self._f, None
+                self._storage.abort(f)
+            return
         if self._f is not None:
             self._f.close()
             self._f = None

@@ -315,6 +315,12 @@ class FsspecStorage(Storage):
         return _FsspecRead(self.fs, path, size)
 
     def open_write(self, path: str) -> BinaryIO:
+        if self.protocol in ("s3", "s3a"):  # several parts in flight (format/storage_s3.py)
+            from typing import cast
+
+            from unickpt.format.storage_s3 import S3Upload
+
+            return cast(BinaryIO, S3Upload(self.fs, path))
         f: BinaryIO = self.fs.open(path, "wb")
         return f
 
@@ -375,6 +381,12 @@ class FsspecStorage(Storage):
     def remove_tree(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(path, recursive=True)
+
+    # ---------------------------------------------------------------- writes
+    def makedirs(self, path: str) -> None:
+        """Object stores have prefixes only (a no-op there); fsspec's local-like file systems
+        need the directory before a file is opened in it."""
+        self.fs.makedirs(path, exist_ok=True)
 
 
 def open_storage(

@@ -23,6 +23,7 @@ import collections
 import contextlib
 import json
 import os
+import posixpath
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,16 +33,18 @@ import numpy as np
 
 from unickpt._faults import maybe_fail
 from unickpt.format.commit import SAVE_ID_KEY, commit_directory, commit_single_file, temp_name
+from unickpt.format.commit_store import commit_store_index, remove_superseded
 from unickpt.format.dtypes import itemsize
 from unickpt.format.hashing import combine_partials, finalize_fingerprint, hash_block
 from unickpt.format.index import IndexFile, IndexMetadata, LayoutInfo, SliceEntry, TensorEntry, UnickptBlock
 from unickpt.format.index_compact import compact_tensors
 from unickpt.format.index_models import COMPACT_VERSION, FORMAT_VERSION
 from unickpt.format.lazy_slices import LazySlices
-from unickpt.format.naming import SLICED_SENTINEL
+from unickpt.format.naming import SLICED_SENTINEL, single_name
 from unickpt.format.reader import UNICKPT_METADATA_KEY
 from unickpt.format.safetensors_io import SafetensorsWriter, encode_header
 from unickpt.format.slice_table import SliceTable
+from unickpt.format.storage import Storage
 
 __all__ = [
     "PLACEHOLDER",
@@ -151,23 +154,31 @@ def write_files(
     hashes: bool = True,
     fingerprints: bool = True,
     fsync: bool = True,
+    storage: Storage | None = None,
 ) -> dict[str, Written]:
     """Stream ``blocks`` (in file order) into ``files``; return each key's (xxh3, partial).
 
     Hashing of block i runs on a worker thread while block i is written and block i+1 is
     fetched and written (numpy, xxhash and file writes all release the GIL), so hashes cost
     little on top of the write; at most two blocks are alive at once. On any failure the
-    files written so far are removed.
+    files written so far are removed. With an object ``storage`` (``directory`` a location in
+    it) each file is one streamed multipart upload, completed when the file is whole and
+    aborted on failure (nothing of it becomes visible).
     """
+    store = _object_store(storage)
     results: dict[str, Written] = {}
     written: list[str] = []
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unickpt-hash")
     # The hash of block i may finish while block i+1 is written: at most two blocks are alive.
     pending: collections.deque[tuple[str, Future[Written]]] = collections.deque()
     try:
+        if store is not None:
+            store.makedirs(directory)
         for fname, specs in files:
-            path = os.path.join(directory, fname)
-            w = SafetensorsWriter(path, list(specs), dict(metadata_for(fname)), writeback=fsync)
+            path = os.path.join(directory, fname) if store is None else store.join(directory, fname)
+            w = SafetensorsWriter(
+                path, list(specs), dict(metadata_for(fname)), writeback=fsync, storage=store
+            )
             written.append(path)
             try:
                 for spec_key, dtype, _shape in specs:
@@ -190,13 +201,20 @@ def write_files(
             done, older = pending.popleft()
             results[done] = older.result()
     except BaseException:
-        for p in written:
+        if store is not None:
+            store.remove(written)
+        for p in written if store is None else []:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(p)
         raise
     finally:
         pool.shutdown(wait=True)
     return results
+
+
+def _object_store(storage: Storage | None) -> Storage | None:
+    """``storage`` when it is an object store (no rename); None for local files (today's path)."""
+    return None if storage is None or storage.atomic_rename else storage
 
 
 def _hash(
@@ -292,14 +310,21 @@ def write_single_file(
     hashes: bool = True,
     fingerprints: bool = True,
     fsync: bool = True,
+    storage: Storage | None = None,
 ) -> dict[str, Written]:
     """One ``.safetensors`` file carrying the unickpt block in its header metadata.
 
     ``make_block(written, placeholder)`` builds the block from each key's (xxh3, partial). The
     header is written first with placeholder values of the same length as the real ones
     (``placeholder=True``), and rewritten once the data is hashed, in the staging file no
-    reader opens; the file is then committed by ``format.commit.commit_single_file``.
+    reader opens; the file is then committed by ``format.commit.commit_single_file``. On an
+    object ``storage`` (see :func:`_write_single_to_store`) the file is one upload.
     """
+    store = _object_store(storage)
+    if store is not None:
+        return _write_single_to_store(
+            store, file_path, specs, blocks, make_block, kind, save_id, hashes, fingerprints
+        )
     placeholder = {key: (PLACEHOLDER if hashes else None, 0) for key, _, _ in specs}
     meta0 = single_file_metadata(make_block(placeholder, True), save_id)
     tmp = temp_name(file_path, save_id)
@@ -327,6 +352,52 @@ def write_single_file(
     return results
 
 
+def _write_single_to_store(
+    store: Storage,
+    file_path: str,
+    specs: Sequence[TensorSpec],
+    blocks: Iterator[Block],
+    make_block: Callable[[Mapping[str, Written], bool], UnickptBlock],
+    kind: str,
+    save_id: str,
+    hashes: bool,
+    fingerprints: bool,
+) -> dict[str, Written]:
+    """A single file on an object store: one multipart upload, visible whole once complete.
+
+    Its header carries the block, hashes included, and an upload cannot be rewritten, so the
+    blocks are hashed as they arrive and kept in memory until the header is known; then the
+    file is uploaded front to back, each block released once sent. Committing it (the upload's
+    completion) supersedes the kind's index and shard files, removed after it.
+    """
+    kept: collections.deque[tuple[str, np.ndarray]] = collections.deque()
+    results: dict[str, Written] = {}
+    for spec_key, dtype, _shape in specs:
+        key, arr, (gshape, off, shp) = next(blocks)
+        if key != spec_key:
+            raise RuntimeError(f"internal: expected block {spec_key!r}, got {key!r}")
+        results[key] = _hash(arr, gshape, off, shp, dtype, hashes, fingerprints)
+        kept.append((key, arr))
+        del arr
+    meta = single_file_metadata(make_block(results, False), save_id)
+    store.makedirs(posixpath.dirname(file_path))
+    w = SafetensorsWriter(file_path, list(specs), meta, storage=store)
+    try:
+        while kept:
+            key, arr = kept.popleft()
+            w.write(key, memoryview(arr))  # type: ignore[arg-type]
+            del arr
+            maybe_fail("save.write")
+        w.close(fsync=False)
+    except BaseException:
+        w.abort()
+        raise
+    directory, base = posixpath.split(file_path)
+    if base == single_name(kind):
+        remove_superseded(store, directory, kind, {base}, single=True)
+    return results
+
+
 # -------------------------------------------------------------- one checkpoint
 @dataclass
 class CheckpointWriter:
@@ -346,29 +417,43 @@ class CheckpointWriter:
     hashes: bool = True
     fingerprints: bool = True
     fsync: bool = True
+    #: Where ``directory`` is; an object store writes each file under the name given (see
+    #: ``format.commit_store``: the save's plan names them), nothing is staged or renamed.
+    storage: Storage | None = None
 
     def staged_name(self, fname: str) -> str:
         """The staging path of data file ``fname`` (renamed into place by the commit)."""
+        store = _object_store(self.storage)
+        if store is not None:
+            return store.join(self.directory, fname)
         return temp_name(os.path.join(self.directory, fname), self.save_id)
 
     def write(self, files: Sequence[FileSpec], blocks: Iterator[Block]) -> dict[str, Written]:
-        """Stream ``blocks`` into ``files`` (final names; written under staging names)."""
-        staged = [(os.path.basename(self.staged_name(f)), specs) for f, specs in files]
+        """Stream ``blocks`` into ``files`` (final names; written under staging names locally,
+        under the names given on an object store)."""
+        store = _object_store(self.storage)
+        names = [(f if store is not None else os.path.basename(self.staged_name(f)), s) for f, s in files]
         meta = data_file_metadata(self.sliced, self.save_id)
         results = write_files(
             self.directory,
-            staged,
+            names,
             lambda _f: meta,
             blocks,
             hashes=self.hashes,
             fingerprints=self.fingerprints,
             fsync=self.fsync,
+            storage=store,
         )
         self.staged.update({f: self.staged_name(f) for f, _ in files})
         return results
 
     def commit(self, index: bytes) -> None:
-        """Write the index last and commit the staged files (``format.commit.commit_directory``)."""
+        """Write the index last and commit the staged files (``format.commit.commit_directory``;
+        on an object store ``format.commit_store.commit_store_index``)."""
+        store = _object_store(self.storage)
+        if store is not None:
+            commit_store_index(store, self.directory, self.kind, index, set(self.staged))
+            return
         commit_directory(
             self.directory, self.kind, self.staged, index, save_id=self.save_id, fsync=self.fsync
         )

@@ -5,10 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from unickpt import _dist
+from unickpt._logging import get_logger
 from unickpt.format.commit import commit_directory, discard, finish_commit, place_staged, prepare_commit
+from unickpt.format.commit_store import clean_store_leftovers, commit_store_index
+from unickpt.format.storage import Storage
 from unickpt.io.planner import SavePlan
 
 __all__ = ["commit_collective"]
+
+logger = get_logger(__name__)
 
 
 def commit_collective(
@@ -23,6 +28,7 @@ def commit_collective(
     group: Any,
     rank: int,
     world: int,
+    store: Storage | None = None,
 ) -> None:
     """Collective: commit a sharded or sliced save (``format.commit``), or raise on every rank.
 
@@ -31,6 +37,9 @@ def commit_collective(
     un-commit of the previous checkpoint and its rename of the index.
     """
     where = f"committing {directory}"
+    if store is not None:
+        _commit_on_store(store, directory, kind, plan, staged, index, err, group, rank)
+        return
     if world == 1:
         try:
             if err is None:
@@ -65,3 +74,33 @@ def commit_collective(
         except BaseException as e:
             err = e
     _dist.agree(err, where, group)
+
+
+def _commit_on_store(
+    store: Storage,
+    directory: str,
+    kind: str,
+    plan: SavePlan,
+    staged: dict[str, str],
+    index: bytes,
+    err: BaseException | None,
+    group: Any,
+    rank: int,
+) -> None:
+    """Collective, object stores: every data file is uploaded whole; rank 0 writes the index
+    (one PUT: the commit), removes what it supersedes and the leftovers of killed saves."""
+    if rank == 0 and err is None:
+        try:
+            commit_store_index(store, directory, kind, index, {f.name for f in plan.files})
+        except BaseException as e:
+            err = e
+    try:
+        _dist.agree(err, f"committing {store.url}", group)
+    except BaseException:
+        store.remove(staged.values())  # never named by a committed index
+        raise
+    if rank == 0:
+        try:
+            clean_store_leftovers(store, directory)
+        except Exception as e:  # the checkpoint is committed; leftovers go at the next save
+            logger.warning("%s: leftovers of killed saves not removed: %s", store.url, e)

@@ -28,6 +28,7 @@ from unickpt import _dist
 from unickpt._logging import get_logger
 from unickpt.errors import UnickptError
 from unickpt.format.naming import single_name
+from unickpt.format.storage import is_url
 from unickpt.io.core import IOCore
 from unickpt.io.payload import SavePayload
 
@@ -204,9 +205,10 @@ class AsyncSaveIO(IOCore):
 
 def committed_path(path: str, kind: str, shard: bool, gather: bool) -> str:
     """The path a save with these arguments commits (what ``save_tensors`` returns)."""
-    is_file = path.endswith(".safetensors") or os.path.isfile(path)
+    url = is_url(path)
+    is_file = path.endswith(".safetensors") or (not url and os.path.isfile(path))
     if gather and not shard:
         return path if is_file else os.path.join(path, single_name(kind))
     if is_file:
         raise UnickptError(f"{path}: a sharded or sliced checkpoint is a directory; pass a directory path")
-    return os.path.abspath(path)
+    return path if url else os.path.abspath(path)

@@ -24,7 +24,7 @@ import torch
 from unickpt import _dist
 from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
-from unickpt.format.commit import atomic_write_bytes
+from unickpt.format.commit_store import write_small_file
 from unickpt.io.async_save import check_use_safetensors
 from unickpt.io.hooks import FINAL_METHODS, HookContext
 from unickpt.io.load import LoadReport, load_tensors
@@ -76,6 +76,9 @@ class CheckpointIO(OptimizerIO):
             and ranks), ``"raise"`` (a ``DistributedError`` on every rank, nothing written) or
             ``"off"`` (no check: saves skip one xxh3 pass over the replicated tensors and one
             all-gather of their digests). Also settable as an attribute.
+        storage_options: fsspec options (credentials, endpoint...) for checkpoint URLs
+            (``s3://``, ``gs://``...); ``None`` uses the store's standard environment and config
+            (``AWS_ENDPOINT_URL``, profiles). Also settable as an attribute.
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -125,7 +128,7 @@ class CheckpointIO(OptimizerIO):
                 shard,
                 gather_dtensor,
                 size_per_shard,
-                after=lambda path: write_config_files(config, path),
+                after=lambda path: write_config_files(config, path, self.storage_options),
             )
         path = self.write(
             payload, checkpoint, shard=shard, gather_dtensor=gather_dtensor, size_per_shard=size_per_shard
@@ -252,8 +255,7 @@ class CheckpointIO(OptimizerIO):
         if _dist.rank(self.group) == 0:
             try:
                 maybe_fail("scheduler.save")
-                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-                atomic_write_bytes(path, lr_scheduler_json(lr_scheduler.state_dict()))
+                write_small_file(path, lr_scheduler_json(lr_scheduler.state_dict()), self.storage_options)
             except BaseException as e:
                 err = e
         _dist.agree(err, f"saving the LR scheduler to {path}", self.group)
@@ -277,4 +279,4 @@ class CheckpointIO(OptimizerIO):
         if _dist.rank(self.group) != 0:
             return
         maybe_fail("model.hf_config")
-        write_config_files(hf_config_files(self.unwrap_model(model)), path)
+        write_config_files(hf_config_files(self.unwrap_model(model)), path, self.storage_options)

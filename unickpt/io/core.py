@@ -46,7 +46,10 @@ class IOCore(CheckpointHooks):
         fsync: bool = True,
         atomic_load: bool = False,
         check_replicas: str = "warn",
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
+        # fsspec options (credentials, endpoint) of checkpoint URLs; None: the environment's.
+        self.storage_options = storage_options
         if check_replicas not in REPLICA_MODES:
             raise ConfigError(f"check_replicas must be one of {REPLICA_MODES}, got {check_replicas!r}")
         self.check_replicas = check_replicas
@@ -124,6 +127,7 @@ class IOCore(CheckpointHooks):
             hashes=self.hashes,
             fingerprints=self.fingerprints,
             fsync=self.fsync,
+            storage_options=self.storage_options,
         )
 
     def _open(self, checkpoint: str | os.PathLike[str], kind: str) -> CheckpointReader:

@@ -18,44 +18,47 @@ Order of events (every rank calls ``save_tensors`` with its own tensors):
    checkpoint, rename the data files and then the index into place, remove superseded files
    and leftovers of killed saves) and releases the lock; a final barrier means no rank
    returns before the checkpoint is committed.
+
+A URL (``s3://``, ``gs://``...: ``SaveOptions.storage_options``) goes through the storage layer
+instead (``format/commit_store.py``, docs/format.md section 6.1): no lock and no staging; rank 0
+finds whether a checkpoint is committed there (then every file gets a save-id name), each writer
+streams its files as multipart uploads, and rank 0's commit is the index's PUT. A gathered save
+on a URL is written by rank 0 (``io/funnel_save.py``): a store has no ``pwrite``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import posixpath
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from unickpt import __version__, _dist
+from unickpt import _dist
 from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
-from unickpt.errors import UnickptError
+from unickpt.errors import ConfigError, UnickptError
 from unickpt.format.commit import directory_lock, discard, new_save_id
-from unickpt.format.index import LayoutInfo, SliceEntry, TensorEntry, UnickptBlock, index_to_json
+from unickpt.format.commit_store import committed_on_store, store_file_name
+from unickpt.format.index import LayoutInfo, index_to_json
 from unickpt.format.naming import single_name
-from unickpt.format.writer import (
-    CheckpointWriter,
-    FileSpec,
-    build_block,
-    build_index,
-    tensor_entry,
-)
+from unickpt.format.storage import Storage, is_url, open_storage
+from unickpt.format.writer import build_index
 from unickpt.io._commit import commit_collective
+from unickpt.io.funnel_save import feed_funnel, write_funnelled, write_funnelled_single
 from unickpt.io.hf_save import GatheredSave, save_gathered
-from unickpt.io.planner import PlannedFile, SavePlan, SliceMeta, plan_save
+from unickpt.io.planner import SavePlan, SliceMeta, plan_save
 from unickpt.io.replicas import check_gathered_metas
+from unickpt.io.save_block import Results as _Results
+from unickpt.io.save_block import build_save_block, by_slice, file_specs, make_writer
 from unickpt.io.tensors import LocalSlice, as_bytes
 
 __all__ = ["SaveOptions", "save_tensors"]
 
 logger = get_logger(__name__)
-_VERSION = f"unickpt {__version__}"
-# (tensor name, slice number) -> (xxh3-64 or None, fingerprint partial)
-_Results = dict[tuple[str, int], tuple[str | None, int]]
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,8 @@ class SaveOptions:
     hashes: bool = True
     fingerprints: bool = True
     fsync: bool = True
+    # fsspec options of a URL ``path`` (credentials, endpoint); None: the environment's.
+    storage_options: dict[str, Any] | None = None
 
 
 def save_tensors(
@@ -85,14 +90,19 @@ def save_tensors(
     rank, world = _dist.rank(group), _dist.world_size(group)
     aliases = aliases or {}
     single_file = opts.gather and not opts.shard
+    # A URL is written through the storage layer (object stores: no staging, no rename).
+    store, root = open_store(path, opts.storage_options)
     # An existing file (e.g. a tempfile.NamedTemporaryFile) is replaced by an unsharded save.
-    is_file = path.endswith(".safetensors") or os.path.isfile(path)
-    if single_file:
+    is_file = path.endswith(".safetensors") or (store is None and os.path.isfile(path))
+    if store is not None:
+        file_path = root if is_file else store.join(root, single_name(opts.kind))
+        directory = posixpath.dirname(file_path) if single_file else root
+    elif single_file:
         file_path = path if is_file else os.path.join(path, single_name(opts.kind))
         directory = os.path.dirname(os.path.abspath(file_path))
-    else:
+    if not single_file:
         file_path = ""
-        directory = os.path.abspath(path)
+        directory = os.path.abspath(path) if store is None else root
         if is_file:
             _dist.agree(
                 UnickptError(f"{path}: a sharded or sliced checkpoint is a directory; pass a directory path"),
@@ -110,8 +120,32 @@ def save_tensors(
     except BaseException as e:
         err = e
     _dist.agree(err, "listing tensors to save", group)
-    # Every rank's slices (names and boxes only); a gathered save writes them in place too.
-    per_rank: list[list[SliceMeta]] = _dist.all_gather_object([sl.meta() for sl in local], group)
+    # A gathered save on a store is written whole by rank 0 (io/funnel_save.py); in a local
+    # directory every rank writes its own bytes in place (io/hf_save.py).
+    funnel = opts.gather and store is not None
+    all_metas: list[list[SliceMeta]] = []
+    if funnel:
+        # Each tensor is written whole by rank 0; metas only say which tensors exist.
+        metas: list[SliceMeta] = []
+        seen = set()
+        for sl in local:
+            if sl.name not in seen:
+                seen.add(sl.name)
+                metas.append(
+                    (sl.name, sl.dtype, sl.global_shape, (0,) * len(sl.global_shape), sl.global_shape)
+                )
+        all_metas = _dist.all_gather_object(metas, group)
+        merged: list[SliceMeta] = []
+        names: set[str] = set()
+        for ms in all_metas:
+            for m in ms:
+                if m[0] not in names:
+                    names.add(m[0])
+                    merged.append(m)
+        per_rank: list[list[SliceMeta]] = [merged] + [[] for _ in range(world - 1)]
+    else:
+        # Every rank's slices (names and boxes only); a gathered save writes them in place too.
+        per_rank = all_metas = _dist.all_gather_object([sl.meta() for sl in local], group)
     # Entry extras (an optimizer tensor's parameter) and aliases are known to the ranks that
     # hold those tensors: pipeline stages and ZeRO ranks each know part of them.
     merged_aliases: dict[str, str] = {}
@@ -119,8 +153,8 @@ def save_tensors(
     save_id = new_save_id()  # rank 0's id is the save's id
     # A gathered save orders its files by the tensors' names as the ranks list them (rank 0's
     # first): a rank may hold no slice of a tensor (a ZeRO range it does not own).
-    names = list(tensors) if opts.gather else []
-    gathered = _dist.all_gather_object((aliases, entry_extras or {}, save_id, names), group)
+    names_listed = list(tensors) if opts.gather else []
+    gathered = _dist.all_gather_object((aliases, entry_extras or {}, save_id, names_listed), group)
     save_id = gathered[0][2]
     order = list(dict.fromkeys(n for g in gathered for n in g[3]))
     for rank_aliases, rank_extras, _, _ in gathered:
@@ -134,11 +168,13 @@ def save_tensors(
     try:
         maybe_fail("save.plan")
         if opts.gather:
-            check_gathered_metas(per_rank, path)
-        # A gathered save uses the plan for its writers only: its files are planned by hf_save.
-        plan = plan_save(
-            per_rank, kind=opts.kind, size_per_shard_bytes=None if opts.gather else size, sliced=True
-        )
+            check_gathered_metas(all_metas, path)
+        if funnel:
+            plan = plan_save(per_rank, kind=opts.kind, size_per_shard_bytes=size, sliced=False)
+        else:  # a gathered save uses the plan for its writers only: hf_save plans its files
+            plan = plan_save(
+                per_rank, kind=opts.kind, size_per_shard_bytes=None if opts.gather else size, sliced=True
+            )
     except BaseException as e:
         err = e
     _dist.agree(err, "planning the save", group)
@@ -147,17 +183,24 @@ def save_tensors(
 
     # 3. rank 0 prepares the directory.
     lock = contextlib.ExitStack()
+    over = False  # an object store holds a committed checkpoint of the kind here
     if rank == 0:
         try:
             maybe_fail("save.prepare")
-            os.makedirs(directory, exist_ok=True)
-            lock.enter_context(directory_lock(directory))
+            if store is None:
+                os.makedirs(directory, exist_ok=True)
+                lock.enter_context(directory_lock(directory))
+            elif not single_file:
+                over = committed_on_store(store, directory, opts.kind)
         except BaseException as e:
             err = e
     try:
         _dist.agree(err, f"preparing {directory}", group)
+        if store is not None and not single_file and _dist.broadcast_object(over, 0, group):
+            for pf in plan.files:  # never overwrite the committed checkpoint's files
+                pf.name = store_file_name(pf.name, save_id)
 
-        if opts.gather:  # 4-6: every rank writes its bytes of the Hugging Face files (io/hf_save.py)
+        if opts.gather and not funnel:  # 4-6: every rank writes its bytes of the HF files
             gs = GatheredSave(
                 plan,
                 local,
@@ -173,10 +216,29 @@ def save_tensors(
                 order,
             )
             save_gathered(gs, group, rank, world)
-        else:  # 4-6: every writer streams its slices into its own files
-            # 4. write.
-            results: _Results = {}
-            try:
+            return _finish(lock, group, path, store, file_path if single_file else directory)
+        # 4. write.
+        results: _Results = {}
+        try:
+            if single_file:
+                if rank == 0:
+                    results = write_funnelled_single(
+                        plan,
+                        tensors,
+                        file_path,
+                        opts,
+                        aliases,
+                        entry_extras,
+                        block_extras,
+                        group,
+                        save_id,
+                        store,
+                    )
+                else:
+                    feed_funnel(plan, tensors, group, rank)
+            elif opts.gather:
+                results = write_funnelled(plan, tensors, directory, opts, group, rank, save_id, store)
+            else:
                 mine = plan.files_of(rank)
 
                 def blocks() -> Iterator[Any]:
@@ -185,23 +247,27 @@ def save_tensors(
                             sl = local[ps.local_index]
                             yield ps.key, as_bytes(sl.tensor), (sl.global_shape, sl.offsets, sl.shape)
 
-                written = _writer(directory, opts, plan, save_id).write(_file_specs(plan, mine), blocks())
-                results = _by_slice(mine, written)
-            except BaseException as e:
-                err = e
-            # Each rank's own staged files (in its own directory: shared, or node-local before an upload).
-            staged = {
-                f.name: _writer(directory, opts, plan, save_id).staged_name(f.name)
-                for f in plan.files_of(rank)
-            }
-            try:
-                _dist.agree(err, f"writing {directory}", group)
-            except BaseException:
-                discard(staged.values())  # every rank has stopped writing: the successful ranks' files go too
-                raise
+                written = make_writer(directory, opts, plan, save_id, store).write(
+                    file_specs(plan, mine), blocks()
+                )
+                results = by_slice(mine, written)
+        except BaseException as e:
+            err = e
+        # Each rank's own staged files (in its own directory: shared, or node-local before an upload).
+        own = (
+            [] if single_file else plan.files_of(rank) if not opts.gather else plan.files if rank == 0 else []
+        )
+        staged = {f.name: make_writer(directory, opts, plan, save_id, store).staged_name(f.name) for f in own}
+        try:
+            _dist.agree(err, f"writing {directory}", group)
+        except BaseException:
+            # every rank has stopped writing: the successful ranks' files go too
+            discard(staged.values()) if store is None else store.remove(staged.values())
+            raise
 
-            # 5-6. commit.
-            all_results = _dist.all_gather_object(results, group)
+        # 5-6. commit.
+        all_results = _dist.all_gather_object(results, group) if not single_file else [results]
+        if not single_file:
             index = b""
             if rank == 0:
                 try:
@@ -209,70 +275,35 @@ def save_tensors(
                     merged_results: _Results = {}
                     for r in all_results:
                         merged_results.update(r)
-                    block = _build_block(
+                    block = build_save_block(
                         plan, merged_results, opts, aliases, entry_extras, block_extras, save_id=save_id
                     )
                     index = index_to_json(build_index(block, sliced=plan.sliced))
                 except BaseException as e:
                     err = e
             commit_collective(
-                directory, opts.kind, opts.fsync, plan, staged, index, save_id, err, group, rank, world
+                directory, opts.kind, opts.fsync, plan, staged, index, save_id, err, group, rank, world, store
             )
     finally:
         lock.close()
+    return _finish(None, group, path, store, file_path if single_file else directory)
+
+
+def _finish(
+    lock: contextlib.ExitStack | None, group: Any, path: str, store: Storage | None, local: str
+) -> str:
+    """Release the lock (if still held), wait for every rank: the checkpoint is committed."""
+    if lock is not None:
+        lock.close()
     _dist.barrier(group)
-    return file_path if single_file else directory
+    return path if store is not None else local
 
 
-def _writer(directory: str, opts: SaveOptions, plan: SavePlan, save_id: str) -> CheckpointWriter:
-    return CheckpointWriter(
-        directory, opts.kind, save_id, plan.sliced, opts.hashes, opts.fingerprints, opts.fsync
-    )
-
-
-def _file_specs(plan: SavePlan, files: list[PlannedFile]) -> list[FileSpec]:
-    return [(f.name, [(ps.key, plan.tensors[ps.name][0], ps.shape) for ps in f.slices]) for f in files]
-
-
-def _by_slice(files: list[PlannedFile], written: dict[str, tuple[str | None, int]]) -> _Results:
-    """What the writer returned per key, per (tensor, slice number) (merged across ranks)."""
-    return {(ps.name, ps.k): written[ps.key] for f in files for ps in f.slices}
-
-
-def _build_block(
-    plan: SavePlan,
-    results: _Results,
-    opts: SaveOptions,
-    aliases: dict[str, str],
-    entry_extras: dict[str, dict[str, Any]] | None,
-    block_extras: dict[str, Any] | None,
-    *,
-    save_id: str | None = None,
-) -> UnickptBlock:
-    """The unickpt block of a sliced save's ``plan`` from each slice's (xxh3, partial)."""
-    file_of = {(ps.name, ps.k): f.name for f in plan.files for ps in f.slices}
-    entries: dict[str, TensorEntry] = {}
-    for name, (dtype, gshape) in plan.tensors.items():
-        planned = plan.slices[name]
-        slices = [
-            SliceEntry(
-                file=file_of[(name, ps.k)],
-                key=ps.key,
-                offsets=list(ps.offsets),
-                shape=list(ps.shape),
-                xxh3=results[(name, ps.k)][0],
-            )
-            for ps in planned
-        ]
-        partials = [results[(name, ps.k)][1] for ps in planned] if opts.fingerprints else None
-        extra = (entry_extras or {}).get(name, {})
-        entries[name] = tensor_entry(name, dtype, gshape, slices, partials, **extra)
-    return build_block(
-        kind=opts.kind,
-        created_by=_VERSION,
-        layout=opts.layout.model_copy(update={"gathered": opts.gather}),
-        tensors=entries,
-        aliases=aliases,
-        save_id=save_id,
-        **(block_extras or {}),
-    )
+def open_store(path: str, storage_options: dict[str, Any] | None) -> tuple[Storage | None, str]:
+    """``(storage, location in it)`` for a URL; ``(None, path)`` for a local path (today's path)."""
+    if not is_url(path):
+        if storage_options:
+            raise ConfigError(f"storage_options are for fsspec URLs; {path!r} is a local path")
+        return None, path[len("file://") :] if path.startswith("file://") else path
+    store, root = open_storage(path, storage_options)
+    return store, root

@@ -10,7 +10,7 @@ import torch
 
 from unickpt.errors import IncompleteCheckpointError, IndexFileError
 from unickpt.format._json import strict_loads
-from unickpt.format.commit import atomic_write_bytes
+from unickpt.format.commit_store import checkpoint_directory, write_small_file
 from unickpt.io.jsonstate import from_json_value, to_json_value
 
 __all__ = [
@@ -34,11 +34,13 @@ def hf_config_files(module: torch.nn.Module) -> dict[str, str]:
     return out
 
 
-def write_config_files(config: dict[str, str], path: str) -> None:
-    """Write ``config.json``-like files beside the committed checkpoint ``path``."""
-    directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+def write_config_files(
+    config: dict[str, str], path: str, storage_options: dict[str, Any] | None = None
+) -> None:
+    """Write ``config.json``-like files beside the committed checkpoint ``path`` (a URL too)."""
+    directory = checkpoint_directory(path)
     for fname, text in config.items():
-        atomic_write_bytes(os.path.join(directory, fname), text.encode("utf-8"))
+        write_small_file(os.path.join(directory, fname), text.encode("utf-8"), storage_options)
 
 
 def lr_scheduler_json(state: dict[str, Any]) -> bytes:

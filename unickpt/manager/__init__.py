@@ -51,27 +51,28 @@ through the training's group, so it cannot interleave with the training's collec
 save is in flight at most; its error is raised by the next ``save`` or ``wait``.
 
 Remote storage (``checkpoint_dir`` an fsspec URL other than ``file://``): object stores have no
-atomic rename, so nothing is ever renamed or moved there. Every rank stages its files in its
-own local directory (``<local_cache_dir>/rank-<r>/``, default a temporary directory) exactly as
-above, then uploads them to ``<url>/step-<N>/`` file by file; rank 0 first deletes ``step-*``
-prefixes without ``COMMIT``. Once every rank has uploaded everything, rank 0 uploads ``COMMIT``
-last, then ``latest``, then applies ``keep_last`` (deleting ``COMMIT`` first). A step is
-committed iff its ``COMMIT`` object exists; readers ignore the others. A committed step saved
-again is uploaded to ``.step-<N>.replacing-<id>/``, committed there, then copied over
-``step-<N>`` (see ``_remote_store.py``): step N stays committed throughout. Guarantees rest on
-whole-object PUTs and consistent listings (S3, GCS); limits: no lock between writers, and each
-rank downloads the whole step (but ``hf/`` and other ranks' states) to load it. See
+atomic rename, so nothing is ever renamed or moved there, and nothing is staged on local disk.
+Rank 0 first deletes ``step-*`` prefixes without ``COMMIT``; every rank then writes its files
+straight into ``<url>/step-<N>/`` through the storage layer (the CheckpointIO saves on URLs:
+streamed multipart uploads, the index of each checkpoint last); once every rank is done, rank 0
+writes ``COMMIT`` last with an exclusive put (a second writer committing the same step gets
+``CheckpointBusyError``), then ``latest``, then applies ``keep_last`` (deleting ``COMMIT``
+first). A step is committed iff its ``COMMIT`` object exists; readers ignore the others. A
+committed step saved again is written to ``.step-<N>.replacing-<id>/``, committed there, then
+copied over ``step-<N>`` (see ``manager/store_steps.py``): step N stays committed throughout.
+Guarantees rest on whole-object PUTs and consistent listings (S3, GCS); limits: one writer per
+URL, and each rank downloads the step (but ``hf/`` and other ranks' states) to load it. See
 docs/guide.md, "Storage".
 """
 
 from __future__ import annotations
 
-from unickpt._remote_store import RemoteStore
 from unickpt.format.run_layout import COMMIT_NAME as COMMIT_NAME
 from unickpt.format.run_layout import HF_DIR as HF_DIR
 from unickpt.format.run_layout import LATEST_NAME as LATEST_NAME
 from unickpt.format.run_layout import TRAIN_STATE_DIR as TRAIN_STATE_DIR
 from unickpt.manager.checkpoint_manager import CheckpointManager
+from unickpt.manager.store_steps import RemoteStore
 from unickpt.manager.train_state import STATE_VERSION
 
 __all__ = ["CheckpointManager"]

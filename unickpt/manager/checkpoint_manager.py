@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import tempfile
 from typing import Any
 
 import torch
@@ -18,7 +20,7 @@ from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
 from unickpt.errors import ConfigError, UnickptError
 from unickpt.format import run_layout
-from unickpt.format.commit import atomic_write_bytes
+from unickpt.format.commit_store import write_small_file
 from unickpt.format.run_layout import HF_DIR
 from unickpt.io.async_save import AsyncSaves
 from unickpt.manager import policy, snapshot, train_state
@@ -44,10 +46,11 @@ class CheckpointManager:
         keep_last: committed steps to keep (oldest deleted after a new commit); ``None`` or 0 keeps all.
         async_save: write in a background thread (see the package docstring).
         save_hf: also write a merged Hugging Face copy of the model into ``step-<N>/hf``.
-        local_cache_dir: fsspec URLs only: where each rank stages a save and downloads a step
-            to load (``<local_cache_dir>/rank-<r>/``); default a temporary directory per process,
+        local_cache_dir: fsspec URLs only: where each rank downloads a step to load (saves write
+            straight to the store) (``<local_cache_dir>/rank-<r>/``); default a temporary directory per process,
             removed when the manager is garbage collected.
-        storage_options: fsspec URLs only: passed to the fsspec filesystem (credentials, endpoint).
+        storage_options: fsspec URLs only: passed to the fsspec filesystem (credentials, endpoint);
+            also given to the CheckpointIO when it has none of its own.
 
     Built by every rank (with ``async_save`` it creates a process group: collective).
     """
@@ -74,6 +77,10 @@ class CheckpointManager:
             checkpoint_dir, local_cache_dir, storage_options, _dist.rank(self.io.group)
         )
         self.checkpoint_dir = self.storage.location
+        # A store's options reach the CheckpointIO's saves (which write the step's files there).
+        self._storage_options: dict[str, Any] | None = getattr(self.storage, "storage_options", None)
+        if self._storage_options is not None and getattr(self.io, "storage_options", None) is None:
+            self.io.storage_options = self._storage_options
         policy.check_settings(save_steps, keep_last)
         self.save_steps = save_steps
         self.keep_last = keep_last or None
@@ -236,6 +243,7 @@ class CheckpointManager:
                 self.io, step, stage, model, optimizer, lr_scheduler, dataloader, extra_states, staging
             )
             payload.target = self.storage.share_target(target, self.group)
+            payload.stage = self.storage.write_root(payload.stage, payload.target)
         except BaseException:
             self._release()
             raise
@@ -275,23 +283,21 @@ class CheckpointManager:
             err: BaseException | None = None
             try:
                 maybe_fail("manager.train_state")
+                opts = self._storage_options
                 if rank == 0 and p.scheduler is not None:
-                    atomic_write_bytes(os.path.join(p.stage, run_layout.SCHEDULER_NAME), p.scheduler)
+                    write_small_file(os.path.join(p.stage, run_layout.SCHEDULER_NAME), p.scheduler, opts)
                 if rank == 0:
                     # config.json beside the sliced model: `unickpt merge` carries it to the HF copy.
                     for fname, text in p.hf_config.items():
-                        atomic_write_bytes(os.path.join(p.stage, "model", fname), text.encode("utf-8"))
+                        write_small_file(os.path.join(p.stage, "model", fname), text.encode("utf-8"), opts)
                 train_state.write_rank_state(
-                    p.stage, rank, p.train_state, p.state_tensors, p.scheduler if rank == 0 else None
+                    p.stage, rank, p.train_state, p.state_tensors, p.scheduler if rank == 0 else None, opts
                 )
             except BaseException as e:
                 err = e
             _dist.agree(err, f"writing the training state of step {p.step}", group)
-            uploaded: set[str] = set()
-            self.storage.upload(p.stage, p.target, uploaded, group, p.step)
             if self.save_hf:
-                self._write_hf(p, group, uploaded)
-                self.storage.upload(p.stage, p.target, uploaded, group, p.step)
+                self._write_hf(p, group)
             err = None
             if rank == 0:
                 try:
@@ -314,45 +320,67 @@ class CheckpointManager:
             self.storage.remove_step(s)
 
     def _shared_stage(self, group: Any) -> bool:
-        """Whether every rank writes into one staging directory (not so for an fsspec URL's local caches)."""
-        return not isinstance(self.storage, RemoteStorage) or _dist.world_size(group) == 1
+        """Whether the step is written into a local directory the ranks share (not on a store)."""
+        del group
+        return not isinstance(self.storage, RemoteStorage)
 
-    def _write_hf(self, p: snapshot.Payload, group: Any, uploaded: set[str]) -> None:
+    def _write_hf(self, p: snapshot.Payload, group: Any) -> None:
         """Collective over ``group``: the Hugging Face copy of the model into ``<stage>/hf``.
 
-        In a directory the ranks share, ``_write`` saved the model itself as Hugging Face files
-        (every rank writes its own bytes from the payload: the live tensors, or an async save's
-        snapshot; no gather, no re-read, ``io/hf_save.py``), and ``hf/`` holds hard links to
-        them: the bytes are written once. With an fsspec URL each rank stages in its own local
-        directory, so the model is saved sliced; with more than one rank, rank 0 falls back to
-        merging the uploaded sliced copy (``merge_checkpoint``, streamed in bounded memory; one
-        ``model.safetensors`` when the model fits in one shard).
+        In a local directory the ranks share, ``_write`` saved the model itself as Hugging Face
+        files (every rank writes its own bytes from the payload: the live tensors, or an async
+        save's snapshot; no gather, no re-read, ``io/hf_save.py``), and ``hf/`` holds hard links
+        to them: the bytes are written once. An object store has neither ``pwrite`` nor links:
+        the model is saved sliced, and rank 0 merges the ranks' written copy
+        (``merge_checkpoint``, streamed in bounded memory) and uploads the files to ``hf/``.
         """
         hf = os.path.join(p.stage, HF_DIR)
-        merge = not self._shared_stage(group)
         err: BaseException | None = None
         if _dist.rank(group) == 0:
             try:
-                if not merge:  # model/ holds the Hugging Face files: hf/ links to them
+                if self._shared_stage(group):  # model/ holds the Hugging Face files: hf/ links to them
                     _link_files(os.path.join(p.stage, "model"), hf)
+                    for fname, text in p.hf_config.items():
+                        write_small_file(os.path.join(hf, fname), text.encode("utf-8"), self._storage_options)
                 else:
-                    from unickpt.tools.merge import merge_checkpoint
-
-                    self.storage.fetch(p.target, "model", p.stage, uploaded)
-                    merge_checkpoint(
-                        os.path.join(p.stage, "model"), hf, max_shard_size=int(_SHARD_MB * 1024 * 1024)
-                    )
-                for fname, text in p.hf_config.items():
-                    atomic_write_bytes(os.path.join(hf, fname), text.encode("utf-8"))
+                    self._merge_hf(p, hf)
             except BaseException as e:
                 err = e
         _dist.agree(err, f"writing the Hugging Face copy of step {p.step}", group)
 
+    def _merge_hf(self, p: snapshot.Payload, hf: str) -> None:
+        """Rank 0, on a store: merge the step's sliced model into Hugging Face files and upload them."""
+        from unickpt.tools.merge import merge_checkpoint
+
+        os.makedirs(self.storage.root, exist_ok=True)
+        with (
+            self.storage.written_copy(p.stage, "model") as model_dir,
+            tempfile.TemporaryDirectory(prefix=".hf-merge-", dir=self.storage.root) as tmp,
+        ):
+            out = os.path.join(tmp, HF_DIR)
+            # config.json sits beside the sliced model: the merge carries it over.
+            merge_checkpoint(model_dir, out, max_shard_size=int(_SHARD_MB * 1024 * 1024))
+            _upload_dir(out, hf, self._storage_options)
+
+
+def _upload_dir(src: str, url: str, storage_options: dict[str, Any] | None) -> None:
+    """Stream every file of the local directory ``src`` to ``url/<name>`` through the storage layer."""
+    from unickpt.format.storage import open_storage
+
+    store, root = open_storage(url, storage_options)
+    for name in sorted(os.listdir(src)):
+        out = store.open_write(store.join(root, name))
+        try:
+            with open(os.path.join(src, name), "rb") as f:
+                shutil.copyfileobj(f, out, 16 << 20)
+            out.close()
+        except BaseException:
+            store.abort(out)
+            raise
+
 
 def _link_files(src: str, dst: str) -> None:
     """Rank 0: ``dst`` holds a hard link (a copy where links fail) to every file of ``src``."""
-    import shutil
-
     from unickpt.format.commit import fsync_dir
 
     os.makedirs(dst, exist_ok=True)

@@ -1,15 +1,17 @@
 """Where the manager's steps live: one small interface, a local directory or an fsspec URL.
 
-Both stage a save in a local work directory ``.step-<N>.staging-<id>`` (``stage``). A local
-directory stages in place and commits by renaming (``_stepdirs.commit_step``); a remote store
-stages in a per-rank local cache, uploads file by file and commits with a ``COMMIT`` object
-(``_remote_store.py``). The manager's logic calls the same methods for both.
+A local directory stages a save in a work directory ``.step-<N>.staging-<id>`` and commits it
+by renaming (``_stepdirs.commit_step``). On a store every rank writes its files straight into
+the step's prefix (``step-<N>/``, or a replacement copy) through the storage layer, nothing on
+local disk, and rank 0 commits with an exclusive ``COMMIT`` (``manager/store_steps.py``). The
+manager's logic calls the same methods for both.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import posixpath
 import shutil
 import tempfile
 import weakref
@@ -18,7 +20,6 @@ from typing import Any
 
 from unickpt import _dist
 from unickpt._faults import maybe_fail
-from unickpt._remote_store import RemoteStore
 from unickpt._stepdirs import (
     clean_work_dirs,
     commit_step,
@@ -29,7 +30,8 @@ from unickpt._stepdirs import (
 from unickpt.errors import ConfigError
 from unickpt.format import run_layout
 from unickpt.format.commit import directory_lock
-from unickpt.format.run_layout import HF_DIR, LATEST_NAME, TRAIN_STATE_DIR
+from unickpt.format.run_layout import LATEST_NAME, TRAIN_STATE_DIR
+from unickpt.manager.store_steps import RemoteStore
 
 __all__ = ["Storage", "LocalStorage", "RemoteStorage", "open_storage"]
 
@@ -55,14 +57,17 @@ class Storage:
         raise NotImplementedError
 
     def share_target(self, target: str, group: Any) -> str:
-        """Collective: rank 0's upload target on every rank."""
+        """Collective: rank 0's write target on every rank."""
         return target
 
-    def upload(self, stage: str, target: str, done: set[str], group: Any, step: int) -> None:
-        """Collective: put every file of ``stage`` not in ``done`` where the step is committed."""
+    def write_root(self, stage: str, target: str) -> str:
+        """Where the ranks write the step's files: the local ``stage``, or the target's URL."""
+        return stage
 
-    def fetch(self, target: str, sub: str, stage: str, done: set[str]) -> None:
-        """Rank 0: make ``stage/<sub>/`` hold every rank's files of the step being saved."""
+    @contextlib.contextmanager
+    def written_copy(self, root: str, sub: str) -> Iterator[str]:
+        """Rank 0: a local directory holding ``<root>/<sub>/`` as every rank wrote it (not committed yet)."""
+        yield os.path.join(root, sub)
 
     def commit(self, step: int, stage: str, target: str, record: bytes) -> None:
         """Rank 0, once everything is written: commit the step, then record it as ``latest``."""
@@ -113,19 +118,20 @@ class LocalStorage(Storage):
 
 
 class RemoteStorage(Storage):
-    """An fsspec URL: each rank stages in its own local cache and uploads; nothing is renamed."""
+    """An fsspec URL: every rank writes straight to the store; nothing is renamed or staged locally."""
 
     def __init__(
         self, url: str, storage_options: dict[str, Any] | None, cache_dir: str | None, rank: int
     ) -> None:
         self.store = RemoteStore(url, storage_options)
         self.location = self.store.url
+        self.storage_options = storage_options
         if cache_dir is None:
             base = tempfile.mkdtemp(prefix="unickpt-cache-")
             weakref.finalize(self, shutil.rmtree, base, True)
         else:
             base = os.path.abspath(cache_dir)
-        # One directory per rank: ranks never share (or upload) each other's local files.
+        # Loads download into one directory per rank (ranks never share local files).
         self.root = os.path.join(base, f"rank-{rank:05d}")
 
     def committed_step_dirs(self) -> dict[int, str]:
@@ -138,39 +144,34 @@ class RemoteStorage(Storage):
         return f"{self.location}/{run_layout.step_name(step)}"
 
     def begin_save(self, step: int, stage: str, rank: int, lock: contextlib.ExitStack) -> str:
-        """Every rank: its local staging directory; rank 0 tidies the store and returns the upload prefix."""
-        os.makedirs(self.root, exist_ok=True)
-        clean_work_dirs(self.root)
-        lock.callback(os.close, make_work_dir(stage))
-        # Every rank writes into its own local copy of the stage, so every rank creates the
-        # directories the writers expect (on a shared directory rank 0 alone creates them).
-        for sub in (TRAIN_STATE_DIR, "model", "optimizer", HF_DIR):
-            os.makedirs(os.path.join(stage, sub))
-        return self.store.prepare(step) if rank == 0 else ""
+        """Rank 0 tidies the store and returns the prefix every rank writes into."""
+        if rank != 0:
+            return ""
+        maybe_fail("manager.start")
+        return self.store.prepare(step)
 
     def share_target(self, target: str, group: Any) -> str:
         return str(_dist.broadcast_object(target, 0, group))
 
-    def upload(self, stage: str, target: str, done: set[str], group: Any, step: int) -> None:
-        err: BaseException | None = None
-        try:
-            self.store.upload_step(stage, target, done)
-        except BaseException as e:
-            err = e
-        _dist.agree(err, f"uploading step {step} to {self.location}", group)
+    def write_root(self, stage: str, target: str) -> str:
+        return self.store.url_of(target)
 
-    def fetch(self, target: str, sub: str, stage: str, done: set[str]) -> None:
-        self.store.fetch_missing(target, sub, stage, done)
+    @contextlib.contextmanager
+    def written_copy(self, root: str, sub: str) -> Iterator[str]:
+        os.makedirs(self.root, exist_ok=True)
+        d = tempfile.mkdtemp(prefix=".hf-source-", dir=self.root)
+        try:
+            self.store.download(posixpath.relpath(root, self.location), sub, d)
+            yield os.path.join(d, sub)
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
 
     def commit(self, step: int, stage: str, target: str, record: bytes) -> None:
-        self.store.commit(step, target, record)  # COMMIT last, then promoted
+        self.store.commit(step, target, record)  # COMMIT last (exclusive), then promoted
         self.store.put_bytes(LATEST_NAME, run_layout.latest_record(step))
 
     def remove_step(self, step: int) -> None:
         self.store.remove_step(step)
-
-    def end_save(self, stage: str) -> None:
-        shutil.rmtree(stage, ignore_errors=True)  # uploaded or failed: the local copy is not needed
 
     @contextlib.contextmanager
     def open_step(self, step: int, path: str, group: Any) -> Iterator[str]:

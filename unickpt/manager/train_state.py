@@ -17,7 +17,7 @@ from unickpt import _rng
 from unickpt._logging import get_logger
 from unickpt.errors import IncompleteCheckpointError, IndexFileError, StateMismatchError, UnsupportedError
 from unickpt.format import run_layout
-from unickpt.format.commit import atomic_write_bytes
+from unickpt.format.commit_store import write_small_file
 from unickpt.format.run_layout import TRAIN_STATE_DIR
 from unickpt.io.jsonstate import from_json_value, to_json_value
 
@@ -129,20 +129,22 @@ def write_rank_state(
     js: dict[str, Any],
     tensors: dict[str, torch.Tensor],
     scheduler: bytes | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> None:
-    """Every rank: its JSON state and tensors, each written and fsynced atomically, then their
-    xxh3-64 hashes (and those of ``lr_scheduler.json``, written by rank 0) for ``unickpt verify``."""
+    """Every rank: its JSON state and tensors, each written and fsynced atomically (one PUT
+    each when ``stage`` is a URL), then their xxh3-64 hashes (and those of
+    ``lr_scheduler.json``, written by rank 0) for ``unickpt verify``."""
     from safetensors.torch import save
 
     jpath, tpath = _rank_paths(stage, rank)
     tbytes = save(tensors, metadata={"format": "unickpt-train-state"})
     jbytes = json.dumps(js, sort_keys=True).encode()
-    atomic_write_bytes(tpath, tbytes)
-    atomic_write_bytes(jpath, jbytes)
+    write_small_file(tpath, tbytes, storage_options)
+    write_small_file(jpath, jbytes, storage_options)
     written = {os.path.relpath(tpath, stage): tbytes, os.path.relpath(jpath, stage): jbytes}
     if scheduler is not None:
         written["lr_scheduler.json"] = scheduler
-    run_layout.write_hashes(stage, rank, written)
+    run_layout.write_hashes(stage, rank, written, storage_options)
 
 
 def read_rank_state(step_dir: str, rank: int) -> tuple[dict[str, Any] | None, dict[str, torch.Tensor]]:

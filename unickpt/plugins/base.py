@@ -44,7 +44,9 @@ class Plugin(abc.ABC):
     data_parallel: ClassVar[bool] = True
     checkpoint_io_class: ClassVar[type[CheckpointIO] | None] = None
 
-    def __init__(self) -> None:
+    def __init__(self, storage_options: dict[str, Any] | None = None) -> None:
+        # fsspec options of checkpoint URLs, handed to the CheckpointIO by the Booster.
+        self.storage_options = storage_options
         self._mesh: DeviceMesh | None = None
         # Built lazily by get_checkpoint_io and reset by configure (the mesh changes).
         self._io: CheckpointIO | None = None

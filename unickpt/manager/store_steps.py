@@ -2,7 +2,10 @@
 
 A step N is committed iff ``step-<N>/COMMIT`` exists, or (recovery rule) ``step-<N>`` has no
 ``COMMIT`` and a replacement copy ``.step-<N>.replacing-<id>/COMMIT`` does. Nothing is ever
-renamed or moved: a step is uploaded file by file, ``COMMIT`` last, and deleted ``COMMIT`` first.
+renamed or moved: every rank writes its files of a step straight into the step's prefix through
+the storage layer (``format/storage.py``: streamed multipart uploads, no local copy), and rank 0
+then writes ``COMMIT`` last with an exclusive put: of two writers committing one step, the
+second gets ``CheckpointBusyError``. A step is deleted ``COMMIT`` first.
 
 Saving a step that is already committed never deletes the old copy before the new one is
 committed: the new copy is uploaded under ``.step-<N>.replacing-<id>/`` and committed there
@@ -22,7 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 from unickpt._logging import get_logger
-from unickpt.errors import IncompleteCheckpointError, UnsupportedError
+from unickpt.errors import CheckpointBusyError, IncompleteCheckpointError, UnsupportedError
+from unickpt.format.commit_store import abort_dead_uploads
 from unickpt.format.run_layout import (
     COMMIT_NAME,
     HF_DIR,
@@ -32,6 +36,7 @@ from unickpt.format.run_layout import (
     TRAIN_STATE_DIR,
     work_name,
 )
+from unickpt.format.storage import FsspecStorage, open_storage
 
 __all__ = ["RemoteStore"]
 
@@ -42,18 +47,17 @@ class RemoteStore:
     """``step-<N>/`` prefixes under an fsspec URL; see the module docstring."""
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None) -> None:
-        try:
-            from fsspec.core import url_to_fs
-
-            fs, root = url_to_fs(url, **(storage_options or {}))
-        except (ImportError, ValueError) as e:
-            raise UnsupportedError(
-                f"checkpoint_dir {url!r}: fsspec cannot open it ({e}); install the filesystem's package "
-                "(s3fs for s3://, gcsfs for gs://) or pass a local directory"
-            ) from e
+        storage, root = open_storage(url, storage_options)
+        if not isinstance(storage, FsspecStorage):  # pragma: no cover - callers pass URLs only
+            raise UnsupportedError(f"checkpoint_dir {url!r} is not an fsspec URL")
+        self.storage = storage
         self.url = url.rstrip("/")
-        self.fs: Any = fs
-        self.root: str = str(root).rstrip("/")
+        self.fs: Any = storage.fs
+        self.root: str = root
+
+    def url_of(self, rel: str) -> str:
+        """The URL of ``rel`` below the checkpoint directory (what the saves write to)."""
+        return f"{self.url}/{rel}"
 
     def path(self, rel: str) -> str:
         return posixpath.join(self.root, rel) if self.root else rel
@@ -104,10 +108,11 @@ class RemoteStore:
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
-    def put_bytes(self, rel: str, data: bytes) -> None:
+    def put_bytes(self, rel: str, data: bytes, *, exclusive: bool = False) -> bool:
+        """Write ``rel`` whole; with ``exclusive`` return False (nothing written) if it exists."""
         path = self.path(rel)
         self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
-        self.fs.pipe_file(path, data)
+        return self.storage.put(path, data, exclusive=exclusive)
 
     def _delete(self, rel: str) -> None:
         """Un-commit (delete ``COMMIT``), then delete the rest: a half-deleted copy is never committed."""
@@ -179,27 +184,17 @@ class RemoteStore:
         return target
 
     def commit(self, step: int, target: str, commit: bytes) -> None:
-        """Rank 0, once every file is uploaded to ``target``: ``COMMIT`` last; promote a replacement."""
-        self.put_bytes(f"{target}/{COMMIT_NAME}", commit)
+        """Rank 0, once every file is written to ``target``: ``COMMIT`` last, exclusively; promote
+        a replacement copy; abort multipart uploads of killed saves begun before this commit."""
+        if not self.put_bytes(f"{target}/{COMMIT_NAME}", commit, exclusive=True):
+            raise CheckpointBusyError(
+                f"{self.url}/{target}: another save committed step {step} first (its {COMMIT_NAME} "
+                "exists); this save's files are left for the next save's cleanup"
+            )
         if target != f"step-{step}":
             self._promote(step, target)
-
-    def upload_step(self, stage: str, target: str, done: set[str]) -> None:
-        """Upload every file under the local ``stage`` not in ``done`` to ``target/`` (adds them)."""
-        made: set[str] = set()
-        for dirpath, _dirs, files in os.walk(stage):
-            for f in sorted(files):
-                local = os.path.join(dirpath, f)
-                rel = os.path.relpath(local, stage).replace(os.sep, "/")
-                if rel in done:
-                    continue
-                remote = self.path(f"{target}/{rel}")
-                parent = posixpath.dirname(remote)
-                if parent not in made:
-                    self.fs.makedirs(parent, exist_ok=True)
-                    made.add(parent)
-                self.fs.put_file(local, remote)
-                done.add(rel)
+        with contextlib.suppress(OSError, ValueError):
+            abort_dead_uploads(self.storage, self.root, self.path(f"{target}/{COMMIT_NAME}"))
 
     def _download(self, prefix: str, dest: str, keep: Callable[[str], bool]) -> list[str]:
         base = self.path(prefix)
@@ -230,10 +225,6 @@ class RemoteStore:
         if COMMIT_NAME not in got:  # deleted by retention or a replacing save since it was listed
             raise IncompleteCheckpointError(f"{self.url}/step-{step} is no longer committed")
 
-    def fetch_missing(self, target: str, sub: str, stage: str, done: set[str]) -> None:
-        """Download the files of ``target/<sub>/`` absent from the local ``stage``."""
-        have = set(done)
-        for dirpath, _dirs, files in os.walk(stage):
-            for f in files:
-                have.add(os.path.relpath(os.path.join(dirpath, f), stage).replace(os.sep, "/"))
-        done.update(self._download(target, stage, lambda rel: rel.startswith(sub + "/") and rel not in have))
+    def download(self, target: str, sub: str, dest: str) -> None:
+        """Download ``target/<sub>/`` (a save in progress: not checked for ``COMMIT``) into ``dest``."""
+        self._download(target, dest, lambda rel: rel.startswith(sub + "/"))

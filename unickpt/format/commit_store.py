@@ -1,0 +1,243 @@
+"""Committing a checkpoint on an object store (no rename): the index is the commit point.
+
+A store has no atomic rename, so the local protocol of ``format/commit.py`` (stage, un-commit,
+rename) cannot run there. Instead (docs/reliability.md, "Object stores"):
+
+- **a fresh directory** (no committed checkpoint of the kind): the data files are uploaded
+  under their final names, then the index is written with one PUT, last. Until that PUT a
+  reader finds no committed checkpoint (data files without an index are never loaded);
+- **over a committed checkpoint**: the new data files are uploaded under fresh names that
+  carry the save id (:func:`store_file_name`, ``model-00001-of-00002.<id>.safetensors``:
+  ``weight_map`` and the slice table name them, transformers follows ``weight_map``), so the
+  committed checkpoint's files are never touched; then one PUT replaces the index (the store
+  replaces an object atomically: a reader gets the old index or the new one, whole); only
+  then are the files the new index does not name deleted (:func:`remove_superseded`);
+- **a single file** is one streamed (multipart) upload, visible whole when it completes; a
+  committed index of the kind is deleted after it (a reader prefers the index, so the old
+  checkpoint stays readable until then) together with its data files.
+
+Every data file's header carries its save id and the reader checks it against the index, so a
+file of another save under a name the index uses is refused, never read. Killed saves leave
+files no index names and multipart uploads never completed: :func:`clean_store_leftovers`
+removes the files older than the last commit and aborts the uploads begun before it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import re
+from datetime import datetime
+from typing import Any
+
+from unickpt._logging import get_logger
+from unickpt.format.commit import atomic_write_bytes
+from unickpt.format.naming import index_name, is_own_data_file, single_name
+from unickpt.format.storage import FsspecStorage, Storage, is_url, open_storage
+
+__all__ = [
+    "store_file_name",
+    "is_store_data_file",
+    "committed_on_store",
+    "referenced_files",
+    "commit_store_index",
+    "remove_superseded",
+    "clean_store_leftovers",
+    "abort_dead_uploads",
+    "object_time",
+    "write_small_file",
+    "checkpoint_directory",
+]
+
+logger = get_logger(__name__)
+_KINDS = ("model", "optimizer")
+# ``<standard name without .safetensors>.<12 hex digits>.safetensors``
+_ID_RE = re.compile(r"^(?P<base>.+)\.(?P<token>[0-9a-f]{12})\.safetensors$")
+
+
+def store_file_name(fname: str, save_id: str) -> str:
+    """The fresh name of data file ``fname`` for a save over a committed checkpoint on a store."""
+    stem = fname[: -len(".safetensors")] if fname.endswith(".safetensors") else fname
+    return f"{stem}.{save_id[:12]}.safetensors"
+
+
+def is_store_data_file(kind: str, name: str) -> bool:
+    """True for the names a save of ``kind`` writes on a store (standard or with a save id)."""
+    if is_own_data_file(kind, name):
+        return True
+    m = _ID_RE.match(name)
+    return m is not None and is_own_data_file(kind, m.group("base") + ".safetensors")
+
+
+def committed_on_store(storage: Storage, directory: str, kind: str) -> bool:
+    """True when ``directory`` holds a committed ``kind`` checkpoint (an index or a single file)."""
+    names = set(storage.listdir(directory))  # one LIST request on a store, not two HEADs
+    return index_name(kind) in names or single_name(kind) in names
+
+
+def referenced_files(index: bytes) -> set[str]:
+    """The data files an index names (``weight_map`` and the unickpt slice table)."""
+    try:
+        obj = json.loads(index)
+    except ValueError:
+        return set()
+    if not isinstance(obj, dict):
+        return set()
+    out = {v for v in (obj.get("weight_map") or {}).values() if isinstance(v, str)}
+    tensors = (obj.get("unickpt") or {}).get("tensors") or {}
+    for entry in tensors.values() if isinstance(tensors, dict) else []:
+        for s in (entry or {}).get("slices") or []:
+            if isinstance(s, dict) and isinstance(s.get("file"), str):
+                out.add(s["file"])
+    return out
+
+
+def commit_store_index(storage: Storage, directory: str, kind: str, index: bytes, keep: set[str]) -> None:
+    """Write the index with one PUT (the commit), then remove what it supersedes.
+
+    ``keep`` are the data files the index names, all uploaded whole before this call.
+    """
+    storage.put(storage.join(directory, index_name(kind)), index)
+    remove_superseded(storage, directory, kind, keep, single=False)
+
+
+def remove_superseded(storage: Storage, directory: str, kind: str, keep: set[str], *, single: bool) -> None:
+    """After a commit: remove the kind's data files (and, for a single file, its index) not in ``keep``.
+
+    For a single-file commit the index goes first: from then on the new single file is what a
+    reader opens, and the old shards are unreferenced.
+    """
+    if single:
+        storage.remove([storage.join(directory, index_name(kind))])
+    names = storage.listdir(directory)
+    storage.remove(
+        [storage.join(directory, n) for n in names if n not in keep and is_store_data_file(kind, n)]
+    )
+
+
+def object_time(storage: Storage, path: str) -> float | None:
+    """Seconds since the epoch of an object's last modification, where the store says it."""
+    if not isinstance(storage, FsspecStorage):
+        try:
+            return os.stat(path).st_mtime
+        except OSError:
+            return None
+    try:
+        info: dict[str, Any] = storage.fs.info(path)
+    except (FileNotFoundError, OSError):
+        return None
+    for k in ("LastModified", "last_modified", "mtime", "updated", "created"):
+        v = info.get(k)
+        if isinstance(v, datetime):
+            return v.timestamp()
+        if isinstance(v, (int, float)):
+            return float(v)
+        if isinstance(v, str):
+            try:
+                return datetime.fromisoformat(v.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                continue
+    return None
+
+
+def _commit_time(storage: Storage, directory: str) -> tuple[float | None, set[str]]:
+    """(time of the newest commit point in ``directory``, files the committed checkpoints use)."""
+    newest: float | None = None
+    used: set[str] = set()
+    for kind in _KINDS:
+        idx = storage.join(directory, index_name(kind))
+        single = storage.join(directory, single_name(kind))
+        for path, is_index in ((idx, True), (single, False)):
+            t = object_time(storage, path)
+            if t is None:
+                continue
+            newest = t if newest is None else max(newest, t)
+            if is_index:
+                try:
+                    used |= referenced_files(storage.read_bytes(path, limit=1 << 30))
+                except (OSError, ValueError):
+                    continue
+            else:
+                used.add(single_name(kind))
+    return newest, used
+
+
+def _uploads(storage: FsspecStorage, prefix: str) -> list[dict[str, Any]]:
+    """Multipart uploads begun under ``prefix`` and never completed (S3 only; [] elsewhere)."""
+    if storage.protocol not in ("s3", "s3a"):
+        return []
+    bucket, _, key = prefix.partition("/")
+    try:
+        out = storage.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key.rstrip("/") + "/")
+    except (OSError, ValueError):
+        return []
+    return [dict(u, Bucket=bucket) for u in out.get("Uploads", []) or []]
+
+
+def abort_dead_uploads(storage: Storage, prefix: str, before: float | str) -> list[str]:
+    """Abort the multipart uploads below ``prefix`` begun before ``before`` (seconds since the
+    epoch, or the path of an object whose time is used): a killed save's. Returns them."""
+    if not isinstance(storage, FsspecStorage):
+        return []
+    if isinstance(before, str):
+        t = object_time(storage, before)
+        if t is None:
+            return []
+        before = t
+    aborted = []
+    for u in _uploads(storage, prefix):
+        started = u.get("Initiated")
+        if isinstance(started, datetime) and started.timestamp() < before:
+            storage.fs.call_s3(
+                "abort_multipart_upload", Bucket=u["Bucket"], Key=u["Key"], UploadId=u["UploadId"]
+            )
+            aborted.append(f"{u['Bucket']}/{u['Key']} (upload {u['UploadId']})")
+    return aborted
+
+
+def clean_store_leftovers(storage: Storage, directory: str) -> list[str]:
+    """Remove what killed saves left in ``directory`` on a store; returns the paths removed.
+
+    Data files of either kind that no committed checkpoint names and that are older than the
+    last commit, and multipart uploads begun before it, are a dead save's: a save still
+    running began after that commit, so its files and uploads are newer and stay.
+    """
+    if not isinstance(storage, FsspecStorage):
+        return []
+    newest, used = _commit_time(storage, directory)
+    if newest is None:
+        return []
+    removed: list[str] = []
+    for n in storage.listdir(directory):
+        if n in used or not any(is_store_data_file(k, n) for k in _KINDS):
+            continue
+        path = storage.join(directory, n)
+        t = object_time(storage, path)
+        if t is not None and t < newest:
+            removed.append(path)
+    storage.remove(removed)
+    removed += abort_dead_uploads(storage, directory, newest)
+    if removed:
+        logger.info("%s: removed leftovers of killed saves: %s", storage.url, removed)
+    return removed
+
+
+def write_small_file(location: str, data: bytes, storage_options: dict[str, Any] | None = None) -> None:
+    """Write a small file whole (a scheduler's JSON, ``config.json``): locally an atomic
+    replacement (``commit.atomic_write_bytes``), on a store one PUT (atomic there)."""
+    if not is_url(location):
+        path = location[len("file://") :] if location.startswith("file://") else location
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        atomic_write_bytes(path, data)
+        return
+    store, path = open_storage(location, storage_options)
+    store.makedirs(posixpath.dirname(path))
+    store.put(path, data)
+
+
+def checkpoint_directory(path: str) -> str:
+    """The directory of a committed checkpoint ``path`` (itself, or a single file's parent); URLs too."""
+    if is_url(path):
+        return posixpath.dirname(path) if path.endswith(".safetensors") else path
+    return path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))

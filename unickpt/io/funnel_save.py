@@ -1,0 +1,168 @@
+"""Gathered saves on an object store: rank 0 writes every file (the funnel).
+
+A gathered save into a local directory the ranks share is written by every rank in place
+(``io/hf_save.py``: ``pwrite`` into pre-sized staged files). An object store has no ``pwrite``
+and no rename: its files are single multipart uploads, so rank 0 assembles each tensor (the
+holders' ``full_tensor`` collectives, a ``send`` from the lowest holder of a tensor rank 0 does
+not hold, e.g. a pipeline stage) and streams it into the upload, one tensor at a time. Every
+rank runs the same iteration so that the collectives line up; a failure on rank 0 keeps it
+taking part (``_draining``) so the others reach the agreement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from unickpt import _dist
+from unickpt.format.index import UnickptBlock
+from unickpt.format.reader import single_file_name
+from unickpt.format.storage import Storage
+from unickpt.format.writer import write_single_file
+from unickpt.io.planner import PlannedFile, SavePlan
+from unickpt.io.save_block import Results, build_save_block, by_slice, file_specs, make_writer
+from unickpt.io.tensors import as_bytes, is_dtensor
+
+__all__ = ["write_funnelled", "write_funnelled_single", "feed_funnel"]
+
+
+def _full_tensor_for(
+    name: str, tensors: dict[str, torch.Tensor], group: Any, rank: int, holder: int
+) -> torch.Tensor | None:
+    """Collective over the holders of ``name``: return the full tensor on rank 0, None elsewhere."""
+    t = tensors.get(name)
+    full = None
+    if t is not None:
+        full = t.full_tensor() if is_dtensor(t) else t  # type: ignore[attr-defined]
+    if holder != 0 and rank == holder and full is not None:
+        # The tensor lives only on other ranks (pipeline stages): the lowest holder sends it,
+        # and rank 0 receives it in _gathered_blocks.
+        import torch.distributed as dist
+
+        dist.send(full.detach().cpu().contiguous(), dst=0, group=group)
+    return full if rank == 0 else None
+
+
+def _holder_table(tensors: dict[str, torch.Tensor], group: Any) -> dict[str, int]:
+    names = _dist.all_gather_object(list(tensors), group)
+    table: dict[str, int] = {}
+    for r, ns in enumerate(names):
+        for n in ns:
+            table.setdefault(n, r)
+    return table
+
+
+def _gathered_blocks(
+    plan: SavePlan, tensors: dict[str, torch.Tensor], group: Any, rank: int, files: list[PlannedFile]
+) -> Iterator[Any]:
+    """Yield (key, bytes, geometry) for each planned block on rank 0, one tensor at a time.
+
+    Every rank must run the same iteration (``feed_funnel`` on ranks other than 0) so that
+    the collectives of ``full_tensor`` and the sends line up.
+    """
+    import torch.distributed as dist
+
+    holders = _holder_table(tensors, group)
+    for f in files:
+        for ps in f.slices:
+            holder = holders[ps.name]
+            full = _full_tensor_for(ps.name, tensors, group, rank, holder)
+            if rank == 0:
+                dtype_name, gshape = plan.tensors[ps.name]
+                if full is None:
+                    from unickpt.io.tensors import torch_dtype
+
+                    full = torch.empty(gshape, dtype=torch_dtype(dtype_name))
+                    dist.recv(full, src=holder, group=group)
+                yield ps.key, as_bytes(full), (gshape, (0,) * len(gshape), gshape)
+            del full
+
+
+def feed_funnel(plan: SavePlan, tensors: dict[str, torch.Tensor], group: Any, rank: int) -> None:
+    for _ in _gathered_blocks(plan, tensors, group, rank, plan.files):
+        pass
+
+
+def write_funnelled(
+    plan: SavePlan,
+    tensors: dict[str, torch.Tensor],
+    directory: str,
+    opts: Any,  # io.save.SaveOptions
+    group: Any,
+    rank: int,
+    save_id: str,
+    store: Storage | None,
+) -> Results:
+    if rank != 0:
+        feed_funnel(plan, tensors, group, rank)
+        return {}
+    gen = _gathered_blocks(plan, tensors, group, rank, plan.files)
+    with _draining(gen):
+        written = make_writer(directory, opts, plan, save_id, store).write(file_specs(plan, plan.files), gen)
+    return by_slice(plan.files, written)
+
+
+@contextlib.contextmanager
+def _draining(blocks: Iterator[Any]) -> Iterator[None]:
+    """Rank 0's writer failed: keep taking part in the gather collectives of the remaining
+    blocks (discarding them), so that the other ranks reach the agreement instead of waiting
+    in a gather that rank 0 left."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(Exception):
+            for _ in blocks:
+                pass
+        raise
+
+
+def write_funnelled_single(
+    plan: SavePlan,
+    tensors: dict[str, torch.Tensor],
+    file_path: str,
+    opts: Any,  # io.save.SaveOptions
+    aliases: dict[str, str],
+    entry_extras: dict[str, dict[str, Any]] | None,
+    block_extras: dict[str, Any] | None,
+    group: Any,
+    save_id: str,
+    store: Storage | None,
+) -> Results:
+    """One ``.safetensors`` file carrying the unickpt block in its header metadata
+    (``format.writer.write_single_file``: placeholder header, data, rewritten header, commit)."""
+    (f,) = plan.files
+    name = single_file_name(file_path, opts.kind)
+    f = PlannedFile(name, 0, f.slices)
+
+    def make_block(written: Mapping[str, tuple[str | None, int]], placeholder: bool) -> UnickptBlock:
+        results = {(ps.name, ps.k): written[ps.key] for ps in f.slices}
+        return build_save_block(
+            plan,
+            results,
+            opts,
+            aliases,
+            entry_extras,
+            block_extras,
+            file_name=name,
+            placeholder=placeholder,
+            save_id=save_id,
+        )
+
+    gen = _gathered_blocks(plan, tensors, group, 0, [f])
+    with _draining(gen):
+        written = write_single_file(
+            file_path,
+            file_specs(plan, [f])[0][1],
+            gen,
+            make_block,
+            kind=opts.kind,
+            save_id=save_id,
+            hashes=opts.hashes,
+            fingerprints=opts.fingerprints,
+            fsync=opts.fsync,
+            storage=store,
+        )
+    return by_slice([f], written)
