@@ -11,7 +11,9 @@ version, each operation runs in a fresh process, timed and with its peak RSS, si
 - ``load_model``: ``GeneralCheckpointIO().load_model`` of a module holding the 723 tensors;
 - ``verify``: ``verify_checkpoint`` (structure and every slice's hash);
 - ``inspect``: ``inspect_checkpoint``;
-- ``merge``: ``merge_checkpoint`` into one gathered file.
+- ``merge``: ``merge_checkpoint`` into one gathered file;
+- ``plan``: the metadata side of ``load_model`` for one rank (the last): ``open_checkpoint``, the
+  coverage of every tensor, and the stored slices its boxes need.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/slices_370k.py            # build once, measure
     .venv/bin/python benchmarks/slices_370k.py --world 64 --ops load,verify  # smaller, quicker
@@ -154,6 +156,16 @@ elif op == "inspect":
     inspect_checkpoint(ck)
 elif op == "merge":
     merge_checkpoint(ck, out)
+elif op == "plan":  # the metadata side of load_model for the last rank: open, coverage, plan
+    from unickpt.format.reader import open_checkpoint
+    from unickpt.io.load import _needed_slices
+    from unickpt.io.tensors import LocalSlice
+    r = open_checkpoint(ck)
+    r.check_coverage()
+    for name, t in r.tensors.items():
+        last = (t.shape[0] - 1, *[0] * (len(t.shape) - 1))
+        _needed_slices(t, [LocalSlice(name, t.dtype, tuple(t.shape), last, (1, *t.shape[1:]), None)])
+    r.close()
 dt = time.perf_counter() - t0
 print(json.dumps({"s": dt, "extra_mb": (kb("VmHWM") - base) / 1024}))
 """
@@ -180,7 +192,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, default=512)
     ap.add_argument("--tensors", type=int, default=723)
-    ap.add_argument("--ops", default="load,verify,inspect,merge")
+    ap.add_argument("--ops", default="plan,load,verify,inspect,merge")
     ap.add_argument("--versions", default="v1,v3")
     ap.add_argument("--dir", default=None, help="where to build (kept); default a temporary directory")
     args = ap.parse_args()

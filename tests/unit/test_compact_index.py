@@ -314,3 +314,14 @@ def test_lazy_slices_copy_and_pickle_as_plain_lists() -> None:
     again = pickle.loads(pickle.dumps(idx))
     assert again == idx and again.unickpt is not None
     assert again.unickpt.tensors["strided"].table.grid == [[3, 2, 3, 2], [4]]
+
+
+def test_files_named_again_after_others_keep_their_ids() -> None:
+    """ZeRO: a rank's file holds several boxes of one tensor, between other ranks' files."""
+    files = [FILES[0], FILES[0], FILES[1], FILES[0], FILES[2], FILES[1]]
+    boxes = [([i, 0], [1, 5]) for i in range(6)]
+    sl = _slices("z", boxes, files)
+    table = SliceTable.from_entries("z", [6, 5], sl)
+    assert table.file_list() == files and table.entries() == sl
+    fields = compact_fields(table, {f: i for i, f in enumerate(FILES)})
+    assert fields["file"] == [0, 0, 1, 0, 2, 1] and fields["grid"] == [6, 1]

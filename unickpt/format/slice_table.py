@@ -143,8 +143,9 @@ class SliceTable:
             itertools.chain.from_iterable(map(_get_shape, slices)), dtype=np.int64, count=n * nd
         )
         names: dict[str, int] = {}
+        # A new name gets the next id (len(names) is read before setdefault inserts it).
         ids = np.fromiter(
-            map(names.setdefault, map(_get_file, slices), itertools.count()), dtype=np.int64, count=n
+            [names.setdefault(f, len(names)) for f in map(_get_file, slices)], dtype=np.int64, count=n
         )
         order = sorted(names, key=names.__getitem__)
         hashes = list(map(_get_xxh3, slices))
