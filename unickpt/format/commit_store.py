@@ -77,7 +77,7 @@ def committed_on_store(storage: Storage, directory: str, kind: str) -> bool:
 
 
 def referenced_files(index: bytes) -> set[str]:
-    """The data files an index names (``weight_map`` and the unickpt slice table)."""
+    """The data files an index names (``weight_map``, the block's ``files`` table, listed slices)."""
     try:
         obj = json.loads(index)
     except ValueError:
@@ -85,7 +85,10 @@ def referenced_files(index: bytes) -> set[str]:
     if not isinstance(obj, dict):
         return set()
     out = {v for v in (obj.get("weight_map") or {}).values() if isinstance(v, str)}
-    tensors = (obj.get("unickpt") or {}).get("tensors") or {}
+    block = obj.get("unickpt") or {}
+    # Version 3: the block's file table names every data file its compact tensors use.
+    out |= {f for f in (block.get("files") or []) if isinstance(f, str)} if isinstance(block, dict) else set()
+    tensors = (block.get("tensors") or {}) if isinstance(block, dict) else {}
     for entry in tensors.values() if isinstance(tensors, dict) else []:
         for s in (entry or {}).get("slices") or []:
             if isinstance(s, dict) and isinstance(s.get("file"), str):

@@ -183,8 +183,14 @@ class AsyncSaveIO(IOCore):
         path = os.fspath(checkpoint)
         final = committed_path(path, payload.kind, shard, gather_dtensor)
         staging = self._async.staging.setdefault((payload.kind, gather_dtensor), {})
-        # Gathered saves too: every rank writes its own slices into the files (io/hf_save.py).
-        copy = payload.snapshot(staging)
+        if gather_dtensor and is_url(path):
+            # A store's gathered save is written by rank 0 from full tensors (io/funnel_save.py):
+            # the full copies are made now, in the foreground, kept by the rank that sends each.
+            from unickpt.io.funnel_save import gathered_snapshot
+
+            copy = gathered_snapshot(payload, self.group, staging)
+        else:  # every rank writes its own slices (a sliced save, or in place: io/hf_save.py)
+            copy = payload.snapshot(staging)
         group = self._async.background_group(self.group)
 
         def work() -> None:

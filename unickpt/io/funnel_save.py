@@ -12,6 +12,7 @@ taking part (``_draining``) so the others reach the agreement.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -22,11 +23,12 @@ from unickpt.format.index import UnickptBlock
 from unickpt.format.reader import single_file_name
 from unickpt.format.storage import Storage
 from unickpt.format.writer import write_single_file
+from unickpt.io.payload import SavePayload, cpu_copy
 from unickpt.io.planner import PlannedFile, SavePlan
 from unickpt.io.save_block import Results, build_save_block, by_slice, file_specs, make_writer
-from unickpt.io.tensors import as_bytes, is_dtensor
+from unickpt.io.tensors import as_bytes, is_dtensor, local_slices
 
-__all__ = ["write_funnelled", "write_funnelled_single", "feed_funnel"]
+__all__ = ["write_funnelled", "write_funnelled_single", "feed_funnel", "gathered_snapshot"]
 
 
 def _full_tensor_for(
@@ -166,3 +168,29 @@ def write_funnelled_single(
             storage=store,
         )
     return by_slice([f], written)
+
+
+def gathered_snapshot(
+    payload: SavePayload, group: Any, staging: dict[Any, torch.Tensor] | None = None
+) -> SavePayload:
+    """Collective: a copy of ``payload`` for an async funnelled save: CPU copies of the full
+    tensors, each kept only by the rank that writes or sends it (the lowest rank holding it).
+
+    Every rank runs the same loop, so the ``full_tensor`` collectives line up as in the
+    synchronous save; ``staging`` keeps the buffers for the next call.
+    """
+    names = _dist.all_gather_object(list(payload.tensors), group)
+    holder: dict[str, int] = {}
+    for r, ns in enumerate(names):
+        for n in ns:
+            holder.setdefault(n, r)
+    me = _dist.rank(group)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in payload.tensors.items():
+        full = t.full_tensor() if is_dtensor(t) else t  # type: ignore[attr-defined]
+        if holder[name] == me:
+            out[name] = cpu_copy(full, staging, name)
+        del full
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return dataclasses.replace(payload, tensors=out, slices={n: local_slices(n, t) for n, t in out.items()})
