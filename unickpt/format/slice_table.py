@@ -279,8 +279,7 @@ class SliceTable:
             n += sum(1 for k in self._ranges if self.xxh3(k) is None)
         return n
 
-    def ranges_count(self) -> int:
-        """How many slices carry byte-range hashes."""
+    def ranges_count(self) -> int:  # how many slices carry byte-range hashes
         return 0 if self._ranges is None else len(self._ranges)
 
     def ranges(self, k: int) -> list[Any] | None:
