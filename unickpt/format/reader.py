@@ -58,6 +58,7 @@ from unickpt.format.safetensors_io import (
     read_header,
     read_range,
 )
+from unickpt.format.storage import ReadHandle, Storage, is_url
 
 __all__ = ["CheckpointReader", "open_checkpoint", "single_file_name", "UNICKPT_METADATA_KEY"]
 
@@ -78,10 +79,14 @@ class CheckpointReader:
     # name its slices use for it (the file's own name when it is a safe one).
     single_file: str | None = None
     single_slice_file: str | None = None
+    # The store of a checkpoint on a URL (``directory`` and ``index_path`` are then URLs, files are
+    # read through ``format/reader_storage.py``); None for a local path (descriptors and pread).
+    storage: Storage | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self._headers: dict[str, SafetensorsHeader] = {}
         self._fds: dict[str, int] = {}
+        self._handles: dict[str, ReadHandle] = {}
 
     # ----------------------------------------------------------------- paths and files
     @property
@@ -95,6 +100,8 @@ class CheckpointReader:
     def file_path(self, name: str) -> str:
         if self.single_file is not None and name == self.single_slice_file:
             return self.single_file
+        if self.storage is not None:
+            return f"{self.directory}/{check_file_name(name)}"
         return os.path.join(self.directory, check_file_name(name))
 
     def header(self, name: str) -> SafetensorsHeader:
@@ -102,7 +109,7 @@ class CheckpointReader:
         h = self._headers.get(name)
         if h is None:
             try:
-                fd, h = open_with_header(self.file_path(name))
+                h = self._open_data_file(name)
             except IncompleteCheckpointError as e:
                 if self._index_changed():
                     raise CheckpointChangedError(
@@ -116,16 +123,39 @@ class CheckpointReader:
             try:
                 self.check_same_save(name, h.metadata)
             except CheckpointChangedError:
-                os.close(fd)
+                self._close_file(name)
                 raise
-            self._fds[name] = fd
             self._headers[name] = h
         return h
+
+    def _open_data_file(self, name: str) -> SafetensorsHeader:
+        """Open data file ``name`` (kept open for its bytes) and validate its header."""
+        if self.storage is not None:
+            from unickpt.format.reader_storage import open_header
+
+            handle, h = open_header(self.storage, self.file_path(name))
+            self._handles[name] = handle
+            return h
+        fd, h = open_with_header(self.file_path(name))
+        self._fds[name] = fd
+        return h
+
+    def _close_file(self, name: str) -> None:
+        fd = self._fds.pop(name, None)
+        if fd is not None:
+            os.close(fd)
+        handle = self._handles.pop(name, None)
+        if handle is not None:
+            handle.close()
 
     def pinned_path(self, name: str) -> str:
         """A path to the very file whose header :meth:`header` checked (``/proc/self/fd/N`` on
         Linux), for libraries that open files by name; the file's own name elsewhere."""
         self.header(name)
+        if self.storage is not None:
+            from unickpt.format.reader_storage import no_path
+
+            raise no_path(self.file_path(name))
         proc = f"/proc/self/fd/{self._fds[name]}"
         return proc if os.path.exists(proc) else self.file_path(name)
 
@@ -148,14 +178,31 @@ class CheckpointReader:
         if self.index_path is None or self.block.save_id is None:
             return False
         try:
-            now = load_index(self.index_path).unickpt
-        except (OSError, ValueError):
+            if self.storage is not None:
+                from unickpt.format.index import parse_index
+                from unickpt.format.reader_storage import fetch_index
+
+                now = parse_index(fetch_index(self.storage, self.index_path), self.index_path).unickpt
+            else:
+                now = load_index(self.index_path).unickpt
+        except (OSError, ValueError, IncompleteCheckpointError):
             return True
         return now is None or now.save_id != self.block.save_id
 
     def _fd(self, name: str) -> int:
         self.header(name)
         return self._fds[name]
+
+    def _handle(self, name: str) -> ReadHandle:
+        self.header(name)
+        return self._handles[name]
+
+    def _read(self, name: str, offset: int, length: int, out: memoryview | None) -> memoryview:
+        if self.storage is not None:
+            from unickpt.format.reader_storage import read_into
+
+            return read_into(self._handle(name), offset, length, out)
+        return read_range(self._fd(name), offset, length, out)
 
     def pin(self) -> None:
         """Open every data file now (headers checked, save ids matched): later reads need no name."""
@@ -166,6 +213,9 @@ class CheckpointReader:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        for handle in self._handles.values():
+            handle.close()
+        self._handles.clear()
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -219,7 +269,7 @@ class CheckpointReader:
 
     def read_slice(self, s: SliceEntry, out: memoryview | None = None) -> memoryview:
         _, off, n = self.slice_location(s)
-        return read_range(self._fd(s.file), off, n, out)
+        return self._read(s.file, off, n, out)
 
     def read_bytes(
         self, s: SliceEntry, rel_offset: int, length: int, out: memoryview | None = None
@@ -228,10 +278,32 @@ class CheckpointReader:
         _, off, n = self.slice_location(s)
         if rel_offset < 0 or rel_offset + length > n:
             raise HeaderError(f"{s.file}: read of {length} bytes at {rel_offset} outside slice {s.key!r}")
-        return read_range(self._fd(s.file), off + rel_offset, length, out)
+        return self._read(s.file, off + rel_offset, length, out)
+
+    def read_runs(self, s: SliceEntry, runs: list[tuple[int, int]], out: memoryview) -> None:
+        """Read runs ``(byte offset into the slice, length)`` of a stored slice back to back into
+        ``out``: on a URL one coalesced batch of ranged requests, locally one pread each."""
+        _, off, n = self.slice_location(s)
+        for o, k in runs:
+            if o < 0 or o + k > n:
+                raise HeaderError(f"{s.file}: read of {k} bytes at {o} outside slice {s.key!r}")
+        if self.storage is not None:
+            from unickpt.format.reader_storage import read_runs
+
+            read_runs(self._handle(s.file), [(off + o, k) for o, k in runs], out)
+            return
+        pos = 0
+        for o, k in runs:
+            read_range(self._fd(s.file), off + o, k, out[pos : pos + k])
+            pos += k
 
     def iter_slice(self, s: SliceEntry, chunk: int = 16 << 20) -> Iterator[bytes]:
         _, off, n = self.slice_location(s)
+        if self.storage is not None:
+            from unickpt.format.reader_storage import iter_handle
+
+            yield from iter_handle(self._handle(s.file), off, n, chunk)
+            return
         yield from iter_range(self._fd(s.file), off, n, chunk)
 
     def hash_slice(self, s: SliceEntry) -> str:
@@ -338,8 +410,15 @@ def single_file_name(path: str, kind: str) -> str:
     return name
 
 
-def _block_from_plain_index(idx: IndexFile, directory: str, path: str, kind: str) -> UnickptBlock:
-    """Synthesise the slice table of a plain Hugging Face sharded checkpoint from its headers."""
+def _block_from_plain_index(
+    idx: IndexFile,
+    directory: str,
+    path: str,
+    kind: str,
+    header_of: Callable[[str], SafetensorsHeader] | None = None,
+) -> UnickptBlock:
+    """Synthesise the slice table of a plain Hugging Face sharded checkpoint from its headers
+    (read from local files, or with ``header_of(file name)`` for a checkpoint on a URL)."""
     tensors: dict[str, TensorEntry] = {}
     for file in sorted(set(idx.weight_map.values())):
         if file.endswith(".bin"):
@@ -347,7 +426,7 @@ def _block_from_plain_index(idx: IndexFile, directory: str, path: str, kind: str
                 f"{path}: shard {file!r} is a pickle (.bin) file; convert it first with "
                 "`unickpt convert --from bin` (read with torch.load(weights_only=True))"
             )
-        h = read_header(os.path.join(directory, file))
+        h = header_of(file) if header_of is not None else read_header(os.path.join(directory, file))
         for k, e in h.entries.items():
             if idx.weight_map.get(k) != file:
                 continue
@@ -365,15 +444,36 @@ def _block_from_plain_index(idx: IndexFile, directory: str, path: str, kind: str
 
 
 def open_checkpoint(
-    path: str | os.PathLike[str], kind: str = "model", *, pin: bool = False
+    path: str | os.PathLike[str],
+    kind: str = "model",
+    *,
+    pin: bool = False,
+    storage_options: dict[str, Any] | None = None,
 ) -> CheckpointReader:
     """Open the checkpoint at ``path`` (a directory, an index file or a single .safetensors file).
 
+    ``path`` may be a local path, a ``file://`` URL or an fsspec URL (``s3://...``, with
+    ``storage_options`` for fsspec, else the store's own environment); a URL is read through
+    ``format/storage.py`` with the same checks and errors, naming the URL.
     Raises ``IncompleteCheckpointError`` when there is no committed checkpoint there. With
     ``pin``, every data file is opened and matched to the index at once; when a save replaced
     the checkpoint meanwhile (``CheckpointChangedError``), the new one is opened instead, once.
     """
-    r = _open_checkpoint(path, kind)
+    if not is_url(path):
+        if storage_options:
+            from unickpt.errors import ConfigError
+
+            raise ConfigError(f"storage_options are for fsspec URLs; {os.fspath(path)!r} is a local path")
+        path = os.fspath(path).removeprefix("file://")
+
+    def reopen() -> CheckpointReader:
+        if is_url(path):
+            from unickpt.format.reader_storage import open_url
+
+            return open_url(path, kind, storage_options)
+        return _open_checkpoint(path, kind)
+
+    r = reopen()
     if not pin:
         return r
     for attempt in range(2):
@@ -387,7 +487,7 @@ def open_checkpoint(
         except BaseException:
             r.close()
             raise
-        r = _open_checkpoint(path, kind)
+        r = reopen()
     raise AssertionError("unreachable")  # pragma: no cover
 
 

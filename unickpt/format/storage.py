@@ -311,7 +311,8 @@ class FsspecStorage(Storage):
         try:
             size = int(self.fs.size(path))
         except FileNotFoundError as e:
-            raise IncompleteCheckpointError(f"{self.protocol}://{path} is missing") from e
+            shown = path if "://" in path else f"{self.protocol}://{path}"
+            raise IncompleteCheckpointError(f"{shown} is missing") from e
         return _FsspecRead(self.fs, path, size)
 
     def open_write(self, path: str) -> BinaryIO:

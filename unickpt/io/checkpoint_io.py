@@ -30,12 +30,13 @@ from unickpt.errors import ConfigError, IndexFileError, UnsupportedError
 from unickpt.format._json import strict_loads
 from unickpt.format.commit import atomic_write_bytes
 from unickpt.format.index import LayoutInfo
-from unickpt.format.reader import CheckpointReader, open_checkpoint
+from unickpt.format.reader import CheckpointReader
+from unickpt.format.storage import is_url
 from unickpt.io import _dist
 from unickpt.io.async_save import AsyncSaveMixin, check_use_safetensors, write_config_files
 from unickpt.io.hooks import FINAL_METHODS, CheckpointHooks, HookContext
 from unickpt.io.jsonstate import from_json_value, to_json_value
-from unickpt.io.load import LoadReport, load_tensors
+from unickpt.io.load import LoadReport, load_tensors, open_for_load, read_file_bytes
 from unickpt.io.names import apply_prefix
 from unickpt.io.optim_state import (
     apply_groups,
@@ -614,15 +615,17 @@ class CheckpointIO(CheckpointHooks, AsyncSaveMixin):
         """Collective: every rank reads the scheduler JSON and loads it; an error on any rank raises on all."""
         self.wait()
         path = os.fspath(checkpoint)
-        if os.path.isdir(path):
+        if is_url(path) and not path.endswith(".json"):
+            path = f"{path.rstrip('/')}/{SCHEDULER_FILE}"
+        elif os.path.isdir(path):
             path = os.path.join(path, SCHEDULER_FILE)
         _dist.agreed(lambda: self._load_lr_scheduler(lr_scheduler, path), f"loading {path}", self.group)
 
     def _load_lr_scheduler(self, lr_scheduler: Any, path: str) -> None:
         maybe_fail("scheduler.load")
         try:
-            with open(path, "rb") as f:
-                obj = strict_loads(f.read().decode("utf-8"), IndexFileError, f"{path}: LR scheduler state")
+            raw = read_file_bytes(path, getattr(self, "storage_options", None))
+            obj = strict_loads(raw.decode("utf-8"), IndexFileError, f"{path}: LR scheduler state")
         except FileNotFoundError as e:
             from unickpt.errors import IncompleteCheckpointError
 
@@ -660,24 +663,8 @@ class CheckpointIO(CheckpointHooks, AsyncSaveMixin):
         )
 
     def _open(self, checkpoint: str | os.PathLike[str], kind: str) -> CheckpointReader:
-        reader: CheckpointReader | None = None
-        err: BaseException | None = None
-        try:
-            maybe_fail("open")
-            # One process reads every file: open them all now, so that a save committed while the
-            # checkpoint is opened is retried once here, before anything is loaded.
-            reader = open_checkpoint(checkpoint, kind, pin=_dist.world_size(self.group) == 1)
-        except BaseException as e:
-            err = e
-        try:
-            _dist.agree(err, f"opening {os.fspath(checkpoint)}", self.group)
-        except BaseException:
-            if reader is not None:
-                reader.close()
-            raise
-        if reader is None:  # never: agree() raised when opening failed on any rank
-            raise RuntimeError(f"{os.fspath(checkpoint)}: no reader after opening succeeded")
-        return reader
+        # A URL's storage options come from the IO (given at construction) or the environment.
+        return open_for_load(checkpoint, kind, self.group, getattr(self, "storage_options", None))
 
     def _optim_and_model(self, optimizer: Any) -> tuple[torch.optim.Optimizer, torch.nn.Module]:
         optim, model = unwrap_optimizer(optimizer)

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,14 +29,19 @@ from safetensors import safe_open
 
 from unickpt._faults import maybe_fail
 from unickpt.errors import IncompleteCheckpointError, IntegrityError, StateMismatchError, UnickptError
-from unickpt.format.boxes import contiguous_start, intersect
+from unickpt.format.boxes import contiguous_start, intersect, runs
 from unickpt.format.consistency import check_keys_referenced
 from unickpt.format.index import TensorEntry
-from unickpt.format.reader import CheckpointReader
+from unickpt.format.reader import CheckpointReader, open_checkpoint
+from unickpt.format.storage import is_url
 from unickpt.io import _dist
 from unickpt.io.tensors import LocalSlice, global_shape, is_dtensor, st_dtype, torch_dtype
 
-__all__ = ["LoadReport", "load_tensors", "read_box"]
+__all__ = ["LoadReport", "load_tensors", "read_box", "open_for_load"]
+
+#: Blocks read at once from a checkpoint on a URL (each one's ranges are coalesced and in flight
+#: together); local files are read by one thread.
+URL_READ_THREADS = 8
 
 
 @dataclass
@@ -92,8 +99,9 @@ def read_box(
 
     ``out``, when given, is a contiguous CPU tensor of ``shape`` and the stored dtype that
     receives the block in place. A part that is one contiguous run of bytes in the file is read
-    with ``preadv`` straight into its place (no mapping, no copy); other parts (a column range
-    of a row-major slice) go through safetensors' ``get_slice``.
+    with ``preadv`` (a ranged request on a URL) straight into its place (no mapping, no copy);
+    other parts (a column range of a row-major slice) go through safetensors' ``get_slice``
+    locally, and on a URL as one batch of coalesced ranged requests for their runs.
     """
     dtype = torch_dtype(entry.dtype)
     if out is None:
@@ -114,6 +122,12 @@ def read_box(
         dst = tuple(slice(a - b, a - b + n) for a, b, n in zip(ioff, offsets, ishp, strict=True))
         start = contiguous_start(s.shape, src_off, ishp)
         if start is None:
+            if files.reader.storage is not None:  # no path to map: fetch the runs of the part
+                part = torch.empty(ishp, dtype=dtype)
+                wanted = [(a * isz, n * isz) for a, n in runs(s.shape, src_off, ishp)]
+                files.reader.read_runs(s, wanted, _as_bytes(part))
+                out[dst] = part
+                continue
             src = tuple(slice(a, a + n) for a, n in zip(src_off, ishp, strict=True))
             out[dst] = files.get(s.file).get_slice(s.key)[src]
             continue
@@ -253,10 +267,9 @@ def _read_then_copy(
     files = _Files(reader)
     try:
         maybe_fail("load.read")
-        for _, src, boxes in plan:
-            entry = reader.tensors[src]
-            for b in boxes:
-                buffers.append((b, read_box(files, entry, b.offsets, b.shape)))
+        jobs = [(reader.tensors[src], b) for _, src, boxes in plan for b in boxes]
+        datas = _each(reader, jobs, lambda job: read_box(files, job[0], job[1].offsets, job[1].shape))
+        buffers = [(b, data) for (_, b), data in zip(jobs, datas, strict=True)]
     except Exception as e:  # safetensors raises its own error types; every rank must hear of it
         err = _read_error(e, where)
     finally:
@@ -278,17 +291,17 @@ def _read_in_place(
     err: BaseException | None = None
     files = _Files(reader)
     try:
-        with torch.no_grad():
-            for _, src, boxes in plan:
-                entry = reader.tensors[src]
-                dtype = torch_dtype(entry.dtype)
-                for b in boxes:
-                    direct = _direct_target(b, dtype)
-                    data = read_box(files, entry, b.offsets, b.shape, out=direct)
-                    maybe_fail("load.read")
-                    if direct is None:
-                        b.tensor.copy_(data.to(b.tensor.dtype).reshape(b.tensor.shape))
-                    del data
+
+        def one(job: tuple[TensorEntry, LocalSlice]) -> None:
+            entry, b = job
+            direct = _direct_target(b, torch_dtype(entry.dtype))
+            with torch.no_grad():
+                data = read_box(files, entry, b.offsets, b.shape, out=direct)
+                maybe_fail("load.read")
+                if direct is None:
+                    b.tensor.copy_(data.to(b.tensor.dtype).reshape(b.tensor.shape))
+
+        _each(reader, [(reader.tensors[src], b) for _, src, boxes in plan for b in boxes], one)
     except Exception as e:
         cause = _read_error(e, where)
         err = IncompleteCheckpointError(
@@ -300,6 +313,87 @@ def _read_in_place(
     finally:
         files.close()
     _dist.agree(err, f"reading {what} from {where}", group)
+
+
+def _each(reader: CheckpointReader, jobs: list[Any], fn: Callable[[Any], Any]) -> list[Any]:
+    """``[fn(job) for job in jobs]``; for a checkpoint on a URL, ``URL_READ_THREADS`` at a time
+    (each block's requests wait on the network, not the CPU). The first error is raised once
+    every started job has finished; jobs not started are dropped."""
+    if reader.storage is None or len(jobs) < 2:
+        return [fn(job) for job in jobs]
+    with ThreadPoolExecutor(URL_READ_THREADS, thread_name_prefix="unickpt-read") as pool:
+        futures = [pool.submit(fn, job) for job in jobs]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+
+
+def open_for_load(
+    checkpoint: str | os.PathLike[str],
+    kind: str,
+    group: Any = None,
+    storage_options: dict[str, Any] | None = None,
+) -> CheckpointReader:
+    """Collective: every rank opens the checkpoint; an error on any rank raises on all.
+
+    On a URL in a distributed load, rank 0 alone finds the checkpoint and fetches its index, one
+    broadcast hands the bytes to every rank, and each rank parses them: the store serves the
+    index once, not once per rank. A single process opens (pins) every data file at once, so a
+    save committed while the checkpoint is opened is retried once here, before anything is loaded.
+    """
+    from unickpt.format.reader_storage import Located, locate, open_located
+
+    where = os.fspath(checkpoint)
+    alone = _dist.world_size(group) == 1
+    located: Located | None = None
+    if is_url(where) and not alone:
+        err: BaseException | None = None
+        if _dist.rank(group) == 0:
+            try:
+                located = locate(where, kind, storage_options)
+            except BaseException as e:
+                err = e
+        _dist.agree(err, f"opening {where}", group)
+        located = _dist.broadcast_object(located, 0, group)
+    reader: CheckpointReader | None = None
+    err = None
+    try:
+        maybe_fail("open")
+        if located is not None:
+            reader = open_located(located, kind, storage_options)
+        else:
+            reader = open_checkpoint(checkpoint, kind, pin=alone, storage_options=storage_options)
+    except BaseException as e:
+        err = e
+    try:
+        _dist.agree(err, f"opening {where}", group)
+    except BaseException:
+        if reader is not None:
+            reader.close()
+        raise
+    if reader is None:  # never: agree() raised when opening failed on any rank
+        raise RuntimeError(f"{where}: no reader after opening succeeded")
+    return reader
+
+
+def read_file_bytes(
+    location: str, storage_options: dict[str, Any] | None = None, limit: int = 64 << 20
+) -> bytes:
+    """A small side file (the LR scheduler's JSON) from a local path or a URL; a missing one
+    raises ``FileNotFoundError`` either way."""
+    if not is_url(location):
+        with open(location.removeprefix("file://"), "rb") as f:
+            return f.read()
+    from unickpt.format.storage import open_storage
+
+    storage, _ = open_storage(location, storage_options)
+    try:
+        return storage.read_bytes(location, limit=limit)
+    except IncompleteCheckpointError as e:
+        raise FileNotFoundError(str(e)) from None
 
 
 def _read_error(e: Exception, where: str) -> BaseException:

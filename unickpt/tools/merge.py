@@ -206,6 +206,7 @@ class _Merger:
             len(runs) == 1
             and runs[0].slice.xxh3 is not None
             and not self.verify
+            and self.r.storage is None  # a source on a URL has no descriptor to copy from: stream
             and not self._sparse(runs[0].slice.file)
         ):
             return "kernel", runs
@@ -314,7 +315,7 @@ class _Merger:
     def _sparse(self, file: str) -> bool:
         got = self._sparse_files.get(file)
         if got is None:
-            got = self._sparse_files[file] = is_sparse(self.r._fd(file))
+            got = self._sparse_files[file] = self.r.storage is None and is_sparse(self.r._fd(file))
         return got
 
     def _assemble(
