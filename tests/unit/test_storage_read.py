@@ -307,3 +307,48 @@ def test_memory_url(tmp_path) -> None:
         )
     finally:
         fs.rm("/unickpt-test-mem", recursive=True)
+
+
+def test_coalesce_with_a_waste_budget() -> None:
+    from unickpt.format.storage import SMALL_GAP, coalesce
+
+    # One wanted row per 40 KB of a file: bridging the gaps would fetch 50x the bytes; not done.
+    sparse = [(i * 40_000, 800) for i in range(10)]
+    assert len(coalesce(sparse, waste=1 / 16)) == 10
+    assert len(coalesce(sparse)) == 1  # without a budget, gaps under COALESCE_GAP are bridged
+    # Small gaps are always bridged (column runs of a row-major slice).
+    cols = [(i * 800, 400) for i in range(100)]
+    assert coalesce(cols, waste=1 / 16) == [(0, 99 * 800 + 400, list(range(100)))]
+    # A gap within the budget is bridged; the budget is of the whole request.
+    big = [(0, 1 << 20), ((1 << 20) + SMALL_GAP + 1, 1 << 20), ((2 << 20) + 100_000, 10)]
+    got = coalesce(big, waste=1 / 16)
+    assert [m for _, _, m in got] == [[0, 1, 2]]
+    got = coalesce(big, waste=1 / 64)
+    assert [m for _, _, m in got] == [[0, 1], [2]]
+
+
+def test_prefetched_blocks_serve_covered_reads_only() -> None:
+    from unickpt.format.reader_storage import Prefetched
+
+    data = bytes(range(256)) * 64
+
+    class Handle:
+        size = len(data)
+
+        def __init__(self) -> None:
+            self.calls: list[list[tuple[int, int]]] = []
+
+        def pread_many(self, ranges: list[tuple[int, int]], gap: int = 0) -> list[bytes]:
+            self.calls.append(list(ranges))
+            return [data[o : o + n] for o, n in ranges]
+
+    h = Handle()
+    p = Prefetched()
+    p.fetch({"f": h}, {"f": [(100, 50), (150, 30), (5000, 10)]}, threads=2)  # type: ignore[dict-item]
+    assert h.calls == [[(100, 80), (5000, 10)]]
+    got = p.get("f", 120, 40)
+    assert got is not None and bytes(got) == data[120:160]
+    assert p.get("f", 90, 20) is None  # starts before a block
+    assert p.get("f", 170, 20) is None  # runs past the block's end
+    assert p.get("g", 100, 1) is None
+    assert bytes(p.get("f", 5000, 10) or b"") == data[5000:5010]

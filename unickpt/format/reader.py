@@ -23,7 +23,7 @@ import os
 import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -60,6 +60,9 @@ from unickpt.format.safetensors_io import (
 )
 from unickpt.format.storage import ReadHandle, Storage, is_url
 
+if TYPE_CHECKING:
+    from unickpt.format.reader_storage import Prefetched
+
 __all__ = ["CheckpointReader", "open_checkpoint", "single_file_name", "UNICKPT_METADATA_KEY"]
 
 UNICKPT_METADATA_KEY = "unickpt"
@@ -87,6 +90,7 @@ class CheckpointReader:
         self._headers: dict[str, SafetensorsHeader] = {}
         self._fds: dict[str, int] = {}
         self._handles: dict[str, ReadHandle] = {}
+        self._prefetched: Prefetched | None = None  # while a load on a URL copies
 
     # ----------------------------------------------------------------- paths and files
     @property
@@ -201,8 +205,29 @@ class CheckpointReader:
         if self.storage is not None:
             from unickpt.format.reader_storage import read_into
 
+            hit = self._prefetched.get(name, offset, length) if self._prefetched is not None else None
+            if hit is not None:
+                if out is None:
+                    return hit
+                out[:length] = hit
+                return out[:length]
             return read_into(self._handle(name), offset, length, out)
         return read_range(self._fd(name), offset, length, out)
+
+    def prefetch(self, wanted: dict[str, list[tuple[int, int]]], threads: int = 8) -> None:
+        """On a URL: fetch these ``(absolute offset, length)`` ranges of each data file now, as
+        coalesced requests all in flight; reads they cover are then served from memory until
+        :meth:`drop_prefetched`. A no-op for local files (the page cache does this)."""
+        if self.storage is None:
+            return
+        from unickpt.format.reader_storage import Prefetched
+
+        if self._prefetched is None:
+            self._prefetched = Prefetched()
+        self._prefetched.fetch({name: self._handle(name) for name in wanted}, wanted, threads)
+
+    def drop_prefetched(self) -> None:
+        self._prefetched = None
 
     def pin(self) -> None:
         """Open every data file now (headers checked, save ids matched): later reads need no name."""
@@ -290,7 +315,17 @@ class CheckpointReader:
         if self.storage is not None:
             from unickpt.format.reader_storage import read_runs
 
-            read_runs(self._handle(s.file), [(off + o, k) for o, k in runs], out)
+            absolute = [(off + o, k) for o, k in runs]
+            if self._prefetched is not None:
+                hits = [self._prefetched.get(s.file, o, k) for o, k in absolute]
+                if all(h is not None for h in hits):
+                    pos = 0
+                    for h in hits:
+                        assert h is not None
+                        out[pos : pos + len(h)] = h
+                        pos += len(h)
+                    return
+            read_runs(self._handle(s.file), absolute, out)
             return
         pos = 0
         for o, k in runs:

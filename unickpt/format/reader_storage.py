@@ -49,6 +49,9 @@ __all__ = [
 HEADER_PROBE = 8 << 10
 #: Largest single request of a streamed read (``iter_handle``).
 STREAM_CHUNK = 16 << 20
+#: A prefetch bridges gaps between wanted ranges only while it fetches at most this fraction
+#: more than it needs (gaps under ``storage.SMALL_GAP`` aside).
+PREFETCH_WASTE = 1 / 16
 
 
 def open_header(storage: Storage, path: str) -> tuple[ReadHandle, SafetensorsHeader]:
@@ -214,3 +217,57 @@ def open_url(
 
 def no_path(url: str) -> UnsupportedError:
     return UnsupportedError(f"{url} is on an object store: it has no local path to open")
+
+
+class Prefetched:
+    """Byte ranges of data files fetched ahead of their reads (coalesced, all in flight at once).
+
+    A load on a URL knows every range it will read before it copies anything: fetching them in
+    one batch per file turns hundreds of small per-tensor requests into a few large ones. Reads
+    that a prefetched block covers are served from it; others go to the store as usual.
+    """
+
+    def __init__(self) -> None:
+        self._blocks: dict[str, list[tuple[int, bytes]]] = {}
+
+    def fetch(
+        self, handles: dict[str, ReadHandle], wanted: dict[str, list[tuple[int, int]]], threads: int
+    ) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from unickpt.format.storage import coalesce
+
+        def one(name: str) -> tuple[str, list[tuple[int, bytes]]]:
+            reqs = [(a, b - a) for a, b, _ in coalesce(wanted[name], waste=PREFETCH_WASTE) if b > a]
+            pieces = [
+                (o + at, min(STREAM_CHUNK, n - at)) for o, n in reqs for at in range(0, n, STREAM_CHUNK)
+            ]
+            got = handles[name].pread_many(pieces, gap=0)  # grouped already: fetch exactly these
+            return name, sorted(zip((o for o, _ in pieces), got, strict=True))
+
+        names = [n for n in wanted if wanted[n]]
+        with ThreadPoolExecutor(max(1, min(threads, len(names))), thread_name_prefix="unickpt-fetch") as pool:
+            for name, blocks in pool.map(one, names):
+                self._blocks.setdefault(name, []).extend(blocks)
+
+    def get(self, name: str, offset: int, length: int) -> memoryview | None:
+        """The prefetched bytes [offset, offset+length) of file ``name``, or None when not all fetched."""
+        out: bytearray | None = None
+        pos = offset
+        end = offset + length
+        for start, data in self._blocks.get(name, ()):
+            if start <= pos < start + len(data):
+                take = min(end, start + len(data)) - pos
+                view = memoryview(data)[pos - start : pos - start + take]
+                if pos == offset and take == length:
+                    return view
+                if out is None:
+                    out = bytearray()
+                out += view
+                pos += take
+                if pos >= end:
+                    return memoryview(out)
+        return None if length else memoryview(b"")
+
+    def clear(self) -> None:
+        self._blocks.clear()

@@ -20,7 +20,6 @@ import contextlib
 import math
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +30,7 @@ from unickpt._faults import maybe_fail
 from unickpt.errors import IncompleteCheckpointError, IntegrityError, StateMismatchError, UnickptError
 from unickpt.format.boxes import contiguous_start, intersect, runs
 from unickpt.format.consistency import check_keys_referenced
+from unickpt.format.dtypes import itemsize
 from unickpt.format.index import TensorEntry
 from unickpt.format.reader import CheckpointReader, open_checkpoint
 from unickpt.format.storage import is_url
@@ -39,8 +39,10 @@ from unickpt.io.tensors import LocalSlice, global_shape, is_dtensor, st_dtype, t
 
 __all__ = ["LoadReport", "load_tensors", "read_box", "open_for_load"]
 
-#: Blocks read at once from a checkpoint on a URL (each one's ranges are coalesced and in flight
-#: together); local files are read by one thread.
+#: On a URL, the blocks of a load are read in windows of about this many bytes: each window's
+#: ranges are fetched first (coalesced, in flight together, ``URL_READ_THREADS`` files at once),
+#: then copied, so a load holds at most one window of fetched bytes beyond its state.
+URL_WINDOW = 128 << 20
 URL_READ_THREADS = 8
 
 
@@ -315,20 +317,55 @@ def _read_in_place(
     _dist.agree(err, f"reading {what} from {where}", group)
 
 
-def _each(reader: CheckpointReader, jobs: list[Any], fn: Callable[[Any], Any]) -> list[Any]:
-    """``[fn(job) for job in jobs]``; for a checkpoint on a URL, ``URL_READ_THREADS`` at a time
-    (each block's requests wait on the network, not the CPU). The first error is raised once
-    every started job has finished; jobs not started are dropped."""
-    if reader.storage is None or len(jobs) < 2:
+def _each(
+    reader: CheckpointReader, jobs: list[tuple[TensorEntry, LocalSlice]], fn: Callable[[Any], Any]
+) -> list[Any]:
+    """``[fn(job) for job in jobs]``. On a URL, jobs go in windows of about ``URL_WINDOW`` bytes:
+    every byte range a window's blocks need is fetched first (``reader.prefetch``: coalesced
+    requests, all in flight, files in parallel), then the blocks are copied from memory."""
+    if reader.storage is None:
         return [fn(job) for job in jobs]
-    with ThreadPoolExecutor(URL_READ_THREADS, thread_name_prefix="unickpt-read") as pool:
-        futures = [pool.submit(fn, job) for job in jobs]
+    out: list[Any] = []
+    start = 0
+    while start < len(jobs):
+        stop, size = start, 0
+        while stop < len(jobs) and (stop == start or size < URL_WINDOW):
+            entry, b = jobs[stop]
+            size += math.prod(b.shape) * itemsize(entry.dtype)
+            stop += 1
+        window = jobs[start:stop]
+        reader.prefetch(_wanted(reader, window), URL_READ_THREADS)
         try:
-            return [f.result() for f in futures]
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            raise
+            out += [fn(job) for job in window]
+        finally:
+            reader.drop_prefetched()
+        start = stop
+    return out
+
+
+def _wanted(
+    reader: CheckpointReader, jobs: list[tuple[TensorEntry, LocalSlice]]
+) -> dict[str, list[tuple[int, int]]]:
+    """The ``(absolute offset, length)`` ranges of each data file that ``read_box`` reads for these blocks."""
+    wanted: dict[str, list[tuple[int, int]]] = {}
+    for entry, b in jobs:
+        isz = itemsize(entry.dtype)
+        if len(b.shape) == 0:
+            (s,) = [s for s in entry.slices if math.prod(s.shape) > 0] or entry.slices
+            _, off, n = reader.slice_location(s)
+            wanted.setdefault(s.file, []).append((off, n))
+            continue
+        for s in entry.slices:
+            inter = intersect(b.offsets, b.shape, s.offsets, s.shape)
+            if inter is None:
+                continue
+            ioff, ishp = inter
+            src_off = tuple(a - o for a, o in zip(ioff, s.offsets, strict=True))
+            _, off, _ = reader.slice_location(s)
+            wanted.setdefault(s.file, []).extend(
+                (off + a * isz, k * isz) for a, k in runs(s.shape, src_off, ishp)
+            )
+    return wanted
 
 
 def open_for_load(
