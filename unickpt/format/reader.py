@@ -231,8 +231,20 @@ class CheckpointReader:
 
     def pin(self) -> None:
         """Open every data file now (headers checked, save ids matched): later reads need no name."""
-        for name in self.files:
-            self.header(name)
+        self.open_files(self.files)
+
+    def open_files(self, names: list[str], threads: int = 8) -> None:
+        """Open these data files now (headers checked, save ids matched); on a URL, ``threads``
+        at a time (each header is a round trip to the store)."""
+        todo = [n for n in dict.fromkeys(names) if n not in self._headers]
+        if self.storage is None or len(todo) < 2:
+            for name in todo:
+                self.header(name)
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(threads, len(todo)), thread_name_prefix="unickpt-open") as pool:
+            list(pool.map(self.header, todo))
 
     def close(self) -> None:
         for fd in self._fds.values():

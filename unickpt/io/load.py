@@ -213,6 +213,8 @@ def load_tensors(
         for _, src, boxes in plan:
             needed.setdefault(src, [])
             needed[src] = sorted(set(needed[src]) | set(_needed_slices(reader.tensors[src], boxes)))
+        # Every file this rank reads, opened at once (on a URL, several headers in flight).
+        reader.open_files([reader.tensors[src].slices[k].file for src, ks in needed.items() for k in ks])
         for src, ks in needed.items():
             entry = reader.tensors[src]
             for k in ks:
