@@ -7,8 +7,9 @@ One moto S3 server (``tests/s3server.py``, the one the tests use) runs in this p
 counts the body bytes it serves to each client. A world of ``--world`` ranks (FSDP2) writes the
 same synthetic state as DCP (``FsspecWriter``, straight to the store) and as a unickpt sliced
 checkpoint (saved locally, uploaded); a world of ``--load-world`` ranks then loads both, resharded,
-``reps`` times each after a warm-up (``storage_worker.py``). Rows: median load time (rank 0,
-between barriers), and per rank the bytes and requests the server served (per load).
+``reps`` times each after a warm-up, alternating rep by rep (``storage_worker.py``). Rows: median
+load time (rank 0, between barriers), the median of the per-rep DCP/unickpt time ratios, and per
+rank the bytes and requests the server served (per load).
 
 moto keeps objects in memory and answers from one Python process on the same cores as the
 ranks, so absolute figures are far below a real store's; the comparison (same server, same
@@ -66,7 +67,9 @@ def _run(rows: Any, root: Path, base: dict[str, Any], args: Any, run_world: Any,
             client = key.split("_")[0]
             fetched = [server.served("GET", f"{client}-{r}") / loads for r in range(lw)]
             requests = [server.requests[("GET", f"{client}-{r}")] / loads for r in range(lw)]
+            paired = res.pop("x_dcp_paired", None)
             res["extra"] = {
+                **({"x_dcp_paired": C.median(paired)} if paired else {}),
                 "fetched_per_rank": [int(x) for x in fetched],
                 "requests_per_rank": [round(x, 1) for x in requests],
                 "x_checkpoint": sum(fetched) / nbytes,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as C
-from dist_worker import _barrier, _setup, _timed_case
+from dist_worker import _barrier, _setup
 
 
 def options(p: dict[str, Any], client: str) -> dict[str, Any]:
@@ -72,26 +73,44 @@ def task_load(p: dict[str, Any]) -> dict[str, Any]:
         return {"fatal": f"unickpt FSDP2 IO not available: {why}"}
     url = f"s3://{p['bucket']}"
     reps = int(p["reps"])
-    res: dict[str, Any] = {}
+    io = io_cls(mesh=mesh)
+    io.storage_options = options(p, f"unickpt-{rank}")
 
     def dcp_body() -> None:
         sd = model.state_dict()
         dcp.load(sd, storage_reader=FsspecReader(f"{url}/dcp", **options(p, f"dcp-{rank}")))
 
-    res["dcp_load"] = _timed_case(rank, reps, dcp_body)
-    want = {k: v.to_local().clone() for k, v in model.state_dict().items()}
-    C.fill_model(model, "random", seed=7)
-    io = io_cls(mesh=mesh)
-    io.storage_options = options(p, f"unickpt-{rank}")
-
     def u_body() -> None:
         io.load_model(model, f"{url}/unickpt")
 
-    res["unickpt_load"] = _timed_case(rank, reps, u_body)
+    # Alternate the two loads rep by rep (one warm-up rep first), so that drift on a shared
+    # machine hits both alike; the ratio is taken per rep.
+    times: dict[str, list[float]] = {"dcp_load": [], "unickpt_load": []}
+    want: dict[str, Any] = {}
+    base = round(C.rss_mb(), 1)
+    C.reset_peak_rss()
+    for _ in range(reps + 1):
+        for key, body in (("dcp_load", dcp_body), ("unickpt_load", u_body)):
+            _barrier()
+            t0 = time.perf_counter()
+            body()
+            _barrier()
+            times[key].append(time.perf_counter() - t0)
+            if key == "dcp_load" and not want:
+                want = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+                C.fill_model(model, "random", seed=7)  # the unickpt load must bring every value back
     got = {k: v.to_local() for k, v in model.state_dict().items()}
     bad = [k for k in want if not torch.equal(want[k], got[k])]
     if bad:
         return {"fatal": f"unickpt and DCP loads disagree on {bad[:3]}"}
+    peak = round(C.peak_rss_mb(), 1)
+    res: dict[str, Any] = {
+        key: {"status": "ok", "times": ts[1:], "first_s": ts[:1], "rss_base_mb": base, "rss_peak_mb": peak}
+        for key, ts in times.items()
+    }
+    res["unickpt_load"]["x_dcp_paired"] = [
+        d / u for d, u in zip(times["dcp_load"][1:], times["unickpt_load"][1:], strict=True)
+    ]
     return res
 
 

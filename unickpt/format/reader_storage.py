@@ -52,6 +52,9 @@ STREAM_CHUNK = 16 << 20
 #: A prefetch bridges gaps between wanted ranges only while it fetches at most this fraction
 #: more than it needs (gaps under ``storage.SMALL_GAP`` aside).
 PREFETCH_WASTE = 1 / 16
+#: A prefetch's requests are at most this large, so that even one file's range is fetched by
+#: several requests in flight at once (one stream of an object store is slower than several).
+PREFETCH_PIECE = 4 << 20
 
 
 def open_header(storage: Storage, path: str) -> tuple[ReadHandle, SafetensorsHeader]:
@@ -239,10 +242,9 @@ class Prefetched:
 
         def one(name: str) -> tuple[str, list[tuple[int, bytes]]]:
             reqs = [(a, b - a) for a, b, _ in coalesce(wanted[name], waste=PREFETCH_WASTE) if b > a]
-            pieces = [
-                (o + at, min(STREAM_CHUNK, n - at)) for o, n in reqs for at in range(0, n, STREAM_CHUNK)
-            ]
-            got = handles[name].pread_many(pieces, gap=0)  # grouped already: fetch exactly these
+            step = PREFETCH_PIECE
+            pieces = [(o + at, min(step, n - at)) for o, n in reqs for at in range(0, n, step)]
+            got = handles[name].pread_many(pieces, gap=-1)  # grouped already: one request per piece
             return name, sorted(zip((o for o, _ in pieces), got, strict=True))
 
         names = [n for n in wanted if wanted[n]]

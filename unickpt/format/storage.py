@@ -285,8 +285,8 @@ class _FsspecRead:
         return data
 
     def pread_many(self, ranges: Sequence[tuple[int, int]], gap: int = COALESCE_GAP) -> list[bytes]:
-        """Fetch the ranges with coalesced requests (ranges less than ``gap`` apart share one),
-        all in flight at once (fsspec's ``cat_ranges``)."""
+        """Fetch the ranges with coalesced requests (ranges less than ``gap`` apart share one;
+        ``gap=-1`` keeps even adjacent ranges apart), all in flight at once (fsspec's ``cat_ranges``)."""
         for o, n in ranges:
             self._check(o, n)
         reqs = [r for r in coalesce(ranges, gap) if r[1] > r[0]]
