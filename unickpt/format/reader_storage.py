@@ -52,8 +52,11 @@ STREAM_CHUNK = 16 << 20
 #: A prefetch bridges gaps between wanted ranges only while it fetches at most this fraction
 #: more than it needs (gaps under ``storage.SMALL_GAP`` aside).
 PREFETCH_WASTE = 1 / 16
-#: A prefetch's requests are at most this large, so that even one file's range is fetched by
-#: several requests in flight at once (one stream of an object store is slower than several).
+#: A prefetch fetches each file's part of a window in about ``PREFETCH_SPLIT`` requests in flight
+#: at once (one stream of an object store is slower than several), each between
+#: ``PREFETCH_PIECE`` and ``MAX_REQUEST`` bytes (fewer, larger requests as windows grow: stores
+#: cap the requests per second of a prefix).
+PREFETCH_SPLIT = 4
 PREFETCH_PIECE = 4 << 20
 
 
@@ -238,11 +241,12 @@ class Prefetched:
     ) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        from unickpt.format.storage import coalesce
+        from unickpt.format.storage import MAX_REQUEST, coalesce
 
         def one(name: str) -> tuple[str, list[tuple[int, bytes]]]:
             reqs = [(a, b - a) for a, b, _ in coalesce(wanted[name], waste=PREFETCH_WASTE) if b > a]
-            step = PREFETCH_PIECE
+            total = sum(n for _, n in reqs)
+            step = min(MAX_REQUEST, max(PREFETCH_PIECE, -(-total // PREFETCH_SPLIT)))
             pieces = [(o + at, min(step, n - at)) for o, n in reqs for at in range(0, n, step)]
             got = handles[name].pread_many(pieces, gap=-1)  # grouped already: one request per piece
             return name, sorted(zip((o for o, _ in pieces), got, strict=True))
