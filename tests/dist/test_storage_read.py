@@ -127,10 +127,44 @@ def load_case(root: str, endpoint: str, bucket: str, kind: str, tag: str) -> dic
     return {"index_fetches": fetched}
 
 
+def refused_case(endpoint: str, bucket: str) -> dict[str, Any]:
+    """A missing checkpoint (found by rank 0 alone) and a truncated object (seen by the ranks that
+    read it) raise the same error, naming the URL, on every rank; nothing is half-loaded."""
+    import torch
+    import torch.distributed as dist
+
+    from unickpt.errors import HeaderError, IncompleteCheckpointError
+
+    booster, m, _ = _boost("fsdp2", seed=3, lr=0.5)
+    booster.checkpoint_io.storage_options = _options(endpoint, f"refused-{dist.get_rank()}")
+    before = {k: v.to_local().clone() for k, v in m.state_dict().items()}
+    url = f"s3://{bucket}"
+    with pytest.raises(
+        IncompleteCheckpointError, match=rf"\[rank 0\] .*{url}/nothing holds no committed model"
+    ):
+        booster.load_model(m, f"{url}/nothing")
+    if dist.get_rank() == 0:
+        import s3fs
+
+        fs = s3fs.S3FileSystem(**_options(endpoint, "uploader"))
+        fs.copy(f"{bucket}/ckpt/model", f"{bucket}/cut/model", recursive=True)
+        victim = sorted(f for f in fs.ls(f"{bucket}/cut/model") if f.endswith(".safetensors"))[-1]
+        fs.pipe_file(victim, fs.cat_file(victim)[:-100])
+    dist.barrier()
+    with pytest.raises(
+        HeaderError, match=rf"{url}/cut/model/model-\S+\.safetensors: tensor '[^']+': data_offsets"
+    ):
+        booster.load_model(m, f"{url}/cut/model")
+    after = {k: v.to_local() for k, v in m.state_dict().items()}
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    return {}
+
+
 def load_phase(root: str, endpoint: str, bucket: str) -> dict[str, Any]:
     cases = [
         ("fsdp2", lambda: load_case(root, endpoint, bucket, "fsdp2", "fsdp")),
         ("tp", lambda: load_case(root, endpoint, bucket, "tp", "tp")),
+        ("refused", lambda: refused_case(endpoint, bucket)),
     ]
     return {name: (r.ok, r.error, r.value) for name, r in run_cases(cases).items()}
 
