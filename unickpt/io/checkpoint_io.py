@@ -36,7 +36,7 @@ from unickpt.io import _dist
 from unickpt.io.async_save import AsyncSaveMixin, check_use_safetensors, write_config_files
 from unickpt.io.hooks import FINAL_METHODS, CheckpointHooks, HookContext
 from unickpt.io.jsonstate import from_json_value, to_json_value
-from unickpt.io.load import LoadReport, load_tensors, open_for_load, read_file_bytes
+from unickpt.io.load import LoadReport, load_tensors
 from unickpt.io.names import apply_prefix
 from unickpt.io.optim_state import (
     apply_groups,
@@ -51,6 +51,7 @@ from unickpt.io.param_names import check_param_names, model_from_param_names
 from unickpt.io.replicas import REPLICA_MODES, check_replicas
 from unickpt.io.save import SaveOptions, save_tensors
 from unickpt.io.tensors import LocalSlice
+from unickpt.io.url_load import open_for_load, read_file_bytes
 from unickpt.wrappers import unwrap_optimizer
 
 __all__ = [
