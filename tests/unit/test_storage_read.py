@@ -352,3 +352,33 @@ def test_prefetched_blocks_serve_covered_reads_only() -> None:
     assert p.get("f", 170, 20) is None  # runs past the block's end
     assert p.get("g", 100, 1) is None
     assert bytes(p.get("f", 5000, 10) or b"") == data[5000:5010]
+
+
+def test_verified_load_batches_its_hash_reads(s3, tmp_path) -> None:
+    # verify=True hashes every needed stored slice before anything is copied: the slices come in
+    # a few coalesced requests per file (not one round trip per slice), then the load reads them.
+    def many(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(*[nn.Linear(32, 32) for _ in range(12)])
+
+    model = many(0)
+    local = tmp_path / "many"
+    GeneralCheckpointIO().save_model(model, str(local), shard=True, size_per_shard=0.01)
+    url = _upload(s3, local, "many")
+    io = GeneralCheckpointIO()
+    io.storage_options = s3.storage_options("verifier")  # type: ignore[attr-defined]
+    s3.reset()
+    target = many(1)
+    io.load_model(target, url, verify=True)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(model.state_dict().values(), target.state_dict().values(), strict=True)
+    )
+    data = sum(p.nbytes for p in model.state_dict().values())
+    index = (local / "model.safetensors.index.json").stat().st_size
+    files = _data_files(local)
+    headers = sum(min((local / f).stat().st_size, HEADER_PROBE) for f in files)
+    assert s3.served("GET", "verifier") == 2 * data + index + headers
+    gets = s3.requests[("GET", "verifier")]
+    # index + per file: its header, its slices for the hashes, its slices for the copy.
+    assert gets == 1 + 3 * len(files) < 24, (gets, len(files))

@@ -349,6 +349,11 @@ class CheckpointReader:
         if self.storage is not None:
             from unickpt.format.reader_storage import iter_handle
 
+            hit = self._prefetched.get(s.file, off, n) if self._prefetched is not None else None
+            if hit is not None:
+                for at in range(0, n, chunk):
+                    yield bytes(hit[at : at + chunk])
+                return
             yield from iter_handle(self._handle(s.file), off, n, chunk)
             return
         yield from iter_range(self._fd(s.file), off, n, chunk)

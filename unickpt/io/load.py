@@ -33,7 +33,7 @@ from unickpt.format.index import TensorEntry
 from unickpt.format.reader import CheckpointReader
 from unickpt.io import _dist
 from unickpt.io.tensors import LocalSlice, global_shape, is_dtensor, st_dtype, torch_dtype
-from unickpt.io.url_load import each_block
+from unickpt.io.url_load import each_block, each_slice
 
 __all__ = ["LoadReport", "load_tensors", "read_box"]
 
@@ -229,15 +229,16 @@ def load_tensors(
             from unickpt.errors import IntegrityFailure
 
             failures: list[IntegrityFailure] = []
-            for src, ks in needed.items():
-                entry = reader.tensors[src]
-                for k in ks:
-                    s = entry.slices[k]
-                    if s.xxh3 is None:
-                        continue
-                    digest = reader.hash_slice(s)
-                    if digest != s.xxh3:
-                        failures.append(IntegrityFailure(src, s.file, s.key, s.xxh3, digest))
+            checked = [(src, reader.tensors[src].slices[k]) for src, ks in needed.items() for k in ks]
+
+            def check(item: tuple[str, Any]) -> None:
+                src, s = item
+                digest = reader.hash_slice(s)
+                if digest != s.xxh3:
+                    failures.append(IntegrityFailure(src, s.file, s.key, s.xxh3, digest))
+
+            # On a URL, the slices to hash are fetched a window at a time, coalesced.
+            each_slice(reader, [(src, s) for src, s in checked if s.xxh3 is not None], check)
             if failures:
                 raise IntegrityError(failures, reader.index_path or reader.directory)
     except Exception as e:

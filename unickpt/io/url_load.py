@@ -25,6 +25,7 @@ from unickpt.io import _dist
 from unickpt.io.tensors import LocalSlice
 
 __all__ = [
+    "each_slice",
     "open_for_load",
     "read_file_bytes",
     "each_block",
@@ -154,3 +155,32 @@ def read_file_bytes(
         return storage.read_bytes(location, limit=limit)
     except IncompleteCheckpointError as e:
         raise FileNotFoundError(str(e)) from None
+
+
+def each_slice(
+    reader: CheckpointReader, items: list[tuple[str, Any]], fn: Callable[[tuple[str, Any]], None]
+) -> None:
+    """``fn((tensor name, stored slice))`` for each item; on a URL, the whole slices of about
+    ``URL_WINDOW`` bytes at a time are fetched first (coalesced, in flight together), so hashing
+    them (``verify=True``) costs a few large requests, not one round trip per slice."""
+    if reader.storage is None:
+        for item in items:
+            fn(item)
+        return
+    start = 0
+    while start < len(items):
+        stop, size = start, 0
+        while stop < len(items) and (stop == start or size < URL_WINDOW):
+            size += reader.slice_location(items[stop][1])[2]
+            stop += 1
+        wanted: dict[str, list[tuple[int, int]]] = {}
+        for _, s in items[start:stop]:
+            _, off, n = reader.slice_location(s)
+            wanted.setdefault(s.file, []).append((off, n))
+        reader.prefetch(wanted, URL_READ_THREADS)
+        try:
+            for item in items[start:stop]:
+                fn(item)
+        finally:
+            reader.drop_prefetched()
+        start = stop
