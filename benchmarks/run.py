@@ -44,6 +44,7 @@ GROUPS = (
     "dist",
     "merge",
     "scaling",
+    "storage",
 )
 DEFAULT_GROUPS = GROUPS  # every group runs unless --only/--skip says otherwise
 
@@ -72,8 +73,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_world(task: str, world: int, params: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Launch ``world`` ranks of dist_worker.py; returns {"ranks": [per-rank dicts]} or an error."""
+def run_world(
+    task: str, world: int, params: dict[str, Any], timeout: float, script: str = "dist_worker.py"
+) -> dict[str, Any]:
+    """Launch ``world`` ranks of ``script``; returns {"ranks": [per-rank dicts]} or an error."""
     result_dir = Path(tempfile.mkdtemp(prefix=f"bench-{task}-w{world}-", dir=params["workdir"]))
     params = dict(params, result_dir=str(result_dir))
     port = _free_port()
@@ -93,7 +96,7 @@ def run_world(task: str, world: int, params: dict[str, Any], timeout: float) -> 
         logs.append(log)
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(HERE / "dist_worker.py"), task, json.dumps(params)],
+                [sys.executable, str(HERE / script), task, json.dumps(params)],
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -385,6 +388,12 @@ def suite(args: argparse.Namespace) -> dict[str, Any]:
                 dist_save(sz, w, 1, tag, "scaling", ("dcp_save", "unickpt_save"))
                 C.rm(root / f"dist-{sz:g}MB-w{w}")
 
+    # 5. a resharded load from an S3 API (moto's server), unickpt beside DCP's FsspecReader
+    if "storage" in groups:
+        import storage
+
+        storage.run_group(rows, root, base, args, run_world)
+
     elapsed = time.perf_counter() - t_start
     if not args.keep:
         C.rm(root)
@@ -581,6 +590,34 @@ def ratios(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[st
         False,
         "rss_peak_mb",
     )
+    s3u = by.get("s3_unickpt_load")
+    if s3u and "x_dcp_paired" in s3u.get("extra", {}):
+        v = s3u["extra"]["x_dcp_paired"]
+        out.append(
+            {
+                "target": f"unickpt load >= 1.5x DCP FsspecReader load (S3, resharded {w}->{lw}, paired per rep)",
+                "value": v,
+                "threshold": 1.5,
+                "met": v >= 1.5,
+            }
+        )
+    else:
+        add(
+            f"unickpt load >= 1.5x DCP FsspecReader load (S3, resharded {w}->{lw})",
+            "s3_unickpt_load",
+            "s3_dcp_load",
+            1.5,
+        )
+    if s3u and "extra" in s3u:
+        v = s3u["extra"]["x_checkpoint"]
+        out.append(
+            {
+                "target": f"unickpt {w}->{lw} load from S3 fetches <= 1.1x the checkpoint's bytes",
+                "value": v,
+                "threshold": 1.1,
+                "met": v <= 1.1,
+            }
+        )
     a = by.get("async")
     if a and "extra" in a:
         blocked = C.median(a["extra"]["async"]["blocked"])
@@ -647,6 +684,14 @@ def markdown(report: dict[str, Any]) -> str:
         first = r.get("first_s") or []
         if first and first[0] > 1.5 * r["median_s"] and first[0] - r["median_s"] > 0.05:
             note.append(f"first call {first[0]:.2f} s")
+        if "x_dcp_paired" in ex:
+            note.append(f"{ex['x_dcp_paired']:.2f}x DCP's speed (median of per-rep ratios)")
+        if "fetched_per_rank" in ex:
+            mib = ", ".join(f"{b / C.MiB:.1f}" for b in ex["fetched_per_rank"])
+            note.append(
+                f"fetched per rank {mib} MiB ({ex['x_checkpoint']:.2f}x the checkpoint), "
+                f"requests per rank {ex['requests_per_rank']}"
+            )
         if "rss_peak_max_mb" in r:
             note.append(f"max over ranks {r['rss_peak_max_mb']:.0f} MB")
         if r["key"] == "async" and ex:
@@ -695,6 +740,9 @@ def main() -> None:
     ap.add_argument("--load-world", type=int, default=2, help="resharded load world size")
     ap.add_argument("--scaling-worlds", default="1,2,4", help="world sizes of the scaling group")
     ap.add_argument(
+        "--storage-mb", type=float, default=None, help="state size of the storage group (MiB; default 64)"
+    )
+    ap.add_argument(
         "--workdir", default="", help="scratch directory (default: a new temp dir, removed after)"
     )
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
@@ -729,6 +777,8 @@ def main() -> None:
         args.merge_reps = 1 if args.quick else 2
     if args.shard_mb is None:
         args.shard_mb = max(8, int(args.size_mb) // 4)
+    if args.storage_mb is None:
+        args.storage_mb = 16.0 if args.quick else 64.0
     if args.quick and not args.only:
         args.skip = ",".join(filter(None, [args.skip, "scaling"]))
     args.scaling_worlds = [int(x) for x in str(args.scaling_worlds).split(",") if x]

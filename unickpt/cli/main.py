@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from unickpt import __version__
+from unickpt.cli.storage_opts import add_storage_option, storage_options_applied
 from unickpt.errors import IntegrityError, UnickptError
 
 __all__ = ["main", "build_parser"]
@@ -325,6 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     sp.set_defaults(func=_cmd_convert)
+    for command in sub.choices.values():
+        add_storage_option(command)
     return p
 
 
@@ -345,7 +348,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = args.func
     _printable_streams()
     try:
-        return func(args)
+        with storage_options_applied(args):
+            return func(args)
     except IntegrityError as e:
         print(f"unickpt {args.command}: integrity failure: {e}", file=sys.stderr)
         return EXIT_FAIL

@@ -7,12 +7,21 @@ flattened tensor (ZeRO's partitions) is expressed as a few boxes.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
 from unickpt.format.coverage import coverage_problem
 
-__all__ = ["Box", "intersect", "coverage_problem", "flat_range_to_boxes", "box_volume", "contiguous_start"]
+__all__ = [
+    "Box",
+    "intersect",
+    "coverage_problem",
+    "flat_range_to_boxes",
+    "box_volume",
+    "contiguous_start",
+    "runs",
+]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -100,3 +109,26 @@ def _split(
         out.append(((off, shp), base + first * inner))
     if last_off:
         _split(shape, dim + 1, 0, last_off, (*prefix, last), out, base + last * inner)
+
+
+def runs(shape: Sequence[int], offsets: Sequence[int], sub: Sequence[int]) -> list[tuple[int, int]]:
+    """The box (offsets, sub) of a C-order array of ``shape`` as contiguous runs of elements.
+
+    Returns ``[(flat start, element count)]`` in C order of the box, so reading the runs back to
+    back gives the box's elements in C order. The trailing dims the box spans whole fold into
+    each run: a row range is one run, a column range one run per row.
+    """
+    if any(n == 0 for n in sub):
+        return []
+    nd = len(shape)
+    if nd == 0:
+        return [(0, 1)]
+    k = max((d for d in range(nd) if offsets[d] != 0 or sub[d] != shape[d]), default=0)
+    inner = math.prod(shape[k + 1 :])
+    strides = [math.prod(shape[d + 1 :]) for d in range(nd)]
+    base = offsets[k] * strides[k]
+    length = sub[k] * inner
+    out: list[tuple[int, int]] = []
+    for idx in itertools.product(*(range(offsets[d], offsets[d] + sub[d]) for d in range(k))):
+        out.append((base + sum(i * st for i, st in zip(idx, strides, strict=False)), length))
+    return out

@@ -17,16 +17,13 @@ save reads the old checkpoint, the new one, or raises ``CheckpointChangedError``
 
 from __future__ import annotations
 
-import errno
-import math
 import os
-import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from unickpt.errors import (
     CheckpointChangedError,
-    CheckpointFormatError,
     HeaderError,
     IncompleteCheckpointError,
     IndexFileError,
@@ -36,29 +33,32 @@ from unickpt.format.commit import SAVE_ID_KEY
 from unickpt.format.consistency import check_block, check_keys_referenced
 from unickpt.format.dcp_hf import block_from_dcp_hf, dcp_hf_files
 from unickpt.format.hashing import SliceHasher
-from unickpt.format.index import (
-    IndexFile,
-    SliceEntry,
-    TensorEntry,
-    UnickptBlock,
-    check_file_name,
-    load_index,
-)
+from unickpt.format.index import IndexFile, SliceEntry, TensorEntry, UnickptBlock, check_file_name, load_index
 from unickpt.format.naming import index_name, single_name
-from unickpt.format.range_hashes import has_hashes, slice_failures
-from unickpt.format.reader_blocks import UNICKPT_METADATA_KEY as UNICKPT_METADATA_KEY
-from unickpt.format.reader_blocks import block_from_header, block_from_plain_index
-from unickpt.format.reader_blocks import describe as describe
-from unickpt.format.reader_blocks import file_kind as file_kind
-from unickpt.format.reader_blocks import single_file_name as single_file_name
-from unickpt.format.safetensors_io import (
-    SafetensorsHeader,
-    iter_range,
-    open_with_header,
-    read_range,
+from unickpt.format.reader_blocks import (
+    UNICKPT_METADATA_KEY,
+    block_from_header,
+    block_from_plain_index,
+    describe,
+    file_kind,
+    single_file_name,
 )
+from unickpt.format.reader_paths import hint_other_files, not_regular
+from unickpt.format.safetensors_io import SafetensorsHeader, iter_range, open_with_header, read_range
+from unickpt.format.storage import ReadHandle, Storage, is_url
 
-__all__ = ["CheckpointReader", "open_checkpoint", "single_file_name", "UNICKPT_METADATA_KEY"]
+if TYPE_CHECKING:
+    from unickpt.format.reader_storage import Prefetched
+
+# describe, file_kind, single_file_name and the metadata key live in reader_blocks; re-exported.
+__all__ = [
+    "CheckpointReader",
+    "open_checkpoint",
+    "single_file_name",
+    "UNICKPT_METADATA_KEY",
+    "describe",
+    "file_kind",
+]
 
 
 @dataclass
@@ -75,10 +75,15 @@ class CheckpointReader:
     # name its slices use for it (the file's own name when it is a safe one).
     single_file: str | None = None
     single_slice_file: str | None = None
+    # The store of a checkpoint on a URL (``directory`` and ``index_path`` are then URLs, files are
+    # read through ``format/reader_storage.py``); None for a local path (descriptors and pread).
+    storage: Storage | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self._headers: dict[str, SafetensorsHeader] = {}
         self._fds: dict[str, int] = {}
+        self._handles: dict[str, ReadHandle] = {}
+        self._prefetched: Prefetched | None = None  # while a load on a URL copies
 
     # ----------------------------------------------------------------- paths and files
     @property
@@ -93,6 +98,8 @@ class CheckpointReader:
     def file_path(self, name: str) -> str:
         if self.single_file is not None and name == self.single_slice_file:
             return self.single_file
+        if self.storage is not None:
+            return f"{self.directory}/{check_file_name(name)}"
         return os.path.join(self.directory, check_file_name(name))
 
     def header(self, name: str) -> SafetensorsHeader:
@@ -100,7 +107,7 @@ class CheckpointReader:
         h = self._headers.get(name)
         if h is None:
             try:
-                fd, h = open_with_header(self.file_path(name))
+                h = self._open_data_file(name)
             except IncompleteCheckpointError as e:
                 if self._index_changed():
                     raise CheckpointChangedError(
@@ -114,16 +121,39 @@ class CheckpointReader:
             try:
                 self.check_same_save(name, h.metadata)
             except CheckpointChangedError:
-                os.close(fd)
+                self._close_file(name)
                 raise
-            self._fds[name] = fd
             self._headers[name] = h
         return h
+
+    def _open_data_file(self, name: str) -> SafetensorsHeader:
+        """Open data file ``name`` (kept open for its bytes) and validate its header."""
+        if self.storage is not None:
+            from unickpt.format.reader_storage import open_header
+
+            handle, h = open_header(self.storage, self.file_path(name))
+            self._handles[name] = handle
+            return h
+        fd, h = open_with_header(self.file_path(name))
+        self._fds[name] = fd
+        return h
+
+    def _close_file(self, name: str) -> None:
+        fd = self._fds.pop(name, None)
+        if fd is not None:
+            os.close(fd)
+        handle = self._handles.pop(name, None)
+        if handle is not None:
+            handle.close()
 
     def pinned_path(self, name: str) -> str:
         """A path to the very file whose header :meth:`header` checked (``/proc/self/fd/N`` on
         Linux), for libraries that open files by name; the file's own name elsewhere."""
         self.header(name)
+        if self.storage is not None:
+            from unickpt.format.reader_storage import no_path
+
+            raise no_path(self.file_path(name))
         proc = f"/proc/self/fd/{self._fds[name]}"
         return proc if os.path.exists(proc) else self.file_path(name)
 
@@ -146,8 +176,14 @@ class CheckpointReader:
         if self.index_path is None or self.block.save_id is None:
             return False
         try:
-            now = load_index(self.index_path).unickpt
-        except (OSError, ValueError):
+            if self.storage is not None:
+                from unickpt.format.index import parse_index
+                from unickpt.format.reader_storage import fetch_index
+
+                now = parse_index(fetch_index(self.storage, self.index_path), self.index_path).unickpt
+            else:
+                now = load_index(self.index_path).unickpt
+        except (OSError, ValueError, IncompleteCheckpointError):
             return True
         return now is None or now.save_id != self.block.save_id
 
@@ -155,15 +191,62 @@ class CheckpointReader:
         self.header(name)
         return self._fds[name]
 
+    def _handle(self, name: str) -> ReadHandle:
+        self.header(name)
+        return self._handles[name]
+
+    def _read(self, name: str, offset: int, length: int, out: memoryview | None) -> memoryview:
+        if self.storage is not None:
+            from unickpt.format.reader_storage import read_into
+
+            hit = self._prefetched.get(name, offset, length) if self._prefetched is not None else None
+            if hit is not None:
+                if out is None:
+                    return hit
+                out[:length] = hit
+                return out[:length]
+            return read_into(self._handle(name), offset, length, out)
+        return read_range(self._fd(name), offset, length, out)
+
+    def prefetch(self, wanted: dict[str, list[tuple[int, int]]], threads: int = 8) -> None:
+        """On a URL: fetch these ``(absolute offset, length)`` ranges of each data file now, as
+        coalesced requests all in flight; reads they cover are then served from memory until
+        :meth:`drop_prefetched`. A no-op for local files (the page cache does this)."""
+        if self.storage is None:
+            return
+        from unickpt.format.reader_storage import Prefetched
+
+        if self._prefetched is None:
+            self._prefetched = Prefetched()
+        self._prefetched.fetch({name: self._handle(name) for name in wanted}, wanted, threads)
+
+    def drop_prefetched(self) -> None:
+        self._prefetched = None
+
     def pin(self) -> None:
         """Open every data file now (headers checked, save ids matched): later reads need no name."""
-        for name in self.files:
-            self.header(name)
+        self.open_files(self.files)
+
+    def open_files(self, names: list[str], threads: int = 8) -> None:
+        """Open these data files now (headers checked, save ids matched); on a URL, ``threads``
+        at a time (each header is a round trip to the store)."""
+        todo = [n for n in dict.fromkeys(names) if n not in self._headers]
+        if self.storage is None or len(todo) < 2:
+            for name in todo:
+                self.header(name)
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(threads, len(todo)), thread_name_prefix="unickpt-open") as pool:
+            list(pool.map(self.header, todo))
 
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        for handle in self._handles.values():
+            handle.close()
+        self._handles.clear()
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -221,7 +304,7 @@ class CheckpointReader:
 
     def read_slice(self, s: SliceEntry, out: memoryview | None = None) -> memoryview:
         _, off, n = self.slice_location(s)
-        return read_range(self._fd(s.file), off, n, out)
+        return self._read(s.file, off, n, out)
 
     def read_bytes(
         self, s: SliceEntry, rel_offset: int, length: int, out: memoryview | None = None
@@ -230,10 +313,47 @@ class CheckpointReader:
         _, off, n = self.slice_location(s)
         if rel_offset < 0 or rel_offset + length > n:
             raise HeaderError(f"{s.file}: read of {length} bytes at {rel_offset} outside slice {s.key!r}")
-        return read_range(self._fd(s.file), off + rel_offset, length, out)
+        return self._read(s.file, off + rel_offset, length, out)
+
+    def read_runs(self, s: SliceEntry, runs: list[tuple[int, int]], out: memoryview) -> None:
+        """Read runs ``(byte offset into the slice, length)`` of a stored slice back to back into
+        ``out``: on a URL one coalesced batch of ranged requests, locally one pread each."""
+        _, off, n = self.slice_location(s)
+        for o, k in runs:
+            if o < 0 or o + k > n:
+                raise HeaderError(f"{s.file}: read of {k} bytes at {o} outside slice {s.key!r}")
+        if self.storage is not None:
+            from unickpt.format.reader_storage import read_runs
+
+            absolute = [(off + o, k) for o, k in runs]
+            if self._prefetched is not None:
+                hits = [self._prefetched.get(s.file, o, k) for o, k in absolute]
+                if all(h is not None for h in hits):
+                    pos = 0
+                    for h in hits:
+                        assert h is not None
+                        out[pos : pos + len(h)] = h
+                        pos += len(h)
+                    return
+            read_runs(self._handle(s.file), absolute, out)
+            return
+        pos = 0
+        for o, k in runs:
+            read_range(self._fd(s.file), off + o, k, out[pos : pos + k])
+            pos += k
 
     def iter_slice(self, s: SliceEntry, chunk: int = 16 << 20) -> Iterator[bytes]:
         _, off, n = self.slice_location(s)
+        if self.storage is not None:
+            from unickpt.format.reader_storage import iter_handle
+
+            hit = self._prefetched.get(s.file, off, n) if self._prefetched is not None else None
+            if hit is not None:
+                for at in range(0, n, chunk):
+                    yield bytes(hit[at : at + chunk])
+                return
+            yield from iter_handle(self._handle(s.file), off, n, chunk)
+            return
         yield from iter_range(self._fd(s.file), off, n, chunk)
 
     def hash_slice(self, s: SliceEntry) -> str:
@@ -252,39 +372,42 @@ class CheckpointReader:
         A slice without a recorded hash (plain Hugging Face files) is skipped. ``progress``
         is called with the byte count of each slice checked.
         """
-        failures: list[IntegrityFailure] = []
-        for name in names if names is not None else list(self.block.tensors):
-            t = self.block.tensors[name]
-            for s in t.slices:
-                if not has_hashes(s):  # xxh3, or ranges (docs/format.md 5.1)
-                    continue
-                try:
-                    self._check_slice(name, t, s)
-                    failures.extend(slice_failures(name, s, self.iter_slice(s)))
-                except (IncompleteCheckpointError, CheckpointFormatError) as e:
-                    # Missing or truncated file, edited header, key absent: report it with the rest.
-                    failures.append(IntegrityFailure(name, s.file, s.key, s.xxh3 or "-", f"unreadable ({e})"))
-                if progress is not None:
-                    progress(math.prod(s.shape) * _itemsize(t.dtype))
-        return failures
+        from unickpt.format.range_hashes import verify_reader
 
-
-def _itemsize(dtype: str) -> int:
-    from unickpt.format.dtypes import itemsize
-
-    return itemsize(dtype)
+        return verify_reader(self, names, progress)
 
 
 def open_checkpoint(
-    path: str | os.PathLike[str], kind: str = "model", *, pin: bool = False
+    path: str | os.PathLike[str],
+    kind: str = "model",
+    *,
+    pin: bool = False,
+    storage_options: dict[str, Any] | None = None,
 ) -> CheckpointReader:
     """Open the checkpoint at ``path`` (a directory, an index file or a single .safetensors file).
 
+    ``path`` may be a local path, a ``file://`` URL or an fsspec URL (``s3://...``, with
+    ``storage_options`` for fsspec, else the store's own environment); a URL is read through
+    ``format/storage.py`` with the same checks and errors, naming the URL.
     Raises ``IncompleteCheckpointError`` when there is no committed checkpoint there. With
     ``pin``, every data file is opened and matched to the index at once; when a save replaced
     the checkpoint meanwhile (``CheckpointChangedError``), the new one is opened instead, once.
     """
-    r = _open_checkpoint(path, kind)
+    if not is_url(path):
+        if storage_options:
+            from unickpt.errors import ConfigError
+
+            raise ConfigError(f"storage_options are for fsspec URLs; {os.fspath(path)!r} is a local path")
+        path = os.fspath(path).removeprefix("file://")
+
+    def reopen() -> CheckpointReader:
+        if is_url(path):
+            from unickpt.format.reader_storage import open_url
+
+            return open_url(path, kind, storage_options)
+        return _open_checkpoint(path, kind)
+
+    r = reopen()
     if not pin:
         return r
     for attempt in range(2):
@@ -298,7 +421,7 @@ def open_checkpoint(
         except BaseException:
             r.close()
             raise
-        r = _open_checkpoint(path, kind)
+        r = reopen()
     raise AssertionError("unreachable")  # pragma: no cover
 
 
@@ -306,7 +429,7 @@ def _open_checkpoint(path: str | os.PathLike[str], kind: str) -> CheckpointReade
     p = os.fspath(path)
     if os.path.lexists(p) and not os.path.isfile(p) and not os.path.isdir(p):
         raise (IndexFileError if p.endswith(".json") else HeaderError)(
-            f"{p} is {_not_regular(p)}, not a checkpoint file or directory"
+            f"{p} is {not_regular(p)}, not a checkpoint file or directory"
         )
     if os.path.isfile(p) and p.endswith(".index.json"):
         directory = os.path.dirname(os.path.abspath(p))
@@ -338,12 +461,12 @@ def _open_checkpoint(path: str | os.PathLike[str], kind: str) -> CheckpointReade
         if os.path.isfile(idx):
             return _from_index(idx, p, kind)
         if os.path.lexists(idx):
-            raise IndexFileError(f"{idx} is {_not_regular(idx)}, not an index file")
+            raise IndexFileError(f"{idx} is {not_regular(idx)}, not an index file")
         single = os.path.join(p, single_name(kind))
         if os.path.isfile(single):
             return _open_checkpoint(single, kind)
         if os.path.lexists(single):
-            raise HeaderError(f"{single} is {_not_regular(single)}, not a safetensors file")
+            raise HeaderError(f"{single} is {not_regular(single)}, not a safetensors file")
         shards = dcp_hf_files(p) if kind == "model" else []
         if shards:  # torch's HuggingFaceStorageWriter(save_distributed=True): see format/dcp_hf.py
             r = CheckpointReader(p, kind, block_from_dcp_hf(p, shards), None, False)
@@ -352,50 +475,9 @@ def _open_checkpoint(path: str | os.PathLike[str], kind: str) -> CheckpointReade
         raise IncompleteCheckpointError(
             f"{p} holds no committed {kind} checkpoint: neither {index_name(kind)} nor {single_name(kind)} "
             "is present (an interrupted save leaves data files without an index; such a directory is "
-            f"never loaded){_hint_other_files(p)}"
+            f"never loaded){hint_other_files(p)}"
         )
     raise IncompleteCheckpointError(f"no checkpoint at {p}: the path does not exist")
-
-
-def _not_regular(path: str) -> str:
-    """What stands at ``path`` instead of a regular file (for messages)."""
-    try:
-        st = os.stat(path)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            return "a symbolic link loop"
-        if os.path.islink(path):
-            return "a dangling symbolic link"
-        return f"unreadable ({e.strerror})"
-    if stat.S_ISDIR(st.st_mode):
-        return "a directory"
-    if stat.S_ISFIFO(st.st_mode):
-        return "a FIFO"
-    if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
-        return "a device"
-    if stat.S_ISSOCK(st.st_mode):
-        return "a socket"
-    return "not a regular file"
-
-
-def _hint_other_files(directory: str) -> str:
-    """For a directory without a committed checkpoint: name the .safetensors files it does hold.
-
-    A directory is never guessed from its data files (they may be those of an interrupted
-    save); a single file of another name is loaded by passing its path.
-    """
-    try:
-        names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
-    except OSError:
-        return ""
-    if not names:
-        return ""
-    shown = ", ".join(ascii(n) if not n.isprintable() else repr(n) for n in names[:3])
-    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
-    return (
-        f"; it holds {len(names)} other .safetensors file(s) ({shown}{more}): to load a single-file "
-        "checkpoint of another name, pass the path of the file itself"
-    )
 
 
 def _from_index(idx_path: str, directory: str, kind: str) -> CheckpointReader:

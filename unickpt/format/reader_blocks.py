@@ -7,6 +7,7 @@ No file handle is kept here: each function reads what it needs and returns plain
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -97,8 +98,15 @@ def single_file_name(path: str, kind: str) -> str:
     return name
 
 
-def block_from_plain_index(idx: IndexFile, directory: str, path: str, kind: str) -> UnickptBlock:
-    """Synthesise the slice table of a plain Hugging Face sharded checkpoint from its headers."""
+def block_from_plain_index(
+    idx: IndexFile,
+    directory: str,
+    path: str,
+    kind: str,
+    header_of: Callable[[str], SafetensorsHeader] | None = None,
+) -> UnickptBlock:
+    """Synthesise the slice table of a plain Hugging Face sharded checkpoint from its headers
+    (read from local files, or with ``header_of(file name)`` for a checkpoint on a URL)."""
     tensors: dict[str, TensorEntry] = {}
     for file in sorted(set(idx.weight_map.values())):
         if file.endswith(".bin"):
@@ -106,7 +114,7 @@ def block_from_plain_index(idx: IndexFile, directory: str, path: str, kind: str)
                 f"{path}: shard {file!r} is a pickle (.bin) file; convert it first with "
                 "`unickpt convert --from bin` (read with torch.load(weights_only=True))"
             )
-        h = read_header(os.path.join(directory, file))
+        h = header_of(file) if header_of is not None else read_header(os.path.join(directory, file))
         for k, e in h.entries.items():
             if idx.weight_map.get(k) != file:
                 continue

@@ -19,7 +19,7 @@ import math
 import os
 import stat
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -36,6 +36,7 @@ __all__ = [
     "read_header",
     "open_with_header",
     "parse_header",
+    "header_from_bytes",
     "encode_header",
     "SafetensorsWriter",
     "iter_range",
@@ -175,20 +176,40 @@ def open_with_header(path: str | os.PathLike[str]) -> tuple[int, SafetensorsHead
         if not stat.S_ISREG(st.st_mode):
             raise HeaderError(f"{p} is not a regular file")
         with open(fd, "rb", closefd=False) as f:
-            size = st.st_size
-            if size < 8:
-                raise HeaderError(f"{p}: {size} bytes is too short for a safetensors file (needs 8+)")
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > MAX_HEADER_BYTES:
-                raise HeaderError(f"{p}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
-            if 8 + n > size:
-                raise HeaderError(f"{p}: header length {n} runs past the end of the {size}-byte file")
-            raw = f.read(n)
-        entries, metadata = parse_header(raw, size - 8 - n, p)
+            h = header_from_bytes(f.read(8), st.st_size, p, lambda _offset, length: f.read(length))
     except BaseException:
         os.close(fd)
         raise
-    return fd, SafetensorsHeader(p, entries, metadata, 8 + n, size)
+    return fd, h
+
+
+def header_from_bytes(
+    first: bytes, size: int, path: str, more: Callable[[int, int], bytes] | None = None
+) -> SafetensorsHeader:
+    """Validate a safetensors header from the first bytes of a file of ``size`` bytes.
+
+    ``first`` holds the 8-byte length prefix and possibly more; when the header runs past it,
+    ``more(offset, length)`` reads the rest (a ``pread`` on an fd, a ranged GET on a store).
+    Every check applies before any allocation sized by the file: the length is capped, the
+    header must lie inside the file, and the entries must tile the data section exactly.
+    """
+    if size < 8:
+        raise HeaderError(f"{path}: {size} bytes is too short for a safetensors file (needs 8+)")
+    (n,) = struct.unpack("<Q", first[:8])
+    if n > MAX_HEADER_BYTES:
+        raise HeaderError(f"{path}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
+    if 8 + n > size:
+        raise HeaderError(f"{path}: header length {n} runs past the end of the {size}-byte file")
+    raw = bytes(first[8 : 8 + n])
+    if len(raw) < n:
+        if more is None:
+            raise HeaderError(f"{path}: header of {n} bytes, only {len(raw)} were read")
+        rest = more(8 + len(raw), n - len(raw))
+        if len(rest) != n - len(raw):
+            raise HeaderError(f"{path}: header of {n} bytes is cut short (the file shrank while read)")
+        raw += rest
+    entries, metadata = parse_header(raw, size - 8 - n, path)
+    return SafetensorsHeader(path, entries, metadata, 8 + n, size)
 
 
 def encode_header(

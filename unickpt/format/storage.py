@@ -54,6 +54,8 @@ EXTRAS: dict[str, str] = {
 COALESCE_GAP = 1 << 20
 #: A coalesced request is never made larger than this (several stay in flight instead).
 MAX_REQUEST = 64 << 20
+#: Gaps this small are always bridged (a request's own overhead is about this many bytes).
+SMALL_GAP = 4 << 10
 
 
 def is_url(location: str | os.PathLike[str]) -> bool:
@@ -63,23 +65,37 @@ def is_url(location: str | os.PathLike[str]) -> bool:
 
 
 def coalesce(
-    ranges: Sequence[tuple[int, int]], gap: int = COALESCE_GAP, most: int = MAX_REQUEST
+    ranges: Sequence[tuple[int, int]],
+    gap: int = COALESCE_GAP,
+    most: int = MAX_REQUEST,
+    waste: float | None = None,
 ) -> list[tuple[int, int, list[int]]]:
     """Group ``(offset, length)`` ranges into requests ``(start, end, [indexes of ranges])``.
 
     Ranges are sorted; one joins the current request when it starts within ``gap`` bytes of its
     end and the request stays within ``most`` bytes (a single larger range is one request).
+    With ``waste``, a gap larger than ``SMALL_GAP`` is bridged only while the request's unwanted
+    bytes stay within ``waste`` times its wanted bytes (so a load fetches at most about
+    ``1 + waste`` times what it needs, plus small gaps).
     """
     order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
     out: list[tuple[int, int, list[int]]] = []
+    useful = wasted = 0
     for i in order:
         off, n = ranges[i]
         if out:
             start, end, members = out[-1]
-            if off <= end + gap and max(end, off + n) - start <= most:
+            hole = max(0, off - end)
+            fits = off <= end + gap and max(end, off + n) - start <= most
+            if fits and waste is not None and hole > SMALL_GAP:
+                fits = wasted + hole <= waste * (useful + n)
+            if fits:
                 out[-1] = (start, max(end, off + n), [*members, i])
+                useful += n
+                wasted += hole
                 continue
         out.append((off, off + n, [i]))
+        useful, wasted = n, 0
     return out
 
 
@@ -90,7 +106,7 @@ class ReadHandle(Protocol):
 
     def pread(self, offset: int, length: int) -> bytes: ...
 
-    def pread_many(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]: ...
+    def pread_many(self, ranges: Sequence[tuple[int, int]], gap: int = COALESCE_GAP) -> list[bytes]: ...
 
     def close(self) -> None: ...
 
@@ -178,7 +194,7 @@ class _LocalRead:
             )
         return data
 
-    def pread_many(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+    def pread_many(self, ranges: Sequence[tuple[int, int]], gap: int = COALESCE_GAP) -> list[bytes]:
         return [self.pread(o, n) for o, n in ranges]
 
     def close(self) -> None:
@@ -268,11 +284,12 @@ class _FsspecRead:
             )
         return data
 
-    def pread_many(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
-        """Fetch the ranges with coalesced requests, all in flight at once (fsspec's ``cat_ranges``)."""
+    def pread_many(self, ranges: Sequence[tuple[int, int]], gap: int = COALESCE_GAP) -> list[bytes]:
+        """Fetch the ranges with coalesced requests (ranges less than ``gap`` apart share one;
+        ``gap=-1`` keeps even adjacent ranges apart), all in flight at once (fsspec's ``cat_ranges``)."""
         for o, n in ranges:
             self._check(o, n)
-        reqs = [r for r in coalesce(ranges) if r[1] > r[0]]
+        reqs = [r for r in coalesce(ranges, gap) if r[1] > r[0]]
         got = self.fs.cat_ranges([self.path] * len(reqs), [r[0] for r in reqs], [r[1] for r in reqs])
         out: list[bytes] = [b""] * len(ranges)
         for (start, end, members), data in zip(reqs, got, strict=True):
@@ -311,7 +328,8 @@ class FsspecStorage(Storage):
         try:
             size = int(self.fs.size(path))
         except FileNotFoundError as e:
-            raise IncompleteCheckpointError(f"{self.protocol}://{path} is missing") from e
+            shown = path if "://" in path else f"{self.protocol}://{path}"
+            raise IncompleteCheckpointError(f"{shown} is missing") from e
         return _FsspecRead(self.fs, path, size)
 
     def open_write(self, path: str) -> BinaryIO:

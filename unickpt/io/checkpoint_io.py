@@ -25,6 +25,7 @@ from unickpt import _dist
 from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
 from unickpt.format.commit_store import write_small_file
+from unickpt.format.storage import is_url
 from unickpt.io.async_save import check_use_safetensors
 from unickpt.io.hooks import FINAL_METHODS, HookContext
 from unickpt.io.load import LoadReport, load_tensors
@@ -265,13 +266,15 @@ class CheckpointIO(OptimizerIO):
         """Collective: every rank reads the scheduler JSON and loads it; an error on any rank raises on all."""
         self.wait()
         path = os.fspath(checkpoint)
-        if os.path.isdir(path):
+        if is_url(path) and not path.endswith(".json"):
+            path = f"{path.rstrip('/')}/{SCHEDULER_FILE}"
+        elif os.path.isdir(path):
             path = os.path.join(path, SCHEDULER_FILE)
         _dist.agreed(lambda: self._load_lr_scheduler(lr_scheduler, path), f"loading {path}", self.group)
 
     def _load_lr_scheduler(self, lr_scheduler: Any, path: str) -> None:
         maybe_fail("scheduler.load")
-        lr_scheduler.load_state_dict(read_lr_scheduler_state(path))
+        lr_scheduler.load_state_dict(read_lr_scheduler_state(path, self.storage_options))
 
     # ------------------------------------------------------------------ helpers
     def _save_hf_config(self, model: torch.nn.Module, path: str) -> None:

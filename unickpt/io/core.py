@@ -16,15 +16,15 @@ from typing import Any
 import torch
 
 from unickpt import _dist
-from unickpt._faults import maybe_fail
 from unickpt.errors import ConfigError
 from unickpt.format.index import LayoutInfo
-from unickpt.format.reader import CheckpointReader, open_checkpoint
+from unickpt.format.reader import CheckpointReader
 from unickpt.io.hooks import CheckpointHooks, HookContext
 from unickpt.io.payload import SavePayload
 from unickpt.io.replicas import REPLICA_MODES, check_replicas
 from unickpt.io.save import SaveOptions, save_tensors
 from unickpt.io.tensors import LocalSlice, mesh_dims
+from unickpt.io.url_load import open_for_load
 
 __all__ = ["IOCore"]
 
@@ -131,21 +131,5 @@ class IOCore(CheckpointHooks):
         )
 
     def _open(self, checkpoint: str | os.PathLike[str], kind: str) -> CheckpointReader:
-        reader: CheckpointReader | None = None
-        err: BaseException | None = None
-        try:
-            maybe_fail("open")
-            # One process reads every file: open them all now, so that a save committed while the
-            # checkpoint is opened is retried once here, before anything is loaded.
-            reader = open_checkpoint(checkpoint, kind, pin=_dist.world_size(self.group) == 1)
-        except BaseException as e:
-            err = e
-        try:
-            _dist.agree(err, f"opening {os.fspath(checkpoint)}", self.group)
-        except BaseException:
-            if reader is not None:
-                reader.close()
-            raise
-        if reader is None:  # never: agree() raised when opening failed on any rank
-            raise RuntimeError(f"{os.fspath(checkpoint)}: no reader after opening succeeded")
-        return reader
+        # A URL's storage options come from the IO (given at construction) or the environment.
+        return open_for_load(checkpoint, kind, self.group, self.storage_options)

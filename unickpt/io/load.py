@@ -29,12 +29,13 @@ from safetensors import safe_open
 from unickpt import _dist
 from unickpt._faults import maybe_fail
 from unickpt.errors import IncompleteCheckpointError, IntegrityError, StateMismatchError, UnickptError
-from unickpt.format.boxes import contiguous_start, intersect
+from unickpt.format.boxes import contiguous_start, intersect, runs
 from unickpt.format.consistency import check_keys_referenced
 from unickpt.format.index import TensorEntry
 from unickpt.format.range_hashes import has_hashes, slice_failures
 from unickpt.format.reader import CheckpointReader
 from unickpt.io.tensors import LocalSlice, global_shape, is_dtensor, st_dtype, torch_dtype
+from unickpt.io.url_load import each_block, each_slice
 
 __all__ = ["LoadReport", "load_tensors", "read_box"]
 
@@ -94,8 +95,9 @@ def read_box(
 
     ``out``, when given, is a contiguous CPU tensor of ``shape`` and the stored dtype that
     receives the block in place. A part that is one contiguous run of bytes in the file is read
-    with ``preadv`` straight into its place (no mapping, no copy); other parts (a column range
-    of a row-major slice) go through safetensors' ``get_slice``.
+    with ``preadv`` (a ranged request on a URL) straight into its place (no mapping, no copy);
+    other parts (a column range of a row-major slice) go through safetensors' ``get_slice``
+    locally, and on a URL as one batch of coalesced ranged requests for their runs.
     """
     dtype = torch_dtype(entry.dtype)
     if out is None:
@@ -120,6 +122,12 @@ def read_box(
         dst = tuple(slice(a - b, a - b + n) for a, b, n in zip(ioff, offsets, ishp, strict=True))
         start = contiguous_start(s.shape, src_off, ishp)
         if start is None:
+            if files.reader.storage is not None:  # no path to map: fetch the runs of the part
+                part = torch.empty(ishp, dtype=dtype)
+                wanted = [(a * isz, n * isz) for a, n in runs(s.shape, src_off, ishp)]
+                files.reader.read_runs(s, wanted, _as_bytes(part))
+                out[dst] = part
+                continue
             src = tuple(slice(a, a + n) for a, n in zip(src_off, ishp, strict=True))
             out[dst] = files.get(s.file).get_slice(s.key)[src]
             continue
@@ -238,6 +246,8 @@ def load_tensors(
         for _, src, boxes in plan:
             needed.setdefault(src, [])
             needed[src] = sorted(set(needed[src]) | set(_needed_slices(reader.tensors[src], boxes)))
+        # Every file this rank reads, opened at once (on a URL, several headers in flight).
+        reader.open_files([reader.tensors[src].slices[k].file for src, ks in needed.items() for k in ks])
         for src, ks in needed.items():
             entry = reader.tensors[src]
             table = entry.table
@@ -269,12 +279,14 @@ def load_tensors(
             from unickpt.errors import IntegrityFailure
 
             failures: list[IntegrityFailure] = []
-            for src, ks in needed.items():
-                entry = reader.tensors[src]
-                for k in ks:
-                    s = entry.table.entry(k)
-                    if has_hashes(s):  # xxh3, or ranges (docs/format.md 5.1)
-                        failures.extend(slice_failures(src, s, reader.iter_slice(s)))
+            checked = [(src, reader.tensors[src].table.entry(k)) for src, ks in needed.items() for k in ks]
+
+            def check(item: tuple[str, Any]) -> None:
+                src, s = item
+                failures.extend(slice_failures(src, s, reader.iter_slice(s)))
+
+            # On a URL, the slices to hash are fetched a window at a time, coalesced.
+            each_slice(reader, [(src, s) for src, s in checked if has_hashes(s)], check)
             if failures:
                 raise IntegrityError(failures, reader.index_path or reader.directory)
     except Exception as e:
@@ -300,10 +312,9 @@ def _read_then_copy(
     files = _Files(reader)
     try:
         maybe_fail("load.read")
-        for _, src, boxes in plan:
-            entry = reader.tensors[src]
-            for b in boxes:
-                buffers.append((b, read_box(files, entry, b.offsets, b.shape)))
+        jobs = [(reader.tensors[src], b) for _, src, boxes in plan for b in boxes]
+        datas = each_block(reader, jobs, lambda job: read_box(files, job[0], job[1].offsets, job[1].shape))
+        buffers = [(b, data) for (_, b), data in zip(jobs, datas, strict=True)]
     except Exception as e:  # safetensors raises its own error types; every rank must hear of it
         err = _read_error(e, where)
     finally:
@@ -325,17 +336,17 @@ def _read_in_place(
     err: BaseException | None = None
     files = _Files(reader)
     try:
-        with torch.no_grad():
-            for _, src, boxes in plan:
-                entry = reader.tensors[src]
-                dtype = torch_dtype(entry.dtype)
-                for b in boxes:
-                    direct = _direct_target(b, dtype)
-                    data = read_box(files, entry, b.offsets, b.shape, out=direct)
-                    maybe_fail("load.read")
-                    if direct is None:
-                        b.tensor.copy_(data.to(b.tensor.dtype).reshape(b.tensor.shape))
-                    del data
+
+        def one(job: tuple[TensorEntry, LocalSlice]) -> None:
+            entry, b = job
+            direct = _direct_target(b, torch_dtype(entry.dtype))
+            with torch.no_grad():
+                data = read_box(files, entry, b.offsets, b.shape, out=direct)
+                maybe_fail("load.read")
+                if direct is None:
+                    b.tensor.copy_(data.to(b.tensor.dtype).reshape(b.tensor.shape))
+
+        each_block(reader, [(reader.tensors[src], b) for _, src, boxes in plan for b in boxes], one)
     except Exception as e:
         cause = _read_error(e, where)
         err = IncompleteCheckpointError(

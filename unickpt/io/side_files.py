@@ -50,15 +50,17 @@ def lr_scheduler_json(state: dict[str, Any]) -> bytes:
     ).encode()
 
 
-def read_lr_scheduler_state(path: str) -> dict[str, Any]:
+def read_lr_scheduler_state(path: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """The scheduler ``state_dict()`` stored in the ``lr_scheduler.json`` at ``path``.
 
     A missing file is an ``IncompleteCheckpointError``; anything else that is not a scheduler
     state written by :func:`lr_scheduler_json` is an ``IndexFileError`` naming ``path``.
     """
     try:
-        with open(path, "rb") as f:
-            obj = strict_loads(f.read().decode("utf-8"), IndexFileError, f"{path}: LR scheduler state")
+        from unickpt.io.url_load import read_file_bytes  # a local path or a URL
+
+        raw = read_file_bytes(path, storage_options)
+        obj = strict_loads(raw.decode("utf-8"), IndexFileError, f"{path}: LR scheduler state")
     except FileNotFoundError as e:
         raise IncompleteCheckpointError(f"no LR scheduler state at {path}") from e
     except (ValueError, UnicodeDecodeError, RecursionError) as e:

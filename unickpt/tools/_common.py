@@ -11,6 +11,7 @@ from unickpt.errors import IncompleteCheckpointError, OutputExistsError
 from unickpt.format.commit import only_leftovers, publish_directory, temp_name
 from unickpt.format.naming import index_name, single_name
 from unickpt.format.reader import CheckpointReader, file_kind, open_checkpoint
+from unickpt.format.storage import is_url
 from unickpt.format.writer import write_all
 
 __all__ = [
@@ -53,8 +54,35 @@ def detect_kind(path: str | os.PathLike[str]) -> str:
 
 
 def open_auto(path: str | os.PathLike[str], kind: str | None = None) -> CheckpointReader:
-    """Open ``path`` as a ``kind`` checkpoint, or as whatever it holds when ``kind`` is None."""
+    """Open ``path`` as a ``kind`` checkpoint, or as whatever it holds when ``kind`` is None.
+
+    A URL is read through the storage layer (its options from the environment or fsspec's
+    configuration, where the CLI's ``--storage-option`` puts them); its index is fetched once.
+    """
+    if is_url(path):
+        return _open_url_auto(os.fspath(path), kind)
     return open_checkpoint(path, kind or detect_kind(path))
+
+
+def _open_url_auto(url: str, kind: str | None) -> CheckpointReader:
+    from unickpt.format.reader_storage import locate, open_located
+
+    if kind is None:
+        base = url.rstrip("/").rsplit("/", 1)[-1]
+        if base.endswith((".json", ".safetensors")):
+            kind = "optimizer" if base.startswith("optimizer") else "model"
+        else:
+            try:
+                return open_located(locate(url, "model"), "model")
+            except IncompleteCheckpointError as e:
+                try:
+                    return open_located(locate(url, "optimizer"), "optimizer")
+                except IncompleteCheckpointError:
+                    raise IncompleteCheckpointError(
+                        f"{url.rstrip('/')} holds no committed checkpoint: none of "
+                        "model/optimizer .safetensors(.index.json) is present"
+                    ) from e
+    return open_located(locate(url, kind), kind)
 
 
 def human_bytes(n: int) -> str:

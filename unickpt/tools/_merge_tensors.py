@@ -96,6 +96,7 @@ class TensorMerger:
             len(runs) == 1
             and runs[0].slice.xxh3 is not None
             and not self.verify
+            and self.r.storage is None  # a source on a URL has no descriptor to copy from: stream
             and not self._sparse(runs[0].slice.file)
         ):
             return "kernel", runs
@@ -204,7 +205,7 @@ class TensorMerger:
     def _sparse(self, file: str) -> bool:
         got = self._sparse_files.get(file)
         if got is None:
-            got = self._sparse_files[file] = is_sparse(self.r._fd(file))
+            got = self._sparse_files[file] = self.r.storage is None and is_sparse(self.r._fd(file))
         return got
 
     def _assemble(

@@ -28,6 +28,7 @@ import torch
 from unickpt.errors import IncompleteCheckpointError, IntegrityError
 from unickpt.format.naming import index_name, single_name
 from unickpt.format.reader import CheckpointReader, open_checkpoint
+from unickpt.format.storage import is_url, open_storage
 from unickpt.io.jsonstate import from_json_value
 from unickpt.io.tensors import torch_dtype
 from unickpt.tools._common import staged_output
@@ -57,6 +58,9 @@ def _full_tensors(reader: CheckpointReader) -> dict[str, torch.Tensor]:
 
 
 def _has(directory: str, kind: str) -> bool:
+    if is_url(directory):
+        storage, _ = open_storage(directory)
+        return any(storage.exists(f"{directory}/{n}") for n in (index_name(kind), single_name(kind)))
     return os.path.isfile(os.path.join(directory, index_name(kind))) or os.path.isfile(
         os.path.join(directory, single_name(kind))
     )
@@ -64,6 +68,13 @@ def _has(directory: str, kind: str) -> bool:
 
 def _parts(src: str) -> tuple[str, str | None, str | None, int | None]:
     """(model path, optimizer path or None, scheduler file or None, step or None)."""
+    if is_url(src):  # a checkpoint directory on a store (manager steps are read from local runs)
+        src = src.rstrip("/")
+        if not _has(src, "model"):
+            raise IncompleteCheckpointError(f"{src} holds no committed model checkpoint to export")
+        sched = f"{src}/lr_scheduler.json"
+        has_sched = open_storage(src)[0].exists(sched)
+        return src, (src if _has(src, "optimizer") else None), (sched if has_sched else None), None
     if os.path.isfile(src):
         return src, None, None, None
     step: int | None = None
@@ -123,8 +134,8 @@ def export_dcp(src: str, out: str) -> str:
             ]
         sd["optim"] = {"state": state, "param_groups": groups}
     if sched_path is not None:
-        with open(sched_path, "rb") as f:
-            obj = json.loads(f.read())
+        storage, _ = open_storage(sched_path)
+        obj = json.loads(storage.read_bytes(sched_path, limit=64 << 20))
         sd["lr_scheduler"] = from_json_value(obj["state"])
     if step is not None:
         sd["train_state"] = {"step": step}

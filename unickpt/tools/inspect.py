@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from unickpt.format.dtypes import itemsize
+from unickpt.format.storage import is_url
 from unickpt.tools._common import human_bytes, open_auto
 
 __all__ = ["inspect_checkpoint", "format_report"]
@@ -48,7 +49,7 @@ def inspect_checkpoint(path: str | os.PathLike[str], kind: str | None = None) ->
                 entry["state"] = t.state
             tensors[name] = entry
         out: dict[str, Any] = {
-            "path": os.path.abspath(os.fspath(path)),
+            "path": os.fspath(path) if is_url(path) else os.path.abspath(os.fspath(path)),
             "index": r.index_path,
             "kind": b.kind,
             # A plain Hugging Face / safetensors checkpoint has no unickpt block: nothing says

@@ -1,0 +1,79 @@
+"""``--storage-option KEY=VALUE``: options for the fsspec file systems of the URLs on a command line.
+
+Repeatable; a value that parses as JSON is taken as JSON (``anon=true``,
+``client_kwargs='{"region_name": "eu-west-1"}'``), anything else as a string. The options go
+to fsspec's per-protocol configuration (``fsspec.config.conf``, the same place its
+``FSSPEC_<PROTOCOL>_<KEY>`` environment variables land) for the protocols of the command's URLs,
+for the duration of the command; the store's own environment (``AWS_ENDPOINT_URL``, profiles...)
+applies as usual beneath them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+from collections.abc import Iterator
+from typing import Any
+
+from unickpt.errors import ConfigError
+
+__all__ = ["add_storage_option", "parse_storage_options", "storage_options_applied"]
+
+
+def add_storage_option(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument(
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an fsspec option for the URLs given (repeatable; JSON values allowed), "
+        "e.g. endpoint_url=http://127.0.0.1:9000 or anon=true",
+    )
+
+
+def parse_storage_options(items: list[str]) -> dict[str, Any]:
+    """``["k=v", ...]`` as a dict; ``ConfigError`` naming an item without ``=`` or with an empty key."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--storage-option {item!r}: expected KEY=VALUE")
+        try:
+            value: Any = json.loads(raw)
+        except ValueError:
+            value = raw
+        out[key.strip()] = value
+    return out
+
+
+def _protocols(args: argparse.Namespace) -> set[str]:
+    found = set()
+    for value in vars(args).values():
+        if isinstance(value, str) and "://" in value and not value.startswith("file://"):
+            found.add(value.split("://", 1)[0])
+    return found
+
+
+@contextlib.contextmanager
+def storage_options_applied(args: argparse.Namespace) -> Iterator[None]:
+    """Apply ``args.storage_option`` to the protocols of the command's URLs while the command runs."""
+    items = getattr(args, "storage_option", None) or []
+    if not items:
+        yield
+        return
+    opts = parse_storage_options(items)
+    protocols = _protocols(args)
+    if not protocols:
+        raise ConfigError("--storage-option applies to URLs (s3://, gs://, ...), and the command names none")
+    import fsspec.config
+
+    saved = copy.deepcopy(fsspec.config.conf)
+    try:
+        for proto in protocols:
+            fsspec.config.conf.setdefault(proto, {}).update(opts)
+        yield
+    finally:
+        fsspec.config.conf.clear()
+        fsspec.config.conf.update(saved)

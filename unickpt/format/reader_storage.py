@@ -1,0 +1,275 @@
+"""The reader's access to checkpoints on a URL: headers, index and ranged reads through a Storage.
+
+Local paths keep the descriptor-based path of ``reader.py`` (``open_with_header``, ``pread``);
+everything here is for ``s3://``, ``gs://``, ``memory://``... locations opened through
+``format/storage.py``. A reader of a URL applies the same checks as a local one (strict header
+validation, save ids matched to the index, the same error classes), and every message names
+the URL. No torch here.
+
+A data file is opened once: its size is fixed at open, its header is read with one ranged
+request (``HEADER_PROBE`` bytes; a second one when the header is longer), and its tensor bytes
+are read with exact ranged requests, neighbouring ones coalesced and several in flight.
+
+The index of a distributed load is fetched once: :func:`locate` (one rank) finds what the
+location holds and fetches the index bytes, and :func:`open_located` (every rank) parses them
+and builds the reader.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from unickpt.errors import IncompleteCheckpointError, IndexFileError, UnsupportedError
+from unickpt.format.index import MAX_INDEX_BYTES, IndexFile, parse_index
+from unickpt.format.naming import index_name, single_name
+from unickpt.format.safetensors_io import SafetensorsHeader, header_from_bytes
+from unickpt.format.storage import ReadHandle, Storage, open_storage
+
+if TYPE_CHECKING:
+    from unickpt.format.reader import CheckpointReader
+
+__all__ = [
+    "HEADER_PROBE",
+    "Located",
+    "open_header",
+    "read_into",
+    "iter_handle",
+    "read_runs",
+    "fetch_index",
+    "locate",
+    "open_located",
+    "open_url",
+]
+
+#: Bytes asked for when a data file is opened: the length prefix and (nearly always) the header.
+HEADER_PROBE = 8 << 10
+#: Largest single request of a streamed read (``iter_handle``).
+STREAM_CHUNK = 16 << 20
+#: A prefetch bridges gaps between wanted ranges only while it fetches at most this fraction
+#: more than it needs (gaps under ``storage.SMALL_GAP`` aside).
+PREFETCH_WASTE = 1 / 16
+#: A prefetch fetches each file's part of a window in about ``PREFETCH_SPLIT`` requests in flight
+#: at once (one stream of an object store is slower than several), each between
+#: ``PREFETCH_PIECE`` and ``MAX_REQUEST`` bytes (fewer, larger requests as windows grow: stores
+#: cap the requests per second of a prefix).
+PREFETCH_SPLIT = 4
+PREFETCH_PIECE = 4 << 20
+
+
+def open_header(storage: Storage, path: str) -> tuple[ReadHandle, SafetensorsHeader]:
+    """Open a data file on ``storage`` and validate its header: ``(handle, header)`` of one version.
+
+    ``IncompleteCheckpointError`` when it is missing; ``HeaderError`` naming ``path`` when the
+    header is not a valid safetensors header of this file's size.
+    """
+    handle = storage.open_read(path)
+    try:
+        first = handle.pread(0, min(handle.size, HEADER_PROBE))
+        h = header_from_bytes(first, handle.size, path, handle.pread)
+    except BaseException:
+        handle.close()
+        raise
+    return handle, h
+
+
+def read_into(handle: ReadHandle, offset: int, length: int, out: memoryview | None = None) -> memoryview:
+    """``length`` bytes at ``offset`` (into ``out`` when given), fetched in coalesced ranged requests."""
+    target = out if out is not None else memoryview(bytearray(length))
+    if length:
+        read_runs(handle, [(offset, length)], target)
+    return target[:length]
+
+
+def read_runs(handle: ReadHandle, runs: Sequence[tuple[int, int]], out: memoryview) -> None:
+    """Read the ``(offset, length)`` runs of a file, in order, back to back into ``out``.
+
+    Long runs are split into ``STREAM_CHUNK`` requests so that several are in flight at once.
+    """
+    pieces: list[tuple[int, int]] = []
+    for off, n in runs:
+        for at in range(0, n, STREAM_CHUNK):
+            pieces.append((off + at, min(STREAM_CHUNK, n - at)))
+    pos = 0
+    for data in handle.pread_many(pieces):
+        out[pos : pos + len(data)] = data
+        pos += len(data)
+
+
+def iter_handle(handle: ReadHandle, offset: int, length: int, chunk: int = STREAM_CHUNK) -> Iterator[bytes]:
+    """Yield the bytes [offset, offset+length) of a file in chunks (one ranged request each)."""
+    end = offset + length
+    pos = offset
+    while pos < end:
+        n = min(chunk, end - pos)
+        yield handle.pread(pos, n)
+        pos += n
+
+
+def fetch_index(storage: Storage, path: str) -> bytes:
+    """The bytes of an index file on ``storage`` (``IndexFileError`` past ``MAX_INDEX_BYTES``)."""
+    try:
+        return storage.read_bytes(path, limit=MAX_INDEX_BYTES)
+    except ValueError:
+        raise IndexFileError(
+            f"{path}: {storage.size(path)} bytes exceeds the {MAX_INDEX_BYTES}-byte limit for an index"
+        ) from None
+
+
+@dataclass(frozen=True)
+class Located:
+    """What a URL holds: an index (with its bytes) or a single safetensors file."""
+
+    url: str  # the index or the single file
+    directory: str
+    index_bytes: bytes | None  # None for a single file
+
+
+def _url_of(location: str | os.PathLike[str]) -> str:
+    return os.fspath(location).rstrip("/")
+
+
+def locate(
+    location: str | os.PathLike[str], kind: str, storage_options: dict[str, Any] | None = None
+) -> Located:
+    """Find the checkpoint of ``kind`` at a URL and fetch its index (one request when it is there).
+
+    A URL ending in ``.index.json`` is the index; one ending in ``.safetensors`` is a single
+    file; anything else is a directory holding ``<kind>.safetensors.index.json`` or
+    ``<kind>.safetensors``.
+    """
+    url = _url_of(location)
+    storage, _ = open_storage(url, storage_options)
+    if url.endswith(".index.json"):
+        return Located(url, posixpath.dirname(url), fetch_index(storage, url))
+    if url.endswith(".safetensors") and storage.exists(url):
+        return Located(url, posixpath.dirname(url), None)
+    idx = f"{url}/{index_name(kind)}"
+    try:
+        return Located(idx, url, fetch_index(storage, idx))
+    except IncompleteCheckpointError:
+        pass
+    single = f"{url}/{single_name(kind)}"
+    if storage.exists(single):
+        return Located(single, url, None)
+    raise IncompleteCheckpointError(
+        f"{url} holds no committed {kind} checkpoint: neither {index_name(kind)} nor {single_name(kind)} "
+        "is present (an interrupted save leaves data files without an index; such a location is never loaded)"
+    )
+
+
+def open_located(
+    located: Located, kind: str, storage_options: dict[str, Any] | None = None
+) -> CheckpointReader:
+    """The reader of what :func:`locate` found; parses the index bytes it carries."""
+    from unickpt.format.consistency import check_block
+    from unickpt.format.reader import CheckpointReader
+    from unickpt.format.reader_blocks import block_from_header, block_from_plain_index, single_file_name
+
+    storage, _ = open_storage(located.url, storage_options)
+    if located.index_bytes is None:
+        handle, h = open_header(storage, located.url)
+        try:
+            block, has = block_from_header(h, kind)
+            if has:
+                check_block(h.path, block, None)
+        except BaseException:
+            handle.close()
+            raise
+        file = single_file_name(located.url, kind)
+        r = CheckpointReader(
+            located.directory,
+            kind,
+            block,
+            None,
+            has,
+            single_file=located.url,
+            single_slice_file=file,
+            storage=storage,
+        )
+        r._headers[file] = h
+        r._handles[file] = handle
+        return r
+    idx: IndexFile = parse_index(located.index_bytes, located.url)
+    if idx.unickpt is None:
+
+        def header_of(file: str) -> SafetensorsHeader:
+            handle, h = open_header(storage, f"{located.directory}/{file}")
+            handle.close()
+            return h
+
+        block = block_from_plain_index(idx, located.directory, located.url, kind, header_of)
+        return CheckpointReader(located.directory, kind, block, located.url, False, idx, storage=storage)
+    block = idx.unickpt
+    if block.kind != kind:
+        raise IndexFileError(f"{located.url}: holds a {block.kind} checkpoint, expected a {kind} checkpoint")
+    check_block(located.url, block, idx.weight_map)
+    return CheckpointReader(located.directory, kind, block, located.url, True, idx, storage=storage)
+
+
+def open_url(
+    location: str | os.PathLike[str], kind: str, storage_options: dict[str, Any] | None = None
+) -> CheckpointReader:
+    """``open_located(locate(...))``: the reader of a URL, opened by this process alone."""
+    return open_located(locate(location, kind, storage_options), kind, storage_options)
+
+
+def no_path(url: str) -> UnsupportedError:
+    return UnsupportedError(f"{url} is on an object store: it has no local path to open")
+
+
+class Prefetched:
+    """Byte ranges of data files fetched ahead of their reads (coalesced, all in flight at once).
+
+    A load on a URL knows every range it will read before it copies anything: fetching them in
+    one batch per file turns hundreds of small per-tensor requests into a few large ones. Reads
+    that a prefetched block covers are served from it; others go to the store as usual.
+    """
+
+    def __init__(self) -> None:
+        self._blocks: dict[str, list[tuple[int, bytes]]] = {}
+
+    def fetch(
+        self, handles: dict[str, ReadHandle], wanted: dict[str, list[tuple[int, int]]], threads: int
+    ) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from unickpt.format.storage import MAX_REQUEST, coalesce
+
+        def one(name: str) -> tuple[str, list[tuple[int, bytes]]]:
+            reqs = [(a, b - a) for a, b, _ in coalesce(wanted[name], waste=PREFETCH_WASTE) if b > a]
+            total = sum(n for _, n in reqs)
+            step = min(MAX_REQUEST, max(PREFETCH_PIECE, -(-total // PREFETCH_SPLIT)))
+            pieces = [(o + at, min(step, n - at)) for o, n in reqs for at in range(0, n, step)]
+            got = handles[name].pread_many(pieces, gap=-1)  # grouped already: one request per piece
+            return name, sorted(zip((o for o, _ in pieces), got, strict=True))
+
+        names = [n for n in wanted if wanted[n]]
+        with ThreadPoolExecutor(max(1, min(threads, len(names))), thread_name_prefix="unickpt-fetch") as pool:
+            for name, blocks in pool.map(one, names):
+                self._blocks.setdefault(name, []).extend(blocks)
+
+    def get(self, name: str, offset: int, length: int) -> memoryview | None:
+        """The prefetched bytes [offset, offset+length) of file ``name``, or None when not all fetched."""
+        out: bytearray | None = None
+        pos = offset
+        end = offset + length
+        for start, data in self._blocks.get(name, ()):
+            if start <= pos < start + len(data):
+                take = min(end, start + len(data)) - pos
+                view = memoryview(data)[pos - start : pos - start + take]
+                if pos == offset and take == length:
+                    return view
+                if out is None:
+                    out = bytearray()
+                out += view
+                pos += take
+                if pos >= end:
+                    return memoryview(out)
+        return None if length else memoryview(b"")
+
+    def clear(self) -> None:
+        self._blocks.clear()
