@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from unickpt.booster import Booster
-from unickpt.errors import ConfigError
 from unickpt.format.commit_store import is_store_data_file, store_file_name
 from unickpt.format.reader import open_checkpoint
 from unickpt.io import GeneralCheckpointIO
@@ -168,10 +167,15 @@ def test_single_file_over_sharded_and_back(s3, tmp_path) -> None:
     same(load_into(download(s3, "sw", tmp_path / "b")), Net(3))
 
 
-def test_storage_options_on_a_local_path_is_refused(tmp_path) -> None:
+def test_io_storage_options_apply_to_urls_only(tmp_path) -> None:
+    # The options an IO was given are for the URLs it saves to and loads from; a local path (a
+    # run's local copy, a scratch save) ignores them. A single call on a local path with explicit
+    # options is refused (test_storage_read.test_file_url_is_a_local_path).
     io = GeneralCheckpointIO(storage_options={"anon": True})
-    with pytest.raises(ConfigError, match="storage_options are for fsspec URLs"):
-        io.save_model(Net(1), tmp_path / "x", shard=True)
+    io.save_model(Net(1), tmp_path / "x", shard=True)
+    fresh = Net(2)
+    io.load_model(fresh, tmp_path / "x")
+    same(fresh, Net(1))
 
 
 def test_environment_credentials_without_storage_options(s3, tmp_path) -> None:

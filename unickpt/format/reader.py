@@ -327,11 +327,11 @@ class CheckpointReader:
 
             absolute = [(off + o, k) for o, k in runs]
             if self._prefetched is not None:
-                hits = [self._prefetched.get(s.file, o, k) for o, k in absolute]
-                if all(h is not None for h in hits):
+                got = [self._prefetched.get(s.file, o, k) for o, k in absolute]
+                hits = [h for h in got if h is not None]
+                if len(hits) == len(got):
                     pos = 0
                     for h in hits:
-                        assert h is not None
                         out[pos : pos + len(h)] = h
                         pos += len(h)
                     return

@@ -82,8 +82,10 @@ class S3Upload:
             self._pool = ThreadPoolExecutor(max_workers=self._in_flight, thread_name_prefix="unickpt-upload")
         number = len(self._parts) + 1
         self._slots.acquire()  # at most `in_flight` parts held in memory and on the wire
-        assert self._pool is not None
-        self._parts.append(self._pool.submit(self._put_part, number, body))
+        pool = self._pool
+        if pool is None:  # never: the upload and its pool are created above
+            raise RuntimeError(f"{self.key}: no upload pool after the upload was created")
+        self._parts.append(pool.submit(self._put_part, number, body))
 
     def _put_part(self, number: int, body: bytes) -> dict[str, Any]:
         try:

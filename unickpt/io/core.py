@@ -19,6 +19,7 @@ from unickpt import _dist
 from unickpt.errors import ConfigError
 from unickpt.format.index import LayoutInfo
 from unickpt.format.reader import CheckpointReader
+from unickpt.format.storage import is_url
 from unickpt.io.hooks import CheckpointHooks, HookContext
 from unickpt.io.payload import SavePayload
 from unickpt.io.replicas import REPLICA_MODES, check_replicas
@@ -131,5 +132,7 @@ class IOCore(CheckpointHooks):
         )
 
     def _open(self, checkpoint: str | os.PathLike[str], kind: str) -> CheckpointReader:
-        # A URL's storage options come from the IO (given at construction) or the environment.
-        return open_for_load(checkpoint, kind, self.group, self.storage_options)
+        # A URL's storage options come from the IO (given at construction) or the environment;
+        # a local path ignores them.
+        options = self.storage_options if is_url(os.fspath(checkpoint)) else None
+        return open_for_load(checkpoint, kind, self.group, options)

@@ -40,7 +40,7 @@ import torch
 from unickpt import _dist
 from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
-from unickpt.errors import ConfigError, UnickptError
+from unickpt.errors import UnickptError
 from unickpt.format.commit import directory_lock, discard, new_save_id
 from unickpt.format.commit_store import committed_on_store, store_file_name
 from unickpt.format.index import LayoutInfo, index_to_json
@@ -300,10 +300,10 @@ def _finish(
 
 
 def open_store(path: str, storage_options: dict[str, Any] | None) -> tuple[Storage | None, str]:
-    """``(storage, location in it)`` for a URL; ``(None, path)`` for a local path (today's path)."""
+    """``(storage, location in it)`` for a URL; ``(None, path)`` for a local path (today's path).
+
+    The options an IO was given apply to the URLs it saves to; a local path ignores them."""
     if not is_url(path):
-        if storage_options:
-            raise ConfigError(f"storage_options are for fsspec URLs; {path!r} is a local path")
         return None, path[len("file://") :] if path.startswith("file://") else path
     store, root = open_storage(path, storage_options)
     return store, root

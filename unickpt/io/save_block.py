@@ -13,7 +13,7 @@ from unickpt.io.planner import PlannedFile, SavePlan
 __all__ = ["Results", "VERSION", "build_save_block", "by_slice", "file_specs", "make_writer"]
 
 VERSION = f"unickpt {__version__}"
-_VERSION = VERSION
+
 #: (tensor name, slice number) -> (xxh3-64 or None, fingerprint partial)
 Results = dict[tuple[str, int], tuple[str | None, int]]
 
@@ -69,7 +69,7 @@ def build_save_block(
         entries[name] = tensor_entry(name, dtype, gshape, slices, partials, placeholder=placeholder, **extra)
     return build_block(
         kind=opts.kind,
-        created_by=_VERSION,
+        created_by=VERSION,
         layout=opts.layout.model_copy(update={"gathered": opts.gather}),
         tensors=entries,
         aliases=aliases,

@@ -368,6 +368,7 @@ def _upload_dir(src: str, url: str, storage_options: dict[str, Any] | None) -> N
     from unickpt.format.storage import open_storage
 
     store, root = open_storage(url, storage_options)
+    store.makedirs(root)
     for name in sorted(os.listdir(src)):
         out = store.open_write(store.join(root, name))
         try:
