@@ -142,7 +142,9 @@ def patched(module: Any, name: str, value: Any) -> Iterator[None]:
 
 def flip_bit_in_slice(directory: Path, tensor: str, row0: int) -> str:
     """Flip one bit in the stored slice of ``tensor`` whose first row is ``row0``; return its file name."""
-    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    from unickpt.format.index_compact import as_listed
+
+    index = as_listed(json.loads((directory / "model.safetensors.index.json").read_text()))
     (sl,) = [s for s in index["unickpt"]["tensors"][tensor]["slices"] if s["offsets"][0] == row0]
     path = directory / sl["file"]
     raw = bytearray(path.read_bytes())
