@@ -32,9 +32,13 @@ def _sizes(s3: Any, prefix: str) -> dict[str, int]:
     return {str(p)[len(base) + 1 :]: int(i["size"]) for p, i in fs.find(base, detail=True).items()}
 
 
+def _no_download(*a: Any, **k: Any) -> None:
+    raise AssertionError("a resume from the store downloaded the step")
+
+
 @pytest.mark.parametrize("async_save", [False, True])
 def test_manager_on_s3_resumes_bit_exact_uploads_each_object_once(
-    s3: Any, tmp_path: Path, async_save: bool
+    s3: Any, tmp_path: Path, async_save: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ref = _train(None, 12)
     url = f"s3://{s3.bucket}/run"
@@ -54,8 +58,12 @@ def test_manager_on_s3_resumes_bit_exact_uploads_each_object_once(
     # Nothing was staged on local disk: the cache directory is never even created by a save.
     assert not cache.exists() or [p for p in cache.rglob("*") if p.is_file()] == []
     counter = Counter()
+    # The resume reads the step in place (ranged reads of what this rank loads): no download.
+    monkeypatch.setattr(RemoteStore, "_download", _no_download)
     mgr2 = CheckpointManager(url, save_steps=5, keep_last=1, local_cache_dir=cache, storage_options=opts)
+    s3.reset()
     rest = _train(mgr2, 12, seed=77, counter=counter)
+    assert not cache.exists() or [p for p in cache.rglob("*") if p.is_file()] == []
     assert first == {s: ref[s] for s in range(1, 6)}
     assert rest == {s: ref[s] for s in range(6, 13)}  # weights, optimizer, RNG, data order: bit for bit
     assert counter.n == 12

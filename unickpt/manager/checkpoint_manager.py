@@ -185,7 +185,7 @@ class CheckpointManager:
             try:
                 maybe_fail("manager.load.train_state")
                 rank, world = _dist.rank(self.group), _dist.world_size(self.group)
-                train_state.restore(d, step, rank, world, dataloader, extra_states)
+                train_state.restore(d, step, rank, world, dataloader, extra_states, self._storage_options)
             except BaseException as e:
                 err = e
             _dist.agree(err, f"loading the training state of {d}", self.group)

@@ -27,7 +27,7 @@ from unickpt._stepdirs import (
     make_work_dir,
     remove_step,
 )
-from unickpt.errors import ConfigError
+from unickpt.errors import ConfigError, IncompleteCheckpointError
 from unickpt.format import run_layout
 from unickpt.format.commit import directory_lock
 from unickpt.format.run_layout import LATEST_NAME, TRAIN_STATE_DIR
@@ -175,23 +175,21 @@ class RemoteStorage(Storage):
 
     @contextlib.contextmanager
     def open_step(self, step: int, path: str, group: Any) -> Iterator[str]:
-        d = os.path.join(self.root, run_layout.work_name(step, "download"))
-        err = None
-        owned: int | None = None
-        try:
-            os.makedirs(self.root, exist_ok=True)
-            clean_work_dirs(self.root)
-            owned = make_work_dir(d)
-            self.store.download_step(step, d, _dist.rank(group))
-        except BaseException as e:
-            err = e
-        try:
-            _dist.agree(err, f"downloading {self.step_dir(step)}", group)
-            yield d
-        finally:
-            shutil.rmtree(d, ignore_errors=True)
-            if owned is not None:
-                os.close(owned)
+        """The step's URL itself: every load reads in place, each rank only its byte ranges
+        (the index fetched once and broadcast), nothing copied to local disk."""
+        del path
+        err: BaseException | None = None
+        url = ""
+        if _dist.rank(group) == 0:
+            try:
+                prefix = self.store.committed_prefixes().get(step)
+                if prefix is None:  # deleted by retention or a replacing save since it was listed
+                    raise IncompleteCheckpointError(f"{self.store.url}/step-{step} is no longer committed")
+                url = self.store.url_of(prefix)
+            except BaseException as e:
+                err = e
+        _dist.agree(err, f"opening {self.step_dir(step)}", group)
+        yield _dist.broadcast_object(url, 0, group)
 
 
 def open_storage(

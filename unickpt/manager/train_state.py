@@ -19,6 +19,7 @@ from unickpt.errors import IncompleteCheckpointError, IndexFileError, StateMisma
 from unickpt.format import run_layout
 from unickpt.format.commit_store import write_small_file
 from unickpt.format.run_layout import TRAIN_STATE_DIR
+from unickpt.format.storage import is_url
 from unickpt.io.jsonstate import from_json_value, to_json_value
 
 __all__ = ["STATE_VERSION", "capture", "restore", "write_rank_state", "read_rank_state"]
@@ -59,11 +60,21 @@ def capture(
     return state, tensors
 
 
-def restore(d: str, step: int, rank: int, world: int, dataloader: Any, extra_states: dict[str, Any]) -> None:
-    """Load this rank's state of the step directory ``d`` into the RNGs, ``dataloader`` and ``extra_states``."""
-    js, tensors = read_rank_state(d, rank)
+def restore(
+    d: str,
+    step: int,
+    rank: int,
+    world: int,
+    dataloader: Any,
+    extra_states: dict[str, Any],
+    storage_options: dict[str, Any] | None = None,
+) -> None:
+    """Load this rank's state of the step directory ``d`` (a local path or a URL) into the RNGs,
+    ``dataloader`` and ``extra_states``."""
+    js, tensors = read_rank_state(d, rank, storage_options)
     if js is None:
-        saved_world = (run_layout.read_commit(d) or {}).get("world_size", "?")
+        commit = None if is_url(d) else run_layout.read_commit(d)
+        saved_world = (commit or {}).get("world_size", "?")
         logger.warning(
             "step %s was saved by %s rank(s), this is rank %s of %s: RNG states are not restored "
             "and per-rank states come from rank 0",
@@ -72,7 +83,7 @@ def restore(d: str, step: int, rank: int, world: int, dataloader: Any, extra_sta
             rank,
             world,
         )
-        js, tensors = read_rank_state(d, 0)
+        js, tensors = read_rank_state(d, 0, storage_options)
         if js is None:
             raise IncompleteCheckpointError(f"{d}: no train state for rank 0")
     elif js.get("rng") is None:
@@ -147,15 +158,18 @@ def write_rank_state(
     run_layout.write_hashes(stage, rank, written, storage_options)
 
 
-def read_rank_state(step_dir: str, rank: int) -> tuple[dict[str, Any] | None, dict[str, torch.Tensor]]:
+def read_rank_state(
+    step_dir: str, rank: int, storage_options: dict[str, Any] | None = None
+) -> tuple[dict[str, Any] | None, dict[str, torch.Tensor]]:
+    """A rank's JSON state and tensors from a step directory or URL; (None, {}) when absent."""
     from safetensors.torch import load
+
+    from unickpt.io.url_load import read_file_bytes
 
     jpath, tpath = _rank_paths(step_dir, rank)
     try:
-        with open(jpath, "rb") as f:
-            js = json.loads(f.read())
-        with open(tpath, "rb") as f:
-            tensors = load(f.read())
+        js = json.loads(read_file_bytes(jpath, storage_options))
+        tensors = load(read_file_bytes(tpath, storage_options, limit=1 << 30))
     except FileNotFoundError:
         return None, {}
     except ValueError as e:
