@@ -169,3 +169,16 @@ def test_no_module_passes_500_lines() -> None:
 def test_the_line_limit_check_catches_a_long_module() -> None:
     assert _too_long({"unickpt.io.x": 501, "unickpt.io.y": 500}) == ["unickpt.io.x: 501 lines (limit 500)"]
     assert _too_long({"unickpt.format.reader": 530}) == ["unickpt.format.reader: 530 lines (limit 500)"]
+
+
+def test_test_modules_have_unique_basenames() -> None:
+    """pytest imports test modules by basename (rootdir-relative, no packages): two files of one
+    name under tests/unit and tests/dist make the second fail to collect."""
+    tests = Path(__file__).resolve().parents[1]
+    seen: dict[str, str] = {}
+    clashes = []
+    for p in sorted(tests.rglob("test_*.py")):
+        if p.name in seen:
+            clashes.append(f"{seen[p.name]} and {p.relative_to(tests)}")
+        seen[p.name] = str(p.relative_to(tests))
+    assert not clashes, clashes

@@ -44,7 +44,7 @@ def fsdp2_save_worker(url: str, options: dict[str, Any]) -> dict[str, Any]:
 def test_four_rank_fsdp2_save_to_s3_is_bit_exact(world_pool: Any, s3: Any, tmp_path: Path) -> None:
     url = f"s3://{s3.bucket}/fsdp2"
     opts = s3.storage_options()
-    results = world_pool.run(4, "test_storage_write:fsdp2_save_worker", url, opts, timeout=400)
+    results = world_pool.run(4, "test_storage_write_dist:fsdp2_save_worker", url, opts, timeout=400)
     fs = fsspec.filesystem("s3", **s3.storage_options("check"))
     fs.invalidate_cache()
     names = sorted(str(p).rsplit("/", 1)[1] for p in fs.find(f"{s3.bucket}/fsdp2/model"))
