@@ -9,6 +9,7 @@ checkpoint, the index last, superseded files removed, nothing uploaded twice.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +166,24 @@ def test_single_file_over_sharded_and_back(s3, tmp_path) -> None:
     names = objects(s3, "sw")
     assert "model.safetensors" not in names and "model.safetensors.index.json" in names
     same(load_into(download(s3, "sw", tmp_path / "b")), Net(3))
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_file_url_saves_into_its_local_path(tmp_path, monkeypatch, use_async: bool) -> None:
+    # file:///x is the local path /x for every save (sharded, single file, async), never a
+    # directory named "file:" under the working directory.
+    monkeypatch.chdir(tmp_path)
+    target = tmp_path / "out"
+    io = GeneralCheckpointIO()
+    for shard in (True, False):
+        url = f"file://{target}/{'sharded' if shard else 'single'}"
+        io.save_model(Net(5), url, shard=shard, use_async=use_async)
+        io.wait()
+        fresh = Net(6)
+        io.load_model(fresh, url)
+        same(fresh, Net(5))
+    assert sorted(os.listdir(target)) == ["sharded", "single"]
+    assert not (tmp_path / "file:").exists()
 
 
 def test_io_storage_options_apply_to_urls_only(tmp_path) -> None:

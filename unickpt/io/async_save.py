@@ -212,6 +212,7 @@ class AsyncSaveIO(IOCore):
 def committed_path(path: str, kind: str, shard: bool, gather: bool) -> str:
     """The path a save with these arguments commits (what ``save_tensors`` returns)."""
     url = is_url(path)
+    path = path.removeprefix("file://")
     is_file = path.endswith(".safetensors") or (not url and os.path.isfile(path))
     if gather and not shard:
         return path if is_file else os.path.join(path, single_name(kind))

@@ -92,6 +92,8 @@ def save_tensors(
     single_file = opts.gather and not opts.shard
     # A URL is written through the storage layer (object stores: no staging, no rename).
     store, root = open_store(path, opts.storage_options)
+    if store is None:
+        path = root  # a file:// URL is its local path
     # An existing file (e.g. a tempfile.NamedTemporaryFile) is replaced by an unsharded save.
     is_file = path.endswith(".safetensors") or (store is None and os.path.isfile(path))
     if store is not None:

@@ -265,7 +265,7 @@ class CheckpointManager:
     def _write(self, p: snapshot.Payload, group: Any) -> None:
         """Collective over ``group``: write the staged step, then rank 0 commits it."""
         rank = _dist.rank(group)
-        hf_in_place = self.save_hf and self._shared_stage(group)
+        hf_in_place = self.save_hf and self._shared_stage()
         try:
             for kind, plan in (("model", p.model), ("optimizer", p.optimizer)):
                 if plan is None:
@@ -319,9 +319,8 @@ class CheckpointManager:
         for s in policy.retired_steps(self.all_steps(), p.step, self.keep_last):
             self.storage.remove_step(s)
 
-    def _shared_stage(self, group: Any) -> bool:
+    def _shared_stage(self) -> bool:
         """Whether the step is written into a local directory the ranks share (not on a store)."""
-        del group
         return not isinstance(self.storage, RemoteStorage)
 
     def _write_hf(self, p: snapshot.Payload, group: Any) -> None:
@@ -338,7 +337,7 @@ class CheckpointManager:
         err: BaseException | None = None
         if _dist.rank(group) == 0:
             try:
-                if self._shared_stage(group):  # model/ holds the Hugging Face files: hf/ links to them
+                if self._shared_stage():  # model/ holds the Hugging Face files: hf/ links to them
                     _link_files(os.path.join(p.stage, "model"), hf)
                     for fname, text in p.hf_config.items():
                         write_small_file(os.path.join(hf, fname), text.encode("utf-8"), self._storage_options)
