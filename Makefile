@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: venv test lint typecheck unit dist test-slow fuzz demo bench bench-scale clean
+.PHONY: venv peers test lint typecheck unit dist test-slow fuzz demo bench bench-scale clean
 
 # setup.py builds the compiled fingerprint kernel (unickpt/format/_fpkernel.c) in place.
 $(BIN)/.installed: pyproject.toml setup.py unickpt/format/_fpkernel.c unickpt/format/_fp2kernel.c
@@ -18,6 +18,17 @@ $(BIN)/.installed: pyproject.toml setup.py unickpt/format/_fpkernel.c unickpt/fo
 	touch $@
 
 venv: $(BIN)/.installed
+
+# The peers the differential tests compare against, installed without their dependencies beside
+# torch (Colossal-AI, DeepSpeed and torchtitan pull GPU stacks otherwise) with the few small
+# modules their checkpoint code imports. Best effort: a peer that fails to install leaves its
+# tests skipped with the reason, never a red suite.
+PEERS := colossalai==0.5.0 deepspeed==0.19.8 torchtitan==0.3.0 psutil peft accelerate hjson ninja py-cpuinfo einops msgpack
+$(BIN)/.peers: $(BIN)/.installed
+	$(BIN)/python -m pip install -q --no-deps $(PEERS) || echo "peers not installed: their tests skip"
+	touch $@
+
+peers: $(BIN)/.peers
 
 lint: venv
 	$(BIN)/ruff check .
@@ -33,7 +44,7 @@ dist: venv
 	$(BIN)/pytest -q tests/dist
 
 # The kernel is optional for users (numpy gives the same numbers), not for the test suite.
-test: venv lint typecheck
+test: venv peers lint typecheck
 	UNICKPT_REQUIRE_NATIVE=1 $(BIN)/pytest -q tests
 
 test-slow: venv
