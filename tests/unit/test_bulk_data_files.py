@@ -286,3 +286,39 @@ def test_verify_in_runs_names_exactly_the_damaged_and_the_cut_slices(
         ("layers.28.w", "layers.28.w@3", True),
         ("layers.29.w", "layers.29.w@3", True),
     ], got
+
+
+def test_merge_copies_runs_bit_exact_and_names_a_damaged_slice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from safetensors.numpy import load_file
+
+    from unickpt import merge_checkpoint
+    from unickpt.errors import IntegrityError
+
+    src = tmp_path / "src"
+    src.mkdir()
+    data = _sliced(src)
+    calls: list[int] = []
+    real = os.preadv
+
+    def counting(fd: int, bufs: Any, offset: int) -> int:
+        calls.append(len(bufs))
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "preadv", counting)
+    merge_checkpoint(src, tmp_path / "out")
+    monkeypatch.undo()
+    assert calls == [TENSORS] * WORLD  # one read per file: every tensor's rows in one group
+    merged = load_file(tmp_path / "out" / "model.safetensors")
+    assert set(merged) == set(data)
+    for n, want in data.items():
+        assert np.array_equal(merged[n], want), n
+    f = src / shard_name("model", 2, WORLD)
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) - 4 * COLS * 3] ^= 1  # tensor 27's row 1
+    f.write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError) as ei:
+        merge_checkpoint(src, tmp_path / "out2")
+    assert [(x.tensor, x.key) for x in ei.value.failures] == [("layers.27.w", "layers.27.w@1")]
+    assert not (tmp_path / "out2").exists()
