@@ -322,3 +322,25 @@ def test_merge_copies_runs_bit_exact_and_names_a_damaged_slice(
         merge_checkpoint(src, tmp_path / "out2")
     assert [(x.tensor, x.key) for x in ei.value.failures] == [("layers.27.w", "layers.27.w@1")]
     assert not (tmp_path / "out2").exists()
+
+
+def test_an_index_with_the_old_sentinel_still_loads_and_verifies(tmp_path: Path) -> None:
+    data = _sliced(tmp_path)
+    ix = tmp_path / "model.safetensors.index.json"
+    old = "unickpt-sliced-checkpoint--run-unickpt-merge-to-load-with-huggingface.safetensors"
+    raw = ix.read_bytes()
+    assert SLICED_SENTINEL.encode() in raw and old.encode() not in raw
+    ix.write_bytes(raw.replace(SLICED_SENTINEL.encode(), old.encode()))
+    model = _model(data)
+    GeneralCheckpointIO().load_model(model, tmp_path)
+    for n, want in data.items():
+        assert np.array_equal(model.get_parameter(n).detach().numpy(), want), n
+    assert not list(verify_checkpoint(tmp_path))
+    # A real file name among sentinels is still refused as a mix.
+    obj = json.loads(ix.read_bytes())
+    obj["weight_map"]["layers.0.w"] = shard_name("model", 1, WORLD)
+    ix.write_text(json.dumps(obj))
+    from unickpt.errors import IndexFileError
+
+    with pytest.raises(IndexFileError, match="weight_map mixes the sliced-checkpoint sentinel"):
+        open_checkpoint(tmp_path)
