@@ -173,10 +173,8 @@ def _model(data: dict[str, np.ndarray]) -> torch.nn.Module:
     return m
 
 
-def test_load_reads_each_file_in_one_preadv_and_is_bit_exact(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    data = _sliced(tmp_path)
+def _count_preadv(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record the buffer count of every ``os.preadv`` call from now on."""
     calls: list[int] = []
     real = os.preadv
 
@@ -185,6 +183,14 @@ def test_load_reads_each_file_in_one_preadv_and_is_bit_exact(
         return real(fd, bufs, offset)
 
     monkeypatch.setattr(os, "preadv", counting)
+    return calls
+
+
+def test_load_reads_each_file_in_one_preadv_and_is_bit_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = _sliced(tmp_path)
+    calls = _count_preadv(monkeypatch)
     model = _model(data)
     GeneralCheckpointIO().load_model(model, tmp_path)
     for n, want in data.items():
@@ -299,14 +305,7 @@ def test_merge_copies_runs_bit_exact_and_names_a_damaged_slice(
     src = tmp_path / "src"
     src.mkdir()
     data = _sliced(src)
-    calls: list[int] = []
-    real = os.preadv
-
-    def counting(fd: int, bufs: Any, offset: int) -> int:
-        calls.append(len(bufs))
-        return real(fd, bufs, offset)
-
-    monkeypatch.setattr(os, "preadv", counting)
+    calls = _count_preadv(monkeypatch)
     merge_checkpoint(src, tmp_path / "out")
     monkeypatch.undo()
     assert calls == [TENSORS] * WORLD  # one read per file: every tensor's rows in one group
