@@ -56,6 +56,7 @@ def verify_bulk(
         table = t.table
         hashes = table.hash_list()
         ks = [k for k, h in enumerate(hashes) if h is not None]
+        wants = [h for h in hashes if h is not None]
         try:
             files, offs, lens = table_spans(r.header, table, ks)
         except (IncompleteCheckpointError, CheckpointFormatError):
@@ -64,9 +65,7 @@ def verify_bulk(
         if lens and max(lens) > RUN_BYTES:
             rest.append((name, t))
             continue
-        for file, off, n, k in zip(files, offs, lens, ks, strict=True):
-            h = hashes[k]
-            assert h is not None
+        for file, off, n, k, h in zip(files, offs, lens, ks, wants, strict=True):
             per_file.setdefault(file, []).append((off, n, h, ti, k))
     failed: list[tuple[int, int, IntegrityFailure]] = []
     for file, items in per_file.items():
