@@ -770,7 +770,7 @@ def test_tables_escape_control_and_bidi_characters(case: str, tmp_path: Path) ->
     from unickpt.tools.inspect import format_report, inspect_checkpoint
 
     d = _place(tmp_path, case)
-    info = inspect_checkpoint(d)
+    info = inspect_checkpoint(d, slices=True)
     table = format_report(info, verbose=True)
     other = tmp_path / "other"
     other.mkdir()

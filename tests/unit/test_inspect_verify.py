@@ -22,8 +22,13 @@ def _save(tmp_path: Path, **kw: bool) -> Path:
 @pytest.mark.parametrize("shard,gather", [(False, True), (True, True), (True, False)])
 def test_inspect_lists_everything(tmp_path: Path, shard: bool, gather: bool) -> None:
     p = _save(tmp_path, shard=shard, gather_dtensor=gather)
-    info = inspect_checkpoint(p)
+    info = inspect_checkpoint(p, slices=True)
     assert info["kind"] == "model" and info["layout"]["gathered"] == gather
+    short = inspect_checkpoint(p)  # without slices=True: a preview of each tensor's first slices
+    assert all("slices" not in e for e in short["tensors"].values())
+    assert [e["slice_preview"] for e in short["tensors"].values()] == [
+        e["slices"][:4] for e in info["tensors"].values()
+    ]
     assert set(info["tensors"]) == {"0.weight", "0.bias", "1.weight", "1.bias"}
     w = info["tensors"]["0.weight"]
     assert w["dtype"] == "F32" and w["shape"] == [3, 4] and w["bytes"] == 48 and w["num_slices"] == 1

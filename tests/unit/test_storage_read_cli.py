@@ -76,7 +76,7 @@ def test_inspect_reads_only_the_index(s3, tmp_path, capsys) -> None:
 def _inspect_local(local: Path) -> dict[str, Any]:
     from unickpt.tools.inspect import inspect_checkpoint
 
-    return inspect_checkpoint(local)
+    return inspect_checkpoint(local, slices=True)  # as `inspect --json` lists them
 
 
 def test_verify_url_and_a_flipped_byte(s3, tmp_path, capsys) -> None:

@@ -46,7 +46,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         run_info = inspect_run(args.path)
         print(json.dumps(run_info, indent=2) if args.json else format_run_report(run_info))
         return EXIT_OK
-    info = inspect_checkpoint(args.path, kind=args.kind)
+    info = inspect_checkpoint(args.path, kind=args.kind, slices=args.json or args.slices)
     if args.json:
         print(json.dumps(info, indent=2))
     else:

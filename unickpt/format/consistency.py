@@ -21,9 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+import numpy as np
+
 from unickpt.errors import IndexFileError
 from unickpt.format.index import TensorEntry, UnickptBlock
-from unickpt.format.naming import SLICED_SENTINEL
+from unickpt.format.naming import SLICED_SENTINELS
 from unickpt.format.safetensors_io import SafetensorsHeader
 
 __all__ = [
@@ -127,8 +129,8 @@ def check_weight_map(where: str, weight_map: dict[str, str], block: UnickptBlock
     A gathered index maps every stored tensor to the file holding it (so Hugging Face loaders
     read exactly what unickpt verifies); a sliced one maps every stored tensor to the sentinel.
     """
-    sentinel = [n for n, f in weight_map.items() if f == SLICED_SENTINEL]
-    real = [n for n, f in weight_map.items() if f != SLICED_SENTINEL]
+    sentinel = [n for n, f in weight_map.items() if f in SLICED_SENTINELS]
+    real = [n for n, f in weight_map.items() if f not in SLICED_SENTINELS]
     if sentinel and real:
         raise IndexFileError(
             f"{where}: weight_map mixes the sliced-checkpoint sentinel (e.g. tensor {_q(sentinel[0])}) with "
@@ -229,23 +231,30 @@ def check_keys_referenced(
 ) -> None:
     """Every key of each data file in ``files`` is a slice of the index (``header`` reads one).
 
-    Keys are looked up, not collected: a ``NAME@K`` key of a version 3 tensor is checked against
-    its tensor's table (O(1)), so a rank that reads a few files costs O(their keys).
+    Only the slices stored in ``files`` are collected (a tensor's table says which by file id),
+    so a rank that reads a few files costs O(their keys) plus O(tensors).
     """
-    refs: dict[str, set[str]] = {}
-    ruled: dict[str, TensorEntry] = {}
+    files = list(files)
+    wanted = set(files)
+    refs: dict[str, set[str]] = {f: set() for f in files}
     for name, t in block.tensors.items():
         table = t.table
-        if table.ruled_keys:
-            ruled[name] = t
+        ids = [i for i, f in enumerate(table.files) if f in wanted]
+        if not ids:
             continue
-        for file, key in zip(table.file_list(), table.keys(), strict=True):
-            refs.setdefault(file, set()).add(key)
+        fids = table.file_ids
+        ks = np.arange(len(table)) if len(ids) == len(table.files) else np.flatnonzero(np.isin(fids, ids))
+        names = list(map(table.files.__getitem__, fids[ks].tolist()))
+        keys = (
+            [f"{name}@{k}" for k in ks.tolist()] if table.ruled_keys else [table.key(k) for k in ks.tolist()]
+        )
+        for file, key in zip(names, keys, strict=True):
+            refs[file].add(key)
 
     for file in files:
         h = header(file)
-        known = refs.get(file, set())
-        extra = [k for k in h.entries if k not in known and not _ruled_key_in(ruled, file, k)]
+        known = refs[file]
+        extra = [] if known.issuperset(h.entries) else [k for k in h.entries if k not in known]
         if extra:
             raise IndexFileError(
                 f"{h.path}: holds {len(extra)} key(s) that no slice of the index references: {_names(extra)} "

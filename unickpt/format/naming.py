@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "INDEX_SUFFIX",
     "SLICED_SENTINEL",
+    "SLICED_SENTINELS",
     "index_name",
     "single_name",
     "shard_name",
@@ -16,7 +17,12 @@ INDEX_SUFFIX = ".safetensors.index.json"
 # In a checkpoint that keeps distributed slices, every weight_map entry points at this file,
 # which never exists: a Hugging Face loader then fails loudly with a message naming the fix,
 # instead of loading a slice as if it were the whole tensor. unickpt reads the slice table.
-SLICED_SENTINEL = "unickpt-sliced-checkpoint--run-unickpt-merge-to-load-with-huggingface.safetensors"
+# Short, since every tensor of a sliced index repeats it (a quarter of the index at 4 ranks).
+SLICED_SENTINEL = "run-unickpt-merge-first.safetensors"
+# Every sentinel readers accept: the current one, and the one written before it (until 2026-12).
+SLICED_SENTINELS = frozenset(
+    {SLICED_SENTINEL, "unickpt-sliced-checkpoint--run-unickpt-merge-to-load-with-huggingface.safetensors"}
+)
 
 
 def index_name(kind: str) -> str:

@@ -35,6 +35,7 @@ from unickpt.format.dcp_hf import block_from_dcp_hf, dcp_hf_files
 from unickpt.format.hashing import SliceHasher
 from unickpt.format.index import IndexFile, SliceEntry, TensorEntry, UnickptBlock, check_file_name, load_index
 from unickpt.format.naming import index_name, single_name
+from unickpt.format.read_batch import describe_key
 from unickpt.format.reader_blocks import (
     UNICKPT_METADATA_KEY,
     block_from_header,
@@ -282,15 +283,14 @@ class CheckpointReader:
 
     def _check_key(self, name: str, dtype: str, file: str, key: str, shape: list[int]) -> None:
         h = self.header(file)
-        e = h.entries.get(key)
+        e = describe_key(h, key)  # (dtype, shape list): no entry object built
         if e is None:
             raise HeaderError(
                 f"{h.path}: tensor {name!r} should be stored under key {key!r}, which the file lacks"
             )
-        if e.dtype != dtype or list(e.shape) != shape:
+        if e[0] != dtype or e[1] != shape:
             raise HeaderError(
-                f"{h.path}: tensor {name!r} (key {key!r}): index says {dtype}{shape}, "
-                f"file holds {e.dtype}{list(e.shape)}"
+                f"{h.path}: tensor {name!r} (key {key!r}): index says {dtype}{shape}, file holds {e[0]}{e[1]}"
             )
 
     # ----------------------------------------------------------------- reading bytes

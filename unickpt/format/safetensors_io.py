@@ -19,7 +19,7 @@ import math
 import os
 import stat
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -27,6 +27,7 @@ from unickpt.errors import HeaderError, IncompleteCheckpointError
 from unickpt.format._json import strict_loads
 from unickpt.format.commit import Writeback
 from unickpt.format.dtypes import DTYPE_ITEMSIZE
+from unickpt.format.safetensors_bulk import parse_header_bulk
 from unickpt.format.storage import Storage
 
 __all__ = [
@@ -69,7 +70,7 @@ class HeaderEntry:
 @dataclass(frozen=True)
 class SafetensorsHeader:
     path: str
-    entries: dict[str, HeaderEntry]
+    entries: Mapping[str, HeaderEntry]  # a HeaderEntries (bulk) or a dict
     metadata: dict[str, str]
     data_start: int  # absolute file offset of the data section
     file_size: int = field(default=0)
@@ -83,14 +84,23 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def parse_header(raw: bytes, data_len: int, path: str) -> tuple[dict[str, HeaderEntry], dict[str, str]]:
-    """Validate a header's JSON bytes against a data section of ``data_len`` bytes."""
+def parse_header(raw: bytes, data_len: int, path: str) -> tuple[Mapping[str, HeaderEntry], dict[str, str]]:
+    """Validate a header's JSON bytes against a data section of ``data_len`` bytes.
+
+    A well-formed header is validated in bulk (``safetensors_bulk``: arrays, no object per
+    entry); anything the bulk checks do not accept is checked entry by entry, which names the
+    entry at fault.
+    """
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise HeaderError(f"{path}: safetensors header is not valid UTF-8 ({e})") from e
     if not text.startswith("{"):
         raise HeaderError(f"{path}: safetensors header must be a JSON object starting with '{{'")
+    bulk = parse_header_bulk(text, raw, data_len)
+    if bulk is not None:  # every check passed over all entries at once
+        return bulk
+    # Something is off (or unusual): the entry-by-entry checks name what.
     obj = strict_loads(text, HeaderError, f"{path}: safetensors header")
     if not isinstance(obj, dict):
         raise HeaderError(f"{path}: safetensors header must be a JSON object")

@@ -28,11 +28,18 @@ from safetensors import safe_open
 
 from unickpt import _dist
 from unickpt._faults import maybe_fail
-from unickpt.errors import IncompleteCheckpointError, IntegrityError, StateMismatchError, UnickptError
+from unickpt.errors import (
+    HeaderError,
+    IncompleteCheckpointError,
+    IntegrityError,
+    StateMismatchError,
+    UnickptError,
+)
 from unickpt.format.boxes import contiguous_start, intersect, runs
 from unickpt.format.consistency import check_keys_referenced
 from unickpt.format.index import TensorEntry
 from unickpt.format.range_hashes import has_hashes, slice_failures
+from unickpt.format.read_batch import ReadBatch, describe_key, table_spans
 from unickpt.format.reader import CheckpointReader
 from unickpt.io.tensors import LocalSlice, global_shape, is_dtensor, st_dtype, torch_dtype
 from unickpt.io.url_load import each_block, each_slice
@@ -90,6 +97,7 @@ def read_box(
     offsets: tuple[int, ...],
     shape: tuple[int, ...],
     out: torch.Tensor | None = None,
+    batch: ReadBatch | None = None,
 ) -> torch.Tensor:
     """Assemble the block (offsets, shape) of a stored tensor from the slices that overlap it.
 
@@ -98,6 +106,8 @@ def read_box(
     with ``preadv`` (a ranged request on a URL) straight into its place (no mapping, no copy);
     other parts (a column range of a row-major slice) go through safetensors' ``get_slice``
     locally, and on a URL as one batch of coalesced ranged requests for their runs.
+    With ``batch`` (local files), row-block parts are only located and added to it: ``out`` holds
+    the block once the batch has run (``ReadBatch.run``: adjacent bytes of a file in one call).
     """
     dtype = torch_dtype(entry.dtype)
     if out is None:
@@ -111,7 +121,7 @@ def read_box(
         return out
     isz = out.element_size()
     ks = table.overlapping(offsets, shape)
-    if _read_row_blocks(files, entry, ks, offsets, shape, out):
+    if _read_row_blocks(files, entry, ks, offsets, shape, out, batch):
         return out
     for s in table.entries_at(ks):
         inter = intersect(offsets, shape, s.offsets, s.shape)
@@ -147,6 +157,7 @@ def _read_row_blocks(
     offsets: tuple[int, ...],
     shape: tuple[int, ...],
     out: torch.Tensor,
+    batch: ReadBatch | None = None,
 ) -> bool:
     """Read the box when it and the slices ``ks`` are all row blocks (every dim past the first
     whole: FSDP's and TP's ``Shard(0)``), each part straight into its byte range of ``out``.
@@ -166,6 +177,18 @@ def _read_row_blocks(
     lo = np.maximum(starts, offsets[0])
     hi = np.minimum(starts + table.shapes[sel, 0], offsets[0] + shape[0])
     dst = _as_bytes(out)
+    if batch is not None:  # locally: located now, read later with the batch, coalesced per file
+        reader = files.reader
+        names, offs, lens = table_spans(reader.header, table, ks)
+        for file, off, n, a, b, s0 in zip(
+            names, offs, lens, lo.tolist(), hi.tolist(), starts.tolist(), strict=True
+        ):
+            if (b - s0) * row > n:
+                raise HeaderError(
+                    f"{file}: read of {(b - a) * row} bytes at {(a - s0) * row} outside a slice of {n}"
+                )
+            batch.add(file, off + (a - s0) * row, dst[(a - offsets[0]) * row : (b - offsets[0]) * row])
+        return True
     read = files.reader.read_bytes
     for s, a, b, s0 in zip(table.entries_at(ks), lo.tolist(), hi.tolist(), starts.tolist(), strict=True):
         read(s, (a - s0) * row, (b - a) * row, dst[(a - offsets[0]) * row : (b - offsets[0]) * row])
@@ -247,7 +270,15 @@ def load_tensors(
             needed.setdefault(src, [])
             needed[src] = sorted(set(needed[src]) | set(_needed_slices(reader.tensors[src], boxes)))
         # Every file this rank reads, opened at once (on a URL, several headers in flight).
-        reader.open_files([reader.tensors[src].slices[k].file for src, ks in needed.items() for k in ks])
+        reader.open_files(
+            sorted(
+                {
+                    f
+                    for src, ks in needed.items()
+                    for f in reader.tensors[src].table.files_of(np.asarray(ks, dtype=np.int64))
+                }
+            )
+        )
         for src, ks in needed.items():
             entry = reader.tensors[src]
             table = entry.table
@@ -256,11 +287,9 @@ def load_tensors(
             for k, file, shape in zip(ks, names, table.shapes[sel].tolist(), strict=True):
                 key = table.key(k)
                 h = reader.header(file)
-                he = h.entries.get(key)
-                if he is None or he.dtype != entry.dtype or list(he.shape) != shape:
-                    found = "nothing" if he is None else f"{he.dtype}{list(he.shape)}"
-                    from unickpt.errors import HeaderError
-
+                he = describe_key(h, key)
+                if he is None or he[0] != entry.dtype or he[1] != shape:
+                    found = "nothing" if he is None else f"{he[0]}{he[1]}"
                     raise HeaderError(
                         f"{h.path}: tensor {src!r} (key {key!r}): index says {entry.dtype}{shape}, "
                         f"file holds {found}"
@@ -313,7 +342,12 @@ def _read_then_copy(
     try:
         maybe_fail("load.read")
         jobs = [(reader.tensors[src], b) for _, src, boxes in plan for b in boxes]
-        datas = each_block(reader, jobs, lambda job: read_box(files, job[0], job[1].offsets, job[1].shape))
+        batch = ReadBatch() if reader.storage is None else None
+        datas = each_block(
+            reader, jobs, lambda job: read_box(files, job[0], job[1].offsets, job[1].shape, batch=batch)
+        )
+        if batch is not None:
+            batch.run(reader._fd, reader.file_path)
         buffers = [(b, data) for (_, b), data in zip(jobs, datas, strict=True)]
     except Exception as e:  # safetensors raises its own error types; every rank must hear of it
         err = _read_error(e, where)
@@ -335,18 +369,25 @@ def _read_in_place(
     partly loaded; every rank raises, saying so."""
     err: BaseException | None = None
     files = _Files(reader)
+    # Locally, blocks read straight into their tensors are located first and read at the end,
+    # coalesced per file (one preadv per run of adjacent slices).
+    batch = ReadBatch() if reader.storage is None else None
     try:
 
         def one(job: tuple[TensorEntry, LocalSlice]) -> None:
             entry, b = job
             direct = _direct_target(b, torch_dtype(entry.dtype))
             with torch.no_grad():
-                data = read_box(files, entry, b.offsets, b.shape, out=direct)
+                data = read_box(
+                    files, entry, b.offsets, b.shape, out=direct, batch=batch if direct is not None else None
+                )
                 maybe_fail("load.read")
                 if direct is None:
                     b.tensor.copy_(data.to(b.tensor.dtype).reshape(b.tensor.shape))
 
         each_block(reader, [(reader.tensors[src], b) for _, src, boxes in plan for b in boxes], one)
+        if batch is not None:
+            batch.run(reader._fd, reader.file_path)
     except Exception as e:
         cause = _read_error(e, where)
         err = IncompleteCheckpointError(

@@ -10,13 +10,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from unickpt.errors import IndexFileError
 from unickpt.format.boxes import contiguous_start, coverage_problem
 from unickpt.format.consistency import check_keys_referenced
 from unickpt.format.index import SliceEntry, TensorEntry
 from unickpt.format.reader import CheckpointReader
+from unickpt.tools._merge_bulk import row_order
 
-__all__ = ["Run", "flat_runs", "validate_runs"]
+__all__ = ["Run", "RunsOf", "flat_runs", "validate_runs"]
 
 
 @dataclass(frozen=True)
@@ -60,15 +63,34 @@ def _tiles(t: TensorEntry, runs: list[Run] | None) -> bool:
     return end == math.prod(t.shape)
 
 
-def validate_runs(r: CheckpointReader) -> dict[str, list[Run] | None]:
+class RunsOf(dict[str, "list[Run] | None"]):
+    """Tensor name -> its flat runs (``flat_runs``); for a tensor whose slices are row blocks the
+    runs are built only when asked (``rows`` holds their order, which the bulk merge uses)."""
+
+    def __init__(self, tensors: dict[str, TensorEntry]) -> None:
+        super().__init__()
+        self.tensors = tensors
+        self.rows: dict[str, np.ndarray] = {}
+
+    def __missing__(self, name: str) -> list[Run] | None:
+        runs = self[name] = flat_runs(self.tensors[name])
+        return runs
+
+
+def validate_runs(r: CheckpointReader) -> RunsOf:
     """``r.validate_structure()`` with the same checks, order and errors; returns each tensor's
     flat runs (``flat_runs``) for the copy.
 
-    Coverage is shown in O(slices) for tensors whose slices are contiguous runs (``_tiles``);
-    only the others go through ``coverage_problem``'s general sweep.
+    Coverage is shown from the slice table for tensors of row blocks (``row_order``), in O(slices)
+    for other tensors whose slices are contiguous runs (``_tiles``); only the others go through
+    ``coverage_problem``'s general sweep.
     """
-    runs_of: dict[str, list[Run] | None] = {}
+    runs_of = RunsOf(r.block.tensors)
     for name, t in r.block.tensors.items():
+        rows = row_order(t)
+        if rows is not None:
+            runs_of.rows[name] = rows
+            continue
         nd = len(t.shape)
         same_dims = all(len(s.offsets) == nd and len(s.shape) == nd for s in t.slices)
         runs = flat_runs(t) if same_dims else None
@@ -78,8 +100,9 @@ def validate_runs(r: CheckpointReader) -> dict[str, list[Run] | None]:
             if problem:
                 raise IndexFileError(f"{r.index_path or r.directory}: tensor {name!r}: {problem}")
     for name, t in r.block.tensors.items():
-        for s in t.slices:
-            r._check_slice(name, t, s)
+        table = t.table  # every slice's key, dtype and shape in its file, from the table
+        for file, key, shape in zip(table.file_list(), table.keys(), table.shapes.tolist(), strict=True):
+            r._check_key(name, t.dtype, file, key, shape)
     if r.has_unickpt_block:
         check_keys_referenced(r.block, r.files, r.header)
     return runs_of

@@ -23,6 +23,7 @@ from unickpt.format.index import SliceEntry, TensorEntry
 from unickpt.format.reader import CheckpointReader
 from unickpt.tools._bands import bands, is_sparse, next_data, pieces
 from unickpt.tools._common import write_all
+from unickpt.tools._merge_bulk import groups, merge_rows
 from unickpt.tools._merge_runs import Run
 
 __all__ = ["CASTABLE", "CHUNK", "TensorMerger"]
@@ -50,6 +51,12 @@ class _Out(Writeback):
         write_all(self.fd, data, pos)
         self.wrote(pos + data.nbytes)
 
+    def write_pieces(self, data: memoryview, pos: int) -> None:
+        """``write`` of a large buffer, ``_WRITEBACK`` bytes at a time (a writeback hint each)."""
+        step = _WRITEBACK
+        for at in range(0, data.nbytes, step):
+            self.write(data[at : at + step], pos + at)
+
 
 class TensorMerger:
     """Writes the tensors of one source checkpoint into output files, checking slice hashes on the way."""
@@ -67,6 +74,8 @@ class TensorMerger:
     ) -> None:
         self.r = reader
         self._runs_of = runs_of
+        self._rows: dict[str, np.ndarray] = getattr(runs_of, "rows", {})
+        self._any_sparse: bool | None = None
         self.verify = verify
         self.out_dtype = out_dtype
         self.progress = progress
@@ -109,7 +118,38 @@ class TensorMerger:
         """Write each (name, entry, position) into ``fd``, in order; return name -> (xxh3, fingerprint)."""
         out = _Out(fd)
         results: dict[str, tuple[str | None, str | None]] = {}
-        for name, t, pos in tensors:
+        for bulk, items in groups(tensors, self._bulk):
+            if bulk:  # small row-sliced tensors: read in runs per file, written together
+                results.update(
+                    merge_rows(
+                        self.r,
+                        items,
+                        self._rows.__getitem__,
+                        out.write_pieces,
+                        verify=self.verify,
+                        src=self.src,
+                        progress=self.progress,
+                    )
+                )
+            else:
+                results.update(self._write_one(items[0], out))
+        return results
+
+    def _bulk(self, name: str, t: TensorEntry) -> bool:
+        """Whether a tensor goes through the bulk merge of row-sliced tensors (``_merge_bulk``)."""
+        if name not in self._rows or self.target_dtype(t) != t.dtype or self.r.storage is not None:
+            return False
+        if t.table.ranges_count() or len(self._rows[name]) == 1:  # one slice: copied whole (kernel copy)
+            return False
+        if self._any_sparse is None:
+            self._any_sparse = any(self._sparse(f) for f in self.r.files)
+        return not self._any_sparse
+
+    def _write_one(
+        self, item: tuple[str, TensorEntry, int], out: _Out
+    ) -> dict[str, tuple[str | None, str | None]]:
+        results: dict[str, tuple[str | None, str | None]] = {}
+        for name, t, pos in [item]:
             how, runs = self._route(name, t)
             if how == "assemble":
                 results[name] = self._assemble(name, t, self.target_dtype(t), out, pos)

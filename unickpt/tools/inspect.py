@@ -13,9 +13,13 @@ from unickpt.tools._common import human_bytes, open_auto
 __all__ = ["inspect_checkpoint", "format_report"]
 
 
-def inspect_checkpoint(path: str | os.PathLike[str], kind: str | None = None) -> dict[str, Any]:
+def inspect_checkpoint(
+    path: str | os.PathLike[str], kind: str | None = None, *, slices: bool = False
+) -> dict[str, Any]:
     """A plain-data description of the checkpoint at ``path``: every tensor, totals, layout.
 
+    Each tensor's entry lists its first slices (``slice_preview``, at most 4); with ``slices``
+    every slice (``slices``: a dict each, which at 370k slices costs more than the rest).
     Reads the index (for a plain Hugging Face checkpoint, also the data-file headers); never
     tensor data. Raises ``UnickptError`` subclasses (or ``OSError``) for unusable input.
     """
@@ -42,8 +46,11 @@ def inspect_checkpoint(path: str | os.PathLike[str], kind: str | None = None) ->
                 "fingerprint": t.fingerprint,
                 "files": table.distinct_files(),
                 "num_slices": len(table),
-                "slices": table.records(),
             }
+            if slices:
+                entry["slices"] = table.records()
+            else:
+                entry["slice_preview"] = [_record(table, k) for k in range(min(4, len(table)))]
             if t.param is not None:
                 entry["param"] = t.param
                 entry["state"] = t.state
@@ -77,17 +84,30 @@ def inspect_checkpoint(path: str | os.PathLike[str], kind: str | None = None) ->
         return out
 
 
+def _record(table: Any, k: int) -> dict[str, Any]:
+    """Slice ``k`` of a slice table as ``SliceTable.records`` gives it."""
+    return {
+        "file": table.file(k),
+        "key": table.key(k),
+        "offsets": table.offsets[k].tolist(),
+        "shape": table.shapes[k].tolist(),
+        "xxh3": table.xxh3(k),
+        "ranges": table.ranges(k),
+    }
+
+
 def _fmt_slices(entry: dict[str, Any], shape: list[int]) -> str:
-    slices = entry["slices"]
-    if len(slices) == 1 and slices[0]["shape"] == shape:
+    slices = entry["slices"] if "slices" in entry else entry["slice_preview"]
+    count = entry["num_slices"]
+    if count == 1 and slices[0]["shape"] == shape:
         return "whole"
     parts = []
     for s in slices[:4]:
         parts.append(
             "[" + ",".join(f"{o}:{o + n}" for o, n in zip(s["offsets"], s["shape"], strict=True)) + "]"
         )
-    more = f" +{len(slices) - 4}" if len(slices) > 4 else ""
-    return f"{len(slices)}: " + " ".join(parts) + more
+    more = f" +{count - 4}" if count > 4 else ""
+    return f"{count}: " + " ".join(parts) + more
 
 
 def shown(text: object) -> str:
@@ -161,7 +181,7 @@ def format_report(info: dict[str, Any], verbose: bool = False) -> str:
             lines.append("  ".join("-" * w for w in widths))
         if verbose and i > 0:
             e = info["tensors"][names[i - 1]]
-            for s in e["slices"]:
+            for s in e["slices"] if "slices" in e else e["slice_preview"]:
                 lines.append(
                     f"      {shown(s['key'])} in {shown(s['file'])} offsets={s['offsets']} shape={s['shape']} xxh3={s['xxh3'] or '-'}"
                 )

@@ -1,0 +1,345 @@
+"""The bulk data-file paths of issue 18: headers validated in bulk, local reads coalesced per file,
+verify rehashing runs of adjacent slices. Each test tries to slip something past the bulk path."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+from unickpt import GeneralCheckpointIO
+from unickpt.errors import HeaderError, IncompleteCheckpointError
+from unickpt.format.index import index_to_json, parse_index
+from unickpt.format.index_models import LayoutInfo
+from unickpt.format.naming import SLICED_SENTINEL, shard_name, slice_key
+from unickpt.format.read_batch import ReadBatch, table_spans
+from unickpt.format.reader import open_checkpoint
+from unickpt.format.safetensors_bulk import HeaderEntries, parse_header_bulk
+from unickpt.format.safetensors_io import encode_header, parse_header
+from unickpt.format.writer import build_block, build_index
+from unickpt.tools import _verify_bulk
+from unickpt.tools.verify import verify_checkpoint
+
+WORLD, TENSORS, COLS = 4, 30, 3
+
+
+def _header(n: int) -> tuple[dict[str, Any], int]:
+    """A header object of ``n`` F32 entries of 2 elements, back to back; and its data length."""
+    obj: dict[str, Any] = {"__metadata__": {"format": "unickpt-sliced"}}
+    for i in range(n):
+        obj[f"t.{i}@0"] = {"dtype": "F32", "shape": [1, 2], "data_offsets": [8 * i, 8 * i + 8]}
+    return obj, 8 * n
+
+
+def _raw(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def test_bulk_header_matches_the_strict_parser_on_10k_entries() -> None:
+    obj, n = _header(10_000)
+    raw = _raw(obj)
+    bulk = parse_header_bulk(raw.decode(), raw, n)
+    assert bulk is not None and isinstance(bulk[0], HeaderEntries)
+    entries, meta = parse_header(raw, n, "f")
+    assert meta == {"format": "unickpt-sliced"} and len(entries) == 10_000
+    e = entries["t.4321@0"]
+    assert (e.dtype, e.shape, e.begin, e.end) == ("F32", (1, 2), 8 * 4321, 8 * 4322)
+    assert "t.10000@0" not in entries and entries.get("nope") is None
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        # one bad offset among 10k good ones: past the data section
+        (
+            lambda o: o["t.5000@0"].update(data_offsets=[40000, 80008]),
+            r"tensor 't.5000@0': data_offsets \[40000, 80008\] out of range",
+        ),
+        # two entries overlap (the same bytes twice)
+        (
+            lambda o: o["t.7000@0"].update(data_offsets=[8 * 6999, 8 * 7000]),
+            r"tensor 't.7000@0' at byte 55992 overlaps the previous tensor \(expected byte 56000\)",
+        ),
+        # a byte count that disagrees with dtype x shape
+        (
+            lambda o: o["t.3@0"].update(shape=[1, 3]),
+            r"tensor 't.3@0': F32\[1, 3\] needs 12 bytes but data_offsets span 8",
+        ),
+        # a bool where an integer belongs (JSON true is not an int)
+        (lambda o: o["t.9999@0"].update(shape=[True, 2]), r"tensor 't.9999@0': shape must be a list"),
+        (lambda o: o["t.2@0"].update(dtype="F33"), r"tensor 't.2@0': unknown or unsupported dtype 'F33'"),
+        (
+            lambda o: o["t.2@0"].update(extra=1),
+            r"tensor 't.2@0': entry must have exactly dtype, shape and data_offsets",
+        ),
+    ],
+)
+def test_bulk_header_defers_every_bad_entry_to_the_strict_error(edit: Any, message: str) -> None:
+    obj, n = _header(10_000)
+    edit(obj)
+    raw = _raw(obj)
+    assert parse_header_bulk(raw.decode(), raw, n) is None
+    with pytest.raises(HeaderError, match=message):
+        parse_header(raw, n, "f")
+
+
+def test_bulk_header_finds_a_duplicate_key_among_10k() -> None:
+    obj, n = _header(10_000)
+    raw = _raw(obj)
+    # The last entry's key repeated (its bytes then covered twice by a kept entry): a duplicate.
+    dup = raw[:-1] + b',"t.0@0":{"dtype":"F32","shape":[1,2],"data_offsets":[0,8]}}'
+    assert parse_header_bulk(dup.decode(), dup, n) is None
+    with pytest.raises(HeaderError, match=r"duplicate key 't.0@0'"):
+        parse_header(dup, n, "f")
+    # A colon inside a key is no member separator: the count still balances.
+    obj2, n2 = _header(3)
+    obj2["a:b"] = obj2.pop("t.2@0")
+    raw2 = _raw(obj2)
+    got = parse_header_bulk(raw2.decode(), raw2, n2)
+    assert got is not None and "a:b" in got[0]
+
+
+def _sliced(directory: Path) -> dict[str, np.ndarray]:
+    """A sliced version 3 checkpoint: TENSORS tensors of (WORLD, COLS) F32, row r of each in rank
+    r's file, the rows of one file back to back (as a sliced save writes them)."""
+    rng = np.random.default_rng(0)
+    names = [f"layers.{i}.w" for i in range(TENSORS)]
+    data = {n: rng.standard_normal((WORLD, COLS)).astype(np.float32) for n in names}
+    slices: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    for r in range(WORLD):
+        fname = shard_name("model", r + 1, WORLD)
+        header, _ = encode_header(
+            [(slice_key(n, r), "F32", (1, COLS)) for n in names], {"format": "unickpt-sliced"}
+        )
+        with open(directory / fname, "wb") as f:
+            f.write(header)
+            for n in names:
+                row = data[n][r : r + 1].tobytes()
+                f.write(row)
+                slices[n].append(
+                    {
+                        "file": fname,
+                        "key": slice_key(n, r),
+                        "offsets": [r, 0],
+                        "shape": [1, COLS],
+                        "xxh3": xxhash.xxh3_64(row).hexdigest(),
+                    }
+                )
+    layout = {"plugin": "fsdp2", "world_size": WORLD, "mesh": {"dp": WORLD}, "gathered": False}
+    v1 = {
+        "metadata": {"total_size": 4 * WORLD * COLS * TENSORS},
+        "weight_map": dict.fromkeys(names, SLICED_SENTINEL),
+        "unickpt": {
+            "format_version": 1,
+            "kind": "model",
+            "created_by": "test",
+            "layout": layout,
+            "tensors": {n: {"dtype": "F32", "shape": [WORLD, COLS], "slices": slices[n]} for n in names},
+            "aliases": {},
+        },
+    }
+    parsed = parse_index(json.dumps(v1).encode(), "v1").unickpt
+    assert parsed is not None
+    block = build_block(
+        kind="model",
+        created_by="test",
+        layout=LayoutInfo(**layout),
+        tensors=dict(parsed.tensors),
+        aliases={},
+        save_id=None,
+    )
+    (directory / "model.safetensors.index.json").write_bytes(index_to_json(build_index(block, sliced=True)))
+    return data
+
+
+def _model(data: dict[str, np.ndarray]) -> torch.nn.Module:
+    m = torch.nn.Module()
+    for n in data:
+        _, i, leaf = n.split(".")
+        if not hasattr(m, "layers"):
+            m.add_module("layers", torch.nn.Module())
+        layer = getattr(m.layers, i, None)
+        if layer is None:
+            layer = torch.nn.Module()
+            m.layers.add_module(i, layer)
+        layer.register_parameter(leaf, torch.nn.Parameter(torch.zeros(WORLD, COLS)))
+    return m
+
+
+def _count_preadv(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record the buffer count of every ``os.preadv`` call from now on."""
+    calls: list[int] = []
+    real = os.preadv
+
+    def counting(fd: int, bufs: Any, offset: int) -> int:
+        calls.append(len(bufs))
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "preadv", counting)
+    return calls
+
+
+def test_load_reads_each_file_in_one_preadv_and_is_bit_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = _sliced(tmp_path)
+    calls = _count_preadv(monkeypatch)
+    model = _model(data)
+    GeneralCheckpointIO().load_model(model, tmp_path)
+    for n, want in data.items():
+        assert np.array_equal(model.get_parameter(n).detach().numpy(), want), n
+    # One run per file: the TENSORS slices of each rank's file are adjacent.
+    assert calls == [TENSORS] * WORLD
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+def test_a_file_truncated_in_the_middle_of_a_coalesced_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, atomic: bool
+) -> None:
+    data = _sliced(tmp_path)
+    victim = tmp_path / shard_name("model", 3, WORLD)
+    real_run = ReadBatch.run
+
+    def truncate_then_run(self: ReadBatch, *a: Any) -> None:  # after the headers were checked
+        os.truncate(victim, victim.stat().st_size - 5 * 4 * COLS - 2)
+        real_run(self, *a)
+
+    monkeypatch.setattr(ReadBatch, "run", truncate_then_run)
+    with pytest.raises(IncompleteCheckpointError) as ei:
+        GeneralCheckpointIO(atomic_load=atomic).load_model(_model(data), tmp_path)
+    text = str(ei.value) + str(ei.value.__cause__)
+    assert str(victim) in text and "truncated" in text
+
+
+def test_read_batch_short_read_names_the_file(tmp_path: Path) -> None:
+    p = tmp_path / "f.bin"
+    p.write_bytes(bytes(range(100)) * 10)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        bufs = [memoryview(bytearray(100)) for _ in range(10)]
+        batch = ReadBatch()
+        for i in reversed(range(10)):  # added in any order, read in file order
+            batch.add("f", 100 * i, bufs[i])
+        os.truncate(p, 550)
+        with pytest.raises(
+            IncompleteCheckpointError,
+            match=r"f.bin: file is truncated: wanted 1000 bytes at offset 0 .* ends after 550",
+        ):
+            batch.run(lambda _f: fd, lambda _f: str(p))
+        assert bytes(bufs[4]) == bytes(range(100)) and bytes(bufs[5][:50]) == bytes(range(50))
+    finally:
+        os.close(fd)
+
+
+def test_an_index_slice_whose_key_is_missing_from_the_header(tmp_path: Path) -> None:
+    data = _sliced(tmp_path)
+    f = tmp_path / shard_name("model", 2, WORLD)
+    raw = f.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    # Same length: offsets stay valid, the header still tiles its data; one key renamed.
+    header = raw[8 : 8 + n].replace(b'"layers.17.w@1"', b'"layers.17.x@1"')
+    f.write_bytes(raw[:8] + header + raw[8 + n :])
+    r = open_checkpoint(tmp_path)
+    try:
+        t = r.tensors["layers.17.w"]
+        with pytest.raises(HeaderError, match=r"key 'layers.17.w@1' named by the index is not in the file"):
+            table_spans(r.header, t.table, [0, 1, 2, 3])
+    finally:
+        r.close()
+    with pytest.raises(
+        HeaderError,
+        match=r"tensor 'layers.17.w' \(key 'layers.17.w@1'\): index says F32\[1, 3\], file holds nothing",
+    ):
+        GeneralCheckpointIO().load_model(_model(data), tmp_path)
+    with pytest.raises(HeaderError, match=r"tensor 'layers.17.w' should be stored under key 'layers.17.w@1'"):
+        verify_checkpoint(tmp_path)
+
+
+def test_verify_in_runs_names_exactly_the_damaged_and_the_cut_slices(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _sliced(tmp_path)
+    assert not list(verify_checkpoint(tmp_path))
+    f = tmp_path / shard_name("model", 1, WORLD)
+    raw = bytearray(f.read_bytes())
+    row = 4 * COLS
+    raw[len(raw) - 10 * row + 1] ^= 0x40  # one bit of tensor 20's row 0
+    f.write_bytes(bytes(raw))
+    rep = verify_checkpoint(tmp_path)
+    assert [(x.tensor, x.key) for x in rep] == [("layers.20.w", "layers.20.w@0")]
+    assert rep.hashed == WORLD * TENSORS
+    # Cut rank 3's file after the headers were read: its last two slices are unreadable.
+    victim = tmp_path / shard_name("model", 4, WORLD)
+    real = _verify_bulk.verify_bulk
+
+    def cut_then_verify(*a: Any) -> Any:
+        os.truncate(victim, victim.stat().st_size - row - 2)
+        return real(*a)
+
+    monkeypatch.setattr(_verify_bulk, "verify_bulk", cut_then_verify)
+    monkeypatch.setattr("unickpt.tools.verify.verify_bulk", cut_then_verify)
+    rep = verify_checkpoint(tmp_path)
+    got = [(x.tensor, x.key, x.found.startswith("unreadable")) for x in rep]
+    assert got == [
+        ("layers.20.w", "layers.20.w@0", False),
+        ("layers.28.w", "layers.28.w@3", True),
+        ("layers.29.w", "layers.29.w@3", True),
+    ], got
+
+
+def test_merge_copies_runs_bit_exact_and_names_a_damaged_slice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from safetensors.numpy import load_file
+
+    from unickpt import merge_checkpoint
+    from unickpt.errors import IntegrityError
+
+    src = tmp_path / "src"
+    src.mkdir()
+    data = _sliced(src)
+    calls = _count_preadv(monkeypatch)
+    merge_checkpoint(src, tmp_path / "out")
+    monkeypatch.undo()
+    assert calls == [TENSORS] * WORLD  # one read per file: every tensor's rows in one group
+    merged = load_file(tmp_path / "out" / "model.safetensors")
+    assert set(merged) == set(data)
+    for n, want in data.items():
+        assert np.array_equal(merged[n], want), n
+    f = src / shard_name("model", 2, WORLD)
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) - 4 * COLS * 3] ^= 1  # tensor 27's row 1
+    f.write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError) as ei:
+        merge_checkpoint(src, tmp_path / "out2")
+    assert [(x.tensor, x.key) for x in ei.value.failures] == [("layers.27.w", "layers.27.w@1")]
+    assert not (tmp_path / "out2").exists()
+
+
+def test_an_index_with_the_old_sentinel_still_loads_and_verifies(tmp_path: Path) -> None:
+    data = _sliced(tmp_path)
+    ix = tmp_path / "model.safetensors.index.json"
+    old = "unickpt-sliced-checkpoint--run-unickpt-merge-to-load-with-huggingface.safetensors"
+    raw = ix.read_bytes()
+    assert SLICED_SENTINEL.encode() in raw and old.encode() not in raw
+    ix.write_bytes(raw.replace(SLICED_SENTINEL.encode(), old.encode()))
+    model = _model(data)
+    GeneralCheckpointIO().load_model(model, tmp_path)
+    for n, want in data.items():
+        assert np.array_equal(model.get_parameter(n).detach().numpy(), want), n
+    assert not list(verify_checkpoint(tmp_path))
+    # A real file name among sentinels is still refused as a mix.
+    obj = json.loads(ix.read_bytes())
+    obj["weight_map"]["layers.0.w"] = shard_name("model", 1, WORLD)
+    ix.write_text(json.dumps(obj))
+    from unickpt.errors import IndexFileError
+
+    with pytest.raises(IndexFileError, match="weight_map mixes the sliced-checkpoint sentinel"):
+        open_checkpoint(tmp_path)

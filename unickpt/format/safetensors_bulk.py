@@ -1,0 +1,169 @@
+"""A safetensors header validated in bulk, its entries kept in arrays (no per-entry object).
+
+A data file of a sliced save holds one entry per slice: 723 per file for 70B, 370k over the
+512 files of a 512-rank save. :func:`parse_header_bulk` applies every check of the strict
+per-entry parser (``safetensors_io.parse_header``) as whole-header operations: the JSON is
+parsed once without a per-object hook (duplicate keys are found by counting colons, as the
+index parser does: ``_json.colon_budget``), the types of all entries are checked with
+``map``/``set`` over the decoded values, and the offsets, byte counts and the tiling of the
+data section with numpy over all entries at once. It answers None at the first thing it does
+not accept, and the strict parser then runs and names the entry at fault: an error is always
+the strict parser's, with its class and message.
+
+:class:`HeaderEntries` is the result: a read-only mapping key -> ``HeaderEntry`` that builds an
+entry only when one is asked for, and answers byte ranges of many keys at once (``spans``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import operator
+from collections.abc import Iterator, Mapping
+from itertools import chain
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from unickpt.format._json import _SURROGATE_ESCAPE, colon_budget
+from unickpt.format.dtypes import DTYPE_ITEMSIZE
+
+if TYPE_CHECKING:
+    from unickpt.format.safetensors_io import HeaderEntry
+
+__all__ = ["HeaderEntries", "parse_header_bulk"]
+
+_FIELDS = operator.itemgetter("dtype", "shape", "data_offsets")
+_DTYPES = sorted(DTYPE_ITEMSIZE)
+_DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
+_ITEMSIZE = np.asarray([DTYPE_ITEMSIZE[d] for d in _DTYPES], dtype=np.int64)
+
+
+class HeaderEntries(Mapping[str, "HeaderEntry"]):
+    """key -> ``HeaderEntry`` of one validated header, kept as lists; an entry is built when asked."""
+
+    __slots__ = ("_begin", "_codes", "_end", "_keys", "_pos", "_shapes")
+
+    def __init__(
+        self, keys: list[str], codes: list[int], shapes: list[list[int]], begin: list[int], end: list[int]
+    ) -> None:
+        self._pos = dict(zip(keys, range(len(keys)), strict=True))
+        self._keys = keys
+        self._codes = codes  # index into _DTYPES
+        self._shapes = shapes
+        self._begin = begin
+        self._end = end
+
+    def __getitem__(self, key: str) -> HeaderEntry:
+        from unickpt.format.safetensors_io import HeaderEntry
+
+        i = self._pos[key]
+        return HeaderEntry(key, _DTYPES[self._codes[i]], tuple(self._shapes[i]), self._begin[i], self._end[i])
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._pos
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def span(self, key: str) -> tuple[int, int] | None:
+        """(begin, end) of ``key`` relative to the data section, None when the file lacks it."""
+        i = self._pos.get(key)
+        return None if i is None else (self._begin[i], self._end[i])
+
+    def describe(self, key: str) -> tuple[str, list[int]] | None:
+        """(dtype, shape as a list) of ``key``, None when the file lacks it (no entry object built)."""
+        i = self._pos.get(key)
+        return None if i is None else (_DTYPES[self._codes[i]], self._shapes[i])
+
+
+def _metadata_ok(meta: Any) -> bool:
+    return isinstance(meta, dict) and all(type(k) is str and type(v) is str for k, v in meta.items())
+
+
+def _meta_colons(meta: dict[str, str]) -> int:
+    return sum(k.count(":") + v.count(":") for k, v in meta.items())
+
+
+def parse_header_bulk(text: str, raw: bytes, data_len: int) -> tuple[HeaderEntries, dict[str, str]] | None:
+    """Every check of the strict parser over all entries at once; None at the first doubt.
+
+    ``text`` is ``raw`` decoded (valid UTF-8, starting with '{'). None means: let the strict
+    parser decide (and word the error); a result means the strict parser would accept the header
+    and return the same entries and metadata.
+    """
+    budget = colon_budget(raw)
+    if budget is None or _SURROGATE_ESCAPE.search(text):
+        return None
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    if type(obj) is not dict:
+        return None
+    had_meta = "__metadata__" in obj
+    meta = obj.pop("__metadata__", {})
+    if not _metadata_ok(meta):
+        return None
+    keys = list(obj)
+    values = list(obj.values())
+    n = len(keys)
+    if n == 0:
+        if data_len != 0 or budget != had_meta + len(meta) + _meta_colons(meta):
+            return None
+        return HeaderEntries([], [], [], [], []), meta
+    # Every entry a dict of exactly dtype, shape and data_offsets.
+    if set(map(type, values)) != {dict} or set(map(len, values)) != {3}:
+        return None
+    try:
+        fields = list(map(_FIELDS, values))
+    except KeyError:
+        return None
+    dtypes, shapes, offsets = (list(x) for x in zip(*fields, strict=True))
+    # Duplicate keys: with every entry well-formed, the colons of the text are exactly the members
+    # of every object plus the colons inside strings (see _json.py); a repeated key drops a member.
+    # Dtype names hold no colon (a name that does is no dtype: refused below either way).
+    members = n + had_meta + 3 * n + len(meta)
+    if budget != members + "\n".join(keys).count(":") + _meta_colons(meta):
+        return None
+    if data_len >= 1 << 58:  # byte counts below are int64 products: no real file comes near
+        return None
+    try:
+        codes = np.fromiter(map(_DTYPE_CODE.__getitem__, dtypes), dtype=np.int64, count=n)
+    except (KeyError, TypeError):
+        return None
+    # Shapes: lists of at most 64 non-negative ints (bool is not an int here); offsets: two ints.
+    if set(map(type, shapes)) != {list} or set(map(type, offsets)) != {list}:
+        return None
+    ndims = np.fromiter(map(len, shapes), dtype=np.int64, count=n)
+    if int(ndims.max()) > 64 or set(map(len, offsets)) != {2}:
+        return None
+    flat_dims = list(chain.from_iterable(shapes))
+    flat_offs = list(chain.from_iterable(offsets))
+    if not set(map(type, flat_dims)) <= {int} or set(map(type, flat_offs)) != {int}:
+        return None
+    try:
+        dims = np.asarray(flat_dims, dtype=np.int64)
+        offs = np.asarray(flat_offs, dtype=np.int64).reshape(n, 2)
+    except OverflowError:
+        return None
+    if dims.size and (int(dims.min()) < 0 or int(dims.max()) >= 1 << 62):
+        return None
+    numel = list(map(math.prod, shapes))  # Python ints: no overflow
+    if max(numel) > data_len:  # (a byte count past the data section fails below anyway)
+        return None
+    begin, end = offs[:, 0], offs[:, 1]
+    if int(begin.min()) < 0 or bool((end < begin).any()) or int(end.max()) > data_len:
+        return None
+    if not np.array_equal(end - begin, np.asarray(numel, dtype=np.int64) * _ITEMSIZE[codes]):
+        return None
+    # The entries tile the data section exactly: sorted by (begin, end), each starts where the
+    # previous ended, the first at 0, the last ends at the data section's end.
+    order = np.lexsort((end, begin))
+    b, e = begin[order], end[order]
+    if int(b[0]) != 0 or int(e[-1]) != data_len or not np.array_equal(b[1:], e[:-1]):
+        return None
+    return HeaderEntries(keys, codes.tolist(), shapes, begin.tolist(), end.tolist()), meta
