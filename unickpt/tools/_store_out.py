@@ -31,8 +31,7 @@ _ZEROS = bytes(4 << 20)
 def is_commit_point(name: str) -> bool:
     return (
         name.endswith(".index.json")
-        or (name.endswith(".safetensors")
-        and "-of-" not in name)
+        or (name.endswith(".safetensors") and "-of-" not in name)
         or (name in COMMIT_POINTS)
     )
 
