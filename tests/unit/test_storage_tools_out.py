@@ -42,7 +42,7 @@ def _saved(s3: Any, tmp_path: Path, name: str) -> tuple[Path, str]:
     io.save_optimizer(opt, str(local), shard=True, size_per_shard=0.01)
     (local / "config.json").write_text('{"model_type": "mlp"}')
     (local / "tokenizer.json").write_text('{"version": "1.0"}')
-    (local / "lr_scheduler.json").write_text('{"last_epoch": 1}')
+    (local / "lr_scheduler.json").write_text('{"state": {"last_epoch": 1}}')
     _fs(s3).put(str(local), f"{s3.bucket}/{name}", recursive=True)
     return local, f"s3://{s3.bucket}/{name}"
 
@@ -80,7 +80,7 @@ def test_merge_url_to_url_equals_local_merge(s3, tmp_path, shard: str) -> None:
     assert sorted(got) == ref
     # The side files a loader needs came from the store.
     assert got["config.json"] == b'{"model_type": "mlp"}' and got["tokenizer.json"] == b'{"version": "1.0"}'
-    assert got.get("lr_scheduler.json") == (b'{"last_epoch": 1}' if both else None)
+    assert got.get("lr_scheduler.json") == (b'{"state": {"last_epoch": 1}}' if both else None)
     for kind in ("model", "optimizer") if both else ("model",):
         assert _tensors(out, kind) == _tensors(tmp_path / "ref", kind)
     if shard == "5GB":  # a single file is written as locally: the same bytes
@@ -129,3 +129,59 @@ def test_cli_merge_to_url_uploads_each_byte_once(s3, tmp_path) -> None:
     # Every object was uploaded once, whole: no copy, no retry, no re-upload.
     assert s3.received("PUT") == sum(len(v) for v in got.values())
     assert main(["merge", str(local), out, "-q"]) == 2  # the output exists now
+
+
+def _sources(s3: Any, tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    """A model-only DCP checkpoint and a pytorch_model.bin (with its config.json), local and uploaded."""
+    import torch.distributed.checkpoint as dcp
+
+    sd = _model(1).state_dict()
+    out = {}
+    dcp_dir = tmp_path / "dcp-src"
+    dcp.save({"model": sd}, checkpoint_id=str(dcp_dir), no_dist=True)
+    bin_dir = tmp_path / "bin-src"
+    bin_dir.mkdir()
+    torch.save(sd, bin_dir / "pytorch_model.bin")
+    (bin_dir / "config.json").write_text('{"model_type": "mlp"}')
+    for name, d in (("dcp", dcp_dir), ("bin", bin_dir)):
+        _fs(s3).put(str(d), f"{s3.bucket}/{name}-src", recursive=True)
+        out[name] = (d, f"s3://{s3.bucket}/{name}-src")
+    return out
+
+
+@pytest.mark.slow
+def test_convert_from_and_to_urls(s3, tmp_path) -> None:
+    from unickpt.tools.convert import convert_checkpoint
+
+    for source, (local, url) in _sources(s3, tmp_path).items():
+        ref = tmp_path / f"{source}-ref"
+        convert_checkpoint(local, ref, source=source, strip_prefix="model." if source == "dcp" else None)
+        kw: dict[str, Any] = {"source": source, "strip_prefix": "model." if source == "dcp" else None}
+        # URL -> local, local -> URL, URL -> URL: the same tensors, bit-exact.
+        convert_checkpoint(url, tmp_path / f"{source}-from-url", **kw)
+        assert _tensors(tmp_path / f"{source}-from-url") == _tensors(ref)
+        for src in (local, url):
+            out = f"s3://{s3.bucket}/{source}-to-url-{'url' if src == url else 'local'}"
+            assert convert_checkpoint(src, out, **kw) == out
+            got = _objects(s3, out)
+            assert sorted(got) == sorted(p.name for p in ref.iterdir())
+            assert _tensors(out) == _tensors(ref)
+            if source == "bin":
+                assert got["config.json"] == b'{"model_type": "mlp"}'
+    # A unickpt checkpoint on a URL exported as DCP to a URL: .metadata among the objects.
+    _, url = _saved(s3, tmp_path, "ckpt")
+    out = f"s3://{s3.bucket}/as-dcp"
+    assert main(["convert", url, out, "--to", "dcp", "-q"]) == 0
+    assert ".metadata" in _objects(s3, out)
+    assert _uploads(s3) == []
+
+
+def test_convert_url_refusals(s3, tmp_path, capsys) -> None:
+    url = f"s3://{s3.bucket}/src"
+    assert main(["convert", url, str(tmp_path / "o"), "--from", "colossalai", "-q"]) == 2
+    assert "convert --from colossalai: s3://" in capsys.readouterr().err
+    assert main(["convert", str(tmp_path), f"{url}-run", "--from", "dcp", "--to", "run", "-q"]) == 2
+    assert "convert --to run: s3://" in capsys.readouterr().err
+    _, used = _saved(s3, tmp_path, "ckpt")
+    assert main(["convert", used, used, "--to", "dcp", "-q"]) == 2
+    assert f"{used} already holds" in capsys.readouterr().err

@@ -75,16 +75,23 @@ class StoreOutput:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url.rstrip("/")
         self.storage: Storage
-        self.storage, self.root = open_storage(self.url, storage_options)
-        found = self.storage.listdir(self.root)
-        if found:
-            raise OutputExistsError(
-                f"{self.url} already holds {len(found)} object(s) (e.g. {found[0]!r}); choose a new output URL"
-            )
+        self.storage, self.root = self.check(self.url, storage_options)
         self.storage.makedirs(self.root)
         self._written: list[str] = []
         self._open: list[BinaryIO] = []
         self._commits: list[tuple[str, bytes | str]] = []
+
+    @staticmethod
+    def check(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Storage, str]:
+        """``(storage, root)`` of the output ``url``; ``OutputExistsError`` when it holds anything."""
+        storage, root = open_storage(url.rstrip("/"), storage_options)
+        found = storage.listdir(root)
+        if found:
+            raise OutputExistsError(
+                f"{url.rstrip('/')} already holds {len(found)} object(s) (e.g. {found[0]!r}); "
+                "choose a new output URL"
+            )
+        return storage, root
 
     def path(self, name: str) -> str:
         return self.storage.join(self.root, name)
