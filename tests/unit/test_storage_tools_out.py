@@ -185,3 +185,38 @@ def test_convert_url_refusals(s3, tmp_path, capsys) -> None:
     _, used = _saved(s3, tmp_path, "ckpt")
     assert main(["convert", used, used, "--to", "dcp", "-q"]) == 2
     assert f"{used} already holds" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shard", ["4KB", "5GB"])
+def test_merge_to_url_loads_in_transformers(s3, tmp_path, shard: str) -> None:
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    local = tmp_path / "src"
+    GeneralCheckpointIO().save_model(model, str(local), shard=True, size_per_shard=0.002)
+    (local / "config.json").write_text(cfg.to_json_string())
+    _fs(s3).put(str(local), f"{s3.bucket}/src", recursive=True)
+    out = f"s3://{s3.bucket}/hf"
+    merge_checkpoint(f"s3://{s3.bucket}/src", out, max_shard_size=shard)
+    # The URL's objects, as they are, are a directory transformers loads.
+    got = tmp_path / "got"
+    got.mkdir()
+    for name, data in _objects(s3, out).items():
+        (got / name).write_bytes(data)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(got)
+    ref = model.state_dict()
+    sd = loaded.state_dict()
+    assert sd.keys() == ref.keys()
+    for k, v in ref.items():
+        assert torch.equal(sd[k], v) and sd[k].dtype == v.dtype, k
+    assert (shard == "5GB") == (got / "model.safetensors").exists()
