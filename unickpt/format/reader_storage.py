@@ -271,5 +271,12 @@ class Prefetched:
                     return memoryview(out)
         return None if length else memoryview(b"")
 
+    def covers(self, name: str, offset: int, length: int) -> bool:
+        """True when [offset, offset+length) of file ``name`` lies within one fetched block."""
+        return length == 0 or any(
+            start <= offset and offset + length <= start + len(data)
+            for start, data in self._blocks.get(name, ())
+        )
+
     def clear(self) -> None:
         self._blocks.clear()
