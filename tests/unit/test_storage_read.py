@@ -363,6 +363,7 @@ def test_verified_load_batches_its_hash_reads(s3, tmp_path, monkeypatch, hold: b
 
     if not hold:
         monkeypatch.setattr(url_load, "URL_VERIFY_HOLD", 0)
+
     def many(seed: int) -> nn.Module:
         torch.manual_seed(seed)
         return nn.Sequential(*[nn.Linear(32, 32) for _ in range(12)])
