@@ -8,9 +8,9 @@ same names and each clean up the other's files, leaving a checkpoint that neithe
 the directory finds it and raises ``CheckpointBusyError`` naming the holder; the lock is deleted
 when the save commits or fails.
 
-**Stale locks.** While held, the lock is rewritten every ``STALE_AFTER / 5`` seconds (a
-heartbeat from a daemon thread). A lock the store says was last written more than
-``STALE_AFTER`` seconds ago (``UNICKPT_STORE_LOCK_STALE``, default 600) belongs to a killed
+**Stale locks.** While held, the lock is rewritten every quarter of the stale threshold (a
+heartbeat from a daemon thread). A lock the store says was last written more than the
+threshold ago (``UNICKPT_STORE_LOCK_STALE`` seconds, default 120) belongs to a killed
 save: the next save removes it (with a warning naming it) and takes its place. The age is the
 store's ``LastModified`` against this machine's clock, so clocks skewed by more than that
 threshold misjudge it; removing a stale lock is a delete then an exclusive PUT, so two saves
@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import posixpath
 import socket
 import threading
 import time
@@ -31,7 +32,7 @@ from collections.abc import Iterator
 from unickpt._logging import get_logger
 from unickpt.errors import CheckpointBusyError
 from unickpt.format.commit_store import object_time
-from unickpt.format.storage import Storage
+from unickpt.format.storage import FsspecStorage, Storage
 
 __all__ = ["LOCK_NAME", "store_lock", "stale_after"]
 
@@ -43,7 +44,7 @@ def stale_after() -> float:
     """Seconds after its last heartbeat when a lock is a killed save's (``UNICKPT_STORE_LOCK_STALE``)."""
     raw = os.environ.get("UNICKPT_STORE_LOCK_STALE", "")
     try:
-        return float(raw) if raw else 600.0
+        return float(raw) if raw else 120.0
     except ValueError:
         from unickpt.errors import ConfigError
 
@@ -70,7 +71,12 @@ def _holder(storage: Storage, path: str) -> tuple[str, float | None]:
 def _acquire(storage: Storage, path: str, save_id: str) -> None:
     limit = stale_after()
     for attempt in (0, 1):
-        if storage.put(path, _body(save_id), exclusive=True):
+        try:
+            took = storage.put(path, _body(save_id), exclusive=True)
+        except FileNotFoundError:  # a file-like store wants the directory first (object stores never)
+            storage.makedirs(posixpath.dirname(path))
+            took = storage.put(path, _body(save_id), exclusive=True)
+        if took:
             return
         who, age = _holder(storage, path)
         if attempt == 0 and age is not None and age > limit:
@@ -81,7 +87,7 @@ def _acquire(storage: Storage, path: str, save_id: str) -> None:
                 age,
                 limit,
             )
-            storage.remove([path])
+            _delete(storage, path)
             continue
         shown = "" if age is None else f", last written {age:.0f} s ago"
         raise CheckpointBusyError(
@@ -97,7 +103,7 @@ def store_lock(storage: Storage, directory: str, save_id: str) -> Iterator[None]
     path = storage.join(directory, LOCK_NAME)
     _acquire(storage, path, save_id)
     stop = threading.Event()
-    every = max(stale_after() / 5, 0.05)
+    every = max(stale_after() / 4, 0.05)
 
     def beat() -> None:
         while not stop.wait(every):
@@ -114,4 +120,12 @@ def store_lock(storage: Storage, directory: str, save_id: str) -> Iterator[None]
         stop.set()
         thread.join()
         with contextlib.suppress(Exception):  # a lock left behind goes stale
-            storage.remove([path])
+            _delete(storage, path)
+
+
+def _delete(storage: Storage, path: str) -> None:
+    """One DELETE of the lock object (not a batch delete)."""
+    if isinstance(storage, FsspecStorage):
+        storage.fs.rm_file(path)
+    else:
+        storage.remove([path])
