@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from unickpt import GeneralCheckpointIO
-from unickpt.errors import CheckpointBusyError
+from unickpt.errors import CheckpointBusyError, CheckpointChangedError
 from unickpt.format.reader import open_checkpoint
 from unickpt.format.storage import open_storage
 from unickpt.format.store_lock import LOCK_NAME, store_lock
@@ -73,7 +73,7 @@ _RACER = textwrap.dedent(
     import torch
     from torch import nn
     from unickpt import GeneralCheckpointIO
-    from unickpt.errors import CheckpointBusyError
+    from unickpt.errors import CheckpointBusyError, CheckpointChangedError
 
     seed, url, start, rounds = int(sys.argv[1]), sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
     torch.manual_seed(seed)
@@ -133,3 +133,42 @@ def test_two_processes_saving_into_one_url(s3, tmp_path) -> None:
     left = set(store.listdir(root)) - named - {"model.safetensors.index.json"}
     assert left == set(), left
     print("racing saves:", results)
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_reader_holding_the_old_index_while_a_resave_commits(s3, pinned: bool) -> None:
+    url = f"s3://{s3.bucket}/ckpt"
+    old, new = _model(0), _model(1)
+    _io(s3).save_model(old, url, shard=True, size_per_shard=0.005)
+    ref = {k: v.clone() for k, v in old.state_dict().items()}
+    reader = open_checkpoint(url, "model", pin=pinned, storage_options=s3.storage_options())
+    try:
+        names = list(reader.block.tensors)
+        # Read one tensor now, then a re-save commits (new files, index replaced, old files deleted).
+        before = _read_all(reader, names[:1])
+        _io(s3).save_model(new, url, shard=True, size_per_shard=0.005)
+        outcome = "old"
+        try:
+            after = _read_all(reader, names[1:])
+        except CheckpointChangedError as e:
+            outcome = "changed"
+            assert url.removeprefix("s3://") in str(e)
+            after = {}
+    finally:
+        reader.close()
+    # Whatever was read is the old checkpoint's bytes, never the new one's.
+    for name, data in {**before, **after}.items():
+        assert data == ref[name].numpy().tobytes(), name
+    assert outcome == "changed" or len(after) == len(names) - 1
+    # A reader opened now gets the new checkpoint, whole.
+    target = _model(2)
+    _io(s3).load_model(target, url, verify=True)
+    assert _same(target, new)
+
+
+def _read_all(reader: Any, names: list[str]) -> dict[str, bytes]:
+    out = {}
+    for n in names:
+        (s,) = reader.block.tensors[n].slices
+        out[n] = bytes(reader.read_slice(s))
+    return out

@@ -44,6 +44,7 @@ from unickpt.format.reader_blocks import (
     single_file_name,
 )
 from unickpt.format.reader_paths import hint_other_files, not_regular
+from unickpt.format.reader_storage import vanishing
 from unickpt.format.safetensors_io import SafetensorsHeader, iter_range, open_with_header, read_range
 from unickpt.format.storage import ReadHandle, Storage, is_url
 
@@ -107,14 +108,9 @@ class CheckpointReader:
         h = self._headers.get(name)
         if h is None:
             try:
-                h = self._open_data_file(name)
+                with vanishing(self, name):
+                    h = self._open_data_file(name)
             except IncompleteCheckpointError as e:
-                if self._index_changed():
-                    raise CheckpointChangedError(
-                        f"{self.index_path}: data file {name!r} vanished while the checkpoint was read, "
-                        "and the index is no longer the one read: a save replaced the checkpoint; "
-                        "load it again"
-                    ) from None
                 raise IncompleteCheckpointError(
                     f"{self.directory}: data file {name!r} named by the index is missing"
                 ) from e
@@ -205,7 +201,8 @@ class CheckpointReader:
                     return hit
                 out[:length] = hit
                 return out[:length]
-            return read_into(self._handle(name), offset, length, out)
+            with vanishing(self, name):
+                return read_into(self._handle(name), offset, length, out)
         return read_range(self._fd(name), offset, length, out)
 
     def prefetch(self, wanted: dict[str, list[tuple[int, int]]], threads: int = 8) -> None:
@@ -218,7 +215,8 @@ class CheckpointReader:
 
         if self._prefetched is None:
             self._prefetched = Prefetched()
-        self._prefetched.fetch({name: self._handle(name) for name in wanted}, wanted, threads)
+        with vanishing(self, ", ".join(sorted(wanted))):
+            self._prefetched.fetch({name: self._handle(name) for name in wanted}, wanted, threads)
 
     def drop_prefetched(self) -> None:
         self._prefetched = None
@@ -339,7 +337,8 @@ class CheckpointReader:
                         out[pos : pos + len(h)] = h
                         pos += len(h)
                     return
-            read_runs(self._handle(s.file), absolute, out)
+            with vanishing(self, s.file):
+                read_runs(self._handle(s.file), absolute, out)
             return
         pos = 0
         for o, k in runs:
