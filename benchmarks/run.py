@@ -590,6 +590,17 @@ def ratios(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[st
         False,
         "rss_peak_mb",
     )
+    s3s = by.get("s3_unickpt_save")
+    if s3s and "x_dcp_paired" in s3s.get("extra", {}):
+        v = s3s["extra"]["x_dcp_paired"]
+        out.append(
+            {
+                "target": f"unickpt save >= 1.5x DCP FsspecWriter save (S3, FSDP2 x{w}, paired per rep)",
+                "value": v,
+                "threshold": 1.5,
+                "met": v >= 1.5,
+            }
+        )
     s3u = by.get("s3_unickpt_load")
     if s3u and "x_dcp_paired" in s3u.get("extra", {}):
         v = s3u["extra"]["x_dcp_paired"]

@@ -4,9 +4,12 @@
     python benchmarks/run.py --only storage --storage-mb 256
 
 One moto S3 server (``tests/s3server.py``, the one the tests use) runs in this process and
-counts the body bytes it serves to each client. A world of ``--world`` ranks (FSDP2) writes the
-same synthetic state as DCP (``FsspecWriter``, straight to the store) and as a unickpt sliced
-checkpoint (saved locally, uploaded); a world of ``--load-world`` ranks then loads both, resharded,
+counts the body bytes it serves to and receives from each client. A world of ``--world`` ranks
+(FSDP2) saves the same synthetic state with DCP (``FsspecWriter``) and with unickpt (sliced
+``save_model("s3://...")``), both straight to the store, beside the raw ceiling (each rank one
+s3fs ``pipe_file`` of its bytes), ``reps`` times each after a warm-up, alternating the order
+(rows: median save time, the median paired DCP/unickpt and raw/writer ratios, bytes uploaded
+per rank); a world of ``--load-world`` ranks then loads both, resharded,
 ``reps`` times each after a warm-up, alternating rep by rep (``storage_worker.py``). Rows: median
 load time (rank 0, between barriers), the median of the per-rep DCP/unickpt time ratios, and per
 rank the bytes and requests the server served (per load).
@@ -50,7 +53,29 @@ def _run(rows: Any, root: Path, base: dict[str, Any], args: Any, run_world: Any,
     p = dict(base, size_mb=size, workdir=str(wd), endpoint=server.endpoint, bucket=server.new_bucket())
     w, lw = args.world, args.load_world
     print(f"  [storage: world {w} saves {size:g} MiB to S3]", file=sys.stderr, flush=True)
+    server.reset()
     out = run_world("save", w, p, args.timeout * 3, script="storage_worker.py")
+    saves = {
+        "raw_save": ("raw", "raw: each rank one s3fs pipe_file of its bytes"),
+        "dcp_save": ("dsave", "DCP FsspecWriter save"),
+        "unickpt_save": ("usave", "unickpt save_model(s3://...)"),
+    }
+    ranks0 = (out.get("ranks") or [{}])[0] or {}
+    for key, (client, label) in saves.items():
+        res = dict(ranks0.get(key) or {"status": "error", "reason": out.get("error", "no result")})
+        if res.get("status") == "ok":
+            saved = int(args.reps) + 1  # the warm-up rep uploaded too
+            up = [sum(server.received(m, f"{client}-{r}") for m in ("PUT", "POST")) / saved for r in range(w)]
+            extra: dict[str, Any] = {
+                "uploaded_per_rank": [int(x) for x in up],
+                "x_checkpoint": sum(up) / nbytes,
+            }
+            for k in ("x_dcp_paired", "x_raw_paired"):
+                paired = res.pop(k, None)
+                if paired:
+                    extra[k] = C.median(paired)
+            res["extra"] = extra
+        rows.add("storage", f"s3_{key}", f"FSDP2 x{w} {size:g} MiB to S3: {label}", res, nbytes)
     labels = {"dcp_load": "DCP FsspecReader load", "unickpt_load": "unickpt load_model(s3://...)"}
     if "error" in out:
         for key, label in labels.items():

@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
+LOCK_NAME = ".unickpt-save.lock"  # unickpt.format.store_lock.LOCK_NAME
 _AGENT = re.compile(r"unickpt-client/(\S+)")
 
 
@@ -29,7 +30,8 @@ class _Counting:
         m = _AGENT.search(environ.get("HTTP_USER_AGENT", ""))
         client = m.group(1) if m else "other"
         self.server.count_request(method, client)
-        self.server.count_in(method, client, int(environ.get("CONTENT_LENGTH") or 0))
+        if not environ.get("PATH_INFO", "").endswith(LOCK_NAME):  # a save's lock object is not its data
+            self.server.count_in(method, client, int(environ.get("CONTENT_LENGTH") or 0))
         for chunk in self.app(environ, start_response):
             self.server.count(method, client, len(chunk), environ.get("HTTP_RANGE") is not None)
             yield chunk

@@ -20,6 +20,7 @@ import torch
 from unickpt.booster import Booster
 from unickpt.format.commit_store import is_store_data_file, store_file_name
 from unickpt.format.reader import open_checkpoint
+from unickpt.format.store_lock import LOCK_NAME
 from unickpt.io import GeneralCheckpointIO
 
 
@@ -254,8 +255,13 @@ def _killed_save(s3: Any, url: str, point: str, shard: bool = True) -> None:
 
 
 @pytest.mark.parametrize("point", ["mid-upload", "before-index", "after-index", "mid-superseded"])
-def test_resave_killed_at_every_step_leaves_old_or_new_then_cleans(s3, tmp_path, point: str) -> None:
+def test_resave_killed_at_every_step_leaves_old_or_new_then_cleans(
+    s3, tmp_path, monkeypatch, point: str
+) -> None:
     import time
+
+    # The killed save leaves its lock object: stale after 1 s here (format/store_lock.py).
+    monkeypatch.setenv("UNICKPT_STORE_LOCK_STALE", "1")
 
     url = f"s3://{s3.bucket}/k"
     io = _io(s3)
@@ -277,6 +283,8 @@ def test_killed_fresh_save_leaves_nothing_committed(s3, tmp_path) -> None:
 
     _killed_save(s3, f"s3://{s3.bucket}/f", "before-index")
     names = objects(s3, "f")
+    assert LOCK_NAME in names  # the killed save's lock, taken over once stale
+    names.remove(LOCK_NAME)
     assert names and all(n.endswith(".safetensors") for n in names)  # data, no index
     with pytest.raises(IncompleteCheckpointError, match="holds no committed model checkpoint"):
         load_into(download(s3, "f", tmp_path / "f"))
@@ -286,7 +294,7 @@ def test_killed_single_file_save_keeps_the_old_file_whole(s3, tmp_path) -> None:
     url = f"s3://{s3.bucket}/one/model.safetensors"
     _io(s3).save_model(Net(1), url)
     _killed_save(s3, url, "mid-upload", shard=False)
-    assert objects(s3, "one") == ["model.safetensors"]
+    assert objects(s3, "one") == [LOCK_NAME, "model.safetensors"]  # the lock goes stale
     same(load_into(download(s3, "one", tmp_path / "one") / "model.safetensors"), Net(1))
 
 

@@ -255,7 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
     )
     sp.add_argument("src", help="checkpoint to merge (directory or index file)")
-    sp.add_argument("out", help="output directory (must not exist, or be empty)")
+    sp.add_argument(
+        "out",
+        help="output directory (must not exist, or be empty), or a URL holding nothing (files streamed, "
+        "the index or single file written last)",
+    )
     sp.add_argument(
         "--max-shard-size", default="5GB", help='largest output file, e.g. "5GB", "500MB" (default: 5GB)'
     )
@@ -303,8 +307,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="output: unickpt (default) or hf (the same files), run (a CheckpointManager directory), "
         "dcp (from a unickpt checkpoint)",
     )
-    sp.add_argument("src", help="source directory (or a single .bin / .safetensors file)")
-    sp.add_argument("out", help="output directory (must not exist, or be empty)")
+    sp.add_argument(
+        "src",
+        help="source directory (or a single .bin / .safetensors file); a URL for --from dcp / bin "
+        "(downloaded to a temporary directory first) or a unickpt checkpoint (read in place)",
+    )
+    sp.add_argument(
+        "out",
+        help="output directory (must not exist, or be empty), or a URL holding nothing (written locally, "
+        "then uploaded with the index or .metadata last; not for --to run)",
+    )
     sp.add_argument("--max-shard-size", default="5GB", help="largest output file (default: 5GB)")
     sp.add_argument(
         "--strip-prefix",

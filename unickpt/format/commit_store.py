@@ -130,6 +130,10 @@ def object_time(storage: Storage, path: str) -> float | None:
         info: dict[str, Any] = storage.fs.info(path)
     except (FileNotFoundError, OSError):
         return None
+    return _info_time(info)
+
+
+def _info_time(info: dict[str, Any]) -> float | None:
     for k in ("LastModified", "last_modified", "mtime", "updated", "created"):
         v = info.get(k)
         if isinstance(v, datetime):
@@ -144,25 +148,41 @@ def object_time(storage: Storage, path: str) -> float | None:
     return None
 
 
-def _commit_time(storage: Storage, directory: str) -> tuple[float | None, set[str]]:
-    """(time of the newest commit point in ``directory``, files the committed checkpoints use)."""
+def _listing_times(storage: FsspecStorage, directory: str) -> dict[str, float | None]:
+    """Name -> last modification of every object directly in ``directory``: one LIST request."""
+    try:
+        entries = storage.fs.ls(directory, detail=True, refresh=True)
+    except FileNotFoundError:
+        return {}
+    base = directory.rstrip("/")
+    out: dict[str, float | None] = {}
+    for info in entries:
+        name = str(info.get("name", "")).rstrip("/")
+        if name != base and info.get("type") != "directory":
+            out[posixpath.basename(name)] = _info_time(info)
+    return out
+
+
+def _commit_time(
+    storage: Storage, directory: str, times: dict[str, float | None]
+) -> tuple[float | None, set[str]]:
+    """(time of the newest commit point in ``directory``, files the committed checkpoints use),
+    from the directory's listing ``times`` (and each committed index, fetched)."""
     newest: float | None = None
     used: set[str] = set()
     for kind in _KINDS:
-        idx = storage.join(directory, index_name(kind))
-        single = storage.join(directory, single_name(kind))
-        for path, is_index in ((idx, True), (single, False)):
-            t = object_time(storage, path)
-            if t is None:
+        for name, is_index in ((index_name(kind), True), (single_name(kind), False)):
+            t = times.get(name)
+            if name not in times or t is None:
                 continue
             newest = t if newest is None else max(newest, t)
             if is_index:
                 try:
-                    used |= referenced_files(storage.read_bytes(path, limit=1 << 30))
+                    used |= referenced_files(storage.read_bytes(storage.join(directory, name), limit=1 << 30))
                 except (OSError, ValueError):
                     continue
             else:
-                used.add(single_name(kind))
+                used.add(name)
     return newest, used
 
 
@@ -208,17 +228,16 @@ def clean_store_leftovers(storage: Storage, directory: str) -> list[str]:
     """
     if not isinstance(storage, FsspecStorage):
         return []
-    newest, used = _commit_time(storage, directory)
+    times = _listing_times(storage, directory)  # one LIST gives every object's time
+    newest, used = _commit_time(storage, directory, times)
     if newest is None:
         return []
     removed: list[str] = []
-    for n in storage.listdir(directory):
+    for n, t in times.items():
         if n in used or not any(is_store_data_file(k, n) for k in _KINDS):
             continue
-        path = storage.join(directory, n)
-        t = object_time(storage, path)
         if t is not None and t < newest:
-            removed.append(path)
+            removed.append(storage.join(directory, n))
     storage.remove(removed)
     removed += abort_dead_uploads(storage, directory, newest)
     if removed:

@@ -45,6 +45,7 @@ from unickpt.format.reader_blocks import (
     single_file_name,
 )
 from unickpt.format.reader_paths import hint_other_files, not_regular
+from unickpt.format.reader_storage import vanishing
 from unickpt.format.safetensors_io import SafetensorsHeader, iter_range, open_with_header, read_range
 from unickpt.format.storage import ReadHandle, Storage, is_url
 
@@ -108,14 +109,9 @@ class CheckpointReader:
         h = self._headers.get(name)
         if h is None:
             try:
-                h = self._open_data_file(name)
+                with vanishing(self, name):
+                    h = self._open_data_file(name)
             except IncompleteCheckpointError as e:
-                if self._index_changed():
-                    raise CheckpointChangedError(
-                        f"{self.index_path}: data file {name!r} vanished while the checkpoint was read, "
-                        "and the index is no longer the one read: a save replaced the checkpoint; "
-                        "load it again"
-                    ) from None
                 raise IncompleteCheckpointError(
                     f"{self.directory}: data file {name!r} named by the index is missing"
                 ) from e
@@ -206,7 +202,8 @@ class CheckpointReader:
                     return hit
                 out[:length] = hit
                 return out[:length]
-            return read_into(self._handle(name), offset, length, out)
+            with vanishing(self, name):
+                return read_into(self._handle(name), offset, length, out)
         return read_range(self._fd(name), offset, length, out)
 
     def prefetch(self, wanted: dict[str, list[tuple[int, int]]], threads: int = 8) -> None:
@@ -219,10 +216,15 @@ class CheckpointReader:
 
         if self._prefetched is None:
             self._prefetched = Prefetched()
-        self._prefetched.fetch({name: self._handle(name) for name in wanted}, wanted, threads)
+        with vanishing(self, ", ".join(sorted(wanted))):
+            self._prefetched.fetch({name: self._handle(name) for name in wanted}, wanted, threads)
 
     def drop_prefetched(self) -> None:
         self._prefetched = None
+
+    def prefetched_covers(self, name: str, offset: int, length: int) -> bool:
+        """True when a prefetched block of file ``name`` holds [offset, offset+length)."""
+        return self._prefetched is not None and self._prefetched.covers(name, offset, length)
 
     def pin(self) -> None:
         """Open every data file now (headers checked, save ids matched): later reads need no name."""
@@ -335,7 +337,8 @@ class CheckpointReader:
                         out[pos : pos + len(h)] = h
                         pos += len(h)
                     return
-            read_runs(self._handle(s.file), absolute, out)
+            with vanishing(self, s.file):
+                read_runs(self._handle(s.file), absolute, out)
             return
         pos = 0
         for o, k in runs:

@@ -17,13 +17,14 @@ and builds the reader.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from unickpt.errors import IncompleteCheckpointError, IndexFileError, UnsupportedError
+from unickpt.errors import CheckpointChangedError, IncompleteCheckpointError, IndexFileError, UnsupportedError
 from unickpt.format.index import MAX_INDEX_BYTES, IndexFile, parse_index
 from unickpt.format.naming import index_name, single_name
 from unickpt.format.safetensors_io import SafetensorsHeader, header_from_bytes
@@ -271,5 +272,28 @@ class Prefetched:
                     return memoryview(out)
         return None if length else memoryview(b"")
 
+    def covers(self, name: str, offset: int, length: int) -> bool:
+        """True when [offset, offset+length) of file ``name`` lies within one fetched block."""
+        return length == 0 or any(
+            start <= offset and offset + length <= start + len(data)
+            for start, data in self._blocks.get(name, ())
+        )
+
     def clear(self) -> None:
         self._blocks.clear()
+
+
+@contextlib.contextmanager
+def vanishing(reader: Any, name: str) -> Iterator[None]:
+    """On a URL: a data file gone after its header was read (a save replaced the checkpoint and
+    deleted it) raises ``CheckpointChangedError`` when the committed index changed since
+    ``reader`` (a ``CheckpointReader``) parsed it; otherwise the error stands."""
+    try:
+        yield
+    except IncompleteCheckpointError:
+        if reader._index_changed():
+            raise CheckpointChangedError(
+                f"{reader.index_path}: data file {name!r} vanished while the checkpoint was read, "
+                "and the index is no longer the one read: a save replaced the checkpoint; load it again"
+            ) from None
+        raise

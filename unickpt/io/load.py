@@ -238,6 +238,7 @@ def load_tensors(
     read error leaves every target untouched; otherwise each block is read in place.
     """
     err: BaseException | None = None
+    held = False  # the reader holds the slices fetched to verify them (on a URL)
     report = LoadReport()
     plan: list[tuple[str, str, list[LocalSlice]]] = []  # (target name, source name, boxes)
     try:
@@ -314,24 +315,34 @@ def load_tensors(
                 src, s = item
                 failures.extend(slice_failures(src, s, reader.iter_slice(s)))
 
-            # On a URL, the slices to hash are fetched a window at a time, coalesced.
-            each_slice(reader, [(src, s) for src, s in checked if has_hashes(s)], check)
+            # On a URL, the slices to hash are fetched a window at a time, coalesced, and kept
+            # for the reads below (each byte fetched once) when they fit URL_VERIFY_HOLD.
+            held = each_slice(reader, [(src, s) for src, s in checked if has_hashes(s)], check, keep=True)
             if failures:
                 raise IntegrityError(failures, reader.index_path or reader.directory)
     except Exception as e:
         err = e
-    _dist.agree(err, f"loading {what} from {reader.index_path or reader.directory}", group)
+    try:
+        _dist.agree(err, f"loading {what} from {reader.index_path or reader.directory}", group)
+    except BaseException:
+        reader.drop_prefetched()
+        raise
 
     where = reader.index_path or reader.directory
     if atomic:
-        _read_then_copy(reader, plan, what, where, group)
+        _read_then_copy(reader, plan, what, where, group, held)
     else:
-        _read_in_place(reader, plan, what, where, group)
+        _read_in_place(reader, plan, what, where, group, held)
     return report
 
 
 def _read_then_copy(
-    reader: CheckpointReader, plan: list[tuple[str, str, list[LocalSlice]]], what: str, where: str, group: Any
+    reader: CheckpointReader,
+    plan: list[tuple[str, str, list[LocalSlice]]],
+    what: str,
+    where: str,
+    group: Any,
+    held: bool = False,
 ) -> None:
     """Read everything this rank needs before copying anything, and agree once more: a read error
     on any rank (a file vanishing, an I/O error) then leaves every model untouched. The price is
@@ -344,7 +355,10 @@ def _read_then_copy(
         jobs = [(reader.tensors[src], b) for _, src, boxes in plan for b in boxes]
         batch = ReadBatch() if reader.storage is None else None
         datas = each_block(
-            reader, jobs, lambda job: read_box(files, job[0], job[1].offsets, job[1].shape, batch=batch)
+            reader,
+            jobs,
+            lambda job: read_box(files, job[0], job[1].offsets, job[1].shape, batch=batch),
+            held,
         )
         if batch is not None:
             batch.run(reader._fd, reader.file_path)
@@ -362,7 +376,12 @@ def _read_then_copy(
 
 
 def _read_in_place(
-    reader: CheckpointReader, plan: list[tuple[str, str, list[LocalSlice]]], what: str, where: str, group: Any
+    reader: CheckpointReader,
+    plan: list[tuple[str, str, list[LocalSlice]]],
+    what: str,
+    where: str,
+    group: Any,
+    held: bool = False,
 ) -> None:
     """Read each block straight into its tensor (CPU, same dtype) or through a buffer of that one
     block: memory stays at one block over the state. A read error mid-way leaves the state
@@ -385,7 +404,7 @@ def _read_in_place(
                 if direct is None:
                     b.tensor.copy_(data.to(b.tensor.dtype).reshape(b.tensor.shape))
 
-        each_block(reader, [(reader.tensors[src], b) for _, src, boxes in plan for b in boxes], one)
+        each_block(reader, [(reader.tensors[src], b) for _, src, boxes in plan for b in boxes], one, held)
         if batch is not None:
             batch.run(reader._fd, reader.file_path)
     except Exception as e:

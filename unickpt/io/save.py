@@ -20,7 +20,8 @@ Order of events (every rank calls ``save_tensors`` with its own tensors):
    returns before the checkpoint is committed.
 
 A URL (``s3://``, ``gs://``...: ``SaveOptions.storage_options``) goes through the storage layer
-instead (``format/commit_store.py``, docs/format.md section 6.1): no lock and no staging; rank 0
+instead (``format/commit_store.py``, docs/format.md section 6.1): no staging; rank 0 takes the
+directory's lock object (``format/store_lock.py``: a second writer gets ``CheckpointBusyError``),
 finds whether a checkpoint is committed there (then every file gets a save-id name), each writer
 streams its files as multipart uploads, and rank 0's commit is the index's PUT. A gathered save
 on a URL is written by rank 0 (``io/funnel_save.py``): a store has no ``pwrite``.
@@ -46,6 +47,7 @@ from unickpt.format.commit_store import committed_on_store, store_file_name
 from unickpt.format.index import LayoutInfo, index_to_json
 from unickpt.format.naming import single_name
 from unickpt.format.storage import Storage, is_url, open_storage
+from unickpt.format.store_lock import store_lock
 from unickpt.format.writer import build_index
 from unickpt.io._commit import commit_collective
 from unickpt.io.funnel_save import feed_funnel, write_funnelled, write_funnelled_single
@@ -192,8 +194,9 @@ def save_tensors(
             if store is None:
                 os.makedirs(directory, exist_ok=True)
                 lock.enter_context(directory_lock(directory))
-            elif not single_file:
-                over = committed_on_store(store, directory, opts.kind)
+            else:  # one writer per directory on a store too (format/store_lock.py)
+                lock.enter_context(store_lock(store, directory, save_id))
+                over = not single_file and committed_on_store(store, directory, opts.kind)
         except BaseException as e:
             err = e
     try:

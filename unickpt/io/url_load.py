@@ -32,6 +32,7 @@ __all__ = [
     "wanted_ranges",
     "URL_WINDOW",
     "URL_READ_THREADS",
+    "URL_VERIFY_HOLD",
 ]
 
 #: On a URL, the blocks of a load are read in windows of about this many bytes: each window's
@@ -39,31 +40,50 @@ __all__ = [
 #: then copied, so a load holds at most one window of fetched bytes beyond its state.
 URL_WINDOW = 128 << 20
 URL_READ_THREADS = 8
+#: A verified load on a URL keeps the slices it fetched to hash for its reads (each byte fetched
+#: once) when they total at most this many bytes per rank; beyond, the reads fetch again.
+URL_VERIFY_HOLD = 4 << 30
 
 
 def each_block(
-    reader: CheckpointReader, jobs: list[tuple[TensorEntry, LocalSlice]], fn: Callable[[Any], Any]
+    reader: CheckpointReader,
+    jobs: list[tuple[TensorEntry, LocalSlice]],
+    fn: Callable[[Any], Any],
+    held: bool = False,
 ) -> list[Any]:
     """``[fn(job) for job in jobs]``. On a URL, jobs go in windows of about ``URL_WINDOW`` bytes:
     every byte range a window's blocks need is fetched first (``reader.prefetch``: coalesced
-    requests, all in flight, files in parallel), then the blocks are copied from memory."""
+    requests, all in flight, files in parallel), then the blocks are copied from memory.
+
+    ``held``: the reader still holds the whole slices ``each_slice(keep=True)`` fetched to hash
+    them; ranges they cover are not fetched again, and they are dropped when this returns."""
     if reader.storage is None:
         return [fn(job) for job in jobs]
     out: list[Any] = []
     start = 0
-    while start < len(jobs):
-        stop, size = start, 0
-        while stop < len(jobs) and (stop == start or size < URL_WINDOW):
-            entry, b = jobs[stop]
-            size += math.prod(b.shape) * itemsize(entry.dtype)
-            stop += 1
-        window = jobs[start:stop]
-        reader.prefetch(wanted_ranges(reader, window), URL_READ_THREADS)
-        try:
-            out += [fn(job) for job in window]
-        finally:
-            reader.drop_prefetched()
-        start = stop
+    try:
+        while start < len(jobs):
+            stop, size = start, 0
+            while stop < len(jobs) and (stop == start or size < URL_WINDOW):
+                entry, b = jobs[stop]
+                size += math.prod(b.shape) * itemsize(entry.dtype)
+                stop += 1
+            window = jobs[start:stop]
+            wanted = wanted_ranges(reader, window)
+            if held:
+                wanted = {
+                    f: [r for r in rs if not reader.prefetched_covers(f, *r)] for f, rs in wanted.items()
+                }
+                wanted = {f: rs for f, rs in wanted.items() if rs}
+            reader.prefetch(wanted, URL_READ_THREADS)
+            try:
+                out += [fn(job) for job in window]
+            finally:
+                if not held:
+                    reader.drop_prefetched()
+            start = stop
+    finally:
+        reader.drop_prefetched()
     return out
 
 
@@ -158,15 +178,24 @@ def read_file_bytes(
 
 
 def each_slice(
-    reader: CheckpointReader, items: list[tuple[str, Any]], fn: Callable[[tuple[str, Any]], None]
-) -> None:
+    reader: CheckpointReader,
+    items: list[tuple[str, Any]],
+    fn: Callable[[tuple[str, Any]], None],
+    keep: bool = False,
+) -> bool:
     """``fn((tensor name, stored slice))`` for each item; on a URL, the whole slices of about
     ``URL_WINDOW`` bytes at a time are fetched first (coalesced, in flight together), so hashing
-    them (``verify=True``) costs a few large requests, not one round trip per slice."""
+    them (``verify=True``) costs a few large requests, not one round trip per slice.
+
+    ``keep``: on a URL, when the slices total at most ``URL_VERIFY_HOLD`` bytes, the fetched
+    bytes stay in the reader for the load's reads (``each_block(held=True)``), so a verified load
+    fetches each byte once. Returns whether they were kept (the caller must then read with
+    ``held=True``, which drops them, or call ``reader.drop_prefetched()``)."""
     if reader.storage is None:
         for item in items:
             fn(item)
-        return
+        return False
+    keep = keep and sum(reader.slice_location(s)[2] for _, s in items) <= URL_VERIFY_HOLD
     start = 0
     while start < len(items):
         stop, size = start, 0
@@ -181,6 +210,10 @@ def each_slice(
         try:
             for item in items[start:stop]:
                 fn(item)
-        finally:
+        except BaseException:
+            reader.drop_prefetched()
+            raise
+        if not keep:
             reader.drop_prefetched()
         start = stop
+    return keep

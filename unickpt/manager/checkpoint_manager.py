@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import tempfile
 from typing import Any
 
 import torch
@@ -348,35 +347,18 @@ class CheckpointManager:
         _dist.agree(err, f"writing the Hugging Face copy of step {p.step}", group)
 
     def _merge_hf(self, p: snapshot.Payload, hf: str) -> None:
-        """Rank 0, on a store: merge the step's sliced model into Hugging Face files and upload them."""
+        """Rank 0, on a store: merge the step's sliced model into Hugging Face files at ``hf``,
+        read from the store and streamed back to it (``merge_checkpoint`` to a URL: the index or
+        single file last); nothing is staged on local disk but a single-file output."""
         from unickpt.tools.merge import merge_checkpoint
 
-        os.makedirs(self.storage.root, exist_ok=True)
-        with (
-            self.storage.written_copy(p.stage, "model") as model_dir,
-            tempfile.TemporaryDirectory(prefix=".hf-merge-", dir=self.storage.root) as tmp,
-        ):
-            out = os.path.join(tmp, HF_DIR)
-            # config.json sits beside the sliced model: the merge carries it over.
-            merge_checkpoint(model_dir, out, max_shard_size=int(_SHARD_MB * 1024 * 1024))
-            _upload_dir(out, hf, self._storage_options)
-
-
-def _upload_dir(src: str, url: str, storage_options: dict[str, Any] | None) -> None:
-    """Stream every file of the local directory ``src`` to ``url/<name>`` through the storage layer."""
-    from unickpt.format.storage import open_storage
-
-    store, root = open_storage(url, storage_options)
-    store.makedirs(root)
-    for name in sorted(os.listdir(src)):
-        out = store.open_write(store.join(root, name))
-        try:
-            with open(os.path.join(src, name), "rb") as f:
-                shutil.copyfileobj(f, out, 16 << 20)
-            out.close()
-        except BaseException:
-            store.abort(out)
-            raise
+        # config.json sits beside the sliced model: the merge carries it over.
+        merge_checkpoint(
+            f"{p.stage}/model",
+            hf,
+            max_shard_size=int(_SHARD_MB * 1024 * 1024),
+            storage_options=self._storage_options,
+        )
 
 
 def _link_files(src: str, dst: str) -> None:

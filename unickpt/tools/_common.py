@@ -22,6 +22,7 @@ __all__ = [
     "check_output",
     "staged_output",
     "copy_small_file",
+    "write_durably",
     "write_all",
 ]
 
@@ -136,7 +137,11 @@ def staged_output(out: str) -> Iterator[str]:
 def copy_small_file(src: str, dst: str) -> None:
     """Copy a small side file (config.json ...) durably."""
     with open(src, "rb") as f:
-        data = f.read()
+        write_durably(dst, f.read())
+
+
+def write_durably(dst: str, data: bytes) -> None:
+    """Write a new small file and fsync it."""
     with open(dst, "wb") as g:
         g.write(data)
         g.flush()

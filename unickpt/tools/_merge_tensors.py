@@ -25,6 +25,7 @@ from unickpt.tools._bands import bands, is_sparse, next_data, pieces
 from unickpt.tools._common import write_all
 from unickpt.tools._merge_bulk import groups, merge_rows
 from unickpt.tools._merge_runs import Run
+from unickpt.tools._store_out import StoreFile
 
 __all__ = ["CASTABLE", "CHUNK", "TensorMerger"]
 
@@ -113,10 +114,11 @@ class TensorMerger:
 
     # -------------------------------------------------------------- writing
     def write_file(
-        self, tensors: list[tuple[str, TensorEntry, int]], fd: int
+        self, tensors: list[tuple[str, TensorEntry, int]], fd: int | StoreFile
     ) -> dict[str, tuple[str | None, str | None]]:
-        """Write each (name, entry, position) into ``fd``, in order; return name -> (xxh3, fingerprint)."""
-        out = _Out(fd)
+        """Write each (name, entry, position) into ``fd`` (a local file, or a file streamed to a
+        store), in order; return name -> (xxh3, fingerprint)."""
+        out = _Out(fd) if isinstance(fd, int) else fd
         results: dict[str, tuple[str | None, str | None]] = {}
         for bulk, items in groups(tensors, self._bulk):
             if bulk:  # small row-sliced tensors: read in runs per file, written together
@@ -155,7 +157,7 @@ class TensorMerger:
                 results[name] = self._assemble(name, t, self.target_dtype(t), out, pos)
                 continue
             self._check_empty(name, t)
-            if how == "kernel":
+            if how == "kernel" and isinstance(out, _Out):  # a store's file has no descriptor: stream
                 results[name] = (self._copy_one(runs[0].slice, out, pos), t.fingerprint)
             else:
                 results[name] = (self._stream_runs(name, t, runs, out, pos), t.fingerprint)
@@ -175,7 +177,9 @@ class TensorMerger:
         self.progress(n)
         return s.xxh3
 
-    def _stream_runs(self, name: str, t: TensorEntry, runs: list[Run], out: _Out, pos: int) -> str:
+    def _stream_runs(
+        self, name: str, t: TensorEntry, runs: list[Run], out: _Out | StoreFile, pos: int
+    ) -> str:
         isz = itemsize(t.dtype)
         out_hash = SliceHasher()
         for run in runs:
@@ -249,7 +253,7 @@ class TensorMerger:
         return got
 
     def _assemble(
-        self, name: str, t: TensorEntry, out_dtype: str, out: _Out, pos: int
+        self, name: str, t: TensorEntry, out_dtype: str, out: _Out | StoreFile, pos: int
     ) -> tuple[str, str | None]:
         """Rebuild the tensor band by band (``_bands``): memory stays about two bands, whatever its size."""
         isz = itemsize(t.dtype)

@@ -37,6 +37,7 @@ from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, Uns
 from unickpt.format._json import strict_loads
 from unickpt.format.dcp_hf import dcp_hf_files
 from unickpt.format.index import LayoutInfo
+from unickpt.format.storage import is_url
 from unickpt.tools._common import check_output, copy_small_file, staged_output
 from unickpt.tools._write import SliceData, TensorData, write_checkpoint
 
@@ -244,6 +245,21 @@ def convert_checkpoint(
             f"convert --to run: only a DCP / torchtitan or DeepSpeed training checkpoint becomes a run (got --from {source})"
         )
     src_s = os.fspath(src)
+    if (is_url(src_s) and source != "unickpt") or is_url(out):  # a unickpt source is read in place
+        from unickpt.tools.convert_url import convert_with_urls
+
+        return convert_with_urls(
+            convert_checkpoint,
+            src_s,
+            os.fspath(out),
+            source=source,
+            target=target,
+            max_shard_size=max_shard_size,
+            strip_prefix=strip_prefix,
+            step=step,
+            model=model,
+            optimizer=optimizer,
+        )
     out_s = check_output(os.fspath(out))
     shard_bytes = _parse_size(max_shard_size)
     del progress  # conversions are bounded by torch's reader; no byte-level progress to report

@@ -25,9 +25,11 @@ output is written to a hidden temporary directory and renamed to ``out`` at the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -42,11 +44,13 @@ from unickpt.format.index import LayoutInfo, SliceEntry, TensorEntry, UnickptBlo
 from unickpt.format.naming import index_name, shard_name, single_name
 from unickpt.format.reader import UNICKPT_METADATA_KEY, CheckpointReader, open_checkpoint
 from unickpt.format.safetensors_io import encode_header, read_header
+from unickpt.format.storage import is_url
 from unickpt.format.writer import build_block, build_index, data_file_metadata, group_files, rewrite_header
-from unickpt.tools._common import check_output, copy_small_file, detect_kind, staged_output, write_all
+from unickpt.tools._common import check_output, detect_kind, staged_output, write_all, write_durably
 from unickpt.tools._merge_runs import Run, validate_runs
 from unickpt.tools._merge_tensors import CHUNK, TensorMerger
 from unickpt.tools._progress import progress_bar
+from unickpt.tools._store_out import StoreOutput, store_output
 
 __all__ = ["merge_checkpoint", "DTYPES"]
 
@@ -63,7 +67,23 @@ DTYPES = {
 }
 _PLACEHOLDER = "0" * 16
 _PLACEHOLDER_ID = "0" * 32
-_SIDE_FILES = ("config.json", "generation_config.json")
+# What a Hugging Face loader reads beside the weights: the model's config and its tokenizer.
+_SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+)
+_SIDE_LIMIT = 256 << 20
 
 
 def _merge_one(
@@ -77,7 +97,12 @@ def _merge_one(
     src: str,
     buf: memoryview,
     runs_of: dict[str, list[Run] | None],
+    store: StoreOutput | None = None,
 ) -> None:
+    """Merge one kind into ``out_dir`` (local), or with ``store`` into the output URL: data files
+    of a sharded output stream there (their save id fixed up front, :func:`_upfront_id`), the
+    index is a commit point; a single file is written in ``out_dir`` (a local temporary
+    directory: its header holds hashes known only at the end) and uploaded as a commit point."""
     kind = reader.kind
     block = reader.block
     m = TensorMerger(
@@ -95,6 +120,8 @@ def _merge_one(
     # headers are written with a same-length placeholder and rewritten, so that merging the same
     # checkpoint twice gives the same bytes.
     save_id = _PLACEHOLDER_ID
+    if store is not None and len(groups) > 1:
+        save_id = _upfront_id(block, kind, out_dtype, groups)
 
     def make_block(
         results: dict[str, tuple[str | None, str | None]], file_of: dict[str, str], save_id: str
@@ -144,14 +171,21 @@ def _merge_one(
             dumped = make_block(ph, file_of, save_id).model_dump(mode="json", exclude_none=True)
             meta[UNICKPT_METADATA_KEY] = json.dumps(dumped)
         header, spans = encode_header(specs, meta)
+        todo = [
+            (n, block.tensors[n], len(header) + begin)
+            for (n, _, _), (begin, _end) in zip(specs, spans, strict=True)
+        ]
+        if store is not None and not single:  # streamed to the store, its header final from the start
+            sf = store.open(fname)
+            sf.write(memoryview(header), 0)
+            results.update(m.write_file(todo, sf))
+            sf.finish(len(header) + (spans[-1][1] if spans else 0))
+            store.close(sf)
+            continue
         path = os.path.join(out_dir, fname)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             write_all(fd, memoryview(header), 0)
-            todo = [
-                (n, block.tensors[n], len(header) + begin)
-                for (n, _, _), (begin, _end) in zip(specs, spans, strict=True)
-            ]
             results.update(m.write_file(todo, fd))
             size = len(header) + (spans[-1][1] if spans else 0)
             if os.fstat(fd).st_size < size:  # the file ends in a hole left by a sparse source
@@ -172,7 +206,12 @@ def _merge_one(
             os.close(fd)
         read_header(path)  # the file we wrote must pass the strict reader
         written.append((path, specs))
-    if not single:
+        if store is not None:
+            store.commit_later(fname, path)
+    if store is not None and not single:
+        index = build_index(make_block(results, file_of, save_id), sliced=False)
+        store.commit_later(index_name(kind), index_to_json(index))
+    elif not single:
         final = make_block(results, file_of, _PLACEHOLDER_ID)
         final_id = content_save_id(_block_bytes(final))
         final = final.model_copy(update={"save_id": final_id})
@@ -186,6 +225,14 @@ def _merge_one(
                 os.close(fd)
         index = build_index(final, sliced=False)
         atomic_write_bytes(os.path.join(out_dir, index_name(kind)), index_to_json(index))
+
+
+def _upfront_id(block: UnickptBlock, kind: str, out_dtype: str | None, groups: list[list[str]]) -> str:
+    """The save id of a sharded merge to a URL, fixed before anything is written (its data files
+    stream out with their final headers): derived from the source block and what the merge
+    does with it, so merging the same checkpoint the same way twice gives the same bytes."""
+    what = json.dumps({"kind": kind, "dtype": out_dtype, "files": groups}).encode()
+    return content_save_id(_block_bytes(block) + what)
 
 
 def _block_bytes(block: UnickptBlock) -> bytes:
@@ -209,50 +256,71 @@ def merge_checkpoint(
     verify: bool = True,
     optimizer: bool = False,
     progress: bool = False,
+    storage_options: dict[str, Any] | None = None,
 ) -> str:
     """Merge the checkpoint at ``src`` (any layout) into a plain Hugging Face checkpoint at ``out``.
 
     Writes ``model.safetensors`` or ``model-0000k-of-0000n.safetensors`` plus
     ``model.safetensors.index.json`` (``max_shard_size`` as in Hugging Face, default "5GB"),
-    copies ``config.json``/``generation_config.json``. ``dtype`` ("bf16", "fp16", "fp32")
+    copies the side files a Hugging Face loader needs (``config.json``,
+    ``generation_config.json``, the tokenizer's files). ``dtype`` ("bf16", "fp16", "fp32")
     casts floating-point tensors. ``verify`` checks every slice hash while reading
     (``IntegrityError`` naming the tensor and file on a mismatch). ``optimizer=True`` also
     merges the optimizer checkpoint in ``src`` (FQN-keyed, ``optimizer*.safetensors``), and
     copies ``lr_scheduler.json``. ``progress`` shows a tqdm bar on stderr. Returns ``out``.
 
-    ``out`` must not exist (or be an empty directory). Everything is written into a hidden
-    temporary directory beside it, renamed to ``out`` only when complete: a failed merge
-    leaves no ``out``. Called by one process; needs no process group.
+    ``src`` and ``out`` are local paths or URLs (``storage_options`` for both, as fsspec takes
+    them). A local ``out`` must not exist (or be an empty directory): everything is written into
+    a hidden temporary directory beside it, renamed to ``out`` only when complete. A URL ``out``
+    must hold no object: the files are uploaded under their final names and the index (or the
+    single file) last, as every save on a store commits (``tools/_store_out.py``). Either way a
+    failed merge leaves no ``out``. Called by one process; needs no process group.
     """
     src_s = os.fspath(src)
-    out_s = check_output(os.fspath(out))
+    url_out = is_url(out)
+    out_s = os.fspath(out).rstrip("/") if url_out else check_output(os.fspath(out))
     out_dtype = None
     if dtype is not None:
         if dtype not in DTYPES:
             raise UnsupportedError(f"--dtype {dtype!r}: choose one of bf16, fp16, fp32")
         out_dtype = DTYPES[dtype]
+    opts = storage_options if is_url(src_s) else None
     readers: list[CheckpointReader] = []
     try:
         # A file (a single-file checkpoint under any name, or an index) holds one kind; say which.
         kinds = (
             [detect_kind(src_s)]
-            if os.path.isfile(src_s)
+            if not is_url(src_s) and os.path.isfile(src_s)
             else ["model", "optimizer"]
             if optimizer
             else ["model"]
         )
         for kind in kinds:
-            if optimizer and os.path.isdir(src_s) and not _has_kind(src_s, kind):
+            if optimizer and not _has_kind(src_s, kind, opts):
                 continue
-            readers.append(open_checkpoint(src_s, kind))
+            readers.append(open_checkpoint(src_s, kind, storage_options=opts))
         if not readers:
-            readers.append(open_checkpoint(src_s, "optimizer"))
+            readers.append(open_checkpoint(src_s, "optimizer", storage_options=opts))
         # Coverage + headers: fail before writing anything.
         runs_of = [validate_runs(r) for r in readers]
         total = sum(t.nbytes for r in readers for t in r.block.tensors.values())
         # The copy buffer of every streamed tensor, not zero-filled (each read fills what it uses).
         buf = np.empty(CHUNK, dtype=np.uint8).data
-        with progress_bar(total, "merge", progress) as update, staged_output(out_s) as tmp:
+        side = list(_SIDE_FILES) + (["lr_scheduler.json"] if optimizer else [])
+        with contextlib.ExitStack() as stack:
+            update = stack.enter_context(progress_bar(total, "merge", progress))
+            store: StoreOutput | None = None
+            if url_out:
+                # A single-file output is written here, then uploaded when the store commits.
+                tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="unickpt-merge-"))
+                store = stack.enter_context(store_output(out_s, storage_options))
+            else:
+                tmp = stack.enter_context(staged_output(out_s))
+            for fname, data in _side_files(readers[0], side):
+                if store is not None:
+                    store.put(fname, data)
+                else:
+                    write_durably(os.path.join(tmp, fname), data)
             for r, runs in zip(readers, runs_of, strict=True):
                 _merge_one(
                     r,
@@ -264,13 +332,8 @@ def merge_checkpoint(
                     src=src_s,
                     buf=buf,
                     runs_of=runs,
+                    store=store,
                 )
-            side = list(_SIDE_FILES) + (["lr_scheduler.json"] if optimizer else [])
-            src_dir = readers[0].directory
-            for fname in side:
-                p = os.path.join(src_dir, fname)
-                if os.path.isfile(p):
-                    copy_small_file(p, os.path.join(tmp, fname))
         logger.info("merged %s into %s", src_s, out_s)
         return out_s
     finally:
@@ -278,7 +341,33 @@ def merge_checkpoint(
             r.close()
 
 
-def _has_kind(directory: str, kind: str) -> bool:
-    return os.path.isfile(os.path.join(directory, index_name(kind))) or os.path.isfile(
-        os.path.join(directory, single_name(kind))
+def _side_files(reader: CheckpointReader, names: list[str]) -> list[tuple[str, bytes]]:
+    """The side files present beside the source checkpoint (a local directory or a URL)."""
+    out = []
+    store = reader.storage
+    present = set(store.listdir(reader.directory)) if store is not None else None
+    for fname in names:
+        if store is not None and present is not None:
+            if fname in present:
+                out.append((fname, store.read_bytes(f"{reader.directory}/{fname}", limit=_SIDE_LIMIT)))
+            continue
+        p = os.path.join(reader.directory, fname)
+        if os.path.isfile(p):
+            with open(p, "rb") as f:
+                out.append((fname, f.read()))
+    return out
+
+
+def _has_kind(src: str, kind: str, storage_options: dict[str, Any] | None) -> bool:
+    """False when ``src`` is a directory (or a URL) holding no ``kind`` checkpoint."""
+    if is_url(src):
+        from unickpt.format.commit_store import committed_on_store
+        from unickpt.format.storage import open_storage
+
+        store, root = open_storage(src, storage_options)
+        return root.endswith((".json", ".safetensors")) or committed_on_store(store, root, kind)
+    if not os.path.isdir(src):
+        return True
+    return os.path.isfile(os.path.join(src, index_name(kind))) or os.path.isfile(
+        os.path.join(src, single_name(kind))
     )

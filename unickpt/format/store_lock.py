@@ -1,0 +1,131 @@
+"""One writer per checkpoint directory on an object store: an exclusive lock object.
+
+A store has no ``flock``. Two saves into one URL would otherwise upload data files under the
+same names and each clean up the other's files, leaving a checkpoint that neither wrote whole
+(the save ids in the headers refuse it at load, but it is lost). So rank 0 of a save takes
+``<directory>/.unickpt-save.lock`` before anything is uploaded: one PUT with ``If-None-Match: *``
+(``Storage.put(exclusive=True)``; atomic on S3, check-then-write elsewhere). A second save into
+the directory finds it and raises ``CheckpointBusyError`` naming the holder; the lock is deleted
+when the save commits or fails.
+
+**Stale locks.** While held, the lock is rewritten every quarter of the stale threshold (a
+heartbeat from a daemon thread). A lock the store says was last written more than the
+threshold ago (``UNICKPT_STORE_LOCK_STALE`` seconds, default 120) belongs to a killed
+save: the next save removes it (with a warning naming it) and takes its place. The age is the
+store's ``LastModified`` against this machine's clock, so clocks skewed by more than that
+threshold misjudge it; removing a stale lock is a delete then an exclusive PUT, so two saves
+taking over the same stale lock at the same instant can both proceed (rare; raise the threshold
+rather than lower it). Deleting the lock object by hand releases it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import posixpath
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+from unickpt._logging import get_logger
+from unickpt.errors import CheckpointBusyError
+from unickpt.format.commit_store import object_time
+from unickpt.format.storage import FsspecStorage, Storage
+
+__all__ = ["LOCK_NAME", "store_lock", "stale_after"]
+
+logger = get_logger(__name__)
+LOCK_NAME = ".unickpt-save.lock"
+
+
+def stale_after() -> float:
+    """Seconds after its last heartbeat when a lock is a killed save's (``UNICKPT_STORE_LOCK_STALE``)."""
+    raw = os.environ.get("UNICKPT_STORE_LOCK_STALE", "")
+    try:
+        return float(raw) if raw else 120.0
+    except ValueError:
+        from unickpt.errors import ConfigError
+
+        raise ConfigError(f"UNICKPT_STORE_LOCK_STALE={raw!r}: expected a number of seconds") from None
+
+
+def _body(save_id: str) -> bytes:
+    return json.dumps(
+        {"save_id": save_id, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
+    ).encode()
+
+
+def _holder(storage: Storage, path: str) -> tuple[str, float | None]:
+    """(who holds the lock, seconds since it was last written), as far as the store says."""
+    try:
+        info = json.loads(storage.read_bytes(path, limit=1 << 16))
+        who = f"save {info.get('save_id')} on {info.get('host')} (pid {info.get('pid')})"
+    except (OSError, ValueError, AttributeError):
+        who = "an unknown save"
+    t = object_time(storage, path)
+    return who, (None if t is None else time.time() - t)
+
+
+def _acquire(storage: Storage, path: str, save_id: str) -> None:
+    limit = stale_after()
+    for attempt in (0, 1):
+        try:
+            took = storage.put(path, _body(save_id), exclusive=True)
+        except FileNotFoundError:  # a file-like store wants the directory first (object stores never)
+            storage.makedirs(posixpath.dirname(path))
+            took = storage.put(path, _body(save_id), exclusive=True)
+        if took:
+            return
+        who, age = _holder(storage, path)
+        if attempt == 0 and age is not None and age > limit:
+            logger.warning(
+                "%s: removing the stale lock of %s (last written %.0f s ago, more than %.0f s)",
+                path,
+                who,
+                age,
+                limit,
+            )
+            _delete(storage, path)
+            continue
+        shown = "" if age is None else f", last written {age:.0f} s ago"
+        raise CheckpointBusyError(
+            f"{path}: another save is writing this checkpoint directory ({who}{shown}); one writer per "
+            f"URL. A lock not rewritten for {limit:.0f} s (UNICKPT_STORE_LOCK_STALE) is a killed save's "
+            "and is taken over; delete the lock object if you know no save is running"
+        )
+
+
+@contextlib.contextmanager
+def store_lock(storage: Storage, directory: str, save_id: str) -> Iterator[None]:
+    """Hold the directory's save lock (see the module docstring) while the block runs."""
+    path = storage.join(directory, LOCK_NAME)
+    _acquire(storage, path, save_id)
+    stop = threading.Event()
+    every = max(stale_after() / 4, 0.05)
+
+    def beat() -> None:
+        while not stop.wait(every):
+            try:
+                storage.put(path, _body(save_id))
+            except Exception as e:  # the save goes on; a later beat may get through
+                logger.warning("%s: lock heartbeat failed: %s", path, e)
+
+    thread = threading.Thread(target=beat, name="unickpt-store-lock", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        with contextlib.suppress(Exception):  # a lock left behind goes stale
+            _delete(storage, path)
+
+
+def _delete(storage: Storage, path: str) -> None:
+    """One DELETE of the lock object (not a batch delete)."""
+    if isinstance(storage, FsspecStorage):
+        storage.fs.rm_file(path)
+    else:
+        storage.remove([path])
