@@ -12,7 +12,8 @@ TASK "load": build the same model sharded over this (smaller) world and time loa
 checkpoints the save world wrote (resharding), DCP vs unickpt, checking they agree.
 
 Times are wall clock on rank 0 between barriers; every rank writes its figures to
-PARAMS["result_dir"]/rank<r>.json.
+PARAMS["result_dir"]/rank<r>.json. With UNICKPT_BENCH_PROFILE=DIR in the environment, every rank
+runs each timed case under cProfile and writes DIR/<case>-rank<r>.prof (read them with pstats).
 """
 
 from __future__ import annotations
@@ -60,11 +61,22 @@ def _timed_case(
     reps: int,
     body: Callable[[], Any],
     before: Callable[[], Any] | None = None,
+    name: str = "",
 ) -> dict[str, Any]:
     """Each rep: before() on all ranks, barrier, body(), barrier. Peak RSS over all reps.
 
     One warm-up rep first (reported as first_s), as in the single-process cases.
     """
+    prof_dir = os.environ.get("UNICKPT_BENCH_PROFILE")
+    if prof_dir and name:
+        import cProfile
+
+        prof = cProfile.Profile()
+        inner = body
+
+        def body() -> Any:
+            return prof.runcall(inner)
+
     times = []
     base = C.rss_mb()
     C.reset_peak_rss()
@@ -76,6 +88,9 @@ def _timed_case(
         body()
         _barrier()
         times.append(time.perf_counter() - t0)
+    if prof_dir and name:
+        os.makedirs(prof_dir, exist_ok=True)
+        prof.dump_stats(os.path.join(prof_dir, f"{name}-rank{rank}.prof"))
     return {
         "status": "ok",
         "times": times[1:],
@@ -141,7 +156,7 @@ def task_save(p: dict[str, Any]) -> dict[str, Any]:
         _fsync_rank0(rank, d)
 
     if "dcp_save" in want:
-        res["dcp_save"] = _timed_case(rank, reps, dcp_body, _rank0_rm(rank, d))
+        res["dcp_save"] = _timed_case(rank, reps, dcp_body, _rank0_rm(rank, d), name="dcp_save")
 
     # 2. DCP HuggingFaceStorageWriter, one safetensors file per rank with DCP sharding metadata
     hf = work / "dcp_hf"
@@ -153,7 +168,7 @@ def task_save(p: dict[str, Any]) -> dict[str, Any]:
             _fsync_rank0(rank, hf)
 
         if "dcp_hf_save" in want:
-            res["dcp_hf_save"] = _timed_case(rank, reps, hf_body, _rank0_rm(rank, hf))
+            res["dcp_hf_save"] = _timed_case(rank, reps, hf_body, _rank0_rm(rank, hf), name="dcp_hf_save")
 
         # 2b. the same with consolidation into Hugging Face files (what a user loading them in
         # transformers needs; rank 0 consolidates after every rank wrote its shard file)
@@ -166,7 +181,9 @@ def task_save(p: dict[str, Any]) -> dict[str, Any]:
 
         if "dcp_hf_consolidated_save" in want:
             res["dcp_hf_consolidated_save"] = _guard(
-                lambda: _timed_case(rank, reps, hfc_body, _rank0_rm(rank, hfc))
+                lambda: _timed_case(
+                    rank, reps, hfc_body, _rank0_rm(rank, hfc), name="dcp_hf_consolidated_save"
+                )
             )
     except ImportError as e:
         res["dcp_hf_save"] = {"status": "skipped", "reason": f"not available in this torch: {e}"}
@@ -188,7 +205,9 @@ def task_save(p: dict[str, Any]) -> dict[str, Any]:
             _fsync_rank0(rank, u)
 
         if "unickpt_save" in want:
-            res["unickpt_save"] = _guard(lambda: _timed_case(rank, reps, u_body, _rank0_rm(rank, u)))
+            res["unickpt_save"] = _guard(
+                lambda: _timed_case(rank, reps, u_body, _rank0_rm(rank, u), name="unickpt_save")
+            )
 
         def ug_body() -> None:
             io.save_model(model, str(ug), shard=True, gather_dtensor=True, size_per_shard=int(p["shard_mb"]))
@@ -196,7 +215,7 @@ def task_save(p: dict[str, Any]) -> dict[str, Any]:
 
         if "unickpt_gathered_save" in want:
             res["unickpt_gathered_save"] = _guard(
-                lambda: _timed_case(rank, reps, ug_body, _rank0_rm(rank, ug))
+                lambda: _timed_case(rank, reps, ug_body, _rank0_rm(rank, ug), name="unickpt_gathered_save")
             )
 
         # 3b. the CheckpointManager (model only, sync), without and with its Hugging Face copy
@@ -222,7 +241,7 @@ def task_save(p: dict[str, Any]) -> dict[str, Any]:
                 mgr.save(step[0], model, None, force=True)
                 _fsync_rank0(rank, mroot)
 
-            res[case] = _guard(lambda m_body=m_body: _timed_case(rank, reps, m_body))
+            res[case] = _guard(lambda m_body=m_body, case=case: _timed_case(rank, reps, m_body, name=case))
             if rank == 0:
                 C.rm(mroot)
 
@@ -241,7 +260,9 @@ def task_save(p: dict[str, Any]) -> dict[str, Any]:
         _fsync_rank0(rank, tg)
 
     if "torch_gathered_save" in want:
-        res["torch_gathered_save"] = _timed_case(rank, 1, tg_body, _rank0_rm(rank, tg))
+        res["torch_gathered_save"] = _timed_case(
+            rank, 1, tg_body, _rank0_rm(rank, tg), name="torch_gathered_save"
+        )
 
     if rank == 0:
         res["layout"] = {

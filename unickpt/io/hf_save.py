@@ -53,6 +53,7 @@ from unickpt.format.writer import (
     write_all,
 )
 from unickpt.io._commit import commit_collective
+from unickpt.io.hf_rows import RowMoves
 from unickpt.io.planner import PlannedFile, SavePlan
 from unickpt.io.tensors import LocalSlice, as_bytes
 
@@ -82,10 +83,12 @@ class GatheredSave:
     entry_extras: dict[str, dict[str, Any]]
     block_extras: dict[str, Any]
     order: list[str]  # tensor names as the ranks list them, rank 0's first: the files' order
+    rows: RowMoves | None = None  # column-sharded tensors moved to row slices as they are written
 
 
 def save_gathered(s: GatheredSave, group: Any, rank: int, world: int) -> None:
     """Collective: write and commit a gathered save; every rank raises if any rank failed."""
+
     opts = s.opts
     # The files' order: the ranks' order of names (rank 0's first), not the order in which
     # slices appear (a rank may hold no slice of a tensor it names).
@@ -142,7 +145,7 @@ def save_gathered(s: GatheredSave, group: Any, rank: int, world: int) -> None:
     hashes: _Hashes = {}
     partials: _Partials = {}
     try:
-        hashes, partials = _write_own(plan, layout, ranges, s.local, staged, rank, opts)
+        hashes, partials = _write_own(plan, layout, ranges, s.local, staged, rank, opts, s.rows)
     except BaseException as e:
         err = e
     try:
@@ -215,13 +218,19 @@ def _write_own(
     staged: dict[str, str],
     rank: int,
     opts: Any,
+    rows: RowMoves | None = None,
 ) -> tuple[_Hashes, _Partials]:
-    """This rank's slices written into place; hashed on a second thread while the next is written."""
+    """This rank's slices written into place; hashed on a second thread while the next is written.
+
+    ``rows``: the tensors moved to row slices (``io.hf_rows``) when their turn comes; every rank
+    of their meshes takes part in each move, even after its own writing failed.
+    """
     hashes: _Hashes = {}
     partials: _Partials = {}
     fds: dict[str, int] = {}
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unickpt-hash")
     pending: collections.deque[Future[tuple[_Hashes, _Partials]]] = collections.deque()
+    err: BaseException | None = None
 
     def collect(fut: Future[tuple[_Hashes, _Partials]]) -> None:
         h, p = fut.result()
@@ -230,36 +239,27 @@ def _write_own(
             partials.setdefault(name, []).extend(parts)
 
     try:
-        maybe_fail("save.hf_write")
+        try:
+            maybe_fail("save.hf_write")
+        except BaseException as e:
+            err = e
         for name, (dtype, gshape) in plan.tensors.items():
-            mine = [ps for ps in plan.slices[name] if ps.rank == rank]
-            if not mine:
+            moved = rows.local(name) if rows is not None and name in rows else None  # collective
+            if err is not None:
                 continue
-            place = layout.places[name]
-            if place.file not in fds:
-                fds[place.file] = _open_staged(staged[place.file], rank)
-            fd = fds[place.file]
-            isize = itemsize(dtype)
-            blocks: list[tuple[np.ndarray, tuple[int, ...], tuple[int, ...]]] = []
-            pieces: list[tuple[int, np.ndarray]] = []
-            for ps in mine:
-                arr = as_bytes(local[ps.local_index].tensor)
-                blocks.append((arr, ps.offsets, ps.shape))
-                runs = box_runs(gshape, ps.offsets, ps.shape, isize)
-                n = runs[0][1] - runs[0][0] if runs else 0
-                pieces.extend((b, arr[j * n : (j + 1) * n]) for j, (b, _) in enumerate(runs))
-            pieces.sort(key=lambda bp: bp[0])
-            mine_ranges = [(b, e) for b, e, w in ranges[name] if w == rank]
-            pending.append(pool.submit(_hash_tensor, name, dtype, gshape, blocks, pieces, mine_ranges, opts))
-            for b, piece in pieces:
-                write_all(fd, memoryview(piece), place.pos + b)  # type: ignore[arg-type]
-            if opts.fsync:  # the disk starts on each range now: the final fsync has little left
-                for b, e in mine_ranges:
-                    commit.start_writeback(fd, place.pos + b, e - b)
-            maybe_fail("save.write")
-            del blocks, pieces
-            while len(pending) > 1:
-                collect(pending.popleft())
+            try:
+                fut = _write_tensor(
+                    name, dtype, gshape, plan, layout, ranges, local, staged, fds, rank, opts, pool, moved
+                )
+                del moved
+                if fut is not None:
+                    pending.append(fut)
+                while len(pending) > 1:
+                    collect(pending.popleft())
+            except BaseException as e:
+                err = e
+        if err is not None:
+            raise err
         while pending:
             collect(pending.popleft())
         if opts.fsync:
@@ -270,6 +270,50 @@ def _write_own(
             os.close(fd)
         pool.shutdown(wait=True)
     return hashes, partials
+
+
+def _write_tensor(
+    name: str,
+    dtype: str,
+    gshape: tuple[int, ...],
+    plan: SavePlan,
+    layout: HFLayout,
+    ranges: _Ranges,
+    local: list[LocalSlice],
+    staged: dict[str, str],
+    fds: dict[str, int],
+    rank: int,
+    opts: Any,
+    pool: ThreadPoolExecutor,
+    moved: Any,
+) -> Future[tuple[_Hashes, _Partials]] | None:
+    """Write this rank's slices of one tensor into place; the future of their hashes (None: none)."""
+    mine = [ps for ps in plan.slices[name] if ps.rank == rank]
+    if not mine:
+        return None
+    place = layout.places[name]
+    if place.file not in fds:
+        fds[place.file] = _open_staged(staged[place.file], rank)
+    fd = fds[place.file]
+    isize = itemsize(dtype)
+    blocks: list[tuple[np.ndarray, tuple[int, ...], tuple[int, ...]]] = []
+    pieces: list[tuple[int, np.ndarray]] = []
+    for ps in mine:
+        arr = as_bytes(moved if moved is not None else local[ps.local_index].tensor)
+        blocks.append((arr, ps.offsets, ps.shape))
+        runs = box_runs(gshape, ps.offsets, ps.shape, isize)
+        n = runs[0][1] - runs[0][0] if runs else 0
+        pieces.extend((b, arr[j * n : (j + 1) * n]) for j, (b, _) in enumerate(runs))
+    pieces.sort(key=lambda bp: bp[0])
+    mine_ranges = [(b, e) for b, e, w in ranges[name] if w == rank]
+    fut = pool.submit(_hash_tensor, name, dtype, gshape, blocks, pieces, mine_ranges, opts)
+    for b, piece in pieces:
+        write_all(fd, memoryview(piece), place.pos + b)  # type: ignore[arg-type]
+    if opts.fsync:  # the disk starts on each range now: the final fsync has little left
+        for b, e in mine_ranges:
+            commit.start_writeback(fd, place.pos + b, e - b)
+    maybe_fail("save.write")
+    return fut
 
 
 def _open_staged(path: str, rank: int) -> int:

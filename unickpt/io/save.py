@@ -49,6 +49,7 @@ from unickpt.format.storage import Storage, is_url, open_storage
 from unickpt.format.writer import build_index
 from unickpt.io._commit import commit_collective
 from unickpt.io.funnel_save import feed_funnel, write_funnelled, write_funnelled_single
+from unickpt.io.hf_rows import RowMoves
 from unickpt.io.hf_save import GatheredSave, save_gathered
 from unickpt.io.planner import SavePlan, SliceMeta, plan_save
 from unickpt.io.replicas import check_gathered_metas
@@ -87,6 +88,7 @@ def save_tensors(
     group: Any = None,
 ) -> str:
     """Collective. Save ``tensors`` (this rank's view) as one checkpoint; returns the committed path."""
+
     rank, world = _dist.rank(group), _dist.world_size(group)
     aliases = aliases or {}
     single_file = opts.gather and not opts.shard
@@ -115,10 +117,14 @@ def save_tensors(
     # 1-2. list blocks, gather the lists, plan.
     err: BaseException | None = None
     local: list[LocalSlice] = []
+    # A gathered save in a directory moves column-sharded DTensors to row slices as it writes
+    # them (io/hf_rows.py): the plan takes their boxes after the move.
+    rows = RowMoves() if opts.gather and store is None else None
     try:
         maybe_fail("save.list")
         for name, t in tensors.items():
-            local.extend(boxes_fn(name, t))
+            sls = boxes_fn(name, t)
+            local.extend(sls if rows is None else rows.take(name, t, sls))
     except BaseException as e:
         err = e
     _dist.agree(err, "listing tensors to save", group)
@@ -216,6 +222,7 @@ def save_tensors(
                 entry_extras,
                 block_extras or {},
                 order,
+                rows,
             )
             save_gathered(gs, group, rank, world)
             return _finish(lock, group, path, store, file_path if single_file else directory)
