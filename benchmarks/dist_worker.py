@@ -8,6 +8,8 @@ TASK "save": build the synthetic state sharded with FSDP2 over all ranks, then t
 DCP's HuggingFaceStorageWriter (the input torch's consolidate_safetensors_files needs), unickpt
 sharded save (gather_dtensor=False), unickpt gathered save and torch's full-state gather +
 safetensors write on rank 0; the last two also report the writing rank's peak RSS.
+TASK "cols": every matrix column-sharded (TP's Shard(1)) over all ranks: gathered save with the
+column slices moved to row slices vs written row by row, and the sliced save (hf_columns.py).
 TASK "load": build the same model sharded over this (smaller) world and time loading the
 checkpoints the save world wrote (resharding), DCP vs unickpt, checking they agree.
 
@@ -361,13 +363,65 @@ def task_load(p: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
+def task_cols(p: dict[str, Any]) -> dict[str, Any]:
+    """TP-style column slices: every matrix ``Shard(1)`` over all ranks (vectors ``Shard(0)``).
+
+    Times unickpt's gathered save with the column slices moved to row slices before they are
+    written (``io/hf_rows.py``) against writing them row by row (``ROW_MOVES = False``), and
+    the sliced save of the same tensors; every rank reports its peak RSS.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from unickpt.io import hf_rows
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    model = C.build_model(C.state_spec(float(p["size_mb"])), seed=1000)
+    with torch.no_grad():
+        for mod in model.modules():
+            for n, prm in list(mod.named_parameters(recurse=False)):
+                placement = Shard(1) if prm.dim() == 2 else Shard(0)
+                mod.register_parameter(n, nn.Parameter(distribute_tensor(prm.data, mesh, [placement])))
+    io_cls, why = C.probe_fsdp2_io()
+    if io_cls is None:
+        return {"status": "skipped", "reason": why}
+    io = io_cls(mesh=mesh)
+    work = Path(p["workdir"])
+    reps = int(p["reps"])
+    res: dict[str, Any] = {}
+    for case, gather, moves in (
+        ("cols_sliced_save", False, True),
+        ("cols_gathered_row_moves", True, True),
+        ("cols_gathered_per_row", True, False),
+    ):
+        d = work / case
+
+        def body(d: Path = d, gather: bool = gather) -> None:
+            io.save_model(model, str(d), shard=True, gather_dtensor=gather, size_per_shard=int(p["shard_mb"]))
+            _fsync_rank0(rank, d)
+
+        hf_rows.ROW_MOVES = moves
+        res[case] = _guard(
+            lambda body=body, d=d, case=case: _timed_case(rank, reps, body, _rank0_rm(rank, d), name=case)
+        )
+        hf_rows.ROW_MOVES = True
+        if rank == 0:
+            C.rm(d)
+    return res
+
+
 def main() -> None:
     warnings.simplefilter("ignore")
     task, params = sys.argv[1], json.loads(sys.argv[2])
     import torch.distributed as dist
 
     try:
-        res = {"save": task_save, "load": task_load}[task](params)
+        res = {"save": task_save, "load": task_load, "cols": task_cols}[task](params)
     except Exception as e:
         traceback.print_exc()
         res = {"fatal": f"{type(e).__name__}: {e}".splitlines()[0][:300]}

@@ -34,10 +34,13 @@ from unickpt.io.tensors import LocalSlice, global_shape, is_dtensor
 
 __all__ = ["RowMoves", "row_placements", "row_snapshot"]
 
+# False writes column slices row by row, as before the moves (benchmarks/hf_columns.py compares).
+ROW_MOVES = True
+
 
 def row_placements(t: torch.Tensor) -> tuple[Any, ...] | None:
     """The placements that give ``t``'s ranks row slices, or None when it needs no move."""
-    if not is_dtensor(t):
+    if not ROW_MOVES or not is_dtensor(t):
         return None
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -102,7 +105,12 @@ class RowMoves:
         t, target = self.moves[name]
         with torch.no_grad():
             moved = t.detach().redistribute(t.device_mesh, target)  # type: ignore[attr-defined]
-            return moved.to_local()  # type: ignore[no-any-return]
+            local: torch.Tensor = moved.to_local()
+        # Without an all-to-all (gloo) torch gathers the whole tensor and keeps a view of it:
+        # copy the slice out, so that only the slice stays alive until it is written and hashed.
+        if local.untyped_storage().nbytes() > local.numel() * local.element_size():
+            local = local.contiguous() if not local.is_contiguous() else local.clone()
+        return local
 
 
 def _st(t: torch.Tensor, name: str) -> str:

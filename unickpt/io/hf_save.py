@@ -9,13 +9,15 @@ Face safetensors files, each tensor whole under its own name. No rank gathers a 
 2. rank 0 creates every staged file (hidden name, ``format.commit.temp_name``), writes its
    header and sizes it; the ranks agree (they share the directory, as sliced saves do);
 3. each rank ``pwrite``s the byte runs of the slices it writes straight into place (a row
-   slice is one run, a column slice one run per row), hashing each range it wrote (xxh3-64)
-   and each slice's fingerprint partial on a second thread while the next tensor is written,
-   then fsyncs; the ranks agree that every write succeeded (else rank 0 removes the files);
-4. the hashes are all-gathered; rank 0 builds the block (one whole slice per tensor: its
-   ``xxh3`` when one rank wrote it all, else its ``ranges``), rewrites a single file's header
-   with the real values (same length as the placeholders) and commits through ``format.commit``
-   (``io._commit.commit_collective`` for sharded saves), index last.
+   slice is one run; a column-sharded DTensor is first moved to row slices, one tensor at a
+   time, ``io.hf_rows``; any other column slice is one run per row), hashing each range it
+   wrote (xxh3-64) and each slice's fingerprint partial on a second thread while the next
+   tensor is written, then fsyncs each file it wrote into once;
+4. one exchange both agrees that every write succeeded (else rank 0 removes the files) and
+   gathers the hashes; rank 0 builds the block (one whole slice per tensor: its ``xxh3`` when
+   one rank wrote it all, else its ``ranges``), rewrites a single file's header with the real
+   values (same length as the placeholders) and, having staged every file, commits alone
+   through ``format.commit``, index last; a last agreement tells every rank the outcome.
 
 Files are byte-identical to what the rank-0 gathered save wrote (same order, header and metadata).
 """
@@ -36,7 +38,7 @@ from unickpt import __version__, _dist
 from unickpt._faults import maybe_fail
 from unickpt.errors import UnsupportedError
 from unickpt.format import commit
-from unickpt.format.commit import commit_single_file, discard, temp_name
+from unickpt.format.commit import commit_directory, commit_single_file, discard, temp_name
 from unickpt.format.dtypes import itemsize
 from unickpt.format.hashing import hash_block, slice_hash
 from unickpt.format.hf_layout import HFLayout, box_runs, plan_hf_layout, writer_ranges
@@ -52,9 +54,8 @@ from unickpt.format.writer import (
     tensor_entry,
     write_all,
 )
-from unickpt.io._commit import commit_collective
 from unickpt.io.hf_rows import RowMoves
-from unickpt.io.planner import PlannedFile, SavePlan
+from unickpt.io.planner import SavePlan
 from unickpt.io.tensors import LocalSlice, as_bytes
 
 __all__ = ["GatheredSave", "save_gathered"]
@@ -148,14 +149,13 @@ def save_gathered(s: GatheredSave, group: Any, rank: int, world: int) -> None:
         hashes, partials = _write_own(plan, layout, ranges, s.local, staged, rank, opts, s.rows)
     except BaseException as e:
         err = e
-    try:
-        _dist.agree(err, where, group)
+    try:  # the agreement carries the hashes: one exchange
+        results = _dist.agree_gather(err, (hashes, partials), where, group)
     except BaseException:
         discard(own.values())  # every rank has stopped writing
         raise
 
     # 4. rank 0: the block, then the commit.
-    results = _dist.all_gather_object((hashes, partials), group)
     all_hashes: _Hashes = {}
     all_partials: _Partials = {}
     for h, p in results:
@@ -180,10 +180,16 @@ def save_gathered(s: GatheredSave, group: Any, rank: int, world: int) -> None:
             index = index_to_json(build_index(block, sliced=False))
         except BaseException as e:
             err = e
-    commit_plan = SavePlan(plan.tensors, [PlannedFile(f.name, 0) for f in layout.files], {}, False)
-    commit_collective(
-        s.directory, s.kind, opts.fsync, commit_plan, own, index, s.save_id, err, group, rank, world
-    )
+    # Rank 0 staged every file: it commits alone (``format.commit``), the others wait for it.
+    if rank == 0:
+        try:
+            if err is None:
+                commit_directory(s.directory, s.kind, own, index, save_id=s.save_id, fsync=opts.fsync)
+            else:
+                discard(own.values())
+        except BaseException as e:
+            err = e
+    _dist.agree(err, f"committing {s.directory}", group)
 
 
 def _create_files(
