@@ -7,7 +7,8 @@ Face safetensors files, each tensor whole under its own name. No rank gathers a 
    tensor's bytes start) from the plan's global shapes, and the same writer of every slice
    (``planner.plan_save``: a replicated slice is written once);
 2. rank 0 creates every staged file (hidden name, ``format.commit.temp_name``), writes its
-   header and sizes it; the ranks agree (they share the directory, as sliced saves do);
+   header and sizes it, while it prepares the directory (``stage_gathered``): the ranks agree
+   once on both (they share the directory, as sliced saves do);
 3. each rank ``pwrite``s the byte runs of the slices it writes straight into place (a row
    slice is one run; a column-sharded DTensor is first moved to row slices, one tensor at a
    time, ``io.hf_rows``; any other column slice is one run per row), hashing each range it
@@ -87,10 +88,24 @@ class GatheredSave:
     rows: RowMoves | None = None  # column-sharded tensors moved to row slices as they are written
 
 
-def save_gathered(s: GatheredSave, group: Any, rank: int, world: int) -> None:
-    """Collective: write and commit a gathered save; every rank raises if any rank failed."""
+@dataclass
+class StagedHF:
+    """A gathered save's files as planned (``stage_gathered``): what the writing needs."""
 
-    opts = s.opts
+    ranges: _Ranges
+    layout: HFLayout
+    staged: dict[str, str]  # file name -> staged path
+    own: dict[str, str]  # the staged files this rank created (rank 0: all)
+    placeholders: UnickptBlock | None  # a single file's first block
+    file_name: str | None  # a single file's name
+
+
+def stage_gathered(s: GatheredSave, rank: int) -> StagedHF:
+    """Local phase: the files' layout; rank 0 creates every staged file (header, full size).
+
+    ``io.save`` runs it while preparing the directory (after rank 0 took the lock), so that one
+    agreement covers both; when that agreement fails, rank 0 removes ``own``.
+    """
     # The files' order: the ranks' order of names (rank 0's first), not the order in which
     # slices appear (a rank may hold no slice of a tensor it names).
     known = [n for n in s.order if n in s.plan.tensors]
@@ -104,9 +119,9 @@ def save_gathered(s: GatheredSave, group: Any, rank: int, world: int) -> None:
         for name, (dtype, gshape) in plan.tensors.items()
     }
     descs = [(n, d, g) for n, (d, g) in plan.tensors.items()]
-    single = bool(s.file_path)
-    file_name = single_file_name(s.file_path, s.kind) if single else None
-    if single:
+    file_name = single_file_name(s.file_path, s.kind) if s.file_path else None
+    placeholders = None
+    if file_name is not None:
         placeholders = _block(s, ranges, None, None, file_name=file_name, placeholder=True)
         layout = plan_hf_layout(
             descs,
@@ -117,7 +132,6 @@ def save_gathered(s: GatheredSave, group: Any, rank: int, world: int) -> None:
         )
         staged = {layout.files[0].name: temp_name(s.file_path, s.save_id)}
     else:
-        placeholders = None
         layout = plan_hf_layout(
             descs,
             kind=s.kind,
@@ -125,22 +139,20 @@ def save_gathered(s: GatheredSave, group: Any, rank: int, world: int) -> None:
             metadata=data_file_metadata(False, s.save_id),
         )
         staged = {f.name: temp_name(os.path.join(s.directory, f.name), s.save_id) for f in layout.files}
-    own = staged if rank == 0 else {}
-    where = f"writing {s.file_path or s.directory}"
-
-    # 2. rank 0 creates the staged files: header, full size.
-    err: BaseException | None = None
     if rank == 0:
-        try:
-            maybe_fail("save.hf_create")
-            _create_files(layout, staged, s.save_id, placeholders, opts.fsync)
-        except BaseException as e:
-            err = e
-    try:
-        _dist.agree(err, where, group)
-    except BaseException:
-        discard(own.values())
-        raise
+        maybe_fail("save.hf_create")
+        _create_files(layout, staged, s.save_id, placeholders, s.opts.fsync)
+    return StagedHF(ranges, layout, staged, staged if rank == 0 else {}, placeholders, file_name)
+
+
+def save_gathered(s: GatheredSave, st: StagedHF, group: Any, rank: int) -> None:
+    """Collective, after ``stage_gathered`` and its agreement: write and commit a gathered save;
+    every rank raises if any rank failed."""
+    opts, plan = s.opts, s.plan
+    ranges, layout, staged, own = st.ranges, st.layout, st.staged, st.own
+    placeholders, file_name, single = st.placeholders, st.file_name, st.file_name is not None
+    where = f"writing {s.file_path or s.directory}"
+    err: BaseException | None = None
 
     # 3. every rank writes its slices into place.
     hashes: _Hashes = {}
