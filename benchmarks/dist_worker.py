@@ -144,6 +144,7 @@ def task_save(p: dict[str, Any]) -> dict[str, Any]:
             "dcp_hf_consolidated_save",
             "unickpt_save",
             "unickpt_gathered_save",
+            "unickpt_gathered_save_nohash",
             "manager_save",
             "manager_save_hf",
             "torch_gathered_save",
@@ -219,6 +220,26 @@ def task_save(p: dict[str, Any]) -> dict[str, Any]:
             res["unickpt_gathered_save"] = _guard(
                 lambda: _timed_case(rank, reps, ug_body, _rank0_rm(rank, ug), name="unickpt_gathered_save")
             )
+
+        # 3a. the same gathered save without hashes or fingerprints (DCP computes neither)
+        if "unickpt_gathered_save_nohash" in want:
+            plain = io_cls(mesh=mesh)
+            plain.hashes = plain.fingerprints = False
+            ugn = work / "unickpt_gathered_nohash"
+
+            def ugn_body() -> None:
+                plain.save_model(
+                    model, str(ugn), shard=True, gather_dtensor=True, size_per_shard=int(p["shard_mb"])
+                )
+                _fsync_rank0(rank, ugn)
+
+            res["unickpt_gathered_save_nohash"] = _guard(
+                lambda: _timed_case(
+                    rank, reps, ugn_body, _rank0_rm(rank, ugn), name="unickpt_gathered_save_nohash"
+                )
+            )
+            if rank == 0:
+                C.rm(ugn)
 
         # 3b. the CheckpointManager (model only, sync), without and with its Hugging Face copy
         for case, save_hf in (("manager_save", False), ("manager_save_hf", True)):
