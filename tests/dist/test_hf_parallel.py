@@ -43,3 +43,5 @@ def test_every_plugin_writes_its_own_bytes(tmp_path: Any, world_pool: WorldPool)
     # DDP over TP: the dp replicas are written once, each TP rank its half of the rows.
     assert cases["layout hyb_ddp_dp2tp2"].value["model"]["blocks.0.down.weight"] == 2
     assert cases["layout hyb_fsdp_dp2tp2"].value["model"]["blocks.0.down.weight"] == 4
+    # An async gathered save (moves in the foreground) writes the synchronous save's files.
+    assert cases["async rows"].value["blocks.0.down.weight"] == 2
