@@ -180,7 +180,7 @@ def test_pieces_along_one_dim_agree_with_the_full_check(ndim: int) -> None:
 
     rnd = random.Random(7 + ndim)
     fast = 0
-    for _ in range(300):
+    for _ in range(100):
         shape = tuple(rnd.randint(1, 9) for _ in range(ndim))
         k = rnd.randrange(ndim)
         cuts = sorted(rnd.sample(range(1, shape[k]), min(shape[k] - 1, rnd.randint(0, 3))))
@@ -212,4 +212,4 @@ def test_pieces_along_one_dim_agree_with_the_full_check(ndim: int) -> None:
         assert not (fast_ok and full), (shape, boxes, full)  # the fast path never hides a problem
         assert (coverage_problem(shape, boxes) is None) == (not full), (shape, boxes)
         fast += fast_ok
-    assert fast > 50  # the fast path did decide most clean cases
+    assert fast > 15  # the fast path did decide most clean cases
