@@ -8,11 +8,14 @@ TASK "save": build the synthetic state sharded with FSDP2 over all ranks, then t
 DCP's HuggingFaceStorageWriter (the input torch's consolidate_safetensors_files needs), unickpt
 sharded save (gather_dtensor=False), unickpt gathered save and torch's full-state gather +
 safetensors write on rank 0; the last two also report the writing rank's peak RSS.
+TASK "cols": every matrix column-sharded (TP's Shard(1)) over all ranks: gathered save with the
+column slices moved to row slices vs written row by row, and the sliced save (hf_columns.py).
 TASK "load": build the same model sharded over this (smaller) world and time loading the
 checkpoints the save world wrote (resharding), DCP vs unickpt, checking they agree.
 
 Times are wall clock on rank 0 between barriers; every rank writes its figures to
-PARAMS["result_dir"]/rank<r>.json.
+PARAMS["result_dir"]/rank<r>.json. With UNICKPT_BENCH_PROFILE=DIR in the environment, every rank
+runs each timed case under cProfile and writes DIR/<case>-rank<r>.prof (read them with pstats).
 """
 
 from __future__ import annotations
@@ -60,11 +63,22 @@ def _timed_case(
     reps: int,
     body: Callable[[], Any],
     before: Callable[[], Any] | None = None,
+    name: str = "",
 ) -> dict[str, Any]:
     """Each rep: before() on all ranks, barrier, body(), barrier. Peak RSS over all reps.
 
     One warm-up rep first (reported as first_s), as in the single-process cases.
     """
+    prof_dir = os.environ.get("UNICKPT_BENCH_PROFILE")
+    if prof_dir and name:
+        import cProfile
+
+        prof = cProfile.Profile()
+        inner = body
+
+        def body() -> Any:
+            return prof.runcall(inner)
+
     times = []
     base = C.rss_mb()
     C.reset_peak_rss()
@@ -76,6 +90,9 @@ def _timed_case(
         body()
         _barrier()
         times.append(time.perf_counter() - t0)
+    if prof_dir and name:
+        os.makedirs(prof_dir, exist_ok=True)
+        prof.dump_stats(os.path.join(prof_dir, f"{name}-rank{rank}.prof"))
     return {
         "status": "ok",
         "times": times[1:],
@@ -127,6 +144,7 @@ def task_save(p: dict[str, Any]) -> dict[str, Any]:
             "dcp_hf_consolidated_save",
             "unickpt_save",
             "unickpt_gathered_save",
+            "unickpt_gathered_save_nohash",
             "manager_save",
             "manager_save_hf",
             "torch_gathered_save",
@@ -141,7 +159,7 @@ def task_save(p: dict[str, Any]) -> dict[str, Any]:
         _fsync_rank0(rank, d)
 
     if "dcp_save" in want:
-        res["dcp_save"] = _timed_case(rank, reps, dcp_body, _rank0_rm(rank, d))
+        res["dcp_save"] = _timed_case(rank, reps, dcp_body, _rank0_rm(rank, d), name="dcp_save")
 
     # 2. DCP HuggingFaceStorageWriter, one safetensors file per rank with DCP sharding metadata
     hf = work / "dcp_hf"
@@ -153,7 +171,7 @@ def task_save(p: dict[str, Any]) -> dict[str, Any]:
             _fsync_rank0(rank, hf)
 
         if "dcp_hf_save" in want:
-            res["dcp_hf_save"] = _timed_case(rank, reps, hf_body, _rank0_rm(rank, hf))
+            res["dcp_hf_save"] = _timed_case(rank, reps, hf_body, _rank0_rm(rank, hf), name="dcp_hf_save")
 
         # 2b. the same with consolidation into Hugging Face files (what a user loading them in
         # transformers needs; rank 0 consolidates after every rank wrote its shard file)
@@ -166,7 +184,9 @@ def task_save(p: dict[str, Any]) -> dict[str, Any]:
 
         if "dcp_hf_consolidated_save" in want:
             res["dcp_hf_consolidated_save"] = _guard(
-                lambda: _timed_case(rank, reps, hfc_body, _rank0_rm(rank, hfc))
+                lambda: _timed_case(
+                    rank, reps, hfc_body, _rank0_rm(rank, hfc), name="dcp_hf_consolidated_save"
+                )
             )
     except ImportError as e:
         res["dcp_hf_save"] = {"status": "skipped", "reason": f"not available in this torch: {e}"}
@@ -188,7 +208,9 @@ def task_save(p: dict[str, Any]) -> dict[str, Any]:
             _fsync_rank0(rank, u)
 
         if "unickpt_save" in want:
-            res["unickpt_save"] = _guard(lambda: _timed_case(rank, reps, u_body, _rank0_rm(rank, u)))
+            res["unickpt_save"] = _guard(
+                lambda: _timed_case(rank, reps, u_body, _rank0_rm(rank, u), name="unickpt_save")
+            )
 
         def ug_body() -> None:
             io.save_model(model, str(ug), shard=True, gather_dtensor=True, size_per_shard=int(p["shard_mb"]))
@@ -196,8 +218,28 @@ def task_save(p: dict[str, Any]) -> dict[str, Any]:
 
         if "unickpt_gathered_save" in want:
             res["unickpt_gathered_save"] = _guard(
-                lambda: _timed_case(rank, reps, ug_body, _rank0_rm(rank, ug))
+                lambda: _timed_case(rank, reps, ug_body, _rank0_rm(rank, ug), name="unickpt_gathered_save")
             )
+
+        # 3a. the same gathered save without hashes or fingerprints (DCP computes neither)
+        if "unickpt_gathered_save_nohash" in want:
+            plain = io_cls(mesh=mesh)
+            plain.hashes = plain.fingerprints = False
+            ugn = work / "unickpt_gathered_nohash"
+
+            def ugn_body() -> None:
+                plain.save_model(
+                    model, str(ugn), shard=True, gather_dtensor=True, size_per_shard=int(p["shard_mb"])
+                )
+                _fsync_rank0(rank, ugn)
+
+            res["unickpt_gathered_save_nohash"] = _guard(
+                lambda: _timed_case(
+                    rank, reps, ugn_body, _rank0_rm(rank, ugn), name="unickpt_gathered_save_nohash"
+                )
+            )
+            if rank == 0:
+                C.rm(ugn)
 
         # 3b. the CheckpointManager (model only, sync), without and with its Hugging Face copy
         for case, save_hf in (("manager_save", False), ("manager_save_hf", True)):
@@ -222,7 +264,7 @@ def task_save(p: dict[str, Any]) -> dict[str, Any]:
                 mgr.save(step[0], model, None, force=True)
                 _fsync_rank0(rank, mroot)
 
-            res[case] = _guard(lambda m_body=m_body: _timed_case(rank, reps, m_body))
+            res[case] = _guard(lambda m_body=m_body, case=case: _timed_case(rank, reps, m_body, name=case))
             if rank == 0:
                 C.rm(mroot)
 
@@ -241,7 +283,9 @@ def task_save(p: dict[str, Any]) -> dict[str, Any]:
         _fsync_rank0(rank, tg)
 
     if "torch_gathered_save" in want:
-        res["torch_gathered_save"] = _timed_case(rank, 1, tg_body, _rank0_rm(rank, tg))
+        res["torch_gathered_save"] = _timed_case(
+            rank, 1, tg_body, _rank0_rm(rank, tg), name="torch_gathered_save"
+        )
 
     if rank == 0:
         res["layout"] = {
@@ -340,13 +384,65 @@ def task_load(p: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
+def task_cols(p: dict[str, Any]) -> dict[str, Any]:
+    """TP-style column slices: every matrix ``Shard(1)`` over all ranks (vectors ``Shard(0)``).
+
+    Times unickpt's gathered save with the column slices moved to row slices before they are
+    written (``io/hf_rows.py``) against writing them row by row (``ROW_MOVES = False``), and
+    the sliced save of the same tensors; every rank reports its peak RSS.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from unickpt.io import hf_rows
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    model = C.build_model(C.state_spec(float(p["size_mb"])), seed=1000)
+    with torch.no_grad():
+        for mod in model.modules():
+            for n, prm in list(mod.named_parameters(recurse=False)):
+                placement = Shard(1) if prm.dim() == 2 else Shard(0)
+                mod.register_parameter(n, nn.Parameter(distribute_tensor(prm.data, mesh, [placement])))
+    io_cls, why = C.probe_fsdp2_io()
+    if io_cls is None:
+        return {"status": "skipped", "reason": why}
+    io = io_cls(mesh=mesh)
+    work = Path(p["workdir"])
+    reps = int(p["reps"])
+    res: dict[str, Any] = {}
+    for case, gather, moves in (
+        ("cols_sliced_save", False, True),
+        ("cols_gathered_row_moves", True, True),
+        ("cols_gathered_per_row", True, False),
+    ):
+        d = work / case
+
+        def body(d: Path = d, gather: bool = gather) -> None:
+            io.save_model(model, str(d), shard=True, gather_dtensor=gather, size_per_shard=int(p["shard_mb"]))
+            _fsync_rank0(rank, d)
+
+        hf_rows.ROW_MOVES = moves
+        res[case] = _guard(
+            lambda body=body, d=d, case=case: _timed_case(rank, reps, body, _rank0_rm(rank, d), name=case)
+        )
+        hf_rows.ROW_MOVES = True
+        if rank == 0:
+            C.rm(d)
+    return res
+
+
 def main() -> None:
     warnings.simplefilter("ignore")
     task, params = sys.argv[1], json.loads(sys.argv[2])
     import torch.distributed as dist
 
     try:
-        res = {"save": task_save, "load": task_load}[task](params)
+        res = {"save": task_save, "load": task_load, "cols": task_cols}[task](params)
     except Exception as e:
         traceback.print_exc()
         res = {"fatal": f"{type(e).__name__}: {e}".splitlines()[0][:300]}

@@ -8,6 +8,14 @@ is one run per row. This times, in one process and side by side, writing the sam
 the ranges each way (one range per row and slice, against one per slice)::
 
     .venv/bin/python benchmarks/hf_columns.py [--rows 4096] [--cols 4096] [--world 4] [--reps 5]
+
+``--dist SIZE_MB`` instead runs a world of ``--world`` ranks (gloo, CPU) holding the synthetic
+state of ``_common.py`` with every matrix ``Shard(1)`` (TP's row-parallel weights) and times,
+side by side in one world, the sliced save, the gathered save with the column slices moved to
+row slices before they are written (``io/hf_rows.py``, what unickpt does) and the gathered save
+writing them row by row (``hf_rows.ROW_MOVES = False``, what it did before)::
+
+    .venv/bin/python benchmarks/hf_columns.py --dist 64 --reps 3
 """
 
 from __future__ import annotations
@@ -50,7 +58,11 @@ def main() -> None:
     ap.add_argument("--cols", type=int, default=4096)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--dist", type=float, default=None, metavar="SIZE_MB")
     a = ap.parse_args()
+    if a.dist is not None:
+        _dist_main(a.dist, a.world, a.reps)
+        return
     rng = np.random.default_rng(0)
     full = rng.standard_normal((a.rows, a.cols), dtype=np.float32)
     g = (a.rows, a.cols)
@@ -93,6 +105,34 @@ def main() -> None:
     print(
         f"column slices / row slices: {statistics.median(res['cols'][1:]) / statistics.median(res['rows'][1:]):.2f}x time"
     )
+
+
+def _dist_main(size_mb: float, world: int, reps: int) -> None:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import run
+
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as d:
+        p = {"size_mb": size_mb, "reps": reps, "shard_mb": max(8, int(size_mb) // 4), "seed": 0, "workdir": d}
+        out = run.run_world("cols", world, p, 1800)
+    if out.get("error"):
+        print("error:", out["error"])
+    ranks = [r for r in out.get("ranks", []) if r]
+    if not ranks:
+        return
+    meds = {}
+    for case, r0 in ranks[0].items():
+        if not isinstance(r0, dict) or r0.get("status") != "ok":
+            print(f"{case}: {r0}")
+            continue
+        meds[case] = statistics.median(r0["times"])
+        rss = max(r[case]["rss_peak_mb"] - r[case]["rss_base_mb"] for r in ranks)
+        times = ", ".join(f"{t:.3f}" for t in r0["times"])
+        print(
+            f"{case:26s} median {meds[case]:.3f} s ({times}); peak RSS over base, max over ranks +{rss:.0f} MB"
+        )
+    if {"cols_gathered_row_moves", "cols_gathered_per_row"} <= meds.keys():
+        ratio = meds["cols_gathered_per_row"] / meds["cols_gathered_row_moves"]
+        print(f"row by row / moved to rows: {ratio:.2f}x time")
 
 
 if __name__ == "__main__":

@@ -301,6 +301,7 @@ def suite(args: argparse.Namespace) -> dict[str, Any]:
         "unickpt_save": "unickpt sharded save (gather_dtensor=False)",
         "dcp_hf_consolidated_save": "DCP HuggingFaceStorageWriter save + consolidation",
         "unickpt_gathered_save": "unickpt gathered save (every rank writes its bytes)",
+        "unickpt_gathered_save_nohash": "unickpt gathered save, hashes and fingerprints off",
         "manager_save": "CheckpointManager save (model, sync)",
         "manager_save_hf": "CheckpointManager save, save_hf=True",
         "torch_gathered_save": "torch full_state_dict + save_file on rank 0",
@@ -458,6 +459,12 @@ def ratios(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[st
     add(
         f"gathered save >= 3x DCP HuggingFaceStorageWriter + consolidation (FSDP2 x{w})",
         g,
+        f"w{w}_dcp_hf_consolidated_save",
+        3.0,
+    )
+    add(  # like for like: DCP computes no hash
+        f"gathered save, hashes off, >= 3x DCP HuggingFaceStorageWriter + consolidation (FSDP2 x{w})",
+        f"w{w}_unickpt_gathered_save_nohash",
         f"w{w}_dcp_hf_consolidated_save",
         3.0,
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import pickle
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -109,14 +110,48 @@ def agree(error: BaseException | None, what: str, group: Any = None) -> None:
         if error is not None:
             raise error
         return
-    payload: Any = None
-    if error is not None:
-        try:
-            pickle.dumps(error)
-            payload = error
-        except Exception:  # an unpicklable error travels as its text
-            payload = DistributedError(f"{type(error).__name__}: {error}")
-    reports = all_gather_object(payload, group)
+    _raise_reports(error, all_gather_object(_report(error), group), what)
+
+
+@dataclasses.dataclass
+class _WithReport:
+    """What :func:`agree_gather` sends: a rank's error report and its object."""
+
+    report: BaseException | None
+    obj: Any
+
+
+def agree_gather(error: BaseException | None, obj: T, what: str, group: Any = None) -> list[T]:
+    """Collective: :func:`agree` and :func:`all_gather_object` of ``obj`` in one exchange.
+
+    Raises as ``agree`` does when any rank hit an error; otherwise every rank's ``obj``.
+    """
+    if not is_distributed(group):
+        if error is not None:
+            raise error
+        return [obj]
+    sent = all_gather_object(_WithReport(_report(error), obj if error is None else None), group)
+    reports = [
+        x.report if isinstance(x, _WithReport) else DistributedError(f"out of step: sent {type(x).__name__}")
+        for x in sent
+    ]
+    _raise_reports(error, reports, what)
+    return [x.obj for x in sent if isinstance(x, _WithReport)]
+
+
+def _report(error: BaseException | None) -> BaseException | None:
+    """The error as it travels to the other ranks (its text, when it cannot be pickled)."""
+    if error is None:
+        return None
+    try:
+        pickle.dumps(error)
+        return error
+    except Exception:  # an unpicklable error travels as its text
+        return DistributedError(f"{type(error).__name__}: {error}")
+
+
+def _raise_reports(error: BaseException | None, reports: list[Any], what: str) -> None:
+    """Raise on this rank when any rank's report is an error (or not a report: out of step)."""
     # A report that is not an error means the ranks reached different collectives.
     bad = [
         (

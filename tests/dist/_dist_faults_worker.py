@@ -341,6 +341,26 @@ def case_group_of_rank0_only(d: Path) -> dict[str, Any]:
     return obs
 
 
+def case_agree_gather(d: Path) -> dict[str, Any]:
+    """``agree_gather``: every rank's object when all succeeded; one rank's error raised on every
+    rank (same type, message naming it); a peer in another collective is out of step."""
+    from unickpt import _dist
+    from unickpt.errors import CheckpointFormatError
+
+    del d
+    r = dist.get_rank()
+    obs: dict[str, Any] = {"ok": _dist.agree_gather(None, {"rank": r}, "a phase")}
+    err = CheckpointFormatError("bad header in f.safetensors") if r == 1 else None
+    obs["one_failed"] = attempt(lambda: _dist.agree_gather(err, r, "writing d"))
+    if r == 0:
+        obs["out_of_step"] = attempt(lambda: _dist.agree_gather(None, 0, "writing d"))
+    else:
+        _dist.all_gather_object(("not", "a report"))  # rank 0 is in agree_gather
+        obs["out_of_step"] = {}
+    dist.barrier()
+    return obs
+
+
 CASES: list[tuple[str, Callable[[Path], dict[str, Any]]]] = [
     ("shape_differs_on_rank1", case_shape_differs_on_rank1),
     ("extra_param_on_rank0", case_extra_param_on_rank0),
@@ -350,6 +370,7 @@ CASES: list[tuple[str, Callable[[Path], dict[str, Any]]]] = [
     ("fails_mid_load_in_place_rank1", case_fails_mid_load_in_place_rank1),
     ("save_fails_rank1", case_save_fails_rank1),
     ("group_of_rank0_only", case_group_of_rank0_only),
+    ("agree_gather", case_agree_gather),
 ]
 
 

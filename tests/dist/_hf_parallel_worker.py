@@ -317,6 +317,45 @@ def manager_case(layout: str, root: str) -> None:
         assert not diff, f"async Hugging Face copy differs from the sync one: {diff}"
 
 
+def async_rows_case(layout: str, root: str) -> dict[str, int]:
+    """An async gathered save moves column-sharded tensors to row slices in the foreground: its
+    files (index included) are the synchronous save's, while training changes the live tensors."""
+    s = _setup(layout)
+    s.train_step(0)
+    d = os.path.join(root, f"async-{layout}")
+    s.booster.save_model(
+        s.model, os.path.join(d, "sync"), shard=True, gather_dtensor=True, size_per_shard=TINY_MB
+    )
+    s.booster.save_model(
+        s.model,
+        os.path.join(d, "async"),
+        shard=True,
+        gather_dtensor=True,
+        size_per_shard=TINY_MB,
+        use_async=True,
+    )
+    with torch.no_grad():
+        for p in s.model.parameters():
+            p.add_(100.0)
+    s.booster.checkpoint_io.wait()
+    info: dict[str, int] = {}
+
+    def check() -> None:
+        from unickpt.format.index import load_index
+
+        a = _tree_without_save_id(os.path.join(d, "sync"))
+        b = _tree_without_save_id(os.path.join(d, "async"))
+        assert a.keys() == b.keys() and all(a[k] == b[k] for k in a), sorted(
+            k for k in a if a.get(k) != b.get(k)
+        )
+        idx = load_index(os.path.join(d, "async", "model.safetensors.index.json"))
+        assert idx.unickpt is not None
+        info.update({n: len(t.slices[0].ranges or []) for n, t in idx.unickpt.tensors.items()})
+
+    on_rank0(check)
+    return info
+
+
 def world_worker(root: str, layouts: list[str]) -> Any:
     from harness import run_cases
 
@@ -329,4 +368,6 @@ def world_worker(root: str, layouts: list[str]) -> Any:
     for lay in ("fsdp2x4", "hyb_fsdp_dp2tp2"):
         if lay in layouts:
             cases.append((f"manager save_hf {lay}", lambda lay=lay: manager_case(lay, root)))
+    if "hyb_ddp_dp2tp2" in layouts:
+        cases.append(("async rows", lambda: async_rows_case("hyb_ddp_dp2tp2", root)))
     return run_cases(cases)

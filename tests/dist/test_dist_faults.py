@@ -260,3 +260,15 @@ def test_object_collectives_honour_their_group(obs: dict[str, list[dict[str, Any
             "rank 1 of the world is not a member of the process group given to a collective "
             "checkpoint call; call it on the ranks of that group only"
         )
+
+
+def test_agree_gather_is_an_agreement_and_a_gather(obs: dict[str, list[dict[str, Any]]]) -> None:
+    r0, r1 = case(obs, "agree_gather")
+    assert r0["ok"] == r1["ok"] == [{"rank": 0}, {"rank": 1}]
+    for r in (r0, r1):
+        assert r["one_failed"]["raised"] == "CheckpointFormatError", r
+        assert r["one_failed"]["message"] == (
+            "writing d failed on 1 of 2 rank(s):\n[rank 1] CheckpointFormatError: bad header in f.safetensors"
+        )
+    assert r0["out_of_step"]["raised"] == "DistributedError"
+    assert "[rank 1] DistributedError: out of step: sent tuple" in r0["out_of_step"]["message"]

@@ -15,7 +15,7 @@ import pytest
 from harness import WorldPool
 
 # Plain TP over 4 ranks cannot train PipeNet (34 columns); TP runs under the hybrids (Shard(1)
-# row-parallel weights, one range per row and rank).
+# row-parallel weights, moved to row slices before they are written).
 LAYOUTS = ["fsdp2x4", "zero1x4", "hyb_fsdp_dp2tp2", "hyb_ddp_dp2tp2", "hyb_pp2tp2", "ddp4"]
 TIMEOUT_S = 300.0
 pytestmark = pytest.mark.timeout(TIMEOUT_S + 60)
@@ -34,3 +34,14 @@ def test_every_plugin_writes_its_own_bytes(tmp_path: Any, world_pool: WorldPool)
     # DDP: every tensor is written whole by one rank (replicas written once), so no ranges.
     assert cases["layout ddp4"].value == {"model": {}, "optim": {}}
     assert "blocks.0.up.weight" in cases["flipped byte"].value
+    # TP's row-parallel weights (Shard(1), [16, 34]) are moved to row slices before they are
+    # written (io/hf_rows.py): one range per writing rank, not one per row and rank (32).
+    for lay in ("hyb_fsdp_dp2tp2", "hyb_ddp_dp2tp2", "hyb_pp2tp2"):
+        got = cases[f"layout {lay}"].value
+        many = {k: n for sub in ("model", "optim") for k, n in got[sub].items() if n > 4}
+        assert not many, (lay, many)
+    # DDP over TP: the dp replicas are written once, each TP rank its half of the rows.
+    assert cases["layout hyb_ddp_dp2tp2"].value["model"]["blocks.0.down.weight"] == 2
+    assert cases["layout hyb_fsdp_dp2tp2"].value["model"]["blocks.0.down.weight"] == 4
+    # An async gathered save (moves in the foreground) writes the synchronous save's files.
+    assert cases["async rows"].value["blocks.0.down.weight"] == 2

@@ -15,6 +15,7 @@ Face files (``io/hf_save.py``). Nothing is gathered, in the foreground or in the
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import warnings
@@ -190,6 +191,10 @@ class AsyncSaveIO(IOCore):
 
             copy = gathered_snapshot(payload, self.group, staging)
         else:  # every rank writes its own slices (a sliced save, or in place: io/hf_save.py)
+            if gather_dtensor:  # column-sharded DTensors: row slices, moved now (io/hf_rows.py)
+                from unickpt.io.hf_rows import row_snapshot
+
+                payload = dataclasses.replace(payload, slices=row_snapshot(payload.tensors, payload.slices))
             copy = payload.snapshot(staging)
         group = self._async.background_group(self.group)
 

@@ -7,15 +7,18 @@ Face safetensors files, each tensor whole under its own name. No rank gathers a 
    tensor's bytes start) from the plan's global shapes, and the same writer of every slice
    (``planner.plan_save``: a replicated slice is written once);
 2. rank 0 creates every staged file (hidden name, ``format.commit.temp_name``), writes its
-   header and sizes it; the ranks agree (they share the directory, as sliced saves do);
+   header and sizes it, while it prepares the directory (``stage_gathered``): the ranks agree
+   once on both (they share the directory, as sliced saves do);
 3. each rank ``pwrite``s the byte runs of the slices it writes straight into place (a row
-   slice is one run, a column slice one run per row), hashing each range it wrote (xxh3-64)
-   and each slice's fingerprint partial on a second thread while the next tensor is written,
-   then fsyncs; the ranks agree that every write succeeded (else rank 0 removes the files);
-4. the hashes are all-gathered; rank 0 builds the block (one whole slice per tensor: its
-   ``xxh3`` when one rank wrote it all, else its ``ranges``), rewrites a single file's header
-   with the real values (same length as the placeholders) and commits through ``format.commit``
-   (``io._commit.commit_collective`` for sharded saves), index last.
+   slice is one run; a column-sharded DTensor is first moved to row slices, one tensor at a
+   time, ``io.hf_rows``; any other column slice is one run per row), hashing each range it
+   wrote (xxh3-64) and each slice's fingerprint partial on a second thread while the next
+   tensor is written, then fsyncs each file it wrote into once;
+4. one exchange both agrees that every write succeeded (else rank 0 removes the files) and
+   gathers the hashes; rank 0 builds the block (one whole slice per tensor: its ``xxh3`` when
+   one rank wrote it all, else its ``ranges``), rewrites a single file's header with the real
+   values (same length as the placeholders) and, having staged every file, commits alone
+   through ``format.commit``, index last; a last agreement tells every rank the outcome.
 
 Files are byte-identical to what the rank-0 gathered save wrote (same order, header and metadata).
 """
@@ -36,7 +39,7 @@ from unickpt import __version__, _dist
 from unickpt._faults import maybe_fail
 from unickpt.errors import UnsupportedError
 from unickpt.format import commit
-from unickpt.format.commit import commit_single_file, discard, temp_name
+from unickpt.format.commit import commit_directory, commit_single_file, discard, temp_name
 from unickpt.format.dtypes import itemsize
 from unickpt.format.hashing import hash_block, slice_hash
 from unickpt.format.hf_layout import HFLayout, box_runs, plan_hf_layout, writer_ranges
@@ -52,8 +55,8 @@ from unickpt.format.writer import (
     tensor_entry,
     write_all,
 )
-from unickpt.io._commit import commit_collective
-from unickpt.io.planner import PlannedFile, SavePlan
+from unickpt.io.hf_rows import RowMoves
+from unickpt.io.planner import SavePlan
 from unickpt.io.tensors import LocalSlice, as_bytes
 
 __all__ = ["GatheredSave", "save_gathered"]
@@ -82,11 +85,27 @@ class GatheredSave:
     entry_extras: dict[str, dict[str, Any]]
     block_extras: dict[str, Any]
     order: list[str]  # tensor names as the ranks list them, rank 0's first: the files' order
+    rows: RowMoves | None = None  # column-sharded tensors moved to row slices as they are written
 
 
-def save_gathered(s: GatheredSave, group: Any, rank: int, world: int) -> None:
-    """Collective: write and commit a gathered save; every rank raises if any rank failed."""
-    opts = s.opts
+@dataclass
+class StagedHF:
+    """A gathered save's files as planned (``stage_gathered``): what the writing needs."""
+
+    ranges: _Ranges
+    layout: HFLayout
+    staged: dict[str, str]  # file name -> staged path
+    own: dict[str, str]  # the staged files this rank created (rank 0: all)
+    placeholders: UnickptBlock | None  # a single file's first block
+    file_name: str | None  # a single file's name
+
+
+def stage_gathered(s: GatheredSave, rank: int) -> StagedHF:
+    """Local phase: the files' layout; rank 0 creates every staged file (header, full size).
+
+    ``io.save`` runs it while preparing the directory (after rank 0 took the lock), so that one
+    agreement covers both; when that agreement fails, rank 0 removes ``own``.
+    """
     # The files' order: the ranks' order of names (rank 0's first), not the order in which
     # slices appear (a rank may hold no slice of a tensor it names).
     known = [n for n in s.order if n in s.plan.tensors]
@@ -100,9 +119,9 @@ def save_gathered(s: GatheredSave, group: Any, rank: int, world: int) -> None:
         for name, (dtype, gshape) in plan.tensors.items()
     }
     descs = [(n, d, g) for n, (d, g) in plan.tensors.items()]
-    single = bool(s.file_path)
-    file_name = single_file_name(s.file_path, s.kind) if single else None
-    if single:
+    file_name = single_file_name(s.file_path, s.kind) if s.file_path else None
+    placeholders = None
+    if file_name is not None:
         placeholders = _block(s, ranges, None, None, file_name=file_name, placeholder=True)
         layout = plan_hf_layout(
             descs,
@@ -113,7 +132,6 @@ def save_gathered(s: GatheredSave, group: Any, rank: int, world: int) -> None:
         )
         staged = {layout.files[0].name: temp_name(s.file_path, s.save_id)}
     else:
-        placeholders = None
         layout = plan_hf_layout(
             descs,
             kind=s.kind,
@@ -121,38 +139,35 @@ def save_gathered(s: GatheredSave, group: Any, rank: int, world: int) -> None:
             metadata=data_file_metadata(False, s.save_id),
         )
         staged = {f.name: temp_name(os.path.join(s.directory, f.name), s.save_id) for f in layout.files}
-    own = staged if rank == 0 else {}
-    where = f"writing {s.file_path or s.directory}"
-
-    # 2. rank 0 creates the staged files: header, full size.
-    err: BaseException | None = None
     if rank == 0:
-        try:
-            maybe_fail("save.hf_create")
-            _create_files(layout, staged, s.save_id, placeholders, opts.fsync)
-        except BaseException as e:
-            err = e
-    try:
-        _dist.agree(err, where, group)
-    except BaseException:
-        discard(own.values())
-        raise
+        maybe_fail("save.hf_create")
+        _create_files(layout, staged, s.save_id, placeholders, s.opts.fsync)
+    return StagedHF(ranges, layout, staged, staged if rank == 0 else {}, placeholders, file_name)
+
+
+def save_gathered(s: GatheredSave, st: StagedHF, group: Any, rank: int) -> None:
+    """Collective, after ``stage_gathered`` and its agreement: write and commit a gathered save;
+    every rank raises if any rank failed."""
+    opts, plan = s.opts, s.plan
+    ranges, layout, staged, own = st.ranges, st.layout, st.staged, st.own
+    placeholders, file_name, single = st.placeholders, st.file_name, st.file_name is not None
+    where = f"writing {s.file_path or s.directory}"
+    err: BaseException | None = None
 
     # 3. every rank writes its slices into place.
     hashes: _Hashes = {}
     partials: _Partials = {}
     try:
-        hashes, partials = _write_own(plan, layout, ranges, s.local, staged, rank, opts)
+        hashes, partials = _write_own(plan, layout, ranges, s.local, staged, rank, opts, s.rows)
     except BaseException as e:
         err = e
-    try:
-        _dist.agree(err, where, group)
+    try:  # the agreement carries the hashes: one exchange
+        results = _dist.agree_gather(err, (hashes, partials), where, group)
     except BaseException:
         discard(own.values())  # every rank has stopped writing
         raise
 
     # 4. rank 0: the block, then the commit.
-    results = _dist.all_gather_object((hashes, partials), group)
     all_hashes: _Hashes = {}
     all_partials: _Partials = {}
     for h, p in results:
@@ -177,10 +192,16 @@ def save_gathered(s: GatheredSave, group: Any, rank: int, world: int) -> None:
             index = index_to_json(build_index(block, sliced=False))
         except BaseException as e:
             err = e
-    commit_plan = SavePlan(plan.tensors, [PlannedFile(f.name, 0) for f in layout.files], {}, False)
-    commit_collective(
-        s.directory, s.kind, opts.fsync, commit_plan, own, index, s.save_id, err, group, rank, world
-    )
+    # Rank 0 staged every file: it commits alone (``format.commit``), the others wait for it.
+    if rank == 0:
+        try:
+            if err is None:
+                commit_directory(s.directory, s.kind, own, index, save_id=s.save_id, fsync=opts.fsync)
+            else:
+                discard(own.values())
+        except BaseException as e:
+            err = e
+    _dist.agree(err, f"committing {s.directory}", group)
 
 
 def _create_files(
@@ -215,13 +236,19 @@ def _write_own(
     staged: dict[str, str],
     rank: int,
     opts: Any,
+    rows: RowMoves | None = None,
 ) -> tuple[_Hashes, _Partials]:
-    """This rank's slices written into place; hashed on a second thread while the next is written."""
+    """This rank's slices written into place; hashed on a second thread while the next is written.
+
+    ``rows``: the tensors moved to row slices (``io.hf_rows``) when their turn comes; every rank
+    of their meshes takes part in each move, even after its own writing failed.
+    """
     hashes: _Hashes = {}
     partials: _Partials = {}
     fds: dict[str, int] = {}
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unickpt-hash")
     pending: collections.deque[Future[tuple[_Hashes, _Partials]]] = collections.deque()
+    err: BaseException | None = None
 
     def collect(fut: Future[tuple[_Hashes, _Partials]]) -> None:
         h, p = fut.result()
@@ -230,36 +257,27 @@ def _write_own(
             partials.setdefault(name, []).extend(parts)
 
     try:
-        maybe_fail("save.hf_write")
+        try:
+            maybe_fail("save.hf_write")
+        except BaseException as e:
+            err = e
         for name, (dtype, gshape) in plan.tensors.items():
-            mine = [ps for ps in plan.slices[name] if ps.rank == rank]
-            if not mine:
+            moved = rows.local(name) if rows is not None and name in rows else None  # collective
+            if err is not None:
                 continue
-            place = layout.places[name]
-            if place.file not in fds:
-                fds[place.file] = _open_staged(staged[place.file], rank)
-            fd = fds[place.file]
-            isize = itemsize(dtype)
-            blocks: list[tuple[np.ndarray, tuple[int, ...], tuple[int, ...]]] = []
-            pieces: list[tuple[int, np.ndarray]] = []
-            for ps in mine:
-                arr = as_bytes(local[ps.local_index].tensor)
-                blocks.append((arr, ps.offsets, ps.shape))
-                runs = box_runs(gshape, ps.offsets, ps.shape, isize)
-                n = runs[0][1] - runs[0][0] if runs else 0
-                pieces.extend((b, arr[j * n : (j + 1) * n]) for j, (b, _) in enumerate(runs))
-            pieces.sort(key=lambda bp: bp[0])
-            mine_ranges = [(b, e) for b, e, w in ranges[name] if w == rank]
-            pending.append(pool.submit(_hash_tensor, name, dtype, gshape, blocks, pieces, mine_ranges, opts))
-            for b, piece in pieces:
-                write_all(fd, memoryview(piece), place.pos + b)  # type: ignore[arg-type]
-            if opts.fsync:  # the disk starts on each range now: the final fsync has little left
-                for b, e in mine_ranges:
-                    commit.start_writeback(fd, place.pos + b, e - b)
-            maybe_fail("save.write")
-            del blocks, pieces
-            while len(pending) > 1:
-                collect(pending.popleft())
+            try:
+                fut = _write_tensor(
+                    name, dtype, gshape, plan, layout, ranges, local, staged, fds, rank, opts, pool, moved
+                )
+                del moved
+                if fut is not None:
+                    pending.append(fut)
+                while len(pending) > 1:
+                    collect(pending.popleft())
+            except BaseException as e:
+                err = e
+        if err is not None:
+            raise err
         while pending:
             collect(pending.popleft())
         if opts.fsync:
@@ -270,6 +288,50 @@ def _write_own(
             os.close(fd)
         pool.shutdown(wait=True)
     return hashes, partials
+
+
+def _write_tensor(
+    name: str,
+    dtype: str,
+    gshape: tuple[int, ...],
+    plan: SavePlan,
+    layout: HFLayout,
+    ranges: _Ranges,
+    local: list[LocalSlice],
+    staged: dict[str, str],
+    fds: dict[str, int],
+    rank: int,
+    opts: Any,
+    pool: ThreadPoolExecutor,
+    moved: Any,
+) -> Future[tuple[_Hashes, _Partials]] | None:
+    """Write this rank's slices of one tensor into place; the future of their hashes (None: none)."""
+    mine = [ps for ps in plan.slices[name] if ps.rank == rank]
+    if not mine:
+        return None
+    place = layout.places[name]
+    if place.file not in fds:
+        fds[place.file] = _open_staged(staged[place.file], rank)
+    fd = fds[place.file]
+    isize = itemsize(dtype)
+    blocks: list[tuple[np.ndarray, tuple[int, ...], tuple[int, ...]]] = []
+    pieces: list[tuple[int, np.ndarray]] = []
+    for ps in mine:
+        arr = as_bytes(moved if moved is not None else local[ps.local_index].tensor)
+        blocks.append((arr, ps.offsets, ps.shape))
+        runs = box_runs(gshape, ps.offsets, ps.shape, isize)
+        n = runs[0][1] - runs[0][0] if runs else 0
+        pieces.extend((b, arr[j * n : (j + 1) * n]) for j, (b, _) in enumerate(runs))
+    pieces.sort(key=lambda bp: bp[0])
+    mine_ranges = [(b, e) for b, e, w in ranges[name] if w == rank]
+    fut = pool.submit(_hash_tensor, name, dtype, gshape, blocks, pieces, mine_ranges, opts)
+    for b, piece in pieces:
+        write_all(fd, memoryview(piece), place.pos + b)  # type: ignore[arg-type]
+    if opts.fsync:  # the disk starts on each range now: the final fsync has little left
+        for b, e in mine_ranges:
+            commit.start_writeback(fd, place.pos + b, e - b)
+    maybe_fail("save.write")
+    return fut
 
 
 def _open_staged(path: str, rank: int) -> int:

@@ -51,7 +51,8 @@ from unickpt.format.store_lock import store_lock
 from unickpt.format.writer import build_index
 from unickpt.io._commit import commit_collective
 from unickpt.io.funnel_save import feed_funnel, write_funnelled, write_funnelled_single
-from unickpt.io.hf_save import GatheredSave, save_gathered
+from unickpt.io.hf_rows import RowMoves
+from unickpt.io.hf_save import GatheredSave, StagedHF, save_gathered, stage_gathered
 from unickpt.io.planner import SavePlan, SliceMeta, plan_save
 from unickpt.io.replicas import check_gathered_metas
 from unickpt.io.save_block import Results as _Results
@@ -89,6 +90,7 @@ def save_tensors(
     group: Any = None,
 ) -> str:
     """Collective. Save ``tensors`` (this rank's view) as one checkpoint; returns the committed path."""
+
     rank, world = _dist.rank(group), _dist.world_size(group)
     aliases = aliases or {}
     single_file = opts.gather and not opts.shard
@@ -117,10 +119,14 @@ def save_tensors(
     # 1-2. list blocks, gather the lists, plan.
     err: BaseException | None = None
     local: list[LocalSlice] = []
+    # A gathered save in a directory moves column-sharded DTensors to row slices as it writes
+    # them (io/hf_rows.py): the plan takes their boxes after the move.
+    rows = RowMoves() if opts.gather and store is None else None
     try:
         maybe_fail("save.list")
         for name, t in tensors.items():
-            local.extend(boxes_fn(name, t))
+            sls = boxes_fn(name, t)
+            local.extend(sls if rows is None else rows.take(name, t, sls))
     except BaseException as e:
         err = e
     _dist.agree(err, "listing tensors to save", group)
@@ -185,11 +191,29 @@ def save_tensors(
     if plan is None:  # never: agree() raised when planning failed on any rank
         raise RuntimeError(f"{path}: no save plan after planning succeeded")
 
-    # 3. rank 0 prepares the directory.
+    # 3. rank 0 prepares the directory (and, for a gathered save, creates its staged files).
     lock = contextlib.ExitStack()
     over = False  # an object store holds a committed checkpoint of the kind here
-    if rank == 0:
-        try:
+    gs: GatheredSave | None = None
+    if opts.gather and not funnel:  # 4-6: every rank writes its bytes of the HF files
+        gs = GatheredSave(
+            plan,
+            local,
+            opts.kind,
+            directory,
+            file_path if single_file else "",
+            size,
+            save_id,
+            opts,
+            aliases,
+            entry_extras,
+            block_extras or {},
+            order,
+            rows,
+        )
+    staged_hf: StagedHF | None = None
+    try:
+        if rank == 0:
             maybe_fail("save.prepare")
             if store is None:
                 os.makedirs(directory, exist_ok=True)
@@ -197,30 +221,23 @@ def save_tensors(
             else:  # one writer per directory on a store too (format/store_lock.py)
                 lock.enter_context(store_lock(store, directory, save_id))
                 over = not single_file and committed_on_store(store, directory, opts.kind)
-        except BaseException as e:
-            err = e
+        if gs is not None:  # the files' layout; rank 0 creates them (one agreement for both)
+            staged_hf = stage_gathered(gs, rank)
+    except BaseException as e:
+        err = e
     try:
-        _dist.agree(err, f"preparing {directory}", group)
+        try:
+            _dist.agree(err, f"preparing {directory}", group)
+        except BaseException:
+            if staged_hf is not None:
+                discard(staged_hf.own.values())
+            raise
         if store is not None and not single_file and _dist.broadcast_object(over, 0, group):
             for pf in plan.files:  # never overwrite the committed checkpoint's files
                 pf.name = store_file_name(pf.name, save_id)
 
-        if opts.gather and not funnel:  # 4-6: every rank writes its bytes of the HF files
-            gs = GatheredSave(
-                plan,
-                local,
-                opts.kind,
-                directory,
-                file_path if single_file else "",
-                size,
-                save_id,
-                opts,
-                aliases,
-                entry_extras,
-                block_extras or {},
-                order,
-            )
-            save_gathered(gs, group, rank, world)
+        if gs is not None and staged_hf is not None:
+            save_gathered(gs, staged_hf, group, rank)
             return _finish(lock, group, path, store, file_path if single_file else directory)
         # 4. write.
         results: _Results = {}

@@ -239,7 +239,16 @@ class CheckpointManager:
             _dist.agree(err, f"starting the save of step {step} in {self.checkpoint_dir}", self.group)
             staging = self._staging if self.async_save else None
             payload = snapshot.capture(
-                self.io, step, stage, model, optimizer, lr_scheduler, dataloader, extra_states, staging
+                self.io,
+                step,
+                stage,
+                model,
+                optimizer,
+                lr_scheduler,
+                dataloader,
+                extra_states,
+                staging,
+                rows=self.save_hf and self._shared_stage(),
             )
             payload.target = self.storage.share_target(target, self.group)
             payload.stage = self.storage.write_root(payload.stage, payload.target)

@@ -14,6 +14,7 @@ import torch
 
 from unickpt import _dist
 from unickpt._faults import maybe_fail
+from unickpt.io.hf_rows import row_snapshot
 from unickpt.io.payload import SavePayload
 from unickpt.io.side_files import hf_config_files, lr_scheduler_json
 from unickpt.manager import train_state
@@ -46,11 +47,13 @@ def capture(
     dataloader: Any,
     extra_states: dict[str, Any],
     staging: dict[str, dict[tuple[str, int], torch.Tensor]] | None,
+    rows: bool = False,
 ) -> Payload:
     """Collective over ``io.group``: plan the step's tensors and take this rank's state.
 
     ``staging``: the CPU buffers to copy the tensors into (async saves), ``None`` to write the
-    live tensors (synchronous saves).
+    live tensors (synchronous saves). ``rows``: the model is written as Hugging Face files
+    (``save_hf``), so an async copy takes column-sharded tensors as row slices.
     """
     group = io.group
     err: BaseException | None = None
@@ -61,6 +64,10 @@ def capture(
     hf_config: dict[str, str] = {}
     # Collective, and agreed inside: not part of the local phase below.
     model_plan = io.plan_model(model)
+    if staging is not None and rows:  # collective: column-sharded DTensors as row slices (io/hf_rows.py)
+        model_plan = dataclasses.replace(
+            model_plan, slices=row_snapshot(model_plan.tensors, model_plan.slices)
+        )
     try:
         maybe_fail("manager.capture")
         if staging is not None:
