@@ -151,13 +151,13 @@ class SharedUpload:
             Key=self.key,
             UploadId=self.upload_id,
             PartNumber=number,
-            Body=body,
+            Body=bytes(body),  # botocore streams bytes; a bytearray goes to aiohttp raw
         )
         return str(out["ETag"])
 
     def put(self, body: bytes | bytearray | memoryview) -> None:
         """A file of one part needs no multipart upload: one PUT, visible at once."""
-        self.fs.call_s3("put_object", Bucket=self.bucket, Key=self.key, Body=body)
+        self.fs.call_s3("put_object", Bucket=self.bucket, Key=self.key, Body=bytes(body))
         self.fs.invalidate_cache(self.path)
 
     def complete(self, etags: Sequence[tuple[int, str]]) -> None:

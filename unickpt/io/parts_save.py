@@ -37,6 +37,7 @@ import torch
 
 from unickpt import _dist
 from unickpt._faults import maybe_fail
+from unickpt.format import storage_parts
 from unickpt.format.commit_store import remove_superseded, store_file_name
 from unickpt.format.dtypes import itemsize
 from unickpt.format.hf_layout import HFLayout, box_runs, plan_hf_layout, writer_ranges
@@ -44,7 +45,7 @@ from unickpt.format.index import index_to_json
 from unickpt.format.naming import single_name
 from unickpt.format.reader import single_file_name
 from unickpt.format.storage import FsspecStorage
-from unickpt.format.storage_parts import PART_SIZE, Part, SharedUpload, part_size_for, plan_parts
+from unickpt.format.storage_parts import Part, SharedUpload, part_size_for, plan_parts
 from unickpt.format.writer import build_index, data_file_metadata, single_file_metadata
 from unickpt.io._commit import commit_collective
 from unickpt.io.hf_save import GatheredSave, _block, _hash_tensor
@@ -232,7 +233,11 @@ def _plan(
             runs.extend((pos + b, pos + e, w) for b, e, w in ranges[name])
         out.append(
             plan_parts(
-                f.size, runs, part_size_for(f.size, PART_SIZE), load, first_owner=0 if single else None
+                f.size,
+                runs,
+                part_size_for(f.size, storage_parts.PART_SIZE),
+                load,
+                first_owner=0 if single else None,
             )
         )
     return out
