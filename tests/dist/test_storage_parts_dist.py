@@ -1,0 +1,296 @@
+"""Gathered saves to ``s3://`` (moto's server) in which every rank uploads parts of the same
+multipart uploads (io/parts_save.py), in one 4-rank world running several cases:
+
+- FSDP2 (row slices, a sharded save of two files) and TP (column slices, a single file whose
+  header part rank 0 uploads last): the objects are byte-identical to a local gathered save of
+  the same model (save ids aside), read bit-exact by safetensors (what transformers reads),
+  verify clean; each rank uploaded about its share of the bytes;
+- a failure on one rank between rounds of uploads, on rank 0 creating the uploads and at the
+  commit: every rank raises, nothing is committed, no multipart upload is left open, the
+  previous checkpoint loads unchanged;
+- the rank-0 funnel (stores without shared uploads; forced here on S3): each fault stage it
+  reaches fails on each rank that reaches it, with the same guarantees.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+TIMEOUT_S = 420.0
+pytestmark = pytest.mark.timeout(TIMEOUT_S + 60)
+MiB = 1 << 20
+
+
+def _net() -> torch.nn.Module:
+    """About 36 MiB of fp32 in three layers (odd sizes: uneven slices): 8 parts of 5 MiB."""
+    g = torch.Generator().manual_seed(5)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(1280, 2048), torch.nn.Linear(2048, 2048), torch.nn.Linear(2048, 1283)
+    )
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    return net
+
+
+def _small() -> torch.nn.Module:
+    g = torch.Generator().manual_seed(6)
+    net = torch.nn.Sequential(torch.nn.Linear(33, 18), torch.nn.Linear(18, 7))
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    return net
+
+
+def _options(endpoint_opts: dict[str, Any], client: str) -> dict[str, Any]:
+    return {**endpoint_opts, "config_kwargs": {"user_agent_extra": f"unickpt-client/{client}"}}
+
+
+def _fs(opts: dict[str, Any]) -> Any:
+    fs = fsspec.filesystem("s3", **_options(opts, "check"))
+    fs.invalidate_cache()
+    return fs
+
+
+def _boost(kind: str, net: torch.nn.Module, opts: dict[str, Any]) -> tuple[Any, Any]:
+    import unickpt
+    from unickpt.plugins import FSDP2Plugin, TPPlugin
+
+    if kind == "fsdp2":
+        plugin: Any = FSDP2Plugin()
+    else:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        plugin = TPPlugin({"0": ColwiseParallel(), "1": RowwiseParallel(), "2": RowwiseParallel()})
+    booster = unickpt.Booster(plugin, storage_options=opts)
+    model, *_ = booster.boost(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    return booster, model
+
+
+def _state_of(directory: Path) -> tuple[dict[str, torch.Tensor], str]:
+    """Every tensor of a downloaded checkpoint read by safetensors (as transformers reads it) and its save id."""
+    from safetensors.torch import load_file
+
+    from unickpt.format.reader import open_checkpoint
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    with open_checkpoint(directory, "model") as r:
+        assert r.verify() == []
+        sid = r.block.save_id
+    assert sid
+    return out, sid
+
+
+def _download(opts: dict[str, Any], prefix: str, dest: Path) -> Path:
+    _fs(opts).get(prefix.rstrip("/") + "/", str(dest) + "/", recursive=True)
+    return dest
+
+
+def _open_uploads(opts: dict[str, Any], bucket: str) -> list[Any]:
+    return list(_fs(opts).call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", []) or [])
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _same_case(kind: str, shard: bool, bucket: str, endpoint: dict[str, Any], root: str) -> dict[str, Any]:
+    """Save the same model gathered locally and to S3; compare on rank 0."""
+    import torch.distributed as dist
+    from conftest import full_model_state
+
+    rank = dist.get_rank()
+    booster, model = _boost(kind, _net(), _options(endpoint, f"{kind}-rank-{rank}"))
+    full = full_model_state(model)
+    local = Path(root) / f"local-{kind}"
+    target = "" if shard else "/model.safetensors"
+    booster.save_model(model, f"{local}{target}", shard=shard, gather_dtensor=True, size_per_shard=20)
+    booster.save_model(
+        model, f"s3://{bucket}/{kind}{target}", shard=shard, gather_dtensor=True, size_per_shard=20
+    )
+    out: dict[str, Any] = {}
+    if rank == 0:
+        dl = _download(endpoint, f"{bucket}/{kind}", Path(root) / f"dl-{kind}")
+        names = sorted(p.name for p in dl.iterdir())
+        assert names == sorted(p.name for p in local.iterdir()), names
+        got, sid = _state_of(dl)
+        _, sid_local = _state_of(local)
+        for n in names:
+            a = (local / n).read_bytes().replace(sid_local.encode(), b"0" * len(sid))
+            b = (dl / n).read_bytes().replace(sid.encode(), b"0" * len(sid))
+            assert a == b, f"{n} differs from the local gathered save's"
+        assert got.keys() == full.keys()
+        for k, v in full.items():
+            assert _bits(got[k]) == _bits(v), k
+        assert _open_uploads(endpoint, bucket) == []
+        out = {"files": names, "bytes": sum((dl / n).stat().st_size for n in names)}
+    dist.barrier()
+    return out
+
+
+def _failure_case(bucket: str, endpoint: dict[str, Any], root: str) -> dict[str, Any]:
+    """Failures over the committed FSDP2 checkpoint and in a fresh directory: nothing changes."""
+    import torch.distributed as dist
+
+    from unickpt._faults import InjectedFault, injected
+    from unickpt.io import parts_save
+
+    rank = dist.get_rank()
+    booster, model = _boost("fsdp2", _net(), _options(endpoint, f"fail-rank-{rank}"))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # a failed save must not leave these bytes anywhere
+    fs = _fs(endpoint)
+    before = {p: fs.cat_file(p) for p in fs.find(f"{bucket}/fsdp2")} if rank == 0 else {}
+    seen: dict[str, Any] = {}
+    old = parts_save.IN_FLIGHT
+    parts_save.IN_FLIGHT = 1  # rounds of 4 parts: the failure comes between rounds
+    try:
+        for stage, fail, where in (
+            ("save.hf_write", 2, "fsdp2"),
+            ("save.hf_create", 0, "fsdp2"),
+            ("save.commit", 0, "fsdp2"),
+            ("save.hf_write", 1, "fresh"),
+        ):
+            raised = None
+            with injected(stage, fail):
+                try:
+                    booster.save_model(
+                        model, f"s3://{bucket}/{where}", shard=True, gather_dtensor=True, size_per_shard=20
+                    )
+                except Exception as e:  # every rank raises
+                    raised = e
+            assert raised is not None, (stage, fail)
+            if rank == fail:
+                assert isinstance(raised, InjectedFault), repr(raised)
+            else:
+                assert f"injected fault at stage '{stage}' on rank {fail}" in str(raised), str(raised)
+            if rank == 0:
+                assert _open_uploads(endpoint, bucket) == [], (stage, fail)
+                fs.invalidate_cache()
+                after = {p: fs.cat_file(p) for p in fs.find(f"{bucket}/fsdp2")}
+                assert after == before, (stage, fail, sorted(set(after) ^ set(before)))
+                assert fs.find(f"{bucket}/fresh") == [], (stage, fail)
+            seen[f"{stage}@{fail}"] = type(raised).__name__
+            dist.barrier()
+    finally:
+        parts_save.IN_FLIGHT = old
+    if rank == 0:  # the previous checkpoint still loads, bit for bit
+        _state_of(_download(endpoint, f"{bucket}/fsdp2", Path(root) / "dl-after-failures"))
+    return seen
+
+
+def _funnel_case(bucket: str, endpoint: dict[str, Any], root: str) -> dict[str, Any]:
+    """The rank-0 funnel (forced): every fault stage it reaches, failing on each rank reaching it."""
+    import torch.distributed as dist
+
+    from unickpt._faults import injected, tracing
+    from unickpt.io import save as save_mod
+
+    rank = dist.get_rank()
+    real = save_mod.supports_shared_parts
+    save_mod.supports_shared_parts = lambda store: False  # type: ignore[assignment]
+    out: dict[str, Any] = {}
+    try:
+        booster, model = _boost("fsdp2", _small(), _options(endpoint, f"funnel-rank-{rank}"))
+        fs = _fs(endpoint)
+        for shard, target in ((True, "funnel"), (False, "funnel1/model.safetensors")):
+            url = f"s3://{bucket}/{target}"
+            booster.save_model(model, url, shard=shard, gather_dtensor=True)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+            prefix = f"{bucket}/{target.split('/')[0]}"
+            before = {p: fs.cat_file(p) for p in fs.find(prefix)} if rank == 0 else {}
+            with tracing() as reached:
+                booster.save_model(model, f"s3://{bucket}/probe-{shard}", shard=shard, gather_dtensor=True)
+            # model.hf_config fails after the commit by design (config.json beside the weights)
+            stages = [sorted(set(s) - {"model.hf_config"}) for s in _all_gather(reached)]
+            tried = []
+            for r, ss in enumerate(stages):
+                for stage in ss:
+                    raised = None
+                    with injected(stage, r):
+                        try:
+                            booster.save_model(model, url, shard=shard, gather_dtensor=True)
+                        except Exception as e:  # every rank raises
+                            raised = e
+                    assert raised is not None and f"'{stage}' on rank {r}" in str(raised), (stage, r, raised)
+                    if rank == 0:
+                        assert _open_uploads(endpoint, bucket) == [], (stage, r)
+                        fs.invalidate_cache()
+                        after = {p: fs.cat_file(p) for p in fs.find(prefix)}
+                        assert after == before, (stage, r, sorted(set(after) ^ set(before)))
+                    tried.append(f"{stage}@{r}")
+                    dist.barrier()
+            out[target] = tried
+    finally:
+        save_mod.supports_shared_parts = real
+    return out
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    got: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(got, obj)
+    return got
+
+
+def parts_world(bucket: str, endpoint: dict[str, Any], root: str) -> Any:
+    from harness import run_cases
+
+    from unickpt.format import storage_parts
+
+    os.makedirs(root, exist_ok=True)
+    storage_parts.PART_SIZE = storage_parts.MIN_PART  # 8 parts of 5 MiB (S3's minimum) per model
+    cases = [
+        ("fsdp2 sharded", lambda: _same_case("fsdp2", True, bucket, endpoint, root)),
+        ("tp single file", lambda: _same_case("tp", False, bucket, endpoint, root)),
+        ("failures", lambda: _failure_case(bucket, endpoint, root)),
+        ("funnel faults", lambda: _funnel_case(bucket, endpoint, root)),
+    ]
+    return run_cases(cases)
+
+
+def test_every_rank_uploads_parts_of_a_gathered_save(world_pool: Any, s3: Any, tmp_path: Path) -> None:
+    endpoint = s3.storage_options()
+    results = world_pool.run(
+        4, "test_storage_parts_dist:parts_world", s3.bucket, endpoint, str(tmp_path), timeout=TIMEOUT_S
+    )
+    cases = results[0]
+    print({name: round(c.seconds, 1) for name, c in cases.items()})
+    failed = {name: c.error for name, c in cases.items() if not c.ok}
+    assert not failed, "\n\n".join(f"{k}:\n{v}" for k, v in failed.items())
+    for kind in ("fsdp2", "tp"):
+        total = cases["fsdp2 sharded" if kind == "fsdp2" else "tp single file"].value["bytes"]
+        # Uploaded body bytes per rank (parts and one-part PUTs; rank 0 also the index).
+        sent = [s3.received("PUT", f"{kind}-rank-{r}") for r in range(4)]
+        assert total <= sum(sent) <= total + 64 * 1024, (kind, sent, total)
+        assert all(0.5 * total / 4 <= n <= 1.5 * total / 4 + 64 * 1024 for n in sent), (kind, sent, total)
+        print(f"{kind}: bytes uploaded per rank {sent} of {total}")
+    assert cases["fsdp2 sharded"].value["files"] == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
+    assert set(cases["failures"].value) == {
+        "save.hf_write@2",
+        "save.hf_create@0",
+        "save.commit@0",
+        "save.hf_write@1",
+    }
+    funnel = cases["funnel faults"].value
+    for target in ("funnel", "funnel1/model.safetensors"):
+        tried = funnel[target]
+        # rank 0 writes every file; the other ranks take part in the gathers
+        assert {"save.list@0", "save.list@1", "save.plan@3", "save.write@0"} <= set(tried), tried
