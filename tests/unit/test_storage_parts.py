@@ -44,6 +44,11 @@ def test_parts_go_to_the_rank_holding_most_bytes_ties_to_the_least_loaded() -> N
     runs = [(b, b + 5, (b // 5) % 2) for b in range(0, 80, 5)]
     owners = [p.owner for p in plan_parts(80, runs, 10, [0, 0])]
     assert owners == [0, 1, 0, 1, 0, 1, 0, 1]
+    # Within its share: rank 1 holds most of every part, but a rank past its cap gets no more.
+    load = [0, 0, 0]
+    parts = plan_parts(60, [(0, 2, 0), (2, 56, 1), (56, 60, 2)], 10, load, cap=25)
+    assert [p.owner for p in parts] == [1, 1, 0, 2, 0, 2]
+    assert load == [20, 20, 20]
     # A single file's first part (its header is written last) is rank 0's whatever it holds.
     assert plan_parts(50, [(0, 4, 0), (4, 50, 1)], 20, [0, 0], first_owner=0)[0].owner == 0
     with pytest.raises(ValueError, match=r"do not cover bytes \[20, 40\)"):

@@ -12,8 +12,9 @@ This module is the arithmetic and the S3 calls, no torch:
 - :func:`part_size_for` picks the part size of a file (``PART_SIZE``, raised when the file
   would need more than ``MAX_PARTS`` parts);
 - :func:`plan_parts` cuts a file into fixed parts and gives each part one **owner**, the rank
-  holding most of its bytes (ties: the rank owning the fewest bytes so far, then the lowest),
-  with the byte runs each rank contributes to it;
+  holding most of its bytes unless that would take it past its share of the save by more than
+  half a part (then the next holder, or the least loaded rank), ties to the least loaded; with
+  the byte runs each rank contributes to it;
 - :class:`SharedUpload` creates, uploads a part of, completes and aborts an upload by id
   (a file of one part is one PUT instead);
 - :func:`supports_shared_parts` says whether a storage offers it: S3 (``s3fs``) does; GCS,
@@ -87,14 +88,17 @@ def plan_parts(
     part_size: int,
     load: list[int],
     *,
+    cap: int | None = None,
     first_owner: int | None = None,
 ) -> list[Part]:
     """The parts of a ``size``-byte file whose bytes are ``runs`` (sorted, tiling ``[0, size)``).
 
-    ``load[r]`` is the number of bytes rank ``r`` owns so far (updated: ties go to the least
-    loaded rank, so that equal shares, e.g. column slices, spread the parts evenly).
-    ``first_owner`` forces the owner of part 1 (the rank that writes the header last).
-    Every rank computes the same parts from the same arguments.
+    ``load[r]`` is the number of bytes rank ``r`` owns so far (updated). A part goes to the
+    holder of most of its bytes whose load stays within ``cap`` (ties: the least loaded, so that
+    equal shares, e.g. column slices, spread evenly); when every holder would exceed ``cap``, to
+    the least loaded rank of all (it receives the whole part). ``first_owner`` forces the owner
+    of part 1 (the rank that writes the header last). Every rank computes the same parts from
+    the same arguments.
     """
     starts = [b for b, _, _ in runs]
     parts: list[Part] = []
@@ -118,7 +122,11 @@ def plan_parts(
         if j == 0 and first_owner is not None:
             owner = first_owner
         else:
-            owner = min(held, key=lambda r: (-held[r], load[r], r))
+            fits = [r for r in held if cap is None or load[r] + b - a <= cap]
+            if fits:
+                owner = min(fits, key=lambda r: (-held[r], load[r], r))
+            else:
+                owner = min(range(len(load)), key=lambda r: (load[r], r))
         load[owner] += b - a
         parts.append(Part(j + 1, a, b, owner, tuple(clipped)))
     return parts

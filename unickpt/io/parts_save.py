@@ -226,20 +226,15 @@ def _plan(
     """Every file's parts (the same on every rank): the header is rank 0's, each range its writer's."""
     load = [0] * world
     out: list[list[Part]] = []
+    total = sum(f.size for f in layout.files)
     for f in layout.files:
+        size = part_size_for(f.size, storage_parts.PART_SIZE)
+        cap = -(-total // world) + size // 2  # each rank uploads about its share
         runs: list[tuple[int, int, int]] = [(0, f.header_len, 0)]
         for name, _, _ in f.specs:
             pos = layout.places[name].pos
             runs.extend((pos + b, pos + e, w) for b, e, w in ranges[name])
-        out.append(
-            plan_parts(
-                f.size,
-                runs,
-                part_size_for(f.size, storage_parts.PART_SIZE),
-                load,
-                first_owner=0 if single else None,
-            )
-        )
+        out.append(plan_parts(f.size, runs, size, load, cap=cap, first_owner=0 if single else None))
     return out
 
 
