@@ -64,13 +64,13 @@ def test_only_s3_shares_uploads(tmp_path: Path) -> None:
 
 
 class Big(torch.nn.Module):
-    """About 13 MiB: three 5-MiB parts, tensors across part boundaries."""
+    """About 7.5 MiB: two parts of 5 MiB (S3's minimum), a tensor across the boundary."""
 
     def __init__(self) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(3)
-        self.a = torch.nn.Linear(1000, 1700)
-        self.b = torch.nn.Linear(1700, 301)
+        self.a = torch.nn.Linear(1000, 1500)
+        self.b = torch.nn.Linear(1500, 301)
         self.c = torch.nn.Linear(301, 3)
         with torch.no_grad():
             for p in self.parameters():
@@ -109,6 +109,49 @@ def test_gathered_save_on_s3_in_parts_is_byte_identical_to_the_local_one(
         a = _without_id((local / n).read_bytes(), sid_local)
         b = _without_id((tmp_path / "dl" / n).read_bytes(), sid_s3)
         assert a == b, n
-    # The files of more than one part went up as multipart uploads (POSTs), none left open.
+    # The file of two parts went up as a multipart upload (its create and complete are POSTs).
     assert s3.requests[("POST", "w")] >= 2
     assert fs.call_s3("list_multipart_uploads", Bucket=s3.bucket).get("Uploads", []) == []
+
+
+@pytest.mark.parametrize(
+    "stage",
+    [
+        pytest.param("save.hf_create", marks=pytest.mark.slow),
+        "save.hf_write",
+        pytest.param("save.commit", marks=pytest.mark.slow),
+    ],
+)
+def test_failed_save_in_parts_aborts_every_upload_and_keeps_the_previous(
+    s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: str
+) -> None:
+    from unickpt._faults import InjectedFault, injected
+
+    monkeypatch.setattr(storage_parts, "PART_SIZE", MIN_PART)
+    io = GeneralCheckpointIO(storage_options=s3.storage_options("w"))
+    url = f"s3://{s3.bucket}/f"
+    io.save_model(Big(), url, shard=True, size_per_shard=10)
+    fs = fsspec.filesystem("s3", **s3.storage_options("check"))
+    fs.invalidate_cache()
+    before = {p: fs.cat_file(p) for p in fs.find(f"{s3.bucket}/f")}
+    changed = Big()
+    with torch.no_grad():
+        changed.a.weight.add_(1)
+    with injected(stage, 0), pytest.raises(InjectedFault, match=f"'{stage}'"):
+        io.save_model(changed, url, shard=True, size_per_shard=10)
+    fs.invalidate_cache()
+    assert {p: fs.cat_file(p) for p in fs.find(f"{s3.bucket}/f")} == before
+    assert fs.call_s3("list_multipart_uploads", Bucket=s3.bucket).get("Uploads", []) == []
+    m = Big()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.zero_()
+    GeneralCheckpointIO().load_model(m, _download(fs, f"{s3.bucket}/f", tmp_path / "dl"), verify=True)
+    assert all(
+        torch.equal(a, b) for a, b in zip(m.state_dict().values(), Big().state_dict().values(), strict=True)
+    )
+
+
+def _download(fs: Any, prefix: str, dest: Path) -> Path:
+    fs.get(prefix + "/", str(dest) + "/", recursive=True)
+    return dest

@@ -29,7 +29,7 @@ import collections
 import contextlib
 import posixpath
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -308,9 +308,9 @@ def _upload_own(
         window = max(1, world * IN_FLIGHT)
         for at in range(0, len(todo), window):
             batch = todo[at : at + window]
-            bodies = _exchange(batch, src, err is not None, group, rank, world)
+            futures: dict[tuple[int, int], Future[str]] = {}
             try:
-                futures = {}
+                bodies = _exchange(batch, src, group, rank, world)
                 for (i, p), body in zip([ip for ip in batch if ip[1].owner == rank], bodies, strict=True):
                     if (i, p.number) == (0, 1) and s.file_path:
                         kept[(0, 1)] = body  # its header is known once every rank has hashed
@@ -319,11 +319,13 @@ def _upload_own(
                     else:
                         futures[(i, p.number)] = pool.submit(uploads[i].upload_part, p.number, body)
                 del bodies
+                wait(futures.values())  # every part of this round ends before the agreement
                 for key, fut in futures.items():
                     etags[key] = fut.result()
                 maybe_fail("save.hf_write")
             except BaseException as e:
                 err = e
+                wait(futures.values())
             _dist.agree(err, where, group)  # every rank has finished this round's uploads
         try:
             for hashed in hashing:
@@ -341,13 +343,14 @@ def _upload_own(
 
 
 def _exchange(
-    batch: Sequence[tuple[int, Part]], src: _Source, failed: bool, group: Any, rank: int, world: int
+    batch: Sequence[tuple[int, Part]], src: _Source, group: Any, rank: int, world: int
 ) -> list[bytearray]:
     """Collective: the bodies of the parts of ``batch`` this rank owns, in order.
 
     Each rank sends every other rank the bytes it holds of that rank's parts (in part order,
-    then file order): one ``all_to_all_single``. A rank that ``failed`` sends zeros of the same
-    sizes, so that the collective still lines up (its peers raise at the round's agreement).
+    then file order): one ``all_to_all_single``. A rank that fails to assemble what it sends
+    sends zeros of the same sizes, so that the collective still lines up, then raises (its
+    peers raise at the round's agreement).
     """
     send_sizes = [0] * world
     recv_sizes = [0] * world
@@ -357,8 +360,9 @@ def _exchange(
                 send_sizes[p.owner] += b - a
             if p.owner == rank and r != rank:
                 recv_sizes[r] += b - a
-    send = torch.zeros(sum(send_sizes), dtype=torch.uint8)
-    if not failed and send.numel():
+    send = torch.empty(sum(send_sizes), dtype=torch.uint8)
+    failed: BaseException | None = None
+    try:
         buf = send.numpy()
         at = 0
         for dest in range(world):
@@ -370,12 +374,17 @@ def _exchange(
                         for mv in src.read(i, a, b):
                             buf[at : at + mv.nbytes] = np.frombuffer(mv, dtype=np.uint8)
                             at += mv.nbytes
+    except BaseException as e:
+        failed = e
+        send.zero_()
     recv = torch.empty(sum(recv_sizes), dtype=torch.uint8)
     if _dist.is_distributed(group):
         import torch.distributed as dist
 
         with _dist._peer_failures("all_to_all_single"):
             dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
+    if failed is not None:
+        raise failed
     got = recv.numpy()
     offsets = [sum(recv_sizes[:r]) for r in range(world)]
     bodies: list[bytearray] = []
@@ -383,15 +392,14 @@ def _exchange(
         if p.owner != rank:
             continue
         body = bytearray(p.end - p.start)
-        if not failed:
-            for a, b, r in p.runs:
-                if r == rank:
-                    at = a - p.start
-                    for mv in src.read(i, a, b):
-                        body[at : at + mv.nbytes] = mv
-                        at += mv.nbytes
-                else:
-                    body[a - p.start : b - p.start] = got[offsets[r] : offsets[r] + b - a].data
-                    offsets[r] += b - a
+        for a, b, r in p.runs:
+            if r == rank:
+                at = a - p.start
+                for mv in src.read(i, a, b):
+                    body[at : at + mv.nbytes] = mv
+                    at += mv.nbytes
+            else:
+                body[a - p.start : b - p.start] = got[offsets[r] : offsets[r] + b - a].data
+                offsets[r] += b - a
         bodies.append(body)
     return bodies
