@@ -155,3 +155,20 @@ def test_failed_save_in_parts_aborts_every_upload_and_keeps_the_previous(
 def _download(fs: Any, prefix: str, dest: Path) -> Path:
     fs.get(prefix + "/", str(dest) + "/", recursive=True)
     return dest
+
+
+@pytest.mark.parametrize("stage", ["save.hf_write", pytest.param("save.commit", marks=pytest.mark.slow)])
+def test_failed_single_file_save_keeps_the_old_file(s3: Any, stage: str) -> None:
+    """A single file of one part is put at the commit: a failure before it leaves the old file."""
+    from unickpt._faults import InjectedFault, injected
+
+    io = GeneralCheckpointIO(storage_options=s3.storage_options("w"))
+    url = f"s3://{s3.bucket}/one/model.safetensors"
+    io.save_model(torch.nn.Linear(5, 3), url)
+    fs = fsspec.filesystem("s3", **s3.storage_options("check"))
+    old = fs.cat_file(f"{s3.bucket}/one/model.safetensors")
+    with injected(stage, 0), pytest.raises(InjectedFault):
+        io.save_model(torch.nn.Linear(5, 3), url)
+    fs.invalidate_cache()
+    assert fs.find(f"{s3.bucket}/one") == [f"{s3.bucket}/one/model.safetensors"]
+    assert fs.cat_file(f"{s3.bucket}/one/model.safetensors") == old

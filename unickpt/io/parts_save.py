@@ -157,8 +157,9 @@ def save_gathered_parts(
     except BaseException:
         if rank == 0:  # every rank has stopped uploading: nothing of this save appears
             _abort(uploads)
-            with contextlib.suppress(Exception):
-                store.remove([u.path for u, ps in zip(uploads, parts, strict=True) if len(ps) == 1])
+            if not single:  # a single file's one part is put at the commit (its path may be the old file's)
+                with contextlib.suppress(Exception):
+                    store.remove([u.path for u, ps in zip(uploads, parts, strict=True) if len(ps) == 1])
         raise
 
     # 4. rank 0: the block, the completions, the commit.
@@ -200,8 +201,9 @@ def save_gathered_parts(
         except BaseException as e:
             err = e
             _abort(uploads[len(completed) :])
-            with contextlib.suppress(Exception):  # the completed files and the single PUTs
-                store.remove([u.path for u in uploads if u.upload_id is None or u.path in completed])
+            if not single:  # the completed files and the one-part PUTs (a single file: nothing appeared)
+                with contextlib.suppress(Exception):
+                    store.remove([u.path for u in uploads if u.upload_id is None or u.path in completed])
     if single:
         if rank == 0 and err is None:
             try:
