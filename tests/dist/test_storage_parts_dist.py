@@ -28,10 +28,13 @@ pytestmark = pytest.mark.timeout(TIMEOUT_S + 60)
 MiB = 1 << 20
 
 
-def _net() -> torch.nn.Module:
-    """About 36 MiB of fp32 in three layers (odd sizes: uneven slices): 8 parts of 5 MiB."""
+def _net(quick: bool = False) -> torch.nn.Module:
+    """About 36 MiB of fp32 in three layers (odd sizes: uneven slices): 8 parts of 5 MiB.
+    ``quick``: about 7.3 MiB, two parts whose owners receive bytes of every other rank."""
     g = torch.Generator().manual_seed(5)
     net = torch.nn.Sequential(
+        torch.nn.Linear(1000, 1500), torch.nn.Linear(1500, 281), torch.nn.Linear(281, 3)
+    ) if quick else torch.nn.Sequential(
         torch.nn.Linear(1280, 2048), torch.nn.Linear(2048, 2048), torch.nn.Linear(2048, 1283)
     )
     with torch.no_grad():
@@ -103,13 +106,15 @@ def _bits(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def _same_case(kind: str, shard: bool, bucket: str, endpoint: dict[str, Any], root: str) -> dict[str, Any]:
+def _same_case(
+    kind: str, shard: bool, bucket: str, endpoint: dict[str, Any], root: str, quick: bool = False
+) -> dict[str, Any]:
     """Save the same model gathered locally and to S3; compare on rank 0."""
     import torch.distributed as dist
     from conftest import full_model_state
 
     rank = dist.get_rank()
-    booster, model = _boost(kind, _net(), _options(endpoint, f"{kind}-rank-{rank}"))
+    booster, model = _boost(kind.split("-")[0], _net(quick), _options(endpoint, f"{kind}-rank-{rank}"))
     full = full_model_state(model)
     local = Path(root) / f"local-{kind}"
     target = "" if shard else "/model.safetensors"
@@ -137,7 +142,7 @@ def _same_case(kind: str, shard: bool, bucket: str, endpoint: dict[str, Any], ro
     # unickpt's load on every rank (a plain module: replicated), every hash checked
     from unickpt.io import GeneralCheckpointIO
 
-    fresh = _net()
+    fresh = _net(quick)
     with torch.no_grad():
         for p in fresh.parameters():
             p.zero_()
@@ -148,30 +153,37 @@ def _same_case(kind: str, shard: bool, bucket: str, endpoint: dict[str, Any], ro
     return out
 
 
-def _failure_case(bucket: str, endpoint: dict[str, Any], root: str) -> dict[str, Any]:
-    """Failures over the committed FSDP2 checkpoint and in a fresh directory: nothing changes."""
+def _failure_case(
+    bucket: str, endpoint: dict[str, Any], root: str, quick: bool = False
+) -> dict[str, Any]:
+    """Failures over the committed FSDP2 checkpoint and in a fresh directory: nothing changes.
+    ``quick``: over the quick FSDP2 checkpoint, one failure on rank 1 between the exchange and
+    the agreement."""
     import torch.distributed as dist
 
     from unickpt._faults import InjectedFault, injected
     from unickpt.io import parts_save
 
     rank = dist.get_rank()
-    booster, model = _boost("fsdp2", _net(), _options(endpoint, f"fail-rank-{rank}"))
+    booster, model = _boost("fsdp2", _net(quick), _options(endpoint, f"fail-rank-{rank}"))
+    committed = "fsdp2-quick" if quick else "fsdp2"
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)  # a failed save must not leave these bytes anywhere
     fs = _fs(endpoint)
-    before = {p: fs.cat_file(p) for p in fs.find(f"{bucket}/fsdp2")} if rank == 0 else {}
+    before = {p: fs.cat_file(p) for p in fs.find(f"{bucket}/{committed}")} if rank == 0 else {}
     seen: dict[str, Any] = {}
     old = parts_save.IN_FLIGHT
     parts_save.IN_FLIGHT = 1  # rounds of 4 parts: the failure comes between rounds
     try:
-        for stage, fail, where in (
+        stages = [
             ("save.hf_write", 2, "fsdp2"),
             ("save.hf_create", 0, "fsdp2"),
             ("save.commit", 0, "fsdp2"),
             ("save.hf_write", 1, "fresh"),
-        ):
+        ]
+        for stage, fail, where in [("save.hf_write", 1, "fsdp2")] if quick else stages:
+            where = committed if where == "fsdp2" else where
             raised = None
             with injected(stage, fail):
                 try:
@@ -188,7 +200,7 @@ def _failure_case(bucket: str, endpoint: dict[str, Any], root: str) -> dict[str,
             if rank == 0:
                 assert _open_uploads(endpoint, bucket) == [], (stage, fail)
                 fs.invalidate_cache()
-                after = {p: fs.cat_file(p) for p in fs.find(f"{bucket}/fsdp2")}
+                after = {p: fs.cat_file(p) for p in fs.find(f"{bucket}/{committed}")}
                 assert after == before, (stage, fail, sorted(set(after) ^ set(before)))
                 assert fs.find(f"{bucket}/fresh") == [], (stage, fail)
             seen[f"{stage}@{fail}"] = type(raised).__name__
@@ -196,7 +208,7 @@ def _failure_case(bucket: str, endpoint: dict[str, Any], root: str) -> dict[str,
     finally:
         parts_save.IN_FLIGHT = old
     if rank == 0:  # the previous checkpoint still loads, bit for bit
-        _state_of(_download(endpoint, f"{bucket}/fsdp2", Path(root) / "dl-after-failures"))
+        _state_of(_download(endpoint, f"{bucket}/{committed}", Path(root) / "dl-after-failures"))
     return seen
 
 
@@ -272,6 +284,11 @@ def parts_world(bucket: str, endpoint: dict[str, Any], root: str, which: str) ->
     ]
     if which == "funnel":
         cases = [("funnel faults", lambda: _funnel_case(bucket, endpoint, root))]
+    if which == "quick":
+        cases = [
+            ("fsdp2 quick", lambda: _same_case("fsdp2-quick", True, bucket, endpoint, root, quick=True)),
+            ("failure quick", lambda: _failure_case(bucket, endpoint, root, quick=True)),
+        ]
     try:
         return run_cases(cases)
     finally:
@@ -288,6 +305,17 @@ def _run(world_pool: Any, s3: Any, tmp_path: Path, which: str) -> dict[str, Any]
     failed = {name: c.error for name, c in cases.items() if not c.ok}
     assert not failed, "\n\n".join(f"{k}:\n{v}" for k, v in failed.items())
     return cases
+
+
+def test_four_ranks_upload_parts_of_one_file(world_pool: Any, s3: Any, tmp_path: Path) -> None:
+    """The quick cases (make test): a 7.3 MiB FSDP2 model, two parts of one file."""
+    cases = _run(world_pool, s3, tmp_path, "quick")
+    sent = [s3.received("PUT", f"fsdp2-quick-rank-{r}") for r in range(4)]
+    assert sum(1 for n in sent if n >= 5 * MiB) == 1 and sum(1 for n in sent if n > 0) == 2, sent
+    # one file of two parts: part 1 to rank 0 (no holder can take 5 MiB within its share), part 2
+    # to a holder of its bytes; the index PUT is rank 0's
+    assert cases["fsdp2 quick"].value["files"] == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+    assert set(cases["failure quick"].value) == {"save.hf_write@1"}
 
 
 @pytest.mark.slow  # 45 to 90 s on the shared 2 cores (36 MiB models, moto); test_storage_parts.py runs in make test
