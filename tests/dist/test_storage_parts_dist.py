@@ -10,6 +10,9 @@ multipart uploads (io/parts_save.py), in one 4-rank world running several cases:
   previous checkpoint loads unchanged;
 - the rank-0 funnel (stores without shared uploads; forced here on S3): each fault stage it
   reaches fails on each rank that reaches it, with the same guarantees.
+
+``make test`` runs the quick cases (a 7.3 MiB model: one file of two parts, one failure); the
+36 MiB cases and the funnel's stages are ``slow``.
 """
 
 from __future__ import annotations
