@@ -238,6 +238,17 @@ def write(self, key, data):
         die()
     return real_write(self, key, data)
 st.FsspecStorage.put, st.FsspecStorage.remove, sio.SafetensorsWriter.write = put, remove, write
+# A gathered save on S3 uploads parts (format/storage_parts.py): one PUT per one-part file.
+from unickpt.format import storage_parts as sp
+real_part_put = sp.SharedUpload.put
+parts = {{"n": 0}}
+def part_put(self, body):
+    parts["n"] += 1
+    # sharded: the first file is up, the second is not; a single file: its only PUT
+    if point == "mid-upload" and parts["n"] == (2 if {shard!r} else 1):
+        die()
+    return real_part_put(self, body)
+sp.SharedUpload.put = part_put
 GeneralCheckpointIO().save_model(Net(2), {url!r}, shard={shard!r}, size_per_shard=0.002)
 print("not killed")
 """

@@ -24,7 +24,8 @@ instead (``format/commit_store.py``, docs/format.md section 6.1): no staging; ra
 directory's lock object (``format/store_lock.py``: a second writer gets ``CheckpointBusyError``),
 finds whether a checkpoint is committed there (then every file gets a save-id name), each writer
 streams its files as multipart uploads, and rank 0's commit is the index's PUT. A gathered save
-on a URL is written by rank 0 (``io/funnel_save.py``): a store has no ``pwrite``.
+on S3 has every rank upload parts of the same multipart uploads (``io/parts_save.py``); on
+other stores (no ``pwrite``, no shared uploads) rank 0 writes it (``io/funnel_save.py``).
 """
 
 from __future__ import annotations
@@ -46,13 +47,15 @@ from unickpt.format.commit import directory_lock, discard, new_save_id
 from unickpt.format.commit_store import committed_on_store, store_file_name
 from unickpt.format.index import LayoutInfo, index_to_json
 from unickpt.format.naming import single_name
-from unickpt.format.storage import Storage, is_url, open_storage
+from unickpt.format.storage import FsspecStorage, Storage, is_url, open_storage
+from unickpt.format.storage_parts import supports_shared_parts
 from unickpt.format.store_lock import store_lock
 from unickpt.format.writer import build_index
 from unickpt.io._commit import commit_collective
 from unickpt.io.funnel_save import feed_funnel, write_funnelled, write_funnelled_single
 from unickpt.io.hf_rows import RowMoves
 from unickpt.io.hf_save import GatheredSave, StagedHF, save_gathered, stage_gathered
+from unickpt.io.parts_save import save_gathered_parts
 from unickpt.io.planner import SavePlan, SliceMeta, plan_save
 from unickpt.io.replicas import check_gathered_metas
 from unickpt.io.save_block import Results as _Results
@@ -130,9 +133,10 @@ def save_tensors(
     except BaseException as e:
         err = e
     _dist.agree(err, "listing tensors to save", group)
-    # A gathered save on a store is written whole by rank 0 (io/funnel_save.py); in a local
-    # directory every rank writes its own bytes in place (io/hf_save.py).
-    funnel = opts.gather and store is not None
+    # A gathered save on a store without shared multipart uploads is written whole by rank 0
+    # (io/funnel_save.py); on S3 every rank uploads parts of the files (io/parts_save.py); in a
+    # local directory every rank writes its own bytes in place (io/hf_save.py).
+    funnel = opts.gather and store is not None and not supports_shared_parts(store)
     all_metas: list[list[SliceMeta]] = []
     if funnel:
         # Each tensor is written whole by rank 0; metas only say which tensors exist.
@@ -221,7 +225,7 @@ def save_tensors(
             else:  # one writer per directory on a store too (format/store_lock.py)
                 lock.enter_context(store_lock(store, directory, save_id))
                 over = not single_file and committed_on_store(store, directory, opts.kind)
-        if gs is not None:  # the files' layout; rank 0 creates them (one agreement for both)
+        if gs is not None and store is None:  # the files' layout; rank 0 creates them (one agreement)
             staged_hf = stage_gathered(gs, rank)
     except BaseException as e:
         err = e
@@ -232,12 +236,16 @@ def save_tensors(
             if staged_hf is not None:
                 discard(staged_hf.own.values())
             raise
-        if store is not None and not single_file and _dist.broadcast_object(over, 0, group):
+        over = store is not None and not single_file and _dist.broadcast_object(over, 0, group)
+        if over:
             for pf in plan.files:  # never overwrite the committed checkpoint's files
                 pf.name = store_file_name(pf.name, save_id)
 
-        if gs is not None and staged_hf is not None:
-            save_gathered(gs, staged_hf, group, rank)
+        if gs is not None:
+            if isinstance(store, FsspecStorage):  # S3: every rank uploads its parts
+                save_gathered_parts(gs, store, over, group, rank, world)
+            elif staged_hf is not None:
+                save_gathered(gs, staged_hf, group, rank)
             return _finish(lock, group, path, store, file_path if single_file else directory)
         # 4. write.
         results: _Results = {}
