@@ -148,7 +148,7 @@ class TensorMerger:
         return not self._any_sparse
 
     def _write_one(
-        self, item: tuple[str, TensorEntry, int], out: _Out
+        self, item: tuple[str, TensorEntry, int], out: _Out | StoreFile
     ) -> dict[str, tuple[str | None, str | None]]:
         results: dict[str, tuple[str | None, str | None]] = {}
         for name, t, pos in [item]:

@@ -62,6 +62,10 @@ class StoreFile:
         self.f.write(data)
         self.pos += data.nbytes
 
+    def write_pieces(self, data: memoryview, pos: int) -> None:
+        """A large buffer: the upload streams it in parts already."""
+        self.write(data, pos)
+
     def wrote(self, end: int) -> None:
         """Local files hint writeback here; an upload needs no hint."""
 
