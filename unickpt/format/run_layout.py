@@ -10,6 +10,10 @@ so each rank also writes ``train_state/rank-<r>.hashes.json``: the xxh3-64 of ev
 it wrote (path relative to the step directory). Steps saved before these files existed have
 none; their train state is checked for structure only.
 
+A run or step may live at a URL (``s3://...``): the readers below take an optional
+:class:`~unickpt.format.run_files.RunFiles` (one listing of the location, shared by the calls of
+one command) and work the same there; without one, a local path is read with ``os`` calls.
+
 This is the one definition of the layout's names and records: the manager (``_stepdirs.py``,
 ``unickpt/manager/``), ``convert --to run`` (``tools/run_layout.py``) and
 the command line (``unickpt inspect``/``verify`` on a run or a step) use the functions here.
@@ -20,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import posixpath
 import re
 import uuid
 from typing import Any
@@ -27,6 +32,8 @@ from typing import Any
 from unickpt.errors import CheckpointFormatError, ConfigError
 from unickpt.format.commit_store import write_small_file
 from unickpt.format.hashing import slice_hash
+from unickpt.format.run_files import RunFiles
+from unickpt.format.storage import is_url, open_storage
 
 __all__ = [
     "COMMIT_NAME",
@@ -109,103 +116,138 @@ def latest_record(step: int) -> bytes:
     return json.dumps({"step": step}).encode()
 
 
-def read_latest(run_dir: str | os.PathLike[str]) -> int | None:
+def _view(path: str, files: RunFiles | None) -> RunFiles:
+    return files if files is not None else RunFiles(path)
+
+
+def _where(path: str | os.PathLike[str], files: RunFiles | None) -> str:
+    """``path`` as the run commands name it: absolute on local disk, the URL itself otherwise."""
+    p = os.fspath(path)
+    if (files is not None and files.is_url) or is_url(p):
+        return p.rstrip("/")
+    return os.path.abspath(p.removeprefix("file://"))
+
+
+def read_latest(run_dir: str | os.PathLike[str], files: RunFiles | None = None) -> int | None:
     """The step recorded in ``latest``, or ``None``."""
+    d = _where(run_dir, files)
+    view = _view(d, files)
     try:
-        with open(os.path.join(os.fspath(run_dir), LATEST_NAME), "rb") as f:
-            obj = json.loads(f.read())
+        obj = json.loads(view.read_bytes(view.join(d, LATEST_NAME), limit=1 << 20))
         return int(obj["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def step_of(path: str | os.PathLike[str]) -> int | None:
+def step_of(path: str | os.PathLike[str], files: RunFiles | None = None) -> int | None:
     """``N`` when ``path`` is a directory named ``step-<N>``, else ``None``."""
-    m = _STEP_RE.match(os.path.basename(os.path.normpath(os.fspath(path))))
-    return int(m.group(1)) if m and os.path.isdir(path) else None
+    p = _where(path, files)
+    name = posixpath.basename(p) if is_url(p) else os.path.basename(os.path.normpath(p))
+    m = _STEP_RE.match(name)
+    if not m:
+        return None
+    return int(m.group(1)) if _view(p, files).is_dir(p) else None
 
 
-def committed_steps(run_dir: str | os.PathLike[str]) -> list[int]:
+def committed_steps(run_dir: str | os.PathLike[str], files: RunFiles | None = None) -> list[int]:
     """Committed steps of a run directory, ascending (a ``step-<N>`` with a ``COMMIT`` file)."""
-    d = os.fspath(run_dir)
-    try:
-        names = os.listdir(d)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
+    d = _where(run_dir, files)
+    view = _view(d, files)
     out = []
-    for n in names:
+    for n in view.listdir(d):
         m = _STEP_RE.match(n)
-        if m and os.path.isfile(os.path.join(d, n, COMMIT_NAME)):
+        if m and view.is_file(view.join(d, n, COMMIT_NAME)):
             out.append(int(m.group(1)))
     return sorted(out)
 
 
-def latest_step(run_dir: str | os.PathLike[str]) -> int | None:
+def latest_step(run_dir: str | os.PathLike[str], files: RunFiles | None = None) -> int | None:
     """The step ``CheckpointManager.load`` resumes from: ``latest`` if it names a committed step, else the highest."""
-    steps = committed_steps(run_dir)
+    d = _where(run_dir, files)
+    view = _view(d, files)
+    steps = committed_steps(d, view)
     if not steps:
         return None
-    rec = read_latest(run_dir)
+    rec = read_latest(d, view)
     return rec if rec in steps else steps[-1]
 
 
-def read_commit(step_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+def read_commit(step_dir: str | os.PathLike[str], files: RunFiles | None = None) -> dict[str, Any] | None:
     """The ``COMMIT`` record of a step (``{}`` if unreadable), ``None`` if there is no marker."""
-    path = os.path.join(os.fspath(step_dir), COMMIT_NAME)
-    if not os.path.isfile(path):
+    d = _where(step_dir, files)
+    view = _view(d, files)
+    path = view.join(d, COMMIT_NAME)
+    if not view.is_file(path):
         return None
     try:
-        with open(path, "rb") as f:
-            obj = json.loads(f.read())
+        obj = json.loads(view.read_bytes(path, limit=1 << 20))
     except (OSError, ValueError):
         return {}
     return obj if isinstance(obj, dict) else {}
 
 
+#: Indexes whose presence makes a URL a checkpoint, never a run (checked before any listing).
+_CHECKPOINT_INDEXES = ("model.safetensors.index.json", "optimizer.safetensors.index.json")
+
+
 def looks_like_run(path: str | os.PathLike[str]) -> bool:
-    """A directory the manager wrote: a ``step-<N>`` directory, or one holding ``step-<N>``/``latest``."""
+    """A directory the manager wrote: a ``step-<N>`` directory, or one holding ``step-<N>``/``latest``.
+
+    At a URL, a location holding a checkpoint's index is recognised by a metadata request for it,
+    before anything is listed (``inspect`` on a checkpoint URL reads only its index).
+    """
     p = os.fspath(path)
-    if not os.path.isdir(p):
-        return False
-    try:
-        names = os.listdir(p)
-    except OSError:
+    if is_url(p):
+        p = p.rstrip("/")
+        storage, _ = open_storage(p)
+        if any(storage.exists(posixpath.join(p, n)) for n in _CHECKPOINT_INDEXES):
+            return False
+        names = storage.listdir(p)  # one level (a delimited listing), never the whole run
+        if not names:
+            return False  # nothing there (an object store has no empty directories)
+    elif os.path.isdir(p):
+        try:
+            names = os.listdir(p)
+        except OSError:
+            return False
+    else:
         return False
     if any(
         n.endswith(".safetensors.index.json") or n in ("model.safetensors", "optimizer.safetensors")
         for n in names
     ):
         return False  # a checkpoint directory (which may be named step-<N> by its user)
-    if step_of(p) is not None:
+    if _STEP_RE.match(posixpath.basename(p) if is_url(p) else os.path.basename(os.path.normpath(p))):
         return True
     return LATEST_NAME in names or any(_STEP_RE.match(n) for n in names)
 
 
-def step_layout(step_dir: str | os.PathLike[str]) -> StepLayout:
+def step_layout(step_dir: str | os.PathLike[str], files: RunFiles | None = None) -> StepLayout:
     """The parts of a step directory (raises ``ConfigError``, a ``ValueError``, if it is not a committed step)."""
-    d = os.path.abspath(os.fspath(step_dir))
-    step = step_of(d)
-    commit = read_commit(d)
+    d = _where(step_dir, files)
+    view = _view(d, files)
+    step = step_of(d, view)
+    commit = read_commit(d, view)
     if step is None or commit is None:
         raise ConfigError(f"{d} is not a committed step directory (step-<N> with a {COMMIT_NAME} file)")
 
     def opt(name: str, isdir: bool) -> str | None:
-        p = os.path.join(d, name)
-        return p if (os.path.isdir(p) if isdir else os.path.isfile(p)) else None
+        p = view.join(d, name)
+        return p if (view.is_dir(p) if isdir else view.is_file(p)) else None
 
     train: dict[int, list[str]] = {}
     hashes: dict[int, str] = {}
-    ts = os.path.join(d, TRAIN_STATE_DIR)
-    if os.path.isdir(ts):
-        for n in sorted(os.listdir(ts)):
+    ts = view.join(d, TRAIN_STATE_DIR)
+    if view.is_dir(ts):
+        for n in view.listdir(ts):
             if n.endswith(HASHES_SUFFIX) and n.startswith("rank-"):
                 r = n[len("rank-") : -len(HASHES_SUFFIX)]
                 if r.isdigit():
-                    hashes[int(r)] = os.path.join(ts, n)
+                    hashes[int(r)] = view.join(ts, n)
                 continue
             m = _RANK_RE.match(n)
             if m:
-                train.setdefault(int(m.group(1)), []).append(os.path.join(ts, n))
+                train.setdefault(int(m.group(1)), []).append(view.join(ts, n))
     return StepLayout(
         path=d,
         step=step,
@@ -237,10 +279,9 @@ def write_hashes(
     )
 
 
-def read_hashes(path: str) -> dict[str, str]:
+def read_hashes(path: str, files: RunFiles | None = None) -> dict[str, str]:
     """``{relative path: xxh3-64}`` from a hashes file; ``ValueError`` (``CheckpointFormatError``) if it is malformed."""
-    with open(path, "rb") as f:
-        obj = json.loads(f.read())
+    obj = json.loads(_view(path, files).read_bytes(path, limit=64 << 20))
     if not isinstance(obj, dict) or obj.get("unickpt_hashes") != _HASHES_VERSION:
         raise CheckpointFormatError("not a unickpt hashes file")
     table = obj.get("xxh3")

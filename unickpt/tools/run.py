@@ -6,13 +6,16 @@ part: the model, optimizer and ``hf/`` checkpoints slice by slice, and the train
 ``lr_scheduler.json`` against the hashes each rank recorded (``train_state/rank-<r>.hashes.json``;
 steps saved before those existed are checked for structure only, with a note). ``verify RUN``
 checks the latest step, ``all_steps=True`` every committed step.
+
+Runs and steps at a URL (``s3://...``) are read through ``format/run_files.py``: one listing of
+the location gives the steps, their sizes and commit times; ``inspect`` then fetches only
+indexes and small records, ``verify`` streams every part as on local disk.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import json
 import os
 from typing import Any
@@ -20,7 +23,7 @@ from typing import Any
 from unickpt.errors import IncompleteCheckpointError, UnickptError
 from unickpt.format import run_layout as rl
 from unickpt.format.hashing import slice_hash
-from unickpt.format.safetensors_io import read_header
+from unickpt.format.run_files import RunFiles
 from unickpt.tools._common import human_bytes
 from unickpt.tools.inspect import inspect_checkpoint
 from unickpt.tools.verify import verify_checkpoint
@@ -42,92 +45,80 @@ def _no_steps(path: str) -> IncompleteCheckpointError:
     )
 
 
-def _dir_size(path: str) -> int:
-    total = 0
-    for dirpath, _dirs, files in os.walk(path):
-        for f in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(dirpath, f)).st_size
-    return total
-
-
-def _commit_time(step_dir: str) -> str:
-    ts = os.stat(os.path.join(step_dir, rl.COMMIT_NAME)).st_mtime
-    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-def _steps_of(path: str, all_steps: bool) -> list[str]:
+def _steps_of(files: RunFiles, all_steps: bool) -> list[str]:
     """The step directories a run-level command works on (a step directory: itself)."""
-    if rl.step_of(path) is not None:
-        if rl.read_commit(path) is None:
-            raise _no_commit(os.path.abspath(path))
+    path = files.root
+    if rl.step_of(path, files) is not None:
+        if rl.read_commit(path, files) is None:
+            raise _no_commit(path)
         return [path]
-    steps = rl.committed_steps(path)
+    steps = rl.committed_steps(path, files)
     if not steps:
-        raise _no_steps(os.path.abspath(path))
+        raise _no_steps(path)
     if not all_steps:
-        latest = rl.latest_step(path)
+        latest = rl.latest_step(path, files)
         steps = [latest if latest is not None else steps[-1]]
-    return [os.path.join(path, f"step-{s}") for s in steps]
+    return [files.join(path, f"step-{s}") for s in steps]
 
 
 # ---------------------------------------------------------------------- inspect
 def inspect_run(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Plain data: the committed steps of a run directory, or the summary of one step directory."""
-    p = os.fspath(path)
-    if rl.step_of(p) is not None:
-        if rl.read_commit(p) is None:
-            raise _no_commit(os.path.abspath(p))
-        return _step_summary(p)
-    steps = rl.committed_steps(p)
+    """Plain data: the committed steps of a run directory, or the summary of one step directory
+    (a local path or a URL; at a URL, sizes and times come from one listing)."""
+    files = RunFiles(path)
+    p = files.root
+    if rl.step_of(p, files) is not None:
+        if rl.read_commit(p, files) is None:
+            raise _no_commit(p)
+        return _step_summary(p, files)
+    steps = rl.committed_steps(p, files)
     if not steps:
-        raise _no_steps(os.path.abspath(p))
+        raise _no_steps(p)
     rows = []
     for s in steps:
-        d = os.path.join(p, f"step-{s}")
-        commit = rl.read_commit(d) or {}
+        d = files.join(p, f"step-{s}")
+        commit = rl.read_commit(d, files) or {}
         mesh: dict[str, Any] = {}
         with contextlib.suppress(UnickptError, OSError):
-            mesh = dict(inspect_checkpoint(os.path.join(d, "model"), "model")["layout"].get("mesh", {}))
+            mesh = dict(inspect_checkpoint(files.join(d, "model"), "model")["layout"].get("mesh", {}))
         rows.append(
             {
                 "step": s,
-                "time": _commit_time(d),
+                "time": files.mtime_text(files.join(d, rl.COMMIT_NAME)),
                 "plugin": commit.get("plugin"),
                 "world_size": commit.get("world_size"),
                 "mesh": mesh,
-                "bytes": _dir_size(d),
+                "bytes": files.tree_size(d),
             }
         )
     uncommitted = sorted(
         n
-        for n in os.listdir(p)
+        for n in files.listdir(p)
         if (n.startswith("step-") or n.startswith(".step-")) and n not in {f"step-{s}" for s in steps}
     )
     return {
         "type": "run",
-        "path": os.path.abspath(p),
-        "latest": rl.latest_step(p),
+        "path": p,
+        "latest": rl.latest_step(p, files),
         "steps": rows,
         "uncommitted": uncommitted,
     }
 
 
-def _read_json(path: str) -> Any:
-    with open(path, "rb") as f:
-        return json.loads(f.read())
+def _read_json(files: RunFiles, path: str) -> Any:
+    return json.loads(files.read_bytes(path))
 
 
-def _step_summary(step_dir: str) -> dict[str, Any]:
-    lay = rl.step_layout(step_dir)
+def _step_summary(step_dir: str, files: RunFiles) -> dict[str, Any]:
+    lay = rl.step_layout(step_dir, files)
     out: dict[str, Any] = {
         "type": "step",
         "path": lay.path,
         "step": lay.step,
-        "time": _commit_time(lay.path),
+        "time": files.mtime_text(files.join(lay.path, rl.COMMIT_NAME)),
         "plugin": lay.commit.get("plugin"),
         "world_size": lay.commit.get("world_size"),
-        "bytes": _dir_size(lay.path),
+        "bytes": files.tree_size(lay.path),
     }
     for part, sub, kind in (
         ("model", lay.model, "model"),
@@ -163,7 +154,7 @@ def _step_summary(step_dir: str) -> dict[str, Any]:
     out["lr_scheduler"] = None
     if lay.scheduler is not None:
         try:
-            obj = _read_json(lay.scheduler)
+            obj = _read_json(files, lay.scheduler)
             state = obj.get("state", {}) if isinstance(obj, dict) else {}
             out["lr_scheduler"] = {
                 k: state[k] for k in ("last_epoch", "_step_count", "_last_lr", "base_lrs") if k in state
@@ -176,7 +167,7 @@ def _step_summary(step_dir: str) -> dict[str, Any]:
         first = next((f for f in lay.train_state[ranks[0]] if f.endswith(".json")), None)
         if first is not None:
             try:
-                js = _read_json(first)
+                js = _read_json(files, first)
                 ts["step"] = js.get("step")
                 ts["world_size"] = js.get("world_size")
                 ts["dataloader"] = "dataloader" in js
@@ -275,14 +266,15 @@ def verify_run(
     missing or unreadable, has failures. ``require_hashes`` also fails data without hashes.
     Raises ``IncompleteCheckpointError`` when there is no committed step.
     """
+    files = RunFiles(path)
     out: list[PartResult] = []
-    for d in _steps_of(os.fspath(path), all_steps):
-        out.extend(_verify_step(d, require_hashes))
+    for d in _steps_of(files, all_steps):
+        out.extend(_verify_step(d, require_hashes, files))
     return out
 
 
-def _verify_step(step_dir: str, require_hashes: bool) -> list[PartResult]:
-    lay = rl.step_layout(step_dir)
+def _verify_step(step_dir: str, require_hashes: bool, files: RunFiles) -> list[PartResult]:
+    lay = rl.step_layout(step_dir, files)
     results = []
     for part, sub, kind in (
         ("model", lay.model, "model"),
@@ -292,7 +284,7 @@ def _verify_step(step_dir: str, require_hashes: bool) -> list[PartResult]:
         if sub is None:
             if part == "model":
                 results.append(
-                    PartResult(lay.step, part, "-", [f"{os.path.join(lay.path, 'model')} is missing"])
+                    PartResult(lay.step, part, "-", [f"{files.join(lay.path, 'model')} is missing"])
                 )
             continue
         res = PartResult(lay.step, part, "")
@@ -308,9 +300,9 @@ def _verify_step(step_dir: str, require_hashes: bool) -> list[PartResult]:
         except (UnickptError, OSError) as e:
             res.failures.append(f"{sub}: {e}")
         results.append(res)
-    ts = _verify_train_state(lay, require_hashes)
+    ts = _verify_train_state(lay, require_hashes, files)
     if not lay.commit:
-        ts.failures.append(f"{os.path.join(lay.path, rl.COMMIT_NAME)}: unreadable (not a JSON object)")
+        ts.failures.append(f"{files.join(lay.path, rl.COMMIT_NAME)}: unreadable (not a JSON object)")
     results.append(ts)
     return results
 
@@ -325,7 +317,7 @@ def _safe_rel(rel: str) -> bool:
     )
 
 
-def _verify_train_state(lay: rl.StepLayout, require_hashes: bool) -> PartResult:
+def _verify_train_state(lay: rl.StepLayout, require_hashes: bool, files: RunFiles) -> PartResult:
     res = PartResult(lay.step, "train_state", "")
     world = lay.commit.get("world_size")
     ranks = list(range(world)) if isinstance(world, int) and world > 0 else sorted(lay.train_state)
@@ -337,7 +329,7 @@ def _verify_train_state(lay: rl.StepLayout, require_hashes: bool) -> PartResult:
         if hpath is None:
             continue
         try:
-            table = rl.read_hashes(hpath)
+            table = rl.read_hashes(hpath, files)
         except (OSError, ValueError) as e:
             res.failures.append(f"{hpath}: unreadable hashes file ({e})")
             continue
@@ -351,10 +343,9 @@ def _verify_train_state(lay: rl.StepLayout, require_hashes: bool) -> PartResult:
                 res.failures.append(f"{hpath}: does not list {w}")
     n_ok = 0
     for rel, digest in sorted(hashed.items()):
-        full = os.path.join(lay.path, *rel.split("/"))
+        full = files.join(lay.path, *rel.split("/"))
         try:
-            with open(full, "rb") as f:
-                found = slice_hash(f.read())
+            found = slice_hash(files.read_bytes(full))
         except OSError as e:
             res.failures.append(f"{full}: cannot be read ({e.strerror or e})")
             continue
@@ -371,8 +362,8 @@ def _verify_train_state(lay: rl.StepLayout, require_hashes: bool) -> PartResult:
     if lay.scheduler is not None and rl.SCHEDULER_NAME not in hashed:
         unhashed.append(rl.SCHEDULER_NAME)
     for rel in unhashed:
-        full = os.path.join(lay.path, *rel.split("/"))
-        problem = _structure_problem(full)
+        full = files.join(lay.path, *rel.split("/"))
+        problem = _structure_problem(files, full)
         if problem:
             res.failures.append(f"{full}: {problem}")
     if unhashed:
@@ -385,15 +376,15 @@ def _verify_train_state(lay: rl.StepLayout, require_hashes: bool) -> PartResult:
     return res
 
 
-def _structure_problem(path: str) -> str | None:
+def _structure_problem(files: RunFiles, path: str) -> str | None:
     """Why an unhashed train-state or scheduler file is unusable, or ``None``."""
-    if not os.path.isfile(path):
+    if not files.is_file(path):
         return "is missing"
     try:
         if path.endswith(".safetensors"):
-            read_header(path)
+            files.read_header(path)
             return None
-        obj = _read_json(path)
+        obj = _read_json(files, path)
     except (OSError, ValueError, UnickptError) as e:
         return f"unreadable ({e})"
     key = "state" if os.path.basename(path) == rl.SCHEDULER_NAME else "unickpt_train_state"
