@@ -367,6 +367,9 @@ def test_tiny_llama_sliced_merge_from_pretrained_same_logits(
     src = tmp_path / "sliced"
     GeneralCheckpointIO().save_model(model, src, shard=True, gather_dtensor=False, size_per_shard=1)
     assert (src / "config.json").exists()
+    # Before the merge, transformers refuses the sliced checkpoint, naming what to do.
+    with pytest.raises(OSError, match="run-unickpt-merge-first.safetensors"):
+        transformers.LlamaForCausalLM.from_pretrained(str(src))
     out = tmp_path / "hf"
     merge_checkpoint(src, out)
     loaded = transformers.LlamaForCausalLM.from_pretrained(str(out)).eval()
