@@ -1,4 +1,4 @@
-"""Format version 3: the compact slice encoding, its tables, and the versions before it."""
+"""Format versions 3 and 4: the compact slice encoding, its tables, and the versions before it."""
 
 from __future__ import annotations
 
@@ -145,10 +145,35 @@ def _index(version: int = FORMAT_VERSION) -> bytes:
     return index_to_json(build_index(block, sliced=True))
 
 
+@pytest.mark.parametrize("version", [3, 4])
+def test_each_version_writes_its_own_sentinel_and_reads_both(version: int) -> None:
+    """Version 4 shortened the sliced sentinel: an index keeps the sentinel of its version (a merge
+    of an older source keeps the older one), and every sentinel reads at every version."""
+    from unickpt.format.consistency import check_weight_map
+    from unickpt.format.naming import LONG_SLICED_SENTINEL, SLICED_SENTINEL
+
+    raw = _index(version)
+    mine, other = (
+        (SLICED_SENTINEL, LONG_SLICED_SENTINEL) if version == 4 else (LONG_SLICED_SENTINEL, SLICED_SENTINEL)
+    )
+    assert set(json.loads(raw)["weight_map"].values()) == {mine}
+    for text in (raw, raw.replace(mine.encode(), other.encode())):
+        parsed = parse_index_validated(text, "model.safetensors.index.json")
+        assert parsed.unickpt is not None and parsed.unickpt.format_version == version
+        assert set(parsed.unickpt.tensors) == set(CASES)
+    mixed = json.loads(raw)
+    first = next(iter(mixed["weight_map"]))
+    mixed["weight_map"][first] = other
+    block = parse_index_validated(raw, "i.json").unickpt
+    assert block is not None
+    with pytest.raises(IndexFileError, match="two sliced-checkpoint sentinels"):
+        check_weight_map("i.json", mixed["weight_map"], block)
+
+
 def test_version_3_index_parses_the_same_on_both_paths() -> None:
     raw = _index()
     obj = json.loads(raw)
-    assert obj["unickpt"]["format_version"] == 3 and obj["unickpt"]["files"] == FILES
+    assert obj["unickpt"]["format_version"] == 4 and obj["unickpt"]["files"] == FILES
     assert all("slices" not in t for t in obj["unickpt"]["tensors"].values())
     fast, slow = parse_index(raw, "i.json"), parse_index_validated(raw, "i.json")
     assert fast == slow
@@ -260,7 +285,7 @@ def _four_row_blocks(tmp_path: Any, full: Any) -> Any:
     return d
 
 
-@pytest.mark.parametrize("version", [1, 2, 3])
+@pytest.mark.parametrize("version", [1, 2, 3, 4])
 def test_every_version_loads_verifies_and_merges_bit_exact(tmp_path: Any, version: int) -> None:
     import torch
 
@@ -273,7 +298,7 @@ def test_every_version_loads_verifies_and_merges_bit_exact(tmp_path: Any, versio
     d = _four_row_blocks(tmp_path, full)
     f = d / "model.safetensors.index.json"
     obj = json.loads(f.read_text())
-    assert obj["unickpt"]["format_version"] == 3 and obj["unickpt"]["tensors"]["w"]["grid"] == [4, 1]
+    assert obj["unickpt"]["format_version"] == 4 and obj["unickpt"]["tensors"]["w"]["grid"] == [4, 1]
     if version < 3:
         as_listed(obj, version)
         if version == 1:
@@ -282,6 +307,12 @@ def test_every_version_loads_verifies_and_merges_bit_exact(tmp_path: Any, versio
                 "w", "F32", raw, [33, 5], version=1
             )
         f.write_text(json.dumps(obj, indent=2))
+    elif version == 3:  # as version 3 wrote it: the long sentinel
+        from unickpt.format.naming import LONG_SLICED_SENTINEL
+
+        obj["unickpt"]["format_version"] = 3
+        obj["weight_map"] = dict.fromkeys(obj["weight_map"], LONG_SLICED_SENTINEL)
+        f.write_text(json.dumps(obj))
     m = torch.nn.Module()
     m.w = torch.nn.Parameter(torch.zeros(33, 5))
     GeneralCheckpointIO().load_model(m, d, verify=True)
@@ -294,7 +325,7 @@ def test_every_version_loads_verifies_and_merges_bit_exact(tmp_path: Any, versio
 
     with open_checkpoint(out) as r:  # one gathered file: the block is in its header
         assert r.block.format_version == version
-        assert r.block.tensors["w"].compact == (version == 3)
+        assert r.block.tensors["w"].compact == (version >= 3)
     m2 = torch.nn.Module()
     m2.w = torch.nn.Parameter(torch.zeros(33, 5))
     GeneralCheckpointIO().load_model(m2, out, verify=True)

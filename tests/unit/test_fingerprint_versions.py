@@ -68,13 +68,13 @@ def _to_v1(path: Path, w: dict[str, np.ndarray]) -> None:
     f.write_text(json.dumps(obj))
 
 
-def test_saves_write_format_version_3_with_v2_fingerprints(tmp_path: Path) -> None:
-    assert FORMAT_VERSION == 3
+def test_saves_write_format_version_4_with_v2_fingerprints(tmp_path: Path) -> None:
+    assert FORMAT_VERSION == 4
     torch.manual_seed(0)
     m = torch.nn.Linear(6, 4)
     GeneralCheckpointIO().save_model(m, tmp_path / "c", shard=True, gather_dtensor=False)
     obj = json.loads((tmp_path / "c" / INDEX).read_text())
-    assert obj["unickpt"]["format_version"] == 3
+    assert obj["unickpt"]["format_version"] == 4
     for n, t in m.state_dict().items():
         raw = t.detach().contiguous().view(torch.uint8).numpy().tobytes()
         assert obj["unickpt"]["tensors"][n]["fingerprint"] == fingerprint_of_array(
@@ -211,8 +211,8 @@ def test_merge_of_a_v1_checkpoint_stays_v1_and_consistent(tmp_path: Path) -> Non
     assert deep.identical and not deep.integrity_failures, deep.format()
 
 
-@pytest.mark.parametrize("version,ok", [(1, True), (2, True), (3, True), (4, False), (0, False)])
-def test_index_parsers_take_versions_1_to_3_only(tmp_path: Path, version: int, ok: bool) -> None:
+@pytest.mark.parametrize("version,ok", [(1, True), (2, True), (3, True), (4, True), (5, False), (0, False)])
+def test_index_parsers_take_versions_1_to_4_only(tmp_path: Path, version: int, ok: bool) -> None:
     from unickpt.errors import IndexFileError
     from unickpt.format.index import parse_index, parse_index_validated
 

@@ -96,7 +96,7 @@ def test_fsdp2_index_bytes_per_slice() -> None:
     for world in (4, 8, 16, 64):
         raw, slices = _fsdp_index(world)
         parsed = parse_index(raw, "i.json")
-        assert parsed.unickpt is not None and parsed.unickpt.format_version == 3
+        assert parsed.unickpt is not None and parsed.unickpt.format_version == 4
         assert sum(len(t.slices) for t in parsed.unickpt.tensors.values()) == slices
         per_slice[world] = len(raw) / slices
         obj = json.loads(raw)

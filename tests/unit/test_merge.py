@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from unickpt.format.boxes import flat_range_to_boxes
 from unickpt.format.dtypes import itemsize
 from unickpt.format.hashing import fingerprint_of_array
 from unickpt.format.index import load_index
+from unickpt.format.naming import SLICED_SENTINEL
 from unickpt.format.reader import open_checkpoint
 from unickpt.format.safetensors_io import read_header
 from unickpt.tools._common import OutputExistsError
@@ -368,7 +370,7 @@ def test_tiny_llama_sliced_merge_from_pretrained_same_logits(
     GeneralCheckpointIO().save_model(model, src, shard=True, gather_dtensor=False, size_per_shard=1)
     assert (src / "config.json").exists()
     # Before the merge, transformers refuses the sliced checkpoint, naming what to do.
-    with pytest.raises(OSError, match="run-unickpt-merge-first.safetensors"):
+    with pytest.raises(OSError, match=re.escape(SLICED_SENTINEL)):
         transformers.LlamaForCausalLM.from_pretrained(str(src))
     out = tmp_path / "hf"
     merge_checkpoint(src, out)

@@ -34,7 +34,7 @@ def _index() -> bytes:
 def test_ranged_tensor_stays_listed_and_round_trips() -> None:
     raw = _index()
     obj = json.loads(raw)
-    assert obj["unickpt"]["format_version"] == 3
+    assert obj["unickpt"]["format_version"] == 4
     a, b = obj["unickpt"]["tensors"]["a"], obj["unickpt"]["tensors"]["b"]
     assert [r["end"] for r in a["slices"][0]["ranges"]] == [32, 64]
     assert "slices" not in b and b["xxh3"] == "2" * 16  # compact

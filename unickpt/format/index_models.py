@@ -35,6 +35,7 @@ from unickpt.format.slice_table import SliceTable
 
 __all__ = [
     "FORMAT_VERSION",
+    "SHORT_SENTINEL_VERSION",
     "KNOWN_FORMAT_VERSIONS",
     "KINDS",
     "MAX_INDEX_BYTES",
@@ -62,10 +63,12 @@ __all__ = [
 ]
 
 #: Format versions this reader accepts; version 1 indexes carry fingerprint v1 values.
-FormatVersion = Literal[1, 2, 3]
+FormatVersion = Literal[1, 2, 3, 4]
 KNOWN_FORMAT_VERSIONS: tuple[int, ...] = get_args(FormatVersion)
-#: The version every writer stamps: 3 since the compact slice encoding (docs/format.md sections 3.1, 7).
-FORMAT_VERSION: Literal[3] = 3
+#: The version every writer stamps: 4 since the short sliced sentinel (docs/format.md sections 2, 7).
+FORMAT_VERSION: Literal[4] = 4
+#: The first version whose sliced ``weight_map`` names ``naming.SLICED_SENTINEL`` (before: the long one).
+SHORT_SENTINEL_VERSION = 4
 #: The first version whose tensors describe their slices compactly (``grid``/``boxes``, ``file``, ...).
 COMPACT_VERSION = 3
 Kind = Literal["model", "optimizer"]

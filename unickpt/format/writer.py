@@ -38,9 +38,9 @@ from unickpt.format.dtypes import itemsize
 from unickpt.format.hashing import combine_partials, finalize_fingerprint, hash_block
 from unickpt.format.index import IndexFile, IndexMetadata, LayoutInfo, SliceEntry, TensorEntry, UnickptBlock
 from unickpt.format.index_compact import compact_tensors
-from unickpt.format.index_models import COMPACT_VERSION, FORMAT_VERSION
+from unickpt.format.index_models import COMPACT_VERSION, FORMAT_VERSION, SHORT_SENTINEL_VERSION
 from unickpt.format.lazy_slices import LazySlices
-from unickpt.format.naming import SLICED_SENTINEL, single_name
+from unickpt.format.naming import LONG_SLICED_SENTINEL, SLICED_SENTINEL, single_name
 from unickpt.format.reader import UNICKPT_METADATA_KEY
 from unickpt.format.safetensors_io import SafetensorsWriter, encode_header
 from unickpt.format.slice_table import SliceTable
@@ -289,8 +289,9 @@ def build_block(
 def build_index(block: UnickptBlock, *, sliced: bool) -> IndexFile:
     """The index of ``block``: ``weight_map`` names each tensor's file, or the sentinel when sliced."""
     total = sum(t.nbytes for t in block.tensors.values())
-    if sliced:
-        weight_map = {name: SLICED_SENTINEL for name in block.tensors}
+    if sliced:  # the sentinel of the block's version (a merge of an older source keeps its own)
+        sentinel = SLICED_SENTINEL if block.format_version >= SHORT_SENTINEL_VERSION else LONG_SLICED_SENTINEL
+        weight_map = dict.fromkeys(block.tensors, sentinel)
     else:
         weight_map = {name: t.table.file(0) for name, t in block.tensors.items()}
     # The block's models were validated as they were built; pydantic keeps model instances
