@@ -304,7 +304,66 @@ def _verify_step(step_dir: str, require_hashes: bool, files: RunFiles) -> list[P
     if not lay.commit:
         ts.failures.append(f"{files.join(lay.path, rl.COMMIT_NAME)}: unreadable (not a JSON object)")
     results.append(ts)
+    _verify_side_files(lay, files, results, require_hashes)
     return results
+
+
+def _verify_side_files(
+    lay: rl.StepLayout, files: RunFiles, results: list[PartResult], require_hashes: bool
+) -> None:
+    """``config.json``/``generation_config.json`` beside ``model/`` and in ``hf/`` (and
+    ``lr_scheduler.json`` when no train-state hashes file covers it) against the ``COMMIT``
+    record's ``xxh3`` table; steps committed before it existed: a structure check."""
+    parts = {r.part: r for r in results}
+    ts = parts["train_state"]
+    try:
+        table = rl.commit_hashes(lay.commit)
+    except ValueError as e:
+        ts.failures.append(f"{files.join(lay.path, rl.COMMIT_NAME)}: {e}")
+        table = {}
+    present = [
+        f"{d}/{n}"
+        for d in ("model", rl.HF_DIR)
+        for n in rl.SIDE_FILE_NAMES
+        if files.is_file(files.join(lay.path, d, n))
+    ]
+    rehashed: dict[str, int] = {}
+    for rel, digest in sorted((table or {}).items()):
+        res = parts.get(rel.split("/")[0], ts)
+        if not _safe_rel(rel):
+            ts.failures.append(f"{rl.COMMIT_NAME}: refuses to check {rel!r} (not a path inside the step)")
+            continue
+        if rel == rl.SCHEDULER_NAME and 0 in lay.hash_files:
+            continue  # rehashed with the train state
+        full = files.join(lay.path, *rel.split("/"))
+        try:
+            found = slice_hash(files.read_bytes(full))
+        except OSError as e:
+            res.failures.append(f"{full}: cannot be read ({e.strerror or e})")
+            continue
+        if found != digest:
+            res.failures.append(f"{full}: expected xxh3-64 {digest}, found {found}")
+        else:
+            rehashed[res.part] = rehashed.get(res.part, 0) + 1
+    for part, n in rehashed.items():
+        parts[part].checked += f", {n} side file(s) rehashed"
+    unhashed = [rel for rel in present if rel not in (table or {})]
+    for rel in unhashed:
+        res = parts.get(rel.split("/")[0], ts)
+        full = files.join(lay.path, *rel.split("/"))
+        try:
+            ok = isinstance(_read_json(files, full), dict)
+        except (OSError, ValueError) as e:
+            res.failures.append(f"{full}: unreadable ({e})")
+            continue
+        if not ok:
+            res.failures.append(f"{full}: not a JSON object")
+    if unhashed:
+        msg = (
+            f"{', '.join(unhashed)}: no hash in {rl.COMMIT_NAME} (committed before unickpt hashed "
+            "side files): structure checked only"
+        )
+        (ts.failures if require_hashes else ts.notes).append(msg)
 
 
 def _safe_rel(rel: str) -> bool:
