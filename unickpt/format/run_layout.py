@@ -8,7 +8,9 @@ exists (see unickpt/manager/ and docs/guide.md). Inside a step::
 Train-state files and ``lr_scheduler.json`` are not safetensors checkpoints with slice hashes,
 so each rank also writes ``train_state/rank-<r>.hashes.json``: the xxh3-64 of every such file
 it wrote (path relative to the step directory). Steps saved before these files existed have
-none; their train state is checked for structure only.
+none; their train state is checked for structure only. The ``COMMIT`` record itself carries the
+xxh3-64 of the step's side files (``config.json``/``generation_config.json`` beside ``model/`` and
+in ``hf/``, ``lr_scheduler.json``; :func:`commit_record`); records written before have none.
 
 A run or step may live at a URL (``s3://...``): the readers below take an optional
 :class:`~unickpt.format.run_files.RunFiles` (one listing of the location, shared by the calls of

@@ -4,7 +4,8 @@
 optimizer, LR scheduler, train state and Hugging Face copy. ``verify RUN/step-N`` checks every
 part: the model, optimizer and ``hf/`` checkpoints slice by slice, and the train-state files and
 ``lr_scheduler.json`` against the hashes each rank recorded (``train_state/rank-<r>.hashes.json``;
-steps saved before those existed are checked for structure only, with a note). ``verify RUN``
+steps saved before those existed are checked for structure only, with a note), and the config
+files beside ``model/`` and in ``hf/`` against the ``COMMIT`` record's ``xxh3`` table. ``verify RUN``
 checks the latest step, ``all_steps=True`` every committed step.
 
 Runs and steps at a URL (``s3://...``) are read through ``format/run_files.py``: one listing of
