@@ -336,14 +336,9 @@ def _verify_side_files(
             continue
         if rel == rl.SCHEDULER_NAME and 0 in lay.hash_files:
             continue  # rehashed with the train state
-        full = files.join(lay.path, *rel.split("/"))
-        try:
-            found = slice_hash(files.read_bytes(full))
-        except OSError as e:
-            res.failures.append(f"{full}: cannot be read ({e.strerror or e})")
-            continue
-        if found != digest:
-            res.failures.append(f"{full}: expected xxh3-64 {digest}, found {found}")
+        problem = _rehash(files, lay.path, rel, digest)
+        if problem:
+            res.failures.append(problem)
         else:
             rehashed[res.part] = rehashed.get(res.part, 0) + 1
     for part, n in rehashed.items():
@@ -365,6 +360,16 @@ def _verify_side_files(
             "side files): structure checked only"
         )
         (ts.failures if require_hashes else ts.notes).append(msg)
+
+
+def _rehash(files: RunFiles, step_dir: str, rel: str, digest: str) -> str | None:
+    """Why the file ``rel`` of a step does not match its recorded xxh3-64, or ``None``."""
+    full = files.join(step_dir, *rel.split("/"))
+    try:
+        found = slice_hash(files.read_bytes(full))
+    except OSError as e:
+        return f"{full}: cannot be read ({e.strerror or e})"
+    return None if found == digest else f"{full}: expected xxh3-64 {digest}, found {found}"
 
 
 def _safe_rel(rel: str) -> bool:
@@ -403,14 +408,9 @@ def _verify_train_state(lay: rl.StepLayout, require_hashes: bool, files: RunFile
                 res.failures.append(f"{hpath}: does not list {w}")
     n_ok = 0
     for rel, digest in sorted(hashed.items()):
-        full = files.join(lay.path, *rel.split("/"))
-        try:
-            found = slice_hash(files.read_bytes(full))
-        except OSError as e:
-            res.failures.append(f"{full}: cannot be read ({e.strerror or e})")
-            continue
-        if found != digest:
-            res.failures.append(f"{full}: expected xxh3-64 {digest}, found {found}")
+        problem = _rehash(files, lay.path, rel, digest)
+        if problem:
+            res.failures.append(problem)
         else:
             n_ok += 1
     unhashed = []
