@@ -5,8 +5,11 @@ indexes and small records (sizes come from the listing); damage on the store is 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +35,11 @@ class _Counter:
         self.n = int(sd["n"])  # type: ignore[call-overload]
 
 
+class _Config:
+    def to_json_string(self) -> str:
+        return '{"model_type": "tiny"}'
+
+
 def _fs(s3: Any) -> Any:
     import s3fs
 
@@ -42,12 +50,13 @@ def _fs(s3: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def saved_run(s3_server: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
-    """Two committed steps on S3 (a 256x256 model, AdamW, StepLR, an extra state), saved once
+    """Two committed steps on S3 (a 256x256 model with a config, AdamW, StepLR, an extra state), saved once
     per module, and a local copy downloaded from the store. Tests that damage it restore it."""
     bucket = s3_server.new_bucket()
     url = f"s3://{bucket}/run"
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 3))
+    m.config = _Config()  # type: ignore[assignment]  # written beside the model, hashed in COMMIT
     opt = torch.optim.AdamW(m.named_parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, 2)
     opts = s3_server.storage_options("mgr")
@@ -191,37 +200,33 @@ def test_verify_run_and_step_on_s3_match_the_local_copy(
         assert (code, err) == (code2, err2) == (0, "")
         assert _same(out, url, local) == _same(out2, url, local)
     assert "step 1 train_state: OK     1 rank(s), 3 file(s) rehashed" in out
+    assert "step 1 model      : OK     4 tensors, 4 slice(s) rehashed, 1 side file(s) rehashed" in out
     assert out.splitlines()[-1] == f"OK: {url}/step-1: step(s) 1: every part checked, no damage found"
 
 
-@pytest.mark.parametrize(
-    ("rel", "named"),
-    [
-        (
-            "step-2/train_state/rank-00000.safetensors",
-            "step 2 train_state: RUN/step-2/train_state/rank-00000.safetensors: expected xxh3-64 ",
-        ),
-        ("step-2/lr_scheduler.json", "step 2 train_state: RUN/step-2/lr_scheduler.json: expected xxh3-64 "),
-        (
-            "step-2/model/model-00001-of-00001.safetensors",
-            "step 2 model: tensor '2.bias' in file 'model-00001-of-00001.safetensors' (stored as '2.bias@0'): expected xxh3-64 ",
-        ),
-    ],
-)
-def test_verify_on_s3_names_a_flipped_byte(
-    s3: Any, run: _Run, capsys: pytest.CaptureFixture[str], rel: str, named: str
-) -> None:
+#: Objects of step 2 damaged at once (one bit each) and how verify names each.
+FLIPS = {
+    "train_state/rank-00000.safetensors": "step 2 train_state: RUN/step-2/train_state/rank-00000.safetensors: expected xxh3-64 ",
+    "lr_scheduler.json": "step 2 train_state: RUN/step-2/lr_scheduler.json: expected xxh3-64 ",
+    "model/config.json": "step 2 model: RUN/step-2/model/config.json: expected xxh3-64 ",
+    "model/model-00001-of-00001.safetensors": "step 2 model: tensor '2.bias' in file 'model-00001-of-00001.safetensors' (stored as '2.bias@0'): expected xxh3-64 ",
+}
+
+
+def test_verify_on_s3_names_each_flipped_byte(s3: Any, run: _Run, capsys: pytest.CaptureFixture[str]) -> None:
     url, local = run.url, run.local
-    run.flip(rel)
+    for rel in FLIPS:
+        run.flip(f"step-2/{rel}")
     for target in (url, f"{url}/step-2"):
         code, _, err = _cli(capsys, "verify", target)
         assert code == 1, err
         assert f"FAILED: {target}: damaged or missing data:" in err
-        assert named in _same(err, url, local)
-    code2, _, err2 = _cli(capsys, "verify", str(local))
-    assert code2 == 1 and _same(err, url, local) == _same(err2, url, local).replace(
-        "FAILED: RUN:", "FAILED: RUN/step-2:"
-    )
+        shown = _same(err, url, local)
+        assert shown.count("expected xxh3-64") == len(FLIPS), err
+        for named in FLIPS.values():
+            assert named in shown
+    code2, _, err2 = _cli(capsys, "verify", str(local / "step-2"))
+    assert code2 == 1 and _same(err, url, local) == _same(err2, url, local)
     code, _, _ = _cli(capsys, "verify", f"{url}/step-1")
     assert code == 0  # the other step is intact
 
@@ -248,3 +253,37 @@ def test_a_step_without_commit_on_s3_is_not_listed_and_refused(
     run.delete("step-1/COMMIT")
     code, _, err = _cli(capsys, "verify", url)
     assert code == 2 and f"{url} holds no committed checkpoint" in err
+
+
+def test_verify_on_s3_names_a_missing_train_state_object(
+    s3: Any, run: _Run, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, local = run.url, run.local
+    run.delete("step-2/train_state/rank-00000.json")
+    code, _, err = _cli(capsys, "verify", url)
+    code2, _, err2 = _cli(capsys, "verify", str(local))
+    assert code == code2 == 1
+    assert _same(err, url, local) == _same(err2, url, local)
+    assert (
+        f"  step 2 train_state: {url}/step-2/train_state/rank-00000.json: cannot be read (No such file" in err
+    )
+
+
+@pytest.mark.slow  # a fresh interpreter: about 4 s
+def test_run_commands_on_s3_never_import_torch(s3: Any, run: _Run) -> None:
+    code = f"""
+import sys, contextlib, io
+import unickpt.cli.main as m
+with contextlib.redirect_stdout(io.StringIO()):
+    assert m.main(["inspect", {run.url!r}]) == 0
+    assert m.main(["inspect", "--json", {run.url + "/step-2"!r}]) == 0
+    assert m.main(["verify", "--all", {run.url!r}]) == 0
+bad = sorted(k for k in sys.modules if k == "torch" or k.startswith("torch."))
+assert not bad, bad
+print("CLEAN")
+"""
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root))  # the s3 fixture's AWS_ENDPOINT_URL and keys
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().endswith("CLEAN")

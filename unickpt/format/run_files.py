@@ -13,6 +13,7 @@ line), as for every other command on a URL.
 from __future__ import annotations
 
 import datetime
+import errno
 import os
 import posixpath
 from typing import Any
@@ -45,7 +46,9 @@ class RunFiles:
         if not isinstance(storage, FsspecStorage):  # never: is_url() locations open an fsspec store
             raise TypeError(f"{self.root}: not an fsspec location")
         self.storage = storage
-        self._proto = self.root.split("://", 1)[0]
+        # What this command sees is the store now: no listing cached by an earlier call in
+        # this process (fsspec keeps one per file system instance) may hide or show a COMMIT.
+        storage.fs.invalidate_cache()
 
     # ------------------------------------------------------------------ paths
     def join(self, base: str, *parts: str) -> str:
@@ -59,7 +62,6 @@ class RunFiles:
         if self._listing is None:
             fs = self.storage.fs
             base = self._key(self.root)
-            fs.invalidate_cache(base)
             try:
                 found = fs.find(base, detail=True)
             except FileNotFoundError:
@@ -115,7 +117,12 @@ class RunFiles:
             when = datetime.datetime.fromtimestamp(os.stat(path).st_mtime, datetime.timezone.utc)
         else:
             info = self._listed().get(self._key(path), {})
-            raw = info.get("LastModified") or info.get("mtime") or info.get("last_modified")
+            raw = (
+                info.get("LastModified")
+                or info.get("mtime")
+                or info.get("last_modified")
+                or info.get("created")
+            )
             if isinstance(raw, (int, float)):
                 when = datetime.datetime.fromtimestamp(raw, datetime.timezone.utc)
             elif isinstance(raw, datetime.datetime):
@@ -130,10 +137,13 @@ class RunFiles:
         if not self.is_url:
             with open(path, "rb") as f:
                 return f.read()
-        try:
-            return self.storage.read_bytes(path, limit=limit)
-        except ValueError as e:
-            raise OSError(str(e)) from None
+        size = int(self._listed().get(self._key(path), {}).get("size") or 0)
+        if size > limit:
+            raise OSError(f"{path} is {size} bytes, more than the {limit} allowed for this file")
+        try:  # one GET (its size is known from the listing)
+            return bytes(self.storage.fs.cat_file(path))
+        except FileNotFoundError:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path) from None
 
     def read_header(self, path: str) -> SafetensorsHeader:
         """The validated safetensors header of ``path`` (at a URL: one or two ranged requests)."""

@@ -8,7 +8,9 @@ exists (see unickpt/manager/ and docs/guide.md). Inside a step::
 Train-state files and ``lr_scheduler.json`` are not safetensors checkpoints with slice hashes,
 so each rank also writes ``train_state/rank-<r>.hashes.json``: the xxh3-64 of every such file
 it wrote (path relative to the step directory). Steps saved before these files existed have
-none; their train state is checked for structure only.
+none; their train state is checked for structure only. The ``COMMIT`` record itself carries the
+xxh3-64 of the step's side files (``config.json``/``generation_config.json`` beside ``model/`` and
+in ``hf/``, ``lr_scheduler.json``; :func:`commit_record`); records written before have none.
 
 A run or step may live at a URL (``s3://...``): the readers below take an optional
 :class:`~unickpt.format.run_files.RunFiles` (one listing of the location, shared by the calls of
@@ -33,7 +35,7 @@ from unickpt.errors import CheckpointFormatError, ConfigError
 from unickpt.format.commit_store import write_small_file
 from unickpt.format.hashing import slice_hash
 from unickpt.format.run_files import RunFiles
-from unickpt.format.storage import is_url, open_storage
+from unickpt.format.storage import is_url
 
 __all__ = [
     "COMMIT_NAME",
@@ -49,6 +51,9 @@ __all__ = [
     "WORK_RE",
     "REPLACING_RE",
     "commit_record",
+    "side_files_of",
+    "commit_hashes",
+    "SIDE_FILE_NAMES",
     "latest_record",
     "read_latest",
     "StepLayout",
@@ -68,6 +73,8 @@ TRAIN_STATE_DIR = "train_state"
 SCHEDULER_NAME = "lr_scheduler.json"
 HF_DIR = "hf"
 HASHES_SUFFIX = ".hashes.json"
+#: A Hugging Face model's config files, saved beside ``model/`` and in ``hf/``.
+SIDE_FILE_NAMES = ("config.json", "generation_config.json")
 COMMIT_VERSION = 1
 _HASHES_VERSION = 1
 STEP_RE = re.compile(r"^step-(\d+)$")
@@ -105,10 +112,50 @@ def work_name(step: int, kind: str) -> str:
     return f".{step_name(step)}.{kind}-{uuid.uuid4().hex[:12]}"
 
 
-def commit_record(step: int, world_size: int, plugin: str) -> bytes:
-    """The contents of a step's ``COMMIT`` marker."""
-    commit = {"unickpt_commit": COMMIT_VERSION, "step": step, "world_size": world_size, "plugin": plugin}
+def commit_record(
+    step: int, world_size: int, plugin: str, side_files: dict[str, bytes] | None = None
+) -> bytes:
+    """The contents of a step's ``COMMIT`` marker.
+
+    ``side_files`` (path relative to the step -> the bytes written there) are the step's small
+    files that carry no other hash: ``config.json``/``generation_config.json`` beside the model
+    and in ``hf/``, ``lr_scheduler.json``. Their xxh3-64 goes in the record's ``"xxh3"`` table
+    (records written before it have none: those files are checked for structure only).
+    """
+    commit: dict[str, Any] = {
+        "unickpt_commit": COMMIT_VERSION,
+        "step": step,
+        "world_size": world_size,
+        "plugin": plugin,
+    }
+    if side_files:
+        commit["xxh3"] = {rel: slice_hash(data) for rel, data in sorted(side_files.items())}
     return json.dumps(commit).encode()
+
+
+def side_files_of(config: dict[str, str], scheduler: bytes | None, with_hf: bool) -> dict[str, bytes]:
+    """The side files a manager step holds (for :func:`commit_record`): the model's config files
+    beside ``model/`` (and in ``hf/`` when ``with_hf``), and ``lr_scheduler.json``."""
+    out: dict[str, bytes] = {}
+    for fname, text in config.items():
+        for d in ("model",) + ((HF_DIR,) if with_hf else ()):
+            out[f"{d}/{fname}"] = text.encode("utf-8")
+    if scheduler is not None:
+        out[SCHEDULER_NAME] = scheduler
+    return out
+
+
+def commit_hashes(commit: dict[str, Any]) -> dict[str, str] | None:
+    """The ``"xxh3"`` table of a ``COMMIT`` record, ``None`` for a record written before it
+    existed; ``CheckpointFormatError`` (a ``ValueError``) when it is malformed."""
+    table = commit.get("xxh3")
+    if table is None:
+        return None
+    if not isinstance(table, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in table.items()
+    ):
+        raise CheckpointFormatError("'xxh3' must map relative paths to hex digests")
+    return table
 
 
 def latest_record(step: int) -> bytes:
@@ -199,7 +246,7 @@ def looks_like_run(path: str | os.PathLike[str]) -> bool:
     p = os.fspath(path)
     if is_url(p):
         p = p.rstrip("/")
-        storage, _ = open_storage(p)
+        storage = RunFiles(p).storage  # (drops listings cached by earlier calls)
         if any(storage.exists(posixpath.join(p, n)) for n in _CHECKPOINT_INDEXES):
             return False
         names = storage.listdir(p)  # one level (a delimited listing), never the whole run

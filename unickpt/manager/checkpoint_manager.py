@@ -321,7 +321,8 @@ class CheckpointManager:
 
     def _commit(self, p: snapshot.Payload) -> None:
         """Rank 0, after every rank wrote its files: commit, ``latest``, then retention."""
-        record = run_layout.commit_record(p.step, int(p.train_state["world_size"]), self.io.plugin_name)
+        side = run_layout.side_files_of(p.hf_config, p.scheduler, self.save_hf)
+        record = run_layout.commit_record(p.step, int(p.train_state["world_size"]), self.io.plugin_name, side)
         self.storage.commit(p.step, p.stage, p.target, record)
         logger.info("committed %s", self.step_dir(p.step))
         for s in policy.retired_steps(self.all_steps(), p.step, self.keep_last):

@@ -4,7 +4,8 @@
 optimizer, LR scheduler, train state and Hugging Face copy. ``verify RUN/step-N`` checks every
 part: the model, optimizer and ``hf/`` checkpoints slice by slice, and the train-state files and
 ``lr_scheduler.json`` against the hashes each rank recorded (``train_state/rank-<r>.hashes.json``;
-steps saved before those existed are checked for structure only, with a note). ``verify RUN``
+steps saved before those existed are checked for structure only, with a note), and the config
+files beside ``model/`` and in ``hf/`` against the ``COMMIT`` record's ``xxh3`` table. ``verify RUN``
 checks the latest step, ``all_steps=True`` every committed step.
 
 Runs and steps at a URL (``s3://...``) are read through ``format/run_files.py``: one listing of
@@ -304,7 +305,71 @@ def _verify_step(step_dir: str, require_hashes: bool, files: RunFiles) -> list[P
     if not lay.commit:
         ts.failures.append(f"{files.join(lay.path, rl.COMMIT_NAME)}: unreadable (not a JSON object)")
     results.append(ts)
+    _verify_side_files(lay, files, results, require_hashes)
     return results
+
+
+def _verify_side_files(
+    lay: rl.StepLayout, files: RunFiles, results: list[PartResult], require_hashes: bool
+) -> None:
+    """``config.json``/``generation_config.json`` beside ``model/`` and in ``hf/`` (and
+    ``lr_scheduler.json`` when no train-state hashes file covers it) against the ``COMMIT``
+    record's ``xxh3`` table; steps committed before it existed: a structure check."""
+    parts = {r.part: r for r in results}
+    ts = parts["train_state"]
+    try:
+        table = rl.commit_hashes(lay.commit)
+    except ValueError as e:
+        ts.failures.append(f"{files.join(lay.path, rl.COMMIT_NAME)}: {e}")
+        table = {}
+    present = [
+        f"{d}/{n}"
+        for d in ("model", rl.HF_DIR)
+        for n in rl.SIDE_FILE_NAMES
+        if files.is_file(files.join(lay.path, d, n))
+    ]
+    rehashed: dict[str, int] = {}
+    for rel, digest in sorted((table or {}).items()):
+        res = parts.get(rel.split("/")[0], ts)
+        if not _safe_rel(rel):
+            ts.failures.append(f"{rl.COMMIT_NAME}: refuses to check {rel!r} (not a path inside the step)")
+            continue
+        if rel == rl.SCHEDULER_NAME and 0 in lay.hash_files:
+            continue  # rehashed with the train state
+        problem = _rehash(files, lay.path, rel, digest)
+        if problem:
+            res.failures.append(problem)
+        else:
+            rehashed[res.part] = rehashed.get(res.part, 0) + 1
+    for part, n in rehashed.items():
+        parts[part].checked += f", {n} side file(s) rehashed"
+    unhashed = [rel for rel in present if rel not in (table or {})]
+    for rel in unhashed:
+        res = parts.get(rel.split("/")[0], ts)
+        full = files.join(lay.path, *rel.split("/"))
+        try:
+            ok = isinstance(_read_json(files, full), dict)
+        except (OSError, ValueError) as e:
+            res.failures.append(f"{full}: unreadable ({e})")
+            continue
+        if not ok:
+            res.failures.append(f"{full}: not a JSON object")
+    if unhashed:
+        msg = (
+            f"{', '.join(unhashed)}: no hash in {rl.COMMIT_NAME} (committed before unickpt hashed "
+            "side files): structure checked only"
+        )
+        (ts.failures if require_hashes else ts.notes).append(msg)
+
+
+def _rehash(files: RunFiles, step_dir: str, rel: str, digest: str) -> str | None:
+    """Why the file ``rel`` of a step does not match its recorded xxh3-64, or ``None``."""
+    full = files.join(step_dir, *rel.split("/"))
+    try:
+        found = slice_hash(files.read_bytes(full))
+    except OSError as e:
+        return f"{full}: cannot be read ({e.strerror or e})"
+    return None if found == digest else f"{full}: expected xxh3-64 {digest}, found {found}"
 
 
 def _safe_rel(rel: str) -> bool:
@@ -343,14 +408,9 @@ def _verify_train_state(lay: rl.StepLayout, require_hashes: bool, files: RunFile
                 res.failures.append(f"{hpath}: does not list {w}")
     n_ok = 0
     for rel, digest in sorted(hashed.items()):
-        full = files.join(lay.path, *rel.split("/"))
-        try:
-            found = slice_hash(files.read_bytes(full))
-        except OSError as e:
-            res.failures.append(f"{full}: cannot be read ({e.strerror or e})")
-            continue
-        if found != digest:
-            res.failures.append(f"{full}: expected xxh3-64 {digest}, found {found}")
+        problem = _rehash(files, lay.path, rel, digest)
+        if problem:
+            res.failures.append(problem)
         else:
             n_ok += 1
     unhashed = []
