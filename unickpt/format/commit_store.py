@@ -24,7 +24,6 @@ removes the files older than the last commit and aborts the uploads begun before
 
 from __future__ import annotations
 
-import json
 import os
 import posixpath
 import re
@@ -32,6 +31,7 @@ from datetime import datetime
 from typing import Any
 
 from unickpt._logging import get_logger
+from unickpt.errors import IncompleteCheckpointError
 from unickpt.format.commit import atomic_write_bytes
 from unickpt.format.naming import index_name, is_own_data_file, single_name
 from unickpt.format.storage import FsspecStorage, Storage, is_url, open_storage
@@ -46,6 +46,7 @@ __all__ = [
     "clean_store_leftovers",
     "abort_dead_uploads",
     "object_time",
+    "read_small_file",
     "write_small_file",
     "checkpoint_directory",
 ]
@@ -76,23 +77,24 @@ def committed_on_store(storage: Storage, directory: str, kind: str) -> bool:
     return index_name(kind) in names or single_name(kind) in names
 
 
-def referenced_files(index: bytes) -> set[str]:
-    """The data files an index names (``weight_map``, the block's ``files`` table, listed slices)."""
+def referenced_files(index: bytes, path: str = "index.json") -> set[str]:
+    """The data files an index names (``weight_map``, the block's ``files`` table, listed slices);
+    nothing for bytes that are not a valid index."""
+    from unickpt.errors import IndexFileError
+    from unickpt.format.index import parse_index
+
     try:
-        obj = json.loads(index)
-    except ValueError:
+        idx = parse_index(index, path)
+    except (IndexFileError, ValueError):
         return set()
-    if not isinstance(obj, dict):
-        return set()
-    out = {v for v in (obj.get("weight_map") or {}).values() if isinstance(v, str)}
-    block = obj.get("unickpt") or {}
-    # Version 3: the block's file table names every data file its compact tensors use.
-    out |= {f for f in (block.get("files") or []) if isinstance(f, str)} if isinstance(block, dict) else set()
-    tensors = (block.get("tensors") or {}) if isinstance(block, dict) else {}
-    for entry in tensors.values() if isinstance(tensors, dict) else []:
-        for s in (entry or {}).get("slices") or []:
-            if isinstance(s, dict) and isinstance(s.get("file"), str):
-                out.add(s["file"])
+    out = set(idx.weight_map.values())
+    block = idx.unickpt
+    if block is not None:
+        # Version 3: the block's file table names every data file its compact tensors use.
+        out |= set(block.files or [])
+        for entry in block.tensors.values():
+            if not entry.compact:
+                out |= {s.file for s in entry.slices}
     return out
 
 
@@ -178,7 +180,8 @@ def _commit_time(
             newest = t if newest is None else max(newest, t)
             if is_index:
                 try:
-                    used |= referenced_files(storage.read_bytes(storage.join(directory, name), limit=1 << 30))
+                    where = storage.join(directory, name)
+                    used |= referenced_files(storage.read_bytes(where, limit=1 << 30), where)
                 except (OSError, ValueError):
                     continue
             else:
@@ -243,6 +246,21 @@ def clean_store_leftovers(storage: Storage, directory: str) -> list[str]:
     if removed:
         logger.info("%s: removed leftovers of killed saves: %s", storage.url, removed)
     return removed
+
+
+def read_small_file(
+    location: str, storage_options: dict[str, Any] | None = None, limit: int = 64 << 20
+) -> bytes:
+    """A small side file (a scheduler's JSON, a rank's training state) from a local path or a
+    URL; a missing one raises ``FileNotFoundError`` either way."""
+    if not is_url(location):
+        with open(location.removeprefix("file://"), "rb") as f:
+            return f.read()
+    storage, _ = open_storage(location, storage_options)
+    try:
+        return storage.read_bytes(location, limit=limit)
+    except IncompleteCheckpointError as e:
+        raise FileNotFoundError(str(e)) from None
 
 
 def write_small_file(location: str, data: bytes, storage_options: dict[str, Any] | None = None) -> None:
