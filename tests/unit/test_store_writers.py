@@ -54,6 +54,7 @@ def test_a_held_lock_refuses_a_second_save(s3) -> None:
     assert _same(target, _model(0))
 
 
+@pytest.mark.slow
 def test_a_stale_lock_is_taken_over(s3, monkeypatch, caplog) -> None:
     url = f"s3://{s3.bucket}/ckpt"
     store, root = open_storage(url, s3.storage_options())
