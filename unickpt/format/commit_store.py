@@ -42,6 +42,7 @@ __all__ = [
     "committed_on_store",
     "referenced_files",
     "commit_store_index",
+    "commit_and_clean",
     "remove_superseded",
     "clean_store_leftovers",
     "abort_dead_uploads",
@@ -166,10 +167,11 @@ def _listing_times(storage: FsspecStorage, directory: str) -> dict[str, float | 
 
 
 def _commit_time(
-    storage: Storage, directory: str, times: dict[str, float | None]
+    storage: Storage, directory: str, times: dict[str, float | None], known: dict[str, set[str]] | None = None
 ) -> tuple[float | None, set[str]]:
     """(time of the newest commit point in ``directory``, files the committed checkpoints use),
-    from the directory's listing ``times`` (and each committed index, fetched)."""
+    from the directory's listing ``times`` (and each committed index, fetched unless ``known``
+    gives the files it names)."""
     newest: float | None = None
     used: set[str] = set()
     for kind in _KINDS:
@@ -178,7 +180,9 @@ def _commit_time(
             if name not in times or t is None:
                 continue
             newest = t if newest is None else max(newest, t)
-            if is_index:
+            if is_index and known is not None and name in known:
+                used |= known[name]
+            elif is_index:
                 try:
                     where = storage.join(directory, name)
                     used |= referenced_files(storage.read_bytes(where, limit=1 << 30), where)
@@ -231,8 +235,35 @@ def clean_store_leftovers(storage: Storage, directory: str) -> list[str]:
     """
     if not isinstance(storage, FsspecStorage):
         return []
-    times = _listing_times(storage, directory)  # one LIST gives every object's time
-    newest, used = _commit_time(storage, directory, times)
+    return _clean(storage, directory, _listing_times(storage, directory))  # one LIST: every object's time
+
+
+def commit_and_clean(storage: Storage, directory: str, kind: str, index: bytes, keep: set[str]) -> None:
+    """:func:`commit_store_index` then :func:`clean_store_leftovers`, from one listing taken
+    after the index PUT (the index's own file list is ``keep``: not fetched back). A failure of
+    the removals is logged, not raised: the checkpoint is committed, leftovers go next time."""
+    if not isinstance(storage, FsspecStorage):
+        commit_store_index(storage, directory, kind, index, keep)
+        return
+    storage.put(storage.join(directory, index_name(kind)), index)
+    try:  # committed: from here on a failure leaves only unreferenced files, removed next time
+        times = _listing_times(storage, directory)
+        gone = [n for n in times if n not in keep and is_store_data_file(kind, n)]
+        storage.remove([storage.join(directory, n) for n in gone])
+        _clean(
+            storage, directory, {n: t for n, t in times.items() if n not in gone}, {index_name(kind): keep}
+        )
+    except Exception as e:
+        logger.warning("%s: leftovers of killed saves not removed: %s", storage.url, e)
+
+
+def _clean(
+    storage: FsspecStorage,
+    directory: str,
+    times: dict[str, float | None],
+    known: dict[str, set[str]] | None = None,
+) -> list[str]:
+    newest, used = _commit_time(storage, directory, times, known)
     if newest is None:
         return []
     removed: list[str] = []
