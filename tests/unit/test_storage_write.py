@@ -349,9 +349,17 @@ def test_s3_upload_streams_parts_in_flight_and_aborts_cleanly(s3) -> None:
     assert not st.exists(st.join(root, "big.bin"))  # nothing visible before close
     f.close()
     assert st.read_bytes(st.join(root, "big.bin")) == data
-    assert s3.received("PUT", "up") == len(data)  # three parts, each sent once
+    assert s3.received("PUT", "up") == len(data)  # two parts (5 MiB, then the rest), each sent once
+    assert s3.requests[("PUT", "up")] == 2
+    # Up to one part plus 5 MiB: a single PUT, no multipart upload (no create / complete POST).
+    s3.reset()
+    one = st.open_write(st.join(root, "one.bin"))
+    one.write(b"z" * ((16 << 20) + (4 << 20)))
+    one.close()
+    assert s3.requests[("PUT", "up")] == 1 and s3.requests[("POST", "up")] == 0
+    st.remove([st.join(root, "one.bin")])
     g = st.open_write(st.join(root, "gone.bin"))
-    g.write(b"y" * (20 << 20))  # one full 16 MiB part already sent
+    g.write(b"y" * (24 << 20))  # one full 16 MiB part already sent
     st.abort(g)
     assert st.listdir(root) == ["big.bin"]
     fs = fs_of(s3)

@@ -54,6 +54,7 @@ def test_a_held_lock_refuses_a_second_save(s3) -> None:
     assert _same(target, _model(0))
 
 
+@pytest.mark.slow
 def test_a_stale_lock_is_taken_over(s3, monkeypatch, caplog) -> None:
     url = f"s3://{s3.bucket}/ckpt"
     store, root = open_storage(url, s3.storage_options())
@@ -172,3 +173,14 @@ def _read_all(reader: Any, names: list[str]) -> dict[str, bytes]:
         (s,) = reader.block.tensors[n].slices
         out[n] = bytes(reader.read_slice(s))
     return out
+
+
+def test_referenced_files_reads_the_parsed_index(tmp_path) -> None:
+    from unickpt.format.commit_store import referenced_files
+
+    GeneralCheckpointIO().save_model(_model(0), str(tmp_path / "c"), shard=True, size_per_shard=0.01)
+    raw = (tmp_path / "c" / "model.safetensors.index.json").read_bytes()
+    files = {p.name for p in (tmp_path / "c").glob("model-*.safetensors")}
+    assert len(files) > 1 and referenced_files(raw) == files
+    assert referenced_files(b"not json") == set()
+    assert referenced_files(b'{"weight_map": 3}') == set()  # not an index: names nothing

@@ -24,7 +24,6 @@ removes the files older than the last commit and aborts the uploads begun before
 
 from __future__ import annotations
 
-import json
 import os
 import posixpath
 import re
@@ -32,6 +31,7 @@ from datetime import datetime
 from typing import Any
 
 from unickpt._logging import get_logger
+from unickpt.errors import IncompleteCheckpointError
 from unickpt.format.commit import atomic_write_bytes
 from unickpt.format.naming import index_name, is_own_data_file, single_name
 from unickpt.format.storage import FsspecStorage, Storage, is_url, open_storage
@@ -42,10 +42,12 @@ __all__ = [
     "committed_on_store",
     "referenced_files",
     "commit_store_index",
+    "commit_and_clean",
     "remove_superseded",
     "clean_store_leftovers",
     "abort_dead_uploads",
     "object_time",
+    "read_small_file",
     "write_small_file",
     "checkpoint_directory",
 ]
@@ -76,23 +78,24 @@ def committed_on_store(storage: Storage, directory: str, kind: str) -> bool:
     return index_name(kind) in names or single_name(kind) in names
 
 
-def referenced_files(index: bytes) -> set[str]:
-    """The data files an index names (``weight_map``, the block's ``files`` table, listed slices)."""
+def referenced_files(index: bytes, path: str = "index.json") -> set[str]:
+    """The data files an index names (``weight_map``, the block's ``files`` table, listed slices);
+    nothing for bytes that are not a valid index."""
+    from unickpt.errors import IndexFileError
+    from unickpt.format.index import parse_index
+
     try:
-        obj = json.loads(index)
-    except ValueError:
+        idx = parse_index(index, path)
+    except (IndexFileError, ValueError):
         return set()
-    if not isinstance(obj, dict):
-        return set()
-    out = {v for v in (obj.get("weight_map") or {}).values() if isinstance(v, str)}
-    block = obj.get("unickpt") or {}
-    # Version 3: the block's file table names every data file its compact tensors use.
-    out |= {f for f in (block.get("files") or []) if isinstance(f, str)} if isinstance(block, dict) else set()
-    tensors = (block.get("tensors") or {}) if isinstance(block, dict) else {}
-    for entry in tensors.values() if isinstance(tensors, dict) else []:
-        for s in (entry or {}).get("slices") or []:
-            if isinstance(s, dict) and isinstance(s.get("file"), str):
-                out.add(s["file"])
+    out = set(idx.weight_map.values())
+    block = idx.unickpt
+    if block is not None:
+        # Version 3: the block's file table names every data file its compact tensors use.
+        out |= set(block.files or [])
+        for entry in block.tensors.values():
+            if not entry.compact:
+                out |= {s.file for s in entry.slices}
     return out
 
 
@@ -164,10 +167,11 @@ def _listing_times(storage: FsspecStorage, directory: str) -> dict[str, float | 
 
 
 def _commit_time(
-    storage: Storage, directory: str, times: dict[str, float | None]
+    storage: Storage, directory: str, times: dict[str, float | None], known: dict[str, set[str]] | None = None
 ) -> tuple[float | None, set[str]]:
     """(time of the newest commit point in ``directory``, files the committed checkpoints use),
-    from the directory's listing ``times`` (and each committed index, fetched)."""
+    from the directory's listing ``times`` (and each committed index, fetched unless ``known``
+    gives the files it names)."""
     newest: float | None = None
     used: set[str] = set()
     for kind in _KINDS:
@@ -176,9 +180,12 @@ def _commit_time(
             if name not in times or t is None:
                 continue
             newest = t if newest is None else max(newest, t)
-            if is_index:
+            if is_index and known is not None and name in known:
+                used |= known[name]
+            elif is_index:
                 try:
-                    used |= referenced_files(storage.read_bytes(storage.join(directory, name), limit=1 << 30))
+                    where = storage.join(directory, name)
+                    used |= referenced_files(storage.read_bytes(where, limit=1 << 30), where)
                 except (OSError, ValueError):
                     continue
             else:
@@ -228,8 +235,35 @@ def clean_store_leftovers(storage: Storage, directory: str) -> list[str]:
     """
     if not isinstance(storage, FsspecStorage):
         return []
-    times = _listing_times(storage, directory)  # one LIST gives every object's time
-    newest, used = _commit_time(storage, directory, times)
+    return _clean(storage, directory, _listing_times(storage, directory))  # one LIST: every object's time
+
+
+def commit_and_clean(storage: Storage, directory: str, kind: str, index: bytes, keep: set[str]) -> None:
+    """:func:`commit_store_index` then :func:`clean_store_leftovers`, from one listing taken
+    after the index PUT (the index's own file list is ``keep``: not fetched back). A failure of
+    the removals is logged, not raised: the checkpoint is committed, leftovers go next time."""
+    if not isinstance(storage, FsspecStorage):
+        commit_store_index(storage, directory, kind, index, keep)
+        return
+    storage.put(storage.join(directory, index_name(kind)), index)
+    try:  # committed: from here on a failure leaves only unreferenced files, removed next time
+        times = _listing_times(storage, directory)
+        gone = [n for n in times if n not in keep and is_store_data_file(kind, n)]
+        storage.remove([storage.join(directory, n) for n in gone])
+        _clean(
+            storage, directory, {n: t for n, t in times.items() if n not in gone}, {index_name(kind): keep}
+        )
+    except Exception as e:
+        logger.warning("%s: leftovers of killed saves not removed: %s", storage.url, e)
+
+
+def _clean(
+    storage: FsspecStorage,
+    directory: str,
+    times: dict[str, float | None],
+    known: dict[str, set[str]] | None = None,
+) -> list[str]:
+    newest, used = _commit_time(storage, directory, times, known)
     if newest is None:
         return []
     removed: list[str] = []
@@ -243,6 +277,21 @@ def clean_store_leftovers(storage: Storage, directory: str) -> list[str]:
     if removed:
         logger.info("%s: removed leftovers of killed saves: %s", storage.url, removed)
     return removed
+
+
+def read_small_file(
+    location: str, storage_options: dict[str, Any] | None = None, limit: int = 64 << 20
+) -> bytes:
+    """A small side file (a scheduler's JSON, a rank's training state) from a local path or a
+    URL; a missing one raises ``FileNotFoundError`` either way."""
+    if not is_url(location):
+        with open(location.removeprefix("file://"), "rb") as f:
+            return f.read()
+    storage, _ = open_storage(location, storage_options)
+    try:
+        return storage.read_bytes(location, limit=limit)
+    except IncompleteCheckpointError as e:
+        raise FileNotFoundError(str(e)) from None
 
 
 def write_small_file(location: str, data: bytes, storage_options: dict[str, Any] | None = None) -> None:

@@ -4,7 +4,7 @@ s3fs's own file object buffers a whole block (50 MiB by default), then uploads i
 while the writer waits, one part at a time. :class:`S3Upload` cuts the stream into parts of
 ``part_size`` bytes and hands each to a thread as soon as it is full, ``in_flight`` at a time,
 so the writer (and the hashing beside it) keeps producing while earlier parts travel. A file
-smaller than one part is a single PUT. ``close`` completes the multipart upload (the object
+of up to one part plus 5 MiB is a single PUT. ``close`` completes the multipart upload (the object
 appears whole, at once); ``discard`` aborts it (nothing appears). No torch here.
 """
 
@@ -21,6 +21,7 @@ __all__ = ["S3Upload", "PART_SIZE", "IN_FLIGHT"]
 PART_SIZE = 16 << 20
 #: Parts uploaded at once per file.
 IN_FLIGHT = 4
+_MIN_PART = 5 << 20
 
 
 class S3Upload:
@@ -31,7 +32,7 @@ class S3Upload:
         self.path = path
         self.name = path
         self.bucket, self.key, _ = fs.split_path(path)
-        self.part_size = max(part_size, 5 << 20)
+        self.part_size = max(part_size, _MIN_PART)
         self.closed = False
         self._buf = bytearray()
         self._upload_id: str | None = None
@@ -53,13 +54,17 @@ class S3Upload:
         n = mv.nbytes
         self._pos += n
         at = 0
+        # A part leaves once a whole part plus a minimum part are buffered, so that a file of
+        # up to part_size + 5 MiB is one PUT at close (no create / complete requests), and the
+        # last part is never under S3's 5 MiB minimum unless it is the only one.
+        hold = self.part_size + _MIN_PART
         while at < n:
-            take = min(self.part_size - len(self._buf), n - at)
+            take = min(hold - len(self._buf), n - at)
             self._buf += mv[at : at + take]
             at += take
-            if len(self._buf) >= self.part_size:
-                self._send(bytes(self._buf))
-                self._buf = bytearray()
+            if len(self._buf) >= hold:
+                self._send(bytes(self._buf[: self.part_size]))
+                del self._buf[: self.part_size]
         return n
 
     def flush(self) -> None:

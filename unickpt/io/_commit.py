@@ -7,7 +7,7 @@ from typing import Any
 from unickpt import _dist
 from unickpt._logging import get_logger
 from unickpt.format.commit import commit_directory, discard, finish_commit, place_staged, prepare_commit
-from unickpt.format.commit_store import clean_store_leftovers, commit_store_index
+from unickpt.format.commit_store import commit_and_clean
 from unickpt.format.storage import Storage
 from unickpt.io.planner import SavePlan
 
@@ -88,10 +88,11 @@ def _commit_on_store(
     rank: int,
 ) -> None:
     """Collective, object stores: every data file is uploaded whole; rank 0 writes the index
-    (one PUT: the commit), removes what it supersedes and the leftovers of killed saves."""
+    (one PUT: the commit), removes what it supersedes and the leftovers of killed saves (one
+    listing for both, ``commit_and_clean``; a cleanup failure is only logged)."""
     if rank == 0 and err is None:
         try:
-            commit_store_index(store, directory, kind, index, {f.name for f in plan.files})
+            commit_and_clean(store, directory, kind, index, {f.name for f in plan.files})
         except BaseException as e:
             err = e
     try:
@@ -99,8 +100,3 @@ def _commit_on_store(
     except BaseException:
         store.remove(staged.values())  # never named by a committed index
         raise
-    if rank == 0:
-        try:
-            clean_store_leftovers(store, directory)
-        except Exception as e:  # the checkpoint is committed; leftovers go at the next save
-            logger.warning("%s: leftovers of killed saves not removed: %s", store.url, e)

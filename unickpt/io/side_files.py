@@ -57,9 +57,9 @@ def read_lr_scheduler_state(path: str, storage_options: dict[str, Any] | None = 
     state written by :func:`lr_scheduler_json` is an ``IndexFileError`` naming ``path``.
     """
     try:
-        from unickpt.io.url_load import read_file_bytes  # a local path or a URL
+        from unickpt.format.commit_store import read_small_file  # a local path or a URL
 
-        raw = read_file_bytes(path, storage_options)
+        raw = read_small_file(path, storage_options)
         obj = strict_loads(raw.decode("utf-8"), IndexFileError, f"{path}: LR scheduler state")
     except FileNotFoundError as e:
         raise IncompleteCheckpointError(f"no LR scheduler state at {path}") from e

@@ -16,7 +16,6 @@ from typing import Any
 
 from unickpt import _dist
 from unickpt._faults import maybe_fail
-from unickpt.errors import IncompleteCheckpointError
 from unickpt.format.boxes import intersect, runs
 from unickpt.format.dtypes import itemsize
 from unickpt.format.index import TensorEntry
@@ -27,7 +26,6 @@ from unickpt.io.tensors import LocalSlice
 __all__ = [
     "each_slice",
     "open_for_load",
-    "read_file_bytes",
     "each_block",
     "wanted_ranges",
     "URL_WINDOW",
@@ -158,23 +156,6 @@ def open_for_load(
     if reader is None:  # never: agree() raised when opening failed on any rank
         raise RuntimeError(f"{where}: no reader after opening succeeded")
     return reader
-
-
-def read_file_bytes(
-    location: str, storage_options: dict[str, Any] | None = None, limit: int = 64 << 20
-) -> bytes:
-    """A small side file (the LR scheduler's JSON) from a local path or a URL; a missing one
-    raises ``FileNotFoundError`` either way."""
-    if not is_url(location):
-        with open(location.removeprefix("file://"), "rb") as f:
-            return f.read()
-    from unickpt.format.storage import open_storage
-
-    storage, _ = open_storage(location, storage_options)
-    try:
-        return storage.read_bytes(location, limit=limit)
-    except IncompleteCheckpointError as e:
-        raise FileNotFoundError(str(e)) from None
 
 
 def each_slice(

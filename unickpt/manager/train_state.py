@@ -164,12 +164,12 @@ def read_rank_state(
     """A rank's JSON state and tensors from a step directory or URL; (None, {}) when absent."""
     from safetensors.torch import load
 
-    from unickpt.io.url_load import read_file_bytes
+    from unickpt.format.commit_store import read_small_file
 
     jpath, tpath = _rank_paths(step_dir, rank)
     try:
-        js = json.loads(read_file_bytes(jpath, storage_options))
-        tensors = load(read_file_bytes(tpath, storage_options, limit=1 << 30))
+        js = json.loads(read_small_file(jpath, storage_options))
+        tensors = load(read_small_file(tpath, storage_options, limit=1 << 30))
     except FileNotFoundError:
         return None, {}
     except ValueError as e:
