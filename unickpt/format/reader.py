@@ -366,9 +366,7 @@ class CheckpointReader:
         return h.hexdigest()
 
     def verify(
-        self,
-        names: list[str] | None = None,
-        progress: Callable[[int], None] | None = None,
+        self, names: list[str] | None = None, progress: Callable[[int], None] | None = None
     ) -> list[IntegrityFailure]:
         """Rehash every stored slice (of ``names``, default all). Returns the failures.
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -32,7 +31,6 @@ from unickpt.errors import (
     HeaderError,
     IncompleteCheckpointError,
     IntegrityError,
-    StateMismatchError,
     UnickptError,
 )
 from unickpt.format.boxes import contiguous_start, intersect, runs
@@ -41,28 +39,11 @@ from unickpt.format.index import TensorEntry
 from unickpt.format.range_hashes import has_hashes, slice_failures
 from unickpt.format.read_batch import ReadBatch, describe_key, table_spans
 from unickpt.format.reader import CheckpointReader
-from unickpt.io.tensors import LocalSlice, global_shape, is_dtensor, st_dtype, torch_dtype
+from unickpt.io.load_match import LoadReport, match_targets, raise_mismatch
+from unickpt.io.tensors import LocalSlice, torch_dtype
 from unickpt.io.url_load import each_block, each_slice
 
-__all__ = ["LoadReport", "load_tensors", "read_box"]
-
-
-@dataclass
-class LoadReport:
-    """What a load did: ``missing`` targets the checkpoint lacks, ``unexpected`` names it has extra."""
-
-    loaded: list[str] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)
-    unexpected: list[str] = field(default_factory=list)
-
-    # Mirrors torch's _IncompatibleKeys so code that reads these names keeps working.
-    @property
-    def missing_keys(self) -> list[str]:
-        return self.missing
-
-    @property
-    def unexpected_keys(self) -> list[str]:
-        return self.unexpected
+__all__ = ["LoadReport", "load_tensors", "read_box"]  # LoadReport: io/load_match.py
 
 
 class _Files:
@@ -242,7 +223,7 @@ def load_tensors(
     report = LoadReport()
     plan: list[tuple[str, str, list[LocalSlice]]] = []  # (target name, source name, boxes)
     try:
-        plan, mismatched = _match(
+        plan, mismatched = match_targets(
             reader,
             targets,
             boxes_fn,
@@ -264,7 +245,7 @@ def load_tensors(
         if err is not None:
             raise err
         maybe_fail("load.match")
-        _raise_mismatch(reader, report, mismatched, strict=strict, what=what)
+        raise_mismatch(reader, report, mismatched, strict=strict, what=what)
         reader.check_coverage()
         needed: dict[str, list[int]] = {}
         for _, src, boxes in plan:
@@ -424,86 +405,3 @@ def _read_error(e: Exception, where: str) -> BaseException:
     if isinstance(e, (UnickptError, OSError)):
         return e
     return IncompleteCheckpointError(f"{where}: reading failed: {type(e).__name__}: {e}")
-
-
-def _match(
-    reader: CheckpointReader,
-    targets: dict[str, torch.Tensor],
-    boxes_fn: Callable[[str, torch.Tensor], list[LocalSlice]],
-    report: LoadReport,
-    *,
-    allow_dtype_cast: bool,
-    prefix: str,
-    what: str,
-    ignore_unexpected: Callable[[str], bool] | None,
-) -> tuple[list[tuple[str, str, list[LocalSlice]]], list[str]]:
-    block = reader.block
-    available: dict[str, str] = {}  # name without prefix -> stored name
-    for stored in list(block.tensors) + list(block.aliases):
-        if prefix:
-            if not stored.startswith(prefix):
-                continue
-            available[stored[len(prefix) :]] = stored
-        else:
-            available[stored] = stored
-    used: set[str] = set()
-    mismatched: list[str] = []
-    plan: list[tuple[str, str, list[LocalSlice]]] = []
-    done_ids: dict[int, str] = {}
-    for name, t in targets.items():
-        found = available.get(name)
-        if found is None:
-            if id(t) in done_ids:  # tied to a target that is loaded already
-                continue
-            report.missing.append(name)
-            continue
-        stored = found
-        used.add(stored)
-        src = block.aliases.get(stored, stored)
-        used.add(src)
-        entry = block.tensors[src]
-        boxes = boxes_fn(name, t)
-        # The boxes know the global tensor (a ZeRO target is a flat view of part of it).
-        want_shape = list(boxes[0].global_shape) if boxes else list(global_shape(t))
-        want_dtype = st_dtype(t.dtype, name)
-        # A plain tensor with no boxes is a view of a rank's empty share (ZeRO): nothing to check.
-        if entry.shape != want_shape and (boxes or is_dtensor(t)):
-            mismatched.append(f"{name}: checkpoint has shape {entry.shape}, {what} has {want_shape}")
-            continue
-        if entry.dtype != want_dtype and not allow_dtype_cast:
-            mismatched.append(
-                f"{name}: checkpoint has dtype {entry.dtype}, {what} has {want_dtype} "
-                "(pass allow_dtype_cast=True to cast on load)"
-            )
-            continue
-        if id(t) in done_ids:
-            continue
-        done_ids[id(t)] = name
-        report.loaded.append(name)
-        plan.append((name, src, boxes))
-    for stored, full in available.items():
-        if full not in used and (ignore_unexpected is None or not ignore_unexpected(stored)):
-            report.unexpected.append(stored)
-    return plan, mismatched
-
-
-def _raise_mismatch(
-    reader: CheckpointReader, report: LoadReport, mismatched: list[str], *, strict: bool, what: str
-) -> None:
-    problems = []
-    if mismatched:
-        problems.append("size or dtype mismatch:\n    " + "\n    ".join(mismatched))
-    if strict and report.missing:
-        problems.append(f"missing from the checkpoint ({len(report.missing)}): {report.missing[:20]}")
-    if strict and report.unexpected:
-        problems.append(
-            f"in the checkpoint but not in the {what} ({len(report.unexpected)}): {report.unexpected[:20]}"
-        )
-    if problems:
-        where = reader.index_path or reader.directory
-        raise StateMismatchError(
-            f"{where} does not match the {what}; nothing was loaded:\n  " + "\n  ".join(problems),
-            missing=report.missing if strict else [],
-            unexpected=report.unexpected if strict else [],
-            mismatched=mismatched,
-        )

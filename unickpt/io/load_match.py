@@ -1,0 +1,116 @@
+"""Step 1 of a load (``io/load.py``): the checkpoint's names, shapes and dtypes matched against
+a rank's targets, and the report of what was loaded, missing and unexpected."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from unickpt.errors import StateMismatchError
+from unickpt.format.reader import CheckpointReader
+from unickpt.io.tensors import LocalSlice, global_shape, is_dtensor, st_dtype
+
+__all__ = ["LoadReport", "match_targets", "raise_mismatch"]
+
+
+@dataclass
+class LoadReport:
+    """What a load did: ``missing`` targets the checkpoint lacks, ``unexpected`` names it has extra."""
+
+    loaded: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+
+    # Mirrors torch's _IncompatibleKeys so code that reads these names keeps working.
+    @property
+    def missing_keys(self) -> list[str]:
+        return self.missing
+
+    @property
+    def unexpected_keys(self) -> list[str]:
+        return self.unexpected
+
+
+def match_targets(
+    reader: CheckpointReader,
+    targets: dict[str, torch.Tensor],
+    boxes_fn: Callable[[str, torch.Tensor], list[LocalSlice]],
+    report: LoadReport,
+    *,
+    allow_dtype_cast: bool,
+    prefix: str,
+    what: str,
+    ignore_unexpected: Callable[[str], bool] | None,
+) -> tuple[list[tuple[str, str, list[LocalSlice]]], list[str]]:
+    block = reader.block
+    available: dict[str, str] = {}  # name without prefix -> stored name
+    for stored in list(block.tensors) + list(block.aliases):
+        if prefix:
+            if not stored.startswith(prefix):
+                continue
+            available[stored[len(prefix) :]] = stored
+        else:
+            available[stored] = stored
+    used: set[str] = set()
+    mismatched: list[str] = []
+    plan: list[tuple[str, str, list[LocalSlice]]] = []
+    done_ids: dict[int, str] = {}
+    for name, t in targets.items():
+        found = available.get(name)
+        if found is None:
+            if id(t) in done_ids:  # tied to a target that is loaded already
+                continue
+            report.missing.append(name)
+            continue
+        stored = found
+        used.add(stored)
+        src = block.aliases.get(stored, stored)
+        used.add(src)
+        entry = block.tensors[src]
+        boxes = boxes_fn(name, t)
+        # The boxes know the global tensor (a ZeRO target is a flat view of part of it).
+        want_shape = list(boxes[0].global_shape) if boxes else list(global_shape(t))
+        want_dtype = st_dtype(t.dtype, name)
+        # A plain tensor with no boxes is a view of a rank's empty share (ZeRO): nothing to check.
+        if entry.shape != want_shape and (boxes or is_dtensor(t)):
+            mismatched.append(f"{name}: checkpoint has shape {entry.shape}, {what} has {want_shape}")
+            continue
+        if entry.dtype != want_dtype and not allow_dtype_cast:
+            mismatched.append(
+                f"{name}: checkpoint has dtype {entry.dtype}, {what} has {want_dtype} "
+                "(pass allow_dtype_cast=True to cast on load)"
+            )
+            continue
+        if id(t) in done_ids:
+            continue
+        done_ids[id(t)] = name
+        report.loaded.append(name)
+        plan.append((name, src, boxes))
+    for stored, full in available.items():
+        if full not in used and (ignore_unexpected is None or not ignore_unexpected(stored)):
+            report.unexpected.append(stored)
+    return plan, mismatched
+
+
+def raise_mismatch(
+    reader: CheckpointReader, report: LoadReport, mismatched: list[str], *, strict: bool, what: str
+) -> None:
+    problems = []
+    if mismatched:
+        problems.append("size or dtype mismatch:\n    " + "\n    ".join(mismatched))
+    if strict and report.missing:
+        problems.append(f"missing from the checkpoint ({len(report.missing)}): {report.missing[:20]}")
+    if strict and report.unexpected:
+        problems.append(
+            f"in the checkpoint but not in the {what} ({len(report.unexpected)}): {report.unexpected[:20]}"
+        )
+    if problems:
+        where = reader.index_path or reader.directory
+        raise StateMismatchError(
+            f"{where} does not match the {what}; nothing was loaded:\n  " + "\n  ".join(problems),
+            missing=report.missing if strict else [],
+            unexpected=report.unexpected if strict else [],
+            mismatched=mismatched,
+        )
