@@ -222,10 +222,6 @@ class CheckpointReader:
     def drop_prefetched(self) -> None:
         self._prefetched = None
 
-    def prefetched_covers(self, name: str, offset: int, length: int) -> bool:
-        """True when a prefetched block of file ``name`` holds [offset, offset+length)."""
-        return self._prefetched is not None and self._prefetched.covers(name, offset, length)
-
     def pin(self) -> None:
         """Open every data file now (headers checked, save ids matched): later reads need no name."""
         self.open_files(self.files)

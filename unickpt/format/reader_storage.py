@@ -248,6 +248,8 @@ class Prefetched:
             got = handles[name].pread_many(pieces, gap=-1)  # grouped already: one request per piece
             return name, sorted(zip((o for o, _ in pieces), got, strict=True))
 
+        # Ranges a block fetched earlier holds (a verified load's hashed slices) are not fetched again.
+        wanted = {n: [r for r in rs if not self.covers(n, *r)] for n, rs in wanted.items()}
         names = [n for n in wanted if wanted[n]]
         with ThreadPoolExecutor(max(1, min(threads, len(names))), thread_name_prefix="unickpt-fetch") as pool:
             for name, blocks in pool.map(one, names):

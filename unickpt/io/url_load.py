@@ -67,13 +67,8 @@ def each_block(
                 size += math.prod(b.shape) * itemsize(entry.dtype)
                 stop += 1
             window = jobs[start:stop]
-            wanted = wanted_ranges(reader, window)
-            if held:
-                wanted = {
-                    f: [r for r in rs if not reader.prefetched_covers(f, *r)] for f, rs in wanted.items()
-                }
-                wanted = {f: rs for f, rs in wanted.items() if rs}
-            reader.prefetch(wanted, URL_READ_THREADS)
+            # Ranges the reader already holds (``held``) are not fetched again (``Prefetched.fetch``).
+            reader.prefetch(wanted_ranges(reader, window), URL_READ_THREADS)
             try:
                 out += [fn(job) for job in window]
             finally:
