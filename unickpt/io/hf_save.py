@@ -100,14 +100,10 @@ class StagedHF:
     file_name: str | None  # a single file's name
 
 
-def stage_gathered(s: GatheredSave, rank: int) -> StagedHF:
-    """Local phase: the files' layout; rank 0 creates every staged file (header, full size).
-
-    ``io.save`` runs it while preparing the directory (after rank 0 took the lock), so that one
-    agreement covers both; when that agreement fails, rank 0 removes ``own``.
-    """
-    # The files' order: the ranks' order of names (rank 0's first), not the order in which
-    # slices appear (a rank may hold no slice of a tensor it names).
+def order_files(s: GatheredSave) -> tuple[SavePlan, _Ranges, list[tuple[str, str, tuple[int, ...]]]]:
+    """The files' order (the ranks' order of names, rank 0's first, not the order in which slices
+    appear: a rank may hold no slice of a tensor it names), set as ``s.plan``; each tensor's writer
+    ranges; the (name, dtype, shape) of each tensor in that order."""
     known = [n for n in s.order if n in s.plan.tensors]
     listed = set(known)
     known += [n for n in s.plan.tensors if n not in listed]
@@ -118,7 +114,16 @@ def stage_gathered(s: GatheredSave, rank: int) -> StagedHF:
         name: writer_ranges(gshape, dtype, [(ps.offsets, ps.shape, ps.rank) for ps in plan.slices[name]])
         for name, (dtype, gshape) in plan.tensors.items()
     }
-    descs = [(n, d, g) for n, (d, g) in plan.tensors.items()]
+    return plan, ranges, [(n, d, tuple(g)) for n, (d, g) in plan.tensors.items()]
+
+
+def stage_gathered(s: GatheredSave, rank: int) -> StagedHF:
+    """Local phase: the files' layout; rank 0 creates every staged file (header, full size).
+
+    ``io.save`` runs it while preparing the directory (after rank 0 took the lock), so that one
+    agreement covers both; when that agreement fails, rank 0 removes ``own``.
+    """
+    _, ranges, descs = order_files(s)
     file_name = single_file_name(s.file_path, s.kind) if s.file_path else None
     placeholders = None
     if file_name is not None:

@@ -40,7 +40,7 @@ from unickpt._faults import maybe_fail
 from unickpt.format import storage_parts
 from unickpt.format.commit_store import remove_superseded, store_file_name
 from unickpt.format.dtypes import itemsize
-from unickpt.format.hf_layout import HFLayout, box_runs, plan_hf_layout, writer_ranges
+from unickpt.format.hf_layout import HFLayout, box_runs, plan_hf_layout
 from unickpt.format.index import index_to_json
 from unickpt.format.naming import single_name
 from unickpt.format.reader import single_file_name
@@ -48,7 +48,7 @@ from unickpt.format.storage import FsspecStorage
 from unickpt.format.storage_parts import Part, SharedUpload, part_size_for, plan_parts
 from unickpt.format.writer import build_index, data_file_metadata, single_file_metadata
 from unickpt.io._commit import commit_collective
-from unickpt.io.hf_save import GatheredSave, _block, _hash_tensor
+from unickpt.io.hf_save import GatheredSave, _block, _hash_tensor, order_files
 from unickpt.io.planner import PlannedFile, SavePlan
 from unickpt.io.tensors import as_bytes
 
@@ -100,17 +100,7 @@ def save_gathered_parts(
 
     ``over``: a checkpoint of the kind is committed in ``s.directory`` (new files get save-id names).
     """
-    known = [n for n in s.order if n in s.plan.tensors]
-    listed = set(known)
-    known += [n for n in s.plan.tensors if n not in listed]
-    s.plan = plan = SavePlan(
-        {n: s.plan.tensors[n] for n in known}, s.plan.files, s.plan.slices, s.plan.sliced
-    )
-    ranges = {
-        name: writer_ranges(gshape, dtype, [(ps.offsets, ps.shape, ps.rank) for ps in plan.slices[name]])
-        for name, (dtype, gshape) in plan.tensors.items()
-    }
-    descs = [(n, d, g) for n, (d, g) in plan.tensors.items()]
+    plan, ranges, descs = order_files(s)
     single = bool(s.file_path)
     file_name = single_file_name(s.file_path, s.kind) if single else None
     placeholders = _block(s, ranges, None, None, file_name=file_name, placeholder=True) if single else None
