@@ -34,6 +34,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
 
+import _save_collectives_worker
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -371,6 +372,8 @@ CASES: list[tuple[str, Callable[[Path], dict[str, Any]]]] = [
     ("save_fails_rank1", case_save_fails_rank1),
     ("group_of_rank0_only", case_group_of_rank0_only),
     ("agree_gather", case_agree_gather),
+    ("save_collectives", _save_collectives_worker.case_save_collectives),
+    ("plan_fails_rank1_prepared", _save_collectives_worker.case_plan_fails_on_rank1_while_rank0_prepares),
 ]
 
 

@@ -274,3 +274,40 @@ def test_agree_gather_is_an_agreement_and_a_gather(obs: dict[str, list[dict[str,
         )
     assert r0["out_of_step"]["raised"] == "DistributedError"
     assert "[rank 1] DistributedError: out of step: sent tuple" in r0["out_of_step"]["message"]
+
+
+# ------------------------------------------------------------------ the collectives of a save (issue 17)
+
+
+def test_save_makes_few_collectives_and_no_barrier(obs: dict[str, list[dict[str, Any]]]) -> None:
+    """A sliced save in a directory: 6 object collectives (listing, plan + preparation, writing,
+    the commit's 3); a gathered save: 4. No barrier: the last agreement follows the commit and
+    the lock's release, so no rank sees the lock file once its save returned."""
+    both = case(obs, "save_collectives")
+    for r, o in enumerate(both):
+        assert o["sliced"]["calls"] == {"all_gather_object": 6}, (r, o["sliced"])
+        assert o["sliced_again"]["calls"] == {"all_gather_object": 6}, (r, o["sliced_again"])
+        assert o["gathered"]["calls"] == {"all_gather_object": 4}, (r, o["gathered"])
+        for what in ("sliced", "sliced_again", "gathered"):
+            assert o[what]["lock_left"] is False, (r, what)
+        assert o["sliced"]["exact"] and o["gathered"]["exact"], (r, o)
+
+
+AFTER_RETRY = ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+
+
+def test_plan_failing_on_rank1_while_rank0_prepares(obs: dict[str, list[dict[str, Any]]]) -> None:
+    """The plan's agreement is the preparation's: rank 0 takes the lock and creates the gathered
+    save's staged files while rank 1's plan fails; every rank raises, nothing is left, a retry saves."""
+    r0, r1 = case(obs, "plan_fails_rank1_prepared")
+    assert r1["raised"] == "InjectedFault", r1  # not a UnickptError: unchanged on its own rank
+    assert r0["raised"] == "DistributedError", r0
+    assert r0["message"] == (
+        f"planning the save and preparing {r0['directory']} failed on 1 of 2 rank(s):\n"
+        "[rank 1] InjectedFault: injected fault at stage 'save.plan' on rank 1"
+    )
+    for r, o in enumerate((r0, r1)):
+        assert o["seconds"] < BOUND_S, (r, o["seconds"])
+        assert o["left"] == [], (r, o["left"])
+        assert o["retry"]["raised"] is None, (r, o["retry"])
+        assert o["after_retry"] == AFTER_RETRY, (r, o["after_retry"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from unickpt import _dist
@@ -11,7 +12,7 @@ from unickpt.format.commit_store import commit_and_clean
 from unickpt.format.storage import Storage
 from unickpt.io.planner import SavePlan
 
-__all__ = ["commit_collective"]
+__all__ = ["commit_collective", "settle"]
 
 logger = get_logger(__name__)
 
@@ -29,16 +30,18 @@ def commit_collective(
     rank: int,
     world: int,
     store: Storage | None = None,
+    lock: contextlib.ExitStack | None = None,
 ) -> None:
     """Collective: commit a sharded or sliced save (``format.commit``), or raise on every rank.
 
     One process commits in one call. Several ranks each rename their own staged files (their
     directories may differ, as with node-local staging before an upload) between rank 0's
-    un-commit of the previous checkpoint and its rename of the index.
+    un-commit of the previous checkpoint and its rename of the index. ``lock`` (rank 0's save
+    lock) is released after a successful commit, before the last agreement (``settle``).
     """
     where = f"committing {directory}"
     if store is not None:
-        _commit_on_store(store, directory, kind, plan, staged, index, err, group, rank)
+        _commit_on_store(store, directory, kind, plan, staged, index, err, group, rank, lock)
         return
     if world == 1:
         try:
@@ -46,7 +49,7 @@ def commit_collective(
                 commit_directory(directory, kind, staged, index, save_id=save_id, fsync=fsync)
         except BaseException as e:
             err = e
-        _dist.agree(err, where, group)
+        settle(err, where, group, lock)
         return
     idx_tmp = ""
     if rank == 0 and err is None:
@@ -73,7 +76,7 @@ def commit_collective(
             finish_commit(directory, kind, idx_tmp, {f.name for f in plan.files}, fsync=fsync)
         except BaseException as e:
             err = e
-    _dist.agree(err, where, group)
+    settle(err, where, group, lock)
 
 
 def _commit_on_store(
@@ -86,6 +89,7 @@ def _commit_on_store(
     err: BaseException | None,
     group: Any,
     rank: int,
+    lock: contextlib.ExitStack | None,
 ) -> None:
     """Collective, object stores: every data file is uploaded whole; rank 0 writes the index
     (one PUT: the commit), removes what it supersedes and the leftovers of killed saves (one
@@ -96,7 +100,23 @@ def _commit_on_store(
         except BaseException as e:
             err = e
     try:
-        _dist.agree(err, f"committing {store.url}", group)
+        settle(err, f"committing {store.url}", group, lock)
     except BaseException:
         store.remove(staged.values())  # never named by a committed index
         raise
+
+
+def settle(err: BaseException | None, what: str, group: Any, lock: contextlib.ExitStack | None) -> None:
+    """Collective, the last agreement of a save, after rank 0's commit (``err``: this rank's failure).
+
+    A rank that did not fail releases ``lock`` first (rank 0's save lock; on other ranks an empty
+    stack), so this agreement is also the save's final barrier: no rank returns before the
+    checkpoint is committed and its lock released. A failed rank keeps the lock until it has
+    removed its leftovers; a failure to release it fails the save on every rank.
+    """
+    if err is None and lock is not None:
+        try:
+            lock.close()
+        except BaseException as e:
+            err = e
+    _dist.agree(err, what, group)

@@ -26,6 +26,7 @@ Files are byte-identical to what the rank-0 gathered save wrote (same order, hea
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -55,6 +56,7 @@ from unickpt.format.writer import (
     tensor_entry,
     write_all,
 )
+from unickpt.io._commit import settle
 from unickpt.io.hf_rows import RowMoves
 from unickpt.io.planner import SavePlan
 from unickpt.io.tensors import LocalSlice, as_bytes
@@ -86,6 +88,9 @@ class GatheredSave:
     block_extras: dict[str, Any]
     order: list[str]  # tensor names as the ranks list them, rank 0's first: the files' order
     rows: RowMoves | None = None  # column-sharded tensors moved to row slices as they are written
+    lock: contextlib.ExitStack | None = (
+        None  # rank 0's save lock: released once committed (io._commit.settle)
+    )
 
 
 @dataclass
@@ -187,7 +192,7 @@ def save_gathered(s: GatheredSave, st: StagedHF, group: Any, rank: int) -> None:
                 _finish_single(layout, staged, placeholders, block, s)
             except BaseException as e:
                 err = e
-        _dist.agree(err, f"committing {s.file_path}", group)
+        settle(err, f"committing {s.file_path}", group, s.lock)
         return
     index = b""
     if rank == 0:
@@ -206,7 +211,7 @@ def save_gathered(s: GatheredSave, st: StagedHF, group: Any, rank: int) -> None:
                 discard(own.values())
         except BaseException as e:
             err = e
-    _dist.agree(err, f"committing {s.directory}", group)
+    settle(err, f"committing {s.directory}", group, s.lock)
 
 
 def _create_files(

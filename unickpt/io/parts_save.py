@@ -47,7 +47,7 @@ from unickpt.format.reader import single_file_name
 from unickpt.format.storage import FsspecStorage
 from unickpt.format.storage_parts import Part, SharedUpload, part_size_for, plan_parts
 from unickpt.format.writer import build_index, data_file_metadata, single_file_metadata
-from unickpt.io._commit import commit_collective
+from unickpt.io._commit import commit_collective, settle
 from unickpt.io.hf_save import GatheredSave, _block, _hash_tensor, order_files
 from unickpt.io.planner import PlannedFile, SavePlan
 from unickpt.io.tensors import as_bytes
@@ -134,16 +134,14 @@ def save_gathered_parts(
             err = e
             _abort(uploads)
     where = f"uploading {s.file_path or store.join(s.directory, '')}"
-    _dist.agree(err, where, group)
-    ids = _dist.broadcast_object([u.upload_id for u in uploads], 0, group)
+    # the upload ids travel with the agreement: one exchange
+    ids = _dist.agree_gather(err, [u.upload_id for u in uploads], where, group)[0]
     if rank != 0:
         uploads = [SharedUpload(store.fs, p, i) for p, i in zip(paths, ids, strict=True)]
 
     # 3. rounds of exchange and upload.
     try:
-        etags, kept, hashes, partials = _upload_own(
-            s, layout, ranges, parts, uploads, meta, group, rank, world
-        )
+        kept, gathered = _upload_own(s, layout, ranges, parts, uploads, meta, group, rank, world)
     except BaseException:
         if rank == 0:  # every rank has stopped uploading: nothing of this save appears
             _abort(uploads)
@@ -153,7 +151,6 @@ def save_gathered_parts(
         raise
 
     # 4. rank 0: the block, the completions, the commit.
-    gathered = _dist.all_gather_object((etags, hashes, partials), group)
     all_etags: _ETags = {}
     all_hashes: _Hashes = {}
     all_partials: _Partials = {}
@@ -202,13 +199,25 @@ def save_gathered_parts(
                     remove_superseded(store, directory, s.kind, {base}, single=True)
             except BaseException as e:
                 err = e
-        _dist.agree(err, f"committing {s.file_path}", group)
+        settle(err, f"committing {s.file_path}", group, s.lock)
         return
     commit_files = [PlannedFile(p.rsplit("/", 1)[1], 0) for p in paths]
     commit_plan = SavePlan(plan.tensors, commit_files, {}, False)
     staged = {f.name: p for f, p in zip(commit_files, paths, strict=True)} if rank == 0 else {}
     commit_collective(
-        s.directory, s.kind, False, commit_plan, staged, index, s.save_id, err, group, rank, world, store
+        s.directory,
+        s.kind,
+        False,
+        commit_plan,
+        staged,
+        index,
+        s.save_id,
+        err,
+        group,
+        rank,
+        world,
+        store,
+        s.lock,
     )
 
 
@@ -252,9 +261,10 @@ def _upload_own(
     group: Any,
     rank: int,
     world: int,
-) -> tuple[_ETags, dict[tuple[int, int], bytearray], _Hashes, _Partials]:
-    """Step 3 on this rank: returns its ETags, the parts kept for later (a single file's first
-    part, rank 0) and the hashes of the ranges it holds. Raises on every rank if any failed."""
+) -> tuple[dict[tuple[int, int], bytearray], list[tuple[_ETags, _Hashes, _Partials]]]:
+    """Step 3 on this rank: returns the parts kept for later (a single file's first part, rank 0)
+    and every rank's ETags and hashes of the ranges it holds (gathered with the last agreement).
+    Raises on every rank if any failed."""
     opts = s.opts
     plan = s.plan
     file_of = {f.name: i for i, f in enumerate(layout.files)}
@@ -327,11 +337,14 @@ def _upload_own(
                     partials.setdefault(name, []).extend(got)
         except BaseException as e:
             err = e
-        _dist.agree(err, f"hashing {s.file_path or s.directory}", group)
+        # the agreement carries every rank's ETags and hashes: one exchange
+        gathered = _dist.agree_gather(
+            err, (etags, hashes, partials), f"hashing {s.file_path or s.directory}", group
+        )
     finally:
         pool.shutdown(wait=True)
         hash_pool.shutdown(wait=True)
-    return etags, kept, hashes, partials
+    return kept, gathered
 
 
 def _exchange(

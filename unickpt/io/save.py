@@ -5,19 +5,26 @@ files) takes steps 4-6 in ``io.hf_save``: every rank writes its own bytes into t
 
 Order of events (every rank calls ``save_tensors`` with its own tensors):
 
-1. every rank lists the blocks it holds; the lists are all-gathered (names and shapes only);
+1. every rank lists the blocks it holds; the lists are all-gathered (names and shapes only)
+   with the listing's agreement, the aliases, entry extras, save id and names (one exchange);
 2. every rank computes the same plan (``planner.plan_save``);
 3. rank 0 prepares the directory and takes the save lock; the previous checkpoint stays
-   committed and untouched while this save writes;
+   committed and untouched while this save writes; one agreement covers the plan and the
+   preparation (rank 0 prepares only when its plan succeeded);
 4. each writer streams its blocks into staging files (``format.writer.CheckpointWriter``:
    hidden temporary names derived from the save id), hashing each block on a second thread
    while the previous one is written, and fsyncs every file; every file's header carries the
    save id;
 5. ranks agree that every write succeeded (else every rank raises, partial files removed);
+   the agreement carries every rank's hashes;
 6. rank 0 commits through ``format.commit`` (stage the index, un-commit the previous
    checkpoint, rename the data files and then the index into place, remove superseded files
-   and leftovers of killed saves) and releases the lock; a final barrier means no rank
-   returns before the checkpoint is committed.
+   and leftovers of killed saves) and releases the lock; the last agreement follows that
+   release (``io._commit.settle``), so no rank returns before the checkpoint is committed.
+
+A sliced save in a directory makes 6 object collectives over 2+ ranks (listing, plan and
+preparation, writing, the commit's 3), on a store 4 (one commit agreement), a gathered save
+in a directory 4 (docs/performance.md, issue 17).
 
 A URL (``s3://``, ``gs://``...: ``SaveOptions.storage_options``) goes through the storage layer
 instead (``format/commit_store.py``, docs/format.md section 6.1): no staging; rank 0 takes the
@@ -51,7 +58,7 @@ from unickpt.format.storage import FsspecStorage, Storage, is_url, open_storage
 from unickpt.format.storage_parts import supports_shared_parts
 from unickpt.format.store_lock import store_lock
 from unickpt.format.writer import build_index
-from unickpt.io._commit import commit_collective
+from unickpt.io._commit import commit_collective, settle
 from unickpt.io.funnel_save import feed_funnel, write_funnelled, write_funnelled_single
 from unickpt.io.hf_rows import RowMoves
 from unickpt.io.hf_save import GatheredSave, StagedHF, save_gathered, stage_gathered
@@ -119,59 +126,45 @@ def save_tensors(
                 group,
             )
 
-    # 1-2. list blocks, gather the lists, plan.
+    # 1-2. list blocks, gather the lists (with aliases, extras, save id, names), plan.
     err: BaseException | None = None
     local: list[LocalSlice] = []
     # A gathered save in a directory moves column-sharded DTensors to row slices as it writes
     # them (io/hf_rows.py): the plan takes their boxes after the move.
     rows = RowMoves() if opts.gather and store is None else None
+    # A gathered save on a store without shared multipart uploads is written whole by rank 0
+    # (io/funnel_save.py); on S3 every rank uploads parts of the files (io/parts_save.py); in a
+    # local directory every rank writes its own bytes in place (io/hf_save.py).
+    funnel = opts.gather and store is not None and not supports_shared_parts(store)
+    save_id = new_save_id()  # rank 0's id is the save's id
+    # A gathered save orders its files by the tensors' names as the ranks list them (rank 0's
+    # first): a rank may hold no slice of a tensor (a ZeRO range it does not own).
+    names_listed = list(tensors) if opts.gather else []
+    metas: list[SliceMeta] = []
     try:
         maybe_fail("save.list")
         for name, t in tensors.items():
             sls = boxes_fn(name, t)
             local.extend(sls if rows is None else rows.take(name, t, sls))
+        metas = _funnel_metas(local) if funnel else [sl.meta() for sl in local]
     except BaseException as e:
         err = e
-    _dist.agree(err, "listing tensors to save", group)
-    # A gathered save on a store without shared multipart uploads is written whole by rank 0
-    # (io/funnel_save.py); on S3 every rank uploads parts of the files (io/parts_save.py); in a
-    # local directory every rank writes its own bytes in place (io/hf_save.py).
-    funnel = opts.gather and store is not None and not supports_shared_parts(store)
-    all_metas: list[list[SliceMeta]] = []
-    if funnel:
-        # Each tensor is written whole by rank 0; metas only say which tensors exist.
-        metas: list[SliceMeta] = []
-        seen = set()
-        for sl in local:
-            if sl.name not in seen:
-                seen.add(sl.name)
-                metas.append(
-                    (sl.name, sl.dtype, sl.global_shape, (0,) * len(sl.global_shape), sl.global_shape)
-                )
-        all_metas = _dist.all_gather_object(metas, group)
-        merged: list[SliceMeta] = []
-        names: set[str] = set()
-        for ms in all_metas:
-            for m in ms:
-                if m[0] not in names:
-                    names.add(m[0])
-                    merged.append(m)
-        per_rank: list[list[SliceMeta]] = [merged] + [[] for _ in range(world - 1)]
-    else:
-        # Every rank's slices (names and boxes only); a gathered save writes them in place too.
-        per_rank = all_metas = _dist.all_gather_object([sl.meta() for sl in local], group)
-    # Entry extras (an optimizer tensor's parameter) and aliases are known to the ranks that
-    # hold those tensors: pipeline stages and ZeRO ranks each know part of them.
+    # One exchange agrees on the listing and gathers what planning needs. Entry extras (an
+    # optimizer tensor's parameter) and aliases are known to the ranks that hold those tensors:
+    # pipeline stages and ZeRO ranks each know part of them.
+    gathered = _dist.agree_gather(
+        err, (metas, aliases, entry_extras or {}, save_id, names_listed), "listing tensors to save", group
+    )
+    all_metas: list[list[SliceMeta]] = [g[0] for g in gathered]
+    if funnel:  # each tensor is written whole by rank 0; metas only say which tensors exist
+        per_rank: list[list[SliceMeta]] = [_merge_metas(all_metas)] + [[] for _ in range(world - 1)]
+    else:  # every rank's slices (names and boxes only); a gathered save writes them in place too
+        per_rank = all_metas
+    save_id = gathered[0][3]
+    order = list(dict.fromkeys(n for g in gathered for n in g[4]))
     merged_aliases: dict[str, str] = {}
     merged_extras: dict[str, dict[str, Any]] = {}
-    save_id = new_save_id()  # rank 0's id is the save's id
-    # A gathered save orders its files by the tensors' names as the ranks list them (rank 0's
-    # first): a rank may hold no slice of a tensor (a ZeRO range it does not own).
-    names_listed = list(tensors) if opts.gather else []
-    gathered = _dist.all_gather_object((aliases, entry_extras or {}, save_id, names_listed), group)
-    save_id = gathered[0][2]
-    order = list(dict.fromkeys(n for g in gathered for n in g[3]))
-    for rank_aliases, rank_extras, _, _ in gathered:
+    for _, rank_aliases, rank_extras, _, _ in gathered:
         for k, v in rank_aliases.items():
             merged_aliases.setdefault(k, v)
         for k, x in rank_extras.items():
@@ -191,15 +184,14 @@ def save_tensors(
             )
     except BaseException as e:
         err = e
-    _dist.agree(err, "planning the save", group)
-    if plan is None:  # never: agree() raised when planning failed on any rank
-        raise RuntimeError(f"{path}: no save plan after planning succeeded")
 
-    # 3. rank 0 prepares the directory (and, for a gathered save, creates its staged files).
+    # 3. rank 0 prepares the directory (and, for a gathered save, creates its staged files). The
+    # plan is the same on every rank (a function of the gathered lists): its agreement is the
+    # preparation's, and rank 0 prepares only when its own plan succeeded.
     lock = contextlib.ExitStack()
     over = False  # an object store holds a committed checkpoint of the kind here
     gs: GatheredSave | None = None
-    if opts.gather and not funnel:  # 4-6: every rank writes its bytes of the HF files
+    if plan is not None and opts.gather and not funnel:  # 4-6: every rank writes its bytes of the HF files
         gs = GatheredSave(
             plan,
             local,
@@ -214,10 +206,11 @@ def save_tensors(
             block_extras or {},
             order,
             rows,
+            lock,
         )
     staged_hf: StagedHF | None = None
     try:
-        if rank == 0:
+        if err is None and rank == 0:
             maybe_fail("save.prepare")
             if store is None:
                 os.makedirs(directory, exist_ok=True)
@@ -230,13 +223,15 @@ def save_tensors(
     except BaseException as e:
         err = e
     try:
-        try:
-            _dist.agree(err, f"preparing {directory}", group)
+        try:  # rank 0's finding on the store travels with the agreement
+            prepared = _dist.agree_gather(err, over, f"planning the save and preparing {directory}", group)
         except BaseException:
             if staged_hf is not None:
                 discard(staged_hf.own.values())
             raise
-        over = store is not None and not single_file and _dist.broadcast_object(over, 0, group)
+        if plan is None:  # never: agree_gather() raised when planning failed on any rank
+            raise RuntimeError(f"{path}: no save plan after planning succeeded")
+        over = store is not None and not single_file and prepared[0]
         if over:
             for pf in plan.files:  # never overwrite the committed checkpoint's files
                 pf.name = store_file_name(pf.name, save_id)
@@ -246,7 +241,7 @@ def save_tensors(
                 save_gathered_parts(gs, store, over, group, rank, world)
             elif staged_hf is not None:
                 save_gathered(gs, staged_hf, group, rank)
-            return _finish(lock, group, path, store, file_path if single_file else directory)
+            return _finish(lock, path, store, file_path if single_file else directory)
         # 4. write.
         results: _Results = {}
         try:
@@ -288,45 +283,78 @@ def save_tensors(
             [] if single_file else plan.files_of(rank) if not opts.gather else plan.files if rank == 0 else []
         )
         staged = {f.name: make_writer(directory, opts, plan, save_id, store).staged_name(f.name) for f in own}
-        try:
-            _dist.agree(err, f"writing {directory}", group)
+        if single_file:  # rank 0 wrote and committed the file: this agreement ends the save
+            settle(err, f"writing {directory}", group, lock)
+            return _finish(lock, path, store, file_path)
+        try:  # the agreement carries the hashes: one exchange
+            all_results = _dist.agree_gather(err, results, f"writing {directory}", group)
         except BaseException:
             # every rank has stopped writing: the successful ranks' files go too
             discard(staged.values()) if store is None else store.remove(staged.values())
             raise
 
         # 5-6. commit.
-        all_results = _dist.all_gather_object(results, group) if not single_file else [results]
-        if not single_file:
-            index = b""
-            if rank == 0:
-                try:
-                    maybe_fail("save.commit")
-                    merged_results: _Results = {}
-                    for r in all_results:
-                        merged_results.update(r)
-                    block = build_save_block(
-                        plan, merged_results, opts, aliases, entry_extras, block_extras, save_id=save_id
-                    )
-                    index = index_to_json(build_index(block, sliced=plan.sliced))
-                except BaseException as e:
-                    err = e
-            commit_collective(
-                directory, opts.kind, opts.fsync, plan, staged, index, save_id, err, group, rank, world, store
-            )
+        index = b""
+        if rank == 0:
+            try:
+                maybe_fail("save.commit")
+                merged_results: _Results = {}
+                for r in all_results:
+                    merged_results.update(r)
+                block = build_save_block(
+                    plan, merged_results, opts, aliases, entry_extras, block_extras, save_id=save_id
+                )
+                index = index_to_json(build_index(block, sliced=plan.sliced))
+            except BaseException as e:
+                err = e
+        commit_collective(
+            directory,
+            opts.kind,
+            opts.fsync,
+            plan,
+            staged,
+            index,
+            save_id,
+            err,
+            group,
+            rank,
+            world,
+            store,
+            lock,
+        )
     finally:
         lock.close()
-    return _finish(None, group, path, store, file_path if single_file else directory)
+    return _finish(lock, path, store, directory)
 
 
-def _finish(
-    lock: contextlib.ExitStack | None, group: Any, path: str, store: Storage | None, local: str
-) -> str:
-    """Release the lock (if still held), wait for every rank: the checkpoint is committed."""
-    if lock is not None:
-        lock.close()
-    _dist.barrier(group)
+def _finish(lock: contextlib.ExitStack, path: str, store: Storage | None, local: str) -> str:
+    """The committed path. The save's last agreement followed rank 0's commit (and the release of
+    its lock, ``io._commit.settle``): no rank returns before the checkpoint is committed."""
+    lock.close()  # held still only when the save failed before its commit
     return path if store is not None else local
+
+
+def _funnel_metas(local: list[LocalSlice]) -> list[SliceMeta]:
+    """A funnelled save's metas: each tensor this rank holds once, as a whole tensor."""
+    metas: list[SliceMeta] = []
+    seen: set[str] = set()
+    for sl in local:
+        if sl.name not in seen:
+            seen.add(sl.name)
+            metas.append((sl.name, sl.dtype, sl.global_shape, (0,) * len(sl.global_shape), sl.global_shape))
+    return metas
+
+
+def _merge_metas(all_metas: list[list[SliceMeta]]) -> list[SliceMeta]:
+    """Every rank's tensors once (the first rank that lists a tensor gives its meta)."""
+    merged: list[SliceMeta] = []
+    names: set[str] = set()
+    for ms in all_metas:
+        for m in ms:
+            if m[0] not in names:
+                names.add(m[0])
+                merged.append(m)
+    return merged
 
 
 def open_store(path: str, storage_options: dict[str, Any] | None) -> tuple[Storage | None, str]:
