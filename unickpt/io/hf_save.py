@@ -88,9 +88,8 @@ class GatheredSave:
     block_extras: dict[str, Any]
     order: list[str]  # tensor names as the ranks list them, rank 0's first: the files' order
     rows: RowMoves | None = None  # column-sharded tensors moved to row slices as they are written
-    lock: contextlib.ExitStack | None = (
-        None  # rank 0's save lock: released once committed (io._commit.settle)
-    )
+    # rank 0's save lock: released once committed, before the last agreement (io._commit.settle)
+    lock: contextlib.ExitStack | None = None
 
 
 @dataclass
