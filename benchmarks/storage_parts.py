@@ -30,6 +30,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 import _common as C  # noqa: E402
+from s3server import client_options  # noqa: E402
 from storage_save import _free_port  # noqa: E402
 
 CASES = ("funnel", "parts")
@@ -48,13 +49,7 @@ def _worker(p: dict[str, Any]) -> None:
     shared = save_mod.supports_shared_parts
 
     def save(case: str, url: str) -> None:
-        opts = {
-            "endpoint_url": p["endpoint"],
-            "key": "testing",
-            "secret": "testing",
-            "client_kwargs": {"region_name": "us-east-1"},
-            "config_kwargs": {"user_agent_extra": f"unickpt-client/{case}-r{rank}"},
-        }
+        opts = client_options(p["endpoint"], f"{case}-r{rank}")
         save_mod.supports_shared_parts = shared if case == "parts" else (lambda store: False)  # type: ignore[assignment]
         FSDP2CheckpointIO(mesh=mesh, storage_options=opts).save_model(
             model, url, shard=True, gather_dtensor=True

@@ -31,6 +31,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 import _common as C  # noqa: E402
+from s3server import client_options  # noqa: E402
 
 CASES = ("unickpt", "dcp")
 
@@ -44,13 +45,7 @@ def _worker(p: dict[str, Any]) -> None:
     C.fill_model(model, "random", seed=0)
 
     def opts(case: str) -> dict[str, Any]:
-        return {
-            "endpoint_url": p["endpoint"],
-            "key": "testing",
-            "secret": "testing",
-            "client_kwargs": {"region_name": "us-east-1"},
-            "config_kwargs": {"user_agent_extra": f"unickpt-client/{case}-r{rank}"},
-        }
+        return client_options(p["endpoint"], f"{case}-r{rank}")
 
     def save_unickpt(url: str) -> None:
         from unickpt.plugins.fsdp2 import FSDP2CheckpointIO

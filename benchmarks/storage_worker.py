@@ -24,20 +24,16 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import _common as C
 from dist_worker import _barrier, _setup
+from s3server import client_options
 
 
 def options(p: dict[str, Any], client: str) -> dict[str, Any]:
     """s3fs options for the benchmark's server, with the client's name in every request."""
-    return {
-        "endpoint_url": p["endpoint"],
-        "key": "testing",
-        "secret": "testing",
-        "client_kwargs": {"region_name": "us-east-1"},
-        "config_kwargs": {"user_agent_extra": f"unickpt-client/{client}"},
-    }
+    return client_options(p["endpoint"], client)
 
 
 def task_save(p: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,19 @@ LOCK_NAME = ".unickpt-save.lock"  # unickpt.format.store_lock.LOCK_NAME
 _AGENT = re.compile(r"unickpt-client/(\S+)")
 
 
+def client_options(endpoint: str, client: str | None = None) -> dict[str, Any]:
+    """s3fs options for a server at ``endpoint``; ``client`` names the requests (the counters' key)."""
+    opts: dict[str, Any] = {
+        "endpoint_url": endpoint,
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"region_name": "us-east-1"},
+    }
+    if client is not None:
+        opts["config_kwargs"] = {"user_agent_extra": f"unickpt-client/{client}"}
+    return opts
+
+
 class _Counting:
     """WSGI middleware counting the body bytes of every response."""
 
@@ -101,16 +114,7 @@ class S3Server:
         }
 
     def storage_options(self, client: str | None = None) -> dict[str, Any]:
-        opts: dict[str, Any] = {
-            "endpoint_url": self.endpoint,
-            "key": "testing",
-            "secret": "testing",
-            "client_kwargs": {"region_name": "us-east-1"},
-            "skip_instance_cache": True,
-        }
-        if client is not None:
-            opts["config_kwargs"] = {"user_agent_extra": f"unickpt-client/{client}"}
-        return opts
+        return {**client_options(self.endpoint, client), "skip_instance_cache": True}
 
     def new_bucket(self) -> str:
         import boto3
