@@ -107,6 +107,12 @@ class StoreOutput:
         self._written.append(self.path(name))
         return StoreFile(f, name)
 
+    def track(self, name: str) -> str:
+        """The path of ``name``, which a writer of the caller's streams itself: removed by
+        :meth:`abort` (a missing object is skipped)."""
+        self._written.append(self.path(name))
+        return self.path(name)
+
     def close(self, sf: StoreFile) -> None:
         sf.f.close()
         self._open.remove(sf.f)

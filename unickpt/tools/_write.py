@@ -22,8 +22,9 @@ from unickpt import __version__
 from unickpt.format.commit import directory_lock, new_save_id
 from unickpt.format.dtypes import itemsize
 from unickpt.format.index import LayoutInfo, SliceEntry, index_to_json
-from unickpt.format.naming import shard_name, slice_key
+from unickpt.format.naming import index_name, shard_name, slice_key
 from unickpt.format.writer import Block, CheckpointWriter, FileSpec, build_block, build_index, tensor_entry
+from unickpt.tools._store_out import StoreOutput
 
 __all__ = ["SliceData", "TensorData", "write_checkpoint"]
 
@@ -53,7 +54,7 @@ def _raw(d: Bytes | Callable[[], Bytes]) -> np.ndarray:
 
 
 def write_checkpoint(
-    directory: str,
+    directory: str | StoreOutput,
     tensors: dict[str, TensorData],
     *,
     kind: str = "model",
@@ -74,24 +75,30 @@ def write_checkpoint(
     packed in order into files of at most that many bytes. Files are staged and committed by
     ``format.commit.commit_directory`` under the directory's save lock, as a save does, so a
     checkpoint of either layout already there is replaced whole. Returns ``directory``.
+
+    ``directory`` may be the :class:`~unickpt.tools._store_out.StoreOutput` of a URL output
+    (``tools._sink``): the data files are then streamed to the store under their final names and
+    the index is handed to it as a commit point, written after everything else of the output.
     """
+    options: dict[str, Any] = {
+        "kind": kind,
+        "sliced": sliced,
+        "files": files,
+        "max_shard_bytes": max_shard_bytes,
+        "aliases": aliases,
+        "layout": layout,
+        "block_extras": block_extras,
+        "hashes": hashes,
+        "fingerprints": fingerprints,
+        "created_by": created_by,
+        "fsync": fsync,
+    }
+    if isinstance(directory, StoreOutput):
+        _write_locked(directory.root, tensors, store=directory, **options)
+        return directory.url
     os.makedirs(directory, exist_ok=True)
     with directory_lock(directory):
-        _write_locked(
-            directory,
-            tensors,
-            kind=kind,
-            sliced=sliced,
-            files=files,
-            max_shard_bytes=max_shard_bytes,
-            aliases=aliases,
-            layout=layout,
-            block_extras=block_extras,
-            hashes=hashes,
-            fingerprints=fingerprints,
-            created_by=created_by,
-            fsync=fsync,
-        )
+        _write_locked(directory, tensors, store=None, **options)
     return directory
 
 
@@ -110,6 +117,7 @@ def _write_locked(
     fingerprints: bool,
     created_by: str,
     fsync: bool,
+    store: StoreOutput | None,
 ) -> None:
     save_id = new_save_id()
     items = [(n, k, s) for n, t in tensors.items() for k, s in enumerate(t.slices)]
@@ -129,7 +137,14 @@ def _write_locked(
         groups = [items[i :: max(1, files)] for i in range(max(1, files))]
     groups = [g for g in groups if g] or [[]]
     writer = CheckpointWriter(
-        directory, kind, save_id=save_id, sliced=sliced, hashes=hashes, fingerprints=fingerprints, fsync=fsync
+        directory,
+        kind,
+        save_id=save_id,
+        sliced=sliced,
+        hashes=hashes,
+        fingerprints=fingerprints,
+        fsync=fsync,
+        storage=None if store is None else store.storage,
     )
 
     def key(n: str, k: int) -> str:
@@ -148,7 +163,11 @@ def _write_locked(
             for n, k, s in group:
                 yield key(n, k), _raw(s.data), (tensors[n].shape, s.offsets, s.shape)
 
-    # Staged files of a failed write are removed before the error propagates.
+    # Staged files of a failed write are removed before the error propagates; on a store,
+    # the output's abort removes them (tracked before any is written).
+    if store is not None:
+        for fname, _specs in planned:
+            store.track(fname)
     written = writer.write(planned, blocks())
     file_of = {k: fname for fname, specs in planned for k, _, _ in specs}
     entries = {}
@@ -171,4 +190,8 @@ def _write_locked(
         save_id=save_id,
         **(block_extras or {}),
     )
-    writer.commit(index_to_json(build_index(block, sliced=sliced)))
+    index = index_to_json(build_index(block, sliced=sliced))
+    if store is not None:
+        store.commit_later(index_name(kind), index)
+        return
+    writer.commit(index)

@@ -34,12 +34,14 @@ import numpy as np
 from unickpt import __version__
 from unickpt._logging import get_logger
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, UnsupportedError
-from unickpt.format._json import strict_loads
 from unickpt.format.dcp_hf import dcp_hf_files
 from unickpt.format.index import LayoutInfo
 from unickpt.format.storage import is_url
-from unickpt.tools._common import check_output, copy_small_file, staged_output
+from unickpt.tools._common import check_output, staged_output
+from unickpt.tools._sink import Sink, output_sink, put_bytes
+from unickpt.tools._store_out import StoreOutput
 from unickpt.tools._write import SliceData, TensorData, write_checkpoint
+from unickpt.tools.convert_src import StoreSource, bin_index_names
 
 __all__ = ["convert_checkpoint"]
 
@@ -123,22 +125,8 @@ def _bin_files(src: str) -> list[str]:
         return [src]
     idx = os.path.join(src, "pytorch_model.bin.index.json")
     if os.path.isfile(idx):
-        from unickpt.format.index import check_file_name
-
         with open(idx, "rb") as f:
-            try:
-                obj = strict_loads(f.read().decode("utf-8"), CheckpointFormatError, f"{idx}: index")
-            except UnicodeDecodeError as e:
-                raise CheckpointFormatError(
-                    f"{idx}: not a valid pytorch_model.bin.index.json ({e})"
-                ) from None
-        wm = obj.get("weight_map") if isinstance(obj, dict) else None
-        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
-            raise CheckpointFormatError(
-                f"{idx}: not a valid pytorch_model.bin.index.json (expected an object with a 'weight_map' "
-                "object mapping names to file names)"
-            )
-        files = [os.path.join(src, check_file_name(fn, idx)) for fn in sorted(set(wm.values()))]
+            files = [os.path.join(src, fn) for fn in bin_index_names(f.read(), idx)]
         for path in files:
             if not os.path.isfile(path):
                 raise IncompleteCheckpointError(f"{idx}: names {os.path.basename(path)!r}, which is missing")
@@ -154,9 +142,15 @@ def _bin_tensors(src: str, strip_prefix: str | None) -> Iterator[tuple[str, Any]
 
     import torch
 
-    for path in _bin_files(src):
+    store = StoreSource(src) if is_url(src) else None
+    for file in store.bin_files() if store is not None else _bin_files(src):
+        path = file if store is None else store.describe(file)
         try:
-            sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            if store is None:
+                sd = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            else:  # read from the store through a file object: no local copy
+                with store.open(file) as f:
+                    sd = torch.load(f, map_location="cpu", weights_only=True)
         except (pickle.UnpicklingError, RuntimeError, ValueError) as e:
             raise UnsupportedError(
                 f"{path}: torch.load(weights_only=True) refused it ({e}); unickpt never unpickles arbitrary objects"
@@ -245,13 +239,25 @@ def convert_checkpoint(
             f"convert --to run: only a DCP / torchtitan or DeepSpeed training checkpoint becomes a run (got --from {source})"
         )
     src_s = os.fspath(src)
-    if (is_url(src_s) and source != "unickpt") or is_url(out):  # a unickpt source is read in place
+    out_s = os.fspath(out)
+    url_src, url_out = is_url(src_s), is_url(out_s)
+    if url_src and source in ("colossalai", "deepspeed"):
+        raise UnsupportedError(
+            f"convert --from {source}: {src_s} is a URL; this importer reads local directories only "
+            "(copy the checkpoint to local disk first)"
+        )
+    if url_out and target == "run":
+        raise UnsupportedError(
+            f"convert --to run: {out_s} is a URL; a run directory is written locally (a CheckpointManager "
+            "given the URL writes its own runs on the store)"
+        )
+    if url_out and source in ("colossalai", "deepspeed"):
         from unickpt.tools.convert_url import convert_with_urls
 
         return convert_with_urls(
             convert_checkpoint,
             src_s,
-            os.fspath(out),
+            out_s,
             source=source,
             target=target,
             max_shard_size=max_shard_size,
@@ -260,7 +266,11 @@ def convert_checkpoint(
             model=model,
             optimizer=optimizer,
         )
-    out_s = check_output(os.fspath(out))
+    if url_out:
+        StoreOutput.check(out_s)  # refuse a used prefix before reading anything
+        out_s = out_s.rstrip("/")
+    else:
+        out_s = check_output(out_s)
     shard_bytes = _parse_size(max_shard_size)
     del progress  # conversions are bounded by torch's reader; no byte-level progress to report
     created_by = f"unickpt {__version__} convert --from {source}"
@@ -286,13 +296,18 @@ def convert_checkpoint(
         from unickpt.tools.convert_dcp import classify, import_training
         from unickpt.tools.dcp_read import read_metadata
 
-        src_s = _dcp_source(src_s)
-        if not os.path.isfile(os.path.join(src_s, ".metadata")) and dcp_hf_files(src_s):
-            # HuggingFaceStorageWriter(save_distributed=True): per-rank safetensors, read as slices
-            from unickpt.tools.merge import merge_checkpoint
-
-            merge_checkpoint(src_s, out_s, max_shard_size=max_shard_size)
-            return out_s
+        if url_src:
+            store_src = StoreSource(src_s).dcp_step()
+            src_s = store_src.url
+            shards = store_src.dcp_hf_files()
+            if shards:  # per-rank HF files: their headers are read locally (convert_src)
+                with store_src.fetched(shards) as local:
+                    return _merge_dcp_hf(local, out_s, max_shard_size)
+        else:
+            src_s = _dcp_source(src_s)
+            if not os.path.isfile(os.path.join(src_s, ".metadata")) and dcp_hf_files(src_s):
+                # HuggingFaceStorageWriter(save_distributed=True): per-rank safetensors, read as slices
+                return _merge_dcp_hf(src_s, out_s, max_shard_size)
         md = read_metadata(src_s)
         lay = classify(md)
         if strip_prefix is None and (lay.is_training or target == "run"):
@@ -300,8 +315,8 @@ def convert_checkpoint(
                 raise CheckpointFormatError(f"{src_s}: no model or optimizer tensors to convert")
             if target == "run":
                 return _write_run(src_s, md, lay, out_s, step, shard_bytes, created_by)
-            with staged_output(out_s) as tmp:
-                import_training(src_s, md, lay, tmp, shard_bytes=shard_bytes, created_by=created_by)
+            with output_sink(out_s) as sink:
+                import_training(src_s, md, lay, sink, shard_bytes=shard_bytes, created_by=created_by)
             return out_s
         tensors, _ = _dcp_tensors(src_s, strip_prefix, md)
         plugin = "dcp"
@@ -319,21 +334,43 @@ def convert_checkpoint(
         raise CheckpointFormatError(
             f"{src_s}: no tensors to convert" + (f" under prefix {strip_prefix!r}" if strip_prefix else "")
         )
-    with staged_output(out_s) as tmp:
+    with output_sink(out_s) as sink:
         write_checkpoint(
-            tmp,
+            sink,
             tensors,
             sliced=False,
             max_shard_bytes=shard_bytes,
             layout=LayoutInfo(plugin=plugin),
             created_by=created_by,
         )
-        src_dir = src_s if os.path.isdir(src_s) else os.path.dirname(os.path.abspath(src_s))
-        for fname in _SIDE_FILES:
-            p = os.path.join(src_dir, fname)
-            if os.path.isfile(p):
-                copy_small_file(p, os.path.join(tmp, fname))
+        _copy_side_files(src_s, sink)
     return out_s
+
+
+def _merge_dcp_hf(src: str, out: str, max_shard_size: int | str) -> str:
+    from unickpt.tools.merge import merge_checkpoint
+
+    merge_checkpoint(src, out, max_shard_size=max_shard_size)
+    return out
+
+
+def _copy_side_files(src: str, sink: Sink) -> None:
+    """``config.json`` and ``generation_config.json`` of the source, when it has them."""
+    if is_url(src):
+        store = StoreSource(src)
+        if store.fs.isfile(store.root):  # one .bin file: its directory's side files
+            store = StoreSource(src.rstrip("/").rsplit("/", 1)[0])
+        for fname in _SIDE_FILES:
+            data = store.read(fname)
+            if data is not None:
+                put_bytes(sink, fname, data)
+        return
+    src_dir = src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src))
+    for fname in _SIDE_FILES:
+        p = os.path.join(src_dir, fname)
+        if os.path.isfile(p):
+            with open(p, "rb") as f:
+                put_bytes(sink, fname, f.read())
 
 
 def _write_run(

@@ -26,10 +26,13 @@ import json
 import math
 import os
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from unickpt._logging import get_logger
 from unickpt.errors import CheckpointFormatError
+
+if TYPE_CHECKING:
+    from unickpt.tools._sink import Sink
 
 __all__ = ["DcpLayout", "classify", "import_training", "read_train_state", "writer_ranks"]
 
@@ -182,13 +185,14 @@ def import_training(
     src: str,
     md: Any,
     lay: DcpLayout,
-    out_dir: str,
+    out_dir: Sink,
     *,
     shard_bytes: int,
     created_by: str,
 ) -> None:
     """Write model, optimizer (``param_groups`` and ``param_state`` included) and
-    ``lr_scheduler.json`` of the classified checkpoint into ``out_dir`` (which exists).
+    ``lr_scheduler.json`` of the classified checkpoint into ``out_dir`` (a directory that
+    exists, or the output of a URL: ``tools._sink``).
 
     ``train_state.*`` is not written here (see :func:`read_train_state`).
     """
@@ -260,14 +264,14 @@ def import_training(
             created_by=created_by,
         )
     if lay.scheduler:
-        from unickpt.format.commit import atomic_write_bytes
+        from unickpt.tools._sink import put_bytes
 
         state = _nest({f: values[k] for f, k in lay.scheduler.items()})
         if set(state) == {"last_epoch"} and groups:
             # torchtitan saves only last_epoch of its LambdaLR; torch's LambdaLR.load_state_dict
             # also needs lr_lambdas, which its state_dict() stores as None for plain functions.
             state["lr_lambdas"] = [None] * len(groups)
-        atomic_write_bytes(os.path.join(out_dir, "lr_scheduler.json"), lr_scheduler_json(state))
+        put_bytes(out_dir, "lr_scheduler.json", lr_scheduler_json(state))
 
 
 def read_train_state(src: str, md: Any, lay: DcpLayout) -> dict[str, Any]:

@@ -24,15 +24,19 @@ import io
 import os
 import pickle
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, UnsupportedError
+from unickpt.format.storage import is_url, open_storage
 
 __all__ = ["read_metadata", "load_entries", "tensor_specs"]
 
@@ -77,26 +81,40 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(src: str) -> Metadata:
-    """The DCP ``Metadata`` of the directory ``src``, unpickled with the allowlist above."""
+    """The DCP ``Metadata`` of the directory ``src`` (a path or a URL), unpickled with the
+    allowlist above."""
+    if is_url(src):
+        storage, root = open_storage(src)
+        path = storage.join(root, _METADATA)
+        if not storage.exists(path):
+            raise IncompleteCheckpointError(f"{src} is not a DCP checkpoint: it has no .metadata object")
+        return _unpickle(io.BytesIO(storage.read_bytes(path)), f"{src.rstrip('/')}/{_METADATA}")
     path = os.path.join(src, _METADATA)
     if not os.path.isfile(path):
         raise IncompleteCheckpointError(f"{src} is not a DCP checkpoint: it has no .metadata file")
     with open(path, "rb") as f:
-        try:
-            md = _MetadataUnpickler(f, path).load()
-        except UnsupportedError:
-            raise
-        except Exception as e:  # a damaged pickle raises many types
-            raise CheckpointFormatError(
-                f"{path}: not a readable DCP metadata file ({type(e).__name__}: {e})"
-            ) from e
+        return _unpickle(f, path)
+
+
+def _unpickle(f: Any, path: str) -> Metadata:
+    try:
+        md = _MetadataUnpickler(f, path).load()
+    except UnsupportedError:
+        raise
+    except Exception as e:  # a damaged pickle raises many types
+        raise CheckpointFormatError(
+            f"{path}: not a readable DCP metadata file ({type(e).__name__}: {e})"
+        ) from e
     if not isinstance(md, Metadata):
         raise CheckpointFormatError(f"{path}: holds a {type(md).__name__}, not DCP Metadata")
     return md
 
 
-class _SafeReader(FileSystemReader):
+class _SafeMetadata:
     """torch's reader, with the metadata read through :func:`read_metadata`."""
+
+    path: Any
+    load_id: Any
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         md = read_metadata(os.fspath(self.path))
@@ -106,6 +124,43 @@ class _SafeReader(FileSystemReader):
         storage_meta.load_id = self.load_id
         md.storage_meta = storage_meta
         return md
+
+
+class _SafeReader(_SafeMetadata, FileSystemReader):
+    """A local DCP directory."""
+
+
+class _RangedFileSystem(FileSystem):
+    """torch's fsspec file system, with files opened for reading through a cache of aligned
+    ``_BLOCK`` blocks instead of the store's default read-ahead (50 MiB on s3fs, and refetched
+    whenever torch's reader seeks back into an entry's header): each entry costs its own byte
+    range rounded out to blocks, so converting part of a checkpoint fetches about that part."""
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+        if mode != "rb" or self.fs is None:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with self.fs.open(os.fspath(path), "rb", cache_type="blockcache", block_size=_BLOCK) as stream:
+            yield stream
+
+
+_BLOCK = 4 << 20
+
+
+class _SafeFsspecReader(_SafeMetadata, FsspecReader):
+    """A DCP checkpoint at a URL: torch's fsspec reader opens each data file on the store and
+    reads the byte ranges of the entries asked for (nothing is downloaded whole)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.fs = _RangedFileSystem()
+        self.path = self.fs.init_path(path)
+
+
+def _reader(src: str) -> FileSystemReader:
+    return _SafeFsspecReader(src) if is_url(src) else _SafeReader(src)
 
 
 class _SafePlanner(DefaultLoadPlanner):
@@ -153,7 +208,7 @@ def load_entries(src: str, keys: list[str], md: Metadata) -> dict[str, Any]:
         try:
             _load_state_dict(
                 sd,
-                storage_reader=_SafeReader(src),
+                storage_reader=_reader(src),
                 planner=_SafePlanner(
                     flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True
                 ),

@@ -12,7 +12,8 @@ in one process or in any FSDP2 / TP world.
 exported too), a single ``model.safetensors``, or a manager ``step-<N>/`` directory
 (``model/``, ``optimizer/``, ``lr_scheduler.json``). Every slice hash is checked while
 reading. Tensors are assembled whole in memory (DCP's writer takes the whole state dict at
-once): peak memory is about the size of the checkpoint. JSON state loses tuple-ness; a
+once): peak memory is about the size of the checkpoint. An ``OUT`` URL (an empty prefix) is
+written in place by torch's ``FsspecWriter``, ``.metadata`` last; a failure removes what it wrote. JSON state loses tuple-ness; a
 group's ``betas`` comes back as a tuple, other lists stay lists (torch's optimizers accept both).
 """
 
@@ -32,6 +33,7 @@ from unickpt.format.storage import is_url, open_storage
 from unickpt.io.jsonstate import from_json_value
 from unickpt.io.tensors import torch_dtype
 from unickpt.tools._common import staged_output
+from unickpt.tools._store_out import store_output
 
 __all__ = ["export_dcp"]
 
@@ -139,6 +141,18 @@ def export_dcp(src: str, out: str) -> str:
         sd["lr_scheduler"] = from_json_value(obj["state"])
     if step is not None:
         sd["train_state"] = {"step": step}
+    if is_url(out):  # written in place by torch's fsspec writer, .metadata last
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        with store_output(out) as sink, warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            try:
+                dcp_save(sd, storage_writer=FsspecWriter(sink.url), no_dist=True)
+            except BaseException:
+                for name in sink.storage.listdir(sink.root):  # the prefix held nothing before
+                    sink.track(name)
+                raise
+        return out.rstrip("/")
     with staged_output(out) as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process"
         dcp_save(sd, storage_writer=FileSystemWriter(tmp, sync_files=True), no_dist=True)

@@ -1,0 +1,127 @@
+"""The sources of ``unickpt convert`` on a URL, read in place.
+
+A DCP checkpoint on a store is read through torch's own fsspec reader (``tools.dcp_read``: the
+``.metadata`` object with the allowlist unpickler, each data file opened on the store and only
+the byte ranges of the entries asked for read); ``pytorch_model*.bin`` shards are opened on the
+store and read by ``torch.load(weights_only=True)`` from the file object (ranged reads, no copy
+on local disk); side files are read whole. Only the per-rank files of
+``HuggingFaceStorageWriter(save_distributed=True)`` are fetched into a temporary directory
+first: their slice table is in their safetensors headers, which the merge reads locally.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import re
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError
+from unickpt.format._json import strict_loads
+from unickpt.format.dcp_hf import SHARD_FILE
+from unickpt.format.storage import FsspecStorage, Storage, open_storage
+
+__all__ = ["StoreSource", "bin_index_names"]
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def bin_index_names(raw: bytes, idx: str) -> list[str]:
+    """The file names a ``pytorch_model.bin.index.json`` (bytes ``raw``, at ``idx``) maps to, sorted."""
+    from unickpt.format.index import check_file_name
+
+    try:
+        obj = strict_loads(raw.decode("utf-8"), CheckpointFormatError, f"{idx}: index")
+    except UnicodeDecodeError as e:
+        raise CheckpointFormatError(f"{idx}: not a valid pytorch_model.bin.index.json ({e})") from None
+    wm = obj.get("weight_map") if isinstance(obj, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+        raise CheckpointFormatError(
+            f"{idx}: not a valid pytorch_model.bin.index.json (expected an object with a 'weight_map' "
+            "object mapping names to file names)"
+        )
+    return sorted({check_file_name(fn, idx) for fn in wm.values()})
+
+
+class StoreSource:
+    """A checkpoint directory (or one ``.bin`` file) at ``url``."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+        storage, self.root = open_storage(self.url)
+        if not isinstance(storage, FsspecStorage):  # never: only URLs come here
+            raise IncompleteCheckpointError(f"{url}: not a URL")
+        self.storage: Storage = storage
+        self.fs: Any = storage.fs
+        self._names: list[str] | None = None
+
+    def names(self) -> list[str]:
+        if self._names is None:
+            self._names = self.storage.listdir(self.root)
+        return self._names
+
+    def url_of(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    def read(self, name: str) -> bytes | None:
+        """The side file ``name`` whole, or None when the source has none."""
+        if name not in self.names():
+            return None
+        return self.storage.read_bytes(self.storage.join(self.root, name))
+
+    # ---------------------------------------------------------------- DCP
+    def dcp_step(self) -> StoreSource:
+        """This source, or for a torchtitan folder of ``step-<N>/`` its latest step."""
+        if ".metadata" in self.names():
+            return self
+        steps = [(int(m.group(1)), n) for n in self.names() if (m := _STEP_DIR.match(n))]
+        for _, n in sorted(steps, reverse=True):
+            step = StoreSource(self.url_of(n))
+            if ".metadata" in step.names():
+                return step
+        return self
+
+    def dcp_hf_files(self) -> list[str]:
+        """The per-rank files of a distributed Hugging Face DCP save, or []."""
+        if ".metadata" in self.names():
+            return []
+        return sorted(n for n in self.names() if SHARD_FILE.match(n))
+
+    @contextmanager
+    def fetched(self, names: list[str]) -> Iterator[str]:
+        """A local temporary directory holding the objects ``names`` of this source."""
+        with tempfile.TemporaryDirectory(prefix="unickpt-convert-") as tmp:
+            for n in names:
+                self.fs.get_file(self.storage.join(self.root, n), os.path.join(tmp, n))
+            yield tmp
+
+    # ---------------------------------------------------------------- .bin
+    def bin_files(self) -> list[str]:
+        """The storage paths of the ``.bin`` shards, checked as the local reader checks them."""
+        if self.fs.isfile(self.root):
+            return [self.root]
+        idx_name = "pytorch_model.bin.index.json"
+        idx = self.url_of(idx_name)
+        if idx_name in self.names():
+            files = bin_index_names(self.storage.read_bytes(self.storage.join(self.root, idx_name)), idx)
+            for fn in files:
+                if fn not in self.names():
+                    raise IncompleteCheckpointError(f"{idx}: names {fn!r}, which is missing")
+            return [self.storage.join(self.root, fn) for fn in files]
+        if "pytorch_model.bin" in self.names():
+            return [self.storage.join(self.root, "pytorch_model.bin")]
+        raise IncompleteCheckpointError(
+            f"{self.url} holds neither pytorch_model.bin nor pytorch_model.bin.index.json"
+        )
+
+    def open(self, path: str) -> Any:
+        """A binary file object on the store (seekable; ranged reads)."""
+        return self.fs.open(path, "rb")
+
+    def describe(self, path: str) -> str:
+        """``path`` (a storage path of this source) as a URL, for messages."""
+        rel = posixpath.relpath(path, self.root) if path != self.root else ""
+        return self.url if not rel else self.url_of(rel)
