@@ -129,6 +129,23 @@ class S3Server:
         ).create_bucket(Bucket=name)
         return name
 
+    def fs(self) -> Any:
+        """An s3fs client of its own (a "tester"), not counted as the code under test."""
+        import s3fs
+
+        return s3fs.S3FileSystem(**self.storage_options("tester"))
+
+    def objects(self, url: str) -> dict[str, bytes]:
+        """Every object under ``url`` (``s3://bucket/prefix``), by its name below the prefix."""
+        fs = self.fs()
+        root = url.removeprefix("s3://")
+        return {p[len(root) + 1 :]: fs.cat_file(p) for p in fs.find(root)}
+
+    def open_uploads(self, bucket: str) -> list[Any]:
+        """The multipart uploads of ``bucket`` neither completed nor aborted."""
+        out = self.fs().call_s3("list_multipart_uploads", Bucket=bucket)
+        return list(out.get("Uploads", []) or [])
+
     def stop(self) -> None:
         import moto.moto_server.threaded_moto_server as tms
 

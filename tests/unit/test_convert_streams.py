@@ -29,14 +29,11 @@ def _fs(s3: Any) -> Any:
 
 
 def _objects(s3: Any, url: str) -> dict[str, bytes]:
-    fs = _fs(s3)
-    root = url.removeprefix("s3://")
-    return {p[len(root) + 1 :]: fs.cat_file(p) for p in fs.find(root)}
+    return dict(s3.objects(url))
 
 
 def _uploads(s3: Any) -> list[Any]:
-    out = _fs(s3).call_s3("list_multipart_uploads", Bucket=s3.bucket)
-    return list(out.get("Uploads", []) or [])
+    return list(s3.open_uploads(s3.bucket))
 
 
 def _tensors(where: str | Path, kind: str = "model") -> dict[str, bytes]:

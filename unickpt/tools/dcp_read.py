@@ -26,7 +26,7 @@ import pickle
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader
@@ -155,8 +155,9 @@ class _SafeFsspecReader(_SafeMetadata, FsspecReader):
 
     def __init__(self, path: str) -> None:
         super().__init__(path)
-        self.fs = _RangedFileSystem()
-        self.path = self.fs.init_path(path)
+        ranged = _RangedFileSystem()
+        self.path = ranged.init_path(path)
+        self.fs = cast(Any, ranged)  # torch declares the attribute as its local FileSystem
 
 
 def _reader(src: str) -> FileSystemReader:
