@@ -14,9 +14,9 @@ checkpoint at the URL.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 from unickpt.errors import OutputExistsError
 from unickpt.format.storage import Storage, open_storage
@@ -49,17 +49,21 @@ class StoreFile:
         self.pos = 0
         self.fd = -1  # no descriptor: merge never copies into it in the kernel
 
+    def _put(self, data: memoryview) -> None:
+        """Append ``data`` at the end of what was written."""
+        self.f.write(data)
+
     def _zeros(self, upto: int) -> None:
         while self.pos < upto:
             k = min(len(_ZEROS), upto - self.pos)
-            self.f.write(_ZEROS[:k])
+            self._put(memoryview(_ZEROS)[:k])
             self.pos += k
 
     def write(self, data: memoryview, pos: int) -> None:
         if pos < self.pos:
             raise RuntimeError(f"internal: {self.name} written at {pos}, before its end {self.pos}")
         self._zeros(pos)
-        self.f.write(data)
+        self._put(data)
         self.pos += data.nbytes
 
     def write_pieces(self, data: memoryview, pos: int) -> None:
@@ -73,6 +77,78 @@ class StoreFile:
         self._zeros(size)
 
 
+class HeadLastFile(StoreFile):
+    """A file whose first bytes are known last (a single file's header holds the hashes of its
+    data), streamed as an S3 multipart upload with its first part uploaded last.
+
+    Part 1 (the first ``part`` bytes: the header and the data after it) is kept in memory while
+    parts 2, 3, ... are uploaded as the data streams in; :meth:`complete` puts the final header
+    over the placeholder of the same length, uploads part 1 and completes the upload, which makes
+    the object appear whole. A file of one part is one PUT. Memory: two parts.
+    """
+
+    def __init__(self, fs: Any, path: str, name: str, size: int) -> None:
+        from unickpt.format.storage_parts import SharedUpload, part_size_for
+
+        super().__init__(cast(BinaryIO, _NoFile()), name)
+        self.upload = SharedUpload(fs, path)
+        self.size = size
+        self.part = part_size_for(size)
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.etags: list[tuple[int, str]] = []
+
+    def _put(self, data: memoryview) -> None:
+        data = data.cast("B")
+        while data.nbytes:
+            if len(self.head) < self.part:
+                k = min(self.part - len(self.head), data.nbytes)
+                self.head += data[:k]
+            else:
+                k = min(self.part - len(self.tail), data.nbytes)
+                self.tail += data[:k]
+                if len(self.tail) == self.part:
+                    self._upload_tail()
+            data = data[k:]
+
+    def _upload_tail(self) -> None:
+        if self.upload.upload_id is None:
+            self.upload.create()
+        number = len(self.etags) + 2
+        self.etags.append((number, self.upload.upload_part(number, self.tail)))
+        self.tail = bytearray()
+
+    def complete(self, header: bytes) -> None:
+        """Put ``header`` (as long as the placeholder written first) in place and commit the file."""
+        if self.pos != self.size:
+            raise RuntimeError(f"internal: {self.name} is {self.pos} bytes, planned {self.size}")
+        self.head[: len(header)] = header
+        if not self.etags and not self.tail:  # one part: one PUT
+            self.upload.put(self.head)
+            return
+        if self.tail:
+            self._upload_tail()
+        if self.upload.upload_id is None:
+            self.upload.create()
+        self.etags.append((1, self.upload.upload_part(1, self.head)))
+        self.upload.complete(self.etags)
+        self.upload.upload_id = None  # nothing left to abort: the object is removed like any other
+
+    def abort(self) -> None:
+        """Drop the parts uploaded so far (nothing appears)."""
+        if self.upload.upload_id is not None:
+            self.upload.abort()
+            self.upload.upload_id = None
+
+
+class _NoFile:
+    def write(self, data: Any) -> int:  # pragma: no cover - HeadLastFile overrides _put
+        raise RuntimeError("internal: a head-last file has no file object")
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
 class StoreOutput:
     """The output prefix ``url`` of one run (see the module docstring)."""
 
@@ -83,7 +159,8 @@ class StoreOutput:
         self.storage.makedirs(self.root)
         self._written: list[str] = []
         self._open: list[BinaryIO] = []
-        self._commits: list[tuple[str, bytes | str]] = []
+        self._commits: list[tuple[str, bytes | str | Callable[[], None]]] = []
+        self._head_last: list[HeadLastFile] = []
 
     @staticmethod
     def check(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Storage, str]:
@@ -113,6 +190,18 @@ class StoreOutput:
         self._written.append(self.path(name))
         return self.path(name)
 
+    def open_head_last(self, name: str, size: int) -> HeadLastFile | None:
+        """A :class:`HeadLastFile` for the ``size``-byte commit point ``name``, or None when the
+        store has no multipart uploads a process can address by part (S3 has)."""
+        from unickpt.format.storage import FsspecStorage
+        from unickpt.format.storage_parts import supports_shared_parts
+
+        if not supports_shared_parts(self.storage) or not isinstance(self.storage, FsspecStorage):
+            return None
+        f = HeadLastFile(self.storage.fs, self.path(name), name, size)
+        self._head_last.append(f)
+        return f
+
     def close(self, sf: StoreFile) -> None:
         sf.f.close()
         self._open.remove(sf.f)
@@ -130,8 +219,9 @@ class StoreOutput:
                 sf.f.write(chunk)
         self.close(sf)
 
-    def commit_later(self, name: str, data: bytes | str) -> None:
-        """A commit point (bytes, or the path of a local file), written by :meth:`commit`."""
+    def commit_later(self, name: str, data: bytes | str | Callable[[], None]) -> None:
+        """A commit point (bytes, the path of a local file, or a function completing its
+        upload: :meth:`HeadLastFile.complete`), written by :meth:`commit`."""
         self._commits.append((name, data))
 
     def commit(self) -> None:
@@ -139,6 +229,10 @@ class StoreOutput:
         for name, data in self._commits:
             if isinstance(data, str):
                 self.upload(name, data)
+                continue
+            if callable(data):
+                self._written.append(self.path(name))
+                data()
                 continue
             self._written.append(self.path(name))
             if not self.storage.put(self.path(name), data, exclusive=True):
@@ -152,6 +246,9 @@ class StoreOutput:
         for f in self._open:
             self.storage.abort(f)
         self._open.clear()
+        for h in self._head_last:
+            h.abort()
+        self._head_last.clear()
         self.storage.remove(self._written)
         self._written.clear()
 

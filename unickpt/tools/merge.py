@@ -26,11 +26,12 @@ output is written to a hidden temporary directory and renamed to ``out`` at the 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -43,7 +44,7 @@ from unickpt.format.dtypes import itemsize
 from unickpt.format.index import LayoutInfo, SliceEntry, TensorEntry, UnickptBlock, index_to_json
 from unickpt.format.naming import index_name, shard_name, single_name
 from unickpt.format.reader import UNICKPT_METADATA_KEY, CheckpointReader, open_checkpoint
-from unickpt.format.safetensors_io import encode_header, read_header
+from unickpt.format.safetensors_io import encode_header, header_from_bytes, read_header
 from unickpt.format.storage import is_url
 from unickpt.format.writer import build_block, build_index, data_file_metadata, group_files, rewrite_header
 from unickpt.tools._common import check_output, detect_kind, staged_output, write_all, write_durably
@@ -175,11 +176,23 @@ def _merge_one(
             (n, block.tensors[n], len(header) + begin)
             for (n, _, _), (begin, _end) in zip(specs, spans, strict=True)
         ]
+        size = len(header) + (spans[-1][1] if spans else 0)
+        head_last = store.open_head_last(fname, size) if store is not None and single else None
+        if head_last is not None and store is not None:  # streamed, its first part uploaded last
+            head_last.write(memoryview(header), 0)
+            results.update(m.write_file(todo, head_last))
+            head_last.finish(size)
+            real, _ = encode_header(specs, _final_metadata(meta, dumped, results))
+            if len(real) != len(header):
+                raise RuntimeError("internal: a header changed length after hashing")  # pragma: no cover
+            header_from_bytes(real, size, f"{store.url}/{fname}")  # must pass the strict reader
+            store.commit_later(fname, functools.partial(head_last.complete, real))
+            continue
         if store is not None and not single:  # streamed to the store, its header final from the start
             sf = store.open(fname)
             sf.write(memoryview(header), 0)
             results.update(m.write_file(todo, sf))
-            sf.finish(len(header) + (spans[-1][1] if spans else 0))
+            sf.finish(size)
             store.close(sf)
             continue
         path = os.path.join(out_dir, fname)
@@ -187,20 +200,10 @@ def _merge_one(
         try:
             write_all(fd, memoryview(header), 0)
             results.update(m.write_file(todo, fd))
-            size = len(header) + (spans[-1][1] if spans else 0)
             if os.fstat(fd).st_size < size:  # the file ends in a hole left by a sparse source
                 os.ftruncate(fd, size)
             if single:
-                # The validated placeholder block, dumped, with the real values in its place: the
-                # same JSON as dumping make_block(results, file_of), without building it again.
-                for n, (xxh, fp) in results.items():
-                    entry = dumped["tensors"][n]
-                    # version 3: the one slice's hash is the tensor's xxh3 (docs/format.md 3.1)
-                    _set_or_drop(entry["slices"][0] if "slices" in entry else entry, "xxh3", xxh)
-                    _set_or_drop(entry, "fingerprint", fp)
-                dumped["save_id"] = final_id = content_save_id(json.dumps(dumped).encode())
-                new = {**meta, SAVE_ID_KEY: final_id, UNICKPT_METADATA_KEY: json.dumps(dumped)}
-                rewrite_header(fd, specs, meta, new, fsync=False)
+                rewrite_header(fd, specs, meta, _final_metadata(meta, dumped, results), fsync=False)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -237,6 +240,33 @@ def _upfront_id(block: UnickptBlock, kind: str, out_dtype: str | None, groups: l
 
 def _block_bytes(block: UnickptBlock) -> bytes:
     return json.dumps(block.model_dump(mode="json", exclude_none=True), sort_keys=True).encode()
+
+
+@contextlib.contextmanager
+def _single_file_stage(store: StoreOutput) -> Iterator[str]:
+    """The local directory a single file for ``store`` is written into first, when one is needed."""
+    from unickpt.format.storage_parts import supports_shared_parts
+
+    if supports_shared_parts(store.storage):
+        yield ""  # never used: the file is streamed (StoreOutput.open_head_last)
+        return
+    with tempfile.TemporaryDirectory(prefix="unickpt-merge-") as tmp:
+        yield tmp
+
+
+def _final_metadata(
+    meta: dict[str, str], dumped: dict[str, Any], results: dict[str, tuple[str | None, str | None]]
+) -> dict[str, str]:
+    """A single file's header metadata: the validated placeholder block ``dumped`` with the real
+    values in its place (the same JSON as dumping ``make_block(results, ...)``, without building
+    it again) and the save id derived from it."""
+    for n, (xxh, fp) in results.items():
+        entry = dumped["tensors"][n]
+        # version 3: the one slice's hash is the tensor's xxh3 (docs/format.md 3.1)
+        _set_or_drop(entry["slices"][0] if "slices" in entry else entry, "xxh3", xxh)
+        _set_or_drop(entry, "fingerprint", fp)
+    dumped["save_id"] = final_id = content_save_id(json.dumps(dumped).encode())
+    return {**meta, SAVE_ID_KEY: final_id, UNICKPT_METADATA_KEY: json.dumps(dumped)}
 
 
 def _set_or_drop(d: dict[str, Any], key: str, value: str | None) -> None:
@@ -311,9 +341,10 @@ def merge_checkpoint(
             update = stack.enter_context(progress_bar(total, "merge", progress))
             store: StoreOutput | None = None
             if url_out:
-                # A single-file output is written here, then uploaded when the store commits.
-                tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="unickpt-merge-"))
                 store = stack.enter_context(store_output(out_s, storage_options))
+                # A single-file output on a store without addressable parts (S3 has them: the
+                # header's part goes last) is written here and uploaded when the store commits.
+                tmp = stack.enter_context(_single_file_stage(store))
             else:
                 tmp = stack.enter_context(staged_output(out_s))
             for fname, data in _side_files(readers[0], side):

@@ -1,6 +1,7 @@
-"""``unickpt convert`` streams to and from a real S3 API (moto's server): URL sources are read in
-place (DCP through torch's fsspec reader, ``.bin`` through a file object on the store), URL
-outputs are written to the store with no local copy, and a failed conversion leaves nothing."""
+"""``unickpt convert`` and ``merge`` stream to and from a real S3 API (moto's server): URL sources
+are read in place (DCP through torch's fsspec reader, ``.bin`` through a file object on the
+store), URL outputs are written to the store with no local copy (a single file's header part
+uploaded last), and a failed conversion or merge leaves nothing."""
 
 from __future__ import annotations
 
@@ -164,4 +165,54 @@ def test_failed_conversions_to_a_url_leave_nothing(
     with pytest.raises(CheckpointException, match="metadata lost"):
         convert_checkpoint(out, dcp_out, source="unickpt", target="dcp")
     assert _objects(s3, dcp_out) == {}
+    assert _uploads(s3) == []
+
+
+def _big_saved(tmp_path: Path) -> tuple[Path, torch.nn.Module]:
+    """A sliced checkpoint of about 12 MiB: a single-file merge of it needs two 8 MiB parts."""
+    from unickpt import GeneralCheckpointIO
+
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 2560), torch.nn.Linear(2560, 256))
+    local = tmp_path / "big"
+    GeneralCheckpointIO().save_model(model, str(local), shard=True, size_per_shard=4)
+    return local, model
+
+
+def test_single_file_merge_to_url_streams_with_its_header_part_last(
+    s3: Any, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    from unickpt.tools.merge import merge_checkpoint
+
+    local, model = _big_saved(tmp_path)
+    merge_checkpoint(local, tmp_path / "ref")
+    ref = (tmp_path / "ref" / "model.safetensors").read_bytes()
+    assert len(ref) > 8 << 20  # more than one part
+    url = _upload(s3, local, "big")
+    out = f"s3://{s3.bucket}/big-merged"
+    request.getfixturevalue("no_local_staging")
+    s3.reset()
+    merge_checkpoint(url, out)
+    got = _objects(s3, out)
+    assert got["model.safetensors"] == ref  # the same bytes as the local merge, header included
+    assert s3.received("PUT") == len(ref)  # every byte uploaded once: no staging copy, no re-upload
+    assert _uploads(s3) == []
+    sd = {k: v.numpy().tobytes() for k, v in model.state_dict().items()}
+    assert _tensors(out) == sd
+
+
+def test_failed_single_file_merge_to_url_leaves_nothing(s3: Any, tmp_path: Path) -> None:
+    from unickpt.errors import IntegrityError
+    from unickpt.tools.merge import merge_checkpoint
+
+    local, _ = _big_saved(tmp_path)
+    # The last data file's last bytes are damaged: the merge fails after uploading parts.
+    victim = sorted(local.glob("model-*.safetensors"))[-1]
+    data = bytearray(victim.read_bytes())
+    data[-2] ^= 1
+    victim.write_bytes(bytes(data))
+    out = f"s3://{s3.bucket}/big-failed"
+    with pytest.raises(IntegrityError, match=victim.name):
+        merge_checkpoint(local, out)
+    assert _objects(s3, out) == {}
     assert _uploads(s3) == []
