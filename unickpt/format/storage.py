@@ -346,7 +346,8 @@ class FsspecStorage(Storage):
         discard = getattr(f, "discard", None)
         if discard is not None:  # s3fs: abort the multipart upload, nothing becomes visible
             discard()
-            f.closed = True  # type: ignore[misc]  # fsspec files would flush again when collected
+            with contextlib.suppress(AttributeError):  # a memory:// file is a BytesIO: closed is read-only
+                f.closed = True  # type: ignore[misc]  # fsspec files would flush again when collected
             return
         path = getattr(f, "path", None)
         f.close()

@@ -243,11 +243,13 @@ def _block_bytes(block: UnickptBlock) -> bytes:
 
 
 @contextlib.contextmanager
-def _single_file_stage(store: StoreOutput) -> Iterator[str]:
-    """The local directory a single file for ``store`` is written into first, when one is needed."""
+def _single_file_stage(url: str, storage_options: dict[str, Any] | None) -> Iterator[str]:
+    """The local directory a single file for the output ``url`` is written into first, when one
+    is needed."""
+    from unickpt.format.storage import open_storage
     from unickpt.format.storage_parts import supports_shared_parts
 
-    if supports_shared_parts(store.storage):
+    if supports_shared_parts(open_storage(url, storage_options)[0]):
         yield ""  # never used: the file is streamed (StoreOutput.open_head_last)
         return
     with tempfile.TemporaryDirectory(prefix="unickpt-merge-") as tmp:
@@ -341,10 +343,11 @@ def merge_checkpoint(
             update = stack.enter_context(progress_bar(total, "merge", progress))
             store: StoreOutput | None = None
             if url_out:
-                store = stack.enter_context(store_output(out_s, storage_options))
                 # A single-file output on a store without addressable parts (S3 has them: the
-                # header's part goes last) is written here and uploaded when the store commits.
-                tmp = stack.enter_context(_single_file_stage(store))
+                # header's part goes last) is written here and uploaded when the store commits
+                # (so this directory outlives the commit: entered first, left last).
+                tmp = stack.enter_context(_single_file_stage(out_s, storage_options))
+                store = stack.enter_context(store_output(out_s, storage_options))
             else:
                 tmp = stack.enter_context(staged_output(out_s))
             for fname, data in _side_files(readers[0], side):
