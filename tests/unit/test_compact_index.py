@@ -1,4 +1,4 @@
-"""Format versions 3 and 4: the compact slice encoding, its tables, and the versions before it."""
+"""Format versions 3 to 5: the compact slice encoding, its tables, and the versions before it."""
 
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ def _index(version: int = FORMAT_VERSION) -> bytes:
     return index_to_json(build_index(block, sliced=True))
 
 
-@pytest.mark.parametrize("version", [3, 4])
+@pytest.mark.parametrize("version", [3, 4, 5])
 def test_each_version_writes_its_own_sentinel_and_reads_both(version: int) -> None:
     """Version 4 shortened the sliced sentinel: an index keeps the sentinel of its version (a merge
     of an older source keeps the older one), and every sentinel reads at every version."""
@@ -154,7 +154,7 @@ def test_each_version_writes_its_own_sentinel_and_reads_both(version: int) -> No
 
     raw = _index(version)
     mine, other = (
-        (SLICED_SENTINEL, LONG_SLICED_SENTINEL) if version == 4 else (LONG_SLICED_SENTINEL, SLICED_SENTINEL)
+        (SLICED_SENTINEL, LONG_SLICED_SENTINEL) if version >= 4 else (LONG_SLICED_SENTINEL, SLICED_SENTINEL)
     )
     assert set(json.loads(raw)["weight_map"].values()) == {mine}
     for text in (raw, raw.replace(mine.encode(), other.encode())):
@@ -173,7 +173,7 @@ def test_each_version_writes_its_own_sentinel_and_reads_both(version: int) -> No
 def test_version_3_index_parses_the_same_on_both_paths() -> None:
     raw = _index()
     obj = json.loads(raw)
-    assert obj["unickpt"]["format_version"] == 4 and obj["unickpt"]["files"] == FILES
+    assert obj["unickpt"]["format_version"] == FORMAT_VERSION and obj["unickpt"]["files"] == FILES
     assert all("slices" not in t for t in obj["unickpt"]["tensors"].values())
     fast, slow = parse_index(raw, "i.json"), parse_index_validated(raw, "i.json")
     assert fast == slow
@@ -184,6 +184,23 @@ def test_version_3_index_parses_the_same_on_both_paths() -> None:
         assert fast.unickpt.tensors[name].table.hashes == t.table.hashes
     # Written again, a parsed index gives the same bytes.
     assert index_to_json(fast) == raw
+
+
+def _as4(b: dict[str, Any]) -> None:
+    """The block written as version 4 writes it (hex digits, every tensor's dtype)."""
+    from unickpt.format.index_compact import as_version
+
+    new = as_version({"unickpt": dict(b)}, 4)["unickpt"]
+    b.clear()
+    b.update(new)
+
+
+def _stamped4(b: dict[str, Any]) -> None:
+    """Stamped 4 with every tensor's dtype, but the digests left in base64url."""
+    dtype = b.pop("dtype")
+    b["format_version"] = 4
+    for t in b["tensors"].values():
+        t.setdefault("dtype", dtype)
 
 
 def _broken(edit: Any) -> bytes:
@@ -210,9 +227,10 @@ def _broken(edit: Any) -> bytes:
             lambda b: b["tensors"]["tp_columns"].update(slices=[]),
             "has both 'slices' and the compact field(s)",
         ),
-        (lambda b: b.update(format_version=2), "in a format_version 2 index"),
+        (lambda b: (_as4(b), b.update(format_version=2)), "in a format_version 2 index"),
         (lambda b: b.pop("files"), "the block has no 'files' table"),
-        (lambda b: b["tensors"]["tp_columns"].update(xxh3="g" * 32), "String should match pattern"),
+        (lambda b: b["tensors"]["tp_columns"].update(xxh3="g" * 32), "holds 32 characters for 2 slice(s)"),
+        (_stamped4, "String should match pattern"),  # base64url digests at version 4
         (lambda b: b.update(files=["../x.safetensors", *FILES[1:]]), "refusing data file name"),
     ],
 )
@@ -285,21 +303,23 @@ def _four_row_blocks(tmp_path: Any, full: Any) -> Any:
     return d
 
 
-@pytest.mark.parametrize("version", [1, 2, 3, 4])
+@pytest.mark.parametrize("version", [1, 2, 3, 4, 5])
 def test_every_version_loads_verifies_and_merges_bit_exact(tmp_path: Any, version: int) -> None:
     import torch
 
     from unickpt import GeneralCheckpointIO, merge_checkpoint, verify_checkpoint
     from unickpt.format.hashing import fingerprint_of_array
-    from unickpt.format.index_compact import as_listed
+    from unickpt.format.index_compact import as_listed, as_version
 
     torch.manual_seed(version)
     full = torch.randn(33, 5)
     d = _four_row_blocks(tmp_path, full)
     f = d / "model.safetensors.index.json"
     obj = json.loads(f.read_text())
-    assert obj["unickpt"]["format_version"] == 4 and obj["unickpt"]["tensors"]["w"]["grid"] == [4, 1]
-    if version < 3:
+    assert obj["unickpt"]["format_version"] == 5 and obj["unickpt"]["tensors"]["w"]["grid"] == [4, 1]
+    if version == 4:  # as version 4 wrote it: hex digits, the dtype in every tensor
+        f.write_text(json.dumps(as_version(obj, 4)))
+    elif version < 3:
         as_listed(obj, version)
         if version == 1:
             raw = full.numpy().tobytes()
@@ -310,7 +330,7 @@ def test_every_version_loads_verifies_and_merges_bit_exact(tmp_path: Any, versio
     elif version == 3:  # as version 3 wrote it: the long sentinel
         from unickpt.format.naming import LONG_SLICED_SENTINEL
 
-        obj["unickpt"]["format_version"] = 3
+        as_version(obj, 3)
         obj["weight_map"] = dict.fromkeys(obj["weight_map"], LONG_SLICED_SENTINEL)
         f.write_text(json.dumps(obj))
     m = torch.nn.Module()

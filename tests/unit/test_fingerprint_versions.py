@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from unickpt import GeneralCheckpointIO, diff_checkpoints, merge_checkpoint
+from unickpt.format.digest_text import hex_to_b64
 from unickpt.format.hashing import fingerprint_of_array
 from unickpt.format.index import FORMAT_VERSION
-from unickpt.format.index_compact import as_listed
+from unickpt.format.index_compact import as_listed, as_version
 from unickpt.format.reader import open_checkpoint
 from unickpt.tools import _compare
 from unickpt.tools._write import SliceData, TensorData, write_checkpoint
@@ -68,18 +69,17 @@ def _to_v1(path: Path, w: dict[str, np.ndarray]) -> None:
     f.write_text(json.dumps(obj))
 
 
-def test_saves_write_format_version_4_with_v2_fingerprints(tmp_path: Path) -> None:
-    assert FORMAT_VERSION == 4
+def test_saves_write_format_version_5_with_v2_fingerprints(tmp_path: Path) -> None:
+    assert FORMAT_VERSION == 5
     torch.manual_seed(0)
     m = torch.nn.Linear(6, 4)
     GeneralCheckpointIO().save_model(m, tmp_path / "c", shard=True, gather_dtensor=False)
     obj = json.loads((tmp_path / "c" / INDEX).read_text())
-    assert obj["unickpt"]["format_version"] == 4
+    assert obj["unickpt"]["format_version"] == 5
     for n, t in m.state_dict().items():
         raw = t.detach().contiguous().view(torch.uint8).numpy().tobytes()
-        assert obj["unickpt"]["tensors"][n]["fingerprint"] == fingerprint_of_array(
-            n, "F32", raw, list(t.shape)
-        )
+        fp = fingerprint_of_array(n, "F32", raw, list(t.shape))
+        assert obj["unickpt"]["tensors"][n]["fingerprint"] == hex_to_b64(fp)  # 11 base64url characters
 
 
 def test_v1_checkpoints_still_load_and_verify(tmp_path: Path) -> None:
@@ -211,15 +211,17 @@ def test_merge_of_a_v1_checkpoint_stays_v1_and_consistent(tmp_path: Path) -> Non
     assert deep.identical and not deep.integrity_failures, deep.format()
 
 
-@pytest.mark.parametrize("version,ok", [(1, True), (2, True), (3, True), (4, True), (5, False), (0, False)])
-def test_index_parsers_take_versions_1_to_4_only(tmp_path: Path, version: int, ok: bool) -> None:
+@pytest.mark.parametrize(
+    "version,ok", [(1, True), (2, True), (3, True), (4, True), (5, True), (6, False), (0, False)]
+)
+def test_index_parsers_take_versions_1_to_5_only(tmp_path: Path, version: int, ok: bool) -> None:
     from unickpt.errors import IndexFileError
     from unickpt.format.index import parse_index, parse_index_validated
 
     a = _write(tmp_path / "a", _weights(), "rows")
     obj = json.loads((a / INDEX).read_text())
-    if version in (1, 2):
-        as_listed(obj, version)
+    if version in (1, 2, 3, 4):  # in the text form of that version (hex digits below 5)
+        as_version(obj, version)
     obj["unickpt"]["format_version"] = version
     raw = json.dumps(obj).encode()
     for parse in (parse_index, parse_index_validated):

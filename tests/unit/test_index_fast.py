@@ -571,7 +571,14 @@ def _sliced(n_tensors: int = 3, world: int = 4) -> bytes:
         "weight_map": dict.fromkeys(tensors, SLICED_SENTINEL),
         "unickpt": {"kind": "model", "layout": {"plugin": "fsdp2", "world_size": world}, "tensors": tensors},
     }
-    return index_to_json(IndexFile.model_validate(obj))
+    # Version 4: hex digests, which the edits of these tests keep valid at versions 1 to 4.
+    return index_to_json(IndexFile.model_validate(obj).model_copy(update={"unickpt": _at4(obj)}))
+
+
+def _at4(obj: dict[str, Any]) -> Any:
+    block = IndexFile.model_validate(obj).unickpt
+    assert block is not None
+    return block.model_copy(update={"format_version": 4})
 
 
 def test_written_index_builds_the_same_objects() -> None:
@@ -761,6 +768,8 @@ def test_fast_checks_know_the_models() -> None:
             "_aliases_resolve",
             "_version_is_an_integer",
             "_state_not_too_deep",
+            "_from_text_form",  # the fast path calls its block_from_json too
+            "_to_text_form",
         },
         IndexFile: {"_safe_files", "_plain_metadata_is_informational"},
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from unickpt.format.digest_text import hex_to_b64
 from unickpt.format.index import parse_index, parse_index_validated
 from unickpt.format.index_models import ByteRange, LayoutInfo, SliceEntry
 from unickpt.format.writer import build_block, build_index, tensor_entry
@@ -34,10 +35,12 @@ def _index() -> bytes:
 def test_ranged_tensor_stays_listed_and_round_trips() -> None:
     raw = _index()
     obj = json.loads(raw)
-    assert obj["unickpt"]["format_version"] == 4
+    assert obj["unickpt"]["format_version"] == 5
     a, b = obj["unickpt"]["tensors"]["a"], obj["unickpt"]["tensors"]["b"]
     assert [r["end"] for r in a["slices"][0]["ranges"]] == [32, 64]
-    assert "slices" not in b and b["xxh3"] == "2" * 16  # compact
+    # version 5: the compact xxh3 in base64url, listed slices and ranges keep hex digits
+    assert all(len(r["xxh3"]) == 16 for r in a["slices"][0]["ranges"])
+    assert "slices" not in b and b["xxh3"] == hex_to_b64("2" * 16) == "IiIiIiIiIiI"  # compact
     for parse in (parse_index, parse_index_validated):
         idx = parse(raw, "x.json")
         assert idx.unickpt is not None

@@ -13,10 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from unickpt.format.index_models import TensorEntry
+from unickpt.format.digest_text import block_from_json, block_to_json
+from unickpt.format.index_models import COMPACT_VERSION, TensorEntry
 from unickpt.format.slice_table import SliceTable, compact_fields
 
-__all__ = ["compact_tensors", "named_table", "as_listed"]
+__all__ = ["compact_tensors", "named_table", "as_listed", "as_version"]
 
 
 def named_table(name: str, t: TensorEntry) -> SliceTable:
@@ -58,18 +59,29 @@ def compact_tensors(tensors: Mapping[str, TensorEntry]) -> tuple[dict[str, Tenso
 
 def as_listed(obj: dict[str, Any], version: int | None = None) -> dict[str, Any]:
     """A parsed index JSON object (``json.loads``) with every compact tensor's slices listed, as
-    versions 1 and 2 write them (version 3 takes them too), stamped ``version`` (default: its
+    versions 1 and 2 write them (versions 3 to 5 take them too), stamped ``version`` (default: its
     own): fixtures of older versions, tools that edit slice objects. Changed in place, returned."""
-    block = obj.get("unickpt")
-    if not isinstance(block, dict):
+    return as_version(obj, version, listed=True)
+
+
+def as_version(obj: dict[str, Any], version: int | None = None, listed: bool = False) -> dict[str, Any]:
+    """A parsed index JSON object in the text form of ``version`` (default: its own): version 5's
+    base64url digests and default dtype (docs/format.md 3.1) below 5, or the reverse; the slices
+    listed when ``listed`` or ``version`` < 3. The ``weight_map`` (its sentinel) is left as it is.
+    Changed in place, returned."""
+    given = obj.get("unickpt")
+    if not isinstance(given, dict):
         return obj
-    files = block.pop("files", None)
-    for name, t in block["tensors"].items():
-        if "slices" in t:
-            continue
-        fields = {k: t.pop(k, None) for k in ("grid", "boxes", "file", "keys", "xxh3")}
-        table = SliceTable.from_compact(name, t["shape"], files or [], **fields)
-        t["slices"] = [s.model_dump(exclude_none=True) for s in table.entries()]
+    block = obj["unickpt"] = block_from_json(given)[0]
+    if listed or (version is not None and version < COMPACT_VERSION):
+        files = block.pop("files", None)
+        for name, t in block["tensors"].items():
+            if "slices" in t:
+                continue
+            fields = {k: t.pop(k, None) for k in ("grid", "boxes", "file", "keys", "xxh3")}
+            table = SliceTable.from_compact(name, t["shape"], files or [], **fields)
+            t["slices"] = [s.model_dump(exclude_none=True) for s in table.entries()]
     if version is not None:
         block["format_version"] = version
+    block_to_json(block)
     return obj

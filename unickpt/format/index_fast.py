@@ -27,16 +27,17 @@ from pydantic import BaseModel, Strict, ValidationError
 from unickpt.errors import CheckpointFormatError, IndexFileError, UnsafePathError
 from unickpt.format import index_models as models
 from unickpt.format._json import TooDeep, colon_budget, count_pairs_and_colons, json_depth
+from unickpt.format.digest_text import DigestTextError, block_from_json
 from unickpt.format.dtypes import DTYPE_ITEMSIZE
 from unickpt.format.index_bulk import (
     SLICE_FIELDS,
     SLICE_REQUIRED,
     _found,
+    _gc_paused,
     bulk_slices,
     compact_field_colons,
     construct,
 )
-from unickpt.format.index_bulk import _gc_paused as _gc_paused
 from unickpt.format.index_models import (
     HEX16,
     HEX16_BODY,
@@ -138,7 +139,7 @@ class _FastIndex:
             raise _NotFast
         try:
             index = self.index(obj)
-        except (TooDeep, RecursionError):
+        except (TooDeep, RecursionError, DigestTextError):  # the models word a DigestTextError
             raise _NotFast from None
         if self.pairs + self.colons != budget:
             raise _NotFast  # a duplicate key: strict_loads names it
@@ -261,6 +262,8 @@ class _FastIndex:
                 raise _NotFast  # never, with today's names: the colon count skips file names
 
     def block(self, v: Any) -> models.UnickptBlock:
+        v, fewer = block_from_json(v)  # version 5's text form (base64url digests, default dtype)
+        self.pairs += fewer
         b = self.obj(v, "unickpt", _BLOCK_FIELDS, _BLOCK_REQUIRED)
         given: dict[str, Any] = {}
         for k, x in b.items():

@@ -20,6 +20,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializationInfo,
     SerializerFunctionWrapHandler,
     Strict,
     field_validator,
@@ -29,6 +30,8 @@ from pydantic import (
 
 from unickpt.errors import UnsafePathError
 from unickpt.format._json import json_depth
+from unickpt.format.compact_rules import compact_count, compact_problem
+from unickpt.format.digest_text import block_from_json, block_to_json
 from unickpt.format.dtypes import DTYPE_ITEMSIZE
 from unickpt.format.lazy_slices import LazySlices
 from unickpt.format.slice_table import SliceTable
@@ -63,10 +66,10 @@ __all__ = [
 ]
 
 #: Format versions this reader accepts; version 1 indexes carry fingerprint v1 values.
-FormatVersion = Literal[1, 2, 3, 4]
+FormatVersion = Literal[1, 2, 3, 4, 5]
 KNOWN_FORMAT_VERSIONS: tuple[int, ...] = get_args(FormatVersion)
-#: The version every writer stamps: 4 since the short sliced sentinel (docs/format.md sections 2, 7).
-FORMAT_VERSION: Literal[4] = 4
+#: The version every writer stamps: 5 since base64url digests and the default dtype (docs/format.md 3.1, 7).
+FORMAT_VERSION: Literal[5] = 5
 #: The first version whose sliced ``weight_map`` names ``naming.SLICED_SENTINEL`` (before: the long one).
 SHORT_SENTINEL_VERSION = 4
 #: The first version whose tensors describe their slices compactly (``grid``/``boxes``, ``file``, ...).
@@ -321,6 +324,18 @@ class UnickptBlock(_Strict):
         "metadata carries it under 'unickpt_save'",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _from_text_form(cls, data: Any) -> Any:  # version 5's digests and default dtype, as in memory
+        return block_from_json(data)[0]
+
+    @model_serializer(mode="wrap")
+    def _to_text_form(
+        self, handler: SerializerFunctionWrapHandler, info: SerializationInfo
+    ) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        return block_to_json(out) if info.mode_is_json() else out
+
     @field_validator("format_version", mode="before")
     @classmethod
     def _version_is_an_integer(cls, v: Any) -> Any:
@@ -399,52 +414,6 @@ class IndexFile(BaseModel):
 
 _COMPACT_DUMP = ("dtype", "shape", "fingerprint", "param", "state", "grid", "boxes", "file", "keys", "xxh3")
 _COMPACT_FIELDS = ("grid", "boxes", "file", "keys", "xxh3")
-
-
-def compact_count(
-    gshape: Sequence[int], grid: Sequence[int | Sequence[int]] | None, boxes: Sequence[Any] | None
-) -> int:
-    """The number of slices the compact fields describe (``grid`` checked to have ``len(gshape)`` items)."""
-    if boxes is not None:
-        return len(boxes)
-    if grid is None:
-        return 1
-    return math.prod(p if isinstance(p, int) else len(p) for p in grid)
-
-
-def compact_problem(
-    gshape: Sequence[int],
-    grid: Sequence[int | Sequence[int]] | None,
-    boxes: Sequence[Sequence[int]] | None,
-    file: int | Sequence[int] | None,
-    keys: Sequence[str] | None,
-    xxh3: str | None,
-) -> str | None:
-    """What is wrong with the compact slice fields of a version 3 tensor (types already checked)."""
-    nd = len(gshape)
-    if grid is not None and boxes is not None:
-        return "has both 'grid' and 'boxes' (one describes the slices)"
-    if grid is not None:
-        if len(grid) != nd:
-            return f"grid has {len(grid)} dims for a {nd}-dim tensor"
-        for d, (p, g) in enumerate(zip(grid, gshape, strict=True)):
-            if not isinstance(p, int) and (not p or sum(p) != g):
-                return f"grid dim {d}: part extents {list(p)[:8]} do not add up to the tensor's size {g}"
-    elif boxes is not None:
-        for i, b in enumerate(boxes):
-            if len(b) != 2 * nd:
-                return f"box {i} has {len(b)} integers, expected {2 * nd} (offsets then shape)"
-            for d in range(nd):
-                if b[d] + b[nd + d] > gshape[d]:
-                    return f"box {i} spans [{b[d]}, {b[d] + b[nd + d]}) on dim {d} of a tensor of size {gshape[d]}"
-    n = compact_count(gshape, grid, boxes)
-    if file is not None and not isinstance(file, int) and len(file) != n:
-        return f"'file' lists {len(file)} file(s) for {n} slice(s)"
-    if keys is not None and len(keys) != n:
-        return f"'keys' lists {len(keys)} key(s) for {n} slice(s)"
-    if xxh3 is not None and len(xxh3) != 16 * n:
-        return f"'xxh3' holds {len(xxh3)} characters for {n} slice(s) (16 per slice)"
-    return None
 
 
 def version_problem(

@@ -8,19 +8,46 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
-from unickpt.format.index_models import KNOWN_FORMAT_VERSIONS, IndexFile
+from unickpt.format.digest_text import B64_DIGEST_LEN, DIGEST_TEXT_VERSION, NO_DIGEST
+from unickpt.format.dtypes import DTYPE_ITEMSIZE
+from unickpt.format.index_models import HASHES, HEX16, KNOWN_FORMAT_VERSIONS, IndexFile
+
+# One digest in version 5's text form: 11 base64url characters, the last one's 2 low bits 0.
+_B64 = f"[A-Za-z0-9_-]{{{B64_DIGEST_LEN - 1}}}[AEIMQUYcgkosw048]"
 
 __all__ = ["index_schema_json"]
 
 
 def index_schema_json() -> str:
     schema = IndexFile.model_json_schema(mode="validation")
+    _version5_text(schema["$defs"])
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = (
         f"unickpt checkpoint index (format versions {', '.join(map(str, KNOWN_FORMAT_VERSIONS))})"
     )
     return json.dumps(schema, indent=2, sort_keys=True) + "\n"
+
+
+def _version5_text(defs: dict[str, Any]) -> None:
+    """The models describe the in-memory form, which is also the JSON of versions 1 to 4; version
+    5's JSON (docs/format.md 3.1) has base64url digests and a default dtype: add them."""
+    v5 = f"version {DIGEST_TEXT_VERSION}"
+    defs["UnickptBlock"]["properties"]["dtype"] = {
+        "description": f"{v5}: the dtype of every tensor that has none (the most frequent one)",
+        "enum": sorted(DTYPE_ITEMSIZE),
+        "title": "Dtype",
+        "type": "string",
+    }
+    tensor = defs["TensorEntry"]
+    tensor["required"] = [k for k in tensor["required"] if k != "dtype"]
+    props = tensor["properties"]
+    props["dtype"]["description"] = f"required up to version 4; {v5}: absent means the block's dtype"
+    props["fingerprint"]["anyOf"][0]["pattern"] = f"{HEX16}|^{_B64}$"
+    props["fingerprint"]["description"] += f" (16 hex digits; {v5}: 11 base64url characters)"
+    props["xxh3"]["anyOf"][0]["pattern"] = f"{HASHES}|^({_B64}|{NO_DIGEST})*$"
+    props["xxh3"]["description"] += f"; {v5}: 11 base64url characters each ({NO_DIGEST!r}: none)"
 
 
 if __name__ == "__main__":
