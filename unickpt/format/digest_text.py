@@ -155,7 +155,8 @@ def block_from_json(block: Any) -> tuple[Any, int]:
     default = block.get("dtype")
     if "dtype" in block and (type(default) is not str or default not in DTYPE_ITEMSIZE):
         raise DigestTextError(
-            f"'dtype' (the tensors' default dtype) must be a dtype in {sorted(DTYPE_ITEMSIZE)}"
+            f"'dtype' (the tensors' default dtype) must be a dtype in {sorted(DTYPE_ITEMSIZE)}, "
+            f"found {default!r}"
         )
     tensors = block.get("tensors")
     if type(tensors) is not dict:

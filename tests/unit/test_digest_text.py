@@ -1,0 +1,312 @@
+"""Format version 5: base64url digests and the block's default dtype (docs/format.md 3.2)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from unickpt import GeneralCheckpointIO, diff_checkpoints, merge_checkpoint, verify_checkpoint
+from unickpt.errors import IndexFileError
+from unickpt.format.digest_text import NO_DIGEST, b64_to_hex, hex_to_b64
+from unickpt.format.index import (
+    FORMAT_VERSION,
+    IndexFile,
+    LayoutInfo,
+    index_to_json,
+    parse_index,
+    parse_index_validated,
+)
+from unickpt.format.index_compact import as_version
+from unickpt.format.index_fast import _FastIndex
+from unickpt.format.reader import open_checkpoint
+
+INDEX = "model.safetensors.index.json"
+
+
+def _reference(hexs: str) -> str:
+    """Each digest encoded on its own with the standard library, the padding dropped."""
+    out = []
+    for k in range(0, len(hexs), 16):
+        h = hexs[k : k + 16]
+        out.append(NO_DIGEST if h == "-" * 16 else base64.urlsafe_b64encode(bytes.fromhex(h)).decode()[:11])
+    return "".join(out)
+
+
+def test_digests_round_trip_as_the_standard_library_encodes_them() -> None:
+    rng = random.Random(5)
+    edge = ["0" * 16, "f" * 16, "8000000000000000", "0000000000000001", "-" * 16]
+    digests = edge + [f"{rng.getrandbits(64):016x}" for _ in range(2000)]
+    hexs = "".join(digests)
+    text = hex_to_b64(hexs)
+    assert text == _reference(hexs) and len(text) == 11 * len(digests)
+    assert b64_to_hex(text) == hexs
+    assert hex_to_b64("5b0e0c7f2d3a9c41") == "Ww4Mfy06nEE"  # docs/format.md's example
+    assert hex_to_b64("") == "" == b64_to_hex("")
+    # Every digest's last character carries 4 bits and two zero bits.
+    assert set(text[10::11]) - {"~"} <= set("AEIMQUYcgkosw048")
+
+
+def _save(tmp_path: Path, name: str = "v5") -> tuple[Path, dict[str, torch.Tensor]]:
+    """A sliced save of a tiny model, each tensor in 4 row blocks (as FSDP2 x4 stores it)."""
+    from unickpt.io.save import SaveOptions, save_tensors
+    from unickpt.io.tensors import LocalSlice
+
+    torch.manual_seed(0)
+    full = {
+        "embed": torch.randn(33, 5).to(torch.bfloat16),
+        "proj": torch.randn(10, 7).to(torch.bfloat16),
+        "norm": torch.randn(6),
+        "steps": torch.arange(3, dtype=torch.int64),
+    }
+    dtypes = {torch.bfloat16: "BF16", torch.float32: "F32", torch.int64: "I64"}
+
+    def boxes(n: str, t: torch.Tensor) -> list[LocalSlice]:
+        out, start = [], 0
+        for part in t.chunk(4):
+            rows = part.shape[0]
+            box = (start, *[0] * (t.dim() - 1))
+            out.append(LocalSlice(n, dtypes[t.dtype], tuple(t.shape), box, tuple(part.shape), part))  # type: ignore[arg-type]
+            start += rows
+        return out
+
+    d = tmp_path / name
+    save_tensors(full, str(d), SaveOptions("model", True, False, 1024, LayoutInfo()), boxes)
+    return d, full
+
+
+def _loads_bit_exact(path: Path, full: dict[str, torch.Tensor]) -> None:
+    m = torch.nn.Module()
+    for name, t in full.items():
+        if t.is_floating_point():
+            m.register_parameter(name, torch.nn.Parameter(torch.zeros_like(t)))
+        else:
+            m.register_buffer(name, torch.zeros_like(t))
+    GeneralCheckpointIO().load_model(m, path, verify=True)
+    for name, want in full.items():
+        assert torch.equal(m.state_dict()[name], want), name
+
+
+def _as4(d: Path, out: Path) -> Path:
+    """A copy of the checkpoint whose index is the same save written as version 4 writes it."""
+    shutil.copytree(d, out)
+    obj = as_version(json.loads((d / INDEX).read_text()), 4)
+    (out / INDEX).write_text(json.dumps(obj, ensure_ascii=False, separators=(",", ":")))
+    return out
+
+
+def test_a_save_writes_version_5_and_reads_as_its_version_4_text(tmp_path: Path) -> None:
+    d, full = _save(tmp_path)
+    raw = (d / INDEX).read_bytes()
+    block = json.loads(raw)["unickpt"]
+    assert block["format_version"] == FORMAT_VERSION == 5 and block["dtype"] == "BF16"
+    tensors = block["tensors"]
+    assert "dtype" not in tensors["embed"] and tensors["norm"]["dtype"] == "F32"
+    assert tensors["steps"]["dtype"] == "I64" and len(tensors["embed"]["xxh3"]) == 44
+    assert all(len(t["fingerprint"]) == 11 for t in tensors.values())
+    _FastIndex(raw).parse(raw.decode())  # the fast path vouches for it (no fallback to the models)
+
+    # Version 5 -> 4: the same values in memory, on both paths.
+    v4 = (_as4(d, tmp_path / "v4") / INDEX).read_bytes()
+    assert json.loads(v4)["unickpt"]["format_version"] == 4 and "dtype" not in json.loads(v4)["unickpt"]
+    fives = [parse(raw, "a.json") for parse in (parse_index, parse_index_validated)]
+    fours = [parse(v4, "b.json") for parse in (parse_index, parse_index_validated)]
+    for idx in fives + fours:
+        assert idx.unickpt is not None
+    b5 = fives[0].unickpt
+    assert b5 is not None and fives[0] == fives[1] and fours[0] == fours[1]
+    for b4 in (fours[0].unickpt, fours[1].unickpt):
+        assert b4 is not None and b4.format_version == 4
+        assert b4.model_copy(update={"format_version": 5}) == b5
+        for name, t in b4.tensors.items():
+            t5 = b5.tensors[name]
+            assert (t.dtype, t.fingerprint, t.table.hashes) == (t5.dtype, t5.fingerprint, t5.table.hashes)
+            assert t5.fingerprint is not None and len(t5.fingerprint) == 16  # hex in memory
+    # Version 4 -> 5: the parsed version 4 index, stamped 5, writes the save's exact bytes.
+    again = fours[0].model_copy(update={"unickpt": fours[0].unickpt.model_copy(update={"format_version": 5})})  # type: ignore[union-attr]
+    assert index_to_json(again) == raw
+    # Both load bit-exact and verify every hash.
+    for path in (d, tmp_path / "v4"):
+        report = verify_checkpoint(path)
+        assert not list(report) and report.hashed == 14 and report.fingerprints == 4, report.summary()
+        _loads_bit_exact(path, full)
+
+
+def test_diff_of_a_version_4_and_a_version_5_save_reports_no_change(tmp_path: Path) -> None:
+    from unickpt.cli.main import main
+
+    d, _ = _save(tmp_path)
+    v4 = _as4(d, tmp_path / "v4")
+    report = diff_checkpoints(d, v4)
+    assert report.identical and not report.changed, report.format()
+    assert main(["diff", str(d), str(v4)]) == 0 and main(["diff", str(v4), str(d)]) == 0
+    # A changed tensor in the version 4 one is still found, from the index alone.
+    obj = json.loads((v4 / INDEX).read_text())
+    fp = obj["unickpt"]["tensors"]["proj"]["fingerprint"]
+    obj["unickpt"]["tensors"]["proj"]["fingerprint"] = f"{int(fp, 16) ^ 1:016x}"
+    (v4 / INDEX).write_text(json.dumps(obj))
+    changed = diff_checkpoints(d, v4)
+    assert changed.changed == ["proj"], changed.format()
+
+
+@pytest.mark.parametrize("version", [4, 5])
+def test_a_merge_keeps_its_sources_version_and_text_form(tmp_path: Path, version: int) -> None:
+    d, full = _save(tmp_path)
+    src = d if version == 5 else _as4(d, tmp_path / "v4")
+    for shard in ("1KB", "5GB"):  # several files (an index), one file (the block in its header)
+        out = tmp_path / f"merged-{version}-{shard}"
+        merge_checkpoint(src, out, max_shard_size=shard)
+        if (out / INDEX).exists():
+            block = json.loads((out / INDEX).read_text())["unickpt"]
+        else:
+            with open_checkpoint(out) as r:
+                raw_meta = r.block.model_dump_json(exclude_none=True)
+            block = json.loads(raw_meta)
+        assert block["format_version"] == version
+        fp = block["tensors"]["proj"]["fingerprint"]
+        assert len(fp) == (11 if version == 5 else 16) and ("dtype" in block) == (version == 5)
+        with open_checkpoint(out) as r:
+            assert r.block.format_version == version
+        _loads_bit_exact(out, full)
+        assert not list(verify_checkpoint(out))
+
+
+def _v5_index(tmp_path: Path) -> dict[str, Any]:
+    d, _ = _save(tmp_path)
+    obj: dict[str, Any] = json.loads((d / INDEX).read_text())
+    return obj
+
+
+def _flip_last_bits(s: str) -> str:
+    """The first digest's last character with a nonzero padding bit."""
+    return s[:10] + chr(ord(s[10]) + 1) + s[11:]
+
+
+_HOSTILE: list[tuple[str, Any, str]] = [
+    ("short xxh3", lambda t, b: t.update(xxh3=t["xxh3"][:-1]), "'xxh3' holds 43 characters for 4 slice(s)"),
+    ("long xxh3", lambda t, b: t.update(xxh3=t["xxh3"] + "A" * 11), "holds 55 characters for 4 slice(s)"),
+    ("hex xxh3", lambda t, b: t.update(xxh3=b64_to_hex(t["xxh3"])), "holds 64 characters for 4 slice(s)"),
+    ("hex fingerprint", lambda t, b: t.update(fingerprint="0123456789abcdef"), "'fingerprint' holds 16"),
+    ("plus", lambda t, b: t.update(xxh3="+" + t["xxh3"][1:]), "digest 0 ('+"),
+    ("slash", lambda t, b: t.update(xxh3=t["xxh3"][:12] + "/" + t["xxh3"][13:]), "digest 1 ("),
+    ("padding", lambda t, b: t.update(xxh3=t["xxh3"][:10] + "=" + t["xxh3"][11:]), "holds '='"),
+    ("non-ascii", lambda t, b: t.update(xxh3="é" + t["xxh3"][1:]), "holds 'é'"),
+    ("half marker", lambda t, b: t.update(xxh3="~" * 5 + t["xxh3"][5:]), "holds '~'"),
+    ("trailing bits", lambda t, b: t.update(xxh3=_flip_last_bits(t["xxh3"])), "nonzero padding bits"),
+    (
+        "fingerprint trailing bits",
+        lambda t, b: t.update(fingerprint=_flip_last_bits(t["fingerprint"])),
+        "'fingerprint': digest 0",
+    ),
+    (
+        "bad default dtype",
+        lambda t, b: b.update(dtype="bf16"),
+        "'dtype' (the tensors' default dtype) must be",
+    ),
+    ("no dtype anywhere", lambda t, b: b.pop("dtype"), "embed.dtype"),
+    ("dtype at version 4", lambda t, b: b.update(format_version=4), "is a format_version 5 field"),
+]
+
+
+@pytest.mark.parametrize(("what", "edit", "finding"), _HOSTILE, ids=[h[0] for h in _HOSTILE])
+def test_malformed_version_5_text_is_refused_naming_file_tensor_and_finding(
+    tmp_path: Path, what: str, edit: Any, finding: str
+) -> None:
+    obj = _v5_index(tmp_path)
+    edit(obj["unickpt"]["tensors"]["embed"], obj["unickpt"])
+    raw = json.dumps(obj, ensure_ascii=False).encode()
+    for parse in (parse_index, parse_index_validated):
+        with pytest.raises(IndexFileError) as e:
+            parse(raw, "bad.index.json")
+        msg = str(e.value)
+        assert msg.startswith("bad.index.json: ") and finding in msg, msg
+        if "dtype" not in what:
+            assert "tensor 'embed'" in msg, msg
+
+
+def test_a_version_4_index_with_base64_digests_is_refused(tmp_path: Path) -> None:
+    obj = _v5_index(tmp_path)
+    block = obj["unickpt"]
+    dtype = block.pop("dtype")
+    block["format_version"] = 4
+    for t in block["tensors"].values():
+        t.setdefault("dtype", dtype)
+    raw = json.dumps(obj).encode()
+    for parse in (parse_index, parse_index_validated):
+        with pytest.raises(IndexFileError, match="String should match pattern"):
+            parse(raw, "old.index.json")
+
+
+def test_a_duplicate_default_dtype_is_refused(tmp_path: Path) -> None:
+    raw = json.dumps(_v5_index(tmp_path)).replace('"dtype": "BF16"', '"dtype": "BF16", "dtype": "F32"', 1)
+    for parse in (parse_index, parse_index_validated):
+        with pytest.raises(IndexFileError, match="duplicate"):
+            parse(raw.encode(), "dup.index.json")
+
+
+def test_a_slice_without_a_hash_is_eleven_tildes(tmp_path: Path) -> None:
+    obj = _v5_index(tmp_path)
+    t = obj["unickpt"]["tensors"]["embed"]
+    t["xxh3"] = t["xxh3"][:11] + NO_DIGEST + t["xxh3"][22:]
+    raw = json.dumps(obj).encode()
+    for parse in (parse_index, parse_index_validated):
+        idx = parse(raw, "i.json")
+        assert idx.unickpt is not None
+        table = idx.unickpt.tensors["embed"].table
+        assert table.xxh3(1) is None and table.xxh3(0) is not None and table.xxh3(2) is not None
+    written = json.loads(index_to_json(parse_index(raw, "i.json")))
+    assert written["unickpt"]["tensors"]["embed"]["xxh3"] == t["xxh3"]
+
+
+def test_block_json_of_a_tensor_of_every_dtype_keeps_each_dtype() -> None:
+    """The default is the most frequent dtype; the others stay on their tensors; in Python mode
+    (``model_dump()``) nothing changes."""
+    obj = {
+        "weight_map": dict.fromkeys("abc", "model-00001-of-00001.safetensors"),
+        "unickpt": {
+            "format_version": 5,
+            "kind": "model",
+            "dtype": "F16",
+            "tensors": {
+                "a": {
+                    "shape": [2],
+                    "slices": [
+                        {"file": "model-00001-of-00001.safetensors", "key": "a", "offsets": [0], "shape": [2]}
+                    ],
+                },
+                "b": {
+                    "dtype": "I8",
+                    "shape": [2],
+                    "slices": [
+                        {"file": "model-00001-of-00001.safetensors", "key": "b", "offsets": [0], "shape": [2]}
+                    ],
+                },
+                "c": {
+                    "dtype": "I8",
+                    "shape": [2],
+                    "slices": [
+                        {"file": "model-00001-of-00001.safetensors", "key": "c", "offsets": [0], "shape": [2]}
+                    ],
+                },
+            },
+        },
+    }
+    idx = IndexFile.model_validate(obj)
+    assert idx.unickpt is not None and idx.unickpt.tensors["a"].dtype == "F16"
+    dumped = json.loads(index_to_json(idx))["unickpt"]
+    assert dumped["dtype"] == "I8" and dumped["tensors"]["a"]["dtype"] == "F16"
+    assert "dtype" not in dumped["tensors"]["b"] and list(dumped)[:3] == ["format_version", "kind", "dtype"]
+    assert (
+        "dtype" not in idx.unickpt.model_dump() and idx.unickpt.model_dump()["tensors"]["b"]["dtype"] == "I8"
+    )
+    assert np.array_equal(
+        [t.dtype for t in IndexFile.model_validate(json.loads(index_to_json(idx))).unickpt.tensors.values()],  # type: ignore[union-attr]
+        ["F16", "I8", "I8"],
+    )
