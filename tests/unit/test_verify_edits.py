@@ -46,7 +46,7 @@ def _save(tmp_path: Path, gather: bool, name: str = "ck") -> Path:
 
 def _edit(d: Path, change: Callable[[dict[str, Any]], None]) -> None:
     p = d / INDEX
-    obj = listed(json.loads(p.read_text()))
+    obj = listed(json.loads(p.read_text()), 4)  # edited in version 4's text form: hex digests
     change(obj)
     p.write_text(json.dumps(obj))
 
