@@ -310,3 +310,22 @@ def test_block_json_of_a_tensor_of_every_dtype_keeps_each_dtype() -> None:
         [t.dtype for t in IndexFile.model_validate(json.loads(index_to_json(idx))).unickpt.tensors.values()],  # type: ignore[union-attr]
         ["F16", "I8", "I8"],
     )
+
+
+def test_the_schema_takes_both_text_forms_and_refuses_loose_bits(tmp_path: Path) -> None:
+    import re
+
+    from unickpt.format.schema import index_schema_json
+
+    defs = json.loads(index_schema_json())["$defs"]
+    props = defs["TensorEntry"]["properties"]
+    fp, xxh = (props[k]["anyOf"][0]["pattern"] for k in ("fingerprint", "xxh3"))
+    assert (
+        "dtype" not in defs["TensorEntry"]["required"]
+        and "BF16" in defs["UnickptBlock"]["properties"]["dtype"]["enum"]
+    )
+    t = _v5_index(tmp_path)["unickpt"]["tensors"]["embed"]
+    for pattern, v5 in ((fp, t["fingerprint"]), (xxh, t["xxh3"])):
+        assert re.search(pattern, v5) and re.search(pattern, b64_to_hex(v5))
+        assert not re.search(pattern, _flip_last_bits(v5)) and not re.search(pattern, "+" + v5[1:])
+    assert re.search(xxh, NO_DIGEST + t["xxh3"]) and not re.search(xxh, "~" + t["xxh3"][1:])
