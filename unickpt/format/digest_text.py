@@ -1,4 +1,4 @@
-"""Version 5's text form of the block: base64url digests and a default dtype (docs/format.md 3.1, 5).
+"""Version 5's text form of the block: base64url digests and a default dtype (docs/format.md 3.2).
 
 In memory every version looks the same: a digest is 16 lower-case hex digits (a tensor's
 ``fingerprint``, the concatenated hashes a ``SliceTable`` holds, 16 ``-`` for a slice without
@@ -8,7 +8,8 @@ converted at the two edges:
 - :func:`block_from_json` (readers, before any other check): the block's ``dtype`` (the
   default) is given to every tensor that has none, and the tensors' ``fingerprint`` and
   ``xxh3`` go from 11 base64url characters per digest (11 ``~`` for a slice without a hash) to
-  16 hex digits. Every digest of the block is decoded in one numpy pass, no object per slice.
+  16 hex digits: all fingerprints of the block in one numpy pass, all ``xxh3`` in another, no
+  object per slice.
 - :func:`block_to_json` (the models' JSON serializer): the reverse, for a block stamped 5.
 
 Listed ``slices`` and their ``ranges`` keep version 4's hex digits at version 5.
@@ -42,7 +43,6 @@ DIGEST_TEXT_VERSION = 5
 B64_DIGEST_LEN = 11
 #: Stands for a slice without a hash in a version 5 ``xxh3`` string: ``~`` is outside base64url.
 NO_DIGEST = "~" * B64_DIGEST_LEN
-_HEX_NO_DIGEST = "-" * 16
 _ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
 _CHARS = np.frombuffer(_ALPHABET, dtype=np.uint8)
 _BAD = 255
