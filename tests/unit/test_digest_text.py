@@ -329,3 +329,29 @@ def test_the_schema_takes_both_text_forms_and_refuses_loose_bits(tmp_path: Path)
         assert re.search(pattern, v5) and re.search(pattern, b64_to_hex(v5))
         assert not re.search(pattern, _flip_last_bits(v5)) and not re.search(pattern, "+" + v5[1:])
     assert re.search(xxh, NO_DIGEST + t["xxh3"]) and not re.search(xxh, "~" + t["xxh3"][1:])
+
+
+@pytest.mark.parametrize(
+    ("text", "ok"),
+    [
+        ("", True),
+        ("0123456789abcdef" * 3, True),
+        ("-" * 16 + "f" * 16, True),
+        ("0" * 15, False),
+        ("0" * 17, False),
+        ("0123456789ABCDEF", False),
+        ("g" * 16, False),
+        ("," * 16, False),
+        ("é" * 16, False),
+        ("-" * 15 + "0", False),
+        ("Ww4Mfy06nEE" + "A" * 5, False),
+    ],
+)
+def test_the_hex_hashes_check_is_the_schemas_pattern(text: str, ok: bool) -> None:
+    """``index_bulk``'s C-level check of a hex ``xxh3`` string says what the ``HASHES`` regex says."""
+    import re
+
+    from unickpt.format.index_bulk import _concatenated_hashes
+    from unickpt.format.index_models import HASHES
+
+    assert _concatenated_hashes(text) is ok is (re.fullmatch(HASHES, text) is not None)

@@ -17,6 +17,7 @@ Listed ``slices`` and their ``ranges`` keep version 4's hex digits at version 5.
 
 from __future__ import annotations
 
+import binascii
 import collections
 from typing import Any
 
@@ -48,9 +49,11 @@ _CHARS = np.frombuffer(_ALPHABET, dtype=np.uint8)
 _BAD = 255
 _VALUE = np.full(256, _BAD, dtype=np.uint8)
 _VALUE[_CHARS] = np.arange(64, dtype=np.uint8)
-# Bit positions of the first ten characters' 6 bits in the 64-bit digest (the 11th holds 4 bits).
-_SHIFTS = np.arange(58, -1, -6, dtype=np.uint64)[:10]
 _LAST_CHARS = _ALPHABET[::4].decode()  # the characters whose 2 low bits are 0
+# base64url <-> standard base64 for binascii; '+' and '/' (not base64url) become '!', which
+# binascii's strict mode refuses.
+_TO_STANDARD = bytes.maketrans(b"-_+/", b"+/!!")
+_TO_URLSAFE = bytes.maketrans(b"+/", b"-_")
 
 
 class DigestTextError(ValueError):
@@ -68,39 +71,61 @@ class _Bad(Exception):
 
 def b64_to_hex(text: str) -> str:
     """Concatenated base64url digests (11 characters each, ``~`` x 11: none) as 16 hex digits each
-    (``-`` x 16: none). Raises ``_Bad`` naming the first bad digest."""
+    (``-`` x 16: none). Raises ``_Bad`` naming the first bad digest.
+
+    Each group of 11 gets a 12th character ``A`` (6 zero bits): 12 characters are 9 whole bytes,
+    the digest's 8 and a ninth holding the 2 padding bits, so the whole text decodes in one
+    ``binascii`` call (strict: any character outside the alphabet fails it)."""
+    n, rem = divmod(len(text), B64_DIGEST_LEN)
+    if rem or not text.isascii():
+        _find_bad(text)
+    if not n:
+        return ""
+    raw = np.frombuffer(text.encode("ascii"), dtype=np.uint8).reshape(n, B64_DIGEST_LEN)
+    groups = np.full((n, B64_DIGEST_LEN + 1), ord("A"), dtype=np.uint8)
+    groups[:, :B64_DIGEST_LEN] = raw
+    none = None
+    if NO_DIGEST[0] in text:
+        none = (raw == ord("~")).all(axis=1)
+        groups[none] = ord("A")
+    try:
+        data = binascii.a2b_base64(groups.tobytes().translate(_TO_STANDARD), strict_mode=True)
+    except binascii.Error:
+        _find_bad(text)
+        raise  # never: _find_bad raises for every text binascii refuses
+    decoded = np.frombuffer(data, dtype=np.uint8).reshape(n, 9)
+    if decoded[:, 8].any():
+        _find_bad(text)
+    hexs: str = np.ascontiguousarray(decoded[:, :8]).tobytes().hex()
+    if none is not None and none.any():
+        out = np.frombuffer(hexs.encode("ascii"), dtype=np.uint8).reshape(n, 16).copy()
+        out[none] = ord("-")
+        hexs = out.tobytes().decode("ascii")
+    return hexs
+
+
+def _find_bad(text: str) -> None:
+    """Raise ``_Bad`` for the first digest of ``text`` that is not one (the slow, precise path)."""
     n, rem = divmod(len(text), B64_DIGEST_LEN)
     if rem:
         raise _Bad(n, f"is cut short: {rem} character(s), not the {B64_DIGEST_LEN} of a digest")
-    if not n:
-        return ""
     if not text.isascii():
         i = next(i for i, c in enumerate(text) if not c.isascii())
         raise _Bad(i // B64_DIGEST_LEN, _outside(text[i]))
     raw = np.frombuffer(text.encode("ascii"), dtype=np.uint8).reshape(n, B64_DIGEST_LEN)
     codes = _VALUE[raw]
-    none = (raw == ord("~")).all(axis=1)
     bad = codes == _BAD
-    bad[none] = False
+    bad[(raw == ord("~")).all(axis=1)] = False
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise _Bad(i // B64_DIGEST_LEN, _outside(text[i]))
-    codes[none] = 0
-    odd = np.flatnonzero(codes[:, -1] & 3)
+    odd = np.flatnonzero((codes[:, -1] & 3) * (codes[:, -1] != _BAD))
     if odd.size:
         raise _Bad(
             int(odd[0]),
             f"ends in nonzero padding bits (11 characters carry 66 bits, the last 2 are 0: the last "
             f"character is one of {_LAST_CHARS})",
         )
-    wide = codes.astype(np.uint64)
-    values = np.bitwise_or.reduce(wide[:, :10] << _SHIFTS, axis=1) | (wide[:, 10] >> np.uint64(2))
-    hexs: str = values.astype(">u8").tobytes().hex()
-    if none.any():
-        out = np.frombuffer(hexs.encode("ascii"), dtype=np.uint8).reshape(n, 16).copy()
-        out[none] = ord("-")
-        hexs = out.tobytes().decode("ascii")
-    return hexs
 
 
 def _outside(c: str) -> str:
@@ -108,21 +133,23 @@ def _outside(c: str) -> str:
 
 
 def hex_to_b64(hexs: str) -> str:
-    """Concatenated 16-hex-digit digests (``-`` x 16: none) as base64url, 11 characters each."""
+    """Concatenated 16-hex-digit digests (``-`` x 16: none) as base64url, 11 characters each: the
+    8 bytes of each digest and a zero byte are 12 characters, the last of them dropped."""
     n = len(hexs) // 16
     if not n:
         return ""
-    digits = np.frombuffer(hexs.encode("ascii"), dtype=np.uint8).reshape(n, 16)
-    none = digits[:, 0] == ord("-")
-    if none.any():
-        digits = digits.copy()
+    none = None
+    if "-" in hexs:
+        digits = np.frombuffer(hexs.encode("ascii"), dtype=np.uint8).reshape(n, 16).copy()
+        none = digits[:, 0] == ord("-")
         digits[none] = ord("0")
-    values = np.frombuffer(bytes.fromhex(digits.tobytes().decode("ascii")), dtype=">u8").astype(np.uint64)
-    idx = np.empty((n, B64_DIGEST_LEN), dtype=np.uint64)
-    idx[:, :10] = (values[:, None] >> _SHIFTS) & np.uint64(63)
-    idx[:, 10] = (values & np.uint64(15)) << np.uint64(2)
-    out = _CHARS[idx]
-    out[none] = ord("~")
+        hexs = digits.tobytes().decode("ascii")
+    data = np.zeros((n, 9), dtype=np.uint8)
+    data[:, :8] = np.frombuffer(bytes.fromhex(hexs), dtype=np.uint8).reshape(n, 8)
+    text = binascii.b2a_base64(data.tobytes(), newline=False).translate(_TO_URLSAFE)
+    out = np.frombuffer(text, dtype=np.uint8).reshape(n, B64_DIGEST_LEN + 1)[:, :B64_DIGEST_LEN].copy()
+    if none is not None:
+        out[none] = ord("~")
     return out.tobytes().decode("ascii")
 
 

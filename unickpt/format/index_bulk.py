@@ -199,7 +199,7 @@ def compact_field_colons(k: str, x: Any) -> int | None:
     if x is None:
         return 0
     if k == "xxh3":
-        return 0 if type(x) is str and _hashes(x) else None
+        return 0 if type(x) is str and _concatenated_hashes(x) else None
     if k == "keys":
         if type(x) is not list or set(map(type, x)) - _STR:
             return None
@@ -221,6 +221,14 @@ def compact_field_colons(k: str, x: Any) -> int | None:
     if ints and (set(map(type, ints)) - _INT or min(ints) < 0 or max(ints) >= MAX_DIM):
         return None
     return 0
+
+
+def _concatenated_hashes(x: str) -> bool:
+    """``x`` matches ``HASHES``: a regex pass costs about 0.1 us per character (0.6 s for 370k
+    slices), so hex digits alone are checked with one C-level ``bytes.translate`` instead."""
+    if "-" in x or len(x) % 16 or not x.isascii():
+        return _hashes(x) is not None
+    return not x.encode("ascii").translate(None, _HEX_DIGITS_COMMA[:16])
 
 
 def _found(v: Any) -> str:
