@@ -355,3 +355,29 @@ def test_the_hex_hashes_check_is_the_schemas_pattern(text: str, ok: bool) -> Non
     from unickpt.format.index_models import HASHES
 
     assert _concatenated_hashes(text) is ok is (re.fullmatch(HASHES, text) is not None)
+
+
+def test_every_string_decodes_to_one_digest_or_is_refused() -> None:
+    """Random strings over base64url, standard base64, '=', '~', space and a non-ASCII letter: each
+    is refused, or it decodes to digests that encode back to exactly it (so no two strings give
+    the same digest)."""
+    from unickpt.format.digest_text import _Bad
+
+    rng = random.Random(11)
+    chars = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_+/=~ é"
+    accepted = 0
+    for _ in range(3000):
+        n = rng.randrange(1, 4)
+        if rng.random() < 0.5:  # mostly valid: digests with one character changed
+            text = list(hex_to_b64("".join(f"{rng.getrandbits(64):016x}" for _ in range(n))))
+            text[rng.randrange(len(text))] = rng.choice(chars)
+            s = "".join(text)
+        else:
+            s = "".join(rng.choice(chars) for _ in range(11 * n + rng.choice([0, 0, 0, -1, 1])))
+        try:
+            hexs = b64_to_hex(s)
+        except _Bad:
+            continue
+        accepted += 1
+        assert hex_to_b64(hexs) == s, s
+    assert accepted > 300

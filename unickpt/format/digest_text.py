@@ -78,7 +78,7 @@ def b64_to_hex(text: str) -> str:
     ``binascii`` call (strict: any character outside the alphabet fails it)."""
     n, rem = divmod(len(text), B64_DIGEST_LEN)
     if rem or not text.isascii():
-        _find_bad(text)
+        raise _first_bad(text)
     if not n:
         return ""
     raw = np.frombuffer(text.encode("ascii"), dtype=np.uint8).reshape(n, B64_DIGEST_LEN)
@@ -91,11 +91,10 @@ def b64_to_hex(text: str) -> str:
     try:
         data = binascii.a2b_base64(groups.tobytes().translate(_TO_STANDARD), strict_mode=True)
     except binascii.Error:
-        _find_bad(text)
-        raise  # never: _find_bad raises for every text binascii refuses
+        raise _first_bad(text) from None
     decoded = np.frombuffer(data, dtype=np.uint8).reshape(n, 9)
     if decoded[:, 8].any():
-        _find_bad(text)
+        raise _first_bad(text)
     hexs: str = np.ascontiguousarray(decoded[:, :8]).tobytes().hex()
     if none is not None and none.any():
         out = np.frombuffer(hexs.encode("ascii"), dtype=np.uint8).reshape(n, 16).copy()
@@ -104,28 +103,30 @@ def b64_to_hex(text: str) -> str:
     return hexs
 
 
-def _find_bad(text: str) -> None:
-    """Raise ``_Bad`` for the first digest of ``text`` that is not one (the slow, precise path)."""
+def _first_bad(text: str) -> _Bad:
+    """What is wrong with the first digest of ``text`` that is not one (the slow, precise path,
+    taken once the fast one refused ``text``)."""
     n, rem = divmod(len(text), B64_DIGEST_LEN)
     if rem:
-        raise _Bad(n, f"is cut short: {rem} character(s), not the {B64_DIGEST_LEN} of a digest")
+        return _Bad(n, f"is cut short: {rem} character(s), not the {B64_DIGEST_LEN} of a digest")
     if not text.isascii():
         i = next(i for i, c in enumerate(text) if not c.isascii())
-        raise _Bad(i // B64_DIGEST_LEN, _outside(text[i]))
+        return _Bad(i // B64_DIGEST_LEN, _outside(text[i]))
     raw = np.frombuffer(text.encode("ascii"), dtype=np.uint8).reshape(n, B64_DIGEST_LEN)
     codes = _VALUE[raw]
     bad = codes == _BAD
     bad[(raw == ord("~")).all(axis=1)] = False
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        raise _Bad(i // B64_DIGEST_LEN, _outside(text[i]))
+        return _Bad(i // B64_DIGEST_LEN, _outside(text[i]))
     odd = np.flatnonzero((codes[:, -1] & 3) * (codes[:, -1] != _BAD))
     if odd.size:
-        raise _Bad(
+        return _Bad(
             int(odd[0]),
             f"ends in nonzero padding bits (11 characters carry 66 bits, the last 2 are 0: the last "
             f"character is one of {_LAST_CHARS})",
         )
+    return _Bad(0, "is not base64url")  # never: binascii refuses only what the checks above name
 
 
 def _outside(c: str) -> str:
