@@ -31,7 +31,7 @@ from unickpt.format.dtypes import DTYPE_ITEMSIZE
 if TYPE_CHECKING:
     from unickpt.format.safetensors_io import HeaderEntry
 
-__all__ = ["HeaderEntries", "parse_header_bulk"]
+__all__ = ["HeaderEntries", "dtype_code", "parse_header_bulk"]
 
 _FIELDS = operator.itemgetter("dtype", "shape", "data_offsets")
 _DTYPES = sorted(DTYPE_ITEMSIZE)
@@ -40,12 +40,23 @@ _ITEMSIZE = np.asarray([DTYPE_ITEMSIZE[d] for d in _DTYPES], dtype=np.int64)
 
 
 class HeaderEntries(Mapping[str, "HeaderEntry"]):
-    """key -> ``HeaderEntry`` of one validated header, kept as lists; an entry is built when asked."""
+    """key -> ``HeaderEntry`` of one validated header, kept as arrays; an entry is built when asked.
 
-    __slots__ = ("_begin", "_codes", "_end", "_keys", "_pos", "_shapes")
+    :meth:`arrays` hands the arrays themselves to bulk readers (``format/slice_spans.py``), which
+    locate and check thousands of slices with a few numpy operations.
+    """
+
+    __slots__ = ("_begin", "_codes", "_dims", "_end", "_keys", "_ndims", "_pos", "_shapes")
 
     def __init__(
-        self, keys: list[str], codes: list[int], shapes: list[list[int]], begin: list[int], end: list[int]
+        self,
+        keys: list[str],
+        codes: np.ndarray,
+        shapes: list[list[int]],
+        begin: np.ndarray,
+        end: np.ndarray,
+        ndims: np.ndarray | None = None,
+        dims: np.ndarray | None = None,
     ) -> None:
         self._pos = dict(zip(keys, range(len(keys)), strict=True))
         self._keys = keys
@@ -53,12 +64,16 @@ class HeaderEntries(Mapping[str, "HeaderEntry"]):
         self._shapes = shapes
         self._begin = begin
         self._end = end
+        self._ndims = ndims
+        self._dims = dims
 
     def __getitem__(self, key: str) -> HeaderEntry:
         from unickpt.format.safetensors_io import HeaderEntry
 
         i = self._pos[key]
-        return HeaderEntry(key, _DTYPES[self._codes[i]], tuple(self._shapes[i]), self._begin[i], self._end[i])
+        return HeaderEntry(
+            key, _DTYPES[int(self._codes[i])], tuple(self._shapes[i]), int(self._begin[i]), int(self._end[i])
+        )
 
     def __contains__(self, key: object) -> bool:
         return key in self._pos
@@ -72,12 +87,29 @@ class HeaderEntries(Mapping[str, "HeaderEntry"]):
     def span(self, key: str) -> tuple[int, int] | None:
         """(begin, end) of ``key`` relative to the data section, None when the file lacks it."""
         i = self._pos.get(key)
-        return None if i is None else (self._begin[i], self._end[i])
+        return None if i is None else (int(self._begin[i]), int(self._end[i]))
 
     def describe(self, key: str) -> tuple[str, list[int]] | None:
         """(dtype, shape as a list) of ``key``, None when the file lacks it (no entry object built)."""
         i = self._pos.get(key)
-        return None if i is None else (_DTYPES[self._codes[i]], self._shapes[i])
+        return None if i is None else (_DTYPES[int(self._codes[i])], self._shapes[i])
+
+    @property
+    def positions(self) -> dict[str, int]:
+        """key -> its entry's position in the arrays of :meth:`arrays`."""
+        return self._pos
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(dtype codes, begin, end, ndims, flat dims) of every entry, in key order (int64)."""
+        if self._ndims is None or self._dims is None:
+            self._ndims = np.fromiter(map(len, self._shapes), dtype=np.int64, count=len(self._shapes))
+            self._dims = np.fromiter(chain.from_iterable(self._shapes), dtype=np.int64)
+        return self._codes, self._begin, self._end, self._ndims, self._dims
+
+
+def dtype_code(dtype: str) -> int:
+    """The code of a safetensors dtype name in :meth:`HeaderEntries.arrays` (-1: not one)."""
+    return _DTYPE_CODE.get(dtype, -1)
 
 
 def _metadata_ok(meta: Any) -> bool:
@@ -114,7 +146,8 @@ def parse_header_bulk(text: str, raw: bytes, data_len: int) -> tuple[HeaderEntri
     if n == 0:
         if data_len != 0 or budget != had_meta + len(meta) + _meta_colons(meta):
             return None
-        return HeaderEntries([], [], [], [], []), meta
+        z = np.zeros(0, dtype=np.int64)
+        return HeaderEntries([], z, [], z, z, z, z), meta
     # Every entry a dict of exactly dtype, shape and data_offsets.
     if set(map(type, values)) != {dict} or set(map(len, values)) != {3}:
         return None
@@ -166,4 +199,4 @@ def parse_header_bulk(text: str, raw: bytes, data_len: int) -> tuple[HeaderEntri
     b, e = begin[order], end[order]
     if int(b[0]) != 0 or int(e[-1]) != data_len or not np.array_equal(b[1:], e[:-1]):
         return None
-    return HeaderEntries(keys, codes.tolist(), shapes, begin.tolist(), end.tolist()), meta
+    return HeaderEntries(keys, codes, shapes, begin.copy(), end.copy(), ndims, dims), meta
