@@ -16,10 +16,10 @@ import xxhash
 
 from unickpt import GeneralCheckpointIO
 from unickpt.errors import HeaderError, IncompleteCheckpointError
+from unickpt.format import read_batch
 from unickpt.format.index import index_to_json, parse_index
 from unickpt.format.index_models import LayoutInfo
 from unickpt.format.naming import SLICED_SENTINEL, shard_name, slice_key
-from unickpt.format import read_batch
 from unickpt.format.read_batch import ReadBatch, table_spans
 from unickpt.format.reader import open_checkpoint
 from unickpt.format.safetensors_bulk import HeaderEntries, parse_header_bulk

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import operator
+import re
 from collections.abc import Iterator, Mapping
 from itertools import chain
 from typing import TYPE_CHECKING, Any
@@ -92,7 +93,7 @@ class HeaderEntries(Mapping[str, "HeaderEntry"]):
     def describe(self, key: str) -> tuple[str, list[int]] | None:
         """(dtype, shape as a list) of ``key``, None when the file lacks it (no entry object built)."""
         i = self._pos.get(key)
-        return None if i is None else (_DTYPES[int(self._codes[i])], self._shapes[i])
+        return None if i is None else (_DTYPES[int(self._codes[i])], list(self._shapes[i]))
 
     @property
     def positions(self) -> dict[str, int]:
@@ -127,6 +128,9 @@ def parse_header_bulk(text: str, raw: bytes, data_len: int) -> tuple[HeaderEntri
     parser decide (and word the error); a result means the strict parser would accept the header
     and return the same entries and metadata.
     """
+    canonical = _parse_canonical(text, data_len)
+    if canonical is not None:
+        return canonical
     budget = colon_budget(raw)
     if budget is None or _SURROGATE_ESCAPE.search(text):
         return None
@@ -183,9 +187,24 @@ def parse_header_bulk(text: str, raw: bytes, data_len: int) -> tuple[HeaderEntri
         offs = np.asarray(flat_offs, dtype=np.int64).reshape(n, 2)
     except OverflowError:
         return None
+    numel = list(map(math.prod, shapes))  # Python ints: no overflow
+    return _entries(keys, codes, shapes, ndims, dims, numel, offs, data_len, meta)
+
+
+def _entries(
+    keys: list[str],
+    codes: np.ndarray,
+    shapes: list[list[int]],
+    ndims: np.ndarray,
+    dims: np.ndarray,
+    numel: list[int],
+    offs: np.ndarray,
+    data_len: int,
+    meta: dict[str, str],
+) -> tuple[HeaderEntries, dict[str, str]] | None:
+    """The numeric checks of every entry at once (dims, byte counts, the tiling of the data section)."""
     if dims.size and (int(dims.min()) < 0 or int(dims.max()) >= 1 << 62):
         return None
-    numel = list(map(math.prod, shapes))  # Python ints: no overflow
     if max(numel) > data_len:  # (a byte count past the data section fails below anyway)
         return None
     begin, end = offs[:, 0], offs[:, 1]
@@ -200,3 +219,71 @@ def parse_header_bulk(text: str, raw: bytes, data_len: int) -> tuple[HeaderEntri
     if int(b[0]) != 0 or int(e[-1]) != data_len or not np.array_equal(b[1:], e[:-1]):
         return None
     return HeaderEntries(keys, codes, shapes, begin.copy(), end.copy(), ndims, dims), meta
+
+
+# The compact form unickpt's writer (and safetensors') produces: no whitespace but the trailing
+# padding, no escape in any string, entry fields in the order dtype, shape, data_offsets, JSON
+# integers. Its text is matched whole, then its entries read with one ``findall``: no JSON object
+# per entry. Anything else goes to ``json.loads`` above.
+_CHARS = r'[^"\\\x00-\x1f]*'  # a JSON string's characters without escapes or control characters
+_STR = f'"{_CHARS}"'
+_INT = r"(?:0|[1-9][0-9]{0,18})"  # at most 19 digits: longer numbers take the JSON path
+
+
+def _entry(group: str) -> str:
+    """One entry's text; ``group`` opens each of its five fields: "(" captures, "(?:" does not."""
+    g = group
+    return (
+        rf'"{g}{_CHARS})":\{{"dtype":"{g}{_CHARS})","shape":\[{g}(?:{_INT}(?:,{_INT})*)?)\],'
+        rf'"data_offsets":\[{g}{_INT}),{g}{_INT})\]\}}'
+    )
+
+
+_ENTRY = _entry("(")
+_META = rf"\{{(?:{_STR}:{_STR}(?:,{_STR}:{_STR})*)?\}}"
+_CANONICAL = re.compile(
+    rf'\{{(?:"__metadata__":({_META}),)?{_entry("(?:")}(?:,{_entry("(?:")})*\}}[ \t\n\r]*'
+)
+_ENTRIES = re.compile(_ENTRY)
+_META_PAIR = re.compile(rf"({_STR}):({_STR})")
+
+
+def _parse_canonical(text: str, data_len: int) -> tuple[HeaderEntries, dict[str, str]] | None:
+    """The header in the writers' compact form, checked whole; None when it is in any other form."""
+    m = _CANONICAL.fullmatch(text)
+    if m is None:
+        return None
+    meta: dict[str, str] = {}
+    if m.group(1) is not None:
+        pairs = _META_PAIR.findall(m.group(1))
+        meta = {k[1:-1]: v[1:-1] for k, v in pairs}
+        if len(meta) != len(pairs):  # a repeated metadata key
+            return None
+    start = 0 if m.group(1) is None else m.end(1) + 1
+    found = _ENTRIES.findall(text, start)
+    if not found or text.count('"data_offsets":[', start) != len(found):
+        return None
+    keys, dtypes, shape_texts, begins, ends = (list(c) for c in zip(*found, strict=True))
+    n = len(keys)
+    if len(set(keys)) != n or "__metadata__" in keys or data_len >= 1 << 58:
+        return None  # a repeated key (the strict parser names it) or a metadata entry out of place
+    try:
+        codes = np.fromiter(map(_DTYPE_CODE.__getitem__, dtypes), dtype=np.int64, count=n)
+    except KeyError:
+        return None
+    distinct = dict.fromkeys(shape_texts)
+    parsed = {t: [int(d) for d in t.split(",")] if t else [] for t in distinct}
+    if max(map(len, parsed.values())) > 64 or max(max(d, default=0) for d in parsed.values()) >= 1 << 62:
+        return None
+    shapes = list(map(parsed.__getitem__, shape_texts))  # entries of one shape share its list
+    ndims = np.fromiter(map(len, shapes), dtype=np.int64, count=n)
+    dims = np.fromiter(chain.from_iterable(shapes), dtype=np.int64, count=int(ndims.sum()))
+    sizes = {t: math.prod(d) for t, d in parsed.items()}
+    numel = list(map(sizes.__getitem__, shape_texts))
+    try:
+        offs = np.empty((n, 2), dtype=np.int64)
+        offs[:, 0] = np.fromiter(map(int, begins), dtype=np.int64, count=n)
+        offs[:, 1] = np.fromiter(map(int, ends), dtype=np.int64, count=n)
+    except OverflowError:
+        return None
+    return _entries(keys, codes, shapes, ndims, dims, numel, offs, data_len, meta)
