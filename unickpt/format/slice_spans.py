@@ -29,7 +29,7 @@ from unickpt.errors import UnickptError
 from unickpt.format.safetensors_bulk import HeaderEntries, dtype_code
 from unickpt.format.safetensors_io import SafetensorsHeader
 
-__all__ = ["Part", "Spans", "FileNumbers", "all_referenced", "locate", "slice_keys"]
+__all__ = ["Part", "Spans", "FileNumbers", "all_referenced", "locate", "locate_all", "slice_keys"]
 
 #: (tensor name, stored dtype, its ``SliceTable``, the slice positions to locate)
 Part = tuple[str, str, Any, np.ndarray]
@@ -143,3 +143,15 @@ def all_referenced(
     """True when every key of each of ``files`` was matched by a located slice (``locate``'s counts);
     False says only "not shown here" (the full check then decides)."""
     return all(matched.get(f, -1) == len(header_of(f).entries) for f in files)
+
+
+def locate_all(reader: Any) -> dict[str, int] | None:
+    """Every slice of a ``CheckpointReader`` located and checked (``locate``); the spans are kept in
+    ``reader.spans``. Returns the per-file counts of ``locate``, None at the first doubt."""
+    tensors = reader.tensors
+    parts = [(n, t.dtype, t.table, np.arange(len(t.table), dtype=np.int64)) for n, t in tensors.items()]
+    got = locate(reader.header, parts)
+    if got is None:
+        return None
+    reader.spans.update(zip(tensors, got[0], strict=True))
+    return got[1]
