@@ -29,7 +29,16 @@ from unickpt.errors import UnickptError
 from unickpt.format.safetensors_bulk import HeaderEntries, dtype_code
 from unickpt.format.safetensors_io import SafetensorsHeader
 
-__all__ = ["Part", "Spans", "FileNumbers", "all_referenced", "locate", "locate_all", "slice_keys"]
+__all__ = [
+    "Part",
+    "Spans",
+    "FileNumbers",
+    "all_referenced",
+    "locate",
+    "locate_all",
+    "recorded_hashes",
+    "slice_keys",
+]
 
 #: (tensor name, stored dtype, its ``SliceTable``, the slice positions to locate)
 Part = tuple[str, str, Any, np.ndarray]
@@ -54,7 +63,12 @@ class FileNumbers:
         got = self._maps.get(id(files))
         if got is None or got[0] is not files:
             ids = self.ids
-            m = np.fromiter((ids.setdefault(f, len(ids)) for f in files), dtype=np.int64, count=len(files))
+            try:  # every name already numbered (tables of one checkpoint list the same files)
+                m = np.fromiter(map(ids.__getitem__, files), dtype=np.int64, count=len(files))
+            except KeyError:
+                m = np.fromiter(
+                    (ids.setdefault(f, len(ids)) for f in files), dtype=np.int64, count=len(files)
+                )
             got = (files, m)
             self._maps[id(files)] = got
         out: np.ndarray = got[1][table.file_ids[ks]]
@@ -155,3 +169,22 @@ def locate_all(reader: Any) -> dict[str, int] | None:
         return None
     reader.spans.update(zip(tensors, got[0], strict=True))
     return got[1]
+
+
+_NO_HASH = b"-" * 16
+
+
+def recorded_hashes(table: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(positions, recorded xxh3-64 as uint64) of the slices of ``table`` that have one, read
+    from the table's concatenated hashes at once (its ``hash_list`` when they are not a string)."""
+    h = table.hashes
+    if isinstance(h, str) and len(h) == 16 * len(table):
+        try:
+            want = np.frombuffer(bytes.fromhex(h.replace("-", "0")), dtype=">u8").astype(np.uint64)
+            ks = np.flatnonzero(np.frombuffer(h.encode("ascii"), dtype="S16") != _NO_HASH)
+            return ks, want[ks]
+        except (ValueError, UnicodeEncodeError):
+            pass
+    listed = table.hash_list()
+    ks = np.asarray([k for k, x in enumerate(listed) if x is not None], dtype=np.int64)
+    return ks, np.asarray([int(listed[k], 16) for k in ks.tolist()], dtype=np.uint64)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import xxhash
@@ -23,7 +23,7 @@ from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, Int
 from unickpt.format.index import TensorEntry
 from unickpt.format.read_batch import table_spans
 from unickpt.format.reader import CheckpointReader
-from unickpt.format.slice_spans import FileNumbers
+from unickpt.format.slice_spans import FileNumbers, recorded_hashes
 
 if TYPE_CHECKING:
     from unickpt.tools.verify import VerifyReport
@@ -33,28 +33,11 @@ __all__ = ["RUN_BYTES", "bulk_verifiable", "verify_bulk"]
 #: Bytes read at a time: a run of adjacent slices is cut here; a larger slice takes the per-slice path.
 RUN_BYTES = 16 << 20
 
-_NO_HASH = b"-" * 16
-
 
 def bulk_verifiable(r: CheckpointReader, t: TensorEntry, fp: bool) -> bool:
     """Whether the tensor's slices can be rehashed here: local files, no fingerprint to
     recompute, no byte-range hashes."""
     return r.storage is None and not fp and t.table.ranges_count() == 0
-
-
-def _hashed(table: Any) -> tuple[np.ndarray, np.ndarray]:
-    """(positions, recorded xxh3 as uint64) of the slices of ``table`` that have a hash."""
-    h = table.hashes
-    if isinstance(h, str) and len(h) == 16 * len(table):
-        try:
-            want = np.frombuffer(bytes.fromhex(h.replace("-", "0")), dtype=">u8").astype(np.uint64)
-            ks = np.flatnonzero(np.frombuffer(h.encode("ascii"), dtype="S16") != _NO_HASH)
-            return ks, want[ks]
-        except ValueError:
-            pass
-    listed = table.hash_list()
-    ks = np.asarray([k for k, x in enumerate(listed) if x is not None], dtype=np.int64)
-    return ks, np.asarray([int(listed[k], 16) for k in ks.tolist()], dtype=np.uint64)
 
 
 def verify_bulk(
@@ -71,7 +54,7 @@ def verify_bulk(
     rest: list[tuple[str, TensorEntry]] = []
     for ti, (name, t) in enumerate(tensors):
         table = t.table
-        ks, wants = _hashed(table)
+        ks, wants = recorded_hashes(table)
         spans = r.spans.get(name)  # located when the structure was validated
         if spans is not None:
             offs, lens = spans[0][ks], spans[1][ks]
