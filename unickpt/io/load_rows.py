@@ -48,12 +48,13 @@ def add_row_box(
     if not out.is_contiguous() or math.prod(shape) == 0:
         return False
     table = entry.table
-    sel = np.asarray(table.overlapping(offsets, shape), dtype=np.int64)
+    known, (offs, lens) = got
+    whole = not any(offsets) and list(shape) == gshape  # then the slices located are exactly those it needs
+    sel = known if whole else np.asarray(table.overlapping(offsets, shape), dtype=np.int64)
     if not len(sel):
         return False
     if len(gshape) > 1 and not (table.shapes[sel, 1:] == np.asarray(gshape[1:], dtype=np.int64)).all():
         return False
-    known, (offs, lens) = got
     at = np.searchsorted(known, sel)
     if (at >= len(known)).any() or not np.array_equal(known[np.minimum(at, len(known) - 1)], sel):
         return False
