@@ -223,8 +223,8 @@ def _entries(
 
 # The compact form unickpt's writer (and safetensors') produces: no whitespace but the trailing
 # padding, no escape in any string, entry fields in the order dtype, shape, data_offsets, JSON
-# integers. Its text is matched whole, then its entries read with one ``findall``: no JSON object
-# per entry. Anything else goes to ``json.loads`` above.
+# integers. Its entries are read with one ``findall`` and the text rebuilt from them must be the
+# text read: no JSON object per entry. Anything else goes to ``json.loads`` above.
 _CHARS = r'[^"\\\x00-\x1f]*'  # a JSON string's characters without escapes or control characters
 _STR = f'"{_CHARS}"'
 _INT = r"(?:0|[1-9][0-9]{0,18})"  # at most 19 digits: longer numbers take the JSON path
@@ -241,17 +241,16 @@ def _entry(group: str) -> str:
 
 _ENTRY = _entry("(")
 _META = rf"\{{(?:{_STR}:{_STR}(?:,{_STR}:{_STR})*)?\}}"
-_CANONICAL = re.compile(
-    rf'\{{(?:"__metadata__":({_META}),)?{_entry("(?:")}(?:,{_entry("(?:")})*\}}[ \t\n\r]*'
-)
+_HEAD = re.compile(rf'\{{(?:"__metadata__":({_META}),)?')
 _ENTRIES = re.compile(_ENTRY)
 _META_PAIR = re.compile(rf"({_STR}):({_STR})")
 
 
 def _parse_canonical(text: str, data_len: int) -> tuple[HeaderEntries, dict[str, str]] | None:
     """The header in the writers' compact form, checked whole; None when it is in any other form."""
-    m = _CANONICAL.fullmatch(text)
-    if m is None:
+    m = _HEAD.match(text)
+    end = len(text.rstrip(" \t\n\r")) - 1
+    if m is None or end < m.end() or text[end] != "}":
         return None
     meta: dict[str, str] = {}
     if m.group(1) is not None:
@@ -259,9 +258,13 @@ def _parse_canonical(text: str, data_len: int) -> tuple[HeaderEntries, dict[str,
         meta = {k[1:-1]: v[1:-1] for k, v in pairs}
         if len(meta) != len(pairs):  # a repeated metadata key
             return None
-    start = 0 if m.group(1) is None else m.end(1) + 1
-    found = _ENTRIES.findall(text, start)
-    if not found or text.count('"data_offsets":[', start) != len(found):
+    found = _ENTRIES.findall(text, m.end(), end)
+    # The entries must be the whole text between the head and the closing brace: rebuilt from
+    # the fields read, joined by commas, they give it back exactly (nothing skipped between them).
+    rebuilt = ",".join(
+        [f'"{k}":{{"dtype":"{d}","shape":[{s}],"data_offsets":[{b},{e}]}}' for k, d, s, b, e in found]
+    )
+    if not found or rebuilt != text[m.end() : end]:
         return None
     keys, dtypes, shape_texts, begins, ends = (list(c) for c in zip(*found, strict=True))
     n = len(keys)
