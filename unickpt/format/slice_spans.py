@@ -127,7 +127,9 @@ def locate(
         except KeyError:
             return None
         hpos[seg] = base + found
-        matched[file] = len(np.unique(found))
+        seen = np.zeros(len(ents), dtype=bool)
+        seen[found] = True
+        matched[file] = int(np.count_nonzero(seen))  # each entry counted once
         codes, begin, end, ndims, dims = ents.arrays()
         vals = (codes, begin + h.data_start, end - begin, ndims, np.cumsum(ndims) - ndims + dim_base, dims)
         for col, a in zip(cols, vals, strict=True):
