@@ -42,6 +42,7 @@ from unickpt.format.reader import CheckpointReader
 from unickpt.format.slice_spans import FileNumbers, all_referenced, locate
 from unickpt.io.load_match import LoadReport, match_targets, raise_mismatch
 from unickpt.io.load_rows import Located, add_row_box
+from unickpt.io.load_rows import as_bytes as _as_bytes
 from unickpt.io.tensors import LocalSlice, torch_dtype
 from unickpt.io.url_load import each_block, each_slice
 
@@ -68,10 +69,6 @@ class _Files:
 
     def close(self) -> None:
         self._stack.close()
-
-
-def _as_bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def read_box(

@@ -19,13 +19,14 @@ from unickpt.format.index import TensorEntry
 from unickpt.format.read_batch import ReadBatch
 from unickpt.format.slice_spans import Spans
 
-__all__ = ["Located", "add_row_box"]
+__all__ = ["Located", "add_row_box", "as_bytes"]
 
 #: ``id`` of a ``TensorEntry`` -> (the sorted positions of its slices located, their spans)
 Located = dict[int, tuple[np.ndarray, Spans]]
 
 
-def _as_bytes(t: torch.Tensor) -> memoryview:
+def as_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable in place."""
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
@@ -70,6 +71,6 @@ def add_row_box(
         offs[at] + (lo - starts) * row,
         (lo - offsets[0]) * row,
         (hi - offsets[0]) * row,
-        _as_bytes(out),
+        as_bytes(out),
     )
     return True
