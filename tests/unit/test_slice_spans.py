@@ -137,6 +137,7 @@ def _victim_file(d: Path) -> Path:
             r"tensor 'layers.37.w' should be stored under key 'layers.37.w@29', which the file lacks",
         ),
     ],
+    ids=["dtype", "shape", "missing-key"],
 )
 def test_one_bad_header_entry_among_thousands(
     tmp_path: Path, version: int, edit: Any, load_msg: str, verify_msg: str
