@@ -5,8 +5,9 @@ Builds a sliced model checkpoint shaped like 70B under FSDP2 on 512 ranks at the
 with tiny tensors (512 x 2 BF16: one row per slice) so that the data is a few MB and every cost
 measured is a per-slice cost. The index is written as format version 1 (listed slices, indented,
 as unickpt wrote it then: ~69 MB) and as version 3 (compact) over the same data files. Then, per
-version, each operation runs in a fresh process, timed and with its peak RSS, side by side with
-``json.load`` of the same index in a fresh process:
+version, each operation runs in a fresh process, timed (wall and CPU seconds: on a shared
+machine the CPU time of the process moves far less with the load than its wall time) and with its
+peak RSS, side by side with ``json.load`` of the same index in a fresh process:
 
 - ``load_model``: ``GeneralCheckpointIO().load_model`` of a module holding the 723 tensors;
 - ``verify``: ``verify_checkpoint`` (structure and every slice's hash);
@@ -145,6 +146,7 @@ with open("/proc/self/clear_refs", "w") as f:
     f.write("5")
 base = kb("VmRSS")
 t0 = time.perf_counter()
+c0 = time.process_time()
 if op == "json":
     obj = json.load(open(os.path.join(ck, "model.safetensors.index.json")))
 elif op == "load":
@@ -167,7 +169,7 @@ elif op == "plan":  # the metadata side of load_model for the last rank: open, c
         _needed_slices(t, [LocalSlice(name, t.dtype, tuple(t.shape), last, (1, *t.shape[1:]), None)])
     r.close()
 dt = time.perf_counter() - t0
-print(json.dumps({"s": dt, "extra_mb": (kb("VmHWM") - base) / 1024}))
+print(json.dumps({"s": dt, "cpu": time.process_time() - c0, "extra_mb": (kb("VmHWM") - base) / 1024}))
 """
 
 
@@ -175,12 +177,13 @@ def run(op: str, ck: Path, out: Path) -> dict[str, float]:
     if out.exists():
         shutil.rmtree(out)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    p = subprocess.run(
+    p = subprocess.run(  # cwd: ``-c`` puts it first on sys.path, so it must be the tree measured
         [sys.executable, "-c", _CHILD, op, str(ck), str(out)],
         capture_output=True,
         text=True,
         env=env,
         check=False,
+        cwd=REPO,
     )
     if p.returncode:
         raise RuntimeError(f"{op} on {ck} failed:\n{p.stderr[-3000:]}")
@@ -206,23 +209,29 @@ def main() -> None:
     versions = args.versions.split(",")
     sizes = {v: (base / v / "model.safetensors.index.json").stat().st_size for v in versions}
     print("index bytes: " + ", ".join(f"{v} {sizes[v]}" for v in versions))
+    # Wall seconds and, as the machine may be shared, CPU seconds (user + system of the process),
+    # each as a ratio to json.load's measured the same way just before.
     print(
-        "| op | json.load of v1 s | "
-        + " | ".join(f"{v} s (x json.load of v1)" for v in versions)
+        "| op | json.load of v1 s (CPU s) | "
+        + " | ".join(f"{v} s (x json.load of v1) | {v} CPU s (x)" for v in versions)
         + " | "
         + " | ".join(f"{v} extra peak MB (x json.load of v1)" for v in versions)
         + " |"
     )
-    print("|---|---:|" + "---:|" * (2 * len(versions)))
+    print("|---|---:|" + "---:|" * (3 * len(versions)))
     for op in args.ops.split(","):
         ref = run("json", base / versions[0], base / "out")
         res = {v: run(op, base / v, base / "out") for v in versions}
-        times = " | ".join(f"{res[v]['s']:.2f} ({res[v]['s'] / ref['s']:.1f}x)" for v in versions)
+        times = " | ".join(
+            f"{res[v]['s']:.2f} ({res[v]['s'] / ref['s']:.1f}x) | {res[v]['cpu']:.2f} ({res[v]['cpu'] / ref['cpu']:.1f}x)"
+            for v in versions
+        )
         mems = " | ".join(
             f"{res[v]['extra_mb']:.0f} ({res[v]['extra_mb'] / max(ref['extra_mb'], 1):.2f}x)"
             for v in versions
         )
-        print(f"| {op} | {ref['s']:.2f} (peak +{ref['extra_mb']:.0f} MB) | {times} | {mems} |", flush=True)
+        head = f"{ref['s']:.2f} ({ref['cpu']:.2f}, peak +{ref['extra_mb']:.0f} MB)"
+        print(f"| {op} | {head} | {times} | {mems} |", flush=True)
     if not args.dir:
         shutil.rmtree(base)
 

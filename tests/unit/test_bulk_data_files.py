@@ -16,6 +16,7 @@ import xxhash
 
 from unickpt import GeneralCheckpointIO
 from unickpt.errors import HeaderError, IncompleteCheckpointError
+from unickpt.format import read_batch
 from unickpt.format.index import index_to_json, parse_index
 from unickpt.format.index_models import LayoutInfo
 from unickpt.format.naming import SLICED_SENTINEL, shard_name, slice_key
@@ -174,7 +175,7 @@ def _model(data: dict[str, np.ndarray]) -> torch.nn.Module:
 
 
 def _count_preadv(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Record the buffer count of every ``os.preadv`` call from now on."""
+    """Record the buffer count of every ``preadv`` call from now on (``os.preadv`` and libc's)."""
     calls: list[int] = []
     real = os.preadv
 
@@ -183,6 +184,14 @@ def _count_preadv(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         return real(fd, bufs, offset)
 
     monkeypatch.setattr(os, "preadv", counting)
+    libc = read_batch._PREADV
+    if libc is not None:  # the batch's own preadv over an iovec array (Linux)
+
+        def counting_libc(fd: int, iov: int, count: int, offset: int) -> int:
+            calls.append(count)
+            return int(libc(fd, iov, count, offset))
+
+        monkeypatch.setattr(read_batch, "_PREADV", counting_libc)
     return calls
 
 

@@ -59,6 +59,13 @@ def check_unique_slices(where: str, block: UnickptBlock) -> None:
     only written-out keys are collected, per file, in bulk from the slice tables; a written key
     that has the rule's form is then looked up among the rule's keys of its file.
     """
+    tables = [t.table for t in block.tensors.values()]
+    if not any(table.ruled_keys for table in tables):  # keys distinct across files: pairs distinct too
+        everywhere: set[str] = set()
+        for table in tables:
+            everywhere.update(table.keys())
+        if len(everywhere) == sum(map(len, tables)):
+            return
     per_file: dict[str, set[str]] = {}
     ruled: dict[str, TensorEntry] = {}
     dup = False

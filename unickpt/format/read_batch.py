@@ -11,7 +11,9 @@ requests (``storage.coalesce``). A file that ends before a read is complete rais
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +22,7 @@ import numpy as np
 from unickpt.errors import HeaderError, IncompleteCheckpointError
 from unickpt.format.safetensors_bulk import HeaderEntries
 from unickpt.format.safetensors_io import SafetensorsHeader
+from unickpt.format.slice_spans import FileNumbers
 
 __all__ = ["ReadBatch", "describe_key", "table_spans", "IOV_MAX"]
 
@@ -76,44 +79,135 @@ def _dict_span(ents: Any, key: str) -> tuple[int, int] | None:
 
 
 class ReadBatch:
-    """Local reads gathered first, done per file in runs of adjacent bytes (one ``preadv`` each)."""
+    """Local reads gathered first, done per file in runs of adjacent bytes (one ``preadv`` each).
+
+    Reads are kept as arrays (file numbers, offsets, destination ranges), added one at a time
+    (:meth:`add`) or many into one destination buffer at once (:meth:`add_many`). At :meth:`run`
+    they are sorted per file with numpy; pieces adjacent both in the file and in the same
+    destination are joined into one buffer (a tensor's row slices stored back to back are read in
+    one piece), and each run of adjacent pieces is one ``preadv``.
+    """
 
     def __init__(self) -> None:
-        self._reads: dict[str, list[tuple[int, memoryview]]] = {}
+        self._reset()
+
+    def _reset(self) -> None:
+        self._files = FileNumbers()
+        self._views: list[memoryview] = []
+        self._cols: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]] = []
+        self._count = 0
 
     def __len__(self) -> int:
-        return sum(len(v) for v in self._reads.values())
+        return self._count
 
     def add(self, file: str, offset: int, out: memoryview) -> None:
         """Read ``out.nbytes`` bytes of ``file`` at absolute ``offset`` into ``out`` (at :meth:`run`)."""
         if out.nbytes:
-            self._reads.setdefault(file, []).append((offset, out))
+            one = np.zeros(1, dtype=np.int64)
+            self.add_many(_One(file), one, np.asarray([offset], dtype=np.int64), one, one + out.nbytes, out)
+
+    def add_many(
+        self,
+        table: Any,
+        ks: np.ndarray,
+        offsets: np.ndarray,
+        begin: np.ndarray,
+        end: np.ndarray,
+        out: memoryview,
+    ) -> None:
+        """Read, for each ``i``, ``out[begin[i]:end[i]]`` from the file of slice ``ks[i]`` of ``table``
+        (a ``SliceTable``: its ``files`` and ``file_ids``) at absolute ``offsets[i]``."""
+        keep = end > begin
+        if not keep.all():
+            ks, offsets, begin, end = ks[keep], offsets[keep], begin[keep], end[keep]
+        if len(ks):
+            self._cols.append((self._files.of(table, ks), offsets, begin, end - begin, len(self._views)))
+            self._views.append(out)
+            self._count += len(ks)
 
     def run(self, fd_of: Callable[[str], int], path_of: Callable[[str], str]) -> None:
         """Do every read gathered, file by file; the batch is empty afterwards."""
-        reads, self._reads = self._reads, {}
-        for file, items in reads.items():
-            items.sort(key=lambda x: x[0])
-            fd = fd_of(file)
-            for start, bufs in _runs(items):
-                _preadv_all(fd, bufs, start, path_of(file))
+        cols, views, names = self._cols, self._views, self._files.names
+        self._reset()
+        if not cols:
+            return
+        f, src, dst, size = (np.concatenate([c[i] for c in cols]) for i in range(4))
+        buf = np.concatenate([np.full(len(c[0]), c[4], dtype=np.int64) for c in cols])
+        order = np.lexsort((src, f))
+        f, src, dst, size, buf = f[order], src[order], dst[order], size[order], buf[order]
+        # One piece per run adjacent in the file and in one destination buffer.
+        join = (f[1:] == f[:-1]) & (src[1:] == src[:-1] + size[:-1])
+        join &= (buf[1:] == buf[:-1]) & (dst[1:] == dst[:-1] + size[:-1])
+        first = np.concatenate(([0], np.flatnonzero(~join) + 1))
+        total = np.add.reduceat(size, first)
+        f, src, dst, buf = f[first], src[first], dst[first], buf[first]
+        # Runs of adjacent pieces in a file, cut at IOV_MAX buffers and about RUN_BYTES.
+        adj = (f[1:] == f[:-1]) & (src[1:] == src[:-1] + total[:-1])
+        starts = np.concatenate(([0], np.flatnonzero(~adj) + 1)).tolist()
+        stops = [*starts[1:], len(f)]
+        arrays = [np.frombuffer(v, dtype=np.uint8) for v in views]
+        if not all(a.flags.writeable for a in arrays):
+            raise ValueError("ReadBatch: a destination buffer is read-only")
+        sizes = np.asarray([a.nbytes for a in arrays], dtype=np.int64)
+        if (dst < 0).any() or (dst + total > sizes[buf]).any():  # raw addresses below: no overrun
+            raise ValueError("ReadBatch: a read falls outside its destination buffer")
+        base = np.asarray([a.ctypes.data for a in arrays], dtype=np.uint64)
+        iov = np.empty((len(f), 2), dtype=np.uint64)  # struct iovec {void *base; size_t len} per piece
+        iov[:, 0] = base[buf] + dst.astype(np.uint64)
+        iov[:, 1] = total
+        fl, sl, tl = f.tolist(), src.tolist(), total.tolist()
+        for a, b in zip(starts, stops, strict=True):
+            name = names[fl[a]]
+            fd = fd_of(name)
+            for i, j in _cuts(tl, a, b):
+                if _PREADV is not None and _PREADV(fd, iov[i:j].ctypes.data, j - i, sl[i]) == sum(tl[i:j]):
+                    continue
+                # No preadv in libc, an error or a short read: again with Python buffers, which
+                # finishes a short read or says where the file ends.
+                pieces = [
+                    arrays[k][d : d + n]
+                    for k, d, n in zip(buf[i:j].tolist(), dst[i:j].tolist(), tl[i:j], strict=True)
+                ]
+                _preadv_all(fd, pieces, sl[i], path_of(name))
 
 
-def _runs(items: list[tuple[int, memoryview]]) -> list[tuple[int, list[memoryview]]]:
-    """Sorted reads grouped into runs of adjacent byte ranges (bounded in buffers and bytes)."""
-    out: list[tuple[int, list[memoryview]]] = []
-    bufs: list[memoryview] = []
-    start, end, size = -1, -1, 0
-    for off, mv in items:
-        if off != end or len(bufs) >= IOV_MAX or size >= RUN_BYTES:
-            if bufs:
-                out.append((start, bufs))
-            start, bufs, size = off, [], 0
-        bufs.append(mv)
-        end = off + mv.nbytes
-        size += mv.nbytes
-    if bufs:
-        out.append((start, bufs))
+def _libc_preadv() -> Any:
+    """libc's ``preadv`` (fd, iovec array address, count, offset), None where there is none."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).preadv
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+    fn.restype = ctypes.c_ssize_t
+    return fn
+
+
+# ``preadv`` over an iovec array built with numpy: no Python object per piece read.
+_PREADV = _libc_preadv() if sys.platform.startswith("linux") else None
+
+
+class _One:
+    """The file table of one read added alone (``ReadBatch.add``)."""
+
+    __slots__ = ("files",)
+    file_ids = np.zeros(1, dtype=np.int64)
+
+    def __init__(self, file: str) -> None:
+        self.files = [file]
+
+
+def _cuts(sizes: list[int], a: int, b: int) -> list[tuple[int, int]]:
+    """Pieces ``a:b`` of a run cut into calls of at most ``IOV_MAX`` buffers and about ``RUN_BYTES``."""
+    if b - a <= IOV_MAX and sum(sizes[a:b]) <= RUN_BYTES:
+        return [(a, b)]
+    out: list[tuple[int, int]] = []
+    i, size = a, 0
+    for j in range(a, b):
+        if j > i and (j - i >= IOV_MAX or size >= RUN_BYTES):
+            out.append((i, j))
+            i, size = j, 0
+        size += sizes[j]
+    out.append((i, b))
     return out
 
 

@@ -47,6 +47,7 @@ from unickpt.format.reader_blocks import (
 from unickpt.format.reader_paths import hint_other_files, not_regular
 from unickpt.format.reader_storage import vanishing
 from unickpt.format.safetensors_io import SafetensorsHeader, iter_range, open_with_header, read_range
+from unickpt.format.slice_spans import Spans, all_referenced, locate_all
 from unickpt.format.storage import ReadHandle, Storage, is_url
 
 if TYPE_CHECKING:
@@ -86,6 +87,7 @@ class CheckpointReader:
         self._fds: dict[str, int] = {}
         self._handles: dict[str, ReadHandle] = {}
         self._prefetched: Prefetched | None = None  # while a load on a URL copies
+        self.spans: dict[str, Spans] = {}  # tensor -> every slice's (offsets, lengths), once located
 
     # ----------------------------------------------------------------- paths and files
     @property
@@ -268,11 +270,12 @@ class CheckpointReader:
         Reads every data file's header (small), no tensor data.
         """
         self.check_coverage()
-        for name, t in self.block.tensors.items():
+        matched = locate_all(self)  # every slice at once; None: one by one below, naming the first bad one
+        for name, t in self.block.tensors.items() if matched is None else ():
             table = t.table
             for file, key, shape in zip(table.file_list(), table.keys(), table.shapes.tolist(), strict=True):
                 self._check_key(name, t.dtype, file, key, shape)
-        if self.has_unickpt_block:
+        if self.has_unickpt_block and not (matched and all_referenced(self.header, self.files, matched)):
             check_keys_referenced(self.block, self.files, self.header)
 
     def _check_slice(self, name: str, t: TensorEntry, s: SliceEntry) -> None:

@@ -44,8 +44,8 @@ _get_xxh3 = operator.attrgetter("xxh3")
 def chunk_extents(g: int, k: int) -> list[int]:
     """The extents of ``torch.chunk``-style parts: ``k`` parts of ``ceil(g / k)``, the last ones
     smaller or empty (what FSDP2's and TP's ``Shard`` produce, empty trailing ranks included)."""
-    c = -(-g // k) if k else 0
-    return [min(c, max(0, g - i * c)) for i in range(k)]
+    c = -(-g // k) if k > 0 else 0  # f parts of c, then the rest (maybe 0), then empty ones:
+    return [c] * (f := min(k, g // c) if c else 0) + [g - f * c] * (f < k) + [0] * max(0, k - f - 1)
 
 
 def grid_extents(gshape: Sequence[int], grid: Sequence[int | Sequence[int]]) -> list[list[int]]:
@@ -411,7 +411,7 @@ class SliceTable:
             flat = np.zeros(1, dtype=np.int64)
             for ext, idx in zip(self.grid, per_dim, strict=True):
                 flat = (flat[:, None] * len(ext) + idx[None, :]).reshape(-1)
-            return [int(k) for k in flat.tolist()]
+            return flat.tolist()  # type: ignore[no-any-return]
         lo_box = np.asarray(offsets, dtype=np.int64)
         hi_box = lo_box + np.asarray(shape, dtype=np.int64)
         ends = self.offsets + self.shapes

@@ -39,7 +39,10 @@ from unickpt.format.index import TensorEntry
 from unickpt.format.range_hashes import has_hashes, slice_failures
 from unickpt.format.read_batch import ReadBatch, describe_key, table_spans
 from unickpt.format.reader import CheckpointReader
+from unickpt.format.slice_spans import FileNumbers, all_referenced, locate
 from unickpt.io.load_match import LoadReport, match_targets, raise_mismatch
+from unickpt.io.load_rows import Located, add_row_box
+from unickpt.io.load_rows import as_bytes as _as_bytes
 from unickpt.io.tensors import LocalSlice, torch_dtype
 from unickpt.io.url_load import each_block, each_slice
 
@@ -66,10 +69,6 @@ class _Files:
 
     def close(self) -> None:
         self._stack.close()
-
-
-def _as_bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def read_box(
@@ -221,6 +220,7 @@ def load_tensors(
     err: BaseException | None = None
     held = False  # the reader holds the slices fetched to verify them (on a URL)
     report = LoadReport()
+    located: tuple[Located, dict[str, int]] | None = None
     plan: list[tuple[str, str, list[LocalSlice]]] = []  # (target name, source name, boxes)
     try:
         plan, mismatched = match_targets(
@@ -249,19 +249,13 @@ def load_tensors(
         reader.check_coverage()
         needed: dict[str, list[int]] = {}
         for _, src, boxes in plan:
-            needed.setdefault(src, [])
-            needed[src] = sorted(set(needed[src]) | set(_needed_slices(reader.tensors[src], boxes)))
+            ks = _needed_slices(reader.tensors[src], boxes)
+            needed[src] = sorted(set(needed[src]) | set(ks)) if src in needed else ks
         # Every file this rank reads, opened at once (on a URL, several headers in flight).
-        reader.open_files(
-            sorted(
-                {
-                    f
-                    for src, ks in needed.items()
-                    for f in reader.tensors[src].table.files_of(np.asarray(ks, dtype=np.int64))
-                }
-            )
-        )
-        for src, ks in needed.items():
+        touched = _files_of(reader, needed)
+        reader.open_files(touched)
+        located = _locate(reader, needed)
+        for src, ks in needed.items() if located is None else ():  # one by one: names the slice at fault
             entry = reader.tensors[src]
             table = entry.table
             sel = np.asarray(ks, dtype=np.int64)
@@ -276,15 +270,10 @@ def load_tensors(
                         f"{h.path}: tensor {src!r} (key {key!r}): index says {entry.dtype}{shape}, "
                         f"file holds {found}"
                     )
-        if reader.has_unickpt_block:
-            # Every key of a file this rank reads is a slice of the index (no data it does not account for).
-            touched = sorted(
-                {
-                    f
-                    for src, ks in needed.items()
-                    for f in reader.tensors[src].table.files_of(np.asarray(ks, dtype=np.int64))
-                }
-            )
+        # Every key of a file this rank reads is a slice of the index (no data it does not account for);
+        # shown by the bulk location when the slices it matched are every entry of the files.
+        bulk_refs = located is not None and all_referenced(reader.header, touched, located[1])
+        if reader.has_unickpt_block and not bulk_refs:
             check_keys_referenced(reader.block, touched, reader.header)
         if verify:
             from unickpt.errors import IntegrityFailure
@@ -311,10 +300,37 @@ def load_tensors(
 
     where = reader.index_path or reader.directory
     if atomic:
-        _read_then_copy(reader, plan, what, where, group, held)
+        _read_then_copy(reader, plan, what, where, group, held, located[0] if located else {})
     else:
-        _read_in_place(reader, plan, what, where, group, held)
+        _read_in_place(reader, plan, what, where, group, held, located[0] if located else {})
     return report
+
+
+def _files_of(reader: CheckpointReader, needed: dict[str, list[int]]) -> list[str]:
+    """The data files holding the slices ``needed`` (tensor name -> slice positions), sorted."""
+    numbers = FileNumbers()
+    ids = [
+        numbers.of(reader.tensors[src].table, np.asarray(ks, dtype=np.int64)) for src, ks in needed.items()
+    ]
+    names = numbers.names
+    return sorted(names[i] for i in np.unique(np.concatenate(ids)).tolist()) if ids else []
+
+
+def _locate(reader: CheckpointReader, needed: dict[str, list[int]]) -> tuple[Located, dict[str, int]] | None:
+    """The needed slices of local files located and checked against their headers in bulk; None
+    when any check fails (or on a URL): the per-slice checks then run and name the slice at fault.
+    Also: per file, how many of its header's entries those slices matched (``locate``)."""
+    if reader.storage is not None:
+        return None
+    parts = [
+        (src, reader.tensors[src].dtype, reader.tensors[src].table, np.asarray(ks, dtype=np.int64))
+        for src, ks in needed.items()
+    ]
+    got = locate(reader.header, parts)
+    if got is None:
+        return None
+    spans, matched = got
+    return {id(reader.tensors[p[0]]): (p[3], sp) for p, sp in zip(parts, spans, strict=True)}, matched
 
 
 def _read_then_copy(
@@ -324,6 +340,7 @@ def _read_then_copy(
     where: str,
     group: Any,
     held: bool = False,
+    located: Located | None = None,
 ) -> None:
     """Read everything this rank needs before copying anything, and agree once more: a read error
     on any rank (a file vanishing, an I/O error) then leaves every model untouched. The price is
@@ -335,12 +352,16 @@ def _read_then_copy(
         maybe_fail("load.read")
         jobs = [(reader.tensors[src], b) for _, src, boxes in plan for b in boxes]
         batch = ReadBatch() if reader.storage is None else None
-        datas = each_block(
-            reader,
-            jobs,
-            lambda job: read_box(files, job[0], job[1].offsets, job[1].shape, batch=batch),
-            held,
-        )
+
+        def one(job: tuple[TensorEntry, LocalSlice]) -> torch.Tensor:
+            entry, b = job
+            if batch is not None and located:
+                out = torch.empty(b.shape, dtype=torch_dtype(entry.dtype))
+                if add_row_box(located, entry, b.offsets, b.shape, out, batch):
+                    return out
+            return read_box(files, entry, b.offsets, b.shape, batch=batch)
+
+        datas = each_block(reader, jobs, one, held)
         if batch is not None:
             batch.run(reader._fd, reader.file_path)
         buffers = [(b, data) for (_, b), data in zip(jobs, datas, strict=True)]
@@ -363,6 +384,7 @@ def _read_in_place(
     where: str,
     group: Any,
     held: bool = False,
+    located: Located | None = None,
 ) -> None:
     """Read each block straight into its tensor (CPU, same dtype) or through a buffer of that one
     block: memory stays at one block over the state. A read error mid-way leaves the state
@@ -377,6 +399,10 @@ def _read_in_place(
         def one(job: tuple[TensorEntry, LocalSlice]) -> None:
             entry, b = job
             direct = _direct_target(b, torch_dtype(entry.dtype))
+            bulk = direct is not None and batch is not None and bool(located)
+            if bulk and add_row_box(located, entry, b.offsets, b.shape, direct, batch):  # type: ignore[arg-type]
+                maybe_fail("load.read")
+                return
             with torch.no_grad():
                 data = read_box(
                     files, entry, b.offsets, b.shape, out=direct, batch=batch if direct is not None else None

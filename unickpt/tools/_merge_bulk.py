@@ -23,6 +23,7 @@ from unickpt.format.dtypes import itemsize
 from unickpt.format.index import TensorEntry
 from unickpt.format.read_batch import ReadBatch, table_spans
 from unickpt.format.reader import CheckpointReader
+from unickpt.format.slice_spans import recorded_hashes
 
 __all__ = ["GROUP_BYTES", "SMALL", "row_order", "merge_rows", "groups"]
 
@@ -31,7 +32,7 @@ SMALL = 4 << 20
 #: A group's buffer: about this many bytes of output tensors at a time.
 GROUP_BYTES = 64 << 20
 
-_EMPTY = xxhash.xxh3_64_hexdigest(b"")
+_EMPTY = xxhash.xxh3_64_intdigest(b"")
 
 
 def row_order(t: TensorEntry) -> np.ndarray | None:
@@ -95,17 +96,20 @@ def merge_rows(
     total = sum(t.nbytes for _, t, _ in group)
     buf = np.empty(total, dtype=np.uint8).data.cast("B")
     batch = ReadBatch()
-    placed: list[tuple[str, TensorEntry, int, int, list[int], list[int], list[int]]] = []
+    placed: list[tuple[str, TensorEntry, int, int, np.ndarray, np.ndarray, np.ndarray]] = []
     at = 0
     for name, t, pos in group:
         ks = order(name)
-        klist = ks.tolist()
-        files, offs, lens = table_spans(r.header, t.table, klist)
+        spans = r.spans.get(name)  # located when the structure was validated
+        if spans is not None:
+            offs, lens = spans[0][ks], spans[1][ks]
+        else:
+            _, o, n = table_spans(r.header, t.table, ks.tolist())
+            offs, lens = np.asarray(o, dtype=np.int64), np.asarray(n, dtype=np.int64)
         row = math.prod(t.shape[1:]) * itemsize(t.dtype)
-        starts = (t.table.offsets[ks, 0] * row).tolist()
-        for file, off, n, st in zip(files, offs, lens, starts, strict=True):
-            batch.add(file, off, buf[at + st : at + st + n])
-        placed.append((name, t, pos, at, klist, starts, lens))
+        starts = t.table.offsets[ks, 0] * row + at
+        batch.add_many(t.table, ks, offs, starts, starts + lens, buf)
+        placed.append((name, t, pos, at, ks, starts - at, lens))
         at += t.nbytes
     batch.run(r._fd, r.file_path)
     out: dict[str, tuple[str | None, str | None]] = {}
@@ -128,17 +132,24 @@ def merge_rows(
 
 
 def _check(
-    name: str, t: TensorEntry, view: memoryview, ks: list[int], starts: list[int], lens: list[int], src: str
+    name: str,
+    t: TensorEntry,
+    view: memoryview,
+    ks: np.ndarray,
+    starts: np.ndarray,
+    lens: np.ndarray,
+    src: str,
 ) -> None:
     """Every recorded slice hash of the tensor against the bytes read (empty slices: the empty hash)."""
     table = t.table
-    hashes = table.hash_list()
-    found: dict[int, str] = {
-        k: xxhash.xxh3_64_hexdigest(view[st : st + n]) for k, st, n in zip(ks, starts, lens, strict=True)
-    }
-    for k, want in enumerate(hashes):
-        got = found.get(k, _EMPTY)
-        if want is not None and got != want:
-            raise IntegrityError(
-                [IntegrityFailure(name, table.file(k), table.key(k), want, got)], checkpoint=src
-            )
+    found = np.full(len(table), _EMPTY, dtype=np.uint64)
+    pieces = map(view.__getitem__, map(slice, starts.tolist(), (starts + lens).tolist()))
+    found[ks] = np.fromiter(map(xxhash.xxh3_64_intdigest, pieces), np.uint64, len(ks))
+    hashed, want = recorded_hashes(table)
+    bad = np.flatnonzero(found[hashed] != want)
+    if len(bad):
+        k = int(hashed[bad[0]])
+        failure = IntegrityFailure(
+            name, table.file(k), table.key(k), table.xxh3(k) or "-", f"{int(found[k]):016x}"
+        )
+        raise IntegrityError([failure], checkpoint=src)

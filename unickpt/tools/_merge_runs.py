@@ -17,6 +17,7 @@ from unickpt.format.boxes import contiguous_start, coverage_problem
 from unickpt.format.consistency import check_keys_referenced
 from unickpt.format.index import SliceEntry, TensorEntry
 from unickpt.format.reader import CheckpointReader
+from unickpt.format.slice_spans import all_referenced, locate_all
 from unickpt.tools._merge_bulk import row_order
 
 __all__ = ["Run", "RunsOf", "flat_runs", "validate_runs"]
@@ -99,10 +100,11 @@ def validate_runs(r: CheckpointReader) -> RunsOf:
             problem = coverage_problem(t.shape, [(tuple(s.offsets), tuple(s.shape)) for s in t.slices])
             if problem:
                 raise IndexFileError(f"{r.index_path or r.directory}: tensor {name!r}: {problem}")
-    for name, t in r.block.tensors.items():
+    matched = locate_all(r)  # every slice at once (spans kept for the copy); None: one by one
+    for name, t in r.block.tensors.items() if matched is None else ():
         table = t.table  # every slice's key, dtype and shape in its file, from the table
         for file, key, shape in zip(table.file_list(), table.keys(), table.shapes.tolist(), strict=True):
             r._check_key(name, t.dtype, file, key, shape)
-    if r.has_unickpt_block:
+    if r.has_unickpt_block and not (matched and all_referenced(r.header, r.files, matched)):
         check_keys_referenced(r.block, r.files, r.header)
     return runs_of

@@ -16,12 +16,14 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
 import xxhash
 
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, IntegrityFailure
 from unickpt.format.index import TensorEntry
 from unickpt.format.read_batch import table_spans
 from unickpt.format.reader import CheckpointReader
+from unickpt.format.slice_spans import FileNumbers, recorded_hashes
 
 if TYPE_CHECKING:
     from unickpt.tools.verify import VerifyReport
@@ -30,9 +32,6 @@ __all__ = ["RUN_BYTES", "bulk_verifiable", "verify_bulk"]
 
 #: Bytes read at a time: a run of adjacent slices is cut here; a larger slice takes the per-slice path.
 RUN_BYTES = 16 << 20
-
-# (absolute offset, byte length, recorded xxh3, tensor number, slice position)
-_Item = tuple[int, int, str, int, int]
 
 
 def bulk_verifiable(r: CheckpointReader, t: TensorEntry, fp: bool) -> bool:
@@ -50,49 +49,60 @@ def verify_bulk(
     """Rehash the small hashed slices of ``tensors``, run by run; failures go to ``report`` (in
     tensor and slice order). Returns the tensors left to the per-slice path (a slice larger than
     ``RUN_BYTES``, or a key its header lacks)."""
-    per_file: dict[str, list[_Item]] = {}
+    numbers = FileNumbers()
+    cols: list[tuple[np.ndarray, ...]] = []
     rest: list[tuple[str, TensorEntry]] = []
     for ti, (name, t) in enumerate(tensors):
         table = t.table
-        hashes = table.hash_list()
-        ks = [k for k, h in enumerate(hashes) if h is not None]
-        wants = [h for h in hashes if h is not None]
-        try:
-            files, offs, lens = table_spans(r.header, table, ks)
-        except (IncompleteCheckpointError, CheckpointFormatError):
-            rest.append((name, t))  # the per-slice path reports it slice by slice
-            continue
-        if lens and max(lens) > RUN_BYTES:
+        ks, wants = recorded_hashes(table)
+        spans = r.spans.get(name)  # located when the structure was validated
+        if spans is not None:
+            offs, lens = spans[0][ks], spans[1][ks]
+        else:
+            try:
+                _, o, n = table_spans(r.header, table, ks.tolist())
+            except (IncompleteCheckpointError, CheckpointFormatError):
+                rest.append((name, t))  # the per-slice path reports it slice by slice
+                continue
+            offs, lens = np.asarray(o, dtype=np.int64), np.asarray(n, dtype=np.int64)
+        if len(lens) and int(lens.max()) > RUN_BYTES:
             rest.append((name, t))
             continue
-        for file, off, n, k, h in zip(files, offs, lens, ks, wants, strict=True):
-            per_file.setdefault(file, []).append((off, n, h, ti, k))
+        cols.append((numbers.of(table, ks), offs, lens, wants, np.full(len(ks), ti, dtype=np.int64), ks))
     failed: list[tuple[int, int, IntegrityFailure]] = []
-    for file, items in per_file.items():
-        items.sort()
-        fd = r._fd(file)
-        for run in _runs(items):
-            _check_run(r, fd, file, run, tensors, failed, report, tick)
+    if cols:
+        f, off, size, want, tis, kss = (np.concatenate([c[i] for c in cols]) for i in range(6))
+        order = np.lexsort((off, f))
+        f, off, size, want, tis, kss = (a[order] for a in (f, off, size, want, tis, kss))
+        names = numbers.names
+        for a, b in _runs(f, off, size):
+            file = names[int(f[a])]
+            run = (off[a:b], size[a:b], want[a:b], tis[a:b], kss[a:b])
+            _check_run(r, r._fd(file), file, run, tensors, failed, report, tick)
     failed.sort(key=lambda x: (x[0], x[1]))
-    report.extend(f for _, _, f in failed)
+    report.extend(fl for _, _, fl in failed)
     return rest
 
 
-def _runs(items: list[_Item]) -> list[list[_Item]]:
-    out: list[list[_Item]] = []
-    cur: list[_Item] = []
-    end = size = -1
-    for it in items:
-        off, n = it[0], it[1]
-        if off != end or size + n > RUN_BYTES:
-            if cur:
-                out.append(cur)
-            cur, size = [], 0
-        cur.append(it)
-        end = off + n
-        size += n
-    if cur:
-        out.append(cur)
+def _runs(f: np.ndarray, off: np.ndarray, size: np.ndarray) -> list[tuple[int, int]]:
+    """Runs ``a:b`` of adjacent slices in one file (sorted by file and offset) of at most
+    ``RUN_BYTES`` (each slice is at most that)."""
+    adj = (f[1:] == f[:-1]) & (off[1:] == off[:-1] + size[:-1])
+    starts = np.concatenate(([0], np.flatnonzero(~adj) + 1)).tolist()
+    stops = [*starts[1:], len(f)]
+    out: list[tuple[int, int]] = []
+    sizes = size.tolist()
+    for a, b in zip(starts, stops, strict=True):
+        if int(off[b - 1]) + sizes[b - 1] - int(off[a]) <= RUN_BYTES:
+            out.append((a, b))
+            continue
+        i, total = a, 0
+        for j in range(a, b):
+            if total + sizes[j] > RUN_BYTES:
+                out.append((i, j))
+                i, total = j, 0
+            total += sizes[j]
+        out.append((i, b))
     return out
 
 
@@ -100,29 +110,49 @@ def _check_run(
     r: CheckpointReader,
     fd: int,
     file: str,
-    run: list[_Item],
+    run: tuple[np.ndarray, ...],
     tensors: list[tuple[str, TensorEntry]],
     failed: list[tuple[int, int, IntegrityFailure]],
     report: VerifyReport,
     tick: Callable[[int], object],
 ) -> None:
-    start = run[0][0]
-    total = run[-1][0] + run[-1][1] - start
+    """Hash every slice of one run from one read of it; a run not read whole, slice by slice."""
+    off, size, want, tis, kss = run
+    start = int(off[0])
+    total = int(off[-1] + size[-1]) - start
     try:
         buf = memoryview(os.pread(fd, total, start))
     except OSError:
         buf = memoryview(b"")
-    whole = len(buf) == total
-    for off, n, want, ti, k in run:
-        name, t = tensors[ti]
-        report.hashed += 1
-        if whole:
-            found = xxhash.xxh3_64_hexdigest(buf[off - start : off - start + n])
-        else:  # read this slice alone, as the per-slice path does, to say what is wrong with it
-            try:
-                found = r.hash_slice(t.table.entry(k))
-            except (IncompleteCheckpointError, CheckpointFormatError, OSError) as e:
-                found = f"unreadable ({e})"
-        tick(n)
-        if found != want:
-            failed.append((ti, k, IntegrityFailure(name, file, t.table.key(k), want, found)))
+    report.hashed += len(off)
+    if len(buf) == total:
+        rel = off - start
+        found = np.fromiter(
+            map(
+                xxhash.xxh3_64_intdigest,
+                map(buf.__getitem__, map(slice, rel.tolist(), (rel + size).tolist())),
+            ),
+            np.uint64,
+            len(rel),
+        )
+        tick(total)
+        for i in np.flatnonzero(found != want).tolist():
+            name, t = tensors[int(tis[i])]
+            failed.append(
+                (int(tis[i]), int(kss[i]), _failure(name, file, t, int(kss[i]), f"{int(found[i]):016x}"))
+            )
+        return
+    for i in range(len(off)):  # read each slice alone, as the per-slice path does, to say what is wrong
+        name, t = tensors[int(tis[i])]
+        k = int(kss[i])
+        try:
+            got = r.hash_slice(t.table.entry(k))
+        except (IncompleteCheckpointError, CheckpointFormatError, OSError) as e:
+            got = f"unreadable ({e})"
+        tick(int(size[i]))
+        if got != f"{int(want[i]):016x}":
+            failed.append((int(tis[i]), k, _failure(name, file, t, k, got)))
+
+
+def _failure(name: str, file: str, t: TensorEntry, k: int, found: str) -> IntegrityFailure:
+    return IntegrityFailure(name, file, t.table.key(k), t.table.xxh3(k) or "-", found)

@@ -1,0 +1,343 @@
+"""Slices located in bulk (format/slice_spans.py), read as arrays (ReadBatch, libc preadv) and
+headers read in their compact form: each test hides one bad slice among thousands and checks
+that load, verify and merge still raise the exact error of the slice-by-slice checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+from unickpt import GeneralCheckpointIO, merge_checkpoint
+from unickpt.errors import HeaderError, IncompleteCheckpointError, IntegrityError
+from unickpt.format import read_batch, safetensors_bulk
+from unickpt.format.index import index_to_json, parse_index
+from unickpt.format.index_models import LayoutInfo
+from unickpt.format.naming import SLICED_SENTINEL, shard_name, slice_key
+from unickpt.format.read_batch import ReadBatch
+from unickpt.format.reader import CheckpointReader, open_checkpoint
+from unickpt.format.safetensors_io import encode_header, parse_header
+from unickpt.format.writer import build_block, build_index
+from unickpt.tools.verify import verify_checkpoint
+
+WORLD, TENSORS, COLS = 32, 40, 3  # 1280 slices, 40 in each of 32 files
+
+
+def _build(directory: Path, version: int) -> dict[str, np.ndarray]:
+    """TENSORS tensors of (WORLD, COLS) F32, row r of each in rank r's file, back to back; the
+    index as version 1 (listed slices) or as the writer's compact version."""
+    rng = np.random.default_rng(1)
+    names = [f"layers.{i}.w" for i in range(TENSORS)]
+    data = {n: rng.standard_normal((WORLD, COLS)).astype(np.float32) for n in names}
+    slices: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    for r in range(WORLD):
+        fname = shard_name("model", r + 1, WORLD)
+        header, _ = encode_header(
+            [(slice_key(n, r), "F32", (1, COLS)) for n in names], {"format": "unickpt-sliced"}
+        )
+        rows = [data[n][r : r + 1].tobytes() for n in names]
+        (directory / fname).write_bytes(header + b"".join(rows))
+        for n, row in zip(names, rows, strict=True):
+            slices[n].append(
+                {
+                    "file": fname,
+                    "key": slice_key(n, r),
+                    "offsets": [r, 0],
+                    "shape": [1, COLS],
+                    "xxh3": xxhash.xxh3_64(row).hexdigest(),
+                }
+            )
+    layout = {"plugin": "fsdp2", "world_size": WORLD, "mesh": {"dp": WORLD}, "gathered": False}
+    v1 = {
+        "metadata": {"total_size": 4 * WORLD * COLS * TENSORS},
+        "weight_map": dict.fromkeys(names, SLICED_SENTINEL),
+        "unickpt": {
+            "format_version": 1,
+            "kind": "model",
+            "created_by": "test",
+            "layout": layout,
+            "tensors": {n: {"dtype": "F32", "shape": [WORLD, COLS], "slices": slices[n]} for n in names},
+            "aliases": {},
+        },
+    }
+    raw = json.dumps(v1).encode()
+    if version != 1:
+        parsed = parse_index(raw, "v1").unickpt
+        assert parsed is not None
+        block = build_block(
+            kind="model",
+            created_by="test",
+            layout=LayoutInfo(**layout),
+            tensors=dict(parsed.tensors),
+            aliases={},
+            save_id=None,
+        )
+        raw = index_to_json(build_index(block, sliced=True))
+    (directory / "model.safetensors.index.json").write_bytes(raw)
+    return data
+
+
+def _model(data: dict[str, np.ndarray]) -> torch.nn.Module:
+    m = torch.nn.Module()
+    m.add_module("layers", torch.nn.Module())
+    for n in data:
+        _, i, leaf = n.split(".")
+        layer = torch.nn.Module()
+        m.layers.add_module(i, layer)
+        layer.register_parameter(leaf, torch.nn.Parameter(torch.zeros(WORLD, COLS)))
+    return m
+
+
+def _edit_header(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Rewrite the header of ``path`` through ``edit``, keeping its length (spaces pad it)."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    obj = json.loads(raw[8 : 8 + n])
+    edit(obj)
+    new = json.dumps(obj, separators=(",", ":")).encode()
+    assert len(new) <= n
+    path.write_bytes(raw[:8] + new + b" " * (n - len(new)) + raw[8 + n :])
+
+
+# One entry of rank 29's file (the 30th of 32) for tensor 37 (the 38th of 40).
+VICTIM, RANK = "layers.37.w", 29
+KEY = slice_key(VICTIM, RANK)
+
+
+def _victim_file(d: Path) -> Path:
+    return d / shard_name("model", RANK + 1, WORLD)
+
+
+@pytest.mark.parametrize("version", [1, 3])
+@pytest.mark.parametrize(
+    ("edit", "load_msg", "verify_msg"),
+    [
+        (  # the right byte count, another dtype
+            lambda o: o[KEY].update(dtype="I32"),
+            r"tensor 'layers.37.w' \(key 'layers.37.w@29'\): index says F32\[1, 3\], file holds I32\[1, 3\]",
+            r"tensor 'layers.37.w' \(key 'layers.37.w@29'\): index says F32\[1, 3\], file holds I32\[1, 3\]",
+        ),
+        (  # the right byte count, another shape
+            lambda o: o[KEY].update(shape=[3, 1]),
+            r"tensor 'layers.37.w' \(key 'layers.37.w@29'\): index says F32\[1, 3\], file holds F32\[3, 1\]",
+            r"tensor 'layers.37.w' \(key 'layers.37.w@29'\): index says F32\[1, 3\], file holds F32\[3, 1\]",
+        ),
+        (  # the key renamed (same length): the index's key is missing, the file has an extra one
+            lambda o: o.__setitem__("layers.37.x@29", o.pop(KEY)),
+            r"tensor 'layers.37.w' \(key 'layers.37.w@29'\): index says F32\[1, 3\], file holds nothing",
+            r"tensor 'layers.37.w' should be stored under key 'layers.37.w@29', which the file lacks",
+        ),
+    ],
+    ids=["dtype", "shape", "missing-key"],
+)
+def test_one_bad_header_entry_among_thousands(
+    tmp_path: Path, version: int, edit: Any, load_msg: str, verify_msg: str
+) -> None:
+    data = _build(tmp_path, version)
+    _edit_header(_victim_file(tmp_path), edit)
+    where = str(_victim_file(tmp_path))
+    with pytest.raises(HeaderError, match=load_msg) as ei:
+        GeneralCheckpointIO().load_model(_model(data), tmp_path)
+    assert where in str(ei.value)
+    with pytest.raises(HeaderError, match=verify_msg) as ei:
+        verify_checkpoint(tmp_path)
+    assert where in str(ei.value)
+    with pytest.raises(HeaderError, match=verify_msg):
+        merge_checkpoint(tmp_path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_two_entries_with_swapped_offsets_among_thousands(tmp_path: Path, version: int) -> None:
+    """A valid header whose two keys point at each other's bytes: located fine, caught by the hashes."""
+    data = _build(tmp_path, version)
+    other = slice_key("layers.12.w", RANK)
+
+    def swap(o: dict[str, Any]) -> None:
+        o[KEY]["data_offsets"], o[other]["data_offsets"] = o[other]["data_offsets"], o[KEY]["data_offsets"]
+
+    _edit_header(_victim_file(tmp_path), swap)
+    report = verify_checkpoint(tmp_path)
+    assert [(f.tensor, f.key) for f in report] == [("layers.12.w", other), (VICTIM, KEY)]
+    rows = {n: data[n][RANK : RANK + 1].tobytes() for n in ("layers.12.w", VICTIM)}
+    assert report[1].expected == xxhash.xxh3_64(rows[VICTIM]).hexdigest()
+    assert report[1].found == xxhash.xxh3_64(rows["layers.12.w"]).hexdigest()
+    assert report.hashed == WORLD * TENSORS
+    with pytest.raises(IntegrityError, match=r"layers\.12\.w"):
+        merge_checkpoint(tmp_path, tmp_path / "out")
+    with pytest.raises(IntegrityError):
+        GeneralCheckpointIO().load_model(_model(data), tmp_path, verify=True)
+    model = _model(data)  # without verify, the bytes the header names are what is read
+    GeneralCheckpointIO().load_model(model, tmp_path)
+    got = model.get_parameter(VICTIM).detach().numpy()
+    assert np.array_equal(got[RANK], data["layers.12.w"][RANK])
+    assert np.array_equal(np.delete(got, RANK, 0), np.delete(data[VICTIM], RANK, 0))
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_load_verify_merge_are_bit_exact(tmp_path: Path, version: int) -> None:
+    data = _build(tmp_path, version)
+    model = _model(data)
+    GeneralCheckpointIO().load_model(model, tmp_path, verify=True)
+    for n, want in data.items():
+        assert np.array_equal(model.get_parameter(n).detach().numpy(), want), n
+    report = verify_checkpoint(tmp_path)
+    assert list(report) == [] and report.hashed == WORLD * TENSORS
+    out = merge_checkpoint(tmp_path, tmp_path / "out")
+    r = open_checkpoint(out)
+    try:
+        for n, want in data.items():
+            t = r.tensors[n]
+            (s,) = t.slices
+            assert bytes(r.read_slice(s)) == want.tobytes(), n
+    finally:
+        r.close()
+
+
+def test_verify_of_a_file_truncated_after_validation_names_each_slice_cut(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _build(tmp_path, 3)
+    victim = _victim_file(tmp_path)
+    real = CheckpointReader.validate_structure
+
+    def then_truncate(self: CheckpointReader) -> None:
+        real(self)
+        os.truncate(victim, victim.stat().st_size - 10 * 4 * COLS - 2)  # into the 11th-last row
+
+    monkeypatch.setattr(CheckpointReader, "validate_structure", then_truncate)
+    report = verify_checkpoint(tmp_path)
+    assert [f.key for f in report] == [slice_key(f"layers.{i}.w", RANK) for i in range(TENSORS - 11, TENSORS)]
+    assert all(f.found.startswith("unreadable (file is truncated") and f.file == victim.name for f in report)
+    assert report.hashed == WORLD * TENSORS
+
+
+def test_read_batch_joins_pieces_adjacent_in_file_and_destination(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    p = tmp_path / "f.bin"
+    p.write_bytes(bytes(range(256)) * 4)
+    calls: list[int] = []
+    libc = read_batch._PREADV
+    if libc is not None:
+        monkeypatch.setattr(
+            read_batch, "_PREADV", lambda fd, iov, n, off: calls.append(n) or libc(fd, iov, n, off)
+        )
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        dst = np.zeros(64, dtype=np.uint8)
+        other = np.zeros(16, dtype=np.uint8)
+        batch = ReadBatch()
+        table = type("T", (), {"files": ["f"], "file_ids": np.zeros(8, dtype=np.int64)})()
+        ks = np.arange(8, dtype=np.int64)
+        # eight 8-byte rows of one destination, added out of order: one piece
+        order = np.asarray([3, 0, 7, 1, 2, 6, 5, 4])
+        batch.add_many(table, ks, 100 + 8 * order, 8 * order, 8 * order + 8, memoryview(dst))
+        batch.add("f", 164, memoryview(other))  # adjacent in the file, another buffer
+        batch.run(lambda _f: fd, lambda _f: str(p))
+        assert bytes(dst) == (bytes(range(256)) * 4)[100:164]
+        assert bytes(other) == (bytes(range(256)) * 4)[164:180]
+        if libc is not None:
+            assert calls == [2]  # one call: the joined rows and the other buffer
+    finally:
+        os.close(fd)
+
+
+def test_read_batch_falls_back_to_python_buffers_when_libc_preadv_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    p = tmp_path / "f.bin"
+    p.write_bytes(bytes(range(200)))
+    monkeypatch.setattr(read_batch, "_PREADV", lambda *a: -1)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        bufs = [bytearray(10) for _ in range(5)]
+        batch = ReadBatch()
+        for i, b in enumerate(bufs):
+            batch.add("f", 50 + 10 * i, memoryview(b))
+        batch.run(lambda _f: fd, lambda _f: str(p))
+        assert b"".join(bufs) == bytes(range(50, 100))
+        os.truncate(p, 75)
+        for i, b in enumerate(bufs):
+            batch.add("f", 50 + 10 * i, memoryview(b))
+        with pytest.raises(
+            IncompleteCheckpointError, match=r"f.bin: file is truncated: wanted 50 bytes at offset 50"
+        ):
+            batch.run(lambda _f: fd, lambda _f: str(p))
+    finally:
+        os.close(fd)
+
+
+def test_read_batch_refuses_a_read_outside_its_buffer(tmp_path: Path) -> None:
+    batch = ReadBatch()
+    table = type("T", (), {"files": ["f"], "file_ids": np.zeros(1, dtype=np.int64)})()
+    one = np.zeros(1, dtype=np.int64)
+    batch.add_many(table, one, one, one + 4, one + 12, memoryview(bytearray(8)))
+    with pytest.raises(ValueError, match="outside its destination buffer"):
+        batch.run(lambda _f: 0, lambda _f: "f")
+
+
+def _strict(raw: bytes, n: int) -> Any:
+    """The entry-by-entry parser alone: (entries as tuples, metadata) or the error it raises."""
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("unickpt.format.safetensors_io.parse_header_bulk", lambda *a: None)
+            entries, meta = parse_header(raw, n, "f")
+    except HeaderError as e:
+        return type(e), str(e)
+    return {k: (e.dtype, e.shape, e.begin, e.end) for k, e in entries.items()}, meta
+
+
+def test_compact_header_form_agrees_with_the_strict_parser_under_mutation() -> None:
+    """Random one-byte edits of a compact header: whatever the compact reading accepts, the strict
+    parser accepts with the same entries; everything else gets the strict parser's error."""
+    header, _ = encode_header(
+        [(f"t.{i}@{i % 3}", "BF16" if i % 2 else "F32", (1, 2 + i % 2)) for i in range(40)], {"format": "x"}
+    )
+    raw = header[8:]
+    n = sum(2 * (2 + i % 2) * (1 if i % 2 else 2) for i in range(40))
+    assert safetensors_bulk._parse_canonical(raw.decode(), n) is not None
+    rng = random.Random(7)
+    alphabet = b'0123456789,:{}[]"\\ aF@.-'
+    accepted = 0
+    for _ in range(400):
+        b = bytearray(raw)
+        b[rng.randrange(len(b))] = rng.choice(alphabet)
+        try:
+            text = bytes(b).decode()
+        except UnicodeDecodeError:
+            continue
+        fast = safetensors_bulk._parse_canonical(text, n)
+        want = _strict(bytes(b), n)
+        if fast is None:
+            continue
+        accepted += 1
+        entries, meta = fast
+        assert want == ({k: (e.dtype, e.shape, e.begin, e.end) for k, e in entries.items()}, meta)
+    assert accepted > 10  # edits inside keys and the metadata keep the form
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"a":{"dtype":"F32","shape":[01],"data_offsets":[0,4]}}',  # a leading zero
+        '{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}',
+        '{"__metadata__":{"k":"v","k":"w"},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}',
+        '{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"__metadata__":{"dtype":"F32","shape":[1],'
+        '"data_offsets":[0,4]}}',
+        '{"a\\u0062":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}',  # an escape
+        '{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}} x',  # trailing garbage
+        '{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,12345678901234567890123]}}',  # 23 digits
+    ],
+)
+def test_compact_header_form_leaves_the_unusual_to_the_json_path(text: str) -> None:
+    assert safetensors_bulk._parse_canonical(text, 4) is None
