@@ -17,9 +17,12 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
+import numpy as np
 from pydantic import BaseModel
 
 from unickpt.format.index_models import HASHES, MAX_DIM, MIN_POSITIVE, SliceEntry, fields_of
+from unickpt.format.lazy_slices import LazySlices
+from unickpt.format.slice_table import NO_HASH, SliceTable
 
 __all__ = [
     "construct",
@@ -84,10 +87,11 @@ def construct(cls: type[_M], given: dict[str, Any], fields_set: set[str], extra:
 
 def bulk_slices(
     gshape: list[int], sl: list[Any], shared: dict[tuple[str, ...], set[str]]
-) -> tuple[list[SliceEntry], int, int, set[str]] | None:
+) -> tuple[list[Any], int, int, set[str]] | None:
     """One tensor's slices checked and built with C-level bulk operations; None to take the slow path.
 
-    Returns (slices, object members, ':' in the slices' keys, distinct file names). Checks what
+    Returns (slices: a ``LazySlices`` over the slices' table, object members, ':' in the slices'
+    keys, distinct file names). Checks what
     ``SliceEntry`` and ``TensorEntry._slices_in_bounds`` check, for the usual input: every slice
     an object with the fields in model order (all, or the required ones), integers that are
     ints, strings that are strings. Nothing is modified before every check has passed.
@@ -124,7 +128,8 @@ def bulk_slices(
         if not all(map(operator.le, map(operator.add, flat_o, flat_n), itertools.cycle(gshape))):
             return None
     try:
-        files = set(map(_get_file, sl))
+        file_list = list(map(_get_file, sl))
+        files = set(file_list)
         keys = "".join(map(_get_key, sl))  # TypeError unless every key is a str
     except TypeError:
         return None
@@ -151,6 +156,29 @@ def bulk_slices(
     ):
         return None
     pairs = len(_FULL_LAYOUT) * n if complete else sum(map(len, sl))
+    if complete:
+        # Every slice has every field (what writers write): the slices become their table's
+        # arrays at once, no SliceEntry per slice (the list builds them from the table, with the
+        # same fields and fields set, if anything iterates it: see LazySlices).
+        ids = {f: i for i, f in enumerate(dict.fromkeys(file_list))}  # in order of first use
+        file_ids = np.fromiter(map(ids.__getitem__, file_list), np.int64, n)
+        if len(hashes) == n:
+            stored: str | None = "".join(hashes)
+        elif hashes:
+            stored = "".join(NO_HASH if h is None else h for h in map(_get_xxh3, sl))
+        else:
+            stored = None
+        table = SliceTable(
+            "",
+            gshape,
+            np.array(flat_o if nd else [], dtype=np.int64).reshape(n, nd),
+            np.array(flat_n if nd else [], dtype=np.int64).reshape(n, nd),
+            file_ids,
+            sorted(ids, key=ids.__getitem__),
+            list(map(_get_key, sl)),
+            stored,
+        )
+        return LazySlices(table), pairs, keys.count(":"), files
     # What model_construct sets, in four C-level passes: the parsed objects become the slices'
     # __dict__ as they are (fields in model order). Slices with the same keys share one fields
     # set (``shared``, one per index): pydantic never changes the set of a frozen model (model_copy
@@ -159,12 +187,9 @@ def bulk_slices(
     for layout in layouts:
         if layout not in shared:
             shared[layout] = set(layout)
-    if complete:
-        fields_sets: Iterable[set[str]] = itertools.repeat(shared[_FULL_LAYOUT])
-    else:
-        fields_sets = list(map(shared.__getitem__, map(tuple, sl)))
-        for s in sl:
-            s.setdefault("xxh3", None)  # appended last: the field order holds
+    fields_sets = list(map(shared.__getitem__, map(tuple, sl)))
+    for s in sl:
+        s.setdefault("xxh3", None)  # appended last: the field order holds
     for f in _SLOW_FIELDS:  # absent from every slice taken here; appended last, in model order
         _consume(map(dict.setdefault, sl, itertools.repeat(f), itertools.repeat(None)))
     _consume(map(_set_dict, objs, sl))

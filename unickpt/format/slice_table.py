@@ -24,6 +24,9 @@ from typing import Any
 
 import numpy as np
 
+from unickpt.format.grid import chunk_extents, distinct_parts, grid_extents
+from unickpt.format.grid import grid_boxes as _grid_boxes
+
 __all__ = [
     "SliceTable",
     "NO_HASH",
@@ -39,36 +42,6 @@ _get_shape = operator.attrgetter("shape")
 _get_file = operator.attrgetter("file")
 _get_key = operator.attrgetter("key")
 _get_xxh3 = operator.attrgetter("xxh3")
-
-
-def chunk_extents(g: int, k: int) -> list[int]:
-    """The extents of ``torch.chunk``-style parts: ``k`` parts of ``ceil(g / k)``, the last ones
-    smaller or empty (what FSDP2's and TP's ``Shard`` produce, empty trailing ranks included)."""
-    c = -(-g // k) if k > 0 else 0  # f parts of c, then the rest (maybe 0), then empty ones:
-    return [c] * (f := min(k, g // c) if c else 0) + [g - f * c] * (f < k) + [0] * max(0, k - f - 1)
-
-
-def grid_extents(gshape: Sequence[int], grid: Sequence[int | Sequence[int]]) -> list[list[int]]:
-    """Each dim's part extents of a ``grid`` field (an int: chunk parts; a list: the extents)."""
-    return [chunk_extents(g, p) if isinstance(p, int) else list(p) for g, p in zip(gshape, grid, strict=True)]
-
-
-def _grid_boxes(extents: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Offsets and shapes ``(S, nd)`` of the cells of a grid, in C order."""
-    nd = len(extents)
-    if nd == 0:
-        return np.zeros((1, 0), dtype=np.int64), np.zeros((1, 0), dtype=np.int64)
-    ext = [np.asarray(e, dtype=np.int64) for e in extents]
-    starts = [np.concatenate(([0], np.cumsum(e)[:-1])).astype(np.int64) for e in ext]
-    n = math.prod(len(e) for e in ext)
-    offs = np.empty((n, nd), dtype=np.int64)
-    shps = np.empty((n, nd), dtype=np.int64)
-    for d in range(nd):
-        before = math.prod(len(e) for e in ext[:d])
-        after = math.prod(len(e) for e in ext[d + 1 :])
-        offs[:, d] = np.tile(np.repeat(starts[d], after), before)
-        shps[:, d] = np.tile(np.repeat(ext[d], after), before)
-    return offs, shps
 
 
 class SliceTable:
@@ -450,8 +423,7 @@ class SliceTable:
             return None
         extents: list[list[int]] = []
         for d in range(nd):
-            pairs = np.unique(np.stack([self.offsets[:, d], self.shapes[:, d]], axis=1), axis=0)
-            o, e = pairs[:, 0], pairs[:, 1]
+            o, e = distinct_parts(self.offsets[:, d], self.shapes[:, d], self.gshape[d])
             if o[0] != 0 or (o[1:] != o[:-1] + e[:-1]).any() or o[-1] + e[-1] != self.gshape[d]:
                 return None
             extents.append(e.tolist())
