@@ -44,8 +44,6 @@ __all__ = [
     "committed_in",
     "needs_cleanup",
     "listing_times",
-    "listing",
-    "listing_times_of",
     "referenced_files",
     "commit_store_index",
     "commit_and_clean",
@@ -93,7 +91,8 @@ def needs_cleanup(names: Iterable[str]) -> bool:
     """False when a directory listing taken under the save lock, before a save writes anything,
     holds no data file of either kind: after that save's commit nothing is superseded and no
     killed save's file is left, so its post-commit listing can be skipped. (A killed save's
-    multipart uploads are not in a listing: the next save over the directory aborts them.)"""
+    multipart uploads are in no listing of objects: the save that takes over its stale lock
+    cleans up all the same, docs/reliability.md.)"""
     return any(is_store_data_file(k, n) for n in names for k in _KINDS)
 
 
@@ -171,8 +170,9 @@ def _info_time(info: dict[str, Any]) -> float | None:
 
 
 def listing_times(storage: FsspecStorage, directory: str) -> dict[str, float | None]:
-    """Name -> last modification of every object directly in ``directory``: one LIST request."""
-    return listing_times_of(listing(storage, directory))
+    """Name -> last modification of every object directly in ``directory`` (sub-prefixes left
+    out): one LIST request (per 1000 objects on S3)."""
+    return {n: _info_time(info) for n, info in _listing(storage, directory).items()}
 
 
 def _s3_listing(storage: FsspecStorage, directory: str) -> dict[str, dict[str, Any]]:
@@ -191,14 +191,8 @@ def _s3_listing(storage: FsspecStorage, directory: str) -> dict[str, dict[str, A
         kwargs["ContinuationToken"] = page["NextContinuationToken"]
 
 
-def listing_times_of(entries: dict[str, dict[str, Any]]) -> dict[str, float | None]:
-    """Name -> last modification, from a :func:`listing`."""
-    return {n: _info_time(info) for n, info in entries.items()}
-
-
-def listing(storage: FsspecStorage, directory: str) -> dict[str, dict[str, Any]]:
-    """Name -> the store's description (``LastModified``, ``ETag``...) of every object directly
-    in ``directory`` (sub-prefixes left out): one LIST request (per 1000 objects on S3)."""
+def _listing(storage: FsspecStorage, directory: str) -> dict[str, dict[str, Any]]:
+    """Name -> the store's description (``LastModified``...) of every object directly in ``directory``."""
     if storage.protocol in ("s3", "s3a"):  # s3fs's ls lists the parent too when a prefix is empty
         return _s3_listing(storage, directory)
     try:

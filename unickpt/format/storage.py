@@ -404,8 +404,8 @@ class FsspecStorage(Storage):
     def makedirs(self, path: str) -> None:
         """Object stores have prefixes only; fsspec's local-like file systems need the directory
         before a file is opened in it. On S3, s3fs checks the bucket (one HEAD) and creates a
-        missing one: done once per bucket and file system in a process (every save calls this
-        on every rank, before its first upload)."""
+        missing one: done once per endpoint and bucket in a process (every save calls this on
+        every rank, before its first upload)."""
         if self.protocol in ("s3", "s3a"):
             bucket = path.split("://", 1)[-1].split("/", 1)[0]
             key = (str(getattr(self.fs, "endpoint_url", None)), bucket)

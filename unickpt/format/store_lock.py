@@ -124,9 +124,9 @@ def store_lock(
     """Hold the directory's save lock (see the module docstring) while the block runs.
 
     With ``listed``, the block gets the directory's objects (:class:`Listed`), listed once the
-    lock is taken: no other save can commit there after that
-    listing until this one releases the lock. (The LIST is not sent beside the lock's PUT: served
-    before it, it could miss a checkpoint another save commits in between.) Else None.
+    lock is taken: no other save can commit there after that listing until this one releases
+    the lock. (The LIST is not sent beside the lock's PUT: served before it, it could miss a
+    checkpoint another save commits in between.) Else None.
     """
     path = storage.join(directory, LOCK_NAME)
     took_over = _acquire(storage, path, _body(save_id))
