@@ -710,6 +710,9 @@ def markdown(report: dict[str, Any]) -> str:
                 f"fetched per rank {mib} MiB ({ex['x_checkpoint']:.2f}x the checkpoint), "
                 f"requests per rank {ex['requests_per_rank']}"
             )
+        if "uploaded_per_rank" in ex:  # storage group saves
+            mib = ", ".join(f"{b / C.MiB:.1f}" for b in ex["uploaded_per_rank"])
+            note.append(f"uploaded per rank {mib} MiB, requests per rank {ex.get('requests_per_rank')}")
         if "rss_peak_max_mb" in r:
             note.append(f"max over ranks {r['rss_peak_max_mb']:.0f} MB")
         if r["key"] == "async" and ex:

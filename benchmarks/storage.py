@@ -9,7 +9,7 @@ counts the body bytes it serves to and receives from each client. A world of ``-
 ``save_model("s3://...")``), both straight to the store, beside the raw ceiling (each rank one
 s3fs ``pipe_file`` of its bytes), ``reps`` times each after a warm-up, alternating the order
 (rows: median save time, the median paired DCP/unickpt and raw/writer ratios, bytes uploaded
-per rank); a world of ``--load-world`` ranks then loads both, resharded,
+and requests made per rank and save); a world of ``--load-world`` ranks then loads both, resharded,
 ``reps`` times each after a warm-up, alternating rep by rep (``storage_worker.py``). Rows: median
 load time (rank 0, between barriers), the median of the per-rep DCP/unickpt time ratios, and per
 rank the bytes and requests the server served (per load).
@@ -66,8 +66,14 @@ def _run(rows: Any, root: Path, base: dict[str, Any], args: Any, run_world: Any,
         if res.get("status") == "ok":
             saved = int(args.reps) + 1  # the warm-up rep uploaded too
             up = [sum(server.received(m, f"{client}-{r}") for m in ("PUT", "POST")) / saved for r in range(w)]
+            # every request of the save per rank (rank 0's lock, listing, index and commit included)
+            reqs = [
+                sum(n for (_, c), n in server.requests.items() if c == f"{client}-{r}") / saved
+                for r in range(w)
+            ]
             extra: dict[str, Any] = {
                 "uploaded_per_rank": [int(x) for x in up],
+                "requests_per_rank": [round(x, 2) for x in reqs],
                 "x_checkpoint": sum(up) / nbytes,
             }
             for k in ("x_dcp_paired", "x_raw_paired"):

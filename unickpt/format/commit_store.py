@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import posixpath
 import re
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
@@ -40,6 +41,9 @@ __all__ = [
     "store_file_name",
     "is_store_data_file",
     "committed_on_store",
+    "committed_in",
+    "needs_cleanup",
+    "listing_times",
     "referenced_files",
     "commit_store_index",
     "commit_and_clean",
@@ -74,8 +78,22 @@ def is_store_data_file(kind: str, name: str) -> bool:
 
 def committed_on_store(storage: Storage, directory: str, kind: str) -> bool:
     """True when ``directory`` holds a committed ``kind`` checkpoint (an index or a single file)."""
-    names = set(storage.listdir(directory))  # one LIST request on a store, not two HEADs
-    return index_name(kind) in names or single_name(kind) in names
+    return committed_in(storage.listdir(directory), kind)  # one LIST request on a store, not two HEADs
+
+
+def committed_in(names: Iterable[str], kind: str) -> bool:
+    """True when a directory listing ``names`` holds a committed ``kind`` checkpoint."""
+    found = set(names)
+    return index_name(kind) in found or single_name(kind) in found
+
+
+def needs_cleanup(names: Iterable[str]) -> bool:
+    """False when a directory listing taken under the save lock, before a save writes anything,
+    holds no data file of either kind: after that save's commit nothing is superseded and no
+    killed save's file is left, so its post-commit listing can be skipped. (A killed save's
+    multipart uploads are in no listing of objects: the save that takes over its stale lock
+    cleans up all the same, docs/reliability.md.)"""
+    return any(is_store_data_file(k, n) for n in names for k in _KINDS)
 
 
 def referenced_files(index: bytes, path: str = "index.json") -> set[str]:
@@ -151,18 +169,42 @@ def _info_time(info: dict[str, Any]) -> float | None:
     return None
 
 
-def _listing_times(storage: FsspecStorage, directory: str) -> dict[str, float | None]:
-    """Name -> last modification of every object directly in ``directory``: one LIST request."""
+def listing_times(storage: FsspecStorage, directory: str) -> dict[str, float | None]:
+    """Name -> last modification of every object directly in ``directory`` (sub-prefixes left
+    out): one LIST request (per 1000 objects on S3)."""
+    return {n: _info_time(info) for n, info in _listing(storage, directory).items()}
+
+
+def _s3_listing(storage: FsspecStorage, directory: str) -> dict[str, dict[str, Any]]:
+    bucket, key, _ = storage.fs.split_path(directory)
+    prefix = key.rstrip("/") + "/" if key else ""
+    kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "Delimiter": "/"}
+    out: dict[str, dict[str, Any]] = {}
+    while True:
+        page = storage.fs.call_s3("list_objects_v2", **kwargs)
+        for c in page.get("Contents", []) or []:
+            name = str(c["Key"])[len(prefix) :]
+            if name:
+                out[name] = dict(c, name=f"{bucket}/{c['Key']}", type="file", size=c.get("Size"))
+        if not page.get("IsTruncated"):
+            return out
+        kwargs["ContinuationToken"] = page["NextContinuationToken"]
+
+
+def _listing(storage: FsspecStorage, directory: str) -> dict[str, dict[str, Any]]:
+    """Name -> the store's description (``LastModified``...) of every object directly in ``directory``."""
+    if storage.protocol in ("s3", "s3a"):  # s3fs's ls lists the parent too when a prefix is empty
+        return _s3_listing(storage, directory)
     try:
         entries = storage.fs.ls(directory, detail=True, refresh=True)
     except FileNotFoundError:
         return {}
     base = directory.rstrip("/")
-    out: dict[str, float | None] = {}
+    out: dict[str, dict[str, Any]] = {}
     for info in entries:
         name = str(info.get("name", "")).rstrip("/")
         if name != base and info.get("type") != "directory":
-            out[posixpath.basename(name)] = _info_time(info)
+            out[posixpath.basename(name)] = info
     return out
 
 
@@ -235,19 +277,26 @@ def clean_store_leftovers(storage: Storage, directory: str) -> list[str]:
     """
     if not isinstance(storage, FsspecStorage):
         return []
-    return _clean(storage, directory, _listing_times(storage, directory))  # one LIST: every object's time
+    return _clean(storage, directory, listing_times(storage, directory))  # one LIST: every object's time
 
 
-def commit_and_clean(storage: Storage, directory: str, kind: str, index: bytes, keep: set[str]) -> None:
+def commit_and_clean(
+    storage: Storage, directory: str, kind: str, index: bytes, keep: set[str], *, clean: bool = True
+) -> None:
     """:func:`commit_store_index` then :func:`clean_store_leftovers`, from one listing taken
     after the index PUT (the index's own file list is ``keep``: not fetched back). A failure of
-    the removals is logged, not raised: the checkpoint is committed, leftovers go next time."""
+    the removals is logged, not raised: the checkpoint is committed, leftovers go next time.
+
+    ``clean=False`` (the save's listing under its lock showed no data file: :func:`needs_cleanup`)
+    makes the commit the index PUT alone: nothing to supersede, no file of a killed save."""
     if not isinstance(storage, FsspecStorage):
         commit_store_index(storage, directory, kind, index, keep)
         return
     storage.put(storage.join(directory, index_name(kind)), index)
+    if not clean:
+        return
     try:  # committed: from here on a failure leaves only unreferenced files, removed next time
-        times = _listing_times(storage, directory)
+        times = listing_times(storage, directory)
         gone = [n for n in times if n not in keep and is_store_data_file(kind, n)]
         storage.remove([storage.join(directory, n) for n in gone])
         _clean(

@@ -403,9 +403,23 @@ class FsspecStorage(Storage):
 
     # ---------------------------------------------------------------- writes
     def makedirs(self, path: str) -> None:
-        """Object stores have prefixes only (a no-op there); fsspec's local-like file systems
-        need the directory before a file is opened in it."""
+        """Object stores have prefixes only; fsspec's local-like file systems need the directory
+        before a file is opened in it. On S3, s3fs checks the bucket (one HEAD) and creates a
+        missing one: done once per endpoint and bucket in a process (every save calls this on
+        every rank, before its first upload)."""
+        if self.protocol in ("s3", "s3a"):
+            bucket = path.split("://", 1)[-1].split("/", 1)[0]
+            key = (str(getattr(self.fs, "endpoint_url", None)), bucket)
+            if key in _BUCKETS:
+                return
+            self.fs.makedirs(path, exist_ok=True)
+            _BUCKETS.add(key)
+            return
         self.fs.makedirs(path, exist_ok=True)
+
+
+#: (endpoint, bucket) pairs known to exist in this process (``FsspecStorage.makedirs``).
+_BUCKETS: set[tuple[str, str]] = set()
 
 
 def open_storage(

@@ -21,6 +21,7 @@ rather than lower it). Deleting the lock object by hand releases it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import posixpath
@@ -31,10 +32,10 @@ from collections.abc import Iterator
 
 from unickpt._logging import get_logger
 from unickpt.errors import CheckpointBusyError
-from unickpt.format.commit_store import object_time
+from unickpt.format.commit_store import listing_times, object_time
 from unickpt.format.storage import FsspecStorage, Storage
 
-__all__ = ["LOCK_NAME", "store_lock", "stale_after"]
+__all__ = ["LOCK_NAME", "Listed", "store_lock", "stale_after"]
 
 logger = get_logger(__name__)
 LOCK_NAME = ".unickpt-save.lock"
@@ -68,16 +69,28 @@ def _holder(storage: Storage, path: str) -> tuple[str, float | None]:
     return who, (None if t is None else time.time() - t)
 
 
-def _acquire(storage: Storage, path: str, save_id: str) -> None:
+@dataclasses.dataclass(frozen=True)
+class Listed:
+    """The lock's directory as listed once the lock was taken (``store_lock(listed=True)``)."""
+
+    #: name -> last modification of every object in the directory but the lock
+    times: dict[str, float | None]
+    #: True when a killed save's stale lock was removed to take this one (its leftovers may be
+    #: multipart uploads, which no listing of objects shows)
+    took_over: bool
+
+
+def _acquire(storage: Storage, path: str, body: bytes) -> bool:
+    """Take the lock; True when a stale lock was removed first."""
     limit = stale_after()
     for attempt in (0, 1):
         try:
-            took = storage.put(path, _body(save_id), exclusive=True)
+            took = storage.put(path, body, exclusive=True)
         except FileNotFoundError:  # a file-like store wants the directory first (object stores never)
             storage.makedirs(posixpath.dirname(path))
-            took = storage.put(path, _body(save_id), exclusive=True)
+            took = storage.put(path, body, exclusive=True)
         if took:
-            return
+            return attempt == 1
         who, age = _holder(storage, path)
         if attempt == 0 and age is not None and age > limit:
             logger.warning(
@@ -95,13 +108,29 @@ def _acquire(storage: Storage, path: str, save_id: str) -> None:
             f"URL. A lock not rewritten for {limit:.0f} s (UNICKPT_STORE_LOCK_STALE) is a killed save's "
             "and is taken over; delete the lock object if you know no save is running"
         )
+    raise RuntimeError(f"{path}: the lock was neither taken nor refused")  # never: the loop decides
+
+
+def _times(storage: Storage, directory: str) -> dict[str, float | None]:
+    if isinstance(storage, FsspecStorage):
+        return {n: t for n, t in listing_times(storage, directory).items() if n != LOCK_NAME}
+    return {n: None for n in storage.listdir(directory) if n != LOCK_NAME}
 
 
 @contextlib.contextmanager
-def store_lock(storage: Storage, directory: str, save_id: str) -> Iterator[None]:
-    """Hold the directory's save lock (see the module docstring) while the block runs."""
+def store_lock(
+    storage: Storage, directory: str, save_id: str, *, listed: bool = False
+) -> Iterator[Listed | None]:
+    """Hold the directory's save lock (see the module docstring) while the block runs.
+
+    With ``listed``, the block gets the directory's objects (:class:`Listed`), listed once the
+    lock is taken: no other save can commit there after that listing until this one releases
+    the lock. (The LIST is not sent beside the lock's PUT: served before it, it could miss a
+    checkpoint another save commits in between.) Else None.
+    """
     path = storage.join(directory, LOCK_NAME)
-    _acquire(storage, path, save_id)
+    took_over = _acquire(storage, path, _body(save_id))
+    found = Listed(_times(storage, directory), took_over) if listed else None
     stop = threading.Event()
     every = max(stale_after() / 4, 0.05)
 
@@ -115,7 +144,7 @@ def store_lock(storage: Storage, directory: str, save_id: str) -> Iterator[None]
     thread = threading.Thread(target=beat, name="unickpt-store-lock", daemon=True)
     thread.start()
     try:
-        yield
+        yield found
     finally:
         stop.set()
         thread.join()

@@ -31,6 +31,8 @@ def commit_collective(
     world: int,
     store: Storage | None = None,
     lock: contextlib.ExitStack | None = None,
+    *,
+    clean: bool = True,
 ) -> None:
     """Collective: commit a sharded or sliced save (``format.commit``), or raise on every rank.
 
@@ -38,10 +40,12 @@ def commit_collective(
     directories may differ, as with node-local staging before an upload) between rank 0's
     un-commit of the previous checkpoint and its rename of the index. ``lock`` (rank 0's save
     lock) is released after a successful commit, before the last agreement (``settle``).
+    ``clean=False`` (rank 0, a store): the directory held no data file when the save began, so the
+    commit on the store skips the listing and cleanup after the index PUT (``commit_and_clean``).
     """
     where = f"committing {directory}"
     if store is not None:
-        _commit_on_store(store, directory, kind, plan, staged, index, err, group, rank, lock)
+        _commit_on_store(store, directory, kind, plan, staged, index, err, group, rank, lock, clean)
         return
     if world == 1:
         try:
@@ -90,13 +94,14 @@ def _commit_on_store(
     group: Any,
     rank: int,
     lock: contextlib.ExitStack | None,
+    clean: bool,
 ) -> None:
     """Collective, object stores: every data file is uploaded whole; rank 0 writes the index
     (one PUT: the commit), removes what it supersedes and the leftovers of killed saves (one
     listing for both, ``commit_and_clean``; a cleanup failure is only logged)."""
     if rank == 0 and err is None:
         try:
-            commit_and_clean(store, directory, kind, index, {f.name for f in plan.files})
+            commit_and_clean(store, directory, kind, index, {f.name for f in plan.files}, clean=clean)
         except BaseException as e:
             err = e
     try:

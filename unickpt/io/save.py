@@ -29,8 +29,9 @@ in a directory 4 (docs/performance.md, issue 17).
 A URL (``s3://``, ``gs://``...: ``SaveOptions.storage_options``) goes through the storage layer
 instead (``format/commit_store.py``, docs/format.md section 6.1): no staging; rank 0 takes the
 directory's lock object (``format/store_lock.py``: a second writer gets ``CheckpointBusyError``),
-finds whether a checkpoint is committed there (then every file gets a save-id name), each writer
-streams its files as multipart uploads, and rank 0's commit is the index's PUT. A gathered save
+lists the directory once under it: a committed checkpoint there gives every file a save-id name,
+and a directory without data files (nor a stale lock taken over) needs no cleanup after the
+commit; each writer streams its files as multipart uploads, and rank 0's commit is the index's PUT. A gathered save
 on S3 has every rank upload parts of the same multipart uploads (``io/parts_save.py``); on
 other stores (no ``pwrite``, no shared uploads) rank 0 writes it (``io/funnel_save.py``).
 """
@@ -51,7 +52,7 @@ from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
 from unickpt.errors import UnickptError
 from unickpt.format.commit import directory_lock, discard, new_save_id
-from unickpt.format.commit_store import committed_on_store, store_file_name
+from unickpt.format.commit_store import committed_in, needs_cleanup, store_file_name
 from unickpt.format.index import LayoutInfo, index_to_json
 from unickpt.format.naming import single_name
 from unickpt.format.storage import FsspecStorage, Storage, is_url, open_storage
@@ -190,6 +191,7 @@ def save_tensors(
     # preparation's, and rank 0 prepares only when its own plan succeeded.
     lock = contextlib.ExitStack()
     over = False  # an object store holds a committed checkpoint of the kind here
+    clean = True  # rank 0 on a store: the directory held data files before this save
     gs: GatheredSave | None = None
     if plan is not None and opts.gather and not funnel:  # 4-6: every rank writes its bytes of the HF files
         gs = GatheredSave(
@@ -215,9 +217,11 @@ def save_tensors(
             if store is None:
                 os.makedirs(directory, exist_ok=True)
                 lock.enter_context(directory_lock(directory))
-            else:  # one writer per directory on a store too (format/store_lock.py)
-                lock.enter_context(store_lock(store, directory, save_id))
-                over = not single_file and committed_on_store(store, directory, opts.kind)
+            else:  # one writer per directory on a store too (format/store_lock.py), listed under it
+                found = lock.enter_context(store_lock(store, directory, save_id, listed=not single_file))
+                over = found is not None and committed_in(found.times, opts.kind)
+                # nothing to supersede nor left by a killed save: the commit is the index PUT alone
+                clean = found is None or found.took_over or needs_cleanup(found.times)
         if gs is not None and store is None:  # the files' layout; rank 0 creates them (one agreement)
             staged_hf = stage_gathered(gs, rank)
     except BaseException as e:
@@ -321,6 +325,7 @@ def save_tensors(
             world,
             store,
             lock,
+            clean=clean,
         )
     finally:
         lock.close()
