@@ -56,6 +56,7 @@ from unickpt.format.writer import (
     tensor_entry,
     write_all,
 )
+from unickpt.io import plan_cache
 from unickpt.io._commit import settle
 from unickpt.io.hf_rows import RowMoves
 from unickpt.io.planner import SavePlan
@@ -108,17 +109,27 @@ def order_files(s: GatheredSave) -> tuple[SavePlan, _Ranges, list[tuple[str, str
     """The files' order (the ranks' order of names, rank 0's first, not the order in which slices
     appear: a rank may hold no slice of a tensor it names), set as ``s.plan``; each tensor's writer
     ranges; the (name, dtype, shape) of each tensor in that order."""
-    known = [n for n in s.order if n in s.plan.tensors]
-    listed = set(known)
-    known += [n for n in s.plan.tensors if n not in listed]
-    s.plan = plan = SavePlan(
-        {n: s.plan.tensors[n] for n in known}, s.plan.files, s.plan.slices, s.plan.sliced
-    )
-    ranges = {
-        name: writer_ranges(gshape, dtype, [(ps.offsets, ps.shape, ps.rank) for ps in plan.slices[name]])
-        for name, (dtype, gshape) in plan.tensors.items()
-    }
-    return plan, ranges, [(n, d, tuple(g)) for n, (d, g) in plan.tensors.items()]
+    given = s.plan
+
+    def compute() -> tuple[SavePlan, _Ranges, list[tuple[str, str, tuple[int, ...]]]]:
+        known = [n for n in s.order if n in given.tensors]
+        listed = set(known)
+        known += [n for n in given.tensors if n not in listed]
+        plan = SavePlan({n: given.tensors[n] for n in known}, given.files, given.slices, given.sliced)
+        ranges = {
+            name: writer_ranges(gshape, dtype, [(ps.offsets, ps.shape, ps.rank) for ps in plan.slices[name]])
+            for name, (dtype, gshape) in plan.tensors.items()
+        }
+        return plan, ranges, [(n, d, tuple(g)) for n, (d, g) in plan.tensors.items()]
+
+    # A plan kept for repeated layouts (io/plan_cache.py) keeps its files' order and ranges too:
+    # the entry holds the plan itself, so its id names no other plan while it is kept.
+    if plan_cache.holds(given):
+        out = plan_cache.cached(("hf_files", id(given), tuple(s.order)), lambda: (given, compute()))[1]
+    else:
+        out = compute()
+    s.plan = out[0]
+    return out
 
 
 def stage_gathered(s: GatheredSave, rank: int) -> StagedHF:
