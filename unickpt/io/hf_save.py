@@ -161,7 +161,7 @@ def stage_gathered(s: GatheredSave, rank: int) -> StagedHF:
         staged = {f.name: temp_name(os.path.join(s.directory, f.name), s.save_id) for f in layout.files}
     if rank == 0:
         maybe_fail("save.hf_create")
-        _create_files(layout, staged, s.save_id, placeholders, s.opts.fsync)
+        _create_files(layout, staged, s.save_id, placeholders)
     return StagedHF(ranges, layout, staged, staged if rank == 0 else {}, placeholders, file_name)
 
 
@@ -178,7 +178,7 @@ def save_gathered(s: GatheredSave, st: StagedHF, group: Any, rank: int) -> None:
     hashes: _Hashes = {}
     partials: _Partials = {}
     try:
-        hashes, partials = _write_own(plan, layout, ranges, s.local, staged, rank, opts, s.rows)
+        hashes, partials = _write_own(plan, layout, ranges, s.local, staged, rank, opts, s.rows, own)
     except BaseException as e:
         err = e
     try:  # the agreement carries the hashes: one exchange
@@ -225,9 +225,12 @@ def save_gathered(s: GatheredSave, st: StagedHF, group: Any, rank: int) -> None:
 
 
 def _create_files(
-    layout: HFLayout, staged: dict[str, str], save_id: str, placeholders: UnickptBlock | None, fsync: bool
+    layout: HFLayout, staged: dict[str, str], save_id: str, placeholders: UnickptBlock | None
 ) -> None:
-    """Rank 0: every staged file with its header, sized to its final length (removed on failure)."""
+    """Rank 0: every staged file with its header, sized to its final length (removed on failure).
+
+    Not fsynced here: rank 0 fsyncs every file it created after its writes (``_write_own``),
+    before the writes' agreement, so a header costs no flush of its own."""
     made: list[str] = []
     try:
         for f in layout.files:
@@ -240,9 +243,6 @@ def _create_files(
             with open(path, "wb") as fh:
                 fh.write(f.header(meta))
                 fh.truncate(f.size)
-                if fsync:  # the header is durable even in a file rank 0 writes no data into
-                    fh.flush()
-                    os.fsync(fh.fileno())
     except BaseException:
         discard(made)
         raise
@@ -257,11 +257,14 @@ def _write_own(
     rank: int,
     opts: Any,
     rows: RowMoves | None = None,
+    created: Mapping[str, str] | None = None,
 ) -> tuple[_Hashes, _Partials]:
     """This rank's slices written into place; hashed on a second thread while the next is written.
 
     ``rows``: the tensors moved to row slices (``io.hf_rows``) when their turn comes; every rank
-    of their meshes takes part in each move, even after its own writing failed.
+    of their meshes takes part in each move, even after its own writing failed. ``created``: the
+    staged files this rank created (rank 0: every file), fsynced with the ones it wrote into, so
+    that every header is durable even in a file rank 0 writes no data into.
     """
     hashes: _Hashes = {}
     partials: _Partials = {}
@@ -301,6 +304,9 @@ def _write_own(
         while pending:
             collect(pending.popleft())
         if opts.fsync:
+            for fname in created or {}:
+                if fname not in fds:
+                    fds[fname] = _open_staged(staged[fname], rank)
             for fd in fds.values():
                 os.fsync(fd)
     finally:
