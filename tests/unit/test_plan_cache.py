@@ -69,6 +69,13 @@ def test_only_the_last_plans_are_kept() -> None:
     assert plan_cache.gathered_plan(_metas(100), kind="model", path="d") is not first
 
 
+def test_layouts_of_many_slices_are_planned_every_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plan_cache, "_MAX_SLICES", 3)
+    first = plan_cache.gathered_plan(_metas(200), kind="model", path="d")  # 4 slices
+    assert plan_cache.gathered_plan(_metas(200), kind="model", path="d") is not first
+    assert not plan_cache.holds(first)
+
+
 def _opts() -> SaveOptions:
     return SaveOptions(kind="model", shard=True, gather=True, size_per_shard_mb=1.0, layout=LayoutInfo())
 

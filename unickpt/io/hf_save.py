@@ -13,7 +13,7 @@ Face safetensors files, each tensor whole under its own name. No rank gathers a 
    slice is one run; a column-sharded DTensor is first moved to row slices, one tensor at a
    time, ``io.hf_rows``; any other column slice is one run per row), hashing each range it
    wrote (xxh3-64) and each slice's fingerprint partial on a second thread while the next
-   tensor is written, then fsyncs each file it wrote into once;
+   tensor is written, then fsyncs each file it wrote into once (rank 0: every file, headers too);
 4. one exchange both agrees that every write succeeded (else rank 0 removes the files) and
    gathers the hashes; rank 0 builds the block (one whole slice per tensor: its ``xxh3`` when
    one rank wrote it all, else its ``ranges``), rewrites a single file's header with the real

@@ -5,8 +5,10 @@ same ranks, every time. The plan of a gathered save in a directory (the replica 
 ranks' metas, ``planner.plan_save`` with its tiling check, then the files' order and every
 tensor's writer ranges, ``hf_save.order_files``) is a pure function of the all-gathered slice
 metas, the kind and the ranks' order of names, which every rank holds after the listing; so
-each rank keeps the last few plans keyed on exactly those inputs and reuses one when they
-repeat. A plan that failed is never kept (the next save raises the same error again).
+each rank keeps the last few plans keyed on those inputs and reuses one when they repeat. The
+key is the xxh3-128 digest of the metas' text (not the metas: at thousands of ranks they
+would hold hundreds of MB between saves), and layouts of more than ``_MAX_SLICES`` slices are
+not kept. A plan that failed is never kept (the next save raises the same error again).
 
 Cached plans are shared between saves: nothing may modify them (the object-store branch, which
 renames planned files, never uses this cache).
@@ -18,6 +20,8 @@ import collections
 from collections.abc import Callable, Hashable, Sequence
 from typing import TypeVar
 
+import xxhash
+
 from unickpt.io.planner import SavePlan, SliceMeta, plan_save
 from unickpt.io.replicas import check_gathered_metas
 
@@ -25,8 +29,9 @@ __all__ = ["gathered_plan", "cached", "holds"]
 
 T = TypeVar("T")
 
-# A manager saves a model and an optimizer (and their Hugging Face copy) alternately.
-_KEEP = 8
+# A manager saves a model and an optimizer alternately (its Hugging Face copy is the model's save).
+_KEEP = 4
+_MAX_SLICES = 1 << 16  # about 15 MB of plan per kept layout
 _cache: collections.OrderedDict[Hashable, object] = collections.OrderedDict()
 
 
@@ -49,11 +54,12 @@ def holds(value: object) -> bool:
     return any(v is value for v in _cache.values())
 
 
-def metas_key(per_rank: Sequence[Sequence[SliceMeta]]) -> tuple[tuple[SliceMeta, ...], ...]:
-    """Every rank's slice metas as one hashable value (names, dtypes, global shapes, boxes)."""
-    return tuple(
+def metas_key(per_rank: Sequence[Sequence[SliceMeta]]) -> str:
+    """Every rank's slice metas (names, dtypes, global shapes, boxes) as one xxh3-128 digest."""
+    norm = tuple(
         tuple((str(n), str(d), tuple(g), tuple(o), tuple(s)) for n, d, g, o, s in metas) for metas in per_rank
     )
+    return xxhash.xxh3_128_hexdigest(repr(norm).encode())  # repr: canonical (pickle shares objects)
 
 
 def gathered_plan(per_rank: Sequence[Sequence[SliceMeta]], *, kind: str, path: str) -> SavePlan:
@@ -64,4 +70,6 @@ def gathered_plan(per_rank: Sequence[Sequence[SliceMeta]], *, kind: str, path: s
         check_gathered_metas(per_rank, path)
         return plan_save(per_rank, kind=kind, size_per_shard_bytes=None, sliced=True)
 
+    if sum(len(m) for m in per_rank) > _MAX_SLICES:
+        return compute()
     return cached(("gathered_plan", kind, metas_key(per_rank)), compute)

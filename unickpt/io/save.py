@@ -7,7 +7,8 @@ Order of events (every rank calls ``save_tensors`` with its own tensors):
 
 1. every rank lists the blocks it holds; the lists are all-gathered (names and shapes only)
    with the listing's agreement, the aliases, entry extras, save id and names (one exchange);
-2. every rank computes the same plan (``planner.plan_save``);
+2. every rank computes the same plan (``planner.plan_save``; a gathered save in a directory
+   reuses the plan of an earlier save with the same slices, ``io.plan_cache``);
 3. rank 0 prepares the directory and takes the save lock; the previous checkpoint stays
    committed and untouched while this save writes; one agreement covers the plan and the
    preparation (rank 0 prepares only when its plan succeeded);
