@@ -6,7 +6,7 @@ ranks' metas, ``planner.plan_save`` with its tiling check, then the files' order
 tensor's writer ranges, ``hf_save.order_files``) is a pure function of the all-gathered slice
 metas, the kind and the ranks' order of names, which every rank holds after the listing; so
 each rank keeps the last few plans keyed on those inputs and reuses one when they repeat. The
-key is the xxh3-128 digest of the metas' text (not the metas: at thousands of ranks they
+key is the xxh3-128 digest of the pickled metas (not the metas: at thousands of ranks they
 would hold hundreds of MB between saves), and layouts of more than ``_MAX_SLICES`` slices are
 not kept. A plan that failed is never kept (the next save raises the same error again).
 
@@ -17,6 +17,7 @@ renames planned files, never uses this cache).
 from __future__ import annotations
 
 import collections
+import pickle
 from collections.abc import Callable, Hashable, Sequence
 from typing import TypeVar
 
@@ -55,11 +56,10 @@ def holds(value: object) -> bool:
 
 
 def metas_key(per_rank: Sequence[Sequence[SliceMeta]]) -> str:
-    """Every rank's slice metas (names, dtypes, global shapes, boxes) as one xxh3-128 digest."""
-    norm = tuple(
-        tuple((str(n), str(d), tuple(g), tuple(o), tuple(s)) for n, d, g, o, s in metas) for metas in per_rank
-    )
-    return xxhash.xxh3_128_hexdigest(repr(norm).encode())  # repr: canonical (pickle shares objects)
+    """Every rank's slice metas (names, dtypes, global shapes, boxes) as one xxh3-128 digest of
+    their pickle: equal bytes mean equal metas; equal metas pickled with other containers or
+    other object sharing only miss the cache (each save builds its metas the same way)."""
+    return xxhash.xxh3_128_hexdigest(pickle.dumps(per_rank, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def gathered_plan(per_rank: Sequence[Sequence[SliceMeta]], *, kind: str, path: str) -> SavePlan:
