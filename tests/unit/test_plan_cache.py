@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -115,15 +117,15 @@ class _Mesh:
 
 
 def test_local_boxes_are_kept_per_mesh_object(monkeypatch: pytest.MonkeyPatch) -> None:
-    import torch.distributed.tensor._utils as tu
-
     calls: list[Any] = []
 
     def fake(gshape: tuple[int, ...], mesh: Any, placements: Any) -> tuple[list[int], list[int]]:
         calls.append((gshape, mesh, placements))
         return [len(calls), 2], [3 * len(calls), 0]
 
-    monkeypatch.setattr(tu, "compute_local_shape_and_global_offset", fake)
+    # A stand-in module: importing torch's DTensor package takes seconds.
+    stub = types.SimpleNamespace(compute_local_shape_and_global_offset=fake)
+    monkeypatch.setitem(sys.modules, "torch.distributed.tensor._utils", stub)
     monkeypatch.setattr(tensors, "_BOXES", {})
     m1, m2 = _Mesh(), _Mesh()
     assert tensors._local_box((8, 2), m1, ("S0",)) == ((1, 2), (3, 0))
