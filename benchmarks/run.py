@@ -334,11 +334,15 @@ def suite(args: argparse.Namespace) -> dict[str, Any]:
     layouts: dict[str, Any] = {}
     if "dist" in groups or "merge" in groups:
         if "dist" in groups:
-            dist_save(size, args.world, args.reps, f"w{args.world}_", "dist")
+            chosen = tuple(c for c in args.dist_cases.split(",") if c) or tuple(all_cases)
+            unknown_cases = set(chosen) - set(all_cases)
+            if unknown_cases:
+                raise SystemExit(f"unknown dist case(s): {', '.join(sorted(unknown_cases))}")
+            dist_save(size, args.world, args.reps, f"w{args.world}_", "dist", chosen)
         else:  # merge sources only
             dist_save(size, args.world, 1, f"w{args.world}_", "merge-src", ("dcp_hf_save", "unickpt_save"))
         dist_dirs[size] = root / f"dist-{size:g}MB-w{args.world}"
-    if "dist" in groups:
+    if "dist" in groups and not args.dist_cases:
         wd = dist_dirs[size]
         print(f"  [world {args.load_world}: load resharded from {args.world}]", file=sys.stderr, flush=True)
         p = dict(base, reps=args.reps, workdir=str(wd))
@@ -757,6 +761,12 @@ def main() -> None:
     )
     ap.add_argument("--only", default="", help=f"comma-separated groups: {','.join(GROUPS)}")
     ap.add_argument("--skip", default="", help="comma-separated groups to leave out")
+    ap.add_argument(
+        "--dist-cases",
+        default="",
+        help="comma-separated save cases of the dist group (e.g. unickpt_gathered_save,"
+        "dcp_hf_consolidated_save); given, the group runs only these and no resharded load",
+    )
     ap.add_argument("--world", type=int, default=4, help="save world size (FSDP2)")
     ap.add_argument("--load-world", type=int, default=2, help="resharded load world size")
     ap.add_argument("--scaling-worlds", default="1,2,4", help="world sizes of the scaling group")

@@ -13,7 +13,7 @@ Face safetensors files, each tensor whole under its own name. No rank gathers a 
    slice is one run; a column-sharded DTensor is first moved to row slices, one tensor at a
    time, ``io.hf_rows``; any other column slice is one run per row), hashing each range it
    wrote (xxh3-64) and each slice's fingerprint partial on a second thread while the next
-   tensor is written, then fsyncs each file it wrote into once;
+   tensor is written, then fsyncs each file it wrote into once (rank 0: every file, headers too);
 4. one exchange both agrees that every write succeeded (else rank 0 removes the files) and
    gathers the hashes; rank 0 builds the block (one whole slice per tensor: its ``xxh3`` when
    one rank wrote it all, else its ``ranges``), rewrites a single file's header with the real
@@ -56,6 +56,7 @@ from unickpt.format.writer import (
     tensor_entry,
     write_all,
 )
+from unickpt.io import plan_cache
 from unickpt.io._commit import settle
 from unickpt.io.hf_rows import RowMoves
 from unickpt.io.planner import SavePlan
@@ -108,17 +109,27 @@ def order_files(s: GatheredSave) -> tuple[SavePlan, _Ranges, list[tuple[str, str
     """The files' order (the ranks' order of names, rank 0's first, not the order in which slices
     appear: a rank may hold no slice of a tensor it names), set as ``s.plan``; each tensor's writer
     ranges; the (name, dtype, shape) of each tensor in that order."""
-    known = [n for n in s.order if n in s.plan.tensors]
-    listed = set(known)
-    known += [n for n in s.plan.tensors if n not in listed]
-    s.plan = plan = SavePlan(
-        {n: s.plan.tensors[n] for n in known}, s.plan.files, s.plan.slices, s.plan.sliced
-    )
-    ranges = {
-        name: writer_ranges(gshape, dtype, [(ps.offsets, ps.shape, ps.rank) for ps in plan.slices[name]])
-        for name, (dtype, gshape) in plan.tensors.items()
-    }
-    return plan, ranges, [(n, d, tuple(g)) for n, (d, g) in plan.tensors.items()]
+    given = s.plan
+
+    def compute() -> tuple[SavePlan, _Ranges, list[tuple[str, str, tuple[int, ...]]]]:
+        known = [n for n in s.order if n in given.tensors]
+        listed = set(known)
+        known += [n for n in given.tensors if n not in listed]
+        plan = SavePlan({n: given.tensors[n] for n in known}, given.files, given.slices, given.sliced)
+        ranges = {
+            name: writer_ranges(gshape, dtype, [(ps.offsets, ps.shape, ps.rank) for ps in plan.slices[name]])
+            for name, (dtype, gshape) in plan.tensors.items()
+        }
+        return plan, ranges, [(n, d, tuple(g)) for n, (d, g) in plan.tensors.items()]
+
+    # A plan kept for repeated layouts (io/plan_cache.py) keeps its files' order and ranges too:
+    # the entry holds the plan itself, so its id names no other plan while it is kept.
+    if plan_cache.holds(given):
+        out = plan_cache.cached(("hf_files", id(given), tuple(s.order)), lambda: (given, compute()))[1]
+    else:
+        out = compute()
+    s.plan = out[0]
+    return out
 
 
 def stage_gathered(s: GatheredSave, rank: int) -> StagedHF:
@@ -150,7 +161,7 @@ def stage_gathered(s: GatheredSave, rank: int) -> StagedHF:
         staged = {f.name: temp_name(os.path.join(s.directory, f.name), s.save_id) for f in layout.files}
     if rank == 0:
         maybe_fail("save.hf_create")
-        _create_files(layout, staged, s.save_id, placeholders, s.opts.fsync)
+        _create_files(layout, staged, s.save_id, placeholders)
     return StagedHF(ranges, layout, staged, staged if rank == 0 else {}, placeholders, file_name)
 
 
@@ -167,7 +178,7 @@ def save_gathered(s: GatheredSave, st: StagedHF, group: Any, rank: int) -> None:
     hashes: _Hashes = {}
     partials: _Partials = {}
     try:
-        hashes, partials = _write_own(plan, layout, ranges, s.local, staged, rank, opts, s.rows)
+        hashes, partials = _write_own(plan, layout, ranges, s.local, staged, rank, opts, s.rows, own)
     except BaseException as e:
         err = e
     try:  # the agreement carries the hashes: one exchange
@@ -214,9 +225,12 @@ def save_gathered(s: GatheredSave, st: StagedHF, group: Any, rank: int) -> None:
 
 
 def _create_files(
-    layout: HFLayout, staged: dict[str, str], save_id: str, placeholders: UnickptBlock | None, fsync: bool
+    layout: HFLayout, staged: dict[str, str], save_id: str, placeholders: UnickptBlock | None
 ) -> None:
-    """Rank 0: every staged file with its header, sized to its final length (removed on failure)."""
+    """Rank 0: every staged file with its header, sized to its final length (removed on failure).
+
+    Not fsynced here: rank 0 fsyncs every file it created after its writes (``_write_own``),
+    before the writes' agreement, so a header costs no flush of its own."""
     made: list[str] = []
     try:
         for f in layout.files:
@@ -229,9 +243,6 @@ def _create_files(
             with open(path, "wb") as fh:
                 fh.write(f.header(meta))
                 fh.truncate(f.size)
-                if fsync:  # the header is durable even in a file rank 0 writes no data into
-                    fh.flush()
-                    os.fsync(fh.fileno())
     except BaseException:
         discard(made)
         raise
@@ -246,11 +257,14 @@ def _write_own(
     rank: int,
     opts: Any,
     rows: RowMoves | None = None,
+    created: Mapping[str, str] | None = None,
 ) -> tuple[_Hashes, _Partials]:
     """This rank's slices written into place; hashed on a second thread while the next is written.
 
     ``rows``: the tensors moved to row slices (``io.hf_rows``) when their turn comes; every rank
-    of their meshes takes part in each move, even after its own writing failed.
+    of their meshes takes part in each move, even after its own writing failed. ``created``: the
+    staged files this rank created (rank 0: every file), fsynced with the ones it wrote into, so
+    that every header is durable even in a file rank 0 writes no data into.
     """
     hashes: _Hashes = {}
     partials: _Partials = {}
@@ -290,6 +304,9 @@ def _write_own(
         while pending:
             collect(pending.popleft())
         if opts.fsync:
+            for fname in created or {}:
+                if fname not in fds:
+                    fds[fname] = _open_staged(staged[fname], rank)
             for fd in fds.values():
                 os.fsync(fd)
     finally:

@@ -73,13 +73,16 @@ def check_replicas(
     if mode == "off" or _dist.world_size(group) == 1:
         return
 
-    def digest() -> dict[SliceKey, str]:
+    err: BaseException | None = None
+    mine: dict[SliceKey, str] = {}
+    try:
         maybe_fail("replicas.digest")
-        return _digests(slices)
-
-    mine = _dist.agreed(digest, f"digesting the replicated tensors of {what}", group)
+        mine = _digests(slices)
+    except BaseException as e:
+        err = e
+    # One exchange: the agreement on the digesting carries the digests.
+    everyone = _dist.agree_gather(err, mine, f"digesting the replicated tensors of {what}", group)
     holders: dict[SliceKey, dict[str, list[int]]] = {}
-    everyone = _dist.all_gather_object(mine, group)
     for r, ds in enumerate(everyone):
         for key, d in ds.items():
             holders.setdefault(key, {}).setdefault(d, []).append(r)

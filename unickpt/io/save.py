@@ -7,7 +7,8 @@ Order of events (every rank calls ``save_tensors`` with its own tensors):
 
 1. every rank lists the blocks it holds; the lists are all-gathered (names and shapes only)
    with the listing's agreement, the aliases, entry extras, save id and names (one exchange);
-2. every rank computes the same plan (``planner.plan_save``);
+2. every rank computes the same plan (``planner.plan_save``; a gathered save in a directory
+   reuses the plan of an earlier save with the same slices, ``io.plan_cache``);
 3. rank 0 prepares the directory and takes the save lock; the previous checkpoint stays
    committed and untouched while this save writes; one agreement covers the plan and the
    preparation (rank 0 prepares only when its plan succeeded);
@@ -64,6 +65,7 @@ from unickpt.io.funnel_save import feed_funnel, write_funnelled, write_funnelled
 from unickpt.io.hf_rows import RowMoves
 from unickpt.io.hf_save import GatheredSave, StagedHF, save_gathered, stage_gathered
 from unickpt.io.parts_save import save_gathered_parts
+from unickpt.io.plan_cache import gathered_plan
 from unickpt.io.planner import SavePlan, SliceMeta, plan_save
 from unickpt.io.replicas import check_gathered_metas
 from unickpt.io.save_block import Results as _Results
@@ -175,11 +177,14 @@ def save_tensors(
     plan: SavePlan | None = None
     try:
         maybe_fail("save.plan")
-        if opts.gather:
+        if opts.gather and store is None:  # the plan of the last save of this layout, when it repeats
+            plan = gathered_plan(all_metas, kind=opts.kind, path=path)
+        elif funnel:
             check_gathered_metas(all_metas, path)
-        if funnel:
             plan = plan_save(per_rank, kind=opts.kind, size_per_shard_bytes=size, sliced=False)
         else:  # a gathered save uses the plan for its writers only: hf_save plans its files
+            if opts.gather:
+                check_gathered_metas(all_metas, path)
             plan = plan_save(
                 per_rank, kind=opts.kind, size_per_shard_bytes=None if opts.gather else size, sliced=True
             )

@@ -124,7 +124,6 @@ def local_slices(name: str, t: torch.Tensor) -> list[LocalSlice]:
         shape = global_shape(t)
         return [LocalSlice(name, dtype, shape, (0,) * len(shape), shape, t)]
     from torch.distributed.tensor import Partial
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if any(isinstance(p, Partial) for p in t.placements):  # type: ignore[attr-defined]
         raise UnsupportedError(
@@ -132,7 +131,7 @@ def local_slices(name: str, t: torch.Tensor) -> list[LocalSlice]:
         )
     local = t.to_local()  # type: ignore[attr-defined]
     gshape = global_shape(t)
-    lshape, offset = compute_local_shape_and_global_offset(gshape, t.device_mesh, t.placements)  # type: ignore[attr-defined]
+    lshape, offset = _local_box(gshape, t.device_mesh, t.placements)  # type: ignore[attr-defined]
     if tuple(local.shape) != tuple(lshape):
         raise UnsupportedError(
             f"tensor {name!r}: local shard shape {tuple(local.shape)} does not match the computed "
@@ -140,6 +139,33 @@ def local_slices(name: str, t: torch.Tensor) -> list[LocalSlice]:
         )
     if math.prod(lshape) == 0:
         return []
-    return [
-        LocalSlice(name, dtype, gshape, tuple(int(o) for o in offset), tuple(int(s) for s in lshape), local)
-    ]
+    return [LocalSlice(name, dtype, gshape, offset, lshape, local)]
+
+
+# (global shape, placements, id(mesh)) -> (mesh, local shape, offsets) of this rank: a training
+# run saves the same DTensors every time, and torch's computation costs ~0.1 ms per tensor. An
+# entry holds its mesh, so the id names no other mesh while the entry is kept.
+_BOXES: dict[tuple[Any, ...], tuple[Any, tuple[int, ...], tuple[int, ...]]] = {}
+_BOXES_KEPT = 1 << 14
+
+
+def _local_box(
+    gshape: tuple[int, ...], mesh: Any, placements: Any
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This rank's box of a DTensor (``compute_local_shape_and_global_offset``), kept per layout."""
+    key: tuple[Any, ...] | None = (gshape, tuple(placements), id(mesh))
+    try:
+        hit = _BOXES.get(key)  # type: ignore[arg-type]
+    except TypeError:  # a placement that cannot be hashed: computed every time
+        hit = key = None
+    if hit is not None and hit[0] is mesh:
+        return hit[1], hit[2]
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    lshape, offset = compute_local_shape_and_global_offset(gshape, mesh, placements)
+    box = (tuple(int(s) for s in lshape), tuple(int(o) for o in offset))
+    if key is not None:
+        if len(_BOXES) >= _BOXES_KEPT:
+            _BOXES.clear()
+        _BOXES[key] = (mesh, *box)
+    return box
