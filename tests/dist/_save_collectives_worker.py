@@ -89,6 +89,17 @@ def case_save_collectives(d: Path) -> dict[str, Any]:
     dist.barrier()
     obs["sliced"]["exact"] = _exact(d / "sliced")
     obs["gathered"]["exact"] = _exact(d / "gathered")
+    # The object exchange itself: small objects in one round, a long pickle on one rank in two.
+    from unickpt import _dist
+
+    for what, size in (("small", 100), ("long", 300_000)):
+        mine = {"rank": r, "data": bytes([r + 1]) * (size if r == 1 else 10)}
+        with counting() as calls:
+            got = _dist.all_gather_object(mine, None)
+        obs[f"exchange_{what}"] = {
+            "calls": dict(calls),
+            "exact": got == [{"rank": q, "data": bytes([q + 1]) * (size if q == 1 else 10)} for q in range(2)],
+        }
     return obs
 
 

@@ -281,13 +281,16 @@ def test_agree_gather_is_an_agreement_and_a_gather(obs: dict[str, list[dict[str,
 
 def test_save_makes_few_collectives_and_no_barrier(obs: dict[str, list[dict[str, Any]]]) -> None:
     """A sliced save in a directory: 6 object collectives (listing, plan + preparation, writing,
-    the commit's 3); a gathered save: 4. No barrier: the last agreement follows the commit and
-    the lock's release, so no rank sees the lock file once its save returned."""
+    the commit's 3); a gathered save: 4; each one gloo all_gather (size and pickle in one round,
+    ``_dist.all_gather_object``), a long pickle two. No barrier: the last agreement follows the
+    commit and the lock's release, so no rank sees the lock file once its save returned."""
     both = case(obs, "save_collectives")
     for r, o in enumerate(both):
-        assert o["sliced"]["calls"] == {"all_gather_object": 6}, (r, o["sliced"])
-        assert o["sliced_again"]["calls"] == {"all_gather_object": 6}, (r, o["sliced_again"])
-        assert o["gathered"]["calls"] == {"all_gather_object": 4}, (r, o["gathered"])
+        assert o["sliced"]["calls"] == {"all_gather": 6}, (r, o["sliced"])
+        assert o["sliced_again"]["calls"] == {"all_gather": 6}, (r, o["sliced_again"])
+        assert o["gathered"]["calls"] == {"all_gather": 4}, (r, o["gathered"])
+        assert o["exchange_small"] == {"calls": {"all_gather": 1}, "exact": True}, (r, o)
+        assert o["exchange_long"] == {"calls": {"all_gather": 2}, "exact": True}, (r, o)
         for what in ("sliced", "sliced_again", "gathered"):
             assert o[what]["lock_left"] is False, (r, what)
         assert o["sliced"]["exact"] and o["gathered"]["exact"], (r, o)
