@@ -68,6 +68,36 @@ def test_a_stale_lock_is_taken_over(s3, monkeypatch, caplog) -> None:
     assert LOCK_NAME not in store.listdir(root)
 
 
+def test_two_saves_taking_over_one_stale_lock_cannot_both_hold_it(s3, monkeypatch) -> None:
+    """Saves A and B both judge the same lock stale (B's look comes before A's takeover): A
+    replaces it on the version it saw (If-Match its ETag); B's replacement on that same version
+    is refused by the store, so B finds A's fresh lock and raises. (With a delete then an
+    exclusive PUT, B's delete would remove A's lock and both would proceed.)"""
+    from unickpt.format import store_lock as sl
+
+    store, root = open_storage(f"s3://{s3.bucket}/stale", s3.storage_options())
+    path = store.join(root, LOCK_NAME)
+    store.put(path, b'{"save_id": "dead"}')  # a killed save's lock
+    monkeypatch.setenv("UNICKPT_STORE_LOCK_STALE", "0")
+    seen = sl._holder(store, path)  # what B saw before A moved
+    assert seen[2] is not None and seen[1] is not None
+    assert sl._acquire(store, path, b'{"save_id": "A"}') is True  # A took it over
+    real = sl._holder
+    calls = {"n": 0}
+
+    def stale_view(storage: Any, p: str) -> Any:
+        calls["n"] += 1
+        return seen if calls["n"] == 1 else real(storage, p)
+
+    monkeypatch.setattr(sl, "_holder", stale_view)
+    with pytest.raises(CheckpointBusyError, match="save A"):
+        sl._acquire(store, path, b'{"save_id": "B"}')
+    assert json.loads(store.read_bytes(path))["save_id"] == "A"
+    # The store's answer itself: a replacement on a version that is gone is refused.
+    assert store.replace_if(path, b"x", seen[2]) is False
+    assert store.replace_if(path + "-none", b"x", seen[2]) is False
+
+
 _RACER = textwrap.dedent(
     """
     import json, sys, time

@@ -43,6 +43,7 @@ __all__ = [
     "committed_on_store",
     "committed_in",
     "needs_cleanup",
+    "info_time",
     "listing_times",
     "referenced_files",
     "commit_store_index",
@@ -151,10 +152,11 @@ def object_time(storage: Storage, path: str) -> float | None:
         info: dict[str, Any] = storage.fs.info(path)
     except (FileNotFoundError, OSError):
         return None
-    return _info_time(info)
+    return info_time(info)
 
 
-def _info_time(info: dict[str, Any]) -> float | None:
+def info_time(info: dict[str, Any]) -> float | None:
+    """Seconds since the epoch of an object's last modification in a listing or ``info`` entry."""
     for k in ("LastModified", "last_modified", "mtime", "updated", "created"):
         v = info.get(k)
         if isinstance(v, datetime):
@@ -172,7 +174,7 @@ def _info_time(info: dict[str, Any]) -> float | None:
 def listing_times(storage: FsspecStorage, directory: str) -> dict[str, float | None]:
     """Name -> last modification of every object directly in ``directory`` (sub-prefixes left
     out): one LIST request (per 1000 objects on S3)."""
-    return {n: _info_time(info) for n, info in _listing(storage, directory).items()}
+    return {n: info_time(info) for n, info in _listing(storage, directory).items()}
 
 
 def _s3_listing(storage: FsspecStorage, directory: str) -> dict[str, dict[str, Any]]:

@@ -13,9 +13,12 @@ heartbeat from a daemon thread). A lock the store says was last written more tha
 threshold ago (``UNICKPT_STORE_LOCK_STALE`` seconds, default 120) belongs to a killed
 save: the next save removes it (with a warning naming it) and takes its place. The age is the
 store's ``LastModified`` against this machine's clock, so clocks skewed by more than that
-threshold misjudge it; removing a stale lock is a delete then an exclusive PUT, so two saves
-taking over the same stale lock at the same instant can both proceed (rare; raise the threshold
-rather than lower it). Deleting the lock object by hand releases it.
+threshold misjudge it. On S3 a stale lock is replaced with one PUT conditional on the version
+judged stale (``If-Match`` its ETag): of two saves taking it over at the same instant one gets
+it, the other finds a fresh lock and raises ``CheckpointBusyError``. Stores without conditional
+overwrites delete it, then take it with the exclusive PUT (two saves racing there can both
+proceed; rare: raise the threshold rather than lower it). Deleting the lock object by hand
+releases it.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from collections.abc import Iterator
 
 from unickpt._logging import get_logger
 from unickpt.errors import CheckpointBusyError
-from unickpt.format.commit_store import listing_times, object_time
+from unickpt.format.commit_store import info_time, listing_times, object_time
 from unickpt.format.storage import FsspecStorage, Storage
 
 __all__ = ["LOCK_NAME", "Listed", "store_lock", "stale_after"]
@@ -58,15 +61,28 @@ def _body(save_id: str) -> bytes:
     ).encode()
 
 
-def _holder(storage: Storage, path: str) -> tuple[str, float | None]:
-    """(who holds the lock, seconds since it was last written), as far as the store says."""
+def _holder(storage: Storage, path: str) -> tuple[str, float | None, str | None]:
+    """(who holds the lock, seconds since it was last written, the version seen: its ETag where
+    the store gives one), as far as the store says."""
     try:
         info = json.loads(storage.read_bytes(path, limit=1 << 16))
         who = f"save {info.get('save_id')} on {info.get('host')} (pid {info.get('pid')})"
     except (OSError, ValueError, AttributeError):
         who = "an unknown save"
-    t = object_time(storage, path)
-    return who, (None if t is None else time.time() - t)
+    t, etag = _version(storage, path)
+    return who, (None if t is None else time.time() - t), etag
+
+
+def _version(storage: Storage, path: str) -> tuple[float | None, str | None]:
+    """The lock object's last modification and ETag, from one look at it."""
+    if not isinstance(storage, FsspecStorage):
+        return object_time(storage, path), None
+    try:
+        info = storage.fs.info(path, refresh=True)
+    except (FileNotFoundError, OSError):
+        return None, None
+    etag = info.get("ETag") or info.get("etag")
+    return info_time(info), (str(etag) if etag else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +107,7 @@ def _acquire(storage: Storage, path: str, body: bytes) -> bool:
             took = storage.put(path, body, exclusive=True)
         if took:
             return attempt == 1
-        who, age = _holder(storage, path)
+        who, age, etag = _holder(storage, path)
         if attempt == 0 and age is not None and age > limit:
             logger.warning(
                 "%s: removing the stale lock of %s (last written %.0f s ago, more than %.0f s)",
@@ -100,7 +116,13 @@ def _acquire(storage: Storage, path: str, body: bytes) -> bool:
                 age,
                 limit,
             )
-            _delete(storage, path)
+            # Replaced only while still the version judged stale (If-Match on S3): of two saves
+            # taking over the same stale lock at once, one gets it and the other finds it fresh.
+            replaced = storage.replace_if(path, body, etag) if etag else None
+            if replaced:
+                return True
+            if replaced is None:  # a store without conditional overwrites: delete, then exclusive
+                _delete(storage, path)
             continue
         shown = "" if age is None else f", last written {age:.0f} s ago"
         raise CheckpointBusyError(
