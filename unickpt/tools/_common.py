@@ -21,7 +21,6 @@ __all__ = [
     "OutputExistsError",
     "check_output",
     "staged_output",
-    "copy_small_file",
     "write_durably",
     "write_all",
 ]
@@ -132,12 +131,6 @@ def staged_output(out: str) -> Iterator[str]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def copy_small_file(src: str, dst: str) -> None:
-    """Copy a small side file (config.json ...) durably."""
-    with open(src, "rb") as f:
-        write_durably(dst, f.read())
 
 
 def write_durably(dst: str, data: bytes) -> None:

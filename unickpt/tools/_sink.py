@@ -18,7 +18,7 @@ from typing import Any
 
 from unickpt.tools._store_out import StoreOutput, store_output
 
-__all__ = ["Sink", "output_sink", "put_bytes", "sink_name"]
+__all__ = ["Sink", "output_sink", "put_bytes"]
 
 Sink = str | StoreOutput
 
@@ -45,8 +45,3 @@ def put_bytes(sink: Sink, name: str, data: bytes) -> None:
     from unickpt.tools._common import write_durably
 
     write_durably(os.path.join(sink, name), data)
-
-
-def sink_name(sink: Sink) -> str:
-    """The sink's location, for messages."""
-    return sink.url if isinstance(sink, StoreOutput) else sink

@@ -25,15 +25,15 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from unickpt import __version__
 from unickpt._logging import get_logger
-from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, UnsupportedError
+from unickpt.errors import CheckpointFormatError, UnsupportedError
 from unickpt.format.dcp_hf import dcp_hf_files
 from unickpt.format.index import LayoutInfo
 from unickpt.format.storage import is_url
@@ -41,7 +41,7 @@ from unickpt.tools._common import check_output, staged_output
 from unickpt.tools._sink import Sink, output_sink, put_bytes
 from unickpt.tools._store_out import StoreOutput
 from unickpt.tools._write import SliceData, TensorData, write_checkpoint
-from unickpt.tools.convert_src import StoreSource, bin_index_names
+from unickpt.tools.convert_src import StoreSource, bin_shard_names, latest_step
 
 __all__ = ["convert_checkpoint"]
 
@@ -49,7 +49,6 @@ logger = get_logger(__name__)
 # Tensors are read from DCP in batches of about this many bytes (one dcp.load call each).
 _BATCH_BYTES = 256 << 20
 _SIDE_FILES = ("config.json", "generation_config.json")
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 def _parse_size(size: int | str) -> int:
@@ -123,18 +122,15 @@ def _getter(lazy: _LazyTensors, name: str) -> Callable[[], np.ndarray]:
 def _bin_files(src: str) -> list[str]:
     if os.path.isfile(src):
         return [src]
-    idx = os.path.join(src, "pytorch_model.bin.index.json")
-    if os.path.isfile(idx):
-        with open(idx, "rb") as f:
-            files = [os.path.join(src, fn) for fn in bin_index_names(f.read(), idx)]
-        for path in files:
-            if not os.path.isfile(path):
-                raise IncompleteCheckpointError(f"{idx}: names {os.path.basename(path)!r}, which is missing")
-        return files
-    single = os.path.join(src, "pytorch_model.bin")
-    if os.path.isfile(single):
-        return [single]
-    raise IncompleteCheckpointError(f"{src} holds neither pytorch_model.bin nor pytorch_model.bin.index.json")
+
+    def read(name: str) -> bytes:
+        with open(os.path.join(src, name), "rb") as f:
+            return f.read()
+
+    names = bin_shard_names(
+        src, lambda n: os.path.isfile(os.path.join(src, n)), read, partial(os.path.join, src)
+    )
+    return [os.path.join(src, n) for n in names]
 
 
 def _bin_tensors(src: str, strip_prefix: str | None) -> Iterator[tuple[str, Any]]:
@@ -176,15 +172,11 @@ def _dcp_source(src: str) -> str:
     """``src`` itself, or for a torchtitan checkpoint folder (``step-<N>/`` DCP directories) its latest step."""
     if os.path.isfile(os.path.join(src, ".metadata")) or not os.path.isdir(src):
         return src
-    steps = []
-    for n in os.listdir(src):
-        m = _STEP_DIR.match(n)
-        if m and os.path.isfile(os.path.join(src, n, ".metadata")):
-            steps.append((int(m.group(1)), n))
-    if not steps:
+    step = latest_step(os.listdir(src), lambda n: os.path.isfile(os.path.join(src, n, ".metadata")))
+    if step is None:
         return src
-    chosen = os.path.join(src, max(steps)[1])
-    logger.info("%s holds %d step directories; converting the latest, %s", src, len(steps), chosen)
+    chosen = os.path.join(src, step)
+    logger.info("%s holds step directories; converting the latest, %s", src, chosen)
     return chosen
 
 

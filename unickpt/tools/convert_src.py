@@ -15,7 +15,7 @@ import os
 import posixpath
 import re
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -24,9 +24,36 @@ from unickpt.format._json import strict_loads
 from unickpt.format.dcp_hf import SHARD_FILE
 from unickpt.format.storage import FsspecStorage, Storage, open_storage
 
-__all__ = ["StoreSource", "bin_index_names"]
+__all__ = ["StoreSource", "bin_shard_names", "latest_step"]
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+STEP_DIR = re.compile(r"^step-(\d+)$")
+BIN_INDEX = "pytorch_model.bin.index.json"
+BIN_SINGLE = "pytorch_model.bin"
+
+
+def latest_step(names: Iterable[str], has_metadata: Callable[[str], bool]) -> str | None:
+    """The newest ``step-<N>`` among a torchtitan checkpoint folder's entries ``names`` that holds
+    a DCP checkpoint (``has_metadata``, asked newest first), or None."""
+    steps = sorted(((int(m.group(1)), n) for n in names if (m := STEP_DIR.match(n))), reverse=True)
+    return next((n for _, n in steps if has_metadata(n)), None)
+
+
+def bin_shard_names(
+    where: str, exists: Callable[[str], bool], read: Callable[[str], bytes], label: Callable[[str], str]
+) -> list[str]:
+    """The ``.bin`` shard file names of the directory ``where``: those its
+    ``pytorch_model.bin.index.json`` names (each checked with ``exists``), or ``pytorch_model.bin``.
+    ``read`` gives a file's bytes, ``label`` its path for messages."""
+    if exists(BIN_INDEX):
+        idx = label(BIN_INDEX)
+        files = bin_index_names(read(BIN_INDEX), idx)
+        for fn in files:
+            if not exists(fn):
+                raise IncompleteCheckpointError(f"{idx}: names {fn!r}, which is missing")
+        return files
+    if exists(BIN_SINGLE):
+        return [BIN_SINGLE]
+    raise IncompleteCheckpointError(f"{where} holds neither {BIN_SINGLE} nor {BIN_INDEX}")
 
 
 def bin_index_names(raw: bytes, idx: str) -> list[str]:
@@ -77,12 +104,8 @@ class StoreSource:
         """This source, or for a torchtitan folder of ``step-<N>/`` its latest step."""
         if ".metadata" in self.names():
             return self
-        steps = [(int(m.group(1)), n) for n in self.names() if (m := _STEP_DIR.match(n))]
-        for _, n in sorted(steps, reverse=True):
-            step = StoreSource(self.url_of(n))
-            if ".metadata" in step.names():
-                return step
-        return self
+        step = latest_step(self.names(), lambda n: ".metadata" in StoreSource(self.url_of(n)).names())
+        return self if step is None else StoreSource(self.url_of(step))
 
     def dcp_hf_files(self) -> list[str]:
         """The per-rank files of a distributed Hugging Face DCP save, or []."""
@@ -103,19 +126,13 @@ class StoreSource:
         """The storage paths of the ``.bin`` shards, checked as the local reader checks them."""
         if self.fs.isfile(self.root):
             return [self.root]
-        idx_name = "pytorch_model.bin.index.json"
-        idx = self.url_of(idx_name)
-        if idx_name in self.names():
-            files = bin_index_names(self.storage.read_bytes(self.storage.join(self.root, idx_name)), idx)
-            for fn in files:
-                if fn not in self.names():
-                    raise IncompleteCheckpointError(f"{idx}: names {fn!r}, which is missing")
-            return [self.storage.join(self.root, fn) for fn in files]
-        if "pytorch_model.bin" in self.names():
-            return [self.storage.join(self.root, "pytorch_model.bin")]
-        raise IncompleteCheckpointError(
-            f"{self.url} holds neither pytorch_model.bin nor pytorch_model.bin.index.json"
+        names = bin_shard_names(
+            self.url,
+            self.names().__contains__,
+            lambda n: self.storage.read_bytes(self.storage.join(self.root, n)),
+            self.url_of,
         )
+        return [self.storage.join(self.root, fn) for fn in names]
 
     def open(self, path: str) -> Any:
         """A binary file object on the store (seekable; ranged reads)."""
