@@ -20,6 +20,7 @@ Imported lazily (needs torch).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
@@ -85,10 +86,13 @@ def read_metadata(src: str) -> Metadata:
     allowlist above."""
     if is_url(src):
         storage, root = open_storage(src)
-        path = storage.join(root, _METADATA)
-        if not storage.exists(path):
-            raise IncompleteCheckpointError(f"{src} is not a DCP checkpoint: it has no .metadata object")
-        return _unpickle(io.BytesIO(storage.read_bytes(path)), f"{src.rstrip('/')}/{_METADATA}")
+        try:  # one request: a missing object is the store's answer to the read
+            raw = storage.read_bytes(storage.join(root, _METADATA))
+        except IncompleteCheckpointError:
+            raise IncompleteCheckpointError(
+                f"{src} is not a DCP checkpoint: it has no .metadata object"
+            ) from None
+        return _unpickle(io.BytesIO(raw), f"{src.rstrip('/')}/{_METADATA}")
     path = os.path.join(src, _METADATA)
     if not os.path.isfile(path):
         raise IncompleteCheckpointError(f"{src} is not a DCP checkpoint: it has no .metadata file")
@@ -111,16 +115,22 @@ def _unpickle(f: Any, path: str) -> Metadata:
 
 
 class _SafeMetadata:
-    """torch's reader, with the metadata read through :func:`read_metadata`."""
+    """torch's reader, with the metadata read through :func:`read_metadata`, or the ``known``
+    metadata of the checkpoint when the caller has it already (no second read per load)."""
 
     path: Any
     load_id: Any
+    known: Metadata | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        md = read_metadata(os.fspath(self.path))
         from torch.distributed.checkpoint.metadata import StorageMeta
 
-        storage_meta = getattr(md, "storage_meta", None) or StorageMeta()
+        if self.known is None:
+            md = read_metadata(os.fspath(self.path))
+            storage_meta = getattr(md, "storage_meta", None) or StorageMeta()
+        else:  # a copy: each load stamps its own load id, the caller's metadata stays as it was
+            md = dataclasses.replace(self.known)
+            storage_meta = dataclasses.replace(md.storage_meta) if md.storage_meta else StorageMeta()
         storage_meta.load_id = self.load_id
         md.storage_meta = storage_meta
         return md
@@ -160,8 +170,10 @@ class _SafeFsspecReader(_SafeMetadata, FsspecReader):
         self.fs = cast(Any, ranged)  # torch declares the attribute as its local FileSystem
 
 
-def _reader(src: str) -> FileSystemReader:
-    return _SafeFsspecReader(src) if is_url(src) else _SafeReader(src)
+def _reader(src: str, md: Metadata) -> FileSystemReader:
+    reader = _SafeFsspecReader(src) if is_url(src) else _SafeReader(src)
+    reader.known = md
+    return reader
 
 
 class _SafePlanner(DefaultLoadPlanner):
@@ -209,7 +221,7 @@ def load_entries(src: str, keys: list[str], md: Metadata) -> dict[str, Any]:
         try:
             _load_state_dict(
                 sd,
-                storage_reader=_reader(src),
+                storage_reader=_reader(src, md),
                 planner=_SafePlanner(
                     flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True
                 ),
