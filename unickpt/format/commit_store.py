@@ -43,7 +43,6 @@ __all__ = [
     "committed_on_store",
     "committed_in",
     "needs_cleanup",
-    "info_time",
     "listing_times",
     "referenced_files",
     "commit_store_index",
@@ -52,6 +51,7 @@ __all__ = [
     "clean_store_leftovers",
     "abort_dead_uploads",
     "object_time",
+    "object_version",
     "read_small_file",
     "write_small_file",
     "checkpoint_directory",
@@ -143,19 +143,26 @@ def remove_superseded(storage: Storage, directory: str, kind: str, keep: set[str
 
 def object_time(storage: Storage, path: str) -> float | None:
     """Seconds since the epoch of an object's last modification, where the store says it."""
+    return object_version(storage, path)[0]
+
+
+def object_version(storage: Storage, path: str, *, fresh: bool = False) -> tuple[float | None, str | None]:
+    """An object's last modification (as :func:`object_time`) and ETag (None where the store
+    gives none), from one look at it; ``fresh`` asks the store, not fsspec's listing cache."""
     if not isinstance(storage, FsspecStorage):
         try:
-            return os.stat(path).st_mtime
+            return os.stat(path).st_mtime, None
         except OSError:
-            return None
+            return None, None
     try:
-        info: dict[str, Any] = storage.fs.info(path)
+        info: dict[str, Any] = storage.fs.info(path, refresh=True) if fresh else storage.fs.info(path)
     except (FileNotFoundError, OSError):
-        return None
-    return info_time(info)
+        return None, None
+    etag = info.get("ETag") or info.get("etag")
+    return _info_time(info), (str(etag) if etag else None)
 
 
-def info_time(info: dict[str, Any]) -> float | None:
+def _info_time(info: dict[str, Any]) -> float | None:
     """Seconds since the epoch of an object's last modification in a listing or ``info`` entry."""
     for k in ("LastModified", "last_modified", "mtime", "updated", "created"):
         v = info.get(k)
@@ -174,7 +181,7 @@ def info_time(info: dict[str, Any]) -> float | None:
 def listing_times(storage: FsspecStorage, directory: str) -> dict[str, float | None]:
     """Name -> last modification of every object directly in ``directory`` (sub-prefixes left
     out): one LIST request (per 1000 objects on S3)."""
-    return {n: info_time(info) for n, info in _listing(storage, directory).items()}
+    return {n: _info_time(info) for n, info in _listing(storage, directory).items()}
 
 
 def _s3_listing(storage: FsspecStorage, directory: str) -> dict[str, dict[str, Any]]:

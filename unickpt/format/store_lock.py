@@ -35,7 +35,7 @@ from collections.abc import Iterator
 
 from unickpt._logging import get_logger
 from unickpt.errors import CheckpointBusyError
-from unickpt.format.commit_store import info_time, listing_times, object_time
+from unickpt.format.commit_store import listing_times, object_version
 from unickpt.format.storage import FsspecStorage, Storage
 
 __all__ = ["LOCK_NAME", "Listed", "store_lock", "stale_after"]
@@ -69,20 +69,8 @@ def _holder(storage: Storage, path: str) -> tuple[str, float | None, str | None]
         who = f"save {info.get('save_id')} on {info.get('host')} (pid {info.get('pid')})"
     except (OSError, ValueError, AttributeError):
         who = "an unknown save"
-    t, etag = _version(storage, path)
+    t, etag = object_version(storage, path, fresh=True)
     return who, (None if t is None else time.time() - t), etag
-
-
-def _version(storage: Storage, path: str) -> tuple[float | None, str | None]:
-    """The lock object's last modification and ETag, from one look at it."""
-    if not isinstance(storage, FsspecStorage):
-        return object_time(storage, path), None
-    try:
-        info = storage.fs.info(path, refresh=True)
-    except (FileNotFoundError, OSError):
-        return None, None
-    etag = info.get("ETag") or info.get("etag")
-    return info_time(info), (str(etag) if etag else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +85,7 @@ class Listed:
 
 
 def _acquire(storage: Storage, path: str, body: bytes) -> bool:
-    """Take the lock; True when a stale lock was removed first."""
+    """Take the lock; True when a stale lock was taken over (replaced, or removed first)."""
     limit = stale_after()
     for attempt in (0, 1):
         try:
