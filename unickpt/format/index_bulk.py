@@ -130,7 +130,8 @@ def bulk_slices(
     try:
         file_list = list(map(_get_file, sl))
         files = set(file_list)
-        keys = "".join(map(_get_key, sl))  # TypeError unless every key is a str
+        key_list = list(map(_get_key, sl))
+        keys = "".join(key_list)  # TypeError unless every key is a str
     except TypeError:
         return None
     if set(map(type, files)) != _STR:
@@ -175,7 +176,7 @@ def bulk_slices(
             np.array(flat_n if nd else [], dtype=np.int64).reshape(n, nd),
             file_ids,
             sorted(ids, key=ids.__getitem__),
-            list(map(_get_key, sl)),
+            key_list,
             stored,
         )
         return LazySlices(table), pairs, keys.count(":"), files
