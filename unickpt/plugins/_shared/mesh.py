@@ -21,31 +21,115 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from unickpt._logging import get_logger
 from unickpt.errors import DistributedError
 
-__all__ = ["build_mesh", "default_backend", "device_type", "ensure_process_group", "local_device"]
+__all__ = [
+    "build_mesh",
+    "default_backend",
+    "device_type",
+    "device_type_for",
+    "ensure_process_group",
+    "local_device",
+    "local_index_for",
+]
 
 logger = get_logger(__name__)
 
 # The variables torchrun (and tests/dist/harness.py) set for every rank.
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# Where launchers other than torchrun put a rank's index on its node (torchrun, Slurm's srun,
+# Open MPI's and MPICH's mpirun), in that order of precedence.
+_LOCAL_RANK_VARS = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
 
 
-def default_backend() -> str:
-    """``nccl`` when CUDA is usable, otherwise ``gloo`` (CPU)."""
-    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+def _accelerator_type() -> str | None:
+    """The type of the accelerator torch would use (``cuda``, ``xpu``...), or ``None``."""
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and acc.is_available():
+        dev = acc.current_accelerator()
+        return None if dev is None else dev.type
+    return "cuda" if torch.cuda.is_available() else None
+
+
+def device_type_for(backend_config: str, accelerator: str | None) -> str:
+    """The device a process group's tensors live on, from its backend map (a pure rule).
+
+    ``backend_config`` is what ``dist.get_backend_config()`` says (``"cpu:gloo,cuda:nccl"``,
+    ``"cuda:nccl"``, ``"cpu:gloo"``), or a bare backend name as passed to
+    ``init_process_group`` (``"nccl"``, ``"gloo"``). The accelerator is used when the group
+    maps it to a backend of its own (NCCL, XCCL...): a group whose only backend for it is gloo
+    (``init_process_group("gloo")`` maps every device to gloo) trains on CPU.
+    """
+    if accelerator is None:
+        return "cpu"
+    mapping: dict[str, str] = {}
+    for part in backend_config.replace(" ", "").lower().split(","):
+        if not part:
+            continue
+        dev, sep, name = part.partition(":")
+        if sep:
+            mapping[dev] = name
+        elif part not in ("undefined", "gloo"):
+            mapping[accelerator] = part  # a bare accelerator backend: "nccl"
+    backend = mapping.get(accelerator)
+    return accelerator if backend is not None and backend != "gloo" else "cpu"
+
+
+def local_index_for(env: dict[str, str], rank: int, device_count: int) -> int:
+    """This rank's device index on its node when nobody chose one (a pure rule).
+
+    The launcher's local rank (torchrun, srun, mpirun) wins; without one, ranks are taken to
+    fill nodes in order, as torch's ``DeviceMesh`` does (``rank % device_count``).
+    """
+    for var in _LOCAL_RANK_VARS:
+        raw = env.get(var, "")
+        if raw.strip().isdigit():
+            return int(raw)
+    return rank % max(device_count, 1)
+
+
+def default_backend() -> str | None:
+    """The backend a new world is created with: torch's own default (``None``: gloo for CPU
+    tensors and the accelerator's backend for its tensors, in one group) when an accelerator
+    with a distributed backend is present, plain ``gloo`` otherwise."""
+    acc = _accelerator_type()
+    if acc == "cuda" and dist.is_nccl_available():
+        return None
+    return "gloo" if acc is None or acc == "cuda" else None
 
 
 def device_type() -> str:
-    """The device type meshes and models live on: ``cuda`` under nccl, else ``cpu``."""
+    """The device type meshes and models live on: the accelerator when the default process
+    group has a backend for it (NCCL or the like), else ``cpu``."""
     if dist.is_initialized():
-        return "cuda" if dist.get_backend() == "nccl" else "cpu"
-    return "cuda" if default_backend() == "nccl" else "cpu"
+        return device_type_for(str(dist.get_backend_config()), _accelerator_type())
+    return _planned_type(default_backend())
+
+
+def _planned_type(backend: str | None) -> str:
+    """The device type of a world about to be created with ``backend`` (``None``: torch's
+    default, which gives the accelerator its own backend)."""
+    acc = _accelerator_type()
+    if backend is None:
+        return acc or "cpu"
+    return device_type_for(backend, acc)
+
+
+def _select_device(kind: str, rank: int) -> torch.device:
+    """The current device of ``kind``, chosen by :func:`local_index_for` if nobody chose one."""
+    module = torch.get_device_module(kind)
+    if not module.is_initialized():
+        module.set_device(local_index_for(dict(os.environ), rank, module.device_count()))
+    return torch.device(kind, module.current_device())
 
 
 def local_device() -> torch.device:
-    """This rank's device (``cuda:LOCAL_RANK`` under nccl, ``cpu`` otherwise)."""
-    if device_type() == "cuda":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+    """This rank's device: the accelerator's current device once one was chosen (by the user's
+    ``torch.cuda.set_device``, or by :func:`ensure_process_group`), else the launcher's local
+    rank (``LOCAL_RANK``, ``SLURM_LOCALID``, ``OMPI_COMM_WORLD_LOCAL_RANK``), else
+    ``rank % device_count``, which is then made current; ``cpu`` without an accelerator."""
+    kind = device_type()
+    if kind == "cpu":
+        return torch.device("cpu")
+    return _select_device(kind, dist.get_rank() if dist.is_initialized() else 0)
 
 
 def ensure_process_group(backend: str | None = None, timeout_s: float | None = None) -> None:
@@ -76,8 +160,10 @@ def ensure_process_group(backend: str | None = None, timeout_s: float | None = N
             "torch.distributed.init_process_group yourself before creating the plugin"
         )
     else:
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        kind = _planned_type(backend)
+        if kind != "cpu":
+            # Chosen before the group exists, so that NCCL's communicators bind to this device.
+            _select_device(kind, int(os.environ["RANK"]))
         dist.init_process_group(backend, init_method="env://", **kwargs)  # type: ignore[arg-type]
     logger.debug("process group up: rank %d of %d (%s)", dist.get_rank(), dist.get_world_size(), backend)
 
