@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from unickpt._logging import get_logger
 from unickpt.errors import UnsupportedError
 from unickpt.io import CheckpointIO
 from unickpt.plugins._shared import mesh as _mesh
@@ -28,6 +29,31 @@ from unickpt.wrappers import ModelWrapper
 __all__ = ["FSDP2CheckpointIO", "FSDP2Plugin", "default_shard_units"]
 
 ShardSpec = Iterable[str | type[nn.Module]]
+logger = get_logger(__name__)
+
+
+def _summary(units: list[str]) -> str:
+    """Units for a log line: ``model.layers.0`` .. ``model.layers.31`` as ``model.layers.{0..31}``."""
+    runs: dict[str, list[int]] = {}
+    order: list[str] = []
+    for unit in units:
+        head, _, tail = unit.rpartition(".")
+        key = f"{head}." if tail.isdigit() else unit
+        if key not in runs:
+            runs[key] = []
+            order.append(key)
+        if tail.isdigit():
+            runs[key].append(int(tail))
+    parts = []
+    for key in order:
+        nums = runs[key]
+        if not nums:
+            parts.append(key)
+        elif len(nums) == 1:
+            parts.append(f"{key}{nums[0]}")
+        else:
+            parts.append(f"{key}{{{min(nums)}..{max(nums)}}} ({len(nums)})")
+    return ", ".join(parts) or "none"
 
 
 class FSDP2CheckpointIO(CheckpointIO):
@@ -89,5 +115,10 @@ class FSDP2Plugin(Plugin):
             fully_shard(model.get_submodule(unit), **kwargs)
         fully_shard(model, **kwargs)
         self.units = units
+        logger.info(
+            "fully_shard units (%s): %s, then the root",
+            "shard_modules" if self.shard_modules is not None else "chosen by default",
+            _summary(units),
+        )
         remap_optimizer_params(optimizer, old_fqns, model)
         return ModelWrapper(model)

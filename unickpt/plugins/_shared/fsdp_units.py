@@ -52,14 +52,32 @@ def _group_dtypes(root: nn.Module, unit: str, units: Iterable[str]) -> dict[torc
     return found
 
 
+def no_split_classes(root: nn.Module) -> set[str]:
+    """Class names the model declares as units that must stay whole (``_no_split_modules``).
+
+    Hugging Face models list their decoder layer there (``LlamaDecoderLayer``, ``GPT2Block``),
+    and accelerate's and transformers' FSDP auto-wrap policies wrap exactly those; a wrapper
+    (a ``PeftModel`` around a Hugging Face model) is searched through.
+    """
+    names: set[str] = set()
+    for mod in root.modules():
+        declared = getattr(mod, "_no_split_modules", None)
+        if isinstance(declared, (list, tuple, set)):
+            names.update(n for n in declared if isinstance(n, str))
+    return names
+
+
 def default_shard_units(root: nn.Module) -> list[str]:
     """The FQNs ``fully_shard`` is applied to before the root, when ``shard_modules`` is None.
 
-    Each item of a ``ModuleList``/``ModuleDict`` child and each other direct child that holds
-    parameters becomes a unit, except that a child whose parameters are tied to a module
-    outside it is left to the root (sharding it alone would untie the weights), and a child
-    whose trainable parameters mix dtypes is split into its own children (FSDP2 needs one
-    dtype per group).
+    A model that names its repeated layers (``_no_split_modules``, as Hugging Face models do)
+    gets one unit per such layer, wherever it sits (``model.layers.3``, ``transformer.h.0``,
+    ``base_model.model.model.layers.0`` under PEFT), and the root keeps the rest (embeddings,
+    final norm, head), as accelerate's and transformers' FSDP wrapping does. Other models get
+    each item of a ``ModuleList``/``ModuleDict`` child and each other direct child that holds
+    parameters. Either way a candidate whose parameters are tied to a module outside it is left
+    to the root (sharding it alone would untie the weights), and one whose trainable parameters
+    mix dtypes is split into its own children (FSDP2 needs one dtype per group).
     """
     owners = _param_owners(root)
     units: list[str] = []
@@ -76,6 +94,19 @@ def default_shard_units(root: nn.Module) -> list[str]:
             return
         units.append(fqn)
 
+    layer_classes = no_split_classes(root)
+    if layer_classes:
+
+        def visit(fqn: str, mod: nn.Module) -> None:
+            if fqn and type(mod).__name__ in layer_classes:
+                consider(fqn, mod)
+                return
+            for cname, child in mod.named_children():
+                visit(_join(fqn, cname), child)
+
+        visit("", root)
+        if units:
+            return units
     for name, child in root.named_children():
         if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
             for cname, item in child.named_children():
