@@ -61,8 +61,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     if looks_like_run(args.path):  # a CheckpointManager run directory or one of its steps
         return _verify_run(args)
     report = verify_checkpoint(
-        args.path, kind=args.kind, progress=not args.quiet, require_hashes=args.require_hashes
+        args.path, kind=args.kind, progress=not (args.quiet or args.json), require_hashes=args.require_hashes
     )
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+        return EXIT_FAIL if report else EXIT_OK
     if report:
         print(f"FAILED: {args.path}: {len(report)} integrity failure(s):", file=sys.stderr)
         for f in report[:50]:
@@ -82,6 +85,13 @@ def _verify_run(args: argparse.Namespace) -> int:
     results = verify_run(
         args.path, all_steps=args.all, require_hashes=bool(getattr(args, "require_hashes", False))
     )
+    if args.json:
+        import dataclasses
+
+        parts = [dataclasses.asdict(r) for r in results]
+        ok = not any(r.failures for r in results)
+        print(json.dumps({"path": args.path, "ok": ok, "parts": parts}, indent=2))
+        return EXIT_OK if ok else EXIT_FAIL
     text, bad = format_verify_report(results)
     if not args.quiet:
         print(text)
@@ -127,12 +137,10 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from unickpt.tools.convert import convert_checkpoint
 
     source = args.source or ("unickpt" if args.target == "dcp" else None)
-    if source is None:
-        from unickpt.errors import UnsupportedError
+    if source is None:  # told from what the source path holds (format/foreign.py's rules)
+        from unickpt.tools.detect import detect_source
 
-        raise UnsupportedError(
-            "convert: give --from (dcp, bin, colossalai or deepspeed), or --to dcp to export a unickpt checkpoint"
-        )
+        source = detect_source(args.src)
     out = convert_checkpoint(
         args.src,
         args.out,
@@ -204,6 +212,11 @@ def build_parser() -> argparse.ArgumentParser:
         "run directory (its latest step) or step-<N> directory (every part of it)",
     )
     sp.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no OK line")
+    sp.add_argument(
+        "--json",
+        action="store_true",
+        help="machine-readable JSON report on stdout (what was checked, every failure); same exit codes",
+    )
     sp.add_argument(
         "--require-hashes",
         action="store_true",
@@ -297,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="source",
         choices=("dcp", "bin", "colossalai", "deepspeed", "unickpt"),
         default=None,
-        help="source format (default with --to dcp: unickpt)",
+        help="source format (default: told from SRC; with --to dcp: unickpt)",
     )
     sp.add_argument(
         "--to",

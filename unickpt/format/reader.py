@@ -44,7 +44,7 @@ from unickpt.format.reader_blocks import (
     file_kind,
     single_file_name,
 )
-from unickpt.format.reader_paths import hint_other_files, not_regular
+from unickpt.format.reader_paths import hint_foreign, hint_other_files, not_regular
 from unickpt.format.reader_storage import vanishing
 from unickpt.format.safetensors_io import SafetensorsHeader, iter_range, open_with_header, read_range
 from unickpt.format.slice_spans import Spans, all_referenced, locate_all
@@ -475,7 +475,7 @@ def _open_checkpoint(path: str | os.PathLike[str], kind: str) -> CheckpointReade
         raise IncompleteCheckpointError(
             f"{p} holds no committed {kind} checkpoint: neither {index_name(kind)} nor {single_name(kind)} "
             "is present (an interrupted save leaves data files without an index; such a directory is "
-            f"never loaded){hint_other_files(p)}"
+            f"never loaded){hint_foreign(p) or hint_other_files(p)}"
         )
     raise IncompleteCheckpointError(f"no checkpoint at {p}: the path does not exist")
 

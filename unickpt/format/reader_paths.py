@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
 
-__all__ = ["not_regular", "hint_other_files"]
+from unickpt.format.foreign import foreign_dir
+
+__all__ = ["hint_foreign", "hint_other_files", "not_regular"]
 
 
 def not_regular(path: str) -> str:
@@ -48,3 +51,19 @@ def hint_other_files(directory: str) -> str:
         f"; it holds {len(names)} other .safetensors file(s) ({shown}{more}): to load a single-file "
         "checkpoint of another name, pass the path of the file itself"
     )
+
+
+def hint_foreign(directory: str) -> str:
+    """For a directory without a committed checkpoint: what other tool's checkpoint it holds, if
+    any, and the ``convert`` command that reads it (``format/foreign.py``'s rules)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return ""
+    steps = sorted((n for n in names if n.startswith("step-") and n[5:].isdigit()), key=lambda n: int(n[5:]))
+    subdirs: dict[str, list[str]] = {}
+    for n in steps[-1:]:  # the latest step of a torchtitan folder says what the folder is
+        with contextlib.suppress(OSError):
+            subdirs[n] = os.listdir(os.path.join(directory, n))
+    other = foreign_dir(names, subdirs)
+    return "" if other is None else f"; {other.hint(directory)}"

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from unickpt.errors import CheckpointChangedError, IncompleteCheckpointError, IndexFileError, UnsupportedError
+from unickpt.format.foreign import foreign_dir
 from unickpt.format.index import MAX_INDEX_BYTES, IndexFile, parse_index
 from unickpt.format.naming import index_name, single_name
 from unickpt.format.safetensors_io import SafetensorsHeader, header_from_bytes
@@ -156,9 +157,13 @@ def locate(
     single = f"{url}/{single_name(kind)}"
     if storage.exists(single):
         return Located(single, url, None)
+    names = storage.listdir(url)
+    steps = sorted((n for n in names if n.startswith("step-") and n[5:].isdigit()), key=lambda n: int(n[5:]))
+    other = foreign_dir(names, {n: storage.listdir(f"{url}/{n}") for n in steps[-1:]})
     raise IncompleteCheckpointError(
         f"{url} holds no committed {kind} checkpoint: neither {index_name(kind)} nor {single_name(kind)} "
         "is present (an interrupted save leaves data files without an index; such a location is never loaded)"
+        + ("" if other is None else f"; {other.hint(url)}")
     )
 
 

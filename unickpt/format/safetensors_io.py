@@ -27,6 +27,7 @@ from unickpt.errors import HeaderError, IncompleteCheckpointError
 from unickpt.format._json import strict_loads
 from unickpt.format.commit import Writeback
 from unickpt.format.dtypes import DTYPE_ITEMSIZE
+from unickpt.format.foreign import foreign_file
 from unickpt.format.safetensors_bulk import parse_header_bulk
 from unickpt.format.storage import Storage
 
@@ -206,6 +207,10 @@ def header_from_bytes(
     if size < 8:
         raise HeaderError(f"{path}: {size} bytes is too short for a safetensors file (needs 8+)")
     (n,) = struct.unpack("<Q", first[:8])
+    if n > MAX_HEADER_BYTES or 8 + n > size:
+        other = foreign_file(first)  # another tool's file: name the command that reads it
+        if other is not None:
+            raise HeaderError(other.hint(path))
     if n > MAX_HEADER_BYTES:
         raise HeaderError(f"{path}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
     if 8 + n > size:

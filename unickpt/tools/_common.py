@@ -11,6 +11,7 @@ from unickpt.errors import IncompleteCheckpointError, OutputExistsError
 from unickpt.format.commit import only_leftovers, publish_directory, temp_name
 from unickpt.format.naming import index_name, single_name
 from unickpt.format.reader import CheckpointReader, file_kind, open_checkpoint
+from unickpt.format.reader_paths import hint_foreign
 from unickpt.format.storage import is_url
 from unickpt.format.writer import write_all
 
@@ -43,6 +44,7 @@ def detect_kind(path: str | os.PathLike[str]) -> str:
             return "model"
         raise IncompleteCheckpointError(
             f"{p} holds no committed checkpoint: none of model/optimizer .safetensors(.index.json) is present"
+            + hint_foreign(p)
         )
     if os.path.isfile(p) and not p.endswith(".json"):
         # A single file says what it holds, whatever the user renamed it to.

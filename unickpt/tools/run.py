@@ -23,6 +23,7 @@ from typing import Any
 
 from unickpt.errors import IncompleteCheckpointError, UnickptError
 from unickpt.format import run_layout as rl
+from unickpt.format.foreign import foreign_dir
 from unickpt.format.hashing import slice_hash
 from unickpt.format.run_files import RunFiles
 from unickpt.tools._common import human_bytes
@@ -39,7 +40,12 @@ def _no_commit(path: str) -> IncompleteCheckpointError:
     )
 
 
-def _no_steps(path: str) -> IncompleteCheckpointError:
+def _no_steps(path: str, files: RunFiles) -> IncompleteCheckpointError:
+    names = files.listdir(path)
+    steps = sorted((n for n in names if n.startswith("step-") and n[5:].isdigit()), key=lambda n: int(n[5:]))
+    other = foreign_dir(names, {n: files.listdir(files.join(path, n)) for n in steps[-1:]})
+    if other is not None:  # a torchtitan folder of step-<N>/ DCP checkpoints
+        return IncompleteCheckpointError(f"{path} holds no unickpt checkpoint: {other.hint(path)}")
     return IncompleteCheckpointError(
         f"{path} holds no committed checkpoint: it is a CheckpointManager directory without any committed "
         f"step-<N>/{rl.COMMIT_NAME}"
@@ -55,7 +61,7 @@ def _steps_of(files: RunFiles, all_steps: bool) -> list[str]:
         return [path]
     steps = rl.committed_steps(path, files)
     if not steps:
-        raise _no_steps(path)
+        raise _no_steps(path, files)
     if not all_steps:
         latest = rl.latest_step(path, files)
         steps = [latest if latest is not None else steps[-1]]
@@ -74,7 +80,7 @@ def inspect_run(path: str | os.PathLike[str]) -> dict[str, Any]:
         return _step_summary(p, files)
     steps = rl.committed_steps(p, files)
     if not steps:
-        raise _no_steps(p)
+        raise _no_steps(p, files)
     rows = []
     for s in steps:
         d = files.join(p, f"step-{s}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -92,6 +93,37 @@ class VerifyReport(list[IntegrityFailure]):
         self.unfingerprinted = 0
         self.unickpt_block = True
         self.require_hashes = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for ``unickpt verify --json``: what was checked and every failure."""
+        return {
+            "path": self.path,
+            "ok": not self,
+            "unickpt_block": self.unickpt_block,
+            "tensors": self.tensors,
+            "slices": self.slices,
+            "files": self.files,
+            "hashed": self.hashed,
+            "unhashed": self.unhashed,
+            "fingerprints": self.fingerprints,
+            "unfingerprinted": self.unfingerprinted,
+            "require_hashes": self.require_hashes,
+            "failures": [
+                {
+                    "what": {FingerprintFailure: "fingerprint", MissingHash: "missing_hash"}.get(
+                        type(f), "hash"
+                    ),
+                    "tensor": f.tensor,
+                    "file": f.file,
+                    "key": f.key,
+                    "expected": f.expected,
+                    "found": f.found,
+                    "message": str(f),
+                }
+                for f in self
+            ],
+            "summary": self.summary(),
+        }
 
     def summary(self) -> str:
         """One paragraph saying what was checked (and what could not be)."""
