@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from unickpt import GeneralCheckpointIO, diff_checkpoints, merge_checkpoint
+from unickpt.cli.main import main
 from unickpt.errors import IncompleteCheckpointError, IndexFileError
 from unickpt.format.boxes import flat_range_to_boxes
 from unickpt.tools._write import SliceData, TensorData, write_checkpoint
@@ -132,15 +133,32 @@ def test_generalio_sliced_gathered_and_merged_agree(tmp_path: Path) -> None:
     assert rep.changed == ["2.bias"]
 
 
-def test_plain_hf_needs_deep(tmp_path: Path) -> None:
+def test_plain_hf_fingerprinted_from_its_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     w = _weights()
     os.mkdir(tmp_path / "hf")
     save_file({k: torch.from_numpy(v) for k, v in w.items()}, tmp_path / "hf" / "model.safetensors")
     write_checkpoint(str(tmp_path / "u"), _layout(w, "cols"))
+    # The plain side records no fingerprint: it is computed from its data, and compared.
     rep = diff_checkpoints(tmp_path / "hf", tmp_path / "u")
-    assert rep.exit_code == 2 and sorted(rep.unverifiable) == sorted(w) and not rep.identical
+    assert rep.exit_code == 0 and rep.identical and sorted(rep.same) == sorted(w), rep.format()
+    only = diff_checkpoints(tmp_path / "hf", tmp_path / "u", index_only=True)
+    assert only.exit_code == 2 and sorted(only.unverifiable) == sorted(w) and not only.identical
     deep = diff_checkpoints(tmp_path / "hf", tmp_path / "u", deep=True)
     assert deep.identical, deep.format()
+    # One element of one tensor changed in the plain file: exactly that tensor is reported.
+    name = sorted(w)[0]
+    changed = {k: v.copy() for k, v in w.items()}
+    changed[name].reshape(-1)[-1] += 1
+    os.mkdir(tmp_path / "hf2")
+    save_file({k: torch.from_numpy(v) for k, v in changed.items()}, tmp_path / "hf2" / "model.safetensors")
+    rep = diff_checkpoints(tmp_path / "u", tmp_path / "hf2")
+    assert rep.changed == [name] and sorted(rep.same) == sorted(set(w) - {name}) and rep.exit_code == 1
+    # Both sides plain: both computed.
+    assert diff_checkpoints(tmp_path / "hf", tmp_path / "hf2").changed == [name]
+    # The CLI: a progress bar on stderr unless -q, the same verdict.
+    assert main(["diff", "-q", str(tmp_path / "hf"), str(tmp_path / "u")]) == 0
+    assert capsys.readouterr().err == ""
+    assert main(["diff", "--index-only", str(tmp_path / "hf"), str(tmp_path / "u")]) == 2
 
 
 def test_deep_finds_corrupt_data(tmp_path: Path) -> None:

@@ -105,12 +105,15 @@ def test_v1_checkpoints_still_load_and_verify(tmp_path: Path) -> None:
     assert rep.identical and not rep.integrity_failures, rep.format()
 
 
-def test_v1_against_v2_is_incomparable_without_deep(tmp_path: Path) -> None:
+def test_v1_against_v2_is_computed_or_incomparable_with_index_only(tmp_path: Path) -> None:
     w = _weights()
     a = _write(tmp_path / "a", w, "rows")
     b = _write(tmp_path / "b", w, "cols")
     _to_v1(a, w)
-    rep = diff_checkpoints(a, b)
+    # By default B's fingerprints are computed from its data with A's algorithm (v1).
+    computed = diff_checkpoints(a, b)
+    assert computed.identical and sorted(computed.same) == sorted(w), computed.format()
+    rep = diff_checkpoints(a, b, index_only=True)
     assert rep.fingerprint_versions == (1, 2)
     assert sorted(rep.incomparable) == sorted(w) and not rep.same and not rep.changed
     assert rep.exit_code == 2 and not rep.identical

@@ -108,7 +108,9 @@ def _verify_run(args: argparse.Namespace) -> int:
 def _cmd_diff(args: argparse.Namespace) -> int:
     from unickpt.tools.diff import diff_checkpoints
 
-    report = diff_checkpoints(args.a, args.b, deep=args.deep, kind=args.kind, progress=args.deep)
+    report = diff_checkpoints(
+        args.a, args.b, deep=args.deep, kind=args.kind, progress=not args.quiet, index_only=args.index_only
+    )
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
@@ -232,15 +234,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser(
         "diff",
-        help="compare two checkpoints by fingerprint, across parallelisms, from index files alone",
+        help="compare two checkpoints by fingerprint, across parallelisms, from their indexes",
         description=(
             "Compare checkpoints A and B tensor by tensor using the layout-invariant fingerprints in "
-            "their indexes (data files are not read, and need not exist). Tied names are resolved "
-            "through aliases. Fingerprints of a version 1 and a version 2 checkpoint use different "
-            "algorithms and are not compared. --deep reads the data: rehashes slices, checks the "
-            "recorded fingerprints and compares the tensors element by element (first differing "
-            "index and count). Exit 0 identical, 1 different, 2 unusable input or nothing to "
-            "compare with (tensors without comparable fingerprints: rerun with --deep)."
+            "their indexes. Tied names are resolved through aliases. A tensor one side records no "
+            "comparable fingerprint for (a plain Hugging Face checkpoint, another fingerprint "
+            "version, tied under another name) gets it computed from that side's data, slice hashes "
+            "checked on the way (--index-only: reported as undetermined instead, and no data file is "
+            "read). --deep reads all the data: rehashes slices, checks the recorded fingerprints and "
+            "compares the tensors element by element (first differing index and count). Exit 0 "
+            "identical, 1 different, 2 unusable input or nothing to compare with."
         ),
         epilog=_EPILOG,
     )
@@ -252,6 +255,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also read the data: rehash slices, check fingerprints, compare the tensors element by element",
     )
+    sp.add_argument(
+        "--index-only",
+        action="store_true",
+        help="read no data file: tensors without comparable fingerprints are reported as undetermined",
+    )
+    sp.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     kind_arg(sp)
     sp.set_defaults(func=_cmd_diff)
 

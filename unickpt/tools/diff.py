@@ -206,12 +206,17 @@ def diff_checkpoints(
     *,
     kind: str | None = None,
     progress: bool = False,
+    index_only: bool = False,
 ) -> DiffReport:
     """Compare checkpoints ``a`` and ``b`` (any layouts); return a :class:`DiffReport`.
 
-    Without ``deep`` only the index files are read (for a plain Hugging Face checkpoint, the
-    data-file headers too). Raises ``UnickptError`` subclasses or ``OSError`` when either
-    input is not a usable checkpoint.
+    Without ``deep``, tensors are compared by the fingerprints their indexes record; a tensor
+    whose fingerprint one side does not record (a plain Hugging Face checkpoint, a save without
+    fingerprints) or cannot be compared (tied under another name, another fingerprint version)
+    gets it computed from that side's data, with the recorded side's algorithm, its slice hashes
+    checked on the way; ``index_only=True`` reads nothing but the indexes (and a plain
+    checkpoint's headers) and reports such tensors as ``unverifiable`` or ``incomparable``.
+    Raises ``UnickptError`` subclasses or ``OSError`` when either input is not a usable checkpoint.
     """
     with open_auto(a, kind) as ra, open_auto(b, kind or ra.kind) as rb:
         va = fingerprint_version(ra.block.format_version)
@@ -225,6 +230,7 @@ def diff_checkpoints(
         report.only_in_b = [n for n in _names(rb) if n not in set_a]
         common = [n for n in names_a if n in names_b]
         checked: set[tuple[int, str]] = set()
+        pending: list[tuple[str, str, str, TensorEntry, TensorEntry]] = []
         total = 0
         if deep:
             ra.validate_structure()
@@ -262,11 +268,54 @@ def diff_checkpoints(
                     else:
                         report.changed.append(n)
                         report.data_differences.append(d)
-                elif ta == tb and ea.fingerprint is not None and eb.fingerprint is not None:
-                    if va != vb:
-                        report.incomparable.append(n)
-                    else:
-                        (report.same if ea.fingerprint == eb.fingerprint else report.changed).append(n)
+                elif ta == tb and ea.fingerprint is not None and eb.fingerprint is not None and va == vb:
+                    (report.same if ea.fingerprint == eb.fingerprint else report.changed).append(n)
+                elif index_only:
+                    both = ta == tb and ea.fingerprint is not None and eb.fingerprint is not None
+                    (report.incomparable if both else report.unverifiable).append(n)
                 else:
-                    report.unverifiable.append(n)
+                    pending.append((n, ta, tb, ea, eb))
+        if pending:
+            _from_data(report, ra, rb, pending, progress)
         return report
+
+
+def _from_data(
+    report: DiffReport,
+    ra: CheckpointReader,
+    rb: CheckpointReader,
+    pending: list[tuple[str, str, str, TensorEntry, TensorEntry]],
+    progress: bool,
+) -> None:
+    """Decide the tensors the indexes could not, from fingerprints computed from the data.
+
+    A side whose recorded fingerprint can be compared (the same stored name on both sides) keeps
+    it, and the other side's is computed with its algorithm; otherwise both are computed (v2)
+    under the common name. Only the sides computed are read.
+    """
+    va, vb = report.fingerprint_versions
+    # (name, fingerprint name, version, [(reader, stored name, entry) of each side to compute], kept)
+    plans: list[tuple[str, str, int, list[tuple[CheckpointReader, str, TensorEntry]], str | None]] = []
+    for n, ta, tb, ea, eb in pending:
+        if ta == tb and ea.fingerprint is not None:
+            plans.append((n, ta, va, [(rb, tb, eb)], ea.fingerprint))
+        elif ta == tb and eb.fingerprint is not None:
+            plans.append((n, tb, vb, [(ra, ta, ea)], eb.fingerprint))
+        else:
+            plans.append((n, n, 2, [(ra, ta, ea), (rb, tb, eb)], None))
+    total = sum(e.nbytes for *_, sides, _ in plans for _, _, e in sides)
+    with progress_bar(total, "diff: fingerprints from the data", progress) as update:
+        for n, name, v, sides, kept in plans:
+            found = [
+                finalize_fingerprint(
+                    name,
+                    e.dtype,
+                    e.shape,
+                    _data_sum(r, t, e, report.integrity_failures, update, v),
+                    version=v,
+                )
+                for r, t, e in sides
+            ]
+            if kept is not None:
+                found.append(kept)
+            (report.same if found[0] == found[1] else report.changed).append(n)
