@@ -305,3 +305,36 @@ def test_async_snapshots_reuse_their_buffers_and_hold_each_steps_values(tmp_path
     CheckpointManager(tmp_path).load(fresh, None, resume_from_checkpoint=2)
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, expected[k]), k
+
+
+class Kept:
+    """An extra state whose load_state_dict keeps the tensors it is given (no copy)."""
+
+    def __init__(self) -> None:
+        self.ema = torch.zeros(4, 3)
+        self.count = torch.zeros((), dtype=torch.int64)
+        self.shape_changes = torch.zeros(2)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"ema": self.ema, "inner": [self.count], "grows": self.shape_changes}
+
+    def load_state_dict(self, s: dict[str, Any]) -> None:
+        self.ema, self.count, self.shape_changes = s["ema"], s["inner"][0], s["grows"]
+
+
+def test_extra_state_tensors_come_back_in_place(tmp_path: Path) -> None:
+    m = Net()
+    saver = Kept()
+    saver.ema.copy_(torch.arange(12.0).reshape(4, 3))
+    saver.count.fill_(7)
+    saver.shape_changes = torch.ones(5)
+    mgr = CheckpointManager(str(tmp_path / "run"), save_steps=1)
+    mgr.save(1, m, None, ema=saver)
+    fresh = Kept()
+    ema, count = fresh.ema, fresh.count
+    assert mgr.load(m, None, ema=fresh) == 1
+    # The live tensors were loaded into (their device and identity kept), values bit-exact.
+    assert fresh.ema is ema and fresh.count is count
+    assert torch.equal(ema, torch.arange(12.0).reshape(4, 3)) and int(count) == 7
+    # A tensor whose shape changed since cannot be loaded in place: it is handed over as read.
+    assert torch.equal(fresh.shape_changes, torch.ones(5))

@@ -107,7 +107,38 @@ def restore(
                 f"extra state {name!r} is not in {d} (saved: {sorted(saved_extra)})",
                 missing=[name],
             )
-        obj.load_state_dict(from_json_value(saved_extra[name], f"extra.{name}", tensors))
+        loaded = from_json_value(saved_extra[name], f"extra.{name}", tensors)
+        obj.load_state_dict(onto_live(loaded, obj.state_dict()))
+
+
+def onto_live(saved: Any, live: Any) -> Any:
+    """``saved`` (tensors read into CPU memory) put where the live state keeps its tensors.
+
+    A saved tensor whose live counterpart (same path in ``live``, the object's current
+    ``state_dict()``) has its shape and dtype is copied into it, and the live tensor is handed
+    back: state that lived on a GPU comes back there, in place, for objects whose
+    ``load_state_dict`` keeps what it is given as well as for those that copy. Another saved
+    tensor goes to its live counterpart's device; one with no counterpart stays on the CPU.
+    """
+    if isinstance(saved, torch.Tensor):
+        if isinstance(live, torch.Tensor):
+            if (
+                live.shape == saved.shape
+                and live.dtype == saved.dtype
+                and live.device.type != "meta"
+                and not live.is_inference()
+            ):
+                with torch.no_grad():
+                    live.copy_(saved)
+                return live
+            return saved.to(live.device)
+        return saved
+    if isinstance(saved, dict) and isinstance(live, dict):
+        return {k: onto_live(v, live.get(k)) for k, v in saved.items()}
+    if isinstance(saved, (list, tuple)) and isinstance(live, (list, tuple)) and len(saved) == len(live):
+        out = [onto_live(v, lv) for v, lv in zip(saved, live, strict=True)]
+        return type(saved)(out) if isinstance(saved, tuple) else out
+    return saved
 
 
 def _load_dataloader(dataloader: Any, js: dict[str, Any], tensors: dict[str, Any], world: int) -> None:
