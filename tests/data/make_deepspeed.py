@@ -7,7 +7,9 @@ For a tiny model (Linear(4, 6), LayerNorm(6), Linear(6, 3), and a non-trainable 
 trained 3 Adam steps (torch's Adam, ``torch_adam: true``, so no op is compiled) in fp32,
 with two param groups (different lr and weight decay), writes ``zero<S>_ws<W>/`` for ZeRO
 stage S in (1, 2, 3) and world size W in (1, 2) (W=2: two processes on gloo), each holding
-(``make_deepspeed.py 3`` remakes stage 3 only):
+(``make_deepspeed.py 3`` remakes stage 3 only), and ``bf16_zero1_ws<W>/``: the same model
+trained in bf16 with ZeRO stage 1, which DeepSpeed runs with its ``BF16_Optimizer``
+(``bf16_zero_pp_rank_*`` files; ``make_deepspeed.py bf16`` remakes those only):
 
 - ``ckpt/``: what ``engine.save_checkpoint(dir)`` writes (``latest``, ``global_step3/``);
 - ``expected.safetensors``: DeepSpeed's own ``get_fp32_state_dict_from_zero_checkpoint`` of
@@ -37,13 +39,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run(rank: int, world: int, stage: int, port: int, out: str) -> None:
+def _run(rank: int, world: int, stage: int, port: int, out: str, bf16: bool = False) -> None:
     for k, v in (("RANK", rank), ("WORLD_SIZE", world), ("MASTER_PORT", port)):
         os.environ[k] = os.environ["LOCAL_" + k] = str(v)
     os.environ.update(MASTER_ADDR="127.0.0.1", DS_ACCELERATOR="cpu")
     import deepspeed
     import torch
-    from deepspeed.utils import safe_get_full_optimizer_state
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors.torch import save_file
     from torch import nn
@@ -63,13 +65,17 @@ def _run(rank: int, world: int, stage: int, port: int, out: str) -> None:
         "zero_optimization": {"stage": stage},
         "steps_per_print": 1000,
     }
+    if bf16:  # bf16 weights, fp32 master weights and gradient accumulation: BF16_Optimizer
+        config.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
     pre = {id(p): n for n, p in model.named_parameters()}
     group_names = [[pre[id(p)] for p in grp["params"]] for grp in groups]
     engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
     g = torch.Generator().manual_seed(1 + rank)
     for _ in range(STEPS):
         x = torch.randn(2, 4, generator=g)
-        loss = (engine(x) * engine.module.scale).pow(2).mean()
+        if bf16:
+            x = x.bfloat16()
+        loss = (engine(x) * engine.module.scale).float().pow(2).mean()
         engine.backward(loss)
         engine.step()
     ckpt = os.path.join(out, "ckpt")
@@ -83,14 +89,19 @@ def _run(rank: int, world: int, stage: int, port: int, out: str) -> None:
             else:
                 expected[f"state.{n}.{key}"] = _full_state(opt, p, key)
         gi = next(i for i, gn in enumerate(group_names) if n in gn)
-        flat = (opt.fp32_partitioned_groups_flat if stage == 3 else opt.single_partition_of_fp32_groups)[gi]
+        flat = _fp32_partitions(opt, stage)[gi]
         expected[f"state.{n}.step"] = opt.optimizer.state[flat]["step"].detach().clone()
+        if bf16:  # zero_to_fp32 refuses BF16_Optimizer files: the live fp32 master weights instead
+            expected[f"model.{n}"] = safe_get_full_fp32_param(p).detach().clone().contiguous()
+    if bf16:
+        for n, b in engine.module.named_buffers():  # floating buffers as fp32, as zero_to_fp32 gives them
+            expected[f"model.{n}"] = (b.float() if b.is_floating_point() else b).detach().clone()
     torch.distributed.barrier()
     if rank == 0:
         for f in os.listdir(ckpt):
             if f.endswith(".py"):
                 os.remove(os.path.join(ckpt, f))
-        fp32 = get_fp32_state_dict_from_zero_checkpoint(ckpt)
+        fp32 = {} if bf16 else get_fp32_state_dict_from_zero_checkpoint(ckpt)
         for k, v in fp32.items():
             expected[f"model.{k}"] = v.contiguous()
         if stage != 3:  # under ZeRO-3 the module holds empty placeholders
@@ -108,6 +119,15 @@ def _run(rank: int, world: int, stage: int, port: int, out: str) -> None:
     torch.distributed.destroy_process_group()
 
 
+def _fp32_partitions(opt, stage):  # type: ignore[no-untyped-def]
+    """This rank's flat fp32 master partition of every group, whatever the optimizer calls it."""
+    if stage == 3:
+        return opt.fp32_partitioned_groups_flat
+    return (
+        getattr(opt, "single_partition_of_fp32_groups", None) or opt.fp32_groups_flat_partition
+    )  # BF16_Optimizer
+
+
 def _full_state(opt, p, key):  # type: ignore[no-untyped-def]
     """The ``key`` moment of ``p`` gathered from every rank's flat partition, through the live
     optimizer's own fragment addresses (``deepspeed.utils.safe_get_full_optimizer_state`` does
@@ -117,7 +137,7 @@ def _full_state(opt, p, key):  # type: ignore[no-untyped-def]
     buf = torch.zeros(p.numel(), dtype=torch.float32)
     m = p._hp_mapping
     if m is not None:
-        flat = opt.optimizer.state[opt.single_partition_of_fp32_groups[m.param_group_index]][key]
+        flat = opt.optimizer.state[_fp32_partitions(opt, 1)[m.param_group_index]][key]
         hp, lp = m.hp_fragment_address, m.lp_fragment_address
         buf.narrow(0, lp.start, lp.numel).copy_(flat.narrow(0, hp.start, hp.numel))
     torch.distributed.all_reduce(buf)
@@ -127,17 +147,15 @@ def _full_state(opt, p, key):  # type: ignore[no-untyped-def]
 def main() -> None:
     import torch.multiprocessing as mp
 
-    stages = [int(x) for x in sys.argv[1].split(",")] if len(sys.argv) > 1 else [1, 2, 3]
-    for stage in stages:
+    arg = sys.argv[1] if len(sys.argv) > 1 else "1,2,3,bf16"
+    variants = [(1, True) if x == "bf16" else (int(x), False) for x in arg.split(",")]
+    for stage, bf16 in variants:
         for world in (1, 2):
-            out = os.path.join(HERE, f"zero{stage}_ws{world}")
+            out = os.path.join(HERE, f"{'bf16_' if bf16 else ''}zero{stage}_ws{world}")
             shutil.rmtree(out, ignore_errors=True)
             os.makedirs(out)
             port = _free_port()
-            if world == 1:
-                mp.spawn(_run, args=(1, stage, port, out), nprocs=1)
-            else:
-                mp.spawn(_run, args=(world, stage, port, out), nprocs=world)
+            mp.spawn(_run, args=(world, stage, port, out, bf16), nprocs=world)
             print("wrote", out, file=sys.stderr)
 
 

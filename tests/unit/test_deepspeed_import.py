@@ -31,6 +31,12 @@ from unickpt.tools.convert_deepspeed import read_deepspeed
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "deepspeed"
 CASES = ["zero1_ws1", "zero1_ws2", "zero2_ws1", "zero2_ws2", "zero3_ws1", "zero3_ws2"]
+# bf16 runs with ZeRO stage 1: DeepSpeed's BF16_Optimizer, bf16_zero_pp_rank_* files.
+BF16_CASES = ["bf16_zero1_ws1", "bf16_zero1_ws2"]
+
+
+def _stage(case: str) -> int:
+    return int(case.removeprefix("bf16_")[4])
 
 
 def _model() -> nn.Module:
@@ -82,11 +88,11 @@ def _assert_restored(m: nn.Module, opt: torch.optim.Optimizer, case: str) -> Non
     ]
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASES + BF16_CASES)
 def test_reassembly_is_bit_exact(case: str) -> None:
     tensors, expected = _expected(case)
     ck = read_deepspeed(str(DATA / case / "ckpt"))
-    assert ck.world_size == int(case[-1]) and ck.zero_stage == int(case[4]) and ck.step == expected["step"]
+    assert ck.world_size == int(case[-1]) and ck.zero_stage == _stage(case) and ck.step == expected["step"]
     for k, want in tensors.items():
         kind, _, rest = k.partition(".")
         if kind == "model":
@@ -97,13 +103,18 @@ def test_reassembly_is_bit_exact(case: str) -> None:
         else:
             continue
         assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), k
-    # the module's own weights (what the engine trained with) are the master weights here (fp32 run)
+    # the module's own weights (what the engine trained with) are the master weights (an fp32
+    # run), or their rounding (bf16: the master weights are what training continues from)
     for k, v in tensors.items():
         if k.startswith("module."):
-            assert torch.equal(ck.model[k[len("module.") :]], v)
+            master = ck.model[k[len("module.") :]]
+            assert master.dtype == torch.float32
+            assert torch.equal(master.to(v.dtype), v), k
+    if case in BF16_CASES:
+        assert any(t.dtype == torch.bfloat16 for k, t in tensors.items() if k.startswith("module."))
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASES + BF16_CASES)
 def test_convert_then_load_model_and_optimizer(case: str, tmp_path: Path) -> None:
     out = tmp_path / "out"
     assert cli(["convert", "-q", "--from", "deepspeed", str(DATA / case / "ckpt"), str(out)]) == 0

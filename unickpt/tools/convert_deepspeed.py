@@ -26,8 +26,10 @@ exact values training continues from; the 16-bit copies of a bf16/fp16 run in th
 states file are their rounding), buffers from the module state (floating ones as fp32, as
 ``zero_to_fp32`` does), frozen parameters, and tied (shared) parameters under every name.
 Files are read only through :mod:`unickpt.tools.deepspeed_read` (no code from them runs).
-Tensor/pipeline parallel checkpoints (``mp_rank_01`` ...) and the bf16 optimizer layout are
-refused with :class:`UnsupportedError`.
+A bf16 run's ``bf16_zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` (DeepSpeed's ``BF16_Optimizer``,
+used for bf16 with ZeRO stage 1) holds the stage 1 layout without a ``zero_stage`` entry and is
+read as stage 1. Tensor/pipeline parallel checkpoints (``mp_rank_01`` ...) are refused with
+:class:`UnsupportedError`.
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ __all__ = ["DeepSpeedCheckpoint", "read_deepspeed", "write_deepspeed"]
 logger = get_logger(__name__)
 
 _TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")
-_OPTIM = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+# ``bf16_zero_pp_rank_...``: DeepSpeed's BF16_Optimizer (bf16 with ZeRO stage 1 or none), whose
+# files hold the ZeRO-1 layout (flat fp32 partitions per group) without a ``zero_stage`` entry.
+_OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _MODEL = re.compile(r"^(?:zero_pp_rank_\d+_)?mp_rank_(\d+)_model_states\.pt$")
 _OSD = "optimizer_state_dict"
 
@@ -114,7 +118,7 @@ def _rank_files(step_dir: str) -> tuple[list[str], list[str]]:
                 )
             optim[int(m.group(1))] = os.path.join(step_dir, n)
         elif n.endswith("_optim_states.pt"):
-            raise UnsupportedError(f"{step_dir}: {n} is not a ZeRO optimizer file (bf16 optimizer?)")
+            raise UnsupportedError(f"{step_dir}: {n} is not a ZeRO or BF16_Optimizer optimizer file")
     models = [n for n in names if _MODEL.match(n)]
     if any(int(_MODEL.match(n).group(1)) != 0 for n in models):  # type: ignore[union-attr]
         raise UnsupportedError(
@@ -184,7 +188,13 @@ def _read(src: str, tag: str | None) -> DeepSpeedCheckpoint:
             out.model[name] = v.float() if v.is_floating_point() else v
 
     osds = [_get(load_deepspeed_file(p), _OSD, p) for p in optim_paths]
-    stage = int(_get(osds[0], "zero_stage", optim_paths[0]))
+    bf16 = os.path.basename(optim_paths[0]).startswith("bf16_")
+    if any(os.path.basename(p).startswith("bf16_") != bf16 for p in optim_paths):
+        raise CheckpointFormatError(
+            f"{step_dir}: mixes bf16_zero_pp_rank_* and zero_pp_rank_* optimizer files"
+        )
+    # BF16_Optimizer partitions like ZeRO stage 1 and records no stage.
+    stage = 1 if bf16 and "zero_stage" not in osds[0] else int(_get(osds[0], "zero_stage", optim_paths[0]))
     if stage not in (1, 2, 3) or (stage == 3) != (len(models) > 1 or "zero_pp" in model_path):
         raise CheckpointFormatError(
             f"{optim_paths[0]}: ZeRO stage {stage} does not match the model states files"
