@@ -162,6 +162,35 @@ def test_unickpt_to_dcp_to_unickpt(tmp_path: Path) -> None:
     _assert_same_training((m, opt), (m2, opt2))
 
 
+@pytest.mark.parametrize("given", ["ckpt", "ckpt/model"])
+def test_export_of_the_readme_layout_takes_the_optimizer(tmp_path: Path, given: str) -> None:
+    """``save_model(m, "ckpt/model")`` + ``save_optimizer(o, "ckpt/optimizer")`` (+ the scheduler):
+    ``convert --to dcp ckpt`` and ``convert --to dcp ckpt/model`` export all three, which
+    ``dcp.load`` and ``set_state_dict`` restore bit for bit."""
+    m = _model()
+    opt = _optim(m)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    _train(m, opt, 3)
+    sched.step()
+    io_ = GeneralCheckpointIO()
+    io_.save_model(m, tmp_path / "ckpt" / "model", shard=True)
+    io_.save_optimizer(OptimizerWrapper(opt, m), tmp_path / "ckpt" / "optimizer", shard=True)
+    io_.save_lr_scheduler(sched, tmp_path / "ckpt" / "lr_scheduler.json")
+    out = tmp_path / "dcp"
+    assert main(["convert", "-q", "--to", "dcp", str(tmp_path / given), str(out)]) == 0
+    md = dcp.FileSystemReader(str(out)).read_metadata()
+    assert {k.split(".")[0] for k in md.state_dict_metadata} == {"model", "optim", "lr_scheduler"}
+    m2, opt2 = _fresh()
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=2, gamma=0.5)
+    msd, osd = get_state_dict(m2, opt2)
+    holder = {"model": msd, "optim": osd, "lr_scheduler": sched2.state_dict()}
+    dcp.load(holder, checkpoint_id=str(out), no_dist=True)
+    set_state_dict(m2, opt2, model_state_dict=msd, optim_state_dict=osd)
+    sched2.load_state_dict(holder["lr_scheduler"])
+    assert sched2.state_dict() == sched.state_dict()
+    _assert_same_training((m, opt), (m2, opt2))
+
+
 def test_export_refuses_a_damaged_checkpoint(tmp_path: Path) -> None:
     m = _model()
     io_ = GeneralCheckpointIO()

@@ -20,7 +20,7 @@ group's ``betas`` comes back as a tuple, other lists stay lists (torch's optimiz
 from __future__ import annotations
 
 import json
-import os
+import posixpath
 import warnings
 from typing import Any
 
@@ -59,45 +59,60 @@ def _full_tensors(reader: CheckpointReader) -> dict[str, torch.Tensor]:
     return out
 
 
-def _has(directory: str, kind: str) -> bool:
-    if is_url(directory):
-        storage, _ = open_storage(directory)
-        return any(storage.exists(f"{directory}/{n}") for n in (index_name(kind), single_name(kind)))
-    return os.path.isfile(os.path.join(directory, index_name(kind))) or os.path.isfile(
-        os.path.join(directory, single_name(kind))
-    )
-
-
 def _parts(src: str) -> tuple[str, str | None, str | None, int | None]:
-    """(model path, optimizer path or None, scheduler file or None, step or None)."""
-    if is_url(src):  # a checkpoint directory on a store (manager steps are read from local runs)
-        src = src.rstrip("/")
-        if not _has(src, "model"):
-            raise IncompleteCheckpointError(f"{src} holds no committed model checkpoint to export")
-        sched = f"{src}/lr_scheduler.json"
-        has_sched = open_storage(src)[0].exists(sched)
-        return src, (src if _has(src, "optimizer") else None), (sched if has_sched else None), None
-    if os.path.isfile(src):
-        return src, None, None, None
+    """(model path, optimizer path or None, scheduler file or None, step or None) of ``src``.
+
+    ``src`` is a model checkpoint (a directory, possibly holding the optimizer checkpoint too, or
+    a single file), a directory holding ``model/`` (and ``optimizer/``, ``lr_scheduler.json``: the
+    layout the README saves, or a manager ``step-<N>/``, whose ``COMMIT`` gives the step), or
+    ``<dir>/model`` of such a directory, whose ``optimizer/`` and ``lr_scheduler.json`` beside it
+    come along. Local paths and URLs alike, through the storage layer.
+    """
+    storage, _ = open_storage(src)
+    # The storage's paths are the location as given (a URL keeps its scheme), "/"-separated.
+    root = src.removeprefix("file://").rstrip("/") or "/"
+
+    def has(directory: str, kind: str) -> bool:
+        return any(storage.exists(storage.join(directory, n)) for n in (index_name(kind), single_name(kind)))
+
+    def optional(path: str, kind: str | None) -> str | None:
+        found = storage.exists(path) if kind is None else has(path, kind)
+        return path if found else None
+
+    names = storage.listdir(root)
+    if not names:
+        if not storage.exists(root):
+            raise IncompleteCheckpointError(f"{src}: nothing there to export")
+        return root, None, None, None  # a single model file
     step: int | None = None
-    if os.path.isdir(os.path.join(src, "model")) and os.path.isfile(os.path.join(src, "COMMIT")):
-        try:
-            with open(os.path.join(src, "COMMIT"), "rb") as f:
-                step = int(json.loads(f.read())["step"])
-        except (OSError, ValueError, KeyError, TypeError):
-            step = None
-        model_dir, optim_dir = os.path.join(src, "model"), os.path.join(src, "optimizer")
-        sched = os.path.join(src, "lr_scheduler.json")
+    if has(root, "model"):
+        parent = posixpath.dirname(root)
+        beside = posixpath.basename(root) == "model"
+        optim = optional(root, "optimizer") or (
+            optional(storage.join(parent, "optimizer"), "optimizer") if beside else None
+        )
+        sched = optional(storage.join(root, "lr_scheduler.json"), None) or (
+            optional(storage.join(parent, "lr_scheduler.json"), None) if beside else None
+        )
+        return root, optim, sched, None
+    if "model" in names and has(storage.join(root, "model"), "model"):
+        if "COMMIT" in names:  # a CheckpointManager step
+            try:
+                step = int(
+                    json.loads(storage.read_bytes(storage.join(root, "COMMIT"), limit=1 << 20))["step"]
+                )
+            except (OSError, ValueError, KeyError, TypeError):
+                step = None
         return (
-            model_dir,
-            optim_dir if os.path.isdir(optim_dir) and _has(optim_dir, "optimizer") else None,
-            sched if os.path.isfile(sched) else None,
+            storage.join(root, "model"),
+            optional(storage.join(root, "optimizer"), "optimizer"),
+            optional(storage.join(root, "lr_scheduler.json"), None),
             step,
         )
-    if not _has(src, "model"):
-        raise IncompleteCheckpointError(f"{src} holds no committed model checkpoint to export")
-    sched = os.path.join(src, "lr_scheduler.json")
-    return src, (src if _has(src, "optimizer") else None), (sched if os.path.isfile(sched) else None), None
+    raise IncompleteCheckpointError(
+        f"{src} holds no committed model checkpoint to export (neither {index_name('model')} nor "
+        f"{single_name('model')}, nor a model/ directory holding one)"
+    )
 
 
 def _group_value(k: str, v: Any) -> Any:
