@@ -12,7 +12,26 @@ __all__ = [
     "shard_name",
     "slice_key",
     "is_own_data_file",
+    "HF_SIDE_FILES",
 ]
+
+# What a Hugging Face loader reads beside the weights: the model's config and its tokenizer's
+# and processor's files. Merges and conversions copy those their source has.
+HF_SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+)
 
 INDEX_SUFFIX = ".safetensors.index.json"
 # In a checkpoint that keeps distributed slices, every weight_map entry points at this file,

@@ -5,17 +5,19 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 from unickpt.errors import IncompleteCheckpointError, OutputExistsError
 from unickpt.format.commit import only_leftovers, publish_directory, temp_name
 from unickpt.format.naming import index_name, single_name
 from unickpt.format.reader import CheckpointReader, file_kind, open_checkpoint
 from unickpt.format.reader_paths import hint_foreign
-from unickpt.format.storage import is_url
+from unickpt.format.storage import is_url, open_storage
 from unickpt.format.writer import write_all
 
 __all__ = [
+    "read_side_files",
     "open_auto",
     "detect_kind",
     "human_bytes",
@@ -141,3 +143,19 @@ def write_durably(dst: str, data: bytes) -> None:
         g.write(data)
         g.flush()
         os.fsync(g.fileno())
+
+
+#: The largest side file copied (a tokenizer.json of a large vocabulary is tens of MB).
+SIDE_FILE_LIMIT = 256 << 20
+
+
+def read_side_files(
+    directory: str, names: Iterable[str], storage_options: dict[str, Any] | None = None
+) -> list[tuple[str, bytes]]:
+    """The files of ``names`` that ``directory`` (a local path or a URL) holds, whole, in that order."""
+    storage, _ = open_storage(directory, storage_options)
+    base = directory.removeprefix("file://").rstrip("/") or "/"
+    present = set(storage.listdir(base))
+    return [
+        (n, storage.read_bytes(storage.join(base, n), limit=SIDE_FILE_LIMIT)) for n in names if n in present
+    ]

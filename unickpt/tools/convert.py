@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+import posixpath
 from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
@@ -36,8 +37,9 @@ from unickpt._logging import get_logger
 from unickpt.errors import CheckpointFormatError, UnsupportedError
 from unickpt.format.dcp_hf import dcp_hf_files
 from unickpt.format.index import LayoutInfo
-from unickpt.format.storage import is_url
-from unickpt.tools._common import check_output, staged_output
+from unickpt.format.naming import HF_SIDE_FILES
+from unickpt.format.storage import is_url, open_storage
+from unickpt.tools._common import check_output, read_side_files, staged_output
 from unickpt.tools._sink import Sink, output_sink, put_bytes
 from unickpt.tools._store_out import StoreOutput
 from unickpt.tools._write import SliceData, TensorData, write_checkpoint
@@ -48,7 +50,6 @@ __all__ = ["convert_checkpoint"]
 logger = get_logger(__name__)
 # Tensors are read from DCP in batches of about this many bytes (one dcp.load call each).
 _BATCH_BYTES = 256 << 20
-_SIDE_FILES = ("config.json", "generation_config.json")
 
 
 def _parse_size(size: int | str) -> int:
@@ -231,6 +232,8 @@ def convert_checkpoint(
             f"convert --to run: only a DCP / torchtitan or DeepSpeed training checkpoint becomes a run (got --from {source})"
         )
     src_s = os.fspath(src)
+    # Where the side files may be besides the directory converted: a torchtitan folder's root.
+    origin: tuple[str, ...] = (src_s,)
     out_s = os.fspath(out)
     url_src, url_out = is_url(src_s), is_url(out_s)
     if url_src and source in ("colossalai", "deepspeed"):
@@ -309,6 +312,7 @@ def convert_checkpoint(
                 return _write_run(src_s, md, lay, out_s, step, shard_bytes, created_by)
             with output_sink(out_s) as sink:
                 import_training(src_s, md, lay, sink, shard_bytes=shard_bytes, created_by=created_by)
+                _copy_side_files(sink, src_s, *origin)
             return out_s
         tensors, _ = _dcp_tensors(src_s, strip_prefix, md)
         plugin = "dcp"
@@ -335,7 +339,7 @@ def convert_checkpoint(
             layout=LayoutInfo(plugin=plugin),
             created_by=created_by,
         )
-        _copy_side_files(src_s, sink)
+        _copy_side_files(sink, src_s, *origin)
     return out_s
 
 
@@ -346,23 +350,18 @@ def _merge_dcp_hf(src: str, out: str, max_shard_size: int | str) -> str:
     return out
 
 
-def _copy_side_files(src: str, sink: Sink) -> None:
-    """``config.json`` and ``generation_config.json`` of the source, when it has them."""
-    if is_url(src):
-        store = StoreSource(src)
-        if store.fs.isfile(store.root):  # one .bin file: its directory's side files
-            store = StoreSource(src.rstrip("/").rsplit("/", 1)[0])
-        for fname in _SIDE_FILES:
-            data = store.read(fname)
-            if data is not None:
-                put_bytes(sink, fname, data)
-        return
-    src_dir = src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src))
-    for fname in _SIDE_FILES:
-        p = os.path.join(src_dir, fname)
-        if os.path.isfile(p):
-            with open(p, "rb") as f:
-                put_bytes(sink, fname, f.read())
+def _copy_side_files(sink: Sink, *sources: str) -> None:
+    """The Hugging Face side files (``config.json``, ``generation_config.json``, the tokenizer's:
+    ``format.naming.HF_SIDE_FILES``) of the first of ``sources`` that holds each (a file stands
+    for its directory), locally or at a URL."""
+    done: set[str] = set()
+    for src in sources:
+        storage, _ = open_storage(src)
+        base = src.removeprefix("file://").rstrip("/") or "/"
+        directory = base if storage.listdir(base) else posixpath.dirname(base) or "."
+        for fname, data in read_side_files(directory, [n for n in HF_SIDE_FILES if n not in done]):
+            put_bytes(sink, fname, data)
+            done.add(fname)
 
 
 def _write_run(

@@ -459,12 +459,17 @@ def convert_deepspeed(
     ``lr_scheduler.json``), or with ``target="run"`` is a ``CheckpointManager`` directory whose
     ``step-<N>`` (``step``, else the engine's ``global_steps``) holds them, with the engine's
     step counters as the extra state ``train_state``."""
-    from unickpt.tools._common import staged_output
+    from unickpt.format.naming import HF_SIDE_FILES
+    from unickpt.tools._common import read_side_files, staged_output, write_durably
 
     ck = read_deepspeed(src)
     if target != "run":
         with staged_output(out) as tmp:
             write_deepspeed(ck, tmp, tmp, shard_bytes=shard_bytes, created_by=created_by)
+            # A Hugging Face Trainer's checkpoint-<N>/ holds the model's config and tokenizer
+            # beside DeepSpeed's latest and global_step<N>/.
+            for fname, data in read_side_files(src, HF_SIDE_FILES):
+                write_durably(os.path.join(tmp, fname), data)
         return out
     from unickpt.tools.run_layout import write_step
 

@@ -43,12 +43,19 @@ from unickpt.format.commit import SAVE_ID_KEY, atomic_write_bytes, content_save_
 from unickpt.format.digest_text import digest_in_text
 from unickpt.format.dtypes import itemsize
 from unickpt.format.index import LayoutInfo, SliceEntry, TensorEntry, UnickptBlock, index_to_json
-from unickpt.format.naming import index_name, shard_name, single_name
+from unickpt.format.naming import HF_SIDE_FILES, index_name, shard_name, single_name
 from unickpt.format.reader import UNICKPT_METADATA_KEY, CheckpointReader, open_checkpoint
 from unickpt.format.safetensors_io import encode_header, header_from_bytes, read_header
 from unickpt.format.storage import is_url
 from unickpt.format.writer import build_block, build_index, data_file_metadata, group_files, rewrite_header
-from unickpt.tools._common import check_output, detect_kind, staged_output, write_all, write_durably
+from unickpt.tools._common import (
+    check_output,
+    detect_kind,
+    read_side_files,
+    staged_output,
+    write_all,
+    write_durably,
+)
 from unickpt.tools._merge_runs import Run, validate_runs
 from unickpt.tools._merge_tensors import CHUNK, TensorMerger
 from unickpt.tools._progress import progress_bar
@@ -69,23 +76,6 @@ DTYPES = {
 }
 _PLACEHOLDER = "0" * 16
 _PLACEHOLDER_ID = "0" * 32
-# What a Hugging Face loader reads beside the weights: the model's config and its tokenizer.
-_SIDE_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-    "preprocessor_config.json",
-)
-_SIDE_LIMIT = 256 << 20
 
 
 def _merge_one(
@@ -343,7 +333,7 @@ def merge_checkpoint(
         total = sum(t.nbytes for r in readers for t in r.block.tensors.values())
         # The copy buffer of every streamed tensor, not zero-filled (each read fills what it uses).
         buf = np.empty(CHUNK, dtype=np.uint8).data
-        side = list(_SIDE_FILES) + (["lr_scheduler.json"] if optimizer else [])
+        side = list(HF_SIDE_FILES) + (["lr_scheduler.json"] if optimizer else [])
         with contextlib.ExitStack() as stack:
             update = stack.enter_context(progress_bar(total, "merge", progress))
             store: StoreOutput | None = None
@@ -355,7 +345,7 @@ def merge_checkpoint(
                 store = stack.enter_context(store_output(out_s, storage_options))
             else:
                 tmp = stack.enter_context(staged_output(out_s))
-            for fname, data in _side_files(readers[0], side):
+            for fname, data in read_side_files(readers[0].directory, side, opts):
                 if store is not None:
                     store.put(fname, data)
                 else:
@@ -378,23 +368,6 @@ def merge_checkpoint(
     finally:
         for r in readers:
             r.close()
-
-
-def _side_files(reader: CheckpointReader, names: list[str]) -> list[tuple[str, bytes]]:
-    """The side files present beside the source checkpoint (a local directory or a URL)."""
-    out = []
-    store = reader.storage
-    present = set(store.listdir(reader.directory)) if store is not None else None
-    for fname in names:
-        if store is not None and present is not None:
-            if fname in present:
-                out.append((fname, store.read_bytes(f"{reader.directory}/{fname}", limit=_SIDE_LIMIT)))
-            continue
-        p = os.path.join(reader.directory, fname)
-        if os.path.isfile(p):
-            with open(p, "rb") as f:
-                out.append((fname, f.read()))
-    return out
 
 
 def _has_kind(src: str, kind: str, storage_options: dict[str, Any] | None) -> bool:
