@@ -9,7 +9,10 @@ with two param groups (different lr and weight decay), writes ``zero<S>_ws<W>/``
 stage S in (1, 2, 3) and world size W in (1, 2) (W=2: two processes on gloo), each holding
 (``make_deepspeed.py 3`` remakes stage 3 only), and ``bf16_zero1_ws<W>/``: the same model
 trained in bf16 with ZeRO stage 1, which DeepSpeed runs with its ``BF16_Optimizer``
-(``bf16_zero_pp_rank_*`` files; ``make_deepspeed.py bf16`` remakes those only):
+(``bf16_zero_pp_rank_*`` files; ``make_deepspeed.py bf16`` remakes those only), and
+``ucp_zero2_ws2/``: ZeRO stage 2 on two ranks saved with ``universal_checkpoint_info`` and
+converted by DeepSpeed's ``ds_to_universal`` (``ckpt/global_step3_universal/`` beside
+``ckpt/global_step3/``; ``make_deepspeed.py ucp``):
 
 - ``ckpt/``: what ``engine.save_checkpoint(dir)`` writes (``latest``, ``global_step3/``);
 - ``expected.safetensors``: DeepSpeed's own ``get_fp32_state_dict_from_zero_checkpoint`` of
@@ -39,7 +42,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run(rank: int, world: int, stage: int, port: int, out: str, bf16: bool = False) -> None:
+def _run(
+    rank: int, world: int, stage: int, port: int, out: str, bf16: bool = False, ucp: bool = False
+) -> None:
     for k, v in (("RANK", rank), ("WORLD_SIZE", world), ("MASTER_PORT", port)):
         os.environ[k] = os.environ["LOCAL_" + k] = str(v)
     os.environ.update(MASTER_ADDR="127.0.0.1", DS_ACCELERATOR="cpu")
@@ -79,7 +84,12 @@ def _run(rank: int, world: int, stage: int, port: int, out: str, bf16: bool = Fa
         engine.backward(loss)
         engine.step()
     ckpt = os.path.join(out, "ckpt")
-    engine.save_checkpoint(ckpt)
+    if ucp:  # what ds_to_universal needs from the client (Megatron-DeepSpeed fills it in)
+        from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+
+        engine.save_checkpoint(ckpt, client_state={UNIVERSAL_CHECKPOINT_INFO: {}})
+    else:
+        engine.save_checkpoint(ckpt)
     expected = {}
     for n, p in engine.module.named_parameters():
         for key in ("exp_avg", "exp_avg_sq"):
@@ -147,15 +157,40 @@ def _full_state(opt, p, key):  # type: ignore[no-untyped-def]
 def main() -> None:
     import torch.multiprocessing as mp
 
-    arg = sys.argv[1] if len(sys.argv) > 1 else "1,2,3,bf16"
-    variants = [(1, True) if x == "bf16" else (int(x), False) for x in arg.split(",")]
-    for stage, bf16 in variants:
-        for world in (1, 2):
-            out = os.path.join(HERE, f"{'bf16_' if bf16 else ''}zero{stage}_ws{world}")
+    arg = sys.argv[1] if len(sys.argv) > 1 else "1,2,3,bf16,ucp"
+    named = {"bf16": [(1, (1, 2), "bf16_")], "ucp": [(2, (2,), "ucp_")]}
+    variants = [v for x in arg.split(",") for v in named.get(x, [(int(x) if x.isdigit() else 0, (1, 2), "")])]
+    for stage, worlds, prefix in variants:
+        for world in worlds:
+            out = os.path.join(HERE, f"{prefix}zero{stage}_ws{world}")
             shutil.rmtree(out, ignore_errors=True)
             os.makedirs(out)
             port = _free_port()
-            mp.spawn(_run, args=(world, stage, port, out, bf16), nprocs=world)
+            mp.spawn(_run, args=(world, stage, port, out, prefix == "bf16_", prefix == "ucp_"), nprocs=world)
+            if prefix == "ucp_":
+                import subprocess
+
+                step = os.path.join(out, "ckpt", f"global_step{STEPS}")
+                subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "deepspeed.checkpoint.ds_to_universal",
+                        "--input_folder",
+                        step,
+                        "--output_folder",
+                        step + "_universal",
+                        "--num_extract_workers",
+                        "1",
+                        "--num_merge_workers",
+                        "1",
+                    ],
+                    check=True,
+                    env=dict(os.environ, DS_ACCELERATOR="cpu"),
+                )
+                for f in os.listdir(os.path.join(out, "ckpt")):
+                    if f.endswith(".py"):
+                        os.remove(os.path.join(out, "ckpt", f))
             print("wrote", out, file=sys.stderr)
 
 

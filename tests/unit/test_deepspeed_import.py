@@ -299,3 +299,47 @@ def test_saved_lr_scheduler_becomes_lr_scheduler_json(tmp_path: Path) -> None:
     sched3 = torch.optim.lr_scheduler.StepLR(opt2, step_size=1)
     GeneralCheckpointIO().load_lr_scheduler(sched3, str(out))
     assert sched3.state_dict() == sched.state_dict()
+
+
+def test_universal_checkpoint_reads_like_the_zero_one(tmp_path: Path) -> None:
+    """DeepSpeed's ds_to_universal output (whole tensors per parameter) of a ZeRO-2 x2 run: the
+    same model, moments, steps and groups as the ZeRO files it was made from, bit for bit."""
+    case = "ucp_zero2_ws2"
+    universal = DATA / case / "ckpt" / "global_step3_universal"
+    zero = read_deepspeed(str(DATA / case / "ckpt"))
+    ucp = read_deepspeed(str(universal))
+    assert zero.world_size == 2 and ucp.world_size == 1 and ucp.step == zero.step == 3
+    assert list(ucp.model) == list(zero.model) and ucp.param_groups == zero.param_groups
+    for k, v in zero.model.items():
+        assert ucp.model[k].dtype == v.dtype and torch.equal(ucp.model[k], v), k
+    for fqn, st in zero.state.items():
+        assert set(ucp.state[fqn]) == set(st), fqn
+        for key, v in st.items():
+            assert torch.equal(torch.as_tensor(ucp.state[fqn][key]), torch.as_tensor(v)), (fqn, key)
+    tensors, _ = _expected(case)
+    for k, want in tensors.items():
+        if k.startswith("model."):
+            assert torch.equal(ucp.model[k[len("model.") :]], want), k
+    out = tmp_path / "out"
+    assert cli(["convert", "-q", str(universal), str(out)]) == 0  # --from deepspeed told from the files
+    m = _model()
+    opt = _optimizer(m, _expected(case)[1])
+    io = GeneralCheckpointIO()
+    io.load_model(m, str(out))
+    io.load_optimizer(OptimizerWrapper(opt, m), str(out))
+    _assert_restored(m, opt, case)
+
+
+def test_universal_checkpoint_with_an_escaping_name_is_refused(tmp_path: Path) -> None:
+    from unickpt.errors import UnsafePathError
+
+    ck = tmp_path / "u"
+    shutil.copytree(DATA / "ucp_zero2_ws2" / "ckpt" / "global_step3_universal", ck)
+    model = ck / "mp_rank_00_model_states.pt"
+    ms = torch.load(model, weights_only=True)
+    first = ms["param_shapes"][0]
+    name = next(iter(first))
+    ms["param_shapes"][0] = {f"../{name}": first[name], **{k: v for k, v in first.items() if k != name}}
+    torch.save(ms, model)
+    with pytest.raises(UnsafePathError, match=r"parameter name '\.\./"):
+        read_deepspeed(str(ck))

@@ -28,7 +28,9 @@ states file are their rounding), buffers from the module state (floating ones as
 Files are read only through :mod:`unickpt.tools.deepspeed_read` (no code from them runs).
 A bf16 run's ``bf16_zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` (DeepSpeed's ``BF16_Optimizer``,
 used for bf16 with ZeRO stage 1) holds the stage 1 layout without a ``zero_stage`` entry and is
-read as stage 1. Tensor/pipeline parallel checkpoints (``mp_rank_01`` ...) are refused with
+read as stage 1. A universal checkpoint (``ds_to_universal``'s ``<tag>_universal/``: whole
+tensors per parameter under ``zero/<name>/``) is read by :func:`_read_universal`.
+Tensor/pipeline parallel checkpoints (``mp_rank_01`` ...) are refused with
 :class:`UnsupportedError`.
 """
 
@@ -79,7 +81,7 @@ def find_step_dir(src: str, tag: str | None = None) -> str:
     """The ``<tag>/`` directory of the checkpoint ``src`` (``tag``, else the ``latest`` file's),
     or ``src`` itself when it already holds the rank files."""
     if tag is None:
-        if any(_OPTIM.match(n) for n in _listdir(src)):
+        if any(_OPTIM.match(n) for n in _listdir(src)) or _is_universal(src):
             return src
         latest = os.path.join(src, "latest")
         if not os.path.isfile(latest):
@@ -168,6 +170,8 @@ def _read(src: str, tag: str | None) -> DeepSpeedCheckpoint:
     from unickpt.tools.deepspeed_read import load_deepspeed_file
 
     step_dir = find_step_dir(src, tag)
+    if _is_universal(step_dir):
+        return _read_universal(step_dir)
     model_paths, optim_paths = _rank_files(step_dir)
     models = [load_deepspeed_file(p) for p in model_paths]
     ms, model_path = models[0], model_paths[0]
@@ -228,6 +232,85 @@ def _read(src: str, tag: str | None) -> DeepSpeedCheckpoint:
             out.model[fqn] = weight
             out.state[fqn] = state
         out.param_groups.append({**hyper, "params": fqns})
+    for a, b in (ms.get("shared_params") or {}).items():
+        if b in out.model:
+            out.model[a] = out.model[b]
+    return out
+
+
+def _is_universal(step_dir: str) -> bool:
+    """A universal checkpoint step (``ds_to_universal``'s ``<tag>_universal/``)."""
+    return os.path.isfile(os.path.join(step_dir, "zero", "optimizer_state.pt"))
+
+
+def _read_universal(step_dir: str) -> DeepSpeedCheckpoint:
+    """A DeepSpeed universal checkpoint (UCP: what ``deepspeed.checkpoint.ds_to_universal``
+    writes): ``mp_rank_00_model_states.pt`` (module buffers, ``param_shapes`` per group, step
+    counters), ``zero/optimizer_state.pt`` (the param groups' hyperparameters) and, per parameter,
+    ``zero/<name>/{fp32,exp_avg,exp_avg_sq}.pt`` (``{"param": the whole tensor, "cat_dim": ...}``)
+    and ``step.pt``: whole tensors, whatever the world size that trained."""
+    import torch
+
+    from unickpt.io.names import normalize_name
+    from unickpt.tools.deepspeed_read import load_deepspeed_file, load_deepspeed_tensor
+
+    model_path = os.path.join(step_dir, "mp_rank_00_model_states.pt")
+    ms = load_deepspeed_file(model_path)
+    module = _get(ms, "module", model_path)
+    param_shapes = _get(ms, "param_shapes", model_path)
+    if not isinstance(module, dict) or not isinstance(param_shapes, list):
+        raise CheckpointFormatError(f"{model_path}: 'module' or 'param_shapes' has the wrong type")
+    optim_path = os.path.join(step_dir, "zero", "optimizer_state.pt")
+    osd = load_deepspeed_file(optim_path)
+    groups = _get(osd, "param_groups", optim_path)
+    if not isinstance(groups, list) or len(groups) != len(param_shapes):
+        raise CheckpointFormatError(
+            f"{optim_path}: {len(groups) if isinstance(groups, list) else 'no'} param groups for the "
+            f"{len(param_shapes)} groups of {model_path}"
+        )
+    out = DeepSpeedCheckpoint()
+    out.zero_stage = int(osd.get("zero_stage", 1))
+    out.world_size = 1  # a universal checkpoint holds whole tensors: it reads like one rank's
+    for k in ("global_steps", "global_samples", "skipped_steps"):
+        if isinstance(ms.get(k), int):
+            out.train_state[k] = ms[k]
+    out.step = out.train_state.get("global_steps")
+    if isinstance(ms.get("lr_scheduler"), dict):
+        out.lr_scheduler = ms["lr_scheduler"]
+    for name in ms.get("buffer_names") or []:
+        if name in module:
+            v = module[name]
+            out.model[name] = v.float() if v.is_floating_point() else v
+    for gi, shapes in enumerate(param_shapes):
+        if not isinstance(shapes, dict):
+            raise CheckpointFormatError(
+                f"{model_path}: param_shapes[{gi}] is not a mapping of names to shapes"
+            )
+        fqns = []
+        for name, shape in shapes.items():
+            if not isinstance(name, str) or not _TAG.match(name) or ".." in name:
+                raise UnsafePathError(f"{model_path}: parameter name {name!r} is not a plain directory name")
+            shape = [int(x) for x in shape]
+            where = os.path.join(step_dir, "zero", name)
+            tensors: dict[str, Any] = {}
+            for key in ("fp32", "exp_avg", "exp_avg_sq"):
+                f = os.path.join(where, f"{key}.pt")
+                got = load_deepspeed_file(f).get("param")
+                if not isinstance(got, torch.Tensor) or list(got.shape) != shape:
+                    raise CheckpointFormatError(
+                        f"{f}: expected the parameter's whole tensor of shape {shape} under 'param', found "
+                        f"{list(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}"
+                    )
+                tensors[key] = got
+            state: dict[str, Any] = {"exp_avg": tensors["exp_avg"], "exp_avg_sq": tensors["exp_avg_sq"]}
+            step_file = os.path.join(where, "step.pt")
+            if os.path.isfile(step_file):
+                state["step"] = load_deepspeed_tensor(step_file)
+            fqn = normalize_name(name)
+            fqns.append(fqn)
+            out.model[fqn] = tensors["fp32"].float()
+            out.state[fqn] = state
+        out.param_groups.append({**_hyper({"param_groups": groups}, gi), "params": fqns})
     for a, b in (ms.get("shared_params") or {}).items():
         if b in out.model:
             out.model[a] = out.model[b]

@@ -27,7 +27,7 @@ import torch
 
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, UnsupportedError
 
-__all__ = ["load_deepspeed_file", "ZeroStage", "LossScalerState", "FragmentAddress"]
+__all__ = ["load_deepspeed_file", "load_deepspeed_tensor", "ZeroStage", "LossScalerState", "FragmentAddress"]
 
 
 class ZeroStage(enum.IntEnum):
@@ -66,6 +66,23 @@ _STAND_INS: list[Any] = [
 
 def load_deepspeed_file(path: str) -> dict[str, Any]:
     """The dict pickled in the DeepSpeed file ``path``, on CPU, read as the module docstring says."""
+    obj = _load(path)
+    if not isinstance(obj, dict):
+        raise CheckpointFormatError(
+            f"{path}: not a readable DeepSpeed state dict (holds a {type(obj).__name__})"
+        )
+    return obj
+
+
+def load_deepspeed_tensor(path: str) -> torch.Tensor:
+    """The tensor pickled alone in the DeepSpeed file ``path`` (a universal checkpoint's ``step.pt``)."""
+    obj = _load(path)
+    if not isinstance(obj, torch.Tensor):
+        raise CheckpointFormatError(f"{path}: expected a tensor, found a {type(obj).__name__}")
+    return obj
+
+
+def _load(path: str) -> Any:
     try:
         with torch.serialization.safe_globals(_STAND_INS):
             obj = torch.load(path, map_location="cpu", weights_only=True)
@@ -80,9 +97,6 @@ def load_deepspeed_file(path: str) -> dict[str, Any]:
         ) from None
     except (RuntimeError, ValueError, EOFError, TypeError, KeyError, zipfile.BadZipFile) as e:
         obj = e  # damaged: reported below with what torch said
-    if not isinstance(obj, dict):
-        got = (
-            f"{type(obj).__name__}: {obj}" if isinstance(obj, Exception) else f"holds a {type(obj).__name__}"
-        )
-        raise CheckpointFormatError(f"{path}: not a readable DeepSpeed state dict ({got})")
+    if isinstance(obj, Exception):
+        raise CheckpointFormatError(f"{path}: not a readable DeepSpeed file ({type(obj).__name__}: {obj})")
     return obj
