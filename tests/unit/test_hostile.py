@@ -436,10 +436,8 @@ def test_hostile_file_through_every_tool(
             else:
                 fn()  # reads only the index, which is fine
         # diff reads the data of tensors without fingerprints only: the index's refusal, or none
-        try:
+        with contextlib.suppress(cls):
             diff_checkpoints(d, d)
-        except cls:
-            pass
         assert not (tmp_path / "merged").exists()
     # load_model: the model's names differ from the odd ones, so a mismatch; never anything else.
     m = Good()
