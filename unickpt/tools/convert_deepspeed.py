@@ -46,6 +46,7 @@ from unickpt.errors import (
     UnsafePathError,
     UnsupportedError,
 )
+from unickpt.format.confine import confined_path
 
 __all__ = ["DeepSpeedCheckpoint", "read_deepspeed", "write_deepspeed"]
 
@@ -77,16 +78,16 @@ def find_step_dir(src: str, tag: str | None = None) -> str:
     if tag is None:
         if any(_OPTIM.match(n) for n in _listdir(src)):
             return src
-        latest = os.path.join(src, "latest")
+        latest = confined_path(src, "latest", src, "the tag file")
         if not os.path.isfile(latest):
             raise IncompleteCheckpointError(
                 f"{src} is not a DeepSpeed checkpoint: no 'latest' file and no *_optim_states.pt files"
             )
         with open(latest, "rb") as f:
             tag = f.read(4096).decode("utf-8", "replace").strip()
-    if not _TAG.match(tag) or ".." in tag:
-        raise UnsafePathError(f"{src}: checkpoint tag {tag!r} is not a plain directory name")
-    step_dir = os.path.join(src, tag)
+    if not _TAG.match(tag):
+        raise UnsafePathError(f"{src}/latest: checkpoint tag {tag[:300]!r} is not a plain directory name")
+    step_dir = confined_path(src, tag, f"{src}/latest", "checkpoint tag")
     if not os.path.isdir(step_dir):
         raise IncompleteCheckpointError(f"{src}: the tag {tag!r} names no directory")
     return step_dir
@@ -112,7 +113,7 @@ def _rank_files(step_dir: str) -> tuple[list[str], list[str]]:
                     f"{step_dir}: {n} belongs to model-parallel rank {int(m.group(2))}; only data-parallel "
                     "ZeRO checkpoints (mp_rank_00) are imported"
                 )
-            optim[int(m.group(1))] = os.path.join(step_dir, n)
+            optim[int(m.group(1))] = confined_path(step_dir, n, step_dir, "optimizer file")
         elif n.endswith("_optim_states.pt"):
             raise UnsupportedError(f"{step_dir}: {n} is not a ZeRO optimizer file (bf16 optimizer?)")
     models = [n for n in names if _MODEL.match(n)]
@@ -128,8 +129,11 @@ def _rank_files(step_dir: str) -> tuple[list[str], list[str]]:
         )
     ranks = [optim[r] for r in range(len(optim))]
     if "mp_rank_00_model_states.pt" in names:  # stage 1/2: one model states file
-        return [os.path.join(step_dir, "mp_rank_00_model_states.pt")], ranks
-    z3 = [os.path.join(step_dir, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt") for r in range(len(optim))]
+        return [confined_path(step_dir, "mp_rank_00_model_states.pt", step_dir, "model states file")], ranks
+    z3 = [
+        confined_path(step_dir, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt", step_dir, "model states file")
+        for r in range(len(optim))
+    ]
     if not all(os.path.isfile(f) for f in z3):
         raise IncompleteCheckpointError(
             f"{step_dir}: no mp_rank_00_model_states.pt, nor zero_pp_rank_<r>_mp_rank_00_model_states.pt "
