@@ -34,6 +34,7 @@ import numpy as np
 from unickpt import __version__
 from unickpt._logging import get_logger
 from unickpt.errors import CheckpointFormatError, UnsupportedError
+from unickpt.format.confine import confined_path
 from unickpt.format.dcp_hf import dcp_hf_files
 from unickpt.format.index import LayoutInfo
 from unickpt.format.storage import is_url
@@ -41,7 +42,7 @@ from unickpt.tools._common import check_output, staged_output
 from unickpt.tools._sink import Sink, output_sink, put_bytes
 from unickpt.tools._store_out import StoreOutput
 from unickpt.tools._write import SliceData, TensorData, write_checkpoint
-from unickpt.tools.convert_src import StoreSource, bin_shard_names, latest_step
+from unickpt.tools.convert_src import BIN_INDEX, StoreSource, bin_shard_names, latest_step
 
 __all__ = ["convert_checkpoint"]
 
@@ -130,7 +131,7 @@ def _bin_files(src: str) -> list[str]:
     names = bin_shard_names(
         src, lambda n: os.path.isfile(os.path.join(src, n)), read, partial(os.path.join, src)
     )
-    return [os.path.join(src, n) for n in names]
+    return [confined_path(src, n, os.path.join(src, BIN_INDEX), "weight_map file") for n in names]
 
 
 def _bin_tensors(src: str, strip_prefix: str | None) -> Iterator[tuple[str, Any]]:
@@ -175,7 +176,7 @@ def _dcp_source(src: str) -> str:
     step = latest_step(os.listdir(src), lambda n: os.path.isfile(os.path.join(src, n, ".metadata")))
     if step is None:
         return src
-    chosen = os.path.join(src, step)
+    chosen = confined_path(src, step, src, "step directory")
     logger.info("%s holds step directories; converting the latest, %s", src, chosen)
     return chosen
 

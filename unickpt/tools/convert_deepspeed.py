@@ -157,7 +157,7 @@ def read_deepspeed(src: str, tag: str | None = None) -> DeepSpeedCheckpoint:
         return _read(src, tag)
     except UnickptError:
         raise
-    except (KeyError, IndexError, TypeError, AttributeError, ValueError, RuntimeError) as e:
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError, RuntimeError, ArithmeticError) as e:
         raise CheckpointFormatError(
             f"{src}: not a readable DeepSpeed ZeRO checkpoint ({type(e).__name__}: {e})"
         ) from None
@@ -208,7 +208,8 @@ def _read(src: str, tag: str | None) -> DeepSpeedCheckpoint:
             raise CheckpointFormatError(
                 f"{step_dir}: frozen parameter {name!r} has no fragment on every rank"
             )
-        out.model[name] = _cat(frags)[: math.prod(shape)].view([int(x) for x in shape]).clone()
+        dims = _shape(shape, model_path, f"frozen parameter {name!r}")
+        out.model[name] = _cat(frags)[: math.prod(dims)].view(dims).clone()
     merged = (
         _zero3(osds, optim_paths, param_shapes, ws)
         if stage == 3
@@ -229,6 +230,27 @@ def _read(src: str, tag: str | None) -> DeepSpeedCheckpoint:
 
 
 _Group = tuple[list[tuple[str, Any, dict[str, Any]]], dict[str, Any]]  # [(name, weight, state)], hyper
+
+
+#: Most dims of a parameter shape, and the largest extent of one, accepted from a DeepSpeed file.
+_MAX_NDIM = 64
+_MAX_EXTENT = 1 << 62
+
+
+def _shape(shape: Any, where: str, what: str) -> list[int]:
+    """A shape recorded in a DeepSpeed file (``param_shapes``, ``frozen_param_shapes``) as a list
+    of ints, checked before anything is sized from it."""
+    dims = list(shape) if isinstance(shape, (list, tuple)) or type(shape).__name__ == "Size" else None
+    if (
+        dims is None
+        or len(dims) > _MAX_NDIM
+        or not all(type(x) is int and 0 <= x <= _MAX_EXTENT for x in dims)
+    ):
+        raise CheckpointFormatError(
+            f"{where}: the shape of {what} is {shape!r:.200}; expected at most {_MAX_NDIM} integers "
+            f"in 0..2**62"
+        )
+    return dims
 
 
 def _cat(parts: list[Any]) -> Any:
@@ -290,7 +312,7 @@ def _zero12(osds: list[Any], paths: list[str], param_shapes: list[Any], ws: int)
         offset = 0
         params = []
         for (name, shape), pad in zip(shapes.items(), pads, strict=True):
-            shape = [int(x) for x in shape]
+            shape = _shape(shape, paths[0], f"parameter {name!r} of group {gi}")
             n = math.prod(shape)
             if offset + n > flat.numel():
                 raise CheckpointFormatError(
@@ -301,9 +323,14 @@ def _zero12(osds: list[Any], paths: list[str], param_shapes: list[Any], ws: int)
                 return v.narrow(0, o, n).view(shape).clone()
 
             params.append((name, cut(flat), _param_state(moments, scalars, cut)))
-            offset += n + int(pad)
+            if type(pad) is not int or not 0 <= pad <= flat.numel():
+                raise CheckpointFormatError(
+                    f"{paths[0]}: alignment padding {pad!r} of parameter {name!r} of group {gi} is not an "
+                    f"integer in 0..{flat.numel()}"
+                )
+            offset += n + pad
         align = 2 * ws  # ZeRO-2 pads each group to a multiple of 2 x world size (zero_to_fp32's check)
-        if math.ceil(offset / align) != math.ceil(flat.numel() / align):
+        if -(-offset // align) != -(-flat.numel() // align):
             raise CheckpointFormatError(
                 f"{paths[0]}: group {gi} holds {flat.numel()} elements but its parameters take {offset}"
             )
@@ -343,9 +370,9 @@ def _zero3(osds: list[Any], paths: list[str], param_shapes: list[Any], ws: int) 
         first = offset
         params = []
         for name, shape in shapes.items():
-            shape = [int(x) for x in shape]
+            shape = _shape(shape, paths[0], f"parameter {name!r}")
             n = math.prod(shape)
-            part = math.ceil(n / ws)
+            part = -(-n // ws)
             if offset + part > rank_flat[0].numel():
                 raise CheckpointFormatError(
                     f"{paths[0]}: parameter {name!r} ends past the rank's fp32 partition"
