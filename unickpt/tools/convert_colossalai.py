@@ -54,8 +54,8 @@ def _file(directory: str, name: object, idx: str, entry: str) -> str:
     return confined_path(directory, check_file_name(name, f"{idx}: {entry}"), idx, entry)  # type: ignore[arg-type]
 
 
-#: Largest index JSON read (a model's weight_map of 10^6 names is about 60 MB).
-_MAX_JSON = 256 << 20
+#: Largest index JSON read (a weight_map of 10^5 tensor names is about 10 MB).
+_MAX_JSON = 64 << 20
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -63,11 +63,16 @@ def _read_json(path: str) -> dict[str, Any]:
 
     try:
         with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > _MAX_JSON:
+                raise CheckpointFormatError(
+                    f"{path}: {size} bytes, over the {_MAX_JSON}-byte limit of an index file"
+                )
             raw = f.read(_MAX_JSON + 1)
     except FileNotFoundError:
         raise IncompleteCheckpointError(f"{path} is missing") from None
     if len(raw) > _MAX_JSON:
-        raise CheckpointFormatError(f"{path}: larger than the {_MAX_JSON}-byte limit of an index file")
+        raise CheckpointFormatError(f"{path}: over the {_MAX_JSON}-byte limit of an index file")
     try:
         obj = strict_loads(raw.decode("utf-8"), CheckpointFormatError, path)
     except UnicodeDecodeError as e:

@@ -234,7 +234,7 @@ _Group = tuple[list[tuple[str, Any, dict[str, Any]]], dict[str, Any]]  # [(name,
 
 #: Most dims of a parameter shape, and the largest extent of one, accepted from a DeepSpeed file.
 _MAX_NDIM = 64
-_MAX_EXTENT = 1 << 62
+_MAX_EXTENT = (1 << 62) - 1
 
 
 def _shape(shape: Any, where: str, what: str) -> list[int]:
@@ -248,7 +248,7 @@ def _shape(shape: Any, where: str, what: str) -> list[int]:
     ):
         raise CheckpointFormatError(
             f"{where}: the shape of {what} is {shape!r:.200}; expected at most {_MAX_NDIM} integers "
-            f"in 0..2**62"
+            f"in 0..2**62-1"
         )
     return dims
 

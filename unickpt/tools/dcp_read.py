@@ -58,8 +58,8 @@ __all__ = ["read_metadata", "check_metadata", "load_entries", "tensor_specs"]
 
 #: Most dims of a DCP tensor accepted (as in a safetensors header).
 MAX_NDIM = 64
-#: Largest extent of one dim (numpy's int64 arithmetic of the tiling check stays exact).
-MAX_EXTENT = 1 << 62
+#: Largest extent of one dim (as in a unickpt index; numpy's int64 arithmetic stays exact).
+MAX_EXTENT = (1 << 62) - 1
 #: Most corners (chunks x 2^dims) the general tiling check is given for one tensor; the common
 #: case (chunks cut along one dim) is checked without it.
 _MAX_CORNERS = 1 << 22
