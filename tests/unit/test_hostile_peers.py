@@ -554,6 +554,25 @@ def test_bin_index_weight_map_escapes(target: str, tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize("kind", ["cyclic", "nested_1e5"])
+def test_bin_shard_objects(kind: str, tmp_path: Path) -> None:
+    d = tmp_path / "bin"
+    d.mkdir()
+    sd: dict[str, Any] = {"w": torch.ones(2)}
+    if kind == "cyclic":
+        sd["extra"] = _cyclic()
+        torch.save(sd, d / "pytorch_model.bin")
+    else:
+        _torch_deep(d / "pytorch_model.bin", sd, "extra")
+    what = "contains itself" if kind == "cyclic" else "nested more than 64"
+    _bounded(
+        lambda: convert_checkpoint(d, tmp_path / "out", source="bin"),
+        errors.CheckpointFormatError,
+        str(d / "pytorch_model.bin"),
+        what,
+    )
+
+
 def test_bin_shard_symlink_out(tmp_path: Path) -> None:
     d = tmp_path / "bin"
     d.mkdir()

@@ -34,7 +34,7 @@ import numpy as np
 from unickpt import __version__
 from unickpt._logging import get_logger
 from unickpt.errors import CheckpointFormatError, UnsupportedError
-from unickpt.format.confine import confined_path
+from unickpt.format.confine import check_graph, confined_path
 from unickpt.format.dcp_hf import dcp_hf_files
 from unickpt.format.index import LayoutInfo
 from unickpt.format.storage import is_url
@@ -154,6 +154,7 @@ def _bin_tensors(src: str, strip_prefix: str | None) -> Iterator[tuple[str, Any]
             ) from None
         if not isinstance(sd, dict):
             raise CheckpointFormatError(f"{path}: holds a {type(sd).__name__}, not a state dict of tensors")
+        check_graph(sd, path, "state dict", CheckpointFormatError)
         for k, v in sd.items():
             if not isinstance(v, torch.Tensor):
                 logger.warning("%s: skipping non-tensor entry %r", path, k)
