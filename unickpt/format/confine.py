@@ -38,6 +38,7 @@ _PLAIN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._+=-]*$")
 MAX_DEPTH = 64
 
 _ATOMS = (str, bytes, bytearray, int, float, complex, bool, type(None), enum.Enum, type, range, slice)
+_ATOM_TYPES = frozenset({str, bytes, int, float, bool, type(None)})  # the common leaves, by exact type
 
 
 def is_plain_name(name: object) -> bool:
@@ -108,7 +109,7 @@ def check_graph(
     while frames:
         top = frames[-1]
         for c in top[1]:
-            if isinstance(c, _ATOMS):
+            if type(c) in _ATOM_TYPES or isinstance(c, _ATOMS):
                 continue
             cid = id(c)
             h = height.get(cid)

@@ -361,7 +361,7 @@ def _copy_side_files(src: str, sink: Sink) -> None:
         return
     src_dir = src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src))
     for fname in _SIDE_FILES:
-        p = os.path.join(src_dir, fname)
+        p = confined_path(src_dir, fname, src_dir, "side file")  # never a link out of the source
         if os.path.isfile(p):
             with open(p, "rb") as f:
                 put_bytes(sink, fname, f.read())
