@@ -15,6 +15,7 @@ The untouched files must still convert bit-exact.
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import pickle
@@ -961,3 +962,46 @@ def test_colossalai_real_checkpoint_converts_bit_exact(tmp_path: Path) -> None:
     out = tmp_path / "out"
     convert_checkpoint(COLO / "optimizer", out, source="colossalai")
     _check_colo("one_group", out, *_colo_model_opt(False))
+
+
+# ---------------------------------------------------------------- the object-graph bound itself
+
+
+def test_check_graph_counts_shared_objects_on_every_path() -> None:
+    """20 chains of 50 lists, each chain's end holding the next chain, all listed at the top: each
+    object is visited once, yet the longest nesting (1000) is what a recursive walk would meet."""
+    from unickpt.format.confine import check_graph
+
+    chains = []
+    for _ in range(20):
+        top: list[Any] = []
+        end = top
+        for _ in range(49):
+            end.append([])
+            end = end[0]
+        chains.append((top, end))
+    for (_, end), (nxt, _) in itertools.pairwise(chains):
+        end.append(nxt)
+    check_graph([chains[-1][0]], "f")  # one chain: 51 deep, accepted
+    with pytest.raises(
+        errors.CheckpointFormatError, match="f: the object is nested more than 64 levels deep"
+    ):
+        check_graph([top for top, _ in chains], "f")
+
+
+def test_check_graph_walks_shared_objects_once() -> None:
+    """10^9 paths through shared lists cost their 10^6 references, not 10^9 visits."""
+    from unickpt.format.confine import check_graph
+
+    leaf: list[Any] = [torch.ones(1), "x", 1.5, None]
+    level: Any = leaf
+    for _ in range(9):
+        level = [level] * 10
+    wide = [level] * 1000
+    c0 = time.process_time()
+    check_graph({"a": wide, "b": (wide, {1: leaf})}, "f")
+    assert time.process_time() - c0 < TIME_LIMIT
+    a: dict[str, Any] = {}
+    a["self"] = {"inner": [a]}
+    with pytest.raises(errors.CheckpointFormatError, match="f: the object contains itself"):
+        check_graph(a, "f")
