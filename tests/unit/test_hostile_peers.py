@@ -336,6 +336,26 @@ DCP_CASES: dict[str, tuple[Callable[[Any], None], type[BaseException], tuple[str
         errors.CheckpointFormatError,
         ("storage_data['model.w'",),
     ),
+    "offset_1e5000": (
+        _set_info("model.w", offset=10**5000),
+        errors.CheckpointFormatError,
+        ("storage_data['model.w'", "too large to show", "below 2**63"),
+    ),
+    "chunk_offset_1e5000": (
+        lambda md: setattr(md.state_dict_metadata["model.w"].chunks[0], "offsets", torch.Size([10**5000, 0])),
+        errors.CheckpointFormatError,
+        ("'model.w' chunk 0", "too large to show"),
+    ),
+    "planner_path_1e5000": (
+        _planner(("model", 10**5000)),
+        errors.CheckpointFormatError,
+        ("planner_data['model.w']", "too large to show"),
+    ),
+    "planner_path_object": (
+        _planner(("model", {"w": 1})),
+        errors.CheckpointFormatError,
+        ("planner_data['model.w']", "names and indices"),
+    ),
     "transforms": (
         _set_info("model.w", transform_descriptors=["zstd"]),
         errors.UnsupportedError,

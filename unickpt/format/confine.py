@@ -31,7 +31,7 @@ from typing import Any
 
 from unickpt.errors import CheckpointFormatError, UnsafePathError
 
-__all__ = ["MAX_DEPTH", "is_plain_name", "plain_name", "confined_path", "check_graph"]
+__all__ = ["MAX_DEPTH", "is_plain_name", "plain_name", "confined_path", "check_graph", "show"]
 
 _PLAIN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._+=-]*$")
 #: Deepest nesting of containers/objects accepted from a foreign pickle (real checkpoints: < 12).
@@ -39,6 +39,18 @@ MAX_DEPTH = 64
 
 _ATOMS = (str, bytes, bytearray, int, float, complex, bool, type(None), enum.Enum, type, range, slice)
 _ATOM_TYPES = frozenset({str, bytes, int, float, bool, type(None)})  # the common leaves, by exact type
+
+
+def show(value: object, limit: int = 200) -> str:
+    """``repr(value)`` for a message, at most ``limit`` characters; never raises (an unpickled
+    integer too long for ``repr``, a self-containing or very deep object)."""
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError, MemoryError):
+        return f"<a {type(value).__name__} too large to show>"
+    except Exception:  # a stand-in's repr on hostile attributes
+        return f"<a {type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def is_plain_name(name: object) -> bool:
@@ -51,7 +63,7 @@ def plain_name(name: object, where: str, entry: str, error: type[Exception] = Un
     it was read from and the ``entry`` that holds it."""
     if not is_plain_name(name):
         raise error(
-            f"{where}: {entry} names {name!r}, which is not a plain file name inside the checkpoint "
+            f"{where}: {entry} names {show(name)}, which is not a plain file name inside the checkpoint "
             "(no '/', '\\', '..', absolute paths or hidden files); refusing to read outside it"
         )
     return name  # type: ignore[return-value]

@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, UnsupportedError
 from unickpt.format.boxes import box_volume
-from unickpt.format.confine import check_graph, confined_path, plain_name
+from unickpt.format.confine import check_graph, confined_path, plain_name, show
 from unickpt.format.coverage import coverage_problem
 from unickpt.format.storage import Storage, is_url, open_storage
 
@@ -172,6 +172,14 @@ def check_metadata(md: Metadata, where: str, size_of: Any) -> None:
     sdm = md.state_dict_metadata
     if not isinstance(sdm, dict) or not all(isinstance(k, str) for k in sdm):
         raise CheckpointFormatError(f"{where}: state_dict_metadata is not a dict of entry names")
+    planner = md.planner_data
+    for k, p in (planner if isinstance(planner, dict) else {}).items():
+        if isinstance(p, (tuple, list)) and not all(
+            type(x) is str or (type(x) is int and 0 <= x < 1 << 63) for x in p
+        ):  # the entry's path in the saved state dict: names and list indices
+            raise CheckpointFormatError(
+                f"{where}: planner_data[{show(k)}] is {show(p)}; expected the entry's path (names and indices)"
+            )
     storage = md.storage_data
     if not isinstance(storage, dict):
         raise CheckpointFormatError(f"{where}: storage_data is {type(storage).__name__}, not a dict")
@@ -182,17 +190,22 @@ def check_metadata(md: Metadata, where: str, size_of: Any) -> None:
         fqn = getattr(idx, "fqn", None) if isinstance(idx, MetadataIndex) else None
         off = getattr(idx, "offset", None)
         if not isinstance(fqn, str) or (off is not None and _ints(off) is None):
-            raise CheckpointFormatError(f"{where}: storage_data key {idx!r} is not a DCP MetadataIndex")
+            raise CheckpointFormatError(f"{where}: storage_data key {show(idx)} is not a DCP MetadataIndex")
         entry = f"storage_data[{fqn!r}{'' if off is None else f' at {list(off)}'}]"
         name = plain_name(getattr(info, "relative_path", None), where, f"{entry}.relative_path")
         start, length = getattr(info, "offset", None), getattr(info, "length", None)
-        if type(start) is not int or type(length) is not int or start < 0 or length < 0:
+        if (
+            type(start) is not int
+            or type(length) is not int
+            or not (0 <= start < 1 << 63 and 0 <= length < 1 << 63)
+        ):
             raise CheckpointFormatError(
-                f"{where}: {entry} has offset {start!r} and length {length!r}; expected non-negative integers"
+                f"{where}: {entry} has offset {show(start)} and length {show(length)}; expected non-negative "
+                "integers below 2**63"
             )
         if getattr(info, "transform_descriptors", None):
             raise UnsupportedError(
-                f"{where}: {entry} is stored through transforms {info.transform_descriptors!r}; "
+                f"{where}: {entry} is stored through transforms {show(info.transform_descriptors)}; "
                 "unickpt reads DCP entries stored as they are only"
             )
         if name not in sizes:
@@ -254,8 +267,8 @@ def _check_tensor(fqn: str, m: TensorStorageMetadata, lengths: dict[Any, int], w
         sub = _ints(getattr(c, "sizes", None), len(shape))
         if offs is None or sub is None or any(o + s > g for o, s, g in zip(offs, sub, shape, strict=True)):
             raise CheckpointFormatError(
-                f"{where}: tensor {fqn!r} chunk {i} (offsets {getattr(c, 'offsets', None)!r}, sizes "
-                f"{getattr(c, 'sizes', None)!r}) does not lie inside its size {shape}"
+                f"{where}: tensor {fqn!r} chunk {i} (offsets {show(getattr(c, 'offsets', None))}, sizes "
+                f"{show(getattr(c, 'sizes', None))}) does not lie inside its size {shape}"
             )
         stored = lengths.get((fqn, tuple(offs)))
         if stored is None:
