@@ -248,7 +248,9 @@ def test_wrong_structure_is_a_format_error(tmp_path: Path) -> None:
     ms = torch.load(path, weights_only=True)
     ms["param_shapes"] = [{"0.weight": "six by four", "0.bias": [6], "2.weight": [3, 6]}]
     torch.save(ms, path)
-    with pytest.raises(CheckpointFormatError, match="not a readable DeepSpeed ZeRO checkpoint"):
+    with pytest.raises(
+        CheckpointFormatError, match=r"shape of parameter '0\.weight' of group 0 is 'six by four'"
+    ):
         read_deepspeed(str(ck))
     ms["param_shapes"] = [{"0.weight": [600, 4], "0.bias": [6], "2.weight": [3, 6]}]
     torch.save(ms, path)

@@ -152,23 +152,93 @@ def test_importing_unickpt_is_light() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-MAX_MODULE_LINES = 500
+def _cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """The import cycles of ``graph`` (its strongly connected components of 2 or more modules,
+    and modules importing themselves), by Tarjan's algorithm, iteratively."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on: set[str] = set()
+    stack: list[str] = []
+    out: list[frozenset[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            node, edges = work[-1]
+            for nxt in edges:
+                if nxt not in graph:
+                    continue
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                    break
+                if nxt in on:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    comp = set()
+                    while True:
+                        m = stack.pop()
+                        on.discard(m)
+                        comp.add(m)
+                        if m == node:
+                            break
+                    if len(comp) > 1 or node in graph[node]:
+                        out.append(frozenset(comp))
+    return out
 
 
-def _too_long(lengths: dict[str, int]) -> list[str]:
-    return sorted(
-        f"{mod}: {n} lines (limit {MAX_MODULE_LINES})" for mod, n in lengths.items() if n > MAX_MODULE_LINES
-    )
+# The cycles the package still has (imports inside functions counted), each to be broken by moving
+# code to the module that owns the concept (docs/architecture.md, "The next tree"). None may be
+# added, and none may grow: a cycle broken is removed from this list.
+KNOWN_CYCLES = {
+    frozenset(
+        {
+            "unickpt.format.index_bulk",
+            "unickpt.format.index_models",
+            "unickpt.format.lazy_slices",
+            "unickpt.format.slice_table",
+        }
+    ),
+    frozenset(
+        {
+            "unickpt.format.range_hashes",
+            "unickpt.format.reader",
+            "unickpt.format.reader_blocks",
+            "unickpt.format.reader_storage",
+        }
+    ),
+    frozenset({"unickpt.format.safetensors_bulk", "unickpt.format.safetensors_io"}),
+    frozenset({"unickpt.tools._verify_bulk", "unickpt.tools.verify"}),
+    frozenset({"unickpt.tools.convert", "unickpt.tools.convert_dcp"}),
+}
 
 
-def test_no_module_passes_500_lines() -> None:
-    lengths = {mod: len(path.read_text().splitlines()) for mod, path in PATHS.items()}
-    assert not _too_long(lengths), "split these modules:\n" + "\n".join(_too_long(lengths))
+def test_no_new_import_cycle() -> None:
+    # A package's __init__ re-exports its modules' names: an import of the package stands for the
+    # modules it names, already edges of their own, so packages are not nodes here.
+    modules = {m for m, path in PATHS.items() if path.name != "__init__.py"}
+    graph = {mod: {m for m in MODULES[mod] if m in modules and m != mod} for mod in modules}
+    found = set(_cycles(graph))
+    new = sorted(sorted(c) for c in found - KNOWN_CYCLES)
+    assert not new, f"new import cycles (imports inside functions count): {new}"
+    gone = sorted(sorted(c) for c in KNOWN_CYCLES - found)
+    assert not gone, f"cycles broken: remove them from KNOWN_CYCLES: {gone}"
 
 
-def test_the_line_limit_check_catches_a_long_module() -> None:
-    assert _too_long({"unickpt.io.x": 501, "unickpt.io.y": 500}) == ["unickpt.io.x: 501 lines (limit 500)"]
-    assert _too_long({"unickpt.format.reader": 530}) == ["unickpt.format.reader: 530 lines (limit 500)"]
+def test_the_cycle_check_finds_cycles() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}, "f": set()}
+    assert set(_cycles(graph)) == {frozenset({"a", "b", "c"}), frozenset({"e"})}
+    assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
 def test_test_modules_have_unique_basenames() -> None:

@@ -144,6 +144,10 @@ def test_a_step_committed_before_the_table_is_checked_for_structure(
             {"../../etc/passwd": "00"},
             "COMMIT: refuses to check '../../etc/passwd' (not a path inside the step)",
         ),
+        ({"/etc/passwd": "00"}, "COMMIT: refuses to check '/etc/passwd' (not a path inside the step)"),
+        ({"model/../../x": "00"}, "COMMIT: refuses to check 'model/../../x' (not a path inside the step)"),
+        ({"model/.hidden": "00"}, "COMMIT: refuses to check 'model/.hidden' (not a path inside the step)"),
+        ({"model\\..\\x": "00"}, "COMMIT: refuses to check 'model\\\\..\\\\x' (not a path inside the step)"),
     ],
 )
 def test_a_malformed_or_hostile_table_fails(

@@ -18,6 +18,7 @@ import os
 import re
 
 from unickpt.errors import CheckpointFormatError
+from unickpt.format.confine import confined_path
 from unickpt.format.index import LayoutInfo, SliceEntry, TensorEntry, UnickptBlock
 from unickpt.format.safetensors_io import read_header
 
@@ -41,7 +42,7 @@ def block_from_dcp_hf(directory: str, files: list[str]) -> UnickptBlock:
     slices: dict[str, list[SliceEntry]] = {}
     dtypes: dict[str, str] = {}
     for fname in files:
-        path = os.path.join(directory, fname)
+        path = confined_path(directory, fname, directory, "per-rank file")
         h = read_header(path)
         raw = h.metadata.get(SHARDING_KEY)
         if raw is None:

@@ -12,7 +12,6 @@ rule functions, so a change here changes both. ``docs/index.schema.json`` is exp
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal, get_args
 
@@ -31,6 +30,7 @@ from pydantic import (
 from unickpt.errors import UnsafePathError
 from unickpt.format._json import json_depth
 from unickpt.format.compact_rules import compact_count, compact_problem
+from unickpt.format.confine import is_plain_name
 from unickpt.format.digest_text import block_from_json, block_to_json
 from unickpt.format.dtypes import DTYPE_ITEMSIZE
 from unickpt.format.lazy_slices import LazySlices
@@ -103,8 +103,6 @@ HASHES = "^([0-9a-f]{16}|-{16})*$"
 MAX_STATE_DEPTH = 48
 Hex16 = Annotated[str, Field(pattern=HEX16)]
 
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]*$")
-
 
 def shape_problem(shape: Sequence[int]) -> str | None:
     """What is wrong with a tensor's shape as a whole (each dim is checked as a ``NonNeg``)."""
@@ -162,16 +160,16 @@ def alias_problem(aliases: Mapping[str, str], tensors: Mapping[str, Any]) -> str
 def check_file_name(name: str, where: str = "") -> str:
     """Refuse any data-file name that could leave the checkpoint directory.
 
-    Only plain file names are allowed: no directory separators (either kind), no
-    absolute paths or drive letters, no ``..``, no hidden files, ending in ``.safetensors``
-    (or ``.bin`` for legacy Hugging Face / Colossal-AI checkpoints, read without pickle).
+    Only plain file names are allowed (``format.confine.is_plain_name``, the rule for every
+    name read from a checkpoint file): no directory separators (either kind), no absolute
+    paths or drive letters, no ``..``, no hidden files; here also not starting with ``_`` and
+    ending in ``.safetensors`` (or ``.bin`` for legacy Hugging Face / Colossal-AI checkpoints,
+    read without pickle).
     """
     at = f" ({where})" if where else ""
     if (
-        not isinstance(name, str)
-        or not _SAFE_NAME.match(name)
-        or ".." in name
-        or len(name) > 255
+        not is_plain_name(name)
+        or name.startswith("_")
         or not (name.endswith(".safetensors") or name.endswith(".bin"))
     ):
         raise UnsafePathError(

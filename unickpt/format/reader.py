@@ -30,6 +30,7 @@ from unickpt.errors import (
     IntegrityFailure,
 )
 from unickpt.format.commit import SAVE_ID_KEY
+from unickpt.format.confine import confined_path
 from unickpt.format.consistency import check_block, check_keys_referenced
 from unickpt.format.dcp_hf import block_from_dcp_hf, dcp_hf_files
 from unickpt.format.hashing import SliceHasher
@@ -104,7 +105,9 @@ class CheckpointReader:
             return self.single_file
         if self.storage is not None:
             return f"{self.directory}/{check_file_name(name)}"
-        return os.path.join(self.directory, check_file_name(name))
+        # a symbolic link out of the directory is refused (format.confine; the HF cache's are not)
+        where = self.index_path or self.directory
+        return confined_path(self.directory, check_file_name(name), where, "data file")
 
     def header(self, name: str) -> SafetensorsHeader:
         """The validated header of data file ``name``, which stays open for reading its bytes."""

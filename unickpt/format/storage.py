@@ -167,6 +167,14 @@ class Storage:
         """Names (not paths) directly below ``path``; [] when it does not exist."""
         raise NotImplementedError
 
+    def confined(self, base: str, name: str, where: str, entry: str) -> str:
+        """``base``/``name`` for a ``name`` read from a file (``format/confine.py``'s plain-name
+        rule: no separator, ``..`` or hidden name), which names an entry of ``base`` and nothing
+        else; ``UnsafePathError`` naming ``where`` and ``entry`` otherwise."""
+        from unickpt.format.confine import plain_name
+
+        return self.join(base, plain_name(name, where, entry))
+
     def remove(self, paths: Iterable[str]) -> None:
         """Remove files; missing ones are not an error."""
         raise NotImplementedError
@@ -237,6 +245,12 @@ class LocalStorage(Storage):
         except FileExistsError:
             return False
         return True
+
+    def confined(self, base: str, name: str, where: str, entry: str) -> str:
+        """As :meth:`Storage.confined`, and a symbolic link resolving outside ``base`` is refused."""
+        from unickpt.format.confine import confined_path
+
+        return confined_path(base, name, where, entry)
 
     def exists(self, path: str) -> bool:
         return os.path.lexists(path)

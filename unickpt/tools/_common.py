@@ -157,5 +157,7 @@ def read_side_files(
     base = directory.removeprefix("file://").rstrip("/") or "/"
     present = set(storage.listdir(base))
     return [
-        (n, storage.read_bytes(storage.join(base, n), limit=SIDE_FILE_LIMIT)) for n in names if n in present
+        (n, storage.read_bytes(storage.confined(base, n, base, "side file"), limit=SIDE_FILE_LIMIT))
+        for n in names
+        if n in present
     ]

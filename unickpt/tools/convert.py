@@ -35,6 +35,7 @@ import numpy as np
 from unickpt import __version__
 from unickpt._logging import get_logger
 from unickpt.errors import CheckpointFormatError, UnsupportedError
+from unickpt.format.confine import check_graph, confined_path
 from unickpt.format.dcp_hf import dcp_hf_files
 from unickpt.format.index import LayoutInfo
 from unickpt.format.naming import HF_SIDE_FILES
@@ -43,7 +44,7 @@ from unickpt.tools._common import check_output, read_side_files, staged_output
 from unickpt.tools._sink import Sink, output_sink, put_bytes
 from unickpt.tools._store_out import StoreOutput
 from unickpt.tools._write import SliceData, TensorData, write_checkpoint
-from unickpt.tools.convert_src import StoreSource, bin_shard_names, latest_step
+from unickpt.tools.convert_src import BIN_INDEX, StoreSource, bin_shard_names, latest_step
 
 __all__ = ["convert_checkpoint"]
 
@@ -131,7 +132,7 @@ def _bin_files(src: str) -> list[str]:
     names = bin_shard_names(
         src, lambda n: os.path.isfile(os.path.join(src, n)), read, partial(os.path.join, src)
     )
-    return [os.path.join(src, n) for n in names]
+    return [confined_path(src, n, os.path.join(src, BIN_INDEX), "weight_map file") for n in names]
 
 
 def _bin_tensors(src: str, strip_prefix: str | None) -> Iterator[tuple[str, Any]]:
@@ -154,6 +155,7 @@ def _bin_tensors(src: str, strip_prefix: str | None) -> Iterator[tuple[str, Any]
             ) from None
         if not isinstance(sd, dict):
             raise CheckpointFormatError(f"{path}: holds a {type(sd).__name__}, not a state dict of tensors")
+        check_graph(sd, path, "state dict", CheckpointFormatError)
         for k, v in sd.items():
             if not isinstance(v, torch.Tensor):
                 logger.warning("%s: skipping non-tensor entry %r", path, k)
@@ -176,7 +178,7 @@ def _dcp_source(src: str) -> str:
     step = latest_step(os.listdir(src), lambda n: os.path.isfile(os.path.join(src, n, ".metadata")))
     if step is None:
         return src
-    chosen = os.path.join(src, step)
+    chosen = confined_path(src, step, src, "step directory")
     logger.info("%s holds step directories; converting the latest, %s", src, chosen)
     return chosen
 

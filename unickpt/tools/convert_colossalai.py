@@ -24,12 +24,11 @@ optimizer in Python then). Pickled files are read only with ``torch.load(weights
 
 from __future__ import annotations
 
-import json
 import os
-import pickle
 from typing import Any
 
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, UnsupportedError
+from unickpt.format.confine import confined_path
 
 __all__ = ["convert_colossalai_optimizer", "parameter_order"]
 
@@ -37,25 +36,46 @@ INDEX = "pytorch_optim.bin.index.json"
 
 
 def _load_pickle(path: str) -> Any:
-    import torch
+    """A Colossal-AI ``.bin`` file, through ``tools.deepspeed_read.load_restricted``
+    (``torch.load(weights_only=True)``, zip format only, the object's nesting bounded)."""
+    from unickpt.tools.deepspeed_read import load_restricted
 
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
+        return load_restricted(path, "Colossal-AI checkpoint")
+    except IncompleteCheckpointError:
         raise IncompleteCheckpointError(f"{path}: named by the Colossal-AI index but missing") from None
-    except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as e:
-        raise UnsupportedError(
-            f"{path}: torch.load(weights_only=True) refused it ({e}); unickpt never unpickles arbitrary objects"
-        ) from None
+
+
+def _file(directory: str, name: object, idx: str, entry: str) -> str:
+    """The path of the file ``name`` that the index ``idx`` names in ``entry``: a plain
+    ``.bin``/``.safetensors`` name of ``directory`` (``format.confine``), no link out of it."""
+    from unickpt.format.index import check_file_name
+
+    return confined_path(directory, check_file_name(name, f"{idx}: {entry}"), idx, entry)  # type: ignore[arg-type]
+
+
+#: Largest index JSON read (a weight_map of 10^5 tensor names is about 10 MB).
+_MAX_JSON = 64 << 20
 
 
 def _read_json(path: str) -> dict[str, Any]:
+    from unickpt.format._json import strict_loads
+
     try:
         with open(path, "rb") as f:
-            obj = json.loads(f.read())
+            size = os.fstat(f.fileno()).st_size
+            if size > _MAX_JSON:
+                raise CheckpointFormatError(
+                    f"{path}: {size} bytes, over the {_MAX_JSON}-byte limit of an index file"
+                )
+            raw = f.read(_MAX_JSON + 1)
     except FileNotFoundError:
         raise IncompleteCheckpointError(f"{path} is missing") from None
-    except (ValueError, UnicodeDecodeError) as e:
+    if len(raw) > _MAX_JSON:
+        raise CheckpointFormatError(f"{path}: over the {_MAX_JSON}-byte limit of an index file")
+    try:
+        obj = strict_loads(raw.decode("utf-8"), CheckpointFormatError, path)
+    except UnicodeDecodeError as e:
         raise CheckpointFormatError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(obj, dict):
         raise CheckpointFormatError(f"{path}: expected a JSON object")
@@ -64,15 +84,13 @@ def _read_json(path: str) -> dict[str, Any]:
 
 def _checkpoint_shapes(model_dir: str) -> list[tuple[str, tuple[int, ...]]]:
     """``(name, shape)`` of every tensor of a model checkpoint directory, in stored order."""
-    from unickpt.format.index import check_file_name
-
     for idx_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         idx = os.path.join(model_dir, idx_name)
         if os.path.isfile(idx):
             wm = _read_json(idx).get("weight_map")
             if not isinstance(wm, dict):
                 raise CheckpointFormatError(f"{idx}: no weight_map object")
-            files = {n: os.path.join(model_dir, check_file_name(str(f), idx)) for n, f in wm.items()}
+            files = {n: _file(model_dir, f, idx, f"weight_map[{n!r}]") for n, f in wm.items()}
             break
     else:
         single = [
@@ -85,7 +103,7 @@ def _checkpoint_shapes(model_dir: str) -> list[tuple[str, tuple[int, ...]]]:
                 f"{model_dir}: holds no model checkpoint (no index, model.safetensors or pytorch_model.bin)"
             )
         files = {}
-        path = os.path.join(model_dir, single[0])
+        path = _file(model_dir, single[0], model_dir, "model file")
         for n in _file_shapes(path):
             files[n] = path
     shapes: dict[str, dict[str, tuple[int, ...]]] = {}
@@ -152,7 +170,7 @@ def convert_colossalai_optimizer(
     """Write the unickpt optimizer checkpoint of the Colossal-AI checkpoint ``src`` into ``out_dir``."""
     import torch
 
-    from unickpt.format.index import LayoutInfo, check_file_name
+    from unickpt.format.index import LayoutInfo
     from unickpt.io.jsonstate import to_json_value
     from unickpt.io.optim_state import optimizer_tensor_name
     from unickpt.tools._torch import st_of, tensor_bytes
@@ -179,7 +197,7 @@ def convert_colossalai_optimizer(
         raise CheckpointFormatError(
             f"{idx}: expected weight_map and metadata.param_groups (Colossal-AI's layout)"
         )
-    groups = _load_pickle(os.path.join(src, check_file_name(meta["param_groups"], idx)))
+    groups = _load_pickle(_file(src, meta["param_groups"], idx, "metadata.param_groups"))
     if not isinstance(groups, list) or not all(
         isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups
     ):
@@ -193,8 +211,10 @@ def convert_colossalai_optimizer(
             "model and optimizer in Python (convert_checkpoint(..., model=module, optimizer=optim))"
         )
     state: dict[int, dict[str, Any]] = {}
+    if not all(isinstance(f, str) for f in wm.values()):
+        raise CheckpointFormatError(f"{idx}: weight_map must map parameter ids to file names")
     for fname in sorted(set(wm.values())):
-        part = _load_pickle(os.path.join(src, check_file_name(str(fname), idx)))
+        part = _load_pickle(_file(src, fname, idx, f"weight_map file {fname!r}"))
         if not isinstance(part, dict):
             raise CheckpointFormatError(f"{src}/{fname}: holds a {type(part).__name__}, not {{id: state}}")
         for k, v in part.items():

@@ -50,6 +50,7 @@ from unickpt.errors import (
     UnsafePathError,
     UnsupportedError,
 )
+from unickpt.format.confine import confined_path
 
 __all__ = ["DeepSpeedCheckpoint", "read_deepspeed", "write_deepspeed"]
 
@@ -83,16 +84,16 @@ def find_step_dir(src: str, tag: str | None = None) -> str:
     if tag is None:
         if any(_OPTIM.match(n) for n in _listdir(src)) or _is_universal(src):
             return src
-        latest = os.path.join(src, "latest")
+        latest = confined_path(src, "latest", src, "the tag file")
         if not os.path.isfile(latest):
             raise IncompleteCheckpointError(
                 f"{src} is not a DeepSpeed checkpoint: no 'latest' file and no *_optim_states.pt files"
             )
         with open(latest, "rb") as f:
             tag = f.read(4096).decode("utf-8", "replace").strip()
-    if not _TAG.match(tag) or ".." in tag:
-        raise UnsafePathError(f"{src}: checkpoint tag {tag!r} is not a plain directory name")
-    step_dir = os.path.join(src, tag)
+    if not _TAG.match(tag):
+        raise UnsafePathError(f"{src}/latest: checkpoint tag {tag[:300]!r} is not a plain directory name")
+    step_dir = confined_path(src, tag, f"{src}/latest", "checkpoint tag")
     if not os.path.isdir(step_dir):
         raise IncompleteCheckpointError(f"{src}: the tag {tag!r} names no directory")
     return step_dir
@@ -118,7 +119,7 @@ def _rank_files(step_dir: str) -> tuple[list[str], list[str]]:
                     f"{step_dir}: {n} belongs to model-parallel rank {int(m.group(2))}; only data-parallel "
                     "ZeRO checkpoints (mp_rank_00) are imported"
                 )
-            optim[int(m.group(1))] = os.path.join(step_dir, n)
+            optim[int(m.group(1))] = confined_path(step_dir, n, step_dir, "optimizer file")
         elif n.endswith("_optim_states.pt"):
             raise UnsupportedError(f"{step_dir}: {n} is not a ZeRO or BF16_Optimizer optimizer file")
     models = [n for n in names if _MODEL.match(n)]
@@ -134,8 +135,11 @@ def _rank_files(step_dir: str) -> tuple[list[str], list[str]]:
         )
     ranks = [optim[r] for r in range(len(optim))]
     if "mp_rank_00_model_states.pt" in names:  # stage 1/2: one model states file
-        return [os.path.join(step_dir, "mp_rank_00_model_states.pt")], ranks
-    z3 = [os.path.join(step_dir, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt") for r in range(len(optim))]
+        return [confined_path(step_dir, "mp_rank_00_model_states.pt", step_dir, "model states file")], ranks
+    z3 = [
+        confined_path(step_dir, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt", step_dir, "model states file")
+        for r in range(len(optim))
+    ]
     if not all(os.path.isfile(f) for f in z3):
         raise IncompleteCheckpointError(
             f"{step_dir}: no mp_rank_00_model_states.pt, nor zero_pp_rank_<r>_mp_rank_00_model_states.pt "
@@ -159,7 +163,7 @@ def read_deepspeed(src: str, tag: str | None = None) -> DeepSpeedCheckpoint:
         return _read(src, tag)
     except UnickptError:
         raise
-    except (KeyError, IndexError, TypeError, AttributeError, ValueError, RuntimeError) as e:
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError, RuntimeError, ArithmeticError) as e:
         raise CheckpointFormatError(
             f"{src}: not a readable DeepSpeed ZeRO checkpoint ({type(e).__name__}: {e})"
         ) from None
@@ -218,7 +222,8 @@ def _read(src: str, tag: str | None) -> DeepSpeedCheckpoint:
             raise CheckpointFormatError(
                 f"{step_dir}: frozen parameter {name!r} has no fragment on every rank"
             )
-        out.model[name] = _cat(frags)[: math.prod(shape)].view([int(x) for x in shape]).clone()
+        dims = _shape(shape, model_path, f"frozen parameter {name!r}")
+        out.model[name] = _cat(frags)[: math.prod(dims)].view(dims).clone()
     merged = (
         _zero3(osds, optim_paths, param_shapes, ws)
         if stage == 3
@@ -320,6 +325,27 @@ def _read_universal(step_dir: str) -> DeepSpeedCheckpoint:
 _Group = tuple[list[tuple[str, Any, dict[str, Any]]], dict[str, Any]]  # [(name, weight, state)], hyper
 
 
+#: Most dims of a parameter shape, and the largest extent of one, accepted from a DeepSpeed file.
+_MAX_NDIM = 64
+_MAX_EXTENT = (1 << 62) - 1
+
+
+def _shape(shape: Any, where: str, what: str) -> list[int]:
+    """A shape recorded in a DeepSpeed file (``param_shapes``, ``frozen_param_shapes``) as a list
+    of ints, checked before anything is sized from it."""
+    dims = list(shape) if isinstance(shape, (list, tuple)) or type(shape).__name__ == "Size" else None
+    if (
+        dims is None
+        or len(dims) > _MAX_NDIM
+        or not all(type(x) is int and 0 <= x <= _MAX_EXTENT for x in dims)
+    ):
+        raise CheckpointFormatError(
+            f"{where}: the shape of {what} is {shape!r:.200}; expected at most {_MAX_NDIM} integers "
+            f"in 0..2**62-1"
+        )
+    return dims
+
+
 def _cat(parts: list[Any]) -> Any:
     import torch
 
@@ -379,7 +405,7 @@ def _zero12(osds: list[Any], paths: list[str], param_shapes: list[Any], ws: int)
         offset = 0
         params = []
         for (name, shape), pad in zip(shapes.items(), pads, strict=True):
-            shape = [int(x) for x in shape]
+            shape = _shape(shape, paths[0], f"parameter {name!r} of group {gi}")
             n = math.prod(shape)
             if offset + n > flat.numel():
                 raise CheckpointFormatError(
@@ -390,9 +416,14 @@ def _zero12(osds: list[Any], paths: list[str], param_shapes: list[Any], ws: int)
                 return v.narrow(0, o, n).view(shape).clone()
 
             params.append((name, cut(flat), _param_state(moments, scalars, cut)))
-            offset += n + int(pad)
+            if type(pad) is not int or not 0 <= pad <= flat.numel():
+                raise CheckpointFormatError(
+                    f"{paths[0]}: alignment padding {pad!r} of parameter {name!r} of group {gi} is not an "
+                    f"integer in 0..{flat.numel()}"
+                )
+            offset += n + pad
         align = 2 * ws  # ZeRO-2 pads each group to a multiple of 2 x world size (zero_to_fp32's check)
-        if math.ceil(offset / align) != math.ceil(flat.numel() / align):
+        if -(-offset // align) != -(-flat.numel() // align):
             raise CheckpointFormatError(
                 f"{paths[0]}: group {gi} holds {flat.numel()} elements but its parameters take {offset}"
             )
@@ -432,9 +463,9 @@ def _zero3(osds: list[Any], paths: list[str], param_shapes: list[Any], ws: int) 
         first = offset
         params = []
         for name, shape in shapes.items():
-            shape = [int(x) for x in shape]
+            shape = _shape(shape, paths[0], f"parameter {name!r}")
             n = math.prod(shape)
-            part = math.ceil(n / ws)
+            part = -(-n // ws)
             if offset + part > rank_flat[0].numel():
                 raise CheckpointFormatError(
                     f"{paths[0]}: parameter {name!r} ends past the rank's fp32 partition"

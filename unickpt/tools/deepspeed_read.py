@@ -12,6 +12,13 @@ stand-ins below: they only hold the values they are given, import nothing and ru
 Any other global (``os.system``, another DeepSpeed class, ...) is refused with
 :class:`UnsupportedError` before anything is called; a damaged file gives
 :class:`CheckpointFormatError`. DeepSpeed need not be installed. Imported lazily (needs torch).
+
+What the restricted unpickler builds is still bounded before anything walks it
+(:func:`load_restricted`, also used for Colossal-AI's files): only torch's zip format is read
+(its reader checks every storage's claimed size against the bytes of its record before
+allocating; the legacy pre-1.6 format allocates what the pickle claims, and is refused), and
+an object that contains itself or is nested deeper than ``format.confine.MAX_DEPTH`` is refused
+with :class:`CheckpointFormatError` naming the file.
 """
 
 from __future__ import annotations
@@ -26,8 +33,16 @@ from typing import Any
 import torch
 
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, UnsupportedError
+from unickpt.format.confine import check_graph
 
-__all__ = ["load_deepspeed_file", "load_deepspeed_tensor", "ZeroStage", "LossScalerState", "FragmentAddress"]
+__all__ = [
+    "load_deepspeed_file",
+    "load_deepspeed_tensor",
+    "load_restricted",
+    "ZeroStage",
+    "LossScalerState",
+    "FragmentAddress",
+]
 
 
 class ZeroStage(enum.IntEnum):
@@ -66,7 +81,7 @@ _STAND_INS: list[Any] = [
 
 def load_deepspeed_file(path: str) -> dict[str, Any]:
     """The dict pickled in the DeepSpeed file ``path``, on CPU, read as the module docstring says."""
-    obj = _load(path)
+    obj = load_restricted(path, "DeepSpeed checkpoint", _STAND_INS)
     if not isinstance(obj, dict):
         raise CheckpointFormatError(
             f"{path}: not a readable DeepSpeed state dict (holds a {type(obj).__name__})"
@@ -76,27 +91,41 @@ def load_deepspeed_file(path: str) -> dict[str, Any]:
 
 def load_deepspeed_tensor(path: str) -> torch.Tensor:
     """The tensor pickled alone in the DeepSpeed file ``path`` (a universal checkpoint's ``step.pt``)."""
-    obj = _load(path)
+    obj = load_restricted(path, "DeepSpeed checkpoint", _STAND_INS)
     if not isinstance(obj, torch.Tensor):
         raise CheckpointFormatError(f"{path}: expected a tensor, found a {type(obj).__name__}")
     return obj
 
 
-def _load(path: str) -> Any:
+def load_restricted(path: str, what: str, stand_ins: list[Any] | None = None) -> Any:
+    """The object pickled in the torch zip file ``path`` (a ``what``), read with
+    ``torch.load(weights_only=True)`` plus ``stand_ins``, bounded as the module docstring says:
+    :class:`UnsupportedError` for a global it refuses or the legacy format,
+    :class:`CheckpointFormatError` for a damaged, self-containing or too deeply nested object."""
     try:
-        with torch.serialization.safe_globals(_STAND_INS):
-            obj = torch.load(path, map_location="cpu", weights_only=True)
+        with open(path, "rb") as f:
+            magic = f.read(4)
     except FileNotFoundError:
         raise IncompleteCheckpointError(f"{path} is missing") from None
+    except OSError as e:
+        raise CheckpointFormatError(f"{path}: cannot be read ({e.strerror})") from None
+    if magic != b"PK\x03\x04":
+        raise UnsupportedError(
+            f"{path}: not a torch zip file (torch.save's format since torch 1.6); the legacy format "
+            f"is not read (re-save it with a current torch) or the file is no {what} file"
+        )
+    try:
+        with torch.serialization.safe_globals(stand_ins or []):
+            obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         m = re.search(r"(?:GLOBAL|global) ([\w.]+)", str(e))
-        what = f"{m.group(1)}, which" if m else "objects"
+        which = f"{m.group(1)}, which" if m else "objects"
         raise UnsupportedError(
-            f"{path}: refers to {what} a DeepSpeed checkpoint never needs; refusing to unpickle it "
+            f"{path}: torch.load(weights_only=True) refused it: it refers to {which} a {what} never needs; "
+            "refusing to unpickle it "
             "(unickpt never runs code from a checkpoint)"
         ) from None
-    except (RuntimeError, ValueError, EOFError, TypeError, KeyError, zipfile.BadZipFile) as e:
-        obj = e  # damaged: reported below with what torch said
-    if isinstance(obj, Exception):
-        raise CheckpointFormatError(f"{path}: not a readable DeepSpeed file ({type(obj).__name__}: {obj})")
+    except (RuntimeError, ValueError, EOFError, TypeError, KeyError, zipfile.BadZipFile, OverflowError) as e:
+        raise CheckpointFormatError(f"{path}: not a readable {what} file ({type(e).__name__}: {e})") from None
+    check_graph(obj, path, f"{what} file's object", CheckpointFormatError)
     return obj

@@ -23,6 +23,7 @@ from typing import Any
 
 from unickpt.errors import IncompleteCheckpointError, UnickptError
 from unickpt.format import run_layout as rl
+from unickpt.format.confine import is_plain_name
 from unickpt.format.foreign import foreign_dir
 from unickpt.format.hashing import slice_hash
 from unickpt.format.run_files import RunFiles
@@ -379,13 +380,9 @@ def _rehash(files: RunFiles, step_dir: str, rel: str, digest: str) -> str | None
 
 
 def _safe_rel(rel: str) -> bool:
-    parts = rel.split("/")
-    return (
-        bool(rel)
-        and not os.path.isabs(rel)
-        and "\\" not in rel
-        and all(p not in ("", ".", "..") for p in parts)
-    )
+    """A path inside the step that a ``COMMIT`` record or a hashes file names: plain names
+    (``format.confine.is_plain_name``) joined by ``/``."""
+    return isinstance(rel, str) and all(is_plain_name(p) for p in rel.split("/"))
 
 
 def _verify_train_state(lay: rl.StepLayout, require_hashes: bool, files: RunFiles) -> PartResult:
