@@ -52,9 +52,20 @@ def is_distributed(group: Any = None) -> bool:
 
     False outside an initialised process group (a world of one). Raises ``DistributedError``
     when this process is not a member of ``group``: it must not take part in a collective over
-    that group, and treating it as a world of one would make it write as rank 0.
+    that group, and treating it as a world of one would make it write as rank 0. Raises
+    ``DistributedError`` too for a group given explicitly once the world is destroyed.
     """
     if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            # A group object exists only in an initialised world: this one was destroyed
+            # (``destroy_process_group()`` while a call over it, e.g. an async save's
+            # background write, still runs). Carrying on as a world of one would write and
+            # commit as rank 0 on every rank.
+            raise DistributedError(
+                "the process group of this collective checkpoint call was destroyed "
+                "(torch.distributed.destroy_process_group() ran before it finished; wait for "
+                "async saves, with wait(), before destroying the process group)"
+            )
         return False
     if group is not None and dist.get_rank(group) < 0:  # torch's answer for a non-member
         raise DistributedError(
