@@ -337,8 +337,9 @@ class CheckpointManager:
 
         In a local directory the ranks share, ``_write`` saved the model itself as Hugging Face
         files (every rank writes its own bytes from the payload: the live tensors, or an async
-        save's snapshot; no gather, no re-read, ``io/hf_save.py``), and ``hf/`` holds hard links
-        to them: the bytes are written once. An object store has neither ``pwrite`` nor links:
+        save's snapshot; no gather, no re-read, ``io/hf_save.py``), and ``hf/`` holds copies of
+        them, made in the kernel: files of their own, so that editing the user's copy never
+        changes the training checkpoint. An object store has neither ``pwrite`` nor links:
         the model is saved sliced, and rank 0 merges the ranks' written copy
         (``merge_checkpoint``, streamed in bounded memory) and uploads the files to ``hf/``.
         """
@@ -346,8 +347,8 @@ class CheckpointManager:
         err: BaseException | None = None
         if _dist.rank(group) == 0:
             try:
-                if self._shared_stage():  # model/ holds the Hugging Face files: hf/ links to them
-                    _link_files(os.path.join(p.stage, "model"), hf)
+                if self._shared_stage():  # model/ holds the Hugging Face files: hf/ is a copy of them
+                    _copy_files(os.path.join(p.stage, "model"), hf, bool(getattr(self.io, "fsync", True)))
                     for fname, text in p.hf_config.items():
                         write_small_file(os.path.join(hf, fname), text.encode("utf-8"), self._storage_options)
                 else:
@@ -371,8 +372,15 @@ class CheckpointManager:
         )
 
 
-def _link_files(src: str, dst: str) -> None:
-    """Rank 0: ``dst`` holds a hard link (a copy where links fail) to every file of ``src``."""
+def _copy_files(src: str, dst: str, fsync: bool) -> None:
+    """Rank 0: ``dst`` holds a copy of every file of ``src``, each its own inode.
+
+    ``hf/`` is the user's copy (edited, moved, uploaded): it never shares a file with ``model/``,
+    which resuming and ``verify`` rely on, so an edit in place of an ``hf/`` file (a hard link
+    would write through) leaves the training step intact. The bytes move in the kernel
+    (``copy_file_range``: a copy-on-write clone where the filesystem makes one, still a distinct
+    file), in bounded memory; with ``fsync`` each copy is durable before the step commits.
+    """
     from unickpt.format.commit import fsync_dir
 
     os.makedirs(dst, exist_ok=True)
@@ -380,8 +388,27 @@ def _link_files(src: str, dst: str) -> None:
         a, b = os.path.join(src, name), os.path.join(dst, name)
         if not os.path.isfile(a) or name.startswith("."):
             continue
-        try:
-            os.link(a, b)
-        except OSError:
-            shutil.copy2(a, b)
+        _copy_file(a, b, fsync)
     fsync_dir(dst)
+
+
+def _copy_file(a: str, b: str, fsync: bool) -> None:
+    with open(a, "rb") as fa, open(b, "wb") as fb:
+        n = os.fstat(fa.fileno()).st_size
+        done = 0
+        try:
+            while done < n:
+                k = os.copy_file_range(fa.fileno(), fb.fileno(), n - done, done, done)
+                if k <= 0:
+                    break
+                done += k
+        except OSError:  # a filesystem pair the kernel cannot copy between: through user space
+            fa.seek(done)
+            fb.seek(done)
+            shutil.copyfileobj(fa, fb, 16 << 20)
+            done = n
+        if done < n:  # pragma: no cover - the file shrank while being copied
+            raise UnickptError(f"{a}: ended at byte {done} while copying {n} bytes to {b}")
+        fb.flush()
+        if fsync:
+            os.fsync(fb.fileno())
