@@ -247,10 +247,16 @@ class CheckpointIO(OptimizerIO):
 
     # ------------------------------------------------------------------ lr scheduler
     def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> str:
-        """Collective: rank 0 writes the scheduler's state as JSON (``checkpoint`` is a file or a directory)."""
+        """Collective: rank 0 writes the scheduler's state as JSON; returns the path written.
+
+        ``checkpoint``: a directory (``lr_scheduler.json`` inside it), a ``.json`` path, or an
+        existing file of any name (e.g. a ``tempfile.NamedTemporaryFile``, as Colossal-AI's tests
+        use), which is replaced atomically, as Colossal-AI's ``save_lr_scheduler`` overwrites it.
+        Any other path is a directory to create.
+        """
         self.wait()
         path = os.fspath(checkpoint)
-        if os.path.isdir(path) or not path.endswith(".json"):
+        if os.path.isdir(path) or not (path.endswith(".json") or (not is_url(path) and os.path.isfile(path))):
             path = os.path.join(path, SCHEDULER_FILE)
         err: BaseException | None = None
         if _dist.rank(self.group) == 0:

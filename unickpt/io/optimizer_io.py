@@ -144,9 +144,12 @@ class OptimizerIO(AsyncSaveIO):
         State is matched by parameter FQN; hyperparameters of each group come from the saved
         group holding the same parameters. A parameter with no saved state (never stepped)
         gets none. ``checkpoint`` is a directory or the single file of an unsharded save.
-        ``low_cpu_mem_mode``/``num_threads`` are accepted (Colossal-AI) and change nothing.
+        ``low_cpu_mem_mode``/``num_threads`` are accepted (Colossal-AI) and change nothing; a
+        string in the third place is Colossal-AI's positional ``prefix``.
         """
         del low_cpu_mem_mode, num_threads
+        if isinstance(verify, str) and prefix is None:  # Colossal-AI's third positional is prefix
+            prefix, verify = verify, False
         self.wait()
         optim, model = _dist.agreed(
             lambda: self._optim_and_model(optimizer), "checking the optimizer to load", self.group
