@@ -130,11 +130,13 @@ class IOCore(CheckpointHooks):
             storage_options=self.storage_options,
         )
 
-    def _open(self, checkpoint: str | os.PathLike[str], kind: str) -> CheckpointReader:
+    def _open(
+        self, checkpoint: str | os.PathLike[str], kind: str, args: _dist.Args | None = None
+    ) -> CheckpointReader:
         # A URL's storage options come from the IO (given at construction) or the environment;
         # a local path ignores them.
         options = self.storage_options if is_url(os.fspath(checkpoint)) else None
-        return open_for_load(checkpoint, kind, self.group, options)
+        return open_for_load(checkpoint, kind, self.group, options, args)
 
 
 # The largest shard size a save plans with (1 EiB): ``size_per_shard=float("inf")`` means no

@@ -131,21 +131,35 @@ class CheckpointManager:
         come from this rank's own file when the world size is unchanged.
         """
         self.wait()
-        if resume_from_checkpoint is None:
-            return 0
-        if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint != "latest":
-            raise ConfigError(
-                f"resume_from_checkpoint must be None, an int step or 'latest', got {resume_from_checkpoint!r}"
-            )
+
+        def check() -> None:
+            if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint != "latest":
+                raise ConfigError(
+                    f"resume_from_checkpoint must be None, an int step or 'latest', got {resume_from_checkpoint!r}"
+                )
 
         def pick() -> tuple[int, str]:
-            if _dist.rank(self.group) != 0:
+            if _dist.rank(self.group) != 0 or resume_from_checkpoint is None:
                 return (0, "")
             maybe_fail("manager.load.pick")
             return self._pick_step(resume_from_checkpoint)
 
         # Rank 0 reads the directory; a failure there reaches every rank (not a wait in broadcast).
-        picked = _dist.agreed(pick, f"picking the step to resume in {self.checkpoint_dir}", self.group)
+        # The same exchange checks that every rank asked for the same step and objects.
+        args = _dist.Args(
+            "CheckpointManager.load",
+            _call_args(
+                optimizer,
+                lr_scheduler,
+                dataloader,
+                extra_states,
+                resume_from_checkpoint=resume_from_checkpoint,
+            ),
+            check,
+        )
+        picked = _dist.agreed(pick, f"picking the step to resume in {self.checkpoint_dir}", self.group, args)
+        if resume_from_checkpoint is None:
+            return 0
         step, path = _dist.broadcast_object(picked, 0, self.group)
         step = int(step)
         if step == 0:
@@ -227,7 +241,13 @@ class CheckpointManager:
         self.wait()
         rank = _dist.rank(self.group)
         stage_name = run_layout.work_name(step, "staging") if rank == 0 else ""
-        stage_name = _dist.broadcast_object(stage_name, 0, self.group)
+        # One exchange hands rank 0's staging name to every rank and checks that every rank
+        # saves the same step with the same objects.
+        args = _dist.Args(
+            "CheckpointManager.save",
+            _call_args(optimizer, lr_scheduler, dataloader, extra_states, step=step, force=force),
+        )
+        stage_name = _dist.agree_gather(None, stage_name, f"saving step {step}", self.group, args)[0]
         stage = os.path.join(self.storage.root, stage_name)
         err: BaseException | None = None
         target = ""
@@ -370,6 +390,19 @@ class CheckpointManager:
             max_shard_size=int(_SHARD_MB * 1024 * 1024),
             storage_options=self._storage_options,
         )
+
+
+def _call_args(
+    optimizer: Any, lr_scheduler: Any, dataloader: Any, extra_states: dict[str, Any], **values: Any
+) -> dict[str, Any]:
+    """A manager call's arguments as the ranks compare them: the values, and which objects were given."""
+    return {
+        **values,
+        "optimizer": None if optimizer is None else "given",
+        "lr_scheduler": None if lr_scheduler is None else "given",
+        "dataloader": None if dataloader is None else "given",
+        "extra_states": sorted(extra_states),
+    }
 
 
 def _copy_files(src: str, dst: str, fsync: bool) -> None:
