@@ -196,6 +196,23 @@ def arg_divergence_cases(root: str) -> dict[str, Any]:
         ("manager.load.optimizer", "optimizer", lambda d: mgr.load(model, _last(optim, None)), "")
     )
 
+    cases.append(
+        (
+            "manager.init.save_steps",
+            "save_steps",
+            lambda d: CheckpointManager(d / "run", booster, save_steps=_last(2, 3)),
+            "",
+        )
+    )
+    cases.append(
+        (
+            "manager.init.async_save",
+            "async_save",
+            lambda d: CheckpointManager(d / "run", booster, async_save=_last(False, True)),
+            "",
+        )
+    )
+
     out: dict[str, Any] = {}
     for name, arg, call, kind in cases:
         d = base / name

@@ -50,6 +50,8 @@ CASES = [
     "manager.load.resume_from_checkpoint",
     "manager.load.resume_none",
     "manager.load.optimizer",
+    "manager.init.save_steps",
+    "manager.init.async_save",
 ]
 
 

@@ -51,7 +51,8 @@ class CheckpointManager:
         storage_options: fsspec URLs only: passed to the fsspec filesystem (credentials, endpoint);
             also given to the CheckpointIO when it has none of its own.
 
-    Built by every rank (with ``async_save`` it creates a process group: collective).
+    Built by every rank, with the same arguments (collective: one exchange checks them, and
+    ``async_save`` creates a process group).
     """
 
     def __init__(
@@ -72,6 +73,23 @@ class CheckpointManager:
             from unickpt.io import GeneralCheckpointIO
 
             self.io = GeneralCheckpointIO()
+        # Every rank must build the same manager: a save_steps or async_save of its own would
+        # make the ranks' later calls take different collectives.
+        _dist.agree(
+            None,
+            "creating the CheckpointManager",
+            self.io.group,
+            _dist.Args(
+                "CheckpointManager",
+                {
+                    "checkpoint_dir": _dist.path_arg(checkpoint_dir),
+                    "save_steps": save_steps,
+                    "keep_last": keep_last,
+                    "async_save": async_save,
+                    "save_hf": save_hf,
+                },
+            ),
+        )
         self.storage: Storage = open_storage(
             checkpoint_dir, local_cache_dir, storage_options, _dist.rank(self.io.group)
         )
