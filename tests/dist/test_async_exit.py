@@ -122,7 +122,7 @@ def test_manager_async_save_at_exit_is_committed(tmp_path: Path, world: int) -> 
     _check_loads(step / "model", step / "optimizer", Path(str(root) + ".expected"))
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_io_async_save_model_at_exit_is_committed(tmp_path: Path, world: int) -> None:
     root = tmp_path / "ckpt"
     results = _run("io", root, world)
@@ -136,8 +136,8 @@ def test_io_async_save_model_at_exit_is_committed(tmp_path: Path, world: int) ->
     ("world", "faults", "mode"),
     [
         (1, "manager.commit@0", "manager"),
-        (2, "manager.train_state@1", "manager"),
-        (1, "save.commit@0", "io"),
+        pytest.param(2, "manager.train_state@1", "manager", marks=pytest.mark.slow),
+        pytest.param(1, "save.commit@0", "io", marks=pytest.mark.slow),
         (2, "save.write@1", "io"),
     ],
 )
