@@ -12,8 +12,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import os
 import pickle
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -29,6 +30,7 @@ __all__ = [
     "barrier",
     "agree",
     "agreed",
+    "Args",
 ]
 
 T = TypeVar("T")
@@ -52,9 +54,20 @@ def is_distributed(group: Any = None) -> bool:
 
     False outside an initialised process group (a world of one). Raises ``DistributedError``
     when this process is not a member of ``group``: it must not take part in a collective over
-    that group, and treating it as a world of one would make it write as rank 0.
+    that group, and treating it as a world of one would make it write as rank 0. Raises
+    ``DistributedError`` too for a group given explicitly once the world is destroyed.
     """
     if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            # A group object exists only in an initialised world: this one was destroyed
+            # (``destroy_process_group()`` while a call over it, e.g. an async save's
+            # background write, still runs). Carrying on as a world of one would write and
+            # commit as rank 0 on every rank.
+            raise DistributedError(
+                "the process group of this collective checkpoint call was destroyed "
+                "(torch.distributed.destroy_process_group() ran before it finished; wait for "
+                "async saves, with wait(), before destroying the process group)"
+            )
         return False
     if group is not None and dist.get_rank(group) < 0:  # torch's answer for a non-member
         raise DistributedError(
@@ -153,7 +166,73 @@ def barrier(group: Any = None) -> None:
             dist.barrier(group=group)
 
 
-def agree(error: BaseException | None, what: str, group: Any = None) -> None:
+@dataclasses.dataclass
+class Args:
+    """The arguments of a collective public call, checked equal on every rank by its first agreement.
+
+    ``values``: argument name -> value (compared by ``repr``, so ``nan`` equals ``nan``; a local
+    path by its absolute form). ``check``: the call's local validation of them, run inside that
+    agreement, so a bad value raises on every rank, not on one while the others wait. Ranks that
+    passed different values all raise one ``DistributedError`` naming each differing argument
+    and every rank's value, before any rank's own error (which the difference explains).
+    """
+
+    method: str
+    values: Mapping[str, Any]
+    check: Callable[[], object] | None = None
+
+    def texts(self) -> dict[str, str]:
+        return {k: repr(v) for k, v in self.values.items()}
+
+
+def path_arg(checkpoint: Any) -> str:
+    """A checkpoint path as ranks compare it: a local path absolute (the same directory whatever
+    the spelling), a URL as given."""
+    p = os.fspath(checkpoint) if isinstance(checkpoint, (str, os.PathLike)) else repr(checkpoint)
+    if isinstance(p, bytes):
+        p = os.fsdecode(p)
+    if "://" in p and not p.startswith("file://"):
+        return p
+    return os.path.abspath(p.removeprefix("file://"))
+
+
+def _check_args(method: str, sent: list[dict[str, str] | None]) -> None:
+    """Every rank: raise one ``DistributedError`` when the ranks' arguments differ."""
+    if all(a is None for a in sent):
+        return
+    if any(a is None for a in sent):
+        missing = [r for r, a in enumerate(sent) if a is None]
+        raise DistributedError(
+            f"{method}: the ranks are out of step: rank(s) {missing} reached this agreement from another call"
+        )
+    rows = [a for a in sent if a is not None]
+    names = list(dict.fromkeys(k for a in rows for k in a))
+    diffs = []
+    for name in names:
+        values = [a.get(name, "<not passed>") for a in rows]
+        if len(set(values)) == 1:
+            continue
+        by_value: dict[str, list[int]] = {}
+        for r, v in enumerate(values):
+            by_value.setdefault(v, []).append(r)
+        parts = [
+            (f"rank {rs[0]}" if len(rs) == 1 else f"ranks {_ranks_text(rs)}") + f": {name}={v}"
+            for v, rs in by_value.items()
+        ]
+        diffs.append(f"{name} differs ({', '.join(parts)})")
+    if diffs:
+        raise DistributedError(
+            f"{method}: every rank must pass the same arguments, but {'; '.join(diffs)}; nothing was done"
+        )
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    if len(ranks) <= 8:
+        return ", ".join(map(str, ranks))
+    return ", ".join(map(str, ranks[:8])) + f", ... ({len(ranks)} ranks)"
+
+
+def agree(error: BaseException | None, what: str, group: Any = None, args: Args | None = None) -> None:
     """Collective: if any rank hit an error, raise one on every rank, naming each rank's problem.
 
     Every rank must call this at the same point. The error of the lowest failing rank is
@@ -167,7 +246,13 @@ def agree(error: BaseException | None, what: str, group: Any = None) -> None:
         if error is not None:
             raise error
         return
-    _raise_reports(error, all_gather_object(_report(error), group), what)
+    if args is None:
+        _raise_reports(error, all_gather_object(_report(error), group), what)
+        return
+    # The arguments travel with the reports: one exchange.
+    sent = all_gather_object(_WithReport(_report(error), args.texts()), group)
+    _check_args(args.method, [x.obj if isinstance(x, _WithReport) else None for x in sent])
+    _raise_reports(error, [x.report if isinstance(x, _WithReport) else x for x in sent], what)
 
 
 @dataclasses.dataclass
@@ -178,16 +263,28 @@ class _WithReport:
     obj: Any
 
 
-def agree_gather(error: BaseException | None, obj: T, what: str, group: Any = None) -> list[T]:
+def agree_gather(
+    error: BaseException | None, obj: T, what: str, group: Any = None, args: Args | None = None
+) -> list[T]:
     """Collective: :func:`agree` and :func:`all_gather_object` of ``obj`` in one exchange.
 
     Raises as ``agree`` does when any rank hit an error; otherwise every rank's ``obj``.
+    ``args``: as for :func:`agree` (its ``check`` is the caller's to run).
     """
     if not is_distributed(group):
         if error is not None:
             raise error
         return [obj]
-    sent = all_gather_object(_WithReport(_report(error), obj if error is None else None), group)
+    payload = obj if error is None else None
+    sent = all_gather_object(
+        _WithReport(_report(error), payload if args is None else (payload, args.texts())), group
+    )
+    if args is not None:
+        _check_args(
+            args.method,
+            [x.obj[1] if isinstance(x, _WithReport) and isinstance(x.obj, tuple) else None for x in sent],
+        )
+        sent = [_WithReport(x.report, x.obj[0]) if isinstance(x, _WithReport) else x for x in sent]
     reports = [
         x.report if isinstance(x, _WithReport) else DistributedError(f"out of step: sent {type(x).__name__}")
         for x in sent
@@ -239,16 +336,20 @@ def _raise_reports(error: BaseException | None, reports: list[Any], what: str) -
     raise raised from error
 
 
-def agreed(fn: Callable[[], T], what: str, group: Any = None) -> T:
+def agreed(fn: Callable[[], T], what: str, group: Any = None, args: Args | None = None) -> T:
     """Collective: run the local phase ``fn`` on every rank, then :func:`agree` on its outcome.
 
     Any exception ``fn`` raises on any rank reaches every rank before the next collective.
+    ``args``: the calling method's arguments, validated (``args.check``) before ``fn`` and
+    checked equal on every rank in the same exchange.
     """
     err: BaseException | None = None
     out: Any = None
     try:
+        if args is not None and args.check is not None:
+            args.check()
         out = fn()
     except BaseException as e:
         err = e
-    agree(err, what, group)
+    agree(err, what, group, args)
     return out  # type: ignore[no-any-return]

@@ -22,6 +22,7 @@ import errno
 import os
 import re
 import shutil
+import stat
 import sys
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -116,12 +117,27 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        keep_mode(tmp, path)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
     fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def keep_mode(new: str, old: str) -> None:
+    """Give ``new`` the permission bits of the regular file ``old`` it is about to replace.
+
+    A save onto an existing file replaces it atomically; the file keeps its permissions, as a
+    file written over in place would (Colossal-AI's ``torch.save`` onto a path).
+    """
+    try:
+        st = os.stat(old)
+    except OSError:
+        return
+    if stat.S_ISREG(st.st_mode):
+        os.chmod(new, stat.S_IMODE(st.st_mode))
 
 
 _SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, do not wait
@@ -300,6 +316,7 @@ def commit_single_file(file_path: str, staged: str, kind: str, *, fsync: bool = 
     try:
         if own and _unlink(os.path.join(directory, index_name(kind))) and fsync:
             fsync_dir(directory)
+        keep_mode(staged, file_path)
         os.replace(staged, file_path)
     except BaseException:
         discard([staged])

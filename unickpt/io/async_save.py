@@ -15,11 +15,14 @@ Face files (``io/hf_save.py``). Nothing is gathered, in the foreground or in the
 
 from __future__ import annotations
 
+import atexit
+import concurrent.futures.thread  # noqa: F401  (its exit hook is registered before this module's)
+import contextlib
 import dataclasses
 import os
+import sys
 import threading
 import warnings
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -68,12 +71,80 @@ def check_use_safetensors(use_safetensors: bool | None, method: str) -> None:
     )
 
 
+class _Flight:
+    """One background save: its thread, its error (if any) and whether a caller has seen it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.thread: threading.Thread | None = None
+        self.errors: list[BaseException] = []
+
+
+# Every save started and not yet waited for (its error not yet raised to a caller), in every
+# ``AsyncSaves`` of the process: what the exit hook below finishes.
+_FLIGHTS: list[_Flight] = []
+_FLIGHTS_LOCK = threading.Lock()
+
+
+def _finish_at_exit() -> None:
+    """Interpreter exit: finish every save in flight; a save that did not commit ends the process with 1.
+
+    Registered with ``threading._register_atexit`` after ``concurrent.futures.thread`` is
+    imported, so it runs before that module shuts its executors down (its hook is registered
+    first, and the hooks run last registered first) and before non-daemon threads are joined:
+    the background thread may still start the hashing and upload executors it needs. A plain
+    ``atexit`` hook would run after that shutdown, where the save fails with ``cannot schedule
+    new futures after interpreter shutdown``. A save that fails here (or failed earlier and was
+    never waited for) is not committed: the process says so on stderr and exits with status 1
+    (``os._exit``: an exit hook cannot change the exit status otherwise), so a job that ends
+    with an uncommitted step is never reported as a success.
+    """
+    with _FLIGHTS_LOCK:
+        flights = list(_FLIGHTS)
+    failed: list[_Flight] = []
+    for flight in flights:
+        if flight.thread is not None and flight.thread.is_alive():
+            logger.info("finishing the async save %s before the process exits", flight.name)
+            flight.thread.join()
+        if flight.errors:
+            failed.append(flight)
+    if not failed:
+        return
+    for flight in failed:
+        err = flight.errors[-1]
+        msg = (
+            f"unickpt: the async save {flight.name} failed while the process was exiting and was NOT committed "
+            f"by this process: {type(err).__name__}: {err}"
+        )
+        with contextlib.suppress(Exception):
+            sys.stderr.write(msg + "\n")
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(1)
+
+
+def _register_exit_hook() -> None:
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # pragma: no cover - CPython >= 3.9 has it
+        atexit.register(_finish_at_exit)
+    else:
+        register(_finish_at_exit)
+
+
+_register_exit_hook()
+
+
 class AsyncSaves:
-    """The background save in flight of one ``CheckpointIO`` (at most one), and its process group."""
+    """The background save in flight of one ``CheckpointIO`` (at most one), and its process group.
+
+    A process that exits with a save in flight finishes it first (like Colossal-AI's
+    ``CheckpointIO.__del__``, but at interpreter exit too, see :func:`_finish_at_exit`); a save
+    that cannot be finished then makes the process exit with status 1, saying so on stderr.
+    """
 
     def __init__(self) -> None:
-        self._thread: threading.Thread | None = None
-        self._errors: list[BaseException] = []
+        self._flight: _Flight | None = None
         self._bg_group: Any = None
         self._made_group = False
         # CPU buffers of the snapshots, reused by the next save of the same kind and layout (one
@@ -81,15 +152,12 @@ class AsyncSaves:
         # faster than into fresh allocations. Kept for the IO's lifetime, as Colossal-AI keeps
         # its pinned state dicts.
         self.staging: dict[tuple[str, bool], dict[Any, torch.Tensor]] = {}
-        # A process that exits with a save in flight finishes it first (like Colossal-AI's
-        # CheckpointIO.__del__); the thread holds no reference back to this object.
-        self._running: list[threading.Thread] = []
-        weakref.finalize(self, _join_all, self._running)
 
     @property
     def pending(self) -> bool:
         """A save is still being written."""
-        return self._thread is not None and self._thread.is_alive()
+        f = self._flight
+        return f is not None and f.thread is not None and f.thread.is_alive()
 
     def background_group(self, group: Any) -> Any:
         """Collective the first time (every rank of ``group``): the gloo group the thread uses."""
@@ -105,36 +173,36 @@ class AsyncSaves:
 
     def start(self, name: str, work: Callable[[], object]) -> None:
         """Run ``work`` in a background thread; its error is raised by the next :meth:`wait`."""
-        if self._thread is not None:  # pragma: no cover - callers wait() first
+        if self._flight is not None:  # pragma: no cover - callers wait() first
             raise RuntimeError("internal: an async save is already in flight")
+        flight = _Flight(name)
 
         def run() -> None:
             try:
                 work()
-            except BaseException as e:  # surfaced by the next wait()
+            except BaseException as e:  # surfaced by the next wait(), or at exit
                 logger.error("async save %s failed: %s", name, e)
-                self._errors.append(e)
+                flight.errors.append(e)
 
-        thread = threading.Thread(target=run, name=f"unickpt-async-{name}", daemon=True)
-        self._thread = thread
-        self._running[:] = [thread]
-        thread.start()
+        # Daemon: the exit hook joins it before anything it needs shuts down; a non-daemon
+        # thread would be joined only after the executors it uses refuse new work.
+        flight.thread = threading.Thread(target=run, name=f"unickpt-async-{name}", daemon=True)
+        self._flight = flight
+        with _FLIGHTS_LOCK:
+            _FLIGHTS.append(flight)
+        flight.thread.start()
 
     def wait(self) -> None:
         """Block until the save in flight is committed; raise its error, if it failed."""
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join()
-        self._running.clear()
-        if self._errors:
-            err = self._errors.pop()
-            self._errors.clear()
-            raise err
-
-
-def _join_all(threads: list[threading.Thread]) -> None:
-    for t in threads:
-        t.join()
+        flight, self._flight = self._flight, None
+        if flight is None:
+            return
+        if flight.thread is not None:
+            flight.thread.join()
+        with _FLIGHTS_LOCK, contextlib.suppress(ValueError):
+            _FLIGHTS.remove(flight)
+        if flight.errors:
+            raise flight.errors[-1]
 
 
 class AsyncSaveIO(IOCore):

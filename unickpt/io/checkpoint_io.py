@@ -27,6 +27,7 @@ from unickpt._logging import get_logger
 from unickpt.format.commit_store import write_small_file
 from unickpt.format.storage import is_url
 from unickpt.io.async_save import check_use_safetensors
+from unickpt.io.core import check_size_per_shard
 from unickpt.io.hooks import FINAL_METHODS, HookContext
 from unickpt.io.load import LoadReport, load_tensors
 from unickpt.io.names import apply_prefix
@@ -120,7 +121,17 @@ class CheckpointIO(OptimizerIO):
         """
         self.wait()
         check_use_safetensors(use_safetensors, "save_model")
-        payload = self.plan_model(model, prefix=prefix, shard=shard, gather_dtensor=gather_dtensor)
+        args = self._save_args(
+            "save_model",
+            checkpoint,
+            shard,
+            gather_dtensor,
+            prefix,
+            size_per_shard,
+            use_async,
+            use_safetensors,
+        )
+        payload = self.plan_model(model, prefix=prefix, shard=shard, gather_dtensor=gather_dtensor, args=args)
         if use_async:
             config = hf_config_files(self.unwrap_model(model))
             return self._write_async(
@@ -162,7 +173,18 @@ class CheckpointIO(OptimizerIO):
         """
         del low_cpu_mem_mode, num_threads
         self.wait()
-        reader = self._open(checkpoint, "model")
+        args = _dist.Args(
+            "load_model",
+            {
+                "checkpoint": _dist.path_arg(checkpoint),
+                "strict": strict,
+                "verify": verify,
+                "prefix": prefix,
+                "allow_dtype_cast": allow_dtype_cast,
+            },
+            check=lambda: apply_prefix(prefix),
+        )
+        reader = self._open(checkpoint, "model", args)
         ctx = HookContext("model", saving=False, model=model)
         try:
             targets = _dist.agreed(
@@ -206,7 +228,12 @@ class CheckpointIO(OptimizerIO):
         and the scalar state. ``use_async=True`` writes in the background (see :meth:`wait`).
         """
         self.wait()
-        payload = self.plan_optimizer(optimizer, prefix=prefix, shard=shard, gather_dtensor=gather_dtensor)
+        args = self._save_args(
+            "save_optimizer", checkpoint, shard, gather_dtensor, prefix, size_per_shard, use_async
+        )
+        payload = self.plan_optimizer(
+            optimizer, prefix=prefix, shard=shard, gather_dtensor=gather_dtensor, args=args
+        )
         if use_async:
             return self._write_async(payload, checkpoint, shard, gather_dtensor, size_per_shard)
         return self.write(
@@ -221,14 +248,47 @@ class CheckpointIO(OptimizerIO):
         *,
         shard: bool = True,
         gather_dtensor: bool = False,
+        args: _dist.Args | None = None,
     ) -> SavePayload:
         """What this rank saves of ``model``: tied tensors once (the others become aliases).
 
         ``shard``/``gather_dtensor`` name the layout the payload will be written in (the
         arguments of :meth:`write`); the default is the sliced save of ``CheckpointManager``.
+        ``args``: the calling save's arguments, checked equal on every rank by this agreement.
         """
         ctx = HookContext("model", saving=True, model=model, gather=gather_dtensor, shard=shard)
-        return _dist.agreed(lambda: self._plan_model(ctx, prefix), "planning the model save", self.group)
+        return _dist.agreed(
+            lambda: self._plan_model(ctx, prefix), "planning the model save", self.group, args
+        )
+
+    def _save_args(
+        self,
+        method: str,
+        checkpoint: str | os.PathLike[str],
+        shard: bool,
+        gather_dtensor: bool,
+        prefix: str | None,
+        size_per_shard: float,
+        use_async: bool,
+        use_safetensors: bool | None = None,
+    ) -> _dist.Args:
+        """A save's arguments, for its first agreement (checked there: a bad value raises on every rank)."""
+        values: dict[str, Any] = {
+            "checkpoint": _dist.path_arg(checkpoint),
+            "shard": shard,
+            "gather_dtensor": gather_dtensor,
+            "prefix": prefix,
+            "size_per_shard": size_per_shard,
+            "use_async": use_async,
+        }
+        if method == "save_model":
+            values["use_safetensors"] = use_safetensors
+
+        def check() -> None:
+            check_size_per_shard(size_per_shard)
+            apply_prefix(prefix)
+
+        return _dist.Args(method, values, check)
 
     def _plan_model(self, ctx: HookContext, prefix: str | None) -> SavePayload:
         maybe_fail("model.plan")
@@ -247,10 +307,23 @@ class CheckpointIO(OptimizerIO):
 
     # ------------------------------------------------------------------ lr scheduler
     def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> str:
-        """Collective: rank 0 writes the scheduler's state as JSON (``checkpoint`` is a file or a directory)."""
+        """Collective: rank 0 writes the scheduler's state as JSON; returns the path written.
+
+        ``checkpoint``: a directory (``lr_scheduler.json`` inside it), a ``.json`` path, or an
+        existing file of any name (e.g. a ``tempfile.NamedTemporaryFile``, as Colossal-AI's tests
+        use), which is replaced atomically, as Colossal-AI's ``save_lr_scheduler`` overwrites it.
+        Any other path is a directory to create.
+        """
         self.wait()
+        # Before rank 0 writes: ranks that name different files must not write one of them.
+        _dist.agree(
+            None,
+            "saving the LR scheduler",
+            self.group,
+            _dist.Args("save_lr_scheduler", {"checkpoint": _dist.path_arg(checkpoint)}),
+        )
         path = os.fspath(checkpoint)
-        if os.path.isdir(path) or not path.endswith(".json"):
+        if os.path.isdir(path) or not (path.endswith(".json") or (not is_url(path) and os.path.isfile(path))):
             path = os.path.join(path, SCHEDULER_FILE)
         err: BaseException | None = None
         if _dist.rank(self.group) == 0:
@@ -265,6 +338,13 @@ class CheckpointIO(OptimizerIO):
     def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> None:
         """Collective: every rank reads the scheduler JSON and loads it; an error on any rank raises on all."""
         self.wait()
+        # Before any rank changes its scheduler.
+        _dist.agree(
+            None,
+            "loading the LR scheduler",
+            self.group,
+            _dist.Args("load_lr_scheduler", {"checkpoint": _dist.path_arg(checkpoint)}),
+        )
         path = os.fspath(checkpoint)
         if is_url(path) and not path.endswith(".json"):
             path = f"{path.rstrip('/')}/{SCHEDULER_FILE}"

@@ -116,8 +116,7 @@ class IOCore(CheckpointHooks):
         return lambda name, tensor: self._local_slices(name, tensor, ctx)
 
     def _options(self, kind: str, shard: bool, gather: bool, size_mb: float) -> SaveOptions:
-        if size_mb <= 0:
-            raise ConfigError(f"size_per_shard must be a positive number of MB, got {size_mb}")
+        size_mb = check_size_per_shard(size_mb)
         layout = self.layout()
         return SaveOptions(
             kind=kind,
@@ -131,8 +130,31 @@ class IOCore(CheckpointHooks):
             storage_options=self.storage_options,
         )
 
-    def _open(self, checkpoint: str | os.PathLike[str], kind: str) -> CheckpointReader:
+    def _open(
+        self, checkpoint: str | os.PathLike[str], kind: str, args: _dist.Args | None = None
+    ) -> CheckpointReader:
         # A URL's storage options come from the IO (given at construction) or the environment;
         # a local path ignores them.
         options = self.storage_options if is_url(os.fspath(checkpoint)) else None
-        return open_for_load(checkpoint, kind, self.group, options)
+        return open_for_load(checkpoint, kind, self.group, options, args)
+
+
+# The largest shard size a save plans with (1 EiB): ``size_per_shard=float("inf")`` means no
+# limit, as in Colossal-AI (every tensor in one file), and stays an integer byte count.
+_MAX_SHARD_MB = float(1 << 40)
+
+
+def check_size_per_shard(size_mb: object) -> float:
+    """``size_per_shard`` (MB) as a float; ``ConfigError`` naming it for anything but a positive number.
+
+    ``inf`` is no limit (one file, as Colossal-AI writes). ``None``, strings, NaN, zero and
+    negative sizes are refused before anything is planned.
+    """
+    import math
+    import numbers
+
+    if not isinstance(size_mb, numbers.Real) or math.isnan(float(size_mb)) or float(size_mb) <= 0:
+        raise ConfigError(
+            f"size_per_shard must be a positive number of MB (int or float; inf for no limit), got {size_mb!r}"
+        )
+    return min(float(size_mb), _MAX_SHARD_MB)

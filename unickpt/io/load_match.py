@@ -106,6 +106,9 @@ def raise_mismatch(
         problems.append(
             f"in the checkpoint but not in the {what} ({len(report.unexpected)}): {report.unexpected[:20]}"
         )
+    hint = _prefix_hint(report) if strict else ""
+    if hint:
+        problems.append(hint)
     if problems:
         where = reader.index_path or reader.directory
         raise StateMismatchError(
@@ -114,3 +117,26 @@ def raise_mismatch(
             unexpected=report.unexpected if strict else [],
             mismatched=mismatched,
         )
+
+
+def _prefix_hint(report: LoadReport) -> str:
+    """What to pass when the mismatch is a name prefix: the checkpoint was saved with ``prefix``
+    (Colossal-AI's ``prefix`` names files; unickpt's prefixes every tensor name) or the load gave one."""
+    missing, unexpected = set(report.missing), set(report.unexpected)
+    if not missing or not unexpected:
+        return ""
+    for extra, fewer, say in (
+        (unexpected, missing, "the checkpoint's"),
+        (missing, unexpected, "the model's"),
+    ):
+        heads = {n.split(".", 1)[0] for n in extra}
+        if len(heads) == 1 and all("." in n for n in extra):
+            head = heads.pop()
+            if fewer <= {n[len(head) + 1 :] for n in extra}:
+                if say == "the checkpoint's":
+                    return (
+                        f"{say} names carry the prefix '{head}.' (saved with prefix={head!r}): "
+                        f"load with prefix={head!r}"
+                    )
+                return f"{say} names carry the prefix '{head}.' that the checkpoint's lack"
+    return ""

@@ -41,6 +41,10 @@ def normalize_name(name: str) -> str:
 
 def apply_prefix(prefix: str | None) -> str:
     """Colossal-AI style ``prefix``: prepended to every saved name (a '.' is added if missing)."""
+    if prefix is not None and not isinstance(prefix, str):
+        from unickpt.errors import ConfigError
+
+        raise ConfigError(f"prefix must be a string or None, got {type(prefix).__name__} {prefix!r}")
     if not prefix:
         return ""
     return prefix if prefix.endswith(".") else prefix + "."

@@ -48,14 +48,16 @@ class OptimizerIO(AsyncSaveIO):
         *,
         shard: bool = True,
         gather_dtensor: bool = False,
+        args: _dist.Args | None = None,
     ) -> SavePayload:
         """Collective: what this rank saves of ``optimizer`` (param groups merged over ranks).
 
-        ``shard``/``gather_dtensor`` as for :meth:`plan_model`. Each local phase is agreed before the next collective: an optimizer that fails on one
+        ``shard``/``gather_dtensor`` as for :meth:`plan_model`; ``args``: the calling save's
+        arguments, checked equal on every rank by the first agreement. Each local phase is agreed before the next collective: an optimizer that fails on one
         rank (another class, a value JSON cannot hold) raises on every rank, none waits.
         """
         optim, model = _dist.agreed(
-            lambda: self._optim_and_model(optimizer), "checking the optimizer to save", self.group
+            lambda: self._optim_and_model(optimizer), "checking the optimizer to save", self.group, args
         )
         same_optimizer_class(optim, self.group)
         ctx = HookContext(
@@ -144,12 +146,20 @@ class OptimizerIO(AsyncSaveIO):
         State is matched by parameter FQN; hyperparameters of each group come from the saved
         group holding the same parameters. A parameter with no saved state (never stepped)
         gets none. ``checkpoint`` is a directory or the single file of an unsharded save.
-        ``low_cpu_mem_mode``/``num_threads`` are accepted (Colossal-AI) and change nothing.
+        ``low_cpu_mem_mode``/``num_threads`` are accepted (Colossal-AI) and change nothing; a
+        string in the third place is Colossal-AI's positional ``prefix``.
         """
         del low_cpu_mem_mode, num_threads
+        if isinstance(verify, str) and prefix is None:  # Colossal-AI's third positional is prefix
+            prefix, verify = verify, False
         self.wait()
+        args = _dist.Args(
+            "load_optimizer",
+            {"checkpoint": _dist.path_arg(checkpoint), "verify": verify, "prefix": prefix},
+            check=lambda: apply_prefix(prefix),
+        )
         optim, model = _dist.agreed(
-            lambda: self._optim_and_model(optimizer), "checking the optimizer to load", self.group
+            lambda: self._optim_and_model(optimizer), "checking the optimizer to load", self.group, args
         )
         same_optimizer_class(optim, self.group)
         p = apply_prefix(prefix)

@@ -110,8 +110,12 @@ def open_for_load(
     kind: str,
     group: Any = None,
     storage_options: dict[str, Any] | None = None,
+    args: _dist.Args | None = None,
 ) -> CheckpointReader:
     """Collective: every rank opens the checkpoint; an error on any rank raises on all.
+
+    ``args``: the calling load's arguments, validated and checked equal on every rank by the
+    first agreement (no extra exchange).
 
     On a URL in a distributed load, rank 0 alone finds the checkpoint and fetches its index, one
     broadcast hands the bytes to every rank, and each rank parses them: the store serves the
@@ -125,16 +129,21 @@ def open_for_load(
     located: Located | None = None
     if is_url(where) and not alone:
         err: BaseException | None = None
-        if _dist.rank(group) == 0:
-            try:
+        try:
+            if args is not None and args.check is not None:
+                args.check()
+            if _dist.rank(group) == 0:
                 located = locate(where, kind, storage_options)
-            except BaseException as e:
-                err = e
-        _dist.agree(err, f"opening {where}", group)
+        except BaseException as e:
+            err = e
+        _dist.agree(err, f"opening {where}", group, args)
+        args = None  # checked
         located = _dist.broadcast_object(located, 0, group)
     reader: CheckpointReader | None = None
     err = None
     try:
+        if args is not None and args.check is not None:
+            args.check()
         maybe_fail("open")
         if located is not None:
             reader = open_located(located, kind, storage_options)
@@ -143,7 +152,7 @@ def open_for_load(
     except BaseException as e:
         err = e
     try:
-        _dist.agree(err, f"opening {where}", group)
+        _dist.agree(err, f"opening {where}", group, args)
     except BaseException:
         if reader is not None:
             reader.close()

@@ -16,7 +16,7 @@ Layout of ``checkpoint_dir``::
         train_state/rank-<r>.safetensors   per rank: torch RNG byte tensors, tensors of extra states
         train_state/rank-<r>.hashes.json   per rank: xxh3-64 of the two files above (rank 0: and
                                            lr_scheduler.json), checked by `unickpt verify`
-        hf/                        Hugging Face copy (save_hf=True): hard links to model/'s files
+        hf/                        Hugging Face copy (save_hf=True): copies of model/'s files (own inodes)
         COMMIT                     written last, before the directory is renamed into place
     latest                         {"step": N}: moved only after step-<N> is committed
     .step-<N>.staging-<id>/        a save in progress (or killed): never loaded, removed by a later save

@@ -51,7 +51,8 @@ class CheckpointManager:
         storage_options: fsspec URLs only: passed to the fsspec filesystem (credentials, endpoint);
             also given to the CheckpointIO when it has none of its own.
 
-    Built by every rank (with ``async_save`` it creates a process group: collective).
+    Built by every rank, with the same arguments (collective: one exchange checks them, and
+    ``async_save`` creates a process group).
     """
 
     def __init__(
@@ -72,6 +73,23 @@ class CheckpointManager:
             from unickpt.io import GeneralCheckpointIO
 
             self.io = GeneralCheckpointIO()
+        # Every rank must build the same manager: a save_steps or async_save of its own would
+        # make the ranks' later calls take different collectives.
+        _dist.agree(
+            None,
+            "creating the CheckpointManager",
+            self.io.group,
+            _dist.Args(
+                "CheckpointManager",
+                {
+                    "checkpoint_dir": _dist.path_arg(checkpoint_dir),
+                    "save_steps": save_steps,
+                    "keep_last": keep_last,
+                    "async_save": async_save,
+                    "save_hf": save_hf,
+                },
+            ),
+        )
         self.storage: Storage = open_storage(
             checkpoint_dir, local_cache_dir, storage_options, _dist.rank(self.io.group)
         )
@@ -131,21 +149,35 @@ class CheckpointManager:
         come from this rank's own file when the world size is unchanged.
         """
         self.wait()
-        if resume_from_checkpoint is None:
-            return 0
-        if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint != "latest":
-            raise ConfigError(
-                f"resume_from_checkpoint must be None, an int step or 'latest', got {resume_from_checkpoint!r}"
-            )
+
+        def check() -> None:
+            if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint != "latest":
+                raise ConfigError(
+                    f"resume_from_checkpoint must be None, an int step or 'latest', got {resume_from_checkpoint!r}"
+                )
 
         def pick() -> tuple[int, str]:
-            if _dist.rank(self.group) != 0:
+            if _dist.rank(self.group) != 0 or resume_from_checkpoint is None:
                 return (0, "")
             maybe_fail("manager.load.pick")
             return self._pick_step(resume_from_checkpoint)
 
         # Rank 0 reads the directory; a failure there reaches every rank (not a wait in broadcast).
-        picked = _dist.agreed(pick, f"picking the step to resume in {self.checkpoint_dir}", self.group)
+        # The same exchange checks that every rank asked for the same step and objects.
+        args = _dist.Args(
+            "CheckpointManager.load",
+            _call_args(
+                optimizer,
+                lr_scheduler,
+                dataloader,
+                extra_states,
+                resume_from_checkpoint=resume_from_checkpoint,
+            ),
+            check,
+        )
+        picked = _dist.agreed(pick, f"picking the step to resume in {self.checkpoint_dir}", self.group, args)
+        if resume_from_checkpoint is None:
+            return 0
         step, path = _dist.broadcast_object(picked, 0, self.group)
         step = int(step)
         if step == 0:
@@ -227,7 +259,13 @@ class CheckpointManager:
         self.wait()
         rank = _dist.rank(self.group)
         stage_name = run_layout.work_name(step, "staging") if rank == 0 else ""
-        stage_name = _dist.broadcast_object(stage_name, 0, self.group)
+        # One exchange hands rank 0's staging name to every rank and checks that every rank
+        # saves the same step with the same objects.
+        args = _dist.Args(
+            "CheckpointManager.save",
+            _call_args(optimizer, lr_scheduler, dataloader, extra_states, step=step, force=force),
+        )
+        stage_name = _dist.agree_gather(None, stage_name, f"saving step {step}", self.group, args)[0]
         stage = os.path.join(self.storage.root, stage_name)
         err: BaseException | None = None
         target = ""
@@ -337,8 +375,9 @@ class CheckpointManager:
 
         In a local directory the ranks share, ``_write`` saved the model itself as Hugging Face
         files (every rank writes its own bytes from the payload: the live tensors, or an async
-        save's snapshot; no gather, no re-read, ``io/hf_save.py``), and ``hf/`` holds hard links
-        to them: the bytes are written once. An object store has neither ``pwrite`` nor links:
+        save's snapshot; no gather, no re-read, ``io/hf_save.py``), and ``hf/`` holds copies of
+        them, made in the kernel: files of their own, so that editing the user's copy never
+        changes the training checkpoint. An object store has neither ``pwrite`` nor links:
         the model is saved sliced, and rank 0 merges the ranks' written copy
         (``merge_checkpoint``, streamed in bounded memory) and uploads the files to ``hf/``.
         """
@@ -346,8 +385,8 @@ class CheckpointManager:
         err: BaseException | None = None
         if _dist.rank(group) == 0:
             try:
-                if self._shared_stage():  # model/ holds the Hugging Face files: hf/ links to them
-                    _link_files(os.path.join(p.stage, "model"), hf)
+                if self._shared_stage():  # model/ holds the Hugging Face files: hf/ is a copy of them
+                    _copy_files(os.path.join(p.stage, "model"), hf, bool(getattr(self.io, "fsync", True)))
                     for fname, text in p.hf_config.items():
                         write_small_file(os.path.join(hf, fname), text.encode("utf-8"), self._storage_options)
                 else:
@@ -371,8 +410,28 @@ class CheckpointManager:
         )
 
 
-def _link_files(src: str, dst: str) -> None:
-    """Rank 0: ``dst`` holds a hard link (a copy where links fail) to every file of ``src``."""
+def _call_args(
+    optimizer: Any, lr_scheduler: Any, dataloader: Any, extra_states: dict[str, Any], **values: Any
+) -> dict[str, Any]:
+    """A manager call's arguments as the ranks compare them: the values, and which objects were given."""
+    return {
+        **values,
+        "optimizer": None if optimizer is None else "given",
+        "lr_scheduler": None if lr_scheduler is None else "given",
+        "dataloader": None if dataloader is None else "given",
+        "extra_states": sorted(extra_states),
+    }
+
+
+def _copy_files(src: str, dst: str, fsync: bool) -> None:
+    """Rank 0: ``dst`` holds a copy of every file of ``src``, each its own inode.
+
+    ``hf/`` is the user's copy (edited, moved, uploaded): it never shares a file with ``model/``,
+    which resuming and ``verify`` rely on, so an edit in place of an ``hf/`` file (a hard link
+    would write through) leaves the training step intact. The bytes move in the kernel
+    (``copy_file_range``: a copy-on-write clone where the filesystem makes one, still a distinct
+    file), in bounded memory; with ``fsync`` each copy is durable before the step commits.
+    """
     from unickpt.format.commit import fsync_dir
 
     os.makedirs(dst, exist_ok=True)
@@ -380,8 +439,27 @@ def _link_files(src: str, dst: str) -> None:
         a, b = os.path.join(src, name), os.path.join(dst, name)
         if not os.path.isfile(a) or name.startswith("."):
             continue
-        try:
-            os.link(a, b)
-        except OSError:
-            shutil.copy2(a, b)
+        _copy_file(a, b, fsync)
     fsync_dir(dst)
+
+
+def _copy_file(a: str, b: str, fsync: bool) -> None:
+    with open(a, "rb") as fa, open(b, "wb") as fb:
+        n = os.fstat(fa.fileno()).st_size
+        done = 0
+        try:
+            while done < n:
+                k = os.copy_file_range(fa.fileno(), fb.fileno(), n - done, done, done)
+                if k <= 0:
+                    break
+                done += k
+        except OSError:  # a filesystem pair the kernel cannot copy between: through user space
+            fa.seek(done)
+            fb.seek(done)
+            shutil.copyfileobj(fa, fb, 16 << 20)
+            done = n
+        if done < n:  # pragma: no cover - the file shrank while being copied
+            raise UnickptError(f"{a}: ended at byte {done} while copying {n} bytes to {b}")
+        fb.flush()
+        if fsync:
+            os.fsync(fb.fileno())
