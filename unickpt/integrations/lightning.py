@@ -99,7 +99,7 @@ class UnickptCheckpointIO(_LightningCheckpointIO):
         ref = {old: f"t{i}" for i, old in enumerate(tensors)}
         js = _rename_refs(js, ref)
         staged = staging_dir(target)
-        opts = {
+        opts: dict[str, Any] = {
             "size_per_shard": self.size_per_shard,
             "hashes": self.hashes,
             "fingerprints": self.fingerprints,
