@@ -32,6 +32,7 @@ from unickpt.tools import inspect_checkpoint
 
 __all__ = [
     "local_group",
+    "general_io",
     "save_tensors",
     "load_tensors",
     "encode_state",
@@ -79,6 +80,11 @@ def local_group() -> Any:
     if rank not in _LOCAL_GROUPS:
         _LOCAL_GROUPS[rank] = dist.new_group([rank], backend="gloo", use_local_synchronization=True)
     return _LOCAL_GROUPS[rank]
+
+
+def general_io(**kwargs: Any) -> GeneralCheckpointIO:
+    """A ``GeneralCheckpointIO`` over this process alone (see ``local_group``)."""
+    return GeneralCheckpointIO(group=local_group(), **kwargs)
 
 
 def _io(hashes: bool = True, fingerprints: bool = True) -> GeneralCheckpointIO:
