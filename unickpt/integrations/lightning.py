@@ -16,12 +16,13 @@ checkpoint or the new one, never a half-written one. Loading rehashes every slic
 the dict exactly as it was saved (tensors bit for bit, tuples and integer keys kept).
 
 Strategies: Lightning calls a ``CheckpointIO`` plugin from the single-device and DDP strategies
-(``Strategy.save_checkpoint`` on global rank 0, ``load_checkpoint`` on every rank). Its
-``FSDPStrategy`` with ``state_dict_type="sharded"`` and ``ModelParallelStrategy`` with
-``save_distributed_checkpoint=True`` write DCP themselves and never call the plugin; with a full
-state dict they gather to rank 0 and call it like DDP. DeepSpeed's strategy saves through
-DeepSpeed's engine. For sharded saves under those, use unickpt's own plugins
-(``unickpt.Booster``) or the ``CheckpointManager`` in a Lightning callback.
+(``Strategy.save_checkpoint`` on global rank 0, ``load_checkpoint`` on every rank; unickpt then
+works over a process group of the calling process alone). Lightning 2.6's ``FSDPStrategy`` and
+``ModelParallelStrategy`` bypass it: with sharded state dicts they write and read DCP themselves;
+with full ones they save through the plugin but load with ``torch.load`` of a file, so they cannot
+resume from these directories. DeepSpeed's strategy saves through DeepSpeed's engine. For sharded
+checkpoints under FSDP2/TP use unickpt's own plugins (``unickpt.Booster``) or the
+``CheckpointManager``.
 """
 
 from __future__ import annotations
