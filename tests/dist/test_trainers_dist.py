@@ -1,6 +1,7 @@
-"""The Hugging Face Trainer integration at another world size: a checkpoint written by one process
+"""The trainer integrations on 2 processes (gloo). Hugging Face Trainer: a checkpoint written by one process
 resumes under DDP on 2 (gloo), and the 2-process run saves its own checkpoints from rank 0 alone
-(unickpt's calls there run over a one-process group, never waiting for rank 1)."""
+(unickpt's calls there run over a one-process group, never waiting for rank 1). Lightning's DDP
+strategy: rank 0 saves through UnickptCheckpointIO, both ranks resume, losses bit-exact."""
 
 from __future__ import annotations
 
@@ -44,3 +45,17 @@ def test_one_process_checkpoint_resumes_on_two(tmp_path: Path, world_pool: World
         report = verify_checkpoint(str(part))
         assert list(report) == [] and report.hashed == report.slices > 0, report
     assert not any(p.endswith(".pt") and "optimizer" in p for p in os.listdir(ck))
+
+
+def test_lightning_ddp_saves_from_rank_zero_and_resumes_exactly(
+    tmp_path: Path, world_pool: WorldPool
+) -> None:
+    pytest.importorskip("lightning", reason="lightning is not installed (make peers)")
+    results = world_pool.run(2, "_trainer_worker:lightning_worker", str(tmp_path), timeout=300)
+    for r in (0, 1):
+        res = results[r]
+        assert len(res["full"]) == 16 and res["resumed"] == res["full"], res  # 4 epochs of 4 steps, bit-exact
+        assert res["same_weights"] and res["ckpt"] == ["lightning.json", "model", "state"]
+    ck = tmp_path / "ck" / "epoch=1-step=8.ckpt"
+    report = verify_checkpoint(str(ck / "model"))
+    assert list(report) == [] and report.hashed == report.slices > 0, report
