@@ -4,6 +4,7 @@ Hugging Face-loadable output, unickpt's hashes, no pickled optimizer or schedule
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 accelerate = pytest.importorskip("accelerate", reason="accelerate is not installed (make peers)")
 
 from unickpt import verify_checkpoint  # noqa: E402
-from unickpt.errors import IntegrityError  # noqa: E402
+from unickpt.errors import IncompleteCheckpointError, IntegrityError  # noqa: E402
 from unickpt.integrations.accelerate import model_dir, register_unickpt_hooks  # noqa: E402
 from unickpt.integrations.hf_trainer import ARGS_FILE, OPTIMIZER_DIR, SCHEDULER_FILE, UnickptTrainer  # noqa: E402
 
@@ -107,6 +108,11 @@ def test_a_corrupt_checkpoint_refuses_to_resume(tmp_path: Path) -> None:
     data.write_bytes(bytes(raw))
     again = UnickptTrainer(model=_model(), args=_args(tmp_path / "b"), train_dataset=_data())
     with pytest.raises(IntegrityError, match="optimizer"):
+        again.train(resume_from_checkpoint=str(ck))
+    # A save cut off after the model: no optimizer/, refused rather than resumed with a fresh optimizer.
+    shutil.rmtree(ck / OPTIMIZER_DIR)
+    again = UnickptTrainer(model=_model(), args=_args(tmp_path / "c"), train_dataset=_data())
+    with pytest.raises(IncompleteCheckpointError, match="no optimizer/ beside the model"):
         again.train(resume_from_checkpoint=str(ck))
 
 

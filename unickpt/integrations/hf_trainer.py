@@ -27,7 +27,8 @@ from typing import Any
 
 from transformers import Trainer
 
-from unickpt.integrations._state import general_io
+from unickpt.errors import IncompleteCheckpointError
+from unickpt.integrations._state import general_io, read_json
 from unickpt.wrappers import OptimizerWrapper
 
 __all__ = ["UnickptTrainer", "OPTIMIZER_DIR", "SCHEDULER_FILE", "ARGS_FILE"]
@@ -36,6 +37,21 @@ OPTIMIZER_DIR = "optimizer"
 SCHEDULER_FILE = "lr_scheduler.json"
 ARGS_FILE = "training_args.json"
 _INDEX = "model.safetensors.index.json"
+
+
+def _check_no_optimizer_expected(checkpoint: str) -> None:
+    """A checkpoint this class wrote without ``save_only_model`` has ``optimizer/``: its absence (a
+    save interrupted between the model and the optimizer) must not resume with a fresh optimizer."""
+    args_file = os.path.join(checkpoint, ARGS_FILE)
+    if not os.path.isfile(args_file) or os.path.isfile(os.path.join(checkpoint, "optimizer.pt")):
+        return  # not written by UnickptTrainer: the stock Trainer's rules apply
+    saved = read_json(args_file)
+    if isinstance(saved, dict) and saved.get("save_only_model") is True:
+        return
+    raise IncompleteCheckpointError(
+        f"{checkpoint}: no {OPTIMIZER_DIR}/ beside the model (training_args.json says the optimizer was "
+        "saved): the save did not finish; resume from an earlier checkpoint"
+    )
 
 
 def _is_peft(model: Any) -> bool:
@@ -120,6 +136,8 @@ class UnickptTrainer(Trainer):
             io.save_lr_scheduler(self.lr_scheduler, os.path.join(output_dir, SCHEDULER_FILE))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is not None and not os.path.isdir(os.path.join(checkpoint, OPTIMIZER_DIR)):
+            _check_no_optimizer_expected(checkpoint)
         if checkpoint is None or not os.path.isdir(os.path.join(checkpoint, OPTIMIZER_DIR)):
             super()._load_optimizer_and_scheduler(checkpoint)
             return
