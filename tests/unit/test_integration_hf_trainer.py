@@ -144,3 +144,28 @@ def test_accelerate_save_state_goes_through_unickpt(tmp_path: Path) -> None:
         assert torch.equal(t, saved[n]), n
     # accelerate's own loading of the model files was skipped, and the optimizer came back.
     assert opt2.state_dict()["state"][0]["exp_avg"].abs().sum() > 0
+
+
+def test_accelerate_hooks_still_load_a_stock_save_state(tmp_path: Path) -> None:
+    acc = accelerate.Accelerator(cpu=True)
+    model = acc.prepare(_model())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5)
+    acc.save_state(str(tmp_path / "stock"))  # no hooks: accelerate's model.safetensors
+    assert "model.safetensors" in os.listdir(tmp_path / "stock")
+    acc2 = accelerate.Accelerator(cpu=True)
+    fresh = acc2.prepare(_model())
+    register_unickpt_hooks(acc2)
+    acc2.load_state(str(tmp_path / "stock"))
+    for (n, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items(), strict=True):
+        assert torch.equal(a, b), n
+    # A unickpt part that is damaged is refused, not silently replaced by the stock files.
+    register_unickpt_hooks(acc)
+    acc.save_state(str(tmp_path / "ours"))
+    data = next((tmp_path / "ours" / model_dir(0)).glob("*.safetensors"))
+    raw = bytearray(data.read_bytes())
+    raw[-7] ^= 0x01
+    data.write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError):
+        acc2.load_state(str(tmp_path / "ours"))

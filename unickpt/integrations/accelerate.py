@@ -5,7 +5,8 @@
 written as ``<dir>/unickpt_model`` (``unickpt_model_<i>`` for the i-th after the first), a Hugging
 Face sharded safetensors checkpoint with unickpt's index, hashes and fingerprints (plus
 ``config.json`` for a transformers model), and read back from there, every slice rehashed,
-instead of accelerate's ``model.safetensors``. Optimizers, schedulers, dataloader positions and
+instead of accelerate's ``model.safetensors`` (a directory saved without the hooks still loads,
+through accelerate's own code). Optimizers, schedulers, dataloader positions and
 RNG states stay accelerate's (``optimizer.bin``, ``random_states_<r>.pkl``...): its hooks are
 given the models only. Under FSDP, DeepSpeed and Megatron-LM accelerate saves models through those
 libraries, and registering is refused.
@@ -56,6 +57,8 @@ def register_unickpt_hooks(
 
     def load_hook(models: list[Any], input_dir: str) -> None:
         io = general_io()
+        if not any(os.path.isdir(os.path.join(input_dir, model_dir(i))) for i in range(len(models))):
+            return  # a directory accelerate saved without these hooks: its own loading reads it
         for i, model in enumerate(models):
             io.load_model(
                 accelerator.unwrap_model(model), os.path.join(input_dir, model_dir(i)), verify=verify
