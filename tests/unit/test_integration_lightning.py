@@ -166,3 +166,33 @@ def test_a_flipped_byte_is_caught_and_a_torn_save_never_commits(tmp_path: Path) 
         io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "hyper_parameters": {"f": object()}}, path)
     assert torch.equal(io.load_checkpoint(path)["state_dict"]["w"], torch.zeros(2))
     assert sorted(os.listdir(tmp_path)) == ["c.ckpt"]
+
+
+def test_a_save_failing_at_any_stage_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    from unickpt import _faults
+
+    io = UnickptCheckpointIO()
+    path = tmp_path / "last.ckpt"
+    old = {
+        "state_dict": {"w": torch.zeros(4)},
+        "epoch": 1,
+        "optimizer_states": [{"state": {0: {"m": torch.ones(4)}}}],
+    }
+    io.save_checkpoint(old, path)
+    new = {
+        "state_dict": {"w": torch.ones(4)},
+        "epoch": 2,
+        "optimizer_states": [{"state": {0: {"m": torch.zeros(4)}}}],
+    }
+    with _faults.tracing() as stages:
+        io.save_checkpoint(new, tmp_path / "probe.ckpt")
+    io.remove_checkpoint(tmp_path / "probe.ckpt")
+    assert {"save.write", "save.commit", "model.hf_config"} <= set(stages), stages
+    for stage in dict.fromkeys(stages):
+        with _faults.injected(stage, 0), pytest.raises(_faults.InjectedFault):
+            io.save_checkpoint(new, path)
+        back = io.load_checkpoint(path)
+        assert back["epoch"] == 1 and torch.equal(back["state_dict"]["w"], torch.zeros(4)), stage
+        assert sorted(os.listdir(tmp_path)) == ["last.ckpt"], (stage, os.listdir(tmp_path))
+    io.save_checkpoint(new, path)
+    assert io.load_checkpoint(path)["epoch"] == 2
