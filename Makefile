@@ -23,7 +23,7 @@ venv: $(BIN)/.installed
 # torch (Colossal-AI, DeepSpeed and torchtitan pull GPU stacks otherwise) with the few small
 # modules their checkpoint code imports. Best effort: a peer that fails to install leaves its
 # tests skipped with the reason, never a red suite.
-PEERS := colossalai==0.5.0 deepspeed==0.19.8 torchtitan==0.3.0 psutil peft accelerate hjson ninja py-cpuinfo einops msgpack
+PEERS := colossalai==0.5.0 deepspeed==0.19.8 torchtitan==0.3.0 psutil peft accelerate hjson ninja py-cpuinfo einops msgpack lightning==2.6.6 lightning-utilities==0.15.3 torchmetrics==1.9.0
 $(BIN)/.peers: $(BIN)/.installed
 	$(BIN)/python -m pip install -q --no-deps $(PEERS) || echo "peers not installed: their tests skip"
 	touch $@

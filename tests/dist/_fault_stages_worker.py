@@ -110,7 +110,9 @@ class Env:
         )
         self.mgr.save(1, self.model, self.optim, self.sched)
         # Async: the write runs on a background thread and group; its error comes from wait().
-        self.amgr = CheckpointManager(root / "async", self.booster, save_steps=1, keep_last=None, async_save=True)
+        self.amgr = CheckpointManager(
+            root / "async", self.booster, save_steps=1, keep_last=None, async_save=True
+        )
         self.next_step = 2
         dist.barrier()
         self.digests = self._digests()

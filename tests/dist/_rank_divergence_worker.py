@@ -221,7 +221,9 @@ def make_plugin(layout: str) -> Any:
         "zero2": lambda: ZeroPlugin(stage=2),
         "pp2": lambda: PPPlugin(2, SPLIT, num_microbatches=2),
         "hyb_fsdp_dp2tp2": lambda: HybridParallelPlugin(tp_size=2, dp="fsdp2", tp_plan=tp_plan()),
-        "hyb_pp2tp2": lambda: HybridParallelPlugin(tp_size=2, pp_size=2, tp_plan=tp_plan(), split_points=SPLIT),
+        "hyb_pp2tp2": lambda: HybridParallelPlugin(
+            tp_size=2, pp_size=2, tp_plan=tp_plan(), split_points=SPLIT
+        ),
     }[layout]()
 
 
@@ -277,8 +279,10 @@ def _bits_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[
     bad = sorted(set(a) ^ set(b))
     for k in set(a) & set(b):
         x, y = a[k], b[k]
-        if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(
-            x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)
+        if (
+            x.dtype != y.dtype
+            or x.shape != y.shape
+            or not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
         ):
             bad.append(k)
     return sorted(bad)

@@ -98,7 +98,8 @@ def case_save_collectives(d: Path) -> dict[str, Any]:
             got = _dist.all_gather_object(mine, None)
         obs[f"exchange_{what}"] = {
             "calls": dict(calls),
-            "exact": got == [{"rank": q, "data": bytes([q + 1]) * (size if q == 1 else 10)} for q in range(2)],
+            "exact": got
+            == [{"rank": q, "data": bytes([q + 1]) * (size if q == 1 else 10)} for q in range(2)],
         }
     return obs
 

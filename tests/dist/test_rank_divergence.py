@@ -110,7 +110,7 @@ def test_scheduler_failing_on_one_rank(obs: list[dict[str, Any]]) -> None:
     r0, r1 = case(obs, "scheduler_fails_on_one_rank")
     raised_fast(r1, "KeyError")  # the failing rank keeps its own error
     raised_fast(r0, "DistributedError")
-    assert "[rank 1] KeyError: \"rank 1's scheduler refuses this state\"" in r0["message"]
+    assert '[rank 1] KeyError: "rank 1\'s scheduler refuses this state"' in r0["message"]
 
 
 def test_boost_refuses_objects_that_differ_between_ranks(obs: list[dict[str, Any]]) -> None:
@@ -119,7 +119,10 @@ def test_boost_refuses_objects_that_differ_between_ranks(obs: list[dict[str, Any
             c = o[f"class/{plugin}"]
             raised_fast(c, "DistributedError")
             assert "the ranks passed different models or optimizers" in c["message"]
-            assert "optimizer class: rank 0: 'torch.optim.adamw.AdamW'; rank 1: 'torch.optim.sgd.SGD'" in c["message"]
+            assert (
+                "optimizer class: rank 0: 'torch.optim.adamw.AdamW'; rank 1: 'torch.optim.sgd.SGD'"
+                in c["message"]
+            )
             f = o[f"frozen/{plugin}"]
             raised_fast(f, "DistributedError")
             assert "parameters: rank 0: " in f["message"], f["message"]

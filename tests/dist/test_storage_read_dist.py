@@ -184,7 +184,9 @@ def _data_bytes(local: Path) -> int:
 
 def test_resharded_load_from_s3(world_pool, s3, tmp_path) -> None:
     root = str(tmp_path)
-    world_pool.run(4, "test_storage_read_dist:save_phase", root, s3.endpoint, s3.bucket, timeout=WORLD_TIMEOUT_S)
+    world_pool.run(
+        4, "test_storage_read_dist:save_phase", root, s3.endpoint, s3.bucket, timeout=WORLD_TIMEOUT_S
+    )
     s3.reset()
     results = world_pool.run(
         2, "test_storage_read_dist:load_phase", root, s3.endpoint, s3.bucket, timeout=WORLD_TIMEOUT_S

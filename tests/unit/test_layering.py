@@ -77,7 +77,32 @@ FORBIDDEN = {
     # The manager duck-types the booster and never names a plugin; the booster never the manager.
     "unickpt.manager": ["unickpt.booster", "unickpt.plugins", "unickpt.cli"],
     "unickpt.booster": ["unickpt.manager", "unickpt.tools", "unickpt.cli"],
+    # The trainer integrations sit on top, on the public modules only (never the format layer,
+    # the collectives or a plugin's internals).
+    "unickpt.integrations": ["unickpt.format", "unickpt._dist", "unickpt.plugins._shared", "unickpt.cli"],
 }
+
+
+def test_nothing_imports_the_integrations() -> None:
+    """``unickpt.integrations`` is a leaf: no other part of unickpt (which never needs lightning,
+    transformers or accelerate) imports it."""
+    bad = [
+        f"{mod} imports {imp}"
+        for mod, imports in MODULES.items()
+        if not mod.startswith("unickpt.integrations")
+        for imp in imports
+        if imp == "unickpt.integrations" or imp.startswith("unickpt.integrations.")
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_importing_unickpt_imports_no_trainer() -> None:
+    code = (
+        "import sys, unickpt, unickpt.integrations, unickpt.io, unickpt.manager, unickpt.tools\n"
+        "bad = [m for m in ('lightning', 'transformers', 'accelerate') if m in sys.modules]\n"
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 @pytest.mark.parametrize("layer", sorted(FORBIDDEN))

@@ -96,3 +96,22 @@ def test_manager_only_helpers_are_not_exported_by_io() -> None:
     from unickpt.io.side_files import hf_config_files, lr_scheduler_json
 
     assert SavePayload and hf_config_files and lr_scheduler_json and optimizer_tensor_name
+
+
+INTEGRATIONS = {
+    "unickpt.integrations.lightning": ("lightning", ["UnickptCheckpointIO", "STATE_FILE"]),
+    "unickpt.integrations.hf_trainer": (
+        "transformers",
+        ["UnickptTrainer", "OPTIMIZER_DIR", "SCHEDULER_FILE", "ARGS_FILE"],
+    ),
+    "unickpt.integrations.accelerate": ("accelerate", ["register_unickpt_hooks", "model_dir"]),
+}
+
+
+@pytest.mark.parametrize("module", sorted(INTEGRATIONS))
+def test_integration_exports(module: str) -> None:
+    peer, names = INTEGRATIONS[module]
+    pytest.importorskip(peer, reason=f"{peer} is not installed (make peers)")
+    mod = importlib.import_module(module)
+    assert sorted(mod.__all__) == sorted(names)
+    assert importlib.import_module("unickpt.integrations").__all__ == []
