@@ -118,7 +118,12 @@ def build(folder: str, steps: int, torchtitan_dcp: bool = False, **ckpt: Any) ->
 
 
 def train(
-    folder: str, steps: int, stop_after: int | None = None, skip_batches: int = 0, **ckpt: Any
+    folder: str,
+    steps: int,
+    stop_after: int | None = None,
+    skip_batches: int = 0,
+    load_step: int = -1,
+    **ckpt: Any,
 ) -> dict[str, Any]:
     """torchtitan's loop: ``load(step=-1)``, then per step forward/backward,
     ``maybe_wait_for_staging``, optimizer and scheduler steps, ``save(step, last_step)``;
@@ -135,7 +140,7 @@ def train(
         parts["train_state"],
         parts["checkpointer"],
     )
-    loaded = ck.load(step=-1)
+    loaded = ck.load(step=load_step)
     it = iter(parts["dataloader"])
     for _ in range(skip_batches):
         next(it)
@@ -168,7 +173,12 @@ def train(
     return {"loaded": loaded, "losses": losses, "parts": parts, "ntokens_seen": ts.ntokens_seen}
 
 
-def train_remote(folder: str, steps: int, **kw: Any) -> dict[str, Any]:
-    """``train`` for a world's ranks: the plain values only."""
+def train_remote(folder: str, steps: int, kw: dict[str, Any]) -> dict[str, Any]:
+    """``train`` for a world's ranks (keyword arguments as a dict): the plain values only."""
     out = train(folder, steps, **kw)
-    return {"loaded": out["loaded"], "losses": out["losses"], "ntokens_seen": out["ntokens_seen"]}
+    return {
+        "loaded": out["loaded"],
+        "losses": out["losses"],
+        "ntokens_seen": out["ntokens_seen"],
+        "step": out["parts"]["train_state"].step,
+    }
