@@ -151,3 +151,20 @@ def test_exclude_from_loading_and_a_dataloader_at_another_degree(tmp_path: Path)
     parts["dataloader"].dp_world_size = 2
     with pytest.raises(StateMismatchError, match="saved at data-parallel degree 1, this run has 2"):
         parts["checkpointer"].load()
+
+
+def test_seed_checkpoint_is_the_model_only_and_loads_first(tmp_path: Path) -> None:
+    """create_seed_checkpoint: the trainer's save(curr_step=0, last_step=True) writes the model
+    only; a run whose folder holds nothing newer starts from it (optimizer untouched)."""
+    seeded = titan.build(str(tmp_path), 4)
+    with torch.no_grad():
+        for p in seeded["model"].parameters():
+            p.add_(0.5)
+    assert seeded["checkpointer"].save(curr_step=0, last_step=True) is True
+    run = tmp_path / "checkpoint"
+    assert sorted(os.listdir(run)) == ["model-step-0"]
+    fresh = titan.build(str(tmp_path), 4)
+    assert fresh["checkpointer"].load() is True
+    for (n, a), b in zip(seeded["model"].named_parameters(), fresh["model"].parameters(), strict=True):
+        assert torch.equal(a, b), n
+    assert not fresh["optimizers"].optimizers[0].state

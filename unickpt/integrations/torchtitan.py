@@ -130,7 +130,8 @@ class CheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  # torchti
     are copied to reused CPU buffers, so ``maybe_wait_for_staging`` has nothing to wait for).
     Model-only last saves (``last_save_model_only``) go to ``<folder>/model-step-<N>/`` (Hugging
     Face files named by the state dict adapter with ``last_save_in_hf``), outside the run, so that
-    resuming never picks a step without an optimizer.
+    resuming never picks a step without an optimizer. A save at step 0 (torchtitan's seed
+    checkpoint) is the model only, in ``model-step-0/``, loaded when the folder has no step.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -221,9 +222,11 @@ class CheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  # torchti
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         if not self._should_save(curr_step, last_step):
             return False
-        if last_step and self.last_save_model_only:
+        if curr_step == 0 or (last_step and self.last_save_model_only):
+            # step 0 is torchtitan's seed checkpoint (create_seed_checkpoint): the model only,
+            # under its own names, loaded by a run that finds nothing newer
             self.run.wait()
-            self._save_model_only(curr_step)
+            self._save_model_only(curr_step, hf=self.last_save_in_hf and curr_step != 0)
             return True
         if last_step:
             self.run.wait()
@@ -244,14 +247,12 @@ class CheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  # torchti
         """Where the model-only last save of ``step`` goes."""
         return os.path.join(self.folder, f"model-step-{step}")
 
-    def _save_model_only(self, step: int) -> None:
+    def _save_model_only(self, step: int, hf: bool) -> None:
         self.io.export_dtype = self.export_dtype
-        self.io.rename = self.sd_adapter.to_hf if self.last_save_in_hf else None
+        self.io.rename = self.sd_adapter.to_hf if hf else None
         try:
             # Hugging Face: global tensors (every rank writes its own bytes); else sliced.
-            self.io.save_model(
-                self.model, self.model_only_dir(step), shard=True, gather_dtensor=self.last_save_in_hf
-            )
+            self.io.save_model(self.model, self.model_only_dir(step), shard=True, gather_dtensor=hf)
         finally:
             self.io.export_dtype = None
             self.io.rename = None
@@ -275,6 +276,10 @@ class CheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  # torchti
         if dcp_step >= 0 and os.path.isfile(os.path.join(self.folder, f"step-{dcp_step}", ".metadata")):
             # torchtitan's own resume of its DCP folder (step 0, its seed checkpoint, is model-only).
             self._dcp_load(os.path.join(self.folder, f"step-{dcp_step}"), model_only=dcp_step == 0)
+            return True
+        seed = self.model_only_dir(0)
+        if step in (-1, 0) and os.path.isdir(seed) and not self.initial_load_path:
+            self.io.load_model(self.model, seed)  # the seed checkpoint: the model only
             return True
         if step != -1:
             raise StateMismatchError(f"checkpoint.load_step={step}: no step-{step} in {self.folder}")
