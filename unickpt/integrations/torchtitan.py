@@ -40,7 +40,6 @@ __all__ = ["CheckpointManager", "TorchtitanCheckpointIO"]
 MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER = "model", "optimizer", "lr_scheduler", "dataloader"
 _STANDARD = (MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER)
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-_LOADED = -1  # HookContext.notes: the tensors a model load filled
 _DCP_STEP = re.compile(r"^step-(\d+)$")
 
 
@@ -48,9 +47,8 @@ class TorchtitanCheckpointIO(CheckpointIO):
     """``CheckpointIO`` for torchtitan's model parts (DTensor or plain parameters).
 
     Tensors are saved and loaded by torchtitan's canonical state dict names, the names of its
-    DCP checkpoints: a module's ``state_dict`` hooks may produce fresh tensors (the fused
-    ``wqkv`` is saved as ``wq``/``wk``/``wv``), so a load fills the state dict's tensors and then
-    hands them to ``model.load_state_dict``, whose hooks put them back into the parameters.
+    DCP checkpoints (the fused ``wqkv`` as ``wq``/``wk``/``wv``, made by its ``state_dict``
+    hooks; a load gives them back through ``load_state_dict``, as for any ``CheckpointIO``).
 
     ``export_dtype`` casts floating tensors as they are saved (the last, model-only save);
     ``rename`` maps the model's state dict to the names saved (the state dict adapter's
@@ -67,7 +65,6 @@ class TorchtitanCheckpointIO(CheckpointIO):
     def _model_tensors(self, ctx: HookContext) -> dict[str, torch.Tensor]:
         out = super()._model_tensors(ctx)
         if not ctx.saving:
-            ctx.notes[_LOADED] = out
             return out
         if self.rename is not None:
             out = dict(self.rename(out))
@@ -77,13 +74,6 @@ class TorchtitanCheckpointIO(CheckpointIO):
                 k: v.detach().to(dt) if v.is_floating_point() and v.dtype != dt else v for k, v in out.items()
             }
         return out
-
-    def _after_load(self, ctx: HookContext) -> None:
-        loaded = ctx.notes.get(_LOADED) if ctx.kind == "model" else None
-        if loaded is not None:
-            with torch.no_grad():
-                self.unwrap_model(ctx.model).load_state_dict(loaded, strict=False)
-        super()._after_load(ctx)
 
 
 class _DataloaderState:
