@@ -146,6 +146,11 @@ def test_exclude_from_loading_and_a_dataloader_at_another_degree(tmp_path: Path)
     assert parts["train_state"].step == 0  # excluded: left as built
     assert parts["lr_schedulers"].schedulers[0].last_epoch == 0
     assert parts["dataloader"].dataset.sample_idx == 0
+    # load_step names a step that is not there: refused, as torchtitan does, not another step
+    with pytest.raises(
+        StateMismatchError, match=r"load_step=5: .* holds no committed step 5 \(committed: \[2\]\)"
+    ):
+        titan.build(str(tmp_path), 4)["checkpointer"].load(step=5)
     # the dataloader's position was saved at data-parallel degree 1: degree 2 is refused by name
     parts = titan.build(str(tmp_path), 4)
     parts["dataloader"].dp_world_size = 2

@@ -251,7 +251,12 @@ class CheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  # torchti
     @torch.no_grad()
     def _load(self, step: int = -1) -> bool:
         excluded = set(self.exclude_from_loading)
-        if self.run.all_steps():
+        steps = self.run.all_steps()
+        if steps and step != -1 and step not in steps:
+            raise StateMismatchError(
+                f"checkpoint.load_step={step}: {self.folder} holds no committed step {step} (committed: {steps})"
+            )
+        if steps:
             optim = None if OPTIMIZER in excluded else self.optimizer
             sched = None if LR_SCHEDULER in excluded else self.lr_schedulers
             dl = (
