@@ -20,10 +20,11 @@ $(BIN)/.installed: pyproject.toml setup.py unickpt/format/_fpkernel.c unickpt/fo
 venv: $(BIN)/.installed
 
 # The peers the differential tests compare against, installed without their dependencies beside
-# torch (Colossal-AI, DeepSpeed and torchtitan pull GPU stacks otherwise) with the few small
-# modules their checkpoint code imports. Best effort: a peer that fails to install leaves its
+# torch (Colossal-AI, DeepSpeed and torchtitan pull GPU stacks otherwise) with the modules their
+# checkpoint code imports; from tyro on, what torchtitan's trainer modules import at run time
+# (its models import triton, its datasets pyarrow and pandas; the tests run them on CPU). Best effort: a peer that fails to install leaves its
 # tests skipped with the reason, never a red suite.
-PEERS := colossalai==0.5.0 deepspeed==0.19.8 torchtitan==0.3.0 psutil peft accelerate hjson ninja py-cpuinfo einops msgpack lightning==2.6.6 lightning-utilities==0.15.3 torchmetrics==1.9.0
+PEERS := colossalai==0.5.0 deepspeed==0.19.8 torchtitan==0.3.0 psutil peft accelerate hjson ninja py-cpuinfo einops msgpack lightning==2.6.6 lightning-utilities==0.15.3 torchmetrics==1.9.0 tyro docstring-parser typeguard shtab spmd_types==0.2.3 torchdata torch_checkpointing datasets multiprocess dill pandas pyarrow tensorboard tensorboard-data-server protobuf absl-py triton
 $(BIN)/.peers: $(BIN)/.installed
 	$(BIN)/python -m pip install -q --no-deps $(PEERS) || echo "peers not installed: their tests skip"
 	touch $@

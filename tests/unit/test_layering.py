@@ -152,6 +152,32 @@ def test_shared_plugin_code_knows_no_plugin() -> None:
     assert not bad, "\n".join(bad)
 
 
+INTEGRATIONS = "unickpt.integrations"
+
+
+def _is_private(mod: str) -> bool:
+    return any(part.startswith("_") for part in mod.split(".")[1:])
+
+
+def test_integrations_use_only_public_modules_and_nothing_imports_them() -> None:
+    """unickpt.integrations.* (drop-in checkpointers for other frameworks) sit above everything:
+    they import only unickpt's public modules (no ``_private`` one), and no other module imports
+    them, so ``import unickpt`` never imports a framework."""
+    bad = []
+    for mod, imports in MODULES.items():
+        inside = mod == INTEGRATIONS or mod.startswith(INTEGRATIONS + ".")
+        for imp in imports:
+            if not imp.startswith("unickpt"):
+                continue
+            if inside and _is_private(imp):
+                bad.append(f"{mod} imports the private {imp}")
+            if not inside and (imp == INTEGRATIONS or imp.startswith(INTEGRATIONS + ".")):
+                bad.append(f"{mod} imports {imp}")
+    assert not bad, "\n".join(bad)
+    assert _is_private("unickpt.io._commit") and _is_private("unickpt._dist")
+    assert not _is_private("unickpt.manager") and not _is_private("unickpt.io")
+
+
 def test_lazy_private_and_relative_imports_are_seen(tmp_path: Path) -> None:
     src = tmp_path / "m.py"
     src.write_text(
@@ -173,7 +199,10 @@ def test_format_layer_runs_without_torch() -> None:
 
 
 def test_importing_unickpt_is_light() -> None:
-    code = "import sys, unickpt\nassert 'torch' not in sys.modules\nprint(unickpt.__version__)"
+    code = (
+        "import sys, unickpt, unickpt.integrations\nassert 'torch' not in sys.modules\n"
+        "assert 'torchtitan' not in sys.modules\nprint(unickpt.__version__)"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

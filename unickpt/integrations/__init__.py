@@ -1,8 +1,10 @@
-"""unickpt inside other trainers: Lightning, Hugging Face ``Trainer`` and accelerate.
+"""unickpt inside other trainers: torchtitan, Lightning, Hugging Face ``Trainer`` and accelerate.
 
 Each integration lives in its own module and imports its trainer only when used, so
-``import unickpt`` never imports lightning, transformers or accelerate:
+``import unickpt`` never imports torchtitan, lightning, transformers or accelerate:
 
+- ``unickpt.integrations.torchtitan.CheckpointManager``: torchtitan's checkpointer, replaced by
+  naming its config in the trainer's config (``CheckpointManager.Config``).
 - ``unickpt.integrations.lightning.UnickptCheckpointIO``: Lightning's ``CheckpointIO`` plugin.
 - ``unickpt.integrations.hf_trainer.UnickptTrainer``: a ``transformers.Trainer`` whose checkpoints
   (model, optimizer, scheduler) are unickpt checkpoints.

@@ -204,6 +204,7 @@ class CheckpointIO(OptimizerIO):
             )
         finally:
             reader.close()
+        self._hand_back(ctx)
         self._after_load(ctx)
         return report
 

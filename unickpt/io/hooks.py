@@ -19,7 +19,23 @@ from unickpt.io.names import normalize_name, unwrap_model
 from unickpt.io.optim_state import init_state
 from unickpt.io.tensors import LocalSlice, local_slices
 
-__all__ = ["FINAL_METHODS", "CheckpointHooks", "HookContext"]
+__all__ = ["DETACHED_NOTE", "FINAL_METHODS", "CheckpointHooks", "HookContext"]
+
+# HookContext.notes key of a model load's state dict when some entries are not the module's own.
+DETACHED_NOTE = -1
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return int(local.untyped_storage().data_ptr())
+
+
+def _storages(module: torch.nn.Module) -> set[int]:
+    """The storages of ``module``'s parameters and buffers."""
+    return {_storage_ptr(t) for t in [*module.parameters(), *module.buffers()] if t.numel()}
+
 
 # The public API: plugins customise the hooks, never these.
 FINAL_METHODS = (
@@ -72,14 +88,34 @@ class CheckpointHooks:
         return unwrap_model(model)
 
     def _model_tensors(self, ctx: HookContext) -> dict[str, torch.Tensor]:
-        """This rank's parameters and persistent buffers by checkpoint name (tied ones share a tensor)."""
+        """This rank's parameters and persistent buffers by checkpoint name (tied ones share a tensor).
+
+        A module's ``state_dict`` hooks may return fresh tensors instead of its own (a fused
+        weight saved split); for a load the state dict is then noted in ``ctx`` so that
+        :meth:`_hand_back` gives what was loaded into them to ``load_state_dict``.
+        """
         module = self.unwrap_model(ctx.model)
         out: dict[str, torch.Tensor] = {}
-        for name, t in module.state_dict(keep_vars=True).items():
+        sd = module.state_dict(keep_vars=True)
+        own = None if ctx.saving else _storages(module)
+        detached = False
+        for name, t in sd.items():
             if not isinstance(t, torch.Tensor):
                 raise UnsupportedError(f"state_dict entry {name!r} is a {type(t).__name__}, not a tensor")
             out[normalize_name(name)] = t
+            if own is not None and t.numel() and _storage_ptr(t) not in own:
+                detached = True
+        if detached:
+            ctx.notes[DETACHED_NOTE] = sd
         return out
+
+    def _hand_back(self, ctx: HookContext) -> None:
+        """After a model load: state dict entries that are not the module's own tensors reach it
+        through ``load_state_dict`` (whose hooks put them back, e.g. fuse the split weight)."""
+        sd = ctx.notes.get(DETACHED_NOTE)
+        if sd is not None:
+            with torch.no_grad():
+                self.unwrap_model(ctx.model).load_state_dict(sd, strict=False)
 
     def _local_slices(self, name: str, tensor: torch.Tensor, ctx: HookContext) -> list[LocalSlice]:
         """The local slices of the global tensor ``name`` that ``tensor`` holds on this rank."""
