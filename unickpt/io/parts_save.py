@@ -171,6 +171,8 @@ def save_gathered_parts(
                 if len(header) != layout.files[0].header_len:  # pragma: no cover - same-length placeholders
                     raise RuntimeError("internal: a single file's header changed length after hashing")
                 first[: len(header)] = header
+                if s.fence is not None:  # the single file's completion is the commit
+                    s.fence.check(f"completing {s.file_path}")
                 if len(parts[0]) == 1:
                     uploads[0].put(first)
                 else:
@@ -196,7 +198,7 @@ def save_gathered_parts(
             try:
                 directory, base = posixpath.split(s.file_path)
                 if base == single_name(s.kind):
-                    remove_superseded(store, directory, s.kind, {base}, single=True)
+                    remove_superseded(store, directory, s.kind, {base}, single=True, fence=s.fence)
             except BaseException as e:
                 err = e
         settle(err, f"committing {s.file_path}", group, s.lock)
@@ -218,6 +220,7 @@ def save_gathered_parts(
         world,
         store,
         s.lock,
+        fence=s.fence,
     )
 
 

@@ -58,7 +58,7 @@ from unickpt.format.index import LayoutInfo, index_to_json
 from unickpt.format.naming import single_name
 from unickpt.format.storage import FsspecStorage, Storage, is_url, open_storage
 from unickpt.format.storage_parts import supports_shared_parts
-from unickpt.format.store_lock import store_lock
+from unickpt.format.store_lock import StoreLock, store_lock
 from unickpt.format.writer import build_index
 from unickpt.io._commit import commit_collective, settle
 from unickpt.io.funnel_save import feed_funnel, write_funnelled, write_funnelled_single
@@ -197,6 +197,7 @@ def save_tensors(
     lock = contextlib.ExitStack()
     over = False  # an object store holds a committed checkpoint of the kind here
     clean = True  # rank 0 on a store: the directory held data files before this save
+    held: StoreLock | None = None  # rank 0 on a store: its lock, which fences the commit
     gs: GatheredSave | None = None
     if plan is not None and opts.gather and not funnel:  # 4-6: every rank writes its bytes of the HF files
         gs = GatheredSave(
@@ -223,10 +224,16 @@ def save_tensors(
                 os.makedirs(directory, exist_ok=True)
                 lock.enter_context(directory_lock(directory))
             else:  # one writer per directory on a store too (format/store_lock.py), listed under it
-                found = lock.enter_context(store_lock(store, directory, save_id, listed=not single_file))
-                over = found is not None and committed_in(found.times, opts.kind)
+                held = lock.enter_context(store_lock(store, directory, save_id, listed=True))
+                found = held.listed
+                # Fresh names (with the save id) over a committed checkpoint, and after taking over
+                # a stale lock: its holder may only have stalled, and its uploads, should it resume,
+                # must never land on this save's files (it fails at its fenced commit).
+                over = found is not None and (found.took_over or committed_in(found.times, opts.kind))
                 # nothing to supersede nor left by a killed save: the commit is the index PUT alone
                 clean = found is None or found.took_over or needs_cleanup(found.times)
+                if gs is not None:
+                    gs.fence = held
         if gs is not None and store is None:  # the files' layout; rank 0 creates them (one agreement)
             staged_hf = stage_gathered(gs, rank)
     except BaseException as e:
@@ -267,6 +274,7 @@ def save_tensors(
                         group,
                         save_id,
                         store,
+                        held,
                     )
                 else:
                     feed_funnel(plan, tensors, group, rank)
@@ -331,6 +339,7 @@ def save_tensors(
             store,
             lock,
             clean=clean,
+            fence=held,
         )
     finally:
         lock.close()
