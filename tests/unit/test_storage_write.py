@@ -237,16 +237,17 @@ def write(self, key, data):
     if point == "mid-upload" and count["w"] == 3:
         die()
     return real_write(self, key, data)
-real_write_if = st.FsspecStorage.write_if
-def write_if(self, path, data, etag):  # the index PUT, conditional on the version under the lock
+from unickpt.format import storage_s3
+real_write_if = storage_s3.write_if
+def write_if(fs, path, data, etag):  # the index PUT, conditional on the version under the lock
     if point == "before-index" and path.endswith(".index.json"):
         die()
-    out = real_write_if(self, path, data, etag)
+    out = real_write_if(fs, path, data, etag)
     if point == "after-index" and path.endswith(".index.json"):
         die()
     return out
 st.FsspecStorage.put, st.FsspecStorage.remove, sio.SafetensorsWriter.write = put, remove, write
-st.FsspecStorage.write_if = write_if
+storage_s3.write_if = write_if
 # A gathered save on S3 uploads parts (format/storage_parts.py): one PUT per one-part file.
 from unickpt.format import storage_parts as sp
 real_part_put = sp.SharedUpload.put

@@ -26,6 +26,7 @@ from test_storage_write import Net, download, fs_of, objects
 
 from unickpt.errors import CheckpointBusyError
 from unickpt.format.commit_store import referenced_files
+from unickpt.format.conditional import read_version
 from unickpt.format.storage import open_storage
 from unickpt.format.store_lock import LOCK_NAME, store_lock
 from unickpt.io import GeneralCheckpointIO
@@ -53,7 +54,8 @@ sys.path.insert(0, {tests!r})
 from test_storage_write import Net
 from unickpt.errors import CheckpointBusyError
 from unickpt.format.commit_store import referenced_files
-from unickpt.format import storage as st, storage_parts as sp, store_lock as sl
+from unickpt.format.conditional import read_version
+from unickpt.format import storage as st, storage_parts as sp, storage_s3, store_lock as sl
 from unickpt.io import GeneralCheckpointIO
 
 points, url, gates = json.loads({points!r}), {url!r}, {gates!r}
@@ -85,10 +87,17 @@ def wrap(cls, name, before):
         return real(self, *a, **k)
     setattr(cls, name, f)
 
+def wrap_fn(module, name, before):
+    real = getattr(module, name)
+    def f(*a, **k):
+        before(*a, **k)
+        return real(*a, **k)
+    setattr(module, name, f)
+
 wrap(st.FsspecStorage, "open_write", lambda self, path: upload_begins())
 wrap(sp.SharedUpload, "put", lambda self, body: upload_begins())
 wrap(sl.StoreLock, "check", lambda self, before: armed("before-check") and stop(state["point"]))
-wrap(st.FsspecStorage, "write_if", lambda self, path, data, etag: (
+wrap_fn(storage_s3, "write_if", lambda fs, path, data, etag: (
     path.endswith(".index.json") and armed("before-index", "before-index-over") and stop(state["point"])))
 wrap(sl.StoreLock, "release", lambda self: armed("before-release") and stop(state["point"]))
 
@@ -189,7 +198,7 @@ def test_a_writer_stalled_past_its_lock_at_every_step_never_commits(s3, tmp_path
                     os.kill(proc.pid, signal.SIGCONT)
                     _wait(gates / f"{name}.done", proc, f"the end of {name}")
                     held.check("the test's look")  # A's release left B's lock alone
-                    got = store.read_version(store.join(root, LOCK_NAME), 1 << 16)  # B beats meanwhile
+                    got = read_version(store, store.join(root, LOCK_NAME), 1 << 16)  # B beats meanwhile
                     assert got is not None and json.loads(got[0])["save_id"] == "b" * 32
                 continue
             io_b.save_model(Net(2), target, **kwargs)  # takes A's lock over and commits
@@ -259,7 +268,7 @@ def test_a_lost_lock_is_left_to_its_new_holder(s3, monkeypatch) -> None:
         b = b_cm.__enter__()
         monkeypatch.setenv("UNICKPT_STORE_LOCK_STALE", "100")
     # A's release (the block's end) left B's lock in place
-    got = store.read_version(store.join(root, LOCK_NAME), 1 << 16)  # one GET: B beats meanwhile
+    got = read_version(store, store.join(root, LOCK_NAME), 1 << 16)  # one GET: B beats meanwhile
     assert got is not None and json.loads(got[0])["save_id"] == "b" * 32
     b.check("B's look")
     b_cm.__exit__(None, None, None)

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 from unickpt._logging import get_logger
 from unickpt.errors import CheckpointBusyError, IncompleteCheckpointError
+from unickpt.format import conditional
 from unickpt.format.commit import atomic_write_bytes
 from unickpt.format.naming import index_name, is_own_data_file, single_name
 from unickpt.format.storage import FsspecStorage, Storage, is_url, open_storage
@@ -154,7 +155,7 @@ def put_commit_point(storage: Storage, path: str, data: bytes, fence: Fence | No
     name = posixpath.basename(path)
     got = None
     if seen is not None and (name not in seen or seen[name] is not None):
-        got = storage.write_if(path, data, seen.get(name))
+        got = conditional.write_if(storage, path, data, seen.get(name))
     if got is None:
         storage.put(path, data)
     elif not got[0]:
@@ -207,7 +208,7 @@ def remove_superseded(
             storage.remove([where])
         elif name in seen:  # else another save's index, written since the lock was taken
             etag = seen[name]
-            if etag is None or storage.delete_if(where, etag) is None:
+            if etag is None or conditional.delete_if(storage, where, etag) is None:
                 storage.remove([where])  # no conditional deletes: the lock's check is the fence
     names = storage.listdir(directory)
     storage.remove(

@@ -157,26 +157,6 @@ class Storage:
         True when written, False when it changed or vanished, None when the store cannot."""
         return None
 
-    def write_if(self, path: str, data: bytes, etag: str | None) -> tuple[bool, str | None] | None:
-        """Write ``path`` only while it is the version ``etag`` (S3's ``If-Match``), or with
-        ``etag=None`` only while it does not exist (``If-None-Match: *``): ``(True, the new
-        version's ETag)`` when written, ``(False, None)`` when the object changed, vanished or
-        exists; None when the store has no conditional writes (nothing written)."""
-        return None
-
-    def delete_if(self, path: str, etag: str) -> bool | None:
-        """Delete ``path`` only while it is the version ``etag``: True when deleted, False when it
-        changed or vanished, None when the store has no conditional deletes (nothing deleted)."""
-        return None
-
-    def read_version(self, path: str, limit: int) -> tuple[bytes, str | None] | None:
-        """The bytes of the small object ``path`` and its ETag, of one version (one GET); None
-        when it does not exist. The ETag is None where the store gives none."""
-        try:
-            return self.read_bytes(path, limit=limit), None
-        except (FileNotFoundError, IncompleteCheckpointError):
-            return None
-
     def exists(self, path: str) -> bool:
         raise NotImplementedError
 
@@ -418,72 +398,6 @@ class FsspecStorage(Storage):
             self.fs.invalidate_cache(path)
         return True
 
-    def _s3(self) -> Any:
-        """s3fs's request call, or None on stores other than S3."""
-        call = getattr(self.fs, "call_s3", None)
-        return call if self.protocol in ("s3", "s3a") and callable(call) else None
-
-    def write_if(self, path: str, data: bytes, etag: str | None) -> tuple[bool, str | None] | None:
-        call = self._s3()
-        if call is None:
-            return None
-        bucket, key, _ = self.fs.split_path(path)
-        cond = {"IfMatch": etag} if etag is not None else {"IfNoneMatch": "*"}
-        try:
-            out = call("put_object", Bucket=bucket, Key=key, Body=data, **cond)
-        except FileNotFoundError:
-            return False, None
-        except OSError as e:
-            if _precondition_failed(e):
-                return False, None
-            raise
-        finally:
-            self.fs.invalidate_cache(path)
-        got = out.get("ETag") if isinstance(out, dict) else None
-        return True, (str(got) if got else None)
-
-    def delete_if(self, path: str, etag: str) -> bool | None:
-        call = self._s3()
-        if call is None:
-            return None
-        bucket, key, _ = self.fs.split_path(path)
-        try:
-            call("delete_object", Bucket=bucket, Key=key, IfMatch=etag)
-        except FileNotFoundError:
-            return False
-        except OSError as e:
-            if _precondition_failed(e):
-                return False
-            raise
-        finally:
-            self.fs.invalidate_cache(path)
-        return True
-
-    def read_version(self, path: str, limit: int) -> tuple[bytes, str | None] | None:
-        if self._s3() is None:
-            return super().read_version(path, limit)
-        from fsspec.asyn import sync
-
-        bucket, key, _ = self.fs.split_path(path)
-
-        async def get() -> tuple[bytes, str | None] | None:
-            try:
-                out = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
-            except FileNotFoundError:
-                return None
-            body = out["Body"]
-            try:
-                if int(out.get("ContentLength") or 0) > limit:
-                    raise IncompleteCheckpointError(f"{self.protocol}://{path}: larger than {limit} bytes")
-                data = await body.read()
-            finally:
-                body.close()
-            got = out.get("ETag")
-            return bytes(data), (str(got) if got else None)
-
-        result: tuple[bytes, str | None] | None = sync(self.fs.loop, get)
-        return result
-
     def exists(self, path: str) -> bool:
         return bool(self.fs.exists(path))
 
@@ -528,15 +442,6 @@ class FsspecStorage(Storage):
             _BUCKETS.add(key)
             return
         self.fs.makedirs(path, exist_ok=True)
-
-
-def _precondition_failed(e: OSError) -> bool:
-    """True for S3's 412 (s3fs words it as "... pre-conditions ... did not hold") or a 409
-    conflict of two conditional writes at once."""
-    said = f"{e} {e.__cause__!r}"
-    return any(
-        w in said for w in ("PreconditionFailed", "pre-conditions", "412", "ConditionalRequestConflict")
-    )
 
 
 #: (endpoint, bucket) pairs known to exist in this process (``FsspecStorage.makedirs``).

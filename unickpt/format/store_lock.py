@@ -67,6 +67,7 @@ from typing import Any
 
 from unickpt._logging import get_logger
 from unickpt.errors import CheckpointBusyError
+from unickpt.format import conditional
 from unickpt.format.commit_store import listing_versions, object_version
 from unickpt.format.storage import FsspecStorage, Storage
 
@@ -135,7 +136,7 @@ class Listed:
 def _put_lock(storage: Storage, path: str, body: bytes, etag: str | None) -> tuple[bool, str | None]:
     """Write the lock while it is the version ``etag`` (None: while absent): (written, its
     ETag). Stores without conditional overwrites: an exclusive put, or False for a rewrite."""
-    got = storage.write_if(path, body, etag)
+    got = conditional.write_if(storage, path, body, etag)
     if got is not None:
         return got
     if etag is not None:
@@ -166,7 +167,7 @@ def _acquire(storage: Storage, path: str, body: bytes) -> tuple[bool, str | None
             )
             # Replaced only while still the version judged stale (If-Match on S3): of two saves
             # taking over the same stale lock at once, one gets it and the other finds it fresh.
-            replaced = storage.write_if(path, body, etag) if etag else None
+            replaced = conditional.write_if(storage, path, body, etag) if etag else None
             if replaced is not None and replaced[0]:
                 return True, replaced[1]
             if replaced is None:  # a store without conditional overwrites: delete, then exclusive
@@ -210,7 +211,7 @@ class StoreLock:
     def _look(self) -> str | None:
         """None while the lock object names this save (its ETag adopted: a heartbeat whose reply
         was lost still counts); else who holds it now. One GET."""
-        got = self.storage.read_version(self.path, 1 << 16)
+        got = conditional.read_version(self.storage, self.path, 1 << 16)
         if got is None:
             return "nobody (the lock object was deleted)"
         info = _parse(got[0])
@@ -277,7 +278,7 @@ class StoreLock:
         with self._guard:
             if self._lost is None and self._etag is not None:
                 for _ in (0, 1):
-                    gone = self.storage.delete_if(self.path, self._etag)
+                    gone = conditional.delete_if(self.storage, self.path, self._etag)
                     if gone is None:
                         break
                     if gone:
