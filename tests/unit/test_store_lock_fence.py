@@ -39,12 +39,13 @@ _SINGLE = {"shard": False}  # one model.safetensors: its completion is the commi
 POINTS: list[tuple[str, dict[str, Any], bool]] = [
     ("after-lock", _PARTS, False),  # the lock is taken, nothing uploaded yet
     ("mid-uploads", _PARTS, False),  # one data file uploaded, the next not
-    ("before-check", _PARTS, False),  # every file uploaded, the lock's check next
+    ("before-commit", _PARTS, False),  # every file uploaded, the commit next (save.commit)
     ("before-index", _PARTS, False),  # the check passed, the index PUT next
     ("before-index-over", _PARTS, True),  # the same over a committed checkpoint (save-id names)
     ("sliced-mid-uploads", _SLICED, False),
     ("sliced-before-index", _SLICED, False),
-    ("single-before-check", _SINGLE, False),  # a single file, before its completion
+    ("single-before-commit", _SINGLE, False),  # a single file: all uploaded but its one PUT
+    ("single-before-put", _SINGLE, False),  # the check passed, the file's PUT (its commit) next
     ("before-release", _PARTS, False),  # committed; B takes the lock before A releases it
 ]
 
@@ -56,7 +57,10 @@ from unickpt.errors import CheckpointBusyError
 from unickpt.format.commit_store import referenced_files
 from unickpt.format.conditional import read_version
 from unickpt.format import storage as st, storage_parts as sp, storage_s3, store_lock as sl
+import importlib
 from unickpt.io import GeneralCheckpointIO
+parts_save = importlib.import_module("unickpt.io.parts_save")
+save = importlib.import_module("unickpt.io.save")
 
 points, url, gates = json.loads({points!r}), {url!r}, {gates!r}
 state = {{"point": None, "uploads": 0}}
@@ -95,10 +99,19 @@ def wrap_fn(module, name, before):
     setattr(module, name, f)
 
 wrap(st.FsspecStorage, "open_write", lambda self, path: upload_begins())
-wrap(sp.SharedUpload, "put", lambda self, body: upload_begins())
-wrap(sl.StoreLock, "check", lambda self, before: armed("before-check") and stop(state["point"]))
-wrap_fn(storage_s3, "write_if", lambda fs, path, data, etag: (
-    path.endswith(".index.json") and armed("before-index", "before-index-over") and stop(state["point"])))
+wrap(sp.SharedUpload, "put", lambda self, body, when=None: upload_begins())
+def before_commit(stage):
+    if stage == "save.commit" and armed("before-commit"):
+        stop(state["point"])
+wrap_fn(parts_save, "maybe_fail", before_commit)
+wrap_fn(save, "maybe_fail", before_commit)
+def index_put(path):  # however the index is written (a conditional PUT, or a plain one)
+    if path.endswith(".index.json") and armed("before-index", "before-index-over"):
+        stop(state["point"])
+wrap_fn(storage_s3, "write_if", lambda fs, path, data, etag: index_put(path))
+wrap(st.FsspecStorage, "put", lambda self, path, data, **k: index_put(path))
+wrap(sp.SharedUpload, "put", lambda self, body, when=None: (
+    self.path.endswith("/model.safetensors") and armed("single-before-put") and stop(state["point"])))
 wrap(sl.StoreLock, "release", lambda self: armed("before-release") and stop(state["point"]))
 
 io = GeneralCheckpointIO()
@@ -222,7 +235,7 @@ def test_a_writer_stalled_past_its_lock_at_every_step_never_commits(s3, tmp_path
         assert got[name].startswith("busy: "), (name, got[name])
         msg = got[name]
         assert f"{s3.bucket}/{prefix}" in msg, msg  # the URL
-        if name in ("before-index", "before-index-over", "sliced-before-index"):
+        if name in ("before-index", "before-index-over", "sliced-before-index", "single-before-put"):
             # past its check when it stalled: the index PUT, conditional on the version under
             # A's lock, is refused by the store
             assert "another save committed here after this save's lock was taken over" in msg, msg

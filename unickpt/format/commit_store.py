@@ -49,6 +49,8 @@ __all__ = [
     "referenced_files",
     "Fence",
     "put_commit_point",
+    "commit_condition",
+    "refused_commit",
     "commit_store_index",
     "commit_and_clean",
     "remove_superseded",
@@ -159,12 +161,32 @@ def put_commit_point(storage: Storage, path: str, data: bytes, fence: Fence | No
     if got is None:
         storage.put(path, data)
     elif not got[0]:
-        was = f"version {seen.get(name)}" if seen and name in seen else "no such object"
-        raise CheckpointBusyError(
-            f"{path}: another save committed here after this save's lock was taken over (this save "
-            f"found {was} when it took the lock; the lock is now held by {fence.holder()}); this save "
-            "committed nothing and leaves that save's checkpoint as it is"
-        )
+        raise refused_commit(path, fence)
+
+
+def commit_condition(fence: Fence | None, name: str) -> dict[str, str] | None:
+    """The S3 request conditions (``IfMatch`` / ``IfNoneMatch``) that let commit point ``name``
+    be written only while it is the version the directory held when ``fence`` was taken; None
+    when there is nothing to condition on (no fence, not listed, no ETag)."""
+    seen = None if fence is None else fence.versions
+    if seen is None:
+        return None
+    if name not in seen:
+        return {"IfNoneMatch": "*"}
+    etag = seen[name]
+    return None if etag is None else {"IfMatch": etag}
+
+
+def refused_commit(path: str, fence: Fence) -> CheckpointBusyError:
+    """The error of a commit point's conditional write refused by the store (:func:`commit_condition`)."""
+    seen = fence.versions or {}
+    name = posixpath.basename(path)
+    was = f"version {seen[name]}" if name in seen else "no such object"
+    return CheckpointBusyError(
+        f"{path}: another save committed here after this save's lock was taken over (this save "
+        f"found {was} when it took the lock; the lock is now held by {fence.holder()}); this save "
+        "committed nothing and leaves that save's checkpoint as it is"
+    )
 
 
 def _removable(fence: Fence | None, directory: str) -> dict[str, str | None] | None:

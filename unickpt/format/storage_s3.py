@@ -17,7 +17,15 @@ from typing import Any
 
 from unickpt.errors import IncompleteCheckpointError
 
-__all__ = ["S3Upload", "PART_SIZE", "IN_FLIGHT", "write_if", "delete_if", "read_version"]
+__all__ = [
+    "S3Upload",
+    "PART_SIZE",
+    "IN_FLIGHT",
+    "write_if",
+    "delete_if",
+    "read_version",
+    "precondition_failed",
+]
 
 #: Bytes per uploaded part (S3 wants at least 5 MiB for every part but the last).
 PART_SIZE = 16 << 20
@@ -156,7 +164,7 @@ class S3Upload:
 
 
 # -- conditional requests (``Storage.write_if`` / ``delete_if`` / ``read_version`` on S3)
-def _precondition_failed(e: OSError) -> bool:
+def precondition_failed(e: OSError) -> bool:
     """True for S3's 412 (s3fs words it as "... pre-conditions ... did not hold") or a 409
     conflict of two conditional writes at once."""
     said = f"{e} {e.__cause__!r}"
@@ -174,7 +182,7 @@ def write_if(fs: Any, path: str, data: bytes, etag: str | None) -> tuple[bool, s
     except FileNotFoundError:
         return False, None
     except OSError as e:
-        if _precondition_failed(e):
+        if precondition_failed(e):
             return False, None
         raise
     finally:
@@ -191,7 +199,7 @@ def delete_if(fs: Any, path: str, etag: str) -> bool:
     except FileNotFoundError:
         return False
     except OSError as e:
-        if _precondition_failed(e):
+        if precondition_failed(e):
             return False
         raise
     finally:
