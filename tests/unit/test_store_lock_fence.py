@@ -42,6 +42,7 @@ POINTS: list[tuple[str, dict[str, Any], bool]] = [
     ("before-commit", _PARTS, False),  # every file uploaded, the commit next (save.commit)
     ("before-index", _PARTS, False),  # the check passed, the index PUT next
     ("before-index-over", _PARTS, True),  # the same over a committed checkpoint (save-id names)
+    ("after-index-over", _PARTS, True),  # committed; B commits before A's cleanup
     ("sliced-mid-uploads", _SLICED, False),
     ("sliced-before-index", _SLICED, False),
     ("single-before-commit", _SINGLE, False),  # a single file: all uploaded but its one PUT
@@ -109,6 +110,13 @@ def index_put(path):  # however the index is written (a conditional PUT, or a pl
     if path.endswith(".index.json") and armed("before-index", "before-index-over"):
         stop(state["point"])
 wrap_fn(storage_s3, "write_if", lambda fs, path, data, etag: index_put(path))
+real_write_if = storage_s3.write_if
+def write_if_then(fs, path, data, etag):  # A's index is in: stall before the cleanup after it
+    out = real_write_if(fs, path, data, etag)
+    if path.endswith(".index.json") and armed("after-index-over"):
+        stop(state["point"])
+    return out
+storage_s3.write_if = write_if_then
 wrap(st.FsspecStorage, "put", lambda self, path, data, **k: index_put(path))
 wrap(sp.SharedUpload, "put", lambda self, body, when=None: (
     self.path.endswith("/model.safetensors") and armed("single-before-put") and stop(state["point"])))
@@ -187,11 +195,26 @@ def _intact(s3: Any, prefix: str, tmp: Path, kwargs: dict[str, Any], seed: int =
     _same(m, Net(seed))
 
 
+# The quick set (one of each kind of step); the sweep takes every stall point.
+QUICK = ("after-lock", "before-index", "after-index-over", "before-release")
+
+
+def test_a_writer_stalled_past_its_lock_never_commits(s3, tmp_path, monkeypatch) -> None:
+    _stall_at(s3, tmp_path, monkeypatch, [p for p in POINTS if p[0] in QUICK])
+
+
+@pytest.mark.slow  # every stall point: about a minute on two busy cores
 def test_a_writer_stalled_past_its_lock_at_every_step_never_commits(s3, tmp_path, monkeypatch) -> None:
+    _stall_at(s3, tmp_path, monkeypatch, POINTS)
+
+
+def _stall_at(
+    s3: Any, tmp_path: Path, monkeypatch: Any, points: list[tuple[str, dict[str, Any], bool]]
+) -> None:
     url = f"s3://{s3.bucket}/fence"
     gates = tmp_path / "gates"
     gates.mkdir()
-    spec = json.dumps([[n, k, o] for n, k, o in POINTS])
+    spec = json.dumps([[n, k, o] for n, k, o in points])
     code = _CHILD.format(tests=str(Path(__file__).parent), points=spec, url=url, gates=str(gates))
     # A beats every 0.1 s while it runs (none while stopped); B judges any lock stale at once.
     env = {**os.environ, **s3.env(), "OMP_NUM_THREADS": "1", "UNICKPT_STORE_LOCK_STALE": "0.4"}
@@ -201,7 +224,7 @@ def test_a_writer_stalled_past_its_lock_at_every_step_never_commits(s3, tmp_path
         [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
-        for name, kwargs, _over in POINTS:
+        for name, kwargs, _over in points:
             _wait(gates / name, proc, name)
             _stopped(proc.pid)
             target = f"{url}/{name}"
@@ -225,8 +248,15 @@ def test_a_writer_stalled_past_its_lock_at_every_step_never_commits(s3, tmp_path
             proc.wait()
     assert proc.returncode == 0, err[-3000:]
     got = json.loads(out.strip().splitlines()[-1])
-    for name, kwargs, _over in POINTS:
+    assert list(got) == [p[0] for p in points]
+    for name, kwargs, _over in points:
         prefix = f"fence/{name}"
+        if name == "after-index-over":
+            # A committed, then B took over and committed: A's cleanup after its commit removed
+            # only what A's own listing held (the first checkpoint's files), none of B's
+            assert got[name] == "ok"
+            _intact(s3, prefix, tmp_path / name, kwargs)
+            continue
         if name == "before-release":
             assert got[name] == "ok"  # A committed while it held its lock: its save succeeded
             assert objects(s3, prefix).count(LOCK_NAME) == 0  # B released its own lock
