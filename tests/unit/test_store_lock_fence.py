@@ -341,3 +341,32 @@ def test_memory_store_fences_by_reading_the_lock_back(monkeypatch) -> None:
             b.check("B's look")
             monkeypatch.setenv("UNICKPT_STORE_LOCK_STALE", "100")
         assert LOCK_NAME not in store.listdir(root)
+
+
+def test_a_tool_run_whose_lock_was_taken_over_commits_and_removes_nothing(s3, monkeypatch) -> None:
+    """A tool writing to a URL (merge, convert, export: tools/_store_out.py) holds the prefix's
+    lock: taken over while it wrote, its commit point is never written and its abort removes
+    nothing (the names it wrote may be the new holder's)."""
+    from unickpt.tools._store_out import store_output
+
+    url = f"s3://{s3.bucket}/tool-out"
+    monkeypatch.setenv("UNICKPT_STORE_LOCK_STALE", "100")
+    taken: list[Any] = []
+    with (
+        pytest.raises(
+            CheckpointBusyError, match=r"lost its lock before writing its commit point .*index\.json"
+        ),
+        store_output(url, s3.storage_options()) as out,
+    ):
+        out.put("model-00001-of-00001.safetensors", b"shared name")
+        out.commit_later("model.safetensors.index.json", b"{}")
+        monkeypatch.setenv("UNICKPT_STORE_LOCK_STALE", "0")
+        b = store_lock(out.storage, out.root, "b" * 32)  # the run stalled: B takes its lock over
+        taken.append((b, b.__enter__()))
+        monkeypatch.setenv("UNICKPT_STORE_LOCK_STALE", "100")
+    names = objects(s3, "tool-out")
+    assert names == [LOCK_NAME, "model-00001-of-00001.safetensors"], names  # no index; nothing removed
+    ((b, held),) = taken
+    held.check("B's look")
+    b.__exit__(None, None, None)
+    assert objects(s3, "tool-out") == ["model-00001-of-00001.safetensors"]
