@@ -30,9 +30,12 @@ in a directory 4 (docs/performance.md, issue 17).
 A URL (``s3://``, ``gs://``...: ``SaveOptions.storage_options``) goes through the storage layer
 instead (``format/commit_store.py``, docs/format.md section 6.1): no staging; rank 0 takes the
 directory's lock object (``format/store_lock.py``: a second writer gets ``CheckpointBusyError``),
-lists the directory once under it: a committed checkpoint there gives every file a save-id name,
-and a directory without data files (nor a stale lock taken over) needs no cleanup after the
-commit; each writer streams its files as multipart uploads, and rank 0's commit is the index's PUT. A gathered save
+lists the directory once under it: a committed checkpoint there, or a stale lock taken over,
+gives every file a save-id name, and a directory without data files (nor a stale lock taken
+over) needs no cleanup after the commit; each writer streams its files as multipart uploads,
+and rank 0's commit is the index's PUT, fenced by the lock (``StoreLock.check`` right before,
+the PUT conditional on the version listed under the lock: a save whose lock was taken over
+raises ``CheckpointBusyError`` and commits nothing). A gathered save
 on S3 has every rank upload parts of the same multipart uploads (``io/parts_save.py``); on
 other stores (no ``pwrite``, no shared uploads) rank 0 writes it (``io/funnel_save.py``).
 """
