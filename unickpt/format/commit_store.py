@@ -20,6 +20,10 @@ Every data file's header carries its save id and the reader checks it against th
 file of another save under a name the index uses is refused, never read. Killed saves leave
 files no index names and multipart uploads never completed: :func:`clean_store_leftovers`
 removes the files older than the last commit and aborts the uploads begun before it.
+
+Every commit point and every removal after it is fenced by the save's lock (``fence``:
+``format/commit_fence.py``, ``format/store_lock.py``): a save whose lock was taken over commits
+nothing and removes none of the files of the save that took its place.
 """
 
 from __future__ import annotations
@@ -29,12 +33,13 @@ import posixpath
 import re
 from collections.abc import Iterable
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any
 
 from unickpt._logging import get_logger
-from unickpt.errors import CheckpointBusyError, IncompleteCheckpointError
+from unickpt.errors import IncompleteCheckpointError
 from unickpt.format import conditional
 from unickpt.format.commit import atomic_write_bytes
+from unickpt.format.commit_fence import Fence, put_commit_point, removable
 from unickpt.format.naming import index_name, is_own_data_file, single_name
 from unickpt.format.storage import FsspecStorage, Storage, is_url, open_storage
 
@@ -47,10 +52,6 @@ __all__ = [
     "listing_times",
     "listing_versions",
     "referenced_files",
-    "Fence",
-    "put_commit_point",
-    "commit_condition",
-    "refused_commit",
     "commit_store_index",
     "commit_and_clean",
     "remove_superseded",
@@ -124,83 +125,6 @@ def referenced_files(index: bytes, path: str = "index.json") -> set[str]:
     return out
 
 
-class Fence(Protocol):
-    """The save lock that fences a commit on a store (``format.store_lock.StoreLock``)."""
-
-    @property
-    def versions(self) -> dict[str, str | None] | None:
-        """Name -> ETag of every object the directory held once the lock was taken (None: not
-        listed). Files another save may own are never among them (see :func:`put_commit_point`)."""
-        ...
-
-    def check(self, before: str) -> None:
-        """Raise ``CheckpointBusyError`` unless the lock is still this save's."""
-        ...
-
-    def holder(self) -> str:
-        """Who holds the lock now, as the store says (one look at it)."""
-        ...
-
-
-def put_commit_point(storage: Storage, path: str, data: bytes, fence: Fence | None) -> None:
-    """Write the commit point ``path`` (an index) with one PUT; with ``fence``, only while this
-    save still holds its lock: checked right before, and the PUT conditional on the version the
-    directory held when the lock was taken (``If-Match`` its ETag, ``If-None-Match: *`` where
-    there was none): a save that stalled past its lock's threshold while another took the lock
-    over and committed is refused even when it resumes between its check and its PUT. Stores
-    without conditional writes get the check alone."""
-    if fence is None:
-        storage.put(path, data)
-        return
-    fence.check(f"writing its commit point {path}")
-    seen = fence.versions
-    name = posixpath.basename(path)
-    got = None
-    if seen is not None and (name not in seen or seen[name] is not None):
-        got = conditional.write_if(storage, path, data, seen.get(name))
-    if got is None:
-        storage.put(path, data)
-    elif not got[0]:
-        raise refused_commit(path, fence)
-
-
-def commit_condition(fence: Fence | None, name: str) -> dict[str, str] | None:
-    """The S3 request conditions (``IfMatch`` / ``IfNoneMatch``) that let commit point ``name``
-    be written only while it is the version the directory held when ``fence`` was taken; None
-    when there is nothing to condition on (no fence, not listed, no ETag)."""
-    seen = None if fence is None else fence.versions
-    if seen is None:
-        return None
-    if name not in seen:
-        return {"IfNoneMatch": "*"}
-    etag = seen[name]
-    return None if etag is None else {"IfMatch": etag}
-
-
-def refused_commit(path: str, fence: Fence) -> CheckpointBusyError:
-    """The error of a commit point's conditional write refused by the store (:func:`commit_condition`)."""
-    seen = fence.versions or {}
-    name = posixpath.basename(path)
-    was = f"version {seen[name]}" if name in seen else "no such object"
-    return CheckpointBusyError(
-        f"{path}: another save committed here after this save's lock was taken over (this save "
-        f"found {was} when it took the lock; the lock is now held by {fence.holder()}); this save "
-        "committed nothing and leaves that save's checkpoint as it is"
-    )
-
-
-def _removable(fence: Fence | None, directory: str) -> dict[str, str | None] | None:
-    """The objects a fenced save may remove after its commit: those listed when its lock was
-    taken (a save that took the lock over since writes only under names of its own, and
-    rewrites no listed object but the index). Without that listing, the lock is checked."""
-    if fence is None:
-        return None
-    seen = fence.versions
-    if seen is None:
-        fence.check(f"removing the files {directory} no longer uses")
-    return seen
-
-
 def commit_store_index(
     storage: Storage, directory: str, kind: str, index: bytes, keep: set[str], fence: Fence | None = None
 ) -> None:
@@ -219,11 +143,11 @@ def remove_superseded(
 
     For a single-file commit the index goes first: from then on the new single file is what a
     reader opens, and the old shards are unreferenced. With ``fence`` (the save's lock), only
-    objects the directory held when the lock was taken (:func:`_removable`; the index only
+    objects the directory held when the lock was taken (``commit_fence.removable``; the index only
     while still the version listed then: a conditional DELETE on S3): files of a save that took
     the lock over since are never removed.
     """
-    seen = _removable(fence, directory)
+    seen = removable(fence, directory)
     if single:
         where, name = storage.join(directory, index_name(kind)), index_name(kind)
         if seen is None:
@@ -415,7 +339,7 @@ def commit_and_clean(
 
     ``clean=False`` (the save's listing under its lock showed no data file: :func:`needs_cleanup`)
     makes the commit the index PUT alone: nothing to supersede, no file of a killed save.
-    ``fence`` (the save's lock) fences the commit (:func:`put_commit_point`) and the removals
+    ``fence`` (the save's lock) fences the commit (``commit_fence.put_commit_point``) and the removals
     (checked first; only objects listed when the lock was taken, :func:`remove_superseded`)."""
     if not isinstance(storage, FsspecStorage):
         commit_store_index(storage, directory, kind, index, keep, fence)
@@ -424,7 +348,7 @@ def commit_and_clean(
     if not clean:
         return
     try:  # committed: from here on a failure leaves only unreferenced files, removed next time
-        seen = _removable(fence, directory)
+        seen = removable(fence, directory)
         times = listing_times(storage, directory)
         gone = [
             n for n in times if n not in keep and is_store_data_file(kind, n) and (seen is None or n in seen)

@@ -33,7 +33,8 @@ import numpy as np
 
 from unickpt._faults import maybe_fail
 from unickpt.format.commit import SAVE_ID_KEY, commit_directory, commit_single_file, temp_name
-from unickpt.format.commit_store import Fence, commit_store_index, remove_superseded
+from unickpt.format.commit_fence import Fence
+from unickpt.format.commit_store import commit_store_index, remove_superseded
 from unickpt.format.dtypes import itemsize
 from unickpt.format.hashing import combine_partials, finalize_fingerprint, hash_block
 from unickpt.format.index import IndexFile, IndexMetadata, LayoutInfo, SliceEntry, TensorEntry, UnickptBlock

@@ -8,7 +8,8 @@ from typing import Any
 from unickpt import _dist
 from unickpt._logging import get_logger
 from unickpt.format.commit import commit_directory, discard, finish_commit, place_staged, prepare_commit
-from unickpt.format.commit_store import Fence, commit_and_clean
+from unickpt.format.commit_fence import Fence
+from unickpt.format.commit_store import commit_and_clean
 from unickpt.format.storage import Storage
 from unickpt.io.planner import SavePlan
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from unickpt import _dist
-from unickpt.format.commit_store import Fence
+from unickpt.format.commit_fence import Fence
 from unickpt.format.index import UnickptBlock
 from unickpt.format.reader import single_file_name
 from unickpt.format.storage import Storage

@@ -41,7 +41,7 @@ from unickpt._faults import maybe_fail
 from unickpt.errors import UnsupportedError
 from unickpt.format import commit
 from unickpt.format.commit import commit_directory, commit_single_file, discard, temp_name
-from unickpt.format.commit_store import Fence
+from unickpt.format.commit_fence import Fence
 from unickpt.format.dtypes import itemsize
 from unickpt.format.hashing import hash_block, slice_hash
 from unickpt.format.hf_layout import HFLayout, box_runs, plan_hf_layout, writer_ranges

@@ -38,7 +38,8 @@ import torch
 from unickpt import _dist
 from unickpt._faults import maybe_fail
 from unickpt.format import storage_parts, storage_s3
-from unickpt.format.commit_store import commit_condition, refused_commit, remove_superseded, store_file_name
+from unickpt.format.commit_fence import commit_condition, refused_commit
+from unickpt.format.commit_store import remove_superseded, store_file_name
 from unickpt.format.dtypes import itemsize
 from unickpt.format.hf_layout import HFLayout, box_runs, plan_hf_layout
 from unickpt.format.index import index_to_json

@@ -28,7 +28,7 @@ from typing import Any, BinaryIO, cast
 from unickpt._logging import get_logger
 from unickpt.errors import OutputExistsError
 from unickpt.format.commit import new_save_id
-from unickpt.format.commit_store import Fence
+from unickpt.format.commit_fence import Fence
 from unickpt.format.storage import Storage, open_storage
 from unickpt.format.store_lock import store_lock
 
