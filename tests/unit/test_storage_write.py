@@ -252,12 +252,12 @@ storage_s3.write_if = write_if
 from unickpt.format import storage_parts as sp
 real_part_put = sp.SharedUpload.put
 parts = {{"n": 0}}
-def part_put(self, body):
+def part_put(self, body, when=None):
     parts["n"] += 1
     # sharded: the first file is up, the second is not; a single file: its only PUT
     if point == "mid-upload" and parts["n"] == (2 if {shard!r} else 1):
         die()
-    return real_part_put(self, body)
+    return real_part_put(self, body, when)
 sp.SharedUpload.put = part_put
 GeneralCheckpointIO().save_model(Net(2), {url!r}, shard={shard!r}, size_per_shard=0.002)
 print("not killed")
