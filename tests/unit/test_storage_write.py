@@ -237,17 +237,27 @@ def write(self, key, data):
     if point == "mid-upload" and count["w"] == 3:
         die()
     return real_write(self, key, data)
+from unickpt.format import storage_s3
+real_write_if = storage_s3.write_if
+def write_if(fs, path, data, etag):  # the index PUT, conditional on the version under the lock
+    if point == "before-index" and path.endswith(".index.json"):
+        die()
+    out = real_write_if(fs, path, data, etag)
+    if point == "after-index" and path.endswith(".index.json"):
+        die()
+    return out
 st.FsspecStorage.put, st.FsspecStorage.remove, sio.SafetensorsWriter.write = put, remove, write
+storage_s3.write_if = write_if
 # A gathered save on S3 uploads parts (format/storage_parts.py): one PUT per one-part file.
 from unickpt.format import storage_parts as sp
 real_part_put = sp.SharedUpload.put
 parts = {{"n": 0}}
-def part_put(self, body):
+def part_put(self, body, when=None):
     parts["n"] += 1
     # sharded: the first file is up, the second is not; a single file: its only PUT
     if point == "mid-upload" and parts["n"] == (2 if {shard!r} else 1):
         die()
-    return real_part_put(self, body)
+    return real_part_put(self, body, when)
 sp.SharedUpload.put = part_put
 GeneralCheckpointIO().save_model(Net(2), {url!r}, shard={shard!r}, size_per_shard=0.002)
 print("not killed")

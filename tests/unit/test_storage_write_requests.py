@@ -1,7 +1,8 @@
 """The requests a sliced save makes on a real S3 API (moto's server), and what it cleans.
 
 A sliced save into a prefix holding no data file commits with the index PUT alone: rank 0's
-requests are the lock's PUT, one LIST, its data file's PUT, the index PUT and the lock's DELETE
+requests are the lock's PUT, one LIST, its data file's PUT, the GET of the lock that checks it
+is still this save's (format/store_lock.py, fencing), the index PUT and the lock's DELETE
 (format/commit_store.py ``needs_cleanup``). Whatever a cleanup could act on (a stray data file,
 a killed save's stale lock and so its multipart uploads) brings the full cleanup back.
 """
@@ -37,18 +38,19 @@ def _uploads(s3: Any) -> set[str]:
     return {u["Key"] for u in out.get("Uploads", []) or []}
 
 
-def test_sliced_save_in_a_fresh_prefix_is_five_requests_and_a_resave_cleans(s3, tmp_path) -> None:
+def test_sliced_save_in_a_fresh_prefix_is_six_requests_and_a_resave_cleans(s3, tmp_path) -> None:
     _save(s3, Net(1), "warm", "warm")  # the bucket's HEAD (s3fs makedirs) is paid once per process
     _save(s3, Net(1), "r", "fresh")
-    # lock PUT, LIST, data PUT, index PUT, lock DELETE: no listing, upload listing nor delete after
-    assert _requests(s3, "fresh") == {"PUT": 3, "GET": 1, "DELETE": 1}
+    # lock PUT, LIST, data PUT, lock GET, index PUT, lock DELETE: no listing, upload listing nor
+    # delete after
+    assert _requests(s3, "fresh") == {"PUT": 3, "GET": 2, "DELETE": 1}
     assert objects(s3, "r") == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
     same(load_into(download(s3, "r", tmp_path / "one")), Net(1))
 
     _save(s3, Net(2), "r", "over")
     # over a committed checkpoint: the listing after the index PUT, the batch delete of the
     # superseded file and the upload listing come back
-    assert _requests(s3, "over") == {"PUT": 3, "GET": 3, "POST": 1, "DELETE": 1}
+    assert _requests(s3, "over") == {"PUT": 3, "GET": 4, "POST": 1, "DELETE": 1}
     data, index = objects(s3, "r")  # the superseded file is gone
     assert index == "model.safetensors.index.json"
     assert re.fullmatch(r"model-00001-of-00001\.[0-9a-f]{12}\.safetensors", data)  # a re-save's name
@@ -103,8 +105,11 @@ def test_dead_upload_of_a_killed_save_in_a_fresh_prefix_is_aborted_by_the_next_s
     time.sleep(1.1)  # the lock goes stale; the upload is older than the next commit
     _save(s3, Net(4), "k", "next")
     # The next save took over the stale lock, so it ran the cleanup: the dead upload is aborted.
+    # Its file has a save-id name: the lock's holder may only have stalled (format/store_lock.py).
     assert _uploads(s3) == set()
-    assert objects(s3, "k") == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+    data, index = objects(s3, "k")
+    assert index == "model.safetensors.index.json"
+    assert re.fullmatch(r"model-00001-of-00001\.[0-9a-f]{12}\.safetensors", data)
     same(load_into(download(s3, "k", tmp_path / "k")), Net(4))
     # the upload's abort (a DELETE) and its own lock's DELETE (the stale lock is replaced by a
     # PUT conditional on its ETag, not deleted first)

@@ -81,7 +81,7 @@ def test_two_saves_taking_over_one_stale_lock_cannot_both_hold_it(s3, monkeypatc
     monkeypatch.setenv("UNICKPT_STORE_LOCK_STALE", "0")
     seen = sl._holder(store, path)  # what B saw before A moved
     assert seen[2] is not None and seen[1] is not None
-    assert sl._acquire(store, path, b'{"save_id": "A"}') is True  # A took it over
+    assert sl._acquire(store, path, b'{"save_id": "A"}')[0] is True  # A took it over
     real = sl._holder
     calls = {"n": 0}
 

@@ -20,6 +20,10 @@ Every data file's header carries its save id and the reader checks it against th
 file of another save under a name the index uses is refused, never read. Killed saves leave
 files no index names and multipart uploads never completed: :func:`clean_store_leftovers`
 removes the files older than the last commit and aborts the uploads begun before it.
+
+Every commit point and every removal after it is fenced by the save's lock (``fence``:
+``format/commit_fence.py``, ``format/store_lock.py``): a save whose lock was taken over commits
+nothing and removes none of the files of the save that took its place.
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ from typing import Any
 
 from unickpt._logging import get_logger
 from unickpt.errors import IncompleteCheckpointError
+from unickpt.format import conditional
 from unickpt.format.commit import atomic_write_bytes
+from unickpt.format.commit_fence import Fence, put_commit_point, removable
 from unickpt.format.naming import index_name, is_own_data_file, single_name
 from unickpt.format.storage import FsspecStorage, Storage, is_url, open_storage
 
@@ -44,6 +50,7 @@ __all__ = [
     "committed_in",
     "needs_cleanup",
     "listing_times",
+    "listing_versions",
     "referenced_files",
     "commit_store_index",
     "commit_and_clean",
@@ -118,26 +125,44 @@ def referenced_files(index: bytes, path: str = "index.json") -> set[str]:
     return out
 
 
-def commit_store_index(storage: Storage, directory: str, kind: str, index: bytes, keep: set[str]) -> None:
-    """Write the index with one PUT (the commit), then remove what it supersedes.
+def commit_store_index(
+    storage: Storage, directory: str, kind: str, index: bytes, keep: set[str], fence: Fence | None = None
+) -> None:
+    """Write the index with one PUT (the commit, :func:`put_commit_point`), then remove what it supersedes.
 
     ``keep`` are the data files the index names, all uploaded whole before this call.
     """
-    storage.put(storage.join(directory, index_name(kind)), index)
-    remove_superseded(storage, directory, kind, keep, single=False)
+    put_commit_point(storage, storage.join(directory, index_name(kind)), index, fence)
+    remove_superseded(storage, directory, kind, keep, single=False, fence=fence)
 
 
-def remove_superseded(storage: Storage, directory: str, kind: str, keep: set[str], *, single: bool) -> None:
+def remove_superseded(
+    storage: Storage, directory: str, kind: str, keep: set[str], *, single: bool, fence: Fence | None = None
+) -> None:
     """After a commit: remove the kind's data files (and, for a single file, its index) not in ``keep``.
 
     For a single-file commit the index goes first: from then on the new single file is what a
-    reader opens, and the old shards are unreferenced.
+    reader opens, and the old shards are unreferenced. With ``fence`` (the save's lock), only
+    objects the directory held when the lock was taken (``commit_fence.removable``; the index only
+    while still the version listed then: a conditional DELETE on S3): files of a save that took
+    the lock over since are never removed.
     """
+    seen = removable(fence, directory)
     if single:
-        storage.remove([storage.join(directory, index_name(kind))])
+        where, name = storage.join(directory, index_name(kind)), index_name(kind)
+        if seen is None:
+            storage.remove([where])
+        elif name in seen:  # else another save's index, written since the lock was taken
+            etag = seen[name]
+            if etag is None or conditional.delete_if(storage, where, etag) is None:
+                storage.remove([where])  # no conditional deletes: the lock's check is the fence
     names = storage.listdir(directory)
     storage.remove(
-        [storage.join(directory, n) for n in names if n not in keep and is_store_data_file(kind, n)]
+        [
+            storage.join(directory, n)
+            for n in names
+            if n not in keep and is_store_data_file(kind, n) and (seen is None or n in seen)
+        ]
     )
 
 
@@ -182,6 +207,15 @@ def listing_times(storage: FsspecStorage, directory: str) -> dict[str, float | N
     """Name -> last modification of every object directly in ``directory`` (sub-prefixes left
     out): one LIST request (per 1000 objects on S3)."""
     return {n: _info_time(info) for n, info in _listing(storage, directory).items()}
+
+
+def listing_versions(storage: FsspecStorage, directory: str) -> dict[str, tuple[float | None, str | None]]:
+    """As :func:`listing_times`, with each object's ETag (None where the store gives none)."""
+    out: dict[str, tuple[float | None, str | None]] = {}
+    for n, info in _listing(storage, directory).items():
+        etag = info.get("ETag") or info.get("etag")
+        out[n] = (_info_time(info), str(etag) if etag else None)
+    return out
 
 
 def _s3_listing(storage: FsspecStorage, directory: str) -> dict[str, dict[str, Any]]:
@@ -290,26 +324,42 @@ def clean_store_leftovers(storage: Storage, directory: str) -> list[str]:
 
 
 def commit_and_clean(
-    storage: Storage, directory: str, kind: str, index: bytes, keep: set[str], *, clean: bool = True
+    storage: Storage,
+    directory: str,
+    kind: str,
+    index: bytes,
+    keep: set[str],
+    *,
+    clean: bool = True,
+    fence: Fence | None = None,
 ) -> None:
     """:func:`commit_store_index` then :func:`clean_store_leftovers`, from one listing taken
     after the index PUT (the index's own file list is ``keep``: not fetched back). A failure of
     the removals is logged, not raised: the checkpoint is committed, leftovers go next time.
 
     ``clean=False`` (the save's listing under its lock showed no data file: :func:`needs_cleanup`)
-    makes the commit the index PUT alone: nothing to supersede, no file of a killed save."""
+    makes the commit the index PUT alone: nothing to supersede, no file of a killed save.
+    ``fence`` (the save's lock) fences the commit (``commit_fence.put_commit_point``) and the removals
+    (checked first; only objects listed when the lock was taken, :func:`remove_superseded`)."""
     if not isinstance(storage, FsspecStorage):
-        commit_store_index(storage, directory, kind, index, keep)
+        commit_store_index(storage, directory, kind, index, keep, fence)
         return
-    storage.put(storage.join(directory, index_name(kind)), index)
+    put_commit_point(storage, storage.join(directory, index_name(kind)), index, fence)
     if not clean:
         return
     try:  # committed: from here on a failure leaves only unreferenced files, removed next time
+        seen = removable(fence, directory)
         times = listing_times(storage, directory)
-        gone = [n for n in times if n not in keep and is_store_data_file(kind, n)]
+        gone = [
+            n for n in times if n not in keep and is_store_data_file(kind, n) and (seen is None or n in seen)
+        ]
         storage.remove([storage.join(directory, n) for n in gone])
         _clean(
-            storage, directory, {n: t for n, t in times.items() if n not in gone}, {index_name(kind): keep}
+            storage,
+            directory,
+            {n: t for n, t in times.items() if n not in gone},
+            {index_name(kind): keep},
+            None if seen is None else set(seen),
         )
     except Exception as e:
         logger.warning("%s: leftovers of killed saves not removed: %s", storage.url, e)
@@ -320,13 +370,20 @@ def _clean(
     directory: str,
     times: dict[str, float | None],
     known: dict[str, set[str]] | None = None,
+    only: set[str] | None = None,
 ) -> list[str]:
+    """Remove the leftovers in ``times`` (only names in ``only``, when given: what the directory
+    held when the save's lock was taken)."""
     newest, used = _commit_time(storage, directory, times, known)
     if newest is None:
         return []
     removed: list[str] = []
     for n, t in times.items():
-        if n in used or not any(is_store_data_file(k, n) for k in _KINDS):
+        if (
+            n in used
+            or not any(is_store_data_file(k, n) for k in _KINDS)
+            or (only is not None and n not in only)
+        ):
             continue
         if t is not None and t < newest:
             removed.append(storage.join(directory, n))

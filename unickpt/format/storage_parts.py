@@ -163,13 +163,15 @@ class SharedUpload:
         )
         return str(out["ETag"])
 
-    def put(self, body: bytes | bytearray | memoryview) -> None:
-        """A file of one part needs no multipart upload: one PUT, visible at once."""
-        self.fs.call_s3("put_object", Bucket=self.bucket, Key=self.key, Body=bytes(body))
+    def put(self, body: bytes | bytearray | memoryview, when: dict[str, str] | None = None) -> None:
+        """A file of one part needs no multipart upload: one PUT, visible at once. ``when``: the
+        request's conditions (``IfMatch`` / ``IfNoneMatch``, ``commit_store.commit_condition``)."""
+        self.fs.call_s3("put_object", Bucket=self.bucket, Key=self.key, Body=bytes(body), **(when or {}))
         self.fs.invalidate_cache(self.path)
 
-    def complete(self, etags: Sequence[tuple[int, str]]) -> None:
-        """Complete with (part number, ETag) for every part: the object appears whole."""
+    def complete(self, etags: Sequence[tuple[int, str]], when: dict[str, str] | None = None) -> None:
+        """Complete with (part number, ETag) for every part: the object appears whole (``when``:
+        as for :meth:`put`)."""
         parts = [{"PartNumber": n, "ETag": e} for n, e in sorted(etags)]
         self.fs.call_s3(
             "complete_multipart_upload",
@@ -177,6 +179,7 @@ class SharedUpload:
             Key=self.key,
             UploadId=self.upload_id,
             MultipartUpload={"Parts": parts},
+            **(when or {}),
         )
         self.fs.invalidate_cache(self.path)
 

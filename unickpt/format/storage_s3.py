@@ -15,7 +15,17 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["S3Upload", "PART_SIZE", "IN_FLIGHT"]
+from unickpt.errors import IncompleteCheckpointError
+
+__all__ = [
+    "S3Upload",
+    "PART_SIZE",
+    "IN_FLIGHT",
+    "write_if",
+    "delete_if",
+    "read_version",
+    "precondition_failed",
+]
 
 #: Bytes per uploaded part (S3 wants at least 5 MiB for every part but the last).
 PART_SIZE = 16 << 20
@@ -151,3 +161,72 @@ class S3Upload:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+# -- conditional requests (``Storage.write_if`` / ``delete_if`` / ``read_version`` on S3)
+def precondition_failed(e: OSError) -> bool:
+    """True for S3's 412 (s3fs words it as "... pre-conditions ... did not hold") or a 409
+    conflict of two conditional writes at once."""
+    said = f"{e} {e.__cause__!r}"
+    return any(
+        w in said for w in ("PreconditionFailed", "pre-conditions", "412", "ConditionalRequestConflict")
+    )
+
+
+def write_if(fs: Any, path: str, data: bytes, etag: str | None) -> tuple[bool, str | None]:
+    """One PUT with ``If-Match: etag`` (``If-None-Match: *`` for None): (written, new ETag)."""
+    bucket, key, _ = fs.split_path(path)
+    cond = {"IfMatch": etag} if etag is not None else {"IfNoneMatch": "*"}
+    try:
+        out = fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **cond)
+    except FileNotFoundError:
+        return False, None
+    except OSError as e:
+        if precondition_failed(e):
+            return False, None
+        raise
+    finally:
+        fs.invalidate_cache(path)
+    got = out.get("ETag") if isinstance(out, dict) else None
+    return True, (str(got) if got else None)
+
+
+def delete_if(fs: Any, path: str, etag: str) -> bool:
+    """One DELETE with ``If-Match: etag``: True when deleted, False when changed or missing."""
+    bucket, key, _ = fs.split_path(path)
+    try:
+        fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=etag)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        if precondition_failed(e):
+            return False
+        raise
+    finally:
+        fs.invalidate_cache(path)
+    return True
+
+
+def read_version(fs: Any, path: str, limit: int) -> tuple[bytes, str | None] | None:
+    """The bytes and ETag of one version of a small object (one GET); None when missing."""
+    from fsspec.asyn import sync
+
+    bucket, key, _ = fs.split_path(path)
+
+    async def get() -> tuple[bytes, str | None] | None:
+        try:
+            out = await fs._call_s3("get_object", Bucket=bucket, Key=key)
+        except FileNotFoundError:
+            return None
+        body = out["Body"]
+        try:
+            if int(out.get("ContentLength") or 0) > limit:
+                raise IncompleteCheckpointError(f"s3://{path}: larger than the {limit} bytes expected")
+            data = await body.read()
+        finally:
+            body.close()
+        got = out.get("ETag")
+        return bytes(data), (str(got) if got else None)
+
+    result: tuple[bytes, str | None] | None = sync(fs.loop, get)
+    return result

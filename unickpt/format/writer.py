@@ -33,6 +33,7 @@ import numpy as np
 
 from unickpt._faults import maybe_fail
 from unickpt.format.commit import SAVE_ID_KEY, commit_directory, commit_single_file, temp_name
+from unickpt.format.commit_fence import Fence
 from unickpt.format.commit_store import commit_store_index, remove_superseded
 from unickpt.format.dtypes import itemsize
 from unickpt.format.hashing import combine_partials, finalize_fingerprint, hash_block
@@ -312,6 +313,7 @@ def write_single_file(
     fingerprints: bool = True,
     fsync: bool = True,
     storage: Storage | None = None,
+    fence: Fence | None = None,
 ) -> dict[str, Written]:
     """One ``.safetensors`` file carrying the unickpt block in its header metadata.
 
@@ -319,12 +321,13 @@ def write_single_file(
     header is written first with placeholder values of the same length as the real ones
     (``placeholder=True``), and rewritten once the data is hashed, in the staging file no
     reader opens; the file is then committed by ``format.commit.commit_single_file``. On an
-    object ``storage`` (see :func:`_write_single_to_store`) the file is one upload.
+    object ``storage`` (see :func:`_write_single_to_store`) the file is one upload, fenced by
+    the save's lock ``fence`` (checked before the upload completes and before the removals).
     """
     store = _object_store(storage)
     if store is not None:
         return _write_single_to_store(
-            store, file_path, specs, blocks, make_block, kind, save_id, hashes, fingerprints
+            store, file_path, specs, blocks, make_block, kind, save_id, hashes, fingerprints, fence
         )
     placeholder = {key: (PLACEHOLDER if hashes else None, 0) for key, _, _ in specs}
     meta0 = single_file_metadata(make_block(placeholder, True), save_id)
@@ -363,6 +366,7 @@ def _write_single_to_store(
     save_id: str,
     hashes: bool,
     fingerprints: bool,
+    fence: Fence | None = None,
 ) -> dict[str, Written]:
     """A single file on an object store: one multipart upload, visible whole once complete.
 
@@ -389,13 +393,15 @@ def _write_single_to_store(
             w.write(key, memoryview(arr))  # type: ignore[arg-type]
             del arr
             maybe_fail("save.write")
+        if fence is not None:  # the upload's completion is the commit
+            fence.check(f"completing {file_path}")
         w.close(fsync=False)
     except BaseException:
         w.abort()
         raise
     directory, base = posixpath.split(file_path)
     if base == single_name(kind):
-        remove_superseded(store, directory, kind, {base}, single=True)
+        remove_superseded(store, directory, kind, {base}, single=True, fence=fence)
     return results
 
 

@@ -8,6 +8,7 @@ from typing import Any
 from unickpt import _dist
 from unickpt._logging import get_logger
 from unickpt.format.commit import commit_directory, discard, finish_commit, place_staged, prepare_commit
+from unickpt.format.commit_fence import Fence
 from unickpt.format.commit_store import commit_and_clean
 from unickpt.format.storage import Storage
 from unickpt.io.planner import SavePlan
@@ -33,6 +34,7 @@ def commit_collective(
     lock: contextlib.ExitStack | None = None,
     *,
     clean: bool = True,
+    fence: Fence | None = None,
 ) -> None:
     """Collective: commit a sharded or sliced save (``format.commit``), or raise on every rank.
 
@@ -42,10 +44,11 @@ def commit_collective(
     lock) is released after a successful commit, before the last agreement (``settle``).
     ``clean=False`` (rank 0, a store): the directory held no data file when the save began, so the
     commit on the store skips the listing and cleanup after the index PUT (``commit_and_clean``).
+    ``fence`` (rank 0, a store): its save lock, which fences the commit (``commit_store``).
     """
     where = f"committing {directory}"
     if store is not None:
-        _commit_on_store(store, directory, kind, plan, staged, index, err, group, rank, lock, clean)
+        _commit_on_store(store, directory, kind, plan, staged, index, err, group, rank, lock, clean, fence)
         return
     if world == 1:
         try:
@@ -95,13 +98,16 @@ def _commit_on_store(
     rank: int,
     lock: contextlib.ExitStack | None,
     clean: bool,
+    fence: Fence | None = None,
 ) -> None:
     """Collective, object stores: every data file is uploaded whole; rank 0 writes the index
     (one PUT: the commit), removes what it supersedes and the leftovers of killed saves (one
     listing for both, ``commit_and_clean``; a cleanup failure is only logged)."""
     if rank == 0 and err is None:
         try:
-            commit_and_clean(store, directory, kind, index, {f.name for f in plan.files}, clean=clean)
+            commit_and_clean(
+                store, directory, kind, index, {f.name for f in plan.files}, clean=clean, fence=fence
+            )
         except BaseException as e:
             err = e
     try:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from unickpt import _dist
+from unickpt.format.commit_fence import Fence
 from unickpt.format.index import UnickptBlock
 from unickpt.format.reader import single_file_name
 from unickpt.format.storage import Storage
@@ -132,6 +133,7 @@ def write_funnelled_single(
     group: Any,
     save_id: str,
     store: Storage | None,
+    fence: Fence | None = None,
 ) -> Results:
     """One ``.safetensors`` file carrying the unickpt block in its header metadata
     (``format.writer.write_single_file``: placeholder header, data, rewritten header, commit)."""
@@ -166,6 +168,7 @@ def write_funnelled_single(
             fingerprints=opts.fingerprints,
             fsync=opts.fsync,
             storage=store,
+            fence=fence,
         )
     return by_slice([f], written)
 

@@ -41,6 +41,7 @@ from unickpt._faults import maybe_fail
 from unickpt.errors import UnsupportedError
 from unickpt.format import commit
 from unickpt.format.commit import commit_directory, commit_single_file, discard, temp_name
+from unickpt.format.commit_fence import Fence
 from unickpt.format.dtypes import itemsize
 from unickpt.format.hashing import hash_block, slice_hash
 from unickpt.format.hf_layout import HFLayout, box_runs, plan_hf_layout, writer_ranges
@@ -91,6 +92,8 @@ class GatheredSave:
     rows: RowMoves | None = None  # column-sharded tensors moved to row slices as they are written
     # rank 0's save lock: released once committed, before the last agreement (io._commit.settle)
     lock: contextlib.ExitStack | None = None
+    # rank 0's lock on a store (format/store_lock.py), set once taken: fences the commit
+    fence: Fence | None = None
 
 
 @dataclass

@@ -37,7 +37,8 @@ import torch
 
 from unickpt import _dist
 from unickpt._faults import maybe_fail
-from unickpt.format import storage_parts
+from unickpt.format import storage_parts, storage_s3
+from unickpt.format.commit_fence import commit_condition, refused_commit
 from unickpt.format.commit_store import remove_superseded, store_file_name
 from unickpt.format.dtypes import itemsize
 from unickpt.format.hf_layout import HFLayout, box_runs, plan_hf_layout
@@ -161,6 +162,8 @@ def save_gathered_parts(
             all_partials.setdefault(name, []).extend(got)
     index = b""
     completed: list[str] = []
+    # a single file is its own commit point: written only while it is the version under the lock
+    when = commit_condition(s.fence, posixpath.basename(s.file_path)) if single else None
     if rank == 0:
         try:
             maybe_fail("save.commit")
@@ -171,8 +174,10 @@ def save_gathered_parts(
                 if len(header) != layout.files[0].header_len:  # pragma: no cover - same-length placeholders
                     raise RuntimeError("internal: a single file's header changed length after hashing")
                 first[: len(header)] = header
+                if s.fence is not None:  # the single file's completion is the commit
+                    s.fence.check(f"completing {s.file_path}")
                 if len(parts[0]) == 1:
-                    uploads[0].put(first)
+                    _commit_point(s, lambda: uploads[0].put(first, when))
                 else:
                     all_etags[(0, 1)] = uploads[0].upload_part(1, first)
             else:
@@ -183,7 +188,8 @@ def save_gathered_parts(
                 index = index_to_json(build_index(block, sliced=False))
             for i, up in enumerate(uploads):
                 if len(parts[i]) > 1:
-                    up.complete([(p.number, all_etags[(i, p.number)]) for p in parts[i]])
+                    etags = [(p.number, all_etags[(i, p.number)]) for p in parts[i]]
+                    _commit_point(s, lambda up=up, etags=etags: up.complete(etags, when if single else None))
                 completed.append(up.path)
         except BaseException as e:
             err = e
@@ -196,7 +202,7 @@ def save_gathered_parts(
             try:
                 directory, base = posixpath.split(s.file_path)
                 if base == single_name(s.kind):
-                    remove_superseded(store, directory, s.kind, {base}, single=True)
+                    remove_superseded(store, directory, s.kind, {base}, single=True, fence=s.fence)
             except BaseException as e:
                 err = e
         settle(err, f"committing {s.file_path}", group, s.lock)
@@ -218,6 +224,7 @@ def save_gathered_parts(
         world,
         store,
         s.lock,
+        fence=s.fence,
     )
 
 
@@ -237,6 +244,17 @@ def _plan(
             runs.extend((pos + b, pos + e, w) for b, e, w in ranges[name])
         out.append(plan_parts(f.size, runs, size, load, cap=cap, first_owner=0 if single else None))
     return out
+
+
+def _commit_point(s: GatheredSave, write: Any) -> None:
+    """``write()`` (a conditional completion): refused by the store, the save's lock was taken
+    over and another save committed: ``CheckpointBusyError``."""
+    try:
+        write()
+    except OSError as e:
+        if s.fence is not None and storage_s3.precondition_failed(e):
+            raise refused_commit(s.file_path, s.fence) from None
+        raise
 
 
 def _put(upload: SharedUpload, body: bytearray) -> str:

@@ -30,9 +30,12 @@ in a directory 4 (docs/performance.md, issue 17).
 A URL (``s3://``, ``gs://``...: ``SaveOptions.storage_options``) goes through the storage layer
 instead (``format/commit_store.py``, docs/format.md section 6.1): no staging; rank 0 takes the
 directory's lock object (``format/store_lock.py``: a second writer gets ``CheckpointBusyError``),
-lists the directory once under it: a committed checkpoint there gives every file a save-id name,
-and a directory without data files (nor a stale lock taken over) needs no cleanup after the
-commit; each writer streams its files as multipart uploads, and rank 0's commit is the index's PUT. A gathered save
+lists the directory once under it: a committed checkpoint there, or a stale lock taken over,
+gives every file a save-id name, and a directory without data files (nor a stale lock taken
+over) needs no cleanup after the commit; each writer streams its files as multipart uploads,
+and rank 0's commit is the index's PUT, fenced by the lock (``StoreLock.check`` right before,
+the PUT conditional on the version listed under the lock: a save whose lock was taken over
+raises ``CheckpointBusyError`` and commits nothing). A gathered save
 on S3 has every rank upload parts of the same multipart uploads (``io/parts_save.py``); on
 other stores (no ``pwrite``, no shared uploads) rank 0 writes it (``io/funnel_save.py``).
 """
@@ -58,7 +61,7 @@ from unickpt.format.index import LayoutInfo, index_to_json
 from unickpt.format.naming import single_name
 from unickpt.format.storage import FsspecStorage, Storage, is_url, open_storage
 from unickpt.format.storage_parts import supports_shared_parts
-from unickpt.format.store_lock import store_lock
+from unickpt.format.store_lock import StoreLock, store_lock
 from unickpt.format.writer import build_index
 from unickpt.io._commit import commit_collective, settle
 from unickpt.io.funnel_save import feed_funnel, write_funnelled, write_funnelled_single
@@ -197,6 +200,7 @@ def save_tensors(
     lock = contextlib.ExitStack()
     over = False  # an object store holds a committed checkpoint of the kind here
     clean = True  # rank 0 on a store: the directory held data files before this save
+    held: StoreLock | None = None  # rank 0 on a store: its lock, which fences the commit
     gs: GatheredSave | None = None
     if plan is not None and opts.gather and not funnel:  # 4-6: every rank writes its bytes of the HF files
         gs = GatheredSave(
@@ -223,10 +227,16 @@ def save_tensors(
                 os.makedirs(directory, exist_ok=True)
                 lock.enter_context(directory_lock(directory))
             else:  # one writer per directory on a store too (format/store_lock.py), listed under it
-                found = lock.enter_context(store_lock(store, directory, save_id, listed=not single_file))
-                over = found is not None and committed_in(found.times, opts.kind)
+                held = lock.enter_context(store_lock(store, directory, save_id, listed=True))
+                found = held.listed
+                # Fresh names (with the save id) over a committed checkpoint, and after taking over
+                # a stale lock: its holder may only have stalled, and its uploads, should it resume,
+                # must never land on this save's files (it fails at its fenced commit).
+                over = found is not None and (found.took_over or committed_in(found.times, opts.kind))
                 # nothing to supersede nor left by a killed save: the commit is the index PUT alone
                 clean = found is None or found.took_over or needs_cleanup(found.times)
+                if gs is not None:
+                    gs.fence = held
         if gs is not None and store is None:  # the files' layout; rank 0 creates them (one agreement)
             staged_hf = stage_gathered(gs, rank)
     except BaseException as e:
@@ -267,6 +277,7 @@ def save_tensors(
                         group,
                         save_id,
                         store,
+                        held,
                     )
                 else:
                     feed_funnel(plan, tensors, group, rank)
@@ -331,6 +342,7 @@ def save_tensors(
             store,
             lock,
             clean=clean,
+            fence=held,
         )
     finally:
         lock.close()

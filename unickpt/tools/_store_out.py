@@ -9,6 +9,13 @@ after every file they name; an index is one exclusive PUT where the store offers
 writes, so two runs writing the same output cannot both commit. On any failure every upload
 still open is aborted and every object this run wrote is removed: a failed run leaves no
 checkpoint at the URL.
+
+:func:`store_output` holds the prefix's save lock (``format/store_lock.py``) while the run
+writes: two runs that both found the prefix empty would upload under the same names, and the
+one refused at its commit would remove the files the other's index names. The second run gets
+``CheckpointBusyError`` before it writes anything. The lock is fenced as a save's: the commit
+points are written only after a check that the lock is still this run's, and a run whose lock
+was taken over removes nothing on failure (its names may be the new holder's).
 """
 
 from __future__ import annotations
@@ -18,8 +25,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, BinaryIO, cast
 
+from unickpt._logging import get_logger
 from unickpt.errors import OutputExistsError
+from unickpt.format.commit import new_save_id
+from unickpt.format.commit_fence import Fence
 from unickpt.format.storage import Storage, open_storage
+from unickpt.format.store_lock import store_lock
+
+logger = get_logger(__name__)
 
 __all__ = ["StoreOutput", "StoreFile", "store_output", "COMMIT_POINTS"]
 
@@ -161,10 +174,13 @@ class StoreOutput:
         self._open: list[BinaryIO] = []
         self._commits: list[tuple[str, bytes | str | Callable[[], None]]] = []
         self._head_last: list[HeadLastFile] = []
+        #: the prefix's save lock, held by :func:`store_output` (None: not locked)
+        self.fence: Fence | None = None
 
     @staticmethod
     def check(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Storage, str]:
-        """``(storage, root)`` of the output ``url``; ``OutputExistsError`` when it holds anything."""
+        """``(storage, root)`` of the output ``url``; ``OutputExistsError`` when it holds anything
+        (a run's lock object included: that run is still writing, or was killed)."""
         storage, root = open_storage(url.rstrip("/"), storage_options)
         found = storage.listdir(root)
         if found:
@@ -225,8 +241,11 @@ class StoreOutput:
         self._commits.append((name, data))
 
     def commit(self) -> None:
-        """Write the commit points, after everything else: indexes with an exclusive PUT."""
+        """Write the commit points, after everything else: indexes with an exclusive PUT; each
+        only while the run's lock is still its own (``fence``)."""
         for name, data in self._commits:
+            if self.fence is not None:
+                self.fence.check(f"writing its commit point {self.url}/{name}")
             if isinstance(data, str):
                 self.upload(name, data)
                 continue
@@ -242,7 +261,11 @@ class StoreOutput:
                 )
 
     def abort(self) -> None:
-        """Abort the open uploads and remove every object this run wrote."""
+        """Abort the open uploads and remove every object this run wrote (nothing once its lock
+        was taken over: the names it wrote may be the new holder's)."""
+        if self.fence is not None and (who := self.fence.holder()) != "this save":
+            logger.warning("%s: lock now held by %s; this run's objects are left to it", self.url, who)
+            self._written.clear()
         for f in self._open:
             self.storage.abort(f)
         self._open.clear()
@@ -255,14 +278,17 @@ class StoreOutput:
 
 @contextmanager
 def store_output(url: str, storage_options: dict[str, Any] | None = None) -> Iterator[StoreOutput]:
-    """A :class:`StoreOutput` committed when the block ends, removed when it raises."""
+    """A :class:`StoreOutput` committed when the block ends, removed when it raises; the
+    prefix's save lock is held meanwhile (module docstring)."""
     out = StoreOutput(url, storage_options)
-    try:
-        yield out
-        out.commit()
-    except BaseException:
-        out.abort()
-        raise
+    with store_lock(out.storage, out.root, new_save_id()) as held:
+        out.fence = held
+        try:
+            yield out
+            out.commit()
+        except BaseException:
+            out.abort()
+            raise
 
 
 def upload_tree(local: str, out: StoreOutput) -> None:
