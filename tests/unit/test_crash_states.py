@@ -307,3 +307,107 @@ def test_manager_step(tmp_path: Path, case: str, swap: bool, monkeypatch: Any) -
         allowed,
     )
     assert any(v.startswith(f"latest={new}") for v in s.verdicts)
+
+
+# ----------------------------------------------------------------------------- tool outputs
+def _fresh_output_allowed(k: int, final: bool, v: str) -> bool:
+    return v == "new" if final else v in (INCOMPLETE, "new")
+
+
+def test_merge_output(tmp_path: Path) -> None:
+    """``merge`` publishes a staged directory: every crash state of the output reads as nothing
+    (refused) or the whole merged checkpoint, and the merge survives once it returned."""
+    from unickpt.tools.merge import merge_checkpoint
+
+    src = tmp_path / "src"
+    _save("sliced", NEW_SEED, str(src))
+    base = tmp_path / "base"
+    base.mkdir()
+    _search(
+        tmp_path,
+        "merge into a new directory",
+        base,
+        lambda: merge_checkpoint(src, base / "out" / "merged", max_shard_size=200),
+        lambda d: _verdict_of_checkpoint(os.path.join(d, "out", "merged")),
+        _fresh_output_allowed,
+    )
+
+
+def test_convert_bin_output(tmp_path: Path) -> None:
+    """``convert --from bin`` output: nothing or the whole converted checkpoint, durable once returned."""
+    from unickpt.tools.convert import convert_checkpoint
+
+    src = tmp_path / "src"
+    src.mkdir()
+    torch.save(Tiny(NEW_SEED).state_dict(), src / "pytorch_model.bin")
+    base = tmp_path / "base"
+    base.mkdir()
+    _search(
+        tmp_path,
+        "convert --from bin into a new directory",
+        base,
+        lambda: convert_checkpoint(src, base / "conv", source="bin", target="hf", max_shard_size=200),
+        lambda d: _verdict_of_checkpoint(os.path.join(d, "conv")),
+        _fresh_output_allowed,
+    )
+
+
+def _flat_optim(opt: torch.optim.Optimizer, m: torch.nn.Module) -> dict[str, Any]:
+    """torchtitan's flattened optimizer state: ``state.<fqn>.<key>``, ``param_groups.<fqn>.<hyper>``."""
+    names = {id(p): n for n, p in m.named_parameters()}
+    osd = opt.state_dict()
+    order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
+    flat: dict[str, Any] = {}
+    for pid, st in osd["state"].items():
+        for k, v in st.items():
+            flat[f"state.{order[pid]}.{k}"] = v
+    for g in osd["param_groups"]:
+        for pid in g["params"]:
+            for k, v in g.items():
+                if k not in ("params", "param_names"):
+                    flat[f"param_groups.{order[pid]}.{k}"] = v
+    return flat
+
+
+def test_convert_to_run_output(tmp_path: Path) -> None:
+    """``convert --from dcp --to run``: a manager directory whose step, once listed, loads
+    bit-exactly (model and optimizer) in every crash state, and survives once convert returned."""
+    import torch.distributed.checkpoint as dcp
+
+    from unickpt.manager import CheckpointManager
+    from unickpt.tools.convert import convert_checkpoint
+
+    m, opt = _trained(NEW_SEED)
+    folder = tmp_path / "dcp"
+    states = {**m.state_dict(), "optimizer": _flat_optim(opt.optim, m), "train_state": {"step": 4}}
+    dcp.save(states, checkpoint_id=str(folder), no_dist=True)
+    want = TRAINED[NEW_SEED]
+    base = tmp_path / "base"
+    base.mkdir()
+
+    def check(d: str) -> str:
+        try:
+            mgr = CheckpointManager(os.path.join(d, "run"), save_steps=1)
+            steps = mgr.all_steps()
+            m2, opt2 = _trained(99)
+            step = mgr.load(m2, opt2)
+        except UnickptError as e:
+            return f"error:{type(e).__name__}"
+        except Exception as e:
+            return f"raw-error:{type(e).__name__}:{e}"
+        if step == 0 and not steps:
+            return "nothing"
+        return "new" if (steps, step, _train_state(m2, opt2)) == ([4], 4, want) else f"mix:{steps}:{step}"
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _search(
+            tmp_path,
+            "convert --to run into a new directory",
+            base,
+            lambda: convert_checkpoint(folder, base / "run", source="dcp", target="run"),
+            check,
+            lambda k, final, v: v == "new" if final else v in ("nothing", INCOMPLETE, "new"),
+        )
