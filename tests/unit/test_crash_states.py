@@ -166,6 +166,38 @@ def test_recorder_sees_every_operation(tmp_path: Path) -> None:
         rec.check_against_disk()
 
 
+def test_recorder_sees_an_fsync_before_the_flush(tmp_path: Path) -> None:
+    """Bytes still in a file object's buffer are not what an ``fsync`` makes durable."""
+    rec = Recorder(str(tmp_path))
+    with rec.recording(), open(tmp_path / "f", "wb") as f:
+        f.write(b"abc")
+        fd = f.fileno()
+        os.fsync(fd)
+    assert rec.missed_flushes == [f"fsync of fd {fd} with 1 unflushed writes"]
+    whats = [op.what for op in rec.log]
+    assert whats.index("fsync") < whats.index("data")  # the write reached the kernel at close
+
+
+def test_memoised_verdicts_agree_with_the_reader(tmp_path: Path) -> None:
+    """Every memoised verdict of a search read again by the reader: the same verdict each time."""
+    base = tmp_path / "base"
+    base.mkdir()
+    _save("single", OLD_SEED, str(base / "ck"))
+    rec = Recorder(str(base))
+    with rec.recording():
+        _save("single", NEW_SEED, str(base / "ck"))
+    s = explore(
+        rec,
+        "memo check",
+        lambda d: _verdict_of_checkpoint(os.path.join(d, "ck")),
+        lambda k, final, v: v in ("old", "new"),
+        str(tmp_path),
+        cap=CAP,
+        recheck=1,
+    )
+    assert not s.bad and s.memo_hits > 10 and s.rechecks == s.memo_hits
+
+
 def test_search_finds_a_rename_without_a_directory_fsync(tmp_path: Path, monkeypatch: Any) -> None:
     """The search is able to fail: with the directory fsyncs of the commit removed, a state after
     the save returned reads as the old checkpoint (the renames were not durable)."""
