@@ -36,7 +36,7 @@ from unickpt.format.reader import open_checkpoint
 _ENV = os.environ.get("UNICKPT_CRASH_STATES", "")
 FULL = _ENV == "all" or _ENV.isdigit()
 CAP = int(_ENV) if _ENV.isdigit() else 5000 if FULL else 64
-RECHECK = 10 if FULL else 400  # every n-th memoised verdict is read again and must agree
+RECHECK = 50 if FULL else 400  # every n-th memoised verdict is read again and must agree
 OLD_SEED, NEW_SEED = 1, 2
 INCOMPLETE = f"error:{IncompleteCheckpointError.__name__}"
 SNAPS = {"old": snapshot(Tiny(OLD_SEED)), "new": snapshot(Tiny(NEW_SEED))}
