@@ -45,7 +45,15 @@ class _Counting:
         self.server.count_request(method, client)
         if not environ.get("PATH_INFO", "").endswith(LOCK_NAME):  # a save's lock object is not its data
             self.server.count_in(method, client, int(environ.get("CONTENT_LENGTH") or 0))
-        for chunk in self.app(environ, start_response):
+        watcher = self.server.watcher
+        if watcher is not None and method in ("PUT", "POST", "DELETE"):
+            # A watched write runs alone and is reported once complete (tests/crashstore.py).
+            with self.server.write_lock:
+                body = list(self.app(environ, start_response))
+                watcher(method, environ.get("PATH_INFO", ""), environ.get("QUERY_STRING", ""))
+        else:
+            body = self.app(environ, start_response)
+        for chunk in body:
             self.server.count(method, client, len(chunk), environ.get("HTTP_RANGE") is not None)
             yield chunk
 
@@ -59,6 +67,9 @@ class S3Server:
         self.requests: Counter[tuple[str, str]] = Counter()
         self.bytes_in: Counter[tuple[str, str]] = Counter()
         self.ranged_gets = 0
+        # Called (method, path, query) after each PUT/POST/DELETE completes, writes serialised.
+        self.watcher: Callable[[str, str, str], None] | None = None
+        self.write_lock = threading.Lock()
         self._moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self._wrap()
         self._moto.start()

@@ -15,7 +15,7 @@ import os
 import shutil
 
 from unickpt._logging import get_logger
-from unickpt.format.commit import parse_temp_name
+from unickpt.format.commit import fsync_dir, parse_temp_name
 from unickpt.format.commit_steps import commit_step as _commit_step
 from unickpt.format.commit_steps import exchange, install_step, rename_aside, restore_step
 from unickpt.format.run_layout import (
@@ -195,7 +195,8 @@ def commit_step(directory: str, stage: str, step: int, record: bytes) -> str:
 
 
 def remove_step(directory: str, step: int) -> None:
-    """Rank 0, under the lock: un-commit every copy of ``step`` (atomic renames), then delete them.
+    """Rank 0, under the lock: un-commit every copy of ``step`` (atomic renames, each made durable
+    by an fsync of ``directory`` before the copy's files are deleted), then delete them.
 
     Replaced copies (``.step-<N>.old-<id>``) go first: a kill part way never leaves one of them
     to be taken for step N once ``step-<N>`` is gone.
@@ -212,6 +213,9 @@ def remove_step(directory: str, step: int) -> None:
             dst = rename_aside(directory, os.path.join(directory, n), step, "deleting")
         except FileNotFoundError:
             continue
+        # The un-commit is made durable before any of the copy's files goes: otherwise a power
+        # loss could keep the name (and COMMIT) of a copy whose data files are already gone.
+        fsync_dir(directory)
         discard(dst)
     if copies:
         logger.info("removed %s (keep_last)", os.path.join(directory, step_name(step)))

@@ -32,6 +32,7 @@ from unickpt.format.naming import index_name, is_own_data_file, single_name
 
 __all__ = [
     "fsync_dir",
+    "makedirs_durable",
     "atomic_write_bytes",
     "temp_name",
     "parse_temp_name",
@@ -67,6 +68,27 @@ def fsync_dir(path: str) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def makedirs_durable(path: str, *, fsync: bool = True) -> None:
+    """``os.makedirs(path, exist_ok=True)``, each directory it creates made durable (with ``fsync``).
+
+    A new directory's name lives in its parent: until the parent is fsynced a power loss may
+    drop it, and everything committed inside it with it, even after the save returned. So the
+    parent of every directory created here is fsynced, top down.
+    """
+    created = []
+    p = os.path.abspath(path)
+    while not os.path.isdir(p):
+        created.append(p)
+        up = os.path.dirname(p)
+        if up == p:
+            break
+        p = up
+    os.makedirs(path, exist_ok=True)
+    if fsync:
+        for d in reversed(created):
+            fsync_dir(os.path.dirname(d))
 
 
 # Header metadata key of every data file a save writes: the save id its index records.

@@ -38,7 +38,7 @@ from typing import Any
 from unickpt._logging import get_logger
 from unickpt.errors import IncompleteCheckpointError
 from unickpt.format import conditional
-from unickpt.format.commit import atomic_write_bytes
+from unickpt.format.commit import atomic_write_bytes, makedirs_durable
 from unickpt.format.commit_fence import Fence, put_commit_point, removable
 from unickpt.format.naming import index_name, is_own_data_file, single_name
 from unickpt.format.storage import FsspecStorage, Storage, is_url, open_storage
@@ -414,7 +414,7 @@ def write_small_file(location: str, data: bytes, storage_options: dict[str, Any]
     replacement (``commit.atomic_write_bytes``), on a store one PUT (atomic there)."""
     if not is_url(location):
         path = location[len("file://") :] if location.startswith("file://") else location
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        makedirs_durable(os.path.dirname(os.path.abspath(path)))
         atomic_write_bytes(path, data)
         return
     store, path = open_storage(location, storage_options)

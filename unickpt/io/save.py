@@ -55,7 +55,7 @@ from unickpt import _dist
 from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
 from unickpt.errors import UnickptError
-from unickpt.format.commit import directory_lock, discard, new_save_id
+from unickpt.format.commit import directory_lock, discard, makedirs_durable, new_save_id
 from unickpt.format.commit_store import committed_in, needs_cleanup, store_file_name
 from unickpt.format.index import LayoutInfo, index_to_json
 from unickpt.format.naming import single_name
@@ -224,7 +224,7 @@ def save_tensors(
         if err is None and rank == 0:
             maybe_fail("save.prepare")
             if store is None:
-                os.makedirs(directory, exist_ok=True)
+                makedirs_durable(directory, fsync=opts.fsync)
                 lock.enter_context(directory_lock(directory))
             else:  # one writer per directory on a store too (format/store_lock.py), listed under it
                 held = lock.enter_context(store_lock(store, directory, save_id, listed=True))

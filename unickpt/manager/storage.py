@@ -29,7 +29,7 @@ from unickpt._stepdirs import (
 )
 from unickpt.errors import ConfigError, IncompleteCheckpointError
 from unickpt.format import run_layout
-from unickpt.format.commit import directory_lock
+from unickpt.format.commit import directory_lock, makedirs_durable
 from unickpt.format.run_layout import LATEST_NAME, TRAIN_STATE_DIR
 from unickpt.manager.store_steps import RemoteStore
 
@@ -103,7 +103,7 @@ class LocalStorage(Storage):
     def begin_save(self, step: int, stage: str, rank: int, lock: contextlib.ExitStack) -> str:
         if rank == 0:
             maybe_fail("manager.start")
-            os.makedirs(self.location, exist_ok=True)
+            makedirs_durable(self.location)
             lock.enter_context(directory_lock(self.location))
             clean_work_dirs(self.location)
             lock.callback(os.close, make_work_dir(stage))

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from unickpt.errors import IncompleteCheckpointError, OutputExistsError
-from unickpt.format.commit import only_leftovers, publish_directory, temp_name
+from unickpt.format.commit import makedirs_durable, only_leftovers, publish_directory, temp_name
 from unickpt.format.naming import index_name, single_name
 from unickpt.format.reader import CheckpointReader, file_kind, open_checkpoint
 from unickpt.format.reader_paths import hint_foreign
@@ -121,7 +121,7 @@ def staged_output(out: str) -> Iterator[str]:
     """
     final = check_output(out)
     parent = os.path.dirname(final)
-    os.makedirs(parent, exist_ok=True)
+    makedirs_durable(parent)
     tmp = temp_name(final)
     os.mkdir(tmp)
     try:

@@ -11,7 +11,6 @@ names the real files.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from unickpt import __version__
-from unickpt.format.commit import directory_lock, new_save_id
+from unickpt.format.commit import directory_lock, makedirs_durable, new_save_id
 from unickpt.format.dtypes import itemsize
 from unickpt.format.index import LayoutInfo, SliceEntry, index_to_json
 from unickpt.format.naming import index_name, shard_name, slice_key
@@ -96,7 +95,7 @@ def write_checkpoint(
     if isinstance(directory, StoreOutput):
         _write_locked(directory.root, tensors, store=directory, **options)
         return directory.url
-    os.makedirs(directory, exist_ok=True)
+    makedirs_durable(directory, fsync=fsync)
     with directory_lock(directory):
         _write_locked(directory, tensors, store=None, **options)
     return directory

@@ -50,6 +50,9 @@ def write_step(
     stage = os.path.join(run_dir, work_name(step, "staging"))
     os.makedirs(os.path.join(stage, TRAIN_STATE_DIR))
     fill(stage)
+    # What fill created or renamed into the stage's directories is durable before COMMIT names it.
+    for d, _, _ in os.walk(stage):
+        fsync_dir(d)
     base = os.path.join(stage, TRAIN_STATE_DIR, "rank-00000")
     js = {
         "unickpt_train_state": STATE_VERSION,
