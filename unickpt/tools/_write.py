@@ -67,8 +67,11 @@ def write_checkpoint(
     fingerprints: bool = True,
     created_by: str = f"unickpt {__version__}",
     fsync: bool = True,
+    progress: Callable[[int], object] | None = None,
 ) -> str:
     """Write ``tensors`` as a committed unickpt checkpoint directory (index written last).
+
+    ``progress(n)`` is told the bytes of each slice once it is handed to the writer.
 
     Slices are dealt round-robin over ``files`` data files, or (``max_shard_bytes``)
     packed in order into files of at most that many bytes. Files are staged and committed by
@@ -91,6 +94,7 @@ def write_checkpoint(
         "fingerprints": fingerprints,
         "created_by": created_by,
         "fsync": fsync,
+        "progress": progress,
     }
     if isinstance(directory, StoreOutput):
         _write_locked(directory.root, tensors, store=directory, **options)
@@ -117,6 +121,7 @@ def _write_locked(
     created_by: str,
     fsync: bool,
     store: StoreOutput | None,
+    progress: Callable[[int], object] | None,
 ) -> None:
     save_id = new_save_id()
     items = [(n, k, s) for n, t in tensors.items() for k, s in enumerate(t.slices)]
@@ -160,7 +165,10 @@ def _write_locked(
     def blocks() -> Iterator[Block]:
         for group in groups:
             for n, k, s in group:
-                yield key(n, k), _raw(s.data), (tensors[n].shape, s.offsets, s.shape)
+                raw = _raw(s.data)
+                yield key(n, k), raw, (tensors[n].shape, s.offsets, s.shape)
+                if progress is not None:
+                    progress(raw.nbytes)
 
     # Staged files of a failed write are removed before the error propagates; on a store,
     # the output's abort removes them (tracked before any is written).

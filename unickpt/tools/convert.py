@@ -37,10 +37,12 @@ from unickpt._logging import get_logger
 from unickpt.errors import CheckpointFormatError, UnsupportedError
 from unickpt.format.confine import check_graph, confined_path
 from unickpt.format.dcp_hf import dcp_hf_files
+from unickpt.format.dtypes import itemsize
 from unickpt.format.index import LayoutInfo
 from unickpt.format.naming import HF_SIDE_FILES
 from unickpt.format.storage import is_url, open_storage
 from unickpt.tools._common import check_output, read_side_files, staged_output
+from unickpt.tools._progress import progress_bar
 from unickpt.tools._sink import Sink, output_sink, put_bytes
 from unickpt.tools._store_out import StoreOutput
 from unickpt.tools._write import SliceData, TensorData, write_checkpoint
@@ -269,7 +271,6 @@ def convert_checkpoint(
     else:
         out_s = check_output(out_s)
     shard_bytes = _parse_size(max_shard_size)
-    del progress  # conversions are bounded by torch's reader; no byte-level progress to report
     created_by = f"unickpt {__version__} convert --from {source}"
     if source == "unickpt":
         from unickpt.tools.export_dcp import export_dcp
@@ -313,7 +314,9 @@ def convert_checkpoint(
             if target == "run":
                 return _write_run(src_s, md, lay, out_s, step, shard_bytes, created_by)
             with output_sink(out_s) as sink:
-                import_training(src_s, md, lay, sink, shard_bytes=shard_bytes, created_by=created_by)
+                import_training(
+                    src_s, md, lay, sink, shard_bytes=shard_bytes, created_by=created_by, progress=progress
+                )
                 _copy_side_files(sink, src_s, *origin)
             return out_s
         tensors, _ = _dcp_tensors(src_s, strip_prefix, md)
@@ -332,7 +335,8 @@ def convert_checkpoint(
         raise CheckpointFormatError(
             f"{src_s}: no tensors to convert" + (f" under prefix {strip_prefix!r}" if strip_prefix else "")
         )
-    with output_sink(out_s) as sink:
+    total = sum(math.prod(t.shape) * itemsize(t.dtype) for t in tensors.values())
+    with output_sink(out_s) as sink, progress_bar(total, f"convert --from {source}", progress) as update:
         write_checkpoint(
             sink,
             tensors,
@@ -340,6 +344,7 @@ def convert_checkpoint(
             max_shard_bytes=shard_bytes,
             layout=LayoutInfo(plugin=plugin),
             created_by=created_by,
+            progress=update,
         )
         _copy_side_files(sink, src_s, *origin)
     return out_s

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from unickpt._logging import get_logger
@@ -189,19 +190,18 @@ def import_training(
     *,
     shard_bytes: int,
     created_by: str,
+    progress: bool = False,
 ) -> None:
     """Write model, optimizer (``param_groups`` and ``param_state`` included) and
     ``lr_scheduler.json`` of the classified checkpoint into ``out_dir`` (a directory that
-    exists, or the output of a URL: ``tools._sink``).
+    exists, or the output of a URL: ``tools._sink``), under a byte progress bar (``progress``).
 
     ``train_state.*`` is not written here (see :func:`read_train_state`).
     """
     from unickpt.format.index import LayoutInfo
-    from unickpt.io.jsonstate import to_json_value
-    from unickpt.io.optim_state import optimizer_tensor_name
-    from unickpt.io.side_files import lr_scheduler_json
+    from unickpt.tools._progress import progress_bar
     from unickpt.tools._torch import st_of
-    from unickpt.tools._write import SliceData, TensorData, write_checkpoint
+    from unickpt.tools._write import SliceData, TensorData
     from unickpt.tools.convert import _getter, _LazyTensors
     from unickpt.tools.dcp_read import load_entries, tensor_specs
 
@@ -228,6 +228,27 @@ def import_training(
         )
 
     layout = LayoutInfo(plugin=lay.flavour, world_size=writer_ranks(md))
+    with progress_bar(sum(n for _, n in order), "convert --from dcp", progress) as update:
+        _write_parts(src, lay, values, tensor, layout, out_dir, shard_bytes, created_by, update)
+
+
+def _write_parts(
+    src: str,
+    lay: DcpLayout,
+    values: dict[str, Any],
+    tensor: Callable[..., Any],
+    layout: Any,
+    out_dir: Sink,
+    shard_bytes: int,
+    created_by: str,
+    update: Callable[[int], object],
+) -> None:
+    """The model, optimizer and scheduler files of :func:`import_training`."""
+    from unickpt.io.jsonstate import to_json_value
+    from unickpt.io.optim_state import optimizer_tensor_name
+    from unickpt.io.side_files import lr_scheduler_json
+    from unickpt.tools._write import write_checkpoint
+
     if lay.model:
         write_checkpoint(
             out_dir,
@@ -236,6 +257,7 @@ def import_training(
             max_shard_bytes=shard_bytes,
             layout=layout,
             created_by=created_by,
+            progress=update,
         )
     groups = _param_groups(lay, values)
     if lay.optim_tensors or groups:
@@ -262,6 +284,7 @@ def import_training(
             layout=layout,
             block_extras={"param_groups": groups, "param_state": param_state},
             created_by=created_by,
+            progress=update,
         )
     if lay.scheduler:
         from unickpt.tools._sink import put_bytes
