@@ -346,3 +346,18 @@ def test_store_answers_pass_through(s3: Any) -> None:
     assert store.put(store.join(root, "a"), b"2", exclusive=True) is False
     assert store.replace_if(store.join(root, "a"), b"3", '"not-the-etag"') is False
     assert store.read_bytes(store.join(root, "a")) == b"1"
+
+
+def test_a_stream_on_an_unreachable_store_is_a_storage_error(s3_server: Any, silent: _Silent) -> None:
+    """Files opened on the store (the convert tools' streams) map their errors too."""
+    opts, _, _ = _case("refused", s3_server, silent)
+    store, root = open_storage("s3://bucket/x", opts)
+    with pytest.raises(
+        StorageError, match=r"open of s3://bucket/x/a\.bin failed: the store's endpoint cannot be"
+    ):
+        store.fs.open(store.join(root, "a.bin"), "rb")  # type: ignore[attr-defined]
+    mem, mroot = open_storage(f"memory://streams-{os.getpid()}")
+    with mem.fs.open(mem.join(mroot, "f"), "wb") as f:  # type: ignore[attr-defined]
+        f.write(b"abc")
+    with mem.fs.open(mem.join(mroot, "f"), "rb") as f:  # type: ignore[attr-defined]
+        assert f.read() == b"abc"

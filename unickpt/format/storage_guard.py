@@ -212,6 +212,11 @@ class GuardedFs:
         call.__name__ = name
         return call
 
+    def open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+        """The file system's file object, its methods' errors mapped like the calls' (a stream's
+        reads and writes have the client's own timeouts, not the guard's deadline)."""
+        return _GuardedFile(self._call("open", self.raw.open, (path, mode), kwargs), self, str(path))
+
     # ---------------------------------------------------------------- the guard
     def _deadline(self) -> float | None:
         if self.timeout is None:
@@ -225,7 +230,9 @@ class GuardedFs:
             with self._mu:
                 self._quiet_until = time.monotonic() + self.timeout
 
-    def _call(self, name: str, method: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _call(
+        self, name: str, method: Any, args: tuple[Any, ...], kwargs: dict[str, Any], where: str | None = None
+    ) -> Any:
         deadline = self._deadline()
         coro_fn = self._coroutine_of(name, method)
         try:
@@ -246,7 +253,7 @@ class GuardedFs:
         except _Expired as e:
             self._expired()
             raise StorageError(
-                f"{self.url}: {self._what(name, args, kwargs)} did not finish within {e.args[0]:g} s "
+                f"{self.url}: {self._what(name, args, kwargs, where)} did not finish within {e.args[0]:g} s "
                 f"(the deadline of a store operation, {ENV} or the storage option {OPTION}); "
                 "the store is not answering"
             ) from None
@@ -255,7 +262,7 @@ class GuardedFs:
         except Exception as e:
             if isinstance(e, OSError) and _precondition(e):
                 raise
-            raise StorageError(self._message(name, args, kwargs, e)) from e
+            raise StorageError(self._message(name, args, kwargs, e, where)) from e
 
     def _coroutine_of(self, name: str, method: Any) -> Callable[..., Any] | None:
         """The coroutine behind a blocking method of an async file system (fsspec mirrors each
@@ -312,9 +319,11 @@ class GuardedFs:
         return await _bounded(self.raw._cp_file(path1, path2, **kw), deadline * gib)
 
     # ---------------------------------------------------------------- messages
-    def _what(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    def _what(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], at: str | None = None) -> str:
         """``op of object`` for a message: the S3 API name for ``call_s3``, the object it names."""
-        if name == "call_s3" and args:
+        if at is not None:
+            op, where = name, at
+        elif name == "call_s3" and args:
             op = str(args[0])
             where = "/".join(str(kwargs[k]) for k in ("Bucket", "Key") if kwargs.get(k))
         else:
@@ -332,7 +341,14 @@ class GuardedFs:
             where = f"{self._protocol}://{where}"
         return self.redact(f"{op} of {where}" if where else op)
 
-    def _message(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], e: BaseException) -> str:
+    def _message(
+        self,
+        name: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        e: BaseException,
+        at: str | None = None,
+    ) -> str:
         cause = " ".join(f"{type(e).__name__}: {e}".split())[:600]
         kind = type(e).__name__
         m = _UNKNOWN_KW.search(str(e)) if isinstance(e, TypeError) else None
@@ -355,7 +371,38 @@ class GuardedFs:
             hint = "the store refused access (check the credentials and their permissions on the bucket)"
         else:
             hint = "the store's client failed"
-        return self.redact(f"{self.url}: {self._what(name, args, kwargs)} failed: {hint} ({cause})")
+        return self.redact(f"{self.url}: {self._what(name, args, kwargs, at)} failed: {hint} ({cause})")
+
+
+class _GuardedFile:
+    """A file object of a guarded file system: its methods' errors are ``StorageError``s."""
+
+    def __init__(self, f: Any, guard: GuardedFs, path: str) -> None:
+        object.__setattr__(self, "_f", f)
+        object.__setattr__(self, "_guard", guard)
+        object.__setattr__(self, "_path", path)
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._f, name)
+        if name.startswith("__") or not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return self._guard._call(name, attr, args, kwargs, self._path)
+
+        return call
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._f, name, value)
+
+    def __enter__(self) -> _GuardedFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __iter__(self) -> Any:
+        return iter(self.readline, b"")
 
 
 def _precondition(e: OSError) -> bool:
