@@ -20,6 +20,7 @@ from unickpt.errors import (
     IntegrityError,
     OutputExistsError,
     StateMismatchError,
+    StorageError,
     UnickptError,
     UnsafePathError,
     UnsupportedError,
@@ -53,6 +54,7 @@ __all__ = [
     "CheckpointChangedError",
     "OutputExistsError",
     "ConfigError",
+    "StorageError",
 ]
 
 # Heavy parts (torch, torch.distributed) load on first use, so `unickpt` and its CLI start fast.

@@ -18,6 +18,7 @@ handlers keep working::
     +-- CheckpointChangedError (RuntimeError)    a save replaced the checkpoint while it was read
     +-- OutputExistsError (FileExistsError)      merge/convert output path already holds something
     +-- ConfigError (ValueError)                 an argument or setting unickpt was given is invalid
+    +-- StorageError                             the store failed, refused or did not answer in time
 
 Messages say where (file, tensor, rank), what was expected, what was found and, where
 there is one, what to do about it.
@@ -43,6 +44,7 @@ __all__ = [
     "CheckpointChangedError",
     "OutputExistsError",
     "ConfigError",
+    "StorageError",
 ]
 
 
@@ -167,4 +169,17 @@ class ConfigError(UnickptError, ValueError):
 
     Raised before anything is read or written; the message names the setting, the accepted
     values and the value given.
+    """
+
+
+class StorageError(UnickptError):
+    """An operation on a store (an fsspec URL: ``s3://``, ``gs://``...) failed in its client.
+
+    Missing or refused credentials, an endpoint that refuses connections, a storage option the
+    file system does not take, an error the store answered with, or an operation that did not
+    finish within its deadline (``UNICKPT_STORE_TIMEOUT`` seconds, see ``format/storage_guard.py``).
+    The message names the URL, the operation and the cause, never a credential; the client's own
+    exception is ``__cause__``. A missing object is not a ``StorageError`` (it is the store's
+    answer: ``FileNotFoundError`` or ``IncompleteCheckpointError``). Deliberately not an
+    ``OSError``: a store that cannot be reached is never mistaken for a missing or unreadable file.
     """

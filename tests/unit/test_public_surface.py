@@ -24,6 +24,7 @@ ERRORS = [
     "CheckpointChangedError",
     "OutputExistsError",
     "ConfigError",
+    "StorageError",
 ]
 
 PUBLIC = {

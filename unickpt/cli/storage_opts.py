@@ -5,7 +5,8 @@ Repeatable; a value that parses as JSON is taken as JSON (``anon=true``,
 to fsspec's per-protocol configuration (``fsspec.config.conf``, the same place its
 ``FSSPEC_<PROTOCOL>_<KEY>`` environment variables land) for the protocols of the command's URLs,
 for the duration of the command; the store's own environment (``AWS_ENDPOINT_URL``, profiles...)
-applies as usual beneath them.
+applies as usual beneath them. ``unickpt_timeout=SECONDS`` is unickpt's own: the deadline of every
+operation on the store (as ``UNICKPT_STORE_TIMEOUT``, which it sets for the command).
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import argparse
 import contextlib
 import copy
 import json
+import os
 from collections.abc import Iterator
 from typing import Any
 
 from unickpt.errors import ConfigError
+from unickpt.format.storage_guard import ENV, OPTION, store_timeout
 
 __all__ = ["add_storage_option", "parse_storage_options", "storage_options_applied"]
 
@@ -69,11 +72,22 @@ def storage_options_applied(args: argparse.Namespace) -> Iterator[None]:
         raise ConfigError("--storage-option applies to URLs (s3://, gs://, ...), and the command names none")
     import fsspec.config
 
+    timeout = opts.pop(OPTION, None)
+    if timeout is not None:
+        store_timeout(timeout)  # a ConfigError now for a value that is not seconds
     saved = copy.deepcopy(fsspec.config.conf)
+    saved_env = os.environ.get(ENV)
     try:
         for proto in protocols:
             fsspec.config.conf.setdefault(proto, {}).update(opts)
+        if timeout is not None:
+            os.environ[ENV] = str(timeout)
         yield
     finally:
         fsspec.config.conf.clear()
         fsspec.config.conf.update(saved)
+        if timeout is not None:
+            if saved_env is None:
+                os.environ.pop(ENV, None)
+            else:
+                os.environ[ENV] = saved_env

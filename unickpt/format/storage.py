@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, BinaryIO, Protocol
 
 from unickpt.errors import ConfigError, IncompleteCheckpointError, UnsupportedError
+from unickpt.format.storage_guard import fs_from_url, guarded, shown_url
 
 __all__ = [
     "Storage",
@@ -329,11 +330,16 @@ class _FsspecRead:
 
 
 class FsspecStorage(Storage):
-    """Files on an fsspec file system (object stores have no rename: commits write a marker)."""
+    """Files on an fsspec file system (object stores have no rename: commits write a marker).
 
-    def __init__(self, fs: Any, url: str) -> None:
-        self.fs = fs
-        self.url = url
+    ``fs`` is kept guarded (``format/storage_guard.py``): every call into the store's client has a
+    deadline of ``timeout`` seconds (0: none; None: ``$UNICKPT_STORE_TIMEOUT``, else 120) and its
+    errors raised as ``StorageError``, credentials (``options``'s, the URL's) never in a message.
+    """
+
+    def __init__(self, fs: Any, url: str, *, timeout: float | None = None, options: Any = None) -> None:
+        self.fs = guarded(fs, url, timeout, options)
+        self.url = shown_url(url)
         protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
         self.protocol = str(protocol)
         # s3fs sends If-None-Match: * for mode="create"; other stores get a check-then-write.
@@ -468,7 +474,10 @@ def open_storage(
     """``(storage, root)`` for a local path, a ``file://`` URL or an fsspec URL.
 
     A missing fsspec backend raises ``UnsupportedError`` naming the extra that installs it
-    (``pip install unickpt[s3]``); ``storage_options`` on a local path is a ``ConfigError``.
+    (``pip install unickpt[s3]``); ``storage_options`` on a local path is a ``ConfigError``;
+    a file system that cannot be made from them (an option it does not take...) a ``StorageError``.
+    The storage option ``unickpt_timeout`` (seconds, 0 for none) is the deadline of every operation
+    on the store (:class:`FsspecStorage`); without it, ``$UNICKPT_STORE_TIMEOUT``, else 120 s.
     """
     s = os.fspath(location)
     if not is_url(s):
@@ -480,13 +489,9 @@ def open_storage(
         return LocalStorage(root), root
     protocol = s.split("://", 1)[0]
     try:
-        from fsspec.core import url_to_fs
-
-        fs, root = url_to_fs(s, **(storage_options or {}))
+        fs, root, timeout, options = fs_from_url(s, storage_options)
     except ImportError as e:
         extra = EXTRAS.get(protocol)
         hint = f"pip install 'unickpt[{extra}]'" if extra else f"install the fsspec backend for {protocol}://"
         raise UnsupportedError(f"{s}: no file system for {protocol}:// is installed ({e}); {hint}") from e
-    except ValueError as e:
-        raise UnsupportedError(f"{s}: fsspec cannot open it ({e})") from e
-    return FsspecStorage(fs, s.rstrip("/")), str(root).rstrip("/")
+    return FsspecStorage(fs, s.rstrip("/"), timeout=timeout, options=options), str(root).rstrip("/")
