@@ -138,7 +138,7 @@ def _cmd_merge(args: argparse.Namespace) -> int:
 def _cmd_convert(args: argparse.Namespace) -> int:
     from unickpt.tools.convert import convert_checkpoint
 
-    source = args.source or ("unickpt" if args.target == "dcp" else None)
+    source = args.source or ("unickpt" if args.target in ("dcp", "colossalai") else None)
     if source is None:  # told from what the source path holds (format/foreign.py's rules)
         from unickpt.tools.detect import detect_source
 
@@ -324,10 +324,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--to",
         dest="target",
-        choices=("unickpt", "hf", "run", "dcp"),
+        choices=("unickpt", "hf", "run", "dcp", "colossalai"),
         default="unickpt",
         help="output: unickpt (default) or hf (the same files), run (a CheckpointManager directory), "
-        "dcp (from a unickpt checkpoint)",
+        "dcp or colossalai (from a unickpt checkpoint: what dcp.load or Colossal-AI's load_model and load_optimizer read)",
     )
     sp.add_argument(
         "src",

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import posixpath
 import shutil
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -17,6 +19,7 @@ from unickpt.format.storage import is_url, open_storage
 from unickpt.format.writer import write_all
 
 __all__ = [
+    "checkpoint_parts",
     "read_side_files",
     "open_auto",
     "detect_kind",
@@ -161,3 +164,59 @@ def read_side_files(
         for n in names
         if n in present
     ]
+
+
+def checkpoint_parts(src: str) -> tuple[str, str | None, str | None, int | None]:
+    """(model path, optimizer path or None, scheduler file or None, step or None) of ``src``.
+
+    ``src`` is a model checkpoint (a directory, possibly holding the optimizer checkpoint too, or
+    a single file), a directory holding ``model/`` (and ``optimizer/``, ``lr_scheduler.json``: the
+    layout the README saves, or a manager ``step-<N>/``, whose ``COMMIT`` gives the step), or
+    ``<dir>/model`` of such a directory, whose ``optimizer/`` and ``lr_scheduler.json`` beside it
+    come along. Local paths and URLs alike, through the storage layer.
+    """
+    storage, _ = open_storage(src)
+    # The storage's paths are the location as given (a URL keeps its scheme), "/"-separated.
+    root = src.removeprefix("file://").rstrip("/") or "/"
+
+    def has(directory: str, kind: str) -> bool:
+        return any(storage.exists(storage.join(directory, n)) for n in (index_name(kind), single_name(kind)))
+
+    def optional(path: str, kind: str | None) -> str | None:
+        found = storage.exists(path) if kind is None else has(path, kind)
+        return path if found else None
+
+    names = storage.listdir(root)
+    if not names:
+        if not storage.exists(root):
+            raise IncompleteCheckpointError(f"{src}: nothing there to export")
+        return root, None, None, None  # a single model file
+    step: int | None = None
+    if has(root, "model"):
+        parent = posixpath.dirname(root)
+        beside = posixpath.basename(root) == "model"
+        optim = optional(root, "optimizer") or (
+            optional(storage.join(parent, "optimizer"), "optimizer") if beside else None
+        )
+        sched = optional(storage.join(root, "lr_scheduler.json"), None) or (
+            optional(storage.join(parent, "lr_scheduler.json"), None) if beside else None
+        )
+        return root, optim, sched, None
+    if "model" in names and has(storage.join(root, "model"), "model"):
+        if "COMMIT" in names:  # a CheckpointManager step
+            try:
+                step = int(
+                    json.loads(storage.read_bytes(storage.join(root, "COMMIT"), limit=1 << 20))["step"]
+                )
+            except (OSError, ValueError, KeyError, TypeError):
+                step = None
+        return (
+            storage.join(root, "model"),
+            optional(storage.join(root, "optimizer"), "optimizer"),
+            optional(storage.join(root, "lr_scheduler.json"), None),
+            step,
+        )
+    raise IncompleteCheckpointError(
+        f"{src} holds no committed model checkpoint to export (neither {index_name('model')} nor "
+        f"{single_name('model')}, nor a model/ directory holding one)"
+    )

@@ -7,7 +7,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from unickpt.errors import UnsupportedError
+from unickpt.errors import IntegrityError, UnsupportedError
+from unickpt.format.reader import CheckpointReader
+from unickpt.io.tensors import torch_dtype
 
 __all__ = ["st_of", "torch_of", "tensor_bytes", "from_bytes"]
 
@@ -60,3 +62,25 @@ def from_bytes(buf: np.ndarray, dtype: str, shape: list[int]) -> torch.Tensor:
     """A tensor viewing the raw bytes ``buf`` (uint8) as ``dtype`` of ``shape``."""
     t = torch.from_numpy(buf.reshape(-1)).view(torch_of(dtype))
     return t.reshape(shape)
+
+
+def full_tensors(reader: CheckpointReader) -> dict[str, torch.Tensor]:
+    """Every tensor of ``reader`` whole, as torch tensors; every slice hash checked first."""
+    failures = reader.verify()
+    if failures:
+        raise IntegrityError(failures, reader.index_path or reader.directory)
+    out: dict[str, torch.Tensor] = {}
+    for name, entry in reader.tensors.items():
+        dt = torch_dtype(entry.dtype)
+        full = torch.empty(tuple(entry.shape), dtype=dt)
+        for s in entry.slices:
+            raw = bytearray(reader.read_slice(s))
+            data = (
+                torch.frombuffer(raw, dtype=dt).reshape(tuple(s.shape))
+                if raw
+                else torch.empty(tuple(s.shape), dtype=dt)
+            )
+            idx = tuple(slice(o, o + n) for o, n in zip(s.offsets, s.shape, strict=True))
+            full[idx] = data
+        out[name] = full
+    return out

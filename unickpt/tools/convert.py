@@ -170,7 +170,9 @@ def _bin_tensors(src: str, strip_prefix: str | None) -> Iterator[tuple[str, Any]
 
 
 SOURCES = ("dcp", "bin", "colossalai", "deepspeed", "unickpt")
-TARGETS = ("unickpt", "hf", "run", "dcp")
+TARGETS = ("unickpt", "hf", "run", "dcp", "colossalai")
+# What a unickpt checkpoint is exported to (from --from unickpt only).
+EXPORTS = ("dcp", "colossalai")
 
 
 def _dcp_source(src: str) -> str:
@@ -226,10 +228,10 @@ def convert_checkpoint(
         raise UnsupportedError(f"convert --from {source!r}: choose one of {', '.join(SOURCES)}")
     if target not in TARGETS:
         raise UnsupportedError(f"convert --to {target!r}: choose one of {', '.join(TARGETS)}")
-    if (target == "dcp") != (source == "unickpt"):
+    if (target in EXPORTS) != (source == "unickpt"):
         raise UnsupportedError(
-            f"convert --from {source} --to {target}: DCP output is written from a unickpt checkpoint "
-            "(--from unickpt --to dcp); other sources convert to unickpt, hf or run"
+            f"convert --from {source} --to {target}: DCP and Colossal-AI output is written from a unickpt "
+            "checkpoint (--from unickpt --to dcp|colossalai); other sources convert to unickpt, hf or run"
         )
     if target == "run" and source not in ("dcp", "deepspeed"):
         raise UnsupportedError(
@@ -272,6 +274,14 @@ def convert_checkpoint(
         out_s = check_output(out_s)
     shard_bytes = _parse_size(max_shard_size)
     created_by = f"unickpt {__version__} convert --from {source}"
+    if source == "unickpt" and target == "colossalai":
+        if url_out:
+            raise UnsupportedError(
+                f"convert --to colossalai: {out_s} is a URL; Colossal-AI's files are written locally"
+            )
+        from unickpt.tools.export_colossalai import export_colossalai
+
+        return export_colossalai(src_s, out_s, max_shard_bytes=shard_bytes)
     if source == "unickpt":
         from unickpt.tools.export_dcp import export_dcp
 
