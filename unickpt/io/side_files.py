@@ -25,12 +25,29 @@ SCHEDULER_FILE = "lr_scheduler.json"
 
 
 def hf_config_files(module: torch.nn.Module) -> dict[str, str]:
-    """``config.json`` / ``generation_config.json`` contents of a Hugging Face model, if it has them."""
+    """``config.json`` / ``generation_config.json`` contents of a Hugging Face model, if it has them.
+
+    ``config.json`` names the model's architecture (``architectures``) as ``save_pretrained``
+    writes it: the class of the model, or of the base model a wrapper (a ``PeftModel``) holds.
+    """
     out: dict[str, str] = {}
     for attr, fname in (("config", "config.json"), ("generation_config", "generation_config.json")):
         to_json = getattr(getattr(module, attr, None), "to_json_string", None)
         if to_json is not None:
             out[fname] = str(to_json())
+    if "config.json" in out:
+        try:
+            cfg = json.loads(out["config.json"])
+        except ValueError:
+            return out
+        if not cfg.get("architectures"):
+            base = module
+            get_base = getattr(module, "get_base_model", None)  # peft's PeftModel
+            if callable(get_base):
+                base = get_base()
+            if getattr(base, "config", None) is not None:
+                cfg["architectures"] = [type(base).__name__]
+                out["config.json"] = json.dumps(cfg, indent=2, sort_keys=True) + "\n"
     return out
 
 

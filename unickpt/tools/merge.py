@@ -31,6 +31,7 @@ import json
 import math
 import os
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -346,6 +347,8 @@ def merge_checkpoint(
             else:
                 tmp = stack.enter_context(staged_output(out_s))
             for fname, data in read_side_files(readers[0].directory, side, opts):
+                if fname == "config.json" and readers[0].kind == "model":
+                    _check_names(data, readers[0], src_s)
                 if store is not None:
                     store.put(fname, data)
                 else:
@@ -368,6 +371,26 @@ def merge_checkpoint(
     finally:
         for r in readers:
             r.close()
+
+
+def _check_names(config_json: bytes, reader: CheckpointReader, src: str) -> None:
+    """Warn when the merged names are not what ``config.json``'s architecture loads (a PEFT
+    run's names, say): ``from_pretrained`` would ignore some tensors and initialise others at
+    random, silently."""
+    from unickpt.tools.hf_names import architecture_names_check
+
+    names = list(reader.block.tensors) + list(reader.block.aliases)
+    mismatch = architecture_names_check(config_json, names)
+    if mismatch is not None:
+        warnings.warn(
+            f"merge {src}: the output's names do not match its config.json: {mismatch}",
+            ArchitectureMismatchWarning,
+            stacklevel=3,
+        )
+
+
+class ArchitectureMismatchWarning(UserWarning):
+    """A merged checkpoint's names are not what its ``config.json``'s architecture loads."""
 
 
 def _has_kind(src: str, kind: str, storage_options: dict[str, Any] | None) -> bool:

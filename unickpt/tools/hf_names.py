@@ -1,0 +1,88 @@
+"""Do a checkpoint's tensor names match what its ``config.json``'s architecture loads?
+
+``from_pretrained`` fills the parameters it finds under their names and initialises the rest at
+random, saying nothing when the file also holds names it does not know (a ``PeftModel``'s run,
+whose names carry ``base_model.model.`` and ``lora_A``, merged as it was trained). The
+architecture named in ``config.json`` is built on the meta device (no memory, no weights) with
+transformers, and its expected names are compared with the checkpoint's. transformers is
+imported only when a ``config.json`` names an architecture it has.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+
+from unickpt._logging import get_logger
+
+__all__ = ["NameMismatch", "architecture_names_check"]
+
+logger = get_logger(__name__)
+
+
+class NameMismatch:
+    """What ``from_pretrained`` of ``architecture`` would make of the checkpoint's names."""
+
+    def __init__(self, architecture: str, unexpected: list[str], missing: list[str]) -> None:
+        self.architecture, self.unexpected, self.missing = architecture, unexpected, missing
+
+    def __str__(self) -> str:
+        def some(names: list[str]) -> str:
+            return ", ".join(repr(n) for n in names[:3]) + (
+                f" and {len(names) - 3} more" if len(names) > 3 else ""
+            )
+
+        parts = []
+        if self.unexpected:
+            parts.append(
+                f"{len(self.unexpected)} tensor(s) that {self.architecture} has no parameter for ({some(self.unexpected)}), which from_pretrained ignores"
+            )
+        if self.missing:
+            parts.append(
+                f"{len(self.missing)} parameter(s) of {self.architecture} the checkpoint lacks ({some(self.missing)}), which from_pretrained initialises at random"
+            )
+        hint = ""
+        if any("lora_" in n or n.startswith("base_model.model.") for n in self.unexpected):
+            hint = (
+                "; the names are a PeftModel's: save the adapter alone, or merge the adapters into the "
+                "base weights first (peft's merge_and_unload), for a checkpoint the base architecture loads"
+            )
+        return "; ".join(parts) + hint
+
+
+def architecture_names_check(config_json: bytes, names: Iterable[str]) -> NameMismatch | None:
+    """The mismatch between ``names`` and what ``config.json``'s first architecture loads, or
+    None when they match, when the config names no architecture, or when transformers (or the
+    architecture) is not available here."""
+    try:
+        cfg = json.loads(config_json)
+        arch = cfg["architectures"][0]
+        model_type = cfg["model_type"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+    try:
+        import torch
+        import transformers
+        from transformers import AutoConfig
+    except ImportError:
+        return None
+    cls = getattr(transformers, str(arch), None)
+    if cls is None:
+        return None
+    try:
+        config = AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if k != "model_type"})
+        with torch.device("meta"):
+            model = cls(config)
+    except Exception as e:  # an architecture that cannot be built from this config: no verdict
+        logger.debug("cannot build %s from config.json to check the names: %s", arch, e)
+        return None
+    expected = set(model.state_dict())
+    tied = set(
+        getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None) or ()
+    )
+    given = set(names)
+    unexpected = sorted(given - expected)
+    missing = sorted(n for n in expected - given if n not in tied)
+    if not unexpected and not missing:
+        return None
+    return NameMismatch(str(arch), unexpected, missing)
