@@ -30,6 +30,7 @@ from pydantic import (
 
 from unickpt.errors import UnsafePathError
 from unickpt.format._json import json_depth
+from unickpt.format.bounds import count_problem
 from unickpt.format.compact_rules import compact_count, compact_problem
 from unickpt.format.digest_text import block_from_json, block_to_json
 from unickpt.format.dtypes import DTYPE_ITEMSIZE
@@ -445,7 +446,8 @@ def version_problem(
                 return f"tensor {name!r}: file index {max(ids)} is past the {len(files)} files of the block"
     if files is not None and not compact:
         return f"'files' is a format_version {COMPACT_VERSION} field (this index is version {version})"
-    return None
+    # What the data files can hold bounds what the compact fields declare (format/bounds.py).
+    return count_problem(files, tensors)
 
 
 def attach_tables(files: Sequence[str] | None, tensors: Mapping[str, TensorEntry]) -> None:

@@ -6,7 +6,16 @@ import errno
 import os
 import stat
 
-__all__ = ["not_regular", "hint_other_files"]
+__all__ = ["not_regular", "hint_other_files", "regular_size"]
+
+
+def regular_size(path: str) -> int | None:
+    """The size of the regular file at ``path`` (links followed); None when there is none."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
 def not_regular(path: str) -> str:

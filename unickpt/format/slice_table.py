@@ -232,6 +232,9 @@ class SliceTable:
         return [f"{self.name}@{k}" for k in range(len(self))]
 
     def file(self, k: int) -> str:
+        spec = self._file_spec
+        if self._file_ids is None and (spec is None or isinstance(spec, int)):
+            return self.files[k if spec is None else spec]
         return self.files[int(self.file_ids[k])]
 
     def xxh3(self, k: int) -> str | None:
@@ -346,6 +349,19 @@ class SliceTable:
         return entries_from_records(self.records())
 
     # ------------------------------------------------------------ in bulk
+    def file_counts(self) -> dict[str, int]:
+        """How many slices each file holds, from the file spec when there is one (no per-slice array)."""
+        spec, n = self._file_spec, self._n
+        if not n:
+            return {}
+        if isinstance(spec, int) and self._file_ids is None:
+            return {self.files[spec]: n}
+        if spec is None and self._file_ids is None:
+            return dict.fromkeys(self.files[:n], 1)
+        ids = np.asarray(spec, dtype=np.int64) if self._file_ids is None else self.file_ids
+        counts = np.bincount(ids, minlength=len(self.files)) if len(ids) else np.zeros(0, dtype=np.int64)
+        return {self.files[i]: int(counts[i]) for i in np.flatnonzero(counts).tolist()}
+
     def distinct_files(self) -> list[str]:
         spec = self._file_spec
         if isinstance(spec, int):
@@ -405,7 +421,7 @@ class SliceTable:
         which also makes later searches binary; the rest goes through
         ``coverage.coverage_problem``, O(S log S).
         """
-        if self.grid is not None:
+        if self._grid is not None or self._grid_spec is not None:
             return None
         if len(self.gshape) and len(self) > 1 and self.offsets.shape[1:] == (len(self.gshape),):
             self.grid = self.detect_grid()

@@ -24,6 +24,9 @@ def inspect_checkpoint(
     tensor data. Raises ``UnickptError`` subclasses (or ``OSError``) for unusable input.
     """
     with open_auto(path, kind) as r:
+        # No header is read here: the files' sizes bound the slices the index declares before
+        # any per-slice array is built (a damaged file's bytes are verify's to report).
+        r.check_capacity(r.file_size, with_bytes=False)
         b = r.block
         tensors: dict[str, Any] = {}
         total_bytes = 0
