@@ -24,6 +24,7 @@ removes the files older than the last commit and aborts the uploads begun before
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 import re
@@ -38,6 +39,7 @@ from unickpt.format.naming import index_name, is_own_data_file, single_name
 from unickpt.format.storage import FsspecStorage, Storage, is_url, open_storage
 
 __all__ = [
+    "read_bounded",
     "store_file_name",
     "is_store_data_file",
     "committed_on_store",
@@ -337,14 +339,23 @@ def _clean(
     return removed
 
 
+def read_bounded(path: str, limit: int) -> bytes:
+    """A local file whole, refused (``OSError`` EFBIG naming it) past ``limit`` bytes, whatever
+    size it reports: at most ``limit + 1`` bytes are read."""
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise OSError(errno.EFBIG, f"more than the {limit} bytes allowed for this file", path)
+    return data
+
+
 def read_small_file(
     location: str, storage_options: dict[str, Any] | None = None, limit: int = 64 << 20
 ) -> bytes:
     """A small side file (a scheduler's JSON, a rank's training state) from a local path or a
     URL; a missing one raises ``FileNotFoundError`` either way."""
     if not is_url(location):
-        with open(location.removeprefix("file://"), "rb") as f:
-            return f.read()
+        return read_bounded(location.removeprefix("file://"), limit)
     storage, _ = open_storage(location, storage_options)
     try:
         return storage.read_bytes(location, limit=limit)
