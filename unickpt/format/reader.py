@@ -257,10 +257,10 @@ class CheckpointReader(FileChecks):
 
         Reads every data file's header (small), no tensor data.
         """
-        self.check_coverage()
         # Every header first: each bounds the slices the index puts in its file (``header``)
         # before the keys and arrays of all slices are built.
         self.open_files(self.files)
+        self.check_coverage()
         matched = locate_all(self)  # every slice at once; None: one by one below, naming the first bad one
         for name, t in self.block.tensors.items() if matched is None else ():
             table = t.table

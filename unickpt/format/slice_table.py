@@ -267,15 +267,36 @@ class SliceTable:
         rng = self._ranges or {}
         return [h is not None or k in rng for k, h in enumerate(self.hash_list())]
 
+    def box(self, k: int) -> tuple[list[int], list[int]]:
+        """Slice ``k``'s offsets and shape; of a grid kept as its specification, computed from it
+        (no per-slice array: a preview of a grid of 10^6 cells costs O(ndim))."""
+        if self._offsets is not None or self._grid_spec is None:
+            return self.offsets[k].tolist(), self.shapes[k].tolist()
+        offs: list[int] = []
+        shape: list[int] = []
+        for g, p in reversed(list(zip(self.gshape, self._grid_spec, strict=True))):
+            count = p if isinstance(p, int) else len(p)
+            k, i = divmod(k, count)
+            if isinstance(p, int):  # torch.chunk parts of c: part i spans [min(i c, g), ...)
+                c = -(-g // p)
+                start = min(i * c, g)
+                offs.append(start)
+                shape.append(max(0, min(c, g - start)))
+            else:
+                offs.append(sum(p[:i]))
+                shape.append(p[i])
+        return offs[::-1], shape[::-1]
+
     def entry(self, k: int) -> Any:
         """Slice ``k`` as a ``SliceEntry``."""
         from unickpt.format.index_models import SliceEntry
 
+        offsets, shape = self.box(k)
         return SliceEntry.model_construct(
             file=self.file(k),
             key=self.key(k),
-            offsets=self.offsets[k].tolist(),
-            shape=self.shapes[k].tolist(),
+            offsets=offsets,
+            shape=shape,
             xxh3=self.xxh3(k),
             ranges=self.ranges(k),
         )

@@ -89,11 +89,12 @@ def inspect_checkpoint(
 
 def _record(table: Any, k: int) -> dict[str, Any]:
     """Slice ``k`` of a slice table as ``SliceTable.records`` gives it."""
+    offsets, shape = table.box(k)  # a grid's cell from its specification: no per-slice array
     return {
         "file": table.file(k),
         "key": table.key(k),
-        "offsets": table.offsets[k].tolist(),
-        "shape": table.shapes[k].tolist(),
+        "offsets": offsets,
+        "shape": shape,
         "xxh3": table.xxh3(k),
         "ranges": table.ranges(k),
     }
