@@ -343,7 +343,18 @@ def read_bounded(path: str, limit: int) -> bytes:
     """A local file whole, refused (``OSError`` EFBIG naming it) past ``limit`` bytes, whatever
     size it reports: at most ``limit + 1`` bytes are read."""
     with open(path, "rb") as f:
-        data = f.read(limit + 1)
+        # The size the file reports (no buffer of ``limit`` bytes for a small file), then on to
+        # the end: bounded even when the size lies (a /proc file reports 0 bytes).
+        size = os.fstat(f.fileno()).st_size
+        chunks = [f.read(min(size, limit) + 1)]
+        total = len(chunks[0])
+        while total <= limit:
+            more = f.read(min(1 << 20, limit + 1 - total))
+            if not more:
+                break
+            chunks.append(more)
+            total += len(more)
+    data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
     if len(data) > limit:
         raise OSError(errno.EFBIG, f"more than the {limit} bytes allowed for this file", path)
     return data

@@ -82,6 +82,8 @@ KINDS: tuple[str, ...] = get_args(Kind)
 MAX_INDEX_BYTES = 512 << 20
 #: Exclusive bound of a dimension, an offset and a tensor's element count.
 MAX_DIM = 1 << 62
+#: The most dims of a tensor (a safetensors header entry's bound).
+MAX_NDIM = 64
 #: Smallest world size and mesh axis size.
 MIN_POSITIVE = 1
 #: Digests and fingerprints: 16 lower-case hex digits (``HEX16_BODY`` unanchored).
@@ -109,6 +111,8 @@ _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]*$")
 
 def shape_problem(shape: Sequence[int]) -> str | None:
     """What is wrong with a tensor's shape as a whole (each dim is checked as a ``NonNeg``)."""
+    if len(shape) > MAX_NDIM:  # what a data file's header holds (docs/format.md section 2)
+        return f"shape has {len(shape)} dims, more than the {MAX_NDIM} of a safetensors entry"
     if math.prod(shape) >= MAX_DIM:
         return f"shape {list(shape)} has too many elements"
     return None

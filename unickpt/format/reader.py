@@ -43,7 +43,7 @@ from unickpt.format.reader_blocks import (
     file_kind,
     single_file_name,
 )
-from unickpt.format.reader_checks import FileChecks
+from unickpt.format.reader_checks import FileChecks, shown
 from unickpt.format.reader_paths import hint_other_files, not_regular
 from unickpt.format.reader_storage import vanishing
 from unickpt.format.safetensors_io import SafetensorsHeader, iter_range, open_with_header, read_range
@@ -278,11 +278,12 @@ class CheckpointReader(FileChecks):
         e = describe_key(h, key)  # (dtype, shape list): no entry object built
         if e is None:
             raise HeaderError(
-                f"{h.path}: tensor {name!r} should be stored under key {key!r}, which the file lacks"
+                f"{h.path}: tensor {shown(name)} should be stored under key {shown(key)}, which the file lacks"
             )
         if e[0] != dtype or e[1] != shape:
             raise HeaderError(
-                f"{h.path}: tensor {name!r} (key {key!r}): index says {dtype}{shape}, file holds {e[0]}{e[1]}"
+                f"{h.path}: tensor {shown(name)} (key {shown(key)}): index says {dtype}{shown(shape)}, "
+                f"file holds {e[0]}{e[1]}"
             )
 
     # ----------------------------------------------------------------- reading bytes

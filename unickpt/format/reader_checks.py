@@ -20,7 +20,14 @@ from unickpt.format.reader_paths import regular_size
 from unickpt.format.safetensors_io import SafetensorsHeader
 from unickpt.format.storage import Storage
 
-__all__ = ["FileChecks"]
+__all__ = ["FileChecks", "shown"]
+
+
+def shown(v: object) -> str:
+    """A name, key or shape from a file as a message shows it: repr, escaped, cut to 80 characters
+    (a name can be a megabyte long)."""
+    r = ascii(v) if isinstance(v, str) else repr(v)
+    return r if len(r) <= 80 else f"{r[:77]}..."
 
 
 class FileChecks:

@@ -368,7 +368,8 @@ def _rehash(files: RunFiles, step_dir: str, rel: str, digest: str) -> str | None
     try:
         found = slice_hash(files.read_bytes(full))
     except OSError as e:
-        return f"{full}: cannot be read ({e.strerror or e})"
+        shown = full if len(full) <= 300 else f"{full[:297]}..."  # a name from a file: any length
+        return f"{shown}: cannot be read ({e.strerror or e})"
     return None if found == digest else f"{full}: expected xxh3-64 {digest}, found {found}"
 
 
