@@ -401,9 +401,9 @@ def single_cases() -> list[Case]:
             "a",
         ),
         Case(
-            "single-entries-2k",
+            "single-entries-500",
             "single",
-            single({f"t{i}": ent("U8", [0], 0, 0) for i in range(2_000)}),
+            single({f"t{i}": ent("U8", [0], 0, 0) for i in range(500)}),
             "ok",
             None,
         ),

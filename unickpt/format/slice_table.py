@@ -268,23 +268,16 @@ class SliceTable:
         return [h is not None or k in rng for k, h in enumerate(self.hash_list())]
 
     def box(self, k: int) -> tuple[list[int], list[int]]:
-        """Slice ``k``'s offsets and shape; of a grid kept as its specification, computed from it
-        (no per-slice array: a preview of a grid of 10^6 cells costs O(ndim))."""
+        """Slice ``k``'s offsets and shape (of a grid spec, computed from it: no per-slice array)."""
         if self._offsets is not None or self._grid_spec is None:
             return self.offsets[k].tolist(), self.shapes[k].tolist()
         offs: list[int] = []
         shape: list[int] = []
         for g, p in reversed(list(zip(self.gshape, self._grid_spec, strict=True))):
-            count = p if isinstance(p, int) else len(p)
-            k, i = divmod(k, count)
-            if isinstance(p, int):  # torch.chunk parts of c: part i spans [min(i c, g), ...)
-                c = -(-g // p)
-                start = min(i * c, g)
-                offs.append(start)
-                shape.append(max(0, min(c, g - start)))
-            else:
-                offs.append(sum(p[:i]))
-                shape.append(p[i])
+            k, i = divmod(k, p if isinstance(p, int) else len(p))
+            c = -(-g // p) if isinstance(p, int) else 0  # torch.chunk parts of c
+            offs.append(min(i * c, g) if isinstance(p, int) else sum(p[:i]))
+            shape.append(max(0, min(c, g - offs[-1])) if isinstance(p, int) else p[i])
         return offs[::-1], shape[::-1]
 
     def entry(self, k: int) -> Any:
@@ -373,11 +366,9 @@ class SliceTable:
     def file_counts(self) -> dict[str, int]:
         """How many slices each file holds, from the file spec when there is one (no per-slice array)."""
         spec, n = self._file_spec, self._n
-        if not n:
-            return {}
-        if isinstance(spec, int) and self._file_ids is None:
+        if n and isinstance(spec, int) and self._file_ids is None:
             return {self.files[spec]: n}
-        if spec is None and self._file_ids is None:
+        if not n or (spec is None and self._file_ids is None):
             return dict.fromkeys(self.files[:n], 1)
         ids = np.asarray(spec, dtype=np.int64) if self._file_ids is None else self.file_ids
         counts = np.bincount(ids, minlength=len(self.files)) if len(ids) else np.zeros(0, dtype=np.int64)

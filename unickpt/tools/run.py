@@ -383,10 +383,8 @@ def _safe_rel(rel: str) -> bool:
     )
 
 
-#: Entries of a hashes file checked without counting the step's files first.
-_FEW_HASHED = 16
-#: Ranks without train state named one by one (the rest are counted).
-_NAMED_MISSING = 8
+_FEW_HASHED = 16  # entries of a hashes file checked without counting the step's files first
+_NAMED_MISSING = 8  # ranks without train state named one by one (the rest are counted)
 
 
 def _ranks(lay: rl.StepLayout, res: PartResult) -> list[int]:
@@ -399,11 +397,9 @@ def _ranks(lay: rl.StepLayout, res: PartResult) -> list[int]:
         return sorted(lay.train_state)
     ranks = sorted(r for r in present if r < world)
     missing: list[int] = []
-    r = 0
-    while r < world and len(missing) < _NAMED_MISSING:  # at most len(present) + 8 steps
-        if r not in present:
+    for r in range(min(world, len(present) + _NAMED_MISSING)):  # the first few without files
+        if r not in present and len(missing) < _NAMED_MISSING:
             missing.append(r)
-        r += 1
     absent = world - len(ranks)
     if absent > len(missing):
         res.failures.append(
