@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["capture_rng", "restore_rng"]
+__all__ = ["capture_rng", "restore_rng", "RngStateError"]
 
 
 def capture_rng() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -41,22 +41,54 @@ def capture_rng() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     return js, tensors
 
 
+class RngStateError(ValueError):
+    """A recorded RNG state that is not one this module captures (the caller names the file)."""
+
+
+# What capture_rng records: CPython's Mersenne Twister (624 words and a position), numpy's
+# legacy MT19937 (624 words). Checked before anything is converted or restored.
+_PY_STATE_LEN = 625
+_NP_KEYS_LEN = 624
+
+
+def _words(v: Any, n: int, what: str) -> list[int]:
+    if type(v) is not list or len(v) != n:
+        found = f"{len(v)} values" if type(v) is list else type(v).__name__
+        raise RngStateError(f"{what} must be a list of {n} integers, found {found}")
+    if not all(type(x) is int and 0 <= x < 1 << 32 for x in v):
+        raise RngStateError(f"{what} must hold integers in [0, 2^32)")
+    return v
+
+
 def restore_rng(js: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-    """Restore states produced by :func:`capture_rng` (on the rank that captured them)."""
-    py = js["python"]
-    random.setstate((int(py["version"]), tuple(int(x) for x in py["state"]), py["gauss_next"]))
-    n = js["numpy"]
-    np.random.set_state(
-        (
-            n["key"],
-            np.asarray(n["keys"], dtype=np.uint32),
-            int(n["pos"]),
-            int(n["has_gauss"]),
-            float(n["cached_gaussian"]),
-        )
-    )
-    torch.set_rng_state(tensors["rng.torch_cpu"].to(torch.uint8))
-    saved_cuda = int(js.get("cuda_devices", 0))
-    if saved_cuda and torch.cuda.is_available():
-        count = min(saved_cuda, torch.cuda.device_count())
-        torch.cuda.set_rng_state_all([tensors[f"rng.cuda.{i}"] for i in range(count)])
+    """Restore states produced by :func:`capture_rng` (on the rank that captured them).
+
+    ``RngStateError`` when ``js`` or ``tensors`` is not such a state; nothing is restored then."""
+    try:
+        py, n = js["python"], js["numpy"]
+        state = tuple(_words(py["state"], _PY_STATE_LEN, "python.state"))
+        keys = np.asarray(_words(n["keys"], _NP_KEYS_LEN, "numpy.keys"), dtype=np.uint32)
+        version, gauss = py["version"], py["gauss_next"]
+        pos, has_gauss, cached = n["pos"], n["has_gauss"], n["cached_gaussian"]
+        if type(version) is not int or not (gauss is None or type(gauss) is float):
+            raise RngStateError("python.version must be an integer and gauss_next a number or null")
+        if type(pos) is not int or type(has_gauss) is not int or type(cached) not in (int, float):
+            raise RngStateError("numpy.pos and numpy.has_gauss must be integers, cached_gaussian a number")
+        cpu = tensors["rng.torch_cpu"]
+        saved_cuda = js.get("cuda_devices", 0)
+        if type(saved_cuda) is not int or saved_cuda < 0:
+            raise RngStateError(
+                f"cuda_devices must be a non-negative integer, found {str(saved_cuda)[:40]!r}"
+            )
+        count = min(saved_cuda, torch.cuda.device_count()) if saved_cuda and torch.cuda.is_available() else 0
+        cuda = [tensors[f"rng.cuda.{i}"] for i in range(count)]
+    except (KeyError, TypeError) as e:
+        raise RngStateError(f"missing or malformed entry {e}") from None
+    try:
+        random.setstate((version, state, gauss))
+        np.random.set_state((n["key"], keys, pos, has_gauss, float(cached)))
+        torch.set_rng_state(cpu.to(torch.uint8))
+        if cuda:
+            torch.cuda.set_rng_state_all(cuda)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+        raise RngStateError(str(e)) from None

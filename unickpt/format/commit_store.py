@@ -28,6 +28,7 @@ nothing and removes none of the files of the save that took its place.
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 import re
@@ -44,6 +45,7 @@ from unickpt.format.naming import index_name, is_own_data_file, single_name
 from unickpt.format.storage import FsspecStorage, Storage, is_url, open_storage
 
 __all__ = [
+    "read_bounded",
     "store_file_name",
     "is_store_data_file",
     "committed_on_store",
@@ -394,14 +396,34 @@ def _clean(
     return removed
 
 
+def read_bounded(path: str, limit: int) -> bytes:
+    """A local file whole, refused (``OSError`` EFBIG naming it) past ``limit`` bytes, whatever
+    size it reports: at most ``limit + 1`` bytes are read."""
+    with open(path, "rb") as f:
+        # The size the file reports (no buffer of ``limit`` bytes for a small file), then on to
+        # the end: bounded even when the size lies (a /proc file reports 0 bytes).
+        size = os.fstat(f.fileno()).st_size
+        chunks = [f.read(min(size, limit) + 1)]
+        total = len(chunks[0])
+        while total <= limit:
+            more = f.read(min(1 << 20, limit + 1 - total))
+            if not more:
+                break
+            chunks.append(more)
+            total += len(more)
+    data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    if len(data) > limit:
+        raise OSError(errno.EFBIG, f"more than the {limit} bytes allowed for this file", path)
+    return data
+
+
 def read_small_file(
     location: str, storage_options: dict[str, Any] | None = None, limit: int = 64 << 20
 ) -> bytes:
     """A small side file (a scheduler's JSON, a rank's training state) from a local path or a
     URL; a missing one raises ``FileNotFoundError`` either way."""
     if not is_url(location):
-        with open(location.removeprefix("file://"), "rb") as f:
-            return f.read()
+        return read_bounded(location.removeprefix("file://"), limit)
     storage, _ = open_storage(location, storage_options)
     try:
         return storage.read_bytes(location, limit=limit)

@@ -389,17 +389,17 @@ class _FastIndex:
         if problem is not None:
             raise _NotFast(f"{_SCHEMA}: {where}: {problem}")
         if "slices" not in given:
-            if given.get("file") is not None:
-                problem = compact_problem(
-                    shape,
-                    given.get("grid"),
-                    given.get("boxes"),
-                    given["file"],
-                    given.get("keys"),
-                    given.get("xxh3"),
-                )
-                if problem is not None:
-                    raise _NotFast(f"{_SCHEMA}: {where}: {problem}")
+            # Whether or not 'file' is given (absent: slice K in files[K]), as TensorEntry checks.
+            problem = compact_problem(
+                shape,
+                given.get("grid"),
+                given.get("boxes"),
+                given.get("file"),
+                given.get("keys"),
+                given.get("xxh3"),
+            )
+            if problem is not None:
+                raise _NotFast(f"{_SCHEMA}: {where}: {problem}")
             given["slices"] = []  # replaced by attach_tables (a default_factory costs 1 ms here)
             return construct(models.TensorEntry, given, set(t), None)
         bulk = bulk_slices(shape, given["slices"], self.shared)

@@ -29,6 +29,7 @@ from pydantic import (
 
 from unickpt.errors import UnsafePathError
 from unickpt.format._json import json_depth
+from unickpt.format.bounds import count_problem
 from unickpt.format.compact_rules import compact_count, compact_problem
 from unickpt.format.confine import is_plain_name
 from unickpt.format.digest_text import block_from_json, block_to_json
@@ -81,6 +82,8 @@ KINDS: tuple[str, ...] = get_args(Kind)
 MAX_INDEX_BYTES = 512 << 20
 #: Exclusive bound of a dimension, an offset and a tensor's element count.
 MAX_DIM = 1 << 62
+#: The most dims of a tensor (a safetensors header entry's bound).
+MAX_NDIM = 64
 #: Smallest world size and mesh axis size.
 MIN_POSITIVE = 1
 #: Digests and fingerprints: 16 lower-case hex digits (``HEX16_BODY`` unanchored).
@@ -106,6 +109,8 @@ Hex16 = Annotated[str, Field(pattern=HEX16)]
 
 def shape_problem(shape: Sequence[int]) -> str | None:
     """What is wrong with a tensor's shape as a whole (each dim is checked as a ``NonNeg``)."""
+    if len(shape) > MAX_NDIM:  # what a data file's header holds (docs/format.md section 2)
+        return f"shape has {len(shape)} dims, more than the {MAX_NDIM} of a safetensors entry"
     if math.prod(shape) >= MAX_DIM:
         return f"shape {list(shape)} has too many elements"
     return None
@@ -443,7 +448,8 @@ def version_problem(
                 return f"tensor {name!r}: file index {max(ids)} is past the {len(files)} files of the block"
     if files is not None and not compact:
         return f"'files' is a format_version {COMPACT_VERSION} field (this index is version {version})"
-    return None
+    # What the data files can hold bounds what the compact fields declare (format/bounds.py).
+    return count_problem(files, tensors)
 
 
 def attach_tables(files: Sequence[str] | None, tensors: Mapping[str, TensorEntry]) -> None:

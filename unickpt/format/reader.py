@@ -29,7 +29,6 @@ from unickpt.errors import (
     IndexFileError,
     IntegrityFailure,
 )
-from unickpt.format.commit import SAVE_ID_KEY
 from unickpt.format.confine import confined_path
 from unickpt.format.consistency import check_block, check_keys_referenced
 from unickpt.format.dcp_hf import block_from_dcp_hf, dcp_hf_files
@@ -45,6 +44,7 @@ from unickpt.format.reader_blocks import (
     file_kind,
     single_file_name,
 )
+from unickpt.format.reader_checks import FileChecks, shown
 from unickpt.format.reader_paths import hint_foreign, hint_other_files, not_regular
 from unickpt.format.reader_storage import vanishing
 from unickpt.format.safetensors_io import SafetensorsHeader, iter_range, open_with_header, read_range
@@ -66,7 +66,7 @@ __all__ = [
 
 
 @dataclass
-class CheckpointReader:
+class CheckpointReader(FileChecks):
     """A validated, read-only view of one checkpoint (model or optimizer)."""
 
     directory: str
@@ -89,6 +89,7 @@ class CheckpointReader:
         self._handles: dict[str, ReadHandle] = {}
         self._prefetched: Prefetched | None = None  # while a load on a URL copies
         self.spans: dict[str, Spans] = {}  # tensor -> every slice's (offsets, lengths), once located
+        self._file_slices = None  # data file -> slices the index puts there (``FileChecks``)
 
     # ----------------------------------------------------------------- paths and files
     @property
@@ -122,7 +123,8 @@ class CheckpointReader:
                 ) from e
             try:
                 self.check_same_save(name, h.metadata)
-            except CheckpointChangedError:
+                self._check_entries(name, h)
+            except (CheckpointChangedError, IndexFileError):
                 self._close_file(name)
                 raise
             self._headers[name] = h
@@ -158,20 +160,6 @@ class CheckpointReader:
             raise no_path(self.file_path(name))
         proc = f"/proc/self/fd/{self._fds[name]}"
         return proc if os.path.exists(proc) else self.file_path(name)
-
-    def check_same_save(self, name: str, metadata: dict[str, str] | None) -> None:
-        """Raise ``CheckpointChangedError`` unless ``metadata`` (a header's) is of this checkpoint's save."""
-        found = (metadata or {}).get(SAVE_ID_KEY)
-        # A file that names no save (older writers, edited metadata) is not refused: every writer
-        # of this version names its save. A unickpt index without a save id (older writers) never
-        # names a file that has one; a plain Hugging Face index says nothing about saves.
-        if found is not None and found != self.block.save_id and self.has_unickpt_block:
-            raise CheckpointChangedError(
-                f"{self.file_path(name)}: written by save {found}, but the index "
-                f"{self.index_path or self.directory} records "
-                f"{'save ' + self.block.save_id if self.block.save_id else 'no save id'}: a save "
-                "replaced the checkpoint while it was read; load it again"
-            )
 
     def _index_changed(self) -> bool:
         """True when the index this reader parsed is no longer the committed one (or is gone)."""
@@ -272,6 +260,9 @@ class CheckpointReader:
 
         Reads every data file's header (small), no tensor data.
         """
+        # Every header first: each bounds the slices the index puts in its file (``header``)
+        # before the keys and arrays of all slices are built.
+        self.open_files(self.files)
         self.check_coverage()
         matched = locate_all(self)  # every slice at once; None: one by one below, naming the first bad one
         for name, t in self.block.tensors.items() if matched is None else ():
@@ -290,11 +281,12 @@ class CheckpointReader:
         e = describe_key(h, key)  # (dtype, shape list): no entry object built
         if e is None:
             raise HeaderError(
-                f"{h.path}: tensor {name!r} should be stored under key {key!r}, which the file lacks"
+                f"{h.path}: tensor {shown(name)} should be stored under key {shown(key)}, which the file lacks"
             )
         if e[0] != dtype or e[1] != shape:
             raise HeaderError(
-                f"{h.path}: tensor {name!r} (key {key!r}): index says {dtype}{shape}, file holds {e[0]}{e[1]}"
+                f"{h.path}: tensor {shown(name)} (key {shown(key)}): index says {dtype}{shown(shape)}, "
+                f"file holds {e[0]}{e[1]}"
             )
 
     # ----------------------------------------------------------------- reading bytes
@@ -456,6 +448,11 @@ def _open_checkpoint(path: str | os.PathLike[str], kind: str) -> CheckpointReade
             single_file=os.path.abspath(p),
             single_slice_file=file,
         )
+        try:
+            r.check_single_file(file, h)
+        except BaseException:
+            os.close(fd)
+            raise
         r._headers[file] = h
         r._fds[file] = fd
         return r

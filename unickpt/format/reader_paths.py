@@ -9,7 +9,16 @@ import stat
 
 from unickpt.format.foreign import foreign_dir
 
-__all__ = ["hint_foreign", "hint_other_files", "not_regular"]
+__all__ = ["hint_foreign", "hint_other_files", "not_regular", "regular_size"]
+
+
+def regular_size(path: str) -> int | None:
+    """The size of the regular file at ``path`` (links followed); None when there is none."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
 def not_regular(path: str) -> str:

@@ -196,6 +196,11 @@ def open_located(
             single_slice_file=file,
             storage=storage,
         )
+        try:
+            r.check_single_file(file, h)
+        except BaseException:
+            handle.close()
+            raise
         r._headers[file] = h
         r._handles[file] = handle
         return r

@@ -18,6 +18,7 @@ import os
 import posixpath
 from typing import Any
 
+from unickpt.format.commit_store import read_bounded
 from unickpt.format.safetensors_io import SafetensorsHeader, read_header
 from unickpt.format.storage import FsspecStorage, is_url, open_storage
 
@@ -97,6 +98,13 @@ class RunFiles:
         names = {k[len(key) :].split("/", 1)[0] for k in self._listed() if k.startswith(key)}
         return sorted(names)
 
+    def file_count(self, path: str) -> int:
+        """How many files lie below ``path`` (at a URL: from the listing, nothing is read)."""
+        if not self.is_url:
+            return sum(len(files) for _dirpath, _dirs, files in os.walk(path))
+        key = self._key(path) + "/"
+        return sum(1 for k in self._listed() if k.startswith(key))
+
     def tree_size(self, path: str) -> int:
         """Bytes of the files below ``path`` (at a URL: from the listing, nothing is read)."""
         if not self.is_url:
@@ -135,8 +143,7 @@ class RunFiles:
     def read_bytes(self, path: str, limit: int = SMALL_FILE_LIMIT) -> bytes:
         """The whole file; a missing one raises ``FileNotFoundError`` (an ``OSError``) either way."""
         if not self.is_url:
-            with open(path, "rb") as f:
-                return f.read()
+            return read_bounded(path, limit)
         size = int(self._listed().get(self._key(path), {}).get("size") or 0)
         if size > limit:
             raise OSError(f"{path} is {size} bytes, more than the {limit} allowed for this file")

@@ -32,6 +32,7 @@ import uuid
 from typing import Any
 
 from unickpt.errors import CheckpointFormatError, ConfigError
+from unickpt.format._json import strict_loads
 from unickpt.format.commit_store import write_small_file
 from unickpt.format.hashing import slice_hash
 from unickpt.format.run_files import RunFiles
@@ -56,6 +57,8 @@ __all__ = [
     "SIDE_FILE_NAMES",
     "latest_record",
     "read_latest",
+    "read_record",
+    "MAX_STEP",
     "StepLayout",
     "step_of",
     "committed_steps",
@@ -71,6 +74,8 @@ COMMIT_NAME = "COMMIT"
 LATEST_NAME = "latest"
 TRAIN_STATE_DIR = "train_state"
 SCHEDULER_NAME = "lr_scheduler.json"
+#: Step numbers are below this (``latest`` naming another is no record).
+MAX_STEP = 1 << 63
 HF_DIR = "hf"
 HASHES_SUFFIX = ".hashes.json"
 #: A Hugging Face model's config files, saved beside ``model/`` and in ``hf/``.
@@ -180,10 +185,25 @@ def read_latest(run_dir: str | os.PathLike[str], files: RunFiles | None = None) 
     d = _where(run_dir, files)
     view = _view(d, files)
     try:
-        obj = json.loads(view.read_bytes(view.join(d, LATEST_NAME), limit=1 << 20))
-        return int(obj["step"])
-    except (OSError, ValueError, KeyError, TypeError):
+        obj = read_record(view, view.join(d, LATEST_NAME), 1 << 20)
+    except (OSError, ValueError):
         return None
+    step = obj.get("step") if isinstance(obj, dict) else None
+    # A step number as save writes it: a JSON integer (not true, 2.0, "2" or Infinity) that names
+    # a directory step-<N> (so below 2^63); anything else is no record.
+    return step if type(step) is int and 0 <= step < MAX_STEP else None
+
+
+def read_record(view: RunFiles, path: str, limit: int) -> Any:
+    """A small JSON record of a run (``latest``, ``COMMIT``, a hashes file, a train state):
+    at most ``limit`` bytes (``OSError`` past it), UTF-8, no duplicate key, nested at most as
+    deep as the parser allows (``CheckpointFormatError``, a ``ValueError``, naming ``path``)."""
+    raw = view.read_bytes(path, limit=limit)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointFormatError(f"{path}: not valid UTF-8 ({e})") from None
+    return strict_loads(text, CheckpointFormatError, path)
 
 
 def step_of(path: str | os.PathLike[str], files: RunFiles | None = None) -> int | None:
@@ -227,7 +247,7 @@ def read_commit(step_dir: str | os.PathLike[str], files: RunFiles | None = None)
     if not view.is_file(path):
         return None
     try:
-        obj = json.loads(view.read_bytes(path, limit=1 << 20))
+        obj = read_record(view, path, 1 << 20)
     except (OSError, ValueError):
         return {}
     return obj if isinstance(obj, dict) else {}
@@ -328,7 +348,7 @@ def write_hashes(
 
 def read_hashes(path: str, files: RunFiles | None = None) -> dict[str, str]:
     """``{relative path: xxh3-64}`` from a hashes file; ``ValueError`` (``CheckpointFormatError``) if it is malformed."""
-    obj = json.loads(_view(path, files).read_bytes(path, limit=64 << 20))
+    obj = read_record(_view(path, files), path, 64 << 20)
     if not isinstance(obj, dict) or obj.get("unickpt_hashes") != _HASHES_VERSION:
         raise CheckpointFormatError("not a unickpt hashes file")
     table = obj.get("xxh3")

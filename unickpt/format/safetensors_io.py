@@ -25,6 +25,7 @@ from typing import Any, BinaryIO
 
 from unickpt.errors import HeaderError, IncompleteCheckpointError
 from unickpt.format._json import strict_loads
+from unickpt.format.bounds import MAX_HEADER_BYTES as _MAX_HEADER_BYTES
 from unickpt.format.commit import Writeback
 from unickpt.format.dtypes import DTYPE_ITEMSIZE
 from unickpt.format.foreign import foreign_file
@@ -47,7 +48,7 @@ __all__ = [
 
 # A header holds names, shapes and offsets: even 10^6 tensors fit in well under 100 MB.
 # safetensors itself uses the same cap. Anything larger is refused before allocation.
-MAX_HEADER_BYTES = 100_000_000
+MAX_HEADER_BYTES = _MAX_HEADER_BYTES  # format/bounds.py: what a data file can hold follows from it
 # Shapes are bounded so that byte counts cannot overflow or request absurd allocations.
 MAX_NDIM = 64
 _MAX_ELEMENTS = 1 << 62

@@ -232,6 +232,9 @@ class SliceTable:
         return [f"{self.name}@{k}" for k in range(len(self))]
 
     def file(self, k: int) -> str:
+        spec = self._file_spec
+        if self._file_ids is None and (spec is None or isinstance(spec, int)):
+            return self.files[k if spec is None else spec]
         return self.files[int(self.file_ids[k])]
 
     def xxh3(self, k: int) -> str | None:
@@ -264,15 +267,29 @@ class SliceTable:
         rng = self._ranges or {}
         return [h is not None or k in rng for k, h in enumerate(self.hash_list())]
 
+    def box(self, k: int) -> tuple[list[int], list[int]]:
+        """Slice ``k``'s offsets and shape (of a grid spec, computed from it: no per-slice array)."""
+        if self._offsets is not None or self._grid_spec is None:
+            return self.offsets[k].tolist(), self.shapes[k].tolist()
+        offs: list[int] = []
+        shape: list[int] = []
+        for g, p in reversed(list(zip(self.gshape, self._grid_spec, strict=True))):
+            k, i = divmod(k, p if isinstance(p, int) else len(p))
+            c = -(-g // p) if isinstance(p, int) else 0  # torch.chunk parts of c
+            offs.append(min(i * c, g) if isinstance(p, int) else sum(p[:i]))
+            shape.append(max(0, min(c, g - offs[-1])) if isinstance(p, int) else p[i])
+        return offs[::-1], shape[::-1]
+
     def entry(self, k: int) -> Any:
         """Slice ``k`` as a ``SliceEntry``."""
         from unickpt.format.index_models import SliceEntry
 
+        offsets, shape = self.box(k)
         return SliceEntry.model_construct(
             file=self.file(k),
             key=self.key(k),
-            offsets=self.offsets[k].tolist(),
-            shape=self.shapes[k].tolist(),
+            offsets=offsets,
+            shape=shape,
             xxh3=self.xxh3(k),
             ranges=self.ranges(k),
         )
@@ -346,6 +363,17 @@ class SliceTable:
         return entries_from_records(self.records())
 
     # ------------------------------------------------------------ in bulk
+    def file_counts(self) -> dict[str, int]:
+        """How many slices each file holds, from the file spec when there is one (no per-slice array)."""
+        spec, n = self._file_spec, self._n
+        if n and isinstance(spec, int) and self._file_ids is None:
+            return {self.files[spec]: n}
+        if not n or (spec is None and self._file_ids is None):
+            return dict.fromkeys(self.files[:n], 1)
+        ids = np.asarray(spec, dtype=np.int64) if self._file_ids is None else self.file_ids
+        counts = np.bincount(ids, minlength=len(self.files)) if len(ids) else np.zeros(0, dtype=np.int64)
+        return {self.files[i]: int(counts[i]) for i in np.flatnonzero(counts).tolist()}
+
     def distinct_files(self) -> list[str]:
         spec = self._file_spec
         if isinstance(spec, int):
@@ -405,7 +433,7 @@ class SliceTable:
         which also makes later searches binary; the rest goes through
         ``coverage.coverage_problem``, O(S log S).
         """
-        if self.grid is not None:
+        if self._grid is not None or self._grid_spec is not None:
             return None
         if len(self.gshape) and len(self) > 1 and self.offsets.shape[1:] == (len(self.gshape),):
             self.grid = self.detect_grid()

@@ -17,6 +17,7 @@ from unickpt import _rng
 from unickpt._logging import get_logger
 from unickpt.errors import IncompleteCheckpointError, IndexFileError, StateMismatchError, UnsupportedError
 from unickpt.format import run_layout
+from unickpt.format._json import strict_loads
 from unickpt.format.commit_store import write_small_file
 from unickpt.format.run_layout import TRAIN_STATE_DIR
 from unickpt.format.storage import is_url
@@ -89,8 +90,11 @@ def restore(
     elif js.get("rng") is None:
         # a step imported by `unickpt convert --to run`: the source saved no RNG states
         logger.warning("step %s holds no RNG states (imported): RNG states are not restored", step)
-    elif int(js["world_size"]) == world:
-        _rng.restore_rng(js["rng"], tensors)
+    elif js["world_size"] == world:
+        try:
+            _rng.restore_rng(js["rng"], tensors)
+        except _rng.RngStateError as e:
+            raise IndexFileError(f"{_rank_paths(d, rank)[0]}: training state field 'rng': {e}") from None
     else:
         logger.warning(
             "step %s was saved by %s rank(s), resumed on %s: RNG states are not restored",
@@ -150,7 +154,7 @@ def _load_dataloader(dataloader: Any, js: dict[str, Any], tensors: dict[str, Any
     value = from_json_value(state, "dataloader", tensors)
     from unickpt.data import ResumableDataLoader
 
-    if int(js["world_size"]) != world and not isinstance(dataloader, ResumableDataLoader):
+    if js["world_size"] != world and not isinstance(dataloader, ResumableDataLoader):
         raise StateMismatchError(
             f"the dataloader ({type(dataloader).__name__}) keeps per-rank state saved by "
             f"{js['world_size']} rank(s); it cannot be resumed on {world}. Wrap a torch DataLoader with "
@@ -199,12 +203,23 @@ def read_rank_state(
 
     jpath, tpath = _rank_paths(step_dir, rank)
     try:
-        js = json.loads(read_small_file(jpath, storage_options))
+        raw = read_small_file(jpath, storage_options)
+        js = strict_loads(raw.decode("utf-8"), IndexFileError, f"{jpath}: training state")
         tensors = load(read_small_file(tpath, storage_options, limit=1 << 30))
     except FileNotFoundError:
         return None, {}
-    except ValueError as e:
+    except IndexFileError:
+        raise
+    except (OSError, ValueError) as e:  # too large, not UTF-8, a malformed safetensors file
         raise IndexFileError(f"{jpath}: unreadable training state ({e})") from None
     if not isinstance(js, dict) or js.get("unickpt_train_state") != STATE_VERSION:
         raise IndexFileError(f"{jpath}: not a unickpt training state")
+    for field in ("step", "rank", "world_size"):
+        v = js.get(field)
+        lo = 1 if field == "world_size" else 0
+        if type(v) is not int or not lo <= v < 1 << 63:
+            raise IndexFileError(
+                f"{jpath}: training state field {field!r} must be an integer >= {lo} below 2^63, "
+                f"found {str(v)[:40]!r}"
+            )
     return js, tensors

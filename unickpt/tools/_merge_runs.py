@@ -86,6 +86,7 @@ def validate_runs(r: CheckpointReader) -> RunsOf:
     for other tensors whose slices are contiguous runs (``_tiles``); only the others go through
     ``coverage_problem``'s general sweep.
     """
+    r.open_files(r.files)  # each header bounds the slices in its file before they are built
     runs_of = RunsOf(r.block.tensors)
     for name, t in r.block.tensors.items():
         rows = row_order(t)

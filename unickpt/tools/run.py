@@ -375,7 +375,8 @@ def _rehash(files: RunFiles, step_dir: str, rel: str, digest: str) -> str | None
     try:
         found = slice_hash(files.read_bytes(full))
     except OSError as e:
-        return f"{full}: cannot be read ({e.strerror or e})"
+        shown = full if len(full) <= 300 else f"{full[:297]}..."  # a name from a file: any length
+        return f"{shown}: cannot be read ({e.strerror or e})"
     return None if found == digest else f"{full}: expected xxh3-64 {digest}, found {found}"
 
 
@@ -385,11 +386,37 @@ def _safe_rel(rel: str) -> bool:
     return isinstance(rel, str) and all(is_plain_name(p) for p in rel.split("/"))
 
 
+_FEW_HASHED = 16  # entries of a hashes file checked without counting the step's files first
+_NAMED_MISSING = 8  # ranks without train state named one by one (the rest are counted)
+
+
+def _ranks(lay: rl.StepLayout, res: PartResult) -> list[int]:
+    """The ranks whose train state is checked: those below the COMMIT's ``world_size`` that have
+    files, and the first few without (their files are reported missing); a ``world_size`` past
+    them is counted in one failure, never listed rank by rank (it is a number in a file)."""
+    world = lay.commit.get("world_size")
+    present = set(lay.train_state) | set(lay.hash_files)
+    if type(world) is not int or world <= 0:
+        return sorted(lay.train_state)
+    ranks = sorted(r for r in present if r < world)
+    missing: list[int] = []
+    for r in range(min(world, len(present) + _NAMED_MISSING)):  # the first few without files
+        if r not in present and len(missing) < _NAMED_MISSING:
+            missing.append(r)
+    absent = world - len(ranks)
+    if absent > len(missing):
+        res.failures.append(
+            f"{lay.path}/{rl.COMMIT_NAME}: world_size {world}, but {absent} rank(s) have no train state "
+            f"(rank-{missing[0]:05d} first; only {len(present)} rank(s) have files)"
+        )
+    return sorted(ranks + missing)
+
+
 def _verify_train_state(lay: rl.StepLayout, require_hashes: bool, files: RunFiles) -> PartResult:
     res = PartResult(lay.step, "train_state", "")
-    world = lay.commit.get("world_size")
-    ranks = list(range(world)) if isinstance(world, int) and world > 0 else sorted(lay.train_state)
+    ranks = _ranks(lay, res)
     hashed: dict[str, str] = {}  # relative path -> expected xxh3
+    in_step: int | None = None  # files below the step, counted when a hashes file is large
     for r in ranks:
         base = f"{rl.TRAIN_STATE_DIR}/rank-{r:05d}"
         wanted = [base + ".json", base + ".safetensors"]
@@ -401,6 +428,13 @@ def _verify_train_state(lay: rl.StepLayout, require_hashes: bool, files: RunFile
         except (OSError, ValueError) as e:
             res.failures.append(f"{hpath}: unreadable hashes file ({e})")
             continue
+        if len(table) > _FEW_HASHED:  # a rank hashes its 2 files (rank 0: and lr_scheduler.json)
+            in_step = files.file_count(lay.path) if in_step is None else in_step
+            if len(table) > in_step:
+                res.failures.append(
+                    f"{hpath}: 'xxh3' lists {len(table)} paths, but the step holds {in_step} files"
+                )
+                continue
         for rel, digest in table.items():
             if not _safe_rel(rel):
                 res.failures.append(f"{hpath}: refuses to check {rel!r} (not a path inside the step)")
