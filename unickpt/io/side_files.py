@@ -45,7 +45,10 @@ def hf_config_files(module: torch.nn.Module) -> dict[str, str]:
             get_base = getattr(module, "get_base_model", None)  # peft's PeftModel
             if callable(get_base):
                 base = get_base()
-            if getattr(base, "config", None) is not None:
+            # A transformers config (PretrainedConfig has the field) of a transformers model.
+            if hasattr(getattr(base, "config", None), "architectures") and type(base).__module__.startswith(
+                "transformers."
+            ):
                 cfg["architectures"] = [type(base).__name__]
                 out["config.json"] = json.dumps(cfg, indent=2, sort_keys=True) + "\n"
     return out

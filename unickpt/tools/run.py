@@ -23,7 +23,7 @@ from typing import Any
 
 from unickpt.errors import IncompleteCheckpointError, UnickptError
 from unickpt.format import run_layout as rl
-from unickpt.format.confine import is_plain_name
+from unickpt.format.confine import is_plain_name, show
 from unickpt.format.foreign import foreign_dir
 from unickpt.format.hashing import slice_hash
 from unickpt.format.run_files import RunFiles
@@ -339,7 +339,7 @@ def _verify_side_files(
     for rel, digest in sorted((table or {}).items()):
         res = parts.get(rel.split("/")[0], ts)
         if not _safe_rel(rel):
-            ts.failures.append(f"{rl.COMMIT_NAME}: refuses to check {rel!r} (not a path inside the step)")
+            ts.failures.append(f"{rl.COMMIT_NAME}: refuses to check {show(rel)} (not a path inside the step)")
             continue
         if rel == rl.SCHEDULER_NAME and 0 in lay.hash_files:
             continue  # rehashed with the train state
@@ -437,7 +437,7 @@ def _verify_train_state(lay: rl.StepLayout, require_hashes: bool, files: RunFile
                 continue
         for rel, digest in table.items():
             if not _safe_rel(rel):
-                res.failures.append(f"{hpath}: refuses to check {rel!r} (not a path inside the step)")
+                res.failures.append(f"{hpath}: refuses to check {show(rel)} (not a path inside the step)")
                 continue
             hashed[rel] = digest
         for w in wanted:
