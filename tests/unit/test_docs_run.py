@@ -172,6 +172,57 @@ _named = dict(model.named_parameters())
 _groups = json.loads((DEEPSPEED / "zero2_ws2" / "expected.json").read_text())["param_groups"]
 optimizer = torch.optim.AdamW([{"params": [_named[n] for n in g["params"]]} for g in _groups])
 """,
+    "lightning": """
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+torch.manual_seed(0)
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 2)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+model = Tiny()
+dataloader = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 2)), batch_size=4)
+""",
+    "hf_trainer": """
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=4, n_positions=16))
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i):
+        ids = (torch.arange(8) + i) % 64
+        return {"input_ids": ids, "labels": ids}
+
+
+train_ds = _Tokens()
+""",
+    "accelerate": """
+import torch
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+""",
 }
 
 DRIVER = """
