@@ -19,6 +19,8 @@ per-slice array, list or object is built. A violation names the field at fault; 
 
 from __future__ import annotations
 
+import errno
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -37,6 +39,7 @@ __all__ = [
     "entries_problem",
     "count_problem",
     "capacity_problem",
+    "read_bounded",
 ]
 
 #: The largest safetensors header a reader takes (docs/format.md section 2).
@@ -211,3 +214,24 @@ def _field(t: Any) -> str:
 def _few(files: Sequence[str]) -> str:
     shown = ", ".join(repr(f) for f in files[:3])
     return shown + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+
+
+def read_bounded(path: str, limit: int) -> bytes:
+    """A local file whole, refused (``OSError`` EFBIG naming it) past ``limit`` bytes, whatever
+    size it reports: at most ``limit + 1`` bytes are read."""
+    with open(path, "rb") as f:
+        # The size the file reports (no buffer of ``limit`` bytes for a small file), then on to
+        # the end: bounded even when the size lies (a /proc file reports 0 bytes).
+        size = os.fstat(f.fileno()).st_size
+        chunks = [f.read(min(size, limit) + 1)]
+        total = len(chunks[0])
+        while total <= limit:
+            more = f.read(min(1 << 20, limit + 1 - total))
+            if not more:
+                break
+            chunks.append(more)
+            total += len(more)
+    data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    if len(data) > limit:
+        raise OSError(errno.EFBIG, f"more than the {limit} bytes allowed for this file", path)
+    return data

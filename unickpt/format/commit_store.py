@@ -28,7 +28,6 @@ nothing and removes none of the files of the save that took its place.
 
 from __future__ import annotations
 
-import errno
 import os
 import posixpath
 import re
@@ -39,13 +38,13 @@ from typing import Any
 from unickpt._logging import get_logger
 from unickpt.errors import IncompleteCheckpointError
 from unickpt.format import conditional
+from unickpt.format.bounds import read_bounded
 from unickpt.format.commit import atomic_write_bytes, makedirs_durable
 from unickpt.format.commit_fence import Fence, put_commit_point, removable
 from unickpt.format.naming import index_name, is_own_data_file, single_name
 from unickpt.format.storage import FsspecStorage, Storage, is_url, open_storage
 
 __all__ = [
-    "read_bounded",
     "store_file_name",
     "is_store_data_file",
     "committed_on_store",
@@ -394,27 +393,6 @@ def _clean(
     if removed:
         logger.info("%s: removed leftovers of killed saves: %s", storage.url, removed)
     return removed
-
-
-def read_bounded(path: str, limit: int) -> bytes:
-    """A local file whole, refused (``OSError`` EFBIG naming it) past ``limit`` bytes, whatever
-    size it reports: at most ``limit + 1`` bytes are read."""
-    with open(path, "rb") as f:
-        # The size the file reports (no buffer of ``limit`` bytes for a small file), then on to
-        # the end: bounded even when the size lies (a /proc file reports 0 bytes).
-        size = os.fstat(f.fileno()).st_size
-        chunks = [f.read(min(size, limit) + 1)]
-        total = len(chunks[0])
-        while total <= limit:
-            more = f.read(min(1 << 20, limit + 1 - total))
-            if not more:
-                break
-            chunks.append(more)
-            total += len(more)
-    data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-    if len(data) > limit:
-        raise OSError(errno.EFBIG, f"more than the {limit} bytes allowed for this file", path)
-    return data
 
 
 def read_small_file(

@@ -11,6 +11,7 @@ whenever that path does not vouch for the input. ``docs/format.md`` is the norma
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import logging
@@ -21,6 +22,7 @@ from pydantic import ValidationError
 
 from unickpt.errors import IndexFileError, UnsafePathError
 from unickpt.format._json import check_unicode, colon_budget, strict_loads
+from unickpt.format.bounds import read_bounded
 from unickpt.format.index_fast import _FastIndex, _gc_paused, _NotFast
 from unickpt.format.index_models import COMPACT_VERSION
 
@@ -131,22 +133,13 @@ def load_index(path: str | os.PathLike[str]) -> IndexFile:
 
 
 def _read_index_bytes(p: str) -> bytes:
-    with open(p, "rb") as f:
-        # The size the file reports (no 512 MiB buffer for a small index), then on to the end:
-        # bounded even when the size lied (a symlink to a /proc file reports 0 bytes).
-        size = os.fstat(f.fileno()).st_size
-        chunks = [f.read(min(size, MAX_INDEX_BYTES) + 1)]
-        total = len(chunks[0])
-        while total <= MAX_INDEX_BYTES:
-            more = f.read(min(1 << 20, MAX_INDEX_BYTES + 1 - total))
-            if not more:
-                break
-            chunks.append(more)
-            total += len(more)
-    raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-    if len(raw) > MAX_INDEX_BYTES:
-        raise IndexFileError(f"{p}: more than the {MAX_INDEX_BYTES}-byte limit for an index")
-    return raw
+    """The index file whole, refused past ``MAX_INDEX_BYTES`` whatever size it reports."""
+    try:
+        return read_bounded(p, MAX_INDEX_BYTES)
+    except OSError as e:
+        if e.errno != errno.EFBIG:
+            raise
+        raise IndexFileError(f"{p}: more than the {MAX_INDEX_BYTES}-byte limit for an index") from None
 
 
 def index_to_json(index: IndexFile) -> bytes:

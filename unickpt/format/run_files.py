@@ -18,7 +18,7 @@ import os
 import posixpath
 from typing import Any
 
-from unickpt.format.commit_store import read_bounded
+from unickpt.format.bounds import read_bounded
 from unickpt.format.safetensors_io import SafetensorsHeader, read_header
 from unickpt.format.storage import FsspecStorage, is_url, open_storage
 

@@ -184,16 +184,7 @@ def _read(src: str, tag: str | None) -> DeepSpeedCheckpoint:
     if not isinstance(module, dict) or not isinstance(param_shapes, list):
         raise CheckpointFormatError(f"{model_path}: 'module' or 'param_shapes' has the wrong type")
     out = DeepSpeedCheckpoint()
-    for k in ("global_steps", "global_samples", "skipped_steps"):
-        if isinstance(ms.get(k), int):
-            out.train_state[k] = ms[k]
-    out.step = out.train_state.get("global_steps")
-    if isinstance(ms.get("lr_scheduler"), dict):
-        out.lr_scheduler = ms["lr_scheduler"]
-    for name in ms.get("buffer_names") or []:
-        if name in module:
-            v = module[name]
-            out.model[name] = v.float() if v.is_floating_point() else v
+    _take_model_states(out, ms, module)
 
     osds = [_get(load_deepspeed_file(p), _OSD, p) for p in optim_paths]
     bf16 = os.path.basename(optim_paths[0]).startswith("bf16_")
@@ -243,6 +234,21 @@ def _read(src: str, tag: str | None) -> DeepSpeedCheckpoint:
     return out
 
 
+def _take_model_states(out: DeepSpeedCheckpoint, ms: dict[str, Any], module: dict[str, Any]) -> None:
+    """What a model states file gives besides the parameters: the engine's step counters, its
+    LR scheduler's state and the module's buffers (floating ones as fp32, as ``zero_to_fp32``)."""
+    for k in ("global_steps", "global_samples", "skipped_steps"):
+        if isinstance(ms.get(k), int):
+            out.train_state[k] = ms[k]
+    out.step = out.train_state.get("global_steps")
+    if isinstance(ms.get("lr_scheduler"), dict):
+        out.lr_scheduler = ms["lr_scheduler"]
+    for name in ms.get("buffer_names") or []:
+        if name in module:
+            v = module[name]
+            out.model[name] = v.float() if v.is_floating_point() else v
+
+
 def _is_universal(step_dir: str) -> bool:
     """A universal checkpoint step (``ds_to_universal``'s ``<tag>_universal/``)."""
     return os.path.isfile(os.path.join(step_dir, "zero", "optimizer_state.pt"))
@@ -276,16 +282,7 @@ def _read_universal(step_dir: str) -> DeepSpeedCheckpoint:
     out = DeepSpeedCheckpoint()
     out.zero_stage = int(osd.get("zero_stage", 1))
     out.world_size = 1  # a universal checkpoint holds whole tensors: it reads like one rank's
-    for k in ("global_steps", "global_samples", "skipped_steps"):
-        if isinstance(ms.get(k), int):
-            out.train_state[k] = ms[k]
-    out.step = out.train_state.get("global_steps")
-    if isinstance(ms.get("lr_scheduler"), dict):
-        out.lr_scheduler = ms["lr_scheduler"]
-    for name in ms.get("buffer_names") or []:
-        if name in module:
-            v = module[name]
-            out.model[name] = v.float() if v.is_floating_point() else v
+    _take_model_states(out, ms, module)
     for gi, shapes in enumerate(param_shapes):
         if not isinstance(shapes, dict):
             raise CheckpointFormatError(
