@@ -93,7 +93,10 @@ def test_rules_are_not_fooled_by_safetensors() -> None:
     assert foreign_file(save({"x": np.zeros(3, np.float32)})[:16]) is None
     assert foreign_file(b"") is None
     assert foreign_dir(["model.safetensors"]) is None
-    assert foreign_dir(["step-3", "step-4"], {"step-4": ["COMMIT", "model"]}) is None  # a manager run
+    listing = {"step-4": ["COMMIT", "model"], "step-10": [".metadata", "__0_0.distcp"]}
+    assert foreign_dir(["step-3", "step-4"], listing.__getitem__) is None  # a manager run
+    # the latest step (by number, not by name) says what the folder is
+    assert foreign_dir(["step-4", "step-10"], listing.__getitem__).source == "dcp"  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("name", ["bin", "legacy"])

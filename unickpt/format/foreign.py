@@ -9,9 +9,10 @@ directory's listing only, so they apply alike to local paths and URLs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable
 
 __all__ = ["Foreign", "foreign_dir", "foreign_file"]
 
@@ -49,19 +50,25 @@ def foreign_file(first: bytes) -> Foreign | None:
     return None
 
 
-def foreign_dir(names: Iterable[str], subdirs: Mapping[str, Iterable[str]] | None = None) -> Foreign | None:
+def foreign_dir(
+    names: Iterable[str], listdir: Callable[[str], Iterable[str]] | None = None
+) -> Foreign | None:
     """A directory that holds another tool's checkpoint, from the names it lists.
 
-    ``subdirs`` maps some of those names to their own listings (a torchtitan folder's
-    ``step-<N>/``, DeepSpeed's ``global_step<N>/``), when the caller listed them.
+    ``listdir(name)`` lists one of those names, a subdirectory: it is asked for the latest
+    ``step-<N>/`` only (a torchtitan folder's steps are DCP checkpoints), when given.
     """
     listed = set(names)
-    below = {k: set(v) for k, v in (subdirs or {}).items()}
+    steps = sorted((int(m.group(1)), n) for n in listed if (m := _STEP.match(n)))
+    below: dict[str, set[str]] = {}
+    if steps and listdir is not None:
+        latest = steps[-1][1]
+        with contextlib.suppress(OSError):
+            below[latest] = set(listdir(latest))
     if ".metadata" in listed:
         return Foreign("a PyTorch DCP checkpoint (.metadata and .distcp files)", "dcp")
     if any(_DCP_HF.match(n) for n in listed):
         return Foreign("per-rank files of DCP's HuggingFaceStorageWriter(save_distributed=True)", "dcp")
-    steps = sorted((int(m.group(1)), n) for n in listed if (m := _STEP.match(n)))
     if any(".metadata" in below.get(n, ()) for _, n in steps):
         return Foreign("a torchtitan checkpoint folder (step-<N>/ DCP checkpoints)", "dcp")
     if "pytorch_optim.bin.index.json" in listed:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import stat
@@ -69,10 +68,5 @@ def hint_foreign(directory: str) -> str:
         names = os.listdir(directory)
     except OSError:
         return ""
-    steps = sorted((n for n in names if n.startswith("step-") and n[5:].isdigit()), key=lambda n: int(n[5:]))
-    subdirs: dict[str, list[str]] = {}
-    for n in steps[-1:]:  # the latest step of a torchtitan folder says what the folder is
-        with contextlib.suppress(OSError):
-            subdirs[n] = os.listdir(os.path.join(directory, n))
-    other = foreign_dir(names, subdirs)
+    other = foreign_dir(names, lambda n: os.listdir(os.path.join(directory, n)))
     return "" if other is None else f"; {other.hint(directory)}"

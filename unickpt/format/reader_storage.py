@@ -157,9 +157,7 @@ def locate(
     single = f"{url}/{single_name(kind)}"
     if storage.exists(single):
         return Located(single, url, None)
-    names = storage.listdir(url)
-    steps = sorted((n for n in names if n.startswith("step-") and n[5:].isdigit()), key=lambda n: int(n[5:]))
-    other = foreign_dir(names, {n: storage.listdir(f"{url}/{n}") for n in steps[-1:]})
+    other = foreign_dir(storage.listdir(url), lambda n: storage.listdir(f"{url}/{n}"))
     raise IncompleteCheckpointError(
         f"{url} holds no committed {kind} checkpoint: neither {index_name(kind)} nor {single_name(kind)} "
         "is present (an interrupted save leaves data files without an index; such a location is never loaded)"

@@ -31,10 +31,7 @@ def detect_source(src: str | os.PathLike[str]) -> str:
                 f"convert: {shown} is already a unickpt / Hugging Face safetensors checkpoint: "
                 "`unickpt merge` gathers it, `unickpt convert --to dcp` exports it to DCP"
             )
-        steps = sorted(
-            (n for n in names if n.startswith("step-") and n[5:].isdigit()), key=lambda n: int(n[5:])
-        )
-        found = foreign_dir(names, {n: storage.listdir(storage.join(root, n)) for n in steps[-1:]})
+        found = foreign_dir(names, lambda n: storage.listdir(storage.join(root, n)))
     elif storage.exists(root):
         handle = storage.open_read(root)
         try:

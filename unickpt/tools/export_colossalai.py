@@ -108,7 +108,7 @@ def _write_optimizer(optim_path: str, out_dir: str, max_shard_bytes: int) -> Non
             total += t.numel() * t.element_size()
     index = {"metadata": {"total_size": total, "param_groups": GROUP_FILE}, "weight_map": weight_map}
     write_durably(os.path.join(out_dir, INDEX_FILE), json.dumps(index, indent=2).encode())
-    for fname in weight_map.values():  # the shards, durable like the index
+    for fname in set(weight_map.values()):  # the shards, durable like the index
         with open(os.path.join(out_dir, fname), "rb") as f:
             os.fsync(f.fileno())
 

@@ -42,9 +42,7 @@ def _no_commit(path: str) -> IncompleteCheckpointError:
 
 
 def _no_steps(path: str, files: RunFiles) -> IncompleteCheckpointError:
-    names = files.listdir(path)
-    steps = sorted((n for n in names if n.startswith("step-") and n[5:].isdigit()), key=lambda n: int(n[5:]))
-    other = foreign_dir(names, {n: files.listdir(files.join(path, n)) for n in steps[-1:]})
+    other = foreign_dir(files.listdir(path), lambda n: files.listdir(files.join(path, n)))
     if other is not None:  # a torchtitan folder of step-<N>/ DCP checkpoints
         return IncompleteCheckpointError(f"{path} holds no unickpt checkpoint: {other.hint(path)}")
     return IncompleteCheckpointError(
