@@ -342,3 +342,38 @@ def test_names_that_cannot_be_directories_are_refused(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedError, match=r"parameter name 'a/w' cannot be a directory of a DeepSpeed"):
         convert_checkpoint(tmp_path / "ck", tmp_path / "out", source="unickpt", target="deepspeed")
     assert not (tmp_path / "out").exists()
+
+
+def test_tied_weights_are_shared_params(tmp_path: Path) -> None:
+    """A tied weight has one zero/<fqn>/ (the name the optimizer lists), the other name in
+    ``shared_params`` and ``module``; imported again, the model ties it back."""
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(5, 3)
+            self.head = nn.Linear(3, 5, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.emb(x))
+
+    m = Tied()
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.tensor([1, 2])).sum().backward()
+    opt.step()
+    io = GeneralCheckpointIO()
+    io.save_model(m, str(tmp_path / "ck" / "model"), shard=True, gather_dtensor=True)
+    io.save_optimizer(
+        OptimizerWrapper(opt, m), str(tmp_path / "ck" / "optimizer"), shard=True, gather_dtensor=True
+    )
+    convert_checkpoint(tmp_path / "ck", tmp_path / "ucp", source="unickpt", target="deepspeed")
+    step_dir = tmp_path / "ucp" / "global_step1_universal"
+    assert sorted(os.listdir(step_dir / "zero")) == ["emb.weight", "optimizer_state.pt"]
+    ms = _load(step_dir / "mp_rank_00_model_states.pt")
+    assert ms["shared_params"] == {"head.weight": "emb.weight"} and ms["buffer_names"] == []
+    assert torch.equal(ms["module"]["head.weight"], m.emb.weight.detach())
+    convert_checkpoint(tmp_path / "ucp", tmp_path / "back", source="deepspeed")
+    m2 = Tied()
+    io.load_model(m2, str(tmp_path / "back"))
+    assert torch.equal(m2.emb.weight, m.emb.weight) and m2.head.weight is m2.emb.weight
