@@ -1,4 +1,4 @@
-"""The byte progress bar of merge, verify and diff --deep: each bar ends exactly at its total."""
+"""The byte progress bar of merge, verify, diff --deep and convert: each bar ends exactly at its total."""
 
 from __future__ import annotations
 
