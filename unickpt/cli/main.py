@@ -7,7 +7,7 @@ on stderr, never a traceback (``UNICKPT_TRACEBACK=1`` re-raises internal errors)
 
 Start-up stays fast: ``inspect``, ``verify`` and ``diff`` never import torch; ``merge``
 imports it only for ``--dtype`` and ``convert`` only to read or write DCP, ``.bin`` and
-Colossal-AI files; nothing imports ``torch.distributed`` except ``convert`` from or to DCP.
+Colossal-AI or DeepSpeed files; nothing imports ``torch.distributed`` except ``convert`` from or to DCP.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def _cmd_merge(args: argparse.Namespace) -> int:
 def _cmd_convert(args: argparse.Namespace) -> int:
     from unickpt.tools.convert import convert_checkpoint
 
-    source = args.source or ("unickpt" if args.target in ("dcp", "colossalai") else None)
+    source = args.source or ("unickpt" if args.target in ("dcp", "colossalai", "deepspeed") else None)
     if source is None:  # told from what the source path holds (format/foreign.py's rules)
         from unickpt.tools.detect import detect_source
 
@@ -295,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser(
         "convert",
-        help="import DCP / torchtitan / Colossal-AI / DeepSpeed / .bin checkpoints, or export to DCP",
+        help="import DCP / torchtitan / Colossal-AI / DeepSpeed / .bin checkpoints, or export to DCP, Colossal-AI or DeepSpeed",
         description=(
             "Bring checkpoints in: --from dcp reads a PyTorch Distributed Checkpoint directory "
             "(.metadata + __N_M.distcp, or a torchtitan folder of step-N/: the latest step). A training "
@@ -308,7 +308,10 @@ def build_parser() -> argparse.ArgumentParser:
             "reads a DeepSpeed ZeRO stage 1/2/3 checkpoint (latest + global_stepN/): fp32 master weights, "
             "Adam moments and param groups (--to run as for dcp, step = the engine's global_steps). "
             "Take checkpoints out: --to dcp writes the unickpt checkpoint SRC (model, optimizer, "
-            "scheduler of a manager step) as DCP for torch.distributed.checkpoint.load / torchtitan. "
+            "scheduler of a manager step) as DCP for torch.distributed.checkpoint.load / torchtitan; "
+            "--to colossalai as Colossal-AI's load_model / load_optimizer read it; --to deepspeed as a "
+            "DeepSpeed universal checkpoint (latest_universal + global_stepN_universal/) that an engine "
+            "with load_universal resumes from at any world size (ZeRO 1/2). "
             "Nothing is unpickled except through restricted unpicklers: DCP .metadata with an "
             "allowlist of DCP's own classes, every other pickle with torch.load(weights_only=True)."
         ),
@@ -319,15 +322,16 @@ def build_parser() -> argparse.ArgumentParser:
         dest="source",
         choices=("dcp", "bin", "colossalai", "deepspeed", "unickpt"),
         default=None,
-        help="source format (default: told from SRC; with --to dcp: unickpt)",
+        help="source format (default: told from SRC; with --to dcp, colossalai or deepspeed: unickpt)",
     )
     sp.add_argument(
         "--to",
         dest="target",
-        choices=("unickpt", "hf", "run", "dcp", "colossalai"),
+        choices=("unickpt", "hf", "run", "dcp", "colossalai", "deepspeed"),
         default="unickpt",
         help="output: unickpt (default) or hf (the same files), run (a CheckpointManager directory), "
-        "dcp or colossalai (from a unickpt checkpoint: what dcp.load or Colossal-AI's load_model and load_optimizer read)",
+        "dcp, colossalai or deepspeed (from a unickpt checkpoint: what dcp.load, Colossal-AI's load_model "
+        "and load_optimizer, or a DeepSpeed engine with load_universal read)",
     )
     sp.add_argument(
         "src",
@@ -350,7 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--step",
         type=int,
         default=None,
-        help="--to run: the step number (default: the checkpoint's train_state.step)",
+        help="--to run: the step number (default: the checkpoint's train_state.step); --to deepspeed: "
+        "the engine's global_steps (default: the manager step, else the optimizer's step count)",
     )
     sp.add_argument(
         "--model",

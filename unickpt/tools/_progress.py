@@ -1,4 +1,4 @@
-"""The byte progress bar of the offline tools (``merge``, ``verify``, ``diff --deep``)."""
+"""The byte progress bar of the offline tools (``merge``, ``verify``, ``diff --deep``, ``convert``)."""
 
 from __future__ import annotations
 

@@ -166,9 +166,11 @@ def _write_locked(
         for group in groups:
             for n, k, s in group:
                 raw = _raw(s.data)
-                yield key(n, k), raw, (tensors[n].shape, s.offsets, s.shape)
+                # Told as the slice is handed over: the writer takes no block past the last, so
+                # counting after the yield would never count the last slice.
                 if progress is not None:
                     progress(raw.nbytes)
+                yield key(n, k), raw, (tensors[n].shape, s.offsets, s.shape)
 
     # Staged files of a failed write are removed before the error propagates; on a store,
     # the output's abort removes them (tracked before any is written).

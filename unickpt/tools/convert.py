@@ -14,6 +14,8 @@
   (``unickpt.tools.convert_colossalai``).
 - ``--from deepspeed``: a DeepSpeed ZeRO stage 1/2/3 checkpoint (``unickpt.tools.convert_deepspeed``).
 - ``--to dcp``: a unickpt checkpoint written back as DCP (``unickpt.tools.export_dcp``).
+- ``--to colossalai``: as Colossal-AI's ``GeneralCheckpointIO`` reads it (``unickpt.tools.export_colossalai``).
+- ``--to deepspeed``: as a DeepSpeed universal checkpoint (``unickpt.tools.export_deepspeed``).
 
 The unickpt output is a gathered, sharded checkpoint (``model-0000k-of-0000n.safetensors``
 + ``model.safetensors.index.json`` with hashes and fingerprints), which is at the same time
@@ -170,9 +172,9 @@ def _bin_tensors(src: str, strip_prefix: str | None) -> Iterator[tuple[str, Any]
 
 
 SOURCES = ("dcp", "bin", "colossalai", "deepspeed", "unickpt")
-TARGETS = ("unickpt", "hf", "run", "dcp", "colossalai")
+TARGETS = ("unickpt", "hf", "run", "dcp", "colossalai", "deepspeed")
 # What a unickpt checkpoint is exported to (from --from unickpt only).
-EXPORTS = ("dcp", "colossalai")
+EXPORTS = ("dcp", "colossalai", "deepspeed")
 
 
 def _dcp_source(src: str) -> str:
@@ -220,6 +222,8 @@ def convert_checkpoint(
       ``target="run"`` as for DCP (``step`` or the engine's ``global_steps``).
     - ``target="dcp"`` (``source="unickpt"``): a DCP checkpoint of the unickpt model (and
       optimizer, when ``src`` holds one) in the ``get_state_dict`` layout.
+    - ``target="colossalai"`` / ``"deepspeed"`` (``source="unickpt"``): Colossal-AI's model and
+      optimizer files, or a DeepSpeed universal checkpoint (``step``: its ``global_steps``).
 
     ``target`` "unickpt" and "hf" write the same files (a gathered unickpt checkpoint is a
     Hugging Face checkpoint). See the module docstring for what is (never) unpickled.
@@ -230,8 +234,9 @@ def convert_checkpoint(
         raise UnsupportedError(f"convert --to {target!r}: choose one of {', '.join(TARGETS)}")
     if (target in EXPORTS) != (source == "unickpt"):
         raise UnsupportedError(
-            f"convert --from {source} --to {target}: DCP and Colossal-AI output is written from a unickpt "
-            "checkpoint (--from unickpt --to dcp|colossalai); other sources convert to unickpt, hf or run"
+            f"convert --from {source} --to {target}: DCP, Colossal-AI and DeepSpeed output is written from a "
+            "unickpt checkpoint (--from unickpt --to dcp|colossalai|deepspeed); other sources convert to "
+            "unickpt, hf or run"
         )
     if target == "run" and source not in ("dcp", "deepspeed"):
         raise UnsupportedError(
@@ -281,7 +286,15 @@ def convert_checkpoint(
             )
         from unickpt.tools.export_colossalai import export_colossalai
 
-        return export_colossalai(src_s, out_s, max_shard_bytes=shard_bytes)
+        return export_colossalai(src_s, out_s, max_shard_bytes=shard_bytes, progress=progress)
+    if source == "unickpt" and target == "deepspeed":
+        if url_out:
+            raise UnsupportedError(
+                f"convert --to deepspeed: {out_s} is a URL; DeepSpeed's files are written locally"
+            )
+        from unickpt.tools.export_deepspeed import export_deepspeed
+
+        return export_deepspeed(src_s, out_s, step=step, progress=progress)
     if source == "unickpt":
         from unickpt.tools.export_dcp import export_dcp
 
@@ -290,14 +303,26 @@ def convert_checkpoint(
         from unickpt.tools.convert_deepspeed import convert_deepspeed
 
         return convert_deepspeed(
-            src_s, out_s, target=target, step=step, shard_bytes=shard_bytes, created_by=created_by
+            src_s,
+            out_s,
+            target=target,
+            step=step,
+            shard_bytes=shard_bytes,
+            created_by=created_by,
+            progress=progress,
         )
     if source == "colossalai":
         from unickpt.tools.convert_colossalai import convert_colossalai_optimizer
 
         with staged_output(out_s) as tmp:
             convert_colossalai_optimizer(
-                src_s, tmp, model=model, optimizer=optimizer, shard_bytes=shard_bytes, created_by=created_by
+                src_s,
+                tmp,
+                model=model,
+                optimizer=optimizer,
+                shard_bytes=shard_bytes,
+                created_by=created_by,
+                progress=progress,
             )
         return out_s
     if source == "dcp":

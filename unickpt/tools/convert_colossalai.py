@@ -24,6 +24,7 @@ optimizer in Python then). Pickled files are read only with ``torch.load(weights
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -166,13 +167,17 @@ def convert_colossalai_optimizer(
     optimizer: Any = None,
     shard_bytes: int,
     created_by: str,
+    progress: bool = False,
 ) -> None:
-    """Write the unickpt optimizer checkpoint of the Colossal-AI checkpoint ``src`` into ``out_dir``."""
+    """Write the unickpt optimizer checkpoint of the Colossal-AI checkpoint ``src`` into ``out_dir``
+    (``progress``: a byte bar on stderr)."""
     import torch
 
+    from unickpt.format.dtypes import itemsize
     from unickpt.format.index import LayoutInfo
     from unickpt.io.jsonstate import to_json_value
     from unickpt.io.optim_state import optimizer_tensor_name
+    from unickpt.tools._progress import progress_bar
     from unickpt.tools._torch import st_of, tensor_bytes
     from unickpt.tools._write import SliceData, TensorData, write_checkpoint
 
@@ -261,13 +266,16 @@ def convert_colossalai_optimizer(
                 f"{src}: param group {i} lists ids {ids[:5]}... outside 0..{len(order) - 1}"
             )
         out_groups.append({**hyper, "params": [order[x][0] for x in ids]})
-    write_checkpoint(
-        out_dir,
-        tensors,
-        kind="optimizer",
-        sliced=False,
-        max_shard_bytes=shard_bytes,
-        layout=LayoutInfo(plugin="colossalai"),
-        block_extras={"param_groups": out_groups, "param_state": param_state},
-        created_by=created_by,
-    )
+    total = sum(math.prod(t.shape) * itemsize(t.dtype) for t in tensors.values())
+    with progress_bar(total, "convert --from colossalai", progress) as update:
+        write_checkpoint(
+            out_dir,
+            tensors,
+            kind="optimizer",
+            sliced=False,
+            max_shard_bytes=shard_bytes,
+            layout=LayoutInfo(plugin="colossalai"),
+            block_extras={"param_groups": out_groups, "param_state": param_state},
+            created_by=created_by,
+            progress=update,
+        )

@@ -40,6 +40,7 @@ import functools
 import math
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 from unickpt._logging import get_logger
@@ -79,21 +80,27 @@ class DeepSpeedCheckpoint:
 
 
 def find_step_dir(src: str, tag: str | None = None) -> str:
-    """The ``<tag>/`` directory of the checkpoint ``src`` (``tag``, else the ``latest`` file's),
-    or ``src`` itself when it already holds the rank files."""
+    """The ``<tag>/`` directory of the checkpoint ``src`` (``tag``, else the ``latest`` file's, else
+    the ``latest_universal`` file's: a directory holding only a universal checkpoint), or ``src``
+    itself when it already holds the rank files."""
+    tag_file = os.path.join(src, "latest")
     if tag is None:
         if any(_OPTIM.match(n) for n in _listdir(src)) or _is_universal(src):
             return src
         latest = confined_path(src, "latest", src, "the tag file")
         if not os.path.isfile(latest):
+            latest = confined_path(src, "latest_universal", src, "the tag file")
+            tag_file = os.path.join(src, "latest_universal")
+        if not os.path.isfile(latest):
             raise IncompleteCheckpointError(
-                f"{src} is not a DeepSpeed checkpoint: no 'latest' file and no *_optim_states.pt files"
+                f"{src} is not a DeepSpeed checkpoint: no 'latest' or 'latest_universal' file and no "
+                "*_optim_states.pt files"
             )
         with open(latest, "rb") as f:
             tag = f.read(4096).decode("utf-8", "replace").strip()
     if not _TAG.match(tag):
-        raise UnsafePathError(f"{src}/latest: checkpoint tag {tag[:300]!r} is not a plain directory name")
-    step_dir = confined_path(src, tag, f"{src}/latest", "checkpoint tag")
+        raise UnsafePathError(f"{tag_file}: checkpoint tag {tag[:300]!r} is not a plain directory name")
+    step_dir = confined_path(src, tag, tag_file, "checkpoint tag")
     if not os.path.isdir(step_dir):
         raise IncompleteCheckpointError(f"{src}: the tag {tag!r} names no directory")
     return step_dir
@@ -510,11 +517,18 @@ def _hyper(base: Any, gi: int) -> dict[str, Any]:
 
 
 def write_deepspeed(
-    ck: DeepSpeedCheckpoint, model_dir: str, optim_dir: str, *, shard_bytes: int, created_by: str
+    ck: DeepSpeedCheckpoint,
+    model_dir: str,
+    optim_dir: str,
+    *,
+    shard_bytes: int,
+    created_by: str,
+    progress: Callable[[int], object] | None = None,
 ) -> None:
     """Write the model checkpoint into ``model_dir`` and the optimizer checkpoint into
     ``optim_dir`` (which exist; may be the same directory), plus ``lr_scheduler.json`` beside
-    the optimizer when the engine saved a scheduler."""
+    the optimizer when the engine saved a scheduler. ``progress(n)`` is told the bytes of each
+    tensor written (:func:`checkpoint_bytes` in all)."""
     import torch
 
     from unickpt.format.index import LayoutInfo
@@ -536,6 +550,7 @@ def write_deepspeed(
         max_shard_bytes=shard_bytes,
         layout=LayoutInfo(plugin="deepspeed", world_size=ck.world_size),
         created_by=created_by,
+        progress=progress,
     )
     write(model_dir, {n: td(t, n) for n, t in ck.model.items()})
     tensors: dict[str, TensorData] = {}
@@ -563,20 +578,37 @@ def write_deepspeed(
         atomic_write_bytes(os.path.join(optim_dir, "lr_scheduler.json"), lr_scheduler_json(ck.lr_scheduler))
 
 
+def checkpoint_bytes(ck: DeepSpeedCheckpoint) -> int:
+    """The bytes of the tensors :func:`write_deepspeed` writes (model and optimizer state)."""
+    import torch
+
+    tensors = list(ck.model.values()) + [v for st in ck.state.values() for v in st.values()]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
 def convert_deepspeed(
-    src: str, out: str, *, target: str, step: int | None, shard_bytes: int, created_by: str
+    src: str,
+    out: str,
+    *,
+    target: str,
+    step: int | None,
+    shard_bytes: int,
+    created_by: str,
+    progress: bool = False,
 ) -> str:
     """``convert --from deepspeed``: ``out`` holds the model and optimizer checkpoints (and
     ``lr_scheduler.json``), or with ``target="run"`` is a ``CheckpointManager`` directory whose
     ``step-<N>`` (``step``, else the engine's ``global_steps``) holds them, with the engine's
-    step counters as the extra state ``train_state``."""
+    step counters as the extra state ``train_state``. ``progress``: a byte bar on stderr."""
     from unickpt.format.naming import HF_SIDE_FILES
     from unickpt.tools._common import read_side_files, staged_output, write_durably
+    from unickpt.tools._progress import progress_bar
 
     ck = read_deepspeed(src)
+    bar = progress_bar(checkpoint_bytes(ck), "convert --from deepspeed", progress)
     if target != "run":
-        with staged_output(out) as tmp:
-            write_deepspeed(ck, tmp, tmp, shard_bytes=shard_bytes, created_by=created_by)
+        with staged_output(out) as tmp, bar as update:
+            write_deepspeed(ck, tmp, tmp, shard_bytes=shard_bytes, created_by=created_by, progress=update)
             # A Hugging Face Trainer's checkpoint-<N>/ holds the model's config and tokenizer
             # beside DeepSpeed's latest and global_step<N>/.
             for fname, data in read_side_files(src, HF_SIDE_FILES):
@@ -592,12 +624,14 @@ def convert_deepspeed(
         model_dir, optim_dir = os.path.join(stage, "model"), os.path.join(stage, "optimizer")
         os.makedirs(model_dir)
         os.makedirs(optim_dir)
-        write_deepspeed(ck, model_dir, optim_dir, shard_bytes=shard_bytes, created_by=created_by)
+        write_deepspeed(
+            ck, model_dir, optim_dir, shard_bytes=shard_bytes, created_by=created_by, progress=update
+        )
         sched = os.path.join(optim_dir, "lr_scheduler.json")
         if os.path.exists(sched):
             os.rename(sched, os.path.join(stage, "lr_scheduler.json"))
 
     train = {"train_state": dict(ck.train_state)} if ck.train_state else {}
-    with staged_output(out) as tmp:
+    with staged_output(out) as tmp, bar as update:
         write_step(tmp, int(n), fill, extra=train, world_size=ck.world_size, plugin="deepspeed")
     return out

@@ -34,6 +34,7 @@ from unickpt.format.reader import open_checkpoint
 from unickpt.format.storage import open_storage
 from unickpt.io.jsonstate import from_json_value
 from unickpt.tools._common import checkpoint_parts, staged_output, write_durably
+from unickpt.tools._progress import progress_bar
 from unickpt.tools._torch import full_tensors
 
 __all__ = ["export_colossalai"]
@@ -42,15 +43,19 @@ GROUP_FILE = "pytorch_optim_group.bin"
 INDEX_FILE = "optimizer.safetensors.index.json"
 
 
-def export_colossalai(src: str, out: str, *, max_shard_bytes: int) -> str:
-    """Write the unickpt checkpoint ``src`` for Colossal-AI at ``out`` (see the module docstring)."""
+def export_colossalai(src: str, out: str, *, max_shard_bytes: int, progress: bool = False) -> str:
+    """Write the unickpt checkpoint ``src`` for Colossal-AI at ``out`` (see the module docstring).
+
+    ``progress``: byte bars on stderr, ``merge``'s for the model, then one for the optimizer state."""
     from unickpt.tools.merge import merge_checkpoint
 
     model_path, optim_path, sched_path, _step = checkpoint_parts(src)
     with staged_output(out) as tmp:
-        merge_checkpoint(model_path, os.path.join(tmp, "model"), max_shard_size=max_shard_bytes)
+        merge_checkpoint(
+            model_path, os.path.join(tmp, "model"), max_shard_size=max_shard_bytes, progress=progress
+        )
         if optim_path is not None:
-            _write_optimizer(optim_path, os.path.join(tmp, "optimizer"), max_shard_bytes)
+            _write_optimizer(optim_path, os.path.join(tmp, "optimizer"), max_shard_bytes, progress)
         if sched_path is not None:
             storage, _ = open_storage(sched_path)
             state = from_json_value(json.loads(storage.read_bytes(sched_path, limit=64 << 20))["state"])
@@ -58,7 +63,7 @@ def export_colossalai(src: str, out: str, *, max_shard_bytes: int) -> str:
     return out
 
 
-def _write_optimizer(optim_path: str, out_dir: str, max_shard_bytes: int) -> None:
+def _write_optimizer(optim_path: str, out_dir: str, max_shard_bytes: int, progress: bool) -> None:
     from safetensors.torch import save_file
 
     with open_checkpoint(optim_path, "optimizer") as reader:
@@ -100,12 +105,15 @@ def _write_optimizer(optim_path: str, out_dir: str, max_shard_bytes: int) -> Non
         size += nbytes
     weight_map: dict[str, str] = {}
     total = 0
-    for i, shard in enumerate(shards):
-        fname = shard_name("optimizer", i + 1, len(shards))
-        save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
-        for key, t in shard.items():
-            weight_map[key.split(".")[1]] = fname
-            total += t.numel() * t.element_size()
+    all_bytes = sum(t.numel() * t.element_size() for shard in shards for t in shard.values())
+    with progress_bar(all_bytes, "convert --to colossalai", progress) as update:
+        for i, shard in enumerate(shards):
+            fname = shard_name("optimizer", i + 1, len(shards))
+            save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
+            for key, t in shard.items():
+                weight_map[key.split(".")[1]] = fname
+                total += t.numel() * t.element_size()
+                update(t.numel() * t.element_size())
     index = {"metadata": {"total_size": total, "param_groups": GROUP_FILE}, "weight_map": weight_map}
     write_durably(os.path.join(out_dir, INDEX_FILE), json.dumps(index, indent=2).encode())
     for fname in set(weight_map.values()):  # the shards, durable like the index
