@@ -46,7 +46,11 @@ def peers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for step in (10, 20):
         dcp.save(m.state_dict(), checkpoint_id=str(root / "titan" / f"step-{step}"), no_dist=True)
     GeneralCheckpointIO().save_model(m, str(root / "ours"), shard=True)
+    # the top of a universal checkpoint as ``convert --to deepspeed`` and DeepSpeed name it
+    (root / "ucp" / "global_step7_universal" / "zero").mkdir(parents=True)
+    (root / "ucp" / "latest_universal").write_text("global_step7_universal")
     return {
+        "ucp": root / "ucp",
         "bin": root / "pytorch_model.bin",
         "legacy": root / "legacy.bin",
         "bin_dir": root / "bin_dir",
@@ -67,6 +71,7 @@ def peers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         ("dcp", "dcp"),
         ("titan", "dcp"),
         ("deepspeed", "deepspeed"),
+        ("ucp", "deepspeed"),
         ("colossalai", "colossalai"),
     ],
 )

@@ -19,6 +19,7 @@ __all__ = ["Foreign", "foreign_dir", "foreign_file"]
 _ZIP = b"PK\x03\x04"
 _STEP = re.compile(r"^step-(\d+)$")
 _DS_STEP = re.compile(r"^global_step\d+$")
+_DS_UCP = re.compile(r"^global_step\d+_universal$")
 _DS_OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt$")
 _DS_MODEL = re.compile(r"^(zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt$")
 _BIN = re.compile(r"^pytorch_model(-\d+-of-\d+)?\.bin$")
@@ -79,6 +80,10 @@ def foreign_dir(
         return Foreign("a DeepSpeed checkpoint step (ZeRO rank files)", "deepspeed")
     if "latest" in listed and any(_DS_STEP.match(n) for n in listed):
         return Foreign("a DeepSpeed checkpoint (latest + global_step<N>/)", "deepspeed")
+    if "latest_universal" in listed and any(_DS_UCP.match(n) for n in listed):
+        return Foreign(
+            "a DeepSpeed universal checkpoint (latest_universal + global_step<N>_universal/)", "deepspeed"
+        )
     if "pytorch_model.bin.index.json" in listed or any(_BIN.match(n) for n in listed):
         return Foreign("a PyTorch .bin checkpoint (pytorch_model*.bin)", "bin")
     return None
