@@ -272,7 +272,13 @@ def test_merge_adapters_from_the_cli_and_with_a_given_config(tmp_path: Path) -> 
     with pytest.raises(IncompleteCheckpointError, match=r"no adapter config at .*ck/adapter_config.json"):
         merge_checkpoint(tmp_path / "ck", tmp_path / "hf2", merge_adapters=True)
     assert not (tmp_path / "hf2").exists()
-    merge_checkpoint(tmp_path / "ck", tmp_path / "hf2", adapter_config=model.peft_config["default"])
+    with pytest.raises(
+        ConfigError, match=r"adapter_config \(--adapter-config\) is the config of --merge-adapters"
+    ):
+        merge_checkpoint(tmp_path / "ck", tmp_path / "hf2", adapter_config=model.peft_config["default"])
+    merge_checkpoint(
+        tmp_path / "ck", tmp_path / "hf2", merge_adapters=True, adapter_config=model.peft_config["default"]
+    )
     _check_merged(model, tmp_path / "hf2")
     assert (
         main(

@@ -39,7 +39,7 @@ import numpy as np
 
 from unickpt import __version__
 from unickpt._logging import get_logger
-from unickpt.errors import UnsupportedError
+from unickpt.errors import ConfigError, UnsupportedError
 from unickpt.format.commit import SAVE_ID_KEY, atomic_write_bytes, content_save_id
 from unickpt.format.digest_text import digest_in_text
 from unickpt.format.dtypes import itemsize
@@ -319,7 +319,11 @@ def merge_checkpoint(
         if dtype not in DTYPES:
             raise UnsupportedError(f"--dtype {dtype!r}: choose one of bf16, fp16, fp32")
         out_dtype = DTYPES[dtype]
-    if merge_adapters or adapter_config is not None:
+    if adapter_config is not None and not merge_adapters:
+        raise ConfigError(
+            "merge: adapter_config (--adapter-config) is the config of --merge-adapters; pass both"
+        )
+    if merge_adapters:
         if optimizer:
             raise UnsupportedError("merge: --merge-adapters merges the model only; drop --optimizer")
         from unickpt.tools.merge_adapters import merge_adapters as merge_lora
