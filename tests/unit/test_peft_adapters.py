@@ -375,3 +375,57 @@ def test_merge_adapters_checks_slice_hashes(tmp_path: Path) -> None:
         merge_checkpoint(tmp_path / "ck", tmp_path / "hf", merge_adapters=True)
     assert e.value.tensor and "model.safetensors" in e.value.file
     assert not (tmp_path / "hf").exists()
+
+
+_PEAK = r"""
+import sys, threading, time
+import peft, torch
+from torch import nn
+from unickpt import GeneralCheckpointIO, merge_checkpoint
+
+def mem_kb():  # anonymous and shared-anonymous memory (the merge maps its tensors)
+    return sum(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(("RssAnon", "RssShmem")))
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(1024, 1024, bias=False) for _ in range(16)])
+
+torch.manual_seed(0)
+cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=[f"layers.{i}" for i in range(16)], init_lora_weights=False)
+GeneralCheckpointIO().save_model(peft.get_peft_model(M(), cfg), sys.argv[1], shard=True, gather_dtensor=False)
+peak, stop = [0], []
+base = mem_kb()
+def sample():
+    while not stop:
+        peak[0] = max(peak[0], mem_kb())
+        time.sleep(0.002)
+t = threading.Thread(target=sample)
+t.start()
+merge_checkpoint(sys.argv[1], sys.argv[2], merge_adapters=True)
+stop.append(1)
+t.join()
+print((peak[0] - base) / 1024, (mem_kb() - base) / 1024)
+"""
+
+
+@pytest.mark.slow
+def test_merge_adapters_holds_a_few_tensors_at_a_time(tmp_path: Path) -> None:
+    """16 LoRA layers of 4 MiB (64 MiB): the merge's memory peaks at a few tensors (the weight
+    being merged, its delta, the previous one being hashed) and is given back after."""
+    import subprocess
+    import sys
+
+    if not Path("/proc/self/status").exists():
+        pytest.skip("needs /proc")
+    cp = subprocess.run(
+        [sys.executable, "-c", _PEAK, str(tmp_path / "ck"), str(tmp_path / "hf")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert cp.returncode == 0, cp.stderr[-3000:]
+    peak_mb, after_mb = map(float, cp.stdout.split()[-2:])
+    assert peak_mb < 28, peak_mb  # 64 MiB merged; one tensor is 4 MiB
+    assert after_mb < 8, after_mb

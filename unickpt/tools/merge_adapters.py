@@ -198,28 +198,50 @@ def _plan(names: list[str], src: str) -> _Plan:
 
 
 def _read_whole(reader: CheckpointReader, name: str, verify: bool, src: str) -> Any:
-    """The tensor ``name`` whole, as a torch tensor, each slice hash checked when ``verify``."""
+    """The tensor ``name`` whole, as a torch tensor, each slice hash checked when ``verify``.
+
+    A slice that is the whole tensor is read straight into the tensor's memory; others are read
+    one at a time and copied into their box."""
     import torch
 
     from unickpt.io.tensors import torch_dtype
 
     entry: TensorEntry = reader.tensors[name]
     dt = torch_dtype(entry.dtype)
-    full = torch.empty(tuple(entry.shape), dtype=dt)
+    full = _mapped_empty(tuple(entry.shape), dt)
     for s in entry.slices:
-        raw = bytearray(reader.read_slice(s))
-        if verify and s.xxh3 is not None:
-            h = SliceHasher()
-            h.update(memoryview(raw))
-            if h.hexdigest() != s.xxh3:
-                raise IntegrityError([IntegrityFailure(name, s.file, s.key, s.xxh3, h.hexdigest())], src)
-        part = (
-            torch.frombuffer(raw, dtype=dt).reshape(tuple(s.shape))
-            if raw
-            else torch.empty(tuple(s.shape), dtype=dt)
-        )
-        full[tuple(slice(o, o + k) for o, k in zip(s.offsets, s.shape, strict=True))] = part
+        whole = list(s.shape) == list(entry.shape)
+        target = full if whole else _mapped_empty(tuple(s.shape), dt)
+        if target.numel():
+            raw = memoryview(target.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+            reader.read_slice(s, raw)
+            if verify and s.xxh3 is not None:
+                h = SliceHasher()
+                h.update(raw)
+                if h.hexdigest() != s.xxh3:
+                    raise IntegrityError([IntegrityFailure(name, s.file, s.key, s.xxh3, h.hexdigest())], src)
+        if not whole:
+            full[tuple(slice(o, o + k) for o, k in zip(s.offsets, s.shape, strict=True))] = target
     return full
+
+
+def _mapped_empty(shape: tuple[int, ...], dtype: Any) -> Any:
+    """An uninitialised CPU tensor in its own anonymous memory map, unmapped when the tensor goes.
+
+    Every tensor of a merge is allocated once and freed once; from the C heap, the heap would
+    keep the freed memory of the large tensors (glibc raises its mmap threshold after the first
+    frees), and the process would grow to about the checkpoint's size. A mapping of its own
+    gives each tensor's memory back to the system as soon as the writer has hashed it.
+    """
+    import mmap
+
+    import torch
+
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    if nbytes < (1 << 20):
+        return torch.empty(shape, dtype=dtype)
+    buf = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+    return torch.from_numpy(buf).view(dtype).reshape(shape)
 
 
 def merge_adapters(
@@ -289,10 +311,12 @@ def merge_adapters(
                 cast = lora_dtype in (torch.float16, torch.bfloat16)
                 if cast:
                     a, b = a.float(), b.float()
-                delta = b @ a
+                delta = _mapped_empty((b.shape[0], a.shape[1]), b.dtype)
+                torch.matmul(b, a, out=delta)  # ``b @ a``, into memory of its own
+                del a, b
                 if fan_in_fan_out:
                     delta = delta.T
-                delta = delta * scales[module]
+                delta.mul_(scales[module])  # peft's ``* scaling``, in place: the same products
                 if cast:
                     delta = delta.to(dtype=lora_dtype)
                 if tuple(delta.shape) != tuple(w.shape):
@@ -303,8 +327,10 @@ def merge_adapters(
                         mismatched=[plan.out[name]],
                     )
                 w += delta
-            if out_dtype is not None and w.is_floating_point():
-                w = w.to(torch_of(out_dtype))
+            if out_dtype is not None and w.is_floating_point() and torch_of(out_dtype) != w.dtype:
+                cast = _mapped_empty(tuple(w.shape), torch_of(out_dtype))
+                cast.copy_(w)  # ``w.to(dtype)``
+                w = cast
             return w
 
         tensors: dict[str, TensorData] = {}
