@@ -227,7 +227,11 @@ class CheckpointIO(OptimizerIO):
         rank; the file is committed atomically and its header metadata carries unickpt's hashes
         and fingerprints, which peft's loader ignores) and then ``adapter_config.json`` (the
         adapter's config, as ``PeftModel.save_pretrained`` writes it). ``save_embedding_layers``
-        is peft's. Returns the path of the weights file.
+        is peft's. Returns the path of the weights file. The weights file is the commit point:
+        a save that dies before it leaves the previous adapter's file; one that dies between it
+        and the config leaves the new weights beside the previous ``adapter_config.json``
+        (``load_adapter`` refuses a config that does not match the model's adapter), so save
+        each step to a directory of its own.
         """
         from unickpt.io.adapters import ADAPTER_CONFIG, adapter_paths
 
