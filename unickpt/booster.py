@@ -229,6 +229,34 @@ class Booster:
         """Load weights into ``model`` under any layout; returns the IO's report (missing/unexpected keys)."""
         return self.checkpoint_io.load_model(model, checkpoint, strict=strict, verify=verify, **kwargs)
 
+    def save_adapter(
+        self,
+        model: torch.nn.Module,
+        checkpoint: str,
+        adapter_name: str = "default",
+        save_embedding_layers: bool | str = "auto",
+    ) -> str:
+        """Save a ``PeftModel``'s adapter alone (``adapter_model.safetensors`` + ``adapter_config.json``,
+        loadable by ``peft.PeftModel.from_pretrained``); see ``CheckpointIO.save_adapter``."""
+        return self.checkpoint_io.save_adapter(
+            model, checkpoint, adapter_name=adapter_name, save_embedding_layers=save_embedding_layers
+        )
+
+    def load_adapter(
+        self,
+        model: torch.nn.Module,
+        checkpoint: str,
+        adapter_name: str = "default",
+        strict: bool = True,
+        verify: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        """Load an adapter (unickpt's or peft's ``save_pretrained`` output) under any layout;
+        see ``CheckpointIO.load_adapter``."""
+        return self.checkpoint_io.load_adapter(
+            model, checkpoint, adapter_name=adapter_name, strict=strict, verify=verify, **kwargs
+        )
+
     def save_optimizer(
         self,
         optimizer: Any,

@@ -216,6 +216,22 @@ class _Tokens(torch.utils.data.Dataset):
 
 train_ds = _Tokens()
 """,
+    "peft": """
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def make_base():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    return LlamaForCausalLM(cfg)
+
+
+model = get_peft_model(make_base(), LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"],
+                                               init_lora_weights=False))
+""",
     "accelerate": """
 import torch
 

@@ -129,6 +129,8 @@ def _cmd_merge(args: argparse.Namespace) -> int:
         verify=not args.no_verify,
         optimizer=args.optimizer,
         progress=not args.quiet,
+        merge_adapters=args.merge_adapters,
+        adapter_config=args.adapter_config,
     )
     if not args.quiet:
         print(f"merged {args.src} -> {out}")
@@ -290,6 +292,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--no-verify", action="store_true", help="skip checking slice hashes while reading")
     sp.add_argument("--optimizer", action="store_true", help="also merge the optimizer checkpoint in SRC")
+    sp.add_argument(
+        "--merge-adapters",
+        action="store_true",
+        help="SRC is a PeftModel's LoRA run: merge the adapters into the base weights (W + scale * B@A, "
+        "as peft's merge_and_unload) and write the base architecture's names",
+    )
+    sp.add_argument(
+        "--adapter-config",
+        default=None,
+        metavar="PATH",
+        help="with --merge-adapters: the adapter_config.json to use when SRC has none",
+    )
     sp.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     sp.set_defaults(func=_cmd_merge)
 

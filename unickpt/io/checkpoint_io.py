@@ -16,6 +16,7 @@ FSDP2, TP and their combinations need no checkpoint code of their own.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch
 from unickpt import _dist
 from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
+from unickpt.errors import IncompleteCheckpointError
 from unickpt.format.commit_store import write_small_file
 from unickpt.format.storage import is_url
 from unickpt.io.async_save import check_use_safetensors
@@ -41,6 +43,7 @@ from unickpt.io.side_files import (
     read_lr_scheduler_state,
     write_config_files,
 )
+from unickpt.io.tensors import LocalSlice
 
 # CheckpointIO is this module's own; the other names are re-exported from the modules that
 # define them, for code written when they lived here.
@@ -207,6 +210,179 @@ class CheckpointIO(OptimizerIO):
         self._hand_back(ctx)
         self._after_load(ctx)
         return report
+
+    # ------------------------------------------------------------------ peft adapter
+    def save_adapter(
+        self,
+        model: torch.nn.Module,
+        checkpoint: str | os.PathLike[str],
+        adapter_name: str = "default",
+        save_embedding_layers: bool | str = "auto",
+    ) -> str:
+        """Collective: save a ``PeftModel``'s adapter alone, as ``peft.PeftModel.from_pretrained`` loads it.
+
+        ``checkpoint`` is a directory: it gets ``adapter_model.safetensors`` (the adapter's
+        tensors under peft's names, those of ``peft.utils.get_peft_model_state_dict``, gathered
+        whole whatever the parallelism: DTensors are gathered, replicated tensors written by one
+        rank; the file is committed atomically and its header metadata carries unickpt's hashes
+        and fingerprints, which peft's loader ignores) and then ``adapter_config.json`` (the
+        adapter's config, as ``PeftModel.save_pretrained`` writes it). ``save_embedding_layers``
+        is peft's. Returns the path of the weights file. The weights file is the commit point:
+        a save that dies before it leaves the previous adapter's file; one that dies between it
+        and the config leaves the new weights beside the previous ``adapter_config.json``
+        (``load_adapter`` refuses a config that does not match the model's adapter), so save
+        each step to a directory of its own.
+        """
+        from unickpt.io.adapters import ADAPTER_CONFIG, adapter_paths
+
+        self.wait()
+        directory, weights = adapter_paths(checkpoint)
+        args = _dist.Args(
+            "save_adapter",
+            {
+                "checkpoint": _dist.path_arg(checkpoint),
+                "adapter_name": adapter_name,
+                "save_embedding_layers": save_embedding_layers,
+            },
+        )
+        ctx = HookContext("model", saving=True, model=model, gather=True, shard=False)
+        payload, config = _dist.agreed(
+            lambda: self._plan_adapter(ctx, adapter_name, save_embedding_layers),
+            "planning the adapter save",
+            self.group,
+            args,
+        )
+        path = self.write(payload, weights, shard=False, gather_dtensor=True)
+
+        def write_config() -> None:
+            if _dist.rank(self.group) == 0:
+                maybe_fail("adapter.config")
+                sep = "/" if is_url(directory) else os.sep
+                write_small_file(f"{directory}{sep}{ADAPTER_CONFIG}", config, self.storage_options)
+
+        _dist.agreed(write_config, f"writing {ADAPTER_CONFIG} beside {path}", self.group)
+        return path
+
+    def _plan_adapter(
+        self, ctx: HookContext, adapter_name: str, save_embedding_layers: bool | str
+    ) -> tuple[SavePayload, bytes]:
+        from unickpt.io.adapters import adapter_config_json, adapter_tensors, peft_model_of
+
+        module = peft_model_of(self.unwrap_model(ctx.model), "save_adapter")
+        tensors = self._model_tensors(ctx)
+        names = adapter_tensors(module, tensors, adapter_name, save_embedding_layers, "save_adapter")
+        stored = {peft: tensors[src] for peft, src in names.items()}
+        slices = {
+            peft: [dataclasses.replace(sl, name=peft) for sl in self._local_slices(src, tensors[src], ctx)]
+            for peft, src in names.items()
+        }
+        return SavePayload("model", stored, slices), adapter_config_json(module, adapter_name, "save_adapter")
+
+    def load_adapter(
+        self,
+        model: torch.nn.Module,
+        checkpoint: str | os.PathLike[str],
+        adapter_name: str = "default",
+        strict: bool = True,
+        verify: bool = False,
+        *,
+        allow_dtype_cast: bool = False,
+    ) -> LoadReport:
+        """Collective: load an adapter saved by :meth:`save_adapter` or by peft's ``save_pretrained``
+        into the adapter ``adapter_name`` of this ``PeftModel``, whatever its layout, in place.
+
+        ``checkpoint``: the adapter's directory (or its ``adapter_model.safetensors``). Its
+        ``adapter_config.json``, when present, must describe the model's adapter (``r``,
+        ``lora_alpha``, ``target_modules``...: a ``ConfigError`` names each field that differs).
+        Each rank reads the bytes of the slices it holds, as :meth:`load_model`; every missing,
+        unexpected or mismatched tensor is reported in one ``StateMismatchError`` before anything
+        is copied. ``verify=True`` checks unickpt's hashes (a file peft wrote has none).
+        Embedding layers a file holds (peft's ``save_embedding_layers``) are loaded too.
+        """
+        from unickpt.io.adapters import adapter_paths
+
+        self.wait()
+        directory, weights = adapter_paths(checkpoint)
+        args = _dist.Args(
+            "load_adapter",
+            {
+                "checkpoint": _dist.path_arg(checkpoint),
+                "adapter_name": adapter_name,
+                "strict": strict,
+                "verify": verify,
+                "allow_dtype_cast": allow_dtype_cast,
+            },
+        )
+        ctx = HookContext("model", saving=False, model=model)
+        _dist.agreed(
+            lambda: self._check_adapter_config(ctx, directory, adapter_name),
+            f"reading the adapter config in {directory}",
+            self.group,
+            args,
+        )
+        reader = self._open(weights, "model")
+        try:
+            targets, src_of = _dist.agreed(
+                lambda: self._adapter_targets(ctx, adapter_name, set(reader.tensors)),
+                "listing the adapter's tensors to load",
+                self.group,
+            )
+
+            def slices_fn(name: str, tensor: torch.Tensor) -> list[LocalSlice]:
+                return [
+                    dataclasses.replace(sl, name=name) for sl in self._local_slices(src_of[name], tensor, ctx)
+                ]
+
+            report = load_tensors(
+                reader,
+                targets,
+                slices_fn,
+                strict=strict,
+                verify=verify,
+                allow_dtype_cast=allow_dtype_cast,
+                what="adapter",
+                group=self.group,
+                atomic=self.atomic_load,
+            )
+        finally:
+            reader.close()
+        self._hand_back(ctx)
+        self._after_load(ctx)
+        return report
+
+    def _check_adapter_config(self, ctx: HookContext, directory: str, adapter_name: str) -> None:
+        from unickpt.io.adapters import (
+            ADAPTER_CONFIG,
+            check_adapter_config,
+            peft_model_of,
+            read_adapter_config,
+        )
+
+        module = peft_model_of(self.unwrap_model(ctx.model), "load_adapter")
+        options = self.storage_options if is_url(directory) else None
+        try:
+            found = read_adapter_config(directory, options)
+        except IncompleteCheckpointError:
+            return  # a bare weights file: its tensors' shapes are still checked
+        sep = "/" if is_url(directory) else os.sep
+        check_adapter_config(module, adapter_name, found, f"{directory}{sep}{ADAPTER_CONFIG}", "load_adapter")
+
+    def _adapter_targets(
+        self, ctx: HookContext, adapter_name: str, stored: set[str]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """peft name -> the model's tensor to load it into, and peft name -> checkpoint name: the
+        adapter's tensors (``save_embedding_layers=False``) and any other model tensor the file
+        holds under its own name (embedding layers peft saved beside the adapter)."""
+        from unickpt.io.adapters import adapter_tensors, peft_model_of
+
+        module = peft_model_of(self.unwrap_model(ctx.model), "load_adapter")
+        tensors = self._model_tensors(ctx)
+        src_of = adapter_tensors(module, tensors, adapter_name, False, "load_adapter")
+        taken = set(src_of.values())
+        for name in sorted(stored - set(src_of)):
+            if name in tensors and name not in taken:
+                src_of[name] = name
+        return {peft: tensors[src] for peft, src in src_of.items()}, src_of
 
     # ------------------------------------------------------------------ optimizer
     def save_optimizer(

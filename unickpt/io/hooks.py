@@ -41,6 +41,8 @@ def _storages(module: torch.nn.Module) -> set[int]:
 FINAL_METHODS = (
     "save_model",
     "load_model",
+    "save_adapter",
+    "load_adapter",
     "save_optimizer",
     "load_optimizer",
     "save_lr_scheduler",

@@ -29,6 +29,7 @@ def hf_config_files(module: torch.nn.Module) -> dict[str, str]:
 
     ``config.json`` names the model's architecture (``architectures``) as ``save_pretrained``
     writes it: the class of the model, or of the base model a wrapper (a ``PeftModel``) holds.
+    A ``PeftModel`` also gets ``adapter_config.json``, its active adapter's config as peft writes it.
     """
     out: dict[str, str] = {}
     for attr, fname in (("config", "config.json"), ("generation_config", "generation_config.json")):
@@ -51,6 +52,14 @@ def hf_config_files(module: torch.nn.Module) -> dict[str, str]:
             ):
                 cfg["architectures"] = [type(base).__name__]
                 out["config.json"] = json.dumps(cfg, indent=2, sort_keys=True) + "\n"
+    peft_config = getattr(module, "peft_config", None)
+    if isinstance(peft_config, dict) and peft_config:
+        # A PeftModel's run: its adapter's config, which ``unickpt merge --merge-adapters`` reads.
+        from unickpt.io.adapters import ADAPTER_CONFIG, adapter_config_json
+
+        active = getattr(module, "active_adapter", None)
+        name = active if isinstance(active, str) and active in peft_config else next(iter(peft_config))
+        out[ADAPTER_CONFIG] = adapter_config_json(module, name, "save_model").decode()
     return out
 
 

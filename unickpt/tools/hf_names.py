@@ -44,8 +44,9 @@ class NameMismatch:
         hint = ""
         if any("lora_" in n or n.startswith("base_model.model.") for n in self.unexpected):
             hint = (
-                "; the names are a PeftModel's: save the adapter alone, or merge the adapters into the "
-                "base weights first (peft's merge_and_unload), for a checkpoint the base architecture loads"
+                "; the names are a PeftModel's: merge with --merge-adapters (merge_checkpoint(..., "
+                "merge_adapters=True)) for a checkpoint the base architecture loads, or save the adapter "
+                "alone (booster.save_adapter)"
             )
         return "; ".join(parts) + hint
 

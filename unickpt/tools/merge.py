@@ -39,7 +39,7 @@ import numpy as np
 
 from unickpt import __version__
 from unickpt._logging import get_logger
-from unickpt.errors import UnsupportedError
+from unickpt.errors import ConfigError, UnsupportedError
 from unickpt.format.commit import SAVE_ID_KEY, atomic_write_bytes, content_save_id
 from unickpt.format.digest_text import digest_in_text
 from unickpt.format.dtypes import itemsize
@@ -285,6 +285,8 @@ def merge_checkpoint(
     optimizer: bool = False,
     progress: bool = False,
     storage_options: dict[str, Any] | None = None,
+    merge_adapters: bool = False,
+    adapter_config: Any = None,
 ) -> str:
     """Merge the checkpoint at ``src`` (any layout) into a plain Hugging Face checkpoint at ``out``.
 
@@ -303,6 +305,11 @@ def merge_checkpoint(
     must hold no object: the files are uploaded under their final names and the index (or the
     single file) last, as every save on a store commits (``tools/_store_out.py``). Either way a
     failed merge leaves no ``out``. Called by one process; needs no process group.
+
+    ``merge_adapters=True`` (``--merge-adapters``): ``src`` is a ``PeftModel``'s LoRA run; the
+    adapters are merged into the base weights as peft's ``merge_and_unload`` merges them, and
+    the output has the base architecture's names (``tools/merge_adapters.py``).
+    ``adapter_config`` gives the adapter's config when ``src`` has no ``adapter_config.json``.
     """
     src_s = os.fspath(src)
     url_out = is_url(out)
@@ -312,6 +319,25 @@ def merge_checkpoint(
         if dtype not in DTYPES:
             raise UnsupportedError(f"--dtype {dtype!r}: choose one of bf16, fp16, fp32")
         out_dtype = DTYPES[dtype]
+    if adapter_config is not None and not merge_adapters:
+        raise ConfigError(
+            "merge: adapter_config (--adapter-config) is the config of --merge-adapters; pass both"
+        )
+    if merge_adapters:
+        if optimizer:
+            raise UnsupportedError("merge: --merge-adapters merges the model only; drop --optimizer")
+        from unickpt.tools.merge_adapters import merge_adapters as merge_lora
+
+        return merge_lora(
+            src_s,
+            os.fspath(out),
+            adapter_config=adapter_config,
+            max_shard_size=max_shard_size,
+            out_dtype=out_dtype,
+            verify=verify,
+            progress=progress,
+            storage_options=storage_options,
+        )
     opts = storage_options if is_url(src_s) else None
     readers: list[CheckpointReader] = []
     try:
