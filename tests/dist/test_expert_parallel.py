@@ -55,23 +55,33 @@ class StackedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, num_experts: int = E) -> None:
+    """Top-k routing. ``skewed``: every token picks experts 0 and 1 (the others get no token), and
+    every other token's second slot is ``num_experts``, transformers' "no expert"."""
+
+    def __init__(self, num_experts: int = E, skewed: bool = False) -> None:
         super().__init__()
         self.router = nn.Linear(H, num_experts, bias=False)
         self.experts = StackedExperts(num_experts)
+        self.skewed = skewed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, H)
-        weights, index = self.router(flat).softmax(-1).topk(TOP_K, dim=-1)
+        logits = self.router(flat)
+        if self.skewed:
+            logits = logits + torch.tensor([40.0, 20.0] + [-40.0] * (logits.shape[-1] - 2))
+        weights, index = logits.softmax(-1).topk(TOP_K, dim=-1)
+        if self.skewed:
+            index = index.clone()
+            index[::2, 1] = logits.shape[-1]
         y = self.experts(flat, index, weights / weights.sum(-1, keepdim=True))
         return x + y.reshape(x.shape)
 
 
 class MoENet(nn.Module):
-    def __init__(self, num_experts: int = E) -> None:
+    def __init__(self, num_experts: int = E, skewed: bool = False) -> None:
         super().__init__()
         self.embed = nn.Linear(IN, H)
-        self.layers = nn.ModuleList([MoE(num_experts) for _ in range(LAYERS)])
+        self.layers = nn.ModuleList([MoE(num_experts, skewed) for _ in range(LAYERS)])
         self.head = nn.Linear(H, OUT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -81,9 +91,16 @@ class MoENet(nn.Module):
         return self.head(h)
 
 
-def moe_net(seed: int, num_experts: int = E) -> MoENet:
+def moe_net(seed: int, num_experts: int = E, skewed: bool = False) -> MoENet:
     torch.manual_seed(seed)
-    return MoENet(num_experts)
+    return MoENet(num_experts, skewed)
+
+
+def _make(kind: str, seed: int) -> Any:
+    """``own``, ``own_e2`` (two experts: Shard(1) over efsdp at EP 2 on 4 ranks), ``skewed`` or ``mixtral``."""
+    if kind == "mixtral":
+        return mixtral(seed)
+    return moe_net(seed, num_experts=2 if kind == "own_e2" else E, skewed=kind == "skewed")
 
 
 def mixtral(seed: int) -> Any:
@@ -123,7 +140,7 @@ def _boost(kind: str, ep: int | None, seed: int, lr: float = 0.01) -> tuple[Any,
     from unickpt.plugins import ExpertParallelPlugin
 
     booster = Booster(None if ep is None else ExpertParallelPlugin(ep_size=ep))
-    model = mixtral(seed) if kind == "mixtral" else moe_net(seed)
+    model = _make(kind, seed)
     optim = torch.optim.AdamW(model.parameters(), lr=lr)
     m, o, *_ = booster.boost(model, optim)
     return booster, m, o
@@ -160,7 +177,7 @@ def _train_case(kind: str, ep: int) -> dict[str, Any]:
     from unickpt.plugins import ExpertParallelPlugin
 
     world = dist.get_world_size()
-    ref = mixtral(0) if kind == "mixtral" else moe_net(0)
+    ref = _make(kind, 0)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
     booster, m, o = _boost(kind, ep, seed=0)
     plugin = booster.plugin
@@ -173,7 +190,10 @@ def _train_case(kind: str, ep: int) -> dict[str, Any]:
             # Shard(0) over ep (rank r of the group holds experts r*E/ep ..), FSDP over efsdp.
             assert p.device_mesh.mesh_dim_names == ("efsdp", "ep"), (fqn, name, p.device_mesh)
             assert p.placements[1].is_shard(0), (fqn, name, p.placements)
-            assert p.to_local().shape[0] <= E // ep, (fqn, name, p.to_local().shape)
+            n = inner.get_submodule(fqn).num_experts
+            if world // ep * ep > n:  # fewer experts than ranks: FSDP shards the experts' rows
+                assert p.placements[0].is_shard(1), (fqn, name, p.placements)
+            assert p.to_local().shape[0] <= n // ep, (fqn, name, p.to_local().shape)
     got = _train(kind, booster, m, o, range(STEPS))
     want = []
     for step in range(STEPS):
@@ -228,6 +248,8 @@ def train_worker() -> dict[str, Any]:
         ("own_ep4", lambda: _train_case("own", 4)),
         ("mixtral_ep2", lambda: _train_case("mixtral", 2)),
         ("mixtral_ep4", lambda: _train_case("mixtral", 4)),
+        ("own_e2_ep2_shard1", lambda: _train_case("own_e2", 2)),
+        ("skewed_ep4_idle_ranks", lambda: _train_case("skewed", 4)),
         ("refusals", _refusals),
     ]
     return {k: (r.ok, r.error, r.value) for k, r in run_cases(cases).items()}
@@ -343,7 +365,15 @@ def _check(results: dict[str, Any]) -> dict[str, Any]:
 
 def test_training_matches_unsharded(world_pool: WorldPool) -> None:
     values = _check(world_pool.run(4, "test_expert_parallel:train_worker", timeout=WORLD_TIMEOUT_S)[0])
-    assert set(values) == {"own_ep2", "own_ep4", "mixtral_ep2", "mixtral_ep4", "refusals"}
+    assert set(values) == {
+        "own_ep2",
+        "own_ep4",
+        "mixtral_ep2",
+        "mixtral_ep4",
+        "own_e2_ep2_shard1",
+        "skewed_ep4_idle_ranks",
+        "refusals",
+    }
 
 
 def _metadata_bytes(ckpt: Path) -> int:

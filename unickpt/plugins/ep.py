@@ -153,9 +153,12 @@ def _dispatch_forward(
         top_k = top_k_index.shape[-1]
         flat = top_k_index.reshape(-1).to(torch.int64)
         order = torch.argsort(flat, stable=True)
+        # An id outside 0..E-1 (transformers' models use E for "no expert") selects nothing,
+        # as in the modules' own forward.
+        order = order[(flat[order] >= 0) & (flat[order] < num_experts)]
         token_of = order // top_k
         send = hidden_states[token_of]
-        counts = torch.bincount(flat, minlength=num_experts)
+        counts = torch.bincount(flat[order], minlength=num_experts)
         recv_counts = torch.empty_like(counts)
         dist.all_to_all_single(recv_counts, counts, group=group)
         send_splits = counts.view(ep_size, local_n).sum(1).tolist()
@@ -174,11 +177,13 @@ def _dispatch_forward(
         ones = torch.ones((rows, 1), dtype=top_k_weights.dtype, device=top_k_weights.device)
         computed = _with_parameters(mod, locals_, local_n, original, received, local_ids[:, None], ones)
         if rows == 0:
-            # No token reached this rank's experts: keep them in the graph (zero gradients), so
-            # that every rank of the gradient reduction has a gradient for them.
-            computed = computed + sum(t.reshape(-1)[:1].sum() * 0 for t in locals_.values())
+            # No token reached this rank's experts. Keep them and the received rows in the graph
+            # (zero gradients): every rank must take part in the backward all-to-all of the
+            # dispatch and in FSDP's reduction of the experts' gradients, or its peers wait forever.
+            zero = received.sum() + sum(t.reshape(-1)[:1].sum() for t in locals_.values())
+            computed = computed + zero * 0
         back = _a2a(
-            computed.new_empty((flat.numel(), width)),
+            computed.new_empty((order.numel(), width)),
             computed.contiguous(),
             send_splits,
             recv_splits,
