@@ -4,10 +4,15 @@
   ``(efsdp 2, ep 2)`` mesh) and EP 4 on 4 ranks, give the losses and parameters of the unsharded
   model trained on the same global batches (AdamW).
 - Checkpoints: model and AdamW state saved with no EP (one process), at EP 2 (2 ranks) and EP 4
-  (4 ranks) load bit-exact at EP 4, at EP 2 x efsdp 2, at EP 2 and in a plain single process; the
+  (4 ranks) load bit-exact at EP 4, at EP 2 x efsdp 2, at EP 2 and in a plain single process (the
+  own MoE; the Mixtral, marked slow, saved with no EP and at EP 4, loaded at EP 4, EP 2 x efsdp 2,
+  EP 2 and plain); the
   EP 2 load from S3 fetches per rank only its own experts' bytes (and its share of the rest), as
-  the S3 server (``tests/s3server.py``) counts them; ``unickpt merge`` of the EP 4 checkpoint
-  writes the full stacked expert tensors.
+  the S3 server (``tests/s3server.py``) counts them; ``unickpt merge`` of the EP 4 checkpoints
+  writes the full stacked expert tensors under their live (fused) names.
+- Idle expert ranks (every token routed to experts 0 and 1 at EP 4) and transformers' "no
+  expert" id still train like the unsharded model; two experts on 4 ranks at EP 2 are FSDP
+  ``Shard(1)`` over efsdp.
 - Refusals: an ``ep_size`` that does not divide the world or ``num_experts``, a named module that
   is not stacked experts.
 """
@@ -264,12 +269,18 @@ def _reference(m: Any, o: Any) -> dict[str, Any]:
     return {"model": full_model_state(m), "optim": full_optim_state(m, o)}
 
 
+def _kind_of(tag: str) -> str:
+    """Checkpoints ``mix_*`` hold the tiny Mixtral, the others the own MoE."""
+    return "mixtral" if tag.startswith("mix_") else "own"
+
+
 def save_worker(root: str, tag: str, ep: int | None) -> dict[str, Any]:
     """Train STEPS steps at ``ep`` (None: no plugin) and save model and optimizer sharded."""
     import torch.distributed as dist
 
-    booster, m, o = _boost("own", ep, seed=0)
-    losses = _train("own", booster, m, o, range(STEPS))
+    kind = _kind_of(tag)
+    booster, m, o = _boost(kind, ep, seed=0)
+    losses = _train(kind, booster, m, o, range(STEPS))
     out = Path(root) / tag
     booster.save_model(m, str(out / "model"), shard=True, gather_dtensor=False)
     booster.save_optimizer(o, str(out / "optim"), shard=True, gather_dtensor=False)
@@ -304,7 +315,8 @@ def load_case(
 
     ref = torch.load(Path(src) / "ref.pt", weights_only=True)
     url = url or src
-    booster, m, o = _boost("own", ep, seed=7, lr=0.5)
+    kind = _kind_of(Path(src).name)
+    booster, m, o = _boost(kind, ep, seed=7, lr=0.5)
     if storage_options is not None:
         booster.checkpoint_io.storage_options = storage_options
     booster.load_model(m, f"{url}/model")
@@ -315,11 +327,12 @@ def load_case(
     assert_local_state_matches(got["state"], ref["optim"]["state"], "optim.state")
     assert got["param_groups"] == ref["optim"]["param_groups"], got["param_groups"]
     # Training goes on from the loaded state (the experts' forward and the optimizer work).
-    losses = _train("own", booster, m, o, range(STEPS, STEPS + 1))
+    losses = _train(kind, booster, m, o, range(STEPS, STEPS + 1))
     return {"own_bytes": _own_bytes(m, o), "losses": losses}
 
 
 def world_worker(root: str, phase: str, endpoint: str = "", bucket: str = "") -> dict[str, Any]:
+    """The own MoE's checkpoints: saved with no EP, at EP 2 and EP 4; each loaded at the others."""
     import torch.distributed as dist
 
     world = dist.get_world_size()
@@ -340,6 +353,25 @@ def world_worker(root: str, phase: str, endpoint: str = "", bucket: str = "") ->
     else:
         for src in ("ep4", "ep2"):
             cases.append((f"{src}_to_plain", lambda src=src: load_case(f"{root}/{src}", None)))
+    return {k: (r.ok, r.error, r.value) for k, r in run_cases(cases).items()}
+
+
+def mixtral_worker(root: str, phase: str) -> dict[str, Any]:
+    """The tiny Mixtral's checkpoints: saved with no EP and at EP 4; loaded at EP 4, EP 2, plain."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    cases: list[tuple[str, Any]] = []
+    if phase == "save":
+        tag = {1: "mix_plain", 4: "mix_ep4"}[world]
+        cases.append((f"save_{tag}", lambda: save_worker(root, tag, None if world == 1 else world)))
+    elif world == 4:
+        cases.append(("mix_plain_to_ep4", lambda: load_case(f"{root}/mix_plain", 4)))
+        cases.append(("mix_ep4_to_ep2xefsdp2", lambda: load_case(f"{root}/mix_ep4", 2)))
+    elif world == 2:
+        cases.append(("mix_ep4_to_ep2", lambda: load_case(f"{root}/mix_ep4", 2)))
+    else:
+        cases.append(("mix_ep4_to_plain", lambda: load_case(f"{root}/mix_ep4", None)))
     return {k: (r.ok, r.error, r.value) for k, r in run_cases(cases).items()}
 
 
@@ -440,18 +472,34 @@ def test_checkpoints_across_ep_sizes(world_pool: WorldPool, s3: Any, tmp_path: P
         assert slack < experts // 2, (slack, experts)
         assert own[r] <= served[r] <= own[r] + slack, (r, served, own, slack)
 
-    _check_merge(tmp_path)
+    merged = _merge(tmp_path, "ep4")
+    assert merged["layers.0.experts.gate_up_proj"].shape == (E, 2 * INTER, H)
+    assert merged["layers.1.experts.down_proj"].shape == (E, H, INTER)
 
 
-def _check_merge(tmp_path: Path) -> None:
-    """``unickpt merge`` of the EP 4 checkpoint: the full stacked tensors, bit for bit."""
+@pytest.mark.slow
+def test_mixtral_checkpoints_across_ep_sizes(world_pool: WorldPool, tmp_path: Path) -> None:
+    root = str(tmp_path)
+    for world, phase in ((1, "save"), (4, "save"), (4, "load"), (2, "load"), (1, "load")):
+        _check(
+            world_pool.run(
+                world, "test_expert_parallel:mixtral_worker", root, phase, timeout=WORLD_TIMEOUT_S
+            )[0]
+        )
+    merged = _merge(tmp_path, "mix_ep4")
+    assert merged["model.layers.0.mlp.experts.gate_up_proj"].shape == (E, 2 * 32, H)
+    assert merged["model.layers.1.mlp.experts.down_proj"].shape == (E, H, 32)
+
+
+def _merge(tmp_path: Path, tag: str) -> dict[str, torch.Tensor]:
+    """``unickpt merge`` of an EP checkpoint: the full stacked tensors, bit for bit."""
     from safetensors.torch import load_file
 
     from unickpt.cli.main import main
 
-    ref = torch.load(tmp_path / "ep4" / "ref.pt", weights_only=True)
-    out = tmp_path / "merged"
-    assert main(["merge", "-q", str(tmp_path / "ep4" / "model"), str(out)]) == 0
+    ref = torch.load(tmp_path / tag / "ref.pt", weights_only=True)
+    out = tmp_path / f"merged_{tag}"
+    assert main(["merge", "-q", str(tmp_path / tag / "model"), str(out)]) == 0
     merged: dict[str, torch.Tensor] = {}
     for f in sorted(out.glob("*.safetensors")):
         merged.update(load_file(f))
@@ -459,5 +507,4 @@ def _check_merge(tmp_path: Path) -> None:
     for k, v in ref["model"].items():
         assert merged[k].dtype == v.dtype and merged[k].shape == v.shape, k
         assert torch.equal(merged[k].view(torch.uint8), v.view(torch.uint8)), k
-    assert merged["layers.0.experts.gate_up_proj"].shape == (E, 2 * INTER, H)
-    assert merged["layers.1.experts.down_proj"].shape == (E, H, INTER)
+    return merged
