@@ -240,6 +240,17 @@ def _refusals() -> dict[str, Any]:
         UnsupportedError, match=r"cannot shard experts of 'layers.0.router' \(Linear\) has no"
     ):
         ExpertParallelPlugin(ep_size=2, experts=["layers.0.router"]).configure(moe_net(0))
+    mixed = moe_net(0)
+    experts = mixed.layers[0].experts
+    experts.down_proj = nn.Parameter(experts.down_proj.detach().to(torch.bfloat16))
+    with pytest.raises(
+        UnsupportedError,
+        match=r"fully_shard\('layers.0.experts'\) would manage trainable parameters of several dtypes",
+    ):
+        ExpertParallelPlugin(ep_size=2).configure(mixed)
+    # Refused before anything changed: no parameter became a DTensor, no forward was replaced.
+    assert not any(hasattr(p, "placements") for p in mixed.parameters())
+    assert "forward" not in vars(experts)
     with pytest.raises(UnsupportedError, match=r"found no stacked-experts module"):
         ExpertParallelPlugin(ep_size=2).configure(nn.Sequential(nn.Linear(4, 4)))
     with pytest.raises(UnsupportedError, match=r"ep_size=0\): a positive integer expected"):

@@ -298,6 +298,17 @@ class ExpertParallelPlugin(Plugin):
                 raise UnsupportedError(
                     f"experts module {fqn!r} has num_experts={n}, not divisible by ep_size={self.ep_size}"
                 )
+        sharded_experts = expert_fqns if self.ep_size > 1 else []
+        units = [u for u in default_shard_units(model) if u not in sharded_experts]
+        # Checked before anything is changed, so that a refusal leaves the model as it was.
+        for unit in [*sharded_experts, *units, ""]:
+            groups = _group_dtypes(model, unit, [*units, *sharded_experts])
+            if len(groups) > 1:
+                detail = "; ".join(f"{dt}: {fqns[:3]}" for dt, fqns in groups.items())
+                raise UnsupportedError(
+                    f"fully_shard({unit or '<root>'!r}) would manage trainable parameters of several "
+                    f"dtypes ({detail}); FSDP2 needs one dtype per group"
+                )
         efsdp = world // self.ep_size
         self._mesh = _mesh.build_mesh((efsdp, self.ep_size), ("efsdp", "ep"))
         self.dp_mesh = _mesh.build_mesh((world,), ("dp",))
@@ -306,22 +317,12 @@ class ExpertParallelPlugin(Plugin):
         kwargs: dict[str, Any] = {"reshard_after_forward": self.reshard_after_forward}
         if self.mp_policy is not None:
             kwargs["mp_policy"] = self.mp_policy
-        if self.ep_size > 1:
-            for fqn in expert_fqns:
-                self._shard_experts(model.get_submodule(fqn), fqn, kwargs)
-        units = [u for u in default_shard_units(model) if u not in expert_fqns]
-        for unit in [*units, ""]:
-            groups = _group_dtypes(model, unit, [*units, *(expert_fqns if self.ep_size > 1 else [])])
-            if len(groups) > 1:
-                detail = "; ".join(f"{dt}: {fqns[:3]}" for dt, fqns in groups.items())
-                raise UnsupportedError(
-                    f"fully_shard({unit or '<root>'!r}) would manage trainable parameters of several "
-                    f"dtypes ({detail}); FSDP2 needs one dtype per group"
-                )
+        for fqn in sharded_experts:
+            self._shard_experts(model.get_submodule(fqn), fqn, kwargs)
         for unit in sorted(units, key=lambda u: u.count("."), reverse=True):
             fully_shard(model.get_submodule(unit), mesh=self.dp_mesh, **kwargs)
         fully_shard(model, mesh=self.dp_mesh, **kwargs)
-        self.expert_modules = expert_fqns if self.ep_size > 1 else []
+        self.expert_modules = sharded_experts
         self.units = units
         logger.info(
             "expert parallelism over %d ranks (efsdp %d): experts %s; fully_shard units %s, then the root",
