@@ -295,6 +295,8 @@ def save_worker(root: str, tag: str, ep: int | None) -> dict[str, Any]:
     out = Path(root) / tag
     booster.save_model(m, str(out / "model"), shard=True, gather_dtensor=False)
     booster.save_optimizer(o, str(out / "optim"), shard=True, gather_dtensor=False)
+    if tag == "ep4":  # and a Hugging Face checkpoint: full tensors, each rank writing its own bytes
+        booster.save_model(m, str(out / "hf"), shard=True, gather_dtensor=True)
     ref = _reference(m, o)
     if not dist.is_initialized() or dist.get_rank() == 0:
         torch.save(ref, out / "ref.pt")
@@ -427,7 +429,9 @@ def _metadata_bytes(ckpt: Path) -> int:
     for part, kind in (("model", "model"), ("optim", "optimizer")):
         with open_checkpoint(ckpt / part, kind) as r:
             data += sum(t.nbytes for t in r.tensors.values())
-    files = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file() and p.name != "ref.pt")
+    files = sum(
+        p.stat().st_size for part in ("model", "optim") for p in (ckpt / part).rglob("*") if p.is_file()
+    )
     return files - data
 
 
@@ -472,7 +476,7 @@ def test_checkpoints_across_ep_sizes(world_pool: WorldPool, s3: Any, tmp_path: P
 
     ckpt = tmp_path / "ep4"
     meta, experts = _metadata_bytes(ckpt), _expert_bytes(ckpt)
-    probes = HEADER_PROBE * len(list(ckpt.rglob("*.safetensors")))
+    probes = HEADER_PROBE * sum(len(list((ckpt / part).glob("*.safetensors"))) for part in ("model", "optim"))
     served = [s3.served("GET", f"ep2-{r}") for r in range(2)]
     own = [v["ep4_to_ep2_s3"]["own_bytes"] for v in values]
     print(
@@ -486,6 +490,7 @@ def test_checkpoints_across_ep_sizes(world_pool: WorldPool, s3: Any, tmp_path: P
     merged = _merge(tmp_path, "ep4")
     assert merged["layers.0.experts.gate_up_proj"].shape == (E, 2 * INTER, H)
     assert merged["layers.1.experts.down_proj"].shape == (E, H, INTER)
+    _assert_full(tmp_path / "ep4" / "hf", tmp_path / "ep4" / "ref.pt")  # the gathered save at EP 4
 
 
 @pytest.mark.slow
@@ -504,13 +509,18 @@ def test_mixtral_checkpoints_across_ep_sizes(world_pool: WorldPool, tmp_path: Pa
 
 def _merge(tmp_path: Path, tag: str) -> dict[str, torch.Tensor]:
     """``unickpt merge`` of an EP checkpoint: the full stacked tensors, bit for bit."""
-    from safetensors.torch import load_file
-
     from unickpt.cli.main import main
 
-    ref = torch.load(tmp_path / tag / "ref.pt", weights_only=True)
     out = tmp_path / f"merged_{tag}"
     assert main(["merge", "-q", str(tmp_path / tag / "model"), str(out)]) == 0
+    return _assert_full(out, tmp_path / tag / "ref.pt")
+
+
+def _assert_full(out: Path, ref_path: Path) -> dict[str, torch.Tensor]:
+    """The safetensors files in ``out`` hold exactly the reference's full tensors, bit for bit."""
+    from safetensors.torch import load_file
+
+    ref = torch.load(ref_path, weights_only=True)
     merged: dict[str, torch.Tensor] = {}
     for f in sorted(out.glob("*.safetensors")):
         merged.update(load_file(f))
