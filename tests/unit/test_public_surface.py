@@ -58,6 +58,8 @@ PUBLIC = {
         "ZeroCheckpointIO",
         "HybridParallelPlugin",
         "HybridCheckpointIO",
+        "ExpertParallelPlugin",
+        "ExpertParallelCheckpointIO",
     ],
     "unickpt.manager": ["CheckpointManager"],
     "unickpt.tools": ["merge_checkpoint", "diff_checkpoints", "verify_checkpoint", "inspect_checkpoint"],

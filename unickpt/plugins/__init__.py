@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from unickpt.plugins.base import Plugin
 from unickpt.plugins.ddp import DDPCheckpointIO, DDPPlugin
+from unickpt.plugins.ep import ExpertParallelCheckpointIO, ExpertParallelPlugin
 from unickpt.plugins.fsdp2 import FSDP2CheckpointIO, FSDP2Plugin
 from unickpt.plugins.hybrid import HybridCheckpointIO, HybridParallelPlugin
 from unickpt.plugins.pp import PPCheckpointIO, PPPlugin
@@ -16,6 +17,8 @@ from unickpt.plugins.zero import ZeroCheckpointIO, ZeroPlugin
 __all__ = [
     "DDPCheckpointIO",
     "DDPPlugin",
+    "ExpertParallelCheckpointIO",
+    "ExpertParallelPlugin",
     "FSDP2CheckpointIO",
     "FSDP2Plugin",
     "HybridCheckpointIO",
