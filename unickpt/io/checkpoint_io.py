@@ -30,6 +30,7 @@ from unickpt.io.async_save import check_use_safetensors
 from unickpt.io.core import check_size_per_shard
 from unickpt.io.hooks import FINAL_METHODS, HookContext
 from unickpt.io.load import LoadReport, load_tensors
+from unickpt.io.mapping import resolve_mapping
 from unickpt.io.names import apply_prefix
 from unickpt.io.optim_state import optimizer_tensor_name
 from unickpt.io.optimizer_io import OptimizerIO
@@ -161,6 +162,7 @@ class CheckpointIO(OptimizerIO):
         allow_dtype_cast: bool = False,
         low_cpu_mem_mode: bool = True,
         num_threads: int = 1,
+        mapping: Any = None,
     ) -> LoadReport:
         """Collective: load a checkpoint of any layout and world size into this model, in place.
 
@@ -170,6 +172,18 @@ class CheckpointIO(OptimizerIO):
         ``verify=True`` rehashes the slices read first. Returns a ``LoadReport``. An async save
         in flight is waited for first. ``low_cpu_mem_mode``/``num_threads`` (Colossal-AI's
         tuning knobs) are accepted and change nothing: each rank reads its slices directly.
+
+        ``mapping``: how stored tensors the model does not hold by name make up its tensors, as a
+        list of transformers' ``WeightRenaming``/``WeightConverter`` (``transformers.core_model_loading``;
+        ops ``MergeModulelist``, ``SplitModulelist``, ``Concatenate``, ``Chunk``, ``Split``,
+        ``Transpose``, ``Interleave``). The default ``None`` uses transformers' own conversion
+        mapping for a transformers model (``get_model_conversion_mapping``), so a Hub checkpoint
+        with one tensor per expert (Mixtral's ``block_sparse_moe.experts.3.w1.weight``) loads into
+        the fused experts transformers holds in memory (``mlp.experts.gate_up_proj``); ``False``
+        maps nothing. Names the checkpoint holds as they are never go through the mapping. Each
+        rank still reads only the bytes of its own slices: an FSDP shard of ``gate_up_proj`` reads
+        its own experts' ``w1``/``w3`` tensors. A mapping that does not fit (an expert's tensor
+        missing, a shape that differs) is a ``StateMismatchError`` naming the tensor.
         """
         del low_cpu_mem_mode, num_threads
         self.wait()
@@ -187,8 +201,13 @@ class CheckpointIO(OptimizerIO):
         reader = self._open(checkpoint, "model", args)
         ctx = HookContext("model", saving=False, model=model)
         try:
-            targets = _dist.agreed(
-                lambda: self._model_tensors(ctx), "listing the model's tensors to load", self.group
+            targets, transforms = _dist.agreed(
+                lambda: (
+                    self._model_tensors(ctx),
+                    resolve_mapping(self.unwrap_model(model), mapping, saving=False),
+                ),
+                "listing the model's tensors to load",
+                self.group,
             )
             report = load_tensors(
                 reader,
@@ -201,6 +220,7 @@ class CheckpointIO(OptimizerIO):
                 what="model",
                 group=self.group,
                 atomic=self.atomic_load,
+                transforms=transforms,
             )
         finally:
             reader.close()
