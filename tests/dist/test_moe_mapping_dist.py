@@ -3,7 +3,8 @@
 ``gate_up_proj`` [E, 2I, H] and ``down_proj`` are ``Shard(0)`` DTensors: rank r holds experts
 2r and 2r+1. Each rank must read the Hub tensors of its own experts (whole, once) and not one
 byte of the others'; the loaded model equals ``from_pretrained`` bit for bit. The FSDP2 model
-then saves sliced and ``merge`` writes exactly what ``save_pretrained`` wrote.
+then saves sliced and ``merge`` writes exactly what ``save_pretrained`` wrote, as does its
+gathered save (every rank writing the experts it holds under their Hub names).
 """
 
 from __future__ import annotations
@@ -109,6 +110,8 @@ def _merge_case(hub: str, root: str) -> dict[str, Any]:
     io.load_model(model, hub)
     ck = os.path.join(root, "sliced")
     io.save_model(model, ck, shard=True, gather_dtensor=False)
+    gathered = os.path.join(root, "gathered")
+    io.save_model(model, gathered, shard=True)  # each rank writes the experts it holds
     dist.barrier()
     if dist.get_rank() == 0:
         import json
@@ -125,10 +128,11 @@ def _merge_case(hub: str, root: str) -> dict[str, Any]:
                 got.update(load_file(p))
             return got
 
-        a, b = files(out), files(hub)
-        assert sorted(a) == sorted(b), (sorted(set(a) ^ set(b))[:6], os.listdir(ck))
-        for k in a:
-            assert torch.equal(a[k], b[k]), k
+        b = files(hub)
+        for a in (files(out), files(gathered)):
+            assert sorted(a) == sorted(b), (sorted(set(a) ^ set(b))[:6], os.listdir(ck))
+            for k in a:
+                assert torch.equal(a[k], b[k]), k
     dist.barrier()
     return {}
 

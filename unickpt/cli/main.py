@@ -129,6 +129,7 @@ def _cmd_merge(args: argparse.Namespace) -> int:
         verify=not args.no_verify,
         optimizer=args.optimizer,
         progress=not args.quiet,
+        hub_names=False if args.stored_names else None,
     )
     if not args.quiet:
         print(f"merged {args.src} -> {out}")
@@ -290,6 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--no-verify", action="store_true", help="skip checking slice hashes while reading")
     sp.add_argument("--optimizer", action="store_true", help="also merge the optimizer checkpoint in SRC")
+    sp.add_argument(
+        "--stored-names",
+        action="store_true",
+        help="write the names as stored, even where config.json's transformers architecture maps "
+        "them (by default fused MoE experts are written per expert, as on the Hub)",
+    )
     sp.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     sp.set_defaults(func=_cmd_merge)
 

@@ -49,6 +49,7 @@ __all__ = [
     "plan_load",
     "plan_save",
     "is_identity",
+    "map_payload",
 ]
 
 Shape = tuple[int, ...]
@@ -69,6 +70,13 @@ class Node:
 
     def build(self, off: Shape, shp: Shape, fetch: Fetch) -> torch.Tensor:
         """The box (off, shp) of this tensor, from the stored boxes ``fetch`` reads."""
+        raise NotImplementedError
+
+    def pieces(
+        self, leaf: str, off: Shape, shp: Shape, t: torch.Tensor
+    ) -> Iterator[tuple[Shape, Shape, torch.Tensor]]:
+        """Where the box (off, shp) of the stored tensor ``leaf``, whose data is ``t``, lands in
+        this tensor: (offsets, shape, a view of ``t``) for each part of it that this tensor holds."""
         raise NotImplementedError
 
     def sources(self) -> list[str]:
@@ -98,6 +106,12 @@ class Leaf(Node):
 
     def sources(self) -> list[str]:
         return [self.name]
+
+    def pieces(
+        self, leaf: str, off: Shape, shp: Shape, t: torch.Tensor
+    ) -> Iterator[tuple[Shape, Shape, torch.Tensor]]:
+        if leaf == self.name:
+            yield tuple(off), tuple(shp), t
 
 
 def _drop(t: Shape, d: int) -> Shape:
@@ -177,6 +191,15 @@ class Cat(Node):
         pieces = [p.build(o, s, fetch) for p, o, s in self._pieces(off, shp)]
         return torch.cat(pieces, self.dim) if pieces else self._empty(shp)
 
+    def pieces(
+        self, leaf: str, off: Shape, shp: Shape, t: torch.Tensor
+    ) -> Iterator[tuple[Shape, Shape, torch.Tensor]]:
+        d, at = self.dim, 0
+        for p in self.parts:
+            for o, n, x in p.pieces(leaf, off, shp, t):
+                yield _put(o, d, o[d] + at), n, x
+            at += p.shape[d]
+
 
 class Narrow(Node):
     """``part.narrow(dim, start, length)``: one piece of ``Chunk`` or ``Split``."""
@@ -191,6 +214,15 @@ class Narrow(Node):
 
     def build(self, off: Shape, shp: Shape, fetch: Fetch) -> torch.Tensor:
         return self.part.build(_put(off, self.dim, off[self.dim] + self.start), shp, fetch)
+
+    def pieces(
+        self, leaf: str, off: Shape, shp: Shape, t: torch.Tensor
+    ) -> Iterator[tuple[Shape, Shape, torch.Tensor]]:
+        d, a, b = self.dim, self.start, self.start + self.shape[self.dim]
+        for o, n, x in self.part.pieces(leaf, off, shp, t):
+            lo, hi = max(o[d], a), min(o[d] + n[d], b)
+            if lo < hi:
+                yield _put(o, d, lo - a), _put(n, d, hi - lo), x.narrow(d, lo - o[d], hi - lo)
 
 
 class Select(Node):
@@ -210,6 +242,14 @@ class Select(Node):
 
     def build(self, off: Shape, shp: Shape, fetch: Fetch) -> torch.Tensor:
         return self.part.build(*self._box(off, shp), fetch).squeeze(self.dim)
+
+    def pieces(
+        self, leaf: str, off: Shape, shp: Shape, t: torch.Tensor
+    ) -> Iterator[tuple[Shape, Shape, torch.Tensor]]:
+        d, i = self.dim, self.index
+        for o, n, x in self.part.pieces(leaf, off, shp, t):
+            if o[d] <= i < o[d] + n[d]:
+                yield _drop(o, d), _drop(n, d), x.select(d, i - o[d])
 
 
 class Swap(Node):
@@ -231,6 +271,12 @@ class Swap(Node):
     def build(self, off: Shape, shp: Shape, fetch: Fetch) -> torch.Tensor:
         return self.part.build(self._swap(off), self._swap(shp), fetch).transpose(self.d0, self.d1)
 
+    def pieces(
+        self, leaf: str, off: Shape, shp: Shape, t: torch.Tensor
+    ) -> Iterator[tuple[Shape, Shape, torch.Tensor]]:
+        for o, n, x in self.part.pieces(leaf, off, shp, t):
+            yield self._swap(o), self._swap(n), x.transpose(self.d0, self.d1)
+
 
 class Interleave(Node):
     """transformers' ``Interleave``: its dimension read whole, then reordered and cut."""
@@ -251,6 +297,19 @@ class Interleave(Node):
         shape[d : d + 1] = [2, shape[d] // 2] if self.inverse else [shape[d] // 2, 2]
         t = t.reshape(shape).transpose(d, d + 1).reshape(t.shape)
         return t.narrow(d, off[d], shp[d])
+
+    def pieces(
+        self, leaf: str, off: Shape, shp: Shape, t: torch.Tensor
+    ) -> Iterator[tuple[Shape, Shape, torch.Tensor]]:
+        for o, n, x in self.part.pieces(leaf, off, shp, t):
+            if o[self.dim] != 0 or n[self.dim] != self.shape[self.dim]:
+                raise UnsupportedError(
+                    f"Interleave of {leaf!r} along dim {self.dim}: a rank holds part of that dim; "
+                    "save sliced (gather_dtensor=False) and merge"
+                )
+            d, shape = self.dim, list(x.shape)
+            shape[d : d + 1] = [2, shape[d] // 2] if self.inverse else [shape[d] // 2, 2]
+            yield o, n, x.reshape(shape).transpose(d, d + 1).reshape(x.shape)
 
 
 def is_identity(plan: dict[str, Node]) -> bool:
@@ -628,3 +687,50 @@ def plan_save(transforms: Sequence[Any], live: dict[str, tuple[str, Shape]]) -> 
         for hub, node in _convert(conv, layer, state, lambda _t: None).items():
             out[tf.apply_renamings(hub, renamings)] = node
     return out
+
+
+def map_payload(payload: Any, transforms: Sequence[Any]) -> Any:
+    """A gathered save's payload (``io/payload.SavePayload`` of live names) under the stored
+    names of ``transforms`` reversed: each stored tensor's local slices are the parts of the live
+    slices this rank holds that land in it (an FSDP rank's experts, whole), views, no copy; the
+    payload itself when nothing is renamed."""
+    import dataclasses
+
+    from unickpt.io.tensors import LocalSlice, global_shape, is_dtensor, st_dtype
+
+    live = {n: (st_dtype(t.dtype, n), tuple(global_shape(t))) for n, t in payload.tensors.items()}
+    plan = plan_save(transforms, live)
+    if is_identity(plan):
+        return payload
+    tensors: dict[str, torch.Tensor] = {}
+    slices: dict[str, list[LocalSlice]] = {}
+    for hub, node in plan.items():
+        if isinstance(node, Leaf):
+            tensors[hub] = payload.tensors[node.name]
+            slices[hub] = [dataclasses.replace(sl, name=hub) for sl in payload.slices[node.name]]
+            continue
+        out: list[LocalSlice] = []
+        for src in dict.fromkeys(node.sources()):
+            for sl in payload.slices[src]:
+                data = sl.tensor.detach().reshape(sl.shape)
+                for o, n, x in node.pieces(src, tuple(sl.offsets), tuple(sl.shape), data):
+                    out.append(LocalSlice(hub, node.dtype, tuple(node.shape), o, n, x))
+        slices[hub] = out
+        if any(is_dtensor(payload.tensors[s]) for s in node.sources()):
+            # Known only by its slices; a save that gathers whole tensors refuses it (funnel_save).
+            tensors[hub] = torch.empty(
+                node.shape, dtype=payload.tensors[node.sources()[0]].dtype, device="meta"
+            )
+        else:
+            whole = {s: payload.tensors[s].detach() for s in node.sources()}
+
+            def view(name: str, o: Shape, n: Shape, whole: dict[str, torch.Tensor] = whole) -> torch.Tensor:
+                return whole[name][tuple(slice(a, a + k) for a, k in zip(o, n, strict=True))]
+
+            tensors[hub] = node.build((0,) * len(node.shape), tuple(node.shape), view)
+    hub_of = {node.name: hub for hub, node in plan.items() if isinstance(node, Leaf)}
+    aliases = {}
+    for a, t in payload.aliases.items():
+        (hub_a,) = plan_save(transforms, {a: live[t]}) if t in live else (a,)
+        aliases[hub_a] = hub_of.get(t, t)
+    return dataclasses.replace(payload, tensors=tensors, slices=slices, aliases=aliases)
