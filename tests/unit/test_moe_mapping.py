@@ -160,6 +160,29 @@ def test_gathered_save_writes_hub_names_bit_exact(
     assert "model.layers.0.mlp.experts.gate_up_proj" in _files(tmp_path / "fused")
 
 
+def test_convert_bin_of_fused_names_writes_hub_names(peer: tuple[str, Path, Any], tmp_path: Path) -> None:
+    """``convert --from bin`` of a state dict the model holds (fused experts), with its config.json."""
+    from unickpt.tools.convert import convert_checkpoint
+
+    _, d, model = peer
+    src = tmp_path / "bin"
+    src.mkdir()
+    torch.save({k: v.clone() for k, v in model.state_dict().items()}, src / "pytorch_model.bin")
+    (src / "config.json").write_bytes((d / "config.json").read_bytes())
+    out = tmp_path / "hf"
+    convert_checkpoint(src, out, source="bin", target="hf")
+    _same(_files(out), _files(d))
+    _same(type(model).from_pretrained(out).state_dict(), model.state_dict())
+
+
+def test_merge_of_hub_names_leaves_them_alone(peer: tuple[str, Path, Any], tmp_path: Path) -> None:
+    """A gathered save's output (the Hub's names already) merges unchanged: no renaming twice."""
+    _, d, model = peer
+    GeneralCheckpointIO().save_model(model, tmp_path / "g", shard=True)
+    merge_checkpoint(tmp_path / "g", tmp_path / "m")
+    _same(_files(tmp_path / "m"), _files(d))
+
+
 def test_merge_dtype_cast_through_the_mapping(peer: tuple[str, Path, Any], tmp_path: Path) -> None:
     _, d, model = peer
     ck = tmp_path / "ck"

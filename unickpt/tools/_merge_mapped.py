@@ -19,7 +19,7 @@ from unickpt.format.index import LayoutInfo
 from unickpt.format.reader import CheckpointReader
 from unickpt.tools._write import SliceData, TensorData, write_checkpoint
 
-__all__ = ["hub_plan", "write_mapped", "CASTABLE_DTYPES"]
+__all__ = ["hub_plan", "hub_tensor_data", "write_mapped", "CASTABLE_DTYPES"]
 
 CASTABLE_DTYPES = ("F16", "BF16", "F32", "F64")
 
@@ -58,6 +58,10 @@ def hub_plan(
         return None
     plan = plan_save(transforms, tensors)
     if is_identity(plan):
+        return None
+    if mapping is None and not hub_names and all(isinstance(n, Leaf) for n in plan.values()):
+        # Renames alone, no tensor fused: the names may be the Hub's already (a gathered save's
+        # output); renaming them again could only go wrong.
         return None
     hub_of = {node.name: hub for hub, node in plan.items() if isinstance(node, Leaf)}
     out_aliases: dict[str, str] = {}
@@ -126,3 +130,58 @@ def nbytes(plan: dict[str, Any]) -> int:
     from unickpt.format.dtypes import itemsize
 
     return sum(math.prod(n.shape) * itemsize(n.dtype) for n in plan.values())
+
+
+def hub_tensor_data(
+    tensors: dict[str, TensorData], config_json: bytes | None, *, hub_names: bool | None = None
+) -> dict[str, TensorData]:
+    """``convert``'s whole tensors under the Hub's names when ``config.json``'s transformers
+    architecture maps them (``hub_plan``); ``tensors`` itself otherwise. Each output tensor is
+    built when it is written, from the source tensors it is made of (the last one kept)."""
+    got = hub_plan(
+        config_json,
+        {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()},
+        mapping=None,
+        hub_names=hub_names,
+    )
+    if got is None:
+        return tensors
+    plan, _ = got
+    import numpy as np
+    import torch
+
+    from unickpt.io.mapping import Leaf
+    from unickpt.tools._torch import from_bytes, tensor_bytes, torch_of
+
+    last: dict[str, torch.Tensor] = {}
+
+    def whole(name: str) -> torch.Tensor:
+        if name not in last:
+            last.clear()
+            td = tensors[name]
+            full = torch.empty(tuple(td.shape), dtype=torch_of(td.dtype))
+            for sd in td.slices:
+                raw = sd.data() if callable(sd.data) else sd.data
+                buf = (
+                    np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+                    if isinstance(raw, np.ndarray)
+                    else np.frombuffer(memoryview(raw).cast("B"), dtype=np.uint8)
+                )
+                idx = tuple(slice(o, o + n) for o, n in zip(sd.offsets, sd.shape, strict=True))
+                full[idx] = from_bytes(buf.copy(), td.dtype, list(sd.shape))
+            last[name] = full
+        return last[name]
+
+    def fetch(name: str, off: tuple[int, ...], shp: tuple[int, ...]) -> torch.Tensor:
+        return whole(name)[tuple(slice(o, o + n) for o, n in zip(off, shp, strict=True))]
+
+    out: dict[str, TensorData] = {}
+    for hub, node in plan.items():
+        shape = list(node.shape)
+
+        def data(node: Any = node) -> Any:
+            return tensor_bytes(node.build((0,) * len(node.shape), tuple(node.shape), fetch).contiguous())
+
+        extras = tensors[node.name].extras if isinstance(node, Leaf) else {}
+        out[hub] = TensorData(node.dtype, shape, [SliceData([0] * len(shape), shape, data)], extras)
+    return out
