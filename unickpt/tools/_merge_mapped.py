@@ -36,10 +36,10 @@ def hub_plan(
     names, mapped alike) when names are to be mapped, None when they are written as stored.
     ``hub_names``: None maps when a mapping applies (``mapping``, or the conversion mapping of
     ``config.json``'s transformers architecture); False never; True requires one."""
+    if hub_names is False or (mapping is None and config_json is None and not hub_names):
+        return None  # nothing to map, and torch stays unimported (inspect, verify, merge alike)
     from unickpt.io.mapping import Leaf, is_identity, mapping_from_config, plan_save
 
-    if hub_names is False:
-        return None
     transforms = None
     if isinstance(mapping, (list, tuple)):
         transforms = list(mapping) or None
