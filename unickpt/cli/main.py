@@ -131,6 +131,7 @@ def _cmd_merge(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         merge_adapters=args.merge_adapters,
         adapter_config=args.adapter_config,
+        hub_names=False if args.stored_names else None,
     )
     if not args.quiet:
         print(f"merged {args.src} -> {out}")
@@ -303,6 +304,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="PATH",
         help="with --merge-adapters: the adapter_config.json to use when SRC has none",
+    )
+    sp.add_argument(
+        "--stored-names",
+        action="store_true",
+        help="write the names as stored, even where config.json's transformers architecture maps "
+        "them (by default fused MoE experts are written per expert, as on the Hub)",
     )
     sp.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     sp.set_defaults(func=_cmd_merge)

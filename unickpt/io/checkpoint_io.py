@@ -32,6 +32,7 @@ from unickpt.io.async_save import check_use_safetensors
 from unickpt.io.core import check_size_per_shard
 from unickpt.io.hooks import FINAL_METHODS, HookContext
 from unickpt.io.load import LoadReport, load_tensors
+from unickpt.io.mapping import map_payload, resolve_mapping
 from unickpt.io.names import apply_prefix
 from unickpt.io.optim_state import optimizer_tensor_name
 from unickpt.io.optimizer_io import OptimizerIO
@@ -107,6 +108,7 @@ class CheckpointIO(OptimizerIO):
         size_per_shard: int = 1024,
         use_safetensors: bool | None = None,
         use_async: bool = False,
+        mapping: Any = None,
     ) -> str:
         """Collective: save the model's parameters and persistent buffers.
 
@@ -121,6 +123,12 @@ class CheckpointIO(OptimizerIO):
         Colossal-AI's flags: ``use_async=True`` copies the data to CPU memory and writes it in a
         background thread (see :meth:`wait`); ``use_safetensors`` is accepted, and ``False``
         warns that unickpt writes safetensors regardless.
+
+        ``mapping`` (a gathered save, ``gather_dtensor=True``): the names and tensors written, as
+        :meth:`load_model` takes it, reversed. By default a transformers model whose weights
+        transformers maps on load (fused MoE experts) is written under the Hub's names, one
+        tensor per expert, as ``save_pretrained`` writes it; each rank writes the experts it
+        holds. ``False`` writes the names the model holds. A sliced save always keeps them.
         """
         self.wait()
         check_use_safetensors(use_safetensors, "save_model")
@@ -134,7 +142,14 @@ class CheckpointIO(OptimizerIO):
             use_async,
             use_safetensors,
         )
-        payload = self.plan_model(model, prefix=prefix, shard=shard, gather_dtensor=gather_dtensor, args=args)
+        payload = self.plan_model(
+            model,
+            prefix=prefix,
+            shard=shard,
+            gather_dtensor=gather_dtensor,
+            args=args,
+            mapping=mapping if gather_dtensor else False,
+        )
         if use_async:
             config = hf_config_files(self.unwrap_model(model))
             return self._write_async(
@@ -164,6 +179,7 @@ class CheckpointIO(OptimizerIO):
         allow_dtype_cast: bool = False,
         low_cpu_mem_mode: bool = True,
         num_threads: int = 1,
+        mapping: Any = None,
     ) -> LoadReport:
         """Collective: load a checkpoint of any layout and world size into this model, in place.
 
@@ -173,6 +189,18 @@ class CheckpointIO(OptimizerIO):
         ``verify=True`` rehashes the slices read first. Returns a ``LoadReport``. An async save
         in flight is waited for first. ``low_cpu_mem_mode``/``num_threads`` (Colossal-AI's
         tuning knobs) are accepted and change nothing: each rank reads its slices directly.
+
+        ``mapping``: how stored tensors the model does not hold by name make up its tensors, as a
+        list of transformers' ``WeightRenaming``/``WeightConverter`` (``transformers.core_model_loading``;
+        ops ``MergeModulelist``, ``SplitModulelist``, ``Concatenate``, ``Chunk``, ``Split``,
+        ``Transpose``, ``Interleave``). The default ``None`` uses transformers' own conversion
+        mapping for a transformers model (``get_model_conversion_mapping``), so a Hub checkpoint
+        with one tensor per expert (Mixtral's ``block_sparse_moe.experts.3.w1.weight``) loads into
+        the fused experts transformers holds in memory (``mlp.experts.gate_up_proj``); ``False``
+        maps nothing. Names the checkpoint holds as they are never go through the mapping. Each
+        rank still reads only the bytes of its own slices: an FSDP shard of ``gate_up_proj`` reads
+        its own experts' ``w1``/``w3`` tensors. A mapping that does not fit (an expert's tensor
+        missing, a shape that differs) is a ``StateMismatchError`` naming the tensor.
         """
         del low_cpu_mem_mode, num_threads
         self.wait()
@@ -190,8 +218,13 @@ class CheckpointIO(OptimizerIO):
         reader = self._open(checkpoint, "model", args)
         ctx = HookContext("model", saving=False, model=model)
         try:
-            targets = _dist.agreed(
-                lambda: self._model_tensors(ctx), "listing the model's tensors to load", self.group
+            targets, transforms = _dist.agreed(
+                lambda: (
+                    self._model_tensors(ctx),
+                    resolve_mapping(self.unwrap_model(model), mapping, saving=False),
+                ),
+                "listing the model's tensors to load",
+                self.group,
             )
             report = load_tensors(
                 reader,
@@ -204,6 +237,7 @@ class CheckpointIO(OptimizerIO):
                 what="model",
                 group=self.group,
                 atomic=self.atomic_load,
+                transforms=transforms,
             )
         finally:
             reader.close()
@@ -426,17 +460,23 @@ class CheckpointIO(OptimizerIO):
         shard: bool = True,
         gather_dtensor: bool = False,
         args: _dist.Args | None = None,
+        mapping: Any = False,
     ) -> SavePayload:
         """What this rank saves of ``model``: tied tensors once (the others become aliases).
 
         ``shard``/``gather_dtensor`` name the layout the payload will be written in (the
         arguments of :meth:`write`); the default is the sliced save of ``CheckpointManager``.
         ``args``: the calling save's arguments, checked equal on every rank by this agreement.
+        ``mapping``: as :meth:`save_model` takes it (default: none, the names the model holds).
         """
         ctx = HookContext("model", saving=True, model=model, gather=gather_dtensor, shard=shard)
-        return _dist.agreed(
-            lambda: self._plan_model(ctx, prefix), "planning the model save", self.group, args
-        )
+
+        def plan() -> SavePayload:
+            payload = self._plan_model(ctx, prefix)
+            transforms = resolve_mapping(self.unwrap_model(model), mapping, saving=True)
+            return map_payload(payload, transforms) if transforms else payload
+
+        return _dist.agreed(plan, "planning the model save", self.group, args)
 
     def _save_args(
         self,

@@ -32,6 +32,19 @@ from unickpt.io.tensors import as_bytes, is_dtensor, local_slices
 __all__ = ["write_funnelled", "write_funnelled_single", "feed_funnel", "gathered_snapshot"]
 
 
+def _refuse_slices_only(name: str, t: torch.Tensor) -> None:
+    """A tensor under a mapped (Hub) name made of sharded tensors is known by its slices only
+    (``io/mapping.map_payload``): it cannot be gathered whole here."""
+    if t.device.type == "meta":
+        from unickpt.errors import UnsupportedError
+
+        raise UnsupportedError(
+            f"{name}: a gathered save under mapped (Hub) names of sharded tensors needs a local "
+            "directory or a store with shared multipart uploads; save sliced (gather_dtensor=False) "
+            "and run unickpt merge"
+        )
+
+
 def _full_tensor_for(
     name: str, tensors: dict[str, torch.Tensor], group: Any, rank: int, holder: int
 ) -> torch.Tensor | None:
@@ -39,6 +52,7 @@ def _full_tensor_for(
     t = tensors.get(name)
     full = None
     if t is not None:
+        _refuse_slices_only(name, t)
         full = t.full_tensor() if is_dtensor(t) else t  # type: ignore[attr-defined]
     if holder != 0 and rank == holder and full is not None:
         # The tensor lives only on other ranks (pipeline stages): the lowest holder sends it,
@@ -190,6 +204,7 @@ def gathered_snapshot(
     me = _dist.rank(group)
     out: dict[str, torch.Tensor] = {}
     for name, t in payload.tensors.items():
+        _refuse_slices_only(name, t)
         full = t.full_tensor() if is_dtensor(t) else t  # type: ignore[attr-defined]
         if holder[name] == me:
             out[name] = cpu_copy(full, staging, name)

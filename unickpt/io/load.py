@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -40,13 +40,13 @@ from unickpt.format.range_hashes import has_hashes, slice_failures
 from unickpt.format.read_batch import ReadBatch, describe_key, table_spans
 from unickpt.format.reader import CheckpointReader
 from unickpt.format.slice_spans import FileNumbers, all_referenced, locate
-from unickpt.io.load_match import LoadReport, match_targets, raise_mismatch
+from unickpt.io.load_match import LoadReport, Mapped, match_targets, raise_mismatch
 from unickpt.io.load_rows import Located, add_row_box
 from unickpt.io.load_rows import as_bytes as _as_bytes
 from unickpt.io.tensors import LocalSlice, torch_dtype
 from unickpt.io.url_load import each_block, each_slice
 
-__all__ = ["LoadReport", "load_tensors", "read_box"]  # LoadReport: io/load_match.py
+__all__ = ["LoadReport", "load_tensors", "read_box", "box_fetcher"]  # LoadReport: io/load_match.py
 
 
 class _Files:
@@ -211,17 +211,22 @@ def load_tensors(
     group: Any = None,
     ignore_unexpected: Callable[[str], bool] | None = None,
     atomic: bool = False,
+    transforms: list[Any] | None = None,
 ) -> LoadReport:
     """Collective. Copy the checkpoint's values into ``targets`` (name -> tensor/DTensor) in place.
 
     ``atomic`` reads this rank's whole share into CPU memory before copying anything, so that a
     read error leaves every target untouched; otherwise each block is read in place.
+    ``transforms``: a weight mapping (``io/mapping.py``) for the targets the checkpoint holds
+    under other names or as several tensors; each box of such a target is assembled from the
+    boxes of the stored tensors it is made of, and only those are read.
     """
     err: BaseException | None = None
     held = False  # the reader holds the slices fetched to verify them (on a URL)
     report = LoadReport()
     located: tuple[Located, dict[str, int]] | None = None
     plan: list[tuple[str, str, list[LocalSlice]]] = []  # (target name, source name, boxes)
+    mapped: list[Mapped] = []
     try:
         plan, mismatched = match_targets(
             reader,
@@ -232,6 +237,8 @@ def load_tensors(
             prefix=prefix,
             ignore_unexpected=ignore_unexpected,
             what=what,
+            transforms=transforms,
+            mapped=mapped,
         )
     except Exception as e:  # whatever it is, every rank must hear of it before the next collective
         err = e
@@ -249,6 +256,9 @@ def load_tensors(
         reader.check_coverage()
         needed: dict[str, list[int]] = {}
         for _, src, boxes in plan:
+            ks = _needed_slices(reader.tensors[src], boxes)
+            needed[src] = sorted(set(needed[src]) | set(ks)) if src in needed else ks
+        for src, boxes in _mapped_leaves(mapped).items():
             ks = _needed_slices(reader.tensors[src], boxes)
             needed[src] = sorted(set(needed[src]) | set(ks)) if src in needed else ks
         # Every file this rank reads, opened at once (on a URL, several headers in flight).
@@ -300,10 +310,47 @@ def load_tensors(
 
     where = reader.index_path or reader.directory
     if atomic:
-        _read_then_copy(reader, plan, what, where, group, held, located[0] if located else {})
+        _read_then_copy(reader, plan, what, where, group, held, located[0] if located else {}, mapped)
     else:
-        _read_in_place(reader, plan, what, where, group, held, located[0] if located else {})
+        _read_in_place(reader, plan, what, where, group, held, located[0] if located else {}, mapped)
     return report
+
+
+def _mapped_leaves(mapped: list[Mapped]) -> dict[str, list[LocalSlice]]:
+    """The boxes of stored tensors that this rank's boxes of the mapped targets are made of."""
+    out: dict[str, list[LocalSlice]] = {}
+    for _, node, boxes in mapped:
+        for b in boxes:
+            for src, off, shp in node.leaves(tuple(b.offsets), tuple(b.shape)):
+                leaf = LocalSlice(src, "", (), tuple(off), tuple(shp), b.tensor)
+                out.setdefault(src, []).append(leaf)
+    return out
+
+
+def box_fetcher(
+    reader: CheckpointReader,
+) -> tuple[Callable[[str, tuple[int, ...], tuple[int, ...]], torch.Tensor], Callable[[], None]]:
+    """``(fetch, close)``: ``fetch(name, offsets, shape)`` reads that box of a stored tensor
+    (only the bytes of the box, ``read_box``); ``close`` closes the files it opened."""
+    files = _Files(reader)
+
+    def fetch(name: str, off: tuple[int, ...], shp: tuple[int, ...]) -> torch.Tensor:
+        return read_box(files, reader.tensors[name], off, shp)
+
+    return fetch, files.close
+
+
+def _build_mapped(
+    files: _Files, reader: CheckpointReader, mapped: list[Mapped]
+) -> Iterator[tuple[LocalSlice, torch.Tensor]]:
+    """Each box of the mapped targets, assembled from the boxes of its stored tensors."""
+
+    def fetch(name: str, off: tuple[int, ...], shp: tuple[int, ...]) -> torch.Tensor:
+        return read_box(files, reader.tensors[name], off, shp)
+
+    for _, node, boxes in mapped:
+        for b in boxes:
+            yield b, node.build(tuple(b.offsets), tuple(b.shape), fetch)
 
 
 def _files_of(reader: CheckpointReader, needed: dict[str, list[int]]) -> list[str]:
@@ -341,6 +388,7 @@ def _read_then_copy(
     group: Any,
     held: bool = False,
     located: Located | None = None,
+    mapped: list[Mapped] | None = None,
 ) -> None:
     """Read everything this rank needs before copying anything, and agree once more: a read error
     on any rank (a file vanishing, an I/O error) then leaves every model untouched. The price is
@@ -365,6 +413,7 @@ def _read_then_copy(
         if batch is not None:
             batch.run(reader._fd, reader.file_path)
         buffers = [(b, data) for (_, b), data in zip(jobs, datas, strict=True)]
+        buffers.extend(_build_mapped(files, reader, mapped or []))
     except Exception as e:  # safetensors raises its own error types; every rank must hear of it
         err = _read_error(e, where)
     finally:
@@ -385,6 +434,7 @@ def _read_in_place(
     group: Any,
     held: bool = False,
     located: Located | None = None,
+    mapped: list[Mapped] | None = None,
 ) -> None:
     """Read each block straight into its tensor (CPU, same dtype) or through a buffer of that one
     block: memory stays at one block over the state. A read error mid-way leaves the state
@@ -414,6 +464,9 @@ def _read_in_place(
         each_block(reader, [(reader.tensors[src], b) for _, src, boxes in plan for b in boxes], one, held)
         if batch is not None:
             batch.run(reader._fd, reader.file_path)
+        with torch.no_grad():
+            for b, data in _build_mapped(files, reader, mapped or []):
+                b.tensor.copy_(data.to(b.tensor.dtype).reshape(b.tensor.shape))
     except Exception as e:
         cause = _read_error(e, where)
         err = IncompleteCheckpointError(

@@ -5,14 +5,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from unickpt.errors import StateMismatchError
 from unickpt.format.reader import CheckpointReader
+from unickpt.io.mapping import Node, plan_load
 from unickpt.io.tensors import LocalSlice, global_shape, is_dtensor, st_dtype
 
-__all__ = ["LoadReport", "match_targets", "raise_mismatch"]
+__all__ = ["LoadReport", "Mapped", "match_targets", "raise_mismatch"]
+
+#: A live tensor built through a mapping: (its name, the tree of stored tensors, this rank's boxes)
+Mapped = tuple[str, Node, list[LocalSlice]]
 
 
 @dataclass
@@ -43,7 +48,15 @@ def match_targets(
     prefix: str,
     what: str,
     ignore_unexpected: Callable[[str], bool] | None,
+    transforms: list[Any] | None = None,
+    mapped: list[Mapped] | None = None,
 ) -> tuple[list[tuple[str, str, list[LocalSlice]]], list[str]]:
+    """The (target, stored tensor, boxes) each target loads from, and the mismatches found.
+
+    With ``transforms`` (``io/mapping.py``), the targets the checkpoint does not hold by name are
+    looked for through them: a renamed stored tensor joins the plan like any other, a tensor
+    built from several stored ones (stacked experts, concatenated projections) is appended to
+    ``mapped``, and what does not fit the mapping is a mismatch naming the tensor."""
     block = reader.block
     available: dict[str, str] = {}  # name without prefix -> stored name
     for stored in list(block.tensors) + list(block.aliases):
@@ -57,19 +70,48 @@ def match_targets(
     mismatched: list[str] = []
     plan: list[tuple[str, str, list[LocalSlice]]] = []
     done_ids: dict[int, str] = {}
+    built: dict[str, Node] = {}
+    boxes_of: dict[str, list[LocalSlice]] = {}
+    lacking = {n: t for n, t in targets.items() if n not in available} if transforms else {}
+    if lacking:
+        shapes = {}
+        for n, t in lacking.items():
+            boxes_of[n] = bx = boxes_fn(n, t)
+            shapes[n] = tuple(bx[0].global_shape) if bx else tuple(global_shape(t))
+        src_of = {k: block.aliases.get(full, full) for k, full in available.items()}
+        stored_of = {k: (block.tensors[s].dtype, tuple(block.tensors[s].shape)) for k, s in src_of.items()}
+        lp = plan_load(transforms or [], stored_of, shapes, skip=set(targets), src_of=src_of)
+        mismatched.extend(lp.problems)
+        for live, s in lp.renames.items():
+            available[live] = available[s]
+        built = lp.built
     for name, t in targets.items():
         found = available.get(name)
         if found is None:
             if id(t) in done_ids:  # tied to a target that is loaded already
                 continue
-            report.missing.append(name)
+            node = built.get(name)
+            if node is None:
+                report.missing.append(name)
+                continue
+            if node.dtype != st_dtype(t.dtype, name) and not allow_dtype_cast:
+                mismatched.append(
+                    f"{name}: checkpoint has dtype {node.dtype}, {what} has {st_dtype(t.dtype, name)} "
+                    "(pass allow_dtype_cast=True to cast on load)"
+                )
+                continue
+            used.update(node.sources())
+            done_ids[id(t)] = name
+            report.loaded.append(name)
+            if mapped is not None:
+                mapped.append((name, node, boxes_of[name]))
             continue
         stored = found
         used.add(stored)
         src = block.aliases.get(stored, stored)
         used.add(src)
         entry = block.tensors[src]
-        boxes = boxes_fn(name, t)
+        boxes = boxes_of[name] if name in boxes_of else boxes_fn(name, t)
         # The boxes know the global tensor (a ZeRO target is a flat view of part of it).
         want_shape = list(boxes[0].global_shape) if boxes else list(global_shape(t))
         want_dtype = st_dtype(t.dtype, name)

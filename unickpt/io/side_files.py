@@ -28,7 +28,8 @@ def hf_config_files(module: torch.nn.Module) -> dict[str, str]:
     """``config.json`` / ``generation_config.json`` contents of a Hugging Face model, if it has them.
 
     ``config.json`` names the model's architecture (``architectures``) as ``save_pretrained``
-    writes it: the class of the model, or of the base model a wrapper (a ``PeftModel``) holds.
+    writes it: the class of the model, or of the base model a wrapper (a ``PeftModel``) holds,
+    never the class FSDP2 makes of it (``FSDPMixtralForCausalLM``), which transformers does not have.
     A ``PeftModel`` also gets ``adapter_config.json``, its active adapter's config as peft writes it.
     """
     out: dict[str, str] = {}
@@ -46,11 +47,16 @@ def hf_config_files(module: torch.nn.Module) -> dict[str, str]:
             get_base = getattr(module, "get_base_model", None)  # peft's PeftModel
             if callable(get_base):
                 base = get_base()
-            # A transformers config (PretrainedConfig has the field) of a transformers model.
-            if hasattr(getattr(base, "config", None), "architectures") and type(base).__module__.startswith(
+            # A transformers config (PretrainedConfig has the field) of a transformers model; the
+            # class FSDP2's fully_shard (or replicate) puts in front of it does not count.
+            cls = next(
+                (c for c in type(base).__mro__ if not c.__module__.startswith("torch.distributed.")),
+                type(base),
+            )
+            if hasattr(getattr(base, "config", None), "architectures") and cls.__module__.startswith(
                 "transformers."
             ):
-                cfg["architectures"] = [type(base).__name__]
+                cfg["architectures"] = [cls.__name__]
                 out["config.json"] = json.dumps(cfg, indent=2, sort_keys=True) + "\n"
     peft_config = getattr(module, "peft_config", None)
     if isinstance(peft_config, dict) and peft_config:

@@ -44,6 +44,7 @@ from unickpt.format.index import LayoutInfo
 from unickpt.format.naming import HF_SIDE_FILES
 from unickpt.format.storage import is_url, open_storage
 from unickpt.tools._common import check_output, read_side_files, staged_output
+from unickpt.tools._merge_mapped import hub_tensor_data
 from unickpt.tools._progress import progress_bar
 from unickpt.tools._sink import Sink, output_sink, put_bytes
 from unickpt.tools._store_out import StoreOutput
@@ -370,6 +371,7 @@ def convert_checkpoint(
         raise CheckpointFormatError(
             f"{src_s}: no tensors to convert" + (f" under prefix {strip_prefix!r}" if strip_prefix else "")
         )
+    tensors = hub_tensor_data(tensors, _config_json(src_s, *origin))
     total = sum(math.prod(t.shape) * itemsize(t.dtype) for t in tensors.values())
     with output_sink(out_s) as sink, progress_bar(total, f"convert --from {source}", progress) as update:
         write_checkpoint(
@@ -390,6 +392,17 @@ def _merge_dcp_hf(src: str, out: str, max_shard_size: int | str) -> str:
 
     merge_checkpoint(src, out, max_shard_size=max_shard_size)
     return out
+
+
+def _config_json(*sources: str) -> bytes | None:
+    """The ``config.json`` that ``_copy_side_files`` copies into the output, or None."""
+    for src in sources:
+        storage, _ = open_storage(src)
+        base = src.removeprefix("file://").rstrip("/") or "/"
+        directory = base if storage.listdir(base) else posixpath.dirname(base) or "."
+        for _, data in read_side_files(directory, ["config.json"]):
+            return data
+    return None
 
 
 def _copy_side_files(sink: Sink, *sources: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from typing import Any
 
 from unickpt._logging import get_logger
 
@@ -86,4 +87,27 @@ def architecture_names_check(config_json: bytes, names: Iterable[str]) -> NameMi
     missing = sorted(n for n in expected - given if n not in tied)
     if not unexpected and not missing:
         return None
+    if _hub_names_match(model, given, tied):
+        return None
     return NameMismatch(str(arch), unexpected, missing)
+
+
+def _hub_names_match(model: Any, given: set[str], tied: set[str]) -> bool:
+    """True when ``given`` are the model's names as its Hub files hold them: transformers'
+    conversion mapping reversed (fused MoE experts one tensor per expert), which
+    ``from_pretrained`` maps back on load."""
+    from unickpt.io.mapping import plan_save, resolve_mapping
+    from unickpt.io.tensors import TORCH_TO_ST
+
+    transforms = resolve_mapping(model, None, saving=True)
+    if not transforms:
+        return False
+    live = {n: (TORCH_TO_ST.get(t.dtype, "F32"), tuple(t.shape)) for n, t in model.state_dict().items()}
+    try:
+        hub = plan_save(transforms, live)
+    except Exception as e:  # a mapping unickpt cannot follow: no verdict from it
+        logger.debug("cannot map the names of %s: %s", type(model).__name__, e)
+        return False
+    hub_tied = set(plan_save(transforms, {n: live[n] for n in tied if n in live})) if tied else set()
+    expected = set(hub)
+    return given <= expected and all(n in given or n in hub_tied for n in expected)

@@ -57,6 +57,7 @@ from unickpt.tools._common import (
     write_all,
     write_durably,
 )
+from unickpt.tools._merge_mapped import hub_plan, write_mapped
 from unickpt.tools._merge_runs import Run, validate_runs
 from unickpt.tools._merge_tensors import CHUNK, TensorMerger
 from unickpt.tools._progress import progress_bar
@@ -287,6 +288,8 @@ def merge_checkpoint(
     storage_options: dict[str, Any] | None = None,
     merge_adapters: bool = False,
     adapter_config: Any = None,
+    hub_names: bool | None = None,
+    mapping: Any = None,
 ) -> str:
     """Merge the checkpoint at ``src`` (any layout) into a plain Hugging Face checkpoint at ``out``.
 
@@ -310,6 +313,15 @@ def merge_checkpoint(
     adapters are merged into the base weights as peft's ``merge_and_unload`` merges them, and
     the output has the base architecture's names (``tools/merge_adapters.py``).
     ``adapter_config`` gives the adapter's config when ``src`` has no ``adapter_config.json``.
+
+    Names as the Hub has them: when ``src``'s ``config.json`` names a transformers architecture
+    whose weights transformers maps on load (transformers 5 fuses the experts of an MoE layer,
+    ``mlp.experts.gate_up_proj``, where the Hub keeps ``block_sparse_moe.experts.3.w1.weight``),
+    the model's tensors are written through that mapping reversed, so ``from_pretrained`` reads
+    the output as it reads the Hub's checkpoint (each expert read from the stored slices alone,
+    bit for bit). ``hub_names=False`` writes the names as stored; ``hub_names=True`` requires a
+    mapping. ``mapping``: a list of transformers ``WeightRenaming``/``WeightConverter`` (as
+    ``load_model(mapping=...)`` takes it, from stored to live names) to reverse instead.
     """
     src_s = os.fspath(src)
     url_out = is_url(out)
@@ -372,14 +384,38 @@ def merge_checkpoint(
                 store = stack.enter_context(store_output(out_s, storage_options))
             else:
                 tmp = stack.enter_context(staged_output(out_s))
+            config_json: bytes | None = None
             for fname, data in read_side_files(readers[0].directory, side, opts):
                 if fname == "config.json" and readers[0].kind == "model":
                     _check_names(data, readers[0], src_s)
+                    config_json = data
                 if store is not None:
                     store.put(fname, data)
                 else:
                     write_durably(os.path.join(tmp, fname), data)
             for r, runs in zip(readers, runs_of, strict=True):
+                hub = None
+                if r.kind == "model":
+                    hub = hub_plan(
+                        config_json,
+                        {n: (t.dtype, tuple(t.shape)) for n, t in r.block.tensors.items()},
+                        mapping=mapping,
+                        hub_names=hub_names,
+                        aliases=dict(r.block.aliases),
+                    )
+                if hub is not None:
+                    write_mapped(
+                        r,
+                        hub[0],
+                        store if store is not None else tmp,
+                        aliases=hub[1],
+                        max_shard_bytes=_size_bytes(max_shard_size),
+                        out_dtype=out_dtype,
+                        verify=verify,
+                        created_by=f"unickpt {__version__} merge (from {r.block.layout.plugin} x{r.block.layout.world_size}, Hub names)",
+                        progress=update,
+                    )
+                    continue
                 _merge_one(
                     r,
                     tmp,
@@ -417,6 +453,12 @@ def _check_names(config_json: bytes, reader: CheckpointReader, src: str) -> None
 
 class ArchitectureMismatchWarning(UserWarning):
     """A merged checkpoint's names are not what its ``config.json``'s architecture loads."""
+
+
+def _size_bytes(size: int | str) -> int:
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    return size if isinstance(size, int) else int(parse_size_to_int(size))
 
 
 def _has_kind(src: str, kind: str, storage_options: dict[str, Any] | None) -> bool:

@@ -1,0 +1,363 @@
+"""Mixture-of-experts checkpoints of the Hub in and out of unickpt, through a weight mapping.
+
+transformers 5 fuses the experts of a layer in memory (Mixtral's ``mlp.experts.gate_up_proj``
+of shape [E, 2I, H]) while the Hub keeps one tensor per expert
+(``block_sparse_moe.experts.3.w1.weight``). The peer files here are written by transformers'
+own ``save_pretrained`` (which reverses its mapping, as the Hub's files are); every comparison
+is bit for bit against ``from_pretrained`` of the same files.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file, save_file  # noqa: E402
+from transformers.core_model_loading import (  # noqa: E402
+    Chunk,
+    Concatenate,
+    Interleave,
+    MergeModulelist,
+    Transpose,
+    WeightConverter,
+    WeightRenaming,
+)
+
+from unickpt import GeneralCheckpointIO, StateMismatchError, merge_checkpoint  # noqa: E402
+
+ARCHS = ["mixtral", "qwen2_moe"]
+
+
+def _model(arch: str, seed: int = 0) -> Any:
+    torch.manual_seed(seed)
+    if arch == "mixtral":
+        cfg = transformers.MixtralConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=24,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        )
+        return transformers.MixtralForCausalLM(cfg)
+    cfg = transformers.Qwen2MoeConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=8,
+        shared_expert_intermediate_size=12,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
+    return transformers.Qwen2MoeForCausalLM(cfg)
+
+
+def _files(d: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for p in sorted(glob.glob(os.path.join(d, "*.safetensors"))):
+        out.update(load_file(p))
+    return out
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def peer(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Any]:
+    """(arch, the directory save_pretrained wrote, the model it wrote)."""
+    arch = request.param
+    model = _model(arch)
+    d = tmp_path_factory.mktemp(f"hub-{arch}")
+    model.save_pretrained(d)
+    return arch, d, model
+
+
+def test_peer_files_have_per_expert_keys(peer: tuple[str, Path, Any]) -> None:
+    """The precondition: save_pretrained writes the Hub's per-expert keys, not the fused ones."""
+    arch, d, model = peer
+    names = set(_files(d))
+    assert not any("gate_up_proj" in n for n in names)
+    expert = "block_sparse_moe.experts.3.w1.weight" if arch == "mixtral" else "mlp.experts.3.gate_proj.weight"
+    assert f"model.layers.1.{expert}" in names
+    assert "model.layers.0.mlp.experts.gate_up_proj" in model.state_dict()
+
+
+def test_hub_checkpoint_loads_bit_exact(peer: tuple[str, Path, Any]) -> None:
+    arch, d, _ = peer
+    ref = type(_model(arch)).from_pretrained(d)
+    live = _model(arch, seed=1)
+    report = GeneralCheckpointIO().load_model(live, d)
+    assert report.missing == [] and report.unexpected == []
+    _same(live.state_dict(), ref.state_dict())
+    # Without the mapping the names do not match, as before: nothing is loaded.
+    other = _model(arch, seed=2)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(StateMismatchError, match=r"experts\.gate_up_proj"):
+        GeneralCheckpointIO().load_model(other, d, mapping=False)
+    _same(other.state_dict(), before)
+
+
+def test_atomic_load_and_verify_through_the_mapping(peer: tuple[str, Path, Any]) -> None:
+    arch, d, model = peer
+    io = GeneralCheckpointIO(atomic_load=True)
+    live = _model(arch, seed=3)
+    io.load_model(live, d, verify=True)
+    _same(live.state_dict(), model.state_dict())
+
+
+def test_merge_writes_hub_names_bit_exact(peer: tuple[str, Path, Any], tmp_path: Path) -> None:
+    """A trained model saved sliced (fused names) merges into what save_pretrained writes."""
+    arch, d, model = peer
+    io = GeneralCheckpointIO()
+    ck = tmp_path / "ck"
+    io.save_model(model, ck, shard=True, gather_dtensor=False)
+    assert "model.layers.0.mlp.experts.gate_up_proj@0" in _files(ck)  # stored as the model holds it
+    # The sliced checkpoint of fused names still loads as it is (no mapping needed).
+    back = _model(arch, seed=4)
+    io.load_model(back, ck)
+    _same(back.state_dict(), model.state_dict())
+    out = tmp_path / "merged"
+    merge_checkpoint(ck, out)
+    _same(_files(out), _files(d))
+    ref = type(model).from_pretrained(out)
+    _same(ref.state_dict(), model.state_dict())
+    # hub_names=False keeps the names as stored.
+    raw = tmp_path / "raw"
+    merge_checkpoint(ck, raw, hub_names=False)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in _files(raw)
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_gathered_save_writes_hub_names_bit_exact(
+    peer: tuple[str, Path, Any], tmp_path: Path, shard: bool
+) -> None:
+    arch, d, model = peer
+    io = GeneralCheckpointIO()
+    out = tmp_path / "gathered"
+    io.save_model(model, out, shard=shard)
+    _same(_files(out), _files(d))
+    _same(type(model).from_pretrained(out).state_dict(), model.state_dict())
+    back = _model(arch, seed=6)
+    io.load_model(back, out, verify=True)  # unickpt's own index, Hub names, through the mapping
+    _same(back.state_dict(), model.state_dict())
+    io.save_model(model, tmp_path / "fused", shard=shard, mapping=False)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in _files(tmp_path / "fused")
+
+
+def test_convert_bin_of_fused_names_writes_hub_names(peer: tuple[str, Path, Any], tmp_path: Path) -> None:
+    """``convert --from bin`` of a state dict the model holds (fused experts), with its config.json."""
+    from unickpt.tools.convert import convert_checkpoint
+
+    _, d, model = peer
+    src = tmp_path / "bin"
+    src.mkdir()
+    torch.save({k: v.clone() for k, v in model.state_dict().items()}, src / "pytorch_model.bin")
+    (src / "config.json").write_bytes((d / "config.json").read_bytes())
+    out = tmp_path / "hf"
+    convert_checkpoint(src, out, source="bin", target="hf")
+    _same(_files(out), _files(d))
+    _same(type(model).from_pretrained(out).state_dict(), model.state_dict())
+
+
+def test_merge_of_hub_names_leaves_them_alone(peer: tuple[str, Path, Any], tmp_path: Path) -> None:
+    """A gathered save's output (the Hub's names already) merges unchanged: no renaming twice."""
+    _, d, model = peer
+    GeneralCheckpointIO().save_model(model, tmp_path / "g", shard=True)
+    merge_checkpoint(tmp_path / "g", tmp_path / "m")
+    _same(_files(tmp_path / "m"), _files(d))
+
+
+def test_merge_dtype_cast_through_the_mapping(peer: tuple[str, Path, Any], tmp_path: Path) -> None:
+    _, d, model = peer
+    ck = tmp_path / "ck"
+    GeneralCheckpointIO().save_model(model, ck, shard=True, gather_dtensor=False)
+    merge_checkpoint(ck, tmp_path / "bf16", dtype="bf16")
+    got = _files(tmp_path / "bf16")
+    want = {k: v.to(torch.bfloat16) for k, v in _files(d).items()}
+    _same(got, want)
+
+
+def _drop_key(d: Path, out: Path, name: str, replace: torch.Tensor | None = None) -> None:
+    out.mkdir()
+    for p in glob.glob(os.path.join(d, "*")):
+        if p.endswith(".safetensors"):
+            t = load_file(p)
+            if replace is None:
+                del t[name]
+            else:
+                t[name] = replace
+            save_file(t, out / os.path.basename(p), metadata={"format": "pt"})
+        else:
+            (out / os.path.basename(p)).write_bytes(Path(p).read_bytes())
+
+
+def test_missing_expert_key_is_a_clear_mismatch(peer: tuple[str, Path, Any], tmp_path: Path) -> None:
+    arch, d, _ = peer
+    up = "block_sparse_moe.experts.2.w3.weight" if arch == "mixtral" else "mlp.experts.2.up_proj.weight"
+    gone = f"model.layers.0.{up}"
+    _drop_key(d, tmp_path / "bad", gone)
+    live = _model(arch, seed=1)
+    before = {k: v.clone() for k, v in live.state_dict().items()}
+    with pytest.raises(StateMismatchError) as ei:
+        GeneralCheckpointIO().load_model(live, tmp_path / "bad")
+    msg = str(ei.value)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in msg
+    assert repr(gone) in msg and "found indices [0, 1, 3]" in msg
+    _same(live.state_dict(), before)  # nothing loaded
+
+
+def test_wrong_expert_shape_is_a_clear_mismatch(peer: tuple[str, Path, Any], tmp_path: Path) -> None:
+    arch, d, _ = peer
+    down = "block_sparse_moe.experts.1.w2.weight" if arch == "mixtral" else "mlp.experts.1.down_proj.weight"
+    name = f"model.layers.1.{down}"
+    good = _files(d)[name]
+    _drop_key(d, tmp_path / "bad", name, replace=torch.zeros(good.shape[0], good.shape[1] + 1))
+    with pytest.raises(StateMismatchError) as ei:
+        GeneralCheckpointIO().load_model(_model(arch, seed=1), tmp_path / "bad")
+    msg = str(ei.value)
+    assert "model.layers.1.mlp.experts.down_proj" in msg
+    assert repr(name) in msg and str([good.shape[0], good.shape[1] + 1]) in msg and "cannot be stacked" in msg
+
+
+def test_all_experts_of_a_layer_short_is_a_shape_mismatch(
+    peer: tuple[str, Path, Any], tmp_path: Path
+) -> None:
+    """The last expert gone from every projection: the stack is one short of the model's."""
+    arch, d, _ = peer
+    names = ["w1", "w2", "w3"] if arch == "mixtral" else ["gate_proj", "up_proj", "down_proj"]
+    base = "model.layers.0." + ("block_sparse_moe.experts.3." if arch == "mixtral" else "mlp.experts.3.")
+    (tmp_path / "bad").mkdir()
+    t = _files(d)
+    for n in names:
+        del t[base + n + ".weight"]
+    save_file(t, tmp_path / "bad" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(StateMismatchError) as ei:
+        GeneralCheckpointIO().load_model(_model(arch, seed=1), tmp_path / "bad")
+    msg = str(ei.value)
+    assert "model.layers.0.mlp.experts.gate_up_proj: the mapping builds shape [3," in msg
+    assert "the model has shape [4," in msg
+
+
+# ---------------------------------------------------------------------------- user-passed ops
+class Fused(torch.nn.Module):
+    """A non-transformers model: fused QKV, experts stacked in one parameter, a transposed
+    projection, gate and up as two parameters, an interleaved one, a renamed norm."""
+
+    def __init__(self, h: int = 8, e: int = 3) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(h, 3 * h, bias=False)
+        self.experts = torch.nn.Parameter(torch.randn(e, 2 * h, h))
+        self.proj_t = torch.nn.Parameter(torch.randn(h, 2 * h))
+        self.gate = torch.nn.Parameter(torch.randn(h, h))
+        self.up = torch.nn.Parameter(torch.randn(h, h))
+        self.inter = torch.nn.Parameter(torch.randn(2 * h, h))
+        self.norm = torch.nn.LayerNorm(h)
+
+
+USER_MAPPING = [
+    WeightRenaming(r"^old_norm\.", "norm."),
+    WeightConverter(["attn.q.weight", "attn.k.weight", "attn.v.weight"], "qkv.weight", [Concatenate(dim=0)]),
+    WeightConverter("moe.*.weight", "experts", [MergeModulelist(dim=0)]),
+    WeightConverter("proj.weight", "proj_t", [Transpose(0, 1)]),
+    WeightConverter("gate_up.weight", ["gate", "up"], [Chunk(dim=0)]),
+    WeightConverter("inter_hub.weight", "inter", [Interleave(dim=0)]),
+]
+
+
+def _user_stored(h: int = 8, e: int = 3) -> dict[str, torch.Tensor]:
+    torch.manual_seed(5)
+    t = {f"attn.{x}.weight": torch.randn(h, h) for x in "qkv"}
+    t.update({f"moe.{i}.weight": torch.randn(2 * h, h) for i in range(e)})
+    t["proj.weight"] = torch.randn(2 * h, h)
+    t["gate_up.weight"] = torch.randn(2 * h, h)
+    t["inter_hub.weight"] = torch.randn(2 * h, h)
+    t["old_norm.weight"] = torch.randn(h)
+    t["old_norm.bias"] = torch.randn(h)
+    return t
+
+
+def test_user_ops_load_and_merge_back(tmp_path: Path) -> None:
+    stored = _user_stored()
+    (tmp_path / "hub").mkdir()
+    save_file(stored, tmp_path / "hub" / "model.safetensors", metadata={"format": "pt"})
+    m = Fused()
+    report = GeneralCheckpointIO().load_model(m, tmp_path / "hub", mapping=USER_MAPPING)
+    assert report.missing == [] and report.unexpected == []
+    sd = m.state_dict()
+    assert torch.equal(sd["qkv.weight"], torch.cat([stored[f"attn.{x}.weight"] for x in "qkv"]))
+    assert torch.equal(sd["experts"], torch.stack([stored[f"moe.{i}.weight"] for i in range(3)]))
+    assert torch.equal(sd["proj_t"], stored["proj.weight"].T)
+    assert torch.equal(sd["gate"], stored["gate_up.weight"][:8]) and torch.equal(
+        sd["up"], stored["gate_up.weight"][8:]
+    )
+    # Interleave as transformers' own op computes it.
+    want = Interleave(dim=0).convert({"x": stored["inter_hub.weight"]}, ["x"], ["inter"])["inter"]
+    assert torch.equal(sd["inter"], want)
+    assert torch.equal(sd["norm.weight"], stored["old_norm.weight"])
+    # Saved as the model holds it, merged back through the same mapping reversed: the stored names.
+    ck = tmp_path / "ck"
+    GeneralCheckpointIO().save_model(m, ck, shard=True, gather_dtensor=False)
+    merge_checkpoint(ck, tmp_path / "back", mapping=USER_MAPPING)
+    _same(_files(tmp_path / "back"), stored)
+    GeneralCheckpointIO().save_model(m, tmp_path / "gathered", mapping=USER_MAPPING)
+    _same(_files(tmp_path / "gathered"), stored)
+
+
+def test_user_mapping_reads_only_the_experts_a_box_needs(tmp_path: Path) -> None:
+    """A box of the stacked experts (as an FSDP rank holds it) reads only those experts' bytes."""
+    from unickpt.format.reader import open_checkpoint
+    from unickpt.io.load import box_fetcher
+    from unickpt.io.mapping import plan_load
+
+    stored = _user_stored()
+    save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    reader = open_checkpoint(str(tmp_path), "model")
+    shapes = {n: (e.dtype, tuple(e.shape)) for n, e in reader.tensors.items()}
+    lp = plan_load(USER_MAPPING, shapes, {"experts": (3, 16, 8), "qkv.weight": (24, 8)})
+    assert lp.problems == []
+    node = lp.built["experts"]
+    reads: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+    fetch, close = box_fetcher(reader)
+
+    def counting(name: str, off: tuple[int, ...], shp: tuple[int, ...]) -> torch.Tensor:
+        reads.append((name, off, shp))
+        return fetch(name, off, shp)
+
+    try:
+        got = node.build((1, 0, 0), (2, 16, 8), counting)
+        assert reads == [("moe.1.weight", (0, 0), (16, 8)), ("moe.2.weight", (0, 0), (16, 8))]
+        assert torch.equal(got, torch.stack([stored["moe.1.weight"], stored["moe.2.weight"]]))
+        reads.clear()
+        # Rows 8..15 of the fused QKV: the k projection alone.
+        got = lp.built["qkv.weight"].build((8, 0), (8, 8), counting)
+        assert reads == [("attn.k.weight", (0, 0), (8, 8))]
+        assert torch.equal(got, stored["attn.k.weight"])
+    finally:
+        close()
+        reader.close()
+
+
+def test_bad_mapping_argument_is_a_config_error(tmp_path: Path) -> None:
+    from unickpt.errors import ConfigError
+
+    save_file(_user_stored(), tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="not a transformers WeightRenaming or WeightConverter"):
+        GeneralCheckpointIO().load_model(Fused(), tmp_path, mapping=[("attn.q.weight", "qkv.weight")])
+    with pytest.raises(ConfigError, match="mapping must be None, False or a list"):
+        GeneralCheckpointIO().load_model(Fused(), tmp_path, mapping="mixtral")
