@@ -8,7 +8,7 @@ Each ``v<N>/`` holds, as the writers of version N wrote them:
 - ``optimizer/``: a sliced optimizer checkpoint (SGD with momentum);
 
 and ``expected.safetensors`` (plain safetensors) the tensors they hold, model and optimizer
-(``state.<fqn>.<key>``), for bit-exact comparisons. Written with unickpt at commit dcdde7a,
+(``state.<fqn>.<key>``), for bit-exact comparisons. Written with unickpt at commit dcdde7a (run from an export of it),
 the last one whose writers wrote every version (``index_compact.as_version``, the version 1
 fingerprint); this script does not run against later code and is kept as the record of how the
 fixtures were made.
@@ -134,11 +134,11 @@ def main() -> None:
     if OUT.exists():
         shutil.rmtree(OUT)
     m = _model()
-    mts = _tensors(m)
     opt = torch.optim.SGD(m.named_parameters(), lr=0.1, momentum=0.9)
     for p in m.parameters():
         p.grad = torch.randn_like(p)
     opt.step()
+    mts = _tensors(m)  # after the step: every model checkpoint holds these
     io = GeneralCheckpointIO()
     hows = {"0.weight": "rows", "0.bias": "rows", "1.weight": "cols"}
     for v in (1, 2, 3, 4):
