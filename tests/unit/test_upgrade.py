@@ -211,7 +211,7 @@ def test_other_versions_and_other_checkpoints(tmp_path: Path) -> None:
     plain = tmp_path / "plain"
     plain.mkdir()
     (plain / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
-    with pytest.raises(IndexFileError, match="no unickpt block .*nothing to upgrade"):
+    with pytest.raises(IndexFileError, match=r"no unickpt block .*nothing to upgrade"):
         upgrade_checkpoint(plain)
 
 
