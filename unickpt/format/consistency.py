@@ -144,12 +144,6 @@ def check_weight_map(where: str, weight_map: dict[str, str], block: UnickptBlock
             f"real files (e.g. tensor {_q(real[0])} -> {_q(weight_map[real[0]])}); an index is either gathered "
             "or sliced"
         )
-    used = sorted({weight_map[n] for n in sentinel})
-    if len(used) > 1:
-        raise IndexFileError(
-            f"{where}: weight_map names two sliced-checkpoint sentinels ({_q(used[0])} and {_q(used[1])}); "
-            "a writer uses one throughout"
-        )
     gathered = not sentinel if weight_map else block.layout.gathered
     missing = [n for n in block.tensors if n not in weight_map]
     if missing:
