@@ -80,7 +80,7 @@ from unickpt.format.versioning import FORMAT_VERSION
 from unickpt.format.writer import build_block
 from unickpt.tools.verify import FingerprintFailure
 
-__all__ = ["UpgradeReport", "upgrade_checkpoint", "LONG_SLICED_SENTINEL"]
+__all__ = ["UpgradeReport", "upgrade_checkpoint", "LONG_SLICED_SENTINEL", "fingerprint_v1", "v1_partial"]
 
 #: The sentinel a sliced ``weight_map`` of versions 1 to 3 names (version 4 shortened it).
 LONG_SLICED_SENTINEL = "unickpt-sliced-checkpoint--run-unickpt-merge-to-load-with-huggingface.safetensors"
@@ -501,7 +501,7 @@ def _refingerprint(r: CheckpointReader, recorded: dict[str, str], where: str) ->
                 for (off, shp), flat in _boxes(s.shape, start, start + len(words)):
                     glob = [a + b for a, b in zip(s.offsets, off, strict=True)]
                     w = words[flat - start : flat - start + math.prod(shp)]
-                    p1 = (p1 + _v1_partial(w, t.shape, glob, shp)) & _MASK
+                    p1 = (p1 + v1_partial(w, t.shape, glob, shp)) & _MASK
                     p2.append(fingerprint_partial(w, t.shape, glob, shp))
                 start += len(words)
             if s.xxh3 is not None and h.hexdigest() != s.xxh3:
@@ -541,9 +541,11 @@ def _mix64(x: np.ndarray) -> np.ndarray:
         return z ^ (z >> np.uint64(31))
 
 
-def _v1_partial(
+def v1_partial(
     words: np.ndarray, global_shape: Sequence[int], offsets: Sequence[int], shape: Sequence[int]
 ) -> int:
+    """The v1 partial value (mod 2^64) of one box of the global tensor, ``words`` its elements as
+    unsigned integers of the dtype's item size, in C order."""
     if math.prod(shape) == 0:
         return 0
     if len(global_shape) == 0:
@@ -568,6 +570,12 @@ def _v1_partial(
             inner *= a[r0 : r0 + step]
             total = (total + int(inner.sum(dtype=np.uint64))) & _MASK
     return total
+
+
+def fingerprint_v1(name: str, dtype: str, data: bytes | memoryview, shape: Sequence[int]) -> str:
+    """Fingerprint v1 of a whole tensor from its raw C-order bytes (docs/format.md 5.2.3)."""
+    words = np.frombuffer(data, dtype=f"<u{itemsize(dtype)}")
+    return _v1_finalize(name, dtype, shape, v1_partial(words, shape, [0] * len(shape), shape))
 
 
 def _v1_finalize(name: str, dtype: str, shape: Sequence[int], total: int) -> str:
