@@ -260,3 +260,52 @@ def test_an_upgrade_killed_before_its_index_write_leaves_the_original(
     assert upgrade_checkpoint(p).upgraded  # upgrade reads the original again
     assert not list(verify_checkpoint(p, kind=kind))
     _check_loads_bit_exact(p, kind)
+
+
+_KILL_COPY = """
+import os, signal, sys
+real = os.rename
+def rename(a, b):
+    if b == sys.argv[2]:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(a, b)
+os.rename = rename
+from unickpt.tools.upgrade import upgrade_checkpoint
+upgrade_checkpoint(sys.argv[1], sys.argv[2])
+"""
+
+
+def test_a_copy_killed_before_it_is_published_leaves_nothing_and_runs_again(tmp_path: Path) -> None:
+    src = _copy(tmp_path, 1, "sliced")
+    before = _files(src)
+    dst = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_KILL_COPY), str(src), str(dst)],
+        env=env,
+        capture_output=True,
+        timeout=120,
+    )
+    assert run.returncode == -9, run.stderr.decode()
+    assert not dst.exists() and _files(src) == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")]  # the dead staging dir
+    upgrade_checkpoint(src, dst)  # removes the dead run's staging directory, publishes the copy
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")]
+    assert not list(verify_checkpoint(dst)) and _files(src) == before
+
+
+def test_version_1_slices_read_in_small_chunks_give_the_same_fingerprints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks that end mid-row (bounded memory per slice) sum the same v1 and v2 partials."""
+    import unickpt.tools.upgrade as up
+
+    whole = _copy(tmp_path, 1, "sliced")
+    upgrade_checkpoint(whole)
+    (tmp_path / "small").mkdir()
+    small = _copy(tmp_path / "small", 1, "sliced")
+    monkeypatch.setattr(up, "_CHUNK", 12)  # 3 F32 elements, 6 BF16: rows of 6 and 9 are cut
+    upgrade_checkpoint(small)
+    assert (small / "model.safetensors.index.json").read_bytes() == (
+        whole / "model.safetensors.index.json"
+    ).read_bytes()
