@@ -1,4 +1,4 @@
-"""Build of the optional compiled fingerprint kernels (v1 and v2); everything else is in pyproject.toml.
+"""Build of the optional compiled fingerprint kernel (v2); everything else is in pyproject.toml.
 
 The kernel is optional: where no C compiler is available the build goes on without it and
 unickpt computes the same fingerprints with numpy (about 2 to 3x slower).
@@ -12,12 +12,6 @@ args = [] if sys.platform == "win32" else ["-O3", "-std=c99", "-Wall", "-Wno-unu
 
 setup(
     ext_modules=[
-        Extension(
-            "unickpt.format._fpkernel",
-            sources=["unickpt/format/_fpkernel.c"],
-            extra_compile_args=args,
-            optional=True,
-        ),
         Extension(
             "unickpt.format._fp2kernel",
             sources=["unickpt/format/_fp2kernel.c"],

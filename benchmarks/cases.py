@@ -479,11 +479,13 @@ FP_KERNEL_LAYOUTS = {
 @case("hash_fp_kernel")
 def hash_fp_kernel(p: dict[str, Any]) -> dict[str, Any]:
     """The fingerprint kernel alone (``hash_block(xxh3=False)``) on one in-memory block of
-    ``mib`` MiB of random bits, one thread: ``version`` 1 or 2, ``dtype``, ``layout``.
+    ``mib`` MiB of random bits, one thread: ``version`` 2 (fingerprint v2), ``dtype``, ``layout``.
     ``version`` 0 is the memory-read reference: numpy's sum of the same bytes as uint64."""
     hashing, why = C.probe_hashing()
-    if hashing is None or not hasattr(hashing, "FINGERPRINT_VERSION"):
-        return skipped(f"not available: {why or 'no fingerprint versions'}")
+    if hashing is None or not hasattr(hashing, "hash_block"):
+        return skipped(f"not available: {why or 'no fingerprint kernel'}")
+    if int(p["version"]) not in (0, 2):
+        return skipped("fingerprint v1 is no longer computed (format version 5 carries v2)")
     import numpy as np
 
     isz = {"F32": 4, "BF16": 2, "F64": 8}[p["dtype"]]
@@ -495,7 +497,7 @@ def hash_fp_kernel(p: dict[str, Any]) -> dict[str, Any]:
         if int(p["version"]) == 0:
             data.view(np.uint64).sum()
         else:
-            hashing.hash_block(data, isz, gshape, off, shape, xxh3=False, version=int(p["version"]))
+            hashing.hash_block(data, isz, gshape, off, shape, xxh3=False)
 
     r = _measure(p, body, None, nbytes)
     r["extra"] = {"kernel": hashing.KERNEL}

@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(1, str(REPO))
 
+from unickpt.format.digest_text import hex_to_b64  # noqa: E402
 from unickpt.format.index import index_to_json, parse_index, parse_index_validated  # noqa: E402
 from unickpt.format.naming import SLICED_SENTINEL, shard_name, slice_key  # noqa: E402
 
@@ -99,7 +100,7 @@ def build_index(slices: int, world: int = 512, files_per_rank: int = 5, seed: in
         tensors[name] = {
             "dtype": "BF16",
             "shape": shape,
-            "fingerprint": f"{rng.getrandbits(64):016x}",
+            "fingerprint": hex_to_b64(f"{rng.getrandbits(64):016x}"),
             "slices": sl,
         }
         count = 1
@@ -110,7 +111,7 @@ def build_index(slices: int, world: int = 512, files_per_rank: int = 5, seed: in
         "metadata": {"total_size": total},
         "weight_map": {name: SLICED_SENTINEL for name in tensors},
         "unickpt": {
-            "format_version": 1,
+            "format_version": 5,
             "kind": "model",
             "created_by": "unickpt 0.1.0",
             "layout": {"plugin": "fsdp2", "world_size": world, "mesh": {"dp": world}, "gathered": False},

@@ -264,7 +264,7 @@ def suite(args: argparse.Namespace) -> dict[str, Any]:
     single("unickpt", "u_load_verify", "unickpt load_model(verify=True)", "unickpt_load", verify=True)
     single("hash", "hash_xxh3", "xxh3-64 of stored bytes (in memory)", "hash_xxh3")
     single("hash", "hash_fp", "layout-invariant fingerprint (in memory)", "hash_fingerprint")
-    # The kernel alone, v2 (what saves write) beside v1 (legacy), per dtype and block layout.
+    # The kernel alone (fingerprint v2), per dtype and block layout.
     fp_mib = min(256, max(16, int(size // 4)))
     single(
         "hash",
@@ -278,7 +278,7 @@ def suite(args: argparse.Namespace) -> dict[str, Any]:
         reps=max(5, int(args.reps)),
     )
     for layout, dtype in [("2d", "F32"), ("2d", "BF16"), ("2d", "F64"), ("1d", "F32"), ("cols", "F32")]:
-        for v in (2, 1):
+        for v in (2,):
             single(
                 "hash",
                 f"fp_kernel_v{v}_{layout}_{dtype}",

@@ -106,7 +106,7 @@ def build(directory: Path, layout: str) -> dict[str, Any]:
     listed = {
         "weight_map": dict.fromkeys(shapes, SLICED_SENTINEL),
         "unickpt": {
-            "format_version": 1,
+            "format_version": 5,
             "kind": "model",
             "created_by": "benchmarks/scale_ops.py",
             "layout": {"plugin": "fsdp2", "world_size": world, "mesh": LAYOUTS[layout][1], "gathered": False},

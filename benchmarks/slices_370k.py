@@ -78,7 +78,7 @@ def build(directory: Path, world: int, tensors: int) -> None:
                     }
                 )
     block = {
-        "format_version": 1,
+        "format_version": 5,
         "kind": "model",
         "created_by": "benchmarks/slices_370k.py",
         "layout": {"plugin": "fsdp2", "world_size": world, "mesh": {"dp": world}, "gathered": False},

@@ -6,8 +6,8 @@ Each case is a small file (a few bytes to a few MB) that declares far more than 
 compact ``grid`` of 10^9 cells, a shape of 2^62 elements, 10^6 file ids, a megabyte-long key, a
 header length of 2^63, a ``latest`` naming step 10^30, a COMMIT of 10^12 ranks... The base
 checkpoint is a sliced one written here byte by byte (two data files, a tensor ``w`` F32[4, 3]
-cut in two row blocks, one per file, and ``n`` I64[4] whole in the first), in the text form of
-each format version (1 and 2 listed, 3 and 4 compact with hex digests, 5 with base64url ones).
+cut in two row blocks, one per file, and ``n`` I64[4] whole in the first), at format version 5 in
+each of its two forms of slices: listed (form 2) and compact (form 5).
 """
 
 from __future__ import annotations
@@ -21,15 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from unickpt.format.index_compact import as_version
-from unickpt.format.naming import LONG_SLICED_SENTINEL, SLICED_SENTINEL
+from unickpt.format.index_compact import as_listed
+from unickpt.format.naming import SLICED_SENTINEL
 
 INDEX = "model.safetensors.index.json"
 FILES = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
 SAVE = "0123456789abcdef0123456789abcdef"
-VERSIONS = (1, 2, 3, 4, 5)
-#: The versions swept by default: one per text form (1 reads as 2, 3 as 4 but for the sentinel).
-FORMS = (2, 4, 5)
+#: The forms of the index: 2, every tensor's slices listed; 5, compact (both format version 5).
+VERSIONS = (2, 5)
+#: The forms swept by default.
+FORMS = (2, 5)
 #: The extreme values every count field is scaled to (more with ``big``).
 HUGE = (10**9, 2**62 - 1)
 
@@ -51,13 +52,13 @@ FILE0 = st(
 FILE1 = st({"__metadata__": META, "w@1": ent("F32", [2, 3], 0, 24)}, bytes(24))
 
 
-def base_index(version: int = 4) -> dict[str, Any]:
-    """The base checkpoint's index as JSON, in the text form of ``version``."""
+def base_index(version: int = 5) -> dict[str, Any]:
+    """The base checkpoint's index as JSON, its slices listed (``version`` 2) or compact (5)."""
     obj: dict[str, Any] = {
         "metadata": {"total_size": 80},
         "weight_map": {},
         "unickpt": {
-            "format_version": 4,
+            "format_version": 5,
             "kind": "model",
             "files": list(FILES),
             "created_by": "unickpt test",
@@ -69,9 +70,9 @@ def base_index(version: int = 4) -> dict[str, Any]:
             "save_id": SAVE,
         },
     }
-    obj = as_version(obj, version, listed=version < 3)
-    sentinel = SLICED_SENTINEL if version >= 4 else LONG_SLICED_SENTINEL
-    obj["weight_map"] = dict.fromkeys(obj["unickpt"]["tensors"], sentinel)
+    if version < 3:
+        obj = as_listed(obj)
+    obj["weight_map"] = dict.fromkeys(obj["unickpt"]["tensors"], SLICED_SENTINEL)
     return obj
 
 
@@ -305,13 +306,11 @@ def _rename(obj: dict[str, Any], new: str) -> None:
 
 def _many_tensors(obj: dict[str, Any], n: int) -> None:
     tensors = obj["unickpt"]["tensors"]
-    version = obj["unickpt"]["format_version"]
+    compact = "files" in obj["unickpt"]
     sentinel = next(iter(obj["weight_map"].values()))
     for i in range(n):
-        if version >= 3:
-            tensors[f"t{i}"] = (
-                {"dtype": "U8", "shape": [], "file": 0} if version < 5 else {"shape": [], "file": 0}
-            )
+        if compact:
+            tensors[f"t{i}"] = {"shape": [], "file": 0}
         else:
             tensors[f"t{i}"] = {
                 "dtype": "U8",
@@ -319,10 +318,9 @@ def _many_tensors(obj: dict[str, Any], n: int) -> None:
                 "slices": [{"file": FILES[0], "key": f"t{i}", "offsets": [], "shape": []}],
             }
         obj["weight_map"][f"t{i}"] = sentinel
-    if version == 5:
-        obj["unickpt"]["dtype"] = "U8"
-        for name in ("w", "n"):
-            tensors[name]["dtype"] = {"w": "F32", "n": "I64"}[name]
+    obj["unickpt"]["dtype"] = "U8"
+    for name in ("w", "n"):
+        tensors[name]["dtype"] = {"w": "F32", "n": "I64"}[name]
 
 
 def _deep(n: int) -> Any:
@@ -353,7 +351,7 @@ def single_cases() -> list[Case]:
 
     def block(tensors: dict[str, Any], **extra: Any) -> str:
         b = {
-            "format_version": 4,
+            "format_version": 5,
             "kind": "model",
             "files": ["model.safetensors"],
             "tensors": tensors,
@@ -464,7 +462,7 @@ def single_cases() -> list[Case]:
 
 
 def data_cases() -> list[Case]:
-    """Data files of the base checkpoint (version 4) whose headers lie about their counts."""
+    """Data files of the base checkpoint whose headers lie about their counts."""
 
     def data(file0: bytes) -> Callable[[Path], Path]:
         def build(d: Path) -> Path:

@@ -138,7 +138,7 @@ def _sliced(directory: Path) -> dict[str, np.ndarray]:
         "metadata": {"total_size": 4 * WORLD * COLS * TENSORS},
         "weight_map": dict.fromkeys(names, SLICED_SENTINEL),
         "unickpt": {
-            "format_version": 1,
+            "format_version": 5,
             "kind": "model",
             "created_by": "test",
             "layout": layout,
@@ -332,23 +332,26 @@ def test_merge_copies_runs_bit_exact_and_names_a_damaged_slice(
     assert not (tmp_path / "out2").exists()
 
 
-def test_an_index_with_the_old_sentinel_still_loads_and_verifies(tmp_path: Path) -> None:
+def test_only_the_sentinel_is_a_sentinel(tmp_path: Path) -> None:
+    """The longer sentinel of the drafts 1 to 3 is a file name like any other at version 5 (``unickpt
+    upgrade`` replaces it); a real file name among sentinels is refused as a mix."""
+    from unickpt.errors import IndexFileError
+
     data = _sliced(tmp_path)
     ix = tmp_path / "model.safetensors.index.json"
-    old = "unickpt-sliced-checkpoint--run-unickpt-merge-to-load-with-huggingface.safetensors"
     raw = ix.read_bytes()
-    assert SLICED_SENTINEL.encode() in raw and old.encode() not in raw
-    ix.write_bytes(raw.replace(SLICED_SENTINEL.encode(), old.encode()))
     model = _model(data)
     GeneralCheckpointIO().load_model(model, tmp_path)
     for n, want in data.items():
         assert np.array_equal(model.get_parameter(n).detach().numpy(), want), n
-    assert not list(verify_checkpoint(tmp_path))
-    # A real file name among sentinels is still refused as a mix.
-    obj = json.loads(ix.read_bytes())
+    old = "unickpt-sliced-checkpoint--run-unickpt-merge-to-load-with-huggingface.safetensors"
+    ix.write_bytes(raw.replace(SLICED_SENTINEL.encode(), old.encode()))
+    with pytest.raises(
+        IndexFileError, match=r"weight_map describes a gathered checkpoint but unickpt\.layout\.gathered"
+    ):
+        open_checkpoint(tmp_path)
+    obj = json.loads(raw)
     obj["weight_map"]["layers.0.w"] = shard_name("model", 1, WORLD)
     ix.write_text(json.dumps(obj))
-    from unickpt.errors import IndexFileError
-
     with pytest.raises(IndexFileError, match="weight_map mixes the sliced-checkpoint sentinel"):
         open_checkpoint(tmp_path)

@@ -128,7 +128,7 @@ def test_grid_search_matches_brute_force() -> None:
         assert explicit.overlapping(o, s) == want
 
 
-def _index(version: int = FORMAT_VERSION) -> bytes:
+def _index(listed: bool = False) -> bytes:
     tensors = {}
     for name, (gshape, boxes, _) in CASES.items():
         sl = _slices(name, boxes, (FILES * 4)[: len(boxes)])
@@ -140,67 +140,47 @@ def _index(version: int = FORMAT_VERSION) -> bytes:
         tensors=tensors,
         aliases={},
         save_id=None,
-        format_version=version,
     )
-    return index_to_json(build_index(block, sliced=True))
+    raw = index_to_json(build_index(block, sliced=True))
+    if listed:  # the same slices, listed (as a tensor with byte-range hashes is written)
+        from unickpt.format.index_compact import as_listed
+
+        raw = json.dumps(as_listed(json.loads(raw))).encode()
+    return raw
 
 
-@pytest.mark.parametrize("version", [3, 4, 5])
-def test_each_version_writes_its_own_sentinel_and_reads_both(version: int) -> None:
-    """Version 4 shortened the sliced sentinel: an index keeps the sentinel of its version (a merge
-    of an older source keeps the older one), and every sentinel reads at every version."""
+def test_a_sliced_index_names_the_sentinel_and_nothing_else() -> None:
+    """Every entry of a sliced weight_map is the sentinel; any other name beside it is refused
+    (the longer sentinel of the drafts 1 to 3 is such a name: ``unickpt upgrade`` replaces it)."""
     from unickpt.format.consistency import check_weight_map
-    from unickpt.format.naming import LONG_SLICED_SENTINEL, SLICED_SENTINEL
+    from unickpt.format.naming import SLICED_SENTINEL
+    from unickpt.tools.upgrade import LONG_SLICED_SENTINEL
 
-    raw = _index(version)
-    mine, other = (
-        (SLICED_SENTINEL, LONG_SLICED_SENTINEL) if version >= 4 else (LONG_SLICED_SENTINEL, SLICED_SENTINEL)
-    )
-    assert set(json.loads(raw)["weight_map"].values()) == {mine}
-    for text in (raw, raw.replace(mine.encode(), other.encode())):
-        parsed = parse_index_validated(text, "model.safetensors.index.json")
-        assert parsed.unickpt is not None and parsed.unickpt.format_version == version
-        assert set(parsed.unickpt.tensors) == set(CASES)
-    mixed = json.loads(raw)
-    first = next(iter(mixed["weight_map"]))
-    mixed["weight_map"][first] = other
+    raw = _index()
+    assert set(json.loads(raw)["weight_map"].values()) == {SLICED_SENTINEL}
     block = parse_index_validated(raw, "i.json").unickpt
-    assert block is not None
-    with pytest.raises(IndexFileError, match="two sliced-checkpoint sentinels"):
-        check_weight_map("i.json", mixed["weight_map"], block)
+    assert block is not None and set(block.tensors) == set(CASES)
+    mixed = json.loads(raw)["weight_map"]
+    mixed[next(iter(mixed))] = LONG_SLICED_SENTINEL
+    with pytest.raises(IndexFileError, match="weight_map mixes the sliced-checkpoint sentinel"):
+        check_weight_map("i.json", mixed, block)
 
 
-def test_version_3_index_parses_the_same_on_both_paths() -> None:
+def test_compact_index_parses_the_same_on_both_paths() -> None:
     raw = _index()
     obj = json.loads(raw)
     assert obj["unickpt"]["format_version"] == FORMAT_VERSION and obj["unickpt"]["files"] == FILES
     assert all("slices" not in t for t in obj["unickpt"]["tensors"].values())
     fast, slow = parse_index(raw, "i.json"), parse_index_validated(raw, "i.json")
     assert fast == slow
-    old = parse_index(_index(2), "old.json")  # the same slices, listed (version 2)
-    assert old.unickpt is not None and fast.unickpt is not None
-    for name, t in old.unickpt.tensors.items():
+    listed = parse_index(_index(listed=True), "listed.json")  # the same slices, listed
+    assert listed.unickpt is not None and fast.unickpt is not None
+    for name, t in listed.unickpt.tensors.items():
+        assert not t.compact
         assert fast.unickpt.tensors[name].slices == t.slices
         assert fast.unickpt.tensors[name].table.hashes == t.table.hashes
     # Written again, a parsed index gives the same bytes.
     assert index_to_json(fast) == raw
-
-
-def _as4(b: dict[str, Any]) -> None:
-    """The block written as version 4 writes it (hex digits, every tensor's dtype)."""
-    from unickpt.format.index_compact import as_version
-
-    new = as_version({"unickpt": dict(b)}, 4)["unickpt"]
-    b.clear()
-    b.update(new)
-
-
-def _stamped4(b: dict[str, Any]) -> None:
-    """Stamped 4 with every tensor's dtype, but the digests left in base64url."""
-    dtype = b.pop("dtype")
-    b["format_version"] = 4
-    for t in b["tensors"].values():
-        t.setdefault("dtype", dtype)
 
 
 def _broken(edit: Any) -> bytes:
@@ -227,10 +207,12 @@ def _broken(edit: Any) -> bytes:
             lambda b: b["tensors"]["tp_columns"].update(slices=[]),
             "has both 'slices' and the compact field(s)",
         ),
-        (lambda b: (_as4(b), b.update(format_version=2)), "in a format_version 2 index"),
         (lambda b: b.pop("files"), "the block has no 'files' table"),
         (lambda b: b["tensors"]["tp_columns"].update(xxh3="g" * 32), "holds 32 characters for 2 slice(s)"),
-        (_stamped4, "String should match pattern"),  # base64url digests at version 4
+        (
+            lambda b: b["tensors"]["tp_columns"].update(fingerprint="ab" * 8),
+            "holds 16 characters, not the 11",
+        ),
         (lambda b: b.update(files=["../x.safetensors", *FILES[1:]]), "refusing data file name"),
     ],
 )
@@ -242,11 +224,9 @@ def test_bad_compact_fields_are_refused_by_both_paths(edit: Any, message: str) -
         assert message in str(e.value) and "bad.index.json" in str(e.value), str(e.value)
 
 
-def test_listed_slices_stay_valid_in_version_3() -> None:
-    """A hand-written version 3 index may list its slices, as versions 1 and 2 do."""
-    obj = json.loads(_index(2))
-    obj["unickpt"]["format_version"] = 3
-    raw = json.dumps(obj).encode()
+def test_listed_slices_parse_the_same_on_both_paths() -> None:
+    """An index may list any tensor's slices (a hand-written one, a tool's edit)."""
+    raw = _index(listed=True)
     assert parse_index(raw, "i.json") == parse_index_validated(raw, "i.json")
 
 
@@ -303,36 +283,17 @@ def _four_row_blocks(tmp_path: Any, full: Any) -> Any:
     return d
 
 
-@pytest.mark.parametrize("version", [1, 2, 3, 4, 5])
-def test_every_version_loads_verifies_and_merges_bit_exact(tmp_path: Any, version: int) -> None:
+def test_compact_checkpoint_loads_verifies_and_merges_bit_exact(tmp_path: Any) -> None:
     import torch
 
     from unickpt import GeneralCheckpointIO, merge_checkpoint, verify_checkpoint
-    from unickpt.format.hashing import fingerprint_of_array
-    from unickpt.format.index_compact import as_listed, as_version
+    from unickpt.format.reader import open_checkpoint
 
-    torch.manual_seed(version)
+    torch.manual_seed(5)
     full = torch.randn(33, 5)
     d = _four_row_blocks(tmp_path, full)
-    f = d / "model.safetensors.index.json"
-    obj = json.loads(f.read_text())
+    obj = json.loads((d / "model.safetensors.index.json").read_text())
     assert obj["unickpt"]["format_version"] == 5 and obj["unickpt"]["tensors"]["w"]["grid"] == [4, 1]
-    if version == 4:  # as version 4 wrote it: hex digits, the dtype in every tensor
-        f.write_text(json.dumps(as_version(obj, 4)))
-    elif version < 3:
-        as_listed(obj, version)
-        if version == 1:
-            raw = full.numpy().tobytes()
-            obj["unickpt"]["tensors"]["w"]["fingerprint"] = fingerprint_of_array(
-                "w", "F32", raw, [33, 5], version=1
-            )
-        f.write_text(json.dumps(obj, indent=2))
-    elif version == 3:  # as version 3 wrote it: the long sentinel
-        from unickpt.format.naming import LONG_SLICED_SENTINEL
-
-        as_version(obj, 3)
-        obj["weight_map"] = dict.fromkeys(obj["weight_map"], LONG_SLICED_SENTINEL)
-        f.write_text(json.dumps(obj))
     m = torch.nn.Module()
     m.w = torch.nn.Parameter(torch.zeros(33, 5))
     GeneralCheckpointIO().load_model(m, d, verify=True)
@@ -341,11 +302,8 @@ def test_every_version_loads_verifies_and_merges_bit_exact(tmp_path: Any, versio
     assert not list(report) and report.hashed == 4 and report.fingerprints == 1, report.summary()
     out = tmp_path / "merged"
     merge_checkpoint(d, out)
-    from unickpt.format.reader import open_checkpoint
-
     with open_checkpoint(out) as r:  # one gathered file: the block is in its header
-        assert r.block.format_version == version
-        assert r.block.tensors["w"].compact == (version >= 3)
+        assert r.block.format_version == 5 and r.block.tensors["w"].compact
     m2 = torch.nn.Module()
     m2.w = torch.nn.Parameter(torch.zeros(33, 5))
     GeneralCheckpointIO().load_model(m2, out, verify=True)

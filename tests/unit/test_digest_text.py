@@ -1,11 +1,11 @@
-"""Format version 5: base64url digests and the block's default dtype (docs/format.md 3.2)."""
+"""The block's text form: base64url digests and a default dtype (docs/format.md 3.2); the one format
+version readers accept."""
 
 from __future__ import annotations
 
 import base64
 import json
 import random
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from unickpt import GeneralCheckpointIO, diff_checkpoints, merge_checkpoint, verify_checkpoint
+from unickpt import GeneralCheckpointIO, merge_checkpoint, verify_checkpoint
 from unickpt.errors import IndexFileError
 from unickpt.format.digest_text import NO_DIGEST, b64_to_hex, hex_to_b64
 from unickpt.format.index import (
@@ -24,7 +24,6 @@ from unickpt.format.index import (
     parse_index,
     parse_index_validated,
 )
-from unickpt.format.index_compact import as_version
 from unickpt.format.index_fast import _FastIndex
 from unickpt.format.reader import open_checkpoint
 
@@ -94,15 +93,7 @@ def _loads_bit_exact(path: Path, full: dict[str, torch.Tensor]) -> None:
         assert torch.equal(m.state_dict()[name], want), name
 
 
-def _as4(d: Path, out: Path) -> Path:
-    """A copy of the checkpoint whose index is the same save written as version 4 writes it."""
-    shutil.copytree(d, out)
-    obj = as_version(json.loads((d / INDEX).read_text()), 4)
-    (out / INDEX).write_text(json.dumps(obj, ensure_ascii=False, separators=(",", ":")))
-    return out
-
-
-def test_a_save_writes_version_5_and_reads_as_its_version_4_text(tmp_path: Path) -> None:
+def test_a_save_writes_base64url_digests_and_a_default_dtype(tmp_path: Path) -> None:
     d, full = _save(tmp_path)
     raw = (d / INDEX).read_bytes()
     block = json.loads(raw)["unickpt"]
@@ -112,70 +103,52 @@ def test_a_save_writes_version_5_and_reads_as_its_version_4_text(tmp_path: Path)
     assert tensors["steps"]["dtype"] == "I64" and len(tensors["embed"]["xxh3"]) == 44
     assert all(len(t["fingerprint"]) == 11 for t in tensors.values())
     _FastIndex(raw).parse(raw.decode())  # the fast path vouches for it (no fallback to the models)
-
-    # Version 5 -> 4: the same values in memory, on both paths.
-    v4 = (_as4(d, tmp_path / "v4") / INDEX).read_bytes()
-    assert json.loads(v4)["unickpt"]["format_version"] == 4 and "dtype" not in json.loads(v4)["unickpt"]
-    fives = [parse(raw, "a.json") for parse in (parse_index, parse_index_validated)]
-    fours = [parse(v4, "b.json") for parse in (parse_index, parse_index_validated)]
-    for idx in fives + fours:
-        assert idx.unickpt is not None
-    b5 = fives[0].unickpt
-    assert b5 is not None and fives[0] == fives[1] and fours[0] == fours[1]
-    for b4 in (fours[0].unickpt, fours[1].unickpt):
-        assert b4 is not None and b4.format_version == 4
-        assert b4.model_copy(update={"format_version": 5}) == b5
-        for name, t in b4.tensors.items():
-            t5 = b5.tensors[name]
-            assert (t.dtype, t.fingerprint, t.table.hashes) == (t5.dtype, t5.fingerprint, t5.table.hashes)
-            assert t5.fingerprint is not None and len(t5.fingerprint) == 16  # hex in memory
-    # Version 4 -> 5: the parsed version 4 index, stamped 5, writes the save's exact bytes.
-    again = fours[0].model_copy(update={"unickpt": fours[0].unickpt.model_copy(update={"format_version": 5})})  # type: ignore[union-attr]
-    assert index_to_json(again) == raw
-    # Both load bit-exact and verify every hash.
-    for path in (d, tmp_path / "v4"):
-        report = verify_checkpoint(path)
-        assert not list(report) and report.hashed == 14 and report.fingerprints == 4, report.summary()
-        _loads_bit_exact(path, full)
+    fast, slow = (parse(raw, "a.json") for parse in (parse_index, parse_index_validated))
+    assert fast == slow and fast.unickpt is not None
+    for name, t in fast.unickpt.tensors.items():  # hex digests and every dtype in memory
+        assert t.fingerprint is not None and len(t.fingerprint) == 16
+        assert t.fingerprint == b64_to_hex(tensors[name]["fingerprint"])
+        assert t.table.hashes == b64_to_hex(tensors[name]["xxh3"])
+        assert t.dtype == tensors[name].get("dtype", "BF16")
+    assert index_to_json(fast) == raw  # a parsed index writes the save's exact bytes
+    report = verify_checkpoint(d)
+    assert not list(report) and report.hashed == 14 and report.fingerprints == 4, report.summary()
+    _loads_bit_exact(d, full)
 
 
-def test_diff_of_a_version_4_and_a_version_5_save_reports_no_change(tmp_path: Path) -> None:
-    from unickpt.cli.main import main
-
-    d, _ = _save(tmp_path)
-    v4 = _as4(d, tmp_path / "v4")
-    report = diff_checkpoints(d, v4)
-    assert report.identical and not report.changed, report.format()
-    assert main(["diff", str(d), str(v4)]) == 0 and main(["diff", str(v4), str(d)]) == 0
-    # A changed tensor in the version 4 one is still found, from the index alone.
-    obj = json.loads((v4 / INDEX).read_text())
-    fp = obj["unickpt"]["tensors"]["proj"]["fingerprint"]
-    obj["unickpt"]["tensors"]["proj"]["fingerprint"] = f"{int(fp, 16) ^ 1:016x}"
-    (v4 / INDEX).write_text(json.dumps(obj))
-    changed = diff_checkpoints(d, v4)
-    assert changed.changed == ["proj"], changed.format()
-
-
-@pytest.mark.parametrize("version", [4, 5])
-def test_a_merge_keeps_its_sources_version_and_text_form(tmp_path: Path, version: int) -> None:
+def test_a_merge_writes_the_text_form(tmp_path: Path) -> None:
     d, full = _save(tmp_path)
-    src = d if version == 5 else _as4(d, tmp_path / "v4")
     for shard in ("1KB", "5GB"):  # several files (an index), one file (the block in its header)
-        out = tmp_path / f"merged-{version}-{shard}"
-        merge_checkpoint(src, out, max_shard_size=shard)
+        out = tmp_path / f"merged-{shard}"
+        merge_checkpoint(d, out, max_shard_size=shard)
         if (out / INDEX).exists():
             block = json.loads((out / INDEX).read_text())["unickpt"]
         else:
             with open_checkpoint(out) as r:
                 raw_meta = r.block.model_dump_json(exclude_none=True)
             block = json.loads(raw_meta)
-        assert block["format_version"] == version
-        fp = block["tensors"]["proj"]["fingerprint"]
-        assert len(fp) == (11 if version == 5 else 16) and ("dtype" in block) == (version == 5)
-        with open_checkpoint(out) as r:
-            assert r.block.format_version == version
+        assert block["format_version"] == 5 and "dtype" in block
+        assert len(block["tensors"]["proj"]["fingerprint"]) == 11
         _loads_bit_exact(out, full)
         assert not list(verify_checkpoint(out))
+
+
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 6, -1])
+def test_another_format_version_is_refused_on_both_paths(tmp_path: Path, version: int) -> None:
+    obj = _v5_index(tmp_path)
+    obj["unickpt"]["format_version"] = version
+    raw = json.dumps(obj).encode()
+    for parse in (parse_index, parse_index_validated):
+        with pytest.raises(IndexFileError) as e:
+            parse(raw, "ck/model.safetensors.index.json")
+        msg = str(e.value)
+        assert msg.startswith(f"ck/model.safetensors.index.json: format_version {version}"), msg
+        if 1 <= version <= 4:
+            assert "a draft" in msg and "`unickpt upgrade ck`" in msg, msg
+        elif version > 5:
+            assert "a newer unickpt wrote it" in msg, msg
+        else:
+            assert "is no format version" in msg, msg
 
 
 def _v5_index(tmp_path: Path) -> dict[str, Any]:
@@ -211,7 +184,6 @@ _HOSTILE: list[tuple[str, Any, str]] = [
         "'dtype' (the tensors' default dtype) must be",
     ),
     ("no dtype anywhere", lambda t, b: b.pop("dtype"), "embed.dtype"),
-    ("dtype at version 4", lambda t, b: b.update(format_version=4), "is a format_version 5 field"),
 ]
 
 
@@ -229,19 +201,6 @@ def test_malformed_version_5_text_is_refused_naming_file_tensor_and_finding(
         assert msg.startswith("bad.index.json: ") and finding in msg, msg
         if "dtype" not in what:
             assert "tensor 'embed'" in msg, msg
-
-
-def test_a_version_4_index_with_base64_digests_is_refused(tmp_path: Path) -> None:
-    obj = _v5_index(tmp_path)
-    block = obj["unickpt"]
-    dtype = block.pop("dtype")
-    block["format_version"] = 4
-    for t in block["tensors"].values():
-        t.setdefault("dtype", dtype)
-    raw = json.dumps(obj).encode()
-    for parse in (parse_index, parse_index_validated):
-        with pytest.raises(IndexFileError, match="String should match pattern"):
-            parse(raw, "old.index.json")
 
 
 def test_a_duplicate_default_dtype_is_refused(tmp_path: Path) -> None:
@@ -312,7 +271,7 @@ def test_block_json_of_a_tensor_of_every_dtype_keeps_each_dtype() -> None:
     )
 
 
-def test_the_schema_takes_both_text_forms_and_refuses_loose_bits(tmp_path: Path) -> None:
+def test_the_schema_takes_the_text_form_and_refuses_hex_and_loose_bits(tmp_path: Path) -> None:
     import re
 
     from unickpt.format.schema import index_schema_json
@@ -326,7 +285,7 @@ def test_the_schema_takes_both_text_forms_and_refuses_loose_bits(tmp_path: Path)
     )
     t = _v5_index(tmp_path)["unickpt"]["tensors"]["embed"]
     for pattern, v5 in ((fp, t["fingerprint"]), (xxh, t["xxh3"])):
-        assert re.search(pattern, v5) and re.search(pattern, b64_to_hex(v5))
+        assert re.search(pattern, v5) and not re.search(pattern, b64_to_hex(v5))
         assert not re.search(pattern, _flip_last_bits(v5)) and not re.search(pattern, "+" + v5[1:])
     assert re.search(xxh, NO_DIGEST + t["xxh3"]) and not re.search(xxh, "~" + t["xxh3"][1:])
 

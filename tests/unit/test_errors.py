@@ -31,10 +31,10 @@ def test_tools_keep_exporting_output_exists_error() -> None:
 
 
 def test_bad_settings_raise_config_error() -> None:
-    from unickpt.format.hashing import combine_partials
+    from unickpt.format.reader import open_checkpoint
 
-    with pytest.raises(errors.ConfigError, match="unknown fingerprint version"):
-        combine_partials([], version=3)
+    with pytest.raises(errors.ConfigError, match="storage_options are for fsspec URLs"):
+        open_checkpoint("/nonexistent", storage_options={"anon": True})
 
 
 def test_no_assert_in_library_code() -> None:

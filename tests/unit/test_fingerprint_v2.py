@@ -1,5 +1,5 @@
-"""Fingerprint v2 (docs/format.md section 5.2): the written definition, known answers for v1 and
-v2, kernel == numpy, layout invariance, and structured changes that v1 misses and v2 must not."""
+"""Fingerprint v2 (docs/format.md section 5.2): the written definition, known answers for v1 (which
+``unickpt upgrade`` checks in version 1 indexes) and v2, kernel == numpy, layout invariance, and structured changes that v1 misses and v2 must not."""
 
 from __future__ import annotations
 
@@ -26,9 +26,19 @@ from unickpt.format.hashing import (
     fingerprint_partial,
     hash_block,
 )
+from unickpt.tools import upgrade
+from unickpt.tools.upgrade import fingerprint_v1, v1_partial
 
 native = pytest.mark.skipif(hashing._native2 is None, reason="the compiled v2 kernel is not built here")
 MASK = (1 << 64) - 1
+
+
+def test_kernel_is_built_where_required() -> None:
+    # `make test` sets UNICKPT_REQUIRE_NATIVE: a build that silently fell back to numpy fails here
+    # (and hashing.py refuses to import at all).
+    if os.environ.get("UNICKPT_REQUIRE_NATIVE"):
+        assert hashing.KERNEL in ("avx2", "scalar") and hashing._native2 is not None
+
 
 # ------------------------------------------------------------------ the definition, literally
 
@@ -80,8 +90,7 @@ KAT = [
 def test_known_answers_of_both_versions(name: str, dtype: str, arr: np.ndarray, v2: str, v1: str) -> None:
     data, shape = arr.tobytes(), list(arr.shape)
     assert fingerprint_of_array(name, dtype, data, shape) == v2
-    assert fingerprint_of_array(name, dtype, data, shape, version=2) == v2
-    assert fingerprint_of_array(name, dtype, data, shape, version=1) == v1
+    assert fingerprint_v1(name, dtype, data, shape) == v1  # upgrade's check of version 1 indexes
     assert _reference_v2(name, dtype, data, tuple(shape)) == v2
 
 
@@ -93,16 +102,9 @@ def test_follows_the_written_definition_in_every_dtype(dtype: str) -> None:
     assert fingerprint_of_array("t", dtype, data, shape) == _reference_v2("t", dtype, data, shape)
 
 
-def test_versions_never_agree_and_unknown_versions_are_refused() -> None:
+def test_versions_never_agree() -> None:
     data = np.arange(12, dtype=np.uint32).tobytes()
-    assert fingerprint_of_array("w", "F32", data, (3, 4), version=1) != fingerprint_of_array(
-        "w", "F32", data, (3, 4)
-    )
-    with pytest.raises(ValueError, match="unknown fingerprint version 3"):
-        fingerprint_of_array("w", "F32", data, (3, 4), version=3)
-    with pytest.raises(ValueError, match="unknown fingerprint version 0"):
-        combine_partials([1], version=0)
-    assert hashing.fingerprint_version(1) == 1 and hashing.fingerprint_version(2) == 2
+    assert fingerprint_v1("w", "F32", data, (3, 4)) != fingerprint_of_array("w", "F32", data, (3, 4))
 
 
 def test_partial_value_is_one_int_that_adds() -> None:
@@ -363,7 +365,7 @@ def test_two_sign_flips_of_64_bit_words_collide_in_v1_not_in_v2(dtype: str) -> N
     b = a.copy()
     b[1, 2] ^= np.uint64(1 << 63)
     b[6, 7] ^= np.uint64(1 << 63)
-    v1 = [fingerprint_of_array("t", dtype, x.tobytes(), a.shape, version=1) for x in (a, b)]
+    v1 = [fingerprint_v1("t", dtype, x.tobytes(), a.shape) for x in (a, b)]
     v2 = [fingerprint_of_array("t", dtype, x.tobytes(), a.shape) for x in (a, b)]
     assert v1[0] == v1[1]
     assert v2[0] != v2[1]
@@ -380,7 +382,7 @@ def _flip_deltas(a: np.ndarray, version: int) -> np.ndarray:
     c = np.tile(np.arange(cols, dtype=np.uint64), rows)
     neg = (a.reshape(-1) >> np.uint32(31)).astype(bool)
     if version == 1:
-        w = (hashing._mix64(r) | np.uint64(1)) * (hashing._mix64(c ^ hashing._COL_KEY) | np.uint64(1))
+        w = (upgrade._mix64(r) | np.uint64(1)) * (upgrade._mix64(c ^ upgrade._COL_KEY) | np.uint64(1))
         d = w << np.uint64(31)  # wraps mod 2^64 like the sum
         return np.where(neg, np.uint64(0) - d, d)
     i = (r * np.uint64(cols) + c) * np.uint64(2) + np.uint64(1)  # the high limb holds the sign
@@ -403,7 +405,8 @@ def _birthday_pair(a: np.ndarray, version: int) -> tuple[int, int] | None:
     for e in rng.choice(d.size, 64, replace=False):  # the vectorised deltas are the API's deltas
         r, c = divmod(int(e), a.shape[1])
         sign = np.array([1 << 31], dtype="<u4")
-        p = fingerprint_partial(sign, a.shape, (r, c), (1, 1), version=version)
+        part = v1_partial if version == 1 else fingerprint_partial
+        p = part(sign, a.shape, (r, c), (1, 1))
         modulus = 1 << 64 if version == 1 else _fp2.MODULUS
         assert int(d[e]) == (p if not int(a[r, c]) >> 31 else -p) % modulus
     modulus_u = np.uint64(0) if version == 1 else np.uint64(_fp2.MODULUS)
@@ -426,8 +429,8 @@ def test_birthday_search_for_a_colliding_sign_flip_pair(seed: int) -> None:
     b = a.copy().reshape(-1)
     b[list(pair)] ^= np.uint32(1 << 31)
     b = b.reshape(a.shape)
-    assert fingerprint_of_array("w", "F32", a.tobytes(), a.shape, version=1) == fingerprint_of_array(
-        "w", "F32", b.tobytes(), a.shape, version=1
+    assert fingerprint_v1("w", "F32", a.tobytes(), a.shape) == fingerprint_v1(
+        "w", "F32", b.tobytes(), a.shape
     )
     assert fingerprint_of_array("w", "F32", a.tobytes(), a.shape) != fingerprint_of_array(
         "w", "F32", b.tobytes(), a.shape

@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 
 from unickpt.format import _fp2
-from unickpt.format.hashing import finalize_fingerprint, fingerprint_of_array, fingerprint_partial
 from unickpt.format.index import FORMAT_VERSION
 from unickpt.format.naming import SLICED_SENTINEL
 from unickpt.format.schema import index_schema_json
+from unickpt.tools.upgrade import _v1_finalize, fingerprint_v1, v1_partial
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -46,7 +46,8 @@ def test_spec_names_the_constants_the_code_uses() -> None:
 
 
 def _reference_fingerprint(name: str, dtype: str, words: list[int], shape: tuple[int, ...]) -> str:
-    """Fingerprint v1 (section 5.2 of docs/format.md, legacy) written out literally with Python integers."""
+    """Fingerprint v1 (docs/format.md 5.2.3, which ``unickpt upgrade`` checks in version 1 indexes)
+    written out literally with Python integers."""
     mask = (1 << 64) - 1
 
     def mix64(x: int) -> int:
@@ -60,23 +61,19 @@ def _reference_fingerprint(name: str, dtype: str, words: list[int], shape: tuple
     for i, w in enumerate(words):
         r, c = divmod(i, cols)
         total = (total + (mix64(r) | 1) * (mix64(c ^ 0xD1B54A32D192ED03) | 1) * w) & mask
-    return finalize_fingerprint(name, dtype, shape, total, version=1)
+    return _v1_finalize(name, dtype, shape, total)
 
 
 def test_fingerprint_v1_follows_the_written_definition() -> None:
     t = torch.randn(3, 5).to(torch.bfloat16)
     words = [int(x) & 0xFFFF for x in t.view(torch.int16).reshape(-1).tolist()]
     data = t.view(torch.uint8).numpy().tobytes()
-    assert fingerprint_of_array("w", "BF16", data, (3, 5), version=1) == _reference_fingerprint(
-        "w", "BF16", words, (3, 5)
-    )
+    assert fingerprint_v1("w", "BF16", data, (3, 5)) == _reference_fingerprint("w", "BF16", words, (3, 5))
     s = torch.tensor(7, dtype=torch.int64)
-    assert fingerprint_of_array(
-        "s", "I64", s.reshape(1).view(torch.uint8).numpy().tobytes(), (), version=1
-    ) == (_reference_fingerprint("s", "I64", [7], ()))
-    assert (
-        fingerprint_partial(t.view(torch.int16).numpy().view("<u2"), (3, 5), (0, 0), (3, 5), version=1) != 0
+    assert fingerprint_v1("s", "I64", s.reshape(1).view(torch.uint8).numpy().tobytes(), ()) == (
+        _reference_fingerprint("s", "I64", [7], ())
     )
+    assert v1_partial(t.view(torch.int16).numpy().view("<u2"), (3, 5), (0, 0), (3, 5)) != 0
 
 
 def test_schema_is_valid_json_schema() -> None:

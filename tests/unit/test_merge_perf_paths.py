@@ -61,7 +61,7 @@ def _unchecked_reader(directory: Path, tensors: dict[str, tuple[list[int], Boxes
         for name, (shape, boxes) in tensors.items()
     }
     block = UnickptBlock.model_construct(
-        format_version=1,
+        format_version=5,
         kind="model",
         created_by="test",
         tensors=entries,

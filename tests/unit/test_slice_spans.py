@@ -34,7 +34,7 @@ WORLD, TENSORS, COLS = 32, 40, 3  # 1280 slices, 40 in each of 32 files
 
 def _build(directory: Path, version: int) -> dict[str, np.ndarray]:
     """TENSORS tensors of (WORLD, COLS) F32, row r of each in rank r's file, back to back; the
-    index as version 1 (listed slices) or as the writer's compact version."""
+    index with listed slices (``version`` 1) or compact, as the writer writes it (3)."""
     rng = np.random.default_rng(1)
     names = [f"layers.{i}.w" for i in range(TENSORS)]
     data = {n: rng.standard_normal((WORLD, COLS)).astype(np.float32) for n in names}
@@ -61,7 +61,7 @@ def _build(directory: Path, version: int) -> dict[str, np.ndarray]:
         "metadata": {"total_size": 4 * WORLD * COLS * TENSORS},
         "weight_map": dict.fromkeys(names, SLICED_SENTINEL),
         "unickpt": {
-            "format_version": 1,
+            "format_version": 5,
             "kind": "model",
             "created_by": "test",
             "layout": layout,

@@ -21,6 +21,7 @@ import torch
 
 from unickpt import GeneralCheckpointIO, IndexFileError, OptimizerWrapper, merge_checkpoint, verify_checkpoint
 from unickpt.cli.main import main as cli
+from unickpt.format.digest_text import hex_to_b64
 from unickpt.format.hashing import slice_hash
 from unickpt.format.index_compact import as_listed as listed
 from unickpt.format.naming import SLICED_SENTINEL
@@ -46,7 +47,7 @@ def _save(tmp_path: Path, gather: bool, name: str = "ck") -> Path:
 
 def _edit(d: Path, change: Callable[[dict[str, Any]], None]) -> None:
     p = d / INDEX
-    obj = listed(json.loads(p.read_text()), 4)  # edited in version 4's text form: hex digests
+    obj = listed(json.loads(p.read_text()))  # slices listed: their hashes in hex
     change(obj)
     p.write_text(json.dumps(obj))
 
@@ -213,7 +214,7 @@ def test_fingerprint_that_no_longer_matches_the_data(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], gather: bool
 ) -> None:
     d = _save(tmp_path, gather=gather)
-    _edit(d, lambda o: o["unickpt"]["tensors"]["grid"].update(fingerprint="0123456789abcdef"))
+    _edit(d, lambda o: o["unickpt"]["tensors"]["grid"].update(fingerprint=hex_to_b64("0123456789abcdef")))
     report = verify_checkpoint(d)
     assert [type(f) for f in report] == [FingerprintFailure]
     f = report[0]
@@ -254,7 +255,7 @@ def test_fingerprints_recomputed_in_small_chunks(tmp_path: Path, monkeypatch: py
             assert report == [] and report.fingerprints == 7, chunk
     # And a changed element is still found with chunks of one element.
     monkeypatch.setattr(verify_mod, "_CHUNK", 4)
-    _edit(d, lambda o: o["unickpt"]["tensors"]["grid"].update(fingerprint="f" * 16))
+    _edit(d, lambda o: o["unickpt"]["tensors"]["grid"].update(fingerprint=hex_to_b64("f" * 16)))
     assert [f.tensor for f in verify_checkpoint(d)] == ["grid"]
 
 

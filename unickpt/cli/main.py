@@ -1,4 +1,4 @@
-"""``unickpt``: inspect, verify, diff, merge and convert checkpoints from the command line.
+"""``unickpt``: inspect, verify, diff, merge, convert and upgrade checkpoints from the command line.
 
 Exit codes (every subcommand): 0 success / identical; 1 the checkpoint is damaged or the
 two checkpoints differ; 2 unusable input (not a checkpoint, malformed index, hostile
@@ -135,6 +135,15 @@ def _cmd_merge(args: argparse.Namespace) -> int:
     )
     if not args.quiet:
         print(f"merged {args.src} -> {out}")
+    return EXIT_OK
+
+
+def _cmd_upgrade(args: argparse.Namespace) -> int:
+    from unickpt.tools.upgrade import upgrade_checkpoint
+
+    report = upgrade_checkpoint(args.src, args.dst)
+    if not args.quiet:
+        print(report.format())
     return EXIT_OK
 
 
@@ -386,6 +395,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     sp.set_defaults(func=_cmd_convert)
+
+    sp = sub.add_parser(
+        "upgrade",
+        help="convert a checkpoint of format version 1 to 4 to version 5, the one unickpt reads",
+        description=(
+            "Convert the checkpoint(s) in SRC (a directory's model and optimizer checkpoints, an "
+            "index file, or a single .safetensors file) from a draft format version (1 to 4) to "
+            "version 5. The data files are kept as they are; the new index is written last, atomically "
+            "(in place: renamed over the old one, so a killed upgrade leaves the old checkpoint, which "
+            "upgrade reads again). Version 1 fingerprints are recomputed from the data, after checking "
+            "it against the recorded hashes. With DST, SRC is copied into DST (a new directory, or a "
+            "new file for a file SRC) and left untouched."
+        ),
+        epilog=_EPILOG,
+    )
+    sp.add_argument("src", help="checkpoint directory, index file or single .safetensors file")
+    sp.add_argument("dst", nargs="?", default=None, help="write the upgraded copy here instead of in place")
+    sp.add_argument("-q", "--quiet", action="store_true", help="print nothing")
+    sp.set_defaults(func=_cmd_upgrade)
     for command in sub.choices.values():
         add_storage_option(command)
     return p

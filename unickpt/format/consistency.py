@@ -25,7 +25,7 @@ import numpy as np
 
 from unickpt.errors import IndexFileError
 from unickpt.format.index import TensorEntry, UnickptBlock
-from unickpt.format.naming import SLICED_SENTINELS
+from unickpt.format.naming import SLICED_SENTINEL
 from unickpt.format.safetensors_io import SafetensorsHeader
 
 __all__ = [
@@ -54,7 +54,7 @@ def _names(names: Iterable[str], limit: int = 5) -> str:
 def check_unique_slices(where: str, block: UnickptBlock) -> None:
     """No two slices (of one tensor or of two) name the same key of the same file.
 
-    Keys by the ``NAME@K`` rule (version 3 tensors without ``keys``) are distinct by
+    Keys by the ``NAME@K`` rule (compact tensors without ``keys``) are distinct by
     construction (the name and K follow from the key: K is the digits after the last ``@``), so
     only written-out keys are collected, per file, in bulk from the slice tables; a written key
     that has the rule's form is then looked up among the rule's keys of its file.
@@ -136,19 +136,13 @@ def check_weight_map(where: str, weight_map: dict[str, str], block: UnickptBlock
     A gathered index maps every stored tensor to the file holding it (so Hugging Face loaders
     read exactly what unickpt verifies); a sliced one maps every stored tensor to the sentinel.
     """
-    sentinel = [n for n, f in weight_map.items() if f in SLICED_SENTINELS]
-    real = [n for n, f in weight_map.items() if f not in SLICED_SENTINELS]
+    sentinel = [n for n, f in weight_map.items() if f == SLICED_SENTINEL]
+    real = [n for n, f in weight_map.items() if f != SLICED_SENTINEL]
     if sentinel and real:
         raise IndexFileError(
             f"{where}: weight_map mixes the sliced-checkpoint sentinel (e.g. tensor {_q(sentinel[0])}) with "
             f"real files (e.g. tensor {_q(real[0])} -> {_q(weight_map[real[0]])}); an index is either gathered "
             "or sliced"
-        )
-    used = sorted({weight_map[n] for n in sentinel})
-    if len(used) > 1:
-        raise IndexFileError(
-            f"{where}: weight_map names two sliced-checkpoint sentinels ({_q(used[0])} and {_q(used[1])}); "
-            "a writer uses one throughout"
         )
     gathered = not sentinel if weight_map else block.layout.gathered
     missing = [n for n in block.tensors if n not in weight_map]

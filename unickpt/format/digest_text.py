@@ -1,18 +1,17 @@
-"""Version 5's text form of the block: base64url digests and a default dtype (docs/format.md 3.2).
+"""The block's text form: base64url digests and a default dtype (docs/format.md 3.2).
 
-In memory every version looks the same: a digest is 16 lower-case hex digits (a tensor's
-``fingerprint``, the concatenated hashes a ``SliceTable`` holds, 16 ``-`` for a slice without
-one) and every tensor has its ``dtype``. Only the JSON of a version 5 block differs, and it is
-converted at the two edges:
+In memory a digest is 16 lower-case hex digits (a tensor's ``fingerprint``, the concatenated
+hashes a ``SliceTable`` holds, 16 ``-`` for a slice without one) and every tensor has its
+``dtype``. The JSON of a block differs, and it is converted at the two edges:
 
-- :func:`block_from_json` (readers, before any other check): the block's ``dtype`` (the
-  default) is given to every tensor that has none, and the tensors' ``fingerprint`` and
-  ``xxh3`` go from 11 base64url characters per digest (11 ``~`` for a slice without a hash) to
-  16 hex digits: all fingerprints of the block in one numpy pass, all ``xxh3`` in another, no
-  object per slice.
-- :func:`block_to_json` (the models' JSON serializer): the reverse, for a block stamped 5.
+- :func:`block_from_json` (readers, before any other check): a block of another format version
+  is refused (``versioning.check_version``); the block's ``dtype`` (the default) is given to
+  every tensor that has none, and the tensors' ``fingerprint`` and compact ``xxh3`` go from 11
+  base64url characters per digest (11 ``~`` for a slice without a hash) to 16 hex digits: all
+  fingerprints of the block in one numpy pass, all ``xxh3`` in another, no object per slice.
+- :func:`block_to_json` (the models' JSON serializer): the reverse.
 
-Listed ``slices`` and their ``ranges`` keep version 4's hex digits at version 5.
+Listed ``slices`` and their ``ranges`` keep 16 hex digits in JSON too.
 """
 
 from __future__ import annotations
@@ -25,9 +24,9 @@ import numpy as np
 
 from unickpt.format.compact_rules import compact_problem
 from unickpt.format.dtypes import DTYPE_ITEMSIZE
+from unickpt.format.versioning import check_version
 
 __all__ = [
-    "DIGEST_TEXT_VERSION",
     "B64_DIGEST_LEN",
     "NO_DIGEST",
     "DigestTextError",
@@ -35,14 +34,11 @@ __all__ = [
     "block_to_json",
     "hex_to_b64",
     "b64_to_hex",
-    "digest_in_text",
 ]
 
-#: The first version whose block is written in this text form.
-DIGEST_TEXT_VERSION = 5
 #: Characters of one digest in base64url: 64 bits in 11 characters of 6 bits, the last 2 bits 0.
 B64_DIGEST_LEN = 11
-#: Stands for a slice without a hash in a version 5 ``xxh3`` string: ``~`` is outside base64url.
+#: Stands for a slice without a hash in a compact ``xxh3`` string: ``~`` is outside base64url.
 NO_DIGEST = "~" * B64_DIGEST_LEN
 _ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
 _CHARS = np.frombuffer(_ALPHABET, dtype=np.uint8)
@@ -57,7 +53,7 @@ _TO_URLSAFE = bytes.maketrans(b"+/", b"-_")
 
 
 class DigestTextError(ValueError):
-    """A version 5 digest string that is not one (the models report it as a schema error)."""
+    """A digest string that is not one (the models report it as a schema error)."""
 
 
 class _Bad(Exception):
@@ -154,31 +150,13 @@ def hex_to_b64(hexs: str) -> str:
     return out.tobytes().decode("ascii")
 
 
-def digest_in_text(hexs: str | None, version: int) -> str | None:
-    """A tensor's ``fingerprint`` or ``xxh3`` (16 hex digits per digest) as a block of ``version``
-    writes it in JSON (tools that patch a dumped block in place)."""
-    return hex_to_b64(hexs) if hexs is not None and version == DIGEST_TEXT_VERSION else hexs
-
-
-def _version(block: dict[str, Any]) -> Any:
-    # Writers always write the version: a block without one is hand-written in the hex form.
-    return block.get("format_version", DIGEST_TEXT_VERSION - 1)
-
-
 def block_from_json(block: Any) -> tuple[Any, int]:
     """A block's JSON object in the in-memory form (a new dict; the argument is not changed) and
     how many more object members the argument has than the result (the fast parser counts them).
     Anything it cannot make sense of is left for the schema checks that follow."""
     if type(block) is not dict:
         return block, 0
-    version = _version(block)
-    if type(version) is not int or version != DIGEST_TEXT_VERSION:
-        if "dtype" in block and type(version) is int:
-            raise DigestTextError(
-                f"'dtype' (the tensors' default dtype) is a format_version {DIGEST_TEXT_VERSION} "
-                f"field (this block is version {version})"
-            )
-        return block, 0
+    check_version(block)
     out = {k: v for k, v in block.items() if k != "dtype"}
     default = block.get("dtype")
     if "dtype" in block and (type(default) is not str or default not in DTYPE_ITEMSIZE):
@@ -203,8 +181,8 @@ def block_from_json(block: Any) -> tuple[Any, int]:
         if type(fp) is str:
             if len(fp) != B64_DIGEST_LEN:
                 raise DigestTextError(
-                    f"tensor {name!r}: 'fingerprint' holds {len(fp)} characters: version "
-                    f"{DIGEST_TEXT_VERSION} writes {B64_DIGEST_LEN} base64url characters"
+                    f"tensor {name!r}: 'fingerprint' holds {len(fp)} characters, not the "
+                    f"{B64_DIGEST_LEN} base64url characters of a digest"
                 )
             fps.append((name, fp))
         xxh = t.get("xxh3")
@@ -213,7 +191,7 @@ def block_from_json(block: Any) -> tuple[Any, int]:
             if count is not None and len(xxh) != B64_DIGEST_LEN * count:
                 raise DigestTextError(
                     f"tensor {name!r}: 'xxh3' holds {len(xxh)} characters for {count} slice(s) "
-                    f"(version {DIGEST_TEXT_VERSION}: {B64_DIGEST_LEN} per slice)"
+                    f"({B64_DIGEST_LEN} base64url characters per slice)"
                 )
             hashes.append((name, xxh))
     for field, items in (("fingerprint", fps), ("xxh3", hashes)):
@@ -285,11 +263,9 @@ def _count(t: dict[str, Any]) -> int | None:
 
 
 def block_to_json(block: dict[str, Any]) -> dict[str, Any]:
-    """A dumped block (``model_dump(mode="json")``) in its version's text form: unchanged below
-    version 5; at 5, the tensors' most frequent dtype becomes the block's ``dtype`` (placed after
-    ``kind``) and the tensors that have it drop theirs, digests become base64url. Changed in place."""
-    if _version(block) != DIGEST_TEXT_VERSION:
-        return block
+    """A dumped block (``model_dump(mode="json")``) in its text form: the tensors' most frequent
+    dtype becomes the block's ``dtype`` (placed after ``kind``) and the tensors that have it drop
+    theirs, digests become base64url. Changed in place."""
     tensors = block.get("tensors")
     if type(tensors) is not dict or not tensors:
         return block

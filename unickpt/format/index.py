@@ -24,7 +24,6 @@ from unickpt.errors import IndexFileError, UnsafePathError
 from unickpt.format._json import check_unicode, colon_budget, strict_loads
 from unickpt.format.bounds import read_bounded
 from unickpt.format.index_fast import _FastIndex, _gc_paused, _NotFast
-from unickpt.format.index_models import COMPACT_VERSION
 
 # The schema (index_models) is re-exported: callers import the models from here.
 from unickpt.format.index_models import FORMAT_VERSION as FORMAT_VERSION
@@ -37,6 +36,7 @@ from unickpt.format.index_models import SliceEntry as SliceEntry
 from unickpt.format.index_models import TensorEntry as TensorEntry
 from unickpt.format.index_models import UnickptBlock as UnickptBlock
 from unickpt.format.index_models import check_file_name as check_file_name
+from unickpt.format.versioning import OtherFormatVersion, version_error
 
 __all__ = ["parse_index", "parse_index_validated", "load_index", "index_to_json"]
 
@@ -111,6 +111,8 @@ def _validate(text: str, path: str) -> IndexFile:
             cause = (err.get("ctx") or {}).get("error")
             if isinstance(cause, UnsafePathError):
                 raise UnsafePathError(f"{path}: {cause}") from None
+            if isinstance(cause, OtherFormatVersion):
+                raise version_error(path, cause.version) from None
         problems = "; ".join(
             f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()[:10]
         )
@@ -143,11 +145,12 @@ def _read_index_bytes(p: str) -> bytes:
 
 
 def index_to_json(index: IndexFile) -> bytes:
-    """The index as UTF-8 JSON: indented up to version 2; version 3 without whitespace (an index of
-    10^6 slices spends more on indentation than on the slices), one line per tensor."""
+    """The index as UTF-8 JSON: a plain Hugging Face index indented; a unickpt index without
+    whitespace (an index of 10^6 slices spends more on indentation than on the slices), one line
+    per tensor."""
     obj = index.model_dump(mode="json", exclude_none=True)
     block = obj.get("unickpt")
-    if block is None or block.get("format_version", FORMAT_VERSION) < COMPACT_VERSION:
+    if block is None:
         return (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
     tensors = block.pop("tensors")
     dump = functools.partial(json.dumps, ensure_ascii=False, separators=(",", ":"))

@@ -1,4 +1,4 @@
-"""Writing version 3: every tensor's slices turned into the compact fields of docs/format.md 3.1.
+"""Writing the compact encoding: every tensor's slices turned into the compact fields of docs/format.md 3.1.
 
 Writers hand over tensors whose slices are a list of ``SliceEntry`` (or, without any per-slice
 object, a ``LazySlices`` over a ``SliceTable``); :func:`compact_tensors` builds the block's file
@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 
 from unickpt.format.digest_text import block_from_json, block_to_json
-from unickpt.format.index_models import COMPACT_VERSION, TensorEntry
+from unickpt.format.index_models import TensorEntry
 from unickpt.format.slice_table import SliceTable, compact_fields
 
-__all__ = ["compact_tensors", "named_table", "as_listed", "as_version"]
+__all__ = ["compact_tensors", "named_table", "as_listed"]
 
 
 def named_table(name: str, t: TensorEntry) -> SliceTable:
@@ -39,7 +39,7 @@ def named_table(name: str, t: TensorEntry) -> SliceTable:
 
 
 def compact_tensors(tensors: Mapping[str, TensorEntry]) -> tuple[dict[str, TensorEntry], list[str]]:
-    """(the tensors in their version 3 form, the block's ``files`` table: sorted distinct names)."""
+    """(the tensors in their compact form, the block's ``files`` table: sorted distinct names)."""
     tables = {name: named_table(name, t) for name, t in tensors.items()}
     # Tables often share one file list (a plan's): each distinct list is read once.
     tables_files = {id(table.files): table.files for table in tables.values()}
@@ -49,7 +49,7 @@ def compact_tensors(tensors: Mapping[str, TensorEntry]) -> tuple[dict[str, Tenso
     out: dict[str, TensorEntry] = {}
     for name, t in tensors.items():
         if t.table.ranges_count():
-            out[name] = t  # byte-range hashes have no compact form: listed, as in version 2
+            out[name] = t  # byte-range hashes have no compact form: listed
             continue
         fields = compact_fields(tables[name], index, remaps[id(tables[name].files)])
         common = {k: v for k in ("fingerprint", "param", "state") if (v := getattr(t, k)) is not None}
@@ -57,31 +57,20 @@ def compact_tensors(tensors: Mapping[str, TensorEntry]) -> tuple[dict[str, Tenso
     return out, files
 
 
-def as_listed(obj: dict[str, Any], version: int | None = None) -> dict[str, Any]:
-    """A parsed index JSON object (``json.loads``) with every compact tensor's slices listed, as
-    versions 1 and 2 write them (versions 3 to 5 take them too), stamped ``version`` (default: its
-    own): fixtures of older versions, tools that edit slice objects. Changed in place, returned."""
-    return as_version(obj, version, listed=True)
-
-
-def as_version(obj: dict[str, Any], version: int | None = None, listed: bool = False) -> dict[str, Any]:
-    """A parsed index JSON object in the text form of ``version`` (default: its own): version 5's
-    base64url digests and default dtype (docs/format.md 3.1) below 5, or the reverse; the slices
-    listed when ``listed`` or ``version`` < 3. The ``weight_map`` (its sentinel) is left as it is.
-    Changed in place, returned."""
+def as_listed(obj: dict[str, Any]) -> dict[str, Any]:
+    """A parsed index JSON object (``json.loads``) with every compact tensor's slices listed
+    (``slices``, as a tensor with byte-range hashes is written; readers take either form): tools
+    and tests that edit slice objects. Changed in place, returned."""
     given = obj.get("unickpt")
     if not isinstance(given, dict):
         return obj
     block = obj["unickpt"] = block_from_json(given)[0]
-    if listed or (version is not None and version < COMPACT_VERSION):
-        files = block.pop("files", None)
-        for name, t in block["tensors"].items():
-            if "slices" in t:
-                continue
-            fields = {k: t.pop(k, None) for k in ("grid", "boxes", "file", "keys", "xxh3")}
-            table = SliceTable.from_compact(name, t["shape"], files or [], **fields)
-            t["slices"] = [s.model_dump(exclude_none=True) for s in table.entries()]
-    if version is not None:
-        block["format_version"] = version
+    files = block.pop("files", None)
+    for name, t in block["tensors"].items():
+        if "slices" in t:
+            continue
+        fields = {k: t.pop(k, None) for k in ("grid", "boxes", "file", "keys", "xxh3")}
+        table = SliceTable.from_compact(name, t["shape"], files or [], **fields)
+        t["slices"] = [s.model_dump(exclude_none=True) for s in table.entries()]
     block_to_json(block)
     return obj

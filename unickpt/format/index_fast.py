@@ -54,12 +54,13 @@ from unickpt.format.index_models import (
     check_file_name,
     compact_problem,
     fields_of,
+    files_problem,
     ranges_problem,
     shape_problem,
     slice_problem,
     strict_metadata_ok,
-    version_problem,
 )
+from unickpt.format.versioning import OtherFormatVersion
 
 __all__ = ["_FastIndex", "_NotFast", "_gc_paused"]
 
@@ -139,7 +140,7 @@ class _FastIndex:
             raise _NotFast
         try:
             index = self.index(obj)
-        except (TooDeep, RecursionError, DigestTextError):  # the models word a DigestTextError
+        except (TooDeep, RecursionError, DigestTextError, OtherFormatVersion):  # the models word these
             raise _NotFast from None
         if self.pairs + self.colons != budget:
             raise _NotFast  # a duplicate key: strict_loads names it
@@ -262,7 +263,7 @@ class _FastIndex:
                 raise _NotFast  # never, with today's names: the colon count skips file names
 
     def block(self, v: Any) -> models.UnickptBlock:
-        v, fewer = block_from_json(v)  # version 5's text form (base64url digests, default dtype)
+        v, fewer = block_from_json(v)  # the text form (base64url digests, default dtype)
         self.pairs += fewer
         b = self.obj(v, "unickpt", _BLOCK_FIELDS, _BLOCK_REQUIRED)
         given: dict[str, Any] = {}
@@ -329,8 +330,7 @@ class _FastIndex:
                 given[k] = {p: dict(st) for p, st in x.items()}
         # models.UnickptBlock's model validators.
         tensors = given["tensors"]
-        version = given.get("format_version", models.FORMAT_VERSION)
-        problem = version_problem(version, given.get("files"), tensors)
+        problem = files_problem(given.get("files"), tensors)
         if problem is not None:
             raise _NotFast(f"{_SCHEMA}: unickpt: {problem}")
         self._safe_names(self.files)
@@ -382,7 +382,7 @@ class _FastIndex:
                 if type(x) is not list:
                     raise _schema(f"{where}.slices", "an array of slice objects", x)
                 given[k] = x
-            else:  # the compact fields of version 3
+            else:  # the compact fields
                 given[k] = self.compact_field(k, x)
         shape = given["shape"]
         problem = shape_problem(shape)
@@ -424,7 +424,7 @@ class _FastIndex:
             raise _NotFast(f"{_SCHEMA}: {where}: {e.errors()[0]['msg']}") from None
 
     def compact_field(self, k: str, x: Any) -> Any:
-        """A version 3 field of a tensor, type-checked in bulk; any doubt goes to the models."""
+        """A compact field of a tensor, type-checked in bulk; any doubt goes to the models."""
         colons = compact_field_colons(k, x)
         if colons is None:
             raise _NotFast

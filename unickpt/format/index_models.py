@@ -36,10 +36,10 @@ from unickpt.format.digest_text import block_from_json, block_to_json
 from unickpt.format.dtypes import DTYPE_ITEMSIZE
 from unickpt.format.lazy_slices import LazySlices
 from unickpt.format.slice_table import SliceTable
+from unickpt.format.versioning import FORMAT_VERSION
 
 __all__ = [
     "FORMAT_VERSION",
-    "SHORT_SENTINEL_VERSION",
     "KNOWN_FORMAT_VERSIONS",
     "KINDS",
     "MAX_INDEX_BYTES",
@@ -62,23 +62,18 @@ __all__ = [
     "ranges_problem",
     "fields_of",
     "compact_problem",
-    "version_problem",
+    "files_problem",
     "attach_tables",
 ]
 
-#: Format versions this reader accepts; version 1 indexes carry fingerprint v1 values.
-FormatVersion = Literal[1, 2, 3, 4, 5]
+#: The one format version unickpt reads and writes (docs/format.md 7); the drafts before it are
+#: converted by ``unickpt upgrade`` (``tools/upgrade.py``) and refused by every reader.
+FormatVersion = Literal[5]
 KNOWN_FORMAT_VERSIONS: tuple[int, ...] = get_args(FormatVersion)
-#: The version every writer stamps: 5 since base64url digests and the default dtype (docs/format.md 3.1, 7).
-FORMAT_VERSION: Literal[5] = 5
-#: The first version whose sliced ``weight_map`` names ``naming.SLICED_SENTINEL`` (before: the long one).
-SHORT_SENTINEL_VERSION = 4
-#: The first version whose tensors describe their slices compactly (``grid``/``boxes``, ``file``, ...).
-COMPACT_VERSION = 3
 Kind = Literal["model", "optimizer"]
 KINDS: tuple[str, ...] = get_args(Kind)
 # An index describes tensors, never holds them: 405B parameters over 2048 ranks is 2.3 x 10^6
-# slices, about 46 MB of version 3 JSON (docs/performance.md). Larger files are refused unread.
+# slices, about 46 MB of compact JSON (docs/performance.md). Larger files are refused unread.
 MAX_INDEX_BYTES = 512 << 20
 #: Exclusive bound of a dimension, an offset and a tensor's element count.
 MAX_DIM = 1 << 62
@@ -96,7 +91,7 @@ SAVE_ID = f"^{SAVE_ID_BODY}$"
 # Strict: JSON true, 2.0 and "2" are not integers here (pydantic's lax mode would take them).
 NonNeg = Annotated[int, Strict(), Field(ge=0, lt=MAX_DIM)]
 Positive = Annotated[int, Strict(), Field(ge=MIN_POSITIVE)]
-#: A version 3 grid item: the number of parts (torch.chunk semantics) or the parts' extents.
+#: A grid item: the number of parts (torch.chunk semantics) or the parts' extents.
 GridItem = Annotated[int, Strict(), Field(ge=MIN_POSITIVE, lt=MAX_DIM)] | list[NonNeg]
 FileId = Annotated[int, Strict(), Field(ge=0, lt=MAX_DIM)]
 #: Concatenated slice hashes: 16 lower-case hex digits (or 16 '-': no hash) per slice.
@@ -214,43 +209,45 @@ class SliceEntry(_Strict):
 class TensorEntry(_Strict):
     """A global tensor: dtype, shape, fingerprint and the slices that tile it.
 
-    Versions 1 and 2 list the slices (``slices``); version 3 describes them compactly (``grid`` or
-    ``boxes``, ``file``, ``keys``, ``xxh3``: docs/format.md section 3.1) and, once the block is
-    validated, ``slices`` is a ``LazySlices`` over the tensor's ``SliceTable`` (``table``).
+    A tensor lists its slices (``slices``: one whose slices carry ``ranges``) or describes them
+    compactly (``grid`` or ``boxes``, ``file``, ``keys``, ``xxh3``: docs/format.md section 3.1) and,
+    once the block is validated, ``slices`` is a ``LazySlices`` over its ``SliceTable`` (``table``).
     """
 
     dtype: str
     shape: list[NonNeg]
     fingerprint: Hex16 | None = Field(default=None, description="layout-invariant fingerprint")
-    slices: list[SliceEntry] = Field(default_factory=list, description="versions 1 and 2: every slice")
+    slices: list[SliceEntry] = Field(
+        default_factory=list, description="listed: every slice (tensors with byte-range hashes)"
+    )
     param: str | None = Field(default=None, description="optimizer tensors: the parameter FQN")
     state: str | None = Field(default=None, description="optimizer tensors: the state key")
     grid: list[GridItem] | None = Field(
         default=None,
-        description="version 3: the slices are the cells of this grid in C order; per dim the number "
+        description="compact: the slices are the cells of this grid in C order; per dim the number "
         "of parts (torch.chunk semantics) or the parts' extents",
     )
     boxes: list[list[NonNeg]] | None = Field(
-        default=None, description="version 3, no grid: each slice's offsets then shape"
+        default=None, description="compact, no grid: each slice's offsets then shape"
     )
     file: FileId | list[FileId] | None = Field(
         default=None,
-        description="version 3: index into the block's files, for all slices or per slice; "
+        description="compact: index into the block's files, for all slices or per slice; "
         "absent: slice K is in files[K]",
     )
-    keys: list[str] | None = Field(default=None, description="version 3: the slices' keys when not NAME@K")
+    keys: list[str] | None = Field(default=None, description="compact: the slices' keys when not NAME@K")
     xxh3: Annotated[str, Field(pattern=HASHES)] | None = Field(
-        default=None, description="version 3: the slice hashes, 16 characters each ('-' x 16: none)"
+        default=None, description="compact: the slice hashes, 16 characters each ('-' x 16: none)"
     )
 
     @property
     def compact(self) -> bool:
-        """True for a version 3 entry that does not list its slices (grid/boxes, file, keys, xxh3)."""
+        """True for an entry that does not list its slices (grid/boxes, file, keys, xxh3)."""
         return "slices" not in self.model_fields_set
 
     @property
     def table(self) -> SliceTable:
-        """The slices as a :class:`SliceTable` (built once from ``slices`` for versions 1 and 2)."""
+        """The slices as a :class:`SliceTable` (built once from listed ``slices``)."""
         sl = self.__dict__["slices"]
         if isinstance(sl, LazySlices):
             return sl.table
@@ -263,7 +260,7 @@ class TensorEntry(_Strict):
         if not self.compact:
             out: dict[str, Any] = handler(self)
             return out
-        # A version 3 entry writes its compact fields, never its slices (no per-slice objects).
+        # A compact entry writes its compact fields, never its slices (no per-slice objects).
         d = self.__dict__
         return {k: d[k] for k in _COMPACT_DUMP if d[k] is not None}
 
@@ -306,7 +303,7 @@ class UnickptBlock(_Strict):
     format_version: FormatVersion = FORMAT_VERSION
     kind: Kind
     files: list[str] | None = Field(
-        default=None, description="version 3: the data files, which tensors' 'file' fields index"
+        default=None, description="the data files, which tensors' 'file' fields index"
     )
     created_by: str = "unickpt"
     layout: LayoutInfo = Field(default_factory=LayoutInfo)
@@ -329,7 +326,7 @@ class UnickptBlock(_Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _from_text_form(cls, data: Any) -> Any:  # version 5's digests and default dtype, as in memory
+    def _from_text_form(cls, data: Any) -> Any:  # base64url digests and the default dtype, as in memory
         return block_from_json(data)[0]
 
     @model_serializer(mode="wrap")
@@ -355,7 +352,7 @@ class UnickptBlock(_Strict):
 
     @model_validator(mode="after")
     def _files_are_safe(self) -> UnickptBlock:
-        problem = version_problem(self.format_version, self.files, self.tensors)
+        problem = files_problem(self.files, self.tensors)
         if problem is not None:
             raise ValueError(problem)
         # Checked once per distinct name (an index of 10^5 slices names a few hundred files).
@@ -419,17 +416,11 @@ _COMPACT_DUMP = ("dtype", "shape", "fingerprint", "param", "state", "grid", "box
 _COMPACT_FIELDS = ("grid", "boxes", "file", "keys", "xxh3")
 
 
-def version_problem(
-    version: int, files: Sequence[str] | None, tensors: Mapping[str, TensorEntry]
-) -> str | None:
-    """Version 3 tensors list their slices (``slices``) or describe them compactly (then the block
-    has ``files``); versions 1 and 2 only list them."""
-    compact = version >= COMPACT_VERSION
+def files_problem(files: Sequence[str] | None, tensors: Mapping[str, TensorEntry]) -> str | None:
+    """Tensors list their slices (``slices``) or describe them compactly (then the block has
+    ``files``), never both; compact ``file`` indexes stay within ``files``."""
     for name, t in tensors.items():
         given = [f for f in _COMPACT_FIELDS if getattr(t, f) is not None]
-        if not compact and (given or t.compact):
-            what = f"has version {COMPACT_VERSION} field(s) {given}" if given else "has no 'slices'"
-            return f"tensor {name!r} {what} in a format_version {version} index"
         if not t.compact and given:
             return f"tensor {name!r} has both 'slices' and the compact field(s) {given}: one describes its slices"
         if t.compact:
@@ -446,14 +437,12 @@ def version_problem(
             ids = [t.file] if isinstance(t.file, int) else t.file
             if ids and max(ids) >= len(files):
                 return f"tensor {name!r}: file index {max(ids)} is past the {len(files)} files of the block"
-    if files is not None and not compact:
-        return f"'files' is a format_version {COMPACT_VERSION} field (this index is version {version})"
     # What the data files can hold bounds what the compact fields declare (format/bounds.py).
     return count_problem(files, tensors)
 
 
 def attach_tables(files: Sequence[str] | None, tensors: Mapping[str, TensorEntry]) -> None:
-    """Give every version 3 tensor its ``SliceTable`` and the lazy ``slices`` list over it."""
+    """Give every compact tensor its ``SliceTable`` and the lazy ``slices`` list over it."""
     if files is None:
         return
     for name, t in tensors.items():

@@ -5,8 +5,6 @@ from __future__ import annotations
 __all__ = [
     "INDEX_SUFFIX",
     "SLICED_SENTINEL",
-    "SLICED_SENTINELS",
-    "LONG_SLICED_SENTINEL",
     "index_name",
     "single_name",
     "shard_name",
@@ -37,12 +35,8 @@ INDEX_SUFFIX = ".safetensors.index.json"
 # In a checkpoint that keeps distributed slices, every weight_map entry points at this file,
 # which never exists: a Hugging Face loader then fails loudly with a message naming the fix,
 # instead of loading a slice as if it were the whole tensor. unickpt reads the slice table.
-# Short, since every tensor of a sliced index repeats it (a quarter of the index at 4 ranks):
-# format version 4 and later. Versions 1 to 3 wrote LONG_SLICED_SENTINEL.
+# Short, since every tensor of a sliced index repeats it (a quarter of the index at 4 ranks).
 SLICED_SENTINEL = "run-unickpt-merge-first.safetensors"
-LONG_SLICED_SENTINEL = "unickpt-sliced-checkpoint--run-unickpt-merge-to-load-with-huggingface.safetensors"
-# Every sentinel readers accept, whatever the index's version.
-SLICED_SENTINELS = frozenset({SLICED_SENTINEL, LONG_SLICED_SENTINEL})
 
 
 def index_name(kind: str) -> str:

@@ -17,6 +17,7 @@ from unickpt.format._json import strict_loads
 from unickpt.format.index import IndexFile, SliceEntry, TensorEntry, UnickptBlock, check_file_name
 from unickpt.format.naming import single_name
 from unickpt.format.safetensors_io import SafetensorsHeader, read_header
+from unickpt.format.versioning import OtherFormatVersion, version_error
 
 if TYPE_CHECKING:
     from unickpt.format.reader import CheckpointReader
@@ -48,7 +49,7 @@ def block_from_header(h: SafetensorsHeader, kind: str) -> tuple[UnickptBlock, bo
                     for s in slices if isinstance(slices, list) else []:
                         if isinstance(s, dict):
                             s["file"] = file
-                if isinstance(obj.get("files"), list):  # version 3: the file table
+                if isinstance(obj.get("files"), list):  # the compact encoding's file table
                     obj["files"] = [file] * len(obj["files"])
             block = UnickptBlock.model_validate(obj)
         except ValidationError as e:
@@ -77,6 +78,8 @@ def _schema_error(path: str, e: ValidationError) -> CheckpointFormatError:
         cause = (err.get("ctx") or {}).get("error")
         if isinstance(cause, UnsafePathError):
             return UnsafePathError(f"{path}: the unickpt metadata block: {cause}")
+        if isinstance(cause, OtherFormatVersion):
+            return version_error(path, cause.version)
     problems = "; ".join(
         f"{'.'.join(str(p) for p in err['loc'])}: {' '.join(str(err['msg']).split())}"
         for err in e.errors()[:10]

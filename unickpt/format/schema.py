@@ -10,11 +10,11 @@ import json
 import sys
 from typing import Any
 
-from unickpt.format.digest_text import B64_DIGEST_LEN, DIGEST_TEXT_VERSION, NO_DIGEST
+from unickpt.format.digest_text import B64_DIGEST_LEN, NO_DIGEST
 from unickpt.format.dtypes import DTYPE_ITEMSIZE
-from unickpt.format.index_models import HASHES, HEX16, KNOWN_FORMAT_VERSIONS, IndexFile
+from unickpt.format.index_models import FORMAT_VERSION, IndexFile
 
-# One digest in version 5's text form: 11 base64url characters, the last one's 2 low bits 0.
+# One digest in the text form: 11 base64url characters, the last one's 2 low bits 0.
 _B64 = f"[A-Za-z0-9_-]{{{B64_DIGEST_LEN - 1}}}[AEIMQUYcgkosw048]"
 
 __all__ = ["index_schema_json"]
@@ -22,20 +22,17 @@ __all__ = ["index_schema_json"]
 
 def index_schema_json() -> str:
     schema = IndexFile.model_json_schema(mode="validation")
-    _version5_text(schema["$defs"])
+    _text_form(schema["$defs"])
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    schema["title"] = (
-        f"unickpt checkpoint index (format versions {', '.join(map(str, KNOWN_FORMAT_VERSIONS))})"
-    )
+    schema["title"] = f"unickpt checkpoint index (format version {FORMAT_VERSION})"
     return json.dumps(schema, indent=2, sort_keys=True) + "\n"
 
 
-def _version5_text(defs: dict[str, Any]) -> None:
-    """The models describe the in-memory form, which is also the JSON of versions 1 to 4; version
-    5's JSON (docs/format.md 3.1) has base64url digests and a default dtype: add them."""
-    v5 = f"version {DIGEST_TEXT_VERSION}"
+def _text_form(defs: dict[str, Any]) -> None:
+    """The models describe the in-memory form (16 hex digits per digest, a dtype per tensor); the
+    JSON (docs/format.md 3.2) has base64url digests and a default dtype: say so."""
     defs["UnickptBlock"]["properties"]["dtype"] = {
-        "description": f"{v5}: the dtype of every tensor that has none (the most frequent one)",
+        "description": "the dtype of every tensor that has none (the most frequent one)",
         "enum": sorted(DTYPE_ITEMSIZE),
         "title": "Dtype",
         "type": "string",
@@ -43,11 +40,13 @@ def _version5_text(defs: dict[str, Any]) -> None:
     tensor = defs["TensorEntry"]
     tensor["required"] = [k for k in tensor["required"] if k != "dtype"]
     props = tensor["properties"]
-    props["dtype"]["description"] = f"required up to version 4; {v5}: absent means the block's dtype"
-    props["fingerprint"]["anyOf"][0]["pattern"] = f"{HEX16}|^{_B64}$"
-    props["fingerprint"]["description"] += f" (16 hex digits; {v5}: 11 base64url characters)"
-    props["xxh3"]["anyOf"][0]["pattern"] = f"{HASHES}|^({_B64}|{NO_DIGEST})*$"
-    props["xxh3"]["description"] += f"; {v5}: 11 base64url characters each ({NO_DIGEST!r}: none)"
+    props["dtype"]["description"] = "absent: the block's dtype"
+    props["fingerprint"]["anyOf"][0]["pattern"] = f"^{_B64}$"
+    props["fingerprint"]["description"] += " (11 base64url characters)"
+    props["xxh3"]["anyOf"][0]["pattern"] = f"^({_B64}|{NO_DIGEST})*$"
+    props["xxh3"]["description"] = (
+        f"compact: the slice hashes, 11 base64url characters each ({NO_DIGEST!r}: none)"
+    )
 
 
 if __name__ == "__main__":

@@ -39,9 +39,8 @@ from unickpt.format.dtypes import itemsize
 from unickpt.format.hashing import combine_partials, finalize_fingerprint, hash_block
 from unickpt.format.index import IndexFile, IndexMetadata, LayoutInfo, SliceEntry, TensorEntry, UnickptBlock
 from unickpt.format.index_compact import compact_tensors
-from unickpt.format.index_models import COMPACT_VERSION, FORMAT_VERSION, SHORT_SENTINEL_VERSION
 from unickpt.format.lazy_slices import LazySlices
-from unickpt.format.naming import LONG_SLICED_SENTINEL, SLICED_SENTINEL, single_name
+from unickpt.format.naming import SLICED_SENTINEL, single_name
 from unickpt.format.reader import UNICKPT_METADATA_KEY
 from unickpt.format.safetensors_io import SafetensorsWriter, encode_header
 from unickpt.format.slice_table import SliceTable
@@ -246,7 +245,7 @@ def tensor_entry(
     """A tensor's index entry; its fingerprint from the partials of its slices (None: no fingerprint).
 
     ``slices`` is a list of ``SliceEntry`` or, with no per-slice object, a ``SliceTable``;
-    ``build_block`` writes either in the form of the block's format version.
+    ``build_block`` writes either compactly.
     """
     fp = None
     if partials is not None:
@@ -269,13 +268,9 @@ def build_block(
     save_id: str | None,
     **extras: Any,
 ) -> UnickptBlock:
-    """The unickpt block (``extras``: ``param_groups``, ``param_state``, ``format_version`` ...).
-
-    Version 3 (the default) describes each tensor's slices compactly (``index_compact``); an
-    older ``format_version`` (a merge of an older checkpoint) lists them.
-    """
-    if extras.get("format_version", FORMAT_VERSION) >= COMPACT_VERSION:
-        tensors, extras["files"] = compact_tensors(tensors)
+    """The unickpt block (``extras``: ``param_groups``, ``param_state`` ...), each tensor's slices
+    described compactly (``index_compact``; a tensor with byte-range hashes stays listed)."""
+    tensors, extras["files"] = compact_tensors(tensors)
     return UnickptBlock(
         kind=kind,  # type: ignore[arg-type]
         created_by=created_by,
@@ -290,9 +285,8 @@ def build_block(
 def build_index(block: UnickptBlock, *, sliced: bool) -> IndexFile:
     """The index of ``block``: ``weight_map`` names each tensor's file, or the sentinel when sliced."""
     total = sum(t.nbytes for t in block.tensors.values())
-    if sliced:  # the sentinel of the block's version (a merge of an older source keeps its own)
-        sentinel = SLICED_SENTINEL if block.format_version >= SHORT_SENTINEL_VERSION else LONG_SLICED_SENTINEL
-        weight_map = dict.fromkeys(block.tensors, sentinel)
+    if sliced:
+        weight_map = dict.fromkeys(block.tensors, SLICED_SENTINEL)
     else:
         weight_map = {name: t.table.file(0) for name, t in block.tensors.items()}
     # The block's models were validated as they were built; pydantic keeps model instances

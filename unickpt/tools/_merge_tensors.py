@@ -17,7 +17,6 @@ from unickpt.format.hashing import (
     combine_partials,
     finalize_fingerprint,
     fingerprint_partial,
-    fingerprint_version,
 )
 from unickpt.format.index import SliceEntry, TensorEntry
 from unickpt.format.reader import CheckpointReader
@@ -265,8 +264,6 @@ class TensorMerger:
         done = [0] * len(live)
         sparse = any(self._sparse(s.file) for s in live)
         cast = out_dtype != t.dtype
-        # The output keeps the source's format version, so its fingerprints use the same algorithm.
-        version = fingerprint_version(self.r.block.format_version)
         partials: list[int] = []
         out_hash = SliceHasher()
         at = pos
@@ -301,18 +298,14 @@ class TensorMerger:
             if cast:
                 offs, box = (band.offsets(nd), band.box_shape()) if nd else ([], [])
                 buf = _cast(buf, t.dtype, out_dtype, box)
-                partials.append(
-                    fingerprint_partial(buf.view(word_dtype(out_dtype)), t.shape, offs, box, version=version)
-                )
+                partials.append(fingerprint_partial(buf.view(word_dtype(out_dtype)), t.shape, offs, box))
             out_hash.update(buf.data)
             if not (sparse and not buf.any()):  # a zero band of a sparse source stays a hole
                 out.write(buf.data, at)
             at += buf.nbytes
         fingerprint = t.fingerprint
         if cast:
-            fingerprint = finalize_fingerprint(
-                name, out_dtype, t.shape, combine_partials(partials, version=version), version=version
-            )
+            fingerprint = finalize_fingerprint(name, out_dtype, t.shape, combine_partials(partials))
         return out_hash.hexdigest(), fingerprint
 
 

@@ -6,12 +6,8 @@ Hugging Face checkpoint have equal fingerprints. Comparing them needs only the t
 files, so diff is fast on checkpoints of any size and works when the data files are absent.
 Tied names are resolved through each checkpoint's aliases before comparing.
 
-Fingerprints are compared only when both indexes use the same fingerprint algorithm (v1 for
-``format_version`` 1, v2 for 2; docs/format.md section 5.2). Otherwise each tensor is reported
-as ``incomparable`` (rerun with ``--deep``).
-
 ``deep=True`` reads the data: every slice is rehashed and every recorded fingerprint recomputed
-with its own algorithm (integrity), and the two tensors are compared element by element,
+(integrity), and the two tensors are compared element by element,
 streamed chunk by chunk in bounded memory (``_compare``): the report names the first differing
 element and how many differ. This also compares checkpoints without fingerprints, such as
 plain Hugging Face ones. No torch.
@@ -33,7 +29,6 @@ from unickpt.format.hashing import (
     combine_partials,
     finalize_fingerprint,
     fingerprint_partial,
-    fingerprint_version,
 )
 from unickpt.format.index import TensorEntry
 from unickpt.format.reader import CheckpointReader
@@ -67,9 +62,7 @@ class DiffReport:
     ``identical`` is True only when every tensor of both checkpoints was proven equal.
     ``unverifiable`` lists tensors present in both with equal dtype and shape that could not
     be compared without reading data (no fingerprint, or tied differently): rerun with
-    ``deep=True``. ``incomparable`` lists such tensors whose fingerprints exist but were made by
-    different algorithms (``fingerprint_versions`` of A and B differ: a version 1 and a
-    version 2 checkpoint); they also need ``deep=True``. ``integrity_failures`` (deep only)
+    ``deep=True``. ``integrity_failures`` (deep only)
     lists slices whose bytes do not match their recorded hash, and recorded fingerprints that
     do not match the data. ``data_differences`` (deep only) says, per changed tensor, the first
     differing element and how many differ.
@@ -84,10 +77,8 @@ class DiffReport:
     only_in_b: list[str] = field(default_factory=list)
     dtype_or_shape_changed: list[ShapeChange] = field(default_factory=list)
     unverifiable: list[str] = field(default_factory=list)
-    incomparable: list[str] = field(default_factory=list)
     integrity_failures: list[str] = field(default_factory=list)
     data_differences: list[DataDifference] = field(default_factory=list)
-    fingerprint_versions: tuple[int, int] = (2, 2)
 
     @property
     def different(self) -> bool:
@@ -101,14 +92,14 @@ class DiffReport:
 
     @property
     def identical(self) -> bool:
-        return not self.different and not self.unverifiable and not self.incomparable
+        return not self.different and not self.unverifiable
 
     @property
     def exit_code(self) -> int:
-        """0 identical, 1 different, 2 could not tell (unverifiable or incomparable tensors only)."""
+        """0 identical, 1 different, 2 could not tell (unverifiable tensors only)."""
         if self.different:
             return 1
-        return 2 if (self.unverifiable or self.incomparable) else 0
+        return 2 if self.unverifiable else 0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -130,12 +121,6 @@ class DiffReport:
         section("only in B", self.only_in_b)
         section("dtype or shape changed", self.dtype_or_shape_changed)
         section("unverifiable without --deep (no fingerprint, or tied differently)", self.unverifiable)
-        va, vb = self.fingerprint_versions
-        section(
-            f"fingerprints cannot be compared (A has fingerprint v{va}, B v{vb}: different algorithms; "
-            "rerun with --deep to compare the data)",
-            self.incomparable,
-        )
         section("integrity failures", self.integrity_failures)
         if self.identical:
             verdict = "identical"
@@ -161,9 +146,8 @@ def _data_sum(
     t: TensorEntry,
     failures: list[str],
     progress: Callable[[int], object],
-    version: int,
 ) -> int:
-    """The fingerprint partial total of a stored tensor (algorithm ``version``), from its data;
+    """The fingerprint partial total of a stored tensor, from its data;
     slice hashes checked on the way."""
     isz = itemsize(t.dtype)
     partials = []
@@ -174,9 +158,7 @@ def _data_sum(
             data = r.read_slice(s)
             h.update(data)
             partials.append(
-                fingerprint_partial(
-                    np.frombuffer(data, dtype=f"<u{isz}"), t.shape, s.offsets, s.shape, version=version
-                )
+                fingerprint_partial(np.frombuffer(data, dtype=f"<u{isz}"), t.shape, s.offsets, s.shape)
             )
         elif n:
             # Bands of at most _CHUNK bytes (ranges of rows, or of one row when a row is larger).
@@ -185,9 +167,7 @@ def _data_sum(
                 h.update(data)
                 off = [o + b for o, b in zip(s.offsets, band.offsets(len(s.shape)), strict=True)]
                 partials.append(
-                    fingerprint_partial(
-                        np.frombuffer(data, dtype=f"<u{isz}"), t.shape, off, band.box_shape(), version=version
-                    )
+                    fingerprint_partial(np.frombuffer(data, dtype=f"<u{isz}"), t.shape, off, band.box_shape())
                 )
         progress(n)
         found = h.hexdigest()
@@ -196,7 +176,7 @@ def _data_sum(
                 f"{r.directory}: tensor {name!r} in file {s.file!r} (key {s.key!r}): "
                 f"expected xxh3-64 {s.xxh3}, found {found}"
             )
-    return combine_partials(partials, version=version)
+    return combine_partials(partials)
 
 
 def diff_checkpoints(
@@ -212,17 +192,13 @@ def diff_checkpoints(
 
     Without ``deep``, tensors are compared by the fingerprints their indexes record; a tensor
     whose fingerprint one side does not record (a plain Hugging Face checkpoint, a save without
-    fingerprints) or cannot be compared (tied under another name, another fingerprint version)
-    gets it computed from that side's data, with the recorded side's algorithm, its slice hashes
-    checked on the way; ``index_only=True`` reads nothing but the indexes (and a plain
-    checkpoint's headers) and reports such tensors as ``unverifiable`` or ``incomparable``.
+    fingerprints) or cannot be compared (tied under another name) gets it computed from that
+    side's data, its slice hashes checked on the way; ``index_only=True`` reads nothing but the
+    indexes (and a plain checkpoint's headers) and reports such tensors as ``unverifiable``.
     Raises ``UnickptError`` subclasses or ``OSError`` when either input is not a usable checkpoint.
     """
     with open_auto(a, kind) as ra, open_auto(b, kind or ra.kind) as rb:
-        va = fingerprint_version(ra.block.format_version)
-        vb = fingerprint_version(rb.block.format_version)
-        report = DiffReport(os.fspath(a), os.fspath(b), deep, fingerprint_versions=(va, vb))
-        versions = (va, vb)
+        report = DiffReport(os.fspath(a), os.fspath(b), deep)
         names_a = _names(ra)
         names_b = set(_names(rb))
         set_a = set(names_a)
@@ -252,14 +228,13 @@ def diff_checkpoints(
                         if (side, t) in checked:
                             continue
                         checked.add((side, t))
-                        v = versions[side]
-                        s = _data_sum(r, t, e, report.integrity_failures, update, v)
+                        s = _data_sum(r, t, e, report.integrity_failures, update)
                         if e.fingerprint is not None:
-                            fp = finalize_fingerprint(t, e.dtype, e.shape, s, version=v)
+                            fp = finalize_fingerprint(t, e.dtype, e.shape, s)
                             if fp != e.fingerprint:
                                 report.integrity_failures.append(
                                     f"{r.index_path or r.directory}: tensor {t!r}: recorded fingerprint "
-                                    f"{e.fingerprint} (v{v}), data gives {fp}"
+                                    f"{e.fingerprint}, data gives {fp}"
                                 )
                     d = compare_tensors(n, ra, ea, rb, eb)
                     update(ea.nbytes + eb.nbytes)
@@ -268,11 +243,10 @@ def diff_checkpoints(
                     else:
                         report.changed.append(n)
                         report.data_differences.append(d)
-                elif ta == tb and ea.fingerprint is not None and eb.fingerprint is not None and va == vb:
+                elif ta == tb and ea.fingerprint is not None and eb.fingerprint is not None:
                     (report.same if ea.fingerprint == eb.fingerprint else report.changed).append(n)
                 elif index_only:
-                    both = ta == tb and ea.fingerprint is not None and eb.fingerprint is not None
-                    (report.incomparable if both else report.unverifiable).append(n)
+                    report.unverifiable.append(n)
                 else:
                     pending.append((n, ta, tb, ea, eb))
         if pending:
@@ -290,29 +264,24 @@ def _from_data(
     """Decide the tensors the indexes could not, from fingerprints computed from the data.
 
     A side whose recorded fingerprint can be compared (the same stored name on both sides) keeps
-    it, and the other side's is computed with its algorithm; otherwise both are computed (v2)
-    under the common name. Only the sides computed are read.
+    it, and the other side's is computed; otherwise both are computed under the common name.
+    Only the sides computed are read.
     """
-    va, vb = report.fingerprint_versions
-    # (name, fingerprint name, version, [(reader, stored name, entry) of each side to compute], kept)
-    plans: list[tuple[str, str, int, list[tuple[CheckpointReader, str, TensorEntry]], str | None]] = []
+    # (name, fingerprint name, [(reader, stored name, entry) of each side to compute], kept)
+    plans: list[tuple[str, str, list[tuple[CheckpointReader, str, TensorEntry]], str | None]] = []
     for n, ta, tb, ea, eb in pending:
         if ta == tb and ea.fingerprint is not None:
-            plans.append((n, ta, va, [(rb, tb, eb)], ea.fingerprint))
+            plans.append((n, ta, [(rb, tb, eb)], ea.fingerprint))
         elif ta == tb and eb.fingerprint is not None:
-            plans.append((n, tb, vb, [(ra, ta, ea)], eb.fingerprint))
+            plans.append((n, tb, [(ra, ta, ea)], eb.fingerprint))
         else:
-            plans.append((n, n, 2, [(ra, ta, ea), (rb, tb, eb)], None))
+            plans.append((n, n, [(ra, ta, ea), (rb, tb, eb)], None))
     total = sum(e.nbytes for *_, sides, _ in plans for _, _, e in sides)
     with progress_bar(total, "diff: fingerprints from the data", progress) as update:
-        for n, name, v, sides, kept in plans:
+        for n, name, sides, kept in plans:
             found = [
                 finalize_fingerprint(
-                    name,
-                    e.dtype,
-                    e.shape,
-                    _data_sum(r, t, e, report.integrity_failures, update, v),
-                    version=v,
+                    name, e.dtype, e.shape, _data_sum(r, t, e, report.integrity_failures, update)
                 )
                 for r, t, e in sides
             ]

@@ -41,7 +41,7 @@ from unickpt import __version__
 from unickpt._logging import get_logger
 from unickpt.errors import ConfigError, UnsupportedError
 from unickpt.format.commit import SAVE_ID_KEY, atomic_write_bytes, content_save_id
-from unickpt.format.digest_text import digest_in_text
+from unickpt.format.digest_text import hex_to_b64
 from unickpt.format.dtypes import itemsize
 from unickpt.format.index import LayoutInfo, SliceEntry, TensorEntry, UnickptBlock, index_to_json
 from unickpt.format.naming import HF_SIDE_FILES, index_name, shard_name, single_name
@@ -136,7 +136,6 @@ def _merge_one(
                 state=t.state,
             )
         return build_block(
-            format_version=block.format_version,  # fingerprints are copied, so is their algorithm
             kind=block.kind,
             created_by=created_by,
             layout=layout,
@@ -255,15 +254,14 @@ def _final_metadata(
     """A single file's header metadata: the validated placeholder block ``dumped`` with the real
     values in its place (the same JSON as dumping ``make_block(results, ...)``, without building
     it again) and the save id derived from it."""
-    v = dumped["format_version"]  # version 5 writes a tensor's digests in base64url (3.2)
     for n, (xxh, fp) in results.items():
         entry = dumped["tensors"][n]
-        # version 3: the one slice's hash is the tensor's xxh3 (docs/format.md 3.1)
+        # compact: the one slice's hash is the tensor's xxh3, in base64url (docs/format.md 3.1, 3.2)
         if "slices" in entry:
             _set_or_drop(entry["slices"][0], "xxh3", xxh)
         else:
-            _set_or_drop(entry, "xxh3", digest_in_text(xxh, v))
-        _set_or_drop(entry, "fingerprint", digest_in_text(fp, v))
+            _set_or_drop(entry, "xxh3", None if xxh is None else hex_to_b64(xxh))
+        _set_or_drop(entry, "fingerprint", None if fp is None else hex_to_b64(fp))
     dumped["save_id"] = final_id = content_save_id(json.dumps(dumped).encode())
     return {**meta, SAVE_ID_KEY: final_id, UNICKPT_METADATA_KEY: json.dumps(dumped)}
 

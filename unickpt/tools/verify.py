@@ -31,7 +31,6 @@ from unickpt.format.hashing import (
     combine_partials,
     finalize_fingerprint,
     fingerprint_partial,
-    fingerprint_version,
 )
 from unickpt.format.index import SliceEntry, TensorEntry
 from unickpt.format.range_hashes import RangeChecker, has_hashes
@@ -222,7 +221,6 @@ def _verify_tensor(
 ) -> None:
     """Rehash the tensor's slices and recompute its fingerprint, reading each slice once, in chunks."""
     isz = itemsize(t.dtype)
-    version = fingerprint_version(r.block.format_version)
     partials: list[int] = []
     bad = False  # a slice failed its hash or could not be read: that failure says it all
     for s in t.slices:
@@ -236,7 +234,7 @@ def _verify_tensor(
                 if ranges is not None:
                     ranges.update(data)
                 if fp:
-                    partials.extend(_partials(t, s, data, start, isz, version))
+                    partials.extend(_partials(t, s, data, start, isz))
                 tick(len(data))
             found = h.hexdigest()
         except (IncompleteCheckpointError, CheckpointFormatError, OSError) as e:
@@ -258,9 +256,7 @@ def _verify_tensor(
             report.append(IntegrityFailure(name, s.file, s.key, "-", found))
     if fp and t.fingerprint is not None and not bad:
         report.fingerprints += 1
-        got = finalize_fingerprint(
-            name, t.dtype, t.shape, combine_partials(partials, version=version), version=version
-        )
+        got = finalize_fingerprint(name, t.dtype, t.shape, combine_partials(partials))
         if got != t.fingerprint:
             files = ", ".join(sorted({s.file for s in t.slices}))
             report.append(FingerprintFailure(name, files, "", t.fingerprint, got))
@@ -289,16 +285,14 @@ class _ChunkIter:
         return start, data
 
 
-def _partials(
-    t: TensorEntry, s: SliceEntry, data: memoryview, start: int, isz: int, version: int
-) -> list[int]:
+def _partials(t: TensorEntry, s: SliceEntry, data: memoryview, start: int, isz: int) -> list[int]:
     """Fingerprint partial sums of the flat element range [start, start + len) of a slice."""
     words = np.frombuffer(data, dtype=f"<u{isz}")
     out = []
     for (off, shp), flat in flat_range_to_boxes(s.shape, start, start + len(words)):
         glob = [a + b for a, b in zip(s.offsets, off, strict=True)]
         k = flat - start
-        out.append(fingerprint_partial(words[k : k + math.prod(shp)], t.shape, glob, shp, version=version))
+        out.append(fingerprint_partial(words[k : k + math.prod(shp)], t.shape, glob, shp))
     return out
 
 
