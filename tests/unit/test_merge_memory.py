@@ -26,6 +26,7 @@ from test_merge import _check_merged, hand_made_reference
 
 from unickpt import merge_checkpoint
 from unickpt.errors import IntegrityError
+from unickpt.format.naming import SLICED_SENTINEL
 from unickpt.format.reader import open_checkpoint
 from unickpt.tools import _merge_tensors as merge_tensors
 from unickpt.tools._bands import band_first, bands, pieces
@@ -225,9 +226,7 @@ def test_sparse_column_split_merges_band_by_band_in_bounded_memory(tmp_path: Pat
         _sparse_st(src / f, hdr, n, {0: struct.pack("<f", 1.0 + k), n - 4: struct.pack("<f", 3.0 + k)})
     index = {
         "metadata": {"total_size": 2 * n},
-        "weight_map": {
-            "w": "unickpt-sliced-checkpoint--run-unickpt-merge-to-load-with-huggingface.safetensors"
-        },
+        "weight_map": {"w": SLICED_SENTINEL},
         "unickpt": {
             "kind": "model",
             "layout": {"gathered": False},

@@ -44,7 +44,7 @@ from unickpt._logging import get_logger
 from unickpt.errors import UnsupportedError
 from unickpt.io import CheckpointIO
 from unickpt.plugins._shared import mesh as _mesh
-from unickpt.plugins._shared.fsdp_units import _group_dtypes, default_shard_units
+from unickpt.plugins._shared.fsdp_units import default_shard_units, group_dtypes
 from unickpt.plugins.base import Plugin, check_optimizer, parameter_fqns, remap_optimizer_params
 from unickpt.wrappers import ModelWrapper
 
@@ -63,6 +63,14 @@ class ExpertParallelCheckpointIO(CheckpointIO):
 def _num_experts(mod: nn.Module) -> int | None:
     n = getattr(mod, "num_experts", None)
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def _expert_count(mod: nn.Module, fqn: str) -> int:
+    """``num_experts`` of a module ``find_expert_modules`` chose (it has one by construction)."""
+    n = _num_experts(mod)
+    if n is None:
+        raise UnsupportedError(f"experts module {fqn!r} has no positive integer num_experts")
+    return n
 
 
 def _stacked_problem(fqn: str, mod: nn.Module) -> str | None:
@@ -292,8 +300,7 @@ class ExpertParallelPlugin(Plugin):
                 "integer num_experts and parameters [num_experts, ...]); name them with experts=..."
             )
         for fqn in expert_fqns:
-            n = _num_experts(model.get_submodule(fqn))
-            assert n is not None
+            n = _expert_count(model.get_submodule(fqn), fqn)
             if n % self.ep_size:
                 raise UnsupportedError(
                     f"experts module {fqn!r} has num_experts={n}, not divisible by ep_size={self.ep_size}"
@@ -302,7 +309,7 @@ class ExpertParallelPlugin(Plugin):
         units = [u for u in default_shard_units(model) if u not in sharded_experts]
         # Checked before anything is changed, so that a refusal leaves the model as it was.
         for unit in [*sharded_experts, *units, ""]:
-            groups = _group_dtypes(model, unit, [*units, *sharded_experts])
+            groups = group_dtypes(model, unit, [*units, *sharded_experts])
             if len(groups) > 1:
                 detail = "; ".join(f"{dt}: {fqns[:3]}" for dt, fqns in groups.items())
                 raise UnsupportedError(
@@ -318,7 +325,7 @@ class ExpertParallelPlugin(Plugin):
         if self.mp_policy is not None:
             kwargs["mp_policy"] = self.mp_policy
         for fqn in sharded_experts:
-            self._shard_experts(model.get_submodule(fqn), fqn, kwargs)
+            self._shard_experts(model.get_submodule(fqn), fqn, self._mesh, kwargs)
         for unit in sorted(units, key=lambda u: u.count("."), reverse=True):
             fully_shard(model.get_submodule(unit), mesh=self.dp_mesh, **kwargs)
         fully_shard(model, mesh=self.dp_mesh, **kwargs)
@@ -334,16 +341,12 @@ class ExpertParallelPlugin(Plugin):
         remap_optimizer_params(optimizer, old_fqns, model)
         return ModelWrapper(model)
 
-    def _shard_experts(self, mod: nn.Module, fqn: str, kwargs: dict[str, Any]) -> None:
+    def _shard_experts(self, mod: nn.Module, fqn: str, mesh: DeviceMesh, kwargs: dict[str, Any]) -> None:
         """``Shard(0)`` over ``ep``, then ``fully_shard`` over ``efsdp``, then the dispatching forward."""
-        assert self._mesh is not None
-        ep_mesh, efsdp_mesh = self._mesh["ep"], self._mesh["efsdp"]
-        n = _num_experts(mod)
-        assert n is not None
+        ep_mesh, efsdp_mesh = mesh["ep"], mesh["efsdp"]
+        n = _expert_count(mod, fqn)
         names = [name for name, _ in mod.named_parameters(recurse=False)]
-        for name in names:
-            p = mod._parameters[name]
-            assert p is not None
+        for name, p in list(mod.named_parameters(recurse=False)):
             # src_data_rank=None: every rank holds the same initial values (same seed), so each
             # keeps its own block without a broadcast, as parallelize_module does.
             shard = distribute_tensor(p.detach(), ep_mesh, [Shard(0)], src_data_rank=None)

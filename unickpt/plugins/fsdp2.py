@@ -17,7 +17,7 @@ from unickpt._logging import get_logger
 from unickpt.errors import UnsupportedError
 from unickpt.io import CheckpointIO
 from unickpt.plugins._shared import mesh as _mesh
-from unickpt.plugins._shared.fsdp_units import _group_dtypes, _resolve_units, default_shard_units
+from unickpt.plugins._shared.fsdp_units import default_shard_units, group_dtypes, resolve_units
 from unickpt.plugins.base import (
     Plugin,
     check_optimizer,
@@ -97,9 +97,9 @@ class FSDP2Plugin(Plugin):
         self._mesh = _mesh.build_mesh((self.world_size,), ("dp",))
         model = model.to(self.device)
         check_optimizer(optimizer, model)
-        units = _resolve_units(model, self.shard_modules)
+        units = resolve_units(model, self.shard_modules)
         for unit in [*units, ""]:
-            groups = _group_dtypes(model, unit, units)
+            groups = group_dtypes(model, unit, units)
             if len(groups) > 1:
                 detail = "; ".join(f"{dt}: {fqns[:3]}" for dt, fqns in groups.items())
                 raise UnsupportedError(

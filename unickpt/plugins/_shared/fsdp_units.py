@@ -40,7 +40,7 @@ def _shared_outside(unit: str, mod: nn.Module, owners: dict[int, set[str]]) -> l
     return sorted(out)
 
 
-def _group_dtypes(root: nn.Module, unit: str, units: Iterable[str]) -> dict[torch.dtype, list[str]]:
+def group_dtypes(root: nn.Module, unit: str, units: Iterable[str]) -> dict[torch.dtype, list[str]]:
     """Dtypes of the trainable parameters ``fully_shard(unit)`` would manage, with their FQNs."""
     inner = [u for u in units if u != unit and _within(u, unit)]
     found: dict[torch.dtype, list[str]] = {}
@@ -116,7 +116,7 @@ def default_shard_units(root: nn.Module) -> list[str]:
     return units
 
 
-def _resolve_units(root: nn.Module, shard_modules: ShardSpec | None) -> list[str]:
+def resolve_units(root: nn.Module, shard_modules: ShardSpec | None) -> list[str]:
     if shard_modules is None:
         return default_shard_units(root)
     names = {s for s in shard_modules if isinstance(s, str)}
