@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -98,8 +99,11 @@ def train_and_resume(root: str, kind: str) -> dict[str, Any]:
         trainer(4, "full", enable_checkpointing=False).fit(full, _data())
         first = _module(kind)
         cb = pl.callbacks.ModelCheckpoint(dirpath=os.path.join(root, "ck"), save_top_k=-1)
-        trainer(2, "a", callbacks=[cb]).fit(first, _data())
+        bad = _Unencodable()
+        t1 = trainer(2, "a", callbacks=[cb, bad])
+        t1.fit(first, _data())
         ckpt = os.path.join(root, "ck", "epoch=1-step=8.ckpt")
+        failed = _failed_save(t1, bad, ckpt)
         second = _module(kind)
         t2 = trainer(4, "b", enable_checkpointing=False)
         t2.fit(second, _data(), ckpt_path=ckpt)
@@ -121,4 +125,44 @@ def train_and_resume(root: str, kind: str) -> dict[str, Any]:
         ),
         "lr": t2.optimizers[0].param_groups[0]["lr"],
         "ckpt": sorted(os.listdir(ckpt)),
+        "failed_save": failed,
+    }
+
+
+class _Unencodable:
+    """A callback whose state JSON cannot hold once ``on`` (a function): rank 0 fails alone."""
+
+    def __new__(cls) -> Any:
+        import lightning.pytorch as pl
+
+        class Unencodable(pl.Callback):
+            on = False
+
+            def state_dict(self) -> dict[str, Any]:
+                return {"fn": print} if self.on else {}
+
+        return Unencodable()
+
+
+def _failed_save(trainer: Any, bad: Any, ckpt: str) -> dict[str, Any]:
+    """Save over ``ckpt`` with a state rank 0 cannot write: what each rank raised, and whether the
+    committed checkpoint and its directory stayed as they were."""
+    parent = os.path.dirname(ckpt)
+    state = Path(ckpt) / "lightning.json"
+    before = state.read_bytes()
+    listing = sorted(os.listdir(parent))
+    bad.on = True
+    try:
+        trainer.save_checkpoint(ckpt)
+        raised: tuple[str, str] | None = None
+    except Exception as e:
+        raised = (type(e).__name__, str(e))
+    finally:
+        bad.on = False
+    dist.barrier()
+    after = {f: open(os.path.join(ckpt, "lightning.json"), "rb").read() for f in ["lightning.json"]}
+    return {
+        "raised": raised,
+        "unchanged": before == after,
+        "listing_same": sorted(os.listdir(parent)) == listing,
     }

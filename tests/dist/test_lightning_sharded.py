@@ -39,6 +39,17 @@ def test_sharded_strategy_resumes_bit_exact(tmp_path: Path, world_pool: WorldPoo
         assert res["same_weights"] and res["same_optimizer"], res
         assert res["lr"] == pytest.approx(1e-2 * 0.7**4, rel=1e-12)
         assert res["ckpt"] == [STATE_FILE, "model", "optimizer_0", "state"]
+        # a save over that checkpoint failing on rank 0 alone (a callback state JSON cannot hold):
+        # both ranks raise at once, the committed checkpoint and the directory stay as they were
+        failed = res["failed_save"]
+        assert failed["unchanged"] and failed["listing_same"], failed
+    kind0, msg0 = results[0]["failed_save"]["raised"]
+    assert kind0 == "UnsupportedError" and "fn" in msg0 and "function" in msg0, msg0
+    kind1, msg1 = results[1]["failed_save"]["raised"]
+    assert kind1 == "DistributedError", (kind1, msg1)
+    assert (
+        "rank 0 failed writing the checkpoint (UnsupportedError:" in msg1 and "epoch=1-step=8.ckpt" in msg1
+    ), msg1
     assert results[0]["full"] != results[1]["full"]  # each rank saw its own half of the data
     ck = tmp_path / "ck" / "epoch=1-step=8.ckpt"
     meta = json.loads((ck / STATE_FILE).read_text())

@@ -38,7 +38,13 @@ import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO as _LightningCheckpointIO
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
-from unickpt.errors import IncompleteCheckpointError, IndexFileError, StateMismatchError, UnsupportedError
+from unickpt.errors import (
+    DistributedError,
+    IncompleteCheckpointError,
+    IndexFileError,
+    StateMismatchError,
+    UnsupportedError,
+)
 from unickpt.integrations._state import (
     commit_dir,
     decode_state,
@@ -246,20 +252,40 @@ class _UnickptStrategyMixin:
         opts = {"size_per_shard": self.unickpt_size_per_shard}
         with_optim = "optimizer_states" in checkpoint
         optims = self._unickpt_optimizers() if with_optim else []
+        rank0 = s.global_rank == 0
+        failure: BaseException | None = None
         try:
             self._unickpt_save_parts(staged, optims, opts)
-            if s.global_rank == 0:
+            if rank0:
                 rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
                 parts = {"layout": self._unickpt_layout, "optimizers": len(optims)}
                 _write_rest(staged, rest, opts, parts)
-            s.barrier("unickpt_save_checkpoint")
-            if s.global_rank == 0:
+        except Exception as e:  # rank 0's own writes fail on rank 0 alone: the others must hear of it
+            failure = e
+        self._unickpt_agree(failure, staged, target, "writing")
+        if rank0:
+            try:
                 commit_dir(staged, target)
-        except BaseException:
-            if s.global_rank == 0:
-                shutil.rmtree(staged, ignore_errors=True)
-            raise
-        s.barrier("unickpt_checkpoint_committed")
+            except Exception as e:
+                failure = e
+        self._unickpt_agree(failure, staged, target, "committing")
+
+    def _unickpt_agree(self, failure: BaseException | None, staged: str, target: str, doing: str) -> None:
+        """Every rank learns whether rank 0 failed (a broadcast every rank reaches, so none waits
+        for a rank that gave up); on a failure the staging directory goes and every rank raises."""
+        s: Any = self
+        rank0 = s.global_rank == 0
+        said = s.broadcast(f"{type(failure).__name__}: {failure}" if rank0 and failure is not None else None)
+        if failure is None and said is None:
+            return
+        if rank0:
+            shutil.rmtree(staged, ignore_errors=True)
+        if failure is not None:
+            raise failure
+        raise DistributedError(
+            f"{target}: rank 0 failed {doing} the checkpoint ({said}); nothing was committed, the "
+            "previous checkpoint of that name stays"
+        )
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         del weights_only  # nothing is unpickled
