@@ -18,22 +18,33 @@ the dict exactly as it was saved (tensors bit for bit, tuples and integer keys k
 Strategies: Lightning calls a ``CheckpointIO`` plugin from the single-device and DDP strategies
 (``Strategy.save_checkpoint`` on global rank 0, ``load_checkpoint`` on every rank; unickpt then
 works over a process group of the calling process alone). Lightning 2.6's ``FSDPStrategy`` and
-``ModelParallelStrategy`` bypass it: with sharded state dicts they write and read DCP themselves;
-with full ones they save through the plugin but load with ``torch.load`` of a file, so they cannot
-resume from these directories. DeepSpeed's strategy saves through DeepSpeed's engine. For sharded
-checkpoints under FSDP2/TP use unickpt's own plugins (``unickpt.Booster``) or the
-``CheckpointManager``.
+``ModelParallelStrategy`` bypass it (they write and read DCP, or ``torch.save`` / ``torch.load``
+a file, themselves): pass ``strategy=UnickptModelParallelStrategy(...)`` or
+``UnickptFSDPStrategy(...)`` instead (same arguments). Their checkpoints are directories of the
+same kind, with ``model/`` and ``optimizer_<i>/`` written by every rank: the DTensor slices each
+holds under ``UnickptModelParallelStrategy`` (FSDP2 / TP), full state dicts gathered with torch's
+``get_model_state_dict`` / ``get_optimizer_state_dict`` and written by rank 0 under
+``UnickptFSDPStrategy`` (FSDP1's flat parameters are not DTensors). DeepSpeed's strategy saves
+through DeepSpeed's engine.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO as _LightningCheckpointIO
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
-from unickpt.errors import IncompleteCheckpointError, IndexFileError, UnsupportedError
+from unickpt.errors import (
+    DistributedError,
+    IncompleteCheckpointError,
+    IndexFileError,
+    StateMismatchError,
+    UnsupportedError,
+)
 from unickpt.integrations._state import (
     commit_dir,
     decode_state,
@@ -44,8 +55,16 @@ from unickpt.integrations._state import (
     staging_dir,
     write_json,
 )
+from unickpt.io import CheckpointIO
+from unickpt.wrappers import OptimizerWrapper
 
-__all__ = ["UnickptCheckpointIO", "STATE_FILE"]
+__all__ = [
+    "UnickptCheckpointIO",
+    "UnickptFSDPStrategy",
+    "UnickptModelParallelStrategy",
+    "STATE_FILE",
+    "optimizer_dir",
+]
 
 STATE_FILE = "lightning.json"
 _FORMAT = "unickpt-lightning"
@@ -94,31 +113,22 @@ class UnickptCheckpointIO(_LightningCheckpointIO):
             )
         model_sd = checkpoint["state_dict"]
         rest = {k: v for k, v in checkpoint.items() if k != "state_dict"}
-        js, tensors = encode_state(rest, "checkpoint")
-        # The state's tensors get short names of their own; the JSON references them.
-        renamed = {f"t{i}": t for i, t in enumerate(tensors.values())}
-        ref = {old: f"t{i}" for i, old in enumerate(tensors)}
-        js = _rename_refs(js, ref)
         staged = staging_dir(target)
-        opts: dict[str, Any] = {
+        opts = self._opts()
+        try:
+            save_tensors(dict(model_sd), os.path.join(staged, "model"), **opts)
+            _write_rest(staged, rest, opts, {})
+            commit_dir(staged, target)
+        except BaseException:
+            shutil.rmtree(staged, ignore_errors=True)
+            raise
+
+    def _opts(self) -> dict[str, Any]:
+        return {
             "size_per_shard": self.size_per_shard,
             "hashes": self.hashes,
             "fingerprints": self.fingerprints,
         }
-        try:
-            save_tensors(dict(model_sd), os.path.join(staged, "model"), **opts)
-            if renamed:
-                save_tensors(renamed, os.path.join(staged, "state"), **opts)
-            write_json(
-                os.path.join(staged, STATE_FILE),
-                {"format": _FORMAT, "version": _VERSION, "state_tensors": len(renamed), "checkpoint": js},
-            )
-            commit_dir(staged, target)
-        except BaseException:
-            import shutil
-
-            shutil.rmtree(staged, ignore_errors=True)
-            raise
 
     def load_checkpoint(
         self, path: Any, map_location: Any = None, weights_only: bool | None = None
@@ -131,43 +141,13 @@ class UnickptCheckpointIO(_LightningCheckpointIO):
         """
         del weights_only
         target = _local_path(path)
-        meta_path = os.path.join(target, STATE_FILE)
-        if not os.path.isdir(target):
-            what = "a file (not a unickpt Lightning checkpoint)" if os.path.exists(target) else "missing"
-            raise IncompleteCheckpointError(
-                f"{target}: expected a unickpt Lightning checkpoint directory, found {what}"
-            )
-        if not os.path.isfile(meta_path):
-            raise IncompleteCheckpointError(
-                f"{target}: no {STATE_FILE}; not a committed unickpt Lightning checkpoint"
-            )
-        meta = read_json(meta_path)
-        if not isinstance(meta, dict) or meta.get("format") != _FORMAT or meta.get("version") != _VERSION:
-            found = (
-                {k: meta.get(k) for k in ("format", "version")}
-                if isinstance(meta, dict)
-                else type(meta).__name__
-            )
-            raise IndexFileError(
-                f"{meta_path}: expected format {_FORMAT!r} version {_VERSION}, found {found}"
-            )
-        n = meta.get("state_tensors")
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise IndexFileError(f"{meta_path}: 'state_tensors' must be a non-negative integer, found {n!r}")
         device = map_location if isinstance(map_location, (str, torch.device)) else None
-        tensors = load_tensors(os.path.join(target, "state"), verify=self.verify, device=device) if n else {}
-        if len(tensors) != n:
-            raise IndexFileError(f"{target}/state: {len(tensors)} tensors, {meta_path} names {n}")
-        out = decode_state(meta.get("checkpoint"), tensors, meta_path)
-        if not isinstance(out, dict):
-            raise IndexFileError(f"{meta_path}: 'checkpoint' must be an object, found {type(out).__name__}")
+        out, _parts = _read_rest(target, self.verify, device)
         out["state_dict"] = load_tensors(os.path.join(target, "model"), verify=self.verify, device=device)
         return out
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove a checkpoint this plugin wrote (or a plain file Lightning left at ``path``)."""
-        import shutil
-
         target = _local_path(path)
         if os.path.isdir(target) and not os.path.islink(target):
             if not os.path.isfile(os.path.join(target, STATE_FILE)):
@@ -175,6 +155,254 @@ class UnickptCheckpointIO(_LightningCheckpointIO):
             shutil.rmtree(target)
         elif os.path.lexists(target):
             os.unlink(target)
+
+
+def _write_rest(staged: str, rest: dict[str, Any], opts: dict[str, Any], parts: dict[str, Any]) -> None:
+    """Write the checkpoint dict's other entries: ``state/`` (its tensors) and ``lightning.json``
+    (the rest, tensors referenced by name; ``parts`` says how the model and optimizers were saved)."""
+    js, tensors = encode_state(rest, "checkpoint")
+    # The state's tensors get short names of their own; the JSON references them.
+    renamed = {f"t{i}": t for i, t in enumerate(tensors.values())}
+    ref = {old: f"t{i}" for i, old in enumerate(tensors)}
+    js = _rename_refs(js, ref)
+    if renamed:
+        save_tensors(renamed, os.path.join(staged, "state"), **opts)
+    meta: dict[str, Any] = {
+        "format": _FORMAT,
+        "version": _VERSION,
+        "state_tensors": len(renamed),
+        "checkpoint": js,
+    }
+    if parts:
+        meta["parts"] = parts
+    write_json(os.path.join(staged, STATE_FILE), meta)
+
+
+def _read_rest(target: str, verify: bool, device: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The checkpoint dict without ``state_dict`` and the ``parts`` record of ``target``."""
+    meta_path = os.path.join(target, STATE_FILE)
+    if not os.path.isdir(target):
+        what = "a file (not a unickpt Lightning checkpoint)" if os.path.exists(target) else "missing"
+        raise IncompleteCheckpointError(
+            f"{target}: expected a unickpt Lightning checkpoint directory, found {what}"
+        )
+    if not os.path.isfile(meta_path):
+        raise IncompleteCheckpointError(
+            f"{target}: no {STATE_FILE}; not a committed unickpt Lightning checkpoint"
+        )
+    meta = read_json(meta_path)
+    if not isinstance(meta, dict) or meta.get("format") != _FORMAT or meta.get("version") != _VERSION:
+        found = (
+            {k: meta.get(k) for k in ("format", "version")} if isinstance(meta, dict) else type(meta).__name__
+        )
+        raise IndexFileError(f"{meta_path}: expected format {_FORMAT!r} version {_VERSION}, found {found}")
+    n = meta.get("state_tensors")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise IndexFileError(f"{meta_path}: 'state_tensors' must be a non-negative integer, found {n!r}")
+    parts = meta.get("parts", {})
+    if not isinstance(parts, dict):
+        raise IndexFileError(f"{meta_path}: 'parts' must be an object, found {type(parts).__name__}")
+    tensors = load_tensors(os.path.join(target, "state"), verify=verify, device=device) if n else {}
+    if len(tensors) != n:
+        raise IndexFileError(f"{target}/state: {len(tensors)} tensors, {meta_path} names {n}")
+    out = decode_state(meta.get("checkpoint"), tensors, meta_path)
+    if not isinstance(out, dict):
+        raise IndexFileError(f"{meta_path}: 'checkpoint' must be an object, found {type(out).__name__}")
+    return out, parts
+
+
+def optimizer_dir(i: int) -> str:
+    """The directory of the ``i``-th optimizer inside a checkpoint a unickpt strategy wrote."""
+    return f"optimizer_{i}"
+
+
+class _UnickptStrategyMixin:
+    """``save_checkpoint`` / ``load_checkpoint`` of a sharded Lightning strategy through unickpt.
+
+    Collective, as the strategies' own: every rank calls both. Rank 0 makes a staging directory
+    beside the checkpoint's name; every rank writes its share of ``model/`` and
+    ``optimizer_<i>/``; rank 0 writes ``state/`` and ``lightning.json`` and renames the whole
+    directory into place once every rank has written (a crash leaves the previous checkpoint).
+    """
+
+    unickpt_verify: bool = True
+    unickpt_size_per_shard: int = 1024
+    _unickpt_layout = "sliced"
+
+    # Lightning's dump_checkpoint asks for these on every rank; the model and the optimizers
+    # are saved from the live objects instead, so nothing is gathered for them here.
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return {}
+
+    def _unickpt_optimizers(self) -> list[Any]:
+        return [getattr(o, "_optimizer", o) for o in self.optimizers]  # type: ignore[attr-defined]
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        s: Any = self
+        if storage_options is not None:
+            raise TypeError(
+                f"{type(self).__name__}.save_checkpoint(storage_options={storage_options!r}): unickpt takes "
+                "no per-save storage options here"
+            )
+        target = _local_path(s.broadcast(str(os.fspath(filepath))))
+        staged = s.broadcast(staging_dir(target) if s.global_rank == 0 else None)
+        opts = {"size_per_shard": self.unickpt_size_per_shard}
+        with_optim = "optimizer_states" in checkpoint
+        optims = self._unickpt_optimizers() if with_optim else []
+        rank0 = s.global_rank == 0
+        failure: BaseException | None = None
+        try:
+            self._unickpt_save_parts(staged, optims, opts)
+            if rank0:
+                rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+                parts = {"layout": self._unickpt_layout, "optimizers": len(optims)}
+                _write_rest(staged, rest, opts, parts)
+        except Exception as e:  # rank 0's own writes fail on rank 0 alone: the others must hear of it
+            failure = e
+        self._unickpt_agree(failure, staged, target, "writing")
+        if rank0:
+            try:
+                commit_dir(staged, target)
+            except Exception as e:
+                failure = e
+        self._unickpt_agree(failure, staged, target, "committing")
+
+    def _unickpt_agree(self, failure: BaseException | None, staged: str, target: str, doing: str) -> None:
+        """Every rank learns whether rank 0 failed (a broadcast every rank reaches, so none waits
+        for a rank that gave up); on a failure the staging directory goes and every rank raises."""
+        s: Any = self
+        rank0 = s.global_rank == 0
+        said = s.broadcast(f"{type(failure).__name__}: {failure}" if rank0 and failure is not None else None)
+        if failure is None and said is None:
+            return
+        if rank0:
+            shutil.rmtree(staged, ignore_errors=True)
+        if failure is not None:
+            raise failure
+        raise DistributedError(
+            f"{target}: rank 0 failed {doing} the checkpoint ({said}); nothing was committed, the "
+            "previous checkpoint of that name stays"
+        )
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        del weights_only  # nothing is unpickled
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        s: Any = self
+        target = _local_path(s.broadcast(str(os.fspath(checkpoint_path))))
+        out, parts = _read_rest(target, self.unickpt_verify, None)
+        if parts.get("layout") not in ("sliced", "full"):
+            raise UnsupportedError(
+                f"{target}: written by UnickptCheckpointIO (no sharded parts); a sharded strategy resumes "
+                f"only from checkpoints its unickpt strategy wrote, found parts {parts!r}"
+            )
+        module = s.lightning_module
+        n = parts.get("optimizers", 0)
+        optims = self._unickpt_optimizers() if module.trainer.state.fn == TrainerFn.FITTING and n else []
+        if optims and len(optims) != n:
+            raise StateMismatchError(f"{target}: holds {n} optimizer(s), this run configures {len(optims)}")
+        self._unickpt_load_parts(target, parts["layout"], optims, bool(module.strict_loading))
+        return out
+
+    def _unickpt_save_parts(self, staged: str, optims: list[Any], opts: dict[str, Any]) -> None:
+        """Sliced: every rank writes the DTensor slices it holds (FSDP2 / tensor parallel)."""
+        s: Any = self
+        io = CheckpointIO()
+        io.save_model(s.model, os.path.join(staged, "model"), shard=True, gather_dtensor=False, **opts)
+        for i, opt in enumerate(optims):
+            io.save_optimizer(
+                OptimizerWrapper(opt, s.model),
+                os.path.join(staged, optimizer_dir(i)),
+                shard=True,
+                gather_dtensor=False,
+                **opts,
+            )
+
+    def _unickpt_load_parts(self, target: str, layout: str, optims: list[Any], strict: bool) -> None:
+        s: Any = self
+        io = CheckpointIO()
+        io.load_model(s.model, os.path.join(target, "model"), strict=strict, verify=self.unickpt_verify)
+        for i, opt in enumerate(optims):
+            io.load_optimizer(
+                OptimizerWrapper(opt, s.model),
+                os.path.join(target, optimizer_dir(i)),
+                verify=self.unickpt_verify,
+            )
+
+
+class UnickptModelParallelStrategy(_UnickptStrategyMixin, ModelParallelStrategy):  # type: ignore[misc]
+    """Lightning's ``ModelParallelStrategy`` (FSDP2 / tensor parallel in ``configure_model``),
+    saving and resuming through unickpt instead of DCP.
+
+    Each checkpoint Lightning names is a directory: ``model/`` and ``optimizer_<i>/`` are unickpt
+    checkpoints written sliced (each rank its own DTensor slices, with hashes and fingerprints;
+    they load at any other world size or layout, and ``unickpt merge`` makes Hugging Face files of
+    ``model/``), ``state/`` and ``lightning.json`` the rest of Lightning's checkpoint dict, as
+    ``UnickptCheckpointIO`` writes them. Same arguments as ``ModelParallelStrategy``.
+    """
+
+
+class UnickptFSDPStrategy(_UnickptStrategyMixin, FSDPStrategy):  # type: ignore[misc]
+    """Lightning's ``FSDPStrategy`` (torch's FSDP1) saving and resuming through unickpt instead of
+    DCP or ``torch.save``.
+
+    FSDP1 keeps flat parameters, not DTensors: the model and optimizer states are gathered with
+    torch's ``get_model_state_dict`` / ``get_optimizer_state_dict`` (full state dicts, on every
+    rank), rank 0 writes them as unickpt checkpoints (``model/``, ``optimizer_<i>/`` keyed by
+    parameter name, ``param_groups`` in ``lightning.json``), and every rank reads them back whole
+    and hands them to ``set_model_state_dict`` / ``set_optimizer_state_dict``. Same arguments as
+    ``FSDPStrategy``.
+    """
+
+    _unickpt_layout = "full"
+
+    def _unickpt_save_parts(self, staged: str, optims: list[Any], opts: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        s: Any = self
+        full = StateDictOptions(full_state_dict=True)
+        msd: dict[str, Any] = get_model_state_dict(s.model, options=full)
+        osds = [get_optimizer_state_dict(s.model, opt, options=full) for opt in optims]
+        if s.global_rank != 0:
+            return
+        save_tensors(msd, os.path.join(staged, "model"), **opts)
+        for i, osd in enumerate(osds):
+            js, tensors = encode_state(osd, f"optimizer_{i}")
+            names = {k: f"t{j}" for j, k in enumerate(tensors)}
+            save_tensors(
+                {names[k]: v for k, v in tensors.items()}, os.path.join(staged, optimizer_dir(i)), **opts
+            )
+            write_json(os.path.join(staged, optimizer_dir(i), _OPTIM_FILE), _rename_refs(js, names))
+
+    def _unickpt_load_parts(self, target: str, layout: str, optims: list[Any], strict: bool) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        s: Any = self
+        if layout != "full":
+            raise UnsupportedError(
+                f"{target}: parts written {layout!r}; UnickptFSDPStrategy reads 'full' ones"
+            )
+        msd: dict[str, Any] = load_tensors(os.path.join(target, "model"), verify=self.unickpt_verify)
+        set_model_state_dict(s.model, msd, options=StateDictOptions(full_state_dict=True, strict=strict))
+        for i, opt in enumerate(optims):
+            where = os.path.join(target, optimizer_dir(i))
+            tensors = load_tensors(where, verify=self.unickpt_verify)
+            osd = decode_state(read_json(os.path.join(where, _OPTIM_FILE)), tensors, where)
+            set_optimizer_state_dict(s.model, opt, osd, options=StateDictOptions(full_state_dict=True))
+
+
+_OPTIM_FILE = "optimizer.json"
 
 
 def _rename_refs(value: Any, ref: dict[str, str]) -> Any:

@@ -16,6 +16,10 @@ resumes under any other parallelism. It also loads torchtitan's own DCP checkpoi
 ``step-<N>/.metadata`` in the folder, or ``initial_load_path``) and Hugging Face checkpoints
 (``initial_load_in_hf``, through the model's state dict adapter), as torchtitan does.
 
+Tested with torchtitan's own ``Trainer(config).train()`` (tests/dist/test_torchtitan_trainer.py: a
+2-rank FSDP2 run stopped after a save and resumed on 1 rank, on CPU) and with its components driven
+as the trainer drives them (tests/dist/test_torchtitan_dist.py, tests/unit/test_torchtitan_integration.py).
+
 Importing this module imports torchtitan; ``import unickpt`` does not import this module.
 """
 
