@@ -89,6 +89,7 @@ class IOCore(CheckpointHooks):
             f"saving the {payload.kind} to {os.fspath(checkpoint)}",
             self.group if group is None else group,
             everywhere=self.replicated_everywhere,
+            staged=payload.staged,
         )
 
         def slices_fn(name: str, tensor: torch.Tensor) -> list[LocalSlice]:
@@ -104,6 +105,7 @@ class IOCore(CheckpointHooks):
             entry_extras=payload.entry_extras,
             block_extras=payload.block_extras,
             group=self.group if group is None else group,
+            live=payload.staged is None,
         )
 
     def _local_slices_of(

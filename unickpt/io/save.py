@@ -104,8 +104,15 @@ def save_tensors(
     entry_extras: dict[str, dict[str, Any]] | None = None,
     block_extras: dict[str, Any] | None = None,
     group: Any = None,
+    live: bool = True,
 ) -> str:
-    """Collective. Save ``tensors`` (this rank's view) as one checkpoint; returns the committed path."""
+    """Collective. Save ``tensors`` (this rank's view) as one checkpoint; returns the committed path.
+
+    ``live=False``: the slices ``boxes_fn`` gives are copies (an async save's snapshot), on every
+    rank alike, so no tensor is redistributed to row slices (``io/hf_rows.py``): that collective
+    runs on the training's mesh, and whether a rank would take part must not depend on what it
+    holds (a rank holding no slice of a tensor cannot tell a copy from a live shard).
+    """
 
     rank, world = _dist.rank(group), _dist.world_size(group)
     aliases = aliases or {}
@@ -137,7 +144,7 @@ def save_tensors(
     local: list[LocalSlice] = []
     # A gathered save in a directory moves column-sharded DTensors to row slices as it writes
     # them (io/hf_rows.py): the plan takes their boxes after the move.
-    rows = RowMoves() if opts.gather and store is None else None
+    rows = RowMoves() if opts.gather and store is None and live else None
     # A gathered save on a store without shared multipart uploads is written whole by rank 0
     # (io/funnel_save.py); on S3 every rank uploads parts of the files (io/parts_save.py); in a
     # local directory every rank writes its own bytes in place (io/hf_save.py).

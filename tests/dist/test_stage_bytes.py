@@ -1,0 +1,51 @@
+"""Async saves stage exactly the bytes each rank writes, and ranks that write nothing never stall.
+
+See ``_stage_worker``. The worlds run with a 20 s collective timeout: a rank entering a collective
+alone (the other ranks never join) fails the case within it instead of hanging.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from harness import run_world
+
+PG_TIMEOUT_S = 20
+pytestmark = pytest.mark.timeout(400)
+
+
+def _run(n: int, target: str, *args: Any) -> dict[str, Any]:
+    results = run_world(n, target, *args, timeout=300, env={"UNICKPT_TEST_PG_TIMEOUT_S": str(PG_TIMEOUT_S)})
+    failed = [c for c in results[0].values() if not c.ok]
+    assert not failed, "\n\n".join(f"{c.name}:\n{c.error[:4000]}" for c in failed)
+    return {name: [res[name].value for res in results] for name in results[0]}
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_staged_bytes_equal_written_bytes_per_rank(tmp_path: Any, n: int) -> None:
+    got = _run(n, "_stage_worker:stage_cases", str(tmp_path), ["ddp", f"fsdp2x{n}"])
+    for layout, per_rank in got.items():
+        for kind in ("model", "optimizer"):
+            staged = [r[kind]["staged"] for r in per_rank]
+            written = [r[kind]["written"] for r in per_rank]
+            assert staged == written, (layout, kind, staged, written)
+            held = [r[kind]["held"] for r in per_rank]
+            if layout == "ddp":  # every rank holds everything, and writes about 1/n of it
+                assert all(h == held[0] for h in held)
+                assert sum(staged) == held[0], (staged, held)
+                assert max(staged) < held[0], (staged, held)
+
+
+def test_async_saves_where_a_rank_writes_nothing_2_ranks(tmp_path: Any) -> None:
+    got = _run(2, "_stage_worker:idle_cases", str(tmp_path))
+    for msgs in got["diverged"]:
+        assert "1 replicated tensor slice(s) differ across ranks" in msgs["differ"], msgs
+        assert "tensor '0.weight': rank 0: xxh3 " in msgs["differ"] and "; rank 1: xxh3 " in msgs["differ"]
+        assert "tensor 'state.0.bias.exp_avg'" in msgs["missing"] and "rank 1: missing" in msgs["missing"], (
+            msgs
+        )
+
+
+def test_async_gathered_save_where_ranks_hold_no_rows_4_ranks(tmp_path: Any) -> None:
+    _run(4, "_stage_worker:idle_cases", str(tmp_path))
