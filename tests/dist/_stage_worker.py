@@ -176,3 +176,57 @@ def idle_cases(root: str) -> dict[str, object]:
     else:
         cases.append(("diverged", lambda: _diverged(root)))
     return run_cases(cases)  # type: ignore[arg-type]
+
+
+def _retention(root: str, async_save: bool) -> dict[str, Any]:
+    """keep_last=1 with a slow, then a failing deletion on rank 0: the other ranks do not wait."""
+    import time
+    import warnings
+
+    from unickpt.manager import CheckpointManager, RetentionWarning
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    run = os.path.join(root, f"run-{async_save}")
+    mgr = CheckpointManager(run, save_steps=1, keep_last=1, async_save=async_save)
+    real = mgr.storage.remove_step
+
+    def slow(step: int) -> None:
+        time.sleep(SLOW_DELETE_S)
+        real(step)
+
+    def failing(step: int) -> None:
+        raise OSError(5, "injected deletion failure", os.path.join(run, f"step-{step}"))
+
+    def save(step: int) -> float:
+        t0 = time.monotonic()
+        mgr.save(step, model, None)
+        mgr.wait()
+        return time.monotonic() - t0
+
+    out: dict[str, Any] = {"first": save(1)}
+    if dist.get_rank() == 0:
+        mgr.storage.remove_step = slow  # type: ignore[method-assign]
+    out["slow"] = save(2)
+    dist.barrier()
+    out["after_slow"] = sorted(mgr.all_steps())
+    if dist.get_rank() == 0:
+        mgr.storage.remove_step = failing  # type: ignore[method-assign]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        save(3)
+    out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, RetentionWarning)]
+    dist.barrier()
+    out["after_failed"] = sorted(mgr.all_steps())
+    mgr.storage.remove_step = real  # type: ignore[method-assign]
+    save(4)
+    dist.barrier()
+    out["after_retry"] = sorted(mgr.all_steps())
+    return out
+
+
+SLOW_DELETE_S = 8.0
+
+
+def retention_cases(root: str) -> dict[str, object]:
+    return run_cases([(f"async={a}", lambda a=a: _retention(root, a)) for a in (False, True)])  # type: ignore[misc]

@@ -49,3 +49,24 @@ def test_async_saves_where_a_rank_writes_nothing_2_ranks(tmp_path: Any) -> None:
 
 def test_async_gathered_save_where_ranks_hold_no_rows_4_ranks(tmp_path: Any) -> None:
     _run(4, "_stage_worker:idle_cases", str(tmp_path))
+
+
+def test_slow_retention_does_not_hold_the_other_ranks(tmp_path: Any) -> None:
+    """keep_last deletes on rank 0 after the save's last collective: a deletion that takes 8 s
+    delays rank 0 only, and a failing one is a warning there, retried by the next save."""
+    got = _run(2, "_stage_worker:retention_cases", str(tmp_path))
+    for case, (r0, r1) in got.items():
+        assert r0["slow"] >= 8.0, (case, r0)
+        assert r1["slow"] < 4.0, (case, r1)
+        for r in (r0, r1):
+            assert r["after_slow"] == [2] and r["after_failed"] == [2, 3] and r["after_retry"] == [4], (
+                case,
+                r,
+            )
+        assert r1["warnings"] == []
+        if case == "async=False":  # an async save's warning is issued in its background thread
+            assert len(r0["warnings"]) == 1, r0
+            msg = r0["warnings"][0]
+            assert (
+                "step 3 is committed" in msg and "keep_last=1" in msg and "injected deletion failure" in msg
+            ), msg

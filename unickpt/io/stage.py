@@ -22,7 +22,6 @@ from typing import Any
 import torch
 
 from unickpt import _dist
-from unickpt._faults import maybe_fail
 from unickpt.io.payload import SavePayload, SliceKey, Staged, cpu_copy
 from unickpt.io.planner import SliceMeta, plan_save
 from unickpt.io.replicas import digest_live
@@ -68,7 +67,6 @@ def stage_written(
     metas: list[SliceMeta] = []
     flat: list[LocalSlice] = []
     try:
-        maybe_fail("save.stage")
         for name in payload.tensors:
             flat.extend(payload.slices.get(name, []))
         metas = [sl.meta() for sl in flat]
