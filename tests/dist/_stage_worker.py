@@ -230,3 +230,102 @@ SLOW_DELETE_S = 8.0
 
 def retention_cases(root: str) -> dict[str, object]:
     return run_cases([(f"async={a}", lambda a=a: _retention(root, a)) for a in (False, True)])  # type: ignore[misc]
+
+
+_OPS = (
+    "all_gather",
+    "all_gather_object",
+    "broadcast",
+    "broadcast_object_list",
+    "barrier",
+    "send",
+    "recv",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "all_reduce",
+)
+
+
+def _cpu_routes(root: str) -> dict[str, Any]:
+    """The world stands for a pure NCCL group (no CPU backend): every collective of a save, a load
+    and an async save (CheckpointIO and CheckpointManager) must run on its gloo twin or on a
+    background group, and the twin must be made at setup, on the main thread."""
+    import threading
+
+    from _pp_zero_hybrid_worker import make_model, make_optimizer
+
+    from unickpt import _dist
+    from unickpt.booster import Booster
+    from unickpt.manager import CheckpointManager
+    from unickpt.plugins.ddp import DDPPlugin
+
+    world = dist.group.WORLD
+    real = {op: getattr(dist, op) for op in _OPS}
+    real_new_group = dist.new_group
+    real_capable = _dist._cpu_capable
+    made: list[tuple[str, str, Any]] = []
+    calls: list[tuple[str, str, bool]] = []
+    recording = False
+
+    def new_group(*a: Any, **kw: Any) -> Any:
+        g = real_new_group(*a, **kw)
+        made.append((threading.current_thread().name, "setup" if not recording else "save", g))
+        return g
+
+    def wrap(op: str) -> Any:
+        def call(*a: Any, **kw: Any) -> Any:
+            g = kw.get("group")
+            if recording:
+                calls.append((op, threading.current_thread().name, g is None or g is world))
+            return real[op](*a, **kw)
+
+        return call
+
+    try:
+        _dist._cpu_capable = lambda g: g is not None and g is not world and real_capable(g)  # type: ignore[assignment]
+        dist.new_group = new_group  # type: ignore[assignment]
+        for op in _OPS:
+            setattr(dist, op, wrap(op))
+        booster = Booster(DDPPlugin())
+        plain = make_model(0)
+        model, optim, *_ = booster.boost(plain, make_optimizer(plain))
+        mgr = CheckpointManager(
+            os.path.join(root, "run"), booster, save_steps=1, keep_last=1, async_save=True
+        )
+        recording = True
+        io = booster.checkpoint_io
+        for name, kw in (("sliced", {"gather_dtensor": False}), ("gathered", {})):
+            path = os.path.join(root, name)
+            io.save_model(model, path, shard=True, **kw)
+            booster.load_model(model, path)
+            io.save_model(model, path + "-async", shard=True, use_async=True, **kw)
+            io.wait()
+            booster.load_model(model, path + "-async")
+        io.save_optimizer(optim, os.path.join(root, "o"), shard=True, use_async=True)
+        io.wait()
+        booster.load_optimizer(optim, os.path.join(root, "o"))
+        for step in (1, 2):
+            mgr.save(step, model, optim)
+        mgr.wait()
+        mgr.load(model, optim)
+    finally:
+        recording = False
+        _dist._cpu_capable = real_capable  # type: ignore[assignment]
+        dist.new_group = real_new_group  # type: ignore[assignment]
+        for op, fn in real.items():
+            setattr(dist, op, fn)
+    on_world = [(op, t) for op, t, w in calls if w]
+    assert not on_world, f"collectives on the NCCL group: {on_world[:20]}"
+    twins = [g for _, _, g in made if g in _dist._TWINS.values()]
+    return {
+        "calls": len(calls),
+        "background_calls": sum(1 for _, t, _ in calls if t != "MainThread"),
+        "made": [(t, when) for t, when, _ in made],
+        "twins": len(twins),
+        "twin_at_setup": [when for t, when, g in made if g in twins],
+    }
+
+
+def route_cases(root: str) -> dict[str, object]:
+    return run_cases([("cpu_routes", lambda: _cpu_routes(root))])

@@ -70,3 +70,14 @@ def test_slow_retention_does_not_hold_the_other_ranks(tmp_path: Any) -> None:
             assert (
                 "step 3 is committed" in msg and "keep_last=1" in msg and "injected deletion failure" in msg
             ), msg
+
+
+def test_cpu_collectives_use_the_gloo_twin_of_a_pure_nccl_world(tmp_path: Any) -> None:
+    """With the world taken for a group without a CPU backend, no collective of a save, a load or
+    an async save (CheckpointIO and CheckpointManager) runs on it: each runs on the world's gloo
+    twin, made once at setup on the main thread, or on the background saves' gloo group."""
+    got = _run(2, "_stage_worker:route_cases", str(tmp_path))["cpu_routes"]
+    for r in got:
+        assert r["calls"] > 20 and r["background_calls"] > 0, r
+        assert r["twins"] == 1 and r["twin_at_setup"] == ["setup"], r
+        assert all(thread == "MainThread" for thread, _ in r["made"]), r

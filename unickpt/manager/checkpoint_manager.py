@@ -78,6 +78,9 @@ class CheckpointManager:
             from unickpt.io import GeneralCheckpointIO
 
             self.io = GeneralCheckpointIO()
+        # The gloo twin of a group without a CPU backend (pure NCCL), made here on the main thread,
+        # before any save: the saves' object exchanges and their background thread use it.
+        _dist.setup_cpu_group(self.io.group)
         # Every rank must build the same manager: a save_steps or async_save of its own would
         # make the ranks' later calls take different collectives.
         _dist.agree(
