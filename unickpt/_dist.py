@@ -104,13 +104,19 @@ def _cpu_capable(group: Any) -> bool:
     return parts.get("cpu") == "gloo"
 
 
+def _twin_key(group: Any) -> Any:
+    """The registry's key: the world's group object for ``None`` (a world made again after
+    ``destroy_process_group`` gets a twin of its own)."""
+    return dist.group.WORLD if group is None else group
+
+
 def setup_cpu_group(group: Any = None) -> None:
     """Collective over the whole world (every rank, the main thread, once): create ``group``'s gloo
     twin when ``group`` has no CPU backend (``init_process_group("nccl")``). Nothing to do for a
     gloo group or one with ``cpu:gloo``, for a world of one, or when the twin exists already."""
     if not is_distributed(group) and group is None:
         return
-    if _cpu_capable(group) or group in _TWINS:
+    if _cpu_capable(group) or _twin_key(group) in _TWINS:
         return
     if threading.current_thread() is not threading.main_thread():
         raise DistributedError(
@@ -120,7 +126,7 @@ def setup_cpu_group(group: Any = None) -> None:
     # A subgroup's twin is made by its members only (the others may never call this).
     twin = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=group is not None)
     with _TWINS_LOCK:
-        _TWINS[group] = twin
+        _TWINS[_twin_key(group)] = twin
 
 
 def cpu_group(group: Any = None) -> Any:
@@ -130,7 +136,7 @@ def cpu_group(group: Any = None) -> Any:
     thread never creates one: it raises ``DistributedError`` instead."""
     if not is_distributed(group) or _cpu_capable(group):
         return group
-    twin = _TWINS.get(group)
+    twin = _TWINS.get(_twin_key(group))
     if twin is None:
         if threading.current_thread() is not threading.main_thread():
             raise DistributedError(
@@ -139,7 +145,7 @@ def cpu_group(group: Any = None) -> Any:
                 "CheckpointManager on the main thread first)"
             )
         setup_cpu_group(group)
-        twin = _TWINS[group]
+        twin = _TWINS[_twin_key(group)]
     return twin
 
 

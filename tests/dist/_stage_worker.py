@@ -317,7 +317,7 @@ def _cpu_routes(root: str) -> dict[str, Any]:
             setattr(dist, op, fn)
     on_world = [(op, t) for op, t, w in calls if w]
     assert not on_world, f"collectives on the NCCL group: {on_world[:20]}"
-    twins = [g for _, _, g in made if g in _dist._TWINS.values()]
+    twins = [g for _, _, g in made if g is twin]
     return {
         "calls": len(calls),
         "background_calls": sum(1 for _, t, _ in calls if t != "MainThread"),

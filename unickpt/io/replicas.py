@@ -69,7 +69,7 @@ def digest_live(t: torch.Tensor) -> str | None:
     return h.hexdigest()
 
 
-def _digests(slices: dict[str, list[LocalSlice]], staged: Staged | None = None) -> dict[SliceKey, str]:
+def replica_digests(slices: dict[str, list[LocalSlice]], staged: Staged | None = None) -> dict[SliceKey, str]:
     """This rank's report: a digest per box it holds (a staged save's: of the replicated boxes
     only, the others ``_HELD``; the replicas it does not write were digested when staged)."""
     replicated = None if staged is None else staged.replicated
@@ -126,7 +126,7 @@ def check_replicas(
     mine: dict[SliceKey, str] = {}
     try:
         maybe_fail("replicas.digest")
-        mine = _digests(slices, staged)
+        mine = replica_digests(slices, staged)
     except BaseException as e:
         err = e
     # One exchange: the agreement on the digesting carries the digests.
