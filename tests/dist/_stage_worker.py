@@ -293,6 +293,8 @@ def _cpu_routes(root: str) -> dict[str, Any]:
         mgr = CheckpointManager(
             os.path.join(root, "run"), booster, save_steps=1, keep_last=1, async_save=True
         )
+        twin = _dist.cpu_group(None)
+        assert twin is not None and twin is not world
         recording = True
         io = booster.checkpoint_io
         for name, kw in (("sliced", {"gather_dtensor": False}), ("gathered", {})):
@@ -323,7 +325,7 @@ def _cpu_routes(root: str) -> dict[str, Any]:
         "background_calls": sum(1 for _, t, _ in calls if t != "MainThread"),
         "made": [(t, when) for t, when, _ in made],
         "twins": len(twins),
-        "twin_at_setup": [when for t, when, g in made if g in twins],
+        "twin_at_setup": [when for _, when, g in made if g is twin],
     }
 
 
