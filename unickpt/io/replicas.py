@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -30,7 +31,16 @@ from unickpt.errors import ConfigError, DistributedError
 from unickpt.io.payload import Staged
 from unickpt.io.tensors import LocalSlice, as_bytes
 
-__all__ = ["REPLICA_MODES", "ReplicaMismatchWarning", "check_gathered_metas", "check_replicas", "digest_live"]
+__all__ = [
+    "REPLICA_MODES",
+    "ReplicaCheck",
+    "ReplicaMismatchWarning",
+    "check_gathered_metas",
+    "check_replicas",
+    "digest_live",
+    "judge",
+    "replicated_boxes",
+]
 
 logger = get_logger(__name__)
 REPLICA_MODES = ("warn", "raise", "off")
@@ -131,6 +141,31 @@ def check_replicas(
         err = e
     # One exchange: the agreement on the digesting carries the digests.
     everyone = _dist.agree_gather(err, mine, f"digesting the replicated tensors of {what}", group)
+    judge(everyone, mode, what, everywhere=everywhere)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaCheck:
+    """The replica check a save makes (``io.save.save_tensors`` carries its digests in its own
+    exchanges): ``mode`` (``REPLICA_MODES``), ``what`` (the save, for the message), ``everywhere``
+    (DDP: a box some ranks lack is a divergence too)."""
+
+    mode: str
+    what: str
+    everywhere: bool = False
+
+
+def replicated_boxes(all_metas: Sequence[Sequence[tuple[Any, ...]]]) -> frozenset[SliceKey]:
+    """Every rank, same input: the boxes (name, offsets, shape) two ranks or more list."""
+    count: dict[SliceKey, int] = {}
+    for metas in all_metas:
+        for key in {(m[0], tuple(m[3]), tuple(m[4])) for m in metas}:
+            count[key] = count.get(key, 0) + 1
+    return frozenset(k for k, n in count.items() if n > 1)
+
+
+def judge(everyone: Sequence[dict[SliceKey, str]], mode: str, what: str, *, everywhere: bool = False) -> None:
+    """Every rank, same input (every rank's report): warn or raise per ``mode`` when replicas differ."""
     holders: dict[SliceKey, dict[str, list[int]]] = {}
     for r, ds in enumerate(everyone):
         for key, d in ds.items():

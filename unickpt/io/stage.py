@@ -24,7 +24,7 @@ import torch
 from unickpt import _dist
 from unickpt.io.payload import SavePayload, SliceKey, Staged, cpu_copy
 from unickpt.io.planner import SliceMeta, plan_save
-from unickpt.io.replicas import digest_live
+from unickpt.io.replicas import digest_live, replicated_boxes
 from unickpt.io.tensors import LocalSlice
 
 __all__ = ["stage_written", "written_keys"]
@@ -36,11 +36,7 @@ def written_keys(all_metas: list[list[SliceMeta]], rank: int) -> tuple[set[int],
     whatever the file grouping and key style, which change only the files)."""
     plan = plan_save(all_metas, kind="model", size_per_shard_bytes=None, sliced=True)
     mine = {ps.local_index for sls in plan.slices.values() for ps in sls if ps.rank == rank}
-    count: dict[SliceKey, int] = {}
-    for metas in all_metas:
-        for m in {(m[0], tuple(m[3]), tuple(m[4])) for m in metas}:
-            count[m] = count.get(m, 0) + 1
-    return mine, frozenset(k for k, n in count.items() if n > 1)
+    return mine, replicated_boxes(all_metas)
 
 
 def _placeholder(sl: LocalSlice) -> LocalSlice:
