@@ -2,9 +2,12 @@
 
 * ``check_replicas``: the ranks holding the same slice of a tensor (DDP replicas, a TP bias,
   the data-parallel copies of HSDP/hybrid shards, ZeRO's replicated parameters) must hold the
-  same bytes, since only one of them is written. Each rank digests its local slices (xxh3-64 of the
-  bytes, about 10 GiB/s); the digests (16 hex digits per slice, not the data) are all-gathered
-  and compared. With ``everywhere=True`` (DDP: every rank holds every tensor) a slice some
+  same bytes, since only one of them is written. Each rank digests the local slices another rank
+  holds too (xxh3-64 of the bytes, about 10 GiB/s; a slice one rank holds is only listed); the
+  digests (16 hex digits per slice, not the data) are all-gathered and compared: a synchronous
+  save carries them in its planning agreement (``ReplicaCheck``, ``judge``), an async save's copy
+  in an exchange of the background thread (``check_replicas`` with the ``Staged`` record, whose
+  non-written replicas were digested when staged). With ``everywhere=True`` (DDP: every rank holds every tensor) a slice some
   ranks lack counts as divergent too (a parameter frozen on one rank has no optimizer state
   there). Divergent replicas are reported naming each tensor and which ranks hold which
   digest: a ``ReplicaMismatchWarning`` (``mode="warn"``, the default), a ``DistributedError``
