@@ -10,6 +10,9 @@ sharded save (gather_dtensor=False), unickpt gathered save and torch's full-stat
 safetensors write on rank 0; the last two also report the writing rank's peak RSS.
 TASK "cols": every matrix column-sharded (TP's Shard(1)) over all ranks: gathered save with the
 column slices moved to row slices vs written row by row, and the sliced save (hf_columns.py).
+TASK "staged": an async save's copy (``io.stage.stage_written``) under DDP (every rank holds the
+whole model) and FSDP2: bytes staged per rank against the bytes that rank writes (its files' data,
+counted on disk) and the bytes it holds; times staging against copying every held slice.
 TASK "load": build the same model sharded over this (smaller) world and time loading the
 checkpoints the save world wrote (resharding), DCP vs unickpt, checking they agree.
 
@@ -436,13 +439,88 @@ def task_cols(p: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
+def _data_bytes(path: Path) -> int:
+    """Tensor data bytes of a safetensors file (its size less the length word and the header)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+    return path.stat().st_size - 8 - n
+
+
+def task_staged(p: dict[str, Any]) -> dict[str, Any]:
+    """Bytes an async save stages per rank vs the bytes the rank writes, DDP and FSDP2."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from unickpt.io.stage import stage_written
+    from unickpt.plugins.ddp import DDPCheckpointIO
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    specs = C.state_spec(float(p["size_mb"]))
+    work = Path(p["workdir"])
+    res: dict[str, Any] = {}
+    for layout in ("ddp", "fsdp2"):
+        model = C.build_model(specs, seed=7)
+        if layout == "ddp":
+            io: Any = DDPCheckpointIO()
+        else:
+            mesh = init_device_mesh("cpu", (world,))
+            for child in [model.embed, *model.layers]:
+                fully_shard(child, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            io_cls, why = C.probe_fsdp2_io()
+            if io_cls is None:
+                res[layout] = {"status": "skipped", "reason": why}
+                continue
+            io = io_cls(mesh=mesh)
+        payload = io.plan_model(model)
+        held = sum(sl.nbytes for sls in payload.slices.values() for sl in sls)
+        stage_s, full_s = [], []
+        staging: dict[Any, Any] = {}
+        full_staging: dict[Any, Any] = {}
+        for _ in range(1 + int(p["reps"])):
+            _barrier()
+            t0 = time.perf_counter()
+            staged = stage_written(payload, staging)
+            stage_s.append(time.perf_counter() - t0)
+            _barrier()
+            t0 = time.perf_counter()
+            payload.snapshot(full_staging)
+            full_s.append(time.perf_counter() - t0)
+        del full_staging
+        d = work / f"staged-{layout}"
+        io.write(staged, str(d), shard=True, gather_dtensor=False, size_per_shard=float("inf"))
+        counts: list[Any] = [None] * world
+        assert staged.staged is not None
+        dist.all_gather_object(counts, staged.staged.nbytes)
+        writers = [r for r in range(world) if counts[r] > 0]
+        files = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))
+        written = (
+            _data_bytes(d / files[writers.index(rank)])
+            if rank in writers and len(files) == len(writers)
+            else -1
+        )
+        res[layout] = {
+            "status": "ok",
+            "times": stage_s[1:],
+            "full_copy_s": full_s[1:],
+            "bytes": staged.staged.nbytes,
+            "extra": {"held": held, "staged": staged.staged.nbytes, "written": written},
+        }
+        _barrier()
+        if rank == 0:
+            C.rm(d)
+    return res
+
+
 def main() -> None:
     warnings.simplefilter("ignore")
     task, params = sys.argv[1], json.loads(sys.argv[2])
     import torch.distributed as dist
 
     try:
-        res = {"save": task_save, "load": task_load, "cols": task_cols}[task](params)
+        res = {"save": task_save, "load": task_load, "cols": task_cols, "staged": task_staged}[task](params)
     except Exception as e:
         traceback.print_exc()
         res = {"fatal": f"{type(e).__name__}: {e}".splitlines()[0][:300]}

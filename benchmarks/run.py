@@ -133,6 +133,46 @@ def run_world(
 # ------------------------------------------------------------------------------ rows
 
 
+def staged_rows(rows: Rows, base: dict[str, Any], root: Path, timeout: float, args: Any) -> None:
+    """Async staging under DDP x4 and FSDP2 x4: bytes staged per rank vs bytes written per rank."""
+    world = 4
+    wd = root / f"staged-w{world}"
+    wd.mkdir(exist_ok=True)
+    sz = float(args.size_mb)
+    print(f"  [world {world}, {sz:g} MiB: async staging]", file=sys.stderr, flush=True)
+    out = run_world(
+        "staged", world, dict(base, size_mb=sz, reps=max(2, int(args.reps)), workdir=str(wd)), timeout * 3
+    )
+    ranks = [r or {} for r in out.get("ranks") or [{}] * world]
+    for layout, name in (("ddp", "DDP"), ("fsdp2", "FSDP2")):
+        per = [r.get(layout) or {} for r in ranks]
+        label = f"{name} x{world} {sz:g} MiB: async staging (stage_written)"
+        if not all(x.get("status") == "ok" for x in per):
+            bad = next((x for x in per if x.get("status") != "ok"), {})
+            rows.add(
+                "async",
+                f"staged_{layout}",
+                label,
+                {"status": "error", "reason": bad.get("reason") or out.get("error", "no result")},
+            )
+            continue
+        staged = [x["extra"]["staged"] for x in per]
+        written = [x["extra"]["written"] for x in per]
+        held = [x["extra"]["held"] for x in per]
+        res = dict(per[0])
+        res["extra"] = {
+            "staged_per_rank": staged,
+            "written_per_rank": written,
+            "held_per_rank": held,
+            "staged_over_written": max(
+                s / w if w > 0 else (1.0 if s == 0 else float("inf"))
+                for s, w in zip(staged, written, strict=True)
+            ),
+            "full_copy_s": C.median(per[0]["full_copy_s"]),
+        }
+        rows.add("async", f"staged_{layout}", label, res)
+
+
 class Rows:
     def __init__(self) -> None:
         self.rows: list[dict[str, Any]] = []
@@ -291,6 +331,8 @@ def suite(args: argparse.Namespace) -> dict[str, Any]:
                 reps=max(5, int(args.reps)),
             )
     single("async", "async", "CheckpointManager async save: blocked", "async_save", reps=max(2, args.reps))
+    if "async" in groups:
+        staged_rows(rows, base, root, to, args)
 
     # 2. distributed FSDP2: save on `world`, load resharded on `load_world`
     dist_dirs: dict[float, Path] = {}
@@ -640,6 +682,18 @@ def ratios(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[st
                 "met": v <= 1.1,
             }
         )
+    for layout, name in (("ddp", "DDP"), ("fsdp2", "FSDP2")):
+        st = by.get(f"staged_{layout}")
+        if st and "staged_over_written" in (st.get("extra") or {}):
+            v = st["extra"]["staged_over_written"]
+            out.append(
+                {
+                    "target": f"async staging under {name} x4: bytes staged <= 1.01x bytes written, every rank",
+                    "value": v,
+                    "threshold": 1.01,
+                    "met": v <= 1.01,
+                }
+            )
     a = by.get("async")
     if a and "extra" in a:
         blocked = C.median(a["extra"]["async"]["blocked"])
@@ -719,6 +773,13 @@ def markdown(report: dict[str, Any]) -> str:
             note.append(f"uploaded per rank {mib} MiB, requests per rank {ex.get('requests_per_rank')}")
         if "rss_peak_max_mb" in r:
             note.append(f"max over ranks {r['rss_peak_max_mb']:.0f} MB")
+        if "staged_per_rank" in ex:
+            mib = lambda xs: ", ".join(f"{b / C.MiB:.1f}" for b in xs)  # noqa: E731
+            note.append(
+                f"staged per rank {mib(ex['staged_per_rank'])} MiB, written {mib(ex['written_per_rank'])} MiB, "
+                f"held {mib(ex['held_per_rank'])} MiB (staged/written {ex['staged_over_written']:.4f}); "
+                f"copying every held slice {ex['full_copy_s']:.3f} s"
+            )
         if r["key"] == "async" and ex:
             note.append(
                 f"sync save {C.median(ex['sync']['total']):.3f} s; async total {C.median(ex['async']['total']):.3f} s"

@@ -5,6 +5,13 @@ code path serves a single process and thousands of ranks. Every helper takes the
 it runs over (default: the whole world); a process that is not a member of that group gets a
 ``DistributedError`` instead of torch's rank -1. Bulk tensor transfers (DTensor gathers, ZeRO's
 and the pipeline's own collectives) call torch directly; these helpers move Python objects.
+
+CPU data never travels over NCCL: every collective these helpers make (and every other
+collective of unickpt on CPU tensors: the funnelled save's sends, the S3 parts' all-to-all) runs
+on :func:`cpu_group`, the group itself when it has a gloo backend for CPU tensors (a gloo world,
+torch's default ``cpu:gloo,cuda:nccl``), else its gloo twin, created once by
+:func:`setup_cpu_group` over the whole world on the main thread (plugin and manager setup), never
+inside a save and never from a background thread.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import copy
 import dataclasses
 import os
 import pickle
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -22,6 +30,8 @@ import torch.distributed as dist
 from unickpt.errors import DistributedError, UnickptError
 
 __all__ = [
+    "cpu_group",
+    "setup_cpu_group",
     "is_distributed",
     "rank",
     "world_size",
@@ -77,6 +87,68 @@ def is_distributed(group: Any = None) -> bool:
     return True
 
 
+# group (None: the world) -> its gloo twin, for groups without a CPU backend (pure NCCL).
+_TWINS: dict[Any, Any] = {}
+_TWINS_LOCK = threading.Lock()
+
+
+def _cpu_capable(group: Any) -> bool:
+    """Whether ``group`` moves CPU tensors itself (gloo, or a ``cpu:gloo`` entry in its backend map)."""
+    try:
+        config = str(dist.get_backend_config(group)).replace(" ", "").lower()
+    except (AttributeError, RuntimeError, ValueError):
+        config = str(dist.get_backend(group)).lower()
+    if config in ("gloo", "undefined"):
+        return True
+    parts = dict(p.partition(":")[::2] for p in config.split(",") if ":" in p)
+    return parts.get("cpu") == "gloo"
+
+
+def _twin_key(group: Any) -> Any:
+    """The registry's key: the world's group object for ``None`` (a world made again after
+    ``destroy_process_group`` gets a twin of its own)."""
+    return dist.group.WORLD if group is None else group
+
+
+def setup_cpu_group(group: Any = None) -> None:
+    """Collective over the whole world (every rank, the main thread, once): create ``group``'s gloo
+    twin when ``group`` has no CPU backend (``init_process_group("nccl")``). Nothing to do for a
+    gloo group or one with ``cpu:gloo``, for a world of one, or when the twin exists already."""
+    if not is_distributed(group) and group is None:
+        return
+    if _cpu_capable(group) or _twin_key(group) in _TWINS:
+        return
+    if threading.current_thread() is not threading.main_thread():
+        raise DistributedError(
+            "internal: the gloo group for CPU collectives must be created on the main thread, at setup"
+        )
+    ranks = None if group is None else dist.get_process_group_ranks(group)
+    # A subgroup's twin is made by its members only (the others may never call this).
+    twin = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=group is not None)
+    with _TWINS_LOCK:
+        _TWINS[_twin_key(group)] = twin
+
+
+def cpu_group(group: Any = None) -> Any:
+    """The group CPU tensors of a collective over ``group`` travel on: ``group`` itself when it has a
+    CPU backend, else its gloo twin (:func:`setup_cpu_group`). A twin missing when first needed is
+    created here on the main thread (every rank reaches the same first collective); a background
+    thread never creates one: it raises ``DistributedError`` instead."""
+    if not is_distributed(group) or _cpu_capable(group):
+        return group
+    twin = _TWINS.get(_twin_key(group))
+    if twin is None:
+        if threading.current_thread() is not threading.main_thread():
+            raise DistributedError(
+                "no gloo group for the CPU collectives of this background save: the process group has no "
+                "CPU backend and its gloo twin was not created at setup (build the plugin or the "
+                "CheckpointManager on the main thread first)"
+            )
+        setup_cpu_group(group)
+        twin = _TWINS[_twin_key(group)]
+    return twin
+
+
 def rank(group: Any = None) -> int:
     return dist.get_rank(group) if is_distributed(group) else 0
 
@@ -97,6 +169,7 @@ def all_gather_object(obj: T, group: Any = None) -> list[T]:
     if not is_distributed(group):
         return [obj]
     n = world_size(group)
+    group = cpu_group(group)
     device = _object_device(group)
     if device is None:  # a backend whose object device torch does not tell: torch's own exchange
         out: list[Any] = [None] * n
@@ -156,14 +229,14 @@ def broadcast_object(obj: T, src: int = 0, group: Any = None) -> T:
         return obj
     holder: list[Any] = [obj]
     with _peer_failures("broadcast_object_list"):
-        dist.broadcast_object_list(holder, src=src, group=group)
+        dist.broadcast_object_list(holder, src=src, group=cpu_group(group))
     return holder[0]  # type: ignore[no-any-return]
 
 
 def barrier(group: Any = None) -> None:
     if is_distributed(group):
         with _peer_failures("barrier"):
-            dist.barrier(group=group)
+            dist.barrier(group=cpu_group(group))
 
 
 @dataclasses.dataclass

@@ -8,7 +8,7 @@ process group made once per ``CheckpointIO`` (``dist.new_group``), never through
 training's group. One save is in flight at most per ``CheckpointIO``: every later save or load
 through it, and ``CheckpointIO.wait()``, first waits for it and raises its error, if any.
 
-The copy is each rank's own slices (``SavePayload.snapshot``), whatever the layout asked for:
+The copy is the slices each rank writes (``io/stage.py``: a replica only on its writer), whatever the layout asked for:
 a sliced save writes them as slices, a gathered one straight into their place in the Hugging
 Face files (``io/hf_save.py``). Nothing is gathered, in the foreground or in the thread.
 """
@@ -35,6 +35,7 @@ from unickpt.format.naming import single_name
 from unickpt.format.storage import is_url
 from unickpt.io.core import IOCore
 from unickpt.io.payload import SavePayload
+from unickpt.io.stage import stage_written
 
 __all__ = [
     "AsyncSaveIO",
@@ -263,7 +264,7 @@ class AsyncSaveIO(IOCore):
                 from unickpt.io.hf_rows import row_snapshot
 
                 payload = dataclasses.replace(payload, slices=row_snapshot(payload.tensors, payload.slices))
-            copy = payload.snapshot(staging)
+            copy = stage_written(payload, staging, self.group, replicas=self.check_replicas != "off")
         group = self._async.background_group(self.group)
 
         def work() -> None:

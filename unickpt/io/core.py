@@ -22,7 +22,7 @@ from unickpt.format.reader import CheckpointReader
 from unickpt.format.storage import is_url
 from unickpt.io.hooks import CheckpointHooks, HookContext
 from unickpt.io.payload import SavePayload
-from unickpt.io.replicas import REPLICA_MODES, check_replicas
+from unickpt.io.replicas import REPLICA_MODES, ReplicaCheck, check_replicas
 from unickpt.io.save import SaveOptions, save_tensors
 from unickpt.io.tensors import LocalSlice, mesh_dims
 from unickpt.io.url_load import open_for_load
@@ -83,13 +83,17 @@ class IOCore(CheckpointHooks):
         meshes), so a snapshot is written sliced (``gather_dtensor=False``) only.
         """
         slices = payload.slices
-        check_replicas(
-            slices,
-            self.check_replicas,
-            f"saving the {payload.kind} to {os.fspath(checkpoint)}",
-            self.group if group is None else group,
-            everywhere=self.replicated_everywhere,
-        )
+        what = f"saving the {payload.kind} to {os.fspath(checkpoint)}"
+        check = ReplicaCheck(self.check_replicas, what, self.replicated_everywhere)
+        if payload.staged is not None:  # a copy: its replica digests were planned when it was staged
+            check_replicas(
+                slices,
+                self.check_replicas,
+                what,
+                self.group if group is None else group,
+                everywhere=self.replicated_everywhere,
+                staged=payload.staged,
+            )
 
         def slices_fn(name: str, tensor: torch.Tensor) -> list[LocalSlice]:
             del tensor
@@ -104,6 +108,8 @@ class IOCore(CheckpointHooks):
             entry_extras=payload.entry_extras,
             block_extras=payload.block_extras,
             group=self.group if group is None else group,
+            live=payload.staged is None,
+            replicas=check if payload.staged is None else None,
         )
 
     def _local_slices_of(

@@ -59,7 +59,7 @@ def _full_tensor_for(
         # and rank 0 receives it in _gathered_blocks.
         import torch.distributed as dist
 
-        dist.send(full.detach().cpu().contiguous(), dst=0, group=group)
+        dist.send(full.detach().cpu().contiguous(), dst=0, group=_dist.cpu_group(group))
     return full if rank == 0 else None
 
 
@@ -93,7 +93,7 @@ def _gathered_blocks(
                     from unickpt.io.tensors import torch_dtype
 
                     full = torch.empty(gshape, dtype=torch_dtype(dtype_name))
-                    dist.recv(full, src=holder, group=group)
+                    dist.recv(full, src=holder, group=_dist.cpu_group(group))
                 yield ps.key, as_bytes(full), (gshape, (0,) * len(gshape), gshape)
             del full
 

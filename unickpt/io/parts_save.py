@@ -405,7 +405,7 @@ def _exchange(
         import torch.distributed as dist
 
         with _dist._peer_failures("all_to_all_single"):
-            dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
+            dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=_dist.cpu_group(group))
     if failed is not None:
         raise failed
     got = recv.numpy()

@@ -10,7 +10,10 @@ import torch
 
 from unickpt.io.tensors import LocalSlice
 
-__all__ = ["SavePayload", "cpu_copy"]
+__all__ = ["SavePayload", "Staged", "cpu_copy"]
+
+# A slice's box: (tensor name, offsets, shape).
+SliceKey = tuple[str, tuple[int, ...], tuple[int, ...]]
 
 
 def cpu_copy(src: torch.Tensor, staging: dict[Any, torch.Tensor] | None, key: Hashable) -> torch.Tensor:
@@ -30,6 +33,21 @@ def cpu_copy(src: torch.Tensor, staging: dict[Any, torch.Tensor] | None, key: Ha
     return buf
 
 
+@dataclasses.dataclass(frozen=True)
+class Staged:
+    """What the copy of a ``SavePayload`` into CPU memory holds (``io/stage.py``).
+
+    ``nbytes``: the bytes copied. ``replicated``: the boxes several ranks hold (the only ones the
+    replica check digests), ``None`` when every local slice was copied and the check must find
+    them itself. ``digests``: xxh3-64 of the replicated slices this rank holds but does not
+    write, taken from the live tensors before the save returned (they were not copied).
+    """
+
+    nbytes: int
+    replicated: frozenset[SliceKey] | None = None
+    digests: dict[SliceKey, str] = dataclasses.field(default_factory=dict)
+
+
 @dataclasses.dataclass
 class SavePayload:
     """What one rank saves in one checkpoint: its tensors, the local slices it holds, and the extras.
@@ -45,6 +63,9 @@ class SavePayload:
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)
     entry_extras: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     block_extras: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Set on a copy in CPU memory (``snapshot``, ``io.stage.stage_written``): the slices are not
+    # the live tensors.
+    staged: Staged | None = None
 
     def snapshot(self, staging: dict[tuple[str, int], torch.Tensor] | None = None) -> SavePayload:
         """A copy whose local slices live in CPU memory (pinned when they come from CUDA).
@@ -63,4 +84,5 @@ class SavePayload:
         }
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        return dataclasses.replace(self, slices=slices)
+        nbytes = sum(sl.tensor.nbytes for sls in slices.values() for sl in sls)
+        return dataclasses.replace(self, slices=slices, staged=Staged(nbytes))

@@ -68,9 +68,17 @@ from unickpt.io.funnel_save import feed_funnel, write_funnelled, write_funnelled
 from unickpt.io.hf_rows import RowMoves
 from unickpt.io.hf_save import GatheredSave, StagedHF, save_gathered, stage_gathered
 from unickpt.io.parts_save import save_gathered_parts
+from unickpt.io.payload import Staged
 from unickpt.io.plan_cache import gathered_plan
 from unickpt.io.planner import SavePlan, SliceMeta, plan_save
-from unickpt.io.replicas import check_gathered_metas
+from unickpt.io.replicas import (
+    ReplicaCheck,
+    check_gathered_metas,
+    check_replicas,
+    judge,
+    replica_digests,
+    replicated_boxes,
+)
 from unickpt.io.save_block import Results as _Results
 from unickpt.io.save_block import build_save_block, by_slice, file_specs, make_writer
 from unickpt.io.tensors import LocalSlice, as_bytes
@@ -104,8 +112,22 @@ def save_tensors(
     entry_extras: dict[str, dict[str, Any]] | None = None,
     block_extras: dict[str, Any] | None = None,
     group: Any = None,
+    live: bool = True,
+    replicas: ReplicaCheck | None = None,
 ) -> str:
-    """Collective. Save ``tensors`` (this rank's view) as one checkpoint; returns the committed path."""
+    """Collective. Save ``tensors`` (this rank's view) as one checkpoint; returns the committed path.
+
+    ``live=False``: the slices ``boxes_fn`` gives are copies (an async save's snapshot), on every
+    rank alike, so no tensor is redistributed to row slices (``io/hf_rows.py``): that collective
+    runs on the training's mesh, and whether a rank would take part must not depend on what it
+    holds (a rank holding no slice of a tensor cannot tell a copy from a live shard).
+
+    ``replicas``: the replica check (``io/replicas.py``), made inside the save's own exchanges:
+    once the listing is gathered, each rank digests only the boxes two ranks or more hold, and
+    the digests travel with the planning agreement; divergent replicas warn, or raise on every
+    rank before anything is written. A funnelled save (a store without shared uploads) lists
+    whole tensors, so it checks its slices first, in an exchange of their own.
+    """
 
     rank, world = _dist.rank(group), _dist.world_size(group)
     aliases = aliases or {}
@@ -137,7 +159,7 @@ def save_tensors(
     local: list[LocalSlice] = []
     # A gathered save in a directory moves column-sharded DTensors to row slices as it writes
     # them (io/hf_rows.py): the plan takes their boxes after the move.
-    rows = RowMoves() if opts.gather and store is None else None
+    rows = RowMoves() if opts.gather and store is None and live else None
     # A gathered save on a store without shared multipart uploads is written whole by rank 0
     # (io/funnel_save.py); on S3 every rank uploads parts of the files (io/parts_save.py); in a
     # local directory every rank writes its own bytes in place (io/hf_save.py).
@@ -147,11 +169,20 @@ def save_tensors(
     # first): a rank may hold no slice of a tensor (a ZeRO range it does not own).
     names_listed = list(tensors) if opts.gather else []
     metas: list[SliceMeta] = []
+    before_moves: dict[str, list[LocalSlice]] = {}
+    if replicas is not None and funnel:
+        by_name: dict[str, list[LocalSlice]] = {}
+        for name, t in tensors.items():
+            by_name[name] = boxes_fn(name, t)
+        check_replicas(by_name, replicas.mode, replicas.what, group, everywhere=replicas.everywhere)
+        replicas = None
     try:
         maybe_fail("save.list")
         for name, t in tensors.items():
             sls = boxes_fn(name, t)
             local.extend(sls if rows is None else rows.take(name, t, sls))
+            if rows is not None and name in rows:  # its row slice is not moved yet: check these
+                before_moves[name] = sls
         metas = _funnel_metas(local) if funnel else [sl.meta() for sl in local]
     except BaseException as e:
         err = e
@@ -178,7 +209,19 @@ def save_tensors(
     aliases, entry_extras = merged_aliases, merged_extras
     size = None if not opts.shard else int(opts.size_per_shard_mb * 1024 * 1024)
     plan: SavePlan | None = None
+    report: dict[Any, str] = {}  # this rank's replica digests, carried by the planning agreement
     try:
+        if replicas is not None and replicas.mode != "off" and world > 1:
+            maybe_fail("replicas.digest")
+            boxes: dict[str, list[LocalSlice]] = {}
+            for sl in local:
+                if sl.name not in before_moves:
+                    boxes.setdefault(sl.name, []).append(sl)
+            report = replica_digests(boxes, Staged(0, replicated_boxes(all_metas)))
+            # A tensor moved to row slices as it is written: its slices as held now, all digested.
+            report.update(replica_digests(before_moves))
+        else:
+            replicas = None
         maybe_fail("save.plan")
         if opts.gather and store is None:  # the plan of the last save of this layout, when it repeats
             plan = gathered_plan(all_metas, kind=opts.kind, path=path)
@@ -243,14 +286,18 @@ def save_tensors(
         err = e
     try:
         try:  # rank 0's finding on the store travels with the agreement
-            prepared = _dist.agree_gather(err, over, f"planning the save and preparing {directory}", group)
+            prepared = _dist.agree_gather(
+                err, (over, report), f"planning the save and preparing {directory}", group
+            )
+            if replicas is not None:  # every rank, the same reports: warns, or raises everywhere
+                judge([p[1] for p in prepared], replicas.mode, replicas.what, everywhere=replicas.everywhere)
         except BaseException:
             if staged_hf is not None:
                 discard(staged_hf.own.values())
             raise
         if plan is None:  # never: agree_gather() raised when planning failed on any rank
             raise RuntimeError(f"{path}: no save plan after planning succeeded")
-        over = store is not None and not single_file and prepared[0]
+        over = store is not None and not single_file and prepared[0][0]
         if over:
             for pf in plan.files:  # never overwrite the committed checkpoint's files
                 pf.name = store_file_name(pf.name, save_id)

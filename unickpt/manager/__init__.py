@@ -72,6 +72,7 @@ from unickpt.format.run_layout import HF_DIR as HF_DIR
 from unickpt.format.run_layout import LATEST_NAME as LATEST_NAME
 from unickpt.format.run_layout import TRAIN_STATE_DIR as TRAIN_STATE_DIR
 from unickpt.manager.checkpoint_manager import CheckpointManager
+from unickpt.manager.checkpoint_manager import RetentionWarning as RetentionWarning
 from unickpt.manager.store_steps import RemoteStore
 from unickpt.manager.train_state import STATE_VERSION
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import warnings
 from typing import Any
 
 import torch
@@ -25,12 +26,16 @@ from unickpt.io.async_save import AsyncSaves
 from unickpt.manager import policy, snapshot, train_state
 from unickpt.manager.storage import RemoteStorage, Storage, open_storage
 
-__all__ = ["CheckpointManager"]
+__all__ = ["CheckpointManager", "RetentionWarning"]
 
 logger = get_logger("unickpt.manager")
 
 # Shard size of the sliced model/optimizer files (MB): the same for sync and async saves.
 _SHARD_MB = 1024
+
+
+class RetentionWarning(UserWarning):
+    """A step was committed, but deleting the older steps ``keep_last`` retires failed."""
 
 
 class CheckpointManager:
@@ -73,6 +78,9 @@ class CheckpointManager:
             from unickpt.io import GeneralCheckpointIO
 
             self.io = GeneralCheckpointIO()
+        # The gloo twin of a group without a CPU backend (pure NCCL), made here on the main thread,
+        # before any save: the saves' object exchanges and their background thread use it.
+        _dist.setup_cpu_group(self.io.group)
         # Every rank must build the same manager: a save_steps or async_save of its own would
         # make the ranks' later calls take different collectives.
         _dist.agree(
@@ -312,6 +320,7 @@ class CheckpointManager:
         """Collective over ``group``: write the staged step, then rank 0 commits it."""
         rank = _dist.rank(group)
         hf_in_place = self.save_hf and self._shared_stage()
+        committed = False
         try:
             for kind, plan in (("model", p.model), ("optimizer", p.optimizer)):
                 if plan is None:
@@ -352,19 +361,45 @@ class CheckpointManager:
                 except BaseException as e:
                     err = e
             _dist.agree(err, f"committing step {p.step} in {self.checkpoint_dir}", group)
+            committed = True
         finally:
             self.storage.end_save(p.stage)
-            self._release()  # the save lock (rank 0) and this rank's claim on its staging directory
-        _dist.barrier(group)
+            if not committed:
+                self._release()  # the save lock (rank 0) and this rank's claim on its staging directory
+        try:
+            _dist.barrier(group)
+        finally:
+            if rank == 0:
+                self._retire(p.step)  # after the barrier: the other ranks are on their way already
+            self._release()
 
     def _commit(self, p: snapshot.Payload) -> None:
-        """Rank 0, after every rank wrote its files: commit, ``latest``, then retention."""
+        """Rank 0, after every rank wrote its files: commit and ``latest`` (retention follows, see
+        :meth:`_retire`)."""
         side = run_layout.side_files_of(p.hf_config, p.scheduler, self.save_hf)
         record = run_layout.commit_record(p.step, int(p.train_state["world_size"]), self.io.plugin_name, side)
         self.storage.commit(p.step, p.stage, p.target, record)
         logger.info("committed %s", self.step_dir(p.step))
-        for s in policy.retired_steps(self.all_steps(), p.step, self.keep_last):
-            self.storage.remove_step(s)
+
+    def _retire(self, step: int) -> None:
+        """Rank 0, under the save lock, once step ``step`` is committed and every rank has left the
+        save's last collective: delete the steps ``keep_last`` retires.
+
+        Deleting is slow file-system work (a store deletes object by object): no rank waits for
+        it inside a collective, where a watchdog (NCCL's) would abort the job. A failure leaves
+        the old step committed, is logged and warned about (``RetentionWarning``) on rank 0, and
+        the next save's retention tries again; the save itself succeeded.
+        """
+        try:
+            for s in policy.retired_steps(self.all_steps(), step, self.keep_last):
+                self.storage.remove_step(s)
+        except Exception as e:
+            msg = (
+                f"step {step} is committed in {self.checkpoint_dir}, but deleting the steps keep_last="
+                f"{self.keep_last} retires failed ({type(e).__name__}: {e}); the next save tries again"
+            )
+            logger.error("%s", msg)
+            warnings.warn(msg, RetentionWarning, stacklevel=2)
 
     def _shared_stage(self) -> bool:
         """Whether the step is written into a local directory the ranks share (not on a store)."""

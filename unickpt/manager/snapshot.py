@@ -1,6 +1,7 @@
 """What one rank writes for one step, captured in the foreground of a save.
 
-For an async save the tensors are copied to CPU buffers (reused from one save to the next: one
+For an async save the slices this rank writes (``io/stage.py``: not the replicas another rank
+writes) are copied to CPU buffers (reused from one save to the next: one
 save is in flight at most) so that training may change the live ones while a background thread
 writes the copy.
 """
@@ -17,6 +18,7 @@ from unickpt._faults import maybe_fail
 from unickpt.io.hf_rows import row_snapshot
 from unickpt.io.payload import SavePayload
 from unickpt.io.side_files import hf_config_files, lr_scheduler_json
+from unickpt.io.stage import stage_written
 from unickpt.manager import train_state
 
 __all__ = ["Payload", "capture"]
@@ -70,8 +72,6 @@ def capture(
         )
     try:
         maybe_fail("manager.capture")
-        if staging is not None:
-            model_plan = model_plan.snapshot(staging.setdefault("model", {}))
         if lr_scheduler is not None:
             sched = lr_scheduler_json(lr_scheduler.state_dict())
         state, state_tensors = train_state.capture(
@@ -81,11 +81,16 @@ def capture(
     except BaseException as e:
         err = e
     _dist.agree(err, f"capturing the state of step {step}", group)
+    replicas = getattr(io, "check_replicas", "warn") != "off"
+    if staging is not None:  # collective: only the slices this rank writes are copied
+        model_plan = stage_written(model_plan, staging.setdefault("model", {}), group, replicas=replicas)
     # Optimizer planning gathers param groups from every rank: always in the foreground.
     if optimizer is not None:
         optim_plan = io.plan_optimizer(optimizer)
         if staging is not None:
-            optim_plan = optim_plan.snapshot(staging.setdefault("optimizer", {}))
+            optim_plan = stage_written(
+                optim_plan, staging.setdefault("optimizer", {}), group, replicas=replicas
+            )
     if model_plan is None:  # pragma: no cover - agree() raised already
         raise RuntimeError("internal: no model plan after a successful capture")
     return Payload(step, stage, model_plan, optim_plan, sched, state, state_tensors, hf_config)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from unickpt import _dist
 from unickpt.errors import UnsupportedError
 from unickpt.io.tensors import mesh_dims
 from unickpt.plugins._shared import mesh as _mesh
@@ -71,6 +72,7 @@ class Plugin(abc.ABC):
         ``lr_scheduler`` come back unchanged.
         """
         _mesh.ensure_process_group()
+        _dist.setup_cpu_group()  # the gloo twin of a pure NCCL world, for CPU collectives
         self._io = None  # the mesh changes: the next get_checkpoint_io builds a new IO
         return self._parallelize(model, optimizer), optimizer, criterion, dataloader, lr_scheduler
 

@@ -1,0 +1,95 @@
+"""The copy of an async save into CPU memory: exactly the slices this rank will write.
+
+A replica (a DDP parameter, a TP bias, the data-parallel copies of HSDP shards) is written by one
+of its holders (``planner.plan_save``), so copying every local slice would stage the whole model
+on every DDP rank while each writes a quarter of it at 4 ranks. :func:`stage_written` plans first,
+in the foreground, from the same listing the save makes, and copies only the slices the plan gives
+this rank; the others become placeholders on the ``meta`` device (the save's listing still sees
+their boxes, so the background save plans exactly what the foreground did, and the replica check
+sees which boxes each rank holds).
+
+The replica check compares the truly replicated boxes only (held by two ranks or more): the
+writer digests its copy in the background (``replicas.check_replicas``), the other holders
+digest their live tensor here, before the save returns, since nothing of it is copied; a box
+one rank holds is never digested.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from unickpt import _dist
+from unickpt.io.payload import SavePayload, SliceKey, Staged, cpu_copy
+from unickpt.io.planner import SliceMeta, plan_save
+from unickpt.io.replicas import digest_live, replicated_boxes
+from unickpt.io.tensors import LocalSlice
+
+__all__ = ["stage_written", "written_keys"]
+
+
+def written_keys(all_metas: list[list[SliceMeta]], rank: int) -> tuple[set[int], frozenset[SliceKey]]:
+    """Every rank, same input: the positions in ``all_metas[rank]`` this rank writes, and the
+    boxes held by two ranks or more. The writers are the save's own (``plan_save`` picks them
+    whatever the file grouping and key style, which change only the files)."""
+    plan = plan_save(all_metas, kind="model", size_per_shard_bytes=None, sliced=True)
+    mine = {ps.local_index for sls in plan.slices.values() for ps in sls if ps.rank == rank}
+    return mine, replicated_boxes(all_metas)
+
+
+def _placeholder(sl: LocalSlice) -> LocalSlice:
+    """``sl`` without data: its box and dtype only (another rank writes it)."""
+    t = sl.tensor
+    return dataclasses.replace(sl, tensor=torch.empty(t.shape, dtype=t.dtype, device="meta"))
+
+
+def stage_written(
+    payload: SavePayload,
+    staging: dict[Any, torch.Tensor] | None,
+    group: Any = None,
+    *,
+    replicas: bool = True,
+) -> SavePayload:
+    """Collective over ``group`` (the main thread): ``payload`` with the slices this rank writes
+    copied to CPU memory and the others left as placeholders.
+
+    One object exchange (the slices' boxes, with the agreement on listing them). ``replicas``:
+    the replica check will run (not ``"off"``): the replicated slices this rank does not write
+    are digested now. ``staging``: the CPU buffers reused from one save to the next.
+    """
+    err: BaseException | None = None
+    metas: list[SliceMeta] = []
+    flat: list[LocalSlice] = []
+    try:
+        for name in payload.tensors:
+            flat.extend(payload.slices.get(name, []))
+        metas = [sl.meta() for sl in flat]
+    except BaseException as e:
+        err = e
+    all_metas = _dist.agree_gather(err, metas, f"listing the {payload.kind} tensors to stage", group)
+    rank = _dist.rank(group)
+    mine, replicated = written_keys(all_metas, rank)
+    position = {id(sl): i for i, sl in enumerate(flat)}
+    digests: dict[SliceKey, str] = {}
+    nbytes = 0
+    slices: dict[str, list[LocalSlice]] = {}
+    for name, sls in payload.slices.items():
+        out = []
+        for k, sl in enumerate(sls):
+            key = (name, tuple(sl.offsets), tuple(sl.shape))
+            if position.get(id(sl)) in mine:
+                copy = cpu_copy(sl.tensor, staging, (name, k))
+                nbytes += copy.nbytes
+                out.append(dataclasses.replace(sl, tensor=copy))
+                continue
+            if replicas and key in replicated and sl.tensor.device.type != "meta":
+                d = digest_live(sl.tensor)
+                if d is not None:
+                    digests[key] = d
+            out.append(_placeholder(sl))
+        slices[name] = out
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return dataclasses.replace(payload, slices=slices, staged=Staged(nbytes, replicated, digests))
