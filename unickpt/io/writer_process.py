@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import importlib
 import io
 import os
 import pickle
@@ -99,7 +100,13 @@ def process_capable(path: str, storage_options: dict[str, Any] | None) -> bool:
     if issubclass(cls, MemoryFileSystem):
         return False
     known = known_implementations.get(protocol)
-    return known is not None and known.get("class") == f"{cls.__module__}.{cls.__qualname__}"
+    if known is None:
+        return False
+    module, _, name = str(known.get("class", "")).rpartition(".")
+    try:  # the class a fresh process would get for this protocol is the one this process uses
+        return getattr(importlib.import_module(module), name, None) is cls
+    except ImportError:
+        return False
 
 
 # ---------------------------------------------------------------------------- shared buffers
