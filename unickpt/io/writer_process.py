@@ -9,8 +9,8 @@ separate process (in the spirit of ``torch.distributed.checkpoint``'s process-ba
 
 - the process is started once (the first async save of an ``AsyncSaves``, or a
   ``CheckpointManager(async_save=True)``'s construction) and reused by every later save; it is
-  closed by ``close()``, at interpreter exit, or when the training process dies
-  (``PR_SET_PDEATHSIG``, and an end of file on its connection);
+  closed by ``close()``, at interpreter exit, or when the training process dies (a watchdog
+  ends it within a second, mid-save too: nothing is committed after the training process died);
 - the staging buffers live in shared memory (moved there once, then reused: later snapshots copy
   straight into them); each buffer's file descriptor is sent to the writer once
   (``SCM_RIGHTS``), and a save's job names the buffers it uses by number, so a save pickles only
@@ -40,7 +40,6 @@ and such a save is written by a thread of this process, as before.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import datetime
 import importlib
 import io
@@ -51,6 +50,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import traceback
 import weakref
 from collections.abc import Callable
@@ -343,11 +343,20 @@ class WriterProcess:
 
 # ---------------------------------------------------------------------------- writer side
 def _die_with_parent(parent: int) -> None:
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the parent died before prctl
-        os._exit(1)
+    """End this process within a second of the training process's death, even mid-save.
+
+    A save whose training process died must not commit later: the save lock was that
+    process's, and a restarted job may be saving into the same directory. (Not
+    ``PR_SET_PDEATHSIG``: it fires when the *thread* that started the writer ends.)
+    """
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent:
+                os._exit(1)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, name="unickpt-writer-watchdog", daemon=True).start()
 
 
 def _reply_error(e: BaseException) -> BaseException:

@@ -48,7 +48,7 @@ class CheckpointManager:
             ``None`` means one process with a ``GeneralCheckpointIO``.
         save_steps: ``save(step)`` saves when ``step % save_steps == 0`` (or ``force=True``).
         keep_last: committed steps to keep (oldest deleted after a new commit); ``None`` or 0 keeps all.
-        async_save: write in a background thread (see the package docstring).
+        async_save: write in the background, in a writer process (see the package docstring).
         save_hf: also write a merged Hugging Face copy of the model into ``step-<N>/hf``.
         local_cache_dir: fsspec URLs only: where each rank downloads a step to load (saves write
             straight to the store) (``<local_cache_dir>/rank-<r>/``); default a temporary directory per process,
