@@ -118,7 +118,7 @@ def test_writer_killed_mid_save_reports_at_wait_and_keeps_the_previous_step(tmp_
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(WriterDiedError, match=rf"the writer process \(pid {pid}\) killed by SIGKILL") as e:
         mgr.wait()
-    assert "step 2" in str(e.value) and "nothing of this save was committed" in str(e.value)
+    assert "the async save step-2: " in str(e.value) and "nothing of this save was committed" in str(e.value)
     mgr.wait()  # reported once
     assert mgr.all_steps() == [1] and mgr.latest_step() == 1
     fresh = _model(5, width=2048)

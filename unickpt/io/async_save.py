@@ -209,16 +209,31 @@ class AsyncSaves:
         flight.thread.start()
 
     def start_in_writer(
-        self, name: str, job: Callable[[Any], Any], then: Callable[[Any], object] | None = None
+        self,
+        group: Any,
+        name: str,
+        job: Callable[[Any], Any],
+        then: Callable[[Any], object] | None = None,
+        cleanup: Callable[[], object] | None = None,
     ) -> None:
-        """Run ``job(group)`` in the writer process (``group``: the writers' world), then, once it
-        succeeded, ``then(result)`` in this process's thread; errors as :meth:`start`."""
+        """Collective over ``group``: run ``job(writers' group)`` in this rank's writer process.
+
+        ``job`` is pickled now (its errors raised here, on every rank); a thread sends it and
+        waits for the answer, then runs ``then(result)`` once it succeeded, and ``cleanup()``
+        either way; errors as :meth:`start`.
+        """
         writer = self.writer
+        what = f"the async save {name}"
+        prepared = writer.prepare(group, job, f"preparing {what}")
 
         def work() -> None:
-            result = writer.run(job, f"the async save {name}")
-            if then is not None:
-                then(result)
+            try:
+                result = writer.run(prepared, what)
+                if then is not None:
+                    then(result)
+            finally:
+                if cleanup is not None:
+                    cleanup()
 
         self.start(name, work)
 
@@ -328,7 +343,6 @@ class AsyncSaveIO(IOCore):
         name = os.path.basename(path.rstrip("/")) or path
         is_rank0 = _dist.rank(self.group) == 0
         if process_capable(path, self.storage_options):
-            self._async.writer.ensure(self.group)
             job = functools.partial(
                 _write_job,
                 self.write_spec(payload.kind, shard, gather_dtensor, size_per_shard),
@@ -340,7 +354,7 @@ class AsyncSaveIO(IOCore):
                 if after is not None and is_rank0:
                     after(str(written))
 
-            self._async.start_in_writer(name, job, then)
+            self._async.start_in_writer(self.group, name, job, then)
             return final
         # A store only this process reaches (memory://): written by a thread of this process.
         group = self._async.background_group(self.group)

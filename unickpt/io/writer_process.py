@@ -40,6 +40,7 @@ and such a save is written by a thread of this process, as before.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import importlib
 import io
@@ -159,6 +160,14 @@ class _Sender(pickle.Pickler):
         return ("T", token, obj.storage_offset(), tuple(obj.shape), tuple(obj.stride()), str(obj.dtype))
 
 
+@dataclasses.dataclass
+class _Prepared:
+    """A job pickled for the writer, and the shared buffers it is the first to use."""
+
+    data: bytes
+    new: list[tuple[int, torch.UntypedStorage]]
+
+
 class _Registry:
     """The training side's shared buffers known to the writer, by number; those new in this job."""
 
@@ -229,21 +238,49 @@ class WriterProcess:
         broken (never started, killed, its world broken by a failed save), every rank starts a
         new one and the new writers form a new world.
         """
-        distributed = _dist.is_distributed(group)
-        healthy = self.alive
-        if distributed:
-            states = _dist.all_gather_object((healthy, self._generation), group)
-            if all(h for h, _ in states) and len({g for _, g in states}) == 1:
-                return
-            generation = max(g for _, g in states) + 1
-        else:
-            if healthy:
-                return
-            generation = self._generation + 1
+        if self._exchange(group, None, "starting the async save writers"):
+            self._restart(group)
+
+    def prepare(self, group: Any, job: Callable[[Any], Any], what: str) -> _Prepared:
+        """Collective over ``group``, in the foreground of a save: ``job`` pickled for the writer.
+
+        One exchange: a rank whose job cannot be pickled makes every rank raise (no writer is
+        left waiting in a collective for a job that never comes), and writers are (re)started
+        as :meth:`ensure` does. Pickling takes the job's metadata only: shared buffers go by
+        number.
+        """
+        err: BaseException | None = None
+        prepared: _Prepared | None = None
+        try:
+            prepared = self._pickle(job)
+        except BaseException as e:
+            err = e
+        if self._exchange(group, err, what):
+            self._restart(group)
+            prepared = self._pickle(job)
+        if prepared is None:  # pragma: no cover - the exchange raised
+            raise RuntimeError("internal: no job after a successful exchange")
+        return prepared
+
+    def _pickle(self, job: Callable[[Any], Any]) -> _Prepared:
+        buf = io.BytesIO()
+        _Sender(buf, self._registry).dump((job, _faults.armed()))
+        new = self._registry.new
+        self._registry.end_job()
+        return _Prepared(buf.getvalue(), new)
+
+    def _exchange(self, group: Any, err: BaseException | None, what: str) -> bool:
+        """Collective: agree on ``err``; whether the writers must be restarted (on every rank alike)."""
+        states = _dist.agree_gather(err, (self.alive, self._generation), what, group)
+        return not (all(h for h, _ in states) and len({g for _, g in states}) == 1)
+
+    def _restart(self, group: Any) -> None:
+        """Collective over ``group``: stop this rank's writer, start a new one in a new world."""
+        generation = max(_dist.all_gather_object(self._generation, group)) + 1
         self.close()
         rank, world = _dist.rank(group), _dist.world_size(group)
         host, port = "", 0
-        if distributed:
+        if _dist.is_distributed(group):
             if rank == 0:
                 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
@@ -272,8 +309,8 @@ class WriterProcess:
         parent.send(("init", rank, world, host, port, generation, os.getpid()))
         logger.debug("started the writer process %d (rank %d of %d)", self._proc.pid, rank, world)
 
-    def run(self, fn: Callable[[Any], Any], what: str) -> Any:
-        """Run ``fn(group)`` in the writer (``group``: the writers' world); its result, or its error raised.
+    def run(self, job: _Prepared, what: str) -> Any:
+        """Run a prepared job in the writer; its result, or its error raised.
 
         Called by the thread of a save in flight; blocks (the GIL released) until the writer answers.
         """
@@ -282,19 +319,16 @@ class WriterProcess:
             if conn is None or proc is None:
                 raise WriterDiedError(f"{what}: no writer process (closed before the save started)")
             try:
-                buf = io.BytesIO()
-                _Sender(buf, self._registry).dump((fn, _faults.armed()))
-                new = self._registry.new
-                self._registry.end_job()
-                fds = [st._share_fd_cpu_()[0] for _, st in new]
-                conn.send(("buffers", [(tok, st.nbytes()) for tok, st in new]))
-                sock = socket.socket(fileno=os.dup(conn.fileno()))
-                try:
-                    for i in range(0, len(fds), _FDS_PER_MESSAGE):
-                        sendfds(sock, fds[i : i + _FDS_PER_MESSAGE])
-                finally:
-                    sock.close()
-                conn.send_bytes(buf.getbuffer())
+                fds = [st._share_fd_cpu_()[0] for _, st in job.new]
+                conn.send(("buffers", [(tok, st.nbytes()) for tok, st in job.new]))
+                if fds:
+                    sock = socket.socket(fileno=os.dup(conn.fileno()))
+                    try:
+                        for i in range(0, len(fds), _FDS_PER_MESSAGE):
+                            sendfds(sock, fds[i : i + _FDS_PER_MESSAGE])
+                    finally:
+                        sock.close()
+                conn.send_bytes(job.data)
                 reply = conn.recv()
             except (EOFError, OSError) as e:
                 self._broken = True

@@ -315,25 +315,19 @@ class CheckpointManager:
             self._async.start(name, lambda: writer.write(payload, self._bg_group, self._release))
             return True
         try:
-            self._async.writer.ensure(self.group)
             payload.model = shared_payload(payload.model, self._staging.setdefault("model", {}))
             if payload.optimizer is not None:
                 payload.optimizer = shared_payload(
                     payload.optimizer, self._staging.setdefault("optimizer", {})
                 )
+            # The save lock and the staging directory's claim live in this process: released
+            # once the writer answered.
+            self._async.start_in_writer(
+                self.group, name, functools.partial(writer.write, payload), cleanup=self._release
+            )
         except BaseException:
             self._release()
             raise
-        job = functools.partial(writer.write, payload)
-        proc = self._async.writer
-
-        def work() -> None:
-            try:
-                proc.run(job, f"the async save of step {step} in {self.checkpoint_dir}")
-            finally:  # the save lock and the staging directory's claim live in this process
-                self._release()
-
-        self._async.start(name, work)
         return True
 
     def wait(self) -> None:
