@@ -29,7 +29,7 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -213,18 +213,20 @@ class AsyncSaves:
         group: Any,
         name: str,
         job: Callable[[Any], Any],
+        buffers: Iterable[torch.Tensor],
         then: Callable[[Any], object] | None = None,
         cleanup: Callable[[], object] | None = None,
     ) -> None:
         """Collective over ``group``: run ``job(writers' group)`` in this rank's writer process.
 
-        ``job`` is pickled now (its errors raised here, on every rank); a thread sends it and
+        ``job`` is pickled now (its errors raised here, on every rank; tensors viewing the
+        staging ``buffers`` go by reference, others by value); a thread sends it and
         waits for the answer, then runs ``then(result)`` once it succeeded, and ``cleanup()``
         either way; errors as :meth:`start`.
         """
         writer = self.writer
         what = f"the async save {name}"
-        prepared = writer.prepare(group, job, f"preparing {what}")
+        prepared = writer.prepare(group, job, f"preparing {what}", buffers)
 
         def work() -> None:
             try:
@@ -264,6 +266,7 @@ def shared_payload(payload: SavePayload, staging: dict[Any, torch.Tensor]) -> Sa
     tensors, which the writer needs only by name, shape and dtype, become meta tensors.
     """
     moved = share_buffers(staging)
+    staged = {t.untyped_storage().data_ptr() for t in staging.values()}
 
     def swap(t: torch.Tensor) -> torch.Tensor:
         return moved.get(id(t), t)
@@ -275,7 +278,8 @@ def shared_payload(payload: SavePayload, staging: dict[Any, torch.Tensor]) -> Sa
     tensors = {}
     for n, t in payload.tensors.items():
         t = swap(t)
-        if t.device.type != "cpu" or not t.is_shared():
+        plain = type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
+        if not plain or t.untyped_storage().data_ptr() not in staged:
             t = torch.empty(t.shape, dtype=t.dtype, device="meta")
         tensors[n] = t
     return dataclasses.replace(payload, tensors=tensors, slices=slices)
@@ -354,7 +358,7 @@ class AsyncSaveIO(IOCore):
                 if after is not None and is_rank0:
                     after(str(written))
 
-            self._async.start_in_writer(self.group, name, job, then)
+            self._async.start_in_writer(self.group, name, job, list(staging.values()), then)
             return final
         # A store only this process reaches (memory://): written by a thread of this process.
         group = self._async.background_group(self.group)

@@ -54,7 +54,7 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection, Pipe
 from multiprocessing.reduction import recvfds, sendfds
 from typing import Any
@@ -145,16 +145,18 @@ def share_buffers(staging: dict[Any, torch.Tensor]) -> dict[int, torch.Tensor]:
 
 
 class _Sender(pickle.Pickler):
-    """Pickles a job; a shared CPU tensor goes by reference to its buffer (sent once, by number)."""
+    """Pickles a job; a tensor viewing a staging buffer goes by reference to it (sent once, by
+    number); any other tensor by value (a copy taken now: the writer never reads live memory)."""
 
-    def __init__(self, file: io.BytesIO, registry: _Registry) -> None:
+    def __init__(self, file: io.BytesIO, registry: _Registry, buffers: set[int]) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.registry = registry
+        self.buffers = buffers
 
     def persistent_id(self, obj: Any) -> Any:
         if type(obj) not in (torch.Tensor, torch.nn.Parameter):
             return None
-        if obj.device.type != "cpu" or not obj.is_shared():
+        if obj.device.type != "cpu" or obj.untyped_storage().data_ptr() not in self.buffers:
             return None
         token = self.registry.token(obj.untyped_storage())
         return ("T", token, obj.storage_offset(), tuple(obj.shape), tuple(obj.stride()), str(obj.dtype))
@@ -241,8 +243,13 @@ class WriterProcess:
         if self._exchange(group, None, "starting the async save writers"):
             self._restart(group)
 
-    def prepare(self, group: Any, job: Callable[[Any], Any], what: str) -> _Prepared:
+    def prepare(
+        self, group: Any, job: Callable[[Any], Any], what: str, buffers: Iterable[torch.Tensor]
+    ) -> _Prepared:
         """Collective over ``group``, in the foreground of a save: ``job`` pickled for the writer.
+
+        ``buffers``: the staging buffers (in shared memory, :func:`share_buffers`) the job's
+        tensors may view: those go by reference, every other tensor by value.
 
         One exchange: a rank whose job cannot be pickled makes every rank raise (no writer is
         left waiting in a collective for a job that never comes), and writers are (re)started
@@ -251,20 +258,21 @@ class WriterProcess:
         """
         err: BaseException | None = None
         prepared: _Prepared | None = None
+        shared = {t.untyped_storage().data_ptr() for t in buffers if t.is_shared()}
         try:
-            prepared = self._pickle(job)
+            prepared = self._pickle(job, shared)
         except BaseException as e:
             err = e
         if self._exchange(group, err, what):
             self._restart(group)
-            prepared = self._pickle(job)
+            prepared = self._pickle(job, shared)
         if prepared is None:  # pragma: no cover - the exchange raised
             raise RuntimeError("internal: no job after a successful exchange")
         return prepared
 
-    def _pickle(self, job: Callable[[Any], Any]) -> _Prepared:
+    def _pickle(self, job: Callable[[Any], Any], buffers: set[int]) -> _Prepared:
         buf = io.BytesIO()
-        _Sender(buf, self._registry).dump((job, _faults.armed()))
+        _Sender(buf, self._registry, buffers).dump((job, _faults.armed()))
         new = self._registry.new
         self._registry.end_job()
         return _Prepared(buf.getvalue(), new)

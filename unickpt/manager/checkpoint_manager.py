@@ -322,8 +322,9 @@ class CheckpointManager:
                 )
             # The save lock and the staging directory's claim live in this process: released
             # once the writer answered.
+            buffers = [t for kind in ("model", "optimizer") for t in self._staging.get(kind, {}).values()]
             self._async.start_in_writer(
-                self.group, name, functools.partial(writer.write, payload), cleanup=self._release
+                self.group, name, functools.partial(writer.write, payload), buffers, cleanup=self._release
             )
         except BaseException:
             self._release()
