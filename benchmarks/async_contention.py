@@ -28,7 +28,7 @@ from typing import Any
 import _common as C
 
 _CHUNK = 2000  # Python loop iterations between two polls (well under a millisecond)
-_BUSY_LIMIT_S = 180.0
+_BUSY_LIMIT_S = 120.0
 
 
 def _spin_chunk(x: int) -> int:
