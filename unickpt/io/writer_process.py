@@ -26,7 +26,10 @@ separate process (in the spirit of ``torch.distributed.checkpoint``'s process-ba
   its connection and names the signal, the others' writers fail in their next collective with the
   dead peer. Nothing half-written is committed (the commit is the last step of the save, after the
   agreement). The next save finds a writer missing or broken on some rank (one exchange over the
-  training's group, :meth:`WriterProcess.ensure`) and starts a new world of writers.
+  training's group, :meth:`WriterProcess.ensure`) and starts a new world of writers; an error
+  that every rank agreed on (the save engine's agreements) leaves the world in step, reused;
+- the writer runs at a lower scheduling priority (``nice`` +10): on a host with fewer free
+  cores than runnable threads the training keeps its speed and the save takes the spare cycles.
 
 The training process still runs one thread per save in flight (``io/async_save.py``): it sends
 the job and blocks on the reply (the GIL released), then runs the little that must stay in the
@@ -71,6 +74,8 @@ logger = get_logger(__name__)
 
 # SCM_RIGHTS carries at most 253 descriptors per message (SCM_MAX_FD).
 _FDS_PER_MESSAGE = 200
+# The writer's scheduling priority relative to the training process (``nice``).
+_NICE = 10
 # How long a writer waits for the other ranks' writers to join its world.
 _JOIN_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -341,11 +346,16 @@ class WriterProcess:
             except (EOFError, OSError) as e:
                 self._broken = True
                 raise WriterDiedError(f"{what}: {self._death(proc)}") from e
-        status, payload, hits, trace = reply
+        status, payload, broken, hits, trace = reply
         _faults.count(hits, trace)
         if status == "ok":
             return payload
-        self._broken = True  # a failed save may leave the writers' world out of step: start a new one
+        if broken:
+            # A collective between the writers failed (a peer died or timed out): their world
+            # may be out of step, the next save starts a new one. Any other error was agreed
+            # by every rank at the same collective (the save engine's protocol): the world is
+            # in step and is reused.
+            self._broken = True
         raise payload
 
     def _death(self, proc: subprocess.Popen[bytes]) -> str:
@@ -401,6 +411,20 @@ def _die_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="unickpt-writer-watchdog", daemon=True).start()
 
 
+def _peer_failed(e: BaseException) -> bool:
+    """Whether ``e`` comes from a collective that failed (a peer writer died or timed out), not
+    from an error the ranks agreed on: torch's own ``RuntimeError``, or the ``DistributedError``
+    that ``_dist`` makes of it (raised from it)."""
+    seen: set[int] = set()
+    err: BaseException | None = e
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if type(err) is RuntimeError:
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
 def _reply_error(e: BaseException) -> BaseException:
     """``e`` if it survives pickling, else a ``UnickptError`` carrying its type, message and traceback."""
     try:
@@ -419,6 +443,10 @@ def _main() -> None:
     msg = conn.recv()
     _, rank, world, host, port, generation, parent = msg
     _die_with_parent(parent)
+    # Below the training: on a host with fewer free cores than runnable threads, the training
+    # loop keeps its speed and the save takes the spare cycles (a wait() gives it all of them).
+    with contextlib.suppress(OSError):
+        os.nice(_NICE)
     torch.set_num_threads(1)
     if world > 1:
         import torch.distributed as dist
@@ -460,11 +488,11 @@ def _main() -> None:
                 del cache[token]
             with _faults.armed_as(armed):
                 result = fn(None)
-            reply: tuple[Any, ...] = ("ok", result)
+            reply: tuple[Any, ...] = ("ok", result, False)
         except BaseException as e:  # reported to the training process's wait()
-            reply = ("err", _reply_error(e))
+            reply = ("err", _reply_error(e), _peer_failed(e))
         hits = {k: v - before.get(k, 0) for k, v in _faults.hits.items() if v != before.get(k, 0)}
-        reply = (reply[0], reply[1], hits, _faults.take_trace())
+        reply = (*reply, hits, _faults.take_trace())
         try:
             conn.send(reply)
         except (OSError, EOFError):
