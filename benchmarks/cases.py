@@ -605,3 +605,13 @@ def merge_consolidate(p: dict[str, Any]) -> dict[str, Any]:
         fn(str(s), str(o), {n: 1 for n in names}, num_threads=1)
 
     return _merge_case(p, run)
+
+
+# ------------------------------------------------------------------------------ async vs a Python loop
+def _async_contention(p: dict[str, Any]) -> dict[str, Any]:
+    from async_contention import async_contention
+
+    return async_contention(p)
+
+
+CASES["async_contention"] = _async_contention

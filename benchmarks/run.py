@@ -333,6 +333,13 @@ def suite(args: argparse.Namespace) -> dict[str, Any]:
     single("async", "async", "CheckpointManager async save: blocked", "async_save", reps=max(2, args.reps))
     if "async" in groups:
         staged_rows(rows, base, root, to, args)
+    single(
+        "async",
+        "async_gil",
+        "async save during a Python-bound loop (unickpt writer process, DCP thread/process)",
+        "async_contention",
+        reps=max(2, args.reps),
+    )
 
     # 2. distributed FSDP2: save on `world`, load resharded on `load_world`
     dist_dirs: dict[float, Path] = {}
@@ -694,6 +701,28 @@ def ratios(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[st
                     "met": v <= 1.01,
                 }
             )
+    g = by.get("async_gil")
+    if g and "extra" in g and "unickpt" in g["extra"]:
+        for saver in ("unickpt", "dcp_thread", "dcp_process"):
+            u = g["extra"].get(saver, {})
+            if "loop_ratio" not in u:
+                continue
+            out.append(
+                {
+                    "target": f"{saver}: Python-bound loop during an async save >= 0.9x its speed alone",
+                    "value": u["loop_ratio"],
+                    "threshold": 0.9,
+                    "met": u["loop_ratio"] >= 0.9,
+                }
+            )
+            out.append(
+                {
+                    "target": f"{saver}: async save during that loop <= 2x the save with an idle main thread",
+                    "value": u["busy_s"] / u["idle_s"],
+                    "threshold": 2.0,
+                    "met": u["busy_s"] / u["idle_s"] <= 2.0,
+                }
+            )
     a = by.get("async")
     if a and "extra" in a:
         blocked = C.median(a["extra"]["async"]["blocked"])
@@ -780,6 +809,18 @@ def markdown(report: dict[str, Any]) -> str:
                 f"held {mib(ex['held_per_rank'])} MiB (staged/written {ex['staged_over_written']:.4f}); "
                 f"copying every held slice {ex['full_copy_s']:.3f} s"
             )
+        if r["key"] == "async_gil" and ex:
+            for saver in ("unickpt", "dcp_thread", "dcp_process"):
+                u = ex.get(saver, {})
+                if "loop_ratio" in u:
+                    note.append(
+                        f"{saver}: loop {u['loop_ratio']:.2f}x, save {u['busy_s']:.2f} s busy / "
+                        f"{u['idle_s']:.2f} s idle, blocked {u['blocked_s']:.3f} s"
+                    )
+                elif "error" in u:
+                    note.append(f"{saver}: {u['error']}")
+            if "copy_s" in ex:
+                note.append(f"copying the bytes {ex['copy_s']:.3f} s")
         if r["key"] == "async" and ex:
             note.append(
                 f"sync save {C.median(ex['sync']['total']):.3f} s; async total {C.median(ex['async']['total']):.3f} s"

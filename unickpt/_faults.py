@@ -22,7 +22,20 @@ from collections.abc import Iterable, Iterator
 
 from unickpt.errors import ConfigError
 
-__all__ = ["RANK0_ONLY", "STAGES", "InjectedFault", "arm", "hits", "injected", "maybe_fail", "tracing"]
+__all__ = [
+    "RANK0_ONLY",
+    "STAGES",
+    "InjectedFault",
+    "arm",
+    "armed",
+    "armed_as",
+    "count",
+    "take_trace",
+    "hits",
+    "injected",
+    "maybe_fail",
+    "tracing",
+]
 
 STAGES: tuple[str, ...] = (
     # io/save.py: save_tensors
@@ -144,6 +157,36 @@ def injected(stage: str, rank: int | str) -> Iterator[None]:
         yield
     finally:
         _armed = old
+
+
+def armed() -> frozenset[tuple[str, str]]:
+    """The armed stages, as :func:`armed_as` takes them (an async save's writer process runs under them)."""
+    return _armed
+
+
+@contextlib.contextmanager
+def armed_as(state: frozenset[tuple[str, str]]) -> Iterator[None]:
+    """Run the block with ``state`` (from :func:`armed` of another process) armed."""
+    global _armed
+    old = _armed
+    _armed = state
+    try:
+        yield
+    finally:
+        _armed = old
+
+
+def count(more: dict[str, int], trace: list[str]) -> None:
+    """Add another process's hits and traced stages (an async save's writer) to this one's."""
+    hits.update(more)
+    _trace.extend(trace)
+
+
+def take_trace() -> list[str]:
+    """The stages traced so far in this process, cleared (a writer process sends them back)."""
+    out = list(_trace)
+    _trace.clear()
+    return out
 
 
 @contextlib.contextmanager

@@ -9,19 +9,18 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import tempfile
 import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 import torch.nn as nn
 from safetensors import safe_open
 
-import unickpt.io.core as cio
 from unickpt import (
     Booster,
     GeneralCheckpointIO,
@@ -140,66 +139,56 @@ def test_sharded_sequence_with_booster(tmp_path: Path, use_async: bool) -> None:
 
 
 # ---------------------------------------------------------------------- use_async semantics
-def _slow_writes(monkeypatch: pytest.MonkeyPatch, gate: threading.Event) -> list[str]:
-    """Make every write wait for ``gate``; returns the paths written, in order."""
-    real = cio.save_tensors
-    done: list[str] = []
-
-    def slow(*args: Any, **kwargs: Any) -> str:
-        assert gate.wait(30)
-        out = real(*args, **kwargs)
-        done.append(out)
-        return out
-
-    monkeypatch.setattr(cio, "save_tensors", slow)
-    return done
+def _stop_writer(io: GeneralCheckpointIO) -> int:
+    """Start ``io``'s writer process and stop it (SIGSTOP): its saves wait until it is continued."""
+    io._async.writer.ensure(io.group)
+    pid = io._async.writer.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    return pid
 
 
-def test_async_save_writes_the_values_of_the_moment_it_was_called(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    gate = threading.Event()
-    done = _slow_writes(monkeypatch, gate)
+def test_async_save_writes_the_values_of_the_moment_it_was_called(tmp_path: Path) -> None:
     io = GeneralCheckpointIO()
     model, _ = trained()
     expected = {k: v.clone() for k, v in model.state_dict().items()}
-    path = io.save_model(model, tmp_path / "m", use_async=True)
-    assert path == str(tmp_path / "m" / "model.safetensors")
-    assert io._async.pending and done == [] and not os.path.exists(path)
-    with torch.no_grad():  # training goes on while the save is being written
-        for p in model.parameters():
-            p.add_(1.0)
-    gate.set()
+    pid = _stop_writer(io)
+    try:
+        path = io.save_model(model, tmp_path / "m", use_async=True)
+        assert path == str(tmp_path / "m" / "model.safetensors")
+        assert io._async.pending and not os.path.exists(path)
+        with torch.no_grad():  # training goes on while the save is being written
+            for p in model.parameters():
+                p.add_(1.0)
+    finally:
+        os.kill(pid, signal.SIGCONT)
     io.wait()
-    assert done == [path]
+    assert os.path.isfile(path)
     new_model = fresh(5)
     io.load_model(new_model, path)
     for k, v in new_model.state_dict().items():
         assert torch.equal(v, expected[k]), k
 
 
-def test_a_following_load_or_save_waits_for_the_async_save(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    gate = threading.Event()
-    done = _slow_writes(monkeypatch, gate)
+def test_a_following_load_or_save_waits_for_the_async_save(tmp_path: Path) -> None:
     io = GeneralCheckpointIO()
     model, opt = trained()
+    pid = _stop_writer(io)
     io.save_model(model, tmp_path / "m", shard=True, gather_dtensor=False, use_async=True)
-    threading.Timer(0.3, gate.set).start()
+    threading.Timer(0.3, os.kill, (pid, signal.SIGCONT)).start()
     t0 = time.monotonic()
     new_model = fresh(3)
     io.load_model(new_model, tmp_path / "m")  # would find no index if it did not wait
-    assert time.monotonic() - t0 >= 0.25 and len(done) == 1
+    assert time.monotonic() - t0 >= 0.25
     assert_same_model(model, new_model)
-    gate.clear()
+    os.kill(pid, signal.SIGSTOP)
     io.save_optimizer(opt, tmp_path / "o", use_async=True)
-    threading.Timer(0.3, gate.set).start()
+    threading.Timer(0.3, os.kill, (pid, signal.SIGCONT)).start()
+    t0 = time.monotonic()
     io.save_optimizer(opt, tmp_path / "o2")  # waits for the async one first
-    assert done[1:] == [
-        str(tmp_path / "o" / "optimizer.safetensors"),
-        str(tmp_path / "o2" / "optimizer.safetensors"),
-    ]
+    assert time.monotonic() - t0 >= 0.25
+    assert (tmp_path / "o" / "optimizer.safetensors").is_file()
+    assert (tmp_path / "o2" / "optimizer.safetensors").is_file()
 
 
 def test_async_error_is_raised_by_the_next_wait_once(tmp_path: Path) -> None:

@@ -16,7 +16,6 @@ import torch
 from torch.utils.data import DataLoader
 
 import unickpt
-import unickpt.io.core as save_mod
 from unickpt.data import ResumableDataLoader, wrap_dataloader
 from unickpt.errors import CheckpointBusyError, UnsupportedError
 from unickpt.format.commit import directory_lock
@@ -237,18 +236,16 @@ def test_second_saver_is_refused(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-1"]
 
 
-def test_async_error_surfaces_at_wait(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_async_error_surfaces_at_wait(tmp_path: Path) -> None:
+    from unickpt import _faults
+
     model, opt, _, _ = _setup(0)
     mgr = CheckpointManager(tmp_path, save_steps=1, async_save=True)
-
-    def boom(*a: Any, **k: Any) -> str:
-        raise OSError("disk full")
-
-    monkeypatch.setattr(save_mod, "save_tensors", boom)
-    assert mgr.save(1, model, opt)
-    with pytest.raises(OSError, match="disk full"):
-        mgr.wait()
-    monkeypatch.undo()
+    # Armed here, failing in the writer process (the job carries the armed stages).
+    with _faults.injected("save.write", 0):
+        assert mgr.save(1, model, opt)
+        with pytest.raises(_faults.InjectedFault, match=r"injected fault at stage 'save\.write' on rank 0"):
+            mgr.wait()
     mgr.wait()  # the error was reported once
     assert mgr.all_steps() == []
     mgr.save(2, model, opt)  # the lock was released and the staging dir is cleaned

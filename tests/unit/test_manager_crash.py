@@ -350,31 +350,24 @@ def test_filesystem_without_directory_locks(tmp_path: Path, monkeypatch: pytest.
         _save(tmp_path, 3, step=4)  # the save lock (a regular file) still works
 
 
-def test_async_save_in_flight_keeps_the_lock_until_committed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_async_save_in_flight_keeps_the_lock_until_committed(tmp_path: Path) -> None:
     """A newer save (another manager, same process) cannot commit while an older async save is in
     flight: it is refused; once the async save committed, the newer one commits and wins `latest`."""
-    import threading
+    import signal
 
-    import unickpt.manager.train_state as manager_mod
-
-    go = threading.Event()
-    orig = manager_mod.write_rank_state
-
-    def paused(*a: Any, **k: Any) -> None:
-        assert go.wait(60)
-        orig(*a, **k)
-
-    monkeypatch.setattr(manager_mod, "write_rank_state", paused)
     m, opt = _trained(OLD_SEED)
     slow = CheckpointManager(tmp_path, save_steps=1, async_save=True)
-    assert slow.save(10, m, opt)
-    m2, opt2 = _trained(NEW_SEED)
-    other = CheckpointManager(tmp_path, save_steps=1)
-    with pytest.raises(CheckpointBusyError):
-        other.save(20, m2, opt2)
-    go.set()
+    pid = slow._async.writer.pid  # started by the constructor; stopped, it holds the save in flight
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        assert slow.save(10, m, opt)
+        m2, opt2 = _trained(NEW_SEED)
+        other = CheckpointManager(tmp_path, save_steps=1)
+        with pytest.raises(CheckpointBusyError):
+            other.save(20, m2, opt2)
+    finally:
+        os.kill(pid, signal.SIGCONT)
     slow.wait()
     assert other.save(20, m2, opt2)
     assert other.all_steps() == [10, 20] and _loaded(tmp_path) == (20, NEW_SEED)

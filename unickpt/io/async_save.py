@@ -1,12 +1,16 @@
 """Asynchronous saves of ``CheckpointIO`` (``save_model(..., use_async=True)``), and Colossal-AI's flags.
 
-An async save plans and copies in the foreground, then writes in a background thread, the way
+An async save plans and copies in the foreground, then writes in the background, the way
 ``CheckpointManager(async_save=True)`` does: the save returns once this rank's data is copied
-to CPU memory (training may then change the live tensors), and a thread writes, hashes,
-fsyncs and commits the copy. The thread talks to the other ranks only through a second gloo
-process group made once per ``CheckpointIO`` (``dist.new_group``), never through the
-training's group. One save is in flight at most per ``CheckpointIO``: every later save or load
-through it, and ``CheckpointIO.wait()``, first waits for it and raises its error, if any.
+to CPU memory (training may then change the live tensors), and this rank's writer process
+(``io/writer_process.py``: started once, reused by every save, fed from shared memory) writes,
+hashes, fsyncs and commits the copy, with the other ranks' writers as its own gloo world, never
+through the training's group, and without taking the training process's GIL. A thread of the
+training process waits for it and keeps its error for ``wait()``. A store only this process can
+reach (``memory://``) is written by that thread itself, over a second gloo group made once per
+``CheckpointIO`` (``dist.new_group``). One save is in flight at most per ``CheckpointIO``: every
+later save or load through it, and ``CheckpointIO.wait()``, first waits for it and raises its
+error, if any.
 
 The copy is the slices each rank writes (``io/stage.py``: a replica only on its writer), whatever the layout asked for:
 a sliced save writes them as slices, a gathered one straight into their place in the Hugging
@@ -19,11 +23,13 @@ import atexit
 import concurrent.futures.thread  # noqa: F401  (its exit hook is registered before this module's)
 import contextlib
 import dataclasses
+import functools
 import os
 import sys
 import threading
 import warnings
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -33,14 +39,16 @@ from unickpt._logging import get_logger
 from unickpt.errors import UnickptError
 from unickpt.format.naming import single_name
 from unickpt.format.storage import is_url
-from unickpt.io.core import IOCore
+from unickpt.io.core import IOCore, WriteSpec
 from unickpt.io.payload import SavePayload
 from unickpt.io.stage import stage_written
+from unickpt.io.writer_process import WriterProcess, process_capable, share_buffers
 
 __all__ = [
     "AsyncSaveIO",
     "AsyncSaves",
     "check_use_safetensors",
+    "shared_payload",
     "SafetensorsOnlyWarning",
 ]
 
@@ -137,7 +145,13 @@ _register_exit_hook()
 
 
 class AsyncSaves:
-    """The background save in flight of one ``CheckpointIO`` (at most one), and its process group.
+    """The background save in flight of one ``CheckpointIO`` or manager (at most one), and its writer.
+
+    A save is written by this rank's writer process (``io/writer_process.py``: started once,
+    reused, fed from shared memory, its own gloo world with the other ranks' writers), driven by
+    a thread of this process that only waits for its answer. A save to a store only this
+    process can reach (``memory://``: :func:`~unickpt.io.writer_process.process_capable`) is
+    written by the thread itself, over a second gloo group of the training processes.
 
     A process that exits with a save in flight finishes it first (like Colossal-AI's
     ``CheckpointIO.__del__``, but at interpreter exit too, see :func:`_finish_at_exit`); a save
@@ -148,10 +162,12 @@ class AsyncSaves:
         self._flight: _Flight | None = None
         self._bg_group: Any = None
         self._made_group = False
+        self.writer = WriterProcess()
+        weakref.finalize(self, self.writer.close)
         # CPU buffers of the snapshots, reused by the next save of the same kind and layout (one
         # save is in flight at most): copying into memory already mapped is several times
         # faster than into fresh allocations. Kept for the IO's lifetime, as Colossal-AI keeps
-        # its pinned state dicts.
+        # its pinned state dicts; in shared memory once a writer process has used them.
         self.staging: dict[tuple[str, bool], dict[Any, torch.Tensor]] = {}
 
     @property
@@ -161,7 +177,7 @@ class AsyncSaves:
         return f is not None and f.thread is not None and f.thread.is_alive()
 
     def background_group(self, group: Any) -> Any:
-        """Collective the first time (every rank of ``group``): the gloo group the thread uses."""
+        """Collective the first time (every rank of ``group``): the gloo group a writing thread uses."""
         if not _dist.is_distributed(group):
             return group
         if not self._made_group:
@@ -193,6 +209,37 @@ class AsyncSaves:
             _FLIGHTS.append(flight)
         flight.thread.start()
 
+    def start_in_writer(
+        self,
+        group: Any,
+        name: str,
+        job: Callable[[Any], Any],
+        buffers: Iterable[torch.Tensor],
+        then: Callable[[Any], object] | None = None,
+        cleanup: Callable[[], object] | None = None,
+    ) -> None:
+        """Collective over ``group``: run ``job(writers' group)`` in this rank's writer process.
+
+        ``job`` is pickled now (its errors raised here, on every rank; tensors viewing the
+        staging ``buffers`` go by reference, others by value); a thread sends it and
+        waits for the answer, then runs ``then(result)`` once it succeeded, and ``cleanup()``
+        either way; errors as :meth:`start`.
+        """
+        writer = self.writer
+        what = f"the async save {name}"
+        prepared = writer.prepare(group, job, f"preparing {what}", buffers)
+
+        def work() -> None:
+            try:
+                result = writer.run(prepared, what)
+                if then is not None:
+                    then(result)
+            finally:
+                if cleanup is not None:
+                    cleanup()
+
+        self.start(name, work)
+
     def wait(self) -> None:
         """Block until the save in flight is committed; raise its error, if it failed."""
         flight, self._flight = self._flight, None
@@ -204,6 +251,39 @@ class AsyncSaves:
             _FLIGHTS.remove(flight)
         if flight.errors:
             raise flight.errors[-1]
+
+    def close(self) -> None:
+        """Wait for the save in flight (raising its error), then stop the writer process."""
+        try:
+            self.wait()
+        finally:
+            self.writer.close()
+
+
+def shared_payload(payload: SavePayload, staging: dict[Any, torch.Tensor]) -> SavePayload:
+    """``payload`` (a snapshot into ``staging``) as the writer process receives it.
+
+    The staging buffers move to shared memory (once: later snapshots reuse them), and the live
+    tensors, which the writer needs only by name, shape and dtype, become meta tensors.
+    """
+    moved = share_buffers(staging)
+    staged = {t.untyped_storage().data_ptr() for t in staging.values()}
+
+    def swap(t: torch.Tensor) -> torch.Tensor:
+        return moved.get(id(t), t)
+
+    slices = {
+        n: [dataclasses.replace(sl, tensor=swap(sl.tensor)) for sl in sls]
+        for n, sls in payload.slices.items()
+    }
+    tensors = {}
+    for n, t in payload.tensors.items():
+        t = swap(t)
+        plain = type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
+        if not plain or t.untyped_storage().data_ptr() not in staged:
+            t = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        tensors[n] = t
+    return dataclasses.replace(payload, tensors=tensors, slices=slices)
 
 
 class AsyncSaveIO(IOCore):
@@ -265,6 +345,23 @@ class AsyncSaveIO(IOCore):
 
                 payload = dataclasses.replace(payload, slices=row_snapshot(payload.tensors, payload.slices))
             copy = stage_written(payload, staging, self.group, replicas=self.check_replicas != "off")
+        name = os.path.basename(path.rstrip("/")) or path
+        is_rank0 = _dist.rank(self.group) == 0
+        if process_capable(path, self.storage_options):
+            job = functools.partial(
+                _write_job,
+                self.write_spec(payload.kind, shard, gather_dtensor, size_per_shard),
+                shared_payload(copy, staging),
+                path,
+            )
+
+            def then(written: Any) -> None:
+                if after is not None and is_rank0:
+                    after(str(written))
+
+            self._async.start_in_writer(self.group, name, job, list(staging.values()), then)
+            return final
+        # A store only this process reaches (memory://): written by a thread of this process.
         group = self._async.background_group(self.group)
 
         def work() -> None:
@@ -279,8 +376,21 @@ class AsyncSaveIO(IOCore):
             if after is not None and _dist.rank(group) == 0:
                 after(written)
 
-        self._async.start(os.path.basename(path.rstrip("/")) or path, work)
+        self._async.start(name, work)
         return final
+
+    def close(self) -> None:
+        """Wait for the async save in flight (raising its error), then stop this IO's writer process.
+
+        Every rank calls it. Optional: the writer stops at exit too; a later async save starts
+        a new one.
+        """
+        self._async.close()
+
+
+def _write_job(spec: WriteSpec, payload: SavePayload, path: str, group: Any) -> str:
+    """In the writer process: ``IOCore.write`` of a snapshot, over the writers' world."""
+    return spec.write(payload, path, group)
 
 
 def committed_path(path: str, kind: str, shard: bool, gather: bool) -> str:

@@ -121,7 +121,7 @@ class CheckpointIO(OptimizerIO):
         Returns the committed path.
 
         Colossal-AI's flags: ``use_async=True`` copies the data to CPU memory and writes it in a
-        background thread (see :meth:`wait`); ``use_safetensors`` is accepted, and ``False``
+        writer process (see :meth:`wait`); ``use_safetensors`` is accepted, and ``False``
         warns that unickpt writes safetensors regardless.
 
         ``mapping`` (a gathered save, ``gather_dtensor=True``): the names and tensors written, as

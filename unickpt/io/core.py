@@ -9,6 +9,7 @@ options, the layout recorded in the index, opening a checkpoint on every rank, w
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +28,7 @@ from unickpt.io.save import SaveOptions, save_tensors
 from unickpt.io.tensors import LocalSlice, mesh_dims
 from unickpt.io.url_load import open_for_load
 
-__all__ = ["IOCore"]
+__all__ = ["IOCore", "WriteSpec"]
 
 
 class IOCore(CheckpointHooks):
@@ -82,34 +83,15 @@ class IOCore(CheckpointHooks):
         With ``gather_dtensor=True`` the live tensors are gathered (collectives on their
         meshes), so a snapshot is written sliced (``gather_dtensor=False``) only.
         """
-        slices = payload.slices
-        what = f"saving the {payload.kind} to {os.fspath(checkpoint)}"
-        check = ReplicaCheck(self.check_replicas, what, self.replicated_everywhere)
-        if payload.staged is not None:  # a copy: its replica digests were planned when it was staged
-            check_replicas(
-                slices,
-                self.check_replicas,
-                what,
-                self.group if group is None else group,
-                everywhere=self.replicated_everywhere,
-                staged=payload.staged,
-            )
+        spec = self.write_spec(payload.kind, shard, gather_dtensor, size_per_shard)
+        return spec.write(payload, checkpoint, self.group if group is None else group)
 
-        def slices_fn(name: str, tensor: torch.Tensor) -> list[LocalSlice]:
-            del tensor
-            return slices[name]
-
-        return save_tensors(
-            payload.tensors,
-            os.fspath(checkpoint),
-            self._options(payload.kind, shard, gather_dtensor, size_per_shard),
-            slices_fn,
-            aliases=payload.aliases,
-            entry_extras=payload.entry_extras,
-            block_extras=payload.block_extras,
-            group=self.group if group is None else group,
-            live=payload.staged is None,
-            replicas=check if payload.staged is None else None,
+    def write_spec(self, kind: str, shard: bool, gather_dtensor: bool, size_per_shard: float) -> WriteSpec:
+        """What :meth:`write` needs of this IO, as a picklable value (an async save's writer process runs it)."""
+        return WriteSpec(
+            self._options(kind, shard, gather_dtensor, size_per_shard),
+            self.check_replicas,
+            self.replicated_everywhere,
         )
 
     def _local_slices_of(
@@ -143,6 +125,42 @@ class IOCore(CheckpointHooks):
         # a local path ignores them.
         options = self.storage_options if is_url(os.fspath(checkpoint)) else None
         return open_for_load(checkpoint, kind, self.group, options, args)
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteSpec:
+    """The options of one ``IOCore.write``, without the IO (picklable: no process group, no mesh)."""
+
+    options: SaveOptions
+    check_replicas: str
+    everywhere: bool
+
+    def write(self, payload: SavePayload, checkpoint: str | os.PathLike[str], group: Any) -> str:
+        """Collective over ``group``: save ``payload``; returns the committed path."""
+        slices = payload.slices
+        what = f"saving the {payload.kind} to {os.fspath(checkpoint)}"
+        check = ReplicaCheck(self.check_replicas, what, self.everywhere)
+        if payload.staged is not None:  # a copy: its replica digests were planned when it was staged
+            check_replicas(
+                slices, self.check_replicas, what, group, everywhere=self.everywhere, staged=payload.staged
+            )
+
+        def slices_fn(name: str, tensor: torch.Tensor) -> list[LocalSlice]:
+            del tensor
+            return slices[name]
+
+        return save_tensors(
+            payload.tensors,
+            os.fspath(checkpoint),
+            self.options,
+            slices_fn,
+            aliases=payload.aliases,
+            entry_extras=payload.entry_extras,
+            block_extras=payload.block_extras,
+            group=group,
+            live=payload.staged is None,
+            replicas=check if payload.staged is None else None,
+        )
 
 
 # The largest shard size a save plans with (1 EiB): ``size_per_shard=float("inf")`` means no

@@ -50,7 +50,9 @@ FINAL_METHODS = (
     "plan_model",
     "plan_optimizer",
     "write",
+    "write_spec",
     "wait",
+    "close",
     "synchronize",
 )
 

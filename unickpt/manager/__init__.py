@@ -44,11 +44,13 @@ Every public method is collective: every rank calls it, in the same order, with 
 objects. Rank 0 does the directory work; every rank writes its own tensor blocks and state.
 
 Async saves (``async_save=True``): ``save`` runs the cross-rank planning and copies this
-rank's tensor blocks to CPU memory in the foreground, then a background thread writes,
-fsyncs and commits. The background thread talks to the other ranks only through a second
-gloo process group created once when the manager is built (``dist.new_group``), never
-through the training's group, so it cannot interleave with the training's collectives. One
-save is in flight at most; its error is raised by the next ``save`` or ``wait``.
+rank's tensor blocks to CPU memory (shared memory) in the foreground, then this rank's writer
+process writes, fsyncs and commits (``io/writer_process.py``: started when the manager is
+built, reused by every save, closed by ``close()`` or at exit), without the training
+process's GIL. The writers of the ranks form a gloo world of their own, never the training's
+group, so they cannot interleave with the training's collectives. A store only this process
+reaches (``memory://``) is written by a thread over a second gloo group instead. One save is in
+flight at most; its error is raised by the next ``save`` or ``wait``.
 
 Remote storage (``checkpoint_dir`` an fsspec URL other than ``file://``): object stores have no
 atomic rename, so nothing is ever renamed or moved there, and nothing is staged on local disk.

@@ -8,9 +8,12 @@ the collective protocol over them, with one code path for local directories and 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import os
 import shutil
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,7 +25,9 @@ from unickpt.errors import ConfigError, UnickptError
 from unickpt.format import run_layout
 from unickpt.format.commit_store import write_small_file
 from unickpt.format.run_layout import HF_DIR
-from unickpt.io.async_save import AsyncSaves
+from unickpt.io.async_save import AsyncSaves, shared_payload
+from unickpt.io.core import WriteSpec
+from unickpt.io.writer_process import process_capable
 from unickpt.manager import policy, snapshot, train_state
 from unickpt.manager.storage import RemoteStorage, Storage, open_storage
 
@@ -48,7 +53,7 @@ class CheckpointManager:
             ``None`` means one process with a ``GeneralCheckpointIO``.
         save_steps: ``save(step)`` saves when ``step % save_steps == 0`` (or ``force=True``).
         keep_last: committed steps to keep (oldest deleted after a new commit); ``None`` or 0 keeps all.
-        async_save: write in a background thread (see the package docstring).
+        async_save: write in the background, in a writer process (see the package docstring).
         save_hf: also write a merged Hugging Face copy of the model into ``step-<N>/hf``.
         local_cache_dir: fsspec URLs only: where each rank downloads a step to load (saves write
             straight to the store) (``<local_cache_dir>/rank-<r>/``); default a temporary directory per process,
@@ -115,7 +120,15 @@ class CheckpointManager:
         self.save_hf = save_hf
         self.group = self.io.group
         self._async = AsyncSaves()
-        self._bg_group: Any = self._async.background_group(self.group) if async_save else None
+        # An async save is written by this rank's writer process (started now: its startup is
+        # off the save path), or, for a store only this process reaches (memory://), by a
+        # thread over a second gloo group.
+        self._in_writer = async_save and process_capable(self.checkpoint_dir, self._storage_options)
+        self._bg_group: Any = None
+        if self._in_writer:
+            self._async.writer.ensure(self.group)
+        elif async_save:
+            self._bg_group = self._async.background_group(self.group)
         self._lock = contextlib.ExitStack()
 
     # ------------------------------------------------------------------ queries
@@ -301,44 +314,104 @@ class CheckpointManager:
         except BaseException:
             self._release()
             raise
+        writer = self._step_writer()
         if not self.async_save:
-            self._write(payload, self.group)
+            writer.write(payload, self.group, self._release)
             return True
-        self._async.start(f"step-{step}", lambda: self._write(payload, self._bg_group))
+        name = f"step-{step}"
+        if not self._in_writer:
+            self._async.start(name, lambda: writer.write(payload, self._bg_group, self._release))
+            return True
+        try:
+            payload.model = shared_payload(payload.model, self._staging.setdefault("model", {}))
+            if payload.optimizer is not None:
+                payload.optimizer = shared_payload(
+                    payload.optimizer, self._staging.setdefault("optimizer", {})
+                )
+            # The save lock and the staging directory's claim live in this process: released
+            # once the writer answered.
+            buffers = [t for kind in ("model", "optimizer") for t in self._staging.get(kind, {}).values()]
+            self._async.start_in_writer(
+                self.group, name, functools.partial(writer.write, payload), buffers, cleanup=self._release
+            )
+        except BaseException:
+            self._release()
+            raise
         return True
 
     def wait(self) -> None:
         """Collective for async saves: block until the save in flight is committed; raise its error."""
         self._async.wait()
 
+    def close(self) -> None:
+        """Collective for async saves: wait for the save in flight (raising its error), then stop
+        the writer process. Optional: it stops at exit too."""
+        self._async.close()
+
+    def _step_writer(self) -> StepWriter:
+        hf_in_place = self.save_hf and self._shared_stage()
+        optim = self.io.write_spec("optimizer", True, False, _SHARD_MB)
+        return StepWriter(
+            storage=self.storage,
+            model_spec=self.io.write_spec("model", True, hf_in_place, _SHARD_MB),
+            optim_spec=optim,
+            save_hf=self.save_hf,
+            hf_in_place=hf_in_place,
+            keep_last=self.keep_last,
+            storage_options=self._storage_options,
+            plugin_name=self.io.plugin_name,
+            fsync=bool(getattr(self.io, "fsync", True)),
+            location=self.checkpoint_dir,
+        )
+
+    def _shared_stage(self) -> bool:
+        """Whether the step is written into a local directory the ranks share (not on a store)."""
+        return not isinstance(self.storage, RemoteStorage)
+
     def _release(self) -> None:
         self._lock.close()
         self._lock = contextlib.ExitStack()
 
-    # ------------------------------------------------------------------ write + commit
-    def _write(self, p: snapshot.Payload, group: Any) -> None:
-        """Collective over ``group``: write the staged step, then rank 0 commits it."""
+
+@dataclasses.dataclass
+class StepWriter:
+    """What writing and committing a step needs of the manager, as a picklable value: the
+    synchronous save runs it in the training process, an async one in its writer process."""
+
+    storage: Storage
+    model_spec: WriteSpec
+    optim_spec: WriteSpec
+    save_hf: bool
+    hf_in_place: bool
+    keep_last: int | None
+    storage_options: dict[str, Any] | None
+    plugin_name: str
+    fsync: bool
+    location: str
+
+    def write(self, p: snapshot.Payload, group: Any, release: Callable[[], None] | None = None) -> None:
+        """Collective over ``group``: write the staged step, then rank 0 commits it.
+
+        ``release`` (the manager's save lock and staging claim) runs once the step is committed
+        or failed, before the last barrier; an async save's writer process has none (the
+        training process releases once the writer answered).
+        """
         rank = _dist.rank(group)
-        hf_in_place = self.save_hf and self._shared_stage()
         committed = False
         try:
-            for kind, plan in (("model", p.model), ("optimizer", p.optimizer)):
+            # save_hf: the model is written once, as Hugging Face files (every rank writes its
+            # own bytes); it loads under any layout like a sliced one.
+            for kind, plan, spec in (
+                ("model", p.model, self.model_spec),
+                ("optimizer", p.optimizer, self.optim_spec),
+            ):
                 if plan is None:
                     continue
-                self.io.write(
-                    plan,
-                    os.path.join(p.stage, kind),
-                    shard=True,
-                    # save_hf: the model is written once, as Hugging Face files (every rank
-                    # writes its own bytes); it loads under any layout like a sliced one.
-                    gather_dtensor=kind == "model" and hf_in_place,
-                    size_per_shard=_SHARD_MB,
-                    group=group,
-                )
+                spec.write(plan, os.path.join(p.stage, kind), group)
             err: BaseException | None = None
             try:
                 maybe_fail("manager.train_state")
-                opts = self._storage_options
+                opts = self.storage_options
                 if rank == 0 and p.scheduler is not None:
                     write_small_file(os.path.join(p.stage, run_layout.SCHEDULER_NAME), p.scheduler, opts)
                 if rank == 0:
@@ -360,26 +433,27 @@ class CheckpointManager:
                     self._commit(p)
                 except BaseException as e:
                     err = e
-            _dist.agree(err, f"committing step {p.step} in {self.checkpoint_dir}", group)
+            _dist.agree(err, f"committing step {p.step} in {self.location}", group)
             committed = True
         finally:
             self.storage.end_save(p.stage)
-            if not committed:
-                self._release()  # the save lock (rank 0) and this rank's claim on its staging directory
+            if not committed and release is not None:
+                release()  # the save lock (rank 0) and this rank's claim on its staging directory
         try:
             _dist.barrier(group)
         finally:
             if rank == 0:
                 self._retire(p.step)  # after the barrier: the other ranks are on their way already
-            self._release()
+            if release is not None:
+                release()
 
     def _commit(self, p: snapshot.Payload) -> None:
         """Rank 0, after every rank wrote its files: commit and ``latest`` (retention follows, see
         :meth:`_retire`)."""
         side = run_layout.side_files_of(p.hf_config, p.scheduler, self.save_hf)
-        record = run_layout.commit_record(p.step, int(p.train_state["world_size"]), self.io.plugin_name, side)
+        record = run_layout.commit_record(p.step, int(p.train_state["world_size"]), self.plugin_name, side)
         self.storage.commit(p.step, p.stage, p.target, record)
-        logger.info("committed %s", self.step_dir(p.step))
+        logger.info("committed %s", self.storage.step_dir(p.step))
 
     def _retire(self, step: int) -> None:
         """Rank 0, under the save lock, once step ``step`` is committed and every rank has left the
@@ -391,19 +465,15 @@ class CheckpointManager:
         the next save's retention tries again; the save itself succeeded.
         """
         try:
-            for s in policy.retired_steps(self.all_steps(), step, self.keep_last):
+            for s in policy.retired_steps(sorted(self.storage.committed_step_dirs()), step, self.keep_last):
                 self.storage.remove_step(s)
         except Exception as e:
             msg = (
-                f"step {step} is committed in {self.checkpoint_dir}, but deleting the steps keep_last="
+                f"step {step} is committed in {self.location}, but deleting the steps keep_last="
                 f"{self.keep_last} retires failed ({type(e).__name__}: {e}); the next save tries again"
             )
             logger.error("%s", msg)
             warnings.warn(msg, RetentionWarning, stacklevel=2)
-
-    def _shared_stage(self) -> bool:
-        """Whether the step is written into a local directory the ranks share (not on a store)."""
-        return not isinstance(self.storage, RemoteStorage)
 
     def _write_hf(self, p: snapshot.Payload, group: Any) -> None:
         """Collective over ``group``: the Hugging Face copy of the model into ``<stage>/hf``.
@@ -420,10 +490,10 @@ class CheckpointManager:
         err: BaseException | None = None
         if _dist.rank(group) == 0:
             try:
-                if self._shared_stage():  # model/ holds the Hugging Face files: hf/ is a copy of them
-                    _copy_files(os.path.join(p.stage, "model"), hf, bool(getattr(self.io, "fsync", True)))
+                if self.hf_in_place:  # model/ holds the Hugging Face files: hf/ is a copy of them
+                    _copy_files(os.path.join(p.stage, "model"), hf, self.fsync)
                     for fname, text in p.hf_config.items():
-                        write_small_file(os.path.join(hf, fname), text.encode("utf-8"), self._storage_options)
+                        write_small_file(os.path.join(hf, fname), text.encode("utf-8"), self.storage_options)
                 else:
                     self._merge_hf(p, hf)
             except BaseException as e:
@@ -441,7 +511,7 @@ class CheckpointManager:
             f"{p.stage}/model",
             hf,
             max_shard_size=int(_SHARD_MB * 1024 * 1024),
-            storage_options=self._storage_options,
+            storage_options=self.storage_options,
         )
 
 
