@@ -102,7 +102,16 @@ def test_manager_only_helpers_are_not_exported_by_io() -> None:
 
 
 INTEGRATIONS = {
-    "unickpt.integrations.lightning": ("lightning", ["UnickptCheckpointIO", "STATE_FILE"]),
+    "unickpt.integrations.lightning": (
+        "lightning",
+        [
+            "UnickptCheckpointIO",
+            "UnickptFSDPStrategy",
+            "UnickptModelParallelStrategy",
+            "STATE_FILE",
+            "optimizer_dir",
+        ],
+    ),
     "unickpt.integrations.hf_trainer": (
         "transformers",
         ["UnickptTrainer", "OPTIMIZER_DIR", "SCHEDULER_FILE", "ARGS_FILE"],
