@@ -346,6 +346,15 @@ class FsspecStorage(Storage):
         self.exclusive_put = self.protocol in ("s3", "s3a")
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # An async save's writer process gets the storage: the file system pickles by its
+        # arguments; the lock serialises this process's check-then-write only, so it stays here.
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def join(self, *parts: str) -> str:
         return posixpath.join(*parts)
 

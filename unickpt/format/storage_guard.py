@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import inspect
 import math
 import os
@@ -48,6 +49,7 @@ __all__ = [
     "OPTION",
     "QUIET_TIMEOUT",
     "GuardedFs",
+    "Redactor",
     "fs_from_url",
     "guarded",
     "redactor",
@@ -114,14 +116,24 @@ def redactor(url: str, *options: Any) -> Callable[[str], str]:
     m = _USERINFO.search(url)
     if m and len(m["pw"]) >= 3:
         found.add(m["pw"])
-    ordered = sorted(found, key=len, reverse=True)  # a secret inside another goes after it
+    return Redactor(tuple(sorted(found, key=len, reverse=True)))  # a secret inside another goes after it
 
-    def redact(text: str) -> str:
-        for s in ordered:
+
+@dataclasses.dataclass(frozen=True)
+class Redactor:
+    """Replaces each of ``secrets`` in a text with ``***``, longest first, then any URL password.
+
+    A value, not a closure, so that a storage travels to an async save's writer process."""
+
+    secrets: tuple[str, ...]
+
+    def __call__(self, text: str) -> str:
+        for s in self.secrets:
             text = text.replace(s, "***")
         return shown_url(text)
 
-    return redact
+    def __repr__(self) -> str:
+        return f"Redactor({len(self.secrets)} secrets)"
 
 
 def fs_from_url(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str, float, dict[str, Any]]:
@@ -200,6 +212,13 @@ class GuardedFs:
         self._async = bool(getattr(fs, "async_impl", False)) and getattr(fs, "loop", None) is not None
         self._quiet_until = 0.0
         self._mu = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # fsspec file systems pickle by their arguments; the lock and the quiet period stay here.
+        return {"raw": self.raw, "url": self.url, "timeout": self.timeout, "redact": self.redact}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["raw"], state["url"], state["timeout"], state["redact"])  # type: ignore[misc]
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.raw, name)
