@@ -8,13 +8,41 @@ that the caller stores them in a safetensors file.
 
 from __future__ import annotations
 
+import functools
 import random
-from typing import Any
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
-__all__ = ["capture_rng", "restore_rng", "RngStateError"]
+__all__ = ["capture_rng", "keeps_python_random", "restore_rng", "RngStateError"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def keeps_python_random(fn: F) -> F:
+    """``fn`` leaves Python's global ``random`` stream as it found it, when called on the main thread.
+
+    Clients of object stores draw from it: botocore's retry backoff takes its jitter from
+    ``random.random()``, so a save that met one slow response would shift a training's data
+    order or dropout from the next step on. The main thread is blocked in ``fn`` meanwhile, so
+    every draw in between is the library's own; in another thread the training may be drawing,
+    and the stream is left alone.
+    """
+
+    @functools.wraps(fn)
+    def kept(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            return fn(*args, **kwargs)
+        state = random.getstate()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            random.setstate(state)
+
+    return kept  # type: ignore[return-value]
 
 
 def capture_rng() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from unickpt import _dist
+from unickpt._rng import keeps_python_random
 from unickpt.errors import ConfigError
 from unickpt.format.index import LayoutInfo
 from unickpt.format.reader import CheckpointReader
@@ -118,6 +119,7 @@ class IOCore(CheckpointHooks):
             storage_options=self.storage_options,
         )
 
+    @keeps_python_random
     def _open(
         self, checkpoint: str | os.PathLike[str], kind: str, args: _dist.Args | None = None
     ) -> CheckpointReader:
@@ -135,6 +137,7 @@ class WriteSpec:
     check_replicas: str
     everywhere: bool
 
+    @keeps_python_random
     def write(self, payload: SavePayload, checkpoint: str | os.PathLike[str], group: Any) -> str:
         """Collective over ``group``: save ``payload``; returns the committed path."""
         slices = payload.slices

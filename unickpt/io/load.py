@@ -27,6 +27,7 @@ from safetensors import safe_open
 
 from unickpt import _dist
 from unickpt._faults import maybe_fail
+from unickpt._rng import keeps_python_random
 from unickpt.errors import (
     HeaderError,
     IncompleteCheckpointError,
@@ -198,6 +199,7 @@ def _needed_slices(entry: TensorEntry, boxes: list[LocalSlice]) -> list[int]:
     return sorted(ks)
 
 
+@keeps_python_random
 def load_tensors(
     reader: CheckpointReader,
     targets: dict[str, torch.Tensor],

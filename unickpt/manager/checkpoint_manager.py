@@ -21,6 +21,7 @@ import torch
 from unickpt import _dist
 from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
+from unickpt._rng import keeps_python_random
 from unickpt.errors import ConfigError, UnickptError
 from unickpt.format import run_layout
 from unickpt.format.commit_store import write_small_file
@@ -196,7 +197,14 @@ class CheckpointManager:
             ),
             check,
         )
-        picked = _dist.agreed(pick, f"picking the step to resume in {self.checkpoint_dir}", self.group, args)
+        # Listing the store leaves Python's random stream alone (a run with nothing to resume
+        # trains as if no manager were there); a resumed step restores the streams it saved.
+        picked = _dist.agreed(
+            keeps_python_random(pick),
+            f"picking the step to resume in {self.checkpoint_dir}",
+            self.group,
+            args,
+        )
         if resume_from_checkpoint is None:
             return 0
         step, path = _dist.broadcast_object(picked, 0, self.group)
@@ -259,6 +267,7 @@ class CheckpointManager:
         return policy.pick_step(dirs, self.storage.read_latest(), wanted, self.checkpoint_dir)
 
     # ------------------------------------------------------------------ save
+    @keeps_python_random
     def save(
         self,
         step: int,
