@@ -273,7 +273,6 @@ KNOWN_CYCLES = {
         }
     ),
     frozenset({"unickpt.format.safetensors_bulk", "unickpt.format.safetensors_io"}),
-    frozenset({"unickpt.tools._verify_bulk", "unickpt.tools.verify"}),
 }
 
 
