@@ -272,7 +272,6 @@ KNOWN_CYCLES = {
             "unickpt.format.reader_storage",
         }
     ),
-    frozenset({"unickpt.format.safetensors_bulk", "unickpt.format.safetensors_io"}),
 }
 
 
