@@ -1,11 +1,12 @@
 """``unickpt convert``: bring checkpoints users already have in, and take unickpt ones out to DCP.
 
-- ``--from dcp``: a PyTorch Distributed Checkpoint directory (``.metadata`` + ``__N_M.distcp``),
-  a torchtitan folder of ``step-<N>/`` (the latest), or the per-rank files of
+- ``--from dcp``: a PyTorch Distributed Checkpoint directory (``.metadata`` + ``__N_M.distcp``;
+  imported by ``unickpt.tools.convert_dcp``, its tensors loaded a batch at a time), a torchtitan
+  folder of ``step-<N>/`` (the latest), or the per-rank files of
   ``HuggingFaceStorageWriter(save_distributed=True)``. A whole training checkpoint (model,
-  optimizer, LR scheduler, train state: ``unickpt.tools.convert_dcp``) becomes model and
-  optimizer checkpoints, or with ``--to run`` a ``CheckpointManager`` step. Read through
-  ``unickpt.tools.dcp_read``: ``.metadata`` with an allowlist unpickler, non-tensor entries with
+  optimizer, LR scheduler, train state) becomes model and optimizer checkpoints, or with
+  ``--to run`` a ``CheckpointManager`` step. Read through ``unickpt.tools.dcp_read``:
+  ``.metadata`` with an allowlist unpickler, non-tensor entries with
   ``torch.load(weights_only=True)``; no code from the checkpoint runs.
 - ``--from bin``: Hugging Face / Colossal-AI ``pytorch_model*.bin`` shards (with or without
   ``pytorch_model.bin.index.json``), read with ``torch.load(weights_only=True)`` only, which
