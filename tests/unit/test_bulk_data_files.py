@@ -25,7 +25,7 @@ from unickpt.format.reader import open_checkpoint
 from unickpt.format.safetensors_bulk import HeaderEntries, parse_header_bulk
 from unickpt.format.safetensors_io import encode_header, parse_header
 from unickpt.format.writer import build_block, build_index
-from unickpt.tools import _verify_bulk
+from unickpt.tools import verify
 from unickpt.tools.verify import verify_checkpoint
 
 WORLD, TENSORS, COLS = 4, 30, 3
@@ -286,14 +286,13 @@ def test_verify_in_runs_names_exactly_the_damaged_and_the_cut_slices(
     assert rep.hashed == WORLD * TENSORS
     # Cut rank 3's file after the headers were read: its last two slices are unreadable.
     victim = tmp_path / shard_name("model", 4, WORLD)
-    real = _verify_bulk.verify_bulk
+    real = verify.verify_bulk
 
     def cut_then_verify(*a: Any) -> Any:
         os.truncate(victim, victim.stat().st_size - row - 2)
         return real(*a)
 
-    monkeypatch.setattr(_verify_bulk, "verify_bulk", cut_then_verify)
-    monkeypatch.setattr("unickpt.tools.verify.verify_bulk", cut_then_verify)
+    monkeypatch.setattr(verify, "verify_bulk", cut_then_verify)
     rep = verify_checkpoint(tmp_path)
     got = [(x.tensor, x.key, x.found.startswith("unreadable")) for x in rep]
     assert got == [

@@ -272,9 +272,6 @@ KNOWN_CYCLES = {
             "unickpt.format.reader_storage",
         }
     ),
-    frozenset({"unickpt.format.safetensors_bulk", "unickpt.format.safetensors_io"}),
-    frozenset({"unickpt.tools._verify_bulk", "unickpt.tools.verify"}),
-    frozenset({"unickpt.tools.convert", "unickpt.tools.convert_dcp"}),
 }
 
 

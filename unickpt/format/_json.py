@@ -17,6 +17,7 @@ __all__ = [
     "TooDeep",
     "check_unicode",
     "lone_surrogate",
+    "SURROGATE_ESCAPE",
 ]
 
 
@@ -48,7 +49,7 @@ def strict_loads(text: str, error: type[CheckpointFormatError], what: str) -> An
         raise error(f"{what} is nested too deeply to be a checkpoint file") from None
     except ValueError as e:
         raise error(f"{what} is not valid JSON ({e})") from None
-    if _SURROGATE_ESCAPE.search(text):
+    if SURROGATE_ESCAPE.search(text):
         bad = lone_surrogate(obj)
         if bad is not None:
             raise error(_surrogate_message(what, bad))
@@ -60,7 +61,7 @@ def strict_loads(text: str, error: type[CheckpointFormatError], what: str) -> An
 # UTF-8 again, so printing it, writing it into a header or an index, or comparing it with a name
 # from a safetensors file (whose Rust reader refuses lone surrogates) would fail later, far from
 # the file. Such text is refused where it is parsed.
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
 
 
 def _show(s: str) -> str:
@@ -118,11 +119,11 @@ def lone_surrogate(value: Any) -> str | None:
 
 
 def check_unicode(text: str, error: type[CheckpointFormatError], what: str) -> None:
-    """Refuse a JSON ``text`` whose strings hold a lone surrogate escape (see ``_SURROGATE_ESCAPE``).
+    """Refuse a JSON ``text`` whose strings hold a lone surrogate escape (see ``SURROGATE_ESCAPE``).
 
     Free unless the text holds a surrogate escape at all; then the text is parsed once more.
     """
-    if not _SURROGATE_ESCAPE.search(text):
+    if not SURROGATE_ESCAPE.search(text):
         return
     try:
         obj = json.loads(text)

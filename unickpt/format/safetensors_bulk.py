@@ -1,4 +1,8 @@
-"""A safetensors header validated in bulk, its entries kept in arrays (no per-entry object).
+"""The entries of a safetensors header: one (``HeaderEntry``), and all of a header's, validated
+in bulk and kept in arrays (``HeaderEntries``: no per-entry object until one is asked for).
+
+``safetensors_io`` (the strict parser, the readers and the writer) builds on this module, never
+the reverse.
 
 A data file of a sliced save holds one entry per slice: 723 per file for 70B, 370k over the
 512 files of a 512-rank save. :func:`parse_header_bulk` applies every check of the strict
@@ -21,18 +25,16 @@ import math
 import operator
 import re
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from itertools import chain
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from unickpt.format._json import _SURROGATE_ESCAPE, colon_budget
+from unickpt.format._json import SURROGATE_ESCAPE, colon_budget
 from unickpt.format.dtypes import DTYPE_ITEMSIZE
 
-if TYPE_CHECKING:
-    from unickpt.format.safetensors_io import HeaderEntry
-
-__all__ = ["HeaderEntries", "dtype_code", "parse_header_bulk"]
+__all__ = ["HeaderEntry", "HeaderEntries", "dtype_code", "parse_header_bulk"]
 
 _FIELDS = operator.itemgetter("dtype", "shape", "data_offsets")
 _DTYPES = sorted(DTYPE_ITEMSIZE)
@@ -40,7 +42,22 @@ _DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
 _ITEMSIZE = np.asarray([DTYPE_ITEMSIZE[d] for d in _DTYPES], dtype=np.int64)
 
 
-class HeaderEntries(Mapping[str, "HeaderEntry"]):
+@dataclass(frozen=True)
+class HeaderEntry:
+    """One tensor of a validated header: its dtype, shape and byte range in the data section."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # relative to the start of the data section
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+class HeaderEntries(Mapping[str, HeaderEntry]):
     """key -> ``HeaderEntry`` of one validated header, kept as arrays; an entry is built when asked.
 
     :meth:`arrays` hands the arrays themselves to bulk readers (``format/slice_spans.py``), which
@@ -69,8 +86,6 @@ class HeaderEntries(Mapping[str, "HeaderEntry"]):
         self._dims = dims
 
     def __getitem__(self, key: str) -> HeaderEntry:
-        from unickpt.format.safetensors_io import HeaderEntry
-
         i = self._pos[key]
         return HeaderEntry(
             key, _DTYPES[int(self._codes[i])], tuple(self._shapes[i]), int(self._begin[i]), int(self._end[i])
@@ -132,7 +147,7 @@ def parse_header_bulk(text: str, raw: bytes, data_len: int) -> tuple[HeaderEntri
     if canonical is not None:
         return canonical
     budget = colon_budget(raw)
-    if budget is None or _SURROGATE_ESCAPE.search(text):
+    if budget is None or SURROGATE_ESCAPE.search(text):
         return None
     try:
         obj = json.loads(text)

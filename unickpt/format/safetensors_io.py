@@ -29,12 +29,11 @@ from unickpt.format.bounds import MAX_HEADER_BYTES as _MAX_HEADER_BYTES
 from unickpt.format.commit import Writeback
 from unickpt.format.dtypes import DTYPE_ITEMSIZE
 from unickpt.format.foreign import foreign_file
-from unickpt.format.safetensors_bulk import parse_header_bulk
+from unickpt.format.safetensors_bulk import HeaderEntry, parse_header_bulk
 from unickpt.format.storage import Storage
 
 __all__ = [
     "MAX_HEADER_BYTES",
-    "HeaderEntry",
     "SafetensorsHeader",
     "read_header",
     "open_with_header",
@@ -54,19 +53,6 @@ MAX_NDIM = 64
 _MAX_ELEMENTS = 1 << 62
 # Read in chunks this large: big enough to run at disk speed, small enough to bound memory.
 READ_CHUNK_BYTES = 16 << 20
-
-
-@dataclass(frozen=True)
-class HeaderEntry:
-    key: str
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int  # relative to the start of the data section
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
 
 
 @dataclass(frozen=True)

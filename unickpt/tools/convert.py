@@ -1,11 +1,12 @@
 """``unickpt convert``: bring checkpoints users already have in, and take unickpt ones out to DCP.
 
-- ``--from dcp``: a PyTorch Distributed Checkpoint directory (``.metadata`` + ``__N_M.distcp``),
-  a torchtitan folder of ``step-<N>/`` (the latest), or the per-rank files of
+- ``--from dcp``: a PyTorch Distributed Checkpoint directory (``.metadata`` + ``__N_M.distcp``;
+  imported by ``unickpt.tools.convert_dcp``, its tensors loaded a batch at a time), a torchtitan
+  folder of ``step-<N>/`` (the latest), or the per-rank files of
   ``HuggingFaceStorageWriter(save_distributed=True)``. A whole training checkpoint (model,
-  optimizer, LR scheduler, train state: ``unickpt.tools.convert_dcp``) becomes model and
-  optimizer checkpoints, or with ``--to run`` a ``CheckpointManager`` step. Read through
-  ``unickpt.tools.dcp_read``: ``.metadata`` with an allowlist unpickler, non-tensor entries with
+  optimizer, LR scheduler, train state) becomes model and optimizer checkpoints, or with
+  ``--to run`` a ``CheckpointManager`` step. Read through ``unickpt.tools.dcp_read``:
+  ``.metadata`` with an allowlist unpickler, non-tensor entries with
   ``torch.load(weights_only=True)``; no code from the checkpoint runs.
 - ``--from bin``: Hugging Face / Colossal-AI ``pytorch_model*.bin`` shards (with or without
   ``pytorch_model.bin.index.json``), read with ``torch.load(weights_only=True)`` only, which
@@ -28,11 +29,9 @@ from __future__ import annotations
 import math
 import os
 import posixpath
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
-
-import numpy as np
 
 from unickpt import __version__
 from unickpt._logging import get_logger
@@ -49,81 +48,25 @@ from unickpt.tools._progress import progress_bar
 from unickpt.tools._sink import Sink, output_sink, put_bytes
 from unickpt.tools._store_out import StoreOutput
 from unickpt.tools._write import SliceData, TensorData, write_checkpoint
+from unickpt.tools.convert_dcp import (
+    DcpLayout,
+    classify,
+    dcp_tensors,
+    import_training,
+    read_train_state,
+    writer_ranks,
+)
 from unickpt.tools.convert_src import BIN_INDEX, StoreSource, bin_shard_names, latest_step
 
 __all__ = ["convert_checkpoint"]
 
 logger = get_logger(__name__)
-# Tensors are read from DCP in batches of about this many bytes (one dcp.load call each).
-_BATCH_BYTES = 256 << 20
 
 
 def _parse_size(size: int | str) -> int:
     from huggingface_hub.serialization._base import parse_size_to_int
 
     return size if isinstance(size, int) else int(parse_size_to_int(size))
-
-
-class _LazyTensors:
-    """Loads tensors on demand in order, ``batch`` at a time, dropping each once handed out."""
-
-    def __init__(self, order: list[tuple[str, int]], load: Callable[[list[str]], dict[str, Any]]) -> None:
-        self.order = order
-        self.load = load
-        self.cache: dict[str, Any] = {}
-        self.pos = {n: i for i, (n, _) in enumerate(order)}
-
-    def get(self, name: str) -> np.ndarray:
-        from unickpt.tools._torch import tensor_bytes
-
-        if name not in self.cache:
-            i = self.pos[name]
-            batch: list[str] = []
-            size = 0
-            while i < len(self.order) and (not batch or size + self.order[i][1] <= _BATCH_BYTES):
-                batch.append(self.order[i][0])
-                size += self.order[i][1]
-                i += 1
-            self.cache.update(self.load(batch))
-        return tensor_bytes(self.cache.pop(name))
-
-
-def _dcp_tensors(src: str, strip_prefix: str | None, md: Any) -> tuple[dict[str, TensorData], list[str]]:
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from unickpt.tools._torch import st_of
-    from unickpt.tools.dcp_read import load_entries
-
-    specs: dict[str, tuple[str, Any, list[int]]] = {}
-    skipped = []
-    for key, meta in md.state_dict_metadata.items():
-        if not isinstance(meta, TensorStorageMetadata):
-            skipped.append(key)
-            continue
-        name = key
-        if strip_prefix:
-            if not key.startswith(strip_prefix):
-                continue
-            name = key[len(strip_prefix) :]
-        dtype = meta.properties.dtype
-        specs[name] = (key, dtype, list(meta.size))
-    if skipped:
-        logger.warning("skipped %d non-tensor DCP entries (never loaded): %s", len(skipped), skipped[:10])
-
-    def load(names: list[str]) -> dict[str, Any]:
-        got = load_entries(src, [specs[n][0] for n in names], md)
-        return {n: got[specs[n][0]] for n in names}
-
-    order = [(n, math.prod(s) * dt.itemsize) for n, (_, dt, s) in specs.items()]
-    lazy = _LazyTensors(order, load)
-    tensors = {}
-    for n, (_, dt, shape) in specs.items():
-        tensors[n] = TensorData(st_of(dt, n), shape, [SliceData([0] * len(shape), shape, _getter(lazy, n))])
-    return tensors, skipped
-
-
-def _getter(lazy: _LazyTensors, name: str) -> Callable[[], np.ndarray]:
-    return lambda: lazy.get(name)
 
 
 def _bin_files(src: str) -> list[str]:
@@ -327,7 +270,6 @@ def convert_checkpoint(
             )
         return out_s
     if source == "dcp":
-        from unickpt.tools.convert_dcp import classify, import_training
         from unickpt.tools.dcp_read import read_metadata
 
         if url_src:
@@ -355,7 +297,7 @@ def convert_checkpoint(
                 )
                 _copy_side_files(sink, src_s, *origin)
             return out_s
-        tensors, _ = _dcp_tensors(src_s, strip_prefix, md)
+        tensors, _ = dcp_tensors(src_s, strip_prefix, md)
         plugin = "dcp"
     else:
         from unickpt.tools._torch import st_of, tensor_bytes
@@ -420,14 +362,13 @@ def _copy_side_files(sink: Sink, *sources: str) -> None:
 
 
 def _write_run(
-    src: str, md: Any, lay: Any, out: str, step: int | None, shard_bytes: int, created_by: str
+    src: str, md: Any, lay: DcpLayout, out: str, step: int | None, shard_bytes: int, created_by: str
 ) -> str:
     """A ``CheckpointManager`` directory at ``out`` holding ``step-<N>`` of the DCP checkpoint ``src``.
 
     The checkpoint's ``train_state.*`` values become the manager's extra state ``train_state``
     (``manager.load(..., train_state=obj)`` calls ``obj.load_state_dict`` with them).
     """
-    from unickpt.tools.convert_dcp import import_training, read_train_state, writer_ranks
     from unickpt.tools.run_layout import write_step
 
     train = read_train_state(src, md, lay)

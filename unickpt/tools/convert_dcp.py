@@ -1,4 +1,5 @@
-"""Import a whole DCP / torchtitan training checkpoint: model, optimizer, LR scheduler, train state.
+"""Import a DCP checkpoint: its tensors alone (:func:`dcp_tensors`), or a whole DCP / torchtitan
+training checkpoint: model, optimizer, LR scheduler, train state (:func:`import_training`).
 
 Recognised layouts (the flat DCP keys, as ``.metadata`` records them):
 
@@ -33,9 +34,21 @@ from unickpt._logging import get_logger
 from unickpt.errors import CheckpointFormatError
 
 if TYPE_CHECKING:
-    from unickpt.tools._sink import Sink
+    import numpy as np
 
-__all__ = ["DcpLayout", "classify", "import_training", "read_train_state", "writer_ranks"]
+    from unickpt.tools._sink import Sink
+    from unickpt.tools._write import TensorData
+
+__all__ = [
+    "BATCH_BYTES",
+    "DcpLayout",
+    "LazyTensors",
+    "classify",
+    "dcp_tensors",
+    "import_training",
+    "read_train_state",
+    "writer_ranks",
+]
 
 logger = get_logger(__name__)
 
@@ -182,6 +195,75 @@ def _param_groups(lay: DcpLayout, values: dict[str, Any]) -> list[dict[str, Any]
     return list(by_hyper.values())
 
 
+# Tensors are read from DCP in batches of about this many bytes (one dcp.load call each).
+BATCH_BYTES = 256 << 20
+
+
+class LazyTensors:
+    """Loads tensors on demand in order, ``batch`` at a time, dropping each once handed out."""
+
+    def __init__(self, order: list[tuple[str, int]], load: Callable[[list[str]], dict[str, Any]]) -> None:
+        self.order = order
+        self.load = load
+        self.cache: dict[str, Any] = {}
+        self.pos = {n: i for i, (n, _) in enumerate(order)}
+
+    def get(self, name: str) -> np.ndarray:
+        from unickpt.tools._torch import tensor_bytes
+
+        if name not in self.cache:
+            i = self.pos[name]
+            batch: list[str] = []
+            size = 0
+            while i < len(self.order) and (not batch or size + self.order[i][1] <= BATCH_BYTES):
+                batch.append(self.order[i][0])
+                size += self.order[i][1]
+                i += 1
+            self.cache.update(self.load(batch))
+        return tensor_bytes(self.cache.pop(name))
+
+    def getter(self, name: str) -> Callable[[], np.ndarray]:
+        """A function returning ``name``'s bytes when called (the writer calls it in file order)."""
+        return lambda: self.get(name)
+
+
+def dcp_tensors(src: str, strip_prefix: str | None, md: Any) -> tuple[dict[str, TensorData], list[str]]:
+    """The tensors of a DCP checkpoint as the writer's input (``strip_prefix``: only the keys under
+    it, named without it), each loaded when written; and the keys of the non-tensor entries skipped."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from unickpt.tools._torch import st_of
+    from unickpt.tools._write import SliceData, TensorData
+    from unickpt.tools.dcp_read import load_entries
+
+    specs: dict[str, tuple[str, Any, list[int]]] = {}
+    skipped = []
+    for key, meta in md.state_dict_metadata.items():
+        if not isinstance(meta, TensorStorageMetadata):
+            skipped.append(key)
+            continue
+        name = key
+        if strip_prefix:
+            if not key.startswith(strip_prefix):
+                continue
+            name = key[len(strip_prefix) :]
+        dtype = meta.properties.dtype
+        specs[name] = (key, dtype, list(meta.size))
+    if skipped:
+        logger.warning("skipped %d non-tensor DCP entries (never loaded): %s", len(skipped), skipped[:10])
+
+    def load(names: list[str]) -> dict[str, Any]:
+        got = load_entries(src, [specs[n][0] for n in names], md)
+        return {n: got[specs[n][0]] for n in names}
+
+    order = [(n, math.prod(s) * dt.itemsize) for n, (_, dt, s) in specs.items()]
+    lazy = LazyTensors(order, load)
+    tensors = {}
+    for n, (_, dt, shape) in specs.items():
+        tensors[n] = TensorData(st_of(dt, n), shape, [SliceData([0] * len(shape), shape, lazy.getter(n))])
+    return tensors, skipped
+
+
 def import_training(
     src: str,
     md: Any,
@@ -202,7 +284,6 @@ def import_training(
     from unickpt.tools._progress import progress_bar
     from unickpt.tools._torch import st_of
     from unickpt.tools._write import SliceData, TensorData
-    from unickpt.tools.convert import _getter, _LazyTensors
     from unickpt.tools.dcp_read import load_entries, tensor_specs
 
     if lay.skipped:
@@ -219,12 +300,12 @@ def import_training(
     specs = tensor_specs(md)
     wanted = set(lay.model.values()) | set(lay.optim_tensors.values())
     order = [(k, math.prod(s) * dt.itemsize) for k, (dt, s) in specs.items() if k in wanted]
-    lazy = _LazyTensors(order, lambda keys: load_entries(src, keys, md))
+    lazy = LazyTensors(order, lambda keys: load_entries(src, keys, md))
 
     def tensor(key: str, name: str, extras: dict[str, Any] | None = None) -> TensorData:
         dt, shape = specs[key]
         return TensorData(
-            st_of(dt, name), shape, [SliceData([0] * len(shape), shape, _getter(lazy, key))], extras or {}
+            st_of(dt, name), shape, [SliceData([0] * len(shape), shape, lazy.getter(key))], extras or {}
         )
 
     layout = LayoutInfo(plugin=lay.flavour, world_size=writer_ranks(md))
