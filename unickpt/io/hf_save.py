@@ -63,7 +63,7 @@ from unickpt.io.hf_rows import RowMoves
 from unickpt.io.planner import SavePlan
 from unickpt.io.tensors import LocalSlice, as_bytes
 
-__all__ = ["GatheredSave", "save_gathered"]
+__all__ = ["GatheredSave", "gathered_block", "hash_tensor_ranges", "save_gathered"]
 
 _VERSION = f"unickpt {__version__}"
 # name -> [(start, end, writer rank)]: the byte ranges of each tensor, relative to its first byte.
@@ -145,7 +145,7 @@ def stage_gathered(s: GatheredSave, rank: int) -> StagedHF:
     file_name = single_file_name(s.file_path, s.kind) if s.file_path else None
     placeholders = None
     if file_name is not None:
-        placeholders = _block(s, ranges, None, None, file_name=file_name, placeholder=True)
+        placeholders = gathered_block(s, ranges, None, None, file_name=file_name, placeholder=True)
         layout = plan_hf_layout(
             descs,
             kind=s.kind,
@@ -201,7 +201,7 @@ def save_gathered(s: GatheredSave, st: StagedHF, group: Any, rank: int) -> None:
         if rank == 0:
             try:
                 maybe_fail("save.commit")
-                block = _block(s, ranges, all_hashes, all_partials, file_name=file_name)
+                block = gathered_block(s, ranges, all_hashes, all_partials, file_name=file_name)
                 _finish_single(layout, staged, placeholders, block, s)
             except BaseException as e:
                 err = e
@@ -211,7 +211,7 @@ def save_gathered(s: GatheredSave, st: StagedHF, group: Any, rank: int) -> None:
     if rank == 0:
         try:
             maybe_fail("save.commit")
-            block = _block(s, ranges, all_hashes, all_partials, {n: p.file for n, p in layout.places.items()})
+            block = gathered_block(s, ranges, all_hashes, all_partials, {n: p.file for n, p in layout.places.items()})
             index = index_to_json(build_index(block, sliced=False))
         except BaseException as e:
             err = e
@@ -353,7 +353,7 @@ def _write_tensor(
         pieces.extend((b, arr[j * n : (j + 1) * n]) for j, (b, _) in enumerate(runs))
     pieces.sort(key=lambda bp: bp[0])
     mine_ranges = [(b, e) for b, e, w in ranges[name] if w == rank]
-    fut = pool.submit(_hash_tensor, name, dtype, gshape, blocks, pieces, mine_ranges, opts)
+    fut = pool.submit(hash_tensor_ranges, name, dtype, gshape, blocks, pieces, mine_ranges, opts)
     for b, piece in pieces:
         write_all(fd, memoryview(piece), place.pos + b)  # type: ignore[arg-type]
     if opts.fsync:  # the disk starts on each range now: the final fsync has little left
@@ -373,7 +373,7 @@ def _open_staged(path: str, rank: int) -> int:
         ) from None
 
 
-def _hash_tensor(
+def hash_tensor_ranges(
     name: str,
     dtype: str,
     gshape: tuple[int, ...],
@@ -406,7 +406,7 @@ def _hash_tensor(
     return hashes, parts
 
 
-def _block(
+def gathered_block(
     s: GatheredSave,
     ranges: _Ranges,
     hashes: _Hashes | None,

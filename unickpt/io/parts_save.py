@@ -49,7 +49,7 @@ from unickpt.format.storage import FsspecStorage
 from unickpt.format.storage_parts import Part, SharedUpload, part_size_for, plan_parts
 from unickpt.format.writer import build_index, data_file_metadata, single_file_metadata
 from unickpt.io._commit import commit_collective, settle
-from unickpt.io.hf_save import GatheredSave, _block, _hash_tensor, order_files
+from unickpt.io.hf_save import GatheredSave, gathered_block, hash_tensor_ranges, order_files
 from unickpt.io.planner import PlannedFile, SavePlan
 from unickpt.io.tensors import as_bytes
 
@@ -104,7 +104,7 @@ def save_gathered_parts(
     plan, ranges, descs = order_files(s)
     single = bool(s.file_path)
     file_name = single_file_name(s.file_path, s.kind) if single else None
-    placeholders = _block(s, ranges, None, None, file_name=file_name, placeholder=True) if single else None
+    placeholders = gathered_block(s, ranges, None, None, file_name=file_name, placeholder=True) if single else None
     if placeholders is not None:
         meta = single_file_metadata(placeholders, s.save_id)
         layout = plan_hf_layout(
@@ -168,7 +168,7 @@ def save_gathered_parts(
         try:
             maybe_fail("save.commit")
             if single:
-                block = _block(s, ranges, all_hashes, all_partials, file_name=file_name)
+                block = gathered_block(s, ranges, all_hashes, all_partials, file_name=file_name)
                 header = layout.files[0].header(single_file_metadata(block, s.save_id))
                 first = kept[(0, 1)]
                 if len(header) != layout.files[0].header_len:  # pragma: no cover - same-length placeholders
@@ -184,7 +184,7 @@ def save_gathered_parts(
                 files = {
                     n: paths[i].rsplit("/", 1)[1] for i, f in enumerate(layout.files) for n, _, _ in f.specs
                 }
-                block = _block(s, ranges, all_hashes, all_partials, files)
+                block = gathered_block(s, ranges, all_hashes, all_partials, files)
                 index = index_to_json(build_index(block, sliced=False))
             for i, up in enumerate(uploads):
                 if len(parts[i]) > 1:
@@ -313,7 +313,7 @@ def _upload_own(
             pieces.sort(key=lambda bp: bp[0])
             mine_ranges = [(b, e) for b, e, w in ranges[name] if w == rank]
             hashing.append(
-                hash_pool.submit(_hash_tensor, name, dtype, gshape, blocks, pieces, mine_ranges, opts)
+                hash_pool.submit(hash_tensor_ranges, name, dtype, gshape, blocks, pieces, mine_ranges, opts)
             )
         src.seal()
     except BaseException as e:
