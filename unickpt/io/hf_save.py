@@ -211,7 +211,9 @@ def save_gathered(s: GatheredSave, st: StagedHF, group: Any, rank: int) -> None:
     if rank == 0:
         try:
             maybe_fail("save.commit")
-            block = gathered_block(s, ranges, all_hashes, all_partials, {n: p.file for n, p in layout.places.items()})
+            block = gathered_block(
+                s, ranges, all_hashes, all_partials, {n: p.file for n, p in layout.places.items()}
+            )
             index = index_to_json(build_index(block, sliced=False))
         except BaseException as e:
             err = e

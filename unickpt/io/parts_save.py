@@ -104,7 +104,9 @@ def save_gathered_parts(
     plan, ranges, descs = order_files(s)
     single = bool(s.file_path)
     file_name = single_file_name(s.file_path, s.kind) if single else None
-    placeholders = gathered_block(s, ranges, None, None, file_name=file_name, placeholder=True) if single else None
+    placeholders = (
+        gathered_block(s, ranges, None, None, file_name=file_name, placeholder=True) if single else None
+    )
     if placeholders is not None:
         meta = single_file_metadata(placeholders, s.save_id)
         layout = plan_hf_layout(
