@@ -258,14 +258,6 @@ def _cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
 KNOWN_CYCLES = {
     frozenset(
         {
-            "unickpt.format.index_bulk",
-            "unickpt.format.index_models",
-            "unickpt.format.lazy_slices",
-            "unickpt.format.slice_table",
-        }
-    ),
-    frozenset(
-        {
             "unickpt.format.range_hashes",
             "unickpt.format.reader",
             "unickpt.format.reader_blocks",
