@@ -256,14 +256,6 @@ def _cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
 # code to the module that owns the concept (docs/architecture.md, "The next tree"). None may be
 # added, and none may grow: a cycle broken is removed from this list.
 KNOWN_CYCLES = {
-    frozenset(
-        {
-            "unickpt.format.range_hashes",
-            "unickpt.format.reader",
-            "unickpt.format.reader_blocks",
-            "unickpt.format.reader_storage",
-        }
-    ),
     frozenset({"unickpt.format.safetensors_bulk", "unickpt.format.safetensors_io"}),
     frozenset({"unickpt.tools._verify_bulk", "unickpt.tools.verify"}),
     frozenset({"unickpt.tools.convert", "unickpt.tools.convert_dcp"}),
