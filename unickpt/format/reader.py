@@ -23,6 +23,7 @@ what the location holds and fetches the index bytes (one rank of a distributed l
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import posixpath
@@ -73,7 +74,6 @@ from unickpt.format.reader_storage import (
     open_header,
     read_into,
     read_runs,
-    vanishing,
 )
 from unickpt.format.safetensors_io import SafetensorsHeader, iter_range, open_with_header, read_range
 from unickpt.format.slice_spans import Spans, all_referenced, locate_all
@@ -144,7 +144,7 @@ class CheckpointReader(FileChecks):
         h = self._headers.get(name)
         if h is None:
             try:
-                with vanishing(self, name):
+                with self._vanishing(name):
                     h = self._open_data_file(name)
             except IncompleteCheckpointError as e:
                 raise IncompleteCheckpointError(
@@ -186,6 +186,21 @@ class CheckpointReader(FileChecks):
         proc = f"/proc/self/fd/{self._fds[name]}"
         return proc if os.path.exists(proc) else self.file_path(name)
 
+    @contextlib.contextmanager
+    def _vanishing(self, name: str) -> Iterator[None]:
+        """On a URL: a data file gone after its header was read (a save replaced the checkpoint and
+        deleted it) raises ``CheckpointChangedError`` when the committed index changed since this
+        reader parsed it; otherwise the error stands."""
+        try:
+            yield
+        except IncompleteCheckpointError:
+            if self._index_changed():
+                raise CheckpointChangedError(
+                    f"{self.index_path}: data file {name!r} vanished while the checkpoint was read, "
+                    "and the index is no longer the one read: a save replaced the checkpoint; load it again"
+                ) from None
+            raise
+
     def _index_changed(self) -> bool:
         """True when the index this reader parsed is no longer the committed one (or is gone)."""
         if self.index_path is None or self.block.save_id is None:
@@ -215,7 +230,7 @@ class CheckpointReader(FileChecks):
                     return hit
                 out[:length] = hit
                 return out[:length]
-            with vanishing(self, name):
+            with self._vanishing(name):
                 return read_into(self._handle(name), offset, length, out)
         return read_range(self._fd(name), offset, length, out)
 
@@ -227,7 +242,7 @@ class CheckpointReader(FileChecks):
             return
         if self._prefetched is None:
             self._prefetched = Prefetched()
-        with vanishing(self, ", ".join(sorted(wanted))):
+        with self._vanishing(", ".join(sorted(wanted))):
             self._prefetched.fetch({name: self._handle(name) for name in wanted}, wanted, threads)
 
     def drop_prefetched(self) -> None:
@@ -347,7 +362,7 @@ class CheckpointReader(FileChecks):
                         out[pos : pos + len(h)] = h
                         pos += len(h)
                     return
-            with vanishing(self, s.file):
+            with self._vanishing(s.file):
                 read_runs(self._handle(s.file), absolute, out)
             return
         pos = 0

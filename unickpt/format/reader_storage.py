@@ -16,11 +16,9 @@ Below the reader: nothing here builds a ``CheckpointReader``. Opening a checkpoi
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator, Sequence
-from typing import Any
 
-from unickpt.errors import CheckpointChangedError, IncompleteCheckpointError, IndexFileError, UnsupportedError
+from unickpt.errors import IndexFileError, UnsupportedError
 from unickpt.format.index import MAX_INDEX_BYTES
 from unickpt.format.safetensors_io import SafetensorsHeader, header_from_bytes
 from unickpt.format.storage import ReadHandle, Storage
@@ -173,19 +171,3 @@ class Prefetched:
 
     def clear(self) -> None:
         self._blocks.clear()
-
-
-@contextlib.contextmanager
-def vanishing(reader: Any, name: str) -> Iterator[None]:
-    """On a URL: a data file gone after its header was read (a save replaced the checkpoint and
-    deleted it) raises ``CheckpointChangedError`` when the committed index changed since
-    ``reader`` (a ``CheckpointReader``) parsed it; otherwise the error stands."""
-    try:
-        yield
-    except IncompleteCheckpointError:
-        if reader._index_changed():
-            raise CheckpointChangedError(
-                f"{reader.index_path}: data file {name!r} vanished while the checkpoint was read, "
-                "and the index is no longer the one read: a save replaced the checkpoint; load it again"
-            ) from None
-        raise
