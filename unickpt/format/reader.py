@@ -34,6 +34,7 @@ from typing import Any
 from unickpt.errors import (
     CheckpointChangedError,
     CheckpointFormatError,
+    ConfigError,
     HeaderError,
     IncompleteCheckpointError,
     IndexFileError,
@@ -443,8 +444,6 @@ def open_checkpoint(
     """
     if not is_url(path):
         if storage_options:
-            from unickpt.errors import ConfigError
-
             raise ConfigError(f"storage_options are for fsspec URLs; {os.fspath(path)!r} is a local path")
         path = os.fspath(path).removeprefix("file://")
 

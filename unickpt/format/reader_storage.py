@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from unickpt.errors import IndexFileError, UnsupportedError
 from unickpt.format.index import MAX_INDEX_BYTES
 from unickpt.format.safetensors_io import SafetensorsHeader, header_from_bytes
-from unickpt.format.storage import ReadHandle, Storage
+from unickpt.format.storage import MAX_REQUEST, ReadHandle, Storage, coalesce
 
 __all__ = [
     "HEADER_PROBE",
@@ -125,8 +125,6 @@ class Prefetched:
         self, handles: dict[str, ReadHandle], wanted: dict[str, list[tuple[int, int]]], threads: int
     ) -> None:
         from concurrent.futures import ThreadPoolExecutor
-
-        from unickpt.format.storage import MAX_REQUEST, coalesce
 
         def one(name: str) -> tuple[str, list[tuple[int, bytes]]]:
             reqs = [(a, b - a) for a, b, _ in coalesce(wanted[name], waste=PREFETCH_WASTE) if b > a]

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from unickpt.format.coverage import coverage_problem
 from unickpt.format.grid import chunk_extents, distinct_parts, grid_extents
 from unickpt.format.grid import grid_boxes as _grid_boxes
 from unickpt.format.slice_models import SliceEntry, entries_from_records
@@ -434,8 +435,6 @@ class SliceTable:
             self.grid = self.detect_grid()
             if self.grid is not None:
                 return None
-        from unickpt.format.coverage import coverage_problem
-
         return coverage_problem(self.gshape, self.boxes())
 
     # ------------------------------------------------------------ writing version 3
