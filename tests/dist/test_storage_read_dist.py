@@ -104,21 +104,22 @@ def load_case(root: str, endpoint: str, bucket: str, kind: str, tag: str) -> dic
     booster, m, o = _boost(kind, seed=3, lr=0.5)
     booster.checkpoint_io.storage_options = _options(endpoint, f"{tag}-{dist.get_rank()}")
     url = f"s3://{bucket}/ckpt"
-    import unickpt.format.reader_storage as rs
+    # The reader (locate, and its check of the committed index) calls fetch_index by this name.
+    import unickpt.format.reader as rd
 
     fetched: list[str] = []
-    real = rs.fetch_index
+    real = rd.fetch_index
 
     def counting(storage: Any, path: str) -> bytes:
         fetched.append(path)
         return real(storage, path)
 
-    rs.fetch_index = counting  # type: ignore[assignment]
+    rd.fetch_index = counting  # type: ignore[assignment]
     try:
         booster.load_model(m, f"{url}/model")
         booster.load_optimizer(o, f"{url}/optim")
     finally:
-        rs.fetch_index = real  # type: ignore[assignment]
+        rd.fetch_index = real  # type: ignore[assignment]
     assert_local_state_matches(live_model_state(m), ref["model"], "model")
     got = live_optim_state(m, o)
     assert got["state"], "no optimizer state after the load"

@@ -252,27 +252,8 @@ def _cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
     return out
 
 
-# The cycles the package still has (imports inside functions counted), each to be broken by moving
-# code to the module that owns the concept (docs/architecture.md, "The next tree"). None may be
-# added, and none may grow: a cycle broken is removed from this list.
-KNOWN_CYCLES = {
-    frozenset(
-        {
-            "unickpt.format.index_bulk",
-            "unickpt.format.index_models",
-            "unickpt.format.lazy_slices",
-            "unickpt.format.slice_table",
-        }
-    ),
-    frozenset(
-        {
-            "unickpt.format.range_hashes",
-            "unickpt.format.reader",
-            "unickpt.format.reader_blocks",
-            "unickpt.format.reader_storage",
-        }
-    ),
-}
+# The package has no import cycle (imports inside functions counted); this stays empty.
+KNOWN_CYCLES: set[frozenset[str]] = set()
 
 
 def test_no_new_import_cycle() -> None:

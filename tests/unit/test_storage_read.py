@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -307,6 +308,45 @@ def test_memory_url(tmp_path) -> None:
         )
     finally:
         fs.rm("/unickpt-test-mem", recursive=True)
+
+
+def test_data_object_gone_after_open(tmp_path) -> None:
+    """A data file deleted after the reader parsed the index: when a new save replaced the index
+    meanwhile, CheckpointChangedError (load again); when the index is still the one read, the
+    missing file's IncompleteCheckpointError stands."""
+    import fsspec
+
+    _, local = _save(tmp_path, "ckpt")
+    _, other = _save(tmp_path, "other", seed=5)
+    victim = _data_files(local)[0]
+    fs = fsspec.filesystem("memory")
+    name = f"unickpt-test-gone-{os.getpid()}"
+    url = f"memory://{name}"
+    index = "model.safetensors.index.json"
+    assert (other / index).read_bytes() != (local / index).read_bytes()
+    try:
+        fs.put(str(local), f"/{name}", recursive=True)
+        r = open_checkpoint(url)
+        fs.rm_file(f"/{name}/{victim}")
+        with pytest.raises(
+            IncompleteCheckpointError, match=f"^{url}: data file '{victim}' named by the index is missing"
+        ):
+            r.header(victim)
+        r.close()
+
+        fs.put(str(local / victim), f"/{name}/{victim}")
+        r = open_checkpoint(url)
+        fs.pipe(f"/{name}/{index}", (other / index).read_bytes())
+        fs.rm_file(f"/{name}/{victim}")
+        with pytest.raises(
+            CheckpointChangedError,
+            match=f"^{url}/{index}: data file '{victim}' vanished while the checkpoint was read, and the "
+            "index is no longer the one read",
+        ):
+            r.header(victim)
+        r.close()
+    finally:
+        fs.rm(f"/{name}", recursive=True)
 
 
 def test_coalesce_with_a_waste_budget() -> None:

@@ -23,7 +23,8 @@ from pydantic import ValidationError
 from unickpt.errors import IndexFileError, UnsafePathError
 from unickpt.format._json import check_unicode, colon_budget, strict_loads
 from unickpt.format.bounds import read_bounded
-from unickpt.format.index_fast import _FastIndex, _gc_paused, _NotFast
+from unickpt.format.index_bulk import gc_paused
+from unickpt.format.index_fast import _FastIndex, _NotFast
 
 # The schema (index_models) is re-exported: callers import the models from here.
 from unickpt.format.index_models import FORMAT_VERSION as FORMAT_VERSION
@@ -68,7 +69,7 @@ def _parse_owned(box: list[bytes], path: str, reread: Callable[[], bytes] | None
     del raw
     kept = text_box[0] if reread is None else None
     try:
-        with _gc_paused():
+        with gc_paused():
             return _FastIndex(None, budget).parse(text_box)
     except _NotFast as nf:
         text = kept if kept is not None else _decode(_again(reread), path)

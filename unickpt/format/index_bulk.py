@@ -1,6 +1,6 @@
 """Bulk checks and construction of a tensor's slices for the fast path of ``parse_index``.
 
-Checks what :class:`~unickpt.format.index_models.SliceEntry` and ``TensorEntry``'s slice bounds
+Checks what :class:`~unickpt.format.slice_models.SliceEntry` and ``TensorEntry``'s slice bounds
 check, for the usual input (every slice an object with the fields in model order), with C-level
 bulk operations instead of a Python loop per slice, and builds the slices as ``model_construct``
 would. Anything it does not take (None) goes through ``index_fast``'s slice-by-slice path.
@@ -20,15 +20,17 @@ from typing import Any, TypeVar
 import numpy as np
 from pydantic import BaseModel
 
-from unickpt.format.index_models import HASHES, MAX_DIM, MIN_POSITIVE, SliceEntry, fields_of
+from unickpt.format.index_models import HASHES, MIN_POSITIVE, fields_of
 from unickpt.format.lazy_slices import LazySlices
+from unickpt.format.slice_models import MAX_DIM, SliceEntry, entries_from_records
 from unickpt.format.slice_table import NO_HASH, SliceTable
 
 __all__ = [
     "construct",
     "bulk_slices",
     "compact_field_colons",
-    "entries_from_records",
+    "found_text",
+    "gc_paused",
     "SLICE_FIELDS",
     "SLICE_REQUIRED",
 ]
@@ -49,26 +51,9 @@ _get_key = operator.itemgetter("key")
 _get_offsets = operator.itemgetter("offsets")
 _get_shape = operator.itemgetter("shape")
 _get_xxh3 = operator.itemgetter("xxh3")
-_object_new = object.__new__
 _setattr = object.__setattr__
 
 
-def _attribute_setter(cls: type, name: str) -> Callable[[Any, Any], None]:
-    """The ``__set__`` of the descriptor that ``object.__setattr__(obj, name, v)`` uses on ``cls``.
-
-    Calling it directly skips the attribute lookup (about half the cost of a setattr).
-    """
-    for c in cls.__mro__:
-        if name in c.__dict__:
-            setter: Callable[[Any, Any], None] = c.__dict__[name].__set__
-            return setter
-    raise AttributeError(name)  # pragma: no cover - pydantic's BaseModel declares all four
-
-
-_set_dict, _set_fields_set, _set_extra, _set_private = (
-    _attribute_setter(SliceEntry, n)
-    for n in ("__dict__", "__pydantic_fields_set__", "__pydantic_extra__", "__pydantic_private__")
-)
 _consume: Callable[[Iterable[Any]], None] = collections.deque(maxlen=0).extend
 _DICT, _LIST, _INT, _STR = {dict}, {list}, {int}, {str}
 
@@ -184,7 +169,6 @@ def bulk_slices(
     # __dict__ as they are (fields in model order). Slices with the same keys share one fields
     # set (``shared``, one per index): pydantic never changes the set of a frozen model (model_copy
     # copies it first), and a set of five names costs about 0.5 KB and 0.4 us per slice.
-    objs: list[SliceEntry] = list(map(_object_new, itertools.repeat(SliceEntry, n)))
     for layout in layouts:
         if layout not in shared:
             shared[layout] = set(layout)
@@ -193,29 +177,7 @@ def bulk_slices(
         s.setdefault("xxh3", None)  # appended last: the field order holds
     for f in _SLOW_FIELDS:  # absent from every slice taken here; appended last, in model order
         _consume(map(dict.setdefault, sl, itertools.repeat(f), itertools.repeat(None)))
-    _consume(map(_set_dict, objs, sl))
-    _consume(map(_set_fields_set, objs, fields_sets))
-    none = itertools.repeat(None)
-    _consume(map(_set_extra, objs, none))
-    _consume(map(_set_private, objs, none))
-    return objs, pairs, keys.count(":"), files
-
-
-_FULL_FIELDS_SET = set(_FULL_LAYOUT)
-
-
-def entries_from_records(records: list[dict[str, Any]]) -> list[SliceEntry]:
-    """``SliceEntry`` objects from checked dicts with every field in model order (a slice
-    table's records): what ``model_construct`` builds, in four C-level passes. The dicts become
-    the entries' ``__dict__``; they share one fields set, as the parser's slices do."""
-    n = len(records)
-    objs: list[SliceEntry] = list(map(_object_new, itertools.repeat(SliceEntry, n)))
-    _consume(map(_set_dict, objs, records))
-    _consume(map(_set_fields_set, objs, itertools.repeat(_FULL_FIELDS_SET)))
-    none = itertools.repeat(None)
-    _consume(map(_set_extra, objs, none))
-    _consume(map(_set_private, objs, none))
-    return objs
+    return entries_from_records(sl, fields_sets), pairs, keys.count(":"), files
 
 
 def compact_field_colons(k: str, x: Any) -> int | None:
@@ -257,7 +219,7 @@ def _concatenated_hashes(x: str) -> bool:
     return not x.encode("ascii").translate(None, _HEX_DIGITS_COMMA[:16])
 
 
-def _found(v: Any) -> str:
+def found_text(v: Any) -> str:
     if v is None:
         return "null"
     if isinstance(v, bool):
@@ -270,7 +232,7 @@ def _found(v: Any) -> str:
 
 
 @contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
+def gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector (process-wide) while a large JSON tree and its models are built.
 
     The tree and the models hold no reference cycles, so pausing frees nothing less; it spares

@@ -3,7 +3,7 @@
 Validating with the models costs 13 to 20 us per listed slice, paid by every loading rank,
 mostly per-object overhead. The fast path parses with plain ``json.loads`` and checks duplicate
 keys by counting colons (``_json.colon_budget``); pauses the garbage collector while it builds
-the tree (``_gc_paused``); checks listed slices with C-level bulk operations
+the tree (``index_bulk.gc_paused``); checks listed slices with C-level bulk operations
 (``index_bulk.bulk_slices``; anything else through ``slices_slow``) and everything else with
 plain code driven by the schema's one definition in ``index_models`` (field lists, bounds and
 choices, and the rule functions the validators call); and builds the objects validation builds
@@ -32,11 +32,10 @@ from unickpt.format.dtypes import DTYPE_ITEMSIZE
 from unickpt.format.index_bulk import (
     SLICE_FIELDS,
     SLICE_REQUIRED,
-    _found,
-    _gc_paused,
     bulk_slices,
     compact_field_colons,
     construct,
+    found_text,
 )
 from unickpt.format.index_models import (
     HEX16,
@@ -62,7 +61,7 @@ from unickpt.format.index_models import (
 )
 from unickpt.format.versioning import OtherFormatVersion
 
-__all__ = ["_FastIndex", "_NotFast", "_gc_paused"]
+__all__ = ["_FastIndex", "_NotFast"]
 
 _TENSOR_FIELDS, _TENSOR_REQUIRED = fields_of(models.TensorEntry)
 _LAYOUT_FIELDS, _LAYOUT_REQUIRED = fields_of(models.LayoutInfo)
@@ -108,7 +107,7 @@ class _NotFast(Exception):
 
 
 def _schema(where: str, expected: str, value: Any) -> _NotFast:
-    return _NotFast(f"{_SCHEMA}: {where}: expected {expected}, found {_found(value)}")
+    return _NotFast(f"{_SCHEMA}: {where}: expected {expected}, found {found_text(value)}")
 
 
 class _FastIndex:

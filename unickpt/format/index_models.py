@@ -1,6 +1,8 @@
 """The index schema, defined once: the pydantic models of ``*.safetensors.index.json``.
 
-Hugging Face's keys plus a versioned ``unickpt`` block. Everything the schema says lives here:
+Hugging Face's keys plus a versioned ``unickpt`` block. Everything the schema says lives here
+(one slice's models, ``SliceEntry`` and ``ByteRange``, and the field types they declare are
+defined in ``slice_models``, below the slice table that builds them, and re-exported here):
 the field types and bounds (the ``Annotated`` aliases and ``Literal`` choices below), and the
 rules that span fields (:func:`slice_problem`, :func:`shape_problem`, :func:`alias_problem`,
 :func:`check_file_name`). The models apply them as validators; the fast path of ``parse_index``
@@ -35,6 +37,16 @@ from unickpt.format.confine import is_plain_name
 from unickpt.format.digest_text import block_from_json, block_to_json
 from unickpt.format.dtypes import DTYPE_ITEMSIZE
 from unickpt.format.lazy_slices import LazySlices
+from unickpt.format.slice_models import (
+    HEX16,
+    HEX16_BODY,
+    MAX_DIM,
+    ByteRange,
+    Hex16,
+    NonNeg,
+    SliceEntry,
+    StrictModel,
+)
 from unickpt.format.slice_table import SliceTable
 from unickpt.format.versioning import FORMAT_VERSION
 
@@ -46,6 +58,9 @@ __all__ = [
     "MAX_DIM",
     "MAX_STATE_DEPTH",
     "HEX16",
+    "HEX16_BODY",
+    "NonNeg",
+    "Hex16",
     "SAVE_ID",
     "ByteRange",
     "SliceEntry",
@@ -75,21 +90,16 @@ KINDS: tuple[str, ...] = get_args(Kind)
 # An index describes tensors, never holds them: 405B parameters over 2048 ranks is 2.3 x 10^6
 # slices, about 46 MB of compact JSON (docs/performance.md). Larger files are refused unread.
 MAX_INDEX_BYTES = 512 << 20
-#: Exclusive bound of a dimension, an offset and a tensor's element count.
-MAX_DIM = 1 << 62
 #: The most dims of a tensor (a safetensors header entry's bound).
 MAX_NDIM = 64
 #: Smallest world size and mesh axis size.
 MIN_POSITIVE = 1
-#: Digests and fingerprints: 16 lower-case hex digits (``HEX16_BODY`` unanchored).
-HEX16_BODY = "[0-9a-f]{16}"
-HEX16 = f"^{HEX16_BODY}$"
 #: A save id: 32 lower-case hex digits (``SAVE_ID_BODY`` unanchored).
 SAVE_ID_BODY = "[0-9a-f]{32}"
 SAVE_ID = f"^{SAVE_ID_BODY}$"
 
 # Strict: JSON true, 2.0 and "2" are not integers here (pydantic's lax mode would take them).
-NonNeg = Annotated[int, Strict(), Field(ge=0, lt=MAX_DIM)]
+# NonNeg and Hex16, the types of a slice's fields, are defined with SliceEntry (slice_models).
 Positive = Annotated[int, Strict(), Field(ge=MIN_POSITIVE)]
 #: A grid item: the number of parts (torch.chunk semantics) or the parts' extents.
 GridItem = Annotated[int, Strict(), Field(ge=MIN_POSITIVE, lt=MAX_DIM)] | list[NonNeg]
@@ -99,7 +109,6 @@ HASHES = "^([0-9a-f]{16}|-{16})*$"
 # Free-form JSON state (param_groups, param_state) nests at most this deep, so that the whole
 # index stays within the 64 levels of the spec.
 MAX_STATE_DEPTH = 48
-Hex16 = Annotated[str, Field(pattern=HEX16)]
 
 
 def shape_problem(shape: Sequence[int]) -> str | None:
@@ -179,34 +188,7 @@ def check_file_name(name: str, where: str = "") -> str:
     return name
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ByteRange(_Strict):
-    """Bytes ``[start, end)`` of a slice's stored bytes and their xxh3-64 (docs/format.md 5.1)."""
-
-    start: NonNeg
-    end: NonNeg
-    xxh3: Hex16
-
-
-class SliceEntry(_Strict):
-    """One stored block of a global tensor: which file, which key, where it sits."""
-
-    file: str = Field(description="data file name, relative to the checkpoint directory")
-    key: str = Field(description="tensor name inside that safetensors file")
-    offsets: list[NonNeg] = Field(description="global index of the block's first element, per dim")
-    shape: list[NonNeg] = Field(description="block shape; the stored tensor has exactly this shape")
-    xxh3: Hex16 | None = Field(default=None, description="xxh3-64 of the stored bytes, 16 hex digits")
-    ranges: list[ByteRange] | None = Field(
-        default=None,
-        description="xxh3-64 of consecutive byte ranges tiling the stored bytes (gathered saves written "
-        "by several ranks: one range per rank's run)",
-    )
-
-
-class TensorEntry(_Strict):
+class TensorEntry(StrictModel):
     """A global tensor: dtype, shape, fingerprint and the slices that tile it.
 
     A tensor lists its slices (``slices``: one whose slices carry ``ranges``) or describes them
@@ -290,7 +272,7 @@ class TensorEntry(_Strict):
         return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
 
 
-class LayoutInfo(_Strict):
+class LayoutInfo(StrictModel):
     """The parallel layout a checkpoint was saved from (informational: loading never needs it)."""
 
     plugin: str = "general"
@@ -299,7 +281,7 @@ class LayoutInfo(_Strict):
     gathered: Annotated[bool, Strict()] = True
 
 
-class UnickptBlock(_Strict):
+class UnickptBlock(StrictModel):
     format_version: FormatVersion = FORMAT_VERSION
     kind: Kind
     files: list[str] | None = Field(

@@ -8,20 +8,14 @@ range whose bytes do not hash to the recorded value, so a damaged range is pinpo
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
 
 import xxhash
 
-from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, IntegrityFailure
-from unickpt.format.dtypes import itemsize
+from unickpt.errors import IntegrityFailure
 from unickpt.format.index_models import SliceEntry
 
-if TYPE_CHECKING:
-    from unickpt.format.reader import CheckpointReader
-
-__all__ = ["RangeChecker", "RangeFailure", "check_ranges", "has_hashes", "slice_failures", "verify_reader"]
+__all__ = ["RangeChecker", "RangeFailure", "check_ranges", "has_hashes", "slice_failures"]
 
 
 class RangeFailure(IntegrityFailure):
@@ -113,24 +107,3 @@ def slice_failures(
     if h is not None and s.xxh3 is not None and h.hexdigest() != s.xxh3:
         out.append(IntegrityFailure(tensor, s.file, s.key, s.xxh3, h.hexdigest()))
     return out
-
-
-def verify_reader(
-    r: CheckpointReader, names: list[str] | None, progress: Callable[[int], None] | None
-) -> list[IntegrityFailure]:
-    """``CheckpointReader.verify``: rehash every stored slice of ``names`` (default all)."""
-    failures: list[IntegrityFailure] = []
-    for name in names if names is not None else list(r.block.tensors):
-        t = r.block.tensors[name]
-        for s in t.slices:
-            if not has_hashes(s):  # xxh3, or ranges (docs/format.md 5.1)
-                continue
-            try:
-                r._check_slice(name, t, s)
-                failures.extend(slice_failures(name, s, r.iter_slice(s)))
-            except (IncompleteCheckpointError, CheckpointFormatError) as e:
-                # Missing or truncated file, edited header, key absent: report it with the rest.
-                failures.append(IntegrityFailure(name, s.file, s.key, s.xxh3 or "-", f"unreadable ({e})"))
-            if progress is not None:
-                progress(math.prod(s.shape) * itemsize(t.dtype))
-    return failures

@@ -13,17 +13,28 @@ A data file is opened once; its header and its bytes are read through the same d
 and the save id in its header must be the one the index records, so that a reader racing a
 save reads the old checkpoint, the new one, or raises ``CheckpointChangedError``: never a mix
 (writers never modify a file in place, they rename new files over old names).
+
+Opening is here too: ``open_checkpoint`` for a local path or a URL; on a URL, ``locate`` finds
+what the location holds and fetches the index bytes (one rank of a distributed load) and
+``open_located`` parses them and builds the reader (every rank). The modules below build blocks
+(``reader_blocks``), read through a Storage (``reader_storage``) and check byte ranges
+(``range_hashes``); none of them imports this one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
+import posixpath
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from unickpt.errors import (
     CheckpointChangedError,
+    CheckpointFormatError,
+    ConfigError,
     HeaderError,
     IncompleteCheckpointError,
     IndexFileError,
@@ -32,32 +43,51 @@ from unickpt.errors import (
 from unickpt.format.confine import confined_path
 from unickpt.format.consistency import check_block, check_keys_referenced
 from unickpt.format.dcp_hf import block_from_dcp_hf, dcp_hf_files
+from unickpt.format.dtypes import itemsize
+from unickpt.format.foreign import foreign_dir
 from unickpt.format.hashing import SliceHasher
-from unickpt.format.index import IndexFile, SliceEntry, TensorEntry, UnickptBlock, check_file_name, load_index
+from unickpt.format.index import (
+    IndexFile,
+    SliceEntry,
+    TensorEntry,
+    UnickptBlock,
+    check_file_name,
+    load_index,
+    parse_index,
+)
 from unickpt.format.naming import index_name, single_name
+from unickpt.format.range_hashes import has_hashes, slice_failures
 from unickpt.format.read_batch import describe_key
 from unickpt.format.reader_blocks import (
     UNICKPT_METADATA_KEY,
     block_from_header,
     block_from_plain_index,
-    describe,
     file_kind,
     single_file_name,
 )
 from unickpt.format.reader_checks import FileChecks, shown
 from unickpt.format.reader_paths import hint_foreign, hint_other_files, not_regular
-from unickpt.format.reader_storage import vanishing
+from unickpt.format.reader_storage import (
+    Prefetched,
+    fetch_index,
+    iter_handle,
+    no_path,
+    open_header,
+    read_into,
+    read_runs,
+)
 from unickpt.format.safetensors_io import SafetensorsHeader, iter_range, open_with_header, read_range
 from unickpt.format.slice_spans import Spans, all_referenced, locate_all
-from unickpt.format.storage import ReadHandle, Storage, is_url
+from unickpt.format.storage import ReadHandle, Storage, is_url, open_storage
 
-if TYPE_CHECKING:
-    from unickpt.format.reader_storage import Prefetched
-
-# describe, file_kind, single_file_name and the metadata key live in reader_blocks; re-exported.
+# file_kind, single_file_name and the metadata key live in reader_blocks; re-exported.
 __all__ = [
     "CheckpointReader",
     "open_checkpoint",
+    "Located",
+    "locate",
+    "open_located",
+    "open_url",
     "single_file_name",
     "UNICKPT_METADATA_KEY",
     "describe",
@@ -115,7 +145,7 @@ class CheckpointReader(FileChecks):
         h = self._headers.get(name)
         if h is None:
             try:
-                with vanishing(self, name):
+                with self._vanishing(name):
                     h = self._open_data_file(name)
             except IncompleteCheckpointError as e:
                 raise IncompleteCheckpointError(
@@ -133,8 +163,6 @@ class CheckpointReader(FileChecks):
     def _open_data_file(self, name: str) -> SafetensorsHeader:
         """Open data file ``name`` (kept open for its bytes) and validate its header."""
         if self.storage is not None:
-            from unickpt.format.reader_storage import open_header
-
             handle, h = open_header(self.storage, self.file_path(name))
             self._handles[name] = handle
             return h
@@ -155,11 +183,24 @@ class CheckpointReader(FileChecks):
         Linux), for libraries that open files by name; the file's own name elsewhere."""
         self.header(name)
         if self.storage is not None:
-            from unickpt.format.reader_storage import no_path
-
             raise no_path(self.file_path(name))
         proc = f"/proc/self/fd/{self._fds[name]}"
         return proc if os.path.exists(proc) else self.file_path(name)
+
+    @contextlib.contextmanager
+    def _vanishing(self, name: str) -> Iterator[None]:
+        """On a URL: a data file gone after its header was read (a save replaced the checkpoint and
+        deleted it) raises ``CheckpointChangedError`` when the committed index changed since this
+        reader parsed it; otherwise the error stands."""
+        try:
+            yield
+        except IncompleteCheckpointError:
+            if self._index_changed():
+                raise CheckpointChangedError(
+                    f"{self.index_path}: data file {name!r} vanished while the checkpoint was read, "
+                    "and the index is no longer the one read: a save replaced the checkpoint; load it again"
+                ) from None
+            raise
 
     def _index_changed(self) -> bool:
         """True when the index this reader parsed is no longer the committed one (or is gone)."""
@@ -167,9 +208,6 @@ class CheckpointReader(FileChecks):
             return False
         try:
             if self.storage is not None:
-                from unickpt.format.index import parse_index
-                from unickpt.format.reader_storage import fetch_index
-
                 now = parse_index(fetch_index(self.storage, self.index_path), self.index_path).unickpt
             else:
                 now = load_index(self.index_path).unickpt
@@ -187,15 +225,13 @@ class CheckpointReader(FileChecks):
 
     def _read(self, name: str, offset: int, length: int, out: memoryview | None) -> memoryview:
         if self.storage is not None:
-            from unickpt.format.reader_storage import read_into
-
             hit = self._prefetched.get(name, offset, length) if self._prefetched is not None else None
             if hit is not None:
                 if out is None:
                     return hit
                 out[:length] = hit
                 return out[:length]
-            with vanishing(self, name):
+            with self._vanishing(name):
                 return read_into(self._handle(name), offset, length, out)
         return read_range(self._fd(name), offset, length, out)
 
@@ -205,11 +241,9 @@ class CheckpointReader(FileChecks):
         :meth:`drop_prefetched`. A no-op for local files (the page cache does this)."""
         if self.storage is None:
             return
-        from unickpt.format.reader_storage import Prefetched
-
         if self._prefetched is None:
             self._prefetched = Prefetched()
-        with vanishing(self, ", ".join(sorted(wanted))):
+        with self._vanishing(", ".join(sorted(wanted))):
             self._prefetched.fetch({name: self._handle(name) for name in wanted}, wanted, threads)
 
     def drop_prefetched(self) -> None:
@@ -319,8 +353,6 @@ class CheckpointReader(FileChecks):
             if o < 0 or o + k > n:
                 raise HeaderError(f"{s.file}: read of {k} bytes at {o} outside slice {s.key!r}")
         if self.storage is not None:
-            from unickpt.format.reader_storage import read_runs
-
             absolute = [(off + o, k) for o, k in runs]
             if self._prefetched is not None:
                 got = [self._prefetched.get(s.file, o, k) for o, k in absolute]
@@ -331,7 +363,7 @@ class CheckpointReader(FileChecks):
                         out[pos : pos + len(h)] = h
                         pos += len(h)
                     return
-            with vanishing(self, s.file):
+            with self._vanishing(s.file):
                 read_runs(self._handle(s.file), absolute, out)
             return
         pos = 0
@@ -342,8 +374,6 @@ class CheckpointReader(FileChecks):
     def iter_slice(self, s: SliceEntry, chunk: int = 16 << 20) -> Iterator[bytes]:
         _, off, n = self.slice_location(s)
         if self.storage is not None:
-            from unickpt.format.reader_storage import iter_handle
-
             hit = self._prefetched.get(s.file, off, n) if self._prefetched is not None else None
             if hit is not None:
                 for at in range(0, n, chunk):
@@ -367,9 +397,33 @@ class CheckpointReader(FileChecks):
         A slice without a recorded hash (plain Hugging Face files) is skipped. ``progress``
         is called with the byte count of each slice checked.
         """
-        from unickpt.format.range_hashes import verify_reader
+        failures: list[IntegrityFailure] = []
+        for name in names if names is not None else list(self.block.tensors):
+            t = self.block.tensors[name]
+            for s in t.slices:
+                if not has_hashes(s):  # xxh3, or ranges (docs/format.md 5.1)
+                    continue
+                try:
+                    self._check_slice(name, t, s)
+                    failures.extend(slice_failures(name, s, self.iter_slice(s)))
+                except (IncompleteCheckpointError, CheckpointFormatError) as e:
+                    # Missing or truncated file, edited header, key absent: report it with the rest.
+                    failures.append(IntegrityFailure(name, s.file, s.key, s.xxh3 or "-", f"unreadable ({e})"))
+                if progress is not None:
+                    progress(math.prod(s.shape) * itemsize(t.dtype))
+        return failures
 
-        return verify_reader(self, names, progress)
+
+def describe(reader: CheckpointReader) -> dict[str, Any]:
+    """A plain-data summary (used by ``inspect --json``)."""
+    b = reader.block
+    return {
+        "path": reader.index_path or reader.directory,
+        "kind": b.kind,
+        "layout": b.layout.model_dump(),
+        "tensors": len(b.tensors),
+        "total_bytes": sum(t.nbytes for t in b.tensors.values()),
+    }
 
 
 def open_checkpoint(
@@ -390,15 +444,11 @@ def open_checkpoint(
     """
     if not is_url(path):
         if storage_options:
-            from unickpt.errors import ConfigError
-
             raise ConfigError(f"storage_options are for fsspec URLs; {os.fspath(path)!r} is a local path")
         path = os.fspath(path).removeprefix("file://")
 
     def reopen() -> CheckpointReader:
         if is_url(path):
-            from unickpt.format.reader_storage import open_url
-
             return open_url(path, kind, storage_options)
         return _open_checkpoint(path, kind)
 
@@ -496,3 +546,104 @@ def _from_index(idx_path: str, directory: str, kind: str) -> CheckpointReader:
         raise IndexFileError(f"{idx_path}: holds a {block.kind} checkpoint, expected a {kind} checkpoint")
     check_block(idx_path, block, idx.weight_map)
     return CheckpointReader(directory, kind, block, idx_path, True, idx)
+
+
+@dataclass(frozen=True)
+class Located:
+    """What a URL holds: an index (with its bytes) or a single safetensors file."""
+
+    url: str  # the index or the single file
+    directory: str
+    index_bytes: bytes | None  # None for a single file
+
+
+def _url_of(location: str | os.PathLike[str]) -> str:
+    return os.fspath(location).rstrip("/")
+
+
+def locate(
+    location: str | os.PathLike[str], kind: str, storage_options: dict[str, Any] | None = None
+) -> Located:
+    """Find the checkpoint of ``kind`` at a URL and fetch its index (one request when it is there).
+
+    A URL ending in ``.index.json`` is the index; one ending in ``.safetensors`` is a single
+    file; anything else is a directory holding ``<kind>.safetensors.index.json`` or
+    ``<kind>.safetensors``.
+    """
+    url = _url_of(location)
+    storage, _ = open_storage(url, storage_options)
+    if url.endswith(".index.json"):
+        return Located(url, posixpath.dirname(url), fetch_index(storage, url))
+    if url.endswith(".safetensors") and storage.exists(url):
+        return Located(url, posixpath.dirname(url), None)
+    idx = f"{url}/{index_name(kind)}"
+    try:
+        return Located(idx, url, fetch_index(storage, idx))
+    except IncompleteCheckpointError:
+        pass
+    single = f"{url}/{single_name(kind)}"
+    if storage.exists(single):
+        return Located(single, url, None)
+    other = foreign_dir(storage.listdir(url), lambda n: storage.listdir(f"{url}/{n}"))
+    raise IncompleteCheckpointError(
+        f"{url} holds no committed {kind} checkpoint: neither {index_name(kind)} nor {single_name(kind)} "
+        "is present (an interrupted save leaves data files without an index; such a location is never loaded)"
+        + ("" if other is None else f"; {other.hint(url)}")
+    )
+
+
+def open_located(
+    located: Located, kind: str, storage_options: dict[str, Any] | None = None
+) -> CheckpointReader:
+    """The reader of what :func:`locate` found; parses the index bytes it carries."""
+    storage, _ = open_storage(located.url, storage_options)
+    if located.index_bytes is None:
+        handle, h = open_header(storage, located.url)
+        try:
+            block, has = block_from_header(h, kind)
+            if has:
+                check_block(h.path, block, None)
+        except BaseException:
+            handle.close()
+            raise
+        file = single_file_name(located.url, kind)
+        r = CheckpointReader(
+            located.directory,
+            kind,
+            block,
+            None,
+            has,
+            single_file=located.url,
+            single_slice_file=file,
+            storage=storage,
+        )
+        try:
+            r.check_single_file(file, h)
+        except BaseException:
+            handle.close()
+            raise
+        r._headers[file] = h
+        r._handles[file] = handle
+        return r
+    idx: IndexFile = parse_index(located.index_bytes, located.url)
+    if idx.unickpt is None:
+
+        def header_of(file: str) -> SafetensorsHeader:
+            handle, h = open_header(storage, f"{located.directory}/{file}")
+            handle.close()
+            return h
+
+        block = block_from_plain_index(idx, located.directory, located.url, kind, header_of)
+        return CheckpointReader(located.directory, kind, block, located.url, False, idx, storage=storage)
+    block = idx.unickpt
+    if block.kind != kind:
+        raise IndexFileError(f"{located.url}: holds a {block.kind} checkpoint, expected a {kind} checkpoint")
+    check_block(located.url, block, idx.weight_map)
+    return CheckpointReader(located.directory, kind, block, located.url, True, idx, storage=storage)
+
+
+def open_url(
+    location: str | os.PathLike[str], kind: str, storage_options: dict[str, Any] | None = None
+) -> CheckpointReader:
+    """``open_located(locate(...))``: the reader of a URL, opened by this process alone."""
+    return open_located(locate(location, kind, storage_options), kind, storage_options)

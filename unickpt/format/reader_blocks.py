@@ -1,5 +1,5 @@
 """Blocks a reader builds for itself: from a single file's header metadata, from a plain Hugging
-Face index, and the summaries of a checkpoint (``describe``, ``file_kind``).
+Face index, and what kind of checkpoint a file is (``file_kind``).
 
 No file handle is kept here: each function reads what it needs and returns plain values.
 """
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -19,16 +18,12 @@ from unickpt.format.naming import single_name
 from unickpt.format.safetensors_io import SafetensorsHeader, read_header
 from unickpt.format.versioning import OtherFormatVersion, version_error
 
-if TYPE_CHECKING:
-    from unickpt.format.reader import CheckpointReader
-
 __all__ = [
     "UNICKPT_METADATA_KEY",
     "block_from_header",
     "block_from_plain_index",
     "single_file_name",
     "file_kind",
-    "describe",
 ]
 
 UNICKPT_METADATA_KEY = "unickpt"
@@ -144,15 +139,3 @@ def file_kind(path: str) -> str | None:
         return None
     kind = obj.get("kind") if isinstance(obj, dict) else None
     return kind if kind in ("model", "optimizer") else None
-
-
-def describe(reader: CheckpointReader) -> dict[str, Any]:
-    """A plain-data summary (used by ``inspect --json``)."""
-    b = reader.block
-    return {
-        "path": reader.index_path or reader.directory,
-        "kind": b.kind,
-        "layout": b.layout.model_dump(),
-        "tensors": len(b.tensors),
-        "total_bytes": sum(t.nbytes for t in b.tensors.values()),
-    }

@@ -10,41 +10,26 @@ A data file is opened once: its size is fixed at open, its header is read with o
 request (``HEADER_PROBE`` bytes; a second one when the header is longer), and its tensor bytes
 are read with exact ranged requests, neighbouring ones coalesced and several in flight.
 
-The index of a distributed load is fetched once: :func:`locate` (one rank) finds what the
-location holds and fetches the index bytes, and :func:`open_located` (every rank) parses them
-and builds the reader.
+Below the reader: nothing here builds a ``CheckpointReader``. Opening a checkpoint on a URL
+(``reader.locate``, ``reader.open_located``) stands on :func:`fetch_index` and :func:`open_header`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import posixpath
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
-from unickpt.errors import CheckpointChangedError, IncompleteCheckpointError, IndexFileError, UnsupportedError
-from unickpt.format.foreign import foreign_dir
-from unickpt.format.index import MAX_INDEX_BYTES, IndexFile, parse_index
-from unickpt.format.naming import index_name, single_name
+from unickpt.errors import IndexFileError, UnsupportedError
+from unickpt.format.index import MAX_INDEX_BYTES
 from unickpt.format.safetensors_io import SafetensorsHeader, header_from_bytes
-from unickpt.format.storage import ReadHandle, Storage, open_storage
-
-if TYPE_CHECKING:
-    from unickpt.format.reader import CheckpointReader
+from unickpt.format.storage import MAX_REQUEST, ReadHandle, Storage, coalesce
 
 __all__ = [
     "HEADER_PROBE",
-    "Located",
     "open_header",
     "read_into",
     "iter_handle",
     "read_runs",
     "fetch_index",
-    "locate",
-    "open_located",
-    "open_url",
 ]
 
 #: Bytes asked for when a data file is opened: the length prefix and (nearly always) the header.
@@ -121,111 +106,6 @@ def fetch_index(storage: Storage, path: str) -> bytes:
         ) from None
 
 
-@dataclass(frozen=True)
-class Located:
-    """What a URL holds: an index (with its bytes) or a single safetensors file."""
-
-    url: str  # the index or the single file
-    directory: str
-    index_bytes: bytes | None  # None for a single file
-
-
-def _url_of(location: str | os.PathLike[str]) -> str:
-    return os.fspath(location).rstrip("/")
-
-
-def locate(
-    location: str | os.PathLike[str], kind: str, storage_options: dict[str, Any] | None = None
-) -> Located:
-    """Find the checkpoint of ``kind`` at a URL and fetch its index (one request when it is there).
-
-    A URL ending in ``.index.json`` is the index; one ending in ``.safetensors`` is a single
-    file; anything else is a directory holding ``<kind>.safetensors.index.json`` or
-    ``<kind>.safetensors``.
-    """
-    url = _url_of(location)
-    storage, _ = open_storage(url, storage_options)
-    if url.endswith(".index.json"):
-        return Located(url, posixpath.dirname(url), fetch_index(storage, url))
-    if url.endswith(".safetensors") and storage.exists(url):
-        return Located(url, posixpath.dirname(url), None)
-    idx = f"{url}/{index_name(kind)}"
-    try:
-        return Located(idx, url, fetch_index(storage, idx))
-    except IncompleteCheckpointError:
-        pass
-    single = f"{url}/{single_name(kind)}"
-    if storage.exists(single):
-        return Located(single, url, None)
-    other = foreign_dir(storage.listdir(url), lambda n: storage.listdir(f"{url}/{n}"))
-    raise IncompleteCheckpointError(
-        f"{url} holds no committed {kind} checkpoint: neither {index_name(kind)} nor {single_name(kind)} "
-        "is present (an interrupted save leaves data files without an index; such a location is never loaded)"
-        + ("" if other is None else f"; {other.hint(url)}")
-    )
-
-
-def open_located(
-    located: Located, kind: str, storage_options: dict[str, Any] | None = None
-) -> CheckpointReader:
-    """The reader of what :func:`locate` found; parses the index bytes it carries."""
-    from unickpt.format.consistency import check_block
-    from unickpt.format.reader import CheckpointReader
-    from unickpt.format.reader_blocks import block_from_header, block_from_plain_index, single_file_name
-
-    storage, _ = open_storage(located.url, storage_options)
-    if located.index_bytes is None:
-        handle, h = open_header(storage, located.url)
-        try:
-            block, has = block_from_header(h, kind)
-            if has:
-                check_block(h.path, block, None)
-        except BaseException:
-            handle.close()
-            raise
-        file = single_file_name(located.url, kind)
-        r = CheckpointReader(
-            located.directory,
-            kind,
-            block,
-            None,
-            has,
-            single_file=located.url,
-            single_slice_file=file,
-            storage=storage,
-        )
-        try:
-            r.check_single_file(file, h)
-        except BaseException:
-            handle.close()
-            raise
-        r._headers[file] = h
-        r._handles[file] = handle
-        return r
-    idx: IndexFile = parse_index(located.index_bytes, located.url)
-    if idx.unickpt is None:
-
-        def header_of(file: str) -> SafetensorsHeader:
-            handle, h = open_header(storage, f"{located.directory}/{file}")
-            handle.close()
-            return h
-
-        block = block_from_plain_index(idx, located.directory, located.url, kind, header_of)
-        return CheckpointReader(located.directory, kind, block, located.url, False, idx, storage=storage)
-    block = idx.unickpt
-    if block.kind != kind:
-        raise IndexFileError(f"{located.url}: holds a {block.kind} checkpoint, expected a {kind} checkpoint")
-    check_block(located.url, block, idx.weight_map)
-    return CheckpointReader(located.directory, kind, block, located.url, True, idx, storage=storage)
-
-
-def open_url(
-    location: str | os.PathLike[str], kind: str, storage_options: dict[str, Any] | None = None
-) -> CheckpointReader:
-    """``open_located(locate(...))``: the reader of a URL, opened by this process alone."""
-    return open_located(locate(location, kind, storage_options), kind, storage_options)
-
-
 def no_path(url: str) -> UnsupportedError:
     return UnsupportedError(f"{url} is on an object store: it has no local path to open")
 
@@ -245,8 +125,6 @@ class Prefetched:
         self, handles: dict[str, ReadHandle], wanted: dict[str, list[tuple[int, int]]], threads: int
     ) -> None:
         from concurrent.futures import ThreadPoolExecutor
-
-        from unickpt.format.storage import MAX_REQUEST, coalesce
 
         def one(name: str) -> tuple[str, list[tuple[int, bytes]]]:
             reqs = [(a, b - a) for a, b, _ in coalesce(wanted[name], waste=PREFETCH_WASTE) if b > a]
@@ -291,19 +169,3 @@ class Prefetched:
 
     def clear(self) -> None:
         self._blocks.clear()
-
-
-@contextlib.contextmanager
-def vanishing(reader: Any, name: str) -> Iterator[None]:
-    """On a URL: a data file gone after its header was read (a save replaced the checkpoint and
-    deleted it) raises ``CheckpointChangedError`` when the committed index changed since
-    ``reader`` (a ``CheckpointReader``) parsed it; otherwise the error stands."""
-    try:
-        yield
-    except IncompleteCheckpointError:
-        if reader._index_changed():
-            raise CheckpointChangedError(
-                f"{reader.index_path}: data file {name!r} vanished while the checkpoint was read, "
-                "and the index is no longer the one read: a save replaced the checkpoint; load it again"
-            ) from None
-        raise

@@ -24,8 +24,10 @@ from typing import Any
 
 import numpy as np
 
+from unickpt.format.coverage import coverage_problem
 from unickpt.format.grid import chunk_extents, distinct_parts, grid_extents
 from unickpt.format.grid import grid_boxes as _grid_boxes
+from unickpt.format.slice_models import SliceEntry, entries_from_records
 
 __all__ = [
     "SliceTable",
@@ -280,10 +282,8 @@ class SliceTable:
             shape.append(max(0, min(c, g - offs[-1])) if isinstance(p, int) else p[i])
         return offs[::-1], shape[::-1]
 
-    def entry(self, k: int) -> Any:
+    def entry(self, k: int) -> SliceEntry:
         """Slice ``k`` as a ``SliceEntry``."""
-        from unickpt.format.index_models import SliceEntry
-
         offsets, shape = self.box(k)
         return SliceEntry.model_construct(
             file=self.file(k),
@@ -329,10 +329,8 @@ class SliceTable:
             )
         ]
 
-    def entries_at(self, ks: Sequence[int]) -> list[Any]:
+    def entries_at(self, ks: Sequence[int]) -> list[SliceEntry]:
         """The slices at positions ``ks`` as ``SliceEntry`` objects (built in bulk)."""
-        from unickpt.format.index_bulk import entries_from_records
-
         if not ks:
             return []
         sel = np.asarray(ks, dtype=np.int64)
@@ -356,10 +354,8 @@ class SliceTable:
         ]
         return entries_from_records(records)
 
-    def entries(self) -> list[Any]:
+    def entries(self) -> list[SliceEntry]:
         """Every slice as a ``SliceEntry`` (built in bulk, as the index parser builds them)."""
-        from unickpt.format.index_bulk import entries_from_records
-
         return entries_from_records(self.records())
 
     # ------------------------------------------------------------ in bulk
@@ -439,8 +435,6 @@ class SliceTable:
             self.grid = self.detect_grid()
             if self.grid is not None:
                 return None
-        from unickpt.format.coverage import coverage_problem
-
         return coverage_problem(self.gshape, self.boxes())
 
     # ------------------------------------------------------------ writing version 3

@@ -19,7 +19,7 @@ from unickpt._faults import maybe_fail
 from unickpt.format.boxes import intersect, runs
 from unickpt.format.dtypes import itemsize
 from unickpt.format.index import TensorEntry
-from unickpt.format.reader import CheckpointReader, open_checkpoint
+from unickpt.format.reader import CheckpointReader, Located, locate, open_checkpoint, open_located
 from unickpt.format.storage import is_url
 from unickpt.io.tensors import LocalSlice
 
@@ -122,8 +122,6 @@ def open_for_load(
     index once, not once per rank. A single process opens (pins) every data file at once, so a
     save committed while the checkpoint is opened is retried once here, before anything is loaded.
     """
-    from unickpt.format.reader_storage import Located, locate, open_located
-
     where = os.fspath(checkpoint)
     alone = _dist.world_size(group) == 1
     located: Located | None = None

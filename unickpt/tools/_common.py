@@ -13,7 +13,7 @@ from typing import Any
 from unickpt.errors import IncompleteCheckpointError, OutputExistsError
 from unickpt.format.commit import makedirs_durable, only_leftovers, publish_directory, temp_name
 from unickpt.format.naming import index_name, single_name
-from unickpt.format.reader import CheckpointReader, file_kind, open_checkpoint
+from unickpt.format.reader import CheckpointReader, file_kind, locate, open_checkpoint, open_located
 from unickpt.format.reader_paths import hint_foreign
 from unickpt.format.storage import is_url, open_storage
 from unickpt.format.writer import write_all
@@ -72,8 +72,6 @@ def open_auto(path: str | os.PathLike[str], kind: str | None = None) -> Checkpoi
 
 
 def _open_url_auto(url: str, kind: str | None) -> CheckpointReader:
-    from unickpt.format.reader_storage import locate, open_located
-
     if kind is None:
         base = url.rstrip("/").rsplit("/", 1)[-1]
         if base.endswith((".json", ".safetensors")):
