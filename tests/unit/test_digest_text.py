@@ -24,7 +24,7 @@ from unickpt.format.index import (
     parse_index,
     parse_index_validated,
 )
-from unickpt.format.index_fast import _FastIndex
+from unickpt.format.index_fast import FastIndex
 from unickpt.format.reader import open_checkpoint
 
 INDEX = "model.safetensors.index.json"
@@ -102,7 +102,7 @@ def test_a_save_writes_base64url_digests_and_a_default_dtype(tmp_path: Path) -> 
     assert "dtype" not in tensors["embed"] and tensors["norm"]["dtype"] == "F32"
     assert tensors["steps"]["dtype"] == "I64" and len(tensors["embed"]["xxh3"]) == 44
     assert all(len(t["fingerprint"]) == 11 for t in tensors.values())
-    _FastIndex(raw).parse(raw.decode())  # the fast path vouches for it (no fallback to the models)
+    FastIndex(raw).parse(raw.decode())  # the fast path vouches for it (no fallback to the models)
     fast, slow = (parse(raw, "a.json") for parse in (parse_index, parse_index_validated))
     assert fast == slow and fast.unickpt is not None
     for name, t in fast.unickpt.tensors.items():  # hex digests and every dtype in memory

@@ -194,9 +194,9 @@ def test_ranges_parse_alike_and_bad_tilings_are_refused(tmp_path: Path) -> None:
     raw = (tmp_path / "c" / "model.safetensors.index.json").read_bytes()
     fast, ref = parse_index(raw, "i"), parse_index_validated(raw, "i")
     assert fast == ref and index_to_json(fast) == index_to_json(ref)
-    from unickpt.format.index import _FastIndex
+    from unickpt.format.index import FastIndex
 
-    assert _FastIndex(raw).parse(raw.decode()) == ref  # the fast path takes ranges itself
+    assert FastIndex(raw).parse(raw.decode()) == ref  # the fast path takes ranges itself
     rs = fast.unickpt.tensors["1.weight"].slices[0].ranges  # type: ignore[union-attr]
     assert rs is not None and [(r.start, r.end) for r in rs] == [
         (0, 280),

@@ -28,14 +28,14 @@ from unickpt.format._json import colon_budget, count_pairs_and_colons, strict_lo
 from unickpt.format.digest_text import hex_to_b64
 from unickpt.format.dtypes import DTYPE_ITEMSIZE
 from unickpt.format.index import (
+    FastIndex,
     IndexFile,
     IndexMetadata,
     LayoutInfo,
+    NotFast,
     SliceEntry,
     TensorEntry,
     UnickptBlock,
-    _FastIndex,
-    _NotFast,
     index_to_json,
     parse_index,
     parse_index_validated,
@@ -428,8 +428,8 @@ def _check(raw: bytes, canonical: bool) -> None:
     # The fast checks alone: never accept what the models refuse, never flag what they accept,
     # and take the index unickpt writes without falling back.
     try:
-        direct = _FastIndex(raw).parse(raw.decode("utf-8"))
-    except _NotFast as nf:
+        direct = FastIndex(raw).parse(raw.decode("utf-8"))
+    except NotFast as nf:
         if nf.problem is not None:
             assert ref[0] == "error", nf.problem
         assert not (canonical and ref[0] == "ok"), "a valid index in unickpt's form took the fallback"
@@ -451,7 +451,7 @@ def test_valid_indexes_take_the_fast_path(obj: dict[str, Any]) -> None:
     raw = index_to_json(IndexFile.model_validate(obj))
     _check(raw, True)
     # Written by unickpt (index_to_json): every tensor's slices take the bulk path.
-    fast = _FastIndex(raw)
+    fast = FastIndex(raw)
     fast.parse(raw.decode())
 
 
@@ -535,8 +535,8 @@ def test_escaped_colon_is_not_counted_and_falls_back() -> None:
     assert colon_budget(raw) is None
     with pytest.raises(IndexFileError, match="duplicate key 'a:b'"):
         parse_index(raw, "idx.json")
-    with pytest.raises(_NotFast):
-        _FastIndex(raw).parse(raw.decode())
+    with pytest.raises(NotFast):
+        FastIndex(raw).parse(raw.decode())
 
 
 def test_duplicate_keys_keep_their_message() -> None:
@@ -578,7 +578,7 @@ def _sliced(n_tensors: int = 3, world: int = 4) -> bytes:
 
 def test_written_index_builds_the_same_objects() -> None:
     raw = _sliced()
-    fast = _FastIndex(raw).parse(raw.decode())
+    fast = FastIndex(raw).parse(raw.decode())
     ref = parse_index_validated(raw, "idx.json")
     assert fast == ref and _state(fast) == _state(ref) and index_to_json(fast) == raw
     s = fast.unickpt.tensors["layers.0.weight"].slices[0]  # type: ignore[union-attr]
@@ -664,8 +664,8 @@ def test_errors_keep_their_messages(edit: Any, error: type[Exception], message: 
         parse_index_validated(raw, "idx.json")
     assert str(fast.value) == str(ref.value)
     assert message in str(fast.value) and str(fast.value).startswith("idx.json: ")
-    with pytest.raises(_NotFast) as nf:
-        _FastIndex(raw).parse(raw.decode())
+    with pytest.raises(NotFast) as nf:
+        FastIndex(raw).parse(raw.decode())
     assert nf.value.problem is not None and nf.value.error is error
 
 
@@ -676,9 +676,9 @@ def test_a_problem_the_models_miss_is_still_refused(monkeypatch: pytest.MonkeyPa
     raw = _sliced()
 
     def flag(self: Any, text: str) -> IndexFile:
-        raise _NotFast("index does not match the unickpt index schema: made up", IndexFileError)
+        raise NotFast("index does not match the unickpt index schema: made up", IndexFileError)
 
-    monkeypatch.setattr(index_mod._FastIndex, "parse", flag)
+    monkeypatch.setattr(index_mod.FastIndex, "parse", flag)
     with pytest.raises(IndexFileError) as e:
         parse_index(raw, "idx.json")
     assert str(e.value) == "idx.json: index does not match the unickpt index schema: made up"
@@ -694,7 +694,7 @@ def test_an_unexpected_failure_of_the_fast_path_falls_back(
     def broken(self: Any, text: str) -> IndexFile:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(index_mod._FastIndex, "parse", broken)
+    monkeypatch.setattr(index_mod.FastIndex, "parse", broken)
     with caplog.at_level("WARNING", logger="unickpt.format.index"):
         assert _state(parse_index(raw, "idx.json")) == _state(parse_index_validated(raw, "idx.json"))
     assert "fast index parse failed (RuntimeError: boom)" in caplog.text
@@ -726,8 +726,8 @@ def test_deep_nesting_in_free_form_values_falls_back() -> None:
     for _ in range(300):
         deep = [deep]
     raw = json.dumps({"weight_map": {}, "extra": deep}).encode()
-    with pytest.raises(_NotFast):
-        _FastIndex(raw).parse(raw.decode())
+    with pytest.raises(NotFast):
+        FastIndex(raw).parse(raw.decode())
     assert parse_index(raw, "i") == parse_index_validated(raw, "i")
 
 

@@ -24,7 +24,7 @@ from unickpt.errors import IndexFileError, UnsafePathError
 from unickpt.format._json import check_unicode, colon_budget, strict_loads
 from unickpt.format.bounds import read_bounded
 from unickpt.format.index_bulk import gc_paused
-from unickpt.format.index_fast import _FastIndex, _NotFast
+from unickpt.format.index_fast import FastIndex, NotFast
 
 # The schema (index_models) is re-exported: callers import the models from here.
 from unickpt.format.index_models import FORMAT_VERSION as FORMAT_VERSION
@@ -48,7 +48,7 @@ def parse_index(raw: bytes, path: str) -> IndexFile:
     """Parse and validate index bytes; every failure is an ``IndexFileError`` naming ``path``.
 
     Checks exactly what :func:`parse_index_validated` (the pydantic models) checks, and returns
-    an equal index, about 4x faster on large sliced indexes (see ``_FastIndex``). Whenever the
+    an equal index, about 4x faster on large sliced indexes (see ``FastIndex``). Whenever the
     fast checks do not vouch for the input (an error, a value pydantic would coerce, an unusual
     layout), the full validation runs and its answer and messages are the ones reported.
     """
@@ -70,8 +70,8 @@ def _parse_owned(box: list[bytes], path: str, reread: Callable[[], bytes] | None
     kept = text_box[0] if reread is None else None
     try:
         with gc_paused():
-            return _FastIndex(None, budget).parse(text_box)
-    except _NotFast as nf:
+            return FastIndex(None, budget).parse(text_box)
+    except NotFast as nf:
         text = kept if kept is not None else _decode(_again(reread), path)
         index = _validate(text, path)
         if nf.problem is not None:

@@ -9,7 +9,7 @@ plain code driven by the schema's one definition in ``index_models`` (field list
 choices, and the rule functions the validators call); and builds the objects validation builds
 (``model_construct``, or the attributes it sets, in bulk).
 
-Any doubt raises _NotFast, and parse_index then runs the models and reports their answer.
+Any doubt raises NotFast, and parse_index then runs the models and reports their answer.
 tests/unit/test_index_fast.py checks that both paths accept the same inputs, build equal
 indexes and refuse the rest with the same messages.
 """
@@ -61,7 +61,7 @@ from unickpt.format.index_models import (
 )
 from unickpt.format.versioning import OtherFormatVersion
 
-__all__ = ["_FastIndex", "_NotFast"]
+__all__ = ["FastIndex", "NotFast"]
 
 _TENSOR_FIELDS, _TENSOR_REQUIRED = fields_of(models.TensorEntry)
 _LAYOUT_FIELDS, _LAYOUT_REQUIRED = fields_of(models.LayoutInfo)
@@ -71,7 +71,7 @@ _KIND_CHOICES = " or ".join(map(repr, KINDS))
 _hex16 = re.compile(HEX16_BODY).fullmatch
 _save_id = re.compile(SAVE_ID_BODY).fullmatch
 _SCHEMA = "index does not match the unickpt index schema"
-# The fields whose checks _FastIndex writes out (a rule, a bulk path or a lax case of their
+# The fields whose checks FastIndex writes out (a rule, a bulk path or a lax case of their
 # own), per model. Every other field is checked by the plain check its declared type calls for
 # (_plain_check, read from index_models: str, str | None, a bounded strict int, a strict bool,
 # list[NonNeg], Hex16 | None); a field of any other type fails at import until it gets a check.
@@ -89,7 +89,7 @@ CUSTOM_FIELDS: dict[type[BaseModel], frozenset[str]] = {
 }
 
 
-class _NotFast(Exception):
+class NotFast(Exception):
     """The fast checks do not vouch for the input: the full validation decides.
 
     ``problem`` is set when the input definitely breaks the schema (the full validation must
@@ -106,11 +106,11 @@ class _NotFast(Exception):
         self.error = error
 
 
-def _schema(where: str, expected: str, value: Any) -> _NotFast:
-    return _NotFast(f"{_SCHEMA}: {where}: expected {expected}, found {found_text(value)}")
+def _schema(where: str, expected: str, value: Any) -> NotFast:
+    return NotFast(f"{_SCHEMA}: {where}: expected {expected}, found {found_text(value)}")
 
 
-class _FastIndex:
+class FastIndex:
     """One pass over the decoded index: checks, counts members and colons, builds the models."""
 
     __slots__ = ("budget", "colons", "files", "pairs", "raw", "shared")
@@ -130,19 +130,19 @@ class _FastIndex:
         budget = colon_budget(self.raw) if self.raw is not None else self.budget
         self.raw = None
         if budget is None:
-            raise _NotFast
+            raise NotFast
         try:
             obj = json.loads(text.pop() if isinstance(text, list) else text)
         except (ValueError, RecursionError):
-            raise _NotFast from None
+            raise NotFast from None
         if type(obj) is not dict:
-            raise _NotFast
+            raise NotFast
         try:
             index = self.index(obj)
         except (TooDeep, RecursionError, DigestTextError, OtherFormatVersion):  # the models word these
-            raise _NotFast from None
+            raise NotFast from None
         if self.pairs + self.colons != budget:
-            raise _NotFast  # a duplicate key: strict_loads names it
+            raise NotFast  # a duplicate key: strict_loads names it
         return index
 
     # ------------------------------------------------------------------ values
@@ -165,7 +165,7 @@ class _FastIndex:
             bound = f" below {hi}" if hi is not None else ""
             raise _schema(where, f"an integer >= {lo}{bound}", v)
         if type(v) in (bool, float, str):
-            raise _NotFast  # pydantic's lax mode may coerce it
+            raise NotFast  # pydantic's lax mode may coerce it
         raise _schema(where, "an integer", v)
 
     def optional_string(self, v: Any, where: str) -> str | None:
@@ -174,7 +174,7 @@ class _FastIndex:
     def boolean(self, v: Any, where: str) -> bool:
         if type(v) is not bool:
             if type(v) in (int, float, str):
-                raise _NotFast  # pydantic takes 0, 1, "true", "no"...
+                raise NotFast  # pydantic takes 0, 1, "true", "no"...
             raise _schema(where, "a boolean", v)
         return v
 
@@ -196,10 +196,10 @@ class _FastIndex:
             raise _schema(where, "an object", v)
         for k in v:
             if k not in fields:
-                raise _NotFast(f"{_SCHEMA}: {where}: unexpected key {k!r}")
+                raise NotFast(f"{_SCHEMA}: {where}: unexpected key {k!r}")
         for k in required:
             if k not in v:
-                raise _NotFast(f"{_SCHEMA}: {where}: missing key {k!r}")
+                raise NotFast(f"{_SCHEMA}: {where}: missing key {k!r}")
         self.pairs += len(v)
         return v
 
@@ -211,7 +211,7 @@ class _FastIndex:
         for k, v in obj.items():
             if k == "metadata":
                 if obj.get("unickpt") is None and not strict_metadata_ok(v):
-                    raise _NotFast  # a plain index's metadata is informational: the models decide
+                    raise NotFast  # a plain index's metadata is informational: the models decide
                 given[k] = self.metadata(v)
             elif k == "weight_map":
                 given[k] = self.weight_map(v)
@@ -222,7 +222,7 @@ class _FastIndex:
                 self.walk(v)
                 extra[k] = v
         if "weight_map" not in given:
-            raise _NotFast(f"{_SCHEMA}: weight_map: missing")
+            raise NotFast(f"{_SCHEMA}: weight_map: missing")
         return construct(models.IndexFile, given, set(obj), extra)
 
     def metadata(self, v: Any) -> models.IndexMetadata:
@@ -257,9 +257,9 @@ class _FastIndex:
             try:
                 check_file_name(name)
             except UnsafePathError as e:
-                raise _NotFast(str(e), UnsafePathError) from None
+                raise NotFast(str(e), UnsafePathError) from None
             if ":" in name:
-                raise _NotFast  # never, with today's names: the colon count skips file names
+                raise NotFast  # never, with today's names: the colon count skips file names
 
     def block(self, v: Any) -> models.UnickptBlock:
         v, fewer = block_from_json(v)  # the text form (base64url digests, default dtype)
@@ -274,7 +274,7 @@ class _FastIndex:
             elif k == "format_version":
                 if type(x) is not int:
                     if type(x) in (bool, float):
-                        raise _NotFast  # pydantic takes true and 1.0 for 1
+                        raise NotFast  # pydantic takes true and 1.0 for 1
                     raise _schema(where, _VERSIONS, x)
                 if x not in KNOWN_FORMAT_VERSIONS:
                     raise _schema(where, f"{_VERSIONS} (a format version this reader knows)", x)
@@ -288,7 +288,7 @@ class _FastIndex:
             elif k == "files":
                 if x is not None:
                     if type(x) is not list or set(map(type, x)) - {str}:
-                        raise _NotFast  # the models name what is wrong
+                        raise NotFast  # the models name what is wrong
                     self.files |= set(x)
                 given[k] = x
             elif k == "tensors":
@@ -309,13 +309,13 @@ class _FastIndex:
                         if type(g) is not dict:
                             raise _schema(f"{where}.{i}", "an object", g)
                     if json_depth(x, MAX_STATE_DEPTH + 1) > MAX_STATE_DEPTH:
-                        raise _NotFast  # the model's validator names it
+                        raise NotFast  # the model's validator names it
                     self.walk(x)
                     x = [dict(g) for g in x]
                 given[k] = x
             elif k == "save_id":
                 if x is not None and (type(x) is not str or _save_id(x) is None):
-                    raise _NotFast  # the schema's own message names the pattern
+                    raise NotFast  # the schema's own message names the pattern
                 given[k] = x
             else:  # param_state
                 if type(x) is not dict:
@@ -324,18 +324,18 @@ class _FastIndex:
                     if type(st) is not dict:
                         raise _schema(f"{where}.{p}", "an object", st)
                 if json_depth(x, MAX_STATE_DEPTH + 1) > MAX_STATE_DEPTH:
-                    raise _NotFast  # the model's validator names it
+                    raise NotFast  # the model's validator names it
                 self.walk(x)
                 given[k] = {p: dict(st) for p, st in x.items()}
         # models.UnickptBlock's model validators.
         tensors = given["tensors"]
         problem = files_problem(given.get("files"), tensors)
         if problem is not None:
-            raise _NotFast(f"{_SCHEMA}: unickpt: {problem}")
+            raise NotFast(f"{_SCHEMA}: unickpt: {problem}")
         self._safe_names(self.files)
         problem = alias_problem(given.get("aliases", {}), tensors)
         if problem is not None:
-            raise _NotFast(f"{_SCHEMA}: unickpt.aliases: {problem}")
+            raise NotFast(f"{_SCHEMA}: unickpt.aliases: {problem}")
         attach_tables(given.get("files"), tensors)
         return construct(models.UnickptBlock, given, set(b), None)
 
@@ -386,7 +386,7 @@ class _FastIndex:
         shape = given["shape"]
         problem = shape_problem(shape)
         if problem is not None:
-            raise _NotFast(f"{_SCHEMA}: {where}: {problem}")
+            raise NotFast(f"{_SCHEMA}: {where}: {problem}")
         if "slices" not in given:
             # Whether or not 'file' is given (absent: slice K in files[K]), as TensorEntry checks.
             problem = compact_problem(
@@ -398,7 +398,7 @@ class _FastIndex:
                 given.get("xxh3"),
             )
             if problem is not None:
-                raise _NotFast(f"{_SCHEMA}: {where}: {problem}")
+                raise NotFast(f"{_SCHEMA}: {where}: {problem}")
             given["slices"] = []  # replaced by attach_tables (a default_factory costs 1 ms here)
             return construct(models.TensorEntry, given, set(t), None)
         bulk = bulk_slices(shape, given["slices"], self.shared)
@@ -420,13 +420,13 @@ class _FastIndex:
         try:
             return [models.ByteRange.model_validate(self.obj(r, where, *_RANGE)) for r in v]
         except ValidationError as e:
-            raise _NotFast(f"{_SCHEMA}: {where}: {e.errors()[0]['msg']}") from None
+            raise NotFast(f"{_SCHEMA}: {where}: {e.errors()[0]['msg']}") from None
 
     def compact_field(self, k: str, x: Any) -> Any:
         """A compact field of a tensor, type-checked in bulk; any doubt goes to the models."""
         colons = compact_field_colons(k, x)
         if colons is None:
-            raise _NotFast
+            raise NotFast
         self.colons += colons
         return x
 
@@ -456,13 +456,13 @@ class _FastIndex:
                 given["key"], file, given.get("ranges"), given["shape"], isize
             )
             if problem is not None:
-                raise _NotFast(f"{_SCHEMA}: {where}: {problem}")
+                raise NotFast(f"{_SCHEMA}: {where}: {problem}")
             self.files.add(file)
             built.append(construct(models.SliceEntry, given, set(s), None))
         return built
 
 
-_Check = Callable[[_FastIndex, Any, str], Any]
+_Check = Callable[[FastIndex, Any, str], Any]
 
 
 def _plain_check(cls: type[BaseModel], name: str) -> _Check:
@@ -470,19 +470,19 @@ def _plain_check(cls: type[BaseModel], name: str) -> _Check:
     field = cls.model_fields[name]
     ann, meta = field.annotation, field.metadata
     if ann is str:
-        return _FastIndex.string
+        return FastIndex.string
     if ann == str | None and not meta:
-        return _FastIndex.optional_string
+        return FastIndex.optional_string
     if ann is bool and Strict(strict=True) in meta:
-        return _FastIndex.boolean
+        return FastIndex.boolean
     if ann is int and Strict(strict=True) in meta:
         lo = next(cast(int, m.ge) for m in meta if isinstance(m, Ge))
         hi = next((cast(int, m.lt) for m in meta if isinstance(m, Lt)), None)
         return lambda fast, v, where: fast.integer(v, where, lo, hi)
     if ann == list[NonNeg]:
-        return _FastIndex.dims
+        return FastIndex.dims
     if ann == Hex16 | None:
-        return _FastIndex.hex16
+        return FastIndex.hex16
     raise TypeError(f"{cls.__name__}.{name}: the fast index path has no check for {ann!r}")
 
 

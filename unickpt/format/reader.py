@@ -215,7 +215,9 @@ class CheckpointReader(FileChecks):
             return True
         return now is None or now.save_id != self.block.save_id
 
-    def _fd(self, name: str) -> int:
+    def fd(self, name: str) -> int:
+        """The descriptor of the local data file ``name``, its header read and checked (the
+        reader keeps it open: callers ``pread``/``copy_file_range`` from it, never close it)."""
         self.header(name)
         return self._fds[name]
 
@@ -233,7 +235,7 @@ class CheckpointReader(FileChecks):
                 return out[:length]
             with self._vanishing(name):
                 return read_into(self._handle(name), offset, length, out)
-        return read_range(self._fd(name), offset, length, out)
+        return read_range(self.fd(name), offset, length, out)
 
     def prefetch(self, wanted: dict[str, list[tuple[int, int]]], threads: int = 8) -> None:
         """On a URL: fetch these ``(absolute offset, length)`` ranges of each data file now, as
@@ -368,7 +370,7 @@ class CheckpointReader(FileChecks):
             return
         pos = 0
         for o, k in runs:
-            read_range(self._fd(s.file), off + o, k, out[pos : pos + k])
+            read_range(self.fd(s.file), off + o, k, out[pos : pos + k])
             pos += k
 
     def iter_slice(self, s: SliceEntry, chunk: int = 16 << 20) -> Iterator[bytes]:
@@ -381,7 +383,7 @@ class CheckpointReader(FileChecks):
                 return
             yield from iter_handle(self._handle(s.file), off, n, chunk)
             return
-        yield from iter_range(self._fd(s.file), off, n, chunk)
+        yield from iter_range(self.fd(s.file), off, n, chunk)
 
     def hash_slice(self, s: SliceEntry) -> str:
         h = SliceHasher()

@@ -413,7 +413,7 @@ def _read_then_copy(
 
         datas = each_block(reader, jobs, one, held)
         if batch is not None:
-            batch.run(reader._fd, reader.file_path)
+            batch.run(reader.fd, reader.file_path)
         buffers = [(b, data) for (_, b), data in zip(jobs, datas, strict=True)]
         buffers.extend(_build_mapped(files, reader, mapped or []))
     except Exception as e:  # safetensors raises its own error types; every rank must hear of it
@@ -465,7 +465,7 @@ def _read_in_place(
 
         each_block(reader, [(reader.tensors[src], b) for _, src, boxes in plan for b in boxes], one, held)
         if batch is not None:
-            batch.run(reader._fd, reader.file_path)
+            batch.run(reader.fd, reader.file_path)
         with torch.no_grad():
             for b, data in _build_mapped(files, reader, mapped or []):
                 b.tensor.copy_(data.to(b.tensor.dtype).reshape(b.tensor.shape))

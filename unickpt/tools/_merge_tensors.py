@@ -171,7 +171,7 @@ class TensorMerger:
     def _copy_one(self, s: SliceEntry, out: _Out, pos: int) -> str | None:
         """The output bytes are exactly the stored slice: copy in the kernel, its hash is the output's."""
         _, off, n = self.r.slice_location(s)
-        self._copy_file_range(self.r._fd(s.file), off, out.fd, pos, n)
+        self._copy_file_range(self.r.fd(s.file), off, out.fd, pos, n)
         out.wrote(pos + n)
         self.progress(n)
         return s.xxh3
@@ -217,7 +217,7 @@ class TensorMerger:
         if not self._sparse(s.file):
             return rel
         _, off, _n = self.r.slice_location(s)
-        data = next_data(self.r._fd(s.file), off + rel, off + n) - off
+        data = next_data(self.r.fd(s.file), off + rel, off + n) - off
         return rel + (data - rel) // unit * unit if data < n else n
 
     @property
@@ -248,7 +248,7 @@ class TensorMerger:
     def _sparse(self, file: str) -> bool:
         got = self._sparse_files.get(file)
         if got is None:
-            got = self._sparse_files[file] = self.r.storage is None and is_sparse(self.r._fd(file))
+            got = self._sparse_files[file] = self.r.storage is None and is_sparse(self.r.fd(file))
         return got
 
     def _assemble(

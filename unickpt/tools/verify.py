@@ -384,7 +384,7 @@ def verify_bulk(
         for a, b in _runs(f, off, size):
             file = names[int(f[a])]
             run = (off[a:b], size[a:b], want[a:b], tis[a:b], kss[a:b])
-            _check_run(r, r._fd(file), file, run, tensors, failed, report, tick)
+            _check_run(r, r.fd(file), file, run, tensors, failed, report, tick)
     failed.sort(key=lambda x: (x[0], x[1]))
     report.extend(fl for _, _, fl in failed)
     return rest
