@@ -261,6 +261,11 @@ for where, lang, code in BLOCKS:
         cp = subprocess.run(line, shell=True, env=env, capture_output=True, text=True)
         if cp.returncode != 0:
             sys.exit(f"{{where}}: `{{line}}` exited {{cp.returncode}}:\\n{{cp.stdout[-2000:]}}{{cp.stderr[-3000:]}}")
+# A session ends as a training script should: a world a block made is destroyed (gloo's threads
+# can abort the interpreter's exit otherwise, "terminate called without an active exception").
+import torch.distributed as _td
+if _td.is_available() and _td.is_initialized():
+    _td.destroy_process_group()
 """
 
 FILES = [p for p in DOCS if _sessions(p)]
