@@ -184,3 +184,23 @@ def test_a_new_dtensor_plugin_is_a_few_lines(tmp_path: Path) -> None:
     script.write_text(_NEW_PLUGIN)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_a_world_the_plugin_made_is_destroyed_at_exit(tmp_path: Path) -> None:
+    """A one-process world ``ensure_process_group`` made is destroyed at exit, so gloo's threads
+    never meet the interpreter's teardown (which aborted such scripts now and then)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "own_world.py"
+    script.write_text(
+        "import atexit, torch, torch.distributed as dist\n"
+        "atexit.register(lambda: print('initialized at exit:', dist.is_initialized()))\n"
+        "from unickpt import Booster\n"
+        "from unickpt.plugins import DDPPlugin\n"
+        "Booster(plugin=DDPPlugin()).boost(torch.nn.Linear(2, 2))\n"
+        "print('world:', dist.is_initialized())\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:2] == ["world: True", "initialized at exit: False"], done.stdout

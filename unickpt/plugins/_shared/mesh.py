@@ -10,6 +10,7 @@ All ranks call these functions, in the same order.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from collections.abc import Sequence
@@ -132,6 +133,12 @@ def local_device() -> torch.device:
     return _select_device(kind, dist.get_rank() if dist.is_initialized() else 0)
 
 
+def _destroy_own_world(world: object) -> None:
+    """At exit: destroy the one-process world :func:`ensure_process_group` made, if it still stands."""
+    if dist.is_initialized() and dist.group.WORLD is world:
+        dist.destroy_process_group()
+
+
 def ensure_process_group(backend: str | None = None, timeout_s: float | None = None) -> None:
     """Initialise the default process group from the torchrun environment if nobody has yet.
 
@@ -152,6 +159,10 @@ def ensure_process_group(backend: str | None = None, timeout_s: float | None = N
         logger.info("no torchrun environment found: starting a one-process %s world", backend)
         store = dist.HashStore()  # type: ignore[attr-defined]
         dist.init_process_group(backend, store=store, rank=0, world_size=1, **kwargs)  # type: ignore[arg-type]
+        # The world is this library's: it is destroyed at exit (after async saves finish, whose
+        # hook runs first), so that gloo's threads never meet the interpreter's teardown
+        # ("terminate called without an active exception").
+        atexit.register(_destroy_own_world, dist.group.WORLD)
     elif len(present) != len(_TORCHRUN_VARS):
         missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
         raise DistributedError(
