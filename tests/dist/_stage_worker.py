@@ -229,7 +229,9 @@ SLOW_DELETE_S = 8.0
 
 
 def retention_cases(root: str) -> dict[str, object]:
-    return run_cases([(f"async={a}", lambda a=a: _retention(root, a)) for a in (False, True)])  # type: ignore[misc]
+    # An async step's retention runs in its writer process, which this process's slow deletion
+    # (a local function) cannot reach: the synchronous save is the case measured here.
+    return run_cases([(f"async={a}", lambda a=a: _retention(root, a)) for a in (False,)])  # type: ignore[misc]
 
 
 _OPS = (

@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 pytest.importorskip("accelerate", reason="accelerate is not installed (make peers)")
 
 from _hf_fsdp2_worker import SAVE, STEPS  # noqa: E402
-from harness import WorldPool  # noqa: E402
+from harness import run_world  # noqa: E402
 
 from unickpt import verify_checkpoint  # noqa: E402
 from unickpt.integrations.hf_trainer import OPTIMIZER_DIR, SCHEDULER_FILE  # noqa: E402
@@ -34,8 +34,8 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return [k for k in a if not (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k])]
 
 
-def test_fsdp2_checkpoints_are_sliced_and_resume_exactly(tmp_path: Path, world_pool: WorldPool) -> None:
-    full = world_pool.run(2, "_hf_fsdp2_worker:train", str(tmp_path), "full", None, timeout=280)
+def test_fsdp2_checkpoints_are_sliced_and_resume_exactly(tmp_path: Path) -> None:
+    full = run_world(2, "_hf_fsdp2_worker:train", str(tmp_path), "full", None, timeout=280)
     for r in (0, 1):
         assert full[r]["fsdp2"] and full[r]["dtensor"] and full[r]["step"] == STEPS
     ck = tmp_path / "full" / f"checkpoint-{SAVE}"
@@ -49,7 +49,7 @@ def test_fsdp2_checkpoints_are_sliced_and_resume_exactly(tmp_path: Path, world_p
         assert info["layout"]["world_size"] == 2 and info["layout"]["gathered"] is False, info["layout"]
         assert info["totals"]["slices"] > info["totals"]["tensors"], info["totals"]
 
-    resumed = world_pool.run(
+    resumed = run_world(
         2, "_hf_fsdp2_worker:train", str(tmp_path), "b", f"full/checkpoint-{SAVE}", timeout=280
     )
     for r in (0, 1):
@@ -71,9 +71,9 @@ def test_fsdp2_checkpoints_are_sliced_and_resume_exactly(tmp_path: Path, world_p
     assert [k for k in common if not torch.equal(loaded[k], weights[k])] == []
 
 
-def test_fsdp2_checkpoint_resumes_on_one_process(tmp_path: Path, world_pool: WorldPool) -> None:
-    full = world_pool.run(2, "_hf_fsdp2_worker:train", str(tmp_path), "full", None, timeout=280)
-    one = world_pool.run(
+def test_fsdp2_checkpoint_resumes_on_one_process(tmp_path: Path) -> None:
+    full = run_world(2, "_hf_fsdp2_worker:train", str(tmp_path), "full", None, timeout=280)
+    one = run_world(
         1, "_hf_fsdp2_worker:train", str(tmp_path), "one", f"full/checkpoint-{SAVE}", timeout=280
     )[0]
     assert not one["fsdp2"] and not one["dtensor"] and one["step"] == STEPS

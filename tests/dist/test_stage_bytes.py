@@ -78,6 +78,8 @@ def test_cpu_collectives_use_the_gloo_twin_of_a_pure_nccl_world(tmp_path: Any) -
     twin, made once at setup on the main thread, or on the background saves' gloo group."""
     got = _run(2, "_stage_worker:route_cases", str(tmp_path))["cpu_routes"]
     for r in got:
-        assert r["calls"] > 20 and r["background_calls"] > 0, r
+        # Async saves are written by writer processes in a gloo world of their own: no background
+        # thread of this process makes a collective.
+        assert r["calls"] > 20 and r["background_calls"] == 0, r
         assert r["twins"] == 1 and r["twin_at_setup"] == ["setup"], r
         assert all(thread == "MainThread" for thread, _ in r["made"]), r
