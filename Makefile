@@ -48,8 +48,8 @@ dist: venv
 # Unit tests run on up to 4 workers (each test has its own directories, ports and S3 bucket); the
 # multi-process tests run one world at a time, since each world already uses every core.
 test: venv peers lint typecheck
-	UNICKPT_REQUIRE_NATIVE=1 $(BIN)/pytest -q -n auto --maxprocesses 4 tests/unit
-	UNICKPT_REQUIRE_NATIVE=1 $(BIN)/pytest -q --durations 15 tests/dist
+	UNICKPT_REQUIRE_NATIVE=1 $(BIN)/pytest -q -n auto --maxprocesses 4 --durations 25 tests/unit
+	UNICKPT_REQUIRE_NATIVE=1 $(BIN)/pytest -q --durations 40 tests/dist
 
 test-slow: venv
 	$(BIN)/pytest -q -m slow tests

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from unickpt.errors import DistributedError, UnickptError
 
 __all__ = [
+    "peer_failures",
     "cpu_group",
     "setup_cpu_group",
     "is_distributed",
@@ -47,7 +48,7 @@ T = TypeVar("T")
 
 
 @contextlib.contextmanager
-def _peer_failures(op: str) -> Iterator[None]:
+def peer_failures(op: str) -> Iterator[None]:
     """A collective that fails because a peer died or timed out becomes a ``DistributedError``."""
     try:
         yield
@@ -173,7 +174,7 @@ def all_gather_object(obj: T, group: Any = None) -> list[T]:
     device = _object_device(group)
     if device is None:  # a backend whose object device torch does not tell: torch's own exchange
         out: list[Any] = [None] * n
-        with _peer_failures("all_gather_object"):
+        with peer_failures("all_gather_object"):
             dist.all_gather_object(out, obj, group=group)
         return out
     import torch
@@ -186,7 +187,7 @@ def all_gather_object(obj: T, group: Any = None) -> list[T]:
     first[8 : 8 + len(head)] = head
     sent = torch.frombuffer(first, dtype=torch.uint8).to(device)
     got = [torch.empty_like(sent) for _ in range(n)]
-    with _peer_failures("all_gather_object"):
+    with peer_failures("all_gather_object"):
         dist.all_gather(got, sent, group=group)
     rows = [bytes(t.cpu().numpy()) for t in got]
     sizes = [int.from_bytes(r[:8], "little") for r in rows]
@@ -197,7 +198,7 @@ def all_gather_object(obj: T, group: Any = None) -> list[T]:
         rest[: max(0, len(data) - inline)] = data[inline:]
         sent_rest = torch.frombuffer(rest, dtype=torch.uint8).to(device)
         got_rest = [torch.empty_like(sent_rest) for _ in range(n)]
-        with _peer_failures("all_gather_object"):
+        with peer_failures("all_gather_object"):
             dist.all_gather(got_rest, sent_rest, group=group)
         tails = [bytes(t.cpu().numpy()) for t in got_rest]
     return [
@@ -228,14 +229,14 @@ def broadcast_object(obj: T, src: int = 0, group: Any = None) -> T:
     if not is_distributed(group):
         return obj
     holder: list[Any] = [obj]
-    with _peer_failures("broadcast_object_list"):
+    with peer_failures("broadcast_object_list"):
         dist.broadcast_object_list(holder, src=src, group=cpu_group(group))
     return holder[0]  # type: ignore[no-any-return]
 
 
 def barrier(group: Any = None) -> None:
     if is_distributed(group):
-        with _peer_failures("barrier"):
+        with peer_failures("barrier"):
             dist.barrier(group=cpu_group(group))
 
 

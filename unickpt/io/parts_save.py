@@ -406,7 +406,7 @@ def _exchange(
     if _dist.is_distributed(group):
         import torch.distributed as dist
 
-        with _dist._peer_failures("all_to_all_single"):
+        with _dist.peer_failures("all_to_all_single"):
             dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=_dist.cpu_group(group))
     if failed is not None:
         raise failed
