@@ -37,7 +37,10 @@ from typing import Any
 
 import torch
 
+from unickpt._logging import get_logger
 from unickpt.errors import ConfigError, UnsupportedError
+
+logger = get_logger(__name__)
 
 __all__ = [
     "Node",
@@ -381,10 +384,10 @@ def resolve_mapping(model: torch.nn.Module, mapping: Any, *, saving: bool) -> li
     return list(get_model_conversion_mapping(model)) or None
 
 
-def mapping_from_config(config_json: bytes, *, saving: bool = True) -> list[Any] | None:
-    """transformers' conversion mapping of the architecture a ``config.json`` names, built on
-    the meta device (no memory, no weights); None when there is none, when transformers is not
-    installed or the architecture cannot be built here."""
+def meta_model(config_json: bytes) -> tuple[str, Any] | None:
+    """``(architecture, model)``: the transformers model ``config.json``'s first architecture names,
+    built on the meta device (no memory, no weights); None when the config names none, when
+    transformers is not installed or the architecture cannot be built from this config here."""
     import json
 
     try:
@@ -404,10 +407,17 @@ def mapping_from_config(config_json: bytes, *, saving: bool = True) -> list[Any]
     try:
         config = AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if k != "model_type"})
         with torch.device("meta"):
-            model = cls(config)
-    except Exception:  # an architecture that cannot be built from this config: nothing to map
+            return str(arch), cls(config)
+    except Exception as e:  # an architecture that cannot be built from this config
+        logger.debug("cannot build %s from config.json: %s", arch, e)
         return None
-    return resolve_mapping(model, None, saving=saving)
+
+
+def mapping_from_config(config_json: bytes, *, saving: bool = True) -> list[Any] | None:
+    """transformers' conversion mapping of the architecture a ``config.json`` names
+    (:func:`meta_model`); None when there is none or the model cannot be built here."""
+    built = meta_model(config_json)
+    return None if built is None else resolve_mapping(built[1], None, saving=saving)
 
 
 # ---------------------------------------------------------------------------- the ops, on trees

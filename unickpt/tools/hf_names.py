@@ -10,7 +10,6 @@ imported only when a ``config.json`` names an architecture it has.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from typing import Any
 
@@ -56,28 +55,12 @@ def architecture_names_check(config_json: bytes, names: Iterable[str]) -> NameMi
     """The mismatch between ``names`` and what ``config.json``'s first architecture loads, or
     None when they match, when the config names no architecture, or when transformers (or the
     architecture) is not available here."""
-    try:
-        cfg = json.loads(config_json)
-        arch = cfg["architectures"][0]
-        model_type = cfg["model_type"]
-    except (ValueError, KeyError, IndexError, TypeError):
+    from unickpt.io.mapping import meta_model
+
+    built = meta_model(config_json)
+    if built is None:
         return None
-    try:
-        import torch
-        import transformers
-        from transformers import AutoConfig
-    except ImportError:
-        return None
-    cls = getattr(transformers, str(arch), None)
-    if cls is None:
-        return None
-    try:
-        config = AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if k != "model_type"})
-        with torch.device("meta"):
-            model = cls(config)
-    except Exception as e:  # an architecture that cannot be built from this config: no verdict
-        logger.debug("cannot build %s from config.json to check the names: %s", arch, e)
-        return None
+    arch, model = built
     expected = set(model.state_dict())
     tied = set(
         getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None) or ()
