@@ -44,7 +44,7 @@ from unickpt._logging import get_logger
 from unickpt.errors import UnsupportedError
 from unickpt.io import CheckpointIO
 from unickpt.plugins._shared import mesh as _mesh
-from unickpt.plugins._shared.fsdp_units import default_shard_units, group_dtypes
+from unickpt.plugins._shared.fsdp_units import default_shard_units, group_dtypes, modules_named
 from unickpt.plugins.base import Plugin, check_optimizer, parameter_fqns, remap_optimizer_params
 from unickpt.wrappers import ModelWrapper
 
@@ -122,20 +122,7 @@ def find_expert_modules(root: nn.Module, experts: ExpertSpec | None = None) -> l
             if any(p.dim() >= 3 for p in mod.parameters(recurse=False)):
                 found.append(fqn)
         return found
-    spec = list(experts)
-    names = {s for s in spec if isinstance(s, str)}
-    kinds = tuple(s for s in spec if isinstance(s, type))
-    all_fqns = {fqn for fqn, _ in root.named_modules()}
-    unknown = sorted(names - all_fqns)
-    if unknown:
-        raise UnsupportedError(
-            f"ExpertParallelPlugin(experts=...) names modules the model does not have: {unknown}"
-        )
-    chosen = [
-        fqn
-        for fqn, mod in root.named_modules()
-        if fqn and (fqn in names or (kinds and isinstance(mod, kinds)))
-    ]
+    chosen = modules_named(root, experts, "ExpertParallelPlugin(experts=...)")
     for fqn in chosen:
         problem = _stacked_problem(fqn, root.get_submodule(fqn))
         if problem is not None:

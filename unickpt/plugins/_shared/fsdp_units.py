@@ -116,18 +116,27 @@ def default_shard_units(root: nn.Module) -> list[str]:
     return units
 
 
+def modules_named(root: nn.Module, spec: Iterable[str | type[nn.Module]], option: str) -> list[str]:
+    """FQNs of ``root``'s modules (the root itself excluded) that ``spec`` names by FQN or by
+    class, in module order; a named FQN the model lacks raises ``UnsupportedError`` naming
+    ``option`` and every such name."""
+    spec = list(spec)
+    names = {s for s in spec if isinstance(s, str)}
+    kinds = tuple(s for s in spec if isinstance(s, type))
+    unknown = sorted(names - {fqn for fqn, _ in root.named_modules()})
+    if unknown:
+        raise UnsupportedError(f"{option} names modules the model does not have: {unknown}")
+    return [
+        fqn
+        for fqn, mod in root.named_modules()
+        if fqn and (fqn in names or (kinds and isinstance(mod, kinds)))
+    ]
+
+
 def resolve_units(root: nn.Module, shard_modules: ShardSpec | None) -> list[str]:
     if shard_modules is None:
         return default_shard_units(root)
-    names = {s for s in shard_modules if isinstance(s, str)}
-    types = tuple(s for s in shard_modules if isinstance(s, type))
-    all_fqns = {fqn for fqn, _ in root.named_modules()}
-    unknown = sorted(names - all_fqns)
-    if unknown:
-        raise UnsupportedError(
-            f"FSDP2Plugin(shard_modules=...) names modules the model does not have: {unknown}"
-        )
-    units = {fqn for fqn, mod in root.named_modules() if fqn and (fqn in names or isinstance(mod, types))}
+    units = set(modules_named(root, shard_modules, "FSDP2Plugin(shard_modules=...)"))
     owners = _param_owners(root)
     for unit in sorted(units):
         shared = _shared_outside(unit, root.get_submodule(unit), owners)
