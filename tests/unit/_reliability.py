@@ -18,6 +18,7 @@ from torch import nn
 from unickpt import GeneralCheckpointIO
 from unickpt.format.index_compact import as_listed
 from unickpt.format.safetensors_io import SafetensorsWriter
+from unickpt.wrappers import OptimizerWrapper
 
 INDEX = "model.safetensors.index.json"
 # size_per_shard is in MB; this many MB puts roughly one tensor per file for the model below.
@@ -35,6 +36,38 @@ class Tiny(nn.Module):
         self.c = nn.Parameter(torch.randn(5, 4, 3, generator=g).to(torch.bfloat16))
         self.register_buffer("steps", torch.arange(7, dtype=torch.int64) + seed)
         self.d = nn.Parameter(torch.randn(3, 17, generator=g).half())
+
+
+class Net(nn.Module):
+    """Two layers, the second in bf16: a model whose AdamW state has tensors of two dtypes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(5, 7)
+        self.b = nn.Linear(7, 3, dtype=torch.bfloat16)
+
+
+def trained(seed: int) -> tuple[Net, OptimizerWrapper]:
+    """A :class:`Net` and its AdamW optimizer after one step (so the optimizer has state)."""
+    torch.manual_seed(seed)
+    m = Net()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    m.b(m.a(torch.randn(4, 5)).to(torch.bfloat16)).float().sum().backward()
+    opt.step()
+    return m, OptimizerWrapper(opt, m)
+
+
+def bits(t: torch.Tensor) -> bytes:
+    return bytes(t.detach().contiguous().view(-1).view(torch.uint8).numpy())
+
+
+def train_state(m: nn.Module, opt: OptimizerWrapper) -> dict[str, bytes]:
+    """Every byte of a model's and its optimizer's state, by name: equal dicts, equal training states."""
+    out = {f"model.{k}": bits(v) for k, v in m.state_dict().items()}
+    for i, st in opt.optim.state_dict()["state"].items():
+        for k, v in st.items():
+            out[f"optim.{i}.{k}"] = bits(v) if isinstance(v, torch.Tensor) else repr(v).encode()
+    return out
 
 
 def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import torch
-from _reliability import TINY_SHARD_MB, Tiny, same_state, snapshot
+from _reliability import TINY_SHARD_MB, Tiny, same_state, snapshot, train_state, trained
 from crashfs import Recorder, Search, explore
 
 from unickpt import GeneralCheckpointIO
@@ -222,44 +222,13 @@ def test_search_finds_a_rename_without_a_directory_fsync(tmp_path: Path, monkeyp
 
 
 # ----------------------------------------------------------------------------- manager steps
-class Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = torch.nn.Linear(5, 7)
-        self.b = torch.nn.Linear(7, 3, dtype=torch.bfloat16)
-
-
-def _trained(seed: int) -> tuple[Net, Any]:
-    """A model and its AdamW optimizer after one step (so the optimizer has state)."""
-    from unickpt.wrappers import OptimizerWrapper
-
-    torch.manual_seed(seed)
-    m = Net()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    m.b(m.a(torch.randn(4, 5)).to(torch.bfloat16)).float().sum().backward()
-    opt.step()
-    return m, OptimizerWrapper(opt, m)
-
-
-def _bits(t: torch.Tensor) -> bytes:
-    return bytes(t.detach().contiguous().view(-1).view(torch.uint8).numpy())
-
-
-def _train_state(m: Net, opt: Any) -> dict[str, bytes]:
-    out = {f"model.{k}": _bits(v) for k, v in m.state_dict().items()}
-    for i, st in opt.optim.state_dict()["state"].items():
-        for k, v in st.items():
-            out[f"optim.{i}.{k}"] = _bits(v) if isinstance(v, torch.Tensor) else repr(v).encode()
-    return out
-
-
-TRAINED = {seed: _train_state(*_trained(seed)) for seed in (1, 2, 3)}
+TRAINED = {seed: train_state(*trained(seed)) for seed in (1, 2, 3)}
 
 
 def _manager_save(run: Path, step: int, seed: int, keep_last: int | None) -> None:
     from unickpt.manager import CheckpointManager
 
-    m, opt = _trained(seed)
+    m, opt = trained(seed)
     assert CheckpointManager(run, save_steps=1, keep_last=keep_last).save(step, m, opt)
 
 
@@ -273,9 +242,9 @@ def _manager_verdict_at(run: str, storage_options: dict[str, Any] | None) -> str
     from unickpt.manager import CheckpointManager
 
     def loaded(mgr: Any, which: Any) -> str:
-        m, opt = _trained(99)
+        m, opt = trained(99)
         step = mgr.load(m, opt, resume_from_checkpoint=which)
-        got = _train_state(m, opt)
+        got = train_state(m, opt)
         seeds = [s for s, exp in TRAINED.items() if exp == got]
         return f"{step}:s{seeds[0] if seeds else '?'}"
 
@@ -418,7 +387,7 @@ def test_convert_to_run_output(tmp_path: Path) -> None:
     from unickpt.manager import CheckpointManager
     from unickpt.tools.convert import convert_checkpoint
 
-    m, opt = _trained(NEW_SEED)
+    m, opt = trained(NEW_SEED)
     folder = tmp_path / "dcp"
     states = {**m.state_dict(), "optimizer": _flat_optim(opt.optim, m), "train_state": {"step": 4}}
     dcp.save(states, checkpoint_id=str(folder), no_dist=True)
@@ -430,7 +399,7 @@ def test_convert_to_run_output(tmp_path: Path) -> None:
         try:
             mgr = CheckpointManager(os.path.join(d, "run"), save_steps=1)
             steps = mgr.all_steps()
-            m2, opt2 = _trained(99)
+            m2, opt2 = trained(99)
             step = mgr.load(m2, opt2)
         except UnickptError as e:
             return f"error:{type(e).__name__}"
@@ -438,7 +407,7 @@ def test_convert_to_run_output(tmp_path: Path) -> None:
             return f"raw-error:{type(e).__name__}:{e}"
         if step == 0 and not steps:
             return "nothing"
-        return "new" if (steps, step, _train_state(m2, opt2)) == ([4], 4, want) else f"mix:{steps}:{step}"
+        return "new" if (steps, step, train_state(m2, opt2)) == ([4], 4, want) else f"mix:{steps}:{step}"
 
     import warnings
 
@@ -576,7 +545,7 @@ def test_store_manager_step(s3: Any, case: str) -> None:
     first, (step, seed), keep, (old, new), seeds = MANAGER_CASES[case]
 
     def save(s: int, sd: int, keep_last: int | None) -> None:
-        m, opt = _trained(sd)
+        m, opt = trained(sd)
         assert CheckpointManager(url, save_steps=1, keep_last=keep_last, storage_options=opts).save(s, m, opt)
 
     for s, sd in first:

@@ -19,63 +19,33 @@ from typing import Any
 import pytest
 import torch
 from _reliability import run_child as _run_child
+from _reliability import train_state, trained
 
 import unickpt._stepdirs as stepdirs
 import unickpt.format.commit_steps as commit_steps
 from unickpt.errors import CheckpointBusyError, IncompleteCheckpointError, UnickptError
 from unickpt.format.commit import directory_lock
 from unickpt.manager import CheckpointManager
-from unickpt.wrappers import OptimizerWrapper
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 STEP = 4
 OLD_SEED, NEW_SEED = 1, 2
 
 
-class Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = torch.nn.Linear(5, 7)
-        self.b = torch.nn.Linear(7, 3, dtype=torch.bfloat16)
-
-
-def _trained(seed: int) -> tuple[Net, OptimizerWrapper]:
-    """A model and its AdamW optimizer after one step (so the optimizer has state)."""
-    torch.manual_seed(seed)
-    m = Net()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    x = torch.randn(4, 5)
-    m.b(m.a(x).to(torch.bfloat16)).float().sum().backward()
-    opt.step()
-    return m, OptimizerWrapper(opt, m)
-
-
-def _bits(t: torch.Tensor) -> bytes:
-    return bytes(t.detach().contiguous().view(-1).view(torch.uint8).numpy())
-
-
-def _state(m: Net, opt: OptimizerWrapper) -> dict[str, bytes]:
-    out = {f"model.{k}": _bits(v) for k, v in m.state_dict().items()}
-    for i, st in opt.optim.state_dict()["state"].items():
-        for k, v in st.items():
-            out[f"optim.{i}.{k}"] = _bits(v) if isinstance(v, torch.Tensor) else repr(v).encode()
-    return out
-
-
-EXPECTED = {seed: _state(*_trained(seed)) for seed in (OLD_SEED, NEW_SEED, 3)}
+EXPECTED = {seed: train_state(*trained(seed)) for seed in (OLD_SEED, NEW_SEED, 3)}
 
 
 def _loaded(d: Path, **kw: Any) -> tuple[int, int | None]:
     """(step load() returned, the seed whose state it restored bit-exactly or None)."""
-    m, opt = _trained(99)
+    m, opt = trained(99)
     step = CheckpointManager(d, save_steps=1, **kw).load(m, opt)
-    got = _state(m, opt)
+    got = train_state(m, opt)
     seeds = [s for s, exp in EXPECTED.items() if exp == got]
     return step, seeds[0] if seeds else None
 
 
 def _save(d: Path, seed: int, step: int = STEP, keep_last: int | None = None) -> None:
-    m, opt = _trained(seed)
+    m, opt = trained(seed)
     mgr = CheckpointManager(d, save_steps=1, keep_last=keep_last)
     assert mgr.save(step, m, opt)
 
@@ -150,11 +120,11 @@ def _run_kills(tmp_path: Path, exchange: bool, dense: bool) -> dict[str, int]:
         seen["old" if seed == OLD_SEED else "new"] += 1
         # The next save (with retention keeping 2) neither deletes the surviving copy nor keeps debris.
         _save(d, 3, step=STEP + 1, keep_last=2)
-        m, opt = _trained(99)
+        m, opt = trained(99)
         mgr = CheckpointManager(d, save_steps=1, keep_last=2)
         assert mgr.all_steps() == [STEP, STEP + 1]
         assert mgr.load(m, opt, resume_from_checkpoint=STEP) == STEP
-        assert _state(m, opt) == EXPECTED[seed]
+        assert train_state(m, opt) == EXPECTED[seed]
         assert sorted(os.listdir(d)) == sorted(["latest", f"step-{STEP}", f"step-{STEP + 1}"]), k
         shutil.rmtree(d)
     assert seen["old"] > 0 and seen["new"] > 0, seen
@@ -207,7 +177,7 @@ def _paused_save(target: str, gate: Path, cache: Path | None) -> Callable[[], No
             orig(*a, **k)
 
         manager_mod.write_rank_state = paused
-        m, opt = _trained(NEW_SEED)
+        m, opt = trained(NEW_SEED)
         kw: dict[str, Any] = {} if cache is None else {"local_cache_dir": cache}
         assert CheckpointManager(target, save_steps=1, **kw).save(1, m, opt)
 
@@ -246,7 +216,7 @@ def test_cleanup_never_deletes_a_live_writers_stage(tmp_path: Path) -> None:
     try:
         _wait_ready(tmp_path, pid)
         (stage,) = _stages(d)
-        m, opt = _trained(3)
+        m, opt = trained(3)
         with pytest.raises(CheckpointBusyError, match="another save"):
             CheckpointManager(d, save_steps=1).save(2, m, opt)
         stepdirs.clean_work_dirs(str(d))  # even a cleanup without the lock leaves a live owner's stage
@@ -267,15 +237,15 @@ def test_damaged_latest_step_is_reported_not_skipped(
     _save(tmp_path, NEW_SEED, step=STEP)
     shard = next((tmp_path / f"step-{STEP}" / "model").glob("*.safetensors"))
     shard.write_bytes(shard.read_bytes()[:-8])  # truncated: structural damage, found before any copy
-    m, opt = _trained(99)
+    m, opt = trained(99)
     with pytest.raises(UnickptError) as ei:
         CheckpointManager(tmp_path, save_steps=1).load(m, opt)
     note = " ".join(getattr(ei.value, "__notes__", []))
     assert f"step {STEP}" in note and "resume_from_checkpoint=2" in note
     assert f"step {STEP}" in caplog.text and "resume_from_checkpoint=2" in caplog.text
-    m, opt = _trained(99)
+    m, opt = trained(99)
     assert CheckpointManager(tmp_path, save_steps=1).load(m, opt, resume_from_checkpoint=2) == 2
-    assert _state(m, opt) == EXPECTED[OLD_SEED]
+    assert train_state(m, opt) == EXPECTED[OLD_SEED]
 
 
 def test_lost_steps_are_an_error_not_a_fresh_start(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -289,7 +259,7 @@ def test_lost_steps_are_an_error_not_a_fresh_start(tmp_path: Path, caplog: pytes
         IncompleteCheckpointError, match=f"records a save of step {STEP}, but no committed step"
     ):
         _loaded(tmp_path)
-    m, opt = _trained(99)
+    m, opt = trained(99)
     assert CheckpointManager(tmp_path, save_steps=1).load(m, opt, resume_from_checkpoint=None) == 0
 
 
@@ -303,7 +273,7 @@ def test_replaced_copy_is_the_step_until_the_new_one_is_committed(tmp_path: Path
     mgr = CheckpointManager(tmp_path, save_steps=1, keep_last=1)
     assert mgr.all_steps() == [STEP] and mgr.latest_step() == STEP
     assert _loaded(tmp_path) == (STEP, OLD_SEED)
-    m, opt = _trained(3)
+    m, opt = trained(3)
     assert mgr.save(STEP + 1, m, opt)  # keep_last=1: step N goes, via its restored step-N
     assert mgr.all_steps() == [STEP + 1] and sorted(os.listdir(tmp_path)) == ["latest", f"step-{STEP + 1}"]
     # Both copies committed: step-N wins, the .old copy is removed by the next save.
@@ -355,14 +325,14 @@ def test_async_save_in_flight_keeps_the_lock_until_committed(tmp_path: Path) -> 
     flight: it is refused; once the async save committed, the newer one commits and wins `latest`."""
     import signal
 
-    m, opt = _trained(OLD_SEED)
+    m, opt = trained(OLD_SEED)
     slow = CheckpointManager(tmp_path, save_steps=1, async_save=True)
     pid = slow._async.writer.pid  # started by the constructor; stopped, it holds the save in flight
     assert pid is not None
     os.kill(pid, signal.SIGSTOP)
     try:
         assert slow.save(10, m, opt)
-        m2, opt2 = _trained(NEW_SEED)
+        m2, opt2 = trained(NEW_SEED)
         other = CheckpointManager(tmp_path, save_steps=1)
         with pytest.raises(CheckpointBusyError):
             other.save(20, m2, opt2)
@@ -371,8 +341,10 @@ def test_async_save_in_flight_keeps_the_lock_until_committed(tmp_path: Path) -> 
     slow.wait()
     assert other.save(20, m2, opt2)
     assert other.all_steps() == [10, 20] and _loaded(tmp_path) == (20, NEW_SEED)
-    m3, opt3 = _trained(99)
-    assert other.load(m3, opt3, resume_from_checkpoint=10) == 10 and _state(m3, opt3) == EXPECTED[OLD_SEED]
+    m3, opt3 = trained(99)
+    assert (
+        other.load(m3, opt3, resume_from_checkpoint=10) == 10 and train_state(m3, opt3) == EXPECTED[OLD_SEED]
+    )
 
 
 def _save_in_child(d: Path, seed: int, step: int, keep_last: int | None) -> Callable[[], None]:
@@ -411,9 +383,9 @@ def test_kill_during_the_recovery_of_a_replaced_copy(tmp_path: Path, dense: bool
         assert _run_child(k, _save_in_child(d, 3, STEP + 1, 2), tmp_path / "l") == signal.SIGKILL
         steps = CheckpointManager(d).all_steps()
         assert STEP in steps, (k, next_events[k - 1], sorted(os.listdir(d)))
-        m, opt = _trained(99)
+        m, opt = trained(99)
         assert CheckpointManager(d).load(m, opt, resume_from_checkpoint=STEP) == STEP
-        assert _state(m, opt) == EXPECTED[OLD_SEED], k
+        assert train_state(m, opt) == EXPECTED[OLD_SEED], k
         _save(d, NEW_SEED, step=STEP + 2, keep_last=2)
         assert CheckpointManager(d).all_steps()[-1] == STEP + 2
         assert not [x for x in os.listdir(d) if x.startswith(".")], (k, os.listdir(d))
