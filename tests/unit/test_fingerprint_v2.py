@@ -27,10 +27,16 @@ from unickpt.format.hashing import (
     hash_block,
 )
 from unickpt.tools import upgrade
-from unickpt.tools.upgrade import fingerprint_v1, v1_partial
+from unickpt.tools.upgrade import v1_finalize, v1_partial
 
 native = pytest.mark.skipif(hashing._native2 is None, reason="the compiled v2 kernel is not built here")
 MASK = (1 << 64) - 1
+
+
+def fingerprint_v1(name: str, dtype: str, data: bytes | memoryview, shape: tuple[int, ...]) -> str:
+    """Fingerprint v1 of a whole tensor from its raw C-order bytes, as upgrade checks version 1 indexes."""
+    words = np.frombuffer(data, dtype=f"<u{DTYPE_ITEMSIZE[dtype]}")
+    return v1_finalize(name, dtype, shape, v1_partial(words, shape, [0] * len(shape), shape))
 
 
 def test_kernel_is_built_where_required() -> None:

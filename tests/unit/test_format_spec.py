@@ -5,15 +5,23 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from unickpt.format import _fp2
+from unickpt.format.dtypes import DTYPE_ITEMSIZE
 from unickpt.format.index import FORMAT_VERSION
 from unickpt.format.naming import SLICED_SENTINEL
 from unickpt.format.schema import index_schema_json
-from unickpt.tools.upgrade import _v1_finalize, fingerprint_v1, v1_partial
+from unickpt.tools.upgrade import v1_finalize, v1_partial
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def fingerprint_v1(name: str, dtype: str, data: bytes | memoryview, shape: tuple[int, ...]) -> str:
+    """Fingerprint v1 of a whole tensor from its raw C-order bytes, as upgrade checks version 1 indexes."""
+    words = np.frombuffer(data, dtype=f"<u{DTYPE_ITEMSIZE[dtype]}")
+    return v1_finalize(name, dtype, shape, v1_partial(words, shape, [0] * len(shape), shape))
 
 
 def test_exported_schema_matches_docs() -> None:
@@ -61,7 +69,7 @@ def _reference_fingerprint(name: str, dtype: str, words: list[int], shape: tuple
     for i, w in enumerate(words):
         r, c = divmod(i, cols)
         total = (total + (mix64(r) | 1) * (mix64(c ^ 0xD1B54A32D192ED03) | 1) * w) & mask
-    return _v1_finalize(name, dtype, shape, total)
+    return v1_finalize(name, dtype, shape, total)
 
 
 def test_fingerprint_v1_follows_the_written_definition() -> None:

@@ -80,7 +80,7 @@ from unickpt.format.versioning import FORMAT_VERSION
 from unickpt.format.writer import build_block
 from unickpt.tools.verify import FingerprintFailure
 
-__all__ = ["UpgradeReport", "upgrade_checkpoint", "LONG_SLICED_SENTINEL", "fingerprint_v1", "v1_partial"]
+__all__ = ["UpgradeReport", "upgrade_checkpoint", "LONG_SLICED_SENTINEL", "v1_partial", "v1_finalize"]
 
 #: The sentinel a sliced ``weight_map`` of versions 1 to 3 names (version 4 shortened it).
 LONG_SLICED_SENTINEL = "unickpt-sliced-checkpoint--run-unickpt-merge-to-load-with-huggingface.safetensors"
@@ -506,7 +506,7 @@ def _refingerprint(r: CheckpointReader, recorded: dict[str, str], where: str) ->
                 start += len(words)
             if s.xxh3 is not None and h.hexdigest() != s.xxh3:
                 failures.append(IntegrityFailure(name, s.file, s.key, s.xxh3, h.hexdigest()))
-        got = _v1_finalize(name, t.dtype, t.shape, p1)
+        got = v1_finalize(name, t.dtype, t.shape, p1)
         if got != v1:
             failures.append(FingerprintFailure(name, ", ".join(sorted(files)), "", v1, got))
         out[name] = finalize_fingerprint(name, t.dtype, t.shape, combine_partials(p2))
@@ -572,13 +572,8 @@ def v1_partial(
     return total
 
 
-def fingerprint_v1(name: str, dtype: str, data: bytes | memoryview, shape: Sequence[int]) -> str:
-    """Fingerprint v1 of a whole tensor from its raw C-order bytes (docs/format.md 5.2.3)."""
-    words = np.frombuffer(data, dtype=f"<u{itemsize(dtype)}")
-    return _v1_finalize(name, dtype, shape, v1_partial(words, shape, [0] * len(shape), shape))
-
-
-def _v1_finalize(name: str, dtype: str, shape: Sequence[int], total: int) -> str:
+def v1_finalize(name: str, dtype: str, shape: Sequence[int], total: int) -> str:
+    """A version 1 fingerprint from the sum of a whole tensor's partials (docs/format.md 5.2.3)."""
     h = xxhash.xxh3_64()
     h.update(name.encode("utf-8") + b"\0" + dtype.encode("ascii") + b"\0")
     h.update(",".join(str(int(d)) for d in shape).encode("ascii") + b"\0")

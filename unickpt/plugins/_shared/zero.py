@@ -203,27 +203,6 @@ class ZeroPartition:
                     out.append((b, fqn, i, a - off, z - off))
         return out
 
-    def full_state(self) -> dict[str, dict[str, Any]]:
-        """Every parameter's optimizer state as full tensors, on every rank (collective over the group)."""
-        self.init_state()
-        out: dict[str, dict[str, Any]] = {}
-        for b in self.buckets:
-            st = self.optim.state[b.shard]
-            for k in sorted(st):
-                v = st[k]
-                if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == b.chunk:
-                    flat = torch.empty(b.chunk * self.size, dtype=v.dtype, device=v.device)
-                    if self.size > 1:
-                        dist.all_gather_into_tensor(flat, v.contiguous(), group=self.group)
-                    else:
-                        flat = v
-                    for p, fqn, off in zip(b.params, b.fqns, b.offsets, strict=True):
-                        out.setdefault(fqn, {})[k] = flat[off : off + p.numel()].view(p.shape).clone()
-                else:
-                    for fqn in b.fqns:
-                        out.setdefault(fqn, {})[k] = v.clone() if isinstance(v, torch.Tensor) else v
-        return out
-
 
 class ZeroCheckpointIO(CheckpointIO):
     """CheckpointIO for :class:`ZeroPlugin`: optimizer state as flat ranges of parameter-shaped tensors.
