@@ -55,7 +55,7 @@ test-slow: venv
 	$(BIN)/pytest -q -m slow tests
 
 fuzz: venv
-	UNICKPT_FUZZ_EXAMPLES=10000 $(BIN)/pytest -q tests/unit/test_fuzz.py
+	UNICKPT_FUZZ_EXAMPLES=10000 $(BIN)/pytest -q tests/unit/reliability/test_fuzz.py
 
 demo: venv
 	bash examples/demo.sh

@@ -6,7 +6,7 @@ under 8 minutes and needs nothing beyond torch and unickpt)::
     python benchmarks/gpu_check.py --json /tmp/gpu_check.json
 
 ``--dry-run`` runs the same phases on CPU under gloo with a model of a few MB (what
-``tests/unit/test_gpu_check.py`` runs, so that the script cannot rot on machines without a GPU).
+``tests/unit/project/test_gpu_check.py`` runs, so that the script cannot rot on machines without a GPU).
 
 Phases, each timed between device synchronisations and reported as one row (a failed phase is
 a row with its error, and the next phase still runs):

@@ -11,7 +11,7 @@ Rank 0 then writes ``OUT.safetensors``: per parameter its fp32 master weight (``
 Adam moments (``<key>.<fqn>``), each gathered from every rank's flat partition through the live
 optimizer's own fragment addresses, and the module's weight (``module.<fqn>``); and ``OUT.json``:
 each flat group's ``step`` and hyperparameters, the engine's counters and the scheduler's state.
-Used by tests/unit/test_export_deepspeed.py.
+Used by tests/unit/tools/test_export_deepspeed.py.
 """
 
 from __future__ import annotations

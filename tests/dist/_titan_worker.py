@@ -1,7 +1,7 @@
 """torchtitan's own training components (llama3 debug model, ``OptimizersContainer``,
 ``LRSchedulersContainer``, ``ParallelAwareDataloader``) checkpointed by
 ``unickpt.integrations.torchtitan.CheckpointManager``, built as torchtitan's ``Trainer`` builds
-and calls it. Run in-process (tests/unit/test_torchtitan_integration.py) or per rank of a gloo
+and calls it. Run in-process (tests/unit/integrations/test_torchtitan_integration.py) or per rank of a gloo
 world (tests/dist/test_torchtitan_dist.py); with 2 ranks each layer and the root are
 ``fully_shard``-ed (FSDP2 on CPU).
 

@@ -16,7 +16,7 @@ box boundary crosses, so every element in it is covered the same number of times
 reported and corrected (a weighted box added so that ``f = 1`` there), and the search runs
 again until nothing is left or ``limit`` problems were named. The reported gaps are then
 exactly the uncovered elements, and the reported overlaps exactly the elements stored more
-than once (``tests/unit/test_coverage.py`` checks this against counting every element).
+than once (``tests/unit/spec/test_coverage.py`` checks this against counting every element).
 """
 
 from __future__ import annotations

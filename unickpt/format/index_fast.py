@@ -10,7 +10,7 @@ choices, and the rule functions the validators call); and builds the objects val
 (``model_construct``, or the attributes it sets, in bulk).
 
 Any doubt raises NotFast, and parse_index then runs the models and reports their answer.
-tests/unit/test_index_fast.py checks that both paths accept the same inputs, build equal
+tests/unit/spec/test_index_fast.py checks that both paths accept the same inputs, build equal
 indexes and refuse the rest with the same messages.
 """
 

@@ -18,7 +18,7 @@ resumes under any other parallelism. It also loads torchtitan's own DCP checkpoi
 
 Tested with torchtitan's own ``Trainer(config).train()`` (tests/dist/test_torchtitan_trainer.py: a
 2-rank FSDP2 run stopped after a save and resumed on 1 rank, on CPU) and with its components driven
-as the trainer drives them (tests/dist/test_torchtitan_dist.py, tests/unit/test_torchtitan_integration.py).
+as the trainer drives them (tests/dist/test_torchtitan_dist.py, tests/unit/integrations/test_torchtitan_integration.py).
 
 Importing this module imports torchtitan; ``import unickpt`` does not import this module.
 """

@@ -10,7 +10,7 @@ import pytest
 import unickpt
 from unickpt import errors
 
-PKG = Path(__file__).resolve().parents[2] / "unickpt"
+PKG = Path(__file__).resolve().parents[3] / "unickpt"
 
 
 def test_every_error_is_an_unickpt_error_with_its_builtin_base() -> None:

@@ -21,7 +21,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 from unickpt import GeneralCheckpointIO
 from unickpt.manager import CheckpointManager
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "manager"))
 from test_manager import _train
 
 

@@ -10,7 +10,7 @@ import pytest
 
 import unickpt
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_pyproject_reads_the_version_from_the_package() -> None:

@@ -14,7 +14,7 @@ from unickpt import _dist, _faults
 from unickpt._faults import RANK0_ONLY, STAGES, InjectedFault, arm, injected, maybe_fail
 from unickpt.errors import DistributedError
 
-PKG = Path(__file__).resolve().parents[2] / "unickpt"
+PKG = Path(__file__).resolve().parents[3] / "unickpt"
 
 
 def test_disarmed_does_nothing_and_armed_raises_on_the_named_rank_only() -> None:

@@ -21,7 +21,7 @@ from unickpt.errors import HeaderError, IncompleteCheckpointError, UnsupportedEr
 from unickpt.format.foreign import foreign_dir, foreign_file
 from unickpt.tools.detect import detect_source
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 
 
 class Net(torch.nn.Module):

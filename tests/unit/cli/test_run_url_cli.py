@@ -282,7 +282,7 @@ bad = sorted(k for k in sys.modules if k == "torch" or k.startswith("torch."))
 assert not bad, bad
 print("CLEAN")
 """
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     env = dict(os.environ, PYTHONPATH=str(root))  # the s3 fixture's AWS_ENDPOINT_URL and keys
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
     assert r.returncode == 0, r.stderr[-2000:]

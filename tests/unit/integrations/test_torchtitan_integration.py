@@ -20,7 +20,7 @@ import torch
 pytest.importorskip(
     "torchtitan.trainer", reason="torchtitan and its runtime modules (make peers) not installed"
 )
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "dist"))
 
 import _titan_worker as titan
 

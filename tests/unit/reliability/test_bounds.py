@@ -36,7 +36,7 @@ from unickpt.tools.merge import merge_checkpoint
 from unickpt.tools.run import verify_run
 from unickpt.tools.verify import verify_checkpoint
 
-DATA = Path(__file__).resolve().parent.parent / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 _spec = importlib.util.spec_from_file_location("make_counts", DATA / "make_counts.py")
 assert _spec and _spec.loader
 MC = importlib.util.module_from_spec(_spec)

@@ -88,7 +88,7 @@ def test_a_hidden_bar_does_not_import_tqdm() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 
 
 def _tensor_bytes(directory: Path, kind: str) -> int:

@@ -14,7 +14,7 @@ import pytest
 from unickpt.cli.main import main
 from unickpt.tools._write import SliceData, TensorData, write_checkpoint
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _ckpt(d: Path, scale: float = 1.0, cols: bool = False) -> Path:

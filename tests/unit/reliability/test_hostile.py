@@ -32,7 +32,7 @@ from unickpt.format.index import MAX_INDEX_BYTES, check_file_name
 from unickpt.format.reader import open_checkpoint
 from unickpt.format.safetensors_io import read_header
 
-DATA = Path(__file__).resolve().parent.parent / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 HOSTILE = DATA / "hostile"
 MANIFEST = json.loads((HOSTILE / "manifest.json").read_text())
 ALL_CASES = sorted(n for n in MANIFEST if n != "manifest.json")

@@ -29,7 +29,7 @@ from unickpt.io.jsonstate import to_json_value
 from unickpt.tools.convert import convert_checkpoint
 from unickpt.tools.convert_deepspeed import read_deepspeed
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "deepspeed"
+DATA = Path(__file__).resolve().parents[2] / "data" / "deepspeed"
 CASES = ["zero1_ws1", "zero1_ws2", "zero2_ws1", "zero2_ws2", "zero3_ws1", "zero3_ws2"]
 # bf16 runs with ZeRO stage 1: DeepSpeed's BF16_Optimizer, bf16_zero_pp_rank_* files.
 BF16_CASES = ["bf16_zero1_ws1", "bf16_zero1_ws2"]

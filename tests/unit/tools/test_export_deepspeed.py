@@ -32,7 +32,7 @@ from unickpt.format.reader import open_checkpoint
 from unickpt.tools._torch import full_tensors
 from unickpt.tools.convert import convert_checkpoint
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 DS = DATA / "deepspeed"
 LOADER = DATA / "load_deepspeed_universal.py"
 NAMES = ["0.weight", "0.bias", "2.weight", "1.weight", "1.bias", "2.bias"]

@@ -26,7 +26,7 @@ from unickpt.format.naming import SLICED_SENTINEL
 from unickpt.format.reader import open_checkpoint
 from unickpt.tools.upgrade import LONG_SLICED_SENTINEL, upgrade_checkpoint
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "versions"
+DATA = Path(__file__).resolve().parents[2] / "data" / "versions"
 EXPECTED = load_file(str(DATA / "expected.safetensors"))
 KINDS = {"sliced": "model", "gathered": "model", "single.safetensors": "model", "optimizer": "optimizer"}
 CASES = [(v, what) for v in (1, 2, 3, 4) for what in KINDS]

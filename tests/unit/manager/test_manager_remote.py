@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import uuid
 from collections.abc import Iterator
@@ -252,13 +253,14 @@ def remote_worker(url: str, cache: str) -> dict[str, Any]:
 
 
 def test_two_ranks_each_upload_their_own_files(tmp_path: Path) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "dist"))
     from harness import run_world
 
     store = tmp_path / "store"
     store.mkdir()
     url = f"norename://{store}/ckpt"
-    env = {"PYTHONPATH": str(Path(__file__).resolve().parent)}
+    here = Path(__file__).resolve()
+    env = {"PYTHONPATH": os.pathsep.join([str(here.parent), str(here.parents[1])])}
     results = run_world(2, "test_manager_remote:remote_worker", url, str(tmp_path / "cache"), env=env)
     assert results == [{"mode0": (1, True), "mode1": (1, True)}] * 2
     for mode in ("0", "1"):
@@ -287,7 +289,10 @@ def test_resave_killed_at_store_operations_never_loses_the_step(
     """Re-saving a committed step N, "killed" (the save stops) at each object write, copy or delete:
     afterwards step N loads bit-exactly as the old or the new save, and the next save with retention
     keeps it and leaves nothing else behind."""
-    from test_manager_crash import EXPECTED, _state, _trained
+    from _reliability import train_state as _state
+    from _reliability import trained as _trained
+
+    EXPECTED = {seed: _state(*_trained(seed)) for seed in (1, 2, 3)}
 
     # Every object write (whole PUTs and streamed files opened for writing), copy and delete.
     ops = ("pipe_file", "put_file", "rm_file", "cp_file", "_open")

@@ -390,7 +390,7 @@ def test_bad_source_target_pairs(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------- Colossal-AI
-COLO = Path(__file__).resolve().parents[1] / "data" / "colossalai"
+COLO = Path(__file__).resolve().parents[2] / "data" / "colossalai"
 
 
 def _colo_expected(case: str) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
@@ -435,6 +435,12 @@ def test_colossalai_optimizer_with_the_model_checkpoint_beside_it(tmp_path: Path
     assert (
         main(["convert", "-q", "--from", "colossalai", str(COLO / "one_group" / "optimizer"), str(out)]) == 0
     )
+    _check_colo("one_group", out, *_colo_model_opt(False))
+
+
+def test_colossalai_real_checkpoint_converts_bit_exact_through_the_api(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    convert_checkpoint(COLO / "one_group" / "optimizer", out, source="colossalai")
     _check_colo("one_group", out, *_colo_model_opt(False))
 
 

@@ -15,7 +15,7 @@ from unickpt.format.naming import SLICED_SENTINEL
 from unickpt.format.schema import index_schema_json
 from unickpt.tools.upgrade import v1_finalize, v1_partial
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
+DOCS = Path(__file__).resolve().parents[3] / "docs"
 
 
 def fingerprint_v1(name: str, dtype: str, data: bytes | memoryview, shape: tuple[int, ...]) -> str:

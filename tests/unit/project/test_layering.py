@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-PKG = Path(__file__).resolve().parents[2] / "unickpt"
+PKG = Path(__file__).resolve().parents[3] / "unickpt"
 
 
 def _module_name(path: Path) -> str:
@@ -277,7 +277,7 @@ def test_the_cycle_check_finds_cycles() -> None:
 def test_test_modules_have_unique_basenames() -> None:
     """pytest imports test modules by basename (rootdir-relative, no packages): two files of one
     name under tests/unit and tests/dist make the second fail to collect."""
-    tests = Path(__file__).resolve().parents[1]
+    tests = Path(__file__).resolve().parents[2]
     seen: dict[str, str] = {}
     clashes = []
     for p in sorted(tests.rglob("test_*.py")):

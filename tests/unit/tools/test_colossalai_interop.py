@@ -28,7 +28,7 @@ from unickpt import GeneralCheckpointIO, IndexFileError
 from unickpt.cli.main import main as cli
 from unickpt.tools.inspect import format_report, inspect_checkpoint
 
-FIXTURE = Path(__file__).parent.parent / "data" / "colossalai_sharded"
+FIXTURE = Path(__file__).parents[2] / "data" / "colossalai_sharded"
 sys.path.insert(0, str(FIXTURE.parent))
 from make_colossalai_fixture import model as fixture_model  # noqa: E402
 

@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 
 from unickpt.cli.main import main
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 SIDE = {
     "config.json": None,  # filled from the model
     "generation_config.json": b'{"max_new_tokens": 5}',
