@@ -39,8 +39,9 @@ from unickpt._logging import get_logger
 from unickpt.errors import UnickptError
 from unickpt.format.naming import single_name
 from unickpt.format.storage import is_url
-from unickpt.io.core import IOCore, WriteSpec
+from unickpt.io.core import IOCore
 from unickpt.io.payload import SavePayload
+from unickpt.io.save import WriteSpec
 from unickpt.io.stage import stage_written
 from unickpt.io.writer_process import WriterProcess, process_capable, share_buffers
 

@@ -29,7 +29,6 @@ from unickpt.errors import IncompleteCheckpointError
 from unickpt.format.commit_store import write_small_file
 from unickpt.format.storage import is_url
 from unickpt.io.async_save import check_use_safetensors
-from unickpt.io.core import check_size_per_shard
 from unickpt.io.hooks import FINAL_METHODS, HookContext
 from unickpt.io.load import LoadReport, load_tensors
 from unickpt.io.mapping import map_payload, resolve_mapping
@@ -37,6 +36,7 @@ from unickpt.io.names import apply_prefix
 from unickpt.io.optim_state import optimizer_tensor_name
 from unickpt.io.optimizer_io import OptimizerIO
 from unickpt.io.payload import SavePayload
+from unickpt.io.save import check_size_per_shard
 from unickpt.io.side_files import (
     SCHEDULER_FILE,
     hf_config_files,

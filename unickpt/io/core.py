@@ -9,7 +9,6 @@ options, the layout recorded in the index, opening a checkpoint on every rank, w
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable
 from typing import Any
@@ -24,12 +23,12 @@ from unickpt.format.reader import CheckpointReader
 from unickpt.format.storage import is_url
 from unickpt.io.hooks import CheckpointHooks, HookContext
 from unickpt.io.payload import SavePayload
-from unickpt.io.replicas import REPLICA_MODES, ReplicaCheck, check_replicas
-from unickpt.io.save import SaveOptions, save_tensors
+from unickpt.io.replicas import REPLICA_MODES
+from unickpt.io.save import SaveOptions, WriteSpec, check_size_per_shard
 from unickpt.io.tensors import LocalSlice, mesh_dims
 from unickpt.io.url_load import open_for_load
 
-__all__ = ["IOCore", "WriteSpec"]
+__all__ = ["IOCore"]
 
 
 class IOCore(CheckpointHooks):
@@ -127,61 +126,3 @@ class IOCore(CheckpointHooks):
         # a local path ignores them.
         options = self.storage_options if is_url(os.fspath(checkpoint)) else None
         return open_for_load(checkpoint, kind, self.group, options, args)
-
-
-@dataclasses.dataclass(frozen=True)
-class WriteSpec:
-    """The options of one ``IOCore.write``, without the IO (picklable: no process group, no mesh)."""
-
-    options: SaveOptions
-    check_replicas: str
-    everywhere: bool
-
-    @keeps_python_random
-    def write(self, payload: SavePayload, checkpoint: str | os.PathLike[str], group: Any) -> str:
-        """Collective over ``group``: save ``payload``; returns the committed path."""
-        slices = payload.slices
-        what = f"saving the {payload.kind} to {os.fspath(checkpoint)}"
-        check = ReplicaCheck(self.check_replicas, what, self.everywhere)
-        if payload.staged is not None:  # a copy: its replica digests were planned when it was staged
-            check_replicas(
-                slices, self.check_replicas, what, group, everywhere=self.everywhere, staged=payload.staged
-            )
-
-        def slices_fn(name: str, tensor: torch.Tensor) -> list[LocalSlice]:
-            del tensor
-            return slices[name]
-
-        return save_tensors(
-            payload.tensors,
-            os.fspath(checkpoint),
-            self.options,
-            slices_fn,
-            aliases=payload.aliases,
-            entry_extras=payload.entry_extras,
-            block_extras=payload.block_extras,
-            group=group,
-            live=payload.staged is None,
-            replicas=check if payload.staged is None else None,
-        )
-
-
-# The largest shard size a save plans with (1 EiB): ``size_per_shard=float("inf")`` means no
-# limit, as in Colossal-AI (every tensor in one file), and stays an integer byte count.
-_MAX_SHARD_MB = float(1 << 40)
-
-
-def check_size_per_shard(size_mb: object) -> float:
-    """``size_per_shard`` (MB) as a float; ``ConfigError`` naming it for anything but a positive number.
-
-    ``inf`` is no limit (one file, as Colossal-AI writes). ``None``, strings, NaN, zero and
-    negative sizes are refused before anything is planned.
-    """
-    import math
-    import numbers
-
-    if not isinstance(size_mb, numbers.Real) or math.isnan(float(size_mb)) or float(size_mb) <= 0:
-        raise ConfigError(
-            f"size_per_shard must be a positive number of MB (int or float; inf for no limit), got {size_mb!r}"
-        )
-    return min(float(size_mb), _MAX_SHARD_MB)
