@@ -1,10 +1,12 @@
 """The hooks through which a plugin tells ``CheckpointIO`` what differs for its parallelism.
 
-``CheckpointIO``'s public methods are final (``FINAL_METHODS``); each builds one
-``HookContext`` for the call and hands it to the hooks below, whose defaults already describe
-plain tensors, DTensors of any placement and tied parameters. A plugin overrides a hook only
-for state that is not a DTensor or a plain replicated tensor (ZeRO's flat shards) or that is
-named differently (tied copies across pipeline stages).
+``CheckpointHooks`` is ``CheckpointIO``'s base class: the hook methods with their defaults, and
+no IO of their own (no options, no files, no collectives). ``CheckpointIO``'s public methods
+are final (``FINAL_METHODS``); each builds one ``HookContext`` for the call and hands it to the
+hooks below, whose defaults already describe plain tensors, DTensors of any placement and tied
+parameters. A plugin overrides a hook only for state that is not a DTensor or a plain
+replicated tensor (ZeRO's flat shards) or that is named differently (tied copies across
+pipeline stages).
 """
 
 from __future__ import annotations
@@ -86,7 +88,11 @@ class HookContext:
 
 
 class CheckpointHooks:
-    """The default hooks of ``CheckpointIO`` (every call passes its ``HookContext``)."""
+    """The default hooks of ``CheckpointIO``, its base (every call passes its ``HookContext``).
+
+    ``_hand_back`` is not a hook: it finishes a model load for the state dict the default
+    ``_model_tensors`` noted in the context (entries that are not the module's own tensors).
+    """
 
     def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return unwrap_model(model)
