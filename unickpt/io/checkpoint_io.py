@@ -40,7 +40,7 @@ from unickpt.format.index import LayoutInfo
 from unickpt.format.reader import CheckpointReader
 from unickpt.format.storage import is_url
 from unickpt.io.async_save import AsyncSaves, check_use_safetensors
-from unickpt.io.hooks import FINAL_METHODS, CheckpointHooks, HookContext
+from unickpt.io.hooks import DETACHED_NOTE, FINAL_METHODS, CheckpointHooks, HookContext
 from unickpt.io.load import LoadReport, load_tensors
 from unickpt.io.mapping import map_payload, resolve_mapping
 from unickpt.io.names import apply_prefix
@@ -310,6 +310,14 @@ class CheckpointIO(CheckpointHooks):
         self._hand_back(ctx)
         self._after_load(ctx)
         return report
+
+    def _hand_back(self, ctx: HookContext) -> None:
+        """After a model load: state dict entries that are not the module's own tensors reach it
+        through ``load_state_dict`` (whose hooks put them back, e.g. fuse the split weight)."""
+        sd = ctx.notes.get(DETACHED_NOTE)
+        if sd is not None:
+            with torch.no_grad():
+                self.unwrap_model(ctx.model).load_state_dict(sd, strict=False)
 
     # ------------------------------------------------------------------ peft adapter
     def save_adapter(

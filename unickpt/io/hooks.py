@@ -88,11 +88,7 @@ class HookContext:
 
 
 class CheckpointHooks:
-    """The default hooks of ``CheckpointIO``, its base (every call passes its ``HookContext``).
-
-    ``_hand_back`` is not a hook: it finishes a model load for the state dict the default
-    ``_model_tensors`` noted in the context (entries that are not the module's own tensors).
-    """
+    """The default hooks of ``CheckpointIO``, its base (every call passes its ``HookContext``)."""
 
     def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return unwrap_model(model)
@@ -102,7 +98,7 @@ class CheckpointHooks:
 
         A module's ``state_dict`` hooks may return fresh tensors instead of its own (a fused
         weight saved split); for a load the state dict is then noted in ``ctx`` so that
-        :meth:`_hand_back` gives what was loaded into them to ``load_state_dict``.
+        ``CheckpointIO`` gives what was loaded into them to ``load_state_dict``.
         """
         module = self.unwrap_model(ctx.model)
         out: dict[str, torch.Tensor] = {}
@@ -118,14 +114,6 @@ class CheckpointHooks:
         if detached:
             ctx.notes[DETACHED_NOTE] = sd
         return out
-
-    def _hand_back(self, ctx: HookContext) -> None:
-        """After a model load: state dict entries that are not the module's own tensors reach it
-        through ``load_state_dict`` (whose hooks put them back, e.g. fuse the split weight)."""
-        sd = ctx.notes.get(DETACHED_NOTE)
-        if sd is not None:
-            with torch.no_grad():
-                self.unwrap_model(ctx.model).load_state_dict(sd, strict=False)
 
     def _local_slices(self, name: str, tensor: torch.Tensor, ctx: HookContext) -> list[LocalSlice]:
         """The local slices of the global tensor ``name`` that ``tensor`` holds on this rank."""
