@@ -56,7 +56,8 @@ from unickpt.io.param_groups import validate_param_groups
 from unickpt.io.param_names import check_param_names, model_from_param_names
 from unickpt.io.payload import SavePayload
 from unickpt.io.replicas import REPLICA_MODES
-from unickpt.io.save import SaveOptions, WriteSpec, check_size_per_shard
+from unickpt.io.save import WriteSpec
+from unickpt.io.save_options import SaveOptions, check_size_per_shard
 from unickpt.io.side_files import (
     SCHEDULER_FILE,
     hf_config_files,

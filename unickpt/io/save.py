@@ -55,10 +55,10 @@ from unickpt import _dist
 from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
 from unickpt._rng import keeps_python_random
-from unickpt.errors import ConfigError, UnickptError
+from unickpt.errors import UnickptError
 from unickpt.format.commit import directory_lock, discard, makedirs_durable, new_save_id
 from unickpt.format.commit_store import committed_in, needs_cleanup, store_file_name
-from unickpt.format.index import LayoutInfo, index_to_json
+from unickpt.format.index import index_to_json
 from unickpt.format.naming import single_name
 from unickpt.format.storage import FsspecStorage, Storage, is_url, open_storage
 from unickpt.format.storage_parts import supports_shared_parts
@@ -82,25 +82,13 @@ from unickpt.io.replicas import (
 )
 from unickpt.io.save_block import Results as _Results
 from unickpt.io.save_block import build_save_block, by_slice, file_specs, make_writer
+from unickpt.io.save_options import SaveOptions
 from unickpt.io.tensors import LocalSlice, as_bytes
 
-__all__ = ["SaveOptions", "WriteSpec", "check_size_per_shard", "save_tensors"]
+# SaveOptions is save_options.py's, re-exported: what a save is written with, beside save_tensors.
+__all__ = ["SaveOptions", "WriteSpec", "save_tensors"]
 
 logger = get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class SaveOptions:
-    kind: str  # "model" or "optimizer"
-    shard: bool
-    gather: bool
-    size_per_shard_mb: float
-    layout: LayoutInfo
-    hashes: bool = True
-    fingerprints: bool = True
-    fsync: bool = True
-    # fsspec options of a URL ``path`` (credentials, endpoint); None: the environment's.
-    storage_options: dict[str, Any] | None = None
 
 
 def save_tensors(
@@ -473,24 +461,3 @@ class WriteSpec:
             live=payload.staged is None,
             replicas=check if payload.staged is None else None,
         )
-
-
-# The largest shard size a save plans with (1 EiB): ``size_per_shard=float("inf")`` means no
-# limit, as in Colossal-AI (every tensor in one file), and stays an integer byte count.
-_MAX_SHARD_MB = float(1 << 40)
-
-
-def check_size_per_shard(size_mb: object) -> float:
-    """``size_per_shard`` (MB) as a float; ``ConfigError`` naming it for anything but a positive number.
-
-    ``inf`` is no limit (one file, as Colossal-AI writes). ``None``, strings, NaN, zero and
-    negative sizes are refused before anything is planned.
-    """
-    import math
-    import numbers
-
-    if not isinstance(size_mb, numbers.Real) or math.isnan(float(size_mb)) or float(size_mb) <= 0:
-        raise ConfigError(
-            f"size_per_shard must be a positive number of MB (int or float; inf for no limit), got {size_mb!r}"
-        )
-    return min(float(size_mb), _MAX_SHARD_MB)
