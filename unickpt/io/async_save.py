@@ -30,7 +30,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,13 +39,15 @@ from unickpt._logging import get_logger
 from unickpt.errors import UnickptError
 from unickpt.format.naming import single_name
 from unickpt.format.storage import is_url
-from unickpt.io.core import IOCore, WriteSpec
 from unickpt.io.payload import SavePayload
+from unickpt.io.save import WriteSpec
 from unickpt.io.stage import stage_written
 from unickpt.io.writer_process import WriterProcess, process_capable, share_buffers
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 __all__ = [
-    "AsyncSaveIO",
     "AsyncSaves",
     "check_use_safetensors",
     "shared_payload",
@@ -160,7 +162,7 @@ class AsyncSaves:
 
     def __init__(self) -> None:
         self._flight: _Flight | None = None
-        self._bg_group: Any = None
+        self._bg_group: ProcessGroup | None = None
         self._made_group = False
         self.writer = WriterProcess()
         weakref.finalize(self, self.writer.close)
@@ -176,7 +178,7 @@ class AsyncSaves:
         f = self._flight
         return f is not None and f.thread is not None and f.thread.is_alive()
 
-    def background_group(self, group: Any) -> Any:
+    def background_group(self, group: ProcessGroup | None) -> ProcessGroup | None:
         """Collective the first time (every rank of ``group``): the gloo group a writing thread uses."""
         if not _dist.is_distributed(group):
             return group
@@ -211,7 +213,7 @@ class AsyncSaves:
 
     def start_in_writer(
         self,
-        group: Any,
+        group: ProcessGroup | None,
         name: str,
         job: Callable[[Any], Any],
         buffers: Iterable[torch.Tensor],
@@ -239,6 +241,57 @@ class AsyncSaves:
                     cleanup()
 
         self.start(name, work)
+
+    def save(
+        self,
+        spec: WriteSpec,
+        payload: SavePayload,
+        checkpoint: str | os.PathLike[str],
+        group: ProcessGroup | None,
+        after: Callable[[str], None] | None = None,
+    ) -> str:
+        """Collective over ``group``: copy ``payload`` to CPU memory now, write and commit the copy
+        with ``spec`` in the background (this rank's writer process, or a thread for ``memory://``).
+
+        Returns the path the save will commit. ``after(path)`` runs on rank 0 once committed.
+        """
+        gather = spec.options.gather
+        path = os.fspath(checkpoint)
+        final = committed_path(path, payload.kind, spec.options.shard, gather)
+        staging = self.staging.setdefault((payload.kind, gather), {})
+        if gather and is_url(path):
+            # A store's gathered save is written by rank 0 from full tensors (io/funnel_save.py):
+            # the full copies are made now, in the foreground, kept by the rank that sends each.
+            from unickpt.io.funnel_save import gathered_snapshot
+
+            copy = gathered_snapshot(payload, group, staging)
+        else:  # every rank writes its own slices (a sliced save, or in place: io/hf_save.py)
+            if gather:  # column-sharded DTensors: row slices, moved now (io/hf_rows.py)
+                from unickpt.io.hf_rows import row_snapshot
+
+                payload = dataclasses.replace(payload, slices=row_snapshot(payload.tensors, payload.slices))
+            copy = stage_written(payload, staging, group, replicas=spec.check_replicas != "off")
+        name = os.path.basename(path.rstrip("/")) or path
+        is_rank0 = _dist.rank(group) == 0
+        if process_capable(path, spec.options.storage_options):
+            job = functools.partial(_write_job, spec, shared_payload(copy, staging), path)
+
+            def then(written: Any) -> None:
+                if after is not None and is_rank0:
+                    after(str(written))
+
+            self.start_in_writer(group, name, job, list(staging.values()), then)
+            return final
+        # A store only this process reaches (memory://): written by a thread of this process.
+        bg_group = self.background_group(group)
+
+        def work() -> None:
+            written = spec.write(copy, path, bg_group)
+            if after is not None and _dist.rank(bg_group) == 0:
+                after(written)
+
+        self.start(name, work)
+        return final
 
     def wait(self) -> None:
         """Block until the save in flight is committed; raise its error, if it failed."""
@@ -286,110 +339,8 @@ def shared_payload(payload: SavePayload, staging: dict[Any, torch.Tensor]) -> Sa
     return dataclasses.replace(payload, tensors=tensors, slices=slices)
 
 
-class AsyncSaveIO(IOCore):
-    """``IOCore`` with async saves: :meth:`wait`, Colossal-AI's names for it, the background write."""
-
-    @property
-    def _async(self) -> AsyncSaves:
-        saves: AsyncSaves | None = self.__dict__.get("_async_saves")
-        if saves is None:
-            saves = self.__dict__["_async_saves"] = AsyncSaves()
-        return saves
-
-    def wait(self) -> None:
-        """Block until this IO's async save in flight is committed; raise its error, if it failed.
-
-        Every rank calls it. Every save and load through this IO waits first, so a load never
-        reads a checkpoint still being written. Colossal-AI's name, ``_sync_io()``, works too.
-        """
-        self._async.wait()
-
-    def _sync_io(self) -> None:
-        """Colossal-AI's name for :meth:`wait`."""
-        self.wait()
-
-    def synchronize(self) -> None:
-        """Colossal-AI: call before the weights change. An async save copied them before it
-        returned, so there is nothing left to wait for."""
-
-    def _sync_d2h(self) -> None:
-        """Colossal-AI's name for :meth:`synchronize`."""
-
-    def _write_async(
-        self,
-        payload: SavePayload,
-        checkpoint: str | os.PathLike[str],
-        shard: bool,
-        gather_dtensor: bool,
-        size_per_shard: float,
-        after: Callable[[str], None] | None = None,
-    ) -> str:
-        """Collective: copy ``payload`` to CPU memory now, write and commit the copy in a thread.
-
-        Returns the path the save will commit. ``after(path)`` runs on rank 0 once committed.
-        """
-        # Bad arguments raise now, not in the thread.
-        self._options(payload.kind, shard, gather_dtensor, size_per_shard)
-        path = os.fspath(checkpoint)
-        final = committed_path(path, payload.kind, shard, gather_dtensor)
-        staging = self._async.staging.setdefault((payload.kind, gather_dtensor), {})
-        if gather_dtensor and is_url(path):
-            # A store's gathered save is written by rank 0 from full tensors (io/funnel_save.py):
-            # the full copies are made now, in the foreground, kept by the rank that sends each.
-            from unickpt.io.funnel_save import gathered_snapshot
-
-            copy = gathered_snapshot(payload, self.group, staging)
-        else:  # every rank writes its own slices (a sliced save, or in place: io/hf_save.py)
-            if gather_dtensor:  # column-sharded DTensors: row slices, moved now (io/hf_rows.py)
-                from unickpt.io.hf_rows import row_snapshot
-
-                payload = dataclasses.replace(payload, slices=row_snapshot(payload.tensors, payload.slices))
-            copy = stage_written(payload, staging, self.group, replicas=self.check_replicas != "off")
-        name = os.path.basename(path.rstrip("/")) or path
-        is_rank0 = _dist.rank(self.group) == 0
-        if process_capable(path, self.storage_options):
-            job = functools.partial(
-                _write_job,
-                self.write_spec(payload.kind, shard, gather_dtensor, size_per_shard),
-                shared_payload(copy, staging),
-                path,
-            )
-
-            def then(written: Any) -> None:
-                if after is not None and is_rank0:
-                    after(str(written))
-
-            self._async.start_in_writer(self.group, name, job, list(staging.values()), then)
-            return final
-        # A store only this process reaches (memory://): written by a thread of this process.
-        group = self._async.background_group(self.group)
-
-        def work() -> None:
-            written = self.write(
-                copy,
-                path,
-                shard=shard,
-                gather_dtensor=gather_dtensor,
-                size_per_shard=size_per_shard,
-                group=group,
-            )
-            if after is not None and _dist.rank(group) == 0:
-                after(written)
-
-        self._async.start(name, work)
-        return final
-
-    def close(self) -> None:
-        """Wait for the async save in flight (raising its error), then stop this IO's writer process.
-
-        Every rank calls it. Optional: the writer stops at exit too; a later async save starts
-        a new one.
-        """
-        self._async.close()
-
-
-def _write_job(spec: WriteSpec, payload: SavePayload, path: str, group: Any) -> str:
-    """In the writer process: ``IOCore.write`` of a snapshot, over the writers' world."""
+def _write_job(spec: WriteSpec, payload: SavePayload, path: str, group: ProcessGroup | None) -> str:
+    """In the writer process: ``CheckpointIO.write`` of a snapshot, over the writers' world."""
     return spec.write(payload, path, group)
 
 

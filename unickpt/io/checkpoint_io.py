@@ -1,5 +1,13 @@
 """``CheckpointIO``: the one save/load machinery behind every plugin.
 
+One class holds the whole public API (models, peft adapters, optimizers, LR schedulers; plans,
+``write``, async saves' ``wait``/``close``); the hooks a plugin overrides, and their defaults,
+are its base ``CheckpointHooks`` (``unickpt.io.hooks``, with ``HookContext``). What is a concept
+of its own is a plain module the class calls: the save engine and ``WriteSpec`` (``io/save.py``),
+the load engine (``io/load.py``), the background save in flight and its writer process
+(``AsyncSaves``, ``io/async_save.py``), the optimizer state as a payload (``io/optimizer_io.py``),
+the adapters' files (``io/adapters.py``), the side files (``io/side_files.py``).
+
 Public methods own validation, rank coordination and the commit; they are collective:
 every rank of the job calls each of them, in the same order, with its own view of the
 model. They are final (``CheckpointIO.__init_subclass__`` refuses a subclass that overrides
@@ -7,8 +15,7 @@ one). A plugin's subclass describes only what differs for its parallelism, throu
 private hooks ``_model_tensors``, ``_local_slices``, ``_optimizer_state``,
 ``_set_optimizer_state``, ``_state_parameters`` and ``_after_load``; each public call passes
 them one ``HookContext`` (what is being done: kind, save or load, gathered or sliced, the
-model and optimizer; both live in ``unickpt.io.hooks``), so no hook depends on state left
-on the IO by the call. The defaults
+model and optimizer), so no hook depends on state left on the IO by the call. The defaults
 already handle plain tensors (replicated: one rank writes each), DTensors of any placement
 (each rank writes the slice it holds), tied parameters and wrapper-free names, so DDP,
 FSDP2, TP and their combinations need no checkpoint code of their own.
@@ -18,25 +25,39 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from unickpt import _dist
 from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
-from unickpt.errors import IncompleteCheckpointError
+from unickpt._rng import keeps_python_random
+from unickpt.errors import ConfigError, IncompleteCheckpointError, UnsupportedError
 from unickpt.format.commit_store import write_small_file
+from unickpt.format.index import LayoutInfo
+from unickpt.format.reader import CheckpointReader
 from unickpt.format.storage import is_url
-from unickpt.io.async_save import check_use_safetensors
-from unickpt.io.core import check_size_per_shard
-from unickpt.io.hooks import FINAL_METHODS, HookContext
+from unickpt.io.async_save import AsyncSaves, check_use_safetensors
+from unickpt.io.hooks import DETACHED_NOTE, FINAL_METHODS, CheckpointHooks, HookContext
 from unickpt.io.load import LoadReport, load_tensors
 from unickpt.io.mapping import map_payload, resolve_mapping
 from unickpt.io.names import apply_prefix
-from unickpt.io.optim_state import optimizer_tensor_name
-from unickpt.io.optimizer_io import OptimizerIO
+from unickpt.io.optim_state import (
+    apply_groups,
+    optimizer_tensor_name,
+    param_of,
+    same_optimizer_class,
+    state_targets,
+)
+from unickpt.io.optimizer_io import merge_optimizer_extras, optimizer_payload
+from unickpt.io.param_groups import validate_param_groups
+from unickpt.io.param_names import check_param_names, model_from_param_names
 from unickpt.io.payload import SavePayload
+from unickpt.io.replicas import REPLICA_MODES
+from unickpt.io.save import WriteSpec
+from unickpt.io.save_options import SaveOptions, check_size_per_shard
 from unickpt.io.side_files import (
     SCHEDULER_FILE,
     hf_config_files,
@@ -44,7 +65,13 @@ from unickpt.io.side_files import (
     read_lr_scheduler_state,
     write_config_files,
 )
-from unickpt.io.tensors import LocalSlice
+from unickpt.io.tensors import LocalSlice, mesh_dims
+from unickpt.io.url_load import open_for_load
+from unickpt.wrappers import OptimizerWrapper, unwrap_optimizer
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
 
 # CheckpointIO is this module's own; the other names are re-exported from the modules that
 # define them, for code written when they lived here.
@@ -61,9 +88,21 @@ __all__ = [
 
 logger = get_logger(__name__)
 
+# What ``save_model``/``load_model`` take as ``mapping``: a list of transformers'
+# ``WeightRenaming``/``WeightConverter``, ``None`` (transformers' own) or ``False`` (none).
+WeightMapping = list[Any] | tuple[Any, ...] | bool | None
 
-class CheckpointIO(OptimizerIO):
-    """Save and load models, optimizers and LR schedulers in the unickpt format.
+
+class SchedulerState(Protocol):
+    """An LR scheduler as ``save_lr_scheduler``/``load_lr_scheduler`` use it (torch's ``LRScheduler``)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+class CheckpointIO(CheckpointHooks):
+    """Save and load models, peft adapters, optimizers and LR schedulers in the unickpt format.
 
     Args:
         mesh: the plugin's ``DeviceMesh`` (recorded in the index; the IO itself needs none).
@@ -87,6 +126,34 @@ class CheckpointIO(OptimizerIO):
             (``AWS_ENDPOINT_URL``, profiles). Also settable as an attribute.
     """
 
+    plugin_name = "general"
+    # Every rank holds every tensor whole (DDP): a tensor some ranks lack is a divergence.
+    replicated_everywhere = False
+
+    def __init__(
+        self,
+        mesh: DeviceMesh | None = None,
+        group: ProcessGroup | None = None,
+        *,
+        hashes: bool = True,
+        fingerprints: bool = True,
+        fsync: bool = True,
+        atomic_load: bool = False,
+        check_replicas: str = "warn",
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        # fsspec options (credentials, endpoint) of checkpoint URLs; None: the environment's.
+        self.storage_options = storage_options
+        if check_replicas not in REPLICA_MODES:
+            raise ConfigError(f"check_replicas must be one of {REPLICA_MODES}, got {check_replicas!r}")
+        self.check_replicas = check_replicas
+        self.mesh = mesh
+        self.group = group
+        self.hashes = hashes
+        self.fingerprints = fingerprints
+        self.fsync = fsync
+        self.atomic_load = atomic_load
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         overridden = sorted(name for name in FINAL_METHODS if name in vars(cls))
@@ -108,7 +175,7 @@ class CheckpointIO(OptimizerIO):
         size_per_shard: int = 1024,
         use_safetensors: bool | None = None,
         use_async: bool = False,
-        mapping: Any = None,
+        mapping: WeightMapping = None,
     ) -> str:
         """Collective: save the model's parameters and persistent buffers.
 
@@ -179,7 +246,7 @@ class CheckpointIO(OptimizerIO):
         allow_dtype_cast: bool = False,
         low_cpu_mem_mode: bool = True,
         num_threads: int = 1,
-        mapping: Any = None,
+        mapping: WeightMapping = None,
     ) -> LoadReport:
         """Collective: load a checkpoint of any layout and world size into this model, in place.
 
@@ -244,6 +311,14 @@ class CheckpointIO(OptimizerIO):
         self._hand_back(ctx)
         self._after_load(ctx)
         return report
+
+    def _hand_back(self, ctx: HookContext) -> None:
+        """After a model load: state dict entries that are not the module's own tensors reach it
+        through ``load_state_dict`` (whose hooks put them back, e.g. fuse the split weight)."""
+        sd = ctx.notes.get(DETACHED_NOTE)
+        if sd is not None:
+            with torch.no_grad():
+                self.unwrap_model(ctx.model).load_state_dict(sd, strict=False)
 
     # ------------------------------------------------------------------ peft adapter
     def save_adapter(
@@ -420,7 +495,7 @@ class CheckpointIO(OptimizerIO):
     # ------------------------------------------------------------------ optimizer
     def save_optimizer(
         self,
-        optimizer: Any,
+        optimizer: torch.optim.Optimizer | OptimizerWrapper,
         checkpoint: str | os.PathLike[str],
         shard: bool = False,
         gather_dtensor: bool = True,
@@ -450,6 +525,198 @@ class CheckpointIO(OptimizerIO):
             payload, checkpoint, shard=shard, gather_dtensor=gather_dtensor, size_per_shard=size_per_shard
         )
 
+    def plan_optimizer(
+        self,
+        optimizer: torch.optim.Optimizer | OptimizerWrapper,
+        prefix: str | None = None,
+        *,
+        shard: bool = True,
+        gather_dtensor: bool = False,
+        args: _dist.Args | None = None,
+    ) -> SavePayload:
+        """Collective: what this rank saves of ``optimizer`` (param groups merged over ranks).
+
+        ``shard``/``gather_dtensor`` as for :meth:`plan_model`; ``args``: the calling save's
+        arguments, checked equal on every rank by the first agreement. Each local phase is agreed before the next collective: an optimizer that fails on one
+        rank (another class, a value JSON cannot hold) raises on every rank, none waits.
+        """
+        optim, model = _dist.agreed(
+            lambda: self._optim_and_model(optimizer), "checking the optimizer to save", self.group, args
+        )
+        same_optimizer_class(optim, self.group)
+        ctx = HookContext(
+            "optimizer", saving=True, model=model, optimizer=optim, gather=gather_dtensor, shard=shard
+        )
+        had_state = {id(param) for param, st in optim.state.items() if st}
+        try:
+            osd = _dist.agreed(
+                lambda: self._optimizer_state(ctx), "collecting the optimizer's state", self.group
+            )
+            payload = _dist.agreed(
+                lambda: self._plan_optimizer(ctx, osd, had_state, prefix),
+                "planning the optimizer save",
+                self.group,
+            )
+        except BaseException:
+            # A failed save leaves behind no state torch invented for parameters that never stepped.
+            for _, param in self._state_parameters(model):
+                if id(param) not in had_state:
+                    optim.state.pop(param, None)
+            raise
+        # Pipeline stages each know part of every group: merge the ranks' views.
+        all_groups = _dist.all_gather_object(payload.block_extras["param_groups"], self.group)
+        all_scalars = _dist.all_gather_object(payload.block_extras["param_state"], self.group)
+        payload.block_extras = merge_optimizer_extras(all_groups, all_scalars)
+        return payload
+
+    def _plan_optimizer(
+        self, ctx: HookContext, osd: dict[str, Any], had_state: set[int], prefix: str | None
+    ) -> SavePayload:
+        model, optim = ctx.model, ctx.optim
+        p = apply_prefix(prefix)
+        # torch fills in state for parameters that never stepped (a zero-gradient step);
+        # that state is not the user's and is neither saved nor left behind.
+        for fqn, param in self._state_parameters(model):
+            if id(param) not in had_state:
+                optim.state.pop(param, None)
+                osd["state"].pop(fqn, None)
+        maybe_fail("optimizer.plan")
+        return optimizer_payload(osd, p, lambda tensors: self._local_slices_of(tensors, ctx))
+
+    def load_optimizer(
+        self,
+        optimizer: torch.optim.Optimizer | OptimizerWrapper,
+        checkpoint: str | os.PathLike[str],
+        verify: bool = False,
+        *,
+        prefix: str | None = None,
+        low_cpu_mem_mode: bool = True,
+        num_threads: int = 1,
+    ) -> LoadReport:
+        """Collective: load optimizer state saved under any layout into this optimizer.
+
+        State is matched by parameter FQN; hyperparameters of each group come from the saved
+        group holding the same parameters. A parameter with no saved state (never stepped)
+        gets none. ``checkpoint`` is a directory or the single file of an unsharded save.
+        ``low_cpu_mem_mode``/``num_threads`` are accepted (Colossal-AI) and change nothing; a
+        string in the third place is Colossal-AI's positional ``prefix``.
+        """
+        del low_cpu_mem_mode, num_threads
+        if isinstance(verify, str) and prefix is None:  # Colossal-AI's third positional is prefix
+            prefix, verify = verify, False
+        self.wait()
+        args = _dist.Args(
+            "load_optimizer",
+            {"checkpoint": _dist.path_arg(checkpoint), "verify": verify, "prefix": prefix},
+            check=lambda: apply_prefix(prefix),
+        )
+        optim, model = _dist.agreed(
+            lambda: self._optim_and_model(optimizer), "checking the optimizer to load", self.group, args
+        )
+        same_optimizer_class(optim, self.group)
+        p = apply_prefix(prefix)
+        where = os.fspath(checkpoint)
+        reader = self._open(checkpoint, "optimizer")
+        try:
+            block = reader.block
+            # Every FQN some rank's optimizer holds (pipeline stages each hold a part).
+            mine = [p + f for f, _ in self._state_parameters(model)]
+            known = {f for fs in _dist.all_gather_object(mine, self.group) for f in fs}
+
+            def check_groups() -> None:
+                maybe_fail("optimizer.load.prepare")
+                validate_param_groups(
+                    block.param_groups or [],
+                    self._live_groups(model, optim),
+                    prefix=p,
+                    known=known,
+                    where=where,
+                )
+
+            # Before anything changes: a refused checkpoint leaves the optimizer as it was.
+            _dist.agreed(check_groups, f"checking the param_groups of {where}", self.group)
+            had_state = {id(param) for param, st in optim.state.items() if st}
+            ctx = HookContext("optimizer", saving=False, model=model, optimizer=optim)
+            done = False
+            saved_params: set[str] = set()
+            try:
+                report, template, saved_params = self._load_optimizer_state(reader, ctx, p, verify, where)
+
+                def apply() -> None:
+                    maybe_fail("optimizer.load.apply")
+                    apply_groups(template["param_groups"], block.param_groups or [], p)
+                    self._set_optimizer_state(ctx, template)
+
+                _dist.agreed(apply, f"applying the optimizer state of {where}", self.group)
+                done = True
+                self._after_load(ctx)
+            finally:
+                # Building the template gave parameters without state fresh state (a zero-gradient
+                # step); parameters the checkpoint holds no state for get none, and a failed load
+                # leaves none invented behind.
+                for fqn, param in self._state_parameters(model):
+                    if (done and p + fqn not in saved_params) or (not done and id(param) not in had_state):
+                        optim.state.pop(param, None)
+            return report
+        finally:
+            reader.close()
+
+    def _live_groups(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> list[dict[str, Any]]:
+        """The optimizer's param groups with ``params`` as FQN lists, read without changing anything."""
+        fqns: dict[int, list[str]] = {}
+        for fqn, t in self._state_parameters(model):
+            fqns.setdefault(id(t), []).append(fqn)
+        return [
+            dict(g, params=[f for prm in g["params"] for f in fqns.get(id(prm), [])])
+            for g in optim.param_groups
+        ]
+
+    def _load_optimizer_state(
+        self, reader: CheckpointReader, ctx: HookContext, p: str, verify: bool, where: str
+    ) -> tuple[LoadReport, dict[str, Any], set[str]]:
+        """Collective: build the state template, then read the saved tensors into it."""
+        block = reader.block
+        saved_params = {e.param for e in block.tensors.values() if e.param is not None} | set(
+            block.param_state
+        )
+
+        def prepare() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+            template = self._optimizer_state(ctx)
+            fqns = [f for f, _ in self._state_parameters(ctx.model)]
+            return template, state_targets(template, block, p, saved_params, fqns, where)
+
+        template, targets = _dist.agreed(prepare, f"preparing the optimizer to load {where}", self.group)
+        owned = {p + f for f in template["state"]}
+        report = load_tensors(
+            reader,
+            targets,
+            self._local_slices_fn(ctx),
+            strict=True,
+            verify=verify,
+            what="optimizer",
+            group=self.group,
+            ignore_unexpected=lambda n: param_of(reader, n) not in owned,
+            atomic=self.atomic_load,
+        )
+        return report, template, saved_params
+
+    def _optim_and_model(
+        self, optimizer: torch.optim.Optimizer | OptimizerWrapper
+    ) -> tuple[torch.optim.Optimizer, torch.nn.Module]:
+        optim, model = unwrap_optimizer(optimizer)
+        if model is None:
+            # torch keeps the names of an optimizer built from model.named_parameters().
+            model = model_from_param_names(optim)
+            if model is None:
+                raise UnsupportedError(
+                    "optimizer state is saved keyed by parameter FQN, which needs the model: pass the optimizer "
+                    "returned by Booster.boost(), unickpt.OptimizerWrapper(optimizer, model), or an optimizer "
+                    "built from model.named_parameters()"
+                )
+        else:
+            check_param_names(optim, self._state_parameters(model))
+        return optim, model
+
     # ------------------------------------------------------------------ plan + write
     def plan_model(
         self,
@@ -459,7 +726,7 @@ class CheckpointIO(OptimizerIO):
         shard: bool = True,
         gather_dtensor: bool = False,
         args: _dist.Args | None = None,
-        mapping: Any = False,
+        mapping: WeightMapping = False,
     ) -> SavePayload:
         """What this rank saves of ``model``: tied tensors once (the others become aliases).
 
@@ -521,8 +788,107 @@ class CheckpointIO(OptimizerIO):
             stored[p + name] = t
         return SavePayload("model", stored, self._local_slices_of(stored, ctx), aliases=aliases)
 
+    def layout(self) -> LayoutInfo:
+        """The parallel layout recorded in the index."""
+        return LayoutInfo(
+            plugin=self.plugin_name, world_size=_dist.world_size(self.group), mesh=mesh_dims(self.mesh)
+        )
+
+    def write(
+        self,
+        payload: SavePayload,
+        checkpoint: str | os.PathLike[str],
+        *,
+        shard: bool = True,
+        gather_dtensor: bool = True,
+        size_per_shard: float = 1024,
+        group: ProcessGroup | None = None,
+    ) -> str:
+        """Collective over ``group`` (default: this IO's group): save a payload; returns the committed path.
+
+        With ``gather_dtensor=True`` the live tensors are gathered (collectives on their
+        meshes), so a snapshot is written sliced (``gather_dtensor=False``) only.
+        """
+        spec = self.write_spec(payload.kind, shard, gather_dtensor, size_per_shard)
+        return spec.write(payload, checkpoint, self.group if group is None else group)
+
+    def write_spec(self, kind: str, shard: bool, gather_dtensor: bool, size_per_shard: float) -> WriteSpec:
+        """What :meth:`write` needs of this IO, as a picklable value (an async save's writer process runs it)."""
+        return WriteSpec(
+            self._options(kind, shard, gather_dtensor, size_per_shard),
+            self.check_replicas,
+            self.replicated_everywhere,
+        )
+
+    def _options(self, kind: str, shard: bool, gather: bool, size_mb: float) -> SaveOptions:
+        size_mb = check_size_per_shard(size_mb)
+        layout = self.layout()
+        return SaveOptions(
+            kind=kind,
+            shard=shard,
+            gather=gather,
+            size_per_shard_mb=size_mb,
+            layout=layout,
+            hashes=self.hashes,
+            fingerprints=self.fingerprints,
+            fsync=self.fsync,
+            storage_options=self.storage_options,
+        )
+
+    # ------------------------------------------------------------------ async saves
+    @property
+    def _async(self) -> AsyncSaves:
+        saves: AsyncSaves | None = self.__dict__.get("_async_saves")
+        if saves is None:
+            saves = self.__dict__["_async_saves"] = AsyncSaves()
+        return saves
+
+    def _write_async(
+        self,
+        payload: SavePayload,
+        checkpoint: str | os.PathLike[str],
+        shard: bool,
+        gather_dtensor: bool,
+        size_per_shard: float,
+        after: Callable[[str], None] | None = None,
+    ) -> str:
+        """Collective: copy ``payload`` to CPU memory now, write and commit the copy in the background
+        (``AsyncSaves.save``). Returns the path the save will commit; ``after(path)`` runs on rank 0
+        once committed.
+        """
+        # Bad arguments raise now, not in the background.
+        spec = self.write_spec(payload.kind, shard, gather_dtensor, size_per_shard)
+        return self._async.save(spec, payload, checkpoint, self.group, after)
+
+    def wait(self) -> None:
+        """Block until this IO's async save in flight is committed; raise its error, if it failed.
+
+        Every rank calls it. Every save and load through this IO waits first, so a load never
+        reads a checkpoint still being written. Colossal-AI's name, ``_sync_io()``, works too.
+        """
+        self._async.wait()
+
+    def _sync_io(self) -> None:
+        """Colossal-AI's name for :meth:`wait`."""
+        self.wait()
+
+    def synchronize(self) -> None:
+        """Colossal-AI: call before the weights change. An async save copied them before it
+        returned, so there is nothing left to wait for."""
+
+    def _sync_d2h(self) -> None:
+        """Colossal-AI's name for :meth:`synchronize`."""
+
+    def close(self) -> None:
+        """Wait for the async save in flight (raising its error), then stop this IO's writer process.
+
+        Every rank calls it. Optional: the writer stops at exit too; a later async save starts
+        a new one.
+        """
+        self._async.close()
+
     # ------------------------------------------------------------------ lr scheduler
-    def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> str:
+    def save_lr_scheduler(self, lr_scheduler: SchedulerState, checkpoint: str | os.PathLike[str]) -> str:
         """Collective: rank 0 writes the scheduler's state as JSON; returns the path written.
 
         ``checkpoint``: a directory (``lr_scheduler.json`` inside it), a ``.json`` path, or an
@@ -551,7 +917,7 @@ class CheckpointIO(OptimizerIO):
         _dist.agree(err, f"saving the LR scheduler to {path}", self.group)
         return path
 
-    def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> None:
+    def load_lr_scheduler(self, lr_scheduler: SchedulerState, checkpoint: str | os.PathLike[str]) -> None:
         """Collective: every rank reads the scheduler JSON and loads it; an error on any rank raises on all."""
         self.wait()
         # Before any rank changes its scheduler.
@@ -568,11 +934,29 @@ class CheckpointIO(OptimizerIO):
             path = os.path.join(path, SCHEDULER_FILE)
         _dist.agreed(lambda: self._load_lr_scheduler(lr_scheduler, path), f"loading {path}", self.group)
 
-    def _load_lr_scheduler(self, lr_scheduler: Any, path: str) -> None:
+    def _load_lr_scheduler(self, lr_scheduler: SchedulerState, path: str) -> None:
         maybe_fail("scheduler.load")
         lr_scheduler.load_state_dict(read_lr_scheduler_state(path, self.storage_options))
 
     # ------------------------------------------------------------------ helpers
+    @keeps_python_random
+    def _open(
+        self, checkpoint: str | os.PathLike[str], kind: str, args: _dist.Args | None = None
+    ) -> CheckpointReader:
+        # A URL's storage options come from the IO (given at construction) or the environment;
+        # a local path ignores them.
+        options = self.storage_options if is_url(os.fspath(checkpoint)) else None
+        return open_for_load(checkpoint, kind, self.group, options, args)
+
+    def _local_slices_of(
+        self, tensors: dict[str, torch.Tensor], ctx: HookContext
+    ) -> dict[str, list[LocalSlice]]:
+        return {name: self._local_slices(name, t, ctx) for name, t in tensors.items()}
+
+    def _local_slices_fn(self, ctx: HookContext) -> Callable[[str, torch.Tensor], list[LocalSlice]]:
+        """:meth:`_local_slices` of one call, as the loader asks for it."""
+        return lambda name, tensor: self._local_slices(name, tensor, ctx)
+
     def _save_hf_config(self, model: torch.nn.Module, path: str) -> None:
         """Write config.json / generation_config.json beside the weights when the model has them."""
         if _dist.rank(self.group) != 0:

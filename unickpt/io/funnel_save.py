@@ -27,6 +27,7 @@ from unickpt.format.writer import write_single_file
 from unickpt.io.payload import SavePayload, cpu_copy
 from unickpt.io.planner import PlannedFile, SavePlan
 from unickpt.io.save_block import Results, build_save_block, by_slice, file_specs, make_writer
+from unickpt.io.save_options import SaveOptions
 from unickpt.io.tensors import as_bytes, is_dtensor, local_slices
 
 __all__ = ["write_funnelled", "write_funnelled_single", "feed_funnel", "gathered_snapshot"]
@@ -107,7 +108,7 @@ def write_funnelled(
     plan: SavePlan,
     tensors: dict[str, torch.Tensor],
     directory: str,
-    opts: Any,  # io.save.SaveOptions
+    opts: SaveOptions,
     group: Any,
     rank: int,
     save_id: str,
@@ -140,7 +141,7 @@ def write_funnelled_single(
     plan: SavePlan,
     tensors: dict[str, torch.Tensor],
     file_path: str,
-    opts: Any,  # io.save.SaveOptions
+    opts: SaveOptions,
     aliases: dict[str, str],
     entry_extras: dict[str, dict[str, Any]] | None,
     block_extras: dict[str, Any] | None,

@@ -61,6 +61,7 @@ from unickpt.io import plan_cache
 from unickpt.io._commit import settle
 from unickpt.io.hf_rows import RowMoves
 from unickpt.io.planner import SavePlan
+from unickpt.io.save_options import SaveOptions
 from unickpt.io.tensors import LocalSlice, as_bytes
 
 __all__ = ["GatheredSave", "gathered_block", "hash_tensor_ranges", "save_gathered"]
@@ -84,7 +85,7 @@ class GatheredSave:
     file_path: str  # the single file, or "" for a sharded save
     size_per_shard_bytes: int | None
     save_id: str
-    opts: Any  # io.save.SaveOptions (hashes, fingerprints, fsync, layout)
+    opts: SaveOptions
     aliases: dict[str, str]
     entry_extras: dict[str, dict[str, Any]]
     block_extras: dict[str, Any]
@@ -260,7 +261,7 @@ def _write_own(
     local: list[LocalSlice],
     staged: dict[str, str],
     rank: int,
-    opts: Any,
+    opts: SaveOptions,
     rows: RowMoves | None = None,
     created: Mapping[str, str] | None = None,
 ) -> tuple[_Hashes, _Partials]:
@@ -332,7 +333,7 @@ def _write_tensor(
     staged: dict[str, str],
     fds: dict[str, int],
     rank: int,
-    opts: Any,
+    opts: SaveOptions,
     pool: ThreadPoolExecutor,
     moved: Any,
 ) -> Future[tuple[_Hashes, _Partials]] | None:
@@ -382,7 +383,7 @@ def hash_tensor_ranges(
     blocks: Sequence[tuple[np.ndarray, tuple[int, ...], tuple[int, ...]]],
     pieces: Sequence[tuple[int, np.ndarray]],
     mine_ranges: Sequence[tuple[int, int]],
-    opts: Any,
+    opts: SaveOptions,
 ) -> tuple[_Hashes, _Partials]:
     """xxh3-64 of each range this rank wrote (its pieces, in file order) and each slice's partial."""
     hashes: _Hashes = {}

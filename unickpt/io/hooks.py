@@ -1,10 +1,12 @@
 """The hooks through which a plugin tells ``CheckpointIO`` what differs for its parallelism.
 
-``CheckpointIO``'s public methods are final (``FINAL_METHODS``); each builds one
-``HookContext`` for the call and hands it to the hooks below, whose defaults already describe
-plain tensors, DTensors of any placement and tied parameters. A plugin overrides a hook only
-for state that is not a DTensor or a plain replicated tensor (ZeRO's flat shards) or that is
-named differently (tied copies across pipeline stages).
+``CheckpointHooks`` is ``CheckpointIO``'s base class: the hook methods with their defaults, and
+no IO of their own (no options, no files, no collectives). ``CheckpointIO``'s public methods
+are final (``FINAL_METHODS``); each builds one ``HookContext`` for the call and hands it to the
+hooks below, whose defaults already describe plain tensors, DTensors of any placement and tied
+parameters. A plugin overrides a hook only for state that is not a DTensor or a plain
+replicated tensor (ZeRO's flat shards) or that is named differently (tied copies across
+pipeline stages).
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ class HookContext:
 
 
 class CheckpointHooks:
-    """The default hooks of ``CheckpointIO`` (every call passes its ``HookContext``)."""
+    """The default hooks of ``CheckpointIO``, its base (every call passes its ``HookContext``)."""
 
     def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return unwrap_model(model)
@@ -96,7 +98,7 @@ class CheckpointHooks:
 
         A module's ``state_dict`` hooks may return fresh tensors instead of its own (a fused
         weight saved split); for a load the state dict is then noted in ``ctx`` so that
-        :meth:`_hand_back` gives what was loaded into them to ``load_state_dict``.
+        ``CheckpointIO`` gives what was loaded into them to ``load_state_dict``.
         """
         module = self.unwrap_model(ctx.model)
         out: dict[str, torch.Tensor] = {}
@@ -112,14 +114,6 @@ class CheckpointHooks:
         if detached:
             ctx.notes[DETACHED_NOTE] = sd
         return out
-
-    def _hand_back(self, ctx: HookContext) -> None:
-        """After a model load: state dict entries that are not the module's own tensors reach it
-        through ``load_state_dict`` (whose hooks put them back, e.g. fuse the split weight)."""
-        sd = ctx.notes.get(DETACHED_NOTE)
-        if sd is not None:
-            with torch.no_grad():
-                self.unwrap_model(ctx.model).load_state_dict(sd, strict=False)
 
     def _local_slices(self, name: str, tensor: torch.Tensor, ctx: HookContext) -> list[LocalSlice]:
         """The local slices of the global tensor ``name`` that ``tensor`` holds on this rank."""

@@ -54,10 +54,11 @@ import torch
 from unickpt import _dist
 from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
+from unickpt._rng import keeps_python_random
 from unickpt.errors import UnickptError
 from unickpt.format.commit import directory_lock, discard, makedirs_durable, new_save_id
 from unickpt.format.commit_store import committed_in, needs_cleanup, store_file_name
-from unickpt.format.index import LayoutInfo, index_to_json
+from unickpt.format.index import index_to_json
 from unickpt.format.naming import single_name
 from unickpt.format.storage import FsspecStorage, Storage, is_url, open_storage
 from unickpt.format.storage_parts import supports_shared_parts
@@ -68,7 +69,7 @@ from unickpt.io.funnel_save import feed_funnel, write_funnelled, write_funnelled
 from unickpt.io.hf_rows import RowMoves
 from unickpt.io.hf_save import GatheredSave, StagedHF, save_gathered, stage_gathered
 from unickpt.io.parts_save import save_gathered_parts
-from unickpt.io.payload import Staged
+from unickpt.io.payload import SavePayload, Staged
 from unickpt.io.plan_cache import gathered_plan
 from unickpt.io.planner import SavePlan, SliceMeta, plan_save
 from unickpt.io.replicas import (
@@ -81,25 +82,13 @@ from unickpt.io.replicas import (
 )
 from unickpt.io.save_block import Results as _Results
 from unickpt.io.save_block import build_save_block, by_slice, file_specs, make_writer
+from unickpt.io.save_options import SaveOptions
 from unickpt.io.tensors import LocalSlice, as_bytes
 
-__all__ = ["SaveOptions", "save_tensors"]
+# SaveOptions is save_options.py's, re-exported: what a save is written with, beside save_tensors.
+__all__ = ["SaveOptions", "WriteSpec", "save_tensors"]
 
 logger = get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class SaveOptions:
-    kind: str  # "model" or "optimizer"
-    shard: bool
-    gather: bool
-    size_per_shard_mb: float
-    layout: LayoutInfo
-    hashes: bool = True
-    fingerprints: bool = True
-    fsync: bool = True
-    # fsspec options of a URL ``path`` (credentials, endpoint); None: the environment's.
-    storage_options: dict[str, Any] | None = None
 
 
 def save_tensors(
@@ -434,3 +423,41 @@ def open_store(path: str, storage_options: dict[str, Any] | None) -> tuple[Stora
         return None, path[len("file://") :] if path.startswith("file://") else path
     store, root = open_storage(path, storage_options)
     return store, root
+
+
+@dataclass(frozen=True)
+class WriteSpec:
+    """What ``CheckpointIO.write`` saves with: its ``SaveOptions`` and replica check, without the IO
+    (picklable: no process group, no mesh; an async save's writer process runs it)."""
+
+    options: SaveOptions
+    check_replicas: str
+    everywhere: bool
+
+    @keeps_python_random
+    def write(self, payload: SavePayload, checkpoint: str | os.PathLike[str], group: Any) -> str:
+        """Collective over ``group``: save ``payload``; returns the committed path."""
+        slices = payload.slices
+        what = f"saving the {payload.kind} to {os.fspath(checkpoint)}"
+        check = ReplicaCheck(self.check_replicas, what, self.everywhere)
+        if payload.staged is not None:  # a copy: its replica digests were planned when it was staged
+            check_replicas(
+                slices, self.check_replicas, what, group, everywhere=self.everywhere, staged=payload.staged
+            )
+
+        def slices_fn(name: str, tensor: torch.Tensor) -> list[LocalSlice]:
+            del tensor
+            return slices[name]
+
+        return save_tensors(
+            payload.tensors,
+            os.fspath(checkpoint),
+            self.options,
+            slices_fn,
+            aliases=payload.aliases,
+            entry_extras=payload.entry_extras,
+            block_extras=payload.block_extras,
+            group=group,
+            live=payload.staged is None,
+            replicas=check if payload.staged is None else None,
+        )

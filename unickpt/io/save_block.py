@@ -9,6 +9,7 @@ from unickpt.format.index import SliceEntry, TensorEntry, UnickptBlock
 from unickpt.format.storage import Storage
 from unickpt.format.writer import CheckpointWriter, FileSpec, build_block, tensor_entry
 from unickpt.io.planner import PlannedFile, SavePlan
+from unickpt.io.save_options import SaveOptions
 
 __all__ = ["Results", "VERSION", "build_save_block", "by_slice", "file_specs", "make_writer"]
 
@@ -19,9 +20,9 @@ Results = dict[tuple[str, int], tuple[str | None, int]]
 
 
 def make_writer(
-    directory: str, opts: Any, plan: SavePlan, save_id: str, store: Storage | None = None
+    directory: str, opts: SaveOptions, plan: SavePlan, save_id: str, store: Storage | None = None
 ) -> CheckpointWriter:
-    """The writer of one save's files (``opts``: an ``io.save.SaveOptions``)."""
+    """The writer of one save's files."""
     return CheckpointWriter(
         directory, opts.kind, save_id, plan.sliced, opts.hashes, opts.fingerprints, opts.fsync, store
     )
@@ -39,7 +40,7 @@ def by_slice(files: list[PlannedFile], written: dict[str, tuple[str | None, int]
 def build_save_block(
     plan: SavePlan,
     results: Results,
-    opts: Any,  # io.save.SaveOptions
+    opts: SaveOptions,
     aliases: dict[str, str],
     entry_extras: dict[str, dict[str, Any]] | None,
     block_extras: dict[str, Any] | None,

@@ -27,7 +27,7 @@ from unickpt.format import run_layout
 from unickpt.format.commit_store import write_small_file
 from unickpt.format.run_layout import HF_DIR
 from unickpt.io.async_save import AsyncSaves, shared_payload
-from unickpt.io.core import WriteSpec
+from unickpt.io.save import WriteSpec
 from unickpt.io.writer_process import process_capable
 from unickpt.manager import policy, snapshot, train_state
 from unickpt.manager.storage import RemoteStorage, Storage, open_storage
