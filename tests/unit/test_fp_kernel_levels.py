@@ -1,0 +1,138 @@
+"""Every loop of the compiled fingerprint kernel (AVX-512 with IFMA, AVX-512, AVX2, plain C: each
+level this CPU has, forced by ``UNICKPT_FP_SIMD`` in a fresh interpreter) gives the numpy
+reference's numbers, bit for bit, on many random lengths, block offsets, dtypes, chunk starts
+and unaligned buffer addresses; and the threaded split of one block gives the serial numbers."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from unickpt.format import _fp2, hashing
+
+native = pytest.mark.skipif(hashing._native2 is None, reason="the compiled v2 kernel is not built here")
+LEVELS = ["scalar", "avx2", "avx512", "avx512-ifma"]
+N_CASES = 400
+
+
+def _cases(seed: int = 11) -> list[dict[str, object]]:
+    """Blocks of 1-3 dims with 0..~6000 limbs (lengths around the 1024-limb groups and the vector
+    widths), a chunk [start, start + count) of the block's elements, and a byte misalignment."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(N_CASES):
+        isz = int(rng.choice([1, 2, 4, 8]))
+        per = 1 if isz == 1 else isz // 2
+        nd = int(rng.integers(1, 4))
+        if i % 3 == 0:  # near a group or vector boundary, in limbs
+            limbs = int(rng.choice([1024, 2048, 3072, 32, 64, 8, 16])) + int(rng.integers(-9, 10))
+            last = max(1, limbs // per)
+        else:
+            last = int(rng.integers(1, 3000 if nd == 1 else 700))
+        gshape = [int(rng.integers(1, 6)) for _ in range(nd - 1)] + [last + int(rng.integers(0, 40))]
+        offsets = [int(rng.integers(0, g)) for g in gshape]
+        shape = [int(rng.integers(1, g - o + 1)) for g, o in zip(gshape, offsets, strict=True)]
+        n = math.prod(shape)
+        start = int(rng.integers(0, n))
+        count = int(rng.integers(0, n - start + 1))
+        out.append(
+            {
+                "isz": isz,
+                "gshape": gshape,
+                "offsets": offsets,
+                "shape": shape,
+                "start": start,
+                "count": count,
+                "shift": int(rng.integers(0, 8)),
+                "seed": int(rng.integers(0, 2**32)),
+                "fill": str(rng.choice(["random", "max", "sparse"])),
+            }
+        )
+    return out
+
+
+def _data(c: dict[str, object]) -> np.ndarray:
+    n = math.prod(c["shape"]) * c["isz"]  # type: ignore[arg-type]
+    rng = np.random.default_rng(c["seed"])  # type: ignore[arg-type]
+    raw = rng.integers(0, 256, n, dtype=np.uint8)
+    if c["fill"] == "max":  # every limb at its maximum: the largest products and sums
+        raw[:] = 255
+    elif c["fill"] == "sparse":
+        raw[rng.random(n) < 0.9] = 0
+    return raw
+
+
+# Run in a fresh interpreter under UNICKPT_FP_SIMD=<level>: the kernel's sums of every case's chunk,
+# read from a buffer placed ``shift`` bytes past an aligned address.
+_CHILD = """
+import json, sys
+import numpy as np
+sys.path.insert(0, {tests!r})
+import test_fp_kernel_levels as t
+from unickpt.format import _fp2kernel
+out = [_fp2kernel.simd()]
+for c in t._cases():
+    raw = t._data(c)
+    isz, s, k = c["isz"], c["start"], c["count"]
+    room = np.zeros(raw.size + 64, dtype=np.uint8)
+    base = (-room.ctypes.data) % 64 + c["shift"]
+    room[base : base + raw.size] = raw
+    chunk = memoryview(room)[base + s * isz : base + (s + k) * isz]
+    out.append(list(_fp2kernel.partial(chunk, isz, c["gshape"], c["offsets"], c["shape"], s)))
+print(json.dumps(out))
+"""
+
+
+def _run_level(level: str) -> list[object]:
+    env = dict(os.environ, UNICKPT_FP_SIMD=level)
+    env.pop("UNICKPT_FP_SCALAR", None)
+    code = _CHILD.format(tests=os.path.dirname(__file__))
+    cp = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return json.loads(cp.stdout)  # type: ignore[no-any-return]
+
+
+def _expected() -> list[int]:
+    """The numpy reference of each chunk: the whole block with the limbs outside the chunk zeroed
+    (a zero limb adds nothing), so any chunk of any block has a reference value."""
+    out = []
+    for c in _cases():
+        raw = _data(c)
+        isz, s, k = c["isz"], c["start"], c["count"]  # type: ignore[misc]
+        masked = np.zeros_like(raw)
+        masked[s * isz : (s + k) * isz] = raw[s * isz : (s + k) * isz]  # type: ignore[operator]
+        out.append(_fp2.partial_numpy(masked.tobytes(), isz, c["gshape"], c["offsets"], c["shape"]))  # type: ignore[arg-type]
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected() -> list[int]:
+    return _expected()
+
+
+@native
+@pytest.mark.parametrize("level", LEVELS)
+def test_every_loop_gives_the_numpy_numbers(level: str, expected: list[int]) -> None:
+    got = _run_level(level)
+    ran = got[0]
+    if ran != level:  # capped to a level the CPU has: that level is tested under its own name
+        assert LEVELS.index(str(ran)) < LEVELS.index(level), (ran, level)
+        pytest.skip(f"this CPU has no {level}")
+    assert len(got) == N_CASES + 1
+    for i, ((h1, h2), want) in enumerate(zip(got[1:], expected, strict=True)):  # type: ignore[misc]
+        assert _fp2.encode(h1 % _fp2.P1, h2 % _fp2.P2) == want, (level, i, _cases()[i])
+
+
+def test_cases_cover_the_edges() -> None:
+    cases = _cases()
+    assert {c["isz"] for c in cases} == {1, 2, 4, 8}
+    assert {c["shift"] for c in cases} == set(range(8))
+    assert any(c["count"] == 0 for c in cases) and any(c["start"] > 0 and c["count"] > 0 for c in cases)
+    limbs = [math.prod(c["shape"]) * max(1, c["isz"] // 2) for c in cases]  # type: ignore[arg-type, operator]
+    assert max(limbs) > 3 * 1024 and any(0 < n < 8 for n in limbs)
+    assert any(c["offsets"][-1] > 0 for c in cases) and any(len(c["shape"]) == 3 for c in cases)  # type: ignore[index, arg-type]
