@@ -136,3 +136,87 @@ def test_cases_cover_the_edges() -> None:
     limbs = [math.prod(c["shape"]) * max(1, c["isz"] // 2) for c in cases]  # type: ignore[arg-type, operator]
     assert max(limbs) > 3 * 1024 and any(0 < n < 8 for n in limbs)
     assert any(c["offsets"][-1] > 0 for c in cases) and any(len(c["shape"]) == 3 for c in cases)  # type: ignore[index, arg-type]
+
+
+# ------------------------------------------------------------------ one block over several threads
+
+
+def _blocks() -> list[tuple[np.ndarray, int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    rng = np.random.default_rng(3)
+    out = []
+    for isz, gshape, offsets, shape in [
+        (4, (64, 3001), (0, 0), (64, 3001)),  # whole matrix
+        (2, (40, 9000), (3, 1234), (31, 5003)),  # column range: runs that do not start on a group
+        (8, (70_001,), (17,), (69_000,)),  # flat range
+        (1, (5, 7, 4099), (1, 2, 5), (3, 4, 4000)),
+    ]:
+        raw = rng.integers(0, 256, math.prod(shape) * isz, dtype=np.uint8)
+        out.append((raw, isz, gshape, offsets, shape))
+    return out
+
+
+@native
+@pytest.mark.parametrize("threads", [2, 3, 5])
+def test_split_over_threads_gives_the_serial_numbers(monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
+    import threading
+
+    blocks = _blocks()
+    monkeypatch.setattr(hashing, "FP_THREADS", 1)
+    serial = [
+        hashing.hash_block(b, isz, g, o, s, xxh3=x) for b, isz, g, o, s in blocks for x in (True, False)
+    ]
+    numpy_ref = [_fp2.partial_numpy(b.tobytes(), isz, g, o, s) for b, isz, g, o, s in blocks]
+    assert [t for _, t in serial[1::2]] == numpy_ref
+    monkeypatch.setattr(hashing, "FP_THREADS", threads)
+    monkeypatch.setattr(hashing, "_SPLIT_MIN_BYTES", 4096)  # these small blocks split too
+    assert len(hashing._parts(100_000, 4, xxh3=True)) == threads - 1
+    assert len(hashing._parts(100_000, 4, xxh3=False)) == threads
+    assert hashing._parts(1000, 4, xxh3=False) == []  # 4000 bytes: one share, no split
+    split = [hashing.hash_block(b, isz, g, o, s, xxh3=x) for b, isz, g, o, s in blocks for x in (True, False)]
+    assert split == serial
+    assert any(t.name.startswith("unickpt-fp") for t in threading.enumerate())  # helpers really ran
+
+
+def test_thread_count_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    from unickpt.errors import ConfigError
+
+    monkeypatch.setenv("UNICKPT_FP_THREADS", "3")
+    assert hashing._fp_threads() == 3
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("UNICKPT_FP_THREADS", bad)
+        with pytest.raises(ConfigError, match=f"UNICKPT_FP_THREADS must be a whole number >= 1, not '{bad}'"):
+            hashing._fp_threads()
+    monkeypatch.delenv("UNICKPT_FP_THREADS")
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert hashing._fp_threads() == max(1, min(4, cores - 1))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores))  # one core per rank: the writer's
+    assert hashing._fp_threads() == 1
+
+
+def _child_hash(q: object) -> None:
+    b, isz, g, o, s = _blocks()[0]
+    q.put(hashing.hash_block(b, isz, g, o, s))  # type: ignore[attr-defined]
+
+
+@native
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_forked_child_makes_its_own_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child forked after the helpers started has none of their threads: it must not wait on them."""
+    import multiprocessing
+
+    monkeypatch.setattr(hashing, "FP_THREADS", 3)
+    monkeypatch.setattr(hashing, "_SPLIT_MIN_BYTES", 4096)
+    b, isz, g, o, s = _blocks()[0]
+    want = hashing.hash_block(b, isz, g, o, s)  # the parent's pool now exists
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child_hash, args=(q,))
+    p.start()
+    try:
+        got = q.get(timeout=60)
+    finally:
+        p.join(timeout=10)
+        if p.is_alive():  # pragma: no cover - the bug this test is for
+            p.kill()
+    assert got == want
