@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -52,19 +53,23 @@ def _kernel_rows(mib: int, rounds: int, numpy_too: bool) -> dict[str, float]:
     if numpy_too:
         rows["numpy fallback"] = lambda: _fp2.partial_numpy(memoryview(data), 4, gs, off, gs)
     times: dict[str, list[float]] = {k: [] for k in rows}
+    cpu: dict[str, list[float]] = {k: [] for k in rows}
     for _ in range(rounds):
         for k, f in rows.items():
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             f()
             times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+            cpu[k].append(time.thread_time() - c0)
+    out = {k: statistics.median(v) for k, v in times.items()}
+    out.update({f"{k} [cpu]": statistics.median(v) for k, v in cpu.items()})
+    return out
 
 
 def kernel_part(mib: int, rounds: int) -> None:
     from unickpt.format import hashing
 
     best = hashing.KERNEL
-    levels = [lv for lv in ("scalar", "avx2", "avx512") if best != "numpy"]
+    levels = [lv for lv in ("scalar", "avx2", "avx512", "avx512-ifma") if best != "numpy"]
     levels = levels[: levels.index(best) + 1] if best in levels else []
     medians: dict[str, float] = {}
     for i, lv in enumerate(levels):
@@ -78,19 +83,27 @@ def kernel_part(mib: int, rounds: int) -> None:
         )
         got = json.loads(out.stdout.strip().splitlines()[-1])
         for k, v in got.items():
-            if k.startswith("kernel") or k not in medians:
+            if k.startswith("kernel") or k not in medians or k.startswith("numpy"):
                 medians[k] = v
             else:
                 medians[k] = min(medians[k], v)  # the same reference measured per level: best
     ref = medians["memory read (np.add.reduce u64)"]
+    cref = medians["memory read (np.add.reduce u64) [cpu]"]
     print(f"\n## kernel, fp32 2-D block of {mib} MiB in memory, one thread, median of {rounds}\n")
-    print("| row | median ms | GiB/s | x memory read |")
-    print("|---|---:|---:|---:|")
+    print("wall: elapsed time; cpu: the thread's CPU time (steadier where other work shares the cores)\n")
+    print("| row | wall ms | wall GiB/s | x memory read | cpu ms | cpu GiB/s | x memory read |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for k, v in medians.items():
-        print(f"| {k} | {v * 1e3:.1f} | {mib / 1024 / v:.2f} | {ref / v:.2f} |")
+        if k.endswith("[cpu]"):
+            continue
+        c = medians[f"{k} [cpu]"]
+        print(
+            f"| {k} | {v * 1e3:.1f} | {mib / 1024 / v:.2f} | {ref / v:.2f} "
+            f"| {c * 1e3:.1f} | {mib / 1024 / c:.2f} | {cref / c:.2f} |"
+        )
 
 
-def save_part(size_mb: float, rounds: int, shard_mb: int) -> None:
+def save_part(size_mb: float, rounds: int, shard_mb: int, where: str | None) -> None:
     import _common as C
 
     from unickpt import GeneralCheckpointIO
@@ -98,35 +111,58 @@ def save_part(size_mb: float, rounds: int, shard_mb: int) -> None:
     specs = C.state_spec(size_mb)
     model = C.build_model(specs, fill="random", seed=0)
     nbytes = C.spec_bytes(specs)
-    root = Path(tempfile.mkdtemp(prefix="unickpt-fpbench-"))
+    root = Path(tempfile.mkdtemp(prefix="unickpt-fpbench-", dir=where))
     modes = {
         "hashes + fingerprints": GeneralCheckpointIO(),
         "hashes, no fingerprints": GeneralCheckpointIO(fingerprints=False),
         "no hashes, no fingerprints": GeneralCheckpointIO(hashes=False, fingerprints=False),
     }
     times: dict[str, list[float]] = {k: [] for k in modes}
+    cpus: dict[str, list[float]] = {k: [] for k in modes}
     try:
         for r in range(rounds + 1):  # round 0 warms up
             for k, io in modes.items():
                 out = root / "ckpt"
-                t0 = time.perf_counter()
+                c0, t0 = _cpu(), time.perf_counter()
                 io.save_model(model, str(out), shard=True, size_per_shard=shard_mb)
                 C.fsync_tree(out)
-                t = time.perf_counter() - t0
+                t, c = time.perf_counter() - t0, _cpu() - c0
                 shutil.rmtree(out)
                 if r:
                     times[k].append(t)
+                    cpus[k].append(c)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in times.items()}
-    off = med["no hashes, no fingerprints"]
-    print(f"\n## save_model(shard=True), {nbytes / MiB:.0f} MiB, median of {rounds} interleaved rounds\n")
-    print("| mode | median s | GiB/s | / no hashes |")
-    print("|---|---:|---:|---:|")
+    cmed = {k: statistics.median(v) for k, v in cpus.items()}
+    off, coff = med["no hashes, no fingerprints"], cmed["no hashes, no fingerprints"]
+    from unickpt.format import hashing
+
+    print(
+        f"\n## save_model(shard=True), {nbytes / MiB:.0f} MiB in {root.parent}, median of {rounds} "
+        f"interleaved rounds (kernel {hashing.KERNEL}, FP_THREADS {getattr(hashing, 'FP_THREADS', 1)})\n"
+    )
+    print("wall: elapsed; cpu: the process's CPU time (user + system, all threads)\n")
+    print("| mode | wall s | GiB/s | / no hashes | cpu s | / no hashes |")
+    print("|---|---:|---:|---:|---:|---:|")
     for k, v in med.items():
-        print(f"| {k} | {v:.3f} | {nbytes / v / 2**30:.2f} | {v / off:.3f} |")
-    on = med["hashes + fingerprints"]
-    print(f"\nfingerprint overhead (on vs off, end to end): {(on - off) / on * 100:.1f}% of the save")
+        print(
+            f"| {k} | {v:.3f} | {nbytes / v / 2**30:.2f} | {v / off:.3f} | {cmed[k]:.3f} | {cmed[k] / coff:.3f} |"
+        )
+    on, con = med["hashes + fingerprints"], cmed["hashes + fingerprints"]
+    mid, cmid = med["hashes, no fingerprints"], cmed["hashes, no fingerprints"]
+    print(
+        f"\nfingerprint overhead (on vs off, end to end): {(on - off) / on * 100:.1f}% of the save's wall time"
+    )
+    print(
+        f"fingerprints alone (vs hashes only): {(on - mid) / on * 100:.1f}% wall, {(con - cmid) / con * 100:.1f}% cpu"
+    )
+    print(f"hashes + fingerprints (vs neither): {(con - coff) / con * 100:.1f}% of the save's CPU time")
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def main() -> None:
@@ -135,13 +171,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--kernel-mib", type=int, default=128)
     ap.add_argument("--shard-mb", type=int, default=256)
+    ap.add_argument("--dir", default=None, help="where to save (default: the temp dir; /dev/shm: no disk)")
     ap.add_argument("--skip-kernel", action="store_true")
     ap.add_argument("--skip-save", action="store_true")
     args = ap.parse_args()
     if not args.skip_kernel:
         kernel_part(args.kernel_mib, args.rounds)
     if not args.skip_save:
-        save_part(args.size_mb, args.rounds, args.shard_mb)
+        save_part(args.size_mb, args.rounds, args.shard_mb, args.dir)
 
 
 if __name__ == "__main__":
