@@ -69,7 +69,8 @@ def kernel_part(mib: int, rounds: int) -> None:
     from unickpt.format import hashing
 
     best = hashing.KERNEL
-    levels = [lv for lv in ("scalar", "avx2", "avx512", "avx512-ifma") if best != "numpy"]
+    levels = [lv for lv in ("scalar", "neon", "avx2", "avx512", "avx512-ifma") if best != "numpy"]
+    levels = [lv for lv in levels if lv != ("avx2" if best == "neon" else "neon")]
     levels = levels[: levels.index(best) + 1] if best in levels else []
     medians: dict[str, float] = {}
     for i, lv in enumerate(levels):

@@ -1,13 +1,17 @@
-"""Every loop of the compiled fingerprint kernel (AVX-512 with IFMA, AVX-512, AVX2, plain C: each
-level this CPU has, forced by ``UNICKPT_FP_SIMD`` in a fresh interpreter) gives the numpy
+"""Every loop of the compiled fingerprint kernel (AVX-512 with IFMA, AVX-512, AVX2, NEON, plain C:
+each level this CPU has, forced by ``UNICKPT_FP_SIMD`` in a fresh interpreter) gives the numpy
 reference's numbers, bit for bit, on many random lengths, block offsets, dtypes, chunk starts
-and unaligned buffer addresses; and the threaded split of one block gives the serial numbers."""
+and unaligned buffer addresses; the AArch64 loops do under an emulator where one is installed
+(a plain C harness against the plain C loops); and the threaded split of one block gives the
+serial numbers."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import platform
+import shutil
 import subprocess
 import sys
 
@@ -17,7 +21,12 @@ import pytest
 from unickpt.format import _fp2, hashing
 
 native = pytest.mark.skipif(hashing._native2 is None, reason="the compiled v2 kernel is not built here")
-LEVELS = ["scalar", "avx2", "avx512", "avx512-ifma"]
+LEVELS = (
+    ["scalar", "neon"]
+    if platform.machine() in ("aarch64", "arm64")
+    else ["scalar", "avx2", "avx512", "avx512-ifma"]
+)
+SYSROOT = "/usr/aarch64-linux-gnu"
 N_CASES = 400
 
 
@@ -220,3 +229,48 @@ def test_forked_child_makes_its_own_helpers(monkeypatch: pytest.MonkeyPatch) -> 
         if p.is_alive():  # pragma: no cover - the bug this test is for
             p.kill()
     assert got == want
+
+
+# ------------------------------------------------------------------ the loops in a plain C harness
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HARNESS = os.path.join(REPO, "tests", "data", "fp_harness")
+
+
+def _build_harness(cc: str, out: str) -> None:
+    kernel = os.path.join(REPO, "unickpt", "format", "_fp2kernel.c")
+    cmd = [cc, "-O2", "-std=c99", "-w", "-I", HARNESS, "-include", kernel, os.path.join(HARNESS, "harness.c")]
+    subprocess.run([*cmd, "-o", out], check=True, capture_output=True, text=True)
+
+
+@pytest.mark.skipif(
+    not (shutil.which("aarch64-linux-gnu-gcc") and shutil.which("qemu-aarch64") and os.path.isdir(SYSROOT)),
+    reason="no AArch64 cross compiler and emulator here (apt: gcc-aarch64-linux-gnu qemu-user)",
+)
+@pytest.mark.parametrize("level", ["neon", "scalar"])
+def test_aarch64_loops_under_an_emulator(tmp_path: object, level: str) -> None:
+    exe = os.path.join(str(tmp_path), "harness")
+    _build_harness("aarch64-linux-gnu-gcc", exe)
+    env = dict(os.environ, UNICKPT_FP_SIMD=level)
+    cp = subprocess.run(
+        ["qemu-aarch64", "-L", SYSROOT, exe], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert cp.stdout.strip() == f"{level}: 40000 spans, 0 mismatches", cp.stdout
+    assert cp.returncode == 0
+
+
+@pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64") or not shutil.which("cc"), reason="x86 only"
+)
+def test_x86_loops_in_the_c_harness(tmp_path: object) -> None:
+    exe = os.path.join(str(tmp_path), "harness")
+    _build_harness("cc", exe)
+    ran = []
+    for level in LEVELS:
+        cp = subprocess.run(
+            [exe], env=dict(os.environ, UNICKPT_FP_SIMD=level), capture_output=True, text=True
+        )
+        got, _, tail = cp.stdout.strip().partition(": ")
+        assert tail == "40000 spans, 0 mismatches" and cp.returncode == 0, cp.stdout
+        ran.append(got)
+    assert ran[0] == "scalar" and ran == sorted(ran, key=LEVELS.index)  # each capped level or below

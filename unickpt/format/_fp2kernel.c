@@ -15,9 +15,9 @@
  * The bl tables are constants (G entries per prime, built once at import). The sums run in
  * 64-bit lanes, one pass over the data: limbs zero-extended to 64 bits are multiplied by the
  * packed weights bl_1 | bl_2 << 32 and added (vpmuludq + vpaddq, or one AVX512-IFMA
- * vpmadd52luq), 8 limbs a vector with AVX-512, 4 with AVX2, else plain C; the loops are chosen at
- * import from what the CPU supports (setup.py needs no -m flags: each loop carries its own
- * target attribute). Products are below 2^48 and a group has at most 1024 of them, so 64-bit
+ * vpmadd52luq), 8 limbs a vector with AVX-512, 4 with AVX2, NEON umlal on AArch64, else plain C;
+ * the x86 loops are chosen at import from what the CPU supports (setup.py needs no -m flags:
+ * each loop carries its own target attribute). Products are below 2^48 and a group has at most 1024 of them, so 64-bit
  * lanes never wrap; each group is reduced mod p_k once and multiplied by bh_k(h). Every loop
  * gives the same sums, hence the same numbers.
  *
@@ -38,6 +38,13 @@
 #if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 8) || (!defined(__clang__) && __GNUC__ >= 8))
 #define UNICKPT_X86_512 1
 #endif
+#endif
+
+/* AArch64: NEON is part of the base architecture, so its loops are always compiled and used. */
+#if defined(__aarch64__) && defined(__ARM_NEON) && defined(__BYTE_ORDER__) && \
+    __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#include <arm_neon.h>
+#define UNICKPT_NEON 1
 #endif
 
 #define P1 4294967291ULL /* 2^32 - 5 */
@@ -214,6 +221,39 @@ AVX2_SPAN(span_avx2_u16, 2, ZX256_U16, span_scalar_u16)
 AVX2_SPAN(span_avx2_u8, 1, ZX256_U8, span_scalar_u8)
 #endif
 
+#ifdef UNICKPT_NEON
+/* NEON: 8 limbs a step, widened to 32 bits and multiply-accumulated into 64-bit lanes (umlal /
+ * umlal2) against each prime's weights; the last < 8 limbs in plain C. Loads are byte loads
+ * (no alignment assumed); AArch64 Linux is little-endian, as the format's limbs are. */
+#define NEON_SPAN(NAME, LOAD8, TAIL, LB)                                                                  \
+    static void NAME(const uint8_t *p, uint32_t l0, uint32_t n, uint64_t *s1, uint64_t *s2) {            \
+        const uint32_t *w1 = BL1 + l0, *w2 = BL2 + l0;                                                   \
+        uint64x2_t a0 = vdupq_n_u64(0), a1 = a0, b0 = a0, b1 = a0;                                       \
+        uint32_t k = 0;                                                                                  \
+        for (; k + 8 <= n; k += 8) {                                                                     \
+            uint16x8_t v = LOAD8(p + (size_t)k * LB);                                                    \
+            uint32x4_t lo = vmovl_u16(vget_low_u16(v)), hi = vmovl_high_u16(v);                          \
+            uint32x4_t x0 = vld1q_u32(w1 + k), x1 = vld1q_u32(w1 + k + 4);                               \
+            uint32x4_t y0 = vld1q_u32(w2 + k), y1 = vld1q_u32(w2 + k + 4);                               \
+            a0 = vmlal_u32(a0, vget_low_u32(lo), vget_low_u32(x0));                                      \
+            a1 = vmlal_high_u32(a1, lo, x0);                                                             \
+            a0 = vmlal_u32(a0, vget_low_u32(hi), vget_low_u32(x1));                                      \
+            a1 = vmlal_high_u32(a1, hi, x1);                                                             \
+            b0 = vmlal_u32(b0, vget_low_u32(lo), vget_low_u32(y0));                                      \
+            b1 = vmlal_high_u32(b1, lo, y0);                                                             \
+            b0 = vmlal_u32(b0, vget_low_u32(hi), vget_low_u32(y1));                                      \
+            b1 = vmlal_high_u32(b1, hi, y1);                                                             \
+        }                                                                                                \
+        *s1 += vaddvq_u64(vaddq_u64(a0, a1));                                                            \
+        *s2 += vaddvq_u64(vaddq_u64(b0, b1));                                                            \
+        TAIL(p + (size_t)k * LB, l0 + k, n - k, s1, s2);                                                 \
+    }
+#define LOAD8_U16(q) vreinterpretq_u16_u8(vld1q_u8(q))
+#define LOAD8_U8(q) vmovl_u8(vld1_u8(q))
+NEON_SPAN(span_neon_u16, LOAD8_U16, span_scalar_u16, 2)
+NEON_SPAN(span_neon_u8, LOAD8_U8, span_scalar_u8, 1)
+#endif
+
 /* The loops this CPU runs, chosen once at import: SPAN[0] for byte limbs, SPAN[1] for 16-bit. */
 static span_fn SPAN[2] = {span_scalar_u8, span_scalar_u16};
 static const char *simd_name = "scalar";
@@ -382,7 +422,7 @@ static PyMethodDef methods[] = {
     {"partial", py_partial, METH_VARARGS,
      "partial(buffer, itemsize, global_shape, offsets, shape, start) -> (H1, H2): fingerprint v2 sums "
      "of elements [start, start + len(buffer) / itemsize) of a block, mod 2^32-5 and 2^32-17."},
-    {"simd", py_simd, METH_NOARGS, "Which loops run on this CPU: 'avx512-ifma', 'avx512', 'avx2' or 'scalar'."},
+    {"simd", py_simd, METH_NOARGS, "Which loops run on this CPU: 'avx512-ifma', 'avx512', 'avx2', 'neon' or 'scalar'."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -390,7 +430,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fp2kernel",
                                     "Compiled partial sums of fingerprint v2.", -1, methods};
 
 /* The widest loops this CPU (and OS) runs, capped by UNICKPT_FP_SIMD=scalar|avx2|avx512 (or the older
- * UNICKPT_FP_SCALAR=1): tests compare them, every level gives the same numbers. */
+ * UNICKPT_FP_SCALAR=1): tests compare them, every level gives the same numbers. On AArch64 the
+ * NEON loops run unless capped to scalar. */
 static void choose_loops(void) {
     const char *cap = getenv("UNICKPT_FP_SIMD");
     int level = 3; /* 0 scalar, 1 avx2, 2 avx512, 3 avx512-ifma */
@@ -420,6 +461,12 @@ static void choose_loops(void) {
         SPAN[1] = span_avx2_u16;
         simd_name = "avx2";
         return;
+    }
+#elif defined(UNICKPT_NEON)
+    if (level >= 1) {
+        SPAN[0] = span_neon_u8;
+        SPAN[1] = span_neon_u16;
+        simd_name = "neon";
     }
 #else
     (void)level;

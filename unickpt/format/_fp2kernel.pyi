@@ -10,4 +10,4 @@ def partial(
     start: int,
     /,
 ) -> tuple[int, int]: ...
-def simd() -> str: ...  # "avx512-ifma", "avx512", "avx2" or "scalar"
+def simd() -> str: ...  # "avx512-ifma", "avx512", "avx2", "neon" or "scalar"

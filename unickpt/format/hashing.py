@@ -62,7 +62,7 @@ except ImportError:  # pragma: no cover - exercised where no C compiler was avai
 if os.environ.get("UNICKPT_REQUIRE_NATIVE") and _native2 is None:  # pragma: no cover
     raise ImportError("UNICKPT_REQUIRE_NATIVE is set but the fingerprint kernel was not built")
 
-#: Which fingerprint v2 loops run: "avx512-ifma", "avx512", "avx2" or "scalar" (compiled), or "numpy".
+#: Which fingerprint v2 loops run: "avx512-ifma", "avx512", "avx2", "neon" or "scalar" (compiled), or "numpy".
 KERNEL: str = _native2.simd() if _native2 is not None else "numpy"
 
 
