@@ -12,12 +12,14 @@
  * and H_k = sum_i bh_k(i / G) * bl_k(i % G) * v_i mod p_k. A block's share is the same sum over
  * its own limbs, so the shares of any partition add up (mod p_k) to the tensor's H_k.
  *
- * The bl table is a constant (G entries per prime, built once at import) laid out per run of 16
- * limbs as AVX2 wants it: one 32-byte load of data is 16 limbs; the even limbs of each 32-bit
- * half (mask) and the odd ones (shift by 16) sit in the low 32 bits of a 64-bit lane for two of
- * the four lane positions, a 64-bit shift brings the other two down, and vpmuludq multiplies
- * them by both primes' weights. Products are below 2^48 and a group has at most 1024 of them, so
- * 64-bit lanes never wrap; each group is reduced mod p_k once and multiplied by bh_k(h).
+ * The bl tables are constants (G entries per prime, built once at import). The sums run in
+ * 64-bit lanes, one pass over the data: limbs zero-extended to 64 bits are multiplied by the
+ * packed weights bl_1 | bl_2 << 32 and added (vpmuludq + vpaddq, or one AVX512-IFMA
+ * vpmadd52luq), 8 limbs a vector with AVX-512, 4 with AVX2, NEON umlal on AArch64, else plain C;
+ * the x86 loops are chosen at import from what the CPU supports (setup.py needs no -m flags:
+ * each loop carries its own target attribute). Products are below 2^48 and a group has at most 1024 of them, so 64-bit
+ * lanes never wrap; each group is reduced mod p_k once and multiplied by bh_k(h). Every loop
+ * gives the same sums, hence the same numbers.
  *
  * partial(buffer, itemsize, global_shape, offsets, shape, start) -> (H_1, H_2)
  *   buffer holds elements [start, start + len/itemsize) of the C-order block ``shape`` placed at
@@ -32,6 +34,17 @@
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define UNICKPT_X86 1
+/* The AVX-512 loops want a compiler that knows IFMA and the reduce intrinsics (GCC 8, clang 8). */
+#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 8) || (!defined(__clang__) && __GNUC__ >= 8))
+#define UNICKPT_X86_512 1
+#endif
+#endif
+
+/* AArch64: NEON is part of the base architecture, so its loops are always compiled and used. */
+#if defined(__aarch64__) && defined(__ARM_NEON) && defined(__BYTE_ORDER__) && \
+    __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#include <arm_neon.h>
+#define UNICKPT_NEON 1
 #endif
 
 #define P1 4294967291ULL /* 2^32 - 5 */
@@ -50,24 +63,18 @@ static inline uint64_t mix64(uint64_t z) {
 }
 
 static uint32_t BL1[G], BL2[G];
-/* Per 16-limb run j: 8 vectors of 4 u64 (weights in the low 32 bits): limbs 4q (prime 1, prime 2),
- * 4q+1, 4q+2, 4q+3 for lanes q = 0..3. */
-static uint64_t TAB[G * 2] __attribute__((aligned(32)));
+/* Both primes' position weights of limb l in one 64-bit word, bl_1(l) | bl_2(l) << 32, for the
+ * SIMD loops: vpmuludq multiplies the low 32 bits of each 64-bit lane, so limbs zero-extended to
+ * 64-bit lanes times these words give the prime-1 products, and times the words shifted right
+ * by 32 the prime-2 products. 8 KiB: the table stays in L1 beside the streamed data. */
+static uint64_t PW[G] __attribute__((aligned(64)));
 
 static void build_tables(void) {
     for (uint32_t l = 0; l < G; l++) {
         uint64_t z = mix64((uint64_t)l ^ SEED_L);
         BL1[l] = (uint32_t)(1 + (uint32_t)z % (P1 - 1));
         BL2[l] = (uint32_t)(1 + (uint32_t)(z >> 32) % (P2 - 1));
-    }
-    for (uint32_t j = 0; j < G / 16; j++) {
-        uint64_t *t = TAB + 32 * j;
-        for (int pos = 0; pos < 4; pos++)
-            for (int q = 0; q < 4; q++) {
-                uint32_t l = 16 * j + 4 * q + pos;
-                t[8 * pos + q] = BL1[l];
-                t[8 * pos + 4 + q] = BL2[l];
-            }
+        PW[l] = (uint64_t)BL1[l] | ((uint64_t)BL2[l] << 32);
     }
 }
 
@@ -77,16 +84,26 @@ static inline void weights_h(uint64_t h, uint64_t *w1, uint64_t *w2) {
     *w2 = 1 + (uint32_t)(z >> 32) % (P2 - 1);
 }
 
-static inline uint32_t limb_at(const uint8_t *p, int lb, uint64_t k) {
-    if (lb == 1) return p[k];
-    return (uint32_t)p[2 * k] | ((uint32_t)p[2 * k + 1] << 8);
-}
+/* A span: n limbs at p with group positions [l0, l0 + n) inside one group (l0 + n <= G); adds
+ * the unreduced sums of v * bl_k to s1 / s2. Every product is below 2^48 and a span has at most
+ * 1024 of them, so 64-bit sums (and every 64-bit lane of the SIMD accumulators) never wrap. */
+typedef void (*span_fn)(const uint8_t *p, uint32_t l0, uint32_t n, uint64_t *s1, uint64_t *s2);
 
-/* Scalar: n limbs at p against bl[l0 .. l0 + n). */
-static void span_scalar(const uint8_t *p, int lb, uint32_t l0, uint32_t n, uint64_t *s1, uint64_t *s2) {
+static void span_scalar_u8(const uint8_t *p, uint32_t l0, uint32_t n, uint64_t *s1, uint64_t *s2) {
     uint64_t a = 0, b = 0;
     for (uint32_t k = 0; k < n; k++) {
-        uint64_t v = limb_at(p, lb, k);
+        uint64_t v = p[k];
+        a += v * BL1[l0 + k];
+        b += v * BL2[l0 + k];
+    }
+    *s1 += a;
+    *s2 += b;
+}
+
+static void span_scalar_u16(const uint8_t *p, uint32_t l0, uint32_t n, uint64_t *s1, uint64_t *s2) {
+    uint64_t a = 0, b = 0;
+    for (uint32_t k = 0; k < n; k++) {
+        uint64_t v = (uint64_t)p[2 * k] | ((uint64_t)p[2 * k + 1] << 8); /* little-endian on any host */
         a += v * BL1[l0 + k];
         b += v * BL2[l0 + k];
     }
@@ -95,60 +112,151 @@ static void span_scalar(const uint8_t *p, int lb, uint32_t l0, uint32_t n, uint6
 }
 
 #ifdef UNICKPT_X86
-#define AVX2_BODY(NAME, LOAD16, STEP)                                                                       \
-    __attribute__((target("avx2"))) static void NAME(const uint8_t *p, const uint64_t *t, uint32_t runs, \
-                                                     uint64_t *s1, uint64_t *s2) {                        \
-        const __m256i m = _mm256_set1_epi64x(0x0000FFFF0000FFFFLL);                                       \
-        __m256i x1 = _mm256_setzero_si256(), x2 = x1, y1 = x1, y2 = x1;                                    \
-        for (uint32_t j = 0; j < runs; j++, p += STEP, t += 32) {                                          \
-            __m256i x = LOAD16(p);                                                                         \
-            __m256i e = _mm256_and_si256(x, m), o = _mm256_srli_epi32(x, 16);                              \
-            __m256i e2 = _mm256_srli_epi64(e, 32), o2 = _mm256_srli_epi64(o, 32);                          \
-            const __m256i *w = (const __m256i *)t;                                                         \
-            x1 = _mm256_add_epi64(x1, _mm256_mul_epu32(e, _mm256_load_si256(w)));                          \
-            x2 = _mm256_add_epi64(x2, _mm256_mul_epu32(e, _mm256_load_si256(w + 1)));                      \
-            y1 = _mm256_add_epi64(y1, _mm256_mul_epu32(o, _mm256_load_si256(w + 2)));                      \
-            y2 = _mm256_add_epi64(y2, _mm256_mul_epu32(o, _mm256_load_si256(w + 3)));                      \
-            x1 = _mm256_add_epi64(x1, _mm256_mul_epu32(e2, _mm256_load_si256(w + 4)));                     \
-            x2 = _mm256_add_epi64(x2, _mm256_mul_epu32(e2, _mm256_load_si256(w + 5)));                     \
-            y1 = _mm256_add_epi64(y1, _mm256_mul_epu32(o2, _mm256_load_si256(w + 6)));                     \
-            y2 = _mm256_add_epi64(y2, _mm256_mul_epu32(o2, _mm256_load_si256(w + 7)));                     \
-        }                                                                                                  \
-        uint64_t u[4], v[4];                                                                               \
-        _mm256_storeu_si256((__m256i *)u, _mm256_add_epi64(x1, y1));                                       \
-        _mm256_storeu_si256((__m256i *)v, _mm256_add_epi64(x2, y2));                                       \
-        *s1 += u[0] + u[1] + u[2] + u[3];                                                                  \
-        *s2 += v[0] + v[1] + v[2] + v[3];                                                                  \
-    }
-#define LOAD16_U16(p) _mm256_loadu_si256((const __m256i *)(p))
-#define LOAD16_U8(p) _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p)))
-AVX2_BODY(body_avx2_u16, LOAD16_U16, 32)
-AVX2_BODY(body_avx2_u8, LOAD16_U8, 16)
-#endif
-
-static int have_avx2 = 0;
-
-/* n limbs at p with group positions [l0, l0 + n) inside one group: the unreduced sums. */
-static void group_sum(const uint8_t *p, int lb, uint32_t l0, uint32_t n, uint64_t *s1, uint64_t *s2) {
-#ifdef UNICKPT_X86
-    if (have_avx2 && n >= 32) {
-        uint32_t head = (16 - (l0 & 15)) & 15;
-        span_scalar(p, lb, l0, head, s1, s2);
-        p += (size_t)head * lb;
-        l0 += head;
-        n -= head;
-        uint32_t runs = n / 16;
-        if (lb == 2)
-            body_avx2_u16(p, TAB + 2 * l0, runs, s1, s2);
-        else
-            body_avx2_u8(p, TAB + 2 * l0, runs, s1, s2);
-        p += (size_t)runs * 16 * lb;
-        l0 += runs * 16;
-        n -= runs * 16;
-    }
-#endif
-    span_scalar(p, lb, l0, n, s1, s2);
+/* The x86 loops read limbs with plain loads: x86 is little-endian, as the format's limbs are. */
+static inline uint32_t load32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
 }
+
+#ifdef UNICKPT_X86_512
+/* AVX-512: 8 limbs per vector; 32 per step (four independent pairs of accumulators), then 8 at
+ * a time, then one masked step (masked-out lanes load nothing and add zero). MAC1 / MAC2 add the
+ * products with prime 1's / prime 2's weights of the packed words w to an accumulator:
+ * vpmuludq + vpaddq, or with AVX512-IFMA one vpmadd52luq (the low 52 bits of the product of the
+ * low 52 bits: exact, as limbs are below 2^16 and weights below 2^32, once w is cleaned to the
+ * one weight). Same sums either way. */
+#define AVX512_SPAN(NAME, TARGET, LB, ZX, ZXM, MAC1, MAC2)                                                \
+    __attribute__((target(TARGET))) static void NAME(const uint8_t *p, uint32_t l0, uint32_t n,          \
+                                                     uint64_t *s1, uint64_t *s2) {                       \
+        const uint64_t *w = PW + l0;                                                                     \
+        const __m512i lo = _mm512_set1_epi64(0xFFFFFFFFLL);                                              \
+        __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0,        \
+                b3 = a0;                                                                                 \
+        (void)lo;                                                                                        \
+        uint32_t k = 0;                                                                                  \
+        for (; k + 32 <= n; k += 32) {                                                                   \
+            const uint8_t *q = p + (size_t)k * LB;                                                       \
+            __m512i d0 = ZX(q), d1 = ZX(q + 8 * LB), d2 = ZX(q + 16 * LB), d3 = ZX(q + 24 * LB);         \
+            __m512i w0 = _mm512_loadu_si512(w + k), w1 = _mm512_loadu_si512(w + k + 8);                  \
+            __m512i w2 = _mm512_loadu_si512(w + k + 16), w3 = _mm512_loadu_si512(w + k + 24);            \
+            a0 = MAC1(a0, d0, w0);                                                                       \
+            b0 = MAC2(b0, d0, w0);                                                                       \
+            a1 = MAC1(a1, d1, w1);                                                                       \
+            b1 = MAC2(b1, d1, w1);                                                                       \
+            a2 = MAC1(a2, d2, w2);                                                                       \
+            b2 = MAC2(b2, d2, w2);                                                                       \
+            a3 = MAC1(a3, d3, w3);                                                                       \
+            b3 = MAC2(b3, d3, w3);                                                                       \
+        }                                                                                                \
+        for (; k < n; k += 8) {                                                                          \
+            uint32_t r = n - k;                                                                          \
+            __mmask8 m = r >= 8 ? (__mmask8)0xFF : (__mmask8)((1u << r) - 1);                            \
+            __m512i d = ZXM(m, p + (size_t)k * LB), wk = _mm512_maskz_loadu_epi64(m, w + k);             \
+            a0 = MAC1(a0, d, wk);                                                                        \
+            b0 = MAC2(b0, d, wk);                                                                        \
+        }                                                                                                \
+        a0 = _mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3));                       \
+        b0 = _mm512_add_epi64(_mm512_add_epi64(b0, b1), _mm512_add_epi64(b2, b3));                       \
+        *s1 += (uint64_t)_mm512_reduce_add_epi64(a0);                                                    \
+        *s2 += (uint64_t)_mm512_reduce_add_epi64(b0);                                                    \
+    }
+#define ZX512_U16(q) _mm512_cvtepu16_epi64(_mm_loadu_si128((const __m128i *)(q)))
+#define ZX512_U8(q) _mm512_cvtepu8_epi64(_mm_loadl_epi64((const __m128i *)(q)))
+#define ZXM512_U16(m, q) _mm512_cvtepu16_epi64(_mm_maskz_loadu_epi16((__mmask8)(m), (q)))
+#define ZXM512_U8(m, q) _mm512_cvtepu8_epi64(_mm_maskz_loadu_epi8((__mmask16)(m), (q)))
+#define MUL1(acc, d, w) _mm512_add_epi64(acc, _mm512_mul_epu32(d, w))
+#define MUL2(acc, d, w) _mm512_add_epi64(acc, _mm512_mul_epu32(d, _mm512_srli_epi64(w, 32)))
+#define IFMA1(acc, d, w) _mm512_madd52lo_epu64(acc, d, _mm512_and_si512(w, lo))
+#define IFMA2(acc, d, w) _mm512_madd52lo_epu64(acc, d, _mm512_srli_epi64(w, 32))
+#define T512 "avx512f,avx512bw,avx512vl"
+#define T512IFMA "avx512f,avx512bw,avx512vl,avx512ifma"
+AVX512_SPAN(span_avx512_u16, T512, 2, ZX512_U16, ZXM512_U16, MUL1, MUL2)
+AVX512_SPAN(span_avx512_u8, T512, 1, ZX512_U8, ZXM512_U8, MUL1, MUL2)
+AVX512_SPAN(span_ifma_u16, T512IFMA, 2, ZX512_U16, ZXM512_U16, IFMA1, IFMA2)
+AVX512_SPAN(span_ifma_u8, T512IFMA, 1, ZX512_U8, ZXM512_U8, IFMA1, IFMA2)
+#endif
+
+/* AVX2: the same with 4 limbs per vector, 16 per step; the last < 4 limbs in plain C. */
+#define AVX2_SPAN(NAME, LB, ZX, TAIL)                                                                     \
+    __attribute__((target("avx2"))) static void NAME(const uint8_t *p, uint32_t l0, uint32_t n,          \
+                                                     uint64_t *s1, uint64_t *s2) {                       \
+        const uint64_t *w = PW + l0;                                                                     \
+        __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0,        \
+                b3 = a0;                                                                                 \
+        uint32_t k = 0;                                                                                  \
+        for (; k + 16 <= n; k += 16) {                                                                   \
+            const uint8_t *q = p + (size_t)k * LB;                                                       \
+            __m256i d0 = ZX(q), d1 = ZX(q + 4 * LB), d2 = ZX(q + 8 * LB), d3 = ZX(q + 12 * LB);          \
+            __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + k));                                   \
+            __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + k + 4));                               \
+            __m256i w2 = _mm256_loadu_si256((const __m256i *)(w + k + 8));                               \
+            __m256i w3 = _mm256_loadu_si256((const __m256i *)(w + k + 12));                              \
+            a0 = _mm256_add_epi64(a0, _mm256_mul_epu32(d0, w0));                                         \
+            b0 = _mm256_add_epi64(b0, _mm256_mul_epu32(d0, _mm256_srli_epi64(w0, 32)));                  \
+            a1 = _mm256_add_epi64(a1, _mm256_mul_epu32(d1, w1));                                         \
+            b1 = _mm256_add_epi64(b1, _mm256_mul_epu32(d1, _mm256_srli_epi64(w1, 32)));                  \
+            a2 = _mm256_add_epi64(a2, _mm256_mul_epu32(d2, w2));                                         \
+            b2 = _mm256_add_epi64(b2, _mm256_mul_epu32(d2, _mm256_srli_epi64(w2, 32)));                  \
+            a3 = _mm256_add_epi64(a3, _mm256_mul_epu32(d3, w3));                                         \
+            b3 = _mm256_add_epi64(b3, _mm256_mul_epu32(d3, _mm256_srli_epi64(w3, 32)));                  \
+        }                                                                                                \
+        for (; k + 4 <= n; k += 4) {                                                                     \
+            __m256i d = ZX(p + (size_t)k * LB), wk = _mm256_loadu_si256((const __m256i *)(w + k));       \
+            a0 = _mm256_add_epi64(a0, _mm256_mul_epu32(d, wk));                                          \
+            b0 = _mm256_add_epi64(b0, _mm256_mul_epu32(d, _mm256_srli_epi64(wk, 32)));                   \
+        }                                                                                                \
+        uint64_t u[4], v[4];                                                                             \
+        a0 = _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3));                       \
+        b0 = _mm256_add_epi64(_mm256_add_epi64(b0, b1), _mm256_add_epi64(b2, b3));                       \
+        _mm256_storeu_si256((__m256i *)u, a0);                                                           \
+        _mm256_storeu_si256((__m256i *)v, b0);                                                           \
+        *s1 += u[0] + u[1] + u[2] + u[3];                                                                \
+        *s2 += v[0] + v[1] + v[2] + v[3];                                                                \
+        TAIL(p + (size_t)k * LB, l0 + k, n - k, s1, s2);                                                 \
+    }
+#define ZX256_U16(q) _mm256_cvtepu16_epi64(_mm_loadl_epi64((const __m128i *)(q)))
+#define ZX256_U8(q) _mm256_cvtepu8_epi64(_mm_cvtsi32_si128((int)load32(q)))
+AVX2_SPAN(span_avx2_u16, 2, ZX256_U16, span_scalar_u16)
+AVX2_SPAN(span_avx2_u8, 1, ZX256_U8, span_scalar_u8)
+#endif
+
+#ifdef UNICKPT_NEON
+/* NEON: 8 limbs a step, widened to 32 bits and multiply-accumulated into 64-bit lanes (umlal /
+ * umlal2) against each prime's weights; the last < 8 limbs in plain C. Loads are byte loads
+ * (no alignment assumed); AArch64 Linux is little-endian, as the format's limbs are. */
+#define NEON_SPAN(NAME, LOAD8, TAIL, LB)                                                                  \
+    static void NAME(const uint8_t *p, uint32_t l0, uint32_t n, uint64_t *s1, uint64_t *s2) {            \
+        const uint32_t *w1 = BL1 + l0, *w2 = BL2 + l0;                                                   \
+        uint64x2_t a0 = vdupq_n_u64(0), a1 = a0, b0 = a0, b1 = a0;                                       \
+        uint32_t k = 0;                                                                                  \
+        for (; k + 8 <= n; k += 8) {                                                                     \
+            uint16x8_t v = LOAD8(p + (size_t)k * LB);                                                    \
+            uint32x4_t lo = vmovl_u16(vget_low_u16(v)), hi = vmovl_high_u16(v);                          \
+            uint32x4_t x0 = vld1q_u32(w1 + k), x1 = vld1q_u32(w1 + k + 4);                               \
+            uint32x4_t y0 = vld1q_u32(w2 + k), y1 = vld1q_u32(w2 + k + 4);                               \
+            a0 = vmlal_u32(a0, vget_low_u32(lo), vget_low_u32(x0));                                      \
+            a1 = vmlal_high_u32(a1, lo, x0);                                                             \
+            a0 = vmlal_u32(a0, vget_low_u32(hi), vget_low_u32(x1));                                      \
+            a1 = vmlal_high_u32(a1, hi, x1);                                                             \
+            b0 = vmlal_u32(b0, vget_low_u32(lo), vget_low_u32(y0));                                      \
+            b1 = vmlal_high_u32(b1, lo, y0);                                                             \
+            b0 = vmlal_u32(b0, vget_low_u32(hi), vget_low_u32(y1));                                      \
+            b1 = vmlal_high_u32(b1, hi, y1);                                                             \
+        }                                                                                                \
+        *s1 += vaddvq_u64(vaddq_u64(a0, a1));                                                            \
+        *s2 += vaddvq_u64(vaddq_u64(b0, b1));                                                            \
+        TAIL(p + (size_t)k * LB, l0 + k, n - k, s1, s2);                                                 \
+    }
+#define LOAD8_U16(q) vreinterpretq_u16_u8(vld1q_u8(q))
+#define LOAD8_U8(q) vmovl_u8(vld1_u8(q))
+NEON_SPAN(span_neon_u16, LOAD8_U16, span_scalar_u16, 2)
+NEON_SPAN(span_neon_u8, LOAD8_U8, span_scalar_u8, 1)
+#endif
+
+/* The loops this CPU runs, chosen once at import: SPAN[0] for byte limbs, SPAN[1] for 16-bit. */
+static span_fn SPAN[2] = {span_scalar_u8, span_scalar_u16};
+static const char *simd_name = "scalar";
 
 /* x mod p_k up to a small multiple: 2^32 = c (mod p_k) with c = 5 or 17, so folding the high
  * half onto the low one keeps the residue. Two folds take any x < 2^59 below 2^32 + c. */
@@ -156,13 +264,14 @@ static inline uint64_t fold(uint64_t x, uint64_t c) { return (x >> 32) * c + (x 
 
 /* Adds the weighted sum of n limbs at p, global limb indices [i0, i0 + n), to h1 / h2. */
 static void limb_run(const uint8_t *p, int lb, uint64_t i0, uint64_t n, uint64_t *h1, uint64_t *h2) {
+    const span_fn span = SPAN[lb - 1];
     uint64_t a1 = 0, a2 = 0; /* unreduced, each step adds < 2^38 */
     while (n > 0) {
         uint64_t h = i0 >> GBITS;
         uint32_t l = (uint32_t)(i0 & (G - 1));
         uint32_t m = n < (uint64_t)(G - l) ? (uint32_t)n : G - l;
         uint64_t s1 = 0, s2 = 0, w1, w2;
-        group_sum(p, lb, l, m, &s1, &s2); /* each < 1024 * 2^48 = 2^58 */
+        span(p, l, m, &s1, &s2); /* each < 1024 * 2^48 = 2^58 */
         weights_h(h, &w1, &w2);
         /* (< 2^32 + 17) * (< p_k) < 2^64; the fold of the product is < 2^38 */
         a1 += fold(fold(fold(s1, 5), 5) * w1, 5);
@@ -307,28 +416,65 @@ done:
     return result;
 }
 
-static PyObject *py_simd(PyObject *self, PyObject *unused) {
-    return PyUnicode_FromString(have_avx2 ? "avx2" : "scalar");
-}
+static PyObject *py_simd(PyObject *self, PyObject *unused) { return PyUnicode_FromString(simd_name); }
 
 static PyMethodDef methods[] = {
     {"partial", py_partial, METH_VARARGS,
      "partial(buffer, itemsize, global_shape, offsets, shape, start) -> (H1, H2): fingerprint v2 sums "
      "of elements [start, start + len(buffer) / itemsize) of a block, mod 2^32-5 and 2^32-17."},
-    {"simd", py_simd, METH_NOARGS, "Which kernel runs on this CPU: 'avx2' or 'scalar'."},
+    {"simd", py_simd, METH_NOARGS, "Which loops run on this CPU: 'avx512-ifma', 'avx512', 'avx2', 'neon' or 'scalar'."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fp2kernel",
                                     "Compiled partial sums of fingerprint v2.", -1, methods};
 
-PyMODINIT_FUNC PyInit__fp2kernel(void) {
+/* The widest loops this CPU (and OS) runs, capped by UNICKPT_FP_SIMD=scalar|avx2|avx512 (or the older
+ * UNICKPT_FP_SCALAR=1): tests compare them, every level gives the same numbers. On AArch64 the
+ * NEON loops run unless capped to scalar. */
+static void choose_loops(void) {
+    const char *cap = getenv("UNICKPT_FP_SIMD");
+    int level = 3; /* 0 scalar, 1 avx2, 2 avx512, 3 avx512-ifma */
+    if (getenv("UNICKPT_FP_SCALAR") || (cap && strcmp(cap, "scalar") == 0)) level = 0;
+    else if (cap && strcmp(cap, "avx2") == 0) level = 1;
+    else if (cap && strcmp(cap, "avx512") == 0) level = 2;
 #ifdef UNICKPT_X86
     __builtin_cpu_init();
-    have_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+#ifdef UNICKPT_X86_512
+    int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("avx512vl");
+    if (level >= 3 && avx512 && __builtin_cpu_supports("avx512ifma")) {
+        SPAN[0] = span_ifma_u8;
+        SPAN[1] = span_ifma_u16;
+        simd_name = "avx512-ifma";
+        return;
+    }
+    if (level >= 2 && avx512) {
+        SPAN[0] = span_avx512_u8;
+        SPAN[1] = span_avx512_u16;
+        simd_name = "avx512";
+        return;
+    }
 #endif
-    /* UNICKPT_FP_SCALAR=1 forces the plain-C loops (tests compare the two; same numbers). */
-    if (getenv("UNICKPT_FP_SCALAR")) have_avx2 = 0;
+    if (level >= 1 && __builtin_cpu_supports("avx2")) {
+        SPAN[0] = span_avx2_u8;
+        SPAN[1] = span_avx2_u16;
+        simd_name = "avx2";
+        return;
+    }
+#elif defined(UNICKPT_NEON)
+    if (level >= 1) {
+        SPAN[0] = span_neon_u8;
+        SPAN[1] = span_neon_u16;
+        simd_name = "neon";
+    }
+#else
+    (void)level;
+#endif
+}
+
+PyMODINIT_FUNC PyInit__fp2kernel(void) {
+    choose_loops();
     build_tables();
     return PyModule_Create(&module);
 }

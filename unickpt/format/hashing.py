@@ -16,20 +16,28 @@
    p_1 p_2. (The linear fingerprint v1 of format version 1 lives only in ``tools/upgrade.py``,
    which replaces it.)
 
+   A large block's fingerprint is shared by ``FP_THREADS`` threads (element ranges of the
+   block, whose sums add up: the same numbers), the calling thread meanwhile computing the
+   block's xxh3, which cannot be split; ``UNICKPT_FP_THREADS`` sets the count.
+
    Neither hash is cryptographic: they catch accidents (bit rot, truncation, wrong file),
    not an adversary who can write the index too.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
+import threading
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from types import ModuleType
 
 import numpy as np
 import xxhash
 
+from unickpt.errors import ConfigError
 from unickpt.format import _fp2
 from unickpt.format.dtypes import itemsize
 
@@ -42,6 +50,7 @@ __all__ = [
     "finalize_fingerprint",
     "fingerprint_of_array",
     "KERNEL",
+    "FP_THREADS",
 ]
 
 _native2: ModuleType | None
@@ -53,7 +62,7 @@ except ImportError:  # pragma: no cover - exercised where no C compiler was avai
 if os.environ.get("UNICKPT_REQUIRE_NATIVE") and _native2 is None:  # pragma: no cover
     raise ImportError("UNICKPT_REQUIRE_NATIVE is set but the fingerprint kernel was not built")
 
-#: Which fingerprint v2 kernel runs: "avx2" or "scalar" (compiled), or "numpy".
+#: Which fingerprint v2 loops run: "avx512-ifma", "avx512", "avx2", "neon" or "scalar" (compiled), or "numpy".
 KERNEL: str = _native2.simd() if _native2 is not None else "numpy"
 
 
@@ -91,8 +100,59 @@ def fingerprint_partial(
     return hash_block(w, w.dtype.itemsize, global_shape, offsets, shape, xxh3=False)[1]
 
 
-# Blocks are hashed in chunks of this many bytes, each chunk by both hashes while it is in cache.
-_CHUNK_BYTES = 1 << 20
+# Blocks are hashed in chunks of this many bytes, each chunk by both hashes while it is in cache
+# (1 to 32 MiB cost the same CPU; larger chunks hand the GIL back and forth less often).
+_CHUNK_BYTES = 8 << 20
+
+
+def _fp_threads() -> int:
+    """Threads that compute one large block's fingerprint (the hashing thread included).
+
+    ``UNICKPT_FP_THREADS`` if set; else the cores this process may run on (its CPU affinity,
+    shared among the node's ranks by ``LOCAL_WORLD_SIZE``) less one for the thread that
+    writes, at most 4 (the kernel then reads at about memory speed).
+    """
+    env = os.environ.get("UNICKPT_FP_THREADS", "").strip()
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise ConfigError(f"UNICKPT_FP_THREADS must be a whole number >= 1, not {env!r}")
+        return int(env)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - no affinity (macOS, Windows)
+        cores = os.cpu_count() or 1
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    ranks = int(local) if local.isdigit() and int(local) > 0 else 1
+    return max(1, min(4, cores // ranks - 1))
+
+
+#: Threads that share one large block's fingerprint (see :func:`_fp_threads`); 1: none.
+FP_THREADS: int = _fp_threads()
+# A block is split only into parts of at least this many bytes (smaller ones cost more to hand out).
+_SPLIT_MIN_BYTES = 4 << 20
+
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+_pool_lock = threading.Lock()
+
+
+def _helpers(n: int) -> ThreadPoolExecutor:
+    """The process's pool of ``n`` fingerprint helper threads (made on first use)."""
+    global _pool, _pool_size
+    with _pool_lock:
+        if _pool is None or _pool_size < n:  # a smaller one left behind stays usable by its callers
+            _pool, _pool_size = ThreadPoolExecutor(max_workers=n, thread_name_prefix="unickpt-fp"), n
+        return _pool
+
+
+def _forget_pool() -> None:
+    """In a forked child: the parent's helper threads do not exist there, a new pool is made."""
+    global _pool, _pool_size, _pool_lock
+    _pool, _pool_size, _pool_lock = None, 0, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
 
 
 def hash_block(
@@ -130,11 +190,14 @@ def _hash_block_v2(
         digest = slice_hash(raw) if xxh3 else None
         total = _fp2.partial_numpy(raw, itemsize, global_shape, offsets, shape) if fingerprint else 0
         return digest, total
+    args = (tuple(global_shape), tuple(offsets), tuple(shape))
+    parts = _parts(len(raw) // itemsize, itemsize, xxh3)
+    if parts:
+        return _hash_split(raw, itemsize, args, parts, xxh3)
     h = xxhash.xxh3_64() if xxh3 else None
     h1 = h2 = 0
     # Chunks keep each piece in cache for both hashes; the fingerprint alone takes one call.
     step = max(itemsize, _CHUNK_BYTES - _CHUNK_BYTES % itemsize) if h is not None else max(1, len(raw))
-    args = (tuple(global_shape), tuple(offsets), tuple(shape))
     for start in range(0, len(raw), step):
         chunk = raw[start : start + step]
         if h is not None:
@@ -142,6 +205,56 @@ def _hash_block_v2(
         s1, s2 = _native2.partial(chunk, itemsize, *args, start // itemsize)
         h1, h2 = h1 + s1, h2 + s2
     return (h.hexdigest() if h is not None else None), _fp2.encode(h1 % _fp2.P1, h2 % _fp2.P2)
+
+
+def _parts(count: int, isz: int, xxh3: bool) -> list[tuple[int, int]]:
+    """Element ranges for the helper threads (empty: hash in this thread alone).
+
+    With ``xxh3`` this thread reads the block for the xxh3 (it cannot be split) while the
+    helpers, ``FP_THREADS - 1`` of them, share the fingerprint; without, this thread takes
+    the first of ``FP_THREADS`` shares. Each share is at least ``_SPLIT_MIN_BYTES``.
+    """
+    shares = FP_THREADS - 1 if xxh3 else FP_THREADS
+    shares = min(shares, count * isz // _SPLIT_MIN_BYTES)
+    if shares < (1 if xxh3 else 2):
+        return []
+    cuts = [count * k // shares for k in range(shares + 1)]
+    return list(itertools.pairwise(cuts))
+
+
+def _hash_split(
+    raw: memoryview,
+    isz: int,
+    args: tuple[Sequence[int], Sequence[int], Sequence[int]],
+    parts: list[tuple[int, int]],
+    xxh3: bool,
+) -> tuple[str | None, int]:
+    """The fingerprint of ``parts`` on the helper threads (the kernel releases the GIL), this
+    thread computing the xxh3 of the whole block meanwhile, or else the first part. The parts'
+    sums add up to the whole block's, so the numbers are the serial ones. The helpers read the
+    caller's buffer: no copy."""
+    if _native2 is None:  # pragma: no cover - the caller checked
+        raise RuntimeError("internal: no fingerprint kernel")
+    kernel = _native2.partial
+    mine = [] if xxh3 else parts[:1]
+    theirs = parts[len(mine) :]
+    pool = _helpers(max(1, FP_THREADS - 1))
+    futures: list[Future[tuple[int, int]]] = [
+        pool.submit(kernel, raw[a * isz : b * isz], isz, args[0], args[1], args[2], a) for a, b in theirs
+    ]
+    try:
+        digest = slice_hash(raw) if xxh3 else None
+        h1 = h2 = 0
+        for a, b in mine:
+            h1, h2 = kernel(raw[a * isz : b * isz], isz, args[0], args[1], args[2], a)
+        for f in futures:
+            s1, s2 = f.result()
+            h1, h2 = h1 + s1, h2 + s2
+    finally:  # on any failure, no helper is still reading the buffer when this returns
+        for f in futures:
+            f.cancel()
+        wait(futures)
+    return digest, _fp2.encode(h1 % _fp2.P1, h2 % _fp2.P2)
 
 
 def combine_partials(partials: Iterable[int]) -> int:
