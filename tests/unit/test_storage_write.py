@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from unickpt.booster import Booster
-from unickpt.format.commit_store import is_store_data_file, store_file_name
 from unickpt.format.reader import open_checkpoint
-from unickpt.format.store_lock import LOCK_NAME
 from unickpt.io import GeneralCheckpointIO
+from unickpt.store.lock import LOCK_NAME
+from unickpt.store.publish import is_store_data_file, store_file_name
 
 
 class Net(torch.nn.Module):
@@ -322,8 +322,8 @@ def test_killed_single_file_save_keeps_the_old_file_whole(s3, tmp_path) -> None:
 def test_dead_multipart_upload_is_aborted_by_the_next_save(s3, tmp_path) -> None:
     import time
 
-    from unickpt.format.commit_store import clean_store_leftovers
     from unickpt.format.storage import open_storage
+    from unickpt.store.publish import clean_store_leftovers
 
     fs = fs_of(s3)
     key = "mp/model-00001-of-00002.safetensors"

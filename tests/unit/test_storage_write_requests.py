@@ -20,8 +20,8 @@ import pytest
 import torch
 from test_storage_write import Net, download, fs_of, load_into, objects, same
 
-from unickpt.format.store_lock import LOCK_NAME
 from unickpt.io import GeneralCheckpointIO
+from unickpt.store.lock import LOCK_NAME
 
 
 def _save(s3: Any, model: torch.nn.Module, prefix: str, client: str) -> None:

@@ -190,6 +190,12 @@ class Storage:
     def makedirs(self, path: str) -> None:
         """Create a directory (a no-op on object stores, which have only prefixes)."""
 
+    @property
+    def conditional_put(self) -> bool:
+        """True when writes and deletes can be conditional on an object's ETag (``If-Match`` /
+        ``If-None-Match``: ``store/lock.py``'s fencing); elsewhere the callers read back and check."""
+        return False
+
 
 class _LocalRead:
     def __init__(self, path: str) -> None:
@@ -471,6 +477,10 @@ class FsspecStorage(Storage):
             _BUCKETS.add(key)
             return
         self.fs.makedirs(path, exist_ok=True)
+
+    @property
+    def conditional_put(self) -> bool:
+        return self.protocol in ("s3", "s3a")
 
 
 #: (endpoint, bucket) pairs known to exist in this process (``FsspecStorage.makedirs``).

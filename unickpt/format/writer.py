@@ -32,9 +32,6 @@ from typing import Any
 import numpy as np
 
 from unickpt._faults import maybe_fail
-from unickpt.format.commit import SAVE_ID_KEY, commit_directory, commit_single_file, temp_name
-from unickpt.format.commit_fence import Fence
-from unickpt.format.commit_store import commit_store_index, remove_superseded
 from unickpt.format.dtypes import itemsize
 from unickpt.format.hashing import combine_partials, finalize_fingerprint, hash_block
 from unickpt.format.index import IndexFile, IndexMetadata, LayoutInfo, SliceEntry, TensorEntry, UnickptBlock
@@ -45,6 +42,15 @@ from unickpt.format.reader import UNICKPT_METADATA_KEY
 from unickpt.format.safetensors_io import SafetensorsWriter, encode_header
 from unickpt.format.slice_table import SliceTable
 from unickpt.format.storage import Storage
+from unickpt.store.lock import Fence
+from unickpt.store.publish import (
+    SAVE_ID_KEY,
+    commit_directory,
+    commit_single_file,
+    commit_store_index,
+    remove_superseded,
+    temp_name,
+)
 
 __all__ = [
     "PLACEHOLDER",

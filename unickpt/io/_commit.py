@@ -7,11 +7,17 @@ from typing import Any
 
 from unickpt import _dist
 from unickpt._logging import get_logger
-from unickpt.format.commit import commit_directory, discard, finish_commit, place_staged, prepare_commit
-from unickpt.format.commit_fence import Fence
-from unickpt.format.commit_store import commit_and_clean
 from unickpt.format.storage import Storage
 from unickpt.io.planner import SavePlan
+from unickpt.store.lock import Fence
+from unickpt.store.publish import (
+    commit_and_clean,
+    commit_directory,
+    discard,
+    finish_commit,
+    place_staged,
+    prepare_commit,
+)
 
 __all__ = ["commit_collective", "settle"]
 

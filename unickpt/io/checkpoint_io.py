@@ -26,7 +26,6 @@ from unickpt import _dist
 from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
 from unickpt.errors import IncompleteCheckpointError
-from unickpt.format.commit_store import write_small_file
 from unickpt.format.storage import is_url
 from unickpt.io.async_save import check_use_safetensors
 from unickpt.io.core import check_size_per_shard
@@ -45,6 +44,7 @@ from unickpt.io.side_files import (
     write_config_files,
 )
 from unickpt.io.tensors import LocalSlice
+from unickpt.store.publish import write_small_file
 
 # CheckpointIO is this module's own; the other names are re-exported from the modules that
 # define them, for code written when they lived here.

@@ -6,7 +6,7 @@ Face safetensors files, each tensor whole under its own name. No rank gathers a 
 1. every rank computes the same file layout (``format.hf_layout``: files, headers, where each
    tensor's bytes start) from the plan's global shapes, and the same writer of every slice
    (``planner.plan_save``: a replicated slice is written once);
-2. rank 0 creates every staged file (hidden name, ``format.commit.temp_name``), writes its
+2. rank 0 creates every staged file (hidden name, ``store.publish.temp_name``), writes its
    header and sizes it, while it prepares the directory (``stage_gathered``): the ranks agree
    once on both (they share the directory, as sliced saves do);
 3. each rank ``pwrite``s the byte runs of the slices it writes straight into place (a row
@@ -39,9 +39,6 @@ import xxhash
 from unickpt import __version__, _dist
 from unickpt._faults import maybe_fail
 from unickpt.errors import UnsupportedError
-from unickpt.format import commit
-from unickpt.format.commit import commit_directory, commit_single_file, discard, temp_name
-from unickpt.format.commit_fence import Fence
 from unickpt.format.dtypes import itemsize
 from unickpt.format.hashing import hash_block, slice_hash
 from unickpt.format.hf_layout import HFLayout, box_runs, plan_hf_layout, writer_ranges
@@ -62,6 +59,9 @@ from unickpt.io._commit import settle
 from unickpt.io.hf_rows import RowMoves
 from unickpt.io.planner import SavePlan
 from unickpt.io.tensors import LocalSlice, as_bytes
+from unickpt.store import writeback
+from unickpt.store.lock import Fence
+from unickpt.store.publish import commit_directory, commit_single_file, discard, temp_name
 
 __all__ = ["GatheredSave", "gathered_block", "hash_tensor_ranges", "save_gathered"]
 
@@ -360,7 +360,7 @@ def _write_tensor(
         write_all(fd, memoryview(piece), place.pos + b)  # type: ignore[arg-type]
     if opts.fsync:  # the disk starts on each range now: the final fsync has little left
         for b, e in mine_ranges:
-            commit.start_writeback(fd, place.pos + b, e - b)
+            writeback.start_writeback(fd, place.pos + b, e - b)
     maybe_fail("save.write")
     return fut
 

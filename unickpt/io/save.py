@@ -55,13 +55,10 @@ from unickpt import _dist
 from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
 from unickpt.errors import UnickptError
-from unickpt.format.commit import directory_lock, discard, makedirs_durable, new_save_id
-from unickpt.format.commit_store import committed_in, needs_cleanup, store_file_name
 from unickpt.format.index import LayoutInfo, index_to_json
 from unickpt.format.naming import single_name
 from unickpt.format.storage import FsspecStorage, Storage, is_url, open_storage
 from unickpt.format.storage_parts import supports_shared_parts
-from unickpt.format.store_lock import StoreLock, store_lock
 from unickpt.format.writer import build_index
 from unickpt.io._commit import commit_collective, settle
 from unickpt.io.funnel_save import feed_funnel, write_funnelled, write_funnelled_single
@@ -82,6 +79,15 @@ from unickpt.io.replicas import (
 from unickpt.io.save_block import Results as _Results
 from unickpt.io.save_block import build_save_block, by_slice, file_specs, make_writer
 from unickpt.io.tensors import LocalSlice, as_bytes
+from unickpt.store.lock import StoreLock, directory_lock, store_lock
+from unickpt.store.publish import (
+    committed_in,
+    discard,
+    makedirs_durable,
+    needs_cleanup,
+    new_save_id,
+    store_file_name,
+)
 
 __all__ = ["SaveOptions", "save_tensors"]
 

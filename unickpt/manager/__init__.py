@@ -75,8 +75,8 @@ from unickpt.format.run_layout import LATEST_NAME as LATEST_NAME
 from unickpt.format.run_layout import TRAIN_STATE_DIR as TRAIN_STATE_DIR
 from unickpt.manager.checkpoint_manager import CheckpointManager
 from unickpt.manager.checkpoint_manager import RetentionWarning as RetentionWarning
-from unickpt.manager.store_steps import RemoteStore
 from unickpt.manager.train_state import STATE_VERSION
+from unickpt.store.publish import RemoteStore
 
 __all__ = ["CheckpointManager"]
 

@@ -20,18 +20,19 @@ from typing import Any
 
 from unickpt import _dist
 from unickpt._faults import maybe_fail
-from unickpt._stepdirs import (
+from unickpt.errors import ConfigError, IncompleteCheckpointError
+from unickpt.format import run_layout
+from unickpt.format.run_layout import LATEST_NAME, TRAIN_STATE_DIR
+from unickpt.store.lock import directory_lock
+from unickpt.store.publish import (
+    RemoteStore,
     clean_work_dirs,
     commit_step,
     committed_step_dirs,
     make_work_dir,
+    makedirs_durable,
     remove_step,
 )
-from unickpt.errors import ConfigError, IncompleteCheckpointError
-from unickpt.format import run_layout
-from unickpt.format.commit import directory_lock, makedirs_durable
-from unickpt.format.run_layout import LATEST_NAME, TRAIN_STATE_DIR
-from unickpt.manager.store_steps import RemoteStore
 
 __all__ = ["Storage", "LocalStorage", "RemoteStorage", "open_storage"]
 

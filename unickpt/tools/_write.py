@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 
 from unickpt import __version__
-from unickpt.format.commit import directory_lock, makedirs_durable, new_save_id
 from unickpt.format.dtypes import itemsize
 from unickpt.format.index import LayoutInfo, SliceEntry, index_to_json
 from unickpt.format.naming import index_name, shard_name, slice_key
 from unickpt.format.writer import Block, CheckpointWriter, FileSpec, build_block, build_index, tensor_entry
-from unickpt.tools._store_out import StoreOutput
+from unickpt.store.lock import directory_lock
+from unickpt.store.publish import StoreOutput, makedirs_durable, new_save_id
 
 __all__ = ["SliceData", "TensorData", "write_checkpoint"]
 

@@ -573,7 +573,7 @@ def write_deepspeed(
         block_extras={"param_groups": groups, "param_state": param_state},
     )
     if ck.lr_scheduler is not None:
-        from unickpt.format.commit import atomic_write_bytes
+        from unickpt.store.publish import atomic_write_bytes
 
         atomic_write_bytes(os.path.join(optim_dir, "lr_scheduler.json"), lr_scheduler_json(ck.lr_scheduler))
 
@@ -601,7 +601,9 @@ def convert_deepspeed(
     ``step-<N>`` (``step``, else the engine's ``global_steps``) holds them, with the engine's
     step counters as the extra state ``train_state``. ``progress``: a byte bar on stderr."""
     from unickpt.format.naming import HF_SIDE_FILES
-    from unickpt.tools._common import read_side_files, staged_output, write_durably
+    from unickpt.store.publish import staged_output
+    from unickpt.store.publish import write_staged as write_durably
+    from unickpt.tools._common import read_side_files
     from unickpt.tools._progress import progress_bar
 
     ck = read_deepspeed(src)

@@ -33,7 +33,9 @@ from unickpt.format.naming import shard_name
 from unickpt.format.reader import open_checkpoint
 from unickpt.format.storage import open_storage
 from unickpt.io.jsonstate import from_json_value
-from unickpt.tools._common import checkpoint_parts, staged_output, write_durably
+from unickpt.store.publish import staged_output
+from unickpt.store.publish import write_staged as write_durably
+from unickpt.tools._common import checkpoint_parts
 from unickpt.tools._progress import progress_bar
 from unickpt.tools._torch import full_tensors
 

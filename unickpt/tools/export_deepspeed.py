@@ -49,11 +49,12 @@ from typing import Any
 import torch
 
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, UnsupportedError
-from unickpt.format.commit import fsync_dir
 from unickpt.format.reader import open_checkpoint
 from unickpt.format.storage import open_storage
 from unickpt.io.jsonstate import from_json_value
-from unickpt.tools._common import checkpoint_parts, staged_output, write_durably
+from unickpt.store.publish import fsync_dir, staged_output
+from unickpt.store.publish import write_staged as write_durably
+from unickpt.tools._common import checkpoint_parts
 from unickpt.tools._progress import progress_bar
 from unickpt.tools._torch import full_tensors
 

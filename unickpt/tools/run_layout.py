@@ -17,8 +17,6 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from unickpt._stepdirs import commit_step
-from unickpt.format.commit import atomic_write_bytes, fsync_dir
 from unickpt.format.run_layout import (
     COMMIT_NAME,
     COMMIT_VERSION,
@@ -27,6 +25,7 @@ from unickpt.format.run_layout import (
     commit_record,
     work_name,
 )
+from unickpt.store.publish import atomic_write_bytes, commit_step, fsync_dir
 
 __all__ = ["write_step", "COMMIT_NAME", "LATEST_NAME", "TRAIN_STATE_DIR", "STATE_VERSION"]
 

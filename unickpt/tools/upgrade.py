@@ -58,15 +58,6 @@ from unickpt.errors import (
 from unickpt.format._json import strict_loads
 from unickpt.format.bounds import read_bounded
 from unickpt.format.boxes import flat_range_to_boxes
-from unickpt.format.commit import (
-    atomic_write_bytes,
-    commit_single_file,
-    fsync_dir,
-    makedirs_durable,
-    publish_directory,
-    temp_name,
-)
-from unickpt.format.commit_lock import directory_lock
 from unickpt.format.consistency import check_block
 from unickpt.format.digest_text import hex_to_b64
 from unickpt.format.dtypes import itemsize
@@ -78,6 +69,15 @@ from unickpt.format.reader_blocks import UNICKPT_METADATA_KEY, block_from_header
 from unickpt.format.safetensors_io import read_header
 from unickpt.format.versioning import FORMAT_VERSION
 from unickpt.format.writer import build_block
+from unickpt.store.lock import directory_lock
+from unickpt.store.publish import (
+    atomic_write_bytes,
+    commit_single_file,
+    fsync_dir,
+    makedirs_durable,
+    publish_directory,
+    temp_name,
+)
 from unickpt.tools.verify import FingerprintFailure
 
 __all__ = ["UpgradeReport", "upgrade_checkpoint", "LONG_SLICED_SENTINEL", "fingerprint_v1", "v1_partial"]
