@@ -2,7 +2,7 @@
 
 Every checkpoint written to ``s3://`` is downloaded with ``fs.get`` and loaded with the local
 code: what lands on the store must be bit-exact and committed by the object-store protocol
-(format/commit_store.py): final names in a fresh directory, fresh names over a committed
+(store/publish.py): final names in a fresh directory, fresh names over a committed
 checkpoint, the index last, superseded files removed, nothing uploaded twice.
 """
 
@@ -281,7 +281,7 @@ def test_resave_killed_at_every_step_leaves_old_or_new_then_cleans(
 ) -> None:
     import time
 
-    # The killed save leaves its lock object: stale after 1 s here (format/store_lock.py).
+    # The killed save leaves its lock object: stale after 1 s here (store/lock.py).
     monkeypatch.setenv("UNICKPT_STORE_LOCK_STALE", "1")
 
     url = f"s3://{s3.bucket}/k"

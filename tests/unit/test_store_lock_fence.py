@@ -2,7 +2,7 @@
 
 A holder stalled past the stale threshold (SIGSTOP here: a long GC or VM pause, a partition) is
 taken over by a second save, which commits; when the first resumes, its next fenced step
-raises ``CheckpointBusyError`` and the second save's checkpoint stays whole (format/store_lock.py,
+raises ``CheckpointBusyError`` and the second save's checkpoint stays whole (store/lock.py,
 "Fencing"). Real processes on moto's S3 server: writer A runs in a child process and stops
 itself with SIGSTOP at a named step of its save; writer B (this process, with
 ``UNICKPT_STORE_LOCK_STALE=0``: A's lock is stale at once) takes it over and commits; then A
@@ -348,7 +348,7 @@ def test_memory_store_fences_by_reading_the_lock_back(monkeypatch) -> None:
 
 
 def test_a_tool_run_whose_lock_was_taken_over_commits_and_removes_nothing(s3, monkeypatch) -> None:
-    """A tool writing to a URL (merge, convert, export: tools/_store_out.py) holds the prefix's
+    """A tool writing to a URL (merge, convert, export: store/publish.py) holds the prefix's
     lock: taken over while it wrote, its commit point is never written and its abort removes
     nothing (the names it wrote may be the new holder's)."""
     from unickpt.store.publish import store_output

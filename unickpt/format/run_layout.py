@@ -16,7 +16,7 @@ A run or step may live at a URL (``s3://...``): the readers below take an option
 :class:`~unickpt.format.run_files.RunFiles` (one listing of the location, shared by the calls of
 one command) and work the same there; without one, a local path is read with ``os`` calls.
 
-This is the one definition of the layout's names and records: the manager (``_stepdirs.py``,
+This is the one definition of the layout's names and records: the manager (``store/publish.py``,
 ``unickpt/manager/``), ``convert --to run`` (``tools/run_layout.py``) and
 the command line (``unickpt inspect``/``verify`` on a run or a step) use the functions here.
 """

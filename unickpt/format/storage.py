@@ -4,7 +4,7 @@ Everything that touches checkpoint bytes (the reader, the writer, the commit, li
 cleanup) goes through a :class:`Storage`. Two implementations:
 
 - :class:`LocalStorage`: POSIX files. Ranged reads are ``pread`` on one descriptor, writes
-  are streamed into staged files, commits are atomic renames (``format/commit.py``).
+  are streamed into staged files, commits are atomic renames (``store/publish.py``).
 - :class:`FsspecStorage`: any fsspec file system (``s3://``, ``gs://``, ``az://``,
   ``memory://``...). Ranged reads are exact ranged GETs, neighbouring ranges coalesced and
   several in flight at once (``cat_ranges``); writes stream as multipart uploads; there is no

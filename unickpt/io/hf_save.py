@@ -18,7 +18,7 @@ Face safetensors files, each tensor whole under its own name. No rank gathers a 
    gathers the hashes; rank 0 builds the block (one whole slice per tensor: its ``xxh3`` when
    one rank wrote it all, else its ``ranges``), rewrites a single file's header with the real
    values (same length as the placeholders) and, having staged every file, commits alone
-   through ``format.commit``, index last; a last agreement tells every rank the outcome.
+   through ``store.publish``, index last; a last agreement tells every rank the outcome.
 
 Files are byte-identical to what the rank-0 gathered save wrote (same order, header and metadata).
 """
@@ -92,7 +92,7 @@ class GatheredSave:
     rows: RowMoves | None = None  # column-sharded tensors moved to row slices as they are written
     # rank 0's save lock: released once committed, before the last agreement (io._commit.settle)
     lock: contextlib.ExitStack | None = None
-    # rank 0's lock on a store (format/store_lock.py), set once taken: fences the commit
+    # rank 0's lock on a store (store/lock.py), set once taken: fences the commit
     fence: Fence | None = None
 
 
@@ -217,7 +217,7 @@ def save_gathered(s: GatheredSave, st: StagedHF, group: Any, rank: int) -> None:
             index = index_to_json(build_index(block, sliced=False))
         except BaseException as e:
             err = e
-    # Rank 0 staged every file: it commits alone (``format.commit``), the others wait for it.
+    # Rank 0 staged every file: it commits alone (``store.publish``), the others wait for it.
     if rank == 0:
         try:
             if err is None:

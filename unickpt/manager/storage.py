@@ -1,9 +1,9 @@
 """Where the manager's steps live: one small interface, a local directory or an fsspec URL.
 
 A local directory stages a save in a work directory ``.step-<N>.staging-<id>`` and commits it
-by renaming (``_stepdirs.commit_step``). On a store every rank writes its files straight into
+by renaming (``store.publish.commit_step``). On a store every rank writes its files straight into
 the step's prefix (``step-<N>/``, or a replacement copy) through the storage layer, nothing on
-local disk, and rank 0 commits with an exclusive ``COMMIT`` (``manager/store_steps.py``). The
+local disk, and rank 0 commits with an exclusive ``COMMIT`` (``store/publish.py``). The
 manager's logic calls the same methods for both.
 """
 

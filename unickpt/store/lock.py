@@ -438,7 +438,7 @@ class Listed:
     #: multipart uploads, which no listing of objects shows)
     took_over: bool
     #: name -> ETag of every object listed (None where the store gives none): a commit point
-    #: is rewritten only while still the version listed here (``commit_store``)
+    #: is rewritten only while still the version listed here (``publish.put_commit_point``)
     etags: dict[str, str | None] = dataclasses.field(default_factory=dict)
 
 

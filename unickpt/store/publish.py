@@ -1161,7 +1161,7 @@ class RemoteStore:
         """Write ``rel`` whole; with ``exclusive`` return False (nothing written) if it exists."""
         path = self.path(rel)
         self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
-        return self.storage.put(path, data, exclusive=exclusive)
+        return put_commit_point(self.storage, path, data, None, exclusive=exclusive)
 
     def _delete(self, rel: str) -> None:
         """Un-commit (delete ``COMMIT``), then delete the rest: a half-deleted copy is never committed."""

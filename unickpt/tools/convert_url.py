@@ -3,9 +3,9 @@
 Those importers assemble their output from several local files of the source (DeepSpeed's
 per-rank optimizer partitions, Colossal-AI's id-to-name map) and write it with local renames,
 so their output is written into a local temporary directory, then uploaded with the
-object-store commit (``tools/_store_out.py``: data files first, the indexes last; the prefix
+object-store commit (``store/publish.py``: data files first, the indexes last; the prefix
 must hold nothing; a failure leaves nothing). Every other conversion streams to and from URLs
-(``tools/_sink.py``, ``tools/convert_src.py``).
+(``store/publish.py``, ``tools/convert_src.py``).
 """
 
 from __future__ import annotations

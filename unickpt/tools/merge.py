@@ -305,7 +305,7 @@ def merge_checkpoint(
     them). A local ``out`` must not exist (or be an empty directory): everything is written into
     a hidden temporary directory beside it, renamed to ``out`` only when complete. A URL ``out``
     must hold no object: the files are uploaded under their final names and the index (or the
-    single file) last, as every save on a store commits (``tools/_store_out.py``). Either way a
+    single file) last, as every save on a store commits (``store/publish.py``). Either way a
     failed merge leaves no ``out``. Called by one process; needs no process group.
 
     ``merge_adapters=True`` (``--merge-adapters``): ``src`` is a ``PeftModel``'s LoRA run; the

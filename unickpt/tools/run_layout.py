@@ -2,7 +2,7 @@
 
 The layout is the manager's (``unickpt/format/run_layout.py``): ``step-<N>/model/``,
 ``optimizer/``, ``lr_scheduler.json``, ``train_state/rank-00000.{json,safetensors}``, then the
-manager's own step commit (``_stepdirs.commit_step``: the ``COMMIT`` marker written last, the
+manager's own step commit (``store.publish.commit_step``: the ``COMMIT`` marker written last, the
 staged directory put in place as ``step-<N>``, then ``latest``). ``CheckpointManager.load``
 resumes from the result (tests/unit/test_convert_training.py).
 

@@ -21,7 +21,7 @@ Versions 2 to 4 carry v2 fingerprints already; their upgrade reads only the data
 version 5 reader itself (``parse_index``, ``check_block``) before anything is written.
 
 Atomicity: in place, under the directory's save lock, the new index is written under a staging
-name, fsynced and renamed over the old one (``format.commit.atomic_write_bytes``), so an upgrade
+name, fsynced and renamed over the old one (``store.publish.atomic_write_bytes``), so an upgrade
 killed at any instant leaves the old index (which ``upgrade`` reads again) or the new one. A
 single-file checkpoint carries its block in its header: the file is copied under a staging name
 with the new header and committed by ``commit_single_file``. With ``DST`` the checkpoint is
