@@ -56,8 +56,8 @@ from unickpt.store.publish import (
     content_save_id,
     staged_output,
     store_output,
+    write_staged,
 )
-from unickpt.store.publish import write_staged as write_durably
 from unickpt.tools._common import detect_kind, read_side_files, write_all
 from unickpt.tools._merge_mapped import hub_plan, write_mapped
 from unickpt.tools._merge_runs import Run, validate_runs
@@ -391,7 +391,7 @@ def merge_checkpoint(
                 if store is not None:
                     store.put(fname, data)
                 else:
-                    write_durably(os.path.join(tmp, fname), data)
+                    write_staged(os.path.join(tmp, fname), data)
             for r, runs in zip(readers, runs_of, strict=True):
                 hub = None
                 if r.kind == "model":
