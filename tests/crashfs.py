@@ -4,7 +4,7 @@
 ``pwritev``/``ftruncate``/``fsync``/``fdatasync``/``rename``/``replace``/``unlink``/``mkdir``/
 ``rmdir``/``link``/``symlink``/``copy_file_range``, ``open()`` for writing and the file object's
 writes, flushes and truncates, ``renameat2(RENAME_EXCHANGE)`` through
-``commit_steps.exchange``) while one save runs in this process, and keeps a log of logical
+``store.publish.exchange``) while one save runs in this process, and keeps a log of logical
 operations on a shadow model of the tree under ``root``: inodes (identified by the real inode
 numbers, fresh ids when a number is reused) with their data, directories with their entries.
 At the end the model's volatile state is compared with the real tree byte for byte, so a call
@@ -384,7 +384,7 @@ class Recorder:
         patch(builtins, "open", opener)
         patch(io, "open", opener)
 
-        import unickpt.format.commit_steps as commit_steps
+        import unickpt.store.publish as commit_steps
 
         real_exchange = commit_steps.exchange
 

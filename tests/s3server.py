@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
-LOCK_NAME = ".unickpt-save.lock"  # unickpt.format.store_lock.LOCK_NAME
+LOCK_NAME = ".unickpt.lock"  # unickpt.store.lock.LOCK_NAME
 _AGENT = re.compile(r"unickpt-client/(\S+)")
 
 

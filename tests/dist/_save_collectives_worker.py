@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from unickpt._faults import injected
-from unickpt.format.commit import LOCK_NAME
+from unickpt.store.lock import LOCK_NAME
 from unickpt.format.index import LayoutInfo
 from unickpt.format.reader import open_checkpoint
 from unickpt.io.load import load_tensors

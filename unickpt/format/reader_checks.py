@@ -14,11 +14,11 @@ from collections.abc import Callable
 
 from unickpt.errors import CheckpointChangedError, IndexFileError
 from unickpt.format.bounds import capacity_problem, entries_problem, slices_per_file
-from unickpt.format.commit import SAVE_ID_KEY
 from unickpt.format.index import UnickptBlock
 from unickpt.format.reader_paths import regular_size
 from unickpt.format.safetensors_io import SafetensorsHeader
 from unickpt.format.storage import Storage
+from unickpt.store.publish import SAVE_ID_KEY
 
 __all__ = ["FileChecks", "shown"]
 

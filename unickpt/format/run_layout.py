@@ -16,7 +16,7 @@ A run or step may live at a URL (``s3://...``): the readers below take an option
 :class:`~unickpt.format.run_files.RunFiles` (one listing of the location, shared by the calls of
 one command) and work the same there; without one, a local path is read with ``os`` calls.
 
-This is the one definition of the layout's names and records: the manager (``_stepdirs.py``,
+This is the one definition of the layout's names and records: the manager (``store/publish.py``,
 ``unickpt/manager/``), ``convert --to run`` (``tools/run_layout.py``) and
 the command line (``unickpt inspect``/``verify`` on a run or a step) use the functions here.
 """
@@ -33,7 +33,6 @@ from typing import Any
 
 from unickpt.errors import CheckpointFormatError, ConfigError
 from unickpt.format._json import strict_loads
-from unickpt.format.commit_store import write_small_file
 from unickpt.format.hashing import slice_hash
 from unickpt.format.run_files import RunFiles
 from unickpt.format.storage import is_url
@@ -66,7 +65,7 @@ __all__ = [
     "read_commit",
     "looks_like_run",
     "step_layout",
-    "write_hashes",
+    "hashes_record",
     "read_hashes",
 ]
 
@@ -332,18 +331,14 @@ def hashes_path(step_dir: str, rank: int) -> str:
     return os.path.join(step_dir, TRAIN_STATE_DIR, f"rank-{rank:05d}{HASHES_SUFFIX}")
 
 
-def write_hashes(
-    step_dir: str, rank: int, files: dict[str, bytes], storage_options: dict[str, Any] | None = None
-) -> None:
-    """Record the xxh3-64 of the bytes written to ``files`` (paths relative to ``step_dir``, a
-    local directory or a URL) for ``rank``."""
+def hashes_record(files: dict[str, bytes]) -> bytes:
+    """The hashes file of a rank (written at :func:`hashes_path`): the xxh3-64 of the bytes
+    written to ``files`` (paths relative to the step directory)."""
     record = {
         "unickpt_hashes": _HASHES_VERSION,
         "xxh3": {rel: slice_hash(data) for rel, data in sorted(files.items())},
     }
-    write_small_file(
-        hashes_path(step_dir, rank), json.dumps(record, sort_keys=True).encode(), storage_options
-    )
+    return json.dumps(record, sort_keys=True).encode()
 
 
 def read_hashes(path: str, files: RunFiles | None = None) -> dict[str, str]:

@@ -26,11 +26,11 @@ from typing import Any, BinaryIO
 from unickpt.errors import HeaderError, IncompleteCheckpointError
 from unickpt.format._json import strict_loads
 from unickpt.format.bounds import MAX_HEADER_BYTES as _MAX_HEADER_BYTES
-from unickpt.format.commit import Writeback
 from unickpt.format.dtypes import DTYPE_ITEMSIZE
 from unickpt.format.foreign import foreign_file
 from unickpt.format.safetensors_bulk import HeaderEntry, parse_header_bulk
 from unickpt.format.storage import Storage
+from unickpt.store.writeback import Writeback
 
 __all__ = [
     "MAX_HEADER_BYTES",

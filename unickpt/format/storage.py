@@ -4,7 +4,7 @@ Everything that touches checkpoint bytes (the reader, the writer, the commit, li
 cleanup) goes through a :class:`Storage`. Two implementations:
 
 - :class:`LocalStorage`: POSIX files. Ranged reads are ``pread`` on one descriptor, writes
-  are streamed into staged files, commits are atomic renames (``format/commit.py``).
+  are streamed into staged files, commits are atomic renames (``store/publish.py``).
 - :class:`FsspecStorage`: any fsspec file system (``s3://``, ``gs://``, ``az://``,
   ``memory://``...). Ranged reads are exact ranged GETs, neighbouring ranges coalesced and
   several in flight at once (``cat_ranges``); writes stream as multipart uploads; there is no
@@ -189,6 +189,12 @@ class Storage:
 
     def makedirs(self, path: str) -> None:
         """Create a directory (a no-op on object stores, which have only prefixes)."""
+
+    @property
+    def conditional_put(self) -> bool:
+        """True when writes and deletes can be conditional on an object's ETag (``If-Match`` /
+        ``If-None-Match``: ``store/lock.py``'s fencing); elsewhere the callers read back and check."""
+        return False
 
 
 class _LocalRead:
@@ -471,6 +477,10 @@ class FsspecStorage(Storage):
             _BUCKETS.add(key)
             return
         self.fs.makedirs(path, exist_ok=True)
+
+    @property
+    def conditional_put(self) -> bool:
+        return self.protocol in ("s3", "s3a")
 
 
 #: (endpoint, bucket) pairs known to exist in this process (``FsspecStorage.makedirs``).

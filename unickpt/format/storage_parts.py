@@ -165,7 +165,7 @@ class SharedUpload:
 
     def put(self, body: bytes | bytearray | memoryview, when: dict[str, str] | None = None) -> None:
         """A file of one part needs no multipart upload: one PUT, visible at once. ``when``: the
-        request's conditions (``IfMatch`` / ``IfNoneMatch``, ``commit_store.commit_condition``)."""
+        request's conditions (``IfMatch`` / ``IfNoneMatch``, ``store.publish.commit_condition``)."""
         self.fs.call_s3("put_object", Bucket=self.bucket, Key=self.key, Body=bytes(body), **(when or {}))
         self.fs.invalidate_cache(self.path)
 

@@ -12,7 +12,7 @@ which keeps only the collective work), ``tools/_write.py`` (convert, hand-made l
   same-length placeholders, rewritten once the data is hashed (``write_single_file``,
   ``rewrite_header``);
 - and leaves staging names, save ids, the index's commit, superseding and cleanup to
-  ``format.commit``.
+  ``store.publish``.
 
 ``CheckpointWriter`` ties these together for one directory and one save id.
 """
@@ -32,9 +32,6 @@ from typing import Any
 import numpy as np
 
 from unickpt._faults import maybe_fail
-from unickpt.format.commit import SAVE_ID_KEY, commit_directory, commit_single_file, temp_name
-from unickpt.format.commit_fence import Fence
-from unickpt.format.commit_store import commit_store_index, remove_superseded
 from unickpt.format.dtypes import itemsize
 from unickpt.format.hashing import combine_partials, finalize_fingerprint, hash_block
 from unickpt.format.index import IndexFile, IndexMetadata, LayoutInfo, SliceEntry, TensorEntry, UnickptBlock
@@ -45,6 +42,15 @@ from unickpt.format.reader import UNICKPT_METADATA_KEY
 from unickpt.format.safetensors_io import SafetensorsWriter, encode_header
 from unickpt.format.slice_table import SliceTable
 from unickpt.format.storage import Storage
+from unickpt.store.lock import Fence
+from unickpt.store.publish import (
+    SAVE_ID_KEY,
+    commit_directory,
+    commit_single_file,
+    commit_store_index,
+    remove_superseded,
+    temp_name,
+)
 
 __all__ = [
     "PLACEHOLDER",
@@ -314,7 +320,7 @@ def write_single_file(
     ``make_block(written, placeholder)`` builds the block from each key's (xxh3, partial). The
     header is written first with placeholder values of the same length as the real ones
     (``placeholder=True``), and rewritten once the data is hashed, in the staging file no
-    reader opens; the file is then committed by ``format.commit.commit_single_file``. On an
+    reader opens; the file is then committed by ``store.publish.commit_single_file``. On an
     object ``storage`` (see :func:`_write_single_to_store`) the file is one upload, fenced by
     the save's lock ``fence`` (checked before the upload completes and before the removals).
     """
@@ -404,9 +410,9 @@ def _write_single_to_store(
 class CheckpointWriter:
     """Writes the files of one checkpoint of ``kind`` into ``directory`` under one save id.
 
-    ``write`` streams data files under their staging names (``format.commit.temp_name``);
+    ``write`` streams data files under their staging names (``store.publish.temp_name``);
     ``commit`` builds nothing itself: it writes the given index last through
-    ``format.commit.commit_directory`` (staged index, un-commit of the previous checkpoint,
+    ``store.publish.commit_directory`` (staged index, un-commit of the previous checkpoint,
     renames, removal of superseded files and leftovers). The caller holds the directory lock.
     """
 
@@ -419,7 +425,7 @@ class CheckpointWriter:
     fingerprints: bool = True
     fsync: bool = True
     #: Where ``directory`` is; an object store writes each file under the name given (see
-    #: ``format.commit_store``: the save's plan names them), nothing is staged or renamed.
+    #: ``store.publish``: the save's plan names them), nothing is staged or renamed.
     storage: Storage | None = None
 
     def staged_name(self, fname: str) -> str:
@@ -449,8 +455,8 @@ class CheckpointWriter:
         return results
 
     def commit(self, index: bytes) -> None:
-        """Write the index last and commit the staged files (``format.commit.commit_directory``;
-        on an object store ``format.commit_store.commit_store_index``)."""
+        """Write the index last and commit the staged files (``store.publish.commit_directory``;
+        on an object store ``store.publish.commit_store_index``)."""
         store = _object_store(self.storage)
         if store is not None:
             commit_store_index(store, self.directory, self.kind, index, set(self.staged))

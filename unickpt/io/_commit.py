@@ -1,4 +1,4 @@
-"""The commit step of a save across ranks, on top of ``format.commit`` (docs/format.md, section 6)."""
+"""The commit step of a save across ranks, on top of ``store.publish`` (docs/format.md, section 6)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,17 @@ from typing import Any
 
 from unickpt import _dist
 from unickpt._logging import get_logger
-from unickpt.format.commit import commit_directory, discard, finish_commit, place_staged, prepare_commit
-from unickpt.format.commit_fence import Fence
-from unickpt.format.commit_store import commit_and_clean
 from unickpt.format.storage import Storage
 from unickpt.io.planner import SavePlan
+from unickpt.store.lock import Fence
+from unickpt.store.publish import (
+    commit_and_clean,
+    commit_directory,
+    discard,
+    finish_commit,
+    place_staged,
+    prepare_commit,
+)
 
 __all__ = ["commit_collective", "settle"]
 
@@ -36,7 +42,7 @@ def commit_collective(
     clean: bool = True,
     fence: Fence | None = None,
 ) -> None:
-    """Collective: commit a sharded or sliced save (``format.commit``), or raise on every rank.
+    """Collective: commit a sharded or sliced save (``store.publish``), or raise on every rank.
 
     One process commits in one call. Several ranks each rename their own staged files (their
     directories may differ, as with node-local staging before an upload) between rank 0's
@@ -44,7 +50,7 @@ def commit_collective(
     lock) is released after a successful commit, before the last agreement (``settle``).
     ``clean=False`` (rank 0, a store): the directory held no data file when the save began, so the
     commit on the store skips the listing and cleanup after the index PUT (``commit_and_clean``).
-    ``fence`` (rank 0, a store): its save lock, which fences the commit (``commit_store``).
+    ``fence`` (rank 0, a store): its save lock, which fences the commit (``publish.put_commit_point``).
     """
     where = f"committing {directory}"
     if store is not None:

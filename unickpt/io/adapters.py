@@ -25,7 +25,7 @@ import torch
 
 from unickpt.errors import ConfigError, IncompleteCheckpointError, IndexFileError, UnsupportedError
 from unickpt.format._json import strict_loads
-from unickpt.format.commit_store import read_small_file
+from unickpt.store.publish import read_small_file
 
 __all__ = [
     "ADAPTER_CONFIG",

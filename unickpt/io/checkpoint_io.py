@@ -35,7 +35,6 @@ from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
 from unickpt._rng import keeps_python_random
 from unickpt.errors import ConfigError, IncompleteCheckpointError, UnsupportedError
-from unickpt.format.commit_store import write_small_file
 from unickpt.format.index import LayoutInfo
 from unickpt.format.reader import CheckpointReader
 from unickpt.format.storage import is_url
@@ -67,6 +66,7 @@ from unickpt.io.side_files import (
 )
 from unickpt.io.tensors import LocalSlice, mesh_dims
 from unickpt.io.url_load import open_for_load
+from unickpt.store.publish import write_small_file
 from unickpt.wrappers import OptimizerWrapper, unwrap_optimizer
 
 if TYPE_CHECKING:

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from unickpt import _dist
-from unickpt.format.commit_fence import Fence
 from unickpt.format.index import UnickptBlock
 from unickpt.format.reader import single_file_name
 from unickpt.format.storage import Storage
@@ -29,6 +28,7 @@ from unickpt.io.planner import PlannedFile, SavePlan
 from unickpt.io.save_block import Results, build_save_block, by_slice, file_specs, make_writer
 from unickpt.io.save_options import SaveOptions
 from unickpt.io.tensors import as_bytes, is_dtensor, local_slices
+from unickpt.store.lock import Fence
 
 __all__ = ["write_funnelled", "write_funnelled_single", "feed_funnel", "gathered_snapshot"]
 

@@ -6,7 +6,7 @@ Face safetensors files, each tensor whole under its own name. No rank gathers a 
 1. every rank computes the same file layout (``format.hf_layout``: files, headers, where each
    tensor's bytes start) from the plan's global shapes, and the same writer of every slice
    (``planner.plan_save``: a replicated slice is written once);
-2. rank 0 creates every staged file (hidden name, ``format.commit.temp_name``), writes its
+2. rank 0 creates every staged file (hidden name, ``store.publish.temp_name``), writes its
    header and sizes it, while it prepares the directory (``stage_gathered``): the ranks agree
    once on both (they share the directory, as sliced saves do);
 3. each rank ``pwrite``s the byte runs of the slices it writes straight into place (a row
@@ -18,7 +18,7 @@ Face safetensors files, each tensor whole under its own name. No rank gathers a 
    gathers the hashes; rank 0 builds the block (one whole slice per tensor: its ``xxh3`` when
    one rank wrote it all, else its ``ranges``), rewrites a single file's header with the real
    values (same length as the placeholders) and, having staged every file, commits alone
-   through ``format.commit``, index last; a last agreement tells every rank the outcome.
+   through ``store.publish``, index last; a last agreement tells every rank the outcome.
 
 Files are byte-identical to what the rank-0 gathered save wrote (same order, header and metadata).
 """
@@ -39,9 +39,6 @@ import xxhash
 from unickpt import __version__, _dist
 from unickpt._faults import maybe_fail
 from unickpt.errors import UnsupportedError
-from unickpt.format import commit
-from unickpt.format.commit import commit_directory, commit_single_file, discard, temp_name
-from unickpt.format.commit_fence import Fence
 from unickpt.format.dtypes import itemsize
 from unickpt.format.hashing import hash_block, slice_hash
 from unickpt.format.hf_layout import HFLayout, box_runs, plan_hf_layout, writer_ranges
@@ -63,6 +60,9 @@ from unickpt.io.hf_rows import RowMoves
 from unickpt.io.planner import SavePlan
 from unickpt.io.save_options import SaveOptions
 from unickpt.io.tensors import LocalSlice, as_bytes
+from unickpt.store import writeback
+from unickpt.store.lock import Fence
+from unickpt.store.publish import commit_directory, commit_single_file, discard, temp_name
 
 __all__ = ["GatheredSave", "gathered_block", "hash_tensor_ranges", "save_gathered"]
 
@@ -93,7 +93,7 @@ class GatheredSave:
     rows: RowMoves | None = None  # column-sharded tensors moved to row slices as they are written
     # rank 0's save lock: released once committed, before the last agreement (io._commit.settle)
     lock: contextlib.ExitStack | None = None
-    # rank 0's lock on a store (format/store_lock.py), set once taken: fences the commit
+    # rank 0's lock on a store (store/lock.py), set once taken: fences the commit
     fence: Fence | None = None
 
 
@@ -218,7 +218,7 @@ def save_gathered(s: GatheredSave, st: StagedHF, group: Any, rank: int) -> None:
             index = index_to_json(build_index(block, sliced=False))
         except BaseException as e:
             err = e
-    # Rank 0 staged every file: it commits alone (``format.commit``), the others wait for it.
+    # Rank 0 staged every file: it commits alone (``store.publish``), the others wait for it.
     if rank == 0:
         try:
             if err is None:
@@ -361,7 +361,7 @@ def _write_tensor(
         write_all(fd, memoryview(piece), place.pos + b)  # type: ignore[arg-type]
     if opts.fsync:  # the disk starts on each range now: the final fsync has little left
         for b, e in mine_ranges:
-            commit.start_writeback(fd, place.pos + b, e - b)
+            writeback.start_writeback(fd, place.pos + b, e - b)
     maybe_fail("save.write")
     return fut
 

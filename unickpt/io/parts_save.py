@@ -38,8 +38,6 @@ import torch
 from unickpt import _dist
 from unickpt._faults import maybe_fail
 from unickpt.format import storage_parts, storage_s3
-from unickpt.format.commit_fence import commit_condition, refused_commit
-from unickpt.format.commit_store import remove_superseded, store_file_name
 from unickpt.format.dtypes import itemsize
 from unickpt.format.hf_layout import HFLayout, box_runs, plan_hf_layout
 from unickpt.format.index import index_to_json
@@ -52,6 +50,7 @@ from unickpt.io._commit import commit_collective, settle
 from unickpt.io.hf_save import GatheredSave, gathered_block, hash_tensor_ranges, order_files
 from unickpt.io.planner import PlannedFile, SavePlan
 from unickpt.io.tensors import as_bytes
+from unickpt.store.publish import commit_condition, refused_commit, remove_superseded, store_file_name
 
 __all__ = ["IN_FLIGHT", "save_gathered_parts"]
 

@@ -18,7 +18,7 @@ Order of events (every rank calls ``save_tensors`` with its own tensors):
    save id;
 5. ranks agree that every write succeeded (else every rank raises, partial files removed);
    the agreement carries every rank's hashes;
-6. rank 0 commits through ``format.commit`` (stage the index, un-commit the previous
+6. rank 0 commits through ``store.publish`` (stage the index, un-commit the previous
    checkpoint, rename the data files and then the index into place, remove superseded files
    and leftovers of killed saves) and releases the lock; the last agreement follows that
    release (``io._commit.settle``), so no rank returns before the checkpoint is committed.
@@ -28,8 +28,8 @@ preparation, writing, the commit's 3), on a store 4 (one commit agreement), a ga
 in a directory 4 (docs/performance.md, issue 17).
 
 A URL (``s3://``, ``gs://``...: ``SaveOptions.storage_options``) goes through the storage layer
-instead (``format/commit_store.py``, docs/format.md section 6.1): no staging; rank 0 takes the
-directory's lock object (``format/store_lock.py``: a second writer gets ``CheckpointBusyError``),
+instead (``store/publish.py``, docs/format.md section 6.1): no staging; rank 0 takes the
+directory's lock object (``store/lock.py``: a second writer gets ``CheckpointBusyError``),
 lists the directory once under it: a committed checkpoint there, or a stale lock taken over,
 gives every file a save-id name, and a directory without data files (nor a stale lock taken
 over) needs no cleanup after the commit; each writer streams its files as multipart uploads,
@@ -56,13 +56,10 @@ from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
 from unickpt._rng import keeps_python_random
 from unickpt.errors import UnickptError
-from unickpt.format.commit import directory_lock, discard, makedirs_durable, new_save_id
-from unickpt.format.commit_store import committed_in, needs_cleanup, store_file_name
 from unickpt.format.index import index_to_json
 from unickpt.format.naming import single_name
 from unickpt.format.storage import FsspecStorage, Storage, is_url, open_storage
 from unickpt.format.storage_parts import supports_shared_parts
-from unickpt.format.store_lock import StoreLock, store_lock
 from unickpt.format.writer import build_index
 from unickpt.io._commit import commit_collective, settle
 from unickpt.io.funnel_save import feed_funnel, write_funnelled, write_funnelled_single
@@ -84,6 +81,15 @@ from unickpt.io.save_block import Results as _Results
 from unickpt.io.save_block import build_save_block, by_slice, file_specs, make_writer
 from unickpt.io.save_options import SaveOptions
 from unickpt.io.tensors import LocalSlice, as_bytes
+from unickpt.store.lock import StoreLock, directory_lock, store_lock
+from unickpt.store.publish import (
+    committed_in,
+    discard,
+    makedirs_durable,
+    needs_cleanup,
+    new_save_id,
+    store_file_name,
+)
 
 # SaveOptions is save_options.py's, re-exported: what a save is written with, beside save_tensors.
 __all__ = ["SaveOptions", "WriteSpec", "save_tensors"]
@@ -258,7 +264,7 @@ def save_tensors(
             if store is None:
                 makedirs_durable(directory, fsync=opts.fsync)
                 lock.enter_context(directory_lock(directory))
-            else:  # one writer per directory on a store too (format/store_lock.py), listed under it
+            else:  # one writer per directory on a store too (store/lock.py), listed under it
                 held = lock.enter_context(store_lock(store, directory, save_id, listed=True))
                 found = held.listed
                 # Fresh names (with the save id) over a committed checkpoint, and after taking over

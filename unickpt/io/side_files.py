@@ -10,8 +10,8 @@ import torch
 
 from unickpt.errors import IncompleteCheckpointError, IndexFileError
 from unickpt.format._json import strict_loads
-from unickpt.format.commit_store import checkpoint_directory, write_small_file
 from unickpt.io.jsonstate import from_json_value, to_json_value
+from unickpt.store.publish import checkpoint_directory, write_small_file
 
 __all__ = [
     "SCHEDULER_FILE",
@@ -92,7 +92,7 @@ def read_lr_scheduler_state(path: str, storage_options: dict[str, Any] | None = 
     state written by :func:`lr_scheduler_json` is an ``IndexFileError`` naming ``path``.
     """
     try:
-        from unickpt.format.commit_store import read_small_file  # a local path or a URL
+        from unickpt.store.publish import read_small_file  # a local path or a URL
 
         raw = read_small_file(path, storage_options)
         obj = strict_loads(raw.decode("utf-8"), IndexFileError, f"{path}: LR scheduler state")

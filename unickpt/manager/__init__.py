@@ -30,7 +30,7 @@ saving it again) is swapped with the stage atomically (Linux ``renameat2(RENAME_
 where the filesystem cannot swap, it is first renamed to ``.step-<N>.old-<id>``, which stays
 committed (readers take it for step N while ``step-<N>`` is not committed, the next save moves
 it back) and is deleted only once the new ``step-<N>`` is committed. A process killed at any
-moment therefore leaves a committed copy of every committed step (``_stepdirs.py``, whose
+moment therefore leaves a committed copy of every committed step (``store/publish.py``, whose
 ``commit_step`` also commits the steps ``unickpt convert --to run`` writes).
 
 Saves into one directory are serialised by the kernel lock of ``.unickpt.lock`` (``flock``;
@@ -61,7 +61,7 @@ writes ``COMMIT`` last with an exclusive put (a second writer committing the sam
 ``CheckpointBusyError``), then ``latest``, then applies ``keep_last`` (deleting ``COMMIT``
 first). A step is committed iff its ``COMMIT`` object exists; readers ignore the others. A
 committed step saved again is written to ``.step-<N>.replacing-<id>/``, committed there, then
-copied over ``step-<N>`` (see ``manager/store_steps.py``): step N stays committed throughout.
+copied over ``step-<N>`` (see ``store/publish.py``): step N stays committed throughout.
 Guarantees rest on whole-object PUTs and consistent listings (S3, GCS); limits: one writer per
 URL, and each rank downloads the step (but ``hf/`` and other ranks' states) to load it. See
 docs/guide.md, "Storage".
@@ -75,8 +75,8 @@ from unickpt.format.run_layout import LATEST_NAME as LATEST_NAME
 from unickpt.format.run_layout import TRAIN_STATE_DIR as TRAIN_STATE_DIR
 from unickpt.manager.checkpoint_manager import CheckpointManager
 from unickpt.manager.checkpoint_manager import RetentionWarning as RetentionWarning
-from unickpt.manager.store_steps import RemoteStore
 from unickpt.manager.train_state import STATE_VERSION
+from unickpt.store.publish import RemoteStore
 
 __all__ = ["CheckpointManager"]
 

@@ -24,13 +24,13 @@ from unickpt._logging import get_logger
 from unickpt._rng import keeps_python_random
 from unickpt.errors import ConfigError, UnickptError
 from unickpt.format import run_layout
-from unickpt.format.commit_store import write_small_file
 from unickpt.format.run_layout import HF_DIR
 from unickpt.io.async_save import AsyncSaves, shared_payload
 from unickpt.io.save import WriteSpec
 from unickpt.io.writer_process import process_capable
 from unickpt.manager import policy, snapshot, train_state
 from unickpt.manager.storage import RemoteStorage, Storage, open_storage
+from unickpt.store.publish import write_small_file
 
 __all__ = ["CheckpointManager", "RetentionWarning"]
 
@@ -546,7 +546,7 @@ def _copy_files(src: str, dst: str, fsync: bool) -> None:
     (``copy_file_range``: a copy-on-write clone where the filesystem makes one, still a distinct
     file), in bounded memory; with ``fsync`` each copy is durable before the step commits.
     """
-    from unickpt.format.commit import fsync_dir
+    from unickpt.store.publish import fsync_dir
 
     os.makedirs(dst, exist_ok=True)
     for name in sorted(os.listdir(src)):

@@ -1,9 +1,9 @@
 """Where the manager's steps live: one small interface, a local directory or an fsspec URL.
 
 A local directory stages a save in a work directory ``.step-<N>.staging-<id>`` and commits it
-by renaming (``_stepdirs.commit_step``). On a store every rank writes its files straight into
+by renaming (``store.publish.commit_step``). On a store every rank writes its files straight into
 the step's prefix (``step-<N>/``, or a replacement copy) through the storage layer, nothing on
-local disk, and rank 0 commits with an exclusive ``COMMIT`` (``manager/store_steps.py``). The
+local disk, and rank 0 commits with an exclusive ``COMMIT`` (``store/publish.py``). The
 manager's logic calls the same methods for both.
 """
 
@@ -20,18 +20,19 @@ from typing import Any
 
 from unickpt import _dist
 from unickpt._faults import maybe_fail
-from unickpt._stepdirs import (
+from unickpt.errors import ConfigError, IncompleteCheckpointError
+from unickpt.format import run_layout
+from unickpt.format.run_layout import LATEST_NAME, TRAIN_STATE_DIR
+from unickpt.store.lock import directory_lock
+from unickpt.store.publish import (
+    RemoteStore,
     clean_work_dirs,
     commit_step,
     committed_step_dirs,
     make_work_dir,
+    makedirs_durable,
     remove_step,
 )
-from unickpt.errors import ConfigError, IncompleteCheckpointError
-from unickpt.format import run_layout
-from unickpt.format.commit import directory_lock, makedirs_durable
-from unickpt.format.run_layout import LATEST_NAME, TRAIN_STATE_DIR
-from unickpt.manager.store_steps import RemoteStore
 
 __all__ = ["Storage", "LocalStorage", "RemoteStorage", "open_storage"]
 

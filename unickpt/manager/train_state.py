@@ -18,10 +18,10 @@ from unickpt._logging import get_logger
 from unickpt.errors import IncompleteCheckpointError, IndexFileError, StateMismatchError, UnsupportedError
 from unickpt.format import run_layout
 from unickpt.format._json import strict_loads
-from unickpt.format.commit_store import write_small_file
 from unickpt.format.run_layout import TRAIN_STATE_DIR
 from unickpt.format.storage import is_url
 from unickpt.io.jsonstate import from_json_value, to_json_value
+from unickpt.store.publish import write_small_file
 
 __all__ = ["STATE_VERSION", "capture", "restore", "write_rank_state", "read_rank_state"]
 
@@ -190,7 +190,7 @@ def write_rank_state(
     written = {os.path.relpath(tpath, stage): tbytes, os.path.relpath(jpath, stage): jbytes}
     if scheduler is not None:
         written["lr_scheduler.json"] = scheduler
-    run_layout.write_hashes(stage, rank, written, storage_options)
+    write_small_file(run_layout.hashes_path(stage, rank), run_layout.hashes_record(written), storage_options)
 
 
 def read_rank_state(
@@ -199,7 +199,7 @@ def read_rank_state(
     """A rank's JSON state and tensors from a step directory or URL; (None, {}) when absent."""
     from safetensors.torch import load
 
-    from unickpt.format.commit_store import read_small_file
+    from unickpt.store.publish import read_small_file
 
     jpath, tpath = _rank_paths(step_dir, rank)
     try:

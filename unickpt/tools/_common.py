@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import posixpath
-import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 from unickpt.errors import IncompleteCheckpointError, OutputExistsError
-from unickpt.format.commit import makedirs_durable, only_leftovers, publish_directory, temp_name
 from unickpt.format.naming import index_name, single_name
 from unickpt.format.reader import CheckpointReader, file_kind, locate, open_checkpoint, open_located
 from unickpt.format.reader_paths import hint_foreign
@@ -25,9 +22,6 @@ __all__ = [
     "detect_kind",
     "human_bytes",
     "OutputExistsError",
-    "check_output",
-    "staged_output",
-    "write_durably",
     "write_all",
 ]
 
@@ -97,53 +91,6 @@ def human_bytes(n: int) -> str:
             return f"{int(x)} {unit}" if unit == "B" else f"{x:.1f} {unit}"
         x /= 1024
     return f"{n} B"  # pragma: no cover
-
-
-def check_output(out: str) -> str:
-    """Absolute output path; refuses a path holding a file or a non-empty directory.
-
-    A directory holding only what killed saves left (staging files, a dead save's lock file)
-    counts as empty: those leftovers are removed when the output is published.
-    """
-    p = os.path.abspath(out)
-    if os.path.lexists(p) and not (os.path.isdir(p) and not os.path.islink(p) and only_leftovers(p)):
-        raise OutputExistsError(f"{p} already exists and is not an empty directory; choose a new output path")
-    return p
-
-
-@contextlib.contextmanager
-def staged_output(out: str) -> Iterator[str]:
-    """Yield a hidden temporary directory beside ``out``; publish it as ``out`` on success.
-
-    On any failure the temporary directory is removed, so a failed run leaves no ``out``.
-    Every file written into it must already be fsynced; ``format.commit.publish_directory``
-    fsyncs the directory and its parent around the rename, and removes what killed runs left
-    (in ``out``, and staging directories of dead processes beside it).
-    """
-    final = check_output(out)
-    parent = os.path.dirname(final)
-    makedirs_durable(parent)
-    tmp = temp_name(final)
-    os.mkdir(tmp)
-    try:
-        yield tmp
-        try:
-            publish_directory(tmp, final)
-        except FileExistsError:
-            raise OutputExistsError(
-                f"{final} was filled by someone else while this run wrote; its output is discarded"
-            ) from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def write_durably(dst: str, data: bytes) -> None:
-    """Write a new small file and fsync it."""
-    with open(dst, "wb") as g:
-        g.write(data)
-        g.flush()
-        os.fsync(g.fileno())
 
 
 #: The largest side file copied (a tokenizer.json of a large vocabulary is tens of MB).

@@ -10,7 +10,6 @@ from collections.abc import Callable
 import numpy as np
 
 from unickpt.errors import IntegrityError, IntegrityFailure
-from unickpt.format.commit import Writeback
 from unickpt.format.dtypes import itemsize, word_dtype
 from unickpt.format.hashing import (
     SliceHasher,
@@ -20,11 +19,12 @@ from unickpt.format.hashing import (
 )
 from unickpt.format.index import SliceEntry, TensorEntry
 from unickpt.format.reader import CheckpointReader
+from unickpt.store.publish import StoreFile
+from unickpt.store.writeback import Writeback
 from unickpt.tools._bands import bands, is_sparse, next_data, pieces
 from unickpt.tools._common import write_all
 from unickpt.tools._merge_bulk import groups, merge_rows
 from unickpt.tools._merge_runs import Run
-from unickpt.tools._store_out import StoreFile
 
 __all__ = ["CASTABLE", "CHUNK", "TensorMerger"]
 

@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 
 from unickpt import __version__
-from unickpt.format.commit import directory_lock, makedirs_durable, new_save_id
 from unickpt.format.dtypes import itemsize
 from unickpt.format.index import LayoutInfo, SliceEntry, index_to_json
 from unickpt.format.naming import index_name, shard_name, slice_key
 from unickpt.format.writer import Block, CheckpointWriter, FileSpec, build_block, build_index, tensor_entry
-from unickpt.tools._store_out import StoreOutput
+from unickpt.store.lock import directory_lock
+from unickpt.store.publish import StoreOutput, makedirs_durable, new_save_id
 
 __all__ = ["SliceData", "TensorData", "write_checkpoint"]
 
@@ -75,10 +75,10 @@ def write_checkpoint(
 
     Slices are dealt round-robin over ``files`` data files, or (``max_shard_bytes``)
     packed in order into files of at most that many bytes. Files are staged and committed by
-    ``format.commit.commit_directory`` under the directory's save lock, as a save does, so a
+    ``store.publish.commit_directory`` under the directory's save lock, as a save does, so a
     checkpoint of either layout already there is replaced whole. Returns ``directory``.
 
-    ``directory`` may be the :class:`~unickpt.tools._store_out.StoreOutput` of a URL output
+    ``directory`` may be the :class:`~unickpt.store.publish.StoreOutput` of a URL output
     (``tools._sink``): the data files are then streamed to the store under their final names and
     the index is handed to it as a commit point, written after everything else of the output.
     """

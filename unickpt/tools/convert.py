@@ -42,11 +42,10 @@ from unickpt.format.dtypes import itemsize
 from unickpt.format.index import LayoutInfo
 from unickpt.format.naming import HF_SIDE_FILES
 from unickpt.format.storage import is_url, open_storage
-from unickpt.tools._common import check_output, read_side_files, staged_output
+from unickpt.store.publish import Sink, StoreOutput, check_output, output_sink, put_bytes, staged_output
+from unickpt.tools._common import read_side_files
 from unickpt.tools._merge_mapped import hub_tensor_data
 from unickpt.tools._progress import progress_bar
-from unickpt.tools._sink import Sink, output_sink, put_bytes
-from unickpt.tools._store_out import StoreOutput
 from unickpt.tools._write import SliceData, TensorData, write_checkpoint
 from unickpt.tools.convert_dcp import (
     DcpLayout,

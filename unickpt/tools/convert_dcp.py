@@ -36,7 +36,7 @@ from unickpt.errors import CheckpointFormatError
 if TYPE_CHECKING:
     import numpy as np
 
-    from unickpt.tools._sink import Sink
+    from unickpt.store.publish import Sink
     from unickpt.tools._write import TensorData
 
 __all__ = [
@@ -368,7 +368,7 @@ def _write_parts(
             progress=update,
         )
     if lay.scheduler:
-        from unickpt.tools._sink import put_bytes
+        from unickpt.store.publish import put_bytes
 
         state = _nest({f: values[k] for f, k in lay.scheduler.items()})
         if set(state) == {"last_epoch"} and groups:

@@ -573,7 +573,7 @@ def write_deepspeed(
         block_extras={"param_groups": groups, "param_state": param_state},
     )
     if ck.lr_scheduler is not None:
-        from unickpt.format.commit import atomic_write_bytes
+        from unickpt.store.publish import atomic_write_bytes
 
         atomic_write_bytes(os.path.join(optim_dir, "lr_scheduler.json"), lr_scheduler_json(ck.lr_scheduler))
 
@@ -601,7 +601,8 @@ def convert_deepspeed(
     ``step-<N>`` (``step``, else the engine's ``global_steps``) holds them, with the engine's
     step counters as the extra state ``train_state``. ``progress``: a byte bar on stderr."""
     from unickpt.format.naming import HF_SIDE_FILES
-    from unickpt.tools._common import read_side_files, staged_output, write_durably
+    from unickpt.store.publish import staged_output, write_staged
+    from unickpt.tools._common import read_side_files
     from unickpt.tools._progress import progress_bar
 
     ck = read_deepspeed(src)
@@ -612,7 +613,7 @@ def convert_deepspeed(
             # A Hugging Face Trainer's checkpoint-<N>/ holds the model's config and tokenizer
             # beside DeepSpeed's latest and global_step<N>/.
             for fname, data in read_side_files(src, HF_SIDE_FILES):
-                write_durably(os.path.join(tmp, fname), data)
+                write_staged(os.path.join(tmp, fname), data)
         return out
     from unickpt.tools.run_layout import write_step
 

@@ -33,7 +33,8 @@ from unickpt.format.naming import shard_name
 from unickpt.format.reader import open_checkpoint
 from unickpt.format.storage import open_storage
 from unickpt.io.jsonstate import from_json_value
-from unickpt.tools._common import checkpoint_parts, staged_output, write_durably
+from unickpt.store.publish import staged_output, write_staged
+from unickpt.tools._common import checkpoint_parts
 from unickpt.tools._progress import progress_bar
 from unickpt.tools._torch import full_tensors
 
@@ -59,7 +60,7 @@ def export_colossalai(src: str, out: str, *, max_shard_bytes: int, progress: boo
         if sched_path is not None:
             storage, _ = open_storage(sched_path)
             state = from_json_value(json.loads(storage.read_bytes(sched_path, limit=64 << 20))["state"])
-            write_durably(os.path.join(tmp, "lr_scheduler.pt"), _pickled(state))
+            write_staged(os.path.join(tmp, "lr_scheduler.pt"), _pickled(state))
     return out
 
 
@@ -92,7 +93,7 @@ def _write_optimizer(optim_path: str, out_dir: str, max_shard_bytes: int, progre
                 )
             state.setdefault(ids[entry.param], {})[entry.state] = flat[name]
     os.makedirs(out_dir)
-    write_durably(os.path.join(out_dir, GROUP_FILE), _pickled(saved_groups))
+    write_staged(os.path.join(out_dir, GROUP_FILE), _pickled(saved_groups))
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for pid in sorted(state):
@@ -115,7 +116,7 @@ def _write_optimizer(optim_path: str, out_dir: str, max_shard_bytes: int, progre
                 total += t.numel() * t.element_size()
                 update(t.numel() * t.element_size())
     index = {"metadata": {"total_size": total, "param_groups": GROUP_FILE}, "weight_map": weight_map}
-    write_durably(os.path.join(out_dir, INDEX_FILE), json.dumps(index, indent=2).encode())
+    write_staged(os.path.join(out_dir, INDEX_FILE), json.dumps(index, indent=2).encode())
     for fname in set(weight_map.values()):  # the shards, durable like the index
         with open(os.path.join(out_dir, fname), "rb") as f:
             os.fsync(f.fileno())

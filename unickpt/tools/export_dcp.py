@@ -26,8 +26,8 @@ from typing import Any
 from unickpt.format.reader import open_checkpoint
 from unickpt.format.storage import is_url, open_storage
 from unickpt.io.jsonstate import from_json_value
-from unickpt.tools._common import checkpoint_parts, staged_output
-from unickpt.tools._store_out import store_output
+from unickpt.store.publish import staged_output, store_output
+from unickpt.tools._common import checkpoint_parts
 from unickpt.tools._torch import full_tensors
 
 __all__ = ["export_dcp"]

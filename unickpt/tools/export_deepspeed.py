@@ -49,11 +49,11 @@ from typing import Any
 import torch
 
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, UnsupportedError
-from unickpt.format.commit import fsync_dir
 from unickpt.format.reader import open_checkpoint
 from unickpt.format.storage import open_storage
 from unickpt.io.jsonstate import from_json_value
-from unickpt.tools._common import checkpoint_parts, staged_output, write_durably
+from unickpt.store.publish import fsync_dir, staged_output, write_staged
+from unickpt.tools._common import checkpoint_parts
 from unickpt.tools._progress import progress_bar
 from unickpt.tools._torch import full_tensors
 
@@ -167,7 +167,7 @@ def export_deepspeed(src: str, out: str, *, step: int | None = None, progress: b
             states["global_samples"] = int(counters["global_samples"])
         _save(os.path.join(step_dir, MODEL_STATES), states)
         fsync_dir(step_dir)
-        write_durably(os.path.join(tmp, LATEST_UNIVERSAL), tag.encode())
+        write_staged(os.path.join(tmp, LATEST_UNIVERSAL), tag.encode())
     return out
 
 

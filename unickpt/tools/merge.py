@@ -40,7 +40,6 @@ import numpy as np
 from unickpt import __version__
 from unickpt._logging import get_logger
 from unickpt.errors import ConfigError, UnsupportedError
-from unickpt.format.commit import SAVE_ID_KEY, atomic_write_bytes, content_save_id
 from unickpt.format.digest_text import hex_to_b64
 from unickpt.format.dtypes import itemsize
 from unickpt.format.index import LayoutInfo, SliceEntry, TensorEntry, UnickptBlock, index_to_json
@@ -49,19 +48,21 @@ from unickpt.format.reader import UNICKPT_METADATA_KEY, CheckpointReader, open_c
 from unickpt.format.safetensors_io import encode_header, header_from_bytes, read_header
 from unickpt.format.storage import is_url
 from unickpt.format.writer import build_block, build_index, data_file_metadata, group_files, rewrite_header
-from unickpt.tools._common import (
+from unickpt.store.publish import (
+    SAVE_ID_KEY,
+    StoreOutput,
+    atomic_write_bytes,
     check_output,
-    detect_kind,
-    read_side_files,
+    content_save_id,
     staged_output,
-    write_all,
-    write_durably,
+    store_output,
+    write_staged,
 )
+from unickpt.tools._common import detect_kind, read_side_files, write_all
 from unickpt.tools._merge_mapped import hub_plan, write_mapped
 from unickpt.tools._merge_runs import Run, validate_runs
 from unickpt.tools._merge_tensors import CHUNK, TensorMerger
 from unickpt.tools._progress import progress_bar
-from unickpt.tools._store_out import StoreOutput, store_output
 
 __all__ = ["merge_checkpoint", "DTYPES"]
 
@@ -304,7 +305,7 @@ def merge_checkpoint(
     them). A local ``out`` must not exist (or be an empty directory): everything is written into
     a hidden temporary directory beside it, renamed to ``out`` only when complete. A URL ``out``
     must hold no object: the files are uploaded under their final names and the index (or the
-    single file) last, as every save on a store commits (``tools/_store_out.py``). Either way a
+    single file) last, as every save on a store commits (``store/publish.py``). Either way a
     failed merge leaves no ``out``. Called by one process; needs no process group.
 
     ``merge_adapters=True`` (``--merge-adapters``): ``src`` is a ``PeftModel``'s LoRA run; the
@@ -390,7 +391,7 @@ def merge_checkpoint(
                 if store is not None:
                     store.put(fname, data)
                 else:
-                    write_durably(os.path.join(tmp, fname), data)
+                    write_staged(os.path.join(tmp, fname), data)
             for r, runs in zip(readers, runs_of, strict=True):
                 hub = None
                 if r.kind == "model":
@@ -462,8 +463,8 @@ def _size_bytes(size: int | str) -> int:
 def _has_kind(src: str, kind: str, storage_options: dict[str, Any] | None) -> bool:
     """False when ``src`` is a directory (or a URL) holding no ``kind`` checkpoint."""
     if is_url(src):
-        from unickpt.format.commit_store import committed_on_store
         from unickpt.format.storage import open_storage
+        from unickpt.store.publish import committed_on_store
 
         store, root = open_storage(src, storage_options)
         return root.endswith((".json", ".safetensors")) or committed_on_store(store, root, kind)

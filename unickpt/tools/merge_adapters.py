@@ -38,9 +38,9 @@ from unickpt.format.naming import HF_SIDE_FILES
 from unickpt.format.reader import CheckpointReader, open_checkpoint
 from unickpt.format.storage import is_url
 from unickpt.io.adapters import ADAPTER_CONFIG, read_adapter_config
-from unickpt.tools._common import check_output, read_side_files
+from unickpt.store.publish import check_output, output_sink, put_bytes
+from unickpt.tools._common import read_side_files
 from unickpt.tools._progress import progress_bar
-from unickpt.tools._sink import output_sink, put_bytes
 from unickpt.tools._write import SliceData, TensorData, write_checkpoint
 
 __all__ = ["merge_adapters"]

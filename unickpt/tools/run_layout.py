@@ -2,7 +2,7 @@
 
 The layout is the manager's (``unickpt/format/run_layout.py``): ``step-<N>/model/``,
 ``optimizer/``, ``lr_scheduler.json``, ``train_state/rank-00000.{json,safetensors}``, then the
-manager's own step commit (``_stepdirs.commit_step``: the ``COMMIT`` marker written last, the
+manager's own step commit (``store.publish.commit_step``: the ``COMMIT`` marker written last, the
 staged directory put in place as ``step-<N>``, then ``latest``). ``CheckpointManager.load``
 resumes from the result (tests/unit/tools/test_convert_training.py).
 
@@ -17,8 +17,6 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from unickpt._stepdirs import commit_step
-from unickpt.format.commit import atomic_write_bytes, fsync_dir
 from unickpt.format.run_layout import (
     COMMIT_NAME,
     COMMIT_VERSION,
@@ -27,6 +25,7 @@ from unickpt.format.run_layout import (
     commit_record,
     work_name,
 )
+from unickpt.store.publish import atomic_write_bytes, commit_step, fsync_dir
 
 __all__ = ["write_step", "COMMIT_NAME", "LATEST_NAME", "TRAIN_STATE_DIR", "STATE_VERSION"]
 

@@ -21,7 +21,7 @@ Versions 2 to 4 carry v2 fingerprints already; their upgrade reads only the data
 version 5 reader itself (``parse_index``, ``check_block``) before anything is written.
 
 Atomicity: in place, under the directory's save lock, the new index is written under a staging
-name, fsynced and renamed over the old one (``format.commit.atomic_write_bytes``), so an upgrade
+name, fsynced and renamed over the old one (``store.publish.atomic_write_bytes``), so an upgrade
 killed at any instant leaves the old index (which ``upgrade`` reads again) or the new one. A
 single-file checkpoint carries its block in its header: the file is copied under a staging name
 with the new header and committed by ``commit_single_file``. With ``DST`` the checkpoint is
@@ -58,15 +58,6 @@ from unickpt.errors import (
 from unickpt.format._json import strict_loads
 from unickpt.format.bounds import read_bounded
 from unickpt.format.boxes import flat_range_to_boxes
-from unickpt.format.commit import (
-    atomic_write_bytes,
-    commit_single_file,
-    fsync_dir,
-    makedirs_durable,
-    publish_directory,
-    temp_name,
-)
-from unickpt.format.commit_lock import directory_lock
 from unickpt.format.consistency import check_block
 from unickpt.format.digest_text import hex_to_b64
 from unickpt.format.dtypes import itemsize
@@ -78,6 +69,15 @@ from unickpt.format.reader_blocks import UNICKPT_METADATA_KEY, block_from_header
 from unickpt.format.safetensors_io import read_header
 from unickpt.format.versioning import FORMAT_VERSION
 from unickpt.format.writer import build_block
+from unickpt.store.lock import directory_lock
+from unickpt.store.publish import (
+    atomic_write_bytes,
+    commit_single_file,
+    fsync_dir,
+    makedirs_durable,
+    publish_directory,
+    temp_name,
+)
 from unickpt.tools.verify import FingerprintFailure
 
 __all__ = ["UpgradeReport", "upgrade_checkpoint", "LONG_SLICED_SENTINEL", "v1_partial", "v1_finalize"]

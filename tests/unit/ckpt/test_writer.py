@@ -21,7 +21,6 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from unickpt import GeneralCheckpointIO
-from unickpt.format.commit import SAVE_ID_KEY, directory_lock, new_save_id
 from unickpt.format.index import LayoutInfo, SliceEntry, index_to_json
 from unickpt.format.naming import SLICED_SENTINEL, shard_name, slice_key
 from unickpt.format.reader import UNICKPT_METADATA_KEY, open_checkpoint
@@ -37,6 +36,8 @@ from unickpt.format.writer import (
     tensor_entry,
 )
 from unickpt.io.planner import plan_save
+from unickpt.store.lock import directory_lock
+from unickpt.store.publish import SAVE_ID_KEY, new_save_id
 from unickpt.tools.merge import merge_checkpoint
 
 

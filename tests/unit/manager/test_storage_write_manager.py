@@ -14,7 +14,7 @@ import torch
 
 from unickpt.errors import CheckpointBusyError
 from unickpt.manager import CheckpointManager
-from unickpt.manager.store_steps import RemoteStore
+from unickpt.store.publish import RemoteStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_manager import Counter, _setup, _train

@@ -62,6 +62,17 @@ FORBIDDEN = {
         "unickpt._dist",
         "torch",
     ],
+    # The store layer (publishing, locks) sits at format's level: format and errors, no torch.
+    "unickpt.store": [
+        "unickpt.io",
+        "unickpt.plugins",
+        "unickpt.booster",
+        "unickpt.manager",
+        "unickpt.tools",
+        "unickpt.cli",
+        "unickpt._dist",
+        "torch",
+    ],
     "unickpt.io": ["unickpt.plugins", "unickpt.booster", "unickpt.manager", "unickpt.tools", "unickpt.cli"],
     "unickpt.plugins": ["unickpt.booster", "unickpt.manager", "unickpt.tools", "unickpt.cli"],
     "unickpt.tools": [
@@ -193,7 +204,7 @@ def test_lazy_private_and_relative_imports_are_seen(tmp_path: Path) -> None:
 def test_format_layer_runs_without_torch() -> None:
     code = (
         "import sys, unickpt.format.reader, unickpt.format.index, unickpt.format.hashing, "
-        "unickpt.format.safetensors_io, unickpt.format.boxes, unickpt.format.commit\n"
+        "unickpt.format.safetensors_io, unickpt.format.boxes, unickpt.store.publish, unickpt.store.lock\n"
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -201,7 +201,7 @@ def test_memoised_verdicts_agree_with_the_reader(tmp_path: Path) -> None:
 def test_search_finds_a_rename_without_a_directory_fsync(tmp_path: Path, monkeypatch: Any) -> None:
     """The search is able to fail: with the directory fsyncs of the commit removed, a state after
     the save returned reads as the old checkpoint (the renames were not durable)."""
-    import unickpt.format.commit as commit
+    import unickpt.store.publish as commit
 
     monkeypatch.setattr(commit, "fsync_dir", lambda path: None)
     base = tmp_path / "base"
@@ -290,7 +290,7 @@ def test_manager_step(tmp_path: Path, case: str, swap: bool, monkeypatch: Any) -
     bit-exactly as a save of that step (retention never leaves a listed step half deleted);
     once ``save`` returned, ``load()`` restores the new step."""
     if not swap:  # the file system cannot swap: the replaced step is renamed aside first
-        import unickpt.format.commit_steps as commit_steps
+        import unickpt.store.publish as commit_steps
 
         monkeypatch.setattr(commit_steps, "exchange", lambda a, b: False)
     first, (step, seed), keep, (old, new), seeds = MANAGER_CASES[case]

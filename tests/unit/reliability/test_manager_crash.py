@@ -21,11 +21,11 @@ import torch
 from _reliability import run_child as _run_child
 from _reliability import train_state, trained
 
-import unickpt._stepdirs as stepdirs
-import unickpt.format.commit_steps as commit_steps
+import unickpt.store.publish as commit_steps
+import unickpt.store.publish as stepdirs
 from unickpt.errors import CheckpointBusyError, IncompleteCheckpointError, UnickptError
-from unickpt.format.commit import directory_lock
 from unickpt.manager import CheckpointManager
+from unickpt.store.lock import directory_lock
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 STEP = 4

@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 from _reliability import TINY_SHARD_MB, Tiny, same_state, save_sharded, snapshot
 
-import unickpt.format.commit as commit_mod
 import unickpt.format.safetensors_io as st_mod
 import unickpt.io.hf_save as hf_mod
+import unickpt.store.publish as commit_mod
 from unickpt import GeneralCheckpointIO
 from unickpt.errors import CheckpointBusyError, IncompleteCheckpointError
-from unickpt.format.commit import LOCK_NAME, directory_lock
 from unickpt.format.reader import open_checkpoint
+from unickpt.store.lock import LOCK_NAME, directory_lock
 
 
 class _FullDisk(io.BufferedWriter):

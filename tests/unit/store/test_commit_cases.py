@@ -15,9 +15,10 @@ from safetensors import safe_open
 
 from unickpt import GeneralCheckpointIO
 from unickpt.errors import CheckpointChangedError, IncompleteCheckpointError, IndexFileError
-from unickpt.format.commit import LOCK_NAME, SAVE_ID_KEY, parse_temp_name, temp_name
 from unickpt.format.index import parse_index, parse_index_validated
 from unickpt.format.reader import CheckpointReader, open_checkpoint
+from unickpt.store.lock import LOCK_NAME
+from unickpt.store.publish import SAVE_ID_KEY, parse_temp_name, temp_name
 from unickpt.tools._common import OutputExistsError
 from unickpt.tools.merge import merge_checkpoint
 

@@ -38,13 +38,14 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 from safetensors import safe_open
 
 from unickpt.errors import CheckpointChangedError, IncompleteCheckpointError, UnickptError
-from unickpt.format.commit import LOCK_NAME, parse_temp_name
 from unickpt.format.index import LayoutInfo
 from unickpt.format.naming import SLICED_SENTINEL, index_name, is_own_data_file, single_name
 from unickpt.format.reader import CheckpointReader, open_checkpoint
 from unickpt.format.safetensors_io import SafetensorsWriter
 from unickpt.io.save import SaveOptions, save_tensors
 from unickpt.io.tensors import local_slices
+from unickpt.store.lock import LOCK_NAME
+from unickpt.store.publish import parse_temp_name
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 

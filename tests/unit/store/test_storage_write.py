@@ -2,7 +2,7 @@
 
 Every checkpoint written to ``s3://`` is downloaded with ``fs.get`` and loaded with the local
 code: what lands on the store must be bit-exact and committed by the object-store protocol
-(format/commit_store.py): final names in a fresh directory, fresh names over a committed
+(store/publish.py): final names in a fresh directory, fresh names over a committed
 checkpoint, the index last, superseded files removed, nothing uploaded twice.
 """
 
@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from unickpt.booster import Booster
-from unickpt.format.commit_store import is_store_data_file, store_file_name
 from unickpt.format.reader import open_checkpoint
-from unickpt.format.store_lock import LOCK_NAME
 from unickpt.io import GeneralCheckpointIO
+from unickpt.store.lock import LOCK_NAME
+from unickpt.store.publish import is_store_data_file, store_file_name
 
 
 class Net(torch.nn.Module):
@@ -281,7 +281,7 @@ def test_resave_killed_at_every_step_leaves_old_or_new_then_cleans(
 ) -> None:
     import time
 
-    # The killed save leaves its lock object: stale after 1 s here (format/store_lock.py).
+    # The killed save leaves its lock object: stale after 1 s here (store/lock.py).
     monkeypatch.setenv("UNICKPT_STORE_LOCK_STALE", "1")
 
     url = f"s3://{s3.bucket}/k"
@@ -322,8 +322,8 @@ def test_killed_single_file_save_keeps_the_old_file_whole(s3, tmp_path) -> None:
 def test_dead_multipart_upload_is_aborted_by_the_next_save(s3, tmp_path) -> None:
     import time
 
-    from unickpt.format.commit_store import clean_store_leftovers
     from unickpt.format.storage import open_storage
+    from unickpt.store.publish import clean_store_leftovers
 
     fs = fs_of(s3)
     key = "mp/model-00001-of-00002.safetensors"

@@ -2,8 +2,8 @@
 
 A sliced save into a prefix holding no data file commits with the index PUT alone: rank 0's
 requests are the lock's PUT, one LIST, its data file's PUT, the GET of the lock that checks it
-is still this save's (format/store_lock.py, fencing), the index PUT and the lock's DELETE
-(format/commit_store.py ``needs_cleanup``). Whatever a cleanup could act on (a stray data file,
+is still this save's (store/lock.py, fencing), the index PUT and the lock's DELETE
+(store/publish.py ``needs_cleanup``). Whatever a cleanup could act on (a stray data file,
 a killed save's stale lock and so its multipart uploads) brings the full cleanup back.
 """
 
@@ -20,8 +20,8 @@ import pytest
 import torch
 from test_storage_write import Net, download, fs_of, load_into, objects, same
 
-from unickpt.format.store_lock import LOCK_NAME
 from unickpt.io import GeneralCheckpointIO
+from unickpt.store.lock import LOCK_NAME
 
 
 def _save(s3: Any, model: torch.nn.Module, prefix: str, client: str) -> None:
@@ -105,7 +105,7 @@ def test_dead_upload_of_a_killed_save_in_a_fresh_prefix_is_aborted_by_the_next_s
     time.sleep(1.1)  # the lock goes stale; the upload is older than the next commit
     _save(s3, Net(4), "k", "next")
     # The next save took over the stale lock, so it ran the cleanup: the dead upload is aborted.
-    # Its file has a save-id name: the lock's holder may only have stalled (format/store_lock.py).
+    # Its file has a save-id name: the lock's holder may only have stalled (store/lock.py).
     assert _uploads(s3) == set()
     data, index = objects(s3, "k")
     assert index == "model.safetensors.index.json"

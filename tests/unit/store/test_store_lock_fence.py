@@ -2,7 +2,7 @@
 
 A holder stalled past the stale threshold (SIGSTOP here: a long GC or VM pause, a partition) is
 taken over by a second save, which commits; when the first resumes, its next fenced step
-raises ``CheckpointBusyError`` and the second save's checkpoint stays whole (format/store_lock.py,
+raises ``CheckpointBusyError`` and the second save's checkpoint stays whole (store/lock.py,
 "Fencing"). Real processes on moto's S3 server: writer A runs in a child process and stops
 itself with SIGSTOP at a named step of its save; writer B (this process, with
 ``UNICKPT_STORE_LOCK_STALE=0``: A's lock is stale at once) takes it over and commits; then A
@@ -25,11 +25,10 @@ import torch
 from test_storage_write import Net, download, fs_of, objects
 
 from unickpt.errors import CheckpointBusyError
-from unickpt.format.commit_store import referenced_files
-from unickpt.format.conditional import read_version
 from unickpt.format.storage import open_storage
-from unickpt.format.store_lock import LOCK_NAME, store_lock
 from unickpt.io import GeneralCheckpointIO
+from unickpt.store.lock import LOCK_NAME, read_version, store_lock
+from unickpt.store.publish import referenced_files
 from unickpt.tools.verify import verify_checkpoint
 
 # Each stall point: (name, save_model's keyword arguments, a committed checkpoint there first).
@@ -55,9 +54,10 @@ import json, os, signal, sys, traceback
 sys.path.insert(0, {tests!r})
 from test_storage_write import Net
 from unickpt.errors import CheckpointBusyError
-from unickpt.format.commit_store import referenced_files
-from unickpt.format.conditional import read_version
-from unickpt.format import storage as st, storage_parts as sp, storage_s3, store_lock as sl
+from unickpt.store.publish import referenced_files
+from unickpt.store.lock import read_version
+from unickpt.format import storage as st, storage_parts as sp, storage_s3
+from unickpt.store import lock as sl
 import importlib
 from unickpt.io import GeneralCheckpointIO
 parts_save = importlib.import_module("unickpt.io.parts_save")
@@ -348,10 +348,10 @@ def test_memory_store_fences_by_reading_the_lock_back(monkeypatch) -> None:
 
 
 def test_a_tool_run_whose_lock_was_taken_over_commits_and_removes_nothing(s3, monkeypatch) -> None:
-    """A tool writing to a URL (merge, convert, export: tools/_store_out.py) holds the prefix's
+    """A tool writing to a URL (merge, convert, export: store/publish.py) holds the prefix's
     lock: taken over while it wrote, its commit point is never written and its abort removes
     nothing (the names it wrote may be the new holder's)."""
-    from unickpt.tools._store_out import store_output
+    from unickpt.store.publish import store_output
 
     url = f"s3://{s3.bucket}/tool-out"
     monkeypatch.setenv("UNICKPT_STORE_LOCK_STALE", "100")

@@ -19,7 +19,7 @@ from unickpt import GeneralCheckpointIO
 from unickpt.errors import CheckpointBusyError, CheckpointChangedError
 from unickpt.format.reader import open_checkpoint
 from unickpt.format.storage import open_storage
-from unickpt.format.store_lock import LOCK_NAME, store_lock
+from unickpt.store.lock import LOCK_NAME, store_lock
 
 
 def _model(seed: int, width: int = 64) -> nn.Module:
@@ -73,7 +73,7 @@ def test_two_saves_taking_over_one_stale_lock_cannot_both_hold_it(s3, monkeypatc
     replaces it on the version it saw (If-Match its ETag); B's replacement on that same version
     is refused by the store, so B finds A's fresh lock and raises. (With a delete then an
     exclusive PUT, B's delete would remove A's lock and both would proceed.)"""
-    from unickpt.format import store_lock as sl
+    from unickpt.store import lock as sl
 
     store, root = open_storage(f"s3://{s3.bucket}/stale", s3.storage_options())
     path = store.join(root, LOCK_NAME)
@@ -206,7 +206,7 @@ def _read_all(reader: Any, names: list[str]) -> dict[str, bytes]:
 
 
 def test_referenced_files_reads_the_parsed_index(tmp_path) -> None:
-    from unickpt.format.commit_store import referenced_files
+    from unickpt.store.publish import referenced_files
 
     GeneralCheckpointIO().save_model(_model(0), str(tmp_path / "c"), shard=True, size_per_shard=0.01)
     raw = (tmp_path / "c" / "model.safetensors.index.json").read_bytes()

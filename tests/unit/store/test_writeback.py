@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from unickpt import GeneralCheckpointIO
-from unickpt.format import commit as commit_mod
 from unickpt.format.safetensors_io import SafetensorsWriter
+from unickpt.store import writeback as commit_mod
 
 
 def _write(path: Path, arrays: dict[str, np.ndarray], writeback: bool) -> None:

@@ -23,11 +23,11 @@ from test_merge import _check_merged, _flat, _rand, _rows, _tensor, hand_made_re
 
 from unickpt import merge_checkpoint
 from unickpt.errors import IncompleteCheckpointError, IntegrityError
-from unickpt.format import commit as commit_mod
 from unickpt.format import read_batch
 from unickpt.format.index import SliceEntry, TensorEntry, UnickptBlock
 from unickpt.format.reader import UNICKPT_METADATA_KEY, CheckpointReader, open_checkpoint
 from unickpt.format.safetensors_io import read_header
+from unickpt.store import writeback as commit_mod
 from unickpt.tools import _merge_runs as merge_runs
 from unickpt.tools import _merge_tensors as merge_tensors
 from unickpt.tools import merge as merge_mod

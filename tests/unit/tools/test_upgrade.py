@@ -226,7 +226,7 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 _KILL = """
 import os, signal, sys
-import unickpt.format.commit as commit
+import unickpt.store.publish as commit
 real = os.replace
 def replace(a, b):
     if b.endswith(sys.argv[2]):

@@ -1,0 +1,104 @@
+"""The store layer's own API: one save lock chosen by the store's capability, one commit-point
+PUT, one small-file writer (unickpt/store/lock.py, unickpt/store/publish.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from unickpt.errors import CheckpointBusyError, OutputExistsError
+from unickpt.format.storage import LocalStorage, open_storage
+from unickpt.store.lock import LOCK_NAME, HeldFlock, StoreLock, directory_lock, save_lock
+from unickpt.store.publish import output_sink, put_bytes, put_commit_point, write_small_file
+
+
+def test_capabilities_come_from_the_store_object(s3) -> None:
+    local, _ = open_storage("/tmp")
+    memory, _ = open_storage(f"memory://caps-{uuid.uuid4().hex[:8]}/x")
+    remote, _ = open_storage(f"s3://{s3.bucket}/caps")
+    assert (local.atomic_rename, local.conditional_put) == (True, False)
+    assert (memory.atomic_rename, memory.conditional_put) == (False, False)
+    assert (remote.atomic_rename, remote.conditional_put) == (False, True)
+
+
+def test_save_lock_on_a_local_directory_is_the_flock(tmp_path: Path) -> None:
+    d = str(tmp_path)
+    with save_lock(LocalStorage(d), d, "a" * 32) as held:
+        assert isinstance(held, HeldFlock)
+        held.check("committing")  # a flock is never taken over while its holder lives
+        assert held.holder() == "this save" and held.versions is None
+        assert (tmp_path / LOCK_NAME).read_text().split() == [str(os.getpid())]
+        with (
+            pytest.raises(
+                CheckpointBusyError, match=rf"{d} is being written by another save: its lock .*{LOCK_NAME}"
+            ),
+            directory_lock(d),
+        ):
+            pass
+    assert not (tmp_path / LOCK_NAME).exists()  # unlinked by its holder on release
+    with directory_lock(d):  # free again
+        pass
+
+
+def test_save_lock_on_a_store_is_the_lock_object_of_the_same_name() -> None:
+    store, root = open_storage(f"memory://lock-{uuid.uuid4().hex[:8]}/ckpt")
+    with save_lock(store, root, "a" * 32, listed=True) as held:
+        assert isinstance(held, StoreLock) and held.listed is not None
+        assert store.listdir(root) == [LOCK_NAME]
+        assert json.loads(store.read_bytes(store.join(root, LOCK_NAME)))["save_id"] == "a" * 32
+        with (
+            pytest.raises(
+                CheckpointBusyError, match=r"another save is writing this checkpoint directory \(save a{32}"
+            ),
+            save_lock(store, root, "b" * 32),
+        ):
+            pass
+        held.check("committing")
+    assert store.listdir(root) == []  # released: deleted
+
+
+def test_commit_point_exclusive_never_overwrites() -> None:
+    store, root = open_storage(f"memory://cp-{uuid.uuid4().hex[:8]}/out")
+    path = store.join(root, "model.safetensors.index.json")
+    assert put_commit_point(store, path, b"first", None, exclusive=True) is True
+    assert put_commit_point(store, path, b"second", None, exclusive=True) is False
+    assert store.read_bytes(path) == b"first"
+    assert put_commit_point(store, path, b"third", None) is True  # not exclusive: replaced whole
+    assert store.read_bytes(path) == b"third"
+
+
+def test_small_file_writer_replaces_locally_and_puts_on_a_store(tmp_path: Path) -> None:
+    target = tmp_path / "new" / "sub" / "lr_scheduler.json"
+    write_small_file(str(target), b"one")
+    write_small_file(str(target), b"two")
+    assert target.read_bytes() == b"two"
+    assert sorted(os.listdir(target.parent)) == ["lr_scheduler.json"]  # no staged name left
+    url = f"memory://small-{uuid.uuid4().hex[:8]}/run/lr_scheduler.json"
+    write_small_file(url, b"three")
+    store, path = open_storage(url)
+    assert store.read_bytes(path) == b"three"
+
+
+def test_a_tool_output_is_published_whole_or_not_at_all(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    with output_sink(str(out)) as sink:
+        assert isinstance(sink, str) and not out.exists()  # staged under a hidden name
+        put_bytes(sink, "config.json", b"{}")
+    assert sorted(os.listdir(out)) == ["config.json"]
+    with pytest.raises(OutputExistsError, match=rf"{out} already exists"), output_sink(str(out)):
+        pass
+    failed = tmp_path / "failed"
+    with pytest.raises(RuntimeError, match="boom"), output_sink(str(failed)) as sink:
+        put_bytes(sink, "config.json", b"{}")
+        raise RuntimeError("boom")
+    assert not failed.exists() and sorted(os.listdir(tmp_path)) == ["out"]
+    url = f"memory://tool-{uuid.uuid4().hex[:8]}/out"
+    with pytest.raises(RuntimeError, match="boom"), output_sink(url) as sink:
+        put_bytes(sink, "config.json", b"{}")
+        raise RuntimeError("boom")
+    store, root = open_storage(url)
+    assert store.listdir(root) == []  # nothing left: neither the file nor the lock object
