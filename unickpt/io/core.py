@@ -23,11 +23,11 @@ from unickpt.format.index import LayoutInfo
 from unickpt.format.reader import CheckpointReader
 from unickpt.format.storage import is_url
 from unickpt.io.hooks import CheckpointHooks, HookContext
+from unickpt.io.load import open_for_load
 from unickpt.io.payload import SavePayload
 from unickpt.io.replicas import REPLICA_MODES, ReplicaCheck, check_replicas
 from unickpt.io.save import SaveOptions, save_tensors
 from unickpt.io.tensors import LocalSlice, mesh_dims
-from unickpt.io.url_load import open_for_load
 
 __all__ = ["IOCore", "WriteSpec"]
 
