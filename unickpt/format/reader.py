@@ -510,13 +510,28 @@ def _from_index(storage: Storage, idx_path: str, directory: str, kind: str) -> C
             f"{kind} checkpoint; open it again once the save has finished"
         ) from None
     if idx.unickpt is None:
-        block = block_from_plain_index(idx, directory, idx_path, kind)
+        block = block_from_plain_index(
+            idx, directory, idx_path, kind, _header_of(storage, directory, idx_path)
+        )
         return CheckpointReader(directory, kind, block, idx_path, False, idx, storage=storage)
     block = idx.unickpt
     if block.kind != kind:
         raise IndexFileError(f"{idx_path}: holds a {block.kind} checkpoint, expected a {kind} checkpoint")
     check_block(idx_path, block, idx.weight_map)
     return CheckpointReader(directory, kind, block, idx_path, True, idx, storage=storage)
+
+
+def _header_of(storage: Storage, directory: str, where: str) -> Callable[[str], SafetensorsHeader]:
+    """The validated header of a data file of ``directory`` named by the index ``where``."""
+
+    def header_of(file: str) -> SafetensorsHeader:
+        handle, h = open_header(
+            storage, storage.confined(directory, check_file_name(file), where, "data file")
+        )
+        handle.close()
+        return h
+
+    return header_of
 
 
 @dataclass(frozen=True)
@@ -598,12 +613,7 @@ def open_located(
         return r
     idx: IndexFile = parse_index(located.index_bytes, located.url)
     if idx.unickpt is None:
-
-        def header_of(file: str) -> SafetensorsHeader:
-            handle, h = open_header(storage, f"{located.directory}/{file}")
-            handle.close()
-            return h
-
+        header_of = _header_of(storage, located.directory, located.url)
         block = block_from_plain_index(idx, located.directory, located.url, kind, header_of)
         return CheckpointReader(located.directory, kind, block, located.url, False, idx, storage=storage)
     block = idx.unickpt
