@@ -9,16 +9,20 @@ No torch here. ``CheckpointReader`` is what ``load_model``, ``verify``, ``inspec
    file's header is itself valid (``validate_structure``);
 4. optionally, every slice's bytes hash to the recorded xxh3-64 (``verify``).
 
-A data file is opened once; its header and its bytes are read through the same descriptor,
-and the save id in its header must be the one the index records, so that a reader racing a
-save reads the old checkpoint, the new one, or raises ``CheckpointChangedError``: never a mix
-(writers never modify a file in place, they rename new files over old names).
+Every read goes through the reader's ``Storage`` (``format/storage.py``: a ``LocalStorage`` for
+a path, an ``FsspecStorage`` for a URL). A data file is opened once; its header and its bytes
+are read through the same handle (locally one descriptor), and the save id in its header must be
+the one the index records, so that a reader racing a save reads the old checkpoint, the new one,
+or raises ``CheckpointChangedError``: never a mix (writers never modify a file in place, they
+rename new files over old names, or commit a new index last).
 
-Opening is here too: ``open_checkpoint`` for a local path or a URL; on a URL, ``locate`` finds
-what the location holds and fetches the index bytes (one rank of a distributed load) and
-``open_located`` parses them and builds the reader (every rank). The modules below build blocks
-(``reader_blocks``), read through a Storage (``reader_storage``) and check byte ranges
-(``range_hashes``); none of them imports this one.
+Opening is here too: ``open_checkpoint`` for a local path or a URL. A location with an OS path
+(``Storage.local_path``) is examined with the file system's own checks (what stands where a file
+should be, another tool's checkpoint); otherwise ``locate`` finds what the location holds and
+fetches the index bytes (one rank of a distributed load) and ``open_located`` parses them and
+builds the reader (every rank). The modules below build blocks (``reader_blocks``), read through
+a Storage (``reader_storage``) and check byte ranges (``range_hashes``); none of them imports
+this one.
 """
 
 from __future__ import annotations
@@ -34,13 +38,11 @@ from typing import Any
 from unickpt.errors import (
     CheckpointChangedError,
     CheckpointFormatError,
-    ConfigError,
     HeaderError,
     IncompleteCheckpointError,
     IndexFileError,
     IntegrityFailure,
 )
-from unickpt.format.confine import confined_path
 from unickpt.format.consistency import check_block, check_keys_referenced
 from unickpt.format.dcp_hf import block_from_dcp_hf, dcp_hf_files
 from unickpt.format.dtypes import itemsize
@@ -69,6 +71,7 @@ from unickpt.format.reader_checks import FileChecks, shown
 from unickpt.format.reader_paths import hint_foreign, hint_other_files, not_regular
 from unickpt.format.reader_storage import (
     Prefetched,
+    PrefetchedRead,
     fetch_index,
     iter_handle,
     no_path,
@@ -76,9 +79,9 @@ from unickpt.format.reader_storage import (
     read_into,
     read_runs,
 )
-from unickpt.format.safetensors_io import SafetensorsHeader, iter_range, open_with_header, read_range
+from unickpt.format.safetensors_io import SafetensorsHeader
 from unickpt.format.slice_spans import Spans, all_referenced, locate_all
-from unickpt.format.storage import ReadHandle, Storage, is_url, open_storage
+from unickpt.format.storage import LocalStorage, ReadHandle, Storage, open_storage
 
 # file_kind, single_file_name and the metadata key live in reader_blocks; re-exported.
 __all__ = [
@@ -109,13 +112,14 @@ class CheckpointReader(FileChecks):
     # name its slices use for it (the file's own name when it is a safe one).
     single_file: str | None = None
     single_slice_file: str | None = None
-    # The store of a checkpoint on a URL (``directory`` and ``index_path`` are then URLs, files are
-    # read through ``format/reader_storage.py``); None for a local path (descriptors and pread).
-    storage: Storage | None = field(default=None, repr=False)
+    # The store every file is read through (``format/reader_storage.py``): ``directory`` and
+    # ``index_path`` are locations in it (URLs on an object store). Left out, a LocalStorage.
+    storage: Storage = field(default=None, repr=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
+        if not isinstance(self.storage, Storage):  # a reader built from local files alone (tools)
+            self.storage = LocalStorage(self.directory)
         self._headers: dict[str, SafetensorsHeader] = {}
-        self._fds: dict[str, int] = {}
         self._handles: dict[str, ReadHandle] = {}
         self._prefetched: Prefetched | None = None  # while a load on a URL copies
         self.spans: dict[str, Spans] = {}  # tensor -> every slice's (offsets, lengths), once located
@@ -134,11 +138,9 @@ class CheckpointReader(FileChecks):
     def file_path(self, name: str) -> str:
         if self.single_file is not None and name == self.single_slice_file:
             return self.single_file
-        if self.storage is not None:
-            return f"{self.directory}/{check_file_name(name)}"
-        # a symbolic link out of the directory is refused (format.confine; the HF cache's are not)
+        # locally, a symbolic link out of the directory is refused (format.confine; the HF cache's are not)
         where = self.index_path or self.directory
-        return confined_path(self.directory, check_file_name(name), where, "data file")
+        return self.storage.confined(self.directory, check_file_name(name), where, "data file")
 
     def header(self, name: str) -> SafetensorsHeader:
         """The validated header of data file ``name``, which stays open for reading its bytes."""
@@ -162,35 +164,38 @@ class CheckpointReader(FileChecks):
 
     def _open_data_file(self, name: str) -> SafetensorsHeader:
         """Open data file ``name`` (kept open for its bytes) and validate its header."""
-        if self.storage is not None:
-            handle, h = open_header(self.storage, self.file_path(name))
-            self._handles[name] = handle
-            return h
-        fd, h = open_with_header(self.file_path(name))
-        self._fds[name] = fd
+        handle, h = open_header(self.storage, self.file_path(name))
+        self._handles[name] = handle
         return h
 
     def _close_file(self, name: str) -> None:
-        fd = self._fds.pop(name, None)
-        if fd is not None:
-            os.close(fd)
         handle = self._handles.pop(name, None)
         if handle is not None:
             handle.close()
 
     def pinned_path(self, name: str) -> str:
         """A path to the very file whose header :meth:`header` checked (``/proc/self/fd/N`` on
-        Linux), for libraries that open files by name; the file's own name elsewhere."""
-        self.header(name)
-        if self.storage is not None:
+        Linux), for libraries that open files by name; the file's own name elsewhere.
+        ``UnsupportedError`` on a store without OS paths (see :meth:`os_path`)."""
+        got = self.os_path(name)
+        if got is None:
             raise no_path(self.file_path(name))
-        proc = f"/proc/self/fd/{self._fds[name]}"
-        return proc if os.path.exists(proc) else self.file_path(name)
+        return got
+
+    def os_path(self, name: str) -> str | None:
+        """:meth:`pinned_path`, or None when data file ``name`` has no OS path (an object store)."""
+        self.header(name)
+        path = self.storage.local_path(self.file_path(name))
+        fd = self._handles[name].descriptor()
+        if path is None or fd is None:
+            return None
+        proc = f"/proc/self/fd/{fd}"
+        return proc if os.path.exists(proc) else path
 
     @contextlib.contextmanager
     def _vanishing(self, name: str) -> Iterator[None]:
-        """On a URL: a data file gone after its header was read (a save replaced the checkpoint and
-        deleted it) raises ``CheckpointChangedError`` when the committed index changed since this
+        """A data file gone (or cut short) after its header was read (a save replaced the checkpoint
+        and deleted it) raises ``CheckpointChangedError`` when the committed index changed since this
         reader parsed it; otherwise the error stands."""
         try:
             yield
@@ -207,46 +212,36 @@ class CheckpointReader(FileChecks):
         if self.index_path is None or self.block.save_id is None:
             return False
         try:
-            if self.storage is not None:
-                now = parse_index(fetch_index(self.storage, self.index_path), self.index_path).unickpt
-            else:
-                now = load_index(self.index_path).unickpt
+            now = parse_index(fetch_index(self.storage, self.index_path), self.index_path).unickpt
         except (OSError, ValueError, IncompleteCheckpointError):
             return True
         return now is None or now.save_id != self.block.save_id
 
-    def fd(self, name: str) -> int:
-        """The descriptor of the local data file ``name``, its header read and checked (the
-        reader keeps it open: callers ``pread``/``copy_file_range`` from it, never close it)."""
+    def read_handle(self, name: str) -> ReadHandle:
+        """The read handle of data file ``name``, its header read and checked (the reader keeps it
+        open: callers read through it, never close it). While a load's ranges are prefetched,
+        reads they cover are served from memory."""
         self.header(name)
-        return self._fds[name]
-
-    def _handle(self, name: str) -> ReadHandle:
-        self.header(name)
-        return self._handles[name]
+        handle = self._handles[name]
+        return handle if self._prefetched is None else PrefetchedRead(handle, self._prefetched, name)
 
     def _read(self, name: str, offset: int, length: int, out: memoryview | None) -> memoryview:
-        if self.storage is not None:
-            hit = self._prefetched.get(name, offset, length) if self._prefetched is not None else None
-            if hit is not None:
-                if out is None:
-                    return hit
-                out[:length] = hit
-                return out[:length]
-            with self._vanishing(name):
-                return read_into(self._handle(name), offset, length, out)
-        return read_range(self.fd(name), offset, length, out)
+        with self._vanishing(name):
+            return read_into(self.read_handle(name), offset, length, out)
 
     def prefetch(self, wanted: dict[str, list[tuple[int, int]]], threads: int = 8) -> None:
-        """On a URL: fetch these ``(absolute offset, length)`` ranges of each data file now, as
-        coalesced requests all in flight; reads they cover are then served from memory until
-        :meth:`drop_prefetched`. A no-op for local files (the page cache does this)."""
-        if self.storage is None:
+        """On a store that fetches ahead (``Storage.fetch_ahead``, an object store): fetch these
+        ``(absolute offset, length)`` ranges of each data file now, as coalesced requests all in
+        flight; reads they cover are then served from memory until :meth:`drop_prefetched`. A
+        no-op for local files (the page cache does this)."""
+        if not self.storage.fetch_ahead:
             return
         if self._prefetched is None:
             self._prefetched = Prefetched()
         with self._vanishing(", ".join(sorted(wanted))):
-            self._prefetched.fetch({name: self._handle(name) for name in wanted}, wanted, threads)
+            for name in wanted:
+                self.header(name)
+            self._prefetched.fetch({name: self._handles[name] for name in wanted}, wanted, threads)
 
     def drop_prefetched(self) -> None:
         self._prefetched = None
@@ -256,10 +251,10 @@ class CheckpointReader(FileChecks):
         self.open_files(self.files)
 
     def open_files(self, names: list[str], threads: int = 8) -> None:
-        """Open these data files now (headers checked, save ids matched); on a URL, ``threads``
-        at a time (each header is a round trip to the store)."""
+        """Open these data files now (headers checked, save ids matched); on a store that fetches
+        ahead, ``threads`` at a time (each header is a round trip to the store)."""
         todo = [n for n in dict.fromkeys(names) if n not in self._headers]
-        if self.storage is None or len(todo) < 2:
+        if not self.storage.fetch_ahead or len(todo) < 2:
             for name in todo:
                 self.header(name)
             return
@@ -269,9 +264,6 @@ class CheckpointReader(FileChecks):
             list(pool.map(self.header, todo))
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
         for handle in self._handles.values():
             handle.close()
         self._handles.clear()
@@ -349,41 +341,18 @@ class CheckpointReader(FileChecks):
 
     def read_runs(self, s: SliceEntry, runs: list[tuple[int, int]], out: memoryview) -> None:
         """Read runs ``(byte offset into the slice, length)`` of a stored slice back to back into
-        ``out``: on a URL one coalesced batch of ranged requests, locally one pread each."""
+        ``out`` with one vectored read (``ReadHandle.readv``: locally a ``preadv`` per run, on an
+        object store one coalesced batch of ranged requests)."""
         _, off, n = self.slice_location(s)
         for o, k in runs:
             if o < 0 or o + k > n:
                 raise HeaderError(f"{s.file}: read of {k} bytes at {o} outside slice {s.key!r}")
-        if self.storage is not None:
-            absolute = [(off + o, k) for o, k in runs]
-            if self._prefetched is not None:
-                got = [self._prefetched.get(s.file, o, k) for o, k in absolute]
-                hits = [h for h in got if h is not None]
-                if len(hits) == len(got):
-                    pos = 0
-                    for h in hits:
-                        out[pos : pos + len(h)] = h
-                        pos += len(h)
-                    return
-            with self._vanishing(s.file):
-                read_runs(self._handle(s.file), absolute, out)
-            return
-        pos = 0
-        for o, k in runs:
-            read_range(self.fd(s.file), off + o, k, out[pos : pos + k])
-            pos += k
+        with self._vanishing(s.file):
+            read_runs(self.read_handle(s.file), [(off + o, k) for o, k in runs], out)
 
     def iter_slice(self, s: SliceEntry, chunk: int = 16 << 20) -> Iterator[bytes]:
         _, off, n = self.slice_location(s)
-        if self.storage is not None:
-            hit = self._prefetched.get(s.file, off, n) if self._prefetched is not None else None
-            if hit is not None:
-                for at in range(0, n, chunk):
-                    yield bytes(hit[at : at + chunk])
-                return
-            yield from iter_handle(self._handle(s.file), off, n, chunk)
-            return
-        yield from iter_range(self.fd(s.file), off, n, chunk)
+        yield from iter_handle(self.read_handle(s.file), off, n, chunk)
 
     def hash_slice(self, s: SliceEntry) -> str:
         h = SliceHasher()
@@ -444,15 +413,13 @@ def open_checkpoint(
     ``pin``, every data file is opened and matched to the index at once; when a save replaced
     the checkpoint meanwhile (``CheckpointChangedError``), the new one is opened instead, once.
     """
-    if not is_url(path):
-        if storage_options:
-            raise ConfigError(f"storage_options are for fsspec URLs; {os.fspath(path)!r} is a local path")
-        path = os.fspath(path).removeprefix("file://")
+    storage, root = open_storage(path, storage_options)  # ConfigError: options for a local path
+    local = storage.local_path(root)
 
     def reopen() -> CheckpointReader:
-        if is_url(path):
+        if local is None:
             return open_url(path, kind, storage_options)
-        return _open_checkpoint(path, kind)
+        return _open_checkpoint(storage, os.fspath(path).removeprefix("file://"), kind)
 
     r = reopen()
     if not pin:
@@ -472,23 +439,24 @@ def open_checkpoint(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _open_checkpoint(path: str | os.PathLike[str], kind: str) -> CheckpointReader:
-    p = os.fspath(path)
+def _open_checkpoint(storage: Storage, p: str, kind: str) -> CheckpointReader:
+    """The reader of the location ``p`` of a storage with OS paths (``Storage.local_path``): what
+    stands there is examined with the file system's own checks, every file read through ``storage``."""
     if os.path.lexists(p) and not os.path.isfile(p) and not os.path.isdir(p):
         raise (IndexFileError if p.endswith(".json") else HeaderError)(
             f"{p} is {not_regular(p)}, not a checkpoint file or directory"
         )
     if os.path.isfile(p) and p.endswith(".index.json"):
         directory = os.path.dirname(os.path.abspath(p))
-        return _from_index(p, directory, kind)
+        return _from_index(storage, p, directory, kind)
     if os.path.isfile(p):
-        fd, h = open_with_header(p)
+        handle, h = open_header(storage, p)
         try:
             block, has = block_from_header(h, kind)
             if has:
                 check_block(h.path, block, None)
         except BaseException:
-            os.close(fd)
+            handle.close()
             raise
         file = single_file_name(p, kind)
         r = CheckpointReader(
@@ -499,29 +467,30 @@ def _open_checkpoint(path: str | os.PathLike[str], kind: str) -> CheckpointReade
             has,
             single_file=os.path.abspath(p),
             single_slice_file=file,
+            storage=storage,
         )
         try:
             r.check_single_file(file, h)
         except BaseException:
-            os.close(fd)
+            handle.close()
             raise
         r._headers[file] = h
-        r._fds[file] = fd
+        r._handles[file] = handle
         return r
     if os.path.isdir(p):
         idx = os.path.join(p, index_name(kind))
         if os.path.isfile(idx):
-            return _from_index(idx, p, kind)
+            return _from_index(storage, idx, p, kind)
         if os.path.lexists(idx):
             raise IndexFileError(f"{idx} is {not_regular(idx)}, not an index file")
         single = os.path.join(p, single_name(kind))
         if os.path.isfile(single):
-            return _open_checkpoint(single, kind)
+            return _open_checkpoint(storage, single, kind)
         if os.path.lexists(single):
             raise HeaderError(f"{single} is {not_regular(single)}, not a safetensors file")
         shards = dcp_hf_files(p) if kind == "model" else []
         if shards:  # torch's HuggingFaceStorageWriter(save_distributed=True): see format/dcp_hf.py
-            r = CheckpointReader(p, kind, block_from_dcp_hf(p, shards), None, False)
+            r = CheckpointReader(p, kind, block_from_dcp_hf(p, shards), None, False, storage=storage)
             r.check_coverage()
             return r
         raise IncompleteCheckpointError(
@@ -532,7 +501,7 @@ def _open_checkpoint(path: str | os.PathLike[str], kind: str) -> CheckpointReade
     raise IncompleteCheckpointError(f"no checkpoint at {p}: the path does not exist")
 
 
-def _from_index(idx_path: str, directory: str, kind: str) -> CheckpointReader:
+def _from_index(storage: Storage, idx_path: str, directory: str, kind: str) -> CheckpointReader:
     try:
         idx = load_index(idx_path)
     except FileNotFoundError:
@@ -541,13 +510,28 @@ def _from_index(idx_path: str, directory: str, kind: str) -> CheckpointReader:
             f"{kind} checkpoint; open it again once the save has finished"
         ) from None
     if idx.unickpt is None:
-        block = block_from_plain_index(idx, directory, idx_path, kind)
-        return CheckpointReader(directory, kind, block, idx_path, False, idx)
+        block = block_from_plain_index(
+            idx, directory, idx_path, kind, _header_of(storage, directory, idx_path)
+        )
+        return CheckpointReader(directory, kind, block, idx_path, False, idx, storage=storage)
     block = idx.unickpt
     if block.kind != kind:
         raise IndexFileError(f"{idx_path}: holds a {block.kind} checkpoint, expected a {kind} checkpoint")
     check_block(idx_path, block, idx.weight_map)
-    return CheckpointReader(directory, kind, block, idx_path, True, idx)
+    return CheckpointReader(directory, kind, block, idx_path, True, idx, storage=storage)
+
+
+def _header_of(storage: Storage, directory: str, where: str) -> Callable[[str], SafetensorsHeader]:
+    """The validated header of a data file of ``directory`` named by the index ``where``."""
+
+    def header_of(file: str) -> SafetensorsHeader:
+        handle, h = open_header(
+            storage, storage.confined(directory, check_file_name(file), where, "data file")
+        )
+        handle.close()
+        return h
+
+    return header_of
 
 
 @dataclass(frozen=True)
@@ -629,12 +613,7 @@ def open_located(
         return r
     idx: IndexFile = parse_index(located.index_bytes, located.url)
     if idx.unickpt is None:
-
-        def header_of(file: str) -> SafetensorsHeader:
-            handle, h = open_header(storage, f"{located.directory}/{file}")
-            handle.close()
-            return h
-
+        header_of = _header_of(storage, located.directory, located.url)
         block = block_from_plain_index(idx, located.directory, located.url, kind, header_of)
         return CheckpointReader(located.directory, kind, block, located.url, False, idx, storage=storage)
     block = idx.unickpt

@@ -103,8 +103,9 @@ def block_from_plain_index(
     kind: str,
     header_of: Callable[[str], SafetensorsHeader] | None = None,
 ) -> UnickptBlock:
-    """Synthesise the slice table of a plain Hugging Face sharded checkpoint from its headers
-    (read from local files, or with ``header_of(file name)`` for a checkpoint on a URL)."""
+    """Synthesise the slice table of a plain Hugging Face sharded checkpoint from its headers,
+    read with ``header_of(file name)`` (the reader's: through its Storage; left out, the local
+    files of ``directory``)."""
     tensors: dict[str, TensorEntry] = {}
     for file in sorted(set(idx.weight_map.values())):
         if file.endswith(".bin"):

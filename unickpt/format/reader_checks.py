@@ -39,7 +39,7 @@ class FileChecks:
     has_unickpt_block: bool
     index_path: str | None
     single_file: str | None
-    storage: Storage | None
+    storage: Storage
     _headers: dict[str, SafetensorsHeader]
     _file_slices: dict[str, int] | None
 
@@ -72,12 +72,14 @@ class FileChecks:
         self._refuse(entries_problem(name, self._file_slices.get(name, 0), h.file_size, h.path))
 
     def file_size(self, name: str) -> int | None:
-        """Data file ``name``'s size; None on a URL (before its header is read) or when it is not
-        a regular file (reading its header says what it is)."""
+        """Data file ``name``'s size; None where it is not known without opening the file (a store
+        without OS paths, before its header is read) or when it is not a regular file (reading its
+        header says what it is)."""
         h = self._headers.get(name)
         if h is not None:
             return h.file_size
-        return None if self.storage is not None else regular_size(self.file_path(name))
+        path = self.storage.local_path(self.file_path(name))
+        return None if path is None else regular_size(path)
 
     def check_single_file(self, name: str, h: SafetensorsHeader) -> None:
         """A single file's block stores no more slices and bytes in it than it can hold."""

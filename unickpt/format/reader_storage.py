@@ -1,14 +1,17 @@
-"""The reader's access to checkpoints on a URL: headers, index and ranged reads through a Storage.
+"""The reader's access to data files through a Storage: headers, index and ranged reads.
 
-Local paths keep the descriptor-based path of ``reader.py`` (``open_with_header``, ``pread``);
-everything here is for ``s3://``, ``gs://``, ``memory://``... locations opened through
-``format/storage.py``. A reader of a URL applies the same checks as a local one (strict header
-validation, save ids matched to the index, the same error classes), and every message names
-the URL. No torch here.
+Every checkpoint is read through ``format/storage.py``: a local directory through a
+``LocalStorage`` (descriptors, ``pread``/``preadv`` straight into the caller's buffers), an
+``s3://``, ``gs://``, ``memory://``... location through an ``FsspecStorage`` (exact ranged
+requests, neighbouring ones coalesced and several in flight). The checks are the same (strict
+header validation, save ids matched to the index, the same error classes), and every message
+names the file or URL. No torch here.
 
 A data file is opened once: its size is fixed at open, its header is read with one ranged
-request (``HEADER_PROBE`` bytes; a second one when the header is longer), and its tensor bytes
-are read with exact ranged requests, neighbouring ones coalesced and several in flight.
+read (``HEADER_PROBE`` bytes; a second one when the header is longer), and its tensor bytes
+through the same handle. On a store that fetches ahead (``Storage.fetch_ahead``), the ranges a
+load will read are fetched first (:class:`Prefetched`) and the reads they cover are served from
+memory (:class:`PrefetchedRead`).
 
 Below the reader: nothing here builds a ``CheckpointReader``. Opening a checkpoint on a URL
 (``reader.locate``, ``reader.open_located``) stands on :func:`fetch_index` and :func:`open_header`.
@@ -18,10 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+import numpy as np
+
 from unickpt.errors import IndexFileError, UnsupportedError
 from unickpt.format.index import MAX_INDEX_BYTES
 from unickpt.format.safetensors_io import SafetensorsHeader, header_from_bytes
-from unickpt.format.storage import MAX_REQUEST, ReadHandle, Storage, coalesce
+from unickpt.format.storage import MAX_REQUEST, STREAM_CHUNK, Buffers, ReadHandle, Storage, coalesce
 
 __all__ = [
     "HEADER_PROBE",
@@ -30,12 +35,13 @@ __all__ = [
     "iter_handle",
     "read_runs",
     "fetch_index",
+    "Prefetched",
+    "PrefetchedRead",
+    "STREAM_CHUNK",
 ]
 
 #: Bytes asked for when a data file is opened: the length prefix and (nearly always) the header.
 HEADER_PROBE = 8 << 10
-#: Largest single request of a streamed read (``iter_handle``).
-STREAM_CHUNK = 16 << 20
 #: A prefetch bridges gaps between wanted ranges only while it fetches at most this fraction
 #: more than it needs (gaps under ``storage.SMALL_GAP`` aside).
 PREFETCH_WASTE = 1 / 16
@@ -64,26 +70,28 @@ def open_header(storage: Storage, path: str) -> tuple[ReadHandle, SafetensorsHea
 
 
 def read_into(handle: ReadHandle, offset: int, length: int, out: memoryview | None = None) -> memoryview:
-    """``length`` bytes at ``offset`` (into ``out`` when given), fetched in coalesced ranged requests."""
+    """``length`` bytes at ``offset``, into ``out`` when given (``handle.readinto``: no copy locally)."""
     target = out if out is not None else memoryview(bytearray(length))
     if length:
-        read_runs(handle, [(offset, length)], target)
+        handle.readinto(offset, target[:length])
     return target[:length]
 
 
 def read_runs(handle: ReadHandle, runs: Sequence[tuple[int, int]], out: memoryview) -> None:
-    """Read the ``(offset, length)`` runs of a file, in order, back to back into ``out``.
-
-    Long runs are split into ``STREAM_CHUNK`` requests so that several are in flight at once.
-    """
-    pieces: list[tuple[int, int]] = []
-    for off, n in runs:
-        for at in range(0, n, STREAM_CHUNK):
-            pieces.append((off + at, min(STREAM_CHUNK, n - at)))
-    pos = 0
-    for data in handle.pread_many(pieces):
-        out[pos : pos + len(data)] = data
-        pos += len(data)
+    """Read the ``(offset, length)`` runs of a file, in order, back to back into ``out``, with one
+    vectored read (``handle.readv``: locally a ``preadv`` per run of adjacent runs)."""
+    keep = [(o, n) for o, n in runs if n]
+    if not keep:
+        return
+    src = np.asarray([o for o, _ in keep], dtype=np.int64)
+    size = np.asarray([n for _, n in keep], dtype=np.int64)
+    dst = np.concatenate(([0], np.cumsum(size)[:-1])).astype(np.int64)
+    order = np.argsort(src, kind="stable")
+    buffers = Buffers([out])
+    src, size, dst = src[order], size[order], dst[order]
+    buf = np.zeros(len(src), dtype=np.int64)
+    buffers.check(buf, dst, size)
+    handle.readv(src, size, buf, dst, buffers)
 
 
 def iter_handle(handle: ReadHandle, offset: int, length: int, chunk: int = STREAM_CHUNK) -> Iterator[bytes]:
@@ -108,6 +116,49 @@ def fetch_index(storage: Storage, path: str) -> bytes:
 
 def no_path(url: str) -> UnsupportedError:
     return UnsupportedError(f"{url} is on an object store: it has no local path to open")
+
+
+class PrefetchedRead:
+    """A data file's handle whose reads are served from :class:`Prefetched` blocks where they
+    cover them, from the file otherwise (the reader owns and closes the file's own handle)."""
+
+    def __init__(self, handle: ReadHandle, blocks: Prefetched, name: str) -> None:
+        self.handle, self.blocks, self.name = handle, blocks, name
+        self.size, self.path = handle.size, handle.path
+
+    def pread(self, offset: int, length: int) -> bytes:
+        hit = self.blocks.get(self.name, offset, length)
+        return bytes(hit) if hit is not None else self.handle.pread(offset, length)
+
+    def pread_many(self, ranges: Sequence[tuple[int, int]], gap: int = -1) -> list[bytes]:
+        return [self.pread(o, n) for o, n in ranges]
+
+    def readinto(self, offset: int, out: memoryview) -> None:
+        hit = self.blocks.get(self.name, offset, out.nbytes)
+        if hit is None:
+            self.handle.readinto(offset, out)
+        else:
+            out[:] = hit
+
+    def readv(
+        self, src: np.ndarray, size: np.ndarray, buf: np.ndarray, dst: np.ndarray, buffers: Buffers
+    ) -> None:
+        miss = np.ones(len(src), dtype=bool)
+        for i, (o, n, k, d) in enumerate(
+            zip(src.tolist(), size.tolist(), buf.tolist(), dst.tolist(), strict=True)
+        ):
+            hit = self.blocks.get(self.name, o, n)
+            if hit is not None:
+                buffers.piece(k, d, n)[:] = np.frombuffer(hit, dtype=np.uint8)
+                miss[i] = False
+        if miss.any():
+            self.handle.readv(src[miss], size[miss], buf[miss], dst[miss], buffers)
+
+    def descriptor(self) -> int | None:
+        return self.handle.descriptor()
+
+    def close(self) -> None:
+        pass
 
 
 class Prefetched:

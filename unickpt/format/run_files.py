@@ -20,31 +20,44 @@ from typing import Any
 
 from unickpt.format.bounds import read_bounded
 from unickpt.format.safetensors_io import SafetensorsHeader, read_header
-from unickpt.format.storage import FsspecStorage, is_url, open_storage
+from unickpt.format.storage import FsspecStorage, open_storage
 
-__all__ = ["RunFiles", "SMALL_FILE_LIMIT"]
+__all__ = ["RunFiles", "SMALL_FILE_LIMIT", "run_location"]
 
 #: Largest side file (a record, a JSON, a rank's train state) read whole by the run commands.
 SMALL_FILE_LIMIT = 1 << 30
 
 
+def run_location(location: str | os.PathLike[str]) -> str:
+    """``location`` as the run commands name it: an absolute path where its storage has OS paths
+    (``Storage.local_path``), the URL itself (no trailing ``/``) otherwise."""
+    loc = os.fspath(location)
+    storage, root = open_storage(loc)
+    local = storage.local_path(root)
+    return local if local is not None else loc.rstrip("/")
+
+
 class RunFiles:
     """Files of a run directory or step directory ``location`` (a local path or a URL).
 
-    Paths handed out and accepted are absolute local paths, or URLs below ``location``.
+    Paths handed out and accepted are absolute local paths, or URLs below ``location``. Where the
+    location's storage has OS paths (``Storage.local_path``), these are ``os`` calls; otherwise
+    one recursive listing of the store answers them.
     """
 
     def __init__(self, location: str | os.PathLike[str]) -> None:
         loc = os.fspath(location)
-        self.is_url = is_url(loc)
+        storage, root = open_storage(loc)
+        local = storage.local_path(root)
+        #: True where the files have OS paths (``os`` calls answer); False on an object store.
+        self.local = local is not None
         self._listing: dict[str, dict[str, Any]] | None = None
         self._dirs: set[str] = set()
-        if not self.is_url:
-            self.root = os.path.abspath(loc.removeprefix("file://"))
+        if local is not None:
+            self.root = local
             return
         self.root = loc.rstrip("/")
-        storage, _ = open_storage(self.root)
-        if not isinstance(storage, FsspecStorage):  # never: is_url() locations open an fsspec store
+        if not isinstance(storage, FsspecStorage):  # never: only fsspec stores lack OS paths
             raise TypeError(f"{self.root}: not an fsspec location")
         self.storage = storage
         # What this command sees is the store now: no listing cached by an earlier call in
@@ -53,7 +66,12 @@ class RunFiles:
 
     # ------------------------------------------------------------------ paths
     def join(self, base: str, *parts: str) -> str:
-        return posixpath.join(base, *parts) if self.is_url else os.path.join(base, *parts)
+        return os.path.join(base, *parts) if self.local else posixpath.join(base, *parts)
+
+    def basename(self, path: str) -> str:
+        return (
+            os.path.basename(os.path.normpath(path)) if self.local else posixpath.basename(path.rstrip("/"))
+        )
 
     def _key(self, path: str) -> str:
         return str(self.storage.fs._strip_protocol(path)).rstrip("/")
@@ -77,19 +95,19 @@ class RunFiles:
 
     # ---------------------------------------------------------- what exists
     def is_file(self, path: str) -> bool:
-        if not self.is_url:
+        if self.local:
             return os.path.isfile(path)
         return self._key(path) in self._listed()
 
     def is_dir(self, path: str) -> bool:
-        if not self.is_url:
+        if self.local:
             return os.path.isdir(path)
         self._listed()
         return self._key(path) in self._dirs
 
     def listdir(self, path: str) -> list[str]:
         """Names directly below ``path`` (files and directories); [] when it does not exist."""
-        if not self.is_url:
+        if self.local:
             try:
                 return sorted(os.listdir(path))
             except (FileNotFoundError, NotADirectoryError):
@@ -100,14 +118,14 @@ class RunFiles:
 
     def file_count(self, path: str) -> int:
         """How many files lie below ``path`` (at a URL: from the listing, nothing is read)."""
-        if not self.is_url:
+        if self.local:
             return sum(len(files) for _dirpath, _dirs, files in os.walk(path))
         key = self._key(path) + "/"
         return sum(1 for k in self._listed() if k.startswith(key))
 
     def tree_size(self, path: str) -> int:
         """Bytes of the files below ``path`` (at a URL: from the listing, nothing is read)."""
-        if not self.is_url:
+        if self.local:
             total = 0
             for dirpath, _dirs, files in os.walk(path):
                 for f in files:
@@ -121,7 +139,7 @@ class RunFiles:
 
     def mtime_text(self, path: str) -> str:
         """When ``path`` was last written, as ``YYYY-MM-DD HH:MM:SS UTC`` (``?`` when unknown)."""
-        if not self.is_url:
+        if self.local:
             when = datetime.datetime.fromtimestamp(os.stat(path).st_mtime, datetime.timezone.utc)
         else:
             info = self._listed().get(self._key(path), {})
@@ -142,7 +160,7 @@ class RunFiles:
     # ---------------------------------------------------------------- reads
     def read_bytes(self, path: str, limit: int = SMALL_FILE_LIMIT) -> bytes:
         """The whole file; a missing one raises ``FileNotFoundError`` (an ``OSError``) either way."""
-        if not self.is_url:
+        if self.local:
             return read_bounded(path, limit)
         size = int(self._listed().get(self._key(path), {}).get("size") or 0)
         if size > limit:
@@ -154,7 +172,7 @@ class RunFiles:
 
     def read_header(self, path: str) -> SafetensorsHeader:
         """The validated safetensors header of ``path`` (at a URL: one or two ranged requests)."""
-        if not self.is_url:
+        if self.local:
             return read_header(path)
         from unickpt.format.reader_storage import open_header
 

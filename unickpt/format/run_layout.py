@@ -34,8 +34,7 @@ from typing import Any
 from unickpt.errors import CheckpointFormatError, ConfigError
 from unickpt.format._json import strict_loads
 from unickpt.format.hashing import slice_hash
-from unickpt.format.run_files import RunFiles
-from unickpt.format.storage import is_url
+from unickpt.format.run_files import RunFiles, run_location
 
 __all__ = [
     "COMMIT_NAME",
@@ -174,9 +173,9 @@ def _view(path: str, files: RunFiles | None) -> RunFiles:
 def _where(path: str | os.PathLike[str], files: RunFiles | None) -> str:
     """``path`` as the run commands name it: absolute on local disk, the URL itself otherwise."""
     p = os.fspath(path)
-    if (files is not None and files.is_url) or is_url(p):
-        return p.rstrip("/")
-    return os.path.abspath(p.removeprefix("file://"))
+    if files is not None:
+        return os.path.abspath(p.removeprefix("file://")) if files.local else p.rstrip("/")
+    return run_location(p)
 
 
 def read_latest(run_dir: str | os.PathLike[str], files: RunFiles | None = None) -> int | None:
@@ -208,11 +207,11 @@ def read_record(view: RunFiles, path: str, limit: int) -> Any:
 def step_of(path: str | os.PathLike[str], files: RunFiles | None = None) -> int | None:
     """``N`` when ``path`` is a directory named ``step-<N>``, else ``None``."""
     p = _where(path, files)
-    name = posixpath.basename(p) if is_url(p) else os.path.basename(os.path.normpath(p))
-    m = _STEP_RE.match(name)
+    view = _view(p, files)
+    m = _STEP_RE.match(view.basename(p))
     if not m:
         return None
-    return int(m.group(1)) if _view(p, files).is_dir(p) else None
+    return int(m.group(1)) if view.is_dir(p) else None
 
 
 def committed_steps(run_dir: str | os.PathLike[str], files: RunFiles | None = None) -> list[int]:
@@ -262,10 +261,10 @@ def looks_like_run(path: str | os.PathLike[str]) -> bool:
     At a URL, a location holding a checkpoint's index is recognised by a metadata request for it,
     before anything is listed (``inspect`` on a checkpoint URL reads only its index).
     """
-    p = os.fspath(path)
-    if is_url(p):
-        p = p.rstrip("/")
-        storage = RunFiles(p).storage  # (drops listings cached by earlier calls)
+    view = RunFiles(path)  # (on a store: drops listings cached by earlier calls)
+    p = view.root
+    if not view.local:
+        storage = view.storage
         if any(storage.exists(posixpath.join(p, n)) for n in _CHECKPOINT_INDEXES):
             return False
         names = storage.listdir(p)  # one level (a delimited listing), never the whole run
@@ -283,7 +282,7 @@ def looks_like_run(path: str | os.PathLike[str]) -> bool:
         for n in names
     ):
         return False  # a checkpoint directory (which may be named step-<N> by its user)
-    if _STEP_RE.match(posixpath.basename(p) if is_url(p) else os.path.basename(os.path.normpath(p))):
+    if _STEP_RE.match(view.basename(p)):
         return True
     return LATEST_NAME in names or any(_STEP_RE.match(n) for n in names)
 

@@ -21,20 +21,26 @@ profiles, ...) or from ``storage_options``, passed to fsspec as is. No torch her
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import posixpath
+import stat
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any, BinaryIO, Protocol
 
-from unickpt.errors import ConfigError, IncompleteCheckpointError, UnsupportedError
+import numpy as np
+
+from unickpt.errors import ConfigError, HeaderError, IncompleteCheckpointError, UnsupportedError
 from unickpt.format.storage_guard import fs_from_url, guarded, shown_url
+from unickpt.format.storage_readv import Buffers, preadv_pieces, readinto_fd, scatter
 
 __all__ = [
     "Storage",
     "LocalStorage",
     "FsspecStorage",
     "ReadHandle",
+    "Buffers",
     "open_storage",
     "is_url",
     "coalesce",
@@ -57,6 +63,9 @@ COALESCE_GAP = 1 << 20
 MAX_REQUEST = 64 << 20
 #: Gaps this small are always bridged (a request's own overhead is about this many bytes).
 SMALL_GAP = 4 << 10
+#: Largest single request of a read into a caller's buffer on an object store (longer reads are
+#: split so that several requests are in flight at once).
+STREAM_CHUNK = 16 << 20
 
 
 def is_url(location: str | os.PathLike[str]) -> bool:
@@ -101,13 +110,36 @@ def coalesce(
 
 
 class ReadHandle(Protocol):
-    """An open file to read ranges of: ``size`` is fixed at open (one version of the file)."""
+    """An open file to read ranges of: ``size`` is fixed at open (one version of the file).
+
+    Every read either returns exactly the bytes asked for or raises ``IncompleteCheckpointError``
+    naming ``path``, the bytes wanted and how many the file holds. ``readinto`` and ``readv`` read
+    into the caller's buffers: on a local file they are ``preadv`` straight into them (no copy).
+    """
 
     size: int
+    path: str
 
     def pread(self, offset: int, length: int) -> bytes: ...
 
     def pread_many(self, ranges: Sequence[tuple[int, int]], gap: int = COALESCE_GAP) -> list[bytes]: ...
+
+    def readinto(self, offset: int, out: memoryview) -> None:
+        """Fill ``out`` (a byte view) with the ``out.nbytes`` bytes at ``offset``."""
+        ...
+
+    def readv(
+        self, src: np.ndarray, size: np.ndarray, buf: np.ndarray, dst: np.ndarray, buffers: Buffers
+    ) -> None:
+        """Read, for each ``i`` (sorted by ``src``), ``size[i]`` bytes at ``src[i]`` into
+        ``buffers.arrays[buf[i]][dst[i]:]`` (``format/storage_readv.py``): locally one ``preadv``
+        per run of adjacent pieces, on an object store coalesced ranged requests."""
+        ...
+
+    def descriptor(self) -> int | None:
+        """The OS descriptor of this very file (for ``copy_file_range``, ``/proc/self/fd``, or a
+        sparse-file check), kept open by the handle; None where the file has none (an object)."""
+        ...
 
     def close(self) -> None: ...
 
@@ -121,6 +153,13 @@ class Storage:
     exclusive_put: bool = False
     #: How users named this storage's root (for messages).
     url: str = ""
+    #: True when every read is a request to a remote store: a load fetches the byte ranges it will
+    #: read ahead, in windows of coalesced requests in flight together, and opens files in parallel.
+    fetch_ahead: bool = False
+
+    def local_path(self, path: str) -> str | None:
+        """The OS path of ``path`` for libraries that open files by name, None where there is none."""
+        return None
 
     def join(self, *parts: str) -> str:
         raise NotImplementedError
@@ -198,24 +237,53 @@ class Storage:
 
 
 class _LocalRead:
+    """A local file open for reads: its descriptor, its size at open; reads are ``pread``/``preadv``."""
+
     def __init__(self, path: str) -> None:
         try:
+            # O_NONBLOCK: a FIFO planted under a file's name must not block the open forever.
             self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         except FileNotFoundError as e:
             raise IncompleteCheckpointError(f"{path} is missing") from e
+        except IsADirectoryError as e:
+            raise HeaderError(f"{path} is a directory, not a file") from e
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise HeaderError(f"{path} is a symbolic link loop, not a file") from e
+            raise
+        try:
+            st = os.fstat(self.fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise HeaderError(f"{path} is a directory, not a file")
+            if not stat.S_ISREG(st.st_mode):
+                raise HeaderError(f"{path} is not a regular file")
+        except BaseException:
+            os.close(self.fd)
+            raise
         self.path = path
-        self.size = os.fstat(self.fd).st_size
+        self.size = st.st_size
 
     def pread(self, offset: int, length: int) -> bytes:
         data = os.pread(self.fd, length, offset)
         if len(data) != length:
             raise IncompleteCheckpointError(
-                f"{self.path} is truncated: wanted {length} bytes at offset {offset}, got {len(data)}"
+                f"{self.path}: file is truncated: wanted {length} bytes at offset {offset}, got {len(data)}"
             )
         return data
 
     def pread_many(self, ranges: Sequence[tuple[int, int]], gap: int = COALESCE_GAP) -> list[bytes]:
         return [self.pread(o, n) for o, n in ranges]
+
+    def readinto(self, offset: int, out: memoryview) -> None:
+        readinto_fd(self.fd, self.path, offset, out)
+
+    def readv(
+        self, src: np.ndarray, size: np.ndarray, buf: np.ndarray, dst: np.ndarray, buffers: Buffers
+    ) -> None:
+        preadv_pieces(self.fd, self.path, src, size, buf, dst, buffers)
+
+    def descriptor(self) -> int | None:
+        return self.fd
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -234,6 +302,9 @@ class LocalStorage(Storage):
 
     def join(self, *parts: str) -> str:
         return os.path.join(*parts)
+
+    def local_path(self, path: str) -> str | None:
+        return path
 
     def open_read(self, path: str) -> ReadHandle:
         return _LocalRead(path)
@@ -331,6 +402,19 @@ class _FsspecRead:
                 out[i] = bytes(view[o - start : o - start + n])
         return out
 
+    def readinto(self, offset: int, out: memoryview) -> None:
+        one = np.zeros(1, dtype=np.int64)
+        n = np.asarray([out.nbytes], dtype=np.int64)
+        self.readv(one + offset, n, one, one, Buffers([out]))
+
+    def readv(
+        self, src: np.ndarray, size: np.ndarray, buf: np.ndarray, dst: np.ndarray, buffers: Buffers
+    ) -> None:
+        scatter(self.pread_many, src, size, buf, dst, buffers, STREAM_CHUNK)
+
+    def descriptor(self) -> int | None:
+        return None
+
     def close(self) -> None:
         pass
 
@@ -342,6 +426,8 @@ class FsspecStorage(Storage):
     deadline of ``timeout`` seconds (0: none; None: ``$UNICKPT_STORE_TIMEOUT``, else 120) and its
     errors raised as ``StorageError``, credentials (``options``'s, the URL's) never in a message.
     """
+
+    fetch_ahead = True
 
     def __init__(self, fs: Any, url: str, *, timeout: float | None = None, options: Any = None) -> None:
         self.fs = guarded(fs, url, timeout, options)

@@ -40,7 +40,7 @@ from unickpt.format.reader import CheckpointReader
 from unickpt.format.storage import is_url
 from unickpt.io.async_save import AsyncSaves, check_use_safetensors
 from unickpt.io.hooks import DETACHED_NOTE, FINAL_METHODS, CheckpointHooks, HookContext
-from unickpt.io.load import LoadReport, load_tensors
+from unickpt.io.load import LoadReport, load_tensors, open_for_load
 from unickpt.io.mapping import map_payload, resolve_mapping
 from unickpt.io.names import apply_prefix
 from unickpt.io.optim_state import (
@@ -65,7 +65,6 @@ from unickpt.io.side_files import (
     write_config_files,
 )
 from unickpt.io.tensors import LocalSlice, mesh_dims
-from unickpt.io.url_load import open_for_load
 from unickpt.store.publish import write_small_file
 from unickpt.wrappers import OptimizerWrapper, unwrap_optimizer
 

@@ -12,12 +12,23 @@ Order of events (every rank calls ``load_tensors`` with its own targets):
    is a contiguous CPU tensor of the stored dtype, anything else through a buffer of one block.
    With ``atomic=True`` the rank's whole share is read into CPU buffers first and the ranks
    agree once more before copying, so even an I/O error leaves every model untouched.
+
+Every read goes through the reader's ``Storage``: a local path and a URL take the same steps.
+Reads straight into their tensors are gathered in a ``ReadBatch`` and done per file with one
+vectored read (locally one ``preadv`` per run of adjacent slices, on an object store coalesced
+ranged requests). On a store that fetches ahead (``Storage.fetch_ahead``), the blocks go in
+windows of about ``URL_WINDOW`` bytes whose byte ranges are fetched first, coalesced and in flight
+together (``CheckpointReader.prefetch``), and the window's reads are served from them.
+
+``open_for_load`` is how every ``CheckpointIO`` opens a checkpoint (a local path or a URL); on a
+URL in a distributed load, rank 0 alone fetches the index and broadcasts its bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,20 +45,43 @@ from unickpt.errors import (
     IntegrityError,
     UnickptError,
 )
+from unickpt.format import reader as reader_mod
 from unickpt.format.boxes import contiguous_start, intersect, runs
 from unickpt.format.consistency import check_keys_referenced
+from unickpt.format.dtypes import itemsize
 from unickpt.format.index import TensorEntry
 from unickpt.format.range_hashes import has_hashes, slice_failures
 from unickpt.format.read_batch import ReadBatch, describe_key, table_spans
-from unickpt.format.reader import CheckpointReader
+from unickpt.format.reader import CheckpointReader, open_checkpoint, open_located
 from unickpt.format.slice_spans import FileNumbers, all_referenced, locate
 from unickpt.io.load_match import LoadReport, Mapped, match_targets, raise_mismatch
 from unickpt.io.load_rows import Located, add_row_box
 from unickpt.io.load_rows import as_bytes as _as_bytes
 from unickpt.io.tensors import LocalSlice, torch_dtype
-from unickpt.io.url_load import each_block, each_slice
 
-__all__ = ["LoadReport", "load_tensors", "read_box", "box_fetcher"]  # LoadReport: io/load_match.py
+__all__ = [  # LoadReport: io/load_match.py
+    "LoadReport",
+    "load_tensors",
+    "read_box",
+    "box_fetcher",
+    "open_for_load",
+    "each_block",
+    "each_slice",
+    "wanted_ranges",
+    "URL_WINDOW",
+    "URL_READ_THREADS",
+    "URL_VERIFY_HOLD",
+]
+
+#: On a store that fetches ahead (an object store), the blocks of a load are read in windows of
+#: about this many bytes: each window's ranges are fetched first (coalesced, in flight together,
+#: ``URL_READ_THREADS`` files at once), then copied, so a load holds at most one window of
+#: fetched bytes beyond its state.
+URL_WINDOW = 128 << 20
+URL_READ_THREADS = 8
+#: A verified load on such a store keeps the slices it fetched to hash for its reads (each byte
+#: fetched once) when they total at most this many bytes per rank; beyond, the reads fetch again.
+URL_VERIFY_HOLD = 4 << 30
 
 
 class _Files:
@@ -85,9 +119,9 @@ def read_box(
     ``out``, when given, is a contiguous CPU tensor of ``shape`` and the stored dtype that
     receives the block in place. A part that is one contiguous run of bytes in the file is read
     with ``preadv`` (a ranged request on a URL) straight into its place (no mapping, no copy);
-    other parts (a column range of a row-major slice) go through safetensors' ``get_slice``
-    locally, and on a URL as one batch of coalesced ranged requests for their runs.
-    With ``batch`` (local files), row-block parts are only located and added to it: ``out`` holds
+    other parts (a column range of a row-major slice) go through safetensors' ``get_slice`` where
+    the file has an OS path to map, else as one vectored read of their runs (coalesced ranged
+    requests). With ``batch``, row-block parts are only located and added to it: ``out`` holds
     the block once the batch has run (``ReadBatch.run``: adjacent bytes of a file in one call).
     """
     dtype = torch_dtype(entry.dtype)
@@ -113,7 +147,7 @@ def read_box(
         dst = tuple(slice(a - b, a - b + n) for a, b, n in zip(ioff, offsets, ishp, strict=True))
         start = contiguous_start(s.shape, src_off, ishp)
         if start is None:
-            if files.reader.storage is not None:  # no path to map: fetch the runs of the part
+            if files.reader.os_path(s.file) is None:  # no path to map: read the runs of the part
                 part = torch.empty(ishp, dtype=dtype)
                 wanted = [(a * isz, n * isz) for a, n in runs(s.shape, src_off, ishp)]
                 files.reader.read_runs(s, wanted, _as_bytes(part))
@@ -158,7 +192,7 @@ def _read_row_blocks(
     lo = np.maximum(starts, offsets[0])
     hi = np.minimum(starts + table.shapes[sel, 0], offsets[0] + shape[0])
     dst = _as_bytes(out)
-    if batch is not None:  # locally: located now, read later with the batch, coalesced per file
+    if batch is not None:  # located now, read later with the batch, coalesced per file
         reader = files.reader
         names, offs, lens = table_spans(reader.header, table, ks)
         for file, off, n, a, b, s0 in zip(
@@ -366,11 +400,9 @@ def _files_of(reader: CheckpointReader, needed: dict[str, list[int]]) -> list[st
 
 
 def _locate(reader: CheckpointReader, needed: dict[str, list[int]]) -> tuple[Located, dict[str, int]] | None:
-    """The needed slices of local files located and checked against their headers in bulk; None
-    when any check fails (or on a URL): the per-slice checks then run and name the slice at fault.
-    Also: per file, how many of its header's entries those slices matched (``locate``)."""
-    if reader.storage is not None:
-        return None
+    """The needed slices located and checked against their files' headers in bulk; None when any
+    check fails: the per-slice checks then run and name the slice at fault. Also: per file, how
+    many of its header's entries those slices matched (``locate``)."""
     parts = [
         (src, reader.tensors[src].dtype, reader.tensors[src].table, np.asarray(ks, dtype=np.int64))
         for src, ks in needed.items()
@@ -401,19 +433,17 @@ def _read_then_copy(
     try:
         maybe_fail("load.read")
         jobs = [(reader.tensors[src], b) for _, src, boxes in plan for b in boxes]
-        batch = ReadBatch() if reader.storage is None else None
+        batch = ReadBatch()
 
         def one(job: tuple[TensorEntry, LocalSlice]) -> torch.Tensor:
             entry, b = job
-            if batch is not None and located:
+            if located:
                 out = torch.empty(b.shape, dtype=torch_dtype(entry.dtype))
                 if add_row_box(located, entry, b.offsets, b.shape, out, batch):
                     return out
             return read_box(files, entry, b.offsets, b.shape, batch=batch)
 
-        datas = each_block(reader, jobs, one, held)
-        if batch is not None:
-            batch.run(reader.fd, reader.file_path)
+        datas = each_block(reader, jobs, one, held, batch)
         buffers = [(b, data) for (_, b), data in zip(jobs, datas, strict=True)]
         buffers.extend(_build_mapped(files, reader, mapped or []))
     except Exception as e:  # safetensors raises its own error types; every rank must hear of it
@@ -443,15 +473,16 @@ def _read_in_place(
     partly loaded; every rank raises, saying so."""
     err: BaseException | None = None
     files = _Files(reader)
-    # Locally, blocks read straight into their tensors are located first and read at the end,
-    # coalesced per file (one preadv per run of adjacent slices).
-    batch = ReadBatch() if reader.storage is None else None
+    # Blocks read straight into their tensors are located first and read at the end (of each
+    # window on a store that fetches ahead), coalesced per file (locally one preadv per run of
+    # adjacent slices).
+    batch = ReadBatch()
     try:
 
         def one(job: tuple[TensorEntry, LocalSlice]) -> None:
             entry, b = job
             direct = _direct_target(b, torch_dtype(entry.dtype))
-            bulk = direct is not None and batch is not None and bool(located)
+            bulk = direct is not None and bool(located)
             if bulk and add_row_box(located, entry, b.offsets, b.shape, direct, batch):  # type: ignore[arg-type]
                 maybe_fail("load.read")
                 return
@@ -463,9 +494,9 @@ def _read_in_place(
                 if direct is None:
                     b.tensor.copy_(data.to(b.tensor.dtype).reshape(b.tensor.shape))
 
-        each_block(reader, [(reader.tensors[src], b) for _, src, boxes in plan for b in boxes], one, held)
-        if batch is not None:
-            batch.run(reader.fd, reader.file_path)
+        each_block(
+            reader, [(reader.tensors[src], b) for _, src, boxes in plan for b in boxes], one, held, batch
+        )
         with torch.no_grad():
             for b, data in _build_mapped(files, reader, mapped or []):
                 b.tensor.copy_(data.to(b.tensor.dtype).reshape(b.tensor.shape))
@@ -486,3 +517,181 @@ def _read_error(e: Exception, where: str) -> BaseException:
     if isinstance(e, (UnickptError, OSError)):
         return e
     return IncompleteCheckpointError(f"{where}: reading failed: {type(e).__name__}: {e}")
+
+
+def each_block(
+    reader: CheckpointReader,
+    jobs: list[tuple[TensorEntry, LocalSlice]],
+    fn: Callable[[Any], Any],
+    held: bool = False,
+    batch: ReadBatch | None = None,
+) -> list[Any]:
+    """``[fn(job) for job in jobs]``, then the reads ``fn`` gathered in ``batch`` run. On a store
+    that fetches ahead (``Storage.fetch_ahead``), jobs go in windows of about ``URL_WINDOW`` bytes:
+    every byte range a window's blocks need is fetched first (``reader.prefetch``: coalesced
+    requests, all in flight, files in parallel), then the blocks (and the batch, at the end of
+    each window) are copied from memory.
+
+    ``held``: the reader still holds the whole slices ``each_slice(keep=True)`` fetched to hash
+    them; ranges they cover are not fetched again, and they are dropped when this returns."""
+    if not reader.storage.fetch_ahead:
+        done = [fn(job) for job in jobs]
+        if batch is not None:
+            batch.run(reader.read_handle)
+        return done
+    out: list[Any] = []
+    start = 0
+    try:
+        while start < len(jobs):
+            stop, size = start, 0
+            while stop < len(jobs) and (stop == start or size < URL_WINDOW):
+                entry, b = jobs[stop]
+                size += math.prod(b.shape) * itemsize(entry.dtype)
+                stop += 1
+            window = jobs[start:stop]
+            # Ranges the reader already holds (``held``) are not fetched again (``Prefetched.fetch``).
+            reader.prefetch(wanted_ranges(reader, window), URL_READ_THREADS)
+            try:
+                out += [fn(job) for job in window]
+                if batch is not None:
+                    batch.run(reader.read_handle)
+            finally:
+                if not held:
+                    reader.drop_prefetched()
+            start = stop
+    finally:
+        reader.drop_prefetched()
+    return out
+
+
+def wanted_ranges(
+    reader: CheckpointReader, jobs: list[tuple[TensorEntry, LocalSlice]]
+) -> dict[str, list[tuple[int, int]]]:
+    """The ``(absolute offset, length)`` ranges of each data file that ``read_box`` reads for these blocks."""
+    wanted: dict[str, list[tuple[int, int]]] = {}
+    for entry, b in jobs:
+        isz = itemsize(entry.dtype)
+        if len(b.shape) == 0:
+            (s,) = [s for s in entry.slices if math.prod(s.shape) > 0] or entry.slices
+            _, off, n = reader.slice_location(s)
+            wanted.setdefault(s.file, []).append((off, n))
+            continue
+        for s in entry.slices:
+            inter = intersect(b.offsets, b.shape, s.offsets, s.shape)
+            if inter is None:
+                continue
+            ioff, ishp = inter
+            src_off = tuple(a - o for a, o in zip(ioff, s.offsets, strict=True))
+            _, off, _ = reader.slice_location(s)
+            wanted.setdefault(s.file, []).extend(
+                (off + a * isz, k * isz) for a, k in runs(s.shape, src_off, ishp)
+            )
+    return wanted
+
+
+def open_for_load(
+    checkpoint: str | os.PathLike[str],
+    kind: str,
+    group: Any = None,
+    storage_options: dict[str, Any] | None = None,
+    args: _dist.Args | None = None,
+) -> CheckpointReader:
+    """Collective: every rank opens the checkpoint; an error on any rank raises on all.
+
+    ``args``: the calling load's arguments, validated and checked equal on every rank by the
+    first agreement (no extra exchange).
+
+    In a distributed load from a store that fetches ahead (an object store), rank 0 alone finds
+    the checkpoint and fetches its index, one broadcast hands the bytes to every rank, and each
+    rank parses them: the store serves the index once, not once per rank. A single process opens (pins) every data file at once, so a
+    save committed while the checkpoint is opened is retried once here, before anything is loaded.
+    """
+    where = os.fspath(checkpoint)
+    alone = _dist.world_size(group) == 1
+    located: reader_mod.Located | None = None
+    if not alone and _fetches_ahead(where, storage_options):
+        err: BaseException | None = None
+        try:
+            if args is not None and args.check is not None:
+                args.check()
+            if _dist.rank(group) == 0:
+                located = reader_mod.locate(where, kind, storage_options)
+        except BaseException as e:
+            err = e
+        _dist.agree(err, f"opening {where}", group, args)
+        args = None  # checked
+        located = _dist.broadcast_object(located, 0, group)
+    reader: CheckpointReader | None = None
+    err = None
+    try:
+        if args is not None and args.check is not None:
+            args.check()
+        maybe_fail("open")
+        if located is not None:
+            reader = open_located(located, kind, storage_options)
+        else:
+            reader = open_checkpoint(checkpoint, kind, pin=alone, storage_options=storage_options)
+    except BaseException as e:
+        err = e
+    try:
+        _dist.agree(err, f"opening {where}", group, args)
+    except BaseException:
+        if reader is not None:
+            reader.close()
+        raise
+    if reader is None:  # never: agree() raised when opening failed on any rank
+        raise RuntimeError(f"{where}: no reader after opening succeeded")
+    return reader
+
+
+def each_slice(
+    reader: CheckpointReader,
+    items: list[tuple[str, Any]],
+    fn: Callable[[tuple[str, Any]], None],
+    keep: bool = False,
+) -> bool:
+    """``fn((tensor name, stored slice))`` for each item; on a store that fetches ahead, the whole slices of about
+    ``URL_WINDOW`` bytes at a time are fetched first (coalesced, in flight together), so hashing
+    them (``verify=True``) costs a few large requests, not one round trip per slice.
+
+    ``keep``: there, when the slices total at most ``URL_VERIFY_HOLD`` bytes, the fetched
+    bytes stay in the reader for the load's reads (``each_block(held=True)``), so a verified load
+    fetches each byte once. Returns whether they were kept (the caller must then read with
+    ``held=True``, which drops them, or call ``reader.drop_prefetched()``)."""
+    if not reader.storage.fetch_ahead:
+        for item in items:
+            fn(item)
+        return False
+    keep = keep and sum(reader.slice_location(s)[2] for _, s in items) <= URL_VERIFY_HOLD
+    start = 0
+    while start < len(items):
+        stop, size = start, 0
+        while stop < len(items) and (stop == start or size < URL_WINDOW):
+            size += reader.slice_location(items[stop][1])[2]
+            stop += 1
+        wanted: dict[str, list[tuple[int, int]]] = {}
+        for _, s in items[start:stop]:
+            _, off, n = reader.slice_location(s)
+            wanted.setdefault(s.file, []).append((off, n))
+        reader.prefetch(wanted, URL_READ_THREADS)
+        try:
+            for item in items[start:stop]:
+                fn(item)
+        except BaseException:
+            reader.drop_prefetched()
+            raise
+        if not keep:
+            reader.drop_prefetched()
+        start = stop
+    return keep
+
+
+def _fetches_ahead(location: str, storage_options: dict[str, Any] | None) -> bool:
+    """Whether the storage of ``location`` fetches ahead (an object store): a distributed load
+    then fetches the index once, on rank 0. Any error opening it is the open's own to raise."""
+    from unickpt.format.storage import open_storage
+
+    try:
+        return open_storage(location, storage_options)[0].fetch_ahead
+    except Exception:
+        return False

@@ -1,10 +1,11 @@
-"""A rank's row-block boxes read from local files in bulk: located from arrays, read in runs.
+"""A rank's row-block boxes read in bulk: located from arrays, read in runs.
 
 FSDP's and TP's ``Shard(0)`` store a tensor as row blocks, one per rank's file, and a rank's box
 of the tensor is a row range of it. For such a box read straight into its contiguous target,
 every part (the rows a stored slice shares with the box) is computed for all its slices at once
 from the slice table and the spans located by ``format/slice_spans.py`` (no per-slice lookup),
-then added to the load's ``ReadBatch`` as arrays: per file, adjacent parts become one ``preadv``,
+then added to the load's ``ReadBatch`` as arrays: per file, adjacent parts become one vectored read
+(locally one ``preadv``, on an object store coalesced ranged requests),
 and the parts of one tensor stored back to back become one buffer.
 """
 

@@ -111,7 +111,7 @@ def merge_rows(
         batch.add_many(t.table, ks, offs, starts, starts + lens, buf)
         placed.append((name, t, pos, at, ks, starts - at, lens))
         at += t.nbytes
-    batch.run(r.fd, r.file_path)
+    batch.run(r.read_handle)
     out: dict[str, tuple[str | None, str | None]] = {}
     for name, t, _pos, at, klist, starts, lens in placed:
         view = buf[at : at + t.nbytes]

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from unickpt.errors import IntegrityError, IntegrityFailure
+from unickpt.errors import IntegrityError, IntegrityFailure, UnsupportedError
 from unickpt.format.dtypes import itemsize, word_dtype
 from unickpt.format.hashing import (
     SliceHasher,
@@ -105,7 +105,7 @@ class TensorMerger:
             len(runs) == 1
             and runs[0].slice.xxh3 is not None
             and not self.verify
-            and self.r.storage is None  # a source on a URL has no descriptor to copy from: stream
+            and self.r.read_handle(runs[0].slice.file).descriptor() is not None  # else nothing to copy from
             and not self._sparse(runs[0].slice.file)
         ):
             return "kernel", runs
@@ -138,7 +138,7 @@ class TensorMerger:
 
     def _bulk(self, name: str, t: TensorEntry) -> bool:
         """Whether a tensor goes through the bulk merge of row-sliced tensors (``_merge_bulk``)."""
-        if name not in self._rows or self.target_dtype(t) != t.dtype or self.r.storage is not None:
+        if name not in self._rows or self.target_dtype(t) != t.dtype:
             return False
         if t.table.ranges_count() or len(self._rows[name]) == 1:  # one slice: copied whole (kernel copy)
             return False
@@ -171,7 +171,7 @@ class TensorMerger:
     def _copy_one(self, s: SliceEntry, out: _Out, pos: int) -> str | None:
         """The output bytes are exactly the stored slice: copy in the kernel, its hash is the output's."""
         _, off, n = self.r.slice_location(s)
-        self._copy_file_range(self.r.fd(s.file), off, out.fd, pos, n)
+        self._copy_file_range(self._fd(s.file), off, out.fd, pos, n)
         out.wrote(pos + n)
         self.progress(n)
         return s.xxh3
@@ -217,7 +217,7 @@ class TensorMerger:
         if not self._sparse(s.file):
             return rel
         _, off, _n = self.r.slice_location(s)
-        data = next_data(self.r.fd(s.file), off + rel, off + n) - off
+        data = next_data(self._fd(s.file), off + rel, off + n) - off
         return rel + (data - rel) // unit * unit if data < n else n
 
     @property
@@ -245,10 +245,18 @@ class TensorMerger:
             write_all(dst_fd, memoryview(data), dst_off + done)
             done += len(data)
 
+    def _fd(self, file: str) -> int:
+        """The OS descriptor of a source data file (asked only of files that have one)."""
+        fd = self.r.read_handle(file).descriptor()
+        if fd is None:  # never: kernel copies and holes are asked of files with descriptors
+            raise UnsupportedError(f"{self.r.file_path(file)} has no OS descriptor to copy from")
+        return fd
+
     def _sparse(self, file: str) -> bool:
         got = self._sparse_files.get(file)
         if got is None:
-            got = self._sparse_files[file] = self.r.storage is None and is_sparse(self.r.fd(file))
+            fd = self.r.read_handle(file).descriptor()
+            got = self._sparse_files[file] = fd is not None and is_sparse(fd)
         return got
 
     def _assemble(

@@ -52,7 +52,7 @@ from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, Uns
 from unickpt.format.boxes import box_volume
 from unickpt.format.confine import check_graph, confined_path, plain_name, show
 from unickpt.format.coverage import coverage_problem
-from unickpt.format.storage import Storage, is_url, open_storage
+from unickpt.format.storage import Storage, open_storage
 
 __all__ = ["read_metadata", "check_metadata", "load_entries", "tensor_specs"]
 
@@ -107,8 +107,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 def read_metadata(src: str) -> Metadata:
     """The DCP ``Metadata`` of the directory ``src`` (a path or a URL), unpickled with the
     allowlist above."""
-    if is_url(src):
-        storage, root = open_storage(src)
+    storage, root = open_storage(src)
+    if storage.local_path(root) is None:
         try:  # one request: a missing object is the store's answer to the read
             raw = storage.read_bytes(storage.join(root, _METADATA))
         except IncompleteCheckpointError:
@@ -373,7 +373,8 @@ class _SafeFsspecReader(_SafeMetadata, FsspecReader):
 
 
 def _reader(src: str, md: Metadata) -> FileSystemReader:
-    reader = _SafeFsspecReader(src) if is_url(src) else _SafeReader(src)
+    storage, root = open_storage(src)
+    reader = _SafeFsspecReader(src) if storage.local_path(root) is None else _SafeReader(src)
     reader.known = md
     return reader
 

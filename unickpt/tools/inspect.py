@@ -7,10 +7,17 @@ import os
 from typing import Any
 
 from unickpt.format.dtypes import itemsize
-from unickpt.format.storage import is_url
+from unickpt.format.storage import Storage
 from unickpt.tools._common import human_bytes, open_auto
 
 __all__ = ["inspect_checkpoint", "format_report"]
+
+
+def _shown(storage: Storage, path: str | os.PathLike[str]) -> str:
+    """``path`` as the report names it: absolute where the storage has OS paths, as given otherwise."""
+    p = os.fspath(path)
+    local = storage.local_path(p.removeprefix("file://"))
+    return p if local is None else os.path.abspath(local)
 
 
 def inspect_checkpoint(
@@ -59,7 +66,7 @@ def inspect_checkpoint(
                 entry["state"] = t.state
             tensors[name] = entry
         out: dict[str, Any] = {
-            "path": os.fspath(path) if is_url(path) else os.path.abspath(os.fspath(path)),
+            "path": _shown(r.storage, path),
             "index": r.index_path,
             "kind": b.kind,
             # A plain Hugging Face / safetensors checkpoint has no unickpt block: nothing says

@@ -349,13 +349,14 @@ def merge_checkpoint(
             progress=progress,
             storage_options=storage_options,
         )
-    opts = storage_options if is_url(src_s) else None
+    src_local = _local_path(src_s)
+    opts = storage_options if src_local is None else None  # the options are the URL's (src or out)
     readers: list[CheckpointReader] = []
     try:
         # A file (a single-file checkpoint under any name, or an index) holds one kind; say which.
         kinds = (
             [detect_kind(src_s)]
-            if not is_url(src_s) and os.path.isfile(src_s)
+            if src_local is not None and os.path.isfile(src_local)
             else ["model", "optimizer"]
             if optimizer
             else ["model"]
@@ -462,14 +463,24 @@ def _size_bytes(size: int | str) -> int:
 
 def _has_kind(src: str, kind: str, storage_options: dict[str, Any] | None) -> bool:
     """False when ``src`` is a directory (or a URL) holding no ``kind`` checkpoint."""
-    if is_url(src):
-        from unickpt.format.storage import open_storage
+    from unickpt.format.storage import open_storage
+
+    store, root = open_storage(src, storage_options)
+    local = store.local_path(root)
+    if local is None:
         from unickpt.store.publish import committed_on_store
 
-        store, root = open_storage(src, storage_options)
         return root.endswith((".json", ".safetensors")) or committed_on_store(store, root, kind)
-    if not os.path.isdir(src):
+    if not os.path.isdir(local):
         return True
-    return os.path.isfile(os.path.join(src, index_name(kind))) or os.path.isfile(
-        os.path.join(src, single_name(kind))
+    return os.path.isfile(os.path.join(local, index_name(kind))) or os.path.isfile(
+        os.path.join(local, single_name(kind))
     )
+
+
+def _local_path(src: str) -> str | None:
+    """The OS path of the source ``src``, None where its storage has none (an object store)."""
+    from unickpt.format.storage import open_storage
+
+    store, root = open_storage(src)
+    return store.local_path(root)

@@ -40,6 +40,7 @@ from unickpt.format.range_hashes import RangeChecker, has_hashes
 from unickpt.format.read_batch import table_spans
 from unickpt.format.reader import CheckpointReader
 from unickpt.format.slice_spans import FileNumbers, recorded_hashes
+from unickpt.format.storage import ReadHandle
 from unickpt.tools._common import open_auto
 from unickpt.tools._progress import progress_bar
 
@@ -325,7 +326,7 @@ def check_claims(r: CheckpointReader) -> None:
             )
 
 
-# Many small slices in local files: one read per run of adjacent slices.
+# Many small slices in files read where they lie (not fetched ahead): one read per run of adjacent slices.
 #
 # A sliced save's data file holds one slice of every tensor its rank saved, back to back.
 # Rehashing them one ``pread`` at a time costs a system call and its bookkeeping per slice; here
@@ -341,9 +342,10 @@ RUN_BYTES = 16 << 20
 
 
 def bulk_verifiable(r: CheckpointReader, t: TensorEntry, fp: bool) -> bool:
-    """Whether the tensor's slices can be rehashed here: local files, no fingerprint to
-    recompute, no byte-range hashes."""
-    return r.storage is None and not fp and t.table.ranges_count() == 0
+    """Whether the tensor's slices can be rehashed here: files read where they lie (an object
+    store's are fetched ahead in windows by the per-slice path), no fingerprint to recompute, no
+    byte-range hashes."""
+    return not r.storage.fetch_ahead and not fp and t.table.ranges_count() == 0
 
 
 def verify_bulk(
@@ -384,7 +386,7 @@ def verify_bulk(
         for a, b in _runs(f, off, size):
             file = names[int(f[a])]
             run = (off[a:b], size[a:b], want[a:b], tis[a:b], kss[a:b])
-            _check_run(r, r.fd(file), file, run, tensors, failed, report, tick)
+            _check_run(r, r.read_handle(file), file, run, tensors, failed, report, tick)
     failed.sort(key=lambda x: (x[0], x[1]))
     report.extend(fl for _, _, fl in failed)
     return rest
@@ -414,7 +416,7 @@ def _runs(f: np.ndarray, off: np.ndarray, size: np.ndarray) -> list[tuple[int, i
 
 def _check_run(
     r: CheckpointReader,
-    fd: int,
+    handle: ReadHandle,
     file: str,
     run: tuple[np.ndarray, ...],
     tensors: list[tuple[str, TensorEntry]],
@@ -427,8 +429,8 @@ def _check_run(
     start = int(off[0])
     total = int(off[-1] + size[-1]) - start
     try:
-        buf = memoryview(os.pread(fd, total, start))
-    except OSError:
+        buf = memoryview(handle.pread(start, total))
+    except (OSError, IncompleteCheckpointError):
         buf = memoryview(b"")
     report.hashed += len(off)
     if len(buf) == total:

@@ -19,13 +19,14 @@ import xxhash
 
 from unickpt import GeneralCheckpointIO, merge_checkpoint
 from unickpt.errors import HeaderError, IncompleteCheckpointError, IntegrityError
-from unickpt.format import read_batch, safetensors_bulk
+from unickpt.format import safetensors_bulk, storage_readv
 from unickpt.format.index import index_to_json, parse_index
 from unickpt.format.index_models import LayoutInfo
 from unickpt.format.naming import SLICED_SENTINEL, shard_name, slice_key
 from unickpt.format.read_batch import ReadBatch
 from unickpt.format.reader import CheckpointReader, open_checkpoint
 from unickpt.format.safetensors_io import encode_header, parse_header
+from unickpt.format.storage import LocalStorage
 from unickpt.format.writer import build_block, build_index
 from unickpt.tools.verify import verify_checkpoint
 
@@ -217,7 +218,10 @@ def test_verify_of_a_file_truncated_after_validation_names_each_slice_cut(
     monkeypatch.setattr(CheckpointReader, "validate_structure", then_truncate)
     report = verify_checkpoint(tmp_path)
     assert [f.key for f in report] == [slice_key(f"layers.{i}.w", RANK) for i in range(TENSORS - 11, TENSORS)]
-    assert all(f.found.startswith("unreadable (file is truncated") and f.file == victim.name for f in report)
+    assert all(
+        f.found.startswith(f"unreadable ({victim}: file is truncated") and f.file == victim.name
+        for f in report
+    )
     assert report.hashed == WORLD * TENSORS
 
 
@@ -227,12 +231,12 @@ def test_read_batch_joins_pieces_adjacent_in_file_and_destination(
     p = tmp_path / "f.bin"
     p.write_bytes(bytes(range(256)) * 4)
     calls: list[int] = []
-    libc = read_batch._PREADV
+    libc = storage_readv._PREADV
     if libc is not None:
         monkeypatch.setattr(
-            read_batch, "_PREADV", lambda fd, iov, n, off: calls.append(n) or libc(fd, iov, n, off)
+            storage_readv, "_PREADV", lambda fd, iov, n, off: calls.append(n) or libc(fd, iov, n, off)
         )
-    fd = os.open(p, os.O_RDONLY)
+    fd = LocalStorage(str(tmp_path)).open_read(str(p))
     try:
         dst = np.zeros(64, dtype=np.uint8)
         other = np.zeros(16, dtype=np.uint8)
@@ -243,13 +247,13 @@ def test_read_batch_joins_pieces_adjacent_in_file_and_destination(
         order = np.asarray([3, 0, 7, 1, 2, 6, 5, 4])
         batch.add_many(table, ks, 100 + 8 * order, 8 * order, 8 * order + 8, memoryview(dst))
         batch.add("f", 164, memoryview(other))  # adjacent in the file, another buffer
-        batch.run(lambda _f: fd, lambda _f: str(p))
+        batch.run(lambda _f: fd)
         assert bytes(dst) == (bytes(range(256)) * 4)[100:164]
         assert bytes(other) == (bytes(range(256)) * 4)[164:180]
         if libc is not None:
             assert calls == [2]  # one call: the joined rows and the other buffer
     finally:
-        os.close(fd)
+        fd.close()
 
 
 def test_read_batch_falls_back_to_python_buffers_when_libc_preadv_fails(
@@ -257,14 +261,14 @@ def test_read_batch_falls_back_to_python_buffers_when_libc_preadv_fails(
 ) -> None:
     p = tmp_path / "f.bin"
     p.write_bytes(bytes(range(200)))
-    monkeypatch.setattr(read_batch, "_PREADV", lambda *a: -1)
-    fd = os.open(p, os.O_RDONLY)
+    monkeypatch.setattr(storage_readv, "_PREADV", lambda *a: -1)
+    fd = LocalStorage(str(tmp_path)).open_read(str(p))
     try:
         bufs = [bytearray(10) for _ in range(5)]
         batch = ReadBatch()
         for i, b in enumerate(bufs):
             batch.add("f", 50 + 10 * i, memoryview(b))
-        batch.run(lambda _f: fd, lambda _f: str(p))
+        batch.run(lambda _f: fd)
         assert b"".join(bufs) == bytes(range(50, 100))
         os.truncate(p, 75)
         for i, b in enumerate(bufs):
@@ -272,9 +276,9 @@ def test_read_batch_falls_back_to_python_buffers_when_libc_preadv_fails(
         with pytest.raises(
             IncompleteCheckpointError, match=r"f.bin: file is truncated: wanted 50 bytes at offset 50"
         ):
-            batch.run(lambda _f: fd, lambda _f: str(p))
+            batch.run(lambda _f: fd)
     finally:
-        os.close(fd)
+        fd.close()
 
 
 def test_read_batch_refuses_a_read_outside_its_buffer(tmp_path: Path) -> None:
@@ -283,7 +287,7 @@ def test_read_batch_refuses_a_read_outside_its_buffer(tmp_path: Path) -> None:
     one = np.zeros(1, dtype=np.int64)
     batch.add_many(table, one, one, one + 4, one + 12, memoryview(bytearray(8)))
     with pytest.raises(ValueError, match="outside its destination buffer"):
-        batch.run(lambda _f: 0, lambda _f: "f")
+        batch.run(lambda _f: None)  # type: ignore[arg-type,return-value]  # refused before any read
 
 
 def _strict(raw: bytes, n: int) -> Any:

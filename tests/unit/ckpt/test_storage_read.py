@@ -27,6 +27,7 @@ from unickpt.errors import (
 from unickpt.format.boxes import runs
 from unickpt.format.reader import open_checkpoint
 from unickpt.format.reader_storage import HEADER_PROBE
+from unickpt.format.storage import LocalStorage
 from unickpt.io.load import _Files, read_box
 
 
@@ -104,7 +105,9 @@ def test_open_reads_and_verifies_like_local(s3, stored) -> None:
 def test_file_url_is_a_local_path(stored) -> None:
     _, local, _ = stored
     with open_checkpoint(f"file://{local}") as r:
-        assert r.storage is None and r.index_path == str(local / "model.safetensors.index.json")
+        assert isinstance(r.storage, LocalStorage) and r.index_path == str(
+            local / "model.safetensors.index.json"
+        )
     with pytest.raises(ConfigError, match="storage_options are for fsspec URLs"):
         open_checkpoint(local, storage_options={"anon": True})
 
@@ -399,10 +402,10 @@ def test_verified_load_batches_its_hash_reads(s3, tmp_path, monkeypatch, hold: b
     # verify=True hashes every needed stored slice before anything is copied: the slices come in
     # a few coalesced requests per file (not one round trip per slice), and the load copies from
     # those same bytes (each byte fetched once); over URL_VERIFY_HOLD it fetches them again.
-    import unickpt.io.url_load as url_load
+    import unickpt.io.load as load_mod
 
     if not hold:
-        monkeypatch.setattr(url_load, "URL_VERIFY_HOLD", 0)
+        monkeypatch.setattr(load_mod, "URL_VERIFY_HOLD", 0)
 
     def many(seed: int) -> nn.Module:
         torch.manual_seed(seed)

@@ -16,7 +16,7 @@ import xxhash
 
 from unickpt import GeneralCheckpointIO
 from unickpt.errors import HeaderError, IncompleteCheckpointError
-from unickpt.format import read_batch
+from unickpt.format import storage_readv
 from unickpt.format.index import index_to_json, parse_index
 from unickpt.format.index_models import LayoutInfo
 from unickpt.format.naming import SLICED_SENTINEL, shard_name, slice_key
@@ -24,6 +24,7 @@ from unickpt.format.read_batch import ReadBatch, table_spans
 from unickpt.format.reader import open_checkpoint
 from unickpt.format.safetensors_bulk import HeaderEntries, parse_header_bulk
 from unickpt.format.safetensors_io import encode_header, parse_header
+from unickpt.format.storage import LocalStorage
 from unickpt.format.writer import build_block, build_index
 from unickpt.tools import verify
 from unickpt.tools.verify import verify_checkpoint
@@ -184,14 +185,14 @@ def _count_preadv(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         return real(fd, bufs, offset)
 
     monkeypatch.setattr(os, "preadv", counting)
-    libc = read_batch._PREADV
+    libc = storage_readv._PREADV
     if libc is not None:  # the batch's own preadv over an iovec array (Linux)
 
         def counting_libc(fd: int, iov: int, count: int, offset: int) -> int:
             calls.append(count)
             return int(libc(fd, iov, count, offset))
 
-        monkeypatch.setattr(read_batch, "_PREADV", counting_libc)
+        monkeypatch.setattr(storage_readv, "_PREADV", counting_libc)
     return calls
 
 
@@ -230,7 +231,7 @@ def test_a_file_truncated_in_the_middle_of_a_coalesced_run(
 def test_read_batch_short_read_names_the_file(tmp_path: Path) -> None:
     p = tmp_path / "f.bin"
     p.write_bytes(bytes(range(100)) * 10)
-    fd = os.open(p, os.O_RDONLY)
+    fd = LocalStorage(str(tmp_path)).open_read(str(p))
     try:
         bufs = [memoryview(bytearray(100)) for _ in range(10)]
         batch = ReadBatch()
@@ -241,10 +242,10 @@ def test_read_batch_short_read_names_the_file(tmp_path: Path) -> None:
             IncompleteCheckpointError,
             match=r"f.bin: file is truncated: wanted 1000 bytes at offset 0 .* ends after 550",
         ):
-            batch.run(lambda _f: fd, lambda _f: str(p))
+            batch.run(lambda _f: fd)
         assert bytes(bufs[4]) == bytes(range(100)) and bytes(bufs[5][:50]) == bytes(range(50))
     finally:
-        os.close(fd)
+        fd.close()
 
 
 def test_an_index_slice_whose_key_is_missing_from_the_header(tmp_path: Path) -> None:

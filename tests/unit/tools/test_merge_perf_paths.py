@@ -23,7 +23,7 @@ from test_merge import _check_merged, _flat, _rand, _rows, _tensor, hand_made_re
 
 from unickpt import merge_checkpoint
 from unickpt.errors import IncompleteCheckpointError, IntegrityError
-from unickpt.format import read_batch
+from unickpt.format import storage_readv
 from unickpt.format.index import SliceEntry, TensorEntry, UnickptBlock
 from unickpt.format.reader import UNICKPT_METADATA_KEY, CheckpointReader, open_checkpoint
 from unickpt.format.safetensors_io import read_header
@@ -297,7 +297,7 @@ def test_read_failing_mid_copy_raises_it_and_leaves_no_output(
         return real(*a, **k)
 
     monkeypatch.setattr(os, "preadv", flaky)
-    monkeypatch.setattr(read_batch, "_PREADV", None)  # the batch's runs through os.preadv too
+    monkeypatch.setattr(storage_readv, "_PREADV", None)  # the batch's runs through os.preadv too
     out = tmp_path / "out"
     with pytest.raises(OSError, match="Input/output error"):
         merge_checkpoint(tmp_path / "src", out)
