@@ -137,10 +137,14 @@ def save_tensors(
     single_file = opts.gather and not opts.shard
     # Every file goes through the storage layer; what it can do picks how (module docstring).
     store, root = open_store(path, opts.storage_options)
-    url = is_url(path)  # the committed location is returned as a URL was given, a path absolute
+    # The committed location is returned as a URL was given; a directory absolute, a single
+    # file below the path given (``io.async_save.committed_path``).
+    url = is_url(path)
+    given = path if url else path.removeprefix("file://")
     # An existing file (e.g. a tempfile.NamedTemporaryFile) is replaced by an unsharded save.
     is_file = root.endswith(".safetensors") or (not url and os.path.isfile(root))
     file_path = root if is_file else store.join(root, single_name(opts.kind))
+    shown_file = path if url else given if is_file else os.path.join(given, single_name(opts.kind))
     directory = posixpath.dirname(file_path)
     if not single_file:
         file_path = ""
@@ -307,7 +311,7 @@ def save_tensors(
                 save_gathered(gs, staged_hf, group, rank)
             elif isinstance(store, FsspecStorage):  # S3: every rank uploads its parts
                 save_gathered_parts(gs, store, over, group, rank, world)
-            return _finish(lock, path if url else file_path if single_file else directory)
+            return _finish(lock, shown_file if single_file else path if url else directory)
         # 4. write.
         results: _Results = {}
         try:
@@ -352,7 +356,7 @@ def save_tensors(
         staged = {f.name: make_writer(directory, opts, plan, save_id, store).staged_name(f.name) for f in own}
         if single_file:  # rank 0 wrote and committed the file: this agreement ends the save
             settle(err, f"writing {directory}", group, lock)
-            return _finish(lock, path if url else file_path)
+            return _finish(lock, shown_file)
         try:  # the agreement carries the hashes: one exchange
             all_results = _dist.agree_gather(err, results, f"writing {directory}", group)
         except BaseException:
