@@ -496,7 +496,15 @@ class FsspecStorage(Storage):
     ``fs`` is kept guarded (``format/storage_guard.py``): every call into the store's client has a
     deadline of ``timeout`` seconds (0: none; None: ``$UNICKPT_STORE_TIMEOUT``, else 120) and its
     errors raised as ``StorageError``, credentials (``options``'s, the URL's) never in a message.
+
+    What it can do: an object is written front to back once (an upload, durable when complete),
+    so no ``range_write``, ``durable_sync`` nor ``kernel_copy``; no ``atomic_rename``;
+    ``conditional_put`` on S3 (``If-None-Match: *``).
     """
+
+    range_write = False
+    durable_sync = False
+    kernel_copy = False
 
     def __init__(self, fs: Any, url: str, *, timeout: float | None = None, options: Any = None) -> None:
         self.fs = guarded(fs, url, timeout, options)
