@@ -159,20 +159,21 @@ def install_kill_hooks(kill_at: int, log: list[str]) -> None:
 
     SafetensorsWriter.write = write  # type: ignore[method-assign]
 
-    # Gathered saves (io/hf_save.py) write headers and data in place with write_all (pwrite).
-    import unickpt.io.hf_save as hf_save
+    # Gathered saves (io/hf_save.py) and single files' headers are written in place
+    # (``LocalStorage.open_range``: pwrite).
+    from unickpt.format.storage import LocalRange
 
-    orig_write_all = hf_save.write_all
+    orig_pwrite = LocalRange.pwrite
 
-    def write_all(fd: int, data: memoryview, pos: int) -> None:
-        name = f"{os.path.basename(os.readlink(f'/proc/self/fd/{fd}'))}@{pos}"
+    def pwrite(f: LocalRange, data: memoryview | bytes, pos: int) -> None:
+        name = f"{os.path.basename(f.path)}@{pos}"
         tick(f"write-start {name}")
         mv = memoryview(data).cast("B")
-        tick(f"write-half {name}", lambda: orig_write_all(fd, mv[: mv.nbytes // 2], pos))
-        orig_write_all(fd, data, pos)
+        tick(f"write-half {name}", lambda: orig_pwrite(f, mv[: mv.nbytes // 2], pos))
+        orig_pwrite(f, data, pos)
         tick(f"write-end {name}")
 
-    hf_save.write_all = write_all  # type: ignore[assignment]
+    LocalRange.pwrite = pwrite  # type: ignore[method-assign]
 
     def around(mod: Any, name: str) -> None:
         orig = getattr(mod, name)

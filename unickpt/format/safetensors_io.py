@@ -12,7 +12,6 @@ in order, so a file never needs all of its tensors in memory at once.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import math
@@ -29,7 +28,7 @@ from unickpt.format.bounds import MAX_HEADER_BYTES as _MAX_HEADER_BYTES
 from unickpt.format.dtypes import DTYPE_ITEMSIZE
 from unickpt.format.foreign import foreign_file
 from unickpt.format.safetensors_bulk import HeaderEntry, parse_header_bulk
-from unickpt.format.storage import Storage
+from unickpt.format.storage import LocalStorage, Storage
 from unickpt.store.writeback import Writeback
 
 __all__ = [
@@ -238,10 +237,13 @@ class SafetensorsWriter:
     """Writes one safetensors file, streaming tensor bytes in the order of ``specs``.
 
     Usage: ``w = SafetensorsWriter(path, specs, metadata); w.write(key, buf) ...; w.close()``.
-    ``close`` flushes and fsyncs; ``abort`` closes and removes the partial file. With
-    ``writeback`` (for files that will be fsynced) the kernel is asked to start writing every
-    ``WRITEBACK_BYTES`` to disk as they are written, so the disk works while the rest of the file
-    is produced and the final fsync has little left to wait for.
+    The file is opened through ``storage`` (a :class:`~unickpt.format.storage.LocalStorage` when
+    None; an existing file is replaced) with ``Storage.open_write``. ``close`` makes it whole
+    (``Storage.finish_write``: flushed and fsynced where the store's files are made durable by
+    fsync, an upload completed on an object store); ``abort`` drops it. With ``writeback`` (for
+    files that will be fsynced, on a store with ``durable_sync``) the kernel is asked to start
+    writing every ``WRITEBACK_BYTES`` to disk as they are written, so the disk works while the rest
+    of the file is produced and the final fsync has little left to wait for.
     """
 
     WRITEBACK_BYTES = 8 << 20
@@ -260,11 +262,10 @@ class SafetensorsWriter:
         self._expected = [(k, e - b) for (k, _, _), (b, e) in zip(specs, spans, strict=True)]
         self._next = 0
         self._written = 0
-        # On an object store the file is a streamed (multipart) upload: no fsync, no writeback.
-        self._storage = storage
-        if storage is not None:
-            writeback = False
-        self._f: BinaryIO | None = open(path, "wb") if storage is None else storage.open_write(path)  # noqa: SIM115
+        self._storage = storage if storage is not None else LocalStorage(os.path.dirname(path))
+        # An upload (no fsync) takes no write-behind hints.
+        writeback = writeback and self._storage.durable_sync
+        self._f: BinaryIO | None = self._storage.open_write(path, overwrite=True)
         try:
             self._f.write(header)
         except BaseException:
@@ -299,35 +300,16 @@ class SafetensorsWriter:
         if self._f is None:
             return
         f, self._f = self._f, None
-        try:
-            if self._next != len(self._expected):
-                missing = [k for k, _ in self._expected[self._next :]]
-                raise ValueError(f"{self.path}: closed before tensors {missing[:5]} were written")
-            if self._storage is not None:
-                f.close()  # completes the upload: the object becomes visible whole
-                return
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
-        except BaseException:
-            if self._storage is not None:
-                self._storage.abort(f)
-            raise
-        finally:
-            if self._storage is None:
-                f.close()
+        if self._next != len(self._expected):
+            missing = [k for k, _ in self._expected[self._next :]]
+            self._storage.abort(f)
+            raise ValueError(f"{self.path}: closed before tensors {missing[:5]} were written")
+        self._storage.finish_write(f, fsync=fsync)  # an upload completes: visible whole
 
     def abort(self) -> None:
-        if self._storage is not None:
-            if self._f is not None:
-                f, self._f = self._f, None
-                self._storage.abort(f)
-            return
         if self._f is not None:
-            self._f.close()
-            self._f = None
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+            f, self._f = self._f, None
+            self._storage.abort(f)
 
 
 def iter_range(f: BinaryIO | int, offset: int, length: int, chunk: int = READ_CHUNK_BYTES) -> Iterator[bytes]:

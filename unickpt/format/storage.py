@@ -4,12 +4,30 @@ Everything that touches checkpoint bytes (the reader, the writer, the commit, li
 cleanup) goes through a :class:`Storage`. Two implementations:
 
 - :class:`LocalStorage`: POSIX files. Ranged reads are ``pread`` on one descriptor, writes
-  are streamed into staged files, commits are atomic renames (``store/publish.py``).
+  are streamed into staged files or ``pwrite``n into preallocated ones (:meth:`Storage.open_range`),
+  commits are atomic renames (``store/publish.py``).
 - :class:`FsspecStorage`: any fsspec file system (``s3://``, ``gs://``, ``az://``,
   ``memory://``...). Ranged reads are exact ranged GETs, neighbouring ranges coalesced and
   several in flight at once (``cat_ranges``); writes stream as multipart uploads; there is no
   rename, so a checkpoint is committed by an object written last, with a conditional write
   (``put(..., exclusive=True)``) where the store offers one.
+
+Writers choose how to write from what the store says it can do, never from the location:
+
+- ``range_write``: a file can be created at its final size and written at any offset
+  (:meth:`Storage.open_range`): headers rewritten in place once the data is hashed, every rank
+  writing its own bytes of a shared file. Local files yes, object stores no (an upload is
+  written front to back, once).
+- ``atomic_rename``: files are staged under hidden names and renamed into place (the commit of
+  ``store/publish.py``); without it each file is written under its final name and the index,
+  written last, is the commit (``store/publish.py``).
+- ``exclusive_put``: ``put(..., exclusive=True)`` refuses to overwrite atomically.
+- ``conditional_put``: writes and deletes conditional on an object's version (ETag), which the
+  fenced lock of ``store/lock.py`` needs.
+- ``durable_sync``: files are made durable by ``fsync`` (and take write-behind hints); an
+  upload is durable once complete.
+- ``kernel_copy``: :meth:`Storage.copy_range` copies between two files of the store in the kernel
+  (``copy_file_range``), the bytes never entering the process.
 
 Locations are strings: a local path, or a URL. :func:`open_storage` maps what a user passed
 (``"s3://bucket/run"``, ``"file:///x"``, ``"/x"``, a ``PathLike``) to ``(storage, root)``,
@@ -41,6 +59,7 @@ __all__ = [
     "FsspecStorage",
     "ReadHandle",
     "Buffers",
+    "RangeFile",
     "open_storage",
     "is_url",
     "coalesce",
@@ -144,13 +163,43 @@ class ReadHandle(Protocol):
     def close(self) -> None: ...
 
 
+class RangeFile(Protocol):
+    """A file open for writes at any offset (:meth:`Storage.open_range`)."""
+
+    path: str
+
+    def pwrite(self, data: memoryview | bytes, offset: int) -> None:
+        """Write all of ``data`` at ``offset``."""
+        ...
+
+    def writeback(self, offset: int, length: int) -> None:
+        """Ask for ``length`` bytes at ``offset`` to start reaching the disk, without waiting
+        (a hint; never a substitute for :meth:`sync`)."""
+        ...
+
+    def sync(self) -> None:
+        """Make what was written durable."""
+        ...
+
+    def close(self) -> None: ...
+
+
 class Storage:
-    """The operations on checkpoint files; locations are paths or URLs below ``root``."""
+    """The operations on checkpoint files; locations are paths or URLs below ``root``.
+
+    The class attributes below say what the store can do (the module's docstring); writers pick
+    their strategy from them."""
 
     #: True when files can be renamed atomically (POSIX); object stores commit by a marker.
     atomic_rename: bool = False
     #: True when ``put(..., exclusive=True)`` refuses to overwrite on this store.
     exclusive_put: bool = False
+    #: True when :meth:`open_range` gives a file written at any offset (``pwrite``).
+    range_write: bool = False
+    #: True when written files are made durable by ``fsync`` (:meth:`finish_write`'s ``fsync``).
+    durable_sync: bool = False
+    #: True when :meth:`copy_range` copies in the kernel, between two files of this store.
+    kernel_copy: bool = False
     #: How users named this storage's root (for messages).
     url: str = ""
     #: True when every read is a request to a remote store: a load fetches the byte ranges it will
@@ -179,13 +228,36 @@ class Storage:
         finally:
             h.close()
 
-    def open_write(self, path: str) -> BinaryIO:
-        """A new file written front to back; ``close()`` makes it whole, ``abort(f)`` drops it."""
+    def open_write(self, path: str, *, overwrite: bool = False) -> BinaryIO:
+        """A new file written front to back; :meth:`finish_write` (or ``close()``) makes it
+        whole, ``abort(f)`` drops it. ``overwrite``: an existing file is replaced (else, on a
+        store that can tell, ``FileExistsError``)."""
         raise NotImplementedError
+
+    def finish_write(self, f: BinaryIO, *, fsync: bool = True) -> None:
+        """Make a file opened by :meth:`open_write` whole (durable with ``fsync``, where
+        ``durable_sync``) and close it; on failure it is dropped as by :meth:`abort`."""
+        try:
+            f.close()
+        except BaseException:
+            self.abort(f)
+            raise
 
     def abort(self, f: BinaryIO) -> None:
         """Drop a file opened by :meth:`open_write` without leaving it behind."""
         raise NotImplementedError
+
+    def open_range(self, path: str, *, size: int | None = None, header: bytes = b"") -> RangeFile:
+        """``path`` open for writes at any offset (only where ``range_write``). With ``size``
+        the file is created (refused with ``FileExistsError`` when it exists), ``header`` at
+        its start and ``size`` bytes long; without, an existing file is opened
+        (``FileNotFoundError`` when missing)."""
+        raise UnsupportedError(f"{self.url}: this storage cannot write a file at an offset")
+
+    def copy_range(self, src_fd: int, src_off: int, dst: RangeFile, dst_off: int, n: int) -> None:
+        """Copy ``n`` bytes at ``src_off`` of the open file ``src_fd`` (a file of this store, as
+        its reader holds it) to ``dst_off`` of ``dst`` (only where ``kernel_copy``)."""
+        raise UnsupportedError(f"{self.url}: this storage has no copy between its files")
 
     def put(self, path: str, data: bytes, *, exclusive: bool = False) -> bool:
         """Write a small file whole. With ``exclusive``, return False (and write nothing) when
@@ -291,11 +363,50 @@ class _LocalRead:
             self.fd = -1
 
 
+#: Bytes copied per read/write when the kernel cannot copy between two files (another device).
+_COPY_CHUNK = 4 << 20
+
+
+def pwrite_all(fd: int, data: memoryview | bytes, pos: int) -> None:
+    """``pwrite`` all of ``data`` at ``pos`` (``pwrite`` may write less than asked)."""
+    mv = memoryview(data).cast("B")
+    done = 0
+    n = mv.nbytes
+    while done < n:
+        done += os.pwrite(fd, mv[done:], pos + done)
+
+
+class LocalRange:
+    """A local file open for writes at any offset; ``fd`` is its descriptor (``O_WRONLY``)."""
+
+    def __init__(self, path: str, fd: int) -> None:
+        self.path, self.fd = path, fd
+
+    def pwrite(self, data: memoryview | bytes, offset: int) -> None:
+        pwrite_all(self.fd, data, offset)
+
+    def writeback(self, offset: int, length: int) -> None:
+        from unickpt.store.writeback import start_writeback
+
+        start_writeback(self.fd, offset, length)
+
+    def sync(self) -> None:
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+
 class LocalStorage(Storage):
     """POSIX files below a directory."""
 
     atomic_rename = True
     exclusive_put = True
+    range_write = True
+    durable_sync = True
+    kernel_copy = True
 
     def __init__(self, root: str) -> None:
         self.url = root
@@ -309,12 +420,59 @@ class LocalStorage(Storage):
     def open_read(self, path: str) -> ReadHandle:
         return _LocalRead(path)
 
-    def open_write(self, path: str) -> BinaryIO:
-        return open(path, "xb")
+    def open_write(self, path: str, *, overwrite: bool = False) -> BinaryIO:
+        return open(path, "wb" if overwrite else "xb")
+
+    def finish_write(self, f: BinaryIO, *, fsync: bool = True) -> None:
+        try:
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        except BaseException:
+            self.abort(f)
+            raise
+        f.close()
 
     def abort(self, f: BinaryIO) -> None:
         f.close()
         self.remove([f.name])  # type: ignore[list-item]
+
+    def open_range(self, path: str, *, size: int | None = None, header: bytes = b"") -> RangeFile:
+        if size is None:
+            return LocalRange(path, os.open(path, os.O_WRONLY))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            if header:
+                pwrite_all(fd, header, 0)
+            os.ftruncate(fd, size)
+        except BaseException:
+            os.close(fd)
+            self.remove([path])
+            raise
+        return LocalRange(path, fd)
+
+    def copy_range(self, src_fd: int, src_off: int, dst: RangeFile, dst_off: int, n: int) -> None:
+        """``copy_file_range`` (a copy-on-write clone where the file system makes one); across
+        devices, or where the kernel refuses, read and written in chunks."""
+        dst_fd = dst.fd if isinstance(dst, LocalRange) else -1
+        done = 0
+        if dst_fd >= 0:
+            try:
+                while done < n:
+                    k = os.copy_file_range(src_fd, dst_fd, n - done, src_off + done, dst_off + done)
+                    if k <= 0:
+                        break
+                    done += k
+            except OSError:
+                pass  # cross-device or unsupported file system: read and write below
+        while done < n:
+            data = os.pread(src_fd, min(_COPY_CHUNK, n - done), src_off + done)
+            if not data:
+                raise IncompleteCheckpointError(
+                    f"copying to {dst.path}: the source is truncated at byte {src_off + done}"
+                )
+            dst.pwrite(data, dst_off + done)
+            done += len(data)
 
     def put(self, path: str, data: bytes, *, exclusive: bool = False) -> bool:
         try:
@@ -425,9 +583,16 @@ class FsspecStorage(Storage):
     ``fs`` is kept guarded (``format/storage_guard.py``): every call into the store's client has a
     deadline of ``timeout`` seconds (0: none; None: ``$UNICKPT_STORE_TIMEOUT``, else 120) and its
     errors raised as ``StorageError``, credentials (``options``'s, the URL's) never in a message.
+
+    What it can do: an object is written front to back once (an upload, durable when complete),
+    so no ``range_write``, ``durable_sync`` nor ``kernel_copy``; no ``atomic_rename``;
+    ``exclusive_put`` and ``conditional_put`` on S3 (``If-None-Match: *``, ``If-Match``).
     """
 
     fetch_ahead = True
+    range_write = False
+    durable_sync = False
+    kernel_copy = False
 
     def __init__(self, fs: Any, url: str, *, timeout: float | None = None, options: Any = None) -> None:
         self.fs = guarded(fs, url, timeout, options)
@@ -458,7 +623,7 @@ class FsspecStorage(Storage):
             raise IncompleteCheckpointError(f"{shown} is missing") from e
         return _FsspecRead(self.fs, path, size)
 
-    def open_write(self, path: str) -> BinaryIO:
+    def open_write(self, path: str, *, overwrite: bool = False) -> BinaryIO:
         if self.protocol in ("s3", "s3a"):  # several parts in flight (format/storage_s3.py)
             from typing import cast
 

@@ -8,19 +8,24 @@ which keeps only the collective work), ``tools/_write.py`` (convert, hand-made l
 - streams blocks into staged data files, hashing each block on a second thread while the
   next one is written (``write_files``);
 - builds the index from what was written (``tensor_entry``, ``build_block``, ``build_index``);
-- writes a single-file checkpoint, whose header carries the unickpt block: written first with
-  same-length placeholders, rewritten once the data is hashed (``write_single_file``,
-  ``rewrite_header``);
+- writes a single-file checkpoint, whose header carries the unickpt block: on a store that
+  writes at offsets (``Storage.range_write``) written first with same-length placeholders and
+  rewritten in place once the data is hashed (``write_single_file``, ``rewrite_header``); on
+  one that cannot, hashed first and written front to back;
 - and leaves staging names, save ids, the index's commit, superseding and cleanup to
   ``store.publish``.
 
 ``CheckpointWriter`` ties these together for one directory and one save id.
+
+Every file goes through a :class:`~unickpt.format.storage.Storage` (a ``LocalStorage`` for a
+path when none is given); what the store can do picks the strategy: ``range_write`` the in-place
+header rewrite, ``atomic_rename`` staging names and renames (``store.publish``) rather than final
+names and an index written last (``store.publish``).
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import json
 import os
 import posixpath
@@ -41,7 +46,7 @@ from unickpt.format.naming import SLICED_SENTINEL, single_name
 from unickpt.format.reader import UNICKPT_METADATA_KEY
 from unickpt.format.safetensors_io import SafetensorsWriter, encode_header
 from unickpt.format.slice_table import SliceTable
-from unickpt.format.storage import Storage
+from unickpt.format.storage import LocalStorage, RangeFile, Storage, pwrite_all
 from unickpt.store.lock import Fence
 from unickpt.store.publish import (
     SAVE_ID_KEY,
@@ -123,14 +128,11 @@ def single_file_metadata(block: UnickptBlock | dict[str, Any], save_id: str) -> 
 
 def write_all(fd: int, data: memoryview, pos: int) -> None:
     """pwrite all of ``data`` at ``pos`` (pwrite may write less than asked)."""
-    done = 0
-    n = data.nbytes
-    while done < n:
-        done += os.pwrite(fd, data[done:], pos + done)
+    pwrite_all(fd, data, pos)
 
 
 def rewrite_header(
-    fd: int,
+    fd: int | RangeFile,
     specs: Sequence[TensorSpec],
     old: Mapping[str, str],
     new: Mapping[str, str],
@@ -140,15 +142,21 @@ def rewrite_header(
     """Replace a file's header written with metadata ``old`` by the same header with ``new``.
 
     Only same-length values may change (placeholders replaced by hashes, a save id by
-    another), so the data section stays where it is.
+    another), so the data section stays where it is. ``fd``: a descriptor, or a file a store
+    opened for range writes (``Storage.open_range``).
     """
     header0, _ = encode_header(list(specs), dict(old))
     header, _ = encode_header(list(specs), dict(new))
     if len(header) != len(header0):
         raise RuntimeError("internal: a header changed length after hashing")  # pragma: no cover
-    write_all(fd, memoryview(header), 0)
+    if isinstance(fd, int):
+        write_all(fd, memoryview(header), 0)
+        if fsync:
+            os.fsync(fd)
+        return
+    fd.pwrite(header, 0)
     if fsync:
-        os.fsync(fd)
+        fd.sync()
 
 
 def write_files(
@@ -167,21 +175,21 @@ def write_files(
     Hashing of block i runs on a worker thread while block i is written and block i+1 is
     fetched and written (numpy, xxhash and file writes all release the GIL), so hashes cost
     little on top of the write; at most two blocks are alive at once. On any failure the
-    files written so far are removed. With an object ``storage`` (``directory`` a location in
-    it) each file is one streamed multipart upload, completed when the file is whole and
-    aborted on failure (nothing of it becomes visible).
+    files written so far are removed. Files are written through ``storage`` (``directory`` a
+    location in it; local files when None): on an object store each file is one streamed
+    multipart upload, completed when the file is whole and aborted on failure (nothing of it
+    becomes visible).
     """
-    store = _object_store(storage)
+    store = storage if storage is not None else LocalStorage(directory)
     results: dict[str, Written] = {}
     written: list[str] = []
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unickpt-hash")
     # The hash of block i may finish while block i+1 is written: at most two blocks are alive.
     pending: collections.deque[tuple[str, Future[Written]]] = collections.deque()
     try:
-        if store is not None:
-            store.makedirs(directory)
+        store.makedirs(directory)
         for fname, specs in files:
-            path = os.path.join(directory, fname) if store is None else store.join(directory, fname)
+            path = store.join(directory, fname)
             w = SafetensorsWriter(
                 path, list(specs), dict(metadata_for(fname)), writeback=fsync, storage=store
             )
@@ -207,20 +215,11 @@ def write_files(
             done, older = pending.popleft()
             results[done] = older.result()
     except BaseException:
-        if store is not None:
-            store.remove(written)
-        for p in written if store is None else []:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(p)
+        store.remove(written)
         raise
     finally:
         pool.shutdown(wait=True)
     return results
-
-
-def _object_store(storage: Storage | None) -> Storage | None:
-    """``storage`` when it is an object store (no rename); None for local files (today's path)."""
-    return None if storage is None or storage.atomic_rename else storage
 
 
 def _hash(
@@ -317,21 +316,35 @@ def write_single_file(
 ) -> dict[str, Written]:
     """One ``.safetensors`` file carrying the unickpt block in its header metadata.
 
-    ``make_block(written, placeholder)`` builds the block from each key's (xxh3, partial). The
-    header is written first with placeholder values of the same length as the real ones
-    (``placeholder=True``), and rewritten once the data is hashed, in the staging file no
-    reader opens; the file is then committed by ``store.publish.commit_single_file``. On an
-    object ``storage`` (see :func:`_write_single_to_store`) the file is one upload, fenced by
-    the save's lock ``fence`` (checked before the upload completes and before the removals).
+    ``make_block(written, placeholder)`` builds the block from each key's (xxh3, partial). On a
+    store with ``atomic_rename`` (local files when ``storage`` is None) the file is staged and
+    committed by ``store.publish.commit_single_file``; where the store also has ``range_write``
+    the header is written first with placeholder values of the same length as the real ones
+    (``placeholder=True``) and rewritten in place once the data is hashed, in the staging file no
+    reader opens (the blocks stream through, two alive at most); without, the blocks are hashed
+    first (:func:`_write_hashed_first`). On a store without rename the file is one upload under
+    its final name, its completion the commit, fenced by the save's lock ``fence`` (checked before
+    the upload completes and before the removals of what it supersedes).
     """
-    store = _object_store(storage)
-    if store is not None:
-        return _write_single_to_store(
-            store, file_path, specs, blocks, make_block, kind, save_id, hashes, fingerprints, fence
+    store = storage if storage is not None else LocalStorage(os.path.dirname(file_path))
+    if not store.atomic_rename:
+        store.makedirs(posixpath.dirname(file_path))
+        results = _write_hashed_first(
+            store, file_path, specs, blocks, make_block, save_id, hashes, fingerprints, False, fence
         )
+        directory, base = posixpath.split(file_path)
+        if base == single_name(kind):
+            remove_superseded(store, directory, kind, {base}, single=True, fence=fence)
+        return results
+    tmp = temp_name(file_path, save_id)
+    if not store.range_write:
+        results = _write_hashed_first(
+            store, tmp, specs, blocks, make_block, save_id, hashes, fingerprints, fsync
+        )
+        commit_single_file(file_path, tmp, kind, fsync=fsync)
+        return results
     placeholder = {key: (PLACEHOLDER if hashes else None, 0) for key, _, _ in specs}
     meta0 = single_file_metadata(make_block(placeholder, True), save_id)
-    tmp = temp_name(file_path, save_id)
     results = write_files(
         os.path.dirname(tmp),
         [(os.path.basename(tmp), specs)],
@@ -340,40 +353,39 @@ def write_single_file(
         hashes=hashes,
         fingerprints=fingerprints,
         fsync=fsync,
+        storage=store,
     )
     try:
         meta = single_file_metadata(make_block(results, False), save_id)
-        fd = os.open(tmp, os.O_WRONLY)
+        f = store.open_range(tmp)
         try:
-            rewrite_header(fd, specs, meta0, meta, fsync=fsync)
+            rewrite_header(f, specs, meta0, meta, fsync=fsync)
         finally:
-            os.close(fd)
+            f.close()
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+        store.remove([tmp])
         raise
     commit_single_file(file_path, tmp, kind, fsync=fsync)
     return results
 
 
-def _write_single_to_store(
+def _write_hashed_first(
     store: Storage,
-    file_path: str,
+    path: str,
     specs: Sequence[TensorSpec],
     blocks: Iterator[Block],
     make_block: Callable[[Mapping[str, Written], bool], UnickptBlock],
-    kind: str,
     save_id: str,
     hashes: bool,
     fingerprints: bool,
+    fsync: bool,
     fence: Fence | None = None,
 ) -> dict[str, Written]:
-    """A single file on an object store: one multipart upload, visible whole once complete.
-
-    Its header carries the block, hashes included, and an upload cannot be rewritten, so the
-    blocks are hashed as they arrive and kept in memory until the header is known; then the
-    file is uploaded front to back, each block released once sent. Committing it (the upload's
-    completion) supersedes the kind's index and shard files, removed after it.
+    """A single file on a store that cannot rewrite its header in place (an upload, written
+    front to back once): its header carries the block, hashes included, so the blocks are
+    hashed as they arrive and kept in memory until the header is known; then the file is written
+    front to back, each block released once sent. ``fence`` is checked before the file is made
+    whole (on an object store the upload's completion is the commit).
     """
     kept: collections.deque[tuple[str, np.ndarray]] = collections.deque()
     results: dict[str, Written] = {}
@@ -385,8 +397,7 @@ def _write_single_to_store(
         kept.append((key, arr))
         del arr
     meta = single_file_metadata(make_block(results, False), save_id)
-    store.makedirs(posixpath.dirname(file_path))
-    w = SafetensorsWriter(file_path, list(specs), meta, storage=store)
+    w = SafetensorsWriter(path, list(specs), meta, writeback=fsync, storage=store)
     try:
         while kept:
             key, arr = kept.popleft()
@@ -394,14 +405,11 @@ def _write_single_to_store(
             del arr
             maybe_fail("save.write")
         if fence is not None:  # the upload's completion is the commit
-            fence.check(f"completing {file_path}")
-        w.close(fsync=False)
+            fence.check(f"completing {path}")
+        w.close(fsync=fsync)
     except BaseException:
         w.abort()
         raise
-    directory, base = posixpath.split(file_path)
-    if base == single_name(kind):
-        remove_superseded(store, directory, kind, {base}, single=True, fence=fence)
     return results
 
 
@@ -424,22 +432,34 @@ class CheckpointWriter:
     hashes: bool = True
     fingerprints: bool = True
     fsync: bool = True
-    #: Where ``directory`` is; an object store writes each file under the name given (see
-    #: ``store.publish``: the save's plan names them), nothing is staged or renamed.
+    #: Where ``directory`` is (local files when None). A store without ``atomic_rename`` (an
+    #: object store) writes each file under the name given (see ``store.publish``: the
+    #: save's plan names them), nothing is staged or renamed.
     storage: Storage | None = None
 
+    def __post_init__(self) -> None:
+        if self.storage is None:
+            self.storage = LocalStorage(self.directory)
+
+    @property
+    def store(self) -> Storage:
+        """Where the files are written."""
+        if self.storage is None:  # never: set at construction
+            self.storage = LocalStorage(self.directory)
+        return self.storage
+
     def staged_name(self, fname: str) -> str:
-        """The staging path of data file ``fname`` (renamed into place by the commit)."""
-        store = _object_store(self.storage)
-        if store is not None:
-            return store.join(self.directory, fname)
-        return temp_name(os.path.join(self.directory, fname), self.save_id)
+        """The path data file ``fname`` is written at: its staging name where the store renames
+        (renamed into place by the commit), else its name."""
+        if not self.store.atomic_rename:
+            return self.store.join(self.directory, fname)
+        return temp_name(self.store.join(self.directory, fname), self.save_id)
 
     def write(self, files: Sequence[FileSpec], blocks: Iterator[Block]) -> dict[str, Written]:
-        """Stream ``blocks`` into ``files`` (final names; written under staging names locally,
-        under the names given on an object store)."""
-        store = _object_store(self.storage)
-        names = [(f if store is not None else os.path.basename(self.staged_name(f)), s) for f, s in files]
+        """Stream ``blocks`` into ``files`` (final names; written under staging names where the
+        store renames, else under the names given)."""
+        store = self.store
+        names = [(posixpath.basename(self.staged_name(f)) if store.atomic_rename else f, s) for f, s in files]
         meta = data_file_metadata(self.sliced, self.save_id)
         results = write_files(
             self.directory,
@@ -456,9 +476,9 @@ class CheckpointWriter:
 
     def commit(self, index: bytes) -> None:
         """Write the index last and commit the staged files (``store.publish.commit_directory``;
-        on an object store ``store.publish.commit_store_index``)."""
-        store = _object_store(self.storage)
-        if store is not None:
+        on a store without rename ``store.publish.commit_store_index``)."""
+        store = self.store
+        if not store.atomic_rename:
             commit_store_index(store, self.directory, self.kind, index, set(self.staged))
             return
         commit_directory(

@@ -259,8 +259,9 @@ class AsyncSaves:
         path = os.fspath(checkpoint)
         final = committed_path(path, payload.kind, spec.options.shard, gather)
         staging = self.staging.setdefault((payload.kind, gather), {})
-        if gather and is_url(path):
-            # A store's gathered save is written by rank 0 from full tensors (io/funnel_save.py):
+        if gather and not _in_place(path, spec.options.storage_options):
+            # On a store that cannot write in place a gathered save is written by rank 0 from full
+            # tensors (io/funnel_save.py):
             # the full copies are made now, in the foreground, kept by the rank that sends each.
             from unickpt.io.funnel_save import gathered_snapshot
 
@@ -342,6 +343,15 @@ def shared_payload(payload: SavePayload, staging: dict[Any, torch.Tensor]) -> Sa
 def _write_job(spec: WriteSpec, payload: SavePayload, path: str, group: ProcessGroup | None) -> str:
     """In the writer process: ``CheckpointIO.write`` of a snapshot, over the writers' world."""
     return spec.write(payload, path, group)
+
+
+def _in_place(path: str, storage_options: dict[str, Any] | None) -> bool:
+    """Whether a gathered save at ``path`` has every rank write its own bytes in place: the
+    store writes at offsets and stages by renames (``io.save.save_tensors``)."""
+    from unickpt.io.save import open_store
+
+    store, _ = open_store(path, storage_options)
+    return store.range_write and store.atomic_rename
 
 
 def committed_path(path: str, kind: str, shard: bool, gather: bool) -> str:

@@ -9,7 +9,8 @@ Face safetensors files, each tensor whole under its own name. No rank gathers a 
 2. rank 0 creates every staged file (hidden name, ``store.publish.temp_name``), writes its
    header and sizes it, while it prepares the directory (``stage_gathered``): the ranks agree
    once on both (they share the directory, as sliced saves do);
-3. each rank ``pwrite``s the byte runs of the slices it writes straight into place (a row
+3. each rank ``pwrite``s (``Storage.open_range``: the in-place strategy of a store with
+   ``range_write``) the byte runs of the slices it writes straight into place (a row
    slice is one run; a column-sharded DTensor is first moved to row slices, one tensor at a
    time, ``io.hf_rows``; any other column slice is one run per row), hashing each range it
    wrote (xxh3-64) and each slice's fingerprint partial on a second thread while the next
@@ -45,6 +46,7 @@ from unickpt.format.hf_layout import HFLayout, box_runs, plan_hf_layout, writer_
 from unickpt.format.index import SliceEntry, TensorEntry, UnickptBlock, index_to_json
 from unickpt.format.index_models import ByteRange
 from unickpt.format.reader import single_file_name
+from unickpt.format.storage import RangeFile, Storage
 from unickpt.format.writer import (
     PLACEHOLDER,
     build_block,
@@ -52,7 +54,6 @@ from unickpt.format.writer import (
     data_file_metadata,
     single_file_metadata,
     tensor_entry,
-    write_all,
 )
 from unickpt.io import plan_cache
 from unickpt.io._commit import settle
@@ -60,9 +61,8 @@ from unickpt.io.hf_rows import RowMoves
 from unickpt.io.planner import SavePlan
 from unickpt.io.save_options import SaveOptions
 from unickpt.io.tensors import LocalSlice, as_bytes
-from unickpt.store import writeback
 from unickpt.store.lock import Fence
-from unickpt.store.publish import commit_directory, commit_single_file, discard, temp_name
+from unickpt.store.publish import commit_directory, commit_single_file, temp_name
 
 __all__ = ["GatheredSave", "gathered_block", "hash_tensor_ranges", "save_gathered"]
 
@@ -107,6 +107,7 @@ class StagedHF:
     own: dict[str, str]  # the staged files this rank created (rank 0: all)
     placeholders: UnickptBlock | None  # a single file's first block
     file_name: str | None  # a single file's name
+    store: Storage  # where the files are (it writes at offsets: ``range_write``)
 
 
 def order_files(s: GatheredSave) -> tuple[SavePlan, _Ranges, list[tuple[str, str, tuple[int, ...]]]]:
@@ -136,8 +137,9 @@ def order_files(s: GatheredSave) -> tuple[SavePlan, _Ranges, list[tuple[str, str
     return out
 
 
-def stage_gathered(s: GatheredSave, rank: int) -> StagedHF:
-    """Local phase: the files' layout; rank 0 creates every staged file (header, full size).
+def stage_gathered(s: GatheredSave, store: Storage, rank: int) -> StagedHF:
+    """Local phase: the files' layout; rank 0 creates every staged file (header, full size) in
+    ``store`` (one with ``range_write`` and ``atomic_rename``).
 
     ``io.save`` runs it while preparing the directory (after rank 0 took the lock), so that one
     agreement covers both; when that agreement fails, rank 0 removes ``own``.
@@ -165,8 +167,8 @@ def stage_gathered(s: GatheredSave, rank: int) -> StagedHF:
         staged = {f.name: temp_name(os.path.join(s.directory, f.name), s.save_id) for f in layout.files}
     if rank == 0:
         maybe_fail("save.hf_create")
-        _create_files(layout, staged, s.save_id, placeholders)
-    return StagedHF(ranges, layout, staged, staged if rank == 0 else {}, placeholders, file_name)
+        _create_files(store, layout, staged, s.save_id, placeholders)
+    return StagedHF(ranges, layout, staged, staged if rank == 0 else {}, placeholders, file_name, store)
 
 
 def save_gathered(s: GatheredSave, st: StagedHF, group: Any, rank: int) -> None:
@@ -182,13 +184,15 @@ def save_gathered(s: GatheredSave, st: StagedHF, group: Any, rank: int) -> None:
     hashes: _Hashes = {}
     partials: _Partials = {}
     try:
-        hashes, partials = _write_own(plan, layout, ranges, s.local, staged, rank, opts, s.rows, own)
+        hashes, partials = _write_own(
+            plan, layout, ranges, s.local, staged, st.store, rank, opts, s.rows, own
+        )
     except BaseException as e:
         err = e
     try:  # the agreement carries the hashes: one exchange
         results = _dist.agree_gather(err, (hashes, partials), where, group)
     except BaseException:
-        discard(own.values())  # every rank has stopped writing
+        st.store.remove(own.values())  # every rank has stopped writing
         raise
 
     # 4. rank 0: the block, then the commit.
@@ -203,7 +207,7 @@ def save_gathered(s: GatheredSave, st: StagedHF, group: Any, rank: int) -> None:
             try:
                 maybe_fail("save.commit")
                 block = gathered_block(s, ranges, all_hashes, all_partials, file_name=file_name)
-                _finish_single(layout, staged, placeholders, block, s)
+                _finish_single(layout, staged, placeholders, block, s, st.store)
             except BaseException as e:
                 err = e
         settle(err, f"committing {s.file_path}", group, s.lock)
@@ -224,14 +228,14 @@ def save_gathered(s: GatheredSave, st: StagedHF, group: Any, rank: int) -> None:
             if err is None:
                 commit_directory(s.directory, s.kind, own, index, save_id=s.save_id, fsync=opts.fsync)
             else:
-                discard(own.values())
+                st.store.remove(own.values())
         except BaseException as e:
             err = e
     settle(err, f"committing {s.directory}", group, s.lock)
 
 
 def _create_files(
-    layout: HFLayout, staged: dict[str, str], save_id: str, placeholders: UnickptBlock | None
+    store: Storage, layout: HFLayout, staged: dict[str, str], save_id: str, placeholders: UnickptBlock | None
 ) -> None:
     """Rank 0: every staged file with its header, sized to its final length (removed on failure).
 
@@ -245,12 +249,10 @@ def _create_files(
             else:
                 meta = data_file_metadata(False, save_id)
             path = staged[f.name]
+            store.open_range(path, size=f.size, header=f.header(meta)).close()
             made.append(path)
-            with open(path, "wb") as fh:
-                fh.write(f.header(meta))
-                fh.truncate(f.size)
     except BaseException:
-        discard(made)
+        store.remove(made)
         raise
 
 
@@ -260,6 +262,7 @@ def _write_own(
     ranges: _Ranges,
     local: list[LocalSlice],
     staged: dict[str, str],
+    store: Storage,
     rank: int,
     opts: SaveOptions,
     rows: RowMoves | None = None,
@@ -274,7 +277,7 @@ def _write_own(
     """
     hashes: _Hashes = {}
     partials: _Partials = {}
-    fds: dict[str, int] = {}
+    fds: dict[str, RangeFile] = {}
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unickpt-hash")
     pending: collections.deque[Future[tuple[_Hashes, _Partials]]] = collections.deque()
     err: BaseException | None = None
@@ -296,7 +299,20 @@ def _write_own(
                 continue
             try:
                 fut = _write_tensor(
-                    name, dtype, gshape, plan, layout, ranges, local, staged, fds, rank, opts, pool, moved
+                    name,
+                    dtype,
+                    gshape,
+                    plan,
+                    layout,
+                    ranges,
+                    local,
+                    staged,
+                    store,
+                    fds,
+                    rank,
+                    opts,
+                    pool,
+                    moved,
                 )
                 del moved
                 if fut is not None:
@@ -312,12 +328,12 @@ def _write_own(
         if opts.fsync:
             for fname in created or {}:
                 if fname not in fds:
-                    fds[fname] = _open_staged(staged[fname], rank)
+                    fds[fname] = _open_staged(store, staged[fname], rank)
             for fd in fds.values():
-                os.fsync(fd)
+                fd.sync()
     finally:
         for fd in fds.values():
-            os.close(fd)
+            fd.close()
         pool.shutdown(wait=True)
     return hashes, partials
 
@@ -331,7 +347,8 @@ def _write_tensor(
     ranges: _Ranges,
     local: list[LocalSlice],
     staged: dict[str, str],
-    fds: dict[str, int],
+    store: Storage,
+    fds: dict[str, RangeFile],
     rank: int,
     opts: SaveOptions,
     pool: ThreadPoolExecutor,
@@ -343,7 +360,7 @@ def _write_tensor(
         return None
     place = layout.places[name]
     if place.file not in fds:
-        fds[place.file] = _open_staged(staged[place.file], rank)
+        fds[place.file] = _open_staged(store, staged[place.file], rank)
     fd = fds[place.file]
     isize = itemsize(dtype)
     blocks: list[tuple[np.ndarray, tuple[int, ...], tuple[int, ...]]] = []
@@ -358,17 +375,17 @@ def _write_tensor(
     mine_ranges = [(b, e) for b, e, w in ranges[name] if w == rank]
     fut = pool.submit(hash_tensor_ranges, name, dtype, gshape, blocks, pieces, mine_ranges, opts)
     for b, piece in pieces:
-        write_all(fd, memoryview(piece), place.pos + b)  # type: ignore[arg-type]
+        fd.pwrite(memoryview(piece), place.pos + b)  # type: ignore[arg-type]
     if opts.fsync:  # the disk starts on each range now: the final fsync has little left
         for b, e in mine_ranges:
-            writeback.start_writeback(fd, place.pos + b, e - b)
+            fd.writeback(place.pos + b, e - b)
     maybe_fail("save.write")
     return fut
 
 
-def _open_staged(path: str, rank: int) -> int:
+def _open_staged(store: Storage, path: str, rank: int) -> RangeFile:
     try:
-        return os.open(path, os.O_WRONLY)
+        return store.open_range(path)
     except FileNotFoundError:
         raise UnsupportedError(
             f"{path}: rank {rank} cannot see the file rank 0 created for this gathered save; every rank "
@@ -465,6 +482,7 @@ def _finish_single(
     placeholders: UnickptBlock | None,
     block: UnickptBlock,
     s: GatheredSave,
+    store: Storage,
 ) -> None:
     """Rank 0: the single file's real header (same length as the placeholder one), then its commit."""
     (f,) = layout.files
@@ -474,14 +492,14 @@ def _finish_single(
         new = f.header(single_file_metadata(block, s.save_id))
         if len(old) != len(new):  # pragma: no cover - every placeholder has its value's length
             raise RuntimeError("internal: a single file's header changed length after hashing")
-        fd = os.open(path, os.O_WRONLY)
+        fd = store.open_range(path)
         try:
-            write_all(fd, memoryview(new), 0)
+            fd.pwrite(new, 0)
             if s.opts.fsync:
-                os.fsync(fd)
+                fd.sync()
         finally:
-            os.close(fd)
+            fd.close()
     except BaseException:
-        discard([path])
+        store.remove([path])
         raise
     commit_single_file(s.file_path, path, s.kind, fsync=s.opts.fsync)

@@ -27,8 +27,11 @@ A sliced save in a directory makes 6 object collectives over 2+ ranks (listing, 
 preparation, writing, the commit's 3), on a store 4 (one commit agreement), a gathered save
 in a directory 4 (docs/performance.md, issue 17).
 
-A URL (``s3://``, ``gs://``...: ``SaveOptions.storage_options``) goes through the storage layer
-instead (``store/publish.py``, docs/format.md section 6.1): no staging; rank 0 takes the
+Every file is written through a ``Storage`` (``format/storage.py``: a ``LocalStorage`` for a path),
+and what the store can do picks the strategy, never the location: a store with ``atomic_rename``
+stages and renames as above; ``range_write`` lets a gathered save's ranks write their bytes in
+place (``io/hf_save.py``). A URL (``s3://``, ``gs://``...: ``SaveOptions.storage_options``) opens
+an object store, which has neither (``store/publish.py``, docs/format.md section 6.1): no staging; rank 0 takes the
 directory's lock object (``store/lock.py``: a second writer gets ``CheckpointBusyError``),
 lists the directory once under it: a committed checkpoint there, or a stale lock taken over,
 gives every file a save-id name, and a directory without data files (nor a stale lock taken
@@ -84,7 +87,6 @@ from unickpt.io.tensors import LocalSlice, as_bytes
 from unickpt.store.lock import StoreLock, directory_lock, store_lock
 from unickpt.store.publish import (
     committed_in,
-    discard,
     makedirs_durable,
     needs_cleanup,
     new_save_id,
@@ -127,21 +129,20 @@ def save_tensors(
     rank, world = _dist.rank(group), _dist.world_size(group)
     aliases = aliases or {}
     single_file = opts.gather and not opts.shard
-    # A URL is written through the storage layer (object stores: no staging, no rename).
+    # Every file goes through the storage layer; what it can do picks how (module docstring).
     store, root = open_store(path, opts.storage_options)
-    if store is None:
-        path = root  # a file:// URL is its local path
+    # The committed location is returned as a URL was given; a directory absolute, a single
+    # file below the path given (``io.async_save.committed_path``).
+    url = is_url(path)
+    given = path if url else path.removeprefix("file://")
     # An existing file (e.g. a tempfile.NamedTemporaryFile) is replaced by an unsharded save.
-    is_file = path.endswith(".safetensors") or (store is None and os.path.isfile(path))
-    if store is not None:
-        file_path = root if is_file else store.join(root, single_name(opts.kind))
-        directory = posixpath.dirname(file_path) if single_file else root
-    elif single_file:
-        file_path = path if is_file else os.path.join(path, single_name(opts.kind))
-        directory = os.path.dirname(os.path.abspath(file_path))
+    is_file = root.endswith(".safetensors") or (not url and os.path.isfile(root))
+    file_path = root if is_file else store.join(root, single_name(opts.kind))
+    shown_file = path if url else given if is_file else os.path.join(given, single_name(opts.kind))
+    directory = posixpath.dirname(file_path)
     if not single_file:
         file_path = ""
-        directory = os.path.abspath(path) if store is None else root
+        directory = root
         if is_file:
             _dist.agree(
                 UnickptError(f"{path}: a sharded or sliced checkpoint is a directory; pass a directory path"),
@@ -154,11 +155,13 @@ def save_tensors(
     local: list[LocalSlice] = []
     # A gathered save in a directory moves column-sharded DTensors to row slices as it writes
     # them (io/hf_rows.py): the plan takes their boxes after the move.
-    rows = RowMoves() if opts.gather and store is None and live else None
-    # A gathered save on a store without shared multipart uploads is written whole by rank 0
-    # (io/funnel_save.py); on S3 every rank uploads parts of the files (io/parts_save.py); in a
-    # local directory every rank writes its own bytes in place (io/hf_save.py).
-    funnel = opts.gather and store is not None and not supports_shared_parts(store)
+    # A gathered save on a store that writes at offsets (and stages by renames) has every rank
+    # write its own bytes in place (io/hf_save.py); on one with shared multipart uploads (S3)
+    # every rank uploads parts of the files (io/parts_save.py); elsewhere rank 0 writes them
+    # whole (io/funnel_save.py).
+    in_place = opts.gather and store.range_write and store.atomic_rename
+    rows = RowMoves() if in_place and live else None
+    funnel = opts.gather and not in_place and not supports_shared_parts(store)
     save_id = new_save_id()  # rank 0's id is the save's id
     # A gathered save orders its files by the tensors' names as the ranks list them (rank 0's
     # first): a rank may hold no slice of a tensor (a ZeRO range it does not own).
@@ -218,8 +221,8 @@ def save_tensors(
         else:
             replicas = None
         maybe_fail("save.plan")
-        if opts.gather and store is None:  # the plan of the last save of this layout, when it repeats
-            plan = gathered_plan(all_metas, kind=opts.kind, path=path)
+        if in_place:  # the plan of the last save of this layout, when it repeats
+            plan = gathered_plan(all_metas, kind=opts.kind, path=root)
         elif funnel:
             check_gathered_metas(all_metas, path)
             plan = plan_save(per_rank, kind=opts.kind, size_per_shard_bytes=size, sliced=False)
@@ -261,7 +264,7 @@ def save_tensors(
     try:
         if err is None and rank == 0:
             maybe_fail("save.prepare")
-            if store is None:
+            if store.atomic_rename:  # staged files, renamed into place under the directory's lock
                 makedirs_durable(directory, fsync=opts.fsync)
                 lock.enter_context(directory_lock(directory))
             else:  # one writer per directory on a store too (store/lock.py), listed under it
@@ -275,8 +278,8 @@ def save_tensors(
                 clean = found is None or found.took_over or needs_cleanup(found.times)
                 if gs is not None:
                     gs.fence = held
-        if gs is not None and store is None:  # the files' layout; rank 0 creates them (one agreement)
-            staged_hf = stage_gathered(gs, rank)
+        if gs is not None and in_place:  # the files' layout; rank 0 creates them (one agreement)
+            staged_hf = stage_gathered(gs, store, rank)
     except BaseException as e:
         err = e
     try:
@@ -288,21 +291,21 @@ def save_tensors(
                 judge([p[1] for p in prepared], replicas.mode, replicas.what, everywhere=replicas.everywhere)
         except BaseException:
             if staged_hf is not None:
-                discard(staged_hf.own.values())
+                store.remove(staged_hf.own.values())
             raise
         if plan is None:  # never: agree_gather() raised when planning failed on any rank
             raise RuntimeError(f"{path}: no save plan after planning succeeded")
-        over = store is not None and not single_file and prepared[0][0]
+        over = not store.atomic_rename and not single_file and prepared[0][0]
         if over:
             for pf in plan.files:  # never overwrite the committed checkpoint's files
                 pf.name = store_file_name(pf.name, save_id)
 
         if gs is not None:
-            if isinstance(store, FsspecStorage):  # S3: every rank uploads its parts
-                save_gathered_parts(gs, store, over, group, rank, world)
-            elif staged_hf is not None:
+            if staged_hf is not None:
                 save_gathered(gs, staged_hf, group, rank)
-            return _finish(lock, path, store, file_path if single_file else directory)
+            elif isinstance(store, FsspecStorage):  # S3: every rank uploads its parts
+                save_gathered_parts(gs, store, over, group, rank, world)
+            return _finish(lock, shown_file if single_file else path if url else directory)
         # 4. write.
         results: _Results = {}
         try:
@@ -347,12 +350,12 @@ def save_tensors(
         staged = {f.name: make_writer(directory, opts, plan, save_id, store).staged_name(f.name) for f in own}
         if single_file:  # rank 0 wrote and committed the file: this agreement ends the save
             settle(err, f"writing {directory}", group, lock)
-            return _finish(lock, path, store, file_path)
+            return _finish(lock, shown_file)
         try:  # the agreement carries the hashes: one exchange
             all_results = _dist.agree_gather(err, results, f"writing {directory}", group)
         except BaseException:
             # every rank has stopped writing: the successful ranks' files go too
-            discard(staged.values()) if store is None else store.remove(staged.values())
+            store.remove(staged.values())
             raise
 
         # 5-6. commit.
@@ -381,21 +384,22 @@ def save_tensors(
             group,
             rank,
             world,
-            store,
+            None if store.atomic_rename else store,  # renamed into place, or the index written last
             lock,
             clean=clean,
             fence=held,
         )
     finally:
         lock.close()
-    return _finish(lock, path, store, directory)
+    return _finish(lock, path if url else directory)
 
 
-def _finish(lock: contextlib.ExitStack, path: str, store: Storage | None, local: str) -> str:
-    """The committed path. The save's last agreement followed rank 0's commit (and the release of
-    its lock, ``io._commit.settle``): no rank returns before the checkpoint is committed."""
+def _finish(lock: contextlib.ExitStack, committed: str) -> str:
+    """``committed``, the committed path. The save's last agreement followed rank 0's commit (and
+    the release of its lock, ``io._commit.settle``): no rank returns before the checkpoint is
+    committed."""
     lock.close()  # held still only when the save failed before its commit
-    return path if store is not None else local
+    return committed
 
 
 def _funnel_metas(local: list[LocalSlice]) -> list[SliceMeta]:
@@ -421,14 +425,12 @@ def _merge_metas(all_metas: list[list[SliceMeta]]) -> list[SliceMeta]:
     return merged
 
 
-def open_store(path: str, storage_options: dict[str, Any] | None) -> tuple[Storage | None, str]:
-    """``(storage, location in it)`` for a URL; ``(None, path)`` for a local path (today's path).
+def open_store(path: str, storage_options: dict[str, Any] | None) -> tuple[Storage, str]:
+    """``(storage, location in it)``: an fsspec store for a URL, a ``LocalStorage`` for a local
+    path or ``file://`` URL (its location the absolute path).
 
     The options an IO was given apply to the URLs it saves to; a local path ignores them."""
-    if not is_url(path):
-        return None, path[len("file://") :] if path.startswith("file://") else path
-    store, root = open_storage(path, storage_options)
-    return store, root
+    return open_storage(path, storage_options if is_url(path) else None)
 
 
 @dataclass(frozen=True)

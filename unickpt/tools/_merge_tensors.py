@@ -1,10 +1,13 @@
 """How merge writes each tensor into its output file: copied in the kernel, streamed in chunks, or
-rebuilt band by band in memory (column splits, 2-D meshes, dtype casts), hashing on the way."""
+rebuilt band by band in memory (column splits, 2-D meshes, dtype casts), hashing on the way.
+
+An output file is a file a store opened for writes at offsets (``Storage.open_range``, on a store
+with ``range_write``), or a file streamed to an object store (``tools._store_out.StoreFile``);
+a tensor is copied in the kernel only into a file of a store with ``kernel_copy``."""
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 
 import numpy as np
@@ -19,10 +22,9 @@ from unickpt.format.hashing import (
 )
 from unickpt.format.index import SliceEntry, TensorEntry
 from unickpt.format.reader import CheckpointReader
+from unickpt.format.storage import RangeFile, Storage
 from unickpt.store.publish import StoreFile
-from unickpt.store.writeback import Writeback
 from unickpt.tools._bands import bands, is_sparse, next_data, pieces
-from unickpt.tools._common import write_all
 from unickpt.tools._merge_bulk import groups, merge_rows
 from unickpt.tools._merge_runs import Run
 
@@ -40,15 +42,22 @@ _BAND_BYTES = 16 << 20
 _EMPTY_HASH = SliceHasher().hexdigest()
 
 
-class _Out(Writeback):
-    """An output file being written front to back, with writeback started every ``_WRITEBACK``
-    bytes so the final fsync does not wait for the whole file."""
+class _Out:
+    """An output file of ``store`` written front to back (``f``: ``Storage.open_range``), with
+    writeback started every ``_WRITEBACK`` bytes so the final fsync does not wait for the whole file."""
 
-    def __init__(self, fd: int) -> None:
-        super().__init__(fd, _WRITEBACK)
+    def __init__(self, f: RangeFile, store: Storage) -> None:
+        self.f, self.store = f, store
+        self._hinted = 0
+
+    def wrote(self, end: int) -> None:
+        """The file now holds bytes up to ``end``."""
+        if end - self._hinted >= _WRITEBACK:
+            self.f.writeback(self._hinted, end - self._hinted)
+            self._hinted = end
 
     def write(self, data: memoryview, pos: int) -> None:
-        write_all(self.fd, data, pos)
+        self.f.pwrite(data, pos)
         self.wrote(pos + data.nbytes)
 
     def write_pieces(self, data: memoryview, pos: int) -> None:
@@ -113,11 +122,21 @@ class TensorMerger:
 
     # -------------------------------------------------------------- writing
     def write_file(
-        self, tensors: list[tuple[str, TensorEntry, int]], fd: int | StoreFile
+        self,
+        tensors: list[tuple[str, TensorEntry, int]],
+        fd: RangeFile | StoreFile,
+        store: Storage | None = None,
     ) -> dict[str, tuple[str | None, str | None]]:
-        """Write each (name, entry, position) into ``fd`` (a local file, or a file streamed to a
-        store), in order; return name -> (xxh3, fingerprint)."""
-        out = _Out(fd) if isinstance(fd, int) else fd
+        """Write each (name, entry, position) into ``fd`` (a file ``store`` opened for range
+        writes, or with no ``store`` a file streamed to an object store), in order; return
+        name -> (xxh3, fingerprint)."""
+        out: _Out | StoreFile
+        if store is not None and not isinstance(fd, StoreFile):
+            out = _Out(fd, store)
+        elif isinstance(fd, StoreFile):
+            out = fd
+        else:  # never: a file a store opened for range writes comes with its store
+            raise TypeError(f"internal: {fd.path} was given without the store that opened it")
         results: dict[str, tuple[str | None, str | None]] = {}
         for bulk, items in groups(tensors, self._bulk):
             if bulk:  # small row-sliced tensors: read in runs per file, written together
@@ -156,7 +175,7 @@ class TensorMerger:
                 results[name] = self._assemble(name, t, self.target_dtype(t), out, pos)
                 continue
             self._check_empty(name, t)
-            if how == "kernel" and isinstance(out, _Out):  # a store's file has no descriptor: stream
+            if how == "kernel" and isinstance(out, _Out) and out.store.kernel_copy:  # else: stream
                 results[name] = (self._copy_one(runs[0].slice, out, pos), t.fingerprint)
             else:
                 results[name] = (self._stream_runs(name, t, runs, out, pos), t.fingerprint)
@@ -171,7 +190,7 @@ class TensorMerger:
     def _copy_one(self, s: SliceEntry, out: _Out, pos: int) -> str | None:
         """The output bytes are exactly the stored slice: copy in the kernel, its hash is the output's."""
         _, off, n = self.r.slice_location(s)
-        self._copy_file_range(self._fd(s.file), off, out.fd, pos, n)
+        self._copy_file_range(out.store, self._fd(s.file), off, out.f, pos, n)
         out.wrote(pos + n)
         self.progress(n)
         return s.xxh3
@@ -228,22 +247,11 @@ class TensorMerger:
         return z
 
     @staticmethod
-    def _copy_file_range(src_fd: int, src_off: int, dst_fd: int, dst_off: int, n: int) -> None:
-        done = 0
-        try:
-            while done < n:
-                k = os.copy_file_range(src_fd, dst_fd, n - done, src_off + done, dst_off + done)
-                if k <= 0:
-                    break
-                done += k
-        except OSError:
-            pass  # cross-device or unsupported filesystem: fall back to read/write below
-        while done < n:
-            data = os.pread(src_fd, min(CHUNK, n - done), src_off + done)
-            if not data:
-                raise OSError(f"source file truncated at byte {src_off + done}")
-            write_all(dst_fd, memoryview(data), dst_off + done)
-            done += len(data)
+    def _copy_file_range(
+        store: Storage, src_fd: int, src_off: int, dst: RangeFile, dst_off: int, n: int
+    ) -> None:
+        """The kernel's copy into ``dst`` (``Storage.copy_range``: read and written where it cannot)."""
+        store.copy_range(src_fd, src_off, dst, dst_off, n)
 
     def _fd(self, file: str) -> int:
         """The OS descriptor of a source data file (asked only of files that have one)."""

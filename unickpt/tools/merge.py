@@ -46,7 +46,7 @@ from unickpt.format.index import LayoutInfo, SliceEntry, TensorEntry, UnickptBlo
 from unickpt.format.naming import HF_SIDE_FILES, index_name, shard_name, single_name
 from unickpt.format.reader import UNICKPT_METADATA_KEY, CheckpointReader, open_checkpoint
 from unickpt.format.safetensors_io import encode_header, header_from_bytes, read_header
-from unickpt.format.storage import is_url
+from unickpt.format.storage import LocalStorage, is_url
 from unickpt.format.writer import build_block, build_index, data_file_metadata, group_files, rewrite_header
 from unickpt.store.publish import (
     SAVE_ID_KEY,
@@ -58,7 +58,7 @@ from unickpt.store.publish import (
     store_output,
     write_staged,
 )
-from unickpt.tools._common import detect_kind, read_side_files, write_all
+from unickpt.tools._common import detect_kind, read_side_files
 from unickpt.tools._merge_mapped import hub_plan, write_mapped
 from unickpt.tools._merge_runs import Run, validate_runs
 from unickpt.tools._merge_tensors import CHUNK, TensorMerger
@@ -100,6 +100,7 @@ def _merge_one(
     directory: its header holds hashes known only at the end) and uploaded as a commit point."""
     kind = reader.kind
     block = reader.block
+    local = LocalStorage(out_dir)  # where files are written in place (``out_dir``)
     m = TensorMerger(
         reader, verify=verify, out_dtype=out_dtype, progress=progress, src=src, buf=buf, runs_of=runs_of
     )
@@ -188,18 +189,17 @@ def _merge_one(
             sf.finish(size)
             store.close(sf)
             continue
-        path = os.path.join(out_dir, fname)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        # A store writing at offsets: the file is created at its size (a sparse source's holes stay
+        # holes), its header rewritten in place once hashed.
+        path = local.join(out_dir, fname)
+        f = local.open_range(path, size=size, header=header)
         try:
-            write_all(fd, memoryview(header), 0)
-            results.update(m.write_file(todo, fd))
-            if os.fstat(fd).st_size < size:  # the file ends in a hole left by a sparse source
-                os.ftruncate(fd, size)
+            results.update(m.write_file(todo, f, local))
             if single:
-                rewrite_header(fd, specs, meta, _final_metadata(meta, dumped, results), fsync=False)
-            os.fsync(fd)
+                rewrite_header(f, specs, meta, _final_metadata(meta, dumped, results), fsync=False)
+            f.sync()
         finally:
-            os.close(fd)
+            f.close()
         read_header(path)  # the file we wrote must pass the strict reader
         written.append((path, specs))
         if store is not None:
@@ -212,13 +212,13 @@ def _merge_one(
         final_id = content_save_id(_block_bytes(final))
         final = final.model_copy(update={"save_id": final_id})
         for path, specs in written:
-            fd = os.open(path, os.O_WRONLY)
+            f = local.open_range(path)
             try:  # same length: only the id's digits change
                 rewrite_header(
-                    fd, specs, data_file_metadata(False, save_id), data_file_metadata(False, final_id)
+                    f, specs, data_file_metadata(False, save_id), data_file_metadata(False, final_id)
                 )
             finally:
-                os.close(fd)
+                f.close()
         index = build_index(final, sliced=False)
         atomic_write_bytes(os.path.join(out_dir, index_name(kind)), index_to_json(index))
 

@@ -254,6 +254,7 @@ def test_a_flipped_byte_is_pinpointed_to_its_range(tmp_path: Path) -> None:
 
 def test_a_rank_that_cannot_see_the_files_says_the_directory_must_be_shared(tmp_path: Path) -> None:
     from unickpt.errors import UnsupportedError
+    from unickpt.format.storage import LocalStorage
     from unickpt.io.hf_save import _open_staged
 
     missing = tmp_path / ".model-00001-of-00002.safetensors.tmp-0123456789ab"
@@ -261,4 +262,4 @@ def test_a_rank_that_cannot_see_the_files_says_the_directory_must_be_shared(tmp_
         UnsupportedError,
         match=r"rank 3 cannot see the file rank 0 created.*must share the checkpoint directory",
     ):
-        _open_staged(str(missing), 3)
+        _open_staged(LocalStorage(str(tmp_path)), str(missing), 3)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from unickpt.format.index import LayoutInfo
-from unickpt.io import hf_save
+from unickpt.format.storage import LocalRange
 from unickpt.io.save import SaveOptions, save_tensors
 from unickpt.io.tensors import local_slices
 
@@ -21,18 +21,18 @@ def test_a_gathered_save_fsyncs_each_data_file_once_after_writing_it(
     """Rank 0 fsyncs the files it creates with its data (not each header first): every staged
     data file is flushed exactly once, after its last write, before it is renamed."""
     events: list[tuple[str, str]] = []
-    real_fsync, real_write_all = os.fsync, hf_save.write_all
+    real_fsync, real_pwrite = os.fsync, LocalRange.pwrite
 
     def fsync(fd: int) -> None:
         events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
         real_fsync(fd)
 
-    def write_all(fd: int, data: Any, pos: int) -> None:
-        events.append(("write", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
-        real_write_all(fd, data, pos)
+    def pwrite(f: LocalRange, data: Any, pos: int) -> None:
+        events.append(("write", os.path.basename(os.readlink(f"/proc/self/fd/{f.fd}"))))
+        real_pwrite(f, data, pos)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(hf_save, "write_all", write_all)
+    monkeypatch.setattr(LocalRange, "pwrite", pwrite)
     g = torch.Generator().manual_seed(1)
     state = {f"t{i}": torch.randn(300, 300, generator=g) for i in range(4)}  # 4 files of 1 MB
     opts = SaveOptions(kind="model", shard=True, gather=True, size_per_shard_mb=0.5, layout=LayoutInfo())

@@ -17,8 +17,7 @@ from typing import Any
 import pytest
 from _reliability import TINY_SHARD_MB, Tiny, same_state, save_sharded, snapshot
 
-import unickpt.format.safetensors_io as st_mod
-import unickpt.io.hf_save as hf_mod
+import unickpt.format.storage as storage_mod
 import unickpt.store.publish as commit_mod
 from unickpt import GeneralCheckpointIO
 from unickpt.errors import CheckpointBusyError, IncompleteCheckpointError
@@ -52,8 +51,7 @@ def _full_disk(monkeypatch: pytest.MonkeyPatch, budget: int) -> None:
     """A disk with ``budget`` bytes left for every write of a save: streamed files (sliced saves),
     and the headers and in-place ``pwrite``s of gathered saves (``io/hf_save.py``)."""
     fake = _full_disk_open(budget)
-    monkeypatch.setattr(st_mod, "open", fake, raising=False)
-    monkeypatch.setattr(hf_mod, "open", fake, raising=False)
+    monkeypatch.setattr(storage_mod, "open", fake, raising=False)  # LocalStorage.open_write
     real = os.pwrite
 
     def pwrite(fd: int, data: Any, pos: int) -> int:
@@ -153,8 +151,15 @@ def test_permission_denied_opening_data_file(
     def fake_open(path: Any, mode: str = "r", *a: Any, **k: Any) -> Any:
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
 
-    monkeypatch.setattr(st_mod, "open", fake_open, raising=False)
-    monkeypatch.setattr(hf_mod, "open", fake_open, raising=False)
+    monkeypatch.setattr(storage_mod, "open", fake_open, raising=False)  # LocalStorage.open_write
+    create = storage_mod.LocalStorage.open_range
+
+    def open_range(self: Any, path: str, *, size: int | None = None, header: bytes = b"") -> Any:
+        if size is not None:  # a gathered save's files, created sized (io/hf_save.py)
+            fake_open(path, "wb")
+        return create(self, path, size=size, header=header)
+
+    monkeypatch.setattr(storage_mod.LocalStorage, "open_range", open_range)
     new = tmp_path / "step-2"
     with pytest.raises(PermissionError) as ei:
         _save(new)

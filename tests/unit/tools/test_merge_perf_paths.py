@@ -374,9 +374,9 @@ def test_gathered_whole_tensors_without_verify_use_the_kernel_copy(
     kernel: list[int] = []
     real = merge_tensors.TensorMerger._copy_file_range
 
-    def spy(src_fd: int, src_off: int, dst_fd: int, dst_off: int, n: int) -> None:
+    def spy(store: Any, src_fd: int, src_off: int, dst: Any, dst_off: int, n: int) -> None:
         kernel.append(n)
-        real(src_fd, src_off, dst_fd, dst_off, n)
+        real(store, src_fd, src_off, dst, dst_off, n)
 
     monkeypatch.setattr(merge_tensors.TensorMerger, "_copy_file_range", staticmethod(spy))
     merge_checkpoint(tmp_path / "src", tmp_path / "out", verify=False)
