@@ -41,6 +41,7 @@ from unickpt.format.naming import single_name
 from unickpt.format.storage import is_url
 from unickpt.io.core import IOCore, WriteSpec
 from unickpt.io.payload import SavePayload
+from unickpt.io.pinned import POOL, wait_staged
 from unickpt.io.stage import stage_written
 from unickpt.io.writer_process import WriterProcess, process_capable, share_buffers
 
@@ -164,11 +165,8 @@ class AsyncSaves:
         self._made_group = False
         self.writer = WriterProcess()
         weakref.finalize(self, self.writer.close)
-        # CPU buffers of the snapshots, reused by the next save of the same kind and layout (one
-        # save is in flight at most): copying into memory already mapped is several times
-        # faster than into fresh allocations. Kept for the IO's lifetime, as Colossal-AI keeps
-        # its pinned state dicts; in shared memory once a writer process has used them.
-        self.staging: dict[tuple[str, bool], dict[Any, torch.Tensor]] = {}
+        # The snapshots' host buffers are leased from the process's pool (io/pinned.py), shared
+        # with every other IO and manager, reused by the next save of the same kind.
 
     @property
     def pending(self) -> bool:
@@ -196,6 +194,7 @@ class AsyncSaves:
 
         def run() -> None:
             try:
+                wait_staged()  # the snapshot's copies (a side CUDA stream) are done
                 work()
             except BaseException as e:  # surfaced by the next wait(), or at exit
                 logger.error("async save %s failed: %s", name, e)
@@ -266,6 +265,8 @@ def shared_payload(payload: SavePayload, staging: dict[Any, torch.Tensor]) -> Sa
     The staging buffers move to shared memory (once: later snapshots reuse them), and the live
     tensors, which the writer needs only by name, shape and dtype, become meta tensors.
     """
+    if any(not t.is_shared() for t in staging.values()):
+        wait_staged()  # moving a buffer reads it: its copy must be done
     moved = share_buffers(staging)
     staged = {t.untyped_storage().data_ptr() for t in staging.values()}
 
@@ -309,11 +310,21 @@ class AsyncSaveIO(IOCore):
         self.wait()
 
     def synchronize(self) -> None:
-        """Colossal-AI: call before the weights change. An async save copied them before it
-        returned, so there is nothing left to wait for."""
+        """Colossal-AI: call before the weights change. Blocks until the copies of the async
+        snapshot are done (they run on a side CUDA stream; an optimizer step waits for them by
+        itself, a tensor changed otherwise needs this call; on CPU they are done already)."""
+        wait_staged()
 
     def _sync_d2h(self) -> None:
         """Colossal-AI's name for :meth:`synchronize`."""
+        self.synchronize()
+
+    def release_staging(self) -> int:
+        """Free the process's snapshot buffers (exact-size, pinned on CUDA: ``io/pinned.py``) that
+        no save in flight uses, those of every IO and manager: the next async save allocates
+        (and pins) again. Returns the bytes freed now; a set in use goes when its save ends.
+        They are freed at exit too."""
+        return POOL.release()
 
     def _write_async(
         self,
@@ -332,7 +343,30 @@ class AsyncSaveIO(IOCore):
         self._options(payload.kind, shard, gather_dtensor, size_per_shard)
         path = os.fspath(checkpoint)
         final = committed_path(path, payload.kind, shard, gather_dtensor)
-        staging = self._async.staging.setdefault((payload.kind, gather_dtensor), {})
+        in_writer = process_capable(path, self.storage_options)
+        staging = POOL.lease(payload.kind, shared=in_writer)
+        try:
+            return self._stage_and_start(
+                payload, path, final, staging, shard, gather_dtensor, size_per_shard, after
+            )
+        except BaseException:
+            POOL.give_back(staging)
+            raise
+
+    def _stage_and_start(
+        self,
+        payload: SavePayload,
+        path: str,
+        final: str,
+        staging: Any,
+        shard: bool,
+        gather_dtensor: bool,
+        size_per_shard: float,
+        after: Callable[[str], None] | None,
+    ) -> str:
+        """``_write_async`` with the snapshot's buffers leased: ``staging`` is handed back to the
+        pool once the write is over (or here, if it raises)."""
+        in_writer = staging.shared
         if gather_dtensor and is_url(path):
             # A store's gathered save is written by rank 0 from full tensors (io/funnel_save.py):
             # the full copies are made now, in the foreground, kept by the rank that sends each.
@@ -347,7 +381,7 @@ class AsyncSaveIO(IOCore):
             copy = stage_written(payload, staging, self.group, replicas=self.check_replicas != "off")
         name = os.path.basename(path.rstrip("/")) or path
         is_rank0 = _dist.rank(self.group) == 0
-        if process_capable(path, self.storage_options):
+        if in_writer:
             job = functools.partial(
                 _write_job,
                 self.write_spec(payload.kind, shard, gather_dtensor, size_per_shard),
@@ -359,20 +393,30 @@ class AsyncSaveIO(IOCore):
                 if after is not None and is_rank0:
                     after(str(written))
 
-            self._async.start_in_writer(self.group, name, job, list(staging.values()), then)
+            self._async.start_in_writer(
+                self.group,
+                name,
+                job,
+                list(staging.values()),
+                then,
+                functools.partial(POOL.give_back, staging),
+            )
             return final
         # A store only this process reaches (memory://): written by a thread of this process.
         group = self._async.background_group(self.group)
 
         def work() -> None:
-            written = self.write(
-                copy,
-                path,
-                shard=shard,
-                gather_dtensor=gather_dtensor,
-                size_per_shard=size_per_shard,
-                group=group,
-            )
+            try:
+                written = self.write(
+                    copy,
+                    path,
+                    shard=shard,
+                    gather_dtensor=gather_dtensor,
+                    size_per_shard=size_per_shard,
+                    group=group,
+                )
+            finally:
+                POOL.give_back(staging)
             if after is not None and _dist.rank(group) == 0:
                 after(written)
 
