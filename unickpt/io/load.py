@@ -17,6 +17,7 @@ Order of events (every rank calls ``load_tensors`` with its own targets):
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -41,6 +42,7 @@ from unickpt.format.range_hashes import has_hashes, slice_failures
 from unickpt.format.read_batch import ReadBatch, describe_key, table_spans
 from unickpt.format.reader import CheckpointReader
 from unickpt.format.slice_spans import FileNumbers, all_referenced, locate
+from unickpt.io.cuda_load import DeviceLoader, copy_cast, off_host
 from unickpt.io.load_match import LoadReport, Mapped, match_targets, raise_mismatch
 from unickpt.io.load_rows import Located, add_row_box
 from unickpt.io.load_rows import as_bytes as _as_bytes
@@ -423,9 +425,7 @@ def _read_then_copy(
     _dist.agree(err, f"reading {what} from {where}", group)
     with torch.no_grad():
         for b, data in buffers:
-            if data.dtype != b.tensor.dtype:
-                data = data.to(b.tensor.dtype)
-            b.tensor.copy_(data.reshape(b.tensor.shape))
+            copy_cast(b.tensor, data)  # to a device first, then cast there
 
 
 def _read_in_place(
@@ -446,11 +446,24 @@ def _read_in_place(
     # Locally, blocks read straight into their tensors are located first and read at the end,
     # coalesced per file (one preadv per run of adjacent slices).
     batch = ReadBatch() if reader.storage is None else None
+    # Blocks of device tensors: read through two pinned host buffers, copied chunk by chunk (io/cuda_load.py).
+    device = DeviceLoader()
     try:
 
         def one(job: tuple[TensorEntry, LocalSlice]) -> None:
             entry, b = job
             direct = _direct_target(b, torch_dtype(entry.dtype))
+            if direct is None and off_host(b.tensor):
+                with torch.no_grad():
+                    device.load(
+                        b.tensor,
+                        b.offsets,
+                        b.shape,
+                        torch_dtype(entry.dtype),
+                        functools.partial(read_box, files, entry),
+                    )
+                maybe_fail("load.read")
+                return
             bulk = direct is not None and batch is not None and bool(located)
             if bulk and add_row_box(located, entry, b.offsets, b.shape, direct, batch):  # type: ignore[arg-type]
                 maybe_fail("load.read")
@@ -468,7 +481,8 @@ def _read_in_place(
             batch.run(reader.fd, reader.file_path)
         with torch.no_grad():
             for b, data in _build_mapped(files, reader, mapped or []):
-                b.tensor.copy_(data.to(b.tensor.dtype).reshape(b.tensor.shape))
+                copy_cast(b.tensor, data)
+        device.close()
     except Exception as e:
         cause = _read_error(e, where)
         err = IncompleteCheckpointError(
@@ -478,6 +492,7 @@ def _read_in_place(
         )
         err.__cause__ = e
     finally:
+        device.close()
         files.close()
     _dist.agree(err, f"reading {what} from {where}", group)
 
