@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from unickpt.io.pinned import POOL, StagingSet, host_buffer, side_stream
+from unickpt.io.pinned import POOL, StagingSet, side_stream
 
 __all__ = ["CHUNK_BYTES", "DeviceLoader", "copy_cast", "off_host"]
 
@@ -81,13 +81,7 @@ class DeviceLoader:
             slot.event = None
         if self._buffers is None:
             self._buffers = POOL.lease("load", shared=False)
-        held: torch.Tensor | None = self._buffers.get(slot.key)
-        if held is not None and held.numel() >= nbytes:
-            return held
-        buf = host_buffer((nbytes,), torch.uint8, pin=True, shared=False)
-        self._buffers[slot.key] = buf
-        self._buffers.allocations += 1
-        return buf
+        return self._buffers.at_least(slot.key, nbytes)
 
     def _stream(self, device: torch.device) -> Any:
         if device.type != "cuda":

@@ -138,6 +138,19 @@ class StagingSet(dict[Any, torch.Tensor]):
         self.allocations += 1
         return buf
 
+    def at_least(self, key: Hashable, nbytes: int) -> torch.Tensor:
+        """A pinned (on CUDA) byte buffer under ``key`` of ``nbytes`` or more: the one held if it
+        is long enough, else a new one of exactly ``nbytes``. For bounded read and copy buffers
+        (a load's chunks, a digest's), which the caller slices."""
+        self.used.add(key)
+        held: torch.Tensor | None = super().get(key)
+        if held is not None and held.numel() >= nbytes:
+            return held
+        buf = host_buffer((nbytes,), torch.uint8, pin=True, shared=self.shared)
+        self[key] = buf
+        self.allocations += 1
+        return buf
+
     @property
     def nbytes(self) -> int:
         """Bytes held by the buffers."""
