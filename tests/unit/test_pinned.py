@@ -26,6 +26,7 @@ from unickpt.format.reader import open_checkpoint
 from unickpt.io import GeneralCheckpointIO
 from unickpt.io.cuda_load import DeviceLoader, copy_cast, off_host
 from unickpt.io.pinned import POOL, Fence, pending, stage_copy, track, wait_staged
+from unickpt.io.stage import stage_written
 from unickpt.manager import CheckpointManager
 from unickpt.wrappers import OptimizerWrapper
 
@@ -187,11 +188,13 @@ def _blocked(fn, fence: Watched) -> None:
             errors.append(e)
         finished.set()
 
-    t = threading.Thread(target=run)
+    t = threading.Thread(target=run, daemon=True)
     t.start()
-    assert fence.waiting.wait(20), "never waited for the snapshot's copy"
-    assert not finished.wait(0.2), "returned before the snapshot's copy was done"
-    fence.complete()
+    try:
+        assert fence.waiting.wait(20), "never waited for the snapshot's copy"
+        assert not finished.wait(0.2), "returned before the snapshot's copy was done"
+    finally:
+        fence.complete()  # never left pending for the next test
     assert finished.wait(20)
     t.join()
     assert not errors, errors
@@ -230,6 +233,20 @@ def test_synchronize_and_the_writer_wait_for_the_copy(tmp_path: Path, io: Genera
     _blocked(io.wait, fence)
     fresh = _model(1)
     io.load_model(fresh, str(tmp_path / "m"))
+    _assert_bits(fresh, expected)
+
+
+def test_a_foreground_write_of_a_snapshot_waits_for_its_copy(tmp_path: Path, io: GeneralCheckpointIO) -> None:
+    model = _model(0)
+    expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    staging = POOL.lease("model", shared=False)
+    staged = stage_written(io.plan_model(model), staging, io.group)
+    fence = track(Watched())
+    out = str(tmp_path / "fg")
+    _blocked(lambda: io.write(staged, out, shard=True, gather_dtensor=False, size_per_shard=1024), fence)
+    POOL.give_back(staging)
+    fresh = _model(1)
+    io.load_model(fresh, out)
     _assert_bits(fresh, expected)
 
 

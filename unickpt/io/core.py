@@ -24,6 +24,7 @@ from unickpt.format.reader import CheckpointReader
 from unickpt.format.storage import is_url
 from unickpt.io.hooks import CheckpointHooks, HookContext
 from unickpt.io.payload import SavePayload
+from unickpt.io.pinned import wait_staged
 from unickpt.io.replicas import REPLICA_MODES, ReplicaCheck, check_replicas
 from unickpt.io.save import SaveOptions, save_tensors
 from unickpt.io.tensors import LocalSlice, mesh_dims
@@ -144,6 +145,7 @@ class WriteSpec:
         what = f"saving the {payload.kind} to {os.fspath(checkpoint)}"
         check = ReplicaCheck(self.check_replicas, what, self.everywhere)
         if payload.staged is not None:  # a copy: its replica digests were planned when it was staged
+            wait_staged()  # its copies (a side CUDA stream, io/stage.py) are done before it is read
             check_replicas(
                 slices, self.check_replicas, what, group, everywhere=self.everywhere, staged=payload.staged
             )
