@@ -147,8 +147,10 @@ def test_a_set_in_use_is_never_leased_again_and_release_waits_for_it() -> None:
     stage_copy(src, a, ("w", 0))
     b = POOL.lease("model", shared=False)
     assert b is not a
+    stage_copy(src, b, ("w", 0))  # the same keys: still two sets, never compared by contents
+    assert a != b and POOL.sets() == [a, b] and len({id(s) for s in POOL.sets()}) == 2
     assert POOL.release() == 0  # both in use: nothing freed now
-    assert POOL.nbytes == 40
+    assert POOL.nbytes == 80
     POOL.give_back(a)  # released meanwhile: goes now
     POOL.give_back(b)
     assert POOL.sets() == [] and POOL.nbytes == 0

@@ -118,6 +118,16 @@ class StagingSet(dict[Any, torch.Tensor]):
         self.leased = False
         self.dropped = False
 
+    # A set is itself, not its contents: two sets of equal keys are never equal (and their
+    # tensors are never compared).
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __ne__(self, other: object) -> bool:
+        return self is not other
+
+    __hash__ = object.__hash__  # type: ignore[assignment]
+
     def get(self, key: Any, default: Any = None) -> Any:  # a dict's get, noting the key as used
         self.used.add(key)
         return super().get(key, default)
@@ -197,8 +207,7 @@ class HostPool:
 
     def _drop(self, staging: StagingSet) -> None:
         staging.dropped = True
-        if staging in self._sets:
-            self._sets = [s for s in self._sets if s is not staging]
+        self._sets = [s for s in self._sets if s is not staging]
 
     def release(self) -> int:
         """Free the buffers of every set no save is using (unpinned once nothing else holds them);
