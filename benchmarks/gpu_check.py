@@ -20,6 +20,19 @@ a row with its error, and the next phase still runs):
    pinned memory) issued at the same step: how long the call blocks, how long until committed,
    and the mean step time while the save is in flight against the loop alone; unickpt's async
    checkpoint is loaded back and compared bit for bit with the state at the step it was called.
+   The call's blocking time is host time (no device synchronisation: unickpt's copies run on a
+   side stream and the first optimizer step waits for them, DCP's ``DefaultStager`` stages
+   on a stream of its own); the steps are timed on the compute stream only
+   (``first_step_s``: the step right after the call, which waits for unickpt's copies);
+4. ``pool``: the host memory held for async snapshots: unickpt's pool (``unickpt.io.pinned``:
+   exact sizes, ``cudaHostRegister``) after two more async saves of the same state against the
+   state's bytes (``held_ratio``; 1.0 is exact), the buffers the second save allocated (0: reused),
+   what ``release_staging()`` freed, and the CUDA caching host allocator's pinned bytes
+   (``torch.empty(pin_memory=True)`` rounds to powers of two) where torch reports them.
+
+The ``load`` phase loads into CUDA tensors through unickpt's device loader
+(``unickpt/io/cuda_load.py``: two pinned host buffers, one non-blocking host-to-device copy a
+chunk, casts on the device).
 """
 
 from __future__ import annotations
@@ -65,9 +78,14 @@ class Stack(nn.Module):
         return self.head(x)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
+def _sync(device: torch.device, whole: bool = True) -> None:
+    """Wait for the device: every stream (``whole``), or the compute stream only."""
+    if device.type != "cuda":
+        return
+    if whole:
         torch.cuda.synchronize(device)
+    else:
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -98,12 +116,27 @@ def _fsync_tree(root: Path) -> None:
                 os.close(fd)
 
 
-def _timed(device: torch.device, fn: Callable[[], Any]) -> float:
-    _sync(device)
+def _timed(device: torch.device, fn: Callable[[], Any], whole: bool = True) -> float:
+    _sync(device, whole)
     t0 = time.perf_counter()
     fn()
-    _sync(device)
+    _sync(device, whole)
     return time.perf_counter() - t0
+
+
+def _host_pinned_bytes() -> int | None:
+    """The CUDA caching host allocator's pinned bytes in use, where torch reports them."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None or not torch.cuda.is_available():
+        return None
+    try:
+        got = stats()
+    except Exception:
+        return None
+    for key in ("reserved_bytes.current", "allocated_bytes.current", "allocated_bytes.all.current"):
+        if key in got:
+            return int(got[key])
+    return None
 
 
 def _row(rows: list[dict[str, Any]], name: str, fn: Callable[[], dict[str, Any]]) -> None:
@@ -213,13 +246,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         optim.step()
 
     def loop(n: int, during: Callable[[], Any] | None = None) -> tuple[list[float], float]:
-        """``n`` timed steps; ``during`` is started before the first and waited after the
-        steps (its blocking time is returned)."""
+        """``n`` steps timed on the compute stream; ``during`` is called before the first
+        (its blocking time, host time, is returned)."""
         times, blocked = [], 0.0
+        _sync(device)
         for i in range(n):
             if i == 0 and during is not None:
-                blocked = _timed(device, during)
-            times.append(_timed(device, step))
+                t0 = time.perf_counter()
+                during()
+                blocked = time.perf_counter() - t0
+            times.append(_timed(device, step, whole=False))
         return times, blocked
 
     def async_phase() -> dict[str, Any]:
@@ -241,6 +277,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         res["unickpt"] = {
             "blocked_s": blocked,
             "committed_s": time.perf_counter() - t0,
+            "first_step_s": times[0],
             "step_during_s": sum(times[1:]) / max(1, len(times) - 1),
         }
         # The async checkpoint holds the state of the step it was called at, not a later one.
@@ -274,16 +311,49 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         res["dcp"] = {
             "blocked_s": blocked,
             "committed_s": time.perf_counter() - t0,
+            "first_step_s": times[0],
             "step_during_s": sum(times[1:]) / max(1, len(times) - 1),
         }
         for k in ("unickpt", "dcp"):
             res[k]["step_ratio"] = res[k]["step_during_s"] / res["step_s"]
         return res
 
+    def pool_phase() -> dict[str, Any]:
+        from unickpt.io.pinned import POOL
+
+        io = booster.checkpoint_io
+        io.wait()
+        held: list[int] = []
+        allocations: list[int] = []
+        for i in range(2):
+            before = POOL.allocations
+            t0 = time.perf_counter()
+            booster.save_model(
+                model, str(work / f"pool_{i}"), shard=True, gather_dtensor=False, use_async=True
+            )
+            blocked = time.perf_counter() - t0
+            io.wait()
+            held.append(POOL.nbytes)
+            allocations.append(POOL.allocations - before)
+        staged = sum(s.nbytes for s in POOL.sets() if s.tag == "model")
+        res: dict[str, Any] = {
+            "state_bytes": nbytes,
+            "held_bytes": held[-1],
+            "model_set_bytes": staged,
+            "held_ratio": staged / nbytes,
+            "allocations_second_save": allocations[1],
+            "blocked_second_save_s": blocked,
+            "caching_host_allocator_bytes": _host_pinned_bytes(),
+        }
+        res["released_bytes"] = io.release_staging()
+        res["held_after_release"] = POOL.nbytes
+        return res
+
     try:
         _row(rows, "save", save)
         _row(rows, "load", load)
         _row(rows, "async", async_phase)
+        _row(rows, "pool", pool_phase)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -36,6 +36,7 @@ from torchtitan.components.checkpointer import BaseCheckpointManager
 
 from unickpt.errors import ConfigError, StateMismatchError, UnsupportedError
 from unickpt.io import CheckpointIO, HookContext
+from unickpt.io.pinned import wait_staged
 from unickpt.manager import CheckpointManager as RunManager
 from unickpt.wrappers import OptimizerWrapper
 
@@ -120,8 +121,9 @@ class CheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  # torchti
     """torchtitan's checkpointer contract, written as unickpt checkpoints (see the module docstring).
 
     Config keys as torchtitan's ``CheckpointManager.Config``; ``async_mode`` "async" and
-    "async_with_pinned_mem" both give unickpt's async save (``save`` returns once the tensors
-    are copied to reused CPU buffers, so ``maybe_wait_for_staging`` has nothing to wait for).
+    "async_with_pinned_mem" both give unickpt's async save (``save`` returns once the
+    copies to the process's reused pinned buffers are issued on a side stream;
+    ``maybe_wait_for_staging`` and every optimizer step wait for them).
     Model-only last saves (``last_save_model_only``) go to ``<folder>/model-step-<N>/`` (Hugging
     Face files named by the state dict adapter with ``last_save_in_hf``), outside the run, so that
     resuming never picks a step without an optimizer. A save at step 0 (torchtitan's seed
@@ -332,7 +334,9 @@ class CheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  # torchti
 
     # ------------------------------------------------------------------ rest of the contract
     def _maybe_wait_for_staging(self) -> None:
-        """unickpt's async save has copied the tensors before ``save`` returns: nothing to wait for."""
+        """Block until the async snapshot's copies are done (a side CUDA stream; on CPU they are
+        done when ``save`` returns). An optimizer step waits for them by itself too."""
+        wait_staged()
 
     def _wait_for_saving(self) -> None:
         self.run.wait()

@@ -40,6 +40,7 @@ from unickpt.errors import UnickptError
 from unickpt.format.naming import single_name
 from unickpt.format.storage import is_url
 from unickpt.io.payload import SavePayload
+from unickpt.io.pinned import POOL, wait_staged
 from unickpt.io.save import WriteSpec
 from unickpt.io.stage import stage_written
 from unickpt.io.writer_process import WriterProcess, process_capable, share_buffers
@@ -166,11 +167,8 @@ class AsyncSaves:
         self._made_group = False
         self.writer = WriterProcess()
         weakref.finalize(self, self.writer.close)
-        # CPU buffers of the snapshots, reused by the next save of the same kind and layout (one
-        # save is in flight at most): copying into memory already mapped is several times
-        # faster than into fresh allocations. Kept for the IO's lifetime, as Colossal-AI keeps
-        # its pinned state dicts; in shared memory once a writer process has used them.
-        self.staging: dict[tuple[str, bool], dict[Any, torch.Tensor]] = {}
+        # The snapshots' host buffers are leased from the process's pool (io/pinned.py), shared
+        # with every other IO and manager, reused by the next save of the same kind.
 
     @property
     def pending(self) -> bool:
@@ -198,6 +196,7 @@ class AsyncSaves:
 
         def run() -> None:
             try:
+                wait_staged()  # the snapshot's copies (a side CUDA stream) are done
                 work()
             except BaseException as e:  # surfaced by the next wait(), or at exit
                 logger.error("async save %s failed: %s", name, e)
@@ -258,11 +257,33 @@ class AsyncSaves:
         gather = spec.options.gather
         path = os.fspath(checkpoint)
         final = committed_path(path, payload.kind, spec.options.shard, gather)
-        staging = self.staging.setdefault((payload.kind, gather), {})
+        in_writer = process_capable(path, spec.options.storage_options)
+        # The snapshot's host buffers are leased from the process's pool (io/pinned.py: exact
+        # sizes, pinned on CUDA, shared with every IO and manager), handed back once written.
+        staging = POOL.lease(payload.kind, shared=in_writer)
+        try:
+            return self._stage_and_start(spec, payload, path, final, staging, group, after)
+        except BaseException:
+            POOL.give_back(staging)
+            raise
+
+    def _stage_and_start(
+        self,
+        spec: WriteSpec,
+        payload: SavePayload,
+        path: str,
+        final: str,
+        staging: Any,
+        group: ProcessGroup | None,
+        after: Callable[[str], None] | None,
+    ) -> str:
+        """:meth:`save` with the snapshot's buffers leased: ``staging`` goes back to the pool once
+        the write is over (or here, if it raises)."""
+        gather = spec.options.gather
         if gather and not _in_place(path, spec.options.storage_options):
             # On a store that cannot write in place a gathered save is written by rank 0 from full
-            # tensors (io/funnel_save.py):
-            # the full copies are made now, in the foreground, kept by the rank that sends each.
+            # tensors (io/funnel_save.py): the full copies are made now, in the foreground, kept
+            # by the rank that sends each.
             from unickpt.io.funnel_save import gathered_snapshot
 
             copy = gathered_snapshot(payload, group, staging)
@@ -274,20 +295,25 @@ class AsyncSaves:
             copy = stage_written(payload, staging, group, replicas=spec.check_replicas != "off")
         name = os.path.basename(path.rstrip("/")) or path
         is_rank0 = _dist.rank(group) == 0
-        if process_capable(path, spec.options.storage_options):
+        if staging.shared:
             job = functools.partial(_write_job, spec, shared_payload(copy, staging), path)
 
             def then(written: Any) -> None:
                 if after is not None and is_rank0:
                     after(str(written))
 
-            self.start_in_writer(group, name, job, list(staging.values()), then)
+            self.start_in_writer(
+                group, name, job, list(staging.values()), then, functools.partial(POOL.give_back, staging)
+            )
             return final
         # A store only this process reaches (memory://): written by a thread of this process.
         bg_group = self.background_group(group)
 
         def work() -> None:
-            written = spec.write(copy, path, bg_group)
+            try:
+                written = spec.write(copy, path, bg_group)
+            finally:
+                POOL.give_back(staging)
             if after is not None and _dist.rank(bg_group) == 0:
                 after(written)
 
@@ -320,6 +346,8 @@ def shared_payload(payload: SavePayload, staging: dict[Any, torch.Tensor]) -> Sa
     The staging buffers move to shared memory (once: later snapshots reuse them), and the live
     tensors, which the writer needs only by name, shape and dtype, become meta tensors.
     """
+    if any(not t.is_shared() for t in staging.values()):
+        wait_staged()  # moving a buffer reads it: its copy must be done
     moved = share_buffers(staging)
     staged = {t.untyped_storage().data_ptr() for t in staging.values()}
 

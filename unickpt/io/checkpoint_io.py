@@ -54,6 +54,7 @@ from unickpt.io.optimizer_io import merge_optimizer_extras, optimizer_payload
 from unickpt.io.param_groups import validate_param_groups
 from unickpt.io.param_names import check_param_names, model_from_param_names
 from unickpt.io.payload import SavePayload
+from unickpt.io.pinned import POOL, wait_staged
 from unickpt.io.replicas import REPLICA_MODES
 from unickpt.io.save import WriteSpec
 from unickpt.io.save_options import SaveOptions, check_size_per_shard
@@ -872,11 +873,21 @@ class CheckpointIO(CheckpointHooks):
         self.wait()
 
     def synchronize(self) -> None:
-        """Colossal-AI: call before the weights change. An async save copied them before it
-        returned, so there is nothing left to wait for."""
+        """Colossal-AI: call before the weights change. Blocks until the copies of the async
+        snapshot are done (they run on a side CUDA stream; an optimizer step waits for them by
+        itself, a tensor changed otherwise needs this call; on CPU they are done already)."""
+        wait_staged()
 
     def _sync_d2h(self) -> None:
         """Colossal-AI's name for :meth:`synchronize`."""
+        self.synchronize()
+
+    def release_staging(self) -> int:
+        """Free the process's snapshot buffers (exact-size, pinned on CUDA: ``io/pinned.py``) that
+        no save in flight uses, those of every IO and manager: the next async save allocates
+        (and pins) again. Returns the bytes freed now; a set in use goes when its save ends.
+        They are freed at exit too."""
+        return POOL.release()
 
     def close(self) -> None:
         """Wait for the async save in flight (raising its error), then stop this IO's writer process.

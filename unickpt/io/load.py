@@ -27,6 +27,7 @@ URL in a distributed load, rank 0 alone fetches the index and broadcasts its byt
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -54,6 +55,7 @@ from unickpt.format.range_hashes import has_hashes, slice_failures
 from unickpt.format.read_batch import ReadBatch, describe_key, table_spans
 from unickpt.format.reader import CheckpointReader, open_checkpoint, open_located
 from unickpt.format.slice_spans import FileNumbers, all_referenced, locate
+from unickpt.io.cuda_load import DeviceLoader, copy_cast, off_host
 from unickpt.io.load_match import LoadReport, Mapped, match_targets, raise_mismatch
 from unickpt.io.load_rows import Located, add_row_box
 from unickpt.io.load_rows import as_bytes as _as_bytes
@@ -453,9 +455,7 @@ def _read_then_copy(
     _dist.agree(err, f"reading {what} from {where}", group)
     with torch.no_grad():
         for b, data in buffers:
-            if data.dtype != b.tensor.dtype:
-                data = data.to(b.tensor.dtype)
-            b.tensor.copy_(data.reshape(b.tensor.shape))
+            copy_cast(b.tensor, data)  # to a device first, then cast there
 
 
 def _read_in_place(
@@ -477,11 +477,24 @@ def _read_in_place(
     # window on a store that fetches ahead), coalesced per file (locally one preadv per run of
     # adjacent slices).
     batch = ReadBatch()
+    # Blocks of device tensors: read through two pinned host buffers, copied chunk by chunk (io/cuda_load.py).
+    device = DeviceLoader()
     try:
 
         def one(job: tuple[TensorEntry, LocalSlice]) -> None:
             entry, b = job
             direct = _direct_target(b, torch_dtype(entry.dtype))
+            if direct is None and off_host(b.tensor):
+                with torch.no_grad():
+                    device.load(
+                        b.tensor,
+                        b.offsets,
+                        b.shape,
+                        torch_dtype(entry.dtype),
+                        functools.partial(read_box, files, entry),
+                    )
+                maybe_fail("load.read")
+                return
             bulk = direct is not None and bool(located)
             if bulk and add_row_box(located, entry, b.offsets, b.shape, direct, batch):  # type: ignore[arg-type]
                 maybe_fail("load.read")
@@ -499,7 +512,8 @@ def _read_in_place(
         )
         with torch.no_grad():
             for b, data in _build_mapped(files, reader, mapped or []):
-                b.tensor.copy_(data.to(b.tensor.dtype).reshape(b.tensor.shape))
+                copy_cast(b.tensor, data)
+        device.close()
     except Exception as e:
         cause = _read_error(e, where)
         err = IncompleteCheckpointError(
@@ -509,6 +523,7 @@ def _read_in_place(
         )
         err.__cause__ = e
     finally:
+        device.close()
         files.close()
     _dist.agree(err, f"reading {what} from {where}", group)
 

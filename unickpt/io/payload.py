@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from unickpt.io.pinned import stage_copy
 from unickpt.io.tensors import LocalSlice
 
 __all__ = ["SavePayload", "Staged", "cpu_copy"]
@@ -17,20 +18,14 @@ SliceKey = tuple[str, tuple[int, ...], tuple[int, ...]]
 
 
 def cpu_copy(src: torch.Tensor, staging: dict[Any, torch.Tensor] | None, key: Hashable) -> torch.Tensor:
-    """``src`` copied into a CPU buffer (pinned when ``src`` lives on CUDA).
+    """``src`` copied into a CPU buffer of exactly its size (pinned when ``src`` lives on CUDA:
+    ``io.pinned.stage_copy``, registered with ``cudaHostRegister``, never rounded up).
 
     ``staging`` keeps the buffers between calls under ``key``: one whose shape and dtype still
     match is reused, so a repeated snapshot copies into memory that is already mapped. A copy
     from CUDA is asynchronous; the caller synchronizes once after its last copy.
     """
-    src = src.detach()
-    buf = None if staging is None else staging.get(key)
-    if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-        buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.device.type == "cuda")
-        if staging is not None:
-            staging[key] = buf
-    buf.copy_(src, non_blocking=src.device.type == "cuda")
-    return buf
+    return stage_copy(src, staging, key)
 
 
 @dataclasses.dataclass(frozen=True)

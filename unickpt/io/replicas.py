@@ -32,6 +32,7 @@ from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
 from unickpt.errors import ConfigError, DistributedError
 from unickpt.io.payload import Staged
+from unickpt.io.pinned import POOL
 from unickpt.io.tensors import LocalSlice, as_bytes
 
 __all__ = [
@@ -73,12 +74,17 @@ def digest_live(t: torch.Tensor) -> str | None:
         return xxhash.xxh3_64_hexdigest(memoryview(as_bytes(t)))  # type: ignore[arg-type]
     flat = t.contiguous().reshape(-1).view(torch.uint8)
     h = xxhash.xxh3_64()
-    buf = torch.empty(min(_CHUNK, flat.numel()), dtype=torch.uint8, pin_memory=True)
-    for start in range(0, flat.numel(), _CHUNK):
-        part = flat[start : start + _CHUNK]
-        chunk = buf[: part.numel()]
-        chunk.copy_(part)
-        h.update(memoryview(chunk.numpy()))  # type: ignore[arg-type]
+    # One exact-size pinned buffer of the process's pool (io/pinned.py), reused by the next digest.
+    staging = POOL.lease("digest", shared=False)
+    try:
+        buf = staging.at_least("chunk", min(_CHUNK, flat.numel()))
+        for start in range(0, flat.numel(), _CHUNK):
+            part = flat[start : start + _CHUNK]
+            chunk = buf[: part.numel()]
+            chunk.copy_(part)
+            h.update(memoryview(chunk.numpy()))  # type: ignore[arg-type]
+    finally:
+        POOL.give_back(staging)
     return h.hexdigest()
 
 

@@ -70,6 +70,7 @@ from unickpt.io.hf_rows import RowMoves
 from unickpt.io.hf_save import GatheredSave, StagedHF, save_gathered, stage_gathered
 from unickpt.io.parts_save import save_gathered_parts
 from unickpt.io.payload import SavePayload, Staged
+from unickpt.io.pinned import wait_staged
 from unickpt.io.plan_cache import gathered_plan
 from unickpt.io.planner import SavePlan, SliceMeta, plan_save
 from unickpt.io.replicas import (
@@ -449,6 +450,7 @@ class WriteSpec:
         what = f"saving the {payload.kind} to {os.fspath(checkpoint)}"
         check = ReplicaCheck(self.check_replicas, what, self.everywhere)
         if payload.staged is not None:  # a copy: its replica digests were planned when it was staged
+            wait_staged()  # its copies (a side CUDA stream, io/stage.py) are done before it is read
             check_replicas(
                 slices, self.check_replicas, what, group, everywhere=self.everywhere, staged=payload.staged
             )

@@ -12,6 +12,16 @@ The replica check compares the truly replicated boxes only (held by two ranks or
 writer digests its copy in the background (``replicas.check_replicas``), the other holders
 digest their live tensor here, before the save returns, since nothing of it is copied; a box
 one rank holds is never digested.
+
+The copies from CUDA run on a side stream (``io/pinned.py``: one per device), ``non_blocking``
+into the process's exact-size pinned buffers, after the compute stream's work so far (the
+stream waits for it): the save returns once they are issued, and forward and backward overlap
+them. A :class:`~unickpt.io.pinned.Fence` (the event recorded after the last copy) is tracked,
+and waited for by the next optimizer step (a step pre-hook), by the writer before it reads the
+buffers, by ``CheckpointIO.synchronize()`` and by the next save. A tensor changed outside an
+optimizer step while the copies run (a running statistic a forward updates, an in-place edit)
+needs ``CheckpointIO.synchronize()`` first. On CPU the copy is synchronous, as before, and its
+fence is complete when this returns.
 """
 
 from __future__ import annotations
@@ -22,7 +32,8 @@ from typing import Any
 import torch
 
 from unickpt import _dist
-from unickpt.io.payload import SavePayload, SliceKey, Staged, cpu_copy
+from unickpt.io.payload import SavePayload, SliceKey, Staged
+from unickpt.io.pinned import Fence, side_stream, stage_copy, track
 from unickpt.io.planner import SliceMeta, plan_save
 from unickpt.io.replicas import digest_live, replicated_boxes
 from unickpt.io.tensors import LocalSlice
@@ -73,6 +84,7 @@ def stage_written(
     mine, replicated = written_keys(all_metas, rank)
     position = {id(sl): i for i, sl in enumerate(flat)}
     digests: dict[SliceKey, str] = {}
+    streams: dict[torch.device, Any] = {}
     nbytes = 0
     slices: dict[str, list[LocalSlice]] = {}
     for name, sls in payload.slices.items():
@@ -80,7 +92,7 @@ def stage_written(
         for k, sl in enumerate(sls):
             key = (name, tuple(sl.offsets), tuple(sl.shape))
             if position.get(id(sl)) in mine:
-                copy = cpu_copy(sl.tensor, staging, (name, k))
+                copy = _copy(sl.tensor, staging, (name, k), streams)
                 nbytes += copy.nbytes
                 out.append(dataclasses.replace(sl, tensor=copy))
                 continue
@@ -90,6 +102,33 @@ def stage_written(
                     digests[key] = d
             out.append(_placeholder(sl))
         slices[name] = out
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    fence = Fence([_recorded(stream) for stream in streams.values()])
+    if not streams:
+        fence.complete()
+    track(fence)
     return dataclasses.replace(payload, slices=slices, staged=Staged(nbytes, replicated, digests))
+
+
+def _copy(
+    src: torch.Tensor, staging: dict[Any, torch.Tensor] | None, key: Any, streams: dict[torch.device, Any]
+) -> torch.Tensor:
+    """``src`` copied into its host buffer: on CUDA, issued on the device's side stream (which
+    first waits for the work queued so far on the current stream), ``src`` kept from reuse by
+    the caching allocator until the copy ran; elsewhere, a synchronous copy."""
+    if src.device.type != "cuda":
+        return stage_copy(src, staging, key)
+    stream = streams.get(src.device)
+    if stream is None:
+        stream = streams[src.device] = side_stream(src.device)
+        stream.wait_stream(torch.cuda.current_stream(src.device))
+    with torch.cuda.stream(stream):
+        out = stage_copy(src, staging, key)
+    src.record_stream(stream)
+    return out
+
+
+def _recorded(stream: Any) -> Any:
+    """A CUDA event recorded on ``stream`` now (after the copies issued on it)."""
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event

@@ -26,6 +26,7 @@ from unickpt.errors import ConfigError, UnickptError
 from unickpt.format import run_layout
 from unickpt.format.run_layout import HF_DIR
 from unickpt.io.async_save import AsyncSaves, shared_payload
+from unickpt.io.pinned import POOL, StagingSet
 from unickpt.io.save import WriteSpec
 from unickpt.io.writer_process import process_capable
 from unickpt.manager import policy, snapshot, train_state
@@ -116,8 +117,10 @@ class CheckpointManager:
         self.save_steps = save_steps
         self.keep_last = keep_last or None
         self.async_save = async_save
-        # CPU buffers of the async snapshot, reused from one save to the next (one save in flight).
-        self._staging: dict[str, dict[tuple[str, int], torch.Tensor]] = {}
+        # The host buffers of the async snapshot in flight (or the last one), by kind: leased from
+        # the process's pool (io/pinned.py, shared with the IOs), handed back once it is over.
+        self._staging: dict[str, StagingSet] = {}
+        self._leased: list[StagingSet] = []  # those not yet handed back
         self.save_hf = save_hf
         self.group = self.io.group
         self._async = AsyncSaves()
@@ -305,7 +308,12 @@ class CheckpointManager:
             err = e
         try:
             _dist.agree(err, f"starting the save of step {step} in {self.checkpoint_dir}", self.group)
-            staging = self._staging if self.async_save else None
+            staging: dict[str, Any] | None = None
+            if self.async_save:
+                staging = self._staging = {
+                    kind: POOL.lease(kind, shared=self._in_writer) for kind in ("model", "optimizer")
+                }
+                self._leased = list(self._staging.values())
             payload = snapshot.capture(
                 self.io,
                 step,
@@ -332,11 +340,9 @@ class CheckpointManager:
             self._async.start(name, lambda: writer.write(payload, self._bg_group, self._release))
             return True
         try:
-            payload.model = shared_payload(payload.model, self._staging.setdefault("model", {}))
+            payload.model = shared_payload(payload.model, self._staging["model"])
             if payload.optimizer is not None:
-                payload.optimizer = shared_payload(
-                    payload.optimizer, self._staging.setdefault("optimizer", {})
-                )
+                payload.optimizer = shared_payload(payload.optimizer, self._staging["optimizer"])
             # The save lock and the staging directory's claim live in this process: released
             # once the writer answered.
             buffers = [t for kind in ("model", "optimizer") for t in self._staging.get(kind, {}).values()]
@@ -378,8 +384,17 @@ class CheckpointManager:
         return not isinstance(self.storage, RemoteStorage)
 
     def _release(self) -> None:
+        leased, self._leased = self._leased, []
+        for staging in leased:
+            POOL.give_back(staging)
         self._lock.close()
         self._lock = contextlib.ExitStack()
+
+    def release_staging(self) -> int:
+        """Free the process's snapshot buffers (exact-size, pinned on CUDA: ``io/pinned.py``) that
+        no save in flight uses, the manager's and every IO's: the next async save allocates (and
+        pins) again. Returns the bytes freed now; they are freed at exit too."""
+        return POOL.release()
 
 
 @dataclasses.dataclass

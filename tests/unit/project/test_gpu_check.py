@@ -43,7 +43,7 @@ def test_gpu_check_dry_run(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert report["device"] == "cpu"
     rows = {r["phase"]: r for r in report["rows"]}
-    assert set(rows) == {"save", "load", "async"}
+    assert set(rows) == {"save", "load", "async", "pool"}
     assert all(r["status"] == "ok" for r in rows.values()), rows
     assert rows["load"]["bitwise_equal"] is True
     assert rows["load"]["dcp_bitwise_equal"] is True
@@ -53,4 +53,11 @@ def test_gpu_check_dry_run(tmp_path: Path) -> None:
     for who in ("unickpt", "dcp"):
         a = rows["async"][who]
         assert 0 < a["blocked_s"] <= a["committed_s"]
-        assert a["step_ratio"] > 0
+        assert a["step_ratio"] > 0 and a["first_step_s"] > 0
+    # The pool holds exactly the state (one rank writes everything), reused, then released.
+    pool = rows["pool"]
+    assert pool["model_set_bytes"] == pool["state_bytes"] == report["state_bytes"]
+    assert pool["held_ratio"] == 1.0
+    assert pool["allocations_second_save"] == 0
+    assert pool["released_bytes"] == pool["held_bytes"] > 0
+    assert pool["held_after_release"] == 0
