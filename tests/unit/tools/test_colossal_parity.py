@@ -344,12 +344,17 @@ def test_async_snapshot_buffers_are_reused_and_each_save_keeps_its_values(
     first = {k: v.clone() for k, v in model.state_dict().items()}
     io.save_model(model, tmp_path / "a", shard=not gather, gather_dtensor=gather, use_async=True)
     io.wait()
-    bufs = {k: t.data_ptr() for k, t in io._async.staging[("model", gather)].items()}
+    from unickpt.io.pinned import POOL
+
+    def buffers() -> dict[object, int]:
+        return {k: t.data_ptr() for s in POOL.sets() if s.tag == "model" for k, t in s.items()}
+
+    bufs = buffers()
     with torch.no_grad():
         model.proj.weight.mul_(-2.0)
     io.save_model(model, tmp_path / "b", shard=not gather, gather_dtensor=gather, use_async=True)
     io.wait()
-    assert {k: t.data_ptr() for k, t in io._async.staging[("model", gather)].items()} == bufs
+    assert buffers() == bufs
     for path, want in ((tmp_path / "a", first), (tmp_path / "b", model.state_dict())):
         got = fresh(7)
         io.load_model(got, path)
