@@ -233,7 +233,7 @@ def test_forked_child_makes_its_own_helpers(monkeypatch: pytest.MonkeyPatch) -> 
 
 # ------------------------------------------------------------------ the loops in a plain C harness
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 HARNESS = os.path.join(REPO, "tests", "data", "fp_harness")
 
 
