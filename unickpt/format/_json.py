@@ -14,7 +14,6 @@ __all__ = [
     "strict_loads",
     "colon_budget",
     "count_pairs_and_colons",
-    "TooDeep",
     "check_unicode",
     "lone_surrogate",
     "SURROGATE_ESCAPE",
@@ -155,10 +154,6 @@ def check_unicode(text: str, error: type[CheckpointFormatError], what: str) -> N
 # ---------------------------------------------------------------------------------------------
 
 
-class TooDeep(Exception):
-    """A decoded value nests deeper than the walk allows (the caller falls back to ``strict_loads``)."""
-
-
 def colon_budget(raw: bytes) -> int | None:
     """The ':' count of a UTF-8 JSON text, or None when it escapes a colon (``\\u003a``).
 
@@ -173,31 +168,22 @@ def colon_budget(raw: bytes) -> int | None:
     return sum(int(np.count_nonzero(data[i : i + step] == 0x3A)) for i in range(0, len(data), step))
 
 
-def count_pairs_and_colons(value: Any, depth: int = 200) -> tuple[int, int]:
+def count_pairs_and_colons(value: Any) -> tuple[int, int]:
     """(members of every dict, ':' in every string key and value) of a decoded JSON value.
 
-    Raises ``TooDeep`` past ``depth`` levels of nesting.
+    Iterative: depth is bounded by the parser, not by this walk.
     """
-    t = type(value)
-    if t is str:
-        return 0, value.count(":")
-    if t is dict:
-        if depth <= 0:
-            raise TooDeep
-        pairs, colons = len(value), 0
-        for k, v in value.items():
-            colons += k.count(":")
-            p, c = count_pairs_and_colons(v, depth - 1)
-            pairs += p
-            colons += c
-        return pairs, colons
-    if t is list:
-        if depth <= 0:
-            raise TooDeep
-        pairs = colons = 0
-        for v in value:
-            p, c = count_pairs_and_colons(v, depth - 1)
-            pairs += p
-            colons += c
-        return pairs, colons
-    return 0, 0
+    pairs = colons = 0
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        t = type(v)
+        if t is str:
+            colons += v.count(":")
+        elif t is dict:
+            pairs += len(v)
+            colons += "".join(v).count(":")
+            stack.extend(v.values())
+        elif t is list:
+            stack.extend(v)
+    return pairs, colons

@@ -1,7 +1,7 @@
 """The rules of version 3's compact slice fields (docs/format.md 3.1), checked once their types are.
 
-Both ``index_models``' validators and the fast parser (``index_fast``) call them, so the two
-refuse the same inputs with the same words.
+The index parser (``index_fast``) calls them on what it reads, and ``index_models``' validators
+on what code builds, so a rule is written once.
 """
 
 from __future__ import annotations

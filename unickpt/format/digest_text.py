@@ -53,7 +53,7 @@ _TO_URLSAFE = bytes.maketrans(b"+/", b"-_")
 
 
 class DigestTextError(ValueError):
-    """A digest string that is not one (the models report it as a schema error)."""
+    """A digest string that is not one (``parse_index`` reports it as a schema error)."""
 
 
 class _Bad(Exception):

@@ -1,9 +1,11 @@
-"""Bulk checks and construction of a tensor's slices for the fast path of ``parse_index``.
+"""Bulk checks and construction of a tensor's slices for ``parse_index`` (``index_fast``).
 
-Checks what :class:`~unickpt.format.slice_models.SliceEntry` and ``TensorEntry``'s slice bounds
-check, for the usual input (every slice an object with the fields in model order), with C-level
-bulk operations instead of a Python loop per slice, and builds the slices as ``model_construct``
-would. Anything it does not take (None) goes through ``index_fast``'s slice-by-slice path.
+Checks what the schema says of a :class:`~unickpt.format.slice_models.SliceEntry` and of a
+slice's bounds within its tensor, for the usual input (every slice an object with the fields in
+model order), with C-level bulk operations over the whole table instead of a Python loop per
+slice, and builds the slices as ``model_construct`` would. A table it does not take (None: an
+unusual key order, byte ranges, or a problem) is checked row by row by
+``IndexParser.slices_rows``, which names the first offending slice.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ __all__ = [
     "construct",
     "bulk_slices",
     "compact_field_colons",
+    "compact_field_problem",
     "found_text",
     "gc_paused",
     "SLICE_FIELDS",
@@ -209,6 +212,45 @@ def compact_field_colons(k: str, x: Any) -> int | None:
     if ints and (set(map(type, ints)) - _INT or min(ints) < 0 or max(ints) >= MAX_DIM):
         return None
     return 0
+
+
+def compact_field_problem(k: str, x: Any) -> tuple[str, str, Any]:
+    """Where ``compact_field_colons`` found a problem in compact field ``k``: (the item's path
+    below the field, ``""`` or ``".3"`` or ``".1.0"``; what was expected there; what was found)."""
+    if k == "xxh3":
+        return "", "null or a string of 16 lower-case hex digits ('-' x 16: none) per slice", x
+    if k == "file":
+        if type(x) is list:
+            for i, f in enumerate(x):
+                if not _file_id(f):
+                    return f".{i}", "a file index: an integer >= 0 below 2**62", f
+        return "", "null, a file index (an integer >= 0 below 2**62) or an array of them", x
+    what = {"keys": "strings", "grid": "part counts or arrays of extents", "boxes": "arrays of integers"}
+    if type(x) is not list:
+        return "", f"null or an array of {what[k]}", x
+    for i, item in enumerate(x):
+        if k == "keys":
+            if type(item) is not str:
+                return f".{i}", "a string", item
+            continue
+        if type(item) is not list:
+            if k == "boxes":
+                return f".{i}", "an array of integers (offsets then shape)", item
+            if type(item) is not int or not MIN_POSITIVE <= item < MAX_DIM:
+                return (
+                    f".{i}",
+                    f"a part count (an integer >= {MIN_POSITIVE} below 2**62) or an array of extents",
+                    item,
+                )
+            continue
+        for j, n in enumerate(item):
+            if not _file_id(n):
+                return f".{i}.{j}", "an integer >= 0 below 2**62", n
+    raise AssertionError(f"compact field {k!r} has no problem")  # pragma: no cover - never
+
+
+def _file_id(v: Any) -> bool:
+    return type(v) is int and 0 <= v < MAX_DIM
 
 
 def _concatenated_hashes(x: str) -> bool:

@@ -1,17 +1,17 @@
-"""The fast path of ``parse_index``: the schema of ``index_models`` checked in one plain pass.
+"""The index validator: the schema of ``index_models`` checked in one plain pass over the JSON.
 
-Validating with the models costs 13 to 20 us per listed slice, paid by every loading rank,
-mostly per-object overhead. The fast path parses with plain ``json.loads`` and checks duplicate
-keys by counting colons (``_json.colon_budget``); pauses the garbage collector while it builds
-the tree (``index_bulk.gc_paused``); checks listed slices with C-level bulk operations
-(``index_bulk.bulk_slices``; anything else through ``slices_slow``) and everything else with
+``parse_index`` goes through here and nowhere else (the pydantic models declare the schema and
+export ``docs/index.schema.json``; no index is validated through them). It parses with plain
+``json.loads`` and checks duplicate keys by counting colons (``_json.colon_budget``); pauses the
+garbage collector while it builds the tree (``index_bulk.gc_paused``); checks listed slices with
+C-level bulk operations over the whole table (``index_bulk.bulk_slices``) and, for a table the
+bulk checks do not take (an unusual key order, byte ranges, or a problem), row by row
+(``IndexParser.slices_rows``), which names the first offending slice; and everything else with
 plain code driven by the schema's one definition in ``index_models`` (field lists, bounds and
-choices, and the rule functions the validators call); and builds the objects validation builds
-(``model_construct``, or the attributes it sets, in bulk).
-
-Any doubt raises NotFast, and parse_index then runs the models and reports their answer.
-tests/unit/spec/test_index_fast.py checks that both paths accept the same inputs, build equal
-indexes and refuse the rest with the same messages.
+choices, and the rule functions). It builds the objects the models describe (``model_construct``,
+or the attributes it sets, in bulk), and refuses with an ``IndexFileError`` (``UnsafePathError``
+for a data file name) whose message names the file, the field (``unickpt.tensors.NAME.slices.K
+.offsets.0``), what was expected and what was found.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 from annotated_types import Ge, Lt
-from pydantic import BaseModel, Strict, ValidationError
+from pydantic import BaseModel, Strict
 
 from unickpt.errors import CheckpointFormatError, IndexFileError, UnsafePathError
 from unickpt.format import index_models as models
-from unickpt.format._json import TooDeep, colon_budget, count_pairs_and_colons, json_depth
+from unickpt.format._json import count_pairs_and_colons, json_depth, strict_loads
 from unickpt.format.digest_text import DigestTextError, block_from_json
 from unickpt.format.dtypes import DTYPE_ITEMSIZE
 from unickpt.format.index_bulk import (
@@ -34,6 +34,7 @@ from unickpt.format.index_bulk import (
     SLICE_REQUIRED,
     bulk_slices,
     compact_field_colons,
+    compact_field_problem,
     construct,
     found_text,
 )
@@ -45,6 +46,7 @@ from unickpt.format.index_models import (
     MAX_DIM,
     MAX_STATE_DEPTH,
     MIN_POSITIVE,
+    SAVE_ID,
     SAVE_ID_BODY,
     Hex16,
     NonNeg,
@@ -59,20 +61,22 @@ from unickpt.format.index_models import (
     slice_problem,
     strict_metadata_ok,
 )
-from unickpt.format.versioning import OtherFormatVersion
+from unickpt.format.versioning import OtherFormatVersion, version_error
 
-__all__ = ["FastIndex", "NotFast"]
+__all__ = ["IndexParser", "SCHEMA_MISMATCH", "validate_block"]
 
 _TENSOR_FIELDS, _TENSOR_REQUIRED = fields_of(models.TensorEntry)
 _LAYOUT_FIELDS, _LAYOUT_REQUIRED = fields_of(models.LayoutInfo)
 _BLOCK_FIELDS, _BLOCK_REQUIRED = fields_of(models.UnickptBlock)
+_RANGE_FIELDS, _RANGE_REQUIRED = fields_of(models.ByteRange)
 _VERSIONS = " or ".join(map(str, KNOWN_FORMAT_VERSIONS))
 _KIND_CHOICES = " or ".join(map(repr, KINDS))
 _hex16 = re.compile(HEX16_BODY).fullmatch
 _save_id = re.compile(SAVE_ID_BODY).fullmatch
-_SCHEMA = "index does not match the unickpt index schema"
-# The fields whose checks FastIndex writes out (a rule, a bulk path or a lax case of their
-# own), per model. Every other field is checked by the plain check its declared type calls for
+#: The words every schema refusal of ``parse_index`` starts with (after the file's path).
+SCHEMA_MISMATCH = "index does not match the unickpt index schema"
+# The fields whose checks IndexParser writes out (a rule, a bulk path or a case of their own),
+# per model. Every other field is checked by the plain check its declared type calls for
 # (_plain_check, read from index_models: str, str | None, a bounded strict int, a strict bool,
 # list[NonNeg], Hex16 | None); a field of any other type fails at import until it gets a check.
 CUSTOM_FIELDS: dict[type[BaseModel], frozenset[str]] = {
@@ -85,65 +89,70 @@ CUSTOM_FIELDS: dict[type[BaseModel], frozenset[str]] = {
     models.LayoutInfo: frozenset({"mesh"}),
     models.TensorEntry: frozenset({"dtype", "slices", "grid", "boxes", "file", "keys", "xxh3"}),
     models.SliceEntry: frozenset({"file", "ranges"}),
-    models.ByteRange: frozenset({"start", "end", "xxh3"}),  # each range checked by its model
+    models.ByteRange: frozenset({"xxh3"}),  # a range's digest is not optional
 }
 
 
-class NotFast(Exception):
-    """The fast checks do not vouch for the input: the full validation decides.
+class IndexParser:
+    """One pass over the decoded index of ``path``: checks, counts members and colons, builds the models.
 
-    ``problem`` is set when the input definitely breaks the schema (the full validation must
-    refuse it too, else ``problem`` is raised as ``error``). It is None when pydantic's lax mode
-    may still accept the input (``"3"`` or ``3.0`` for an integer, ``1`` for a boolean), and
-    when the input has a duplicate key, escapes a colon or nests too deeply for the fast walk.
+    ``again`` gives the index's text once more, for the rare refusals that need it: a duplicate
+    key (the colon count finds one, ``strict_loads`` names it) and a schema problem found in a
+    text that may also hold a duplicate key (reported first, as the JSON's own problem).
     """
 
-    def __init__(
-        self, problem: str | None = None, error: type[CheckpointFormatError] = IndexFileError
-    ) -> None:
-        super().__init__(problem)
-        self.problem = problem
-        self.error = error
+    __slots__ = ("again", "budget", "colons", "files", "mismatch", "pairs", "path", "shared")
 
-
-def _schema(where: str, expected: str, value: Any) -> NotFast:
-    return NotFast(f"{_SCHEMA}: {where}: expected {expected}, found {found_text(value)}")
-
-
-class FastIndex:
-    """One pass over the decoded index: checks, counts members and colons, builds the models."""
-
-    __slots__ = ("budget", "colons", "files", "pairs", "raw", "shared")
-
-    def __init__(self, raw: bytes | None, budget: int | None = None) -> None:
-        self.raw = raw
-        self.budget = budget  # colon_budget(raw), when the caller computed it and dropped raw
+    def __init__(self, path: str, budget: int | None, again: Callable[[], str], what: str = "index") -> None:
+        self.path = path
+        self.mismatch = f"{path}: {what} does not match the unickpt index schema"
+        self.budget = budget  # colon_budget(raw): None when the text escapes a colon
+        self.again = again
         self.pairs = 0  # members of every JSON object met
         self.colons = 0  # ':' in every string met that may hold one
         self.files: set[str] = set()  # distinct slice file names
         self.shared: dict[tuple[str, ...], set[str]] = {}  # fields sets of slices, by key order
 
-    def parse(self, text: str | list[str]) -> models.IndexFile:
-        """Parse ``text``; given as a one-item list, the text is taken out of it and dropped once
-        decoded (with ``raw`` released by the caller, the index's bytes then cost nothing while
-        the models are built)."""
-        budget = colon_budget(self.raw) if self.raw is not None else self.budget
-        self.raw = None
-        if budget is None:
-            raise NotFast
-        try:
-            obj = json.loads(text.pop() if isinstance(text, list) else text)
-        except (ValueError, RecursionError):
-            raise NotFast from None
+    def parse(self, box: list[str]) -> models.IndexFile:
+        """Parse the text in the one-item list ``box``, taken out of it and dropped once decoded."""
+        what = f"{self.path}: index"
+        text = box.pop()
+        if self.budget is None:  # an escaped colon: the count cannot tell duplicates apart
+            obj = strict_loads(text, IndexFileError, what)
+        else:
+            try:
+                obj = json.loads(text)
+            except (ValueError, RecursionError):
+                strict_loads(text, IndexFileError, what)  # words the problem
+                raise IndexFileError(f"{what} is not valid JSON") from None
+        del text
         if type(obj) is not dict:
-            raise NotFast
+            raise IndexFileError(f"{what} must be a JSON object with a 'weight_map'")
         try:
             index = self.index(obj)
-        except (TooDeep, RecursionError, DigestTextError, OtherFormatVersion):  # the models word these
-            raise NotFast from None
-        if self.pairs + self.colons != budget:
-            raise NotFast  # a duplicate key: strict_loads names it
+        except CheckpointFormatError:
+            if self.budget is not None:
+                strict_loads(self.again(), IndexFileError, what)  # a duplicate key is reported first
+            raise
+        except DigestTextError as e:
+            if self.budget is not None:
+                strict_loads(self.again(), IndexFileError, what)
+            raise IndexFileError(f"{self.mismatch}: unickpt: {e}") from None
+        except OtherFormatVersion as e:
+            raise version_error(self.path, e.version) from None
+        if self.budget is not None and self.pairs + self.colons != self.budget:
+            strict_loads(self.again(), IndexFileError, what)  # names the duplicate key
+            raise IndexFileError(f"{what} has a duplicate key")  # never: the count is exact
         return index
+
+    # ------------------------------------------------------------------ refusals
+    def refuse(
+        self, where: str, problem: str, error: type[CheckpointFormatError] = IndexFileError
+    ) -> NoReturn:
+        raise error(f"{self.mismatch}: {where}: {problem}")
+
+    def expected(self, where: str, expected: str, value: Any) -> NoReturn:
+        self.refuse(where, f"expected {expected}, found {found_text(value)}")
 
     # ------------------------------------------------------------------ values
     def walk(self, v: Any) -> None:
@@ -153,34 +162,30 @@ class FastIndex:
 
     def string(self, v: Any, where: str, colons: bool = True) -> str:
         if type(v) is not str:
-            raise _schema(where, "a string", v)
+            self.expected(where, "a string", v)
         if colons:
             self.colons += v.count(":")
         return v
 
     def integer(self, v: Any, where: str, lo: int, hi: int | None = None) -> int:
-        if type(v) is int:
-            if v >= lo and (hi is None or v < hi):
-                return v
-            bound = f" below {hi}" if hi is not None else ""
-            raise _schema(where, f"an integer >= {lo}{bound}", v)
-        if type(v) in (bool, float, str):
-            raise NotFast  # pydantic's lax mode may coerce it
-        raise _schema(where, "an integer", v)
+        if type(v) is int and v >= lo and (hi is None or v < hi):
+            return v
+        bound = (
+            f" below 2**{hi.bit_length() - 1}" if hi == MAX_DIM else f" below {hi}" if hi is not None else ""
+        )
+        self.expected(where, f"an integer >= {lo}{bound}", v)
 
     def optional_string(self, v: Any, where: str) -> str | None:
         return None if v is None else self.string(v, where)
 
     def boolean(self, v: Any, where: str) -> bool:
         if type(v) is not bool:
-            if type(v) in (int, float, str):
-                raise NotFast  # pydantic takes 0, 1, "true", "no"...
-            raise _schema(where, "a boolean", v)
+            self.expected(where, "true or false", v)
         return v
 
     def dims(self, v: Any, where: str) -> list[int]:
         if type(v) is not list:
-            raise _schema(where, "an array of integers", v)
+            self.expected(where, "an array of integers", v)
         for i, x in enumerate(v):
             self.integer(x, f"{where}.{i}", 0, MAX_DIM)
         return v
@@ -188,18 +193,18 @@ class FastIndex:
     def hex16(self, v: Any, where: str) -> str | None:
         if v is None or (type(v) is str and _hex16(v)):
             return v
-        raise _schema(where, f"null or a string matching {HEX16}", v)
+        self.expected(where, f"null or a string matching {HEX16}", v)
 
     def obj(self, v: Any, where: str, fields: tuple[str, ...], required: frozenset[str]) -> dict[str, Any]:
         """An object of an ``extra="forbid"`` model: no unknown key, every required key."""
         if type(v) is not dict:
-            raise _schema(where, "an object", v)
+            self.expected(where, "an object", v)
         for k in v:
             if k not in fields:
-                raise NotFast(f"{_SCHEMA}: {where}: unexpected key {k!r}")
-        for k in required:
-            if k not in v:
-                raise NotFast(f"{_SCHEMA}: {where}: missing key {k!r}")
+                self.refuse(f"{where}.{k}", f"unexpected key (the fields are {', '.join(fields)})")
+        for k in fields:
+            if k in required and k not in v:
+                self.refuse(f"{where}.{k}", "missing (a required field)")
         self.pairs += len(v)
         return v
 
@@ -211,8 +216,9 @@ class FastIndex:
         for k, v in obj.items():
             if k == "metadata":
                 if obj.get("unickpt") is None and not strict_metadata_ok(v):
-                    raise NotFast  # a plain index's metadata is informational: the models decide
-                given[k] = self.metadata(v)
+                    given[k] = self.informational_metadata(v)
+                else:
+                    given[k] = self.metadata(v)
             elif k == "weight_map":
                 given[k] = self.weight_map(v)
             elif k == "unickpt":
@@ -222,12 +228,12 @@ class FastIndex:
                 self.walk(v)
                 extra[k] = v
         if "weight_map" not in given:
-            raise NotFast(f"{_SCHEMA}: weight_map: missing")
+            self.refuse("weight_map", "missing (a required field)")
         return construct(models.IndexFile, given, set(obj), extra)
 
     def metadata(self, v: Any) -> models.IndexMetadata:
         if type(v) is not dict:
-            raise _schema("metadata", "an object", v)
+            self.expected("metadata", "an object", v)
         self.pairs += len(v)
         given: dict[str, Any] = {}
         extra: dict[str, Any] = {}
@@ -241,25 +247,36 @@ class FastIndex:
                 extra[k] = x
         return construct(models.IndexMetadata, given, set(v), extra)
 
+    def informational_metadata(self, v: Any) -> models.IndexMetadata:
+        """A plain Hugging Face index's metadata that a unickpt index could not have: Hugging Face
+        reads only ``weight_map`` (Colossal-AI writes total_size in MB as a float), so its
+        ``total_size`` is dropped (and the whole of anything that is not an object)."""
+        self.walk(v)
+        kept = {k: x for k, x in v.items() if k != "total_size"} if type(v) is dict else {}
+        return construct(models.IndexMetadata, {}, set(kept), kept)
+
     def weight_map(self, v: Any) -> dict[str, str]:
         if type(v) is not dict:
-            raise _schema("weight_map", "an object", v)
+            self.expected("weight_map", "an object", v)
         self.pairs += len(v)
         self.colons += "".join(v).count(":")
         for k, f in v.items():
             if type(f) is not str:
-                raise _schema(f"weight_map.{k}", "a string", f)
-        self._safe_names(set(v.values()))
-        return v
-
-    def _safe_names(self, names: set[str]) -> None:
-        for name in names:
+                self.expected(f"weight_map.{k}", "a string", f)
+        for name in set(v.values()):  # a safe name holds no ':' (the colon count skips them)
             try:
                 check_file_name(name)
+            except UnsafePathError:
+                k = next(k for k, f in v.items() if f == name)
+                self.safe_names({name}, f"weight_map[{k!r}]")
+        return v
+
+    def safe_names(self, names: set[str], where: str = "") -> None:
+        for name in names:
+            try:
+                check_file_name(name, where)
             except UnsafePathError as e:
-                raise NotFast(str(e), UnsafePathError) from None
-            if ":" in name:
-                raise NotFast  # never, with today's names: the colon count skips file names
+                raise UnsafePathError(f"{self.path}: {e}") from None
 
     def block(self, v: Any) -> models.UnickptBlock:
         v, fewer = block_from_json(v)  # the text form (base64url digests, default dtype)
@@ -273,71 +290,73 @@ class FastIndex:
                 given[k] = check(self, x, where)
             elif k == "format_version":
                 if type(x) is not int:
-                    if type(x) in (bool, float):
-                        raise NotFast  # pydantic takes true and 1.0 for 1
-                    raise _schema(where, _VERSIONS, x)
+                    self.expected(where, f"the integer {_VERSIONS}", x)
                 if x not in KNOWN_FORMAT_VERSIONS:
-                    raise _schema(where, f"{_VERSIONS} (a format version this reader knows)", x)
+                    self.expected(where, f"{_VERSIONS} (a format version this reader knows)", x)
                 given[k] = x
             elif k == "kind":
-                if x not in KINDS or type(x) is not str:
-                    raise _schema(where, _KIND_CHOICES, x)
+                if type(x) is not str or x not in KINDS:
+                    self.expected(where, _KIND_CHOICES, x)
                 given[k] = x
             elif k == "layout":
                 given[k] = self.layout(x)
             elif k == "files":
                 if x is not None:
-                    if type(x) is not list or set(map(type, x)) - {str}:
-                        raise NotFast  # the models name what is wrong
+                    if type(x) is not list:
+                        self.expected(where, "null or an array of file names", x)
+                    for i, f in enumerate(x):
+                        self.string(f, f"{where}.{i}", colons=False)  # safe names hold no ':'
                     self.files |= set(x)
                 given[k] = x
             elif k == "tensors":
                 given[k] = self.tensors(x)
             elif k == "aliases":
                 if type(x) is not dict:
-                    raise _schema(where, "an object", x)
+                    self.expected(where, "an object", x)
                 for a, t in x.items():
                     if type(t) is not str:
-                        raise _schema(f"{where}.{a}", "a string", t)
+                        self.expected(f"{where}.{a}", "a string", t)
                 self.walk(x)
                 given[k] = dict(x)
             elif k == "param_groups":
                 if x is not None:
                     if type(x) is not list:
-                        raise _schema(where, "null or an array of objects", x)
+                        self.expected(where, "null or an array of objects", x)
                     for i, g in enumerate(x):
                         if type(g) is not dict:
-                            raise _schema(f"{where}.{i}", "an object", g)
-                    if json_depth(x, MAX_STATE_DEPTH + 1) > MAX_STATE_DEPTH:
-                        raise NotFast  # the model's validator names it
+                            self.expected(f"{where}.{i}", "an object", g)
+                    self.state_depth(x, where)
                     self.walk(x)
                     x = [dict(g) for g in x]
                 given[k] = x
             elif k == "save_id":
                 if x is not None and (type(x) is not str or _save_id(x) is None):
-                    raise NotFast  # the schema's own message names the pattern
+                    self.expected(where, f"null or a string matching {SAVE_ID}", x)
                 given[k] = x
             else:  # param_state
                 if type(x) is not dict:
-                    raise _schema(where, "an object", x)
+                    self.expected(where, "an object", x)
                 for p, st in x.items():
                     if type(st) is not dict:
-                        raise _schema(f"{where}.{p}", "an object", st)
-                if json_depth(x, MAX_STATE_DEPTH + 1) > MAX_STATE_DEPTH:
-                    raise NotFast  # the model's validator names it
+                        self.expected(f"{where}.{p}", "an object", st)
+                self.state_depth(x, where)
                 self.walk(x)
                 given[k] = {p: dict(st) for p, st in x.items()}
-        # models.UnickptBlock's model validators.
+        # The rules that span the block's fields.
         tensors = given["tensors"]
         problem = files_problem(given.get("files"), tensors)
         if problem is not None:
-            raise NotFast(f"{_SCHEMA}: unickpt: {problem}")
-        self._safe_names(self.files)
+            self.refuse("unickpt", problem)
+        self.safe_names(self.files)
         problem = alias_problem(given.get("aliases", {}), tensors)
         if problem is not None:
-            raise NotFast(f"{_SCHEMA}: unickpt.aliases: {problem}")
+            self.refuse("unickpt.aliases", problem)
         attach_tables(given.get("files"), tensors)
         return construct(models.UnickptBlock, given, set(b), None)
+
+    def state_depth(self, x: Any, where: str) -> None:
+        if json_depth(x, MAX_STATE_DEPTH + 1) > MAX_STATE_DEPTH:
+            self.refuse(where, f"nested deeper than {MAX_STATE_DEPTH} levels")
 
     def layout(self, v: Any) -> models.LayoutInfo:
         d = self.obj(v, "unickpt.layout", _LAYOUT_FIELDS, _LAYOUT_REQUIRED)
@@ -349,7 +368,7 @@ class FastIndex:
                 given[k] = check(self, x, where)
             else:  # mesh
                 if type(x) is not dict:
-                    raise _schema(where, "an object", x)
+                    self.expected(where, "an object", x)
                 self.pairs += len(x)
                 self.colons += "".join(x).count(":")
                 for axis, size in x.items():
@@ -359,7 +378,7 @@ class FastIndex:
 
     def tensors(self, v: Any) -> dict[str, models.TensorEntry]:
         if type(v) is not dict:
-            raise _schema("unickpt.tensors", "an object", v)
+            self.expected("unickpt.tensors", "an object", v)
         self.pairs += len(v)
         self.colons += "".join(v).count(":")
         return {name: self.tensor(name, t) for name, t in v.items()}
@@ -373,22 +392,21 @@ class FastIndex:
             if check is not None:
                 given[k] = check(self, x, f"{where}.{k}")
             elif k == "dtype":
-                dtype = self.string(x, f"{where}.dtype", colons=False)
-                if dtype not in DTYPE_ITEMSIZE or ":" in dtype:
-                    raise _schema(f"{where}.dtype", f"a dtype in {sorted(DTYPE_ITEMSIZE)}", x)
+                if type(x) is not str or x not in DTYPE_ITEMSIZE:
+                    self.expected(f"{where}.dtype", f"a dtype in {sorted(DTYPE_ITEMSIZE)}", x)
                 given[k] = x
             elif k == "slices":
                 if type(x) is not list:
-                    raise _schema(f"{where}.slices", "an array of slice objects", x)
+                    self.expected(f"{where}.slices", "an array of slice objects", x)
                 given[k] = x
             else:  # the compact fields
-                given[k] = self.compact_field(k, x)
+                given[k] = self.compact_field(k, x, f"{where}.{k}")
         shape = given["shape"]
         problem = shape_problem(shape)
         if problem is not None:
-            raise NotFast(f"{_SCHEMA}: {where}: {problem}")
+            self.refuse(where, problem)
         if "slices" not in given:
-            # Whether or not 'file' is given (absent: slice K in files[K]), as TensorEntry checks.
+            # Whether or not 'file' is given (absent: slice K in files[K]).
             problem = compact_problem(
                 shape,
                 given.get("grid"),
@@ -398,12 +416,12 @@ class FastIndex:
                 given.get("xxh3"),
             )
             if problem is not None:
-                raise NotFast(f"{_SCHEMA}: {where}: {problem}")
+                self.refuse(where, problem)
             given["slices"] = []  # replaced by attach_tables (a default_factory costs 1 ms here)
             return construct(models.TensorEntry, given, set(t), None)
         bulk = bulk_slices(shape, given["slices"], self.shared)
         if bulk is None:
-            given["slices"] = self.slices_slow(where, shape, given["slices"], DTYPE_ITEMSIZE[given["dtype"]])
+            given["slices"] = self.slices_rows(where, shape, given["slices"], DTYPE_ITEMSIZE[given["dtype"]])
         else:
             given["slices"], pairs, colons, files = bulk
             self.pairs += pairs
@@ -412,28 +430,38 @@ class FastIndex:
         return construct(models.TensorEntry, given, set(t), None)
 
     def ranges(self, v: Any, where: str) -> list[models.ByteRange] | None:
-        """A slice's byte ranges, each checked by its model; their tiling with the slice."""
+        """A slice's byte ranges, each an object of ``ByteRange``'s fields (their tiling is
+        ``ranges_problem``'s)."""
         if v is None:
             return None
         if type(v) is not list:
-            raise _schema(where, "null or an array of range objects", v)
-        try:
-            return [models.ByteRange.model_validate(self.obj(r, where, *_RANGE)) for r in v]
-        except ValidationError as e:
-            raise NotFast(f"{_SCHEMA}: {where}: {e.errors()[0]['msg']}") from None
+            self.expected(where, "null or an array of range objects", v)
+        out = []
+        for j, r in enumerate(v):
+            w = f"{where}.{j}"
+            d = self.obj(r, w, _RANGE_FIELDS, _RANGE_REQUIRED)
+            given = {k: _RANGE_PLAIN[k](self, x, f"{w}.{k}") for k, x in d.items() if k != "xxh3"}
+            h = d["xxh3"]
+            if type(h) is not str or not _hex16(h):
+                self.expected(f"{w}.xxh3", f"a string matching {HEX16}", h)
+            given["xxh3"] = h
+            out.append(construct(models.ByteRange, given, set(d), None))
+        return out
 
-    def compact_field(self, k: str, x: Any) -> Any:
-        """A compact field of a tensor, type-checked in bulk; any doubt goes to the models."""
+    def compact_field(self, k: str, x: Any, where: str) -> Any:
+        """A compact field of a tensor, type-checked in bulk; the first bad item named when it fails."""
         colons = compact_field_colons(k, x)
         if colons is None:
-            raise NotFast
+            found, expected, value = compact_field_problem(k, x)
+            self.expected(f"{where}{found}", expected, value)
         self.colons += colons
         return x
 
-    def slices_slow(
+    def slices_rows(
         self, where: str, gshape: list[int], sl: list[Any], isize: int = 1
     ) -> list[models.SliceEntry]:
-        """Slice by slice, as the models check them (any key order), with a message for each problem."""
+        """A tensor's slices row by row (any key order, byte ranges): the first offending slice
+        is named by its number, field, what was expected and what was found."""
         out = []
         for i, v in enumerate(sl):
             w = f"{where}.slices.{i}"
@@ -445,24 +473,37 @@ class FastIndex:
                     given[k] = check(self, x, f"{w}.{k}")
                 elif k == "ranges":
                     given[k] = self.ranges(x, f"{w}.ranges")
-                else:  # file
-                    given[k] = self.string(x, f"{w}.file", colons=False)  # a safe name has none
-            out.append((s, given))
-        built = []
-        for s, given in out:
+                else:  # file: a safe name has no ':', and an unsafe one is refused
+                    given[k] = self.string(x, f"{w}.file", colons=False)
             file = given["file"]
             problem = slice_problem(given["key"], file, given["offsets"], given["shape"], gshape)
             problem = problem or ranges_problem(
                 given["key"], file, given.get("ranges"), given["shape"], isize
             )
             if problem is not None:
-                raise NotFast(f"{_SCHEMA}: {where}: {problem}")
+                self.refuse(w, problem)
             self.files.add(file)
-            built.append(construct(models.SliceEntry, given, set(s), None))
-        return built
+            out.append(construct(models.SliceEntry, given, set(s), None))
+        return out
 
 
-_Check = Callable[[FastIndex, Any, str], Any]
+def validate_block(obj: Any, path: str, what: str) -> models.UnickptBlock:
+    """A unickpt block read on its own (``obj`` from ``strict_loads``, which refused duplicate
+    keys): checked as the block of an index, refusals naming ``path`` and ``what`` it is."""
+    parser = IndexParser(path, None, _no_text, what)
+    try:
+        return parser.block(obj)
+    except DigestTextError as e:
+        raise IndexFileError(f"{parser.mismatch}: unickpt: {e}") from None
+    except OtherFormatVersion as e:
+        raise version_error(path, e.version) from None
+
+
+def _no_text() -> str:  # pragma: no cover - never: a parser without a budget never asks
+    raise RuntimeError("the text of a block validated on its own is not kept")
+
+
+_Check = Callable[[IndexParser, Any, str], Any]
 
 
 def _plain_check(cls: type[BaseModel], name: str) -> _Check:
@@ -470,20 +511,20 @@ def _plain_check(cls: type[BaseModel], name: str) -> _Check:
     field = cls.model_fields[name]
     ann, meta = field.annotation, field.metadata
     if ann is str:
-        return FastIndex.string
+        return IndexParser.string
     if ann == str | None and not meta:
-        return FastIndex.optional_string
+        return IndexParser.optional_string
     if ann is bool and Strict(strict=True) in meta:
-        return FastIndex.boolean
+        return IndexParser.boolean
     if ann is int and Strict(strict=True) in meta:
         lo = next(cast(int, m.ge) for m in meta if isinstance(m, Ge))
         hi = next((cast(int, m.lt) for m in meta if isinstance(m, Lt)), None)
-        return lambda fast, v, where: fast.integer(v, where, lo, hi)
+        return lambda parser, v, where: parser.integer(v, where, lo, hi)
     if ann == list[NonNeg]:
-        return FastIndex.dims
+        return IndexParser.dims
     if ann == Hex16 | None:
-        return FastIndex.hex16
-    raise TypeError(f"{cls.__name__}.{name}: the fast index path has no check for {ann!r}")
+        return IndexParser.hex16
+    raise TypeError(f"{cls.__name__}.{name}: the index parser has no check for {ann!r}")
 
 
 #: The plain checks, by model and field: every field not in CUSTOM_FIELDS.
@@ -496,4 +537,4 @@ _BLOCK_PLAIN = PLAIN_CHECKS[models.UnickptBlock]
 _LAYOUT_PLAIN = PLAIN_CHECKS[models.LayoutInfo]
 _TENSOR_PLAIN = PLAIN_CHECKS[models.TensorEntry]
 _SLICE_PLAIN = PLAIN_CHECKS[models.SliceEntry]
-_RANGE = fields_of(models.ByteRange)
+_RANGE_PLAIN = PLAIN_CHECKS[models.ByteRange]

@@ -5,10 +5,13 @@ Hugging Face's keys plus a versioned ``unickpt`` block. Everything the schema sa
 defined in ``slice_models``, below the slice table that builds them, and re-exported here):
 the field types and bounds (the ``Annotated`` aliases and ``Literal`` choices below), and the
 rules that span fields (:func:`slice_problem`, :func:`shape_problem`, :func:`alias_problem`,
-:func:`check_file_name`). The models apply them as validators; the fast path of ``parse_index``
-(``index_fast``) reads the same field lists, bounds and choices from here and calls the same
-rule functions, so a change here changes both. ``docs/index.schema.json`` is exported from
-:class:`IndexFile` (``unickpt.format.schema``).
+:func:`check_file_name`). ``docs/index.schema.json`` is exported from :class:`IndexFile`
+(``unickpt.format.schema``). The models are the in-memory form of an index, too.
+
+No index read from a file is validated through the models: ``parse_index`` checks it with its
+own validator (``index_fast``), which reads the field lists, bounds and choices from here and
+calls the same rule functions, and builds the models without validation (``model_construct``).
+The models' validators check what code builds (a writer's ``TensorEntry(...)``, a tool's edit).
 """
 
 from __future__ import annotations
@@ -240,6 +243,9 @@ class TensorEntry(StrictModel):
     @model_serializer(mode="wrap")
     def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         if not self.compact:
+            sl = self.__dict__["slices"]
+            if isinstance(sl, LazySlices):
+                sl.built()  # the serializer reads the list's storage, not its methods
             out: dict[str, Any] = handler(self)
             return out
         # A compact entry writes its compact fields, never its slices (no per-slice objects).

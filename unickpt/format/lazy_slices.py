@@ -32,6 +32,12 @@ class LazySlices(list):  # type: ignore[type-arg]
             list.extend(self, self.table.entries())
             self._built = True
 
+    def built(self) -> LazySlices:
+        """The list with its ``SliceEntry`` objects built: for readers that see the list's storage
+        without calling its methods (pydantic's serializer reads a list subclass at the C level)."""
+        self._build()
+        return self
+
     def __len__(self) -> int:
         return list.__len__(self) if self._built else len(self.table)
 

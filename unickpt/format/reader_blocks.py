@@ -9,14 +9,12 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from pydantic import ValidationError
-
 from unickpt.errors import CheckpointFormatError, IndexFileError, UnsafePathError
 from unickpt.format._json import strict_loads
 from unickpt.format.index import IndexFile, SliceEntry, TensorEntry, UnickptBlock, check_file_name
+from unickpt.format.index_fast import validate_block
 from unickpt.format.naming import single_name
 from unickpt.format.safetensors_io import SafetensorsHeader, read_header
-from unickpt.format.versioning import OtherFormatVersion, version_error
 
 __all__ = [
     "UNICKPT_METADATA_KEY",
@@ -46,9 +44,9 @@ def block_from_header(h: SafetensorsHeader, kind: str) -> tuple[UnickptBlock, bo
                             s["file"] = file
                 if isinstance(obj.get("files"), list):  # the compact encoding's file table
                     obj["files"] = [file] * len(obj["files"])
-            block = UnickptBlock.model_validate(obj)
-        except ValidationError as e:
-            raise _schema_error(h.path, e) from None
+            block = validate_block(obj, h.path, "the unickpt metadata block")
+        except CheckpointFormatError:
+            raise
         except (ValueError, RecursionError) as e:
             raise IndexFileError(f"{h.path}: the unickpt metadata block is invalid: {e}") from None
         if block.kind != kind:
@@ -65,23 +63,6 @@ def block_from_header(h: SafetensorsHeader, kind: str) -> tuple[UnickptBlock, bo
         for k, e in h.entries.items()
     }
     return UnickptBlock(kind="model" if kind == "model" else "optimizer", tensors=tensors), False
-
-
-def _schema_error(path: str, e: ValidationError) -> CheckpointFormatError:
-    """One line per problem (at most 10), as the index's own schema errors; unsafe names stay unsafe."""
-    for err in e.errors():
-        cause = (err.get("ctx") or {}).get("error")
-        if isinstance(cause, UnsafePathError):
-            return UnsafePathError(f"{path}: the unickpt metadata block: {cause}")
-        if isinstance(cause, OtherFormatVersion):
-            return version_error(path, cause.version)
-    problems = "; ".join(
-        f"{'.'.join(str(p) for p in err['loc'])}: {' '.join(str(err['msg']).split())}"
-        for err in e.errors()[:10]
-    )
-    return IndexFileError(
-        f"{path}: the unickpt metadata block does not match the unickpt index schema: {problems}"
-    )
 
 
 def single_file_name(path: str, kind: str) -> str:

@@ -3,7 +3,7 @@
 
 The bottom of the index's modules: the slice table (``slice_table``) builds ``SliceEntry``
 objects from its arrays, and the index models (``index_models``, which re-exports everything
-here as part of the schema) and the bulk parser (``index_bulk``) stand on both. The field types
+here as part of the schema) and the index parser's bulk checks (``index_bulk``) stand on both. The field types
 and bounds a slice declares (``NonNeg``, ``Hex16``, ``MAX_DIM``, ``HEX16``) are defined here, once,
 for the whole schema.
 """

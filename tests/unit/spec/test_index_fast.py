@@ -1,11 +1,12 @@
-"""The fast index parser (``parse_index``) against the pydantic models (``parse_index_validated``).
+"""``parse_index`` (the one index validator, ``index_fast.IndexParser``) on hostile input.
 
 Random valid indexes and random single mutations of them (wrong types, values pydantic's lax
-mode coerces, negative and huge integers, bad hex, unknown and missing keys, key orders,
+mode would coerce, negative and huge integers, bad hex, unknown and missing keys, key orders,
 out-of-bounds slices, unsafe file names, dangling aliases, duplicate keys, escaped colons):
-both paths accept exactly the same inputs, build equal indexes (the same objects and the same
-``index_to_json`` bytes) and refuse the others with the same exception and message. Indexes in
-the form unickpt writes must take the fast path, not its fallback to the models.
+``parse_index`` accepts exactly what the schema declared by the models of ``index_models``
+accepts (the declaration ``docs/index.schema.json`` is exported from; the test asks the models
+directly, no parse goes through them), builds the same objects, and refuses everything else
+with the same exception type and a message that names the file and the field.
 """
 
 from __future__ import annotations
@@ -21,27 +22,51 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from unickpt.errors import IndexFileError, UnsafePathError
-from unickpt.format._json import colon_budget, count_pairs_and_colons, strict_loads
+from unickpt.format._json import check_unicode, colon_budget, count_pairs_and_colons, strict_loads
 from unickpt.format.digest_text import hex_to_b64
 from unickpt.format.dtypes import DTYPE_ITEMSIZE
 from unickpt.format.index import (
-    FastIndex,
     IndexFile,
     IndexMetadata,
     LayoutInfo,
-    NotFast,
     SliceEntry,
     TensorEntry,
     UnickptBlock,
     index_to_json,
     parse_index,
-    parse_index_validated,
 )
+from unickpt.format.index_fast import SCHEMA_MISMATCH
 from unickpt.format.index_models import ByteRange
 from unickpt.format.naming import SLICED_SENTINEL
+from unickpt.format.versioning import OtherFormatVersion, version_error
+
+
+def _schema_validate(raw: bytes) -> IndexFile:
+    """What the schema's declaration (the pydantic models) says of ``raw``: the index it builds,
+    or an exception of the type ``parse_index`` must raise (the test's reference; the library
+    never validates an index this way)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise IndexFileError("not UTF-8") from None
+    check_unicode(text, IndexFileError, "index")
+    obj = strict_loads(text, IndexFileError, "index")
+    if not isinstance(obj, dict):
+        raise IndexFileError("not an object")
+    try:
+        return IndexFile.model_validate(obj)
+    except ValidationError as e:
+        for err in e.errors():
+            cause = (err.get("ctx") or {}).get("error")
+            if isinstance(cause, UnsafePathError):
+                raise cause from None
+            if isinstance(cause, OtherFormatVersion):
+                raise version_error("idx.json", cause.version) from None
+        raise IndexFileError(str(e)) from None
+
 
 N = int(os.environ.get("UNICKPT_FUZZ_EXAMPLES", "300"))
 PROPS = settings(max_examples=N, deadline=None, suppress_health_check=list(HealthCheck), derandomize=N < 1000)
@@ -414,45 +439,36 @@ def _to_json(index: IndexFile) -> bytes | str:
         return f"UnicodeEncodeError: {e}"
 
 
-def _check(raw: bytes, canonical: bool) -> None:
-    ref = _outcome(lambda: parse_index_validated(raw, "idx.json"))
-    fast = _outcome(lambda: parse_index(raw, "idx.json"))
-    assert fast[0] == ref[0], (ref, fast)
+def _check(raw: bytes, canonical: bool = False) -> None:
+    ref = _outcome(lambda: _schema_validate(raw))
+    got = _outcome(lambda: parse_index(raw, "idx.json"))
+    assert got[0] == ref[0], (ref, got)
     if ref[0] == "ok":
-        a, b = ref[1], fast[1]
+        a, b = ref[1], got[1]
         assert a == b
         assert _state(a) == _state(b)
         assert _to_json(a) == _to_json(b)
     else:
-        assert fast[1:] == ref[1:]  # same exception type and the same message
-    # The fast checks alone: never accept what the models refuse, never flag what they accept,
-    # and take the index unickpt writes without falling back.
-    try:
-        direct = FastIndex(raw).parse(raw.decode("utf-8"))
-    except NotFast as nf:
-        if nf.problem is not None:
-            assert ref[0] == "error", nf.problem
-        assert not (canonical and ref[0] == "ok"), "a valid index in unickpt's form took the fallback"
-    except UnicodeDecodeError:
-        assert ref[0] == "error"
-    else:
-        assert ref[0] == "ok" and direct == ref[1]
+        assert got[1] is ref[1], (ref, got)  # the same exception type
+        assert got[2].startswith("idx.json: "), got
+        if got[2].startswith(f"idx.json: {SCHEMA_MISMATCH}: "):
+            # The field is named: a path of the index's keys and positions, then the finding.
+            where = got[2].removeprefix(f"idx.json: {SCHEMA_MISMATCH}: ").split(": ")[0]
+            assert where.split(".")[0] in ("metadata", "weight_map", "unickpt"), got
 
 
 @PROPS
 @given(_case())
-def test_fast_parse_matches_models(case: tuple[bytes, bool]) -> None:
+def test_parse_accepts_exactly_what_the_schema_accepts(case: tuple[bytes, bool]) -> None:
     _check(*case)
 
 
 @PROPS
 @given(_index())
-def test_valid_indexes_take_the_fast_path(obj: dict[str, Any]) -> None:
+def test_valid_indexes_are_accepted(obj: dict[str, Any]) -> None:
     raw = index_to_json(IndexFile.model_validate(obj))
     _check(raw, True)
-    # Written by unickpt (index_to_json): every tensor's slices take the bulk path.
-    fast = FastIndex(raw)
-    fast.parse(raw.decode())
+    assert index_to_json(parse_index(raw, "idx.json")) == raw
 
 
 def _full_index() -> dict[str, Any]:
@@ -474,7 +490,8 @@ def _full_index() -> dict[str, Any]:
 
 @pytest.mark.parametrize("value", REPLACEMENTS + BAD_FILES[1:], ids=repr)
 def test_every_position_with_every_replacement(value: Any) -> None:
-    """Each value put at each position of a full index, one at a time: both paths agree."""
+    """Each value put at each position of a full index, one at a time: refused exactly where the
+    schema refuses, with the exception type it calls for and the field named."""
     base = _full_index()
     _check(index_to_json(IndexFile.model_validate(base)), True)
     for path in _paths(base):
@@ -530,13 +547,17 @@ def test_colon_count_detects_exactly_the_duplicate_keys(case: tuple[str, bool]) 
     assert (strict[0] == "error") == has_dup
 
 
-def test_escaped_colon_is_not_counted_and_falls_back() -> None:
+def test_an_escaped_colon_is_parsed_with_the_strict_parser() -> None:
+    """The colon count cannot see through ``\\u003a``: such a text is parsed by ``strict_loads``,
+    which finds duplicate keys itself; the index is otherwise checked as any other."""
     raw = b'{"a\\u003ab": 1, "a:b": 2, "weight_map": {}}'
     assert colon_budget(raw) is None
     with pytest.raises(IndexFileError, match="duplicate key 'a:b'"):
         parse_index(raw, "idx.json")
-    with pytest.raises(NotFast):
-        FastIndex(raw).parse(raw.decode())
+    ok = parse_index(b'{"a\\u003ab": 1, "weight_map": {}}', "idx.json")
+    assert ok.model_extra == {"a:b": 1}
+    with pytest.raises(IndexFileError, match=r"weight_map: expected an object, found an array"):
+        parse_index(b'{"a\\u003ab": 1, "weight_map": []}', "idx.json")
 
 
 def test_duplicate_keys_keep_their_message() -> None:
@@ -578,8 +599,8 @@ def _sliced(n_tensors: int = 3, world: int = 4) -> bytes:
 
 def test_written_index_builds_the_same_objects() -> None:
     raw = _sliced()
-    fast = FastIndex(raw).parse(raw.decode())
-    ref = parse_index_validated(raw, "idx.json")
+    fast = parse_index(raw, "idx.json")
+    ref = _schema_validate(raw)
     assert fast == ref and _state(fast) == _state(ref) and index_to_json(fast) == raw
     s = fast.unickpt.tensors["layers.0.weight"].slices[0]  # type: ignore[union-attr]
     assert (
@@ -605,36 +626,67 @@ def test_slices_sharing_a_fields_set_stay_independent() -> None:
 
 
 @pytest.mark.parametrize(
-    "edit",
+    ("edit", "message"),
     [
-        lambda o, s: s.update(offsets=["0", 0]),
-        lambda o, s: s.update(offsets=[0.0, 0]),
-        lambda o, s: s.update(offsets=[False, 0]),
-        lambda o, s: s.update(shape=[2, 8.0]),
-        lambda o, s: o["unickpt"]["layout"].update(gathered="yes"),
-        lambda o, s: o["unickpt"]["layout"].update(world_size=2.0),
-        lambda o, s: o["unickpt"].update(format_version=True),
-        lambda o, s: o["unickpt"].update(format_version=1.0),
-        lambda o, s: o["metadata"].update(total_size="12"),
+        (
+            lambda o, s: s.update(offsets=["0", 0]),
+            "slices.0.offsets.0: expected an integer >= 0 below 2**62, found '0'",
+        ),
+        (
+            lambda o, s: s.update(offsets=[0.0, 0]),
+            "slices.0.offsets.0: expected an integer >= 0 below 2**62, found 0.0",
+        ),
+        (
+            lambda o, s: s.update(offsets=[False, 0]),
+            "slices.0.offsets.0: expected an integer >= 0 below 2**62, found false",
+        ),
+        (
+            lambda o, s: s.update(shape=[2, 8.0]),
+            "slices.0.shape.1: expected an integer >= 0 below 2**62, found 8.0",
+        ),
+        (
+            lambda o, s: o["unickpt"]["layout"].update(gathered="yes"),
+            "unickpt.layout.gathered: expected true or false, found 'yes'",
+        ),
+        (
+            lambda o, s: o["unickpt"]["layout"].update(world_size=2.0),
+            "unickpt.layout.world_size: expected an integer >= 1, found 2.0",
+        ),
+        (
+            lambda o, s: o["unickpt"].update(format_version=True),
+            "unickpt.format_version: expected the integer 5, found true",
+        ),
+        (
+            lambda o, s: o["unickpt"].update(format_version=1.0),
+            "unickpt.format_version: expected the integer 5, found 1.0",
+        ),
+        (
+            lambda o, s: o["metadata"].update(total_size="12"),
+            "metadata.total_size: expected an integer >= 0 below 2**62, found '12'",
+        ),
     ],
 )
-def test_lax_values_are_refused_by_both_paths(edit: Any) -> None:
+def test_lax_values_are_refused(edit: Any, message: str) -> None:
     """JSON true, 0.0 and "0" are not integers (nor "yes" a boolean): pydantic's lax mode would
-    take them; the index refuses them, through the fast path and the models alike."""
+    take them; the index refuses them, naming the field, what it expects and what it found."""
     obj = json.loads(_sliced())
     edit(obj, obj["unickpt"]["tensors"]["layers.0.weight"]["slices"][0])
     raw = json.dumps(obj).encode()
-    with pytest.raises(IndexFileError) as fast:
+    with pytest.raises(IndexFileError) as e:
         parse_index(raw, "i")
-    with pytest.raises(IndexFileError) as models:
-        parse_index_validated(raw, "i")
-    assert str(fast.value) == str(models.value)
+    assert str(e.value).startswith(f"i: {SCHEMA_MISMATCH}: ") and str(e.value).endswith(message), str(e.value)
+    with pytest.raises(IndexFileError):
+        _schema_validate(raw)
 
 
 @pytest.mark.parametrize(
     ("edit", "error", "message"),
     [
-        (lambda o, s: s.update(offsets=[-1, 0]), IndexFileError, "greater than or equal to 0"),
+        (
+            lambda o, s: s.update(offsets=[-1, 0]),
+            IndexFileError,
+            "layers.0.weight.slices.0.offsets.0: expected an integer >= 0 below 2**62, found -1",
+        ),
         (
             lambda o, s: s.update(file="../x.safetensors"),
             UnsafePathError,
@@ -643,10 +695,24 @@ def test_lax_values_are_refused_by_both_paths(edit: Any) -> None:
         (
             lambda o, s: s.update(offsets=[9, 0]),
             IndexFileError,
+            "layers.0.weight.slices.0: slice 'layers.0.weight@0' in 'model-00001-of-00004.safetensors' "
             "spans [9, 11) on dim 0 of a tensor of size 10",
         ),
-        (lambda o, s: s.update(xxh3="ABCDEF0123456789"), IndexFileError, "String should match pattern"),
-        (lambda o, s: s.update(extra=1), IndexFileError, "Extra inputs are not permitted"),
+        (
+            lambda o, s: s.update(xxh3="ABCDEF0123456789"),
+            IndexFileError,
+            "slices.0.xxh3: expected null or a string matching ^[0-9a-f]{16}$, found 'ABCDEF0123456789'",
+        ),
+        (
+            lambda o, s: s.update(extra=1),
+            IndexFileError,
+            "slices.0.extra: unexpected key (the fields are file, key, offsets, shape, xxh3, ranges)",
+        ),
+        (
+            lambda o, s: s.pop("key"),
+            IndexFileError,
+            "layers.0.weight.slices.0.key: missing (a required field)",
+        ),
         (
             lambda o, s: o["unickpt"].update(aliases={"a": "nope"}),
             IndexFileError,
@@ -658,46 +724,10 @@ def test_errors_keep_their_messages(edit: Any, error: type[Exception], message: 
     obj = json.loads(_sliced())
     edit(obj, obj["unickpt"]["tensors"]["layers.0.weight"]["slices"][0])
     raw = json.dumps(obj).encode()
-    with pytest.raises(error) as fast:
+    with pytest.raises(error) as e:
         parse_index(raw, "idx.json")
-    with pytest.raises(error) as ref:
-        parse_index_validated(raw, "idx.json")
-    assert str(fast.value) == str(ref.value)
-    assert message in str(fast.value) and str(fast.value).startswith("idx.json: ")
-    with pytest.raises(NotFast) as nf:
-        FastIndex(raw).parse(raw.decode())
-    assert nf.value.problem is not None and nf.value.error is error
-
-
-def test_a_problem_the_models_miss_is_still_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    """If the fast checks flag a definite problem and the models accept, the problem is raised."""
-    import unickpt.format.index as index_mod
-
-    raw = _sliced()
-
-    def flag(self: Any, text: str) -> IndexFile:
-        raise NotFast("index does not match the unickpt index schema: made up", IndexFileError)
-
-    monkeypatch.setattr(index_mod.FastIndex, "parse", flag)
-    with pytest.raises(IndexFileError) as e:
-        parse_index(raw, "idx.json")
-    assert str(e.value) == "idx.json: index does not match the unickpt index schema: made up"
-
-
-def test_an_unexpected_failure_of_the_fast_path_falls_back(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    import unickpt.format.index as index_mod
-
-    raw = _sliced()
-
-    def broken(self: Any, text: str) -> IndexFile:
-        raise RuntimeError("boom")
-
-    monkeypatch.setattr(index_mod.FastIndex, "parse", broken)
-    with caplog.at_level("WARNING", logger="unickpt.format.index"):
-        assert _state(parse_index(raw, "idx.json")) == _state(parse_index_validated(raw, "idx.json"))
-    assert "fast index parse failed (RuntimeError: boom)" in caplog.text
+    assert type(e.value) is error
+    assert message in str(e.value) and str(e.value).startswith("idx.json: "), str(e.value)
 
 
 @pytest.mark.parametrize("enabled", [True, False])
@@ -716,19 +746,27 @@ def test_garbage_collector_state_is_restored(enabled: bool) -> None:
 
 def test_not_an_object_or_not_json() -> None:
     for raw in (b"[]", b"1", b"", b"{", b"\xff", b'{"weight_map": {}} x', b"\xef\xbb\xbf{}"):
-        ref = _outcome(lambda raw=raw: parse_index_validated(raw, "i"))
-        fast = _outcome(lambda raw=raw: parse_index(raw, "i"))
-        assert ref[0] == "error" and fast == ref, raw
+        got = _outcome(lambda raw=raw: parse_index(raw, "i"))
+        assert got[:2] == ("error", IndexFileError) and got[2].startswith("i: index "), got
+    with pytest.raises(IndexFileError, match=r"^i: index must be a JSON object with a 'weight_map'$"):
+        parse_index(b"[]", "i")
+    with pytest.raises(IndexFileError, match=r"^i: index is not valid JSON \(Expecting"):
+        parse_index(b"{", "i")
+    with pytest.raises(IndexFileError, match=r"^i: index is not valid UTF-8"):
+        parse_index(b"\xff", "i")
 
 
-def test_deep_nesting_in_free_form_values_falls_back() -> None:
+def test_deep_nesting_in_free_form_values_is_counted() -> None:
+    """Free-form values nested deeper than any recursion are walked (the duplicate-key count)
+    iteratively: such an index parses, and a duplicate key deep inside is still found."""
     deep: Any = 1
     for _ in range(300):
         deep = [deep]
     raw = json.dumps({"weight_map": {}, "extra": deep}).encode()
-    with pytest.raises(NotFast):
-        FastIndex(raw).parse(raw.decode())
-    assert parse_index(raw, "i") == parse_index_validated(raw, "i")
+    assert parse_index(raw, "i") == _schema_validate(raw)
+    dup = raw.replace(b"[1]", b'[{"a": 1, "a": 2}]')
+    with pytest.raises(IndexFileError, match="duplicate key 'a'"):
+        parse_index(dup, "i")
 
 
 def test_fast_checks_know_the_models() -> None:
@@ -805,9 +843,9 @@ def test_a_frozen_heap_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # ------------------------------------------------------------------ load_index's memory
 def test_load_index_releases_the_bytes_and_text_while_building(tmp_path: Path) -> None:
-    """load_index drops the file's bytes and decoded text before the models are built: its peak
-    (Python allocations) is below parse_index's, which keeps the text for its fallback, by more
-    than the file's size."""
+    """load_index drops the file's bytes and decoded text before the models are built (it can
+    read them again for the rare refusal that needs the text): its peak (Python allocations) is
+    below parse_index's, whose caller holds the bytes, by about the file's size."""
     import tracemalloc
 
     from unickpt.format.index import load_index
@@ -815,7 +853,7 @@ def test_load_index_releases_the_bytes_and_text_while_building(tmp_path: Path) -
     raw = _sliced(n_tensors=100, world=32)
     p = tmp_path / "model.safetensors.index.json"
     p.write_bytes(raw)
-    want = _state(parse_index_validated(raw, "i"))
+    want = _state(_schema_validate(raw))
     peaks = {}
     for name, fn in [
         ("load_index", lambda: load_index(p)),
@@ -829,7 +867,7 @@ def test_load_index_releases_the_bytes_and_text_while_building(tmp_path: Path) -
         finally:
             tracemalloc.stop()
         assert _state(got) == want
-    assert peaks["parse_index"] - peaks["load_index"] > len(raw), (peaks, len(raw))
+    assert peaks["parse_index"] - peaks["load_index"] > 0.9 * len(raw), (peaks, len(raw))
 
 
 @pytest.mark.parametrize(
@@ -840,13 +878,14 @@ def test_load_index_releases_the_bytes_and_text_while_building(tmp_path: Path) -
         ),  # duplicate
         lambda t: t.replace(
             '"layers.1.weight@1"', '"layers.1.weight\\u003a1"', 1
-        ),  # escaped ':' (fast path declines)
+        ),  # escaped ':' (parsed by strict_loads)
         lambda t: t.replace('"world_size": 4', '"world_size": 4.0', 1),  # lax value
+        lambda t: t.replace('"world_size": 4', '"world_size": 4, "world_size": 4.0', 1),  # both
     ],
 )
-def test_load_index_fallback_reads_the_file_again(tmp_path: Path, edit: Any) -> None:
-    """When the fast path declines, load_index validates the file read again: same answer as
-    parse_index on the same bytes (an index, or the same error)."""
+def test_load_index_reads_the_file_again_to_name_a_duplicate(tmp_path: Path, edit: Any) -> None:
+    """load_index, which dropped the text, reads the file again when a refusal needs it: the
+    same answer as parse_index on the same bytes (an index, or the same error)."""
     from unickpt.format.index import load_index
 
     raw = edit(_sliced().decode()).encode()
@@ -863,8 +902,8 @@ def test_load_index_fallback_reads_the_file_again(tmp_path: Path, edit: Any) -> 
     assert got == want
 
 
-def test_the_fast_path_checks_every_field_of_the_models() -> None:
-    """The fast path reads field lists, types, bounds and rules from index_models: each field
+def test_the_parser_checks_every_field_of_the_models() -> None:
+    """The parser reads field lists, types, bounds and rules from index_models: each field
     either has a check written out (CUSTOM_FIELDS) or the plain check its declared type calls
     for; a field of a type with no plain check is refused when the module is built."""
     from unickpt.format.index_fast import CUSTOM_FIELDS, PLAIN_CHECKS, _plain_check
