@@ -300,12 +300,8 @@ class CheckpointReader(FileChecks):
         # before the keys and arrays of all slices are built.
         self.open_files(self.files)
         self.check_coverage()
-        matched = locate_all(self)  # every slice at once; None: one by one below, naming the first bad one
-        for name, t in self.block.tensors.items() if matched is None else ():
-            table = t.table
-            for file, key, shape in zip(table.file_list(), table.keys(), table.shapes.tolist(), strict=True):
-                self._check_key(name, t.dtype, file, key, shape)
-        if self.has_unickpt_block and not (matched and all_referenced(self.header, self.files, matched)):
+        matched = locate_all(self)  # every slice at once; raises naming the first bad one
+        if self.has_unickpt_block and not all_referenced(self.header, self.files, matched):
             check_keys_referenced(self.block, self.files, self.header)
 
     def _check_slice(self, name: str, t: TensorEntry, s: SliceEntry) -> None:
