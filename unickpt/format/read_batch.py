@@ -20,10 +20,9 @@ from typing import Any
 import numpy as np
 
 from unickpt.errors import IncompleteCheckpointError
-from unickpt.format.safetensors_io import SafetensorsHeader
 from unickpt.format.slice_spans import FileNumbers, table_spans
 
-__all__ = ["ReadBatch", "describe_key", "table_spans", "IOV_MAX"]
+__all__ = ["ReadBatch", "table_spans", "IOV_MAX"]
 
 
 def _iov_max() -> int:
@@ -38,11 +37,6 @@ def _iov_max() -> int:
 IOV_MAX = _iov_max()
 # A run is cut at this many bytes: one preadv needs no more than that at a time.
 RUN_BYTES = 64 << 20
-
-
-def describe_key(h: SafetensorsHeader, key: str) -> tuple[str, list[int]] | None:
-    """(dtype, shape list) of ``key`` in a validated header, None when the file lacks it."""
-    return h.entries.describe(key)
 
 
 class ReadBatch:

@@ -326,12 +326,16 @@ def _entries(
         raise at.fail(
             i, f"data_offsets [{begin[i]}, {end[i]}] out of range of the {data_len}-byte data section"
         )
-    # Byte counts: (end - begin) == numel x item size, without forming the product (no overflow:
-    # every span is at most data_len, every numel below 2^62).
+    # Byte counts: (end - begin) == numel x item size. Every numel is below 2^62 (checked), so the
+    # product fits int64 below 2^60 elements; past that the span is divided instead (no overflow).
     isz = _ITEMSIZE[codes]
     span = end - begin
     num = np.asarray(numel, dtype=np.int64)
-    if not (np.array_equal(span // isz, num) and not (span % isz).any()):
+    if n and int(num.max()) >= 1 << 60:
+        good = bool(np.array_equal(span // isz, num) and not (span % isz).any())
+    else:
+        good = np.array_equal(span, num * isz)
+    if not good:
         i = int(np.flatnonzero((span // isz != num) | (span % isz != 0))[0])
         d = _DTYPES[int(codes[i])]
         raise at.fail(
@@ -342,8 +346,8 @@ def _entries(
     # previous ended, the first at 0, the last ends at the data section's end.
     order = np.lexsort((end, begin))
     b, e = begin[order], end[order]
-    prev = np.concatenate([np.zeros(1, dtype=np.int64), e[:-1]])
-    if n and not np.array_equal(b, prev):
+    if n and (int(b[0]) != 0 or not np.array_equal(b[1:], e[:-1])):
+        prev = np.concatenate([np.zeros(1, dtype=np.int64), e[:-1]])
         k = int(np.flatnonzero(b != prev)[0])
         pos, at_byte = int(prev[k]), int(b[k])
         kind = "overlaps the previous tensor" if at_byte < pos else "leaves a gap before it"

@@ -41,6 +41,7 @@ __all__ = [
     "locate",
     "locate_all",
     "recorded_hashes",
+    "slice_error",
     "slice_keys",
     "table_spans",
 ]
@@ -155,16 +156,23 @@ def locate(
                 ok &= (got == shapes).all(axis=1)
             if not ok.all():
                 j = int(np.flatnonzero(~ok)[0])
-                raise _mismatch(
-                    headers[int(part_fids[j])], name, dtype, keys[at - len(ks) + j], shapes[j].tolist()
-                )
+                h = headers[int(part_fids[j])]
+                err = slice_error(h, name, dtype, keys[at - len(ks) + j], shapes[j].tolist())
+                assert err is not None  # (the arrays and the entry say the same)
+                raise err
         out.append((begin[hp], length[hp]))
     return out, matched
 
 
-def _mismatch(h: SafetensorsHeader, name: str, dtype: str, key: str, shape: list[int]) -> HeaderError:
-    """The error of a slice whose file lacks its key or holds another dtype or shape under it."""
+def slice_error(
+    h: SafetensorsHeader, name: str, dtype: str, key: str, shape: list[int]
+) -> HeaderError | None:
+    """The error of one slice of tensor ``name`` stored under ``key`` as ``dtype``/``shape`` in the
+    file of header ``h`` (the file lacks the key, or holds another dtype or shape); None when it
+    holds it so. ``locate`` checks many at once and raises this for the first bad one."""
     e = h.entries.describe(key)
+    if e is not None and e[0] == dtype and e[1] == shape:
+        return None
     found = "nothing under that key" if e is None else f"{e[0]}{shown(e[1])}"
     return HeaderError(
         f"{h.path}: tensor {shown(name)} (key {shown(key)}): index says {dtype}{shown(shape)}, file holds {found}"
