@@ -149,12 +149,24 @@ def locate(
         if len(ks):
             shapes = table.shapes[ks]
             nd = shapes.shape[1]
-            safe = np.maximum(hp, 0)
-            ok = (hp >= 0) & (codes[safe] == dtype_code(dtype)) & (ndims[safe] == nd)
-            if nd and ok.any():
-                got = dims[np.minimum(dstart[safe][:, None] + np.arange(nd, dtype=np.int64), len(dims) - 1)]
-                ok &= (got == shapes).all(axis=1)
-            if not ok.all():
+            code = dtype_code(dtype)
+            fine = (
+                int(hp.min()) >= 0
+                and bool((codes[hp] == code).all())
+                and bool((ndims[hp] == nd).all())
+                and (
+                    not nd
+                    or np.array_equal(dims[dstart[hp][:, None] + np.arange(nd, dtype=np.int64)], shapes)
+                )
+            )
+            if not fine:  # the first bad slice, from the same arrays
+                safe = np.maximum(hp, 0)
+                ok = (hp >= 0) & (codes[safe] == code) & (ndims[safe] == nd)
+                if nd and ok.any():
+                    got = dims[
+                        np.minimum(dstart[safe][:, None] + np.arange(nd, dtype=np.int64), len(dims) - 1)
+                    ]
+                    ok &= (got == shapes).all(axis=1)
                 j = int(np.flatnonzero(~ok)[0])
                 h = headers[int(part_fids[j])]
                 err = slice_error(h, name, dtype, keys[at - len(ks) + j], shapes[j].tolist())
