@@ -121,19 +121,22 @@ def locate(
     cols: list[list[np.ndarray]] = [[], [], [], [], [], []]  # codes, begin, length, ndims, dim start, dims
     base = dim_base = 0
     matched: dict[str, int] = {}
+    missing = False
     for seg in np.split(order, cuts):
         fid = int(allf[seg[0]])
         h = headers[fid] = header_of(names[fid])
         ents = h.entries
         pos = ents.positions
+        seen = np.zeros(len(ents) + 1, dtype=bool)  # (the extra last place: -1, a missing key)
         try:
             found = np.fromiter(map(pos.__getitem__, key_arr[seg]), np.int64, len(seg))
+            hpos[seg] = base + found
         except KeyError:  # some key missing: -1 for those (named below, in order)
             found = np.fromiter(map(pos.get, key_arr[seg], repeat(-1)), np.int64, len(seg))
-        seen = np.zeros(len(ents) + 1, dtype=bool)
-        seen[found] = True  # (-1 marks the extra last place)
+            hpos[seg] = np.where(found >= 0, base + found, -1)
+            missing = True
+        seen[found] = True
         matched[names[fid]] = int(np.count_nonzero(seen[:-1]))  # each entry counted once
-        hpos[seg] = np.where(found >= 0, base + found, -1)
         codes, begin, end, ndims, dims = ents.arrays()
         vals = (codes, begin + h.data_start, end - begin, ndims, np.cumsum(ndims) - ndims + dim_base, dims)
         for col, a in zip(cols, vals, strict=True):
@@ -151,7 +154,7 @@ def locate(
             nd = shapes.shape[1]
             code = dtype_code(dtype)
             fine = (
-                int(hp.min()) >= 0
+                (not missing or int(hp.min()) >= 0)
                 and bool((codes[hp] == code).all())
                 and bool((ndims[hp] == nd).all())
                 and (
