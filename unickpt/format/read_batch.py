@@ -19,51 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from unickpt.errors import HeaderError
-from unickpt.format.safetensors_bulk import HeaderEntries
-from unickpt.format.safetensors_io import SafetensorsHeader
-from unickpt.format.slice_spans import FileNumbers
+from unickpt.format.slice_spans import FileNumbers, table_spans
 from unickpt.format.storage import Buffers, ReadHandle
 from unickpt.format.storage_readv import IOV_MAX, RUN_BYTES
 
-__all__ = ["ReadBatch", "describe_key", "table_spans", "IOV_MAX", "RUN_BYTES"]
-
-
-def table_spans(
-    header_of: Callable[[str], SafetensorsHeader], table: Any, ks: list[int]
-) -> tuple[list[str], list[int], list[int]]:
-    """(file, absolute offset, byte length) of the stored slices ``ks`` of a ``SliceTable``.
-
-    Raises ``HeaderError`` naming a key its file lacks.
-    """
-    fids = table.file_ids[np.asarray(ks, dtype=np.int64)].tolist()
-    names: list[str] = [table.files[i] for i in fids]
-    offs: list[int] = []
-    lens: list[int] = []
-    for file, k in zip(names, ks, strict=True):
-        h = header_of(file)
-        key = table.key(k)
-        ents = h.entries
-        got = ents.span(key) if isinstance(ents, HeaderEntries) else _dict_span(ents, key)
-        if got is None:
-            raise HeaderError(f"{h.path}: key {key!r} named by the index is not in the file")
-        offs.append(h.data_start + got[0])
-        lens.append(got[1] - got[0])
-    return names, offs, lens
-
-
-def describe_key(h: SafetensorsHeader, key: str) -> tuple[str, list[int]] | None:
-    """(dtype, shape list) of ``key`` in a validated header, None when the file lacks it."""
-    ents = h.entries
-    if isinstance(ents, HeaderEntries):
-        return ents.describe(key)
-    e = ents.get(key)
-    return None if e is None else (e.dtype, list(e.shape))
-
-
-def _dict_span(ents: Any, key: str) -> tuple[int, int] | None:
-    e = ents.get(key)
-    return None if e is None else (e.begin, e.end)
+__all__ = ["ReadBatch", "table_spans", "IOV_MAX", "RUN_BYTES"]
 
 
 class ReadBatch:

@@ -59,7 +59,6 @@ from unickpt.format.index import (
 )
 from unickpt.format.naming import index_name, single_name
 from unickpt.format.range_hashes import has_hashes, slice_failures
-from unickpt.format.read_batch import describe_key
 from unickpt.format.reader_blocks import (
     UNICKPT_METADATA_KEY,
     block_from_header,
@@ -67,7 +66,7 @@ from unickpt.format.reader_blocks import (
     file_kind,
     single_file_name,
 )
-from unickpt.format.reader_checks import FileChecks, shown
+from unickpt.format.reader_checks import FileChecks
 from unickpt.format.reader_paths import hint_foreign, hint_other_files, not_regular
 from unickpt.format.reader_storage import (
     Prefetched,
@@ -80,7 +79,7 @@ from unickpt.format.reader_storage import (
     read_runs,
 )
 from unickpt.format.safetensors_io import SafetensorsHeader
-from unickpt.format.slice_spans import Spans, all_referenced, locate_all
+from unickpt.format.slice_spans import Spans, all_referenced, locate_all, slice_error
 from unickpt.format.storage import LocalStorage, ReadHandle, Storage, open_storage
 
 # file_kind, single_file_name and the metadata key live in reader_blocks; re-exported.
@@ -292,30 +291,16 @@ class CheckpointReader(FileChecks):
         # before the keys and arrays of all slices are built.
         self.open_files(self.files)
         self.check_coverage()
-        matched = locate_all(self)  # every slice at once; None: one by one below, naming the first bad one
-        for name, t in self.block.tensors.items() if matched is None else ():
-            table = t.table
-            for file, key, shape in zip(table.file_list(), table.keys(), table.shapes.tolist(), strict=True):
-                self._check_key(name, t.dtype, file, key, shape)
-        if self.has_unickpt_block and not (matched and all_referenced(self.header, self.files, matched)):
+        matched = locate_all(self)  # every slice at once; raises naming the first bad one
+        if self.has_unickpt_block and not all_referenced(self.header, self.files, matched):
             check_keys_referenced(self.block, self.files, self.header)
 
     def _check_slice(self, name: str, t: TensorEntry, s: SliceEntry) -> None:
-        """The slice's key is in its file's (valid) header with the dtype and shape the index records."""
-        self._check_key(name, t.dtype, s.file, s.key, list(s.shape))
-
-    def _check_key(self, name: str, dtype: str, file: str, key: str, shape: list[int]) -> None:
-        h = self.header(file)
-        e = describe_key(h, key)  # (dtype, shape list): no entry object built
-        if e is None:
-            raise HeaderError(
-                f"{h.path}: tensor {shown(name)} should be stored under key {shown(key)}, which the file lacks"
-            )
-        if e[0] != dtype or e[1] != shape:
-            raise HeaderError(
-                f"{h.path}: tensor {shown(name)} (key {shown(key)}): index says {dtype}{shown(shape)}, "
-                f"file holds {e[0]}{e[1]}"
-            )
+        """The slice's key is in its file's (valid) header with the dtype and shape the index records
+        (``slice_spans.slice_error``: the check and the wording of ``locate``, for one slice)."""
+        err = slice_error(self.header(s.file), name, t.dtype, s.key, list(s.shape))
+        if err is not None:
+            raise err
 
     # ----------------------------------------------------------------- reading bytes
     def slice_location(self, s: SliceEntry) -> tuple[str, int, int]:

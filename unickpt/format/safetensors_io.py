@@ -3,7 +3,9 @@
 The reader treats every file as hostile: the header length is capped before anything is
 allocated, the JSON must be an object of well-formed entries, byte counts must equal
 shape x item size, and the entries must tile the data section exactly (no gap, no overlap,
-nothing past the end). Only then is any byte of tensor data trusted.
+nothing past the end). Only then is any byte of tensor data trusted. The parser is
+``safetensors_bulk.parse_header`` (every entry at once, naming the first at fault), re-exported
+here.
 
 The writer produces the same format as ``safetensors.torch.save_file`` but streams: the
 header is computed from shapes and dtypes up front, then each tensor's bytes are appended
@@ -18,16 +20,15 @@ import math
 import os
 import stat
 import struct
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from unickpt.errors import HeaderError, IncompleteCheckpointError
-from unickpt.format._json import strict_loads
 from unickpt.format.bounds import MAX_HEADER_BYTES as _MAX_HEADER_BYTES
 from unickpt.format.dtypes import DTYPE_ITEMSIZE
 from unickpt.format.foreign import foreign_file
-from unickpt.format.safetensors_bulk import HeaderEntry, parse_header_bulk
+from unickpt.format.safetensors_bulk import MAX_NDIM, HeaderEntries, parse_header
 from unickpt.format.storage import LocalStorage, Storage
 from unickpt.store.writeback import Writeback
 
@@ -48,8 +49,7 @@ __all__ = [
 # safetensors itself uses the same cap. Anything larger is refused before allocation.
 MAX_HEADER_BYTES = _MAX_HEADER_BYTES  # format/bounds.py: what a data file can hold follows from it
 # Shapes are bounded so that byte counts cannot overflow or request absurd allocations.
-MAX_NDIM = 64
-_MAX_ELEMENTS = 1 << 62
+MAX_NDIM = MAX_NDIM  # (safetensors_bulk, the parser, checks it)
 # Read in chunks this large: big enough to run at disk speed, small enough to bound memory.
 READ_CHUNK_BYTES = 16 << 20
 
@@ -57,7 +57,7 @@ READ_CHUNK_BYTES = 16 << 20
 @dataclass(frozen=True)
 class SafetensorsHeader:
     path: str
-    entries: Mapping[str, HeaderEntry]  # a HeaderEntries (bulk) or a dict
+    entries: HeaderEntries
     metadata: dict[str, str]
     data_start: int  # absolute file offset of the data section
     file_size: int = field(default=0)
@@ -65,80 +65,6 @@ class SafetensorsHeader:
     def absolute(self, key: str) -> tuple[int, int]:
         e = self.entries[key]
         return self.data_start + e.begin, e.nbytes
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def parse_header(raw: bytes, data_len: int, path: str) -> tuple[Mapping[str, HeaderEntry], dict[str, str]]:
-    """Validate a header's JSON bytes against a data section of ``data_len`` bytes.
-
-    A well-formed header is validated in bulk (``safetensors_bulk``: arrays, no object per
-    entry); anything the bulk checks do not accept is checked entry by entry, which names the
-    entry at fault.
-    """
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise HeaderError(f"{path}: safetensors header is not valid UTF-8 ({e})") from e
-    if not text.startswith("{"):
-        raise HeaderError(f"{path}: safetensors header must be a JSON object starting with '{{'")
-    bulk = parse_header_bulk(text, raw, data_len)
-    if bulk is not None:  # every check passed over all entries at once
-        return bulk
-    # Something is off (or unusual): the entry-by-entry checks name what.
-    obj = strict_loads(text, HeaderError, f"{path}: safetensors header")
-    if not isinstance(obj, dict):
-        raise HeaderError(f"{path}: safetensors header must be a JSON object")
-    metadata: dict[str, str] = {}
-    entries: list[HeaderEntry] = []
-    for key, value in obj.items():
-        if key == "__metadata__":
-            if not isinstance(value, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in value.items()
-            ):
-                raise HeaderError(f"{path}: __metadata__ must map strings to strings")
-            metadata = value
-            continue
-        where = f"{path}: tensor {key!r}"
-        if not isinstance(value, dict) or set(value) != {"dtype", "shape", "data_offsets"}:
-            raise HeaderError(f"{where}: entry must have exactly dtype, shape and data_offsets")
-        dtype, shape, offsets = value["dtype"], value["shape"], value["data_offsets"]
-        if not isinstance(dtype, str) or dtype not in DTYPE_ITEMSIZE:
-            raise HeaderError(f"{where}: unknown or unsupported dtype {dtype!r}")
-        if (
-            not isinstance(shape, list)
-            or len(shape) > MAX_NDIM
-            or not all(_is_int(d) and 0 <= d < _MAX_ELEMENTS for d in shape)
-        ):
-            raise HeaderError(f"{where}: shape must be a list of at most {MAX_NDIM} non-negative integers")
-        numel = math.prod(shape)
-        if numel >= _MAX_ELEMENTS:
-            raise HeaderError(f"{where}: shape {shape} has too many elements")
-        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets):
-            raise HeaderError(f"{where}: data_offsets must be two integers")
-        begin, end = offsets
-        if not 0 <= begin <= end <= data_len:
-            raise HeaderError(
-                f"{where}: data_offsets [{begin}, {end}] out of range of the {data_len}-byte data section"
-            )
-        expected = numel * DTYPE_ITEMSIZE[dtype]
-        if end - begin != expected:
-            raise HeaderError(
-                f"{where}: {dtype}{shape} needs {expected} bytes but data_offsets span {end - begin}"
-            )
-        entries.append(HeaderEntry(key, dtype, tuple(shape), begin, end))
-    # The entries must tile the data section exactly: no gap, no overlap, nothing left over.
-    pos = 0
-    for ent in sorted(entries, key=lambda x: (x.begin, x.end)):
-        if ent.begin != pos:
-            kind = "overlaps the previous tensor" if ent.begin < pos else "leaves a gap before it"
-            raise HeaderError(f"{path}: tensor {ent.key!r} at byte {ent.begin} {kind} (expected byte {pos})")
-        pos = ent.end
-    if pos != data_len:
-        raise HeaderError(f"{path}: tensors cover {pos} bytes but the data section holds {data_len}")
-    return {e.key: e for e in entries}, metadata
 
 
 def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:

@@ -1,10 +1,11 @@
-"""Many stored slices located and checked against their files' headers at once (no torch).
+"""Stored slices located and checked against their files' headers, many at once (no torch).
 
 A sliced save of 70B on 512 ranks stores 370k slices, 723 in each of 512 files. Loading,
 verifying or merging it needs, for every slice, its file's header entry: present under the
-slice's key, of the tensor's dtype and the slice's shape, and where its bytes are. Asking the
-header one key at a time costs a few Python calls per slice; here the slices of many tensors are
-handled together:
+slice's key, of the tensor's dtype and the slice's shape, and where its bytes are. This module is
+the one place that answers it (load, verify, merge and the reader's structure check all call
+:func:`locate`, the byte ranges alone come from :func:`table_spans`); asking the header one key at
+a time would cost a few Python calls per slice, so the slices of many tensors are handled together:
 
 1. every slice's key is formed once (``NAME@K`` by the rule, or the table's key list) and its
    file numbered across all tables;
@@ -13,20 +14,23 @@ handled together:
 3. per tensor, the dtype codes, shapes and byte ranges of its entries are compared with the
    slice table with a few numpy operations over all its slices.
 
-Any doubt (a key its file lacks, a dtype or a shape that differs, a header not validated in bulk)
-answers None: the caller's slice-by-slice path then runs and raises the error it always raised,
-naming the first slice at fault.
+A slice whose file lacks its key or holds another dtype or shape is refused with a
+``HeaderError`` naming the file, the tensor, the key, what the index says and what the file
+holds: the first such slice in the order asked (tensor by tensor, slice by slice), found from the
+same arrays.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from typing import Any
 
 import numpy as np
 
-from unickpt.errors import UnickptError
-from unickpt.format.safetensors_bulk import HeaderEntries, dtype_code
+from unickpt.errors import HeaderError
+from unickpt.format.reader_checks import shown
+from unickpt.format.safetensors_bulk import dtype_code
 from unickpt.format.safetensors_io import SafetensorsHeader
 
 __all__ = [
@@ -37,7 +41,9 @@ __all__ = [
     "locate",
     "locate_all",
     "recorded_hashes",
+    "slice_error",
     "slice_keys",
+    "table_spans",
 ]
 
 #: (tensor name, stored dtype, its ``SliceTable``, the slice positions to locate)
@@ -88,9 +94,10 @@ def slice_keys(table: Any, ks: np.ndarray) -> list[str]:
 
 def locate(
     header_of: Callable[[str], SafetensorsHeader], parts: list[Part]
-) -> tuple[list[Spans], dict[str, int]] | None:
+) -> tuple[list[Spans], dict[str, int]]:
     """Per part, where its slices are: their files hold their keys with the part's dtype and each
-    slice's shape. None at the first doubt (the caller's per-slice path names what is wrong).
+    slice's shape, or ``HeaderError`` names the first slice that is not so (in the order of
+    ``parts``, then of each part's positions). ``header_of`` raises what a file's header does.
 
     Also returns, per file touched, how many of its header's entries the slices matched (each
     counted once): when that is the header's length, every key of the file is referenced.
@@ -108,28 +115,28 @@ def locate(
     cuts = np.flatnonzero(np.diff(allf[order])) + 1
     key_arr = np.empty(n, dtype=object)
     key_arr[:] = keys
-    hpos = np.empty(n, dtype=np.int64)
+    hpos = np.empty(n, dtype=np.int64)  # the slice's entry in the arrays of all files; -1: none
     names = files.names
+    headers: dict[int, SafetensorsHeader] = {}
     cols: list[list[np.ndarray]] = [[], [], [], [], [], []]  # codes, begin, length, ndims, dim start, dims
     base = dim_base = 0
     matched: dict[str, int] = {}
+    missing = False
     for seg in np.split(order, cuts):
-        file = names[int(allf[seg[0]])]
-        try:
-            h = header_of(file)
-        except (UnickptError, OSError):
-            return None  # the per-slice path raises it, in its order
+        fid = int(allf[seg[0]])
+        h = headers[fid] = header_of(names[fid])
         ents = h.entries
-        if not isinstance(ents, HeaderEntries):
-            return None
+        pos = ents.positions
+        seen = np.zeros(len(ents) + 1, dtype=bool)  # (the extra last place: -1, a missing key)
         try:
-            found = np.fromiter(map(ents.positions.__getitem__, key_arr[seg]), np.int64, len(seg))
-        except KeyError:
-            return None
-        hpos[seg] = base + found
-        seen = np.zeros(len(ents), dtype=bool)
+            found = np.fromiter(map(pos.__getitem__, key_arr[seg]), np.int64, len(seg))
+            hpos[seg] = base + found
+        except KeyError:  # some key missing: -1 for those (named below, in order)
+            found = np.fromiter(map(pos.get, key_arr[seg], repeat(-1)), np.int64, len(seg))
+            hpos[seg] = np.where(found >= 0, base + found, -1)
+            missing = True
         seen[found] = True
-        matched[file] = int(np.count_nonzero(seen))  # each entry counted once
+        matched[names[fid]] = int(np.count_nonzero(seen[:-1]))  # each entry counted once
         codes, begin, end, ndims, dims = ents.arrays()
         vals = (codes, begin + h.data_start, end - begin, ndims, np.cumsum(ndims) - ndims + dim_base, dims)
         for col, a in zip(cols, vals, strict=True):
@@ -139,18 +146,84 @@ def locate(
     codes, begin, length, ndims, dstart, dims = (np.concatenate(c) for c in cols)
     out: list[Spans] = []
     at = 0
-    for _, dtype, table, ks in parts:
+    for (name, dtype, table, ks), part_fids in zip(parts, fids, strict=True):
         hp = hpos[at : at + len(ks)]
         at += len(ks)
         if len(ks):
             shapes = table.shapes[ks]
             nd = shapes.shape[1]
-            if not (codes[hp] == dtype_code(dtype)).all() or not (ndims[hp] == nd).all():
-                return None
-            if nd and not np.array_equal(dims[dstart[hp][:, None] + np.arange(nd, dtype=np.int64)], shapes):
-                return None
+            code = dtype_code(dtype)
+            fine = (
+                (not missing or int(hp.min()) >= 0)
+                and bool((codes[hp] == code).all())
+                and bool((ndims[hp] == nd).all())
+                and (
+                    not nd
+                    or np.array_equal(dims[dstart[hp][:, None] + np.arange(nd, dtype=np.int64)], shapes)
+                )
+            )
+            if not fine:  # the first bad slice, from the same arrays
+                safe = np.maximum(hp, 0)
+                ok = (hp >= 0) & (codes[safe] == code) & (ndims[safe] == nd)
+                if nd and ok.any():
+                    got = dims[
+                        np.minimum(dstart[safe][:, None] + np.arange(nd, dtype=np.int64), len(dims) - 1)
+                    ]
+                    ok &= (got == shapes).all(axis=1)
+                j = int(np.flatnonzero(~ok)[0])
+                h = headers[int(part_fids[j])]
+                err = slice_error(h, name, dtype, keys[at - len(ks) + j], shapes[j].tolist())
+                assert err is not None  # (the arrays and the entry say the same)
+                raise err
         out.append((begin[hp], length[hp]))
     return out, matched
+
+
+def slice_error(
+    h: SafetensorsHeader, name: str, dtype: str, key: str, shape: list[int]
+) -> HeaderError | None:
+    """The error of one slice of tensor ``name`` stored under ``key`` as ``dtype``/``shape`` in the
+    file of header ``h`` (the file lacks the key, or holds another dtype or shape); None when it
+    holds it so. ``locate`` checks many at once and raises this for the first bad one."""
+    e = h.entries.describe(key)
+    if e is not None and e[0] == dtype and e[1] == shape:
+        return None
+    found = "nothing under that key" if e is None else f"{e[0]}{shown(e[1])}"
+    return HeaderError(
+        f"{h.path}: tensor {shown(name)} (key {shown(key)}): index says {dtype}{shown(shape)}, file holds {found}"
+    )
+
+
+def table_spans(
+    header_of: Callable[[str], SafetensorsHeader], table: Any, ks: list[int]
+) -> tuple[list[str], list[int], list[int]]:
+    """(file, absolute offset, byte length) of the stored slices ``ks`` of a ``SliceTable``, their
+    dtypes and shapes unchecked (``locate`` checks them); ``HeaderError`` names the first key its
+    file lacks."""
+    sel = np.asarray(ks, dtype=np.int64)
+    files = FileNumbers()
+    fids = files.of(table, sel)
+    keys = slice_keys(table, sel)
+    names = files.names
+    offs = np.empty(len(keys), dtype=np.int64)
+    lens = np.empty(len(keys), dtype=np.int64)
+    key_arr = np.empty(len(keys), dtype=object)
+    key_arr[:] = keys
+    found = np.empty(len(keys), dtype=np.int64)
+    order = np.argsort(fids, kind="stable")
+    for seg in np.split(order, np.flatnonzero(np.diff(fids[order])) + 1) if len(keys) else ():
+        h = header_of(names[int(fids[seg[0]])])
+        got = np.fromiter(map(h.entries.positions.get, key_arr[seg], repeat(-1)), np.int64, len(seg))
+        found[seg] = got
+        _, begin, end, _, _ = h.entries.arrays()
+        at = np.maximum(got, 0)
+        offs[seg] = begin[at] + h.data_start if len(begin) else 0
+        lens[seg] = end[at] - begin[at] if len(begin) else 0
+    if (found < 0).any():
+        first = int(np.flatnonzero(found < 0)[0])
+        h = header_of(names[int(fids[first])])
+        raise HeaderError(f"{h.path}: key {shown(keys[first])} named by the index is not in the file")
+    return [names[i] for i in fids.tolist()], offs.tolist(), lens.tolist()
 
 
 def all_referenced(
@@ -161,16 +234,14 @@ def all_referenced(
     return all(matched.get(f, -1) == len(header_of(f).entries) for f in files)
 
 
-def locate_all(reader: Any) -> dict[str, int] | None:
-    """Every slice of a ``CheckpointReader`` located and checked (``locate``); the spans are kept in
-    ``reader.spans``. Returns the per-file counts of ``locate``, None at the first doubt."""
+def locate_all(reader: Any) -> dict[str, int]:
+    """Every slice of a ``CheckpointReader`` located and checked (``locate``, which raises naming the
+    first bad slice); the spans are kept in ``reader.spans``. Returns the per-file counts of ``locate``."""
     tensors = reader.tensors
     parts = [(n, t.dtype, t.table, np.arange(len(t.table), dtype=np.int64)) for n, t in tensors.items()]
-    got = locate(reader.header, parts)
-    if got is None:
-        return None
-    reader.spans.update(zip(tensors, got[0], strict=True))
-    return got[1]
+    spans, matched = locate(reader.header, parts)
+    reader.spans.update(zip(tensors, spans, strict=True))
+    return matched
 
 
 _NO_HASH = b"-" * 16

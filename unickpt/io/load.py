@@ -52,7 +52,7 @@ from unickpt.format.consistency import check_keys_referenced
 from unickpt.format.dtypes import itemsize
 from unickpt.format.index import TensorEntry
 from unickpt.format.range_hashes import has_hashes, slice_failures
-from unickpt.format.read_batch import ReadBatch, describe_key, table_spans
+from unickpt.format.read_batch import ReadBatch, table_spans
 from unickpt.format.reader import CheckpointReader, open_checkpoint, open_located
 from unickpt.format.slice_spans import FileNumbers, all_referenced, locate
 from unickpt.io.cuda_load import DeviceLoader, copy_cast, off_host
@@ -302,25 +302,10 @@ def load_tensors(
         # Every file this rank reads, opened at once (on a URL, several headers in flight).
         touched = _files_of(reader, needed)
         reader.open_files(touched)
-        located = _locate(reader, needed)
-        for src, ks in needed.items() if located is None else ():  # one by one: names the slice at fault
-            entry = reader.tensors[src]
-            table = entry.table
-            sel = np.asarray(ks, dtype=np.int64)
-            names = [table.files[i] for i in table.file_ids[sel].tolist()]
-            for k, file, shape in zip(ks, names, table.shapes[sel].tolist(), strict=True):
-                key = table.key(k)
-                h = reader.header(file)
-                he = describe_key(h, key)
-                if he is None or he[0] != entry.dtype or he[1] != shape:
-                    found = "nothing" if he is None else f"{he[0]}{he[1]}"
-                    raise HeaderError(
-                        f"{h.path}: tensor {src!r} (key {key!r}): index says {entry.dtype}{shape}, "
-                        f"file holds {found}"
-                    )
+        located = _locate(reader, needed)  # raises naming the first slice its file does not hold
         # Every key of a file this rank reads is a slice of the index (no data it does not account for);
-        # shown by the bulk location when the slices it matched are every entry of the files.
-        bulk_refs = located is not None and all_referenced(reader.header, touched, located[1])
+        # shown by the location when the slices it matched are every entry of the files.
+        bulk_refs = all_referenced(reader.header, touched, located[1])
         if reader.has_unickpt_block and not bulk_refs:
             check_keys_referenced(reader.block, touched, reader.header)
         if verify:
@@ -401,18 +386,14 @@ def _files_of(reader: CheckpointReader, needed: dict[str, list[int]]) -> list[st
     return sorted(names[i] for i in np.unique(np.concatenate(ids)).tolist()) if ids else []
 
 
-def _locate(reader: CheckpointReader, needed: dict[str, list[int]]) -> tuple[Located, dict[str, int]] | None:
-    """The needed slices located and checked against their files' headers in bulk; None when any
-    check fails: the per-slice checks then run and name the slice at fault. Also: per file, how
-    many of its header's entries those slices matched (``locate``)."""
+def _locate(reader: CheckpointReader, needed: dict[str, list[int]]) -> tuple[Located, dict[str, int]]:
+    """The needed slices located and checked against their files' headers (``locate``: raises naming
+    the first slice at fault). Also: per file, how many of its header's entries those slices matched."""
     parts = [
         (src, reader.tensors[src].dtype, reader.tensors[src].table, np.asarray(ks, dtype=np.int64))
         for src, ks in needed.items()
     ]
-    got = locate(reader.header, parts)
-    if got is None:
-        return None
-    spans, matched = got
+    spans, matched = locate(reader.header, parts)
     return {id(reader.tensors[p[0]]): (p[3], sp) for p, sp in zip(parts, spans, strict=True)}, matched
 
 

@@ -101,11 +101,7 @@ def validate_runs(r: CheckpointReader) -> RunsOf:
             problem = coverage_problem(t.shape, [(tuple(s.offsets), tuple(s.shape)) for s in t.slices])
             if problem:
                 raise IndexFileError(f"{r.index_path or r.directory}: tensor {name!r}: {problem}")
-    matched = locate_all(r)  # every slice at once (spans kept for the copy); None: one by one
-    for name, t in r.block.tensors.items() if matched is None else ():
-        table = t.table  # every slice's key, dtype and shape in its file, from the table
-        for file, key, shape in zip(table.file_list(), table.keys(), table.shapes.tolist(), strict=True):
-            r._check_key(name, t.dtype, file, key, shape)
-    if r.has_unickpt_block and not (matched and all_referenced(r.header, r.files, matched)):
+    matched = locate_all(r)  # every slice at once (spans kept for the copy); raises naming the first bad one
+    if r.has_unickpt_block and not all_referenced(r.header, r.files, matched):
         check_keys_referenced(r.block, r.files, r.header)
     return runs_of

@@ -19,7 +19,7 @@ import xxhash
 
 from unickpt import GeneralCheckpointIO, merge_checkpoint
 from unickpt.errors import HeaderError, IncompleteCheckpointError, IntegrityError
-from unickpt.format import safetensors_bulk, storage_readv
+from unickpt.format import safetensors_bulk, slice_spans, storage_readv
 from unickpt.format.index import index_to_json, parse_index
 from unickpt.format.index_models import LayoutInfo
 from unickpt.format.naming import SLICED_SENTINEL, shard_name, slice_key
@@ -134,8 +134,8 @@ def _victim_file(d: Path) -> Path:
         ),
         (  # the key renamed (same length): the index's key is missing, the file has an extra one
             lambda o: o.__setitem__("layers.37.x@29", o.pop(KEY)),
-            r"tensor 'layers.37.w' \(key 'layers.37.w@29'\): index says F32\[1, 3\], file holds nothing",
-            r"tensor 'layers.37.w' should be stored under key 'layers.37.w@29', which the file lacks",
+            r"tensor 'layers.37.w' \(key 'layers.37.w@29'\): index says F32\[1, 3\], file holds nothing under that key",
+            r"tensor 'layers.37.w' \(key 'layers.37.w@29'\): index says F32\[1, 3\], file holds nothing under that key",
         ),
     ],
     ids=["dtype", "shape", "missing-key"],
@@ -290,29 +290,26 @@ def test_read_batch_refuses_a_read_outside_its_buffer(tmp_path: Path) -> None:
         batch.run(lambda _f: None)  # type: ignore[arg-type,return-value]  # refused before any read
 
 
-def _strict(raw: bytes, n: int) -> Any:
-    """The entry-by-entry parser alone: (entries as tuples, metadata) or the error it raises."""
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr("unickpt.format.safetensors_io.parse_header_bulk", lambda *a: None)
-            entries, meta = parse_header(raw, n, "f")
-    except HeaderError as e:
-        return type(e), str(e)
-    return {k: (e.dtype, e.shape, e.begin, e.end) for k, e in entries.items()}, meta
+def _decoded(raw: bytes, n: int) -> Any:
+    """What ``json`` itself reads in a header (entries as tuples, metadata): the oracle."""
+    obj = json.loads(raw)
+    meta = obj.pop("__metadata__", {})
+    return {k: (v["dtype"], tuple(v["shape"]), *v["data_offsets"]) for k, v in obj.items()}, meta
 
 
-def test_compact_header_form_agrees_with_the_strict_parser_under_mutation() -> None:
-    """Random one-byte edits of a compact header: whatever the compact reading accepts, the strict
-    parser accepts with the same entries; everything else gets the strict parser's error."""
+def test_compact_header_form_agrees_with_json_under_mutation() -> None:
+    """Random one-byte edits of a compact header: whatever the header parser accepts (in the
+    compact reading or the JSON one) is what ``json`` reads in it; everything else is refused with
+    a ``HeaderError`` naming the file."""
     header, _ = encode_header(
         [(f"t.{i}@{i % 3}", "BF16" if i % 2 else "F32", (1, 2 + i % 2)) for i in range(40)], {"format": "x"}
     )
     raw = header[8:]
     n = sum(2 * (2 + i % 2) * (1 if i % 2 else 2) for i in range(40))
-    assert safetensors_bulk._parse_canonical(raw.decode(), n) is not None
+    assert safetensors_bulk._parse_canonical(raw.decode(), n, "f") is not None
     rng = random.Random(7)
     alphabet = b'0123456789,:{}[]"\\ aF@.-'
-    accepted = 0
+    accepted = compact = refused = 0
     for _ in range(400):
         b = bytearray(raw)
         b[rng.randrange(len(b))] = rng.choice(alphabet)
@@ -320,14 +317,18 @@ def test_compact_header_form_agrees_with_the_strict_parser_under_mutation() -> N
             text = bytes(b).decode()
         except UnicodeDecodeError:
             continue
-        fast = safetensors_bulk._parse_canonical(text, n)
-        want = _strict(bytes(b), n)
-        if fast is None:
+        try:
+            fast = safetensors_bulk._parse_canonical(text, n, "f")
+            entries, meta = parse_header(bytes(b), n, "f")
+        except HeaderError as e:
+            assert str(e).startswith("f: ")
+            refused += 1
             continue
         accepted += 1
-        entries, meta = fast
-        assert want == ({k: (e.dtype, e.shape, e.begin, e.end) for k, e in entries.items()}, meta)
-    assert accepted > 10  # edits inside keys and the metadata keep the form
+        compact += fast is not None
+        got = {k: (e.dtype, e.shape, e.begin, e.end) for k, e in entries.items()}
+        assert (got, meta) == _decoded(bytes(b), n)
+    assert compact > 10 and refused > 100  # edits inside keys and the metadata keep the form
 
 
 @pytest.mark.parametrize(
@@ -344,4 +345,60 @@ def test_compact_header_form_agrees_with_the_strict_parser_under_mutation() -> N
     ],
 )
 def test_compact_header_form_leaves_the_unusual_to_the_json_path(text: str) -> None:
-    assert safetensors_bulk._parse_canonical(text, 4) is None
+    assert safetensors_bulk._parse_canonical(text, 4, "f") is None
+
+
+def _file(d: Path, rank: int) -> Path:
+    return d / shard_name("model", rank + 1, WORLD)
+
+
+def test_location_names_the_first_bad_slice_in_the_order_asked(tmp_path: Path) -> None:
+    """Three bad slices in three files; whichever order the files are read in, the error is that
+    of the first bad slice in the order asked (tensor by tensor, slice by slice)."""
+    _build(tmp_path, 3)
+    _edit_header(_file(tmp_path, 29), lambda o: o["layers.37.w@29"].update(dtype="I32"))
+    _edit_header(_file(tmp_path, 3), lambda o: o.__setitem__("layers.38.x@3", o.pop("layers.38.w@3")))
+    _edit_header(_file(tmp_path, 30), lambda o: o["layers.37.w@30"].update(shape=[3, 1]))
+    with open_checkpoint(tmp_path) as r:
+        with pytest.raises(
+            HeaderError, match=r"tensor 'layers.37.w' \(key 'layers.37.w@29'\): .*holds I32\[1, 3\]"
+        ):
+            r.validate_structure()
+        t37, t38 = r.tensors["layers.37.w"], r.tensors["layers.38.w"]
+        later_first = [
+            ("layers.38.w", "F32", t38.table, np.arange(WORLD, dtype=np.int64)),
+            ("layers.37.w", "F32", t37.table, np.arange(WORLD, dtype=np.int64)),
+        ]
+        with pytest.raises(
+            HeaderError,
+            match=r"^\S+model-00004-of-00032.safetensors: tensor 'layers.38.w' \(key "
+            r"'layers.38.w@3'\): index says F32\[1, 3\], file holds nothing under that key$",
+        ):
+            slice_spans.locate(r.header, later_first)
+        backwards = [("layers.37.w", "F32", t37.table, np.asarray([31, 30, 29, 0], dtype=np.int64))]
+        with pytest.raises(
+            HeaderError,
+            match=r"model-00031-of-00032.safetensors: .*'layers.37.w@30'\): index says "
+            r"F32\[1, 3\], file holds F32\[3, 1\]$",
+        ):
+            slice_spans.locate(r.header, backwards)
+        with pytest.raises(
+            HeaderError, match=r"tensor 'layers.36.w' \(key 'layers.36.w@0'\): index says BF16"
+        ):
+            slice_spans.locate(
+                r.header, [("layers.36.w", "BF16", r.tensors["layers.36.w"].table, np.arange(2))]
+            )
+        spans, matched = slice_spans.locate(r.header, [(*later_first[0][:3], np.asarray([5, 4]))])
+        assert spans[0][1].tolist() == [12, 12] and spans[0][0][0] - spans[0][0][1] == 0  # (each file's 39th)
+        assert matched == {shard_name("model", 6, WORLD): 1, shard_name("model", 5, WORLD): 1}
+        # The byte ranges alone: the first key missing in the order asked is named.
+        with pytest.raises(
+            HeaderError, match=r"model-00004-of-00032.safetensors: key 'layers.38.w@3' named by"
+        ):
+            slice_spans.table_spans(r.header, t38.table, [31, 3, 0])
+        names, offs, lens = slice_spans.table_spans(r.header, t37.table, [2, 1])
+        assert names == [shard_name("model", 3, WORLD), shard_name("model", 2, WORLD)] and lens == [12, 12]
+        assert offs == [
+            r.header(names[0]).absolute("layers.37.w@2")[0],
+            r.header(names[1]).absolute("layers.37.w@1")[0],
+        ]

@@ -22,7 +22,7 @@ from unickpt.format.index_models import LayoutInfo
 from unickpt.format.naming import SLICED_SENTINEL, shard_name, slice_key
 from unickpt.format.read_batch import ReadBatch, table_spans
 from unickpt.format.reader import open_checkpoint
-from unickpt.format.safetensors_bulk import HeaderEntries, parse_header_bulk
+from unickpt.format.safetensors_bulk import HeaderEntries
 from unickpt.format.safetensors_io import encode_header, parse_header
 from unickpt.format.storage import LocalStorage
 from unickpt.format.writer import build_block, build_index
@@ -44,12 +44,12 @@ def _raw(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
-def test_bulk_header_matches_the_strict_parser_on_10k_entries() -> None:
+@pytest.mark.parametrize("compact", [True, False])
+def test_header_of_10k_entries_is_read_into_arrays(compact: bool) -> None:
     obj, n = _header(10_000)
-    raw = _raw(obj)
-    bulk = parse_header_bulk(raw.decode(), raw, n)
-    assert bulk is not None and isinstance(bulk[0], HeaderEntries)
+    raw = _raw(obj) if compact else json.dumps(obj).encode()  # the compact form, and JSON's default
     entries, meta = parse_header(raw, n, "f")
+    assert isinstance(entries, HeaderEntries)
     assert meta == {"format": "unickpt-sliced"} and len(entries) == 10_000
     e = entries["t.4321@0"]
     assert (e.dtype, e.shape, e.begin, e.end) == ("F32", (1, 2), 8 * 4321, 8 * 4322)
@@ -83,29 +83,27 @@ def test_bulk_header_matches_the_strict_parser_on_10k_entries() -> None:
         ),
     ],
 )
-def test_bulk_header_defers_every_bad_entry_to_the_strict_error(edit: Any, message: str) -> None:
+@pytest.mark.parametrize("compact", [True, False])
+def test_header_names_the_one_bad_entry_among_10k(edit: Any, message: str, compact: bool) -> None:
     obj, n = _header(10_000)
     edit(obj)
-    raw = _raw(obj)
-    assert parse_header_bulk(raw.decode(), raw, n) is None
-    with pytest.raises(HeaderError, match=message):
+    raw = _raw(obj) if compact else json.dumps(obj, indent=1).encode()
+    with pytest.raises(HeaderError, match="^f: " + message):
         parse_header(raw, n, "f")
 
 
-def test_bulk_header_finds_a_duplicate_key_among_10k() -> None:
+def test_header_finds_a_duplicate_key_among_10k() -> None:
     obj, n = _header(10_000)
     raw = _raw(obj)
     # The last entry's key repeated (its bytes then covered twice by a kept entry): a duplicate.
     dup = raw[:-1] + b',"t.0@0":{"dtype":"F32","shape":[1,2],"data_offsets":[0,8]}}'
-    assert parse_header_bulk(dup.decode(), dup, n) is None
-    with pytest.raises(HeaderError, match=r"duplicate key 't.0@0'"):
+    with pytest.raises(HeaderError, match=r"^f: safetensors header has a duplicate key 't.0@0'"):
         parse_header(dup, n, "f")
     # A colon inside a key is no member separator: the count still balances.
     obj2, n2 = _header(3)
     obj2["a:b"] = obj2.pop("t.2@0")
-    raw2 = _raw(obj2)
-    got = parse_header_bulk(raw2.decode(), raw2, n2)
-    assert got is not None and "a:b" in got[0]
+    got, _ = parse_header(_raw(obj2), n2, "f")
+    assert "a:b" in got and got["a:b"].begin == 16
 
 
 def _sliced(directory: Path) -> dict[str, np.ndarray]:
@@ -265,10 +263,13 @@ def test_an_index_slice_whose_key_is_missing_from_the_header(tmp_path: Path) -> 
         r.close()
     with pytest.raises(
         HeaderError,
-        match=r"tensor 'layers.17.w' \(key 'layers.17.w@1'\): index says F32\[1, 3\], file holds nothing",
+        match=r"tensor 'layers.17.w' \(key 'layers.17.w@1'\): index says F32\[1, 3\], file holds nothing under that key",
     ):
         GeneralCheckpointIO().load_model(_model(data), tmp_path)
-    with pytest.raises(HeaderError, match=r"tensor 'layers.17.w' should be stored under key 'layers.17.w@1'"):
+    with pytest.raises(
+        HeaderError,
+        match=r"tensor 'layers.17.w' \(key 'layers.17.w@1'\): index says F32\[1, 3\], file holds nothing under that key",
+    ):
         verify_checkpoint(tmp_path)
 
 

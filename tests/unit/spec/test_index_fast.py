@@ -133,7 +133,11 @@ _names = st.one_of(
 )
 _hex = st.integers(0, 2**64 - 1).map(lambda v: f"{v:016x}")
 _json_scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=6)
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=6),
 )
 _json_values = st.recursive(
     _json_scalars,
