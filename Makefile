@@ -9,8 +9,8 @@ export OMP_NUM_THREADS ?= 1
 
 .PHONY: venv peers test lint typecheck unit dist test-slow fuzz demo bench bench-scale clean
 
-# setup.py builds the compiled fingerprint kernel (unickpt/format/_fp2kernel.c) in place.
-$(BIN)/.installed: pyproject.toml setup.py unickpt/format/_fp2kernel.c
+# setup.py builds the compiled fingerprint kernel (unickpt/spec/_fp2kernel.c) in place.
+$(BIN)/.installed: pyproject.toml setup.py unickpt/spec/_fp2kernel.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"

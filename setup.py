@@ -13,8 +13,8 @@ args = [] if sys.platform == "win32" else ["-O3", "-std=c99", "-Wall", "-Wno-unu
 setup(
     ext_modules=[
         Extension(
-            "unickpt.format._fp2kernel",
-            sources=["unickpt/format/_fp2kernel.c"],
+            "unickpt.spec._fp2kernel",
+            sources=["unickpt/spec/_fp2kernel.c"],
             extra_compile_args=args,
             optional=True,
         ),

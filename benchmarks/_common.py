@@ -356,11 +356,11 @@ def probe_manager() -> tuple[Any, str]:
 
 def probe_hashing() -> tuple[Any, str]:
     def get() -> Any:
-        from unickpt.format import hashing
+        from unickpt.spec import hashing
 
         for name in ("slice_hash", "fingerprint_of_array"):
             if not hasattr(hashing, name):
-                raise AttributeError(f"unickpt.format.hashing has no {name}")
+                raise AttributeError(f"unickpt.spec.hashing has no {name}")
         return hashing
 
     return _try(get)
@@ -418,7 +418,7 @@ def machine_info(workdir: str) -> dict[str, Any]:
         versions["xxhash"] = __import__("xxhash").VERSION
     with contextlib.suppress(Exception):
         versions["unickpt fingerprint kernel"] = __import__(
-            "unickpt.format.hashing", fromlist=["KERNEL"]
+            "unickpt.spec.hashing", fromlist=["KERNEL"]
         ).KERNEL
     return {
         "cpu": cpu,

@@ -324,7 +324,7 @@ def _layout(path: Path, meta_glob: str) -> dict[str, Any]:
             except (ValueError, AttributeError):
                 pass
             try:  # what every loading rank pays before reading a byte: parse + validate the index
-                from unickpt.format.index import load_index
+                from unickpt.spec.index import load_index
 
                 t0 = time.perf_counter()
                 load_index(f)

@@ -36,7 +36,7 @@ def _kernel_rows(mib: int, rounds: int, numpy_too: bool) -> dict[str, float]:
     """Medians (seconds) of the kernel at the level this interpreter runs, and the references."""
     import numpy as np
 
-    from unickpt.format import _fp2, hashing
+    from unickpt.spec import _fp2, hashing
 
     n = mib * MiB
     data = np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8)
@@ -66,7 +66,7 @@ def _kernel_rows(mib: int, rounds: int, numpy_too: bool) -> dict[str, float]:
 
 
 def kernel_part(mib: int, rounds: int) -> None:
-    from unickpt.format import hashing
+    from unickpt.spec import hashing
 
     best = hashing.KERNEL
     levels = [lv for lv in ("scalar", "neon", "avx2", "avx512", "avx512-ifma") if best != "numpy"]
@@ -137,7 +137,7 @@ def save_part(size_mb: float, rounds: int, shard_mb: int, where: str | None) -> 
     med = {k: statistics.median(v) for k, v in times.items()}
     cmed = {k: statistics.median(v) for k, v in cpus.items()}
     off, coff = med["no hashes, no fingerprints"], cmed["no hashes, no fingerprints"]
-    from unickpt.format import hashing
+    from unickpt.spec import hashing
 
     print(
         f"\n## save_model(shard=True), {nbytes / MiB:.0f} MiB in {root.parent}, median of {rounds} "

@@ -32,8 +32,8 @@ import xxhash
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from unickpt.format.hf_layout import box_runs
-from unickpt.format.writer import write_all
+from unickpt.ckpt.hf_layout import box_runs
+from unickpt.ckpt.writer import write_all
 
 
 def _write(path: str, pieces: list[tuple[int, np.ndarray]], total: int) -> tuple[float, int]:

@@ -41,10 +41,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(1, str(REPO))
 
 from unickpt.errors import IndexFileError  # noqa: E402
-from unickpt.format._json import strict_loads  # noqa: E402
-from unickpt.format.digest_text import hex_to_b64  # noqa: E402
-from unickpt.format.index import IndexFile, index_to_json, parse_index  # noqa: E402
-from unickpt.format.naming import SLICED_SENTINEL, shard_name, slice_key  # noqa: E402
+from unickpt.spec._json import strict_loads  # noqa: E402
+from unickpt.spec.digest_text import hex_to_b64  # noqa: E402
+from unickpt.spec.index import IndexFile, index_to_json, parse_index  # noqa: E402
+from unickpt.spec.naming import SLICED_SENTINEL, shard_name, slice_key  # noqa: E402
 
 
 def parse_index_validated(raw: bytes, path: str) -> IndexFile:
@@ -151,7 +151,7 @@ def _time(fn: Callable[[], object]) -> tuple[float, float]:
 # unickpt is imported, then VmRSS once the index is built (what the loading rank keeps).
 _MEMORY_CHILD = """
 import sys
-from unickpt.format.index import load_index
+from unickpt.spec.index import load_index
 def kb(field):
     for line in open("/proc/self/status"):
         if line.startswith(field + ":"):

@@ -116,9 +116,9 @@ def rank_boxes(layout: str) -> list[list[tuple[str, tuple[int, ...], Box]]]:
 def build_unickpt(layout: str, out: str) -> dict[str, Any]:
     import random
 
-    from unickpt.format.index import index_to_json
-    from unickpt.format.index_models import LayoutInfo
     from unickpt.io.planner import plan_save, plan_tables
+    from unickpt.spec.index import index_to_json
+    from unickpt.spec.index_models import LayoutInfo
 
     per = rank_boxes(layout)
     metas = [[(n, "BF16", g, o, s) for n, g, (o, s) in boxes] for boxes in per]
@@ -126,7 +126,7 @@ def build_unickpt(layout: str, out: str) -> dict[str, Any]:
     rng = random.Random(0)
 
     def measured() -> int:
-        from unickpt.format.writer import build_block, build_index, tensor_entry
+        from unickpt.ckpt.writer import build_block, build_index, tensor_entry
 
         plan = plan_save(metas, kind="model", size_per_shard_bytes=None, sliced=True)
         counts = {n: len(sl) for n, sl in plan.slices.items()}
@@ -206,7 +206,7 @@ def build_dcp(layout: str, out: str) -> dict[str, Any]:
 
 
 def rank_unickpt(layout: str, index: str) -> dict[str, Any]:
-    from unickpt.format.reader import open_checkpoint
+    from unickpt.ckpt.reader import open_checkpoint
     from unickpt.io.load import _needed_slices
     from unickpt.io.tensors import LocalSlice
 

@@ -65,11 +65,11 @@ def build(directory: Path, layout: str) -> dict[str, Any]:
     import numpy as np
     import xxhash
 
-    from unickpt.format.index import index_to_json, parse_index
-    from unickpt.format.index_models import LayoutInfo
-    from unickpt.format.naming import SLICED_SENTINEL, shard_name, slice_key
-    from unickpt.format.safetensors_io import encode_header
-    from unickpt.format.writer import build_block, build_index
+    from unickpt.ckpt.safetensors_io import encode_header
+    from unickpt.ckpt.writer import build_block, build_index
+    from unickpt.spec.index import index_to_json, parse_index
+    from unickpt.spec.index_models import LayoutInfo
+    from unickpt.spec.naming import SLICED_SENTINEL, shard_name, slice_key
 
     t0 = time.perf_counter()
     shapes, per = compressed(rank_boxes(layout))

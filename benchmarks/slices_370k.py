@@ -47,11 +47,11 @@ def build(directory: Path, world: int, tensors: int) -> None:
     import numpy as np
     import xxhash
 
-    from unickpt.format.index import index_to_json, parse_index
-    from unickpt.format.index_models import LayoutInfo
-    from unickpt.format.naming import SLICED_SENTINEL, shard_name, slice_key
-    from unickpt.format.safetensors_io import encode_header
-    from unickpt.format.writer import build_block, build_index
+    from unickpt.ckpt.safetensors_io import encode_header
+    from unickpt.ckpt.writer import build_block, build_index
+    from unickpt.spec.index import index_to_json, parse_index
+    from unickpt.spec.index_models import LayoutInfo
+    from unickpt.spec.naming import SLICED_SENTINEL, shard_name, slice_key
 
     directory.mkdir(parents=True, exist_ok=True)
     names = [n for n, _ in tensor_specs(tensors)]
@@ -159,7 +159,7 @@ elif op == "inspect":
 elif op == "merge":
     merge_checkpoint(ck, out)
 elif op == "plan":  # the metadata side of load_model for the last rank: open, coverage, plan
-    from unickpt.format.reader import open_checkpoint
+    from unickpt.ckpt.reader import open_checkpoint
     from unickpt.io.load import _needed_slices
     from unickpt.io.tensors import LocalSlice
     r = open_checkpoint(ck)

@@ -177,7 +177,7 @@ class StorageError(UnickptError):
 
     Missing or refused credentials, an endpoint that refuses connections, a storage option the
     file system does not take, an error the store answered with, or an operation that did not
-    finish within its deadline (``UNICKPT_STORE_TIMEOUT`` seconds, see ``format/storage_guard.py``).
+    finish within its deadline (``UNICKPT_STORE_TIMEOUT`` seconds, see ``store/storage_guard.py``).
     The message names the URL, the operation and the cause, never a credential; the client's own
     exception is ``__cause__``. A missing object is not a ``StorageError`` (it is the store's
     answer: ``FileNotFoundError`` or ``IncompleteCheckpointError``). Deliberately not an

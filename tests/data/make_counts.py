@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from unickpt.format.index_compact import as_listed
-from unickpt.format.naming import SLICED_SENTINEL
+from unickpt.spec.index_compact import as_listed
+from unickpt.spec.naming import SLICED_SENTINEL
 
 INDEX = "model.safetensors.index.json"
 FILES = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]

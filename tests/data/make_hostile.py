@@ -15,7 +15,7 @@ import struct
 import sys
 from pathlib import Path
 
-from unickpt.format.naming import SLICED_SENTINEL
+from unickpt.spec.naming import SLICED_SENTINEL
 
 OUT = Path(__file__).resolve().parent / "hostile"
 GOOD = "model-00001-of-00001.safetensors"

@@ -28,9 +28,9 @@ import torch
 from safetensors.torch import save_file
 
 from unickpt import GeneralCheckpointIO
-from unickpt.format.hashing import fingerprint_of_array  # type: ignore[attr-defined]
-from unickpt.format.index_compact import as_version  # type: ignore[attr-defined]
-from unickpt.format.naming import LONG_SLICED_SENTINEL  # type: ignore[attr-defined]
+from unickpt.spec.hashing import fingerprint_of_array  # type: ignore[attr-defined]
+from unickpt.spec.index_compact import as_version  # type: ignore[attr-defined]
+from unickpt.spec.naming import LONG_SLICED_SENTINEL  # type: ignore[attr-defined]
 from unickpt.tools._write import SliceData, TensorData, write_checkpoint
 
 OUT = Path(__file__).parent / "versions"

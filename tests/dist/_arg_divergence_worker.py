@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from unickpt import Booster, CheckpointManager
-from unickpt.format.reader import open_checkpoint
+from unickpt.ckpt.reader import open_checkpoint
 from unickpt.plugins.ddp import DDPPlugin
 
 

@@ -26,7 +26,7 @@ from torch import nn
 from unickpt import Booster, CheckpointManager, verify_checkpoint
 from unickpt._faults import InjectedFault, injected, tracing
 from unickpt.errors import IncompleteCheckpointError
-from unickpt.format.reader import open_checkpoint
+from unickpt.ckpt.reader import open_checkpoint
 
 TINY_MB = 1e-4  # about 100 bytes per shard file: several files per save
 

@@ -74,8 +74,8 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def reference_files(d: str, full: dict[str, torch.Tensor], kind: str, size_mb: float, out: str) -> list[str]:
     """The files the rank-0 gathered save wrote for the checkpoint in ``d`` (same save id, same order)."""
-    from unickpt.format.index import load_index
-    from unickpt.format.writer import data_file_metadata, write_files
+    from unickpt.spec.index import load_index
+    from unickpt.ckpt.writer import data_file_metadata, write_files
     from unickpt.io.planner import plan_save
     from unickpt.io.tensors import as_bytes
 
@@ -149,7 +149,7 @@ def on_rank0(fn: Any) -> None:
 
 
 def _check_files(layout: str, d: str, exp: dict[str, torch.Tensor], info: dict[str, Any]) -> None:
-    from unickpt.format.index import load_index
+    from unickpt.spec.index import load_index
     from unickpt.tools.verify import verify_checkpoint
 
     model = {k[len("model/") :]: v for k, v in exp.items() if k.startswith("model/")}
@@ -187,9 +187,9 @@ def _check_files(layout: str, d: str, exp: dict[str, torch.Tensor], info: dict[s
 def flipped_byte_case(root: str) -> str:
     """One flipped byte inside the range rank 2 wrote: verify names it; load_model(verify=True) refuses."""
     from unickpt.errors import IntegrityError
-    from unickpt.format.index import load_index
-    from unickpt.format.range_hashes import RangeFailure
-    from unickpt.format.safetensors_io import read_header
+    from unickpt.spec.index import load_index
+    from unickpt.ckpt.range_hashes import RangeFailure
+    from unickpt.ckpt.safetensors_io import read_header
     from unickpt.tools.verify import verify_checkpoint
 
     src = os.path.join(root, "fsdp2x4", "model")
@@ -270,7 +270,7 @@ def transformers_case(root: str) -> None:
 
 def _tree_without_save_id(d: str) -> dict[str, bytes]:
     """Every file of a checkpoint directory, each save id replaced by zeros (ids are random per save)."""
-    from unickpt.format.index import load_index
+    from unickpt.spec.index import load_index
 
     idx = load_index(os.path.join(d, "model.safetensors.index.json"))
     assert idx.unickpt is not None and idx.unickpt.save_id is not None
@@ -341,7 +341,7 @@ def async_rows_case(layout: str, root: str) -> dict[str, int]:
     info: dict[str, int] = {}
 
     def check() -> None:
-        from unickpt.format.index import load_index
+        from unickpt.spec.index import load_index
 
         a = _tree_without_save_id(os.path.join(d, "sync"))
         b = _tree_without_save_id(os.path.join(d, "async"))

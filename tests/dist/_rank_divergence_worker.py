@@ -28,7 +28,7 @@ from torch import nn
 
 from unickpt import Booster, CheckpointManager, OptimizerWrapper
 from unickpt.errors import IncompleteCheckpointError
-from unickpt.format.reader import open_checkpoint
+from unickpt.ckpt.reader import open_checkpoint
 from unickpt.io.replicas import ReplicaMismatchWarning
 from unickpt.plugins.ddp import DDPCheckpointIO
 

@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from unickpt._faults import injected
 from unickpt.store.lock import LOCK_NAME
-from unickpt.format.index import LayoutInfo
-from unickpt.format.reader import open_checkpoint
+from unickpt.spec.index import LayoutInfo
+from unickpt.ckpt.reader import open_checkpoint
 from unickpt.io.load import load_tensors
 from unickpt.io.save import SaveOptions, save_tensors
 from unickpt.io.tensors import local_slices

@@ -24,7 +24,7 @@ import pytest
 from harness import free_port, run_world
 
 from unickpt.errors import IncompleteCheckpointError
-from unickpt.format.reader import open_checkpoint
+from unickpt.ckpt.reader import open_checkpoint
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent

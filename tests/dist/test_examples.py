@@ -96,7 +96,7 @@ def test_resume_with_other_parallelism(resumed: tuple[Path, str]) -> None:
         _verify(step_dir / "model")
         _verify(step_dir / "optimizer")
     # The FSDP2 checkpoint was written by both ranks (sliced), not gathered on one.
-    from unickpt.format.reader import open_checkpoint
+    from unickpt.ckpt.reader import open_checkpoint
 
     assert len(list((fsdp_step / "model").glob("model-*-of-*.safetensors"))) == 2
     with open_checkpoint(str(fsdp_step / "model"), "model") as reader:

@@ -423,7 +423,7 @@ def test_training_matches_unsharded(world_pool: WorldPool) -> None:
 
 def _metadata_bytes(ckpt: Path) -> int:
     """Bytes of a checkpoint that are not tensor data: headers and indexes, every file."""
-    from unickpt.format.reader import open_checkpoint
+    from unickpt.ckpt.reader import open_checkpoint
 
     data = 0
     for part, kind in (("model", "model"), ("optim", "optimizer")):
@@ -436,7 +436,7 @@ def _metadata_bytes(ckpt: Path) -> int:
 
 
 def _expert_bytes(ckpt: Path) -> int:
-    from unickpt.format.reader import open_checkpoint
+    from unickpt.ckpt.reader import open_checkpoint
 
     total = 0
     for part, kind in (("model", "model"), ("optim", "optimizer")):
@@ -472,7 +472,7 @@ def test_checkpoints_across_ep_sizes(world_pool: WorldPool, s3: Any, tmp_path: P
     # the FSDP rows, the replicated step counters) and, on top, the metadata, the first
     # HEADER_PROBE bytes of each file it opens (its header, whatever data follows) and what a
     # prefetch may bridge; nothing of the other rank's experts: half of those would be more.
-    from unickpt.format.reader_storage import HEADER_PROBE, PREFETCH_WASTE
+    from unickpt.ckpt.reader_storage import HEADER_PROBE, PREFETCH_WASTE
 
     ckpt = tmp_path / "ep4"
     meta, experts = _metadata_bytes(ckpt), _expert_bytes(ckpt)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from unickpt.format.reader import open_checkpoint
+from unickpt.ckpt.reader import open_checkpoint
 from unickpt.manager import CheckpointManager
 
 HERE = Path(__file__).resolve().parent

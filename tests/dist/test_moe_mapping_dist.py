@@ -53,7 +53,7 @@ def _load_case(hub: str) -> dict[str, Any]:
     from transformers import MixtralForCausalLM
 
     from unickpt import GeneralCheckpointIO
-    from unickpt.format.reader import CheckpointReader
+    from unickpt.ckpt.reader import CheckpointReader
 
     rank = dist.get_rank()
     ref = MixtralForCausalLM.from_pretrained(hub).state_dict()

@@ -86,7 +86,7 @@ def _state_of(directory: Path) -> tuple[dict[str, torch.Tensor], str]:
     """Every tensor of a downloaded checkpoint read by safetensors (as transformers reads it) and its save id."""
     from safetensors.torch import load_file
 
-    from unickpt.format.reader import open_checkpoint
+    from unickpt.ckpt.reader import open_checkpoint
 
     out: dict[str, torch.Tensor] = {}
     for f in sorted(directory.glob("*.safetensors")):
@@ -298,7 +298,7 @@ def _all_gather(obj: Any) -> list[Any]:
 def parts_world(bucket: str, endpoint: dict[str, Any], root: str, which: str) -> Any:
     from harness import run_cases
 
-    from unickpt.format import storage_parts
+    from unickpt.store import storage_parts
 
     os.makedirs(root, exist_ok=True)
     old = storage_parts.PART_SIZE

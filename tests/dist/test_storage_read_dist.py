@@ -105,7 +105,7 @@ def load_case(root: str, endpoint: str, bucket: str, kind: str, tag: str) -> dic
     booster.checkpoint_io.storage_options = _options(endpoint, f"{tag}-{dist.get_rank()}")
     url = f"s3://{bucket}/ckpt"
     # The reader (locate, and its check of the committed index) calls fetch_index by this name.
-    import unickpt.format.reader as rd
+    import unickpt.ckpt.reader as rd
 
     fetched: list[str] = []
     real = rd.fetch_index
@@ -174,7 +174,7 @@ def load_phase(root: str, endpoint: str, bucket: str) -> dict[str, Any]:
 
 
 def _data_bytes(local: Path) -> int:
-    from unickpt.format.reader import open_checkpoint
+    from unickpt.ckpt.reader import open_checkpoint
 
     total = 0
     for part, kind in (("model", "model"), ("optim", "optimizer")):

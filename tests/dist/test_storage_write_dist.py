@@ -12,7 +12,7 @@ import fsspec
 import pytest
 import torch
 
-from unickpt.format.reader import open_checkpoint
+from unickpt.ckpt.reader import open_checkpoint
 from unickpt.manager import CheckpointManager
 
 HERE = Path(__file__).resolve().parent

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from unickpt import GeneralCheckpointIO
-from unickpt.format.index_compact import as_listed
-from unickpt.format.safetensors_io import SafetensorsWriter
+from unickpt.ckpt.safetensors_io import SafetensorsWriter
+from unickpt.spec.index_compact import as_listed
 from unickpt.wrappers import OptimizerWrapper
 
 INDEX = "model.safetensors.index.json"
@@ -161,7 +161,7 @@ def install_kill_hooks(kill_at: int, log: list[str]) -> None:
 
     # Gathered saves (io/hf_save.py) and single files' headers are written in place
     # (``LocalStorage.open_range``: pwrite).
-    from unickpt.format.storage import LocalRange
+    from unickpt.store.storage import LocalRange
 
     orig_pwrite = LocalRange.pwrite
 

@@ -37,7 +37,7 @@ _EPILOG = (
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from unickpt.format.run_layout import looks_like_run
+    from unickpt.ckpt.run_layout import looks_like_run
     from unickpt.tools.inspect import format_report, inspect_checkpoint
 
     if looks_like_run(args.path):  # a CheckpointManager run directory or one of its steps
@@ -55,7 +55,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from unickpt.format.run_layout import looks_like_run
+    from unickpt.ckpt.run_layout import looks_like_run
     from unickpt.tools.verify import verify_checkpoint
 
     if looks_like_run(args.path):  # a CheckpointManager run directory or one of its steps
@@ -151,7 +151,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from unickpt.tools.convert import convert_checkpoint
 
     source = args.source or ("unickpt" if args.target in ("dcp", "colossalai", "deepspeed") else None)
-    if source is None:  # told from what the source path holds (format/foreign.py's rules)
+    if source is None:  # told from what the source path holds (ckpt/foreign.py's rules)
         from unickpt.tools.detect import detect_source
 
         source = detect_source(args.src)

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from unickpt.errors import ConfigError
-from unickpt.format.storage_guard import ENV, OPTION, store_timeout
+from unickpt.store.storage_guard import ENV, OPTION, store_timeout
 
 __all__ = ["add_storage_option", "parse_storage_options", "storage_options_applied"]
 

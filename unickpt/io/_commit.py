@@ -7,7 +7,6 @@ from typing import Any
 
 from unickpt import _dist
 from unickpt._logging import get_logger
-from unickpt.format.storage import Storage
 from unickpt.io.planner import SavePlan
 from unickpt.store.lock import Fence
 from unickpt.store.publish import (
@@ -18,6 +17,7 @@ from unickpt.store.publish import (
     place_staged,
     prepare_commit,
 )
+from unickpt.store.storage import Storage
 
 __all__ = ["commit_collective", "settle"]
 

@@ -37,13 +37,13 @@ import torch
 from unickpt import _dist
 from unickpt._logging import get_logger
 from unickpt.errors import UnickptError
-from unickpt.format.naming import single_name
-from unickpt.format.storage import is_url
 from unickpt.io.payload import SavePayload
 from unickpt.io.pinned import POOL, wait_staged
 from unickpt.io.save import WriteSpec
 from unickpt.io.stage import stage_written
 from unickpt.io.writer_process import WriterProcess, process_capable, share_buffers
+from unickpt.spec.naming import single_name
+from unickpt.store.storage import is_url
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

@@ -34,10 +34,8 @@ from unickpt import _dist
 from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
 from unickpt._rng import keeps_python_random
+from unickpt.ckpt.reader import CheckpointReader
 from unickpt.errors import ConfigError, IncompleteCheckpointError, UnsupportedError
-from unickpt.format.index import LayoutInfo
-from unickpt.format.reader import CheckpointReader
-from unickpt.format.storage import is_url
 from unickpt.io.async_save import AsyncSaves, check_use_safetensors
 from unickpt.io.hooks import DETACHED_NOTE, FINAL_METHODS, CheckpointHooks, HookContext
 from unickpt.io.load import LoadReport, load_tensors, open_for_load
@@ -66,7 +64,9 @@ from unickpt.io.side_files import (
     write_config_files,
 )
 from unickpt.io.tensors import LocalSlice, mesh_dims
+from unickpt.spec.index import LayoutInfo
 from unickpt.store.publish import write_small_file
+from unickpt.store.storage import is_url
 from unickpt.wrappers import OptimizerWrapper, unwrap_optimizer
 
 if TYPE_CHECKING:

@@ -19,16 +19,16 @@ from typing import Any
 import torch
 
 from unickpt import _dist
-from unickpt.format.index import UnickptBlock
-from unickpt.format.reader import single_file_name
-from unickpt.format.storage import Storage
-from unickpt.format.writer import write_single_file
+from unickpt.ckpt.reader import single_file_name
+from unickpt.ckpt.writer import write_single_file
 from unickpt.io.payload import SavePayload, cpu_copy
 from unickpt.io.planner import PlannedFile, SavePlan
 from unickpt.io.save_block import Results, build_save_block, by_slice, file_specs, make_writer
 from unickpt.io.save_options import SaveOptions
 from unickpt.io.tensors import as_bytes, is_dtensor, local_slices
+from unickpt.spec.index import UnickptBlock
 from unickpt.store.lock import Fence
+from unickpt.store.storage import Storage
 
 __all__ = ["write_funnelled", "write_funnelled_single", "feed_funnel", "gathered_snapshot"]
 

@@ -39,15 +39,9 @@ import xxhash
 
 from unickpt import __version__, _dist
 from unickpt._faults import maybe_fail
-from unickpt.errors import UnsupportedError
-from unickpt.format.dtypes import itemsize
-from unickpt.format.hashing import hash_block, slice_hash
-from unickpt.format.hf_layout import HFLayout, box_runs, plan_hf_layout, writer_ranges
-from unickpt.format.index import SliceEntry, TensorEntry, UnickptBlock, index_to_json
-from unickpt.format.index_models import ByteRange
-from unickpt.format.reader import single_file_name
-from unickpt.format.storage import RangeFile, Storage
-from unickpt.format.writer import (
+from unickpt.ckpt.hf_layout import HFLayout, box_runs, plan_hf_layout, writer_ranges
+from unickpt.ckpt.reader import single_file_name
+from unickpt.ckpt.writer import (
     PLACEHOLDER,
     build_block,
     build_index,
@@ -55,14 +49,20 @@ from unickpt.format.writer import (
     single_file_metadata,
     tensor_entry,
 )
+from unickpt.errors import UnsupportedError
 from unickpt.io import plan_cache
 from unickpt.io._commit import settle
 from unickpt.io.hf_rows import RowMoves
 from unickpt.io.planner import SavePlan
 from unickpt.io.save_options import SaveOptions
 from unickpt.io.tensors import LocalSlice, as_bytes
+from unickpt.spec.dtypes import itemsize
+from unickpt.spec.hashing import hash_block, slice_hash
+from unickpt.spec.index import SliceEntry, TensorEntry, UnickptBlock, index_to_json
+from unickpt.spec.index_models import ByteRange
 from unickpt.store.lock import Fence
 from unickpt.store.publish import commit_directory, commit_single_file, temp_name
+from unickpt.store.storage import RangeFile, Storage
 
 __all__ = ["GatheredSave", "gathered_block", "hash_tensor_ranges", "save_gathered"]
 

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from unickpt.errors import IndexFileError, UnsupportedError
-from unickpt.format.dtypes import DTYPE_ITEMSIZE
 from unickpt.io.tensors import st_dtype, torch_dtype
+from unickpt.spec.dtypes import DTYPE_ITEMSIZE
 
 __all__ = ["to_json_value", "from_json_value"]
 

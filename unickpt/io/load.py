@@ -40,26 +40,26 @@ from safetensors import safe_open
 from unickpt import _dist
 from unickpt._faults import maybe_fail
 from unickpt._rng import keeps_python_random
+from unickpt.ckpt import reader as reader_mod
+from unickpt.ckpt.consistency import check_keys_referenced
+from unickpt.ckpt.range_hashes import has_hashes, slice_failures
+from unickpt.ckpt.read_batch import ReadBatch, table_spans
+from unickpt.ckpt.reader import CheckpointReader, open_checkpoint, open_located
+from unickpt.ckpt.slice_spans import FileNumbers, all_referenced, locate
 from unickpt.errors import (
     HeaderError,
     IncompleteCheckpointError,
     IntegrityError,
     UnickptError,
 )
-from unickpt.format import reader as reader_mod
-from unickpt.format.boxes import contiguous_start, intersect, runs
-from unickpt.format.consistency import check_keys_referenced
-from unickpt.format.dtypes import itemsize
-from unickpt.format.index import TensorEntry
-from unickpt.format.range_hashes import has_hashes, slice_failures
-from unickpt.format.read_batch import ReadBatch, table_spans
-from unickpt.format.reader import CheckpointReader, open_checkpoint, open_located
-from unickpt.format.slice_spans import FileNumbers, all_referenced, locate
 from unickpt.io.cuda_load import DeviceLoader, copy_cast, off_host
 from unickpt.io.load_match import LoadReport, Mapped, match_targets, raise_mismatch
 from unickpt.io.load_rows import Located, add_row_box
 from unickpt.io.load_rows import as_bytes as _as_bytes
 from unickpt.io.tensors import LocalSlice, torch_dtype
+from unickpt.spec.boxes import contiguous_start, intersect, runs
+from unickpt.spec.dtypes import itemsize
+from unickpt.spec.index import TensorEntry
 
 __all__ = [  # LoadReport: io/load_match.py
     "LoadReport",
@@ -685,7 +685,7 @@ def each_slice(
 def _fetches_ahead(location: str, storage_options: dict[str, Any] | None) -> bool:
     """Whether the storage of ``location`` fetches ahead (an object store): a distributed load
     then fetches the index once, on rank 0. Any error opening it is the open's own to raise."""
-    from unickpt.format.storage import open_storage
+    from unickpt.store.storage import open_storage
 
     try:
         return open_storage(location, storage_options)[0].fetch_ahead

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
+from unickpt.ckpt.reader import CheckpointReader
 from unickpt.errors import StateMismatchError
-from unickpt.format.reader import CheckpointReader
 from unickpt.io.mapping import Node, plan_load
 from unickpt.io.tensors import LocalSlice, global_shape, is_dtensor, st_dtype
 

@@ -3,7 +3,7 @@
 FSDP's and TP's ``Shard(0)`` store a tensor as row blocks, one per rank's file, and a rank's box
 of the tensor is a row range of it. For such a box read straight into its contiguous target,
 every part (the rows a stored slice shares with the box) is computed for all its slices at once
-from the slice table and the spans located by ``format/slice_spans.py`` (no per-slice lookup),
+from the slice table and the spans located by ``ckpt/slice_spans.py`` (no per-slice lookup),
 then added to the load's ``ReadBatch`` as arrays: per file, adjacent parts become one vectored read
 (locally one ``preadv``, on an object store coalesced ranged requests),
 and the parts of one tensor stored back to back become one buffer.
@@ -16,9 +16,9 @@ import math
 import numpy as np
 import torch
 
-from unickpt.format.index import TensorEntry
-from unickpt.format.read_batch import ReadBatch
-from unickpt.format.slice_spans import Spans
+from unickpt.ckpt.read_batch import ReadBatch
+from unickpt.ckpt.slice_spans import Spans
+from unickpt.spec.index import TensorEntry
 
 __all__ = ["Located", "add_row_box", "as_bytes"]
 

@@ -7,10 +7,10 @@ from typing import Any
 import torch
 
 from unickpt import _dist
+from unickpt.ckpt.reader import CheckpointReader
 from unickpt.errors import DistributedError, StateMismatchError
-from unickpt.format.index import UnickptBlock
-from unickpt.format.reader import CheckpointReader
 from unickpt.io.jsonstate import from_json_value
+from unickpt.spec.index import UnickptBlock
 
 __all__ = [
     "apply_groups",

@@ -2,7 +2,7 @@
 
 A gathered save into a local directory has every rank ``pwrite`` its bytes of the planned
 Hugging Face files (``io/hf_save.py``). S3 has no ``pwrite``, but its multipart uploads take
-parts from any client holding the upload's id (``format/storage_parts.py``), so:
+parts from any client holding the upload's id (``store/storage_parts.py``), so:
 
 1. every rank computes the same layout (``format.hf_layout``: files, headers, where each tensor
    starts), the writer of every byte (the plan's writer of each slice; rank 0 the headers) and
@@ -37,20 +37,20 @@ import torch
 
 from unickpt import _dist
 from unickpt._faults import maybe_fail
-from unickpt.format import storage_parts, storage_s3
-from unickpt.format.dtypes import itemsize
-from unickpt.format.hf_layout import HFLayout, box_runs, plan_hf_layout
-from unickpt.format.index import index_to_json
-from unickpt.format.naming import single_name
-from unickpt.format.reader import single_file_name
-from unickpt.format.storage import FsspecStorage
-from unickpt.format.storage_parts import Part, SharedUpload, part_size_for, plan_parts
-from unickpt.format.writer import build_index, data_file_metadata, single_file_metadata
+from unickpt.ckpt.hf_layout import HFLayout, box_runs, plan_hf_layout
+from unickpt.ckpt.reader import single_file_name
+from unickpt.ckpt.writer import build_index, data_file_metadata, single_file_metadata
 from unickpt.io._commit import commit_collective, settle
 from unickpt.io.hf_save import GatheredSave, gathered_block, hash_tensor_ranges, order_files
 from unickpt.io.planner import PlannedFile, SavePlan
 from unickpt.io.tensors import as_bytes
+from unickpt.spec.dtypes import itemsize
+from unickpt.spec.index import index_to_json
+from unickpt.spec.naming import single_name
+from unickpt.store import storage_parts, storage_s3
 from unickpt.store.publish import commit_condition, refused_commit, remove_superseded, store_file_name
+from unickpt.store.storage import FsspecStorage
+from unickpt.store.storage_parts import Part, SharedUpload, part_size_for, plan_parts
 
 __all__ = ["IN_FLIGHT", "save_gathered_parts"]
 

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from unickpt.ckpt.writer import group_files
 from unickpt.errors import StateMismatchError
-from unickpt.format.boxes import coverage_problem
-from unickpt.format.dtypes import itemsize
-from unickpt.format.naming import shard_name, single_name, slice_key
-from unickpt.format.slice_table import SliceTable
-from unickpt.format.writer import group_files
+from unickpt.spec.boxes import coverage_problem
+from unickpt.spec.dtypes import itemsize
+from unickpt.spec.naming import shard_name, single_name, slice_key
+from unickpt.spec.slice_table import SliceTable
 
 __all__ = ["SliceMeta", "PlannedSlice", "PlannedFile", "SavePlan", "plan_save", "plan_tables"]
 

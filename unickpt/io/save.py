@@ -27,7 +27,7 @@ A sliced save in a directory makes 6 object collectives over 2+ ranks (listing, 
 preparation, writing, the commit's 3), on a store 4 (one commit agreement), a gathered save
 in a directory 4 (docs/performance.md, issue 17).
 
-Every file is written through a ``Storage`` (``format/storage.py``: a ``LocalStorage`` for a path),
+Every file is written through a ``Storage`` (``store/storage.py``: a ``LocalStorage`` for a path),
 and what the store can do picks the strategy, never the location: a store with ``atomic_rename``
 stages and renames as above; ``range_write`` lets a gathered save's ranks write their bytes in
 place (``io/hf_save.py``). A URL (``s3://``, ``gs://``...: ``SaveOptions.storage_options``) opens
@@ -58,12 +58,8 @@ from unickpt import _dist
 from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
 from unickpt._rng import keeps_python_random
+from unickpt.ckpt.writer import build_index
 from unickpt.errors import UnickptError
-from unickpt.format.index import index_to_json
-from unickpt.format.naming import single_name
-from unickpt.format.storage import FsspecStorage, Storage, is_url, open_storage
-from unickpt.format.storage_parts import supports_shared_parts
-from unickpt.format.writer import build_index
 from unickpt.io._commit import commit_collective, settle
 from unickpt.io.funnel_save import feed_funnel, write_funnelled, write_funnelled_single
 from unickpt.io.hf_rows import RowMoves
@@ -85,6 +81,8 @@ from unickpt.io.save_block import Results as _Results
 from unickpt.io.save_block import build_save_block, by_slice, file_specs, make_writer
 from unickpt.io.save_options import SaveOptions
 from unickpt.io.tensors import LocalSlice, as_bytes
+from unickpt.spec.index import index_to_json
+from unickpt.spec.naming import single_name
 from unickpt.store.lock import StoreLock, directory_lock, store_lock
 from unickpt.store.publish import (
     committed_in,
@@ -93,6 +91,8 @@ from unickpt.store.publish import (
     new_save_id,
     store_file_name,
 )
+from unickpt.store.storage import FsspecStorage, Storage, is_url, open_storage
+from unickpt.store.storage_parts import supports_shared_parts
 
 # SaveOptions is save_options.py's, re-exported: what a save is written with, beside save_tensors.
 __all__ = ["SaveOptions", "WriteSpec", "save_tensors"]

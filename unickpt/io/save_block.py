@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from unickpt import __version__
-from unickpt.format.index import SliceEntry, TensorEntry, UnickptBlock
-from unickpt.format.storage import Storage
-from unickpt.format.writer import CheckpointWriter, FileSpec, build_block, tensor_entry
+from unickpt.ckpt.writer import CheckpointWriter, FileSpec, build_block, tensor_entry
 from unickpt.io.planner import PlannedFile, SavePlan
 from unickpt.io.save_options import SaveOptions
+from unickpt.spec.index import SliceEntry, TensorEntry, UnickptBlock
+from unickpt.store.storage import Storage
 
 __all__ = ["Results", "VERSION", "build_save_block", "by_slice", "file_specs", "make_writer"]
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from unickpt.errors import ConfigError
-from unickpt.format.index import LayoutInfo
+from unickpt.spec.index import LayoutInfo
 
 __all__ = ["SaveOptions", "check_size_per_shard"]
 

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from unickpt.errors import IncompleteCheckpointError, IndexFileError
-from unickpt.format._json import strict_loads
 from unickpt.io.jsonstate import from_json_value, to_json_value
+from unickpt.spec._json import strict_loads
 from unickpt.store.publish import checkpoint_directory, write_small_file
 
 __all__ = [

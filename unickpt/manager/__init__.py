@@ -3,7 +3,7 @@
 Modules: ``checkpoint_manager`` (the collective save and load), ``policy`` (when to save, which
 step to load, retention), ``train_state`` (RNG, dataloader, extra states, their hashes),
 ``snapshot`` (what a save captures in the foreground), ``storage`` (a local directory or an
-fsspec URL behind one interface). The layout's names are defined in ``format/run_layout.py``.
+fsspec URL behind one interface). The layout's names are defined in ``ckpt/run_layout.py``.
 
 Layout of ``checkpoint_dir``::
 
@@ -69,10 +69,10 @@ docs/guide.md, "Storage".
 
 from __future__ import annotations
 
-from unickpt.format.run_layout import COMMIT_NAME as COMMIT_NAME
-from unickpt.format.run_layout import HF_DIR as HF_DIR
-from unickpt.format.run_layout import LATEST_NAME as LATEST_NAME
-from unickpt.format.run_layout import TRAIN_STATE_DIR as TRAIN_STATE_DIR
+from unickpt.ckpt.run_layout import COMMIT_NAME as COMMIT_NAME
+from unickpt.ckpt.run_layout import HF_DIR as HF_DIR
+from unickpt.ckpt.run_layout import LATEST_NAME as LATEST_NAME
+from unickpt.ckpt.run_layout import TRAIN_STATE_DIR as TRAIN_STATE_DIR
 from unickpt.manager.checkpoint_manager import CheckpointManager
 from unickpt.manager.checkpoint_manager import RetentionWarning as RetentionWarning
 from unickpt.manager.train_state import STATE_VERSION

@@ -22,9 +22,9 @@ from unickpt import _dist
 from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
 from unickpt._rng import keeps_python_random
+from unickpt.ckpt import run_layout
+from unickpt.ckpt.run_layout import HF_DIR
 from unickpt.errors import ConfigError, UnickptError
-from unickpt.format import run_layout
-from unickpt.format.run_layout import HF_DIR
 from unickpt.io.async_save import AsyncSaves, shared_payload
 from unickpt.io.pinned import POOL, StagingSet
 from unickpt.io.save import WriteSpec

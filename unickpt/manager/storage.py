@@ -20,9 +20,9 @@ from typing import Any
 
 from unickpt import _dist
 from unickpt._faults import maybe_fail
+from unickpt.ckpt import run_layout
+from unickpt.ckpt.run_layout import LATEST_NAME, TRAIN_STATE_DIR
 from unickpt.errors import ConfigError, IncompleteCheckpointError
-from unickpt.format import run_layout
-from unickpt.format.run_layout import LATEST_NAME, TRAIN_STATE_DIR
 from unickpt.store.lock import directory_lock
 from unickpt.store.publish import (
     RemoteStore,

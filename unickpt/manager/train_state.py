@@ -15,13 +15,13 @@ import torch
 
 from unickpt import _rng
 from unickpt._logging import get_logger
+from unickpt.ckpt import run_layout
+from unickpt.ckpt.run_layout import TRAIN_STATE_DIR
 from unickpt.errors import IncompleteCheckpointError, IndexFileError, StateMismatchError, UnsupportedError
-from unickpt.format import run_layout
-from unickpt.format._json import strict_loads
-from unickpt.format.run_layout import TRAIN_STATE_DIR
-from unickpt.format.storage import is_url
 from unickpt.io.jsonstate import from_json_value, to_json_value
+from unickpt.spec._json import strict_loads
 from unickpt.store.publish import write_small_file
+from unickpt.store.storage import is_url
 
 __all__ = ["STATE_VERSION", "capture", "restore", "write_rank_state", "read_rank_state"]
 

@@ -7,7 +7,7 @@ rank. Each rank's optimizer updates only its range: the user's torch optimizer i
 schedulers built on it stay valid) and its param groups are pointed at one 1-D "shard"
 parameter per bucket. A parameter's optimizer state may therefore be split mid-tensor across
 ranks; :class:`ZeroCheckpointIO` describes each rank's piece of each state tensor as boxes of the
-global (parameter-shaped) tensor with :func:`unickpt.format.boxes.flat_range_to_boxes`, and the
+global (parameter-shaped) tensor with :func:`unickpt.spec.boxes.flat_range_to_boxes`, and the
 generic planner, writer and loader do the rest. Checkpoints are keyed by parameter FQN exactly as
 under the other plugins, so they load at any other DP size and into/from any plugin.
 

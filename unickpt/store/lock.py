@@ -83,8 +83,8 @@ from typing import Any, Protocol
 
 from unickpt._logging import get_logger
 from unickpt.errors import CheckpointBusyError, IncompleteCheckpointError
-from unickpt.format import storage_s3
-from unickpt.format.storage import FsspecStorage, Storage
+from unickpt.store import storage_s3
+from unickpt.store.storage import FsspecStorage, Storage
 
 __all__ = [
     "LOCK_NAME",

@@ -54,9 +54,9 @@ from typing import Any, BinaryIO, cast
 
 from unickpt._logging import get_logger
 from unickpt.errors import CheckpointBusyError, IncompleteCheckpointError, OutputExistsError, UnsupportedError
-from unickpt.format.bounds import read_bounded
-from unickpt.format.naming import index_name, is_own_data_file, single_name
-from unickpt.format.run_layout import (
+from unickpt.spec.bounds import read_bounded
+from unickpt.spec.naming import index_name, is_own_data_file, single_name
+from unickpt.spec.run_names import (
     COMMIT_NAME,
     HF_DIR,
     LATEST_NAME,
@@ -68,7 +68,6 @@ from unickpt.format.run_layout import (
     step_name,
     work_name,
 )
-from unickpt.format.storage import FsspecStorage, Storage, is_url, open_storage
 from unickpt.store.lock import (
     LOCK_NAME,
     Fence,
@@ -80,6 +79,7 @@ from unickpt.store.lock import (
     take_unheld_lock,
     write_if,
 )
+from unickpt.store.storage import FsspecStorage, Storage, is_url, open_storage
 
 logger = get_logger(__name__)
 __all__ = [
@@ -537,7 +537,7 @@ def referenced_files(index: bytes, path: str = "index.json") -> set[str]:
     """The data files an index names (``weight_map``, the block's ``files`` table, listed slices);
     nothing for bytes that are not a valid index."""
     from unickpt.errors import IndexFileError
-    from unickpt.format.index import parse_index
+    from unickpt.spec.index import parse_index
 
     try:
         idx = parse_index(index, path)
@@ -1415,7 +1415,7 @@ class HeadLastFile(StoreFile):
     """
 
     def __init__(self, fs: Any, path: str, name: str, size: int) -> None:
-        from unickpt.format.storage_parts import SharedUpload, part_size_for
+        from unickpt.store.storage_parts import SharedUpload, part_size_for
 
         super().__init__(cast(BinaryIO, _NoFile()), name)
         self.upload = SharedUpload(fs, path)
@@ -1523,7 +1523,7 @@ class StoreOutput:
     def open_head_last(self, name: str, size: int) -> HeadLastFile | None:
         """A :class:`HeadLastFile` for the ``size``-byte commit point ``name``, or None when the
         store has no multipart uploads a process can address by part (S3 has)."""
-        from unickpt.format.storage_parts import supports_shared_parts
+        from unickpt.store.storage_parts import supports_shared_parts
 
         if not supports_shared_parts(self.storage) or not isinstance(self.storage, FsspecStorage):
             return None

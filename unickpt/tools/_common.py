@@ -8,12 +8,12 @@ import posixpath
 from collections.abc import Iterable
 from typing import Any
 
+from unickpt.ckpt.reader import CheckpointReader, file_kind, locate, open_checkpoint, open_located
+from unickpt.ckpt.reader_paths import hint_foreign
+from unickpt.ckpt.writer import write_all
 from unickpt.errors import IncompleteCheckpointError, OutputExistsError
-from unickpt.format.naming import index_name, single_name
-from unickpt.format.reader import CheckpointReader, file_kind, locate, open_checkpoint, open_located
-from unickpt.format.reader_paths import hint_foreign
-from unickpt.format.storage import is_url, open_storage
-from unickpt.format.writer import write_all
+from unickpt.spec.naming import index_name, single_name
+from unickpt.store.storage import is_url, open_storage
 
 __all__ = [
     "checkpoint_parts",
@@ -37,7 +37,7 @@ def detect_kind(path: str | os.PathLike[str]) -> str:
                 os.path.join(p, single_name(kind))
             ):
                 return kind
-        from unickpt.format.dcp_hf import dcp_hf_files
+        from unickpt.ckpt.dcp_hf import dcp_hf_files
 
         if dcp_hf_files(p):  # HuggingFaceStorageWriter(save_distributed=True) output
             return "model"

@@ -2,7 +2,7 @@
 
 Each tensor is read in global C order, a flat range of elements at a time, whatever its slices:
 the range is split into boxes that are contiguous runs of the global tensor
-(:func:`~unickpt.format.boxes.flat_range_to_boxes`); the part of a box that one slice holds is
+(:func:`~unickpt.spec.boxes.flat_range_to_boxes`); the part of a box that one slice holds is
 a contiguous run of that slice's bytes, read with one ``pread`` and put in place. Elements are
 compared as raw words of the item size, so ``-0.0`` differs from ``0.0`` and a NaN payload
 counts: the question is whether the stored bits are equal.
@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from unickpt.ckpt.reader import CheckpointReader
 from unickpt.errors import CheckpointFormatError
-from unickpt.format.boxes import contiguous_start, flat_range_to_boxes, intersect
-from unickpt.format.dtypes import word_dtype
-from unickpt.format.index import TensorEntry
-from unickpt.format.reader import CheckpointReader
+from unickpt.spec.boxes import contiguous_start, flat_range_to_boxes, intersect
+from unickpt.spec.dtypes import word_dtype
+from unickpt.spec.index import TensorEntry
 
 __all__ = ["DataDifference", "compare_tensors", "read_flat"]
 

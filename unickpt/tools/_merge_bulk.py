@@ -18,12 +18,12 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import xxhash
 
+from unickpt.ckpt.read_batch import ReadBatch, table_spans
+from unickpt.ckpt.reader import CheckpointReader
+from unickpt.ckpt.slice_spans import recorded_hashes
 from unickpt.errors import IntegrityError, IntegrityFailure
-from unickpt.format.dtypes import itemsize
-from unickpt.format.index import TensorEntry
-from unickpt.format.read_batch import ReadBatch, table_spans
-from unickpt.format.reader import CheckpointReader
-from unickpt.format.slice_spans import recorded_hashes
+from unickpt.spec.dtypes import itemsize
+from unickpt.spec.index import TensorEntry
 
 __all__ = ["GROUP_BYTES", "SMALL", "row_order", "merge_rows", "groups"]
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from unickpt.ckpt.reader import CheckpointReader
 from unickpt.errors import ConfigError, IntegrityError
-from unickpt.format.index import LayoutInfo
-from unickpt.format.reader import CheckpointReader
+from unickpt.spec.index import LayoutInfo
 from unickpt.tools._write import SliceData, TensorData, write_checkpoint
 
 __all__ = ["hub_plan", "hub_tensor_data", "write_mapped", "CASTABLE_DTYPES"]
@@ -127,7 +127,7 @@ def write_mapped(
 
 
 def nbytes(plan: dict[str, Any]) -> int:
-    from unickpt.format.dtypes import itemsize
+    from unickpt.spec.dtypes import itemsize
 
     return sum(math.prod(n.shape) * itemsize(n.dtype) for n in plan.values())
 

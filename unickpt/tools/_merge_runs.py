@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from unickpt.ckpt.consistency import check_keys_referenced
+from unickpt.ckpt.reader import CheckpointReader
+from unickpt.ckpt.slice_spans import all_referenced, locate_all
 from unickpt.errors import IndexFileError
-from unickpt.format.boxes import contiguous_start, coverage_problem
-from unickpt.format.consistency import check_keys_referenced
-from unickpt.format.index import SliceEntry, TensorEntry
-from unickpt.format.reader import CheckpointReader
-from unickpt.format.slice_spans import all_referenced, locate_all
+from unickpt.spec.boxes import contiguous_start, coverage_problem
+from unickpt.spec.index import SliceEntry, TensorEntry
 from unickpt.tools._merge_bulk import row_order
 
 __all__ = ["Run", "RunsOf", "flat_runs", "validate_runs"]

@@ -12,18 +12,18 @@ from collections.abc import Callable
 
 import numpy as np
 
+from unickpt.ckpt.reader import CheckpointReader
 from unickpt.errors import IntegrityError, IntegrityFailure, UnsupportedError
-from unickpt.format.dtypes import itemsize, word_dtype
-from unickpt.format.hashing import (
+from unickpt.spec.dtypes import itemsize, word_dtype
+from unickpt.spec.hashing import (
     SliceHasher,
     combine_partials,
     finalize_fingerprint,
     fingerprint_partial,
 )
-from unickpt.format.index import SliceEntry, TensorEntry
-from unickpt.format.reader import CheckpointReader
-from unickpt.format.storage import RangeFile, Storage
+from unickpt.spec.index import SliceEntry, TensorEntry
 from unickpt.store.publish import StoreFile
+from unickpt.store.storage import RangeFile, Storage
 from unickpt.tools._bands import bands, is_sparse, next_data, pieces
 from unickpt.tools._merge_bulk import groups, merge_rows
 from unickpt.tools._merge_runs import Run

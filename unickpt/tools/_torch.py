@@ -7,8 +7,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from unickpt.ckpt.reader import CheckpointReader
 from unickpt.errors import IntegrityError, UnsupportedError
-from unickpt.format.reader import CheckpointReader
 from unickpt.io.tensors import torch_dtype
 
 __all__ = ["st_of", "torch_of", "tensor_bytes", "from_bytes"]

@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 
 from unickpt import __version__
-from unickpt.format.dtypes import itemsize
-from unickpt.format.index import LayoutInfo, SliceEntry, index_to_json
-from unickpt.format.naming import index_name, shard_name, slice_key
-from unickpt.format.writer import Block, CheckpointWriter, FileSpec, build_block, build_index, tensor_entry
+from unickpt.ckpt.writer import Block, CheckpointWriter, FileSpec, build_block, build_index, tensor_entry
+from unickpt.spec.dtypes import itemsize
+from unickpt.spec.index import LayoutInfo, SliceEntry, index_to_json
+from unickpt.spec.naming import index_name, shard_name, slice_key
 from unickpt.store.lock import directory_lock
 from unickpt.store.publish import StoreOutput, makedirs_durable, new_save_id
 

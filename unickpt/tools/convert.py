@@ -35,14 +35,14 @@ from typing import Any
 
 from unickpt import __version__
 from unickpt._logging import get_logger
+from unickpt.ckpt.dcp_hf import dcp_hf_files
 from unickpt.errors import CheckpointFormatError, UnsupportedError
-from unickpt.format.confine import check_graph, confined_path
-from unickpt.format.dcp_hf import dcp_hf_files
-from unickpt.format.dtypes import itemsize
-from unickpt.format.index import LayoutInfo
-from unickpt.format.naming import HF_SIDE_FILES
-from unickpt.format.storage import is_url, open_storage
+from unickpt.spec.confine import check_graph, confined_path
+from unickpt.spec.dtypes import itemsize
+from unickpt.spec.index import LayoutInfo
+from unickpt.spec.naming import HF_SIDE_FILES
 from unickpt.store.publish import Sink, StoreOutput, check_output, output_sink, put_bytes, staged_output
+from unickpt.store.storage import is_url, open_storage
 from unickpt.tools._common import read_side_files
 from unickpt.tools._merge_mapped import hub_tensor_data
 from unickpt.tools._progress import progress_bar
@@ -149,7 +149,7 @@ def convert_checkpoint(
 
     - ``source="dcp"``: a DCP directory (or a torchtitan folder of ``step-<N>/``: the latest),
       or what ``HuggingFaceStorageWriter(save_distributed=True)`` writes (per-rank
-      ``shard-*-model-*.safetensors``, see ``unickpt.format.dcp_hf``), merged into whole tensors.
+      ``shard-*-model-*.safetensors``, see ``unickpt.ckpt.dcp_hf``), merged into whole tensors.
       A training checkpoint (optimizer / scheduler / train state entries, see
       ``unickpt.tools.convert_dcp``) gives a model and an optimizer checkpoint in ``out`` plus
       ``lr_scheduler.json``; ``target="run"`` writes them as ``step-<N>/`` of a

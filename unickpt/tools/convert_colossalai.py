@@ -29,7 +29,7 @@ import os
 from typing import Any
 
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, UnsupportedError
-from unickpt.format.confine import confined_path
+from unickpt.spec.confine import confined_path
 
 __all__ = ["convert_colossalai_optimizer", "parameter_order"]
 
@@ -50,7 +50,7 @@ def _load_pickle(path: str) -> Any:
 def _file(directory: str, name: object, idx: str, entry: str) -> str:
     """The path of the file ``name`` that the index ``idx`` names in ``entry``: a plain
     ``.bin``/``.safetensors`` name of ``directory`` (``format.confine``), no link out of it."""
-    from unickpt.format.index import check_file_name
+    from unickpt.spec.index import check_file_name
 
     return confined_path(directory, check_file_name(name, f"{idx}: {entry}"), idx, entry)  # type: ignore[arg-type]
 
@@ -60,7 +60,7 @@ _MAX_JSON = 64 << 20
 
 
 def _read_json(path: str) -> dict[str, Any]:
-    from unickpt.format._json import strict_loads
+    from unickpt.spec._json import strict_loads
 
     try:
         with open(path, "rb") as f:
@@ -120,7 +120,7 @@ def _checkpoint_shapes(model_dir: str) -> list[tuple[str, tuple[int, ...]]]:
 
 def _file_shapes(path: str) -> dict[str, tuple[int, ...]]:
     if path.endswith(".safetensors"):
-        from unickpt.format.safetensors_io import read_header
+        from unickpt.ckpt.safetensors_io import read_header
 
         header = read_header(path)
         return {k: tuple(v.shape) for k, v in header.entries.items()}
@@ -173,10 +173,10 @@ def convert_colossalai_optimizer(
     (``progress``: a byte bar on stderr)."""
     import torch
 
-    from unickpt.format.dtypes import itemsize
-    from unickpt.format.index import LayoutInfo
     from unickpt.io.jsonstate import to_json_value
     from unickpt.io.optim_state import optimizer_tensor_name
+    from unickpt.spec.dtypes import itemsize
+    from unickpt.spec.index import LayoutInfo
     from unickpt.tools._progress import progress_bar
     from unickpt.tools._torch import st_of, tensor_bytes
     from unickpt.tools._write import SliceData, TensorData, write_checkpoint

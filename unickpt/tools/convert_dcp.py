@@ -280,7 +280,7 @@ def import_training(
 
     ``train_state.*`` is not written here (see :func:`read_train_state`).
     """
-    from unickpt.format.index import LayoutInfo
+    from unickpt.spec.index import LayoutInfo
     from unickpt.tools._progress import progress_bar
     from unickpt.tools._torch import st_of
     from unickpt.tools._write import SliceData, TensorData

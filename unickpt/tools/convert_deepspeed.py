@@ -51,7 +51,7 @@ from unickpt.errors import (
     UnsafePathError,
     UnsupportedError,
 )
-from unickpt.format.confine import confined_path
+from unickpt.spec.confine import confined_path
 
 __all__ = ["DeepSpeedCheckpoint", "read_deepspeed", "write_deepspeed"]
 
@@ -531,10 +531,10 @@ def write_deepspeed(
     tensor written (:func:`checkpoint_bytes` in all)."""
     import torch
 
-    from unickpt.format.index import LayoutInfo
     from unickpt.io.jsonstate import to_json_value
     from unickpt.io.optim_state import optimizer_tensor_name
     from unickpt.io.side_files import lr_scheduler_json
+    from unickpt.spec.index import LayoutInfo
     from unickpt.tools._torch import st_of, tensor_bytes
     from unickpt.tools._write import SliceData, TensorData, write_checkpoint
 
@@ -600,7 +600,7 @@ def convert_deepspeed(
     ``lr_scheduler.json``), or with ``target="run"`` is a ``CheckpointManager`` directory whose
     ``step-<N>`` (``step``, else the engine's ``global_steps``) holds them, with the engine's
     step counters as the extra state ``train_state``. ``progress``: a byte bar on stderr."""
-    from unickpt.format.naming import HF_SIDE_FILES
+    from unickpt.spec.naming import HF_SIDE_FILES
     from unickpt.store.publish import staged_output, write_staged
     from unickpt.tools._common import read_side_files
     from unickpt.tools._progress import progress_bar

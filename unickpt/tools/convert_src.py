@@ -19,10 +19,10 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from unickpt.ckpt.dcp_hf import SHARD_FILE
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError
-from unickpt.format._json import strict_loads
-from unickpt.format.dcp_hf import SHARD_FILE
-from unickpt.format.storage import FsspecStorage, Storage, open_storage
+from unickpt.spec._json import strict_loads
+from unickpt.store.storage import FsspecStorage, Storage, open_storage
 
 __all__ = ["StoreSource", "bin_shard_names", "latest_step"]
 
@@ -58,7 +58,7 @@ def bin_shard_names(
 
 def bin_index_names(raw: bytes, idx: str) -> list[str]:
     """The file names a ``pytorch_model.bin.index.json`` (bytes ``raw``, at ``idx``) maps to, sorted."""
-    from unickpt.format.index import check_file_name
+    from unickpt.spec.index import check_file_name
 
     try:
         obj = strict_loads(raw.decode("utf-8"), CheckpointFormatError, f"{idx}: index")

@@ -49,10 +49,10 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, UnsupportedError
-from unickpt.format.boxes import box_volume
-from unickpt.format.confine import check_graph, confined_path, plain_name, show
-from unickpt.format.coverage import coverage_problem
-from unickpt.format.storage import Storage, open_storage
+from unickpt.spec.boxes import box_volume
+from unickpt.spec.confine import check_graph, confined_path, plain_name, show
+from unickpt.spec.coverage import coverage_problem
+from unickpt.store.storage import Storage, open_storage
 
 __all__ = ["read_metadata", "check_metadata", "load_entries", "tensor_specs"]
 

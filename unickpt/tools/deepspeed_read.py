@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, UnsupportedError
-from unickpt.format.confine import check_graph
+from unickpt.spec.confine import check_graph
 
 __all__ = [
     "load_deepspeed_file",

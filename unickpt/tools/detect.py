@@ -1,6 +1,6 @@
 """What ``convert`` reads at a path when ``--from`` is not given (local paths and URLs alike).
 
-The rules are ``format/foreign.py``'s, over one listing of the path (and of its latest
+The rules are ``ckpt/foreign.py``'s, over one listing of the path (and of its latest
 ``step-<N>/``), or over the first bytes of a single file; nothing else is read.
 """
 
@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import os
 
+from unickpt.ckpt.foreign import foreign_dir, foreign_file
 from unickpt.errors import UnsupportedError
-from unickpt.format.foreign import foreign_dir, foreign_file
-from unickpt.format.naming import index_name, single_name
-from unickpt.format.storage import open_storage
+from unickpt.spec.naming import index_name, single_name
+from unickpt.store.storage import open_storage
 
 __all__ = ["detect_source"]
 

@@ -1,7 +1,7 @@
 """``unickpt diff``: compare two checkpoints tensor by tensor from their index files alone.
 
 Every tensor of a unickpt checkpoint carries a layout-invariant fingerprint (see
-``unickpt.format.hashing``): the same weights saved under FSDP2 x4, TP x2 or merged into a
+``unickpt.spec.hashing``): the same weights saved under FSDP2 x4, TP x2 or merged into a
 Hugging Face checkpoint have equal fingerprints. Comparing them needs only the two index
 files, so diff is fast on checkpoints of any size and works when the data files are absent.
 Tied names are resolved through each checkpoint's aliases before comparing.
@@ -23,15 +23,15 @@ from typing import Any
 
 import numpy as np
 
-from unickpt.format.dtypes import itemsize
-from unickpt.format.hashing import (
+from unickpt.ckpt.reader import CheckpointReader
+from unickpt.spec.dtypes import itemsize
+from unickpt.spec.hashing import (
     SliceHasher,
     combine_partials,
     finalize_fingerprint,
     fingerprint_partial,
 )
-from unickpt.format.index import TensorEntry
-from unickpt.format.reader import CheckpointReader
+from unickpt.spec.index import TensorEntry
 from unickpt.tools._bands import band_first, bands
 from unickpt.tools._common import open_auto
 from unickpt.tools._compare import DataDifference, compare_tensors

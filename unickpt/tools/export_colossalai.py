@@ -28,12 +28,12 @@ from typing import Any
 
 import torch
 
+from unickpt.ckpt.reader import open_checkpoint
 from unickpt.errors import UnsupportedError
-from unickpt.format.naming import shard_name
-from unickpt.format.reader import open_checkpoint
-from unickpt.format.storage import open_storage
 from unickpt.io.jsonstate import from_json_value
+from unickpt.spec.naming import shard_name
 from unickpt.store.publish import staged_output, write_staged
+from unickpt.store.storage import open_storage
 from unickpt.tools._common import checkpoint_parts
 from unickpt.tools._progress import progress_bar
 from unickpt.tools._torch import full_tensors

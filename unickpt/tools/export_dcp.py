@@ -23,10 +23,10 @@ import json
 import warnings
 from typing import Any
 
-from unickpt.format.reader import open_checkpoint
-from unickpt.format.storage import is_url, open_storage
+from unickpt.ckpt.reader import open_checkpoint
 from unickpt.io.jsonstate import from_json_value
 from unickpt.store.publish import staged_output, store_output
+from unickpt.store.storage import is_url, open_storage
 from unickpt.tools._common import checkpoint_parts
 from unickpt.tools._torch import full_tensors
 

@@ -48,11 +48,11 @@ from typing import Any
 
 import torch
 
+from unickpt.ckpt.reader import open_checkpoint
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, UnsupportedError
-from unickpt.format.reader import open_checkpoint
-from unickpt.format.storage import open_storage
 from unickpt.io.jsonstate import from_json_value
 from unickpt.store.publish import fsync_dir, staged_output, write_staged
+from unickpt.store.storage import open_storage
 from unickpt.tools._common import checkpoint_parts
 from unickpt.tools._progress import progress_bar
 from unickpt.tools._torch import full_tensors

@@ -6,8 +6,8 @@ import math
 import os
 from typing import Any
 
-from unickpt.format.dtypes import itemsize
-from unickpt.format.storage import Storage
+from unickpt.spec.dtypes import itemsize
+from unickpt.store.storage import Storage
 from unickpt.tools._common import human_bytes, open_auto
 
 __all__ = ["inspect_checkpoint", "format_report"]

@@ -39,15 +39,14 @@ import numpy as np
 
 from unickpt import __version__
 from unickpt._logging import get_logger
+from unickpt.ckpt.reader import UNICKPT_METADATA_KEY, CheckpointReader, open_checkpoint
+from unickpt.ckpt.safetensors_io import encode_header, header_from_bytes, read_header
+from unickpt.ckpt.writer import build_block, build_index, data_file_metadata, group_files, rewrite_header
 from unickpt.errors import ConfigError, UnsupportedError
-from unickpt.format.digest_text import hex_to_b64
-from unickpt.format.dtypes import itemsize
-from unickpt.format.index import LayoutInfo, SliceEntry, TensorEntry, UnickptBlock, index_to_json
-from unickpt.format.naming import HF_SIDE_FILES, index_name, shard_name, single_name
-from unickpt.format.reader import UNICKPT_METADATA_KEY, CheckpointReader, open_checkpoint
-from unickpt.format.safetensors_io import encode_header, header_from_bytes, read_header
-from unickpt.format.storage import LocalStorage, is_url
-from unickpt.format.writer import build_block, build_index, data_file_metadata, group_files, rewrite_header
+from unickpt.spec.digest_text import hex_to_b64
+from unickpt.spec.dtypes import itemsize
+from unickpt.spec.index import LayoutInfo, SliceEntry, TensorEntry, UnickptBlock, index_to_json
+from unickpt.spec.naming import HF_SIDE_FILES, index_name, shard_name, single_name
 from unickpt.store.publish import (
     SAVE_ID_KEY,
     StoreOutput,
@@ -58,6 +57,7 @@ from unickpt.store.publish import (
     store_output,
     write_staged,
 )
+from unickpt.store.storage import LocalStorage, is_url
 from unickpt.tools._common import detect_kind, read_side_files
 from unickpt.tools._merge_mapped import hub_plan, write_mapped
 from unickpt.tools._merge_runs import Run, validate_runs
@@ -239,8 +239,8 @@ def _block_bytes(block: UnickptBlock) -> bytes:
 def _single_file_stage(url: str, storage_options: dict[str, Any] | None) -> Iterator[str]:
     """The local directory a single file for the output ``url`` is written into first, when one
     is needed."""
-    from unickpt.format.storage import open_storage
-    from unickpt.format.storage_parts import supports_shared_parts
+    from unickpt.store.storage import open_storage
+    from unickpt.store.storage_parts import supports_shared_parts
 
     if supports_shared_parts(open_storage(url, storage_options)[0]):
         yield ""  # never used: the file is streamed (StoreOutput.open_head_last)
@@ -463,7 +463,7 @@ def _size_bytes(size: int | str) -> int:
 
 def _has_kind(src: str, kind: str, storage_options: dict[str, Any] | None) -> bool:
     """False when ``src`` is a directory (or a URL) holding no ``kind`` checkpoint."""
-    from unickpt.format.storage import open_storage
+    from unickpt.store.storage import open_storage
 
     store, root = open_storage(src, storage_options)
     local = store.local_path(root)
@@ -480,7 +480,7 @@ def _has_kind(src: str, kind: str, storage_options: dict[str, Any] | None) -> bo
 
 def _local_path(src: str) -> str | None:
     """The OS path of the source ``src``, None where its storage has none (an object store)."""
-    from unickpt.format.storage import open_storage
+    from unickpt.store.storage import open_storage
 
     store, root = open_storage(src)
     return store.local_path(root)

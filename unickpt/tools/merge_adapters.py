@@ -31,14 +31,14 @@ from typing import Any
 
 import numpy as np
 
+from unickpt.ckpt.reader import CheckpointReader, open_checkpoint
 from unickpt.errors import ConfigError, IntegrityError, IntegrityFailure, StateMismatchError, UnsupportedError
-from unickpt.format.hashing import SliceHasher
-from unickpt.format.index import LayoutInfo, TensorEntry
-from unickpt.format.naming import HF_SIDE_FILES
-from unickpt.format.reader import CheckpointReader, open_checkpoint
-from unickpt.format.storage import is_url
 from unickpt.io.adapters import ADAPTER_CONFIG, read_adapter_config
+from unickpt.spec.hashing import SliceHasher
+from unickpt.spec.index import LayoutInfo, TensorEntry
+from unickpt.spec.naming import HF_SIDE_FILES
 from unickpt.store.publish import check_output, output_sink, put_bytes
+from unickpt.store.storage import is_url
 from unickpt.tools._common import read_side_files
 from unickpt.tools._progress import progress_bar
 from unickpt.tools._write import SliceData, TensorData, write_checkpoint

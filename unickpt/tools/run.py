@@ -8,7 +8,7 @@ steps saved before those existed are checked for structure only, with a note), a
 files beside ``model/`` and in ``hf/`` against the ``COMMIT`` record's ``xxh3`` table. ``verify RUN``
 checks the latest step, ``all_steps=True`` every committed step.
 
-Runs and steps at a URL (``s3://...``) are read through ``format/run_files.py``: one listing of
+Runs and steps at a URL (``s3://...``) are read through ``ckpt/run_files.py``: one listing of
 the location gives the steps, their sizes and commit times; ``inspect`` then fetches only
 indexes and small records, ``verify`` streams every part as on local disk.
 """
@@ -21,12 +21,12 @@ import json
 import os
 from typing import Any
 
+from unickpt.ckpt import run_layout as rl
+from unickpt.ckpt.foreign import foreign_dir
+from unickpt.ckpt.run_files import RunFiles
 from unickpt.errors import IncompleteCheckpointError, UnickptError
-from unickpt.format import run_layout as rl
-from unickpt.format.confine import is_plain_name, show
-from unickpt.format.foreign import foreign_dir
-from unickpt.format.hashing import slice_hash
-from unickpt.format.run_files import RunFiles
+from unickpt.spec.confine import is_plain_name, show
+from unickpt.spec.hashing import slice_hash
 from unickpt.tools._common import human_bytes
 from unickpt.tools.inspect import inspect_checkpoint
 from unickpt.tools.verify import verify_checkpoint

@@ -1,6 +1,6 @@
 """Write one committed ``step-<N>/`` of a ``CheckpointManager`` run directory from converted files.
 
-The layout is the manager's (``unickpt/format/run_layout.py``): ``step-<N>/model/``,
+The layout is the manager's (``unickpt/ckpt/run_layout.py``): ``step-<N>/model/``,
 ``optimizer/``, ``lr_scheduler.json``, ``train_state/rank-00000.{json,safetensors}``, then the
 manager's own step commit (``store.publish.commit_step``: the ``COMMIT`` marker written last, the
 staged directory put in place as ``step-<N>``, then ``latest``). ``CheckpointManager.load``
@@ -17,7 +17,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from unickpt.format.run_layout import (
+from unickpt.ckpt.run_layout import (
     COMMIT_NAME,
     COMMIT_VERSION,
     LATEST_NAME,

@@ -47,6 +47,11 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from unickpt.ckpt.consistency import check_block
+from unickpt.ckpt.reader import CheckpointReader
+from unickpt.ckpt.reader_blocks import UNICKPT_METADATA_KEY, block_from_header, single_file_name
+from unickpt.ckpt.safetensors_io import read_header
+from unickpt.ckpt.writer import build_block
 from unickpt.errors import (
     ConfigError,
     IncompleteCheckpointError,
@@ -55,20 +60,15 @@ from unickpt.errors import (
     IntegrityFailure,
     OutputExistsError,
 )
-from unickpt.format._json import strict_loads
-from unickpt.format.bounds import read_bounded
-from unickpt.format.boxes import flat_range_to_boxes
-from unickpt.format.consistency import check_block
-from unickpt.format.digest_text import hex_to_b64
-from unickpt.format.dtypes import itemsize
-from unickpt.format.hashing import combine_partials, finalize_fingerprint, fingerprint_partial
-from unickpt.format.index import MAX_INDEX_BYTES, IndexFile, index_to_json, parse_index
-from unickpt.format.naming import SLICED_SENTINEL, index_name, single_name
-from unickpt.format.reader import CheckpointReader
-from unickpt.format.reader_blocks import UNICKPT_METADATA_KEY, block_from_header, single_file_name
-from unickpt.format.safetensors_io import read_header
-from unickpt.format.versioning import FORMAT_VERSION
-from unickpt.format.writer import build_block
+from unickpt.spec._json import strict_loads
+from unickpt.spec.bounds import read_bounded
+from unickpt.spec.boxes import flat_range_to_boxes
+from unickpt.spec.digest_text import hex_to_b64
+from unickpt.spec.dtypes import itemsize
+from unickpt.spec.hashing import combine_partials, finalize_fingerprint, fingerprint_partial
+from unickpt.spec.index import MAX_INDEX_BYTES, IndexFile, index_to_json, parse_index
+from unickpt.spec.naming import SLICED_SENTINEL, index_name, single_name
+from unickpt.spec.versioning import FORMAT_VERSION
 from unickpt.store.lock import directory_lock
 from unickpt.store.publish import (
     atomic_write_bytes,

@@ -26,21 +26,21 @@ import numpy as np
 import xxhash
 
 from unickpt._logging import get_logger
+from unickpt.ckpt.range_hashes import RangeChecker, has_hashes
+from unickpt.ckpt.read_batch import table_spans
+from unickpt.ckpt.reader import CheckpointReader
+from unickpt.ckpt.slice_spans import FileNumbers, recorded_hashes
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, IndexFileError, IntegrityFailure
-from unickpt.format.boxes import flat_range_to_boxes
-from unickpt.format.dtypes import itemsize
-from unickpt.format.hashing import (
+from unickpt.spec.boxes import flat_range_to_boxes
+from unickpt.spec.dtypes import itemsize
+from unickpt.spec.hashing import (
     SliceHasher,
     combine_partials,
     finalize_fingerprint,
     fingerprint_partial,
 )
-from unickpt.format.index import SliceEntry, TensorEntry
-from unickpt.format.range_hashes import RangeChecker, has_hashes
-from unickpt.format.read_batch import table_spans
-from unickpt.format.reader import CheckpointReader
-from unickpt.format.slice_spans import FileNumbers, recorded_hashes
-from unickpt.format.storage import ReadHandle
+from unickpt.spec.index import SliceEntry, TensorEntry
+from unickpt.store.storage import ReadHandle
 from unickpt.tools._common import open_auto
 from unickpt.tools._progress import progress_bar
 

@@ -1,4 +1,4 @@
-/* Just enough of Python.h to compile unickpt/format/_fp2kernel.c into a plain C harness (no Python:
+/* Just enough of Python.h to compile unickpt/spec/_fp2kernel.c into a plain C harness (no Python:
  * the loops are tested on a CPU emulator, tests/unit/test_fp_kernel_levels.py). */
 #include <stddef.h>
 #include <stdlib.h>

@@ -1,7 +1,7 @@
 /* Every loop of the fingerprint kernel (the level chosen as at import, UNICKPT_FP_SIMD honoured)
  * against the plain C one, on 20000 random spans (group position l0, length n, buffer address
  * 0..7 bytes past an aligned one; random and all-0xFF limbs), for both limb widths. Built with
- * -I tests/data/fp_harness -include unickpt/format/_fp2kernel.c; exits 1 on any mismatch. */
+ * -I tests/data/fp_harness -include unickpt/spec/_fp2kernel.c; exits 1 on any mismatch. */
 #include <stdio.h>
 int main(void) {
     choose_loops();

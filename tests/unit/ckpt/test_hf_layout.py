@@ -21,12 +21,12 @@ import torch
 import xxhash
 
 import unickpt
+from unickpt.ckpt.hf_layout import box_runs, plan_hf_layout, writer_ranges
+from unickpt.ckpt.range_hashes import RangeFailure
+from unickpt.ckpt.writer import data_file_metadata, write_files
 from unickpt.errors import IndexFileError, IntegrityError
-from unickpt.format.hf_layout import box_runs, plan_hf_layout, writer_ranges
-from unickpt.format.index import IndexFile, index_to_json, load_index, parse_index
-from unickpt.format.range_hashes import RangeFailure
-from unickpt.format.writer import data_file_metadata, write_files
 from unickpt.io.planner import plan_save
+from unickpt.spec.index import IndexFile, index_to_json, load_index, parse_index
 from unickpt.tools.verify import verify_checkpoint
 
 SAVE_ID = "5a" * 16
@@ -145,7 +145,7 @@ def test_box_runs_match_element_positions(
 
 
 def test_writer_ranges_merge_a_flat_range_and_split_columns() -> None:
-    from unickpt.format.boxes import flat_range_to_boxes
+    from unickpt.spec.boxes import flat_range_to_boxes
 
     # ZeRO: a flat range [7, 29) of a (5, 6) tensor is three boxes, one contiguous run of bytes.
     boxes = [(off, shp, 1) for (off, shp), _ in flat_range_to_boxes((5, 6), 7, 29)]
@@ -169,12 +169,12 @@ def test_writer_ranges_merge_a_flat_range_and_split_columns() -> None:
 
 def _with_ranges(src: Path, name: str, cuts: list[int]) -> Path:
     """Rewrite a gathered checkpoint's index so ``name`` records ranges (as a multi-rank save does)."""
-    from unickpt.format.index_compact import as_listed
+    from unickpt.spec.index_compact import as_listed
 
     raw = as_listed(json.loads((src / "model.safetensors.index.json").read_text()))
     t = raw["unickpt"]["tensors"][name]
     (s,) = t["slices"]
-    from unickpt.format.reader import open_checkpoint
+    from unickpt.ckpt.reader import open_checkpoint
 
     with open_checkpoint(src) as r:
         data = bytes(r.read_slice(r.tensors[name].slices[0]))
@@ -224,7 +224,7 @@ def test_a_flipped_byte_is_pinpointed_to_its_range(tmp_path: Path) -> None:
     unickpt.GeneralCheckpointIO().save_model(m, tmp_path / "c", shard=True)
     d = _with_ranges(tmp_path / "c", "1.weight", [280, 560, 840])
     assert not verify_checkpoint(d)
-    from unickpt.format.safetensors_io import read_header
+    from unickpt.ckpt.safetensors_io import read_header
 
     fname = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]["1.weight"]
     h = read_header(str(d / fname))
@@ -240,7 +240,7 @@ def test_a_flipped_byte_is_pinpointed_to_its_range(tmp_path: Path) -> None:
     assert str(report[0]).startswith(
         f"tensor '1.weight' in file '{fname}' (stored as '1.weight'): bytes [560, 840) of the tensor"
     )
-    from unickpt.format.reader import open_checkpoint
+    from unickpt.ckpt.reader import open_checkpoint
 
     with open_checkpoint(d) as r:
         (f2,) = r.verify()
@@ -251,8 +251,8 @@ def test_a_flipped_byte_is_pinpointed_to_its_range(tmp_path: Path) -> None:
 
 def test_a_rank_that_cannot_see_the_files_says_the_directory_must_be_shared(tmp_path: Path) -> None:
     from unickpt.errors import UnsupportedError
-    from unickpt.format.storage import LocalStorage
     from unickpt.io.hf_save import _open_staged
+    from unickpt.store.storage import LocalStorage
 
     missing = tmp_path / ".model-00001-of-00002.safetensors.tmp-0123456789ab"
     with pytest.raises(

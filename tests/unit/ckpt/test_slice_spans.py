@@ -1,4 +1,4 @@
-"""Slices located in bulk (format/slice_spans.py), read as arrays (ReadBatch, libc preadv) and
+"""Slices located in bulk (ckpt/slice_spans.py), read as arrays (ReadBatch, libc preadv) and
 headers read in their compact form: each test hides one bad slice among thousands and checks
 that load, verify and merge still raise the exact error of the slice-by-slice checks."""
 
@@ -18,16 +18,18 @@ import torch
 import xxhash
 
 from unickpt import GeneralCheckpointIO, merge_checkpoint
+from unickpt.ckpt import slice_spans
+from unickpt.ckpt.read_batch import ReadBatch
+from unickpt.ckpt.reader import CheckpointReader, open_checkpoint
+from unickpt.ckpt.safetensors_io import encode_header, parse_header
+from unickpt.ckpt.writer import build_block, build_index
 from unickpt.errors import HeaderError, IncompleteCheckpointError, IntegrityError
-from unickpt.format import safetensors_bulk, slice_spans, storage_readv
-from unickpt.format.index import index_to_json, parse_index
-from unickpt.format.index_models import LayoutInfo
-from unickpt.format.naming import SLICED_SENTINEL, shard_name, slice_key
-from unickpt.format.read_batch import ReadBatch
-from unickpt.format.reader import CheckpointReader, open_checkpoint
-from unickpt.format.safetensors_io import encode_header, parse_header
-from unickpt.format.storage import LocalStorage
-from unickpt.format.writer import build_block, build_index
+from unickpt.spec import safetensors_bulk
+from unickpt.spec.index import index_to_json, parse_index
+from unickpt.spec.index_models import LayoutInfo
+from unickpt.spec.naming import SLICED_SENTINEL, shard_name, slice_key
+from unickpt.store import storage_readv
+from unickpt.store.storage import LocalStorage
 from unickpt.tools.verify import verify_checkpoint
 
 WORLD, TENSORS, COLS = 32, 40, 3  # 1280 slices, 40 in each of 32 files

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 from unickpt import GeneralCheckpointIO
+from unickpt.ckpt.reader import open_checkpoint
+from unickpt.ckpt.reader_storage import HEADER_PROBE
 from unickpt.errors import (
     CheckpointChangedError,
     ConfigError,
@@ -24,11 +26,9 @@ from unickpt.errors import (
     IndexFileError,
     IntegrityError,
 )
-from unickpt.format.boxes import runs
-from unickpt.format.reader import open_checkpoint
-from unickpt.format.reader_storage import HEADER_PROBE
-from unickpt.format.storage import LocalStorage
 from unickpt.io.load import _Files, read_box
+from unickpt.spec.boxes import runs
+from unickpt.store.storage import LocalStorage
 
 
 def _model(seed: int) -> nn.Module:
@@ -353,7 +353,7 @@ def test_data_object_gone_after_open(tmp_path) -> None:
 
 
 def test_coalesce_with_a_waste_budget() -> None:
-    from unickpt.format.storage import SMALL_GAP, coalesce
+    from unickpt.store.storage import SMALL_GAP, coalesce
 
     # One wanted row per 40 KB of a file: bridging the gaps would fetch 50x the bytes; not done.
     sparse = [(i * 40_000, 800) for i in range(10)]
@@ -371,7 +371,7 @@ def test_coalesce_with_a_waste_budget() -> None:
 
 
 def test_prefetched_blocks_serve_covered_reads_only() -> None:
-    from unickpt.format.reader_storage import Prefetched
+    from unickpt.ckpt.reader_storage import Prefetched
 
     data = bytes(range(256)) * 64
 

@@ -21,11 +21,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from unickpt import GeneralCheckpointIO
-from unickpt.format.index import LayoutInfo, SliceEntry, index_to_json
-from unickpt.format.naming import SLICED_SENTINEL, shard_name, slice_key
-from unickpt.format.reader import UNICKPT_METADATA_KEY, open_checkpoint
-from unickpt.format.safetensors_io import encode_header
-from unickpt.format.writer import (
+from unickpt.ckpt.reader import UNICKPT_METADATA_KEY, open_checkpoint
+from unickpt.ckpt.safetensors_io import encode_header
+from unickpt.ckpt.writer import (
     PLACEHOLDER,
     CheckpointWriter,
     build_block,
@@ -36,6 +34,8 @@ from unickpt.format.writer import (
     tensor_entry,
 )
 from unickpt.io.planner import plan_save
+from unickpt.spec.index import LayoutInfo, SliceEntry, index_to_json
+from unickpt.spec.naming import SLICED_SENTINEL, shard_name, slice_key
 from unickpt.store.lock import directory_lock
 from unickpt.store.publish import SAVE_ID_KEY, new_save_id
 from unickpt.tools.merge import merge_checkpoint

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from unickpt import GeneralCheckpointIO
+from unickpt.ckpt.foreign import foreign_dir, foreign_file
 from unickpt.cli.main import main
 from unickpt.errors import HeaderError, IncompleteCheckpointError, UnsupportedError
-from unickpt.format.foreign import foreign_dir, foreign_file
 from unickpt.tools.detect import detect_source
 
 DATA = Path(__file__).resolve().parents[2] / "data"

@@ -19,8 +19,8 @@ import torch.nn as nn
 import xxhash
 
 from unickpt import CheckpointManager
+from unickpt.ckpt import run_layout
 from unickpt.cli.main import main
-from unickpt.format import run_layout
 from unickpt.tools.run import verify_run
 
 

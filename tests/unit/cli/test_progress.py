@@ -92,8 +92,8 @@ DATA = Path(__file__).resolve().parents[2] / "data"
 
 
 def _tensor_bytes(directory: Path, kind: str) -> int:
-    from unickpt.format.dtypes import itemsize
-    from unickpt.format.reader import open_checkpoint
+    from unickpt.ckpt.reader import open_checkpoint
+    from unickpt.spec.dtypes import itemsize
 
     with open_checkpoint(str(directory), kind) as r:
         return sum(math.prod(e.shape) * itemsize(e.dtype) for e in r.tensors.values())

@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from unickpt import GeneralCheckpointIO
+from unickpt.ckpt.reader import open_checkpoint
 from unickpt.cli.main import main
 from unickpt.cli.storage_opts import parse_storage_options
 from unickpt.errors import ConfigError
-from unickpt.format.reader import open_checkpoint
 
 
 def _model(seed: int) -> nn.Module:

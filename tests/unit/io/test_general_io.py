@@ -20,7 +20,7 @@ from unickpt import (
     UnsafePathError,
     UnsupportedError,
 )
-from unickpt.format.reader import open_checkpoint
+from unickpt.ckpt.reader import open_checkpoint
 
 LAYOUTS = [(False, True), (True, True), (False, False), (True, False)]  # (shard, gather_dtensor)
 

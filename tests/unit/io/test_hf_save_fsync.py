@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import torch
 
-from unickpt.format.index import LayoutInfo
-from unickpt.format.storage import LocalRange
 from unickpt.io.save import SaveOptions, save_tensors
 from unickpt.io.tensors import local_slices
+from unickpt.spec.index import LayoutInfo
+from unickpt.store.storage import LocalRange
 
 
 def test_a_gathered_save_fsyncs_each_data_file_once_after_writing_it(

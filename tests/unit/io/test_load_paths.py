@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from unickpt import GeneralCheckpointIO
-from unickpt.format.boxes import contiguous_start
-from unickpt.format.reader import open_checkpoint
+from unickpt.ckpt.reader import open_checkpoint
 from unickpt.io.load import _Files, read_box
+from unickpt.spec.boxes import contiguous_start
 
 
 def test_contiguous_start_detection() -> None:
@@ -32,9 +32,9 @@ def test_contiguous_start_detection() -> None:
 
 def _sliced_checkpoint(tmp_path: Path, full: torch.Tensor) -> Path:
     """A checkpoint of ``w`` stored as two row blocks (as FSDP saves it)."""
-    from unickpt.format.index import LayoutInfo
     from unickpt.io.save import SaveOptions, save_tensors
     from unickpt.io.tensors import LocalSlice
+    from unickpt.spec.index import LayoutInfo
 
     def boxes(name: str, t: torch.Tensor) -> list[LocalSlice]:
         half = full.shape[0] // 2

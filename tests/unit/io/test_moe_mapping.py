@@ -321,7 +321,7 @@ def test_user_ops_load_and_merge_back(tmp_path: Path) -> None:
 
 def test_user_mapping_reads_only_the_experts_a_box_needs(tmp_path: Path) -> None:
     """A box of the stacked experts (as an FSDP rank holds it) reads only those experts' bytes."""
-    from unickpt.format.reader import open_checkpoint
+    from unickpt.ckpt.reader import open_checkpoint
     from unickpt.io.load import box_fetcher
     from unickpt.io.mapping import plan_load
 

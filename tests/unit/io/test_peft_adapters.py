@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from unickpt import GeneralCheckpointIO, merge_checkpoint
+from unickpt.ckpt.reader import UNICKPT_METADATA_KEY, open_checkpoint
 from unickpt.cli.main import main
 from unickpt.errors import (
     ConfigError,
@@ -24,7 +25,6 @@ from unickpt.errors import (
     StateMismatchError,
     UnsupportedError,
 )
-from unickpt.format.reader import UNICKPT_METADATA_KEY, open_checkpoint
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from unickpt.format.reader import open_checkpoint
+from unickpt.ckpt.reader import open_checkpoint
 from unickpt.io import GeneralCheckpointIO
 from unickpt.io.cuda_load import DeviceLoader, copy_cast, off_host
 from unickpt.io.pinned import POOL, Fence, pending, stage_copy, track, wait_staged

@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 import torch
 
+from unickpt.ckpt.reader import open_checkpoint
 from unickpt.errors import DistributedError, StateMismatchError
-from unickpt.format.index import LayoutInfo
-from unickpt.format.reader import open_checkpoint
 from unickpt.io import plan_cache, tensors
 from unickpt.io.load import load_tensors
 from unickpt.io.planner import plan_save
 from unickpt.io.save import SaveOptions, save_tensors
 from unickpt.io.tensors import local_slices
+from unickpt.spec.index import LayoutInfo
 
 
 def _metas(rows: int = 10) -> list[list[tuple[Any, ...]]]:

@@ -25,7 +25,7 @@ def test_405b_3d_layout_saves_loads_verifies_and_merges(tmp_path: Path) -> None:
     finally:
         sys.path.remove(str(REPO))
     from unickpt import GeneralCheckpointIO, merge_checkpoint, verify_checkpoint
-    from unickpt.format.reader import open_checkpoint
+    from unickpt.ckpt.reader import open_checkpoint
     from unickpt.tools.inspect import inspect_checkpoint
 
     ck = tmp_path / "ck"

@@ -16,9 +16,9 @@ import torch
 from torch.utils.data import DataLoader
 
 import unickpt
+from unickpt.ckpt.reader import open_checkpoint
 from unickpt.data import ResumableDataLoader, wrap_dataloader
 from unickpt.errors import CheckpointBusyError, UnsupportedError
-from unickpt.format.reader import open_checkpoint
 from unickpt.manager import CheckpointManager
 from unickpt.store.lock import directory_lock
 from unickpt.wrappers import OptimizerWrapper

@@ -201,7 +201,7 @@ def test_async_upload_error_surfaces_at_wait(url: str, monkeypatch: pytest.Monke
     def boom(*a: Any, **k: Any) -> None:
         raise OSError("bucket unreachable")
 
-    from unickpt.format.storage import FsspecStorage
+    from unickpt.store.storage import FsspecStorage
 
     monkeypatch.setattr(FsspecStorage, "open_write", boom)  # the background thread's uploads
     assert mgr.save(1, model, opt)

@@ -1,7 +1,7 @@
 """The dependency arrows of docs/architecture.md, enforced.
 
-booster -> plugins -> io -> format -> errors;  cli -> tools -> format;
-io, manager, booster -> _dist -> errors (the object collectives, shared; never format or tools).
+booster -> plugins -> io -> ckpt -> store -> spec -> errors;  cli -> tools -> ckpt;
+io, manager, booster -> _dist -> errors (the object collectives, shared; never spec, store, ckpt or tools).
 """
 
 from __future__ import annotations
@@ -52,7 +52,11 @@ MODULES = {mod: _imports(path, mod) for mod, path in PATHS.items()}
 
 # layer -> unickpt packages it must never import
 FORBIDDEN = {
-    "unickpt.format": [
+    # spec (what the files are) <- store (where bytes live, publishing) <- ckpt (a checkpoint over a
+    # store): no torch, arrows down only.
+    "unickpt.spec": [
+        "unickpt.store",
+        "unickpt.ckpt",
         "unickpt.io",
         "unickpt.plugins",
         "unickpt.booster",
@@ -62,8 +66,18 @@ FORBIDDEN = {
         "unickpt._dist",
         "torch",
     ],
-    # The store layer (publishing, locks) sits at format's level: format and errors, no torch.
     "unickpt.store": [
+        "unickpt.ckpt",
+        "unickpt.io",
+        "unickpt.plugins",
+        "unickpt.booster",
+        "unickpt.manager",
+        "unickpt.tools",
+        "unickpt.cli",
+        "unickpt._dist",
+        "torch",
+    ],
+    "unickpt.ckpt": [
         "unickpt.io",
         "unickpt.plugins",
         "unickpt.booster",
@@ -90,7 +104,14 @@ FORBIDDEN = {
     "unickpt.booster": ["unickpt.manager", "unickpt.tools", "unickpt.cli"],
     # The trainer integrations sit on top, on the public modules only (never the format layer,
     # the collectives or a plugin's internals).
-    "unickpt.integrations": ["unickpt.format", "unickpt._dist", "unickpt.plugins._shared", "unickpt.cli"],
+    "unickpt.integrations": [
+        "unickpt.spec",
+        "unickpt.store",
+        "unickpt.ckpt",
+        "unickpt._dist",
+        "unickpt.plugins._shared",
+        "unickpt.cli",
+    ],
 }
 
 
@@ -203,8 +224,8 @@ def test_lazy_private_and_relative_imports_are_seen(tmp_path: Path) -> None:
 
 def test_format_layer_runs_without_torch() -> None:
     code = (
-        "import sys, unickpt.format.reader, unickpt.format.index, unickpt.format.hashing, "
-        "unickpt.format.safetensors_io, unickpt.format.boxes, unickpt.store.publish, unickpt.store.lock\n"
+        "import sys, unickpt.ckpt.reader, unickpt.spec.index, unickpt.spec.hashing, "
+        "unickpt.ckpt.safetensors_io, unickpt.spec.boxes, unickpt.store.publish, unickpt.store.lock\n"
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -296,3 +317,60 @@ def test_test_modules_have_unique_basenames() -> None:
             clashes.append(f"{seen[p.name]} and {p.relative_to(tests)}")
         seen[p.name] = str(p.relative_to(tests))
     assert not clashes, clashes
+
+
+def _private_reaches(pkg: Path) -> list[str]:
+    """``obj._name`` read in one module where ``_name`` is defined only in other unickpt modules.
+
+    A module's private names (functions, classes, attributes it sets, ``__slots__`` entries) are
+    its own: another module reaching them goes around the interface the owner offers. Private
+    names of other libraries (torch's ``_local_tensor``, fsspec's ``_info``) are not unickpt's to
+    police and are not counted; ``self``/``cls``/``super()`` reaches are the class's own.
+    """
+    defined: dict[str, set[Path]] = {}
+    trees = {p: ast.parse(p.read_text(), str(p)) for p in pkg.rglob("*.py")}
+    for p, tree in trees.items():
+        for n in ast.walk(tree):
+            names: list[str] = []
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names = [n.name]
+            elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+                names = [n.attr]
+            elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                names = [n.id]
+            elif isinstance(n, ast.arg):
+                names = [n.arg]
+            elif isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.isidentifier():
+                names = [n.value]
+            for name in names:
+                defined.setdefault(name, set()).add(p)
+    found = []
+    for p, tree in trees.items():
+        for n in ast.walk(tree):
+            if not (isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")):
+                continue
+            v = n.value
+            if isinstance(v, ast.Name) and v.id in ("self", "cls"):
+                continue
+            if isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "super":
+                continue
+            owners = defined.get(n.attr, set())
+            if owners and p not in owners:
+                found.append(
+                    f"{p.relative_to(pkg.parent)}:{n.lineno}: .{n.attr} (defined in {sorted(str(o.relative_to(pkg.parent)) for o in owners)[0]})"
+                )
+    return sorted(found)
+
+
+def test_no_module_reaches_into_another_modules_private_names() -> None:
+    found = _private_reaches(PKG)
+    assert not found, "\n".join(found)
+
+
+def test_the_private_reach_check_finds_reaches(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("class A:\n    def __init__(self):\n        self._secret = 1\n")
+    (pkg / "b.py").write_text("def peek(a):\n    return a._secret\n")
+    (pkg / "c.py").write_text("def own(x):\n    x._mine = 2\n    return x._mine\n")
+    assert _private_reaches(pkg) == ["pkg/b.py:2: ._secret (defined in pkg/a.py)"]

@@ -28,8 +28,8 @@ from typing import Any
 import pytest
 
 import unickpt.errors as errors
-from unickpt.format import run_layout as rl
-from unickpt.format.reader import open_checkpoint
+from unickpt.ckpt import run_layout as rl
+from unickpt.ckpt.reader import open_checkpoint
 from unickpt.tools.diff import diff_checkpoints
 from unickpt.tools.inspect import inspect_checkpoint
 from unickpt.tools.merge import merge_checkpoint

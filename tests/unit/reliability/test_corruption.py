@@ -26,8 +26,8 @@ from _reliability import (
 )
 
 from unickpt import GeneralCheckpointIO
+from unickpt.ckpt.reader import open_checkpoint
 from unickpt.errors import IntegrityError, UnickptError
-from unickpt.format.reader import open_checkpoint
 
 # Positions inside each tensor's bytes where one bit is flipped (fractions of its length).
 FLIP_AT = [0.0, 0.13, 0.5, 0.77, 1.0]

@@ -20,8 +20,8 @@ from _reliability import TINY_SHARD_MB, Tiny, data_files, run_child, same_state,
 
 import unickpt.io.save as save_mod
 from unickpt import GeneralCheckpointIO
+from unickpt.ckpt.reader import open_checkpoint
 from unickpt.errors import CheckpointBusyError, IncompleteCheckpointError
-from unickpt.format.reader import open_checkpoint
 from unickpt.store.lock import LOCK_NAME, directory_lock
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")

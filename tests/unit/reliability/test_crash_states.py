@@ -30,8 +30,8 @@ from _reliability import TINY_SHARD_MB, Tiny, same_state, snapshot, train_state,
 from crashfs import Recorder, Search, explore
 
 from unickpt import GeneralCheckpointIO
+from unickpt.ckpt.reader import open_checkpoint
 from unickpt.errors import IncompleteCheckpointError, UnickptError
-from unickpt.format.reader import open_checkpoint
 
 _ENV = os.environ.get("UNICKPT_CRASH_STATES", "")
 FULL = _ENV == "all" or _ENV.isdigit()

@@ -31,7 +31,7 @@ def test_tools_keep_exporting_output_exists_error() -> None:
 
 
 def test_bad_settings_raise_config_error() -> None:
-    from unickpt.format.reader import open_checkpoint
+    from unickpt.ckpt.reader import open_checkpoint
 
     with pytest.raises(errors.ConfigError, match="storage_options are for fsspec URLs"):
         open_checkpoint("/nonexistent", storage_options={"anon": True})

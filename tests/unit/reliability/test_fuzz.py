@@ -20,10 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from unickpt import GeneralCheckpointIO
+from unickpt.ckpt.reader import open_checkpoint
+from unickpt.ckpt.safetensors_io import parse_header, read_header
 from unickpt.errors import UnickptError
-from unickpt.format.index import parse_index
-from unickpt.format.reader import open_checkpoint
-from unickpt.format.safetensors_io import parse_header, read_header
+from unickpt.spec.index import parse_index
 
 N = int(os.environ.get("UNICKPT_FUZZ_EXAMPLES", "100"))
 FUZZ = settings(max_examples=N, deadline=None, suppress_health_check=list(HealthCheck), derandomize=N < 1000)
@@ -210,7 +210,7 @@ _SINGLE_PATHS = _paths(_SINGLE_META)
 @given(st.integers(0, len(_SINGLE_PATHS) - 1), JSON_VALUES)
 def test_structured_single_file_block_mutations(which: int, value: object) -> None:
     """The unickpt block inside a single file's header metadata, mutated, through every tool."""
-    from unickpt.format.safetensors_io import encode_header
+    from unickpt.ckpt.safetensors_io import encode_header
 
     block = _replace(_SINGLE_META, _SINGLE_PATHS[which], value)
     h = read_header(_SINGLE)

@@ -27,10 +27,10 @@ from torch import nn
 
 import unickpt.errors as errors
 from unickpt import GeneralCheckpointIO
+from unickpt.ckpt.reader import open_checkpoint
+from unickpt.ckpt.safetensors_io import read_header
 from unickpt.errors import UnickptError
-from unickpt.format.index import MAX_INDEX_BYTES, check_file_name
-from unickpt.format.reader import open_checkpoint
-from unickpt.format.safetensors_io import read_header
+from unickpt.spec.index import MAX_INDEX_BYTES, check_file_name
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 HOSTILE = DATA / "hostile"

@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 from _reliability import TINY_SHARD_MB, Tiny, same_state, save_sharded, snapshot
 
-import unickpt.format.storage as storage_mod
 import unickpt.store.publish as commit_mod
+import unickpt.store.storage as storage_mod
 from unickpt import GeneralCheckpointIO
+from unickpt.ckpt.reader import open_checkpoint
 from unickpt.errors import CheckpointBusyError, IncompleteCheckpointError
-from unickpt.format.reader import open_checkpoint
 from unickpt.store.lock import LOCK_NAME, directory_lock
 
 
@@ -205,7 +205,7 @@ def test_concurrent_saves_never_interleave(tmp_path: Path) -> None:
         if pid == 0:
             code = 0
             try:
-                import unickpt.format.safetensors_io as m
+                import unickpt.ckpt.safetensors_io as m
 
                 orig = m.SafetensorsWriter.write
 

@@ -15,17 +15,17 @@ import torch
 import xxhash
 
 from unickpt import GeneralCheckpointIO
+from unickpt.ckpt.read_batch import ReadBatch, table_spans
+from unickpt.ckpt.reader import open_checkpoint
+from unickpt.ckpt.safetensors_io import encode_header, parse_header
+from unickpt.ckpt.writer import build_block, build_index
 from unickpt.errors import HeaderError, IncompleteCheckpointError
-from unickpt.format import storage_readv
-from unickpt.format.index import index_to_json, parse_index
-from unickpt.format.index_models import LayoutInfo
-from unickpt.format.naming import SLICED_SENTINEL, shard_name, slice_key
-from unickpt.format.read_batch import ReadBatch, table_spans
-from unickpt.format.reader import open_checkpoint
-from unickpt.format.safetensors_bulk import HeaderEntries
-from unickpt.format.safetensors_io import encode_header, parse_header
-from unickpt.format.storage import LocalStorage
-from unickpt.format.writer import build_block, build_index
+from unickpt.spec.index import index_to_json, parse_index
+from unickpt.spec.index_models import LayoutInfo
+from unickpt.spec.naming import SLICED_SENTINEL, shard_name, slice_key
+from unickpt.spec.safetensors_bulk import HeaderEntries
+from unickpt.store import storage_readv
+from unickpt.store.storage import LocalStorage
 from unickpt.tools import verify
 from unickpt.tools.verify import verify_checkpoint
 

@@ -9,8 +9,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from unickpt.ckpt.writer import build_block, build_index, tensor_entry
 from unickpt.errors import IndexFileError
-from unickpt.format.index import (
+from unickpt.spec.index import (
     FORMAT_VERSION,
     IndexFile,
     LayoutInfo,
@@ -18,9 +19,8 @@ from unickpt.format.index import (
     index_to_json,
     parse_index,
 )
-from unickpt.format.naming import shard_name, slice_key
-from unickpt.format.slice_table import SliceTable, chunk_extents, compact_fields
-from unickpt.format.writer import build_block, build_index, tensor_entry
+from unickpt.spec.naming import shard_name, slice_key
+from unickpt.spec.slice_table import SliceTable, chunk_extents, compact_fields
 
 
 def _slices(name: str, boxes: list[tuple[list[int], list[int]]], files: list[str]) -> list[SliceEntry]:
@@ -143,7 +143,7 @@ def _index(listed: bool = False) -> bytes:
     )
     raw = index_to_json(build_index(block, sliced=True))
     if listed:  # the same slices, listed (as a tensor with byte-range hashes is written)
-        from unickpt.format.index_compact import as_listed
+        from unickpt.spec.index_compact import as_listed
 
         raw = json.dumps(as_listed(json.loads(raw))).encode()
     return raw
@@ -152,8 +152,8 @@ def _index(listed: bool = False) -> bytes:
 def test_a_sliced_index_names_the_sentinel_and_nothing_else() -> None:
     """Every entry of a sliced weight_map is the sentinel; any other name beside it is refused
     (the longer sentinel of the drafts 1 to 3 is such a name: ``unickpt upgrade`` replaces it)."""
-    from unickpt.format.consistency import check_weight_map
-    from unickpt.format.naming import SLICED_SENTINEL
+    from unickpt.ckpt.consistency import check_weight_map
+    from unickpt.spec.naming import SLICED_SENTINEL
     from unickpt.tools.upgrade import LONG_SLICED_SENTINEL
 
     raw = _index()
@@ -249,7 +249,7 @@ def _block_with(extra: dict[str, Any]) -> dict[str, Any]:
 
 def test_a_written_key_equal_to_a_ruled_key_is_a_duplicate(tmp_path: Any) -> None:
     """``tp_columns@1`` in file 1 is the ruled key of tp_columns' slice 1: naming it again is refused."""
-    from unickpt.format.reader import open_checkpoint
+    from unickpt.ckpt.reader import open_checkpoint
 
     base = {"dtype": "F32", "shape": [2], "file": 1, "grid": [1]}
     for key, ok in [("tp_columns@1", False), ("tp_columns@01", True), ("tp_columns@²", True), ("x@1", True)]:
@@ -287,7 +287,7 @@ def test_compact_checkpoint_loads_verifies_and_merges_bit_exact(tmp_path: Any) -
     import torch
 
     from unickpt import GeneralCheckpointIO, merge_checkpoint, verify_checkpoint
-    from unickpt.format.reader import open_checkpoint
+    from unickpt.ckpt.reader import open_checkpoint
 
     torch.manual_seed(5)
     full = torch.randn(33, 5)

@@ -14,16 +14,16 @@ import pytest
 import torch
 
 from unickpt import GeneralCheckpointIO, merge_checkpoint, verify_checkpoint
+from unickpt.ckpt.reader import open_checkpoint
 from unickpt.errors import IndexFileError
-from unickpt.format.digest_text import NO_DIGEST, b64_to_hex, hex_to_b64
-from unickpt.format.index import (
+from unickpt.spec.digest_text import NO_DIGEST, b64_to_hex, hex_to_b64
+from unickpt.spec.index import (
     FORMAT_VERSION,
     IndexFile,
     LayoutInfo,
     index_to_json,
     parse_index,
 )
-from unickpt.format.reader import open_checkpoint
 
 INDEX = "model.safetensors.index.json"
 
@@ -271,7 +271,7 @@ def test_block_json_of_a_tensor_of_every_dtype_keeps_each_dtype() -> None:
 def test_the_schema_takes_the_text_form_and_refuses_hex_and_loose_bits(tmp_path: Path) -> None:
     import re
 
-    from unickpt.format.schema import index_schema_json
+    from unickpt.spec.schema import index_schema_json
 
     defs = json.loads(index_schema_json())["$defs"]
     props = defs["TensorEntry"]["properties"]
@@ -307,8 +307,8 @@ def test_the_hex_hashes_check_is_the_schemas_pattern(text: str, ok: bool) -> Non
     """``index_bulk``'s C-level check of a hex ``xxh3`` string says what the ``HASHES`` regex says."""
     import re
 
-    from unickpt.format.index_bulk import _concatenated_hashes
-    from unickpt.format.index_models import HASHES
+    from unickpt.spec.index_bulk import _concatenated_hashes
+    from unickpt.spec.index_models import HASHES
 
     assert _concatenated_hashes(text) is ok is (re.fullmatch(HASHES, text) is not None)
 
@@ -317,7 +317,7 @@ def test_every_string_decodes_to_one_digest_or_is_refused() -> None:
     """Random strings over base64url, standard base64, '=', '~', space and a non-ASCII letter: each
     is refused, or it decodes to digests that encode back to exactly it (so no two strings give
     the same digest)."""
-    from unickpt.format.digest_text import _Bad
+    from unickpt.spec.digest_text import _Bad
 
     rng = random.Random(11)
     chars = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_+/=~ é"

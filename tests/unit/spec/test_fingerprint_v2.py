@@ -16,10 +16,10 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unickpt.format import _fp2, hashing
-from unickpt.format.boxes import flat_range_to_boxes
-from unickpt.format.dtypes import DTYPE_ITEMSIZE
-from unickpt.format.hashing import (
+from unickpt.spec import _fp2, hashing
+from unickpt.spec.boxes import flat_range_to_boxes
+from unickpt.spec.dtypes import DTYPE_ITEMSIZE
+from unickpt.spec.hashing import (
     combine_partials,
     finalize_fingerprint,
     fingerprint_of_array,
@@ -189,7 +189,7 @@ def test_long_rows_and_numpy_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_avx2_and_plain_c_agree() -> None:
     code = (
         "import json, numpy as np\n"
-        "from unickpt.format.hashing import KERNEL, fingerprint_partial\n"
+        "from unickpt.spec.hashing import KERNEL, fingerprint_partial\n"
         "rng = np.random.default_rng(7)\n"
         "out = [KERNEL]\n"
         "for isz in (1, 2, 4, 8):\n"
@@ -214,7 +214,7 @@ def test_avx2_and_plain_c_agree() -> None:
 
 @native
 def test_kernel_refuses_bad_arguments() -> None:
-    from unickpt.format import _fp2kernel
+    from unickpt.spec import _fp2kernel
 
     four = np.zeros(4, dtype="<u4").tobytes()
     with pytest.raises(ValueError, match="itemsize must be 1, 2, 4 or 8"):

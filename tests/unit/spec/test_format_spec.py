@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from unickpt.format import _fp2
-from unickpt.format.dtypes import DTYPE_ITEMSIZE
-from unickpt.format.index import FORMAT_VERSION
-from unickpt.format.naming import SLICED_SENTINEL
-from unickpt.format.schema import index_schema_json
+from unickpt.spec import _fp2
+from unickpt.spec.dtypes import DTYPE_ITEMSIZE
+from unickpt.spec.index import FORMAT_VERSION
+from unickpt.spec.naming import SLICED_SENTINEL
+from unickpt.spec.schema import index_schema_json
 from unickpt.tools.upgrade import v1_finalize, v1_partial
 
 DOCS = Path(__file__).resolve().parents[3] / "docs"
@@ -26,7 +26,7 @@ def fingerprint_v1(name: str, dtype: str, data: bytes | memoryview, shape: tuple
 
 def test_exported_schema_matches_docs() -> None:
     assert (DOCS / "index.schema.json").read_text() == index_schema_json(), (
-        "regenerate with: python -m unickpt.format.schema > docs/index.schema.json"
+        "regenerate with: python -m unickpt.spec.schema > docs/index.schema.json"
     )
 
 

@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 
-from unickpt.format import _fp2, hashing
+from unickpt.spec import _fp2, hashing
 
 native = pytest.mark.skipif(hashing._native2 is None, reason="the compiled v2 kernel is not built here")
 LEVELS = (
@@ -84,7 +84,7 @@ import json, sys
 import numpy as np
 sys.path.insert(0, {tests!r})
 import test_fp_kernel_levels as t
-from unickpt.format import _fp2kernel
+from unickpt.spec import _fp2kernel
 out = [_fp2kernel.simd()]
 for c in t._cases():
     raw = t._data(c)
@@ -238,7 +238,7 @@ HARNESS = os.path.join(REPO, "tests", "data", "fp_harness")
 
 
 def _build_harness(cc: str, out: str) -> None:
-    kernel = os.path.join(REPO, "unickpt", "format", "_fp2kernel.c")
+    kernel = os.path.join(REPO, "unickpt", "spec", "_fp2kernel.c")
     cmd = [cc, "-O2", "-std=c99", "-w", "-I", HARNESS, "-include", kernel, os.path.join(HARNESS, "harness.c")]
     subprocess.run([*cmd, "-o", out], check=True, capture_output=True, text=True)
 

@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 
 from unickpt.errors import StateMismatchError
-from unickpt.format.boxes import coverage_problem, flat_range_to_boxes
-from unickpt.format.hashing import (
+from unickpt.io.planner import plan_save
+from unickpt.spec.boxes import coverage_problem, flat_range_to_boxes
+from unickpt.spec.hashing import (
     combine_partials,
     finalize_fingerprint,
     fingerprint_of_array,
     fingerprint_partial,
 )
-from unickpt.io.planner import plan_save
 
 
 def _fp_of_blocks(a: np.ndarray, blocks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> int:

@@ -25,10 +25,10 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
 from unickpt.errors import IndexFileError, UnsafePathError
-from unickpt.format._json import check_unicode, colon_budget, count_pairs_and_colons, strict_loads
-from unickpt.format.digest_text import hex_to_b64
-from unickpt.format.dtypes import DTYPE_ITEMSIZE
-from unickpt.format.index import (
+from unickpt.spec._json import check_unicode, colon_budget, count_pairs_and_colons, strict_loads
+from unickpt.spec.digest_text import hex_to_b64
+from unickpt.spec.dtypes import DTYPE_ITEMSIZE
+from unickpt.spec.index import (
     IndexFile,
     IndexMetadata,
     LayoutInfo,
@@ -38,10 +38,10 @@ from unickpt.format.index import (
     index_to_json,
     parse_index,
 )
-from unickpt.format.index_fast import SCHEMA_MISMATCH
-from unickpt.format.index_models import ByteRange
-from unickpt.format.naming import SLICED_SENTINEL
-from unickpt.format.versioning import OtherFormatVersion, version_error
+from unickpt.spec.index_fast import SCHEMA_MISMATCH
+from unickpt.spec.index_models import ByteRange
+from unickpt.spec.naming import SLICED_SENTINEL
+from unickpt.spec.versioning import OtherFormatVersion, version_error
 
 
 def _schema_validate(raw: bytes) -> IndexFile:
@@ -852,7 +852,7 @@ def test_load_index_releases_the_bytes_and_text_while_building(tmp_path: Path) -
     below parse_index's, whose caller holds the bytes, by about the file's size."""
     import tracemalloc
 
-    from unickpt.format.index import load_index
+    from unickpt.spec.index import load_index
 
     raw = _sliced(n_tensors=100, world=32)
     p = tmp_path / "model.safetensors.index.json"
@@ -890,7 +890,7 @@ def test_load_index_releases_the_bytes_and_text_while_building(tmp_path: Path) -
 def test_load_index_reads_the_file_again_to_name_a_duplicate(tmp_path: Path, edit: Any) -> None:
     """load_index, which dropped the text, reads the file again when a refusal needs it: the
     same answer as parse_index on the same bytes (an index, or the same error)."""
-    from unickpt.format.index import load_index
+    from unickpt.spec.index import load_index
 
     raw = edit(_sliced().decode()).encode()
     p = tmp_path / "model.safetensors.index.json"
@@ -910,7 +910,7 @@ def test_the_parser_checks_every_field_of_the_models() -> None:
     """The parser reads field lists, types, bounds and rules from index_models: each field
     either has a check written out (CUSTOM_FIELDS) or the plain check its declared type calls
     for; a field of a type with no plain check is refused when the module is built."""
-    from unickpt.format.index_fast import CUSTOM_FIELDS, PLAIN_CHECKS, _plain_check
+    from unickpt.spec.index_fast import CUSTOM_FIELDS, PLAIN_CHECKS, _plain_check
 
     models = {IndexFile, IndexMetadata, UnickptBlock, LayoutInfo, TensorEntry, SliceEntry, ByteRange}
     assert set(CUSTOM_FIELDS) == set(PLAIN_CHECKS) == models

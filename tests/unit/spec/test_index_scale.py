@@ -7,13 +7,13 @@ import random
 
 import pytest
 
-from unickpt.format.index import FORMAT_VERSION, MAX_INDEX_BYTES, LayoutInfo, index_to_json, parse_index
-from unickpt.format.index_compact import as_listed
-from unickpt.format.slice_table import SliceTable
-from unickpt.format.writer import build_block, build_index, tensor_entry
+from unickpt.ckpt.writer import build_block, build_index, tensor_entry
 from unickpt.io.load import _needed_slices
 from unickpt.io.planner import plan_save, plan_tables
 from unickpt.io.tensors import LocalSlice
+from unickpt.spec.index import FORMAT_VERSION, MAX_INDEX_BYTES, LayoutInfo, index_to_json, parse_index
+from unickpt.spec.index_compact import as_listed
+from unickpt.spec.slice_table import SliceTable
 
 
 def _chunks(g: int, k: int) -> list[tuple[int, int]]:
@@ -118,8 +118,8 @@ def test_llama_fsdp2_whole_index_bytes_per_slice_and_its_parts() -> None:
     most 64 bytes per slice at 4 ranks (issue 18), measured part by part (docs/format.md 3.1):
     version 5 at 4 ranks 62.2 bytes per slice (weight_map 19.0; the block: names 9.5, hashes
     13.0, fingerprints 6.8, shape 3.9, grid 3.1, no dtype but the block's); at 8 ranks 37.4."""
-    from unickpt.format.digest_text import B64_DIGEST_LEN
-    from unickpt.format.naming import SLICED_SENTINEL
+    from unickpt.spec.digest_text import B64_DIGEST_LEN
+    from unickpt.spec.naming import SLICED_SENTINEL
 
     raw4, s4 = _fsdp_index(4, _llama_model(), "BF16")
     obj = json.loads(raw4)

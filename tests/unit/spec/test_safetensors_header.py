@@ -1,4 +1,4 @@
-"""The one safetensors header parser (format/safetensors_bulk.parse_header) against hostile headers:
+"""The one safetensors header parser (spec/safetensors_bulk.parse_header) against hostile headers:
 every count scaled up (header length, entry count, key length, shape rank, nesting, digits of an
 offset), each refused with a ``HeaderError`` naming the file, the entry, the field, what was
 expected and what was found, in a message of bounded length; in both the compact form the
@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from unickpt.ckpt.safetensors_io import header_from_bytes, parse_header
 from unickpt.errors import HeaderError
-from unickpt.format.safetensors_bulk import HeaderEntries
-from unickpt.format.safetensors_io import header_from_bytes, parse_header
+from unickpt.spec.safetensors_bulk import HeaderEntries
 
 PATH = "/ckpt/model-00003-of-00008.safetensors"
 

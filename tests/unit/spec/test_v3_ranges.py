@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 
-from unickpt.format.digest_text import hex_to_b64
-from unickpt.format.index import parse_index
-from unickpt.format.index_models import ByteRange, LayoutInfo, SliceEntry
-from unickpt.format.writer import build_block, build_index, tensor_entry
+from unickpt.ckpt.writer import build_block, build_index, tensor_entry
+from unickpt.spec.digest_text import hex_to_b64
+from unickpt.spec.index import parse_index
+from unickpt.spec.index_models import ByteRange, LayoutInfo, SliceEntry
 
 
 def _index() -> bytes:

@@ -14,9 +14,9 @@ from _reliability import TINY_SHARD_MB, Tiny, header_of, run_child, same_state, 
 from safetensors import safe_open
 
 from unickpt import GeneralCheckpointIO
+from unickpt.ckpt.reader import CheckpointReader, open_checkpoint
 from unickpt.errors import CheckpointChangedError, IncompleteCheckpointError, IndexFileError
-from unickpt.format.index import parse_index
-from unickpt.format.reader import CheckpointReader, open_checkpoint
+from unickpt.spec.index import parse_index
 from unickpt.store.lock import LOCK_NAME
 from unickpt.store.publish import SAVE_ID_KEY, parse_temp_name, temp_name
 from unickpt.tools._common import OutputExistsError

@@ -37,13 +37,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 from safetensors import safe_open
 
+from unickpt.ckpt.reader import CheckpointReader, open_checkpoint
+from unickpt.ckpt.safetensors_io import SafetensorsWriter
 from unickpt.errors import CheckpointChangedError, IncompleteCheckpointError, UnickptError
-from unickpt.format.index import LayoutInfo
-from unickpt.format.naming import SLICED_SENTINEL, index_name, is_own_data_file, single_name
-from unickpt.format.reader import CheckpointReader, open_checkpoint
-from unickpt.format.safetensors_io import SafetensorsWriter
 from unickpt.io.save import SaveOptions, save_tensors
 from unickpt.io.tensors import local_slices
+from unickpt.spec.index import LayoutInfo
+from unickpt.spec.naming import SLICED_SENTINEL, index_name, is_own_data_file, single_name
 from unickpt.store.lock import LOCK_NAME
 from unickpt.store.publish import parse_temp_name
 

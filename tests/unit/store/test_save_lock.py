@@ -22,8 +22,8 @@ import pytest
 from _reliability import TINY_SHARD_MB, Tiny, same_state, snapshot
 
 from unickpt import GeneralCheckpointIO
+from unickpt.ckpt.reader import open_checkpoint
 from unickpt.errors import CheckpointBusyError
-from unickpt.format.reader import open_checkpoint
 from unickpt.store.lock import LOCK_NAME, directory_lock
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")

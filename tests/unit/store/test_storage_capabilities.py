@@ -1,4 +1,4 @@
-"""Writes choose their strategy from what the store says it can do (``format/storage.py``).
+"""Writes choose their strategy from what the store says it can do (``store/storage.py``).
 
 A store with ``range_write`` gets the in-place strategies (a single file's header rewritten at
 offset 0 once hashed, a gathered save's ranks ``pwrite``-ing their bytes); one without gets the
@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 import torch
 
+from unickpt.ckpt.reader import open_checkpoint
+from unickpt.ckpt.writer import build_block, tensor_entry, write_single_file
 from unickpt.errors import IncompleteCheckpointError, UnsupportedError
-from unickpt.format.index import LayoutInfo
-from unickpt.format.reader import open_checkpoint
-from unickpt.format.storage import FsspecStorage, LocalRange, LocalStorage, RangeFile, open_storage
-from unickpt.format.writer import build_block, tensor_entry, write_single_file
 from unickpt.io import save as save_mod
 from unickpt.io.save import SaveOptions, save_tensors
 from unickpt.io.tensors import local_slices
+from unickpt.spec.index import LayoutInfo
+from unickpt.store.storage import FsspecStorage, LocalRange, LocalStorage, RangeFile, open_storage
 from unickpt.tools.merge import merge_checkpoint
 
 SAVE_ID = "0123456789abcdef" * 2
@@ -109,7 +109,7 @@ def _single(store: Any, path: str) -> dict[str, Any]:
 
 
 def _slice(key: str, shape: tuple[int, ...], xxh: str | None) -> Any:
-    from unickpt.format.index import SliceEntry
+    from unickpt.spec.index import SliceEntry
 
     return SliceEntry(
         file="model.safetensors", key=key, offsets=[0] * len(shape), shape=list(shape), xxh3=xxh

@@ -24,8 +24,8 @@ from torch import nn
 from unickpt import GeneralCheckpointIO, merge_checkpoint, verify_checkpoint
 from unickpt.cli.main import main
 from unickpt.errors import ConfigError, StorageError, UnickptError
-from unickpt.format.storage import open_storage
-from unickpt.format.storage_guard import ENV, redactor, shown_url, store_timeout
+from unickpt.store.storage import open_storage
+from unickpt.store.storage_guard import ENV, redactor, shown_url, store_timeout
 
 KEY = "AKIAUNICKPTTEST0042"
 SECRET = "s3cr3t-Value-9f8e7d6c"

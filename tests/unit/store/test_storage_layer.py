@@ -1,4 +1,4 @@
-"""format/storage.py on a local directory and on a real S3 API (moto's server, s3fs)."""
+"""store/storage.py on a local directory and on a real S3 API (moto's server, s3fs)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import pytest
 
 from unickpt.errors import ConfigError, IncompleteCheckpointError, UnsupportedError
-from unickpt.format.storage import FsspecStorage, LocalStorage, coalesce, is_url, open_storage
+from unickpt.store.storage import FsspecStorage, LocalStorage, coalesce, is_url, open_storage
 
 
 def test_coalesce_groups_neighbours_and_keeps_order() -> None:

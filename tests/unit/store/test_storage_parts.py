@@ -1,4 +1,4 @@
-"""Multipart uploads shared by ranks (format/storage_parts.py) and a gathered save that uses them
+"""Multipart uploads shared by ranks (store/storage_parts.py) and a gathered save that uses them
 on a real S3 API (moto's server) in one process: parts planned by owner, files of several parts
 byte-identical to a local gathered save, single-part files one PUT, stores without shared
 uploads keep the rank-0 funnel."""
@@ -12,10 +12,10 @@ import fsspec
 import pytest
 import torch
 
-from unickpt.format import storage_parts
-from unickpt.format.storage import FsspecStorage, LocalStorage
-from unickpt.format.storage_parts import MAX_PARTS, MIN_PART, part_size_for, plan_parts, supports_shared_parts
 from unickpt.io import GeneralCheckpointIO
+from unickpt.store import storage_parts
+from unickpt.store.storage import FsspecStorage, LocalStorage
+from unickpt.store.storage_parts import MAX_PARTS, MIN_PART, part_size_for, plan_parts, supports_shared_parts
 
 MiB = 1 << 20
 
@@ -85,7 +85,7 @@ def _without_id(data: bytes, sid: str) -> bytes:
 def test_gathered_save_on_s3_in_parts_is_byte_identical_to_the_local_one(
     s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shard: bool
 ) -> None:
-    from unickpt.format.reader import open_checkpoint
+    from unickpt.ckpt.reader import open_checkpoint
 
     monkeypatch.setattr(storage_parts, "PART_SIZE", MIN_PART)
     model = Big()

@@ -1,6 +1,6 @@
 """A local checkpoint and one on a store are read by the same code, through their Storage's handles.
 
-Every read of a data file goes through ``Storage.open_read``'s handle (``format/storage.py``):
+Every read of a data file goes through ``Storage.open_read``'s handle (``store/storage.py``):
 the handles are counted here, for a local directory and the same files on ``memory://`` and on
 S3 (moto's server), and the bytes compared bit for bit.
 """
@@ -19,12 +19,12 @@ import pytest
 import torch
 from torch import nn
 
+from unickpt.ckpt.read_batch import ReadBatch
+from unickpt.ckpt.reader import open_checkpoint
 from unickpt.errors import IncompleteCheckpointError
-from unickpt.format import storage as storage_mod
-from unickpt.format.read_batch import ReadBatch
-from unickpt.format.reader import open_checkpoint
-from unickpt.format.storage import Buffers, LocalStorage, open_storage
 from unickpt.io import GeneralCheckpointIO
+from unickpt.store import storage as storage_mod
+from unickpt.store.storage import Buffers, LocalStorage, open_storage
 
 
 class _Counting:
@@ -209,7 +209,7 @@ def test_local_reads_are_preadv_into_the_callers_buffer(
     calls: list[int] = []
     real = os.preadv
     monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: calls.append(len(bufs)) or real(fd, bufs, off))
-    from unickpt.format import storage_readv
+    from unickpt.store import storage_readv
 
     monkeypatch.setattr(storage_readv, "_PREADV", None)  # the iovec path through os.preadv
     h = LocalStorage(str(tmp_path)).open_read(str(p))

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from unickpt.booster import Booster
-from unickpt.format.reader import open_checkpoint
+from unickpt.ckpt.reader import open_checkpoint
 from unickpt.io import GeneralCheckpointIO
 from unickpt.store.lock import LOCK_NAME
 from unickpt.store.publish import is_store_data_file, store_file_name
@@ -209,8 +209,8 @@ _CHILD = r"""
 import os, signal, sys
 sys.path.insert(0, {tests!r})
 from test_storage_write import Net
-from unickpt.format import storage as st
-from unickpt.format import safetensors_io as sio
+from unickpt.store import storage as st
+from unickpt.ckpt import safetensors_io as sio
 from unickpt.io import GeneralCheckpointIO
 
 point = {point!r}
@@ -237,7 +237,7 @@ def write(self, key, data):
     if point == "mid-upload" and count["w"] == 3:
         die()
     return real_write(self, key, data)
-from unickpt.format import storage_s3
+from unickpt.store import storage_s3
 real_write_if = storage_s3.write_if
 def write_if(fs, path, data, etag):  # the index PUT, conditional on the version under the lock
     if point == "before-index" and path.endswith(".index.json"):
@@ -248,8 +248,8 @@ def write_if(fs, path, data, etag):  # the index PUT, conditional on the version
     return out
 st.FsspecStorage.put, st.FsspecStorage.remove, sio.SafetensorsWriter.write = put, remove, write
 storage_s3.write_if = write_if
-# A gathered save on S3 uploads parts (format/storage_parts.py): one PUT per one-part file.
-from unickpt.format import storage_parts as sp
+# A gathered save on S3 uploads parts (store/storage_parts.py): one PUT per one-part file.
+from unickpt.store import storage_parts as sp
 real_part_put = sp.SharedUpload.put
 parts = {{"n": 0}}
 def part_put(self, body, when=None):
@@ -322,8 +322,8 @@ def test_killed_single_file_save_keeps_the_old_file_whole(s3, tmp_path) -> None:
 def test_dead_multipart_upload_is_aborted_by_the_next_save(s3, tmp_path) -> None:
     import time
 
-    from unickpt.format.storage import open_storage
     from unickpt.store.publish import clean_store_leftovers
+    from unickpt.store.storage import open_storage
 
     fs = fs_of(s3)
     key = "mp/model-00001-of-00002.safetensors"
@@ -348,8 +348,8 @@ def test_dead_multipart_upload_is_aborted_by_the_next_save(s3, tmp_path) -> None
 def test_s3_upload_streams_parts_in_flight_and_aborts_cleanly(s3) -> None:
     import os
 
-    from unickpt.format.storage import open_storage
-    from unickpt.format.storage_s3 import S3Upload
+    from unickpt.store.storage import open_storage
+    from unickpt.store.storage_s3 import S3Upload
 
     st, root = open_storage(f"s3://{s3.bucket}/up", s3.storage_options("up"))
     data = os.urandom((11 << 20) + 12345)

@@ -70,8 +70,8 @@ def test_a_stray_data_file_in_the_prefix_brings_the_cleanup_back(s3, tmp_path) -
 _KILLED = r"""
 import os, signal, sys
 import torch
-from unickpt.format import storage as st
-from unickpt.format import storage_s3 as s3m
+from unickpt.store import storage as st
+from unickpt.store import storage_s3 as s3m
 from unickpt.io import GeneralCheckpointIO
 
 # parts of 5 MiB: a 12 MiB file is a multipart upload; die once its first part is stored

@@ -25,15 +25,15 @@ import torch
 from test_storage_write import Net, download, fs_of, objects
 
 from unickpt.errors import CheckpointBusyError
-from unickpt.format.storage import open_storage
 from unickpt.io import GeneralCheckpointIO
 from unickpt.store.lock import LOCK_NAME, read_version, store_lock
 from unickpt.store.publish import referenced_files
+from unickpt.store.storage import open_storage
 from unickpt.tools.verify import verify_checkpoint
 
 # Each stall point: (name, save_model's keyword arguments, a committed checkpoint there first).
 _PARTS = {"shard": True, "size_per_shard": 0.002}  # a gathered save: S3 multipart parts (io/parts_save.py)
-_SLICED = {"shard": True, "size_per_shard": 0.002, "gather_dtensor": False}  # format/writer.py uploads
+_SLICED = {"shard": True, "size_per_shard": 0.002, "gather_dtensor": False}  # ckpt/writer.py uploads
 _SINGLE = {"shard": False}  # one model.safetensors: its completion is the commit
 POINTS: list[tuple[str, dict[str, Any], bool]] = [
     ("after-lock", _PARTS, False),  # the lock is taken, nothing uploaded yet
@@ -56,7 +56,7 @@ from test_storage_write import Net
 from unickpt.errors import CheckpointBusyError
 from unickpt.store.publish import referenced_files
 from unickpt.store.lock import read_version
-from unickpt.format import storage as st, storage_parts as sp, storage_s3
+from unickpt.store import storage as st, storage_parts as sp, storage_s3
 from unickpt.store import lock as sl
 import importlib
 from unickpt.io import GeneralCheckpointIO

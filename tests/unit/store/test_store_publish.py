@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from unickpt.errors import CheckpointBusyError, OutputExistsError
-from unickpt.format.storage import LocalStorage, open_storage
 from unickpt.store.lock import LOCK_NAME, HeldFlock, StoreLock, directory_lock, save_lock
 from unickpt.store.publish import output_sink, put_bytes, put_commit_point, write_small_file
+from unickpt.store.storage import LocalStorage, open_storage
 
 
 def test_capabilities_come_from_the_store_object(s3) -> None:

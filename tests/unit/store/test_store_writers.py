@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from unickpt import GeneralCheckpointIO
+from unickpt.ckpt.reader import open_checkpoint
 from unickpt.errors import CheckpointBusyError, CheckpointChangedError
-from unickpt.format.reader import open_checkpoint
-from unickpt.format.storage import open_storage
 from unickpt.store.lock import LOCK_NAME, store_lock
+from unickpt.store.storage import open_storage
 
 
 def _model(seed: int, width: int = 64) -> nn.Module:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from unickpt import GeneralCheckpointIO
-from unickpt.format.safetensors_io import SafetensorsWriter
+from unickpt.ckpt.safetensors_io import SafetensorsWriter
 from unickpt.store import writeback as commit_mod
 
 

@@ -11,9 +11,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from unickpt import GeneralCheckpointIO, diff_checkpoints, merge_checkpoint, verify_checkpoint
+from unickpt.ckpt.reader import open_checkpoint
 from unickpt.cli.main import main
 from unickpt.errors import IncompleteCheckpointError, UnsupportedError
-from unickpt.format.reader import open_checkpoint
 
 
 def _model() -> torch.nn.Module:

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from unickpt import GeneralCheckpointIO, diff_checkpoints, merge_checkpoint
 from unickpt.cli.main import main
 from unickpt.errors import IncompleteCheckpointError, IndexFileError
-from unickpt.format.boxes import flat_range_to_boxes
+from unickpt.spec.boxes import flat_range_to_boxes
 from unickpt.tools._write import SliceData, TensorData, write_checkpoint
 
 RNG = np.random.default_rng(7)

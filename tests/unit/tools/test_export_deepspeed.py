@@ -26,9 +26,9 @@ from safetensors.torch import load_file
 from torch import nn
 
 from unickpt import CheckpointManager, GeneralCheckpointIO, OptimizerWrapper
+from unickpt.ckpt.reader import open_checkpoint
 from unickpt.cli.main import main as cli
 from unickpt.errors import IncompleteCheckpointError, OutputExistsError, UnsupportedError
-from unickpt.format.reader import open_checkpoint
 from unickpt.tools._torch import full_tensors
 from unickpt.tools.convert import convert_checkpoint
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from unickpt import GeneralCheckpointIO, verify_checkpoint
+from unickpt.ckpt.reader import open_checkpoint
 from unickpt.errors import HeaderError, IncompleteCheckpointError
-from unickpt.format.reader import open_checkpoint
 from unickpt.tools.inspect import format_report, inspect_checkpoint
 
 

@@ -15,14 +15,14 @@ import torch
 from safetensors.torch import load_file
 
 from unickpt import GeneralCheckpointIO, IntegrityError, merge_checkpoint
+from unickpt.ckpt.reader import open_checkpoint
+from unickpt.ckpt.safetensors_io import read_header
 from unickpt.errors import IndexFileError
-from unickpt.format.boxes import flat_range_to_boxes
-from unickpt.format.dtypes import itemsize
-from unickpt.format.hashing import fingerprint_of_array
-from unickpt.format.index import load_index
-from unickpt.format.naming import SLICED_SENTINEL
-from unickpt.format.reader import open_checkpoint
-from unickpt.format.safetensors_io import read_header
+from unickpt.spec.boxes import flat_range_to_boxes
+from unickpt.spec.dtypes import itemsize
+from unickpt.spec.hashing import fingerprint_of_array
+from unickpt.spec.index import load_index
+from unickpt.spec.naming import SLICED_SENTINEL
 from unickpt.tools._common import OutputExistsError
 from unickpt.tools._write import SliceData, TensorData, write_checkpoint
 

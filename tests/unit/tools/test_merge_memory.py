@@ -25,9 +25,9 @@ import xxhash
 from test_merge import _check_merged, hand_made_reference
 
 from unickpt import merge_checkpoint
+from unickpt.ckpt.reader import open_checkpoint
 from unickpt.errors import IntegrityError
-from unickpt.format.naming import SLICED_SENTINEL
-from unickpt.format.reader import open_checkpoint
+from unickpt.spec.naming import SLICED_SENTINEL
 from unickpt.tools import _merge_tensors as merge_tensors
 from unickpt.tools._bands import band_first, bands, pieces
 from unickpt.tools._write import write_checkpoint

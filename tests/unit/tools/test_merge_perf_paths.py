@@ -22,11 +22,11 @@ import pytest
 from test_merge import _check_merged, _flat, _rand, _rows, _tensor, hand_made_reference
 
 from unickpt import merge_checkpoint
+from unickpt.ckpt.reader import UNICKPT_METADATA_KEY, CheckpointReader, open_checkpoint
+from unickpt.ckpt.safetensors_io import read_header
 from unickpt.errors import IncompleteCheckpointError, IntegrityError
-from unickpt.format import storage_readv
-from unickpt.format.index import SliceEntry, TensorEntry, UnickptBlock
-from unickpt.format.reader import UNICKPT_METADATA_KEY, CheckpointReader, open_checkpoint
-from unickpt.format.safetensors_io import read_header
+from unickpt.spec.index import SliceEntry, TensorEntry, UnickptBlock
+from unickpt.store import storage_readv
 from unickpt.store import writeback as commit_mod
 from unickpt.tools import _merge_runs as merge_runs
 from unickpt.tools import _merge_tensors as merge_tensors

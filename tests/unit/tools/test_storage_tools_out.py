@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from unickpt import GeneralCheckpointIO
+from unickpt.ckpt.reader import open_checkpoint
 from unickpt.cli.main import main
 from unickpt.errors import IntegrityError, OutputExistsError
-from unickpt.format.reader import open_checkpoint
 from unickpt.tools.merge import merge_checkpoint
 
 

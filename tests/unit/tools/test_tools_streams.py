@@ -16,8 +16,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
+from unickpt.ckpt.reader import open_checkpoint
 from unickpt.cli.main import main
-from unickpt.format.reader import open_checkpoint
 from unickpt.tools.convert import convert_checkpoint
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")

@@ -19,11 +19,11 @@ import torch
 from safetensors.torch import load_file
 
 from unickpt import GeneralCheckpointIO, verify_checkpoint
+from unickpt.ckpt.reader import open_checkpoint
 from unickpt.cli.main import main
 from unickpt.errors import IndexFileError, IntegrityError, OutputExistsError
-from unickpt.format.hashing import fingerprint_of_array
-from unickpt.format.naming import SLICED_SENTINEL
-from unickpt.format.reader import open_checkpoint
+from unickpt.spec.hashing import fingerprint_of_array
+from unickpt.spec.naming import SLICED_SENTINEL
 from unickpt.tools.upgrade import LONG_SLICED_SENTINEL, upgrade_checkpoint
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "versions"

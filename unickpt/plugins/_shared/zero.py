@@ -13,10 +13,10 @@ import torch.distributed as dist
 from torch import nn
 
 from unickpt.errors import UnsupportedError
-from unickpt.format.boxes import flat_range_to_boxes
 from unickpt.io import CheckpointIO
 from unickpt.io.hooks import HookContext
 from unickpt.io.tensors import LocalSlice, st_dtype
+from unickpt.spec.boxes import flat_range_to_boxes
 
 
 @dataclass

@@ -1,0 +1,90 @@
+"""Read what torch's ``HuggingFaceStorageWriter(save_distributed=True)`` writes, as slices.
+
+With ``save_distributed=True`` and no consolidation, ``dcp.save`` writes one safetensors file
+per rank, ``shard-<rank+1:05d>-model-<k:05d>-of-<n:05d>.safetensors``, holding that rank's
+local shards under the plain tensor names, with the global offset of each in the header
+metadata ``DCP_SHARDING_INFO`` (``{"name": {"saved_offsets": [...]}}``) and
+``DCP_VERSION``. No index, no ``.metadata`` and no global shapes are written: the global
+shape of a tensor is the end of its farthest slice on every dim, and the slices must tile it
+exactly (the reader's coverage check), so a missing rank file is refused, not loaded as
+zeros. A tensor written whole by one rank (replicated, deduplicated by DCP) is refused by the
+model's strict name check if its file is missing. There are no hashes. No torch needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from unickpt.ckpt.safetensors_io import read_header
+from unickpt.errors import CheckpointFormatError
+from unickpt.spec.confine import confined_path
+from unickpt.spec.index import LayoutInfo, SliceEntry, TensorEntry, UnickptBlock
+
+__all__ = ["SHARD_FILE", "dcp_hf_files", "block_from_dcp_hf"]
+
+SHARD_FILE = re.compile(r"^shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors$")
+SHARDING_KEY = "DCP_SHARDING_INFO"
+
+
+def dcp_hf_files(directory: str) -> list[str]:
+    """The ``shard-*-model-*.safetensors`` files of ``directory`` (sorted), or []."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted(n for n in names if SHARD_FILE.match(n))
+
+
+def block_from_dcp_hf(directory: str, files: list[str]) -> UnickptBlock:
+    """The slice table of a distributed Hugging Face DCP save (see the module docstring)."""
+    slices: dict[str, list[SliceEntry]] = {}
+    dtypes: dict[str, str] = {}
+    for fname in files:
+        path = confined_path(directory, fname, directory, "per-rank file")
+        h = read_header(path)
+        raw = h.metadata.get(SHARDING_KEY)
+        if raw is None:
+            raise CheckpointFormatError(
+                f"{path}: no {SHARDING_KEY} in its metadata; not a distributed DCP save"
+            )
+        try:
+            info = json.loads(raw)
+        except ValueError as err:
+            raise CheckpointFormatError(f"{path}: {SHARDING_KEY} is not JSON ({err})") from None
+        if not isinstance(info, dict):
+            raise CheckpointFormatError(f"{path}: {SHARDING_KEY} is not a JSON object")
+        for name, e in h.entries.items():
+            item = info.get(name)
+            offs = item.get("saved_offsets") if isinstance(item, dict) else None
+            if (
+                not isinstance(offs, list)
+                or len(offs) != len(e.shape)
+                or not all(type(o) is int and o >= 0 for o in offs)
+            ):
+                raise CheckpointFormatError(
+                    f"{path}: tensor {name!r} has no valid saved_offsets in {SHARDING_KEY} "
+                    f"(expected {len(e.shape)} non-negative integers, found {offs!r})"
+                )
+            if dtypes.setdefault(name, e.dtype) != e.dtype:
+                raise CheckpointFormatError(
+                    f"{path}: tensor {name!r} is {e.dtype} here but {dtypes[name]} in another rank's file"
+                )
+            slices.setdefault(name, []).append(
+                SliceEntry(file=fname, key=name, offsets=list(offs), shape=list(e.shape))
+            )
+    tensors = {}
+    for name, ss in slices.items():
+        ndim = len(ss[0].shape)
+        if any(len(s.shape) != ndim for s in ss):
+            raise CheckpointFormatError(f"{directory}: tensor {name!r} has slices of different ranks")
+        shape = [max(s.offsets[d] + s.shape[d] for s in ss) for d in range(ndim)]
+        nonempty = [s for s in ss if all(n > 0 for n in s.shape)] or ss[:1]
+        tensors[name] = TensorEntry(dtype=dtypes[name], shape=shape, slices=nonempty)
+    return UnickptBlock(
+        kind="model",
+        created_by="torch HuggingFaceStorageWriter(save_distributed=True)",
+        layout=LayoutInfo(plugin="dcp-hf", world_size=len(files), gathered=False),
+        tensors=tensors,
+    )

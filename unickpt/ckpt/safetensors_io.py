@@ -1,0 +1,269 @@
+"""Strict reading and streaming writing of safetensors files, without torch.
+
+The reader treats every file as hostile: the header length is capped before anything is
+allocated, the JSON must be an object of well-formed entries, byte counts must equal
+shape x item size, and the entries must tile the data section exactly (no gap, no overlap,
+nothing past the end). Only then is any byte of tensor data trusted. The parser is
+``safetensors_bulk.parse_header`` (every entry at once, naming the first at fault), re-exported
+here.
+
+The writer produces the same format as ``safetensors.torch.save_file`` but streams: the
+header is computed from shapes and dtypes up front, then each tensor's bytes are appended
+in order, so a file never needs all of its tensors in memory at once.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import stat
+import struct
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+from unickpt.ckpt.foreign import foreign_file
+from unickpt.errors import HeaderError, IncompleteCheckpointError
+from unickpt.spec.bounds import MAX_HEADER_BYTES as _MAX_HEADER_BYTES
+from unickpt.spec.dtypes import DTYPE_ITEMSIZE
+from unickpt.spec.safetensors_bulk import MAX_NDIM, HeaderEntries, parse_header
+from unickpt.store.storage import LocalStorage, Storage
+from unickpt.store.writeback import Writeback
+
+__all__ = [
+    "MAX_HEADER_BYTES",
+    "SafetensorsHeader",
+    "read_header",
+    "open_with_header",
+    "parse_header",
+    "header_from_bytes",
+    "encode_header",
+    "SafetensorsWriter",
+    "iter_range",
+    "read_range",
+]
+
+# A header holds names, shapes and offsets: even 10^6 tensors fit in well under 100 MB.
+# safetensors itself uses the same cap. Anything larger is refused before allocation.
+MAX_HEADER_BYTES = _MAX_HEADER_BYTES  # spec/bounds.py: what a data file can hold follows from it
+# Shapes are bounded so that byte counts cannot overflow or request absurd allocations.
+MAX_NDIM = MAX_NDIM  # (safetensors_bulk, the parser, checks it)
+# Read in chunks this large: big enough to run at disk speed, small enough to bound memory.
+READ_CHUNK_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    path: str
+    entries: HeaderEntries
+    metadata: dict[str, str]
+    data_start: int  # absolute file offset of the data section
+    file_size: int = field(default=0)
+
+    def absolute(self, key: str) -> tuple[int, int]:
+        e = self.entries[key]
+        return self.data_start + e.begin, e.nbytes
+
+
+def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
+    """Read and validate the header of a safetensors file. Reads only the header bytes."""
+    fd, h = open_with_header(path)
+    os.close(fd)
+    return h
+
+
+def open_with_header(path: str | os.PathLike[str]) -> tuple[int, SafetensorsHeader]:
+    """Open a safetensors file and validate its header: (open fd, header), both of the same file.
+
+    Reading data through that fd reads the file whose header was checked, even if the name is
+    renamed over meanwhile. The caller closes the fd.
+    """
+    p = os.fspath(path)
+    try:
+        # O_NONBLOCK: a FIFO planted under a data file's name must not block the open forever.
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError as e:
+        raise IncompleteCheckpointError(f"data file {p} is missing") from e
+    except IsADirectoryError as e:
+        raise HeaderError(f"{p} is a directory, not a safetensors file") from e
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise HeaderError(f"{p} is a symbolic link loop, not a safetensors file") from e
+        raise
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise HeaderError(f"{p} is a directory, not a safetensors file")
+        if not stat.S_ISREG(st.st_mode):
+            raise HeaderError(f"{p} is not a regular file")
+        with open(fd, "rb", closefd=False) as f:
+            h = header_from_bytes(f.read(8), st.st_size, p, lambda _offset, length: f.read(length))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, h
+
+
+def header_from_bytes(
+    first: bytes, size: int, path: str, more: Callable[[int, int], bytes] | None = None
+) -> SafetensorsHeader:
+    """Validate a safetensors header from the first bytes of a file of ``size`` bytes.
+
+    ``first`` holds the 8-byte length prefix and possibly more; when the header runs past it,
+    ``more(offset, length)`` reads the rest (a ``pread`` on an fd, a ranged GET on a store).
+    Every check applies before any allocation sized by the file: the length is capped, the
+    header must lie inside the file, and the entries must tile the data section exactly.
+    """
+    if size < 8:
+        raise HeaderError(f"{path}: {size} bytes is too short for a safetensors file (needs 8+)")
+    (n,) = struct.unpack("<Q", first[:8])
+    if n > MAX_HEADER_BYTES or 8 + n > size:
+        other = foreign_file(first)  # another tool's file: name the command that reads it
+        if other is not None:
+            raise HeaderError(other.hint(path))
+    if n > MAX_HEADER_BYTES:
+        raise HeaderError(f"{path}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
+    if 8 + n > size:
+        raise HeaderError(f"{path}: header length {n} runs past the end of the {size}-byte file")
+    raw = bytes(first[8 : 8 + n])
+    if len(raw) < n:
+        if more is None:
+            raise HeaderError(f"{path}: header of {n} bytes, only {len(raw)} were read")
+        rest = more(8 + len(raw), n - len(raw))
+        if len(rest) != n - len(raw):
+            raise HeaderError(f"{path}: header of {n} bytes is cut short (the file shrank while read)")
+        raw += rest
+    entries, metadata = parse_header(raw, size - 8 - n, path)
+    return SafetensorsHeader(path, entries, metadata, 8 + n, size)
+
+
+def encode_header(
+    specs: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None
+) -> tuple[bytes, list[tuple[int, int]]]:
+    """Return (8-byte length + padded JSON header, [(begin, end)] per spec), in spec order."""
+    obj: dict[str, Any] = {}
+    if metadata:
+        obj["__metadata__"] = dict(metadata)
+    spans = []
+    pos = 0
+    for key, dtype, shape in specs:
+        nbytes = math.prod(shape) * DTYPE_ITEMSIZE[dtype]
+        obj[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        spans.append((pos, pos + nbytes))
+        pos += nbytes
+    raw = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    # Pad with spaces so that the data section starts 8-byte aligned, as safetensors does.
+    raw += b" " * (-(8 + len(raw)) % 8)
+    return struct.pack("<Q", len(raw)) + raw, spans
+
+
+class SafetensorsWriter:
+    """Writes one safetensors file, streaming tensor bytes in the order of ``specs``.
+
+    Usage: ``w = SafetensorsWriter(path, specs, metadata); w.write(key, buf) ...; w.close()``.
+    The file is opened through ``storage`` (a :class:`~unickpt.store.storage.LocalStorage` when
+    None; an existing file is replaced) with ``Storage.open_write``. ``close`` makes it whole
+    (``Storage.finish_write``: flushed and fsynced where the store's files are made durable by
+    fsync, an upload completed on an object store); ``abort`` drops it. With ``writeback`` (for
+    files that will be fsynced, on a store with ``durable_sync``) the kernel is asked to start
+    writing every ``WRITEBACK_BYTES`` to disk as they are written, so the disk works while the rest
+    of the file is produced and the final fsync has little left to wait for.
+    """
+
+    WRITEBACK_BYTES = 8 << 20
+
+    def __init__(
+        self,
+        path: str,
+        specs: list[tuple[str, str, tuple[int, ...]]],
+        metadata: dict[str, str] | None = None,
+        *,
+        writeback: bool = False,
+        storage: Storage | None = None,
+    ) -> None:
+        self.path = path
+        header, spans = encode_header(specs, metadata)
+        self._expected = [(k, e - b) for (k, _, _), (b, e) in zip(specs, spans, strict=True)]
+        self._next = 0
+        self._written = 0
+        self._storage = storage if storage is not None else LocalStorage(os.path.dirname(path))
+        # An upload (no fsync) takes no write-behind hints.
+        writeback = writeback and self._storage.durable_sync
+        self._f: BinaryIO | None = self._storage.open_write(path, overwrite=True)
+        try:
+            self._f.write(header)
+        except BaseException:
+            self.abort()  # the caller never gets a writer to abort: close and remove the file here
+            raise
+        self.header_bytes = len(header)
+        self._pos = len(header)
+        self._wb = Writeback(self._f.fileno(), self.WRITEBACK_BYTES, self._f.flush) if writeback else None
+
+    def write(self, key: str, data: memoryview | bytes) -> None:
+        if self._f is None:
+            raise ValueError(f"{self.path}: writer is closed")
+        if self._next >= len(self._expected):
+            raise ValueError(f"{self.path}: unexpected extra tensor {key!r}")
+        want_key, want_len = self._expected[self._next]
+        mv = memoryview(data).cast("B")
+        if key != want_key or mv.nbytes != want_len:
+            raise ValueError(
+                f"{self.path}: expected {want_len} bytes of {want_key!r}, got {mv.nbytes} bytes of {key!r}"
+            )
+        if self._wb is None:
+            self._f.write(mv)
+        else:
+            for at in range(0, mv.nbytes, self._wb.every):
+                piece = mv[at : at + self._wb.every]
+                self._f.write(piece)
+                self._pos += piece.nbytes
+                self._wb.wrote(self._pos)
+        self._next += 1
+
+    def close(self, fsync: bool = True) -> None:
+        if self._f is None:
+            return
+        f, self._f = self._f, None
+        if self._next != len(self._expected):
+            missing = [k for k, _ in self._expected[self._next :]]
+            self._storage.abort(f)
+            raise ValueError(f"{self.path}: closed before tensors {missing[:5]} were written")
+        self._storage.finish_write(f, fsync=fsync)  # an upload completes: visible whole
+
+    def abort(self) -> None:
+        if self._f is not None:
+            f, self._f = self._f, None
+            self._storage.abort(f)
+
+
+def iter_range(f: BinaryIO | int, offset: int, length: int, chunk: int = READ_CHUNK_BYTES) -> Iterator[bytes]:
+    """Yield the bytes [offset, offset+length) of an open file in chunks, with pread."""
+    fd = f if isinstance(f, int) else f.fileno()
+    end = offset + length
+    pos = offset
+    while pos < end:
+        n = min(chunk, end - pos)
+        buf = os.pread(fd, n, pos)
+        if len(buf) != n:
+            raise IncompleteCheckpointError(
+                f"file is truncated: wanted {n} bytes at offset {pos}, got {len(buf)}"
+            )
+        yield buf
+        pos += n
+
+
+def read_range(f: BinaryIO | int, offset: int, length: int, out: memoryview | None = None) -> memoryview:
+    """Read exactly ``length`` bytes at ``offset`` into ``out`` (allocated when None)."""
+    fd = f if isinstance(f, int) else f.fileno()
+    target = out if out is not None else memoryview(bytearray(length))
+    got = 0
+    while got < length:
+        n = os.preadv(fd, [target[got:length]], offset + got)
+        if n <= 0:
+            raise IncompleteCheckpointError(
+                f"file is truncated: wanted {length} bytes at offset {offset}, got {got}"
+            )
+        got += n
+    return target[:length]

@@ -1,0 +1,277 @@
+"""The two hashes of the format (specified in docs/format.md, section "Hashes").
+
+1. Slice hash: xxh3-64 of the exact stored bytes of one slice, as 16 lower-case hex digits.
+   Pinpoints bit flips and partial writes to a tensor and a file.
+
+2. Fingerprint: a layout-invariant digest of a whole global tensor that every rank can
+   compute from the slices it holds, with no gather: any partition of the tensor into slices
+   (blocks, rows, columns, flat ranges, replicas written once) gives partial values that
+   :func:`combine_partials` adds up to the same total, which :func:`finalize_fingerprint`
+   binds to the tensor's name, dtype and shape.
+
+   Fingerprint v2 (docs/format.md section 5.2) is defined in ``_fp2.py``: two hashes mod the
+   primes 2^32 - 5 and 2^32 - 17 over the tensor's 16-bit limbs, so that every fixed nonzero
+   change of the data changes it except with probability about 2^-60. Its partial value is one
+   int in [0, p_1 p_2) (the pair of sums by the Chinese remainder theorem); partials add mod
+   p_1 p_2. (The linear fingerprint v1 of format version 1 lives only in ``tools/upgrade.py``,
+   which replaces it.)
+
+   A large block's fingerprint is shared by ``FP_THREADS`` threads (element ranges of the
+   block, whose sums add up: the same numbers), the calling thread meanwhile computing the
+   block's xxh3, which cannot be split; ``UNICKPT_FP_THREADS`` sets the count.
+
+   Neither hash is cryptographic: they catch accidents (bit rot, truncation, wrong file),
+   not an adversary who can write the index too.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import threading
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from types import ModuleType
+
+import numpy as np
+import xxhash
+
+from unickpt.errors import ConfigError
+from unickpt.spec import _fp2
+from unickpt.spec.dtypes import itemsize
+
+__all__ = [
+    "slice_hash",
+    "SliceHasher",
+    "fingerprint_partial",
+    "hash_block",
+    "combine_partials",
+    "finalize_fingerprint",
+    "fingerprint_of_array",
+    "KERNEL",
+    "FP_THREADS",
+]
+
+_native2: ModuleType | None
+try:  # the compiled v2 kernel (unickpt/spec/_fp2kernel.c)
+    from unickpt.spec import _fp2kernel as _native2
+except ImportError:  # pragma: no cover - exercised where no C compiler was available
+    _native2 = None
+
+if os.environ.get("UNICKPT_REQUIRE_NATIVE") and _native2 is None:  # pragma: no cover
+    raise ImportError("UNICKPT_REQUIRE_NATIVE is set but the fingerprint kernel was not built")
+
+#: Which fingerprint v2 loops run: "avx512-ifma", "avx512", "avx2", "neon" or "scalar" (compiled), or "numpy".
+KERNEL: str = _native2.simd() if _native2 is not None else "numpy"
+
+
+def slice_hash(data: memoryview | bytes) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+class SliceHasher:
+    """Streaming xxh3-64 for a slice read or written in chunks."""
+
+    def __init__(self) -> None:
+        self._h = xxhash.xxh3_64()
+
+    def update(self, data: memoryview | bytes) -> None:
+        self._h.update(data)
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+def fingerprint_partial(
+    words: np.ndarray,
+    global_shape: Sequence[int],
+    offsets: Sequence[int],
+    shape: Sequence[int],
+) -> int:
+    """Partial value over one box of the global tensor.
+
+    ``words`` holds the box's elements as unsigned integers of the dtype's item size, in
+    C order, any array shape with ``prod(shape)`` elements.
+    """
+    w = np.ascontiguousarray(words).reshape(-1)
+    if w.size != math.prod(shape):
+        raise ValueError(f"{w.size} words for a block of shape {list(shape)}")
+    return hash_block(w, w.dtype.itemsize, global_shape, offsets, shape, xxh3=False)[1]
+
+
+# Blocks are hashed in chunks of this many bytes, each chunk by both hashes while it is in cache
+# (1 to 32 MiB cost the same CPU; larger chunks hand the GIL back and forth less often).
+_CHUNK_BYTES = 8 << 20
+
+
+def _fp_threads() -> int:
+    """Threads that compute one large block's fingerprint (the hashing thread included).
+
+    ``UNICKPT_FP_THREADS`` if set; else the cores this process may run on (its CPU affinity,
+    shared among the node's ranks by ``LOCAL_WORLD_SIZE``) less one for the thread that
+    writes, at most 4 (the kernel then reads at about memory speed).
+    """
+    env = os.environ.get("UNICKPT_FP_THREADS", "").strip()
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise ConfigError(f"UNICKPT_FP_THREADS must be a whole number >= 1, not {env!r}")
+        return int(env)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - no affinity (macOS, Windows)
+        cores = os.cpu_count() or 1
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    ranks = int(local) if local.isdigit() and int(local) > 0 else 1
+    return max(1, min(4, cores // ranks - 1))
+
+
+#: Threads that share one large block's fingerprint (see :func:`_fp_threads`); 1: none.
+FP_THREADS: int = _fp_threads()
+# A block is split only into parts of at least this many bytes (smaller ones cost more to hand out).
+_SPLIT_MIN_BYTES = 4 << 20
+
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+_pool_lock = threading.Lock()
+
+
+def _helpers(n: int) -> ThreadPoolExecutor:
+    """The process's pool of ``n`` fingerprint helper threads (made on first use)."""
+    global _pool, _pool_size
+    with _pool_lock:
+        if _pool is None or _pool_size < n:  # a smaller one left behind stays usable by its callers
+            _pool, _pool_size = ThreadPoolExecutor(max_workers=n, thread_name_prefix="unickpt-fp"), n
+        return _pool
+
+
+def _forget_pool() -> None:
+    """In a forked child: the parent's helper threads do not exist there, a new pool is made."""
+    global _pool, _pool_size, _pool_lock
+    _pool, _pool_size, _pool_lock = None, 0, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
+def hash_block(
+    data: np.ndarray,
+    itemsize: int,
+    global_shape: Sequence[int],
+    offsets: Sequence[int],
+    shape: Sequence[int],
+    *,
+    xxh3: bool = True,
+    fingerprint: bool = True,
+) -> tuple[str | None, int]:
+    """Slice hash and fingerprint partial of one stored block in one pass over its bytes.
+
+    ``data`` is the block's stored bytes (C order, any contiguous array). Returns the xxh3-64
+    hex digest (None unless ``xxh3``) and the partial value (0 unless ``fingerprint``).
+    """
+    raw = memoryview(np.ascontiguousarray(data)).cast("B")  # type: ignore[arg-type]
+    n = math.prod(shape)
+    if len(raw) != n * itemsize:
+        raise ValueError(f"{len(raw)} bytes for a block of shape {list(shape)} with {itemsize}-byte items")
+    return _hash_block_v2(raw, itemsize, global_shape, offsets, shape, xxh3, fingerprint and n > 0)
+
+
+def _hash_block_v2(
+    raw: memoryview,
+    itemsize: int,
+    global_shape: Sequence[int],
+    offsets: Sequence[int],
+    shape: Sequence[int],
+    xxh3: bool,
+    fingerprint: bool,
+) -> tuple[str | None, int]:
+    if not (fingerprint and _native2 is not None):
+        digest = slice_hash(raw) if xxh3 else None
+        total = _fp2.partial_numpy(raw, itemsize, global_shape, offsets, shape) if fingerprint else 0
+        return digest, total
+    args = (tuple(global_shape), tuple(offsets), tuple(shape))
+    parts = _parts(len(raw) // itemsize, itemsize, xxh3)
+    if parts:
+        return _hash_split(raw, itemsize, args, parts, xxh3)
+    h = xxhash.xxh3_64() if xxh3 else None
+    h1 = h2 = 0
+    # Chunks keep each piece in cache for both hashes; the fingerprint alone takes one call.
+    step = max(itemsize, _CHUNK_BYTES - _CHUNK_BYTES % itemsize) if h is not None else max(1, len(raw))
+    for start in range(0, len(raw), step):
+        chunk = raw[start : start + step]
+        if h is not None:
+            h.update(chunk)
+        s1, s2 = _native2.partial(chunk, itemsize, *args, start // itemsize)
+        h1, h2 = h1 + s1, h2 + s2
+    return (h.hexdigest() if h is not None else None), _fp2.encode(h1 % _fp2.P1, h2 % _fp2.P2)
+
+
+def _parts(count: int, isz: int, xxh3: bool) -> list[tuple[int, int]]:
+    """Element ranges for the helper threads (empty: hash in this thread alone).
+
+    With ``xxh3`` this thread reads the block for the xxh3 (it cannot be split) while the
+    helpers, ``FP_THREADS - 1`` of them, share the fingerprint; without, this thread takes
+    the first of ``FP_THREADS`` shares. Each share is at least ``_SPLIT_MIN_BYTES``.
+    """
+    shares = FP_THREADS - 1 if xxh3 else FP_THREADS
+    shares = min(shares, count * isz // _SPLIT_MIN_BYTES)
+    if shares < (1 if xxh3 else 2):
+        return []
+    cuts = [count * k // shares for k in range(shares + 1)]
+    return list(itertools.pairwise(cuts))
+
+
+def _hash_split(
+    raw: memoryview,
+    isz: int,
+    args: tuple[Sequence[int], Sequence[int], Sequence[int]],
+    parts: list[tuple[int, int]],
+    xxh3: bool,
+) -> tuple[str | None, int]:
+    """The fingerprint of ``parts`` on the helper threads (the kernel releases the GIL), this
+    thread computing the xxh3 of the whole block meanwhile, or else the first part. The parts'
+    sums add up to the whole block's, so the numbers are the serial ones. The helpers read the
+    caller's buffer: no copy."""
+    if _native2 is None:  # pragma: no cover - the caller checked
+        raise RuntimeError("internal: no fingerprint kernel")
+    kernel = _native2.partial
+    mine = [] if xxh3 else parts[:1]
+    theirs = parts[len(mine) :]
+    pool = _helpers(max(1, FP_THREADS - 1))
+    futures: list[Future[tuple[int, int]]] = [
+        pool.submit(kernel, raw[a * isz : b * isz], isz, args[0], args[1], args[2], a) for a, b in theirs
+    ]
+    try:
+        digest = slice_hash(raw) if xxh3 else None
+        h1 = h2 = 0
+        for a, b in mine:
+            h1, h2 = kernel(raw[a * isz : b * isz], isz, args[0], args[1], args[2], a)
+        for f in futures:
+            s1, s2 = f.result()
+            h1, h2 = h1 + s1, h2 + s2
+    finally:  # on any failure, no helper is still reading the buffer when this returns
+        for f in futures:
+            f.cancel()
+        wait(futures)
+    return digest, _fp2.encode(h1 % _fp2.P1, h2 % _fp2.P2)
+
+
+def combine_partials(partials: Iterable[int]) -> int:
+    """The sum of partial values of disjoint parts of a tensor."""
+    total = 0
+    for p in partials:
+        total = _fp2.add(total, p)
+    return total
+
+
+def finalize_fingerprint(name: str, dtype: str, shape: Sequence[int], total: int) -> str:
+    """The fingerprint (16 hex digits) of a tensor whose partials add up to ``total``."""
+    return _fp2.finalize(name, dtype, shape, total)
+
+
+def fingerprint_of_array(name: str, dtype: str, data: bytes | memoryview, shape: Sequence[int]) -> str:
+    """Fingerprint of a whole tensor given its raw C-order bytes (tests and offline tools)."""
+    words = np.frombuffer(data, dtype=f"<u{itemsize(dtype)}")
+    total = fingerprint_partial(words, shape, [0] * len(shape), shape)
+    return finalize_fingerprint(name, dtype, shape, total)

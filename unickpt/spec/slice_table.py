@@ -1,0 +1,511 @@
+"""A tensor's slices as arrays: the in-memory form of every index, and the compact form of version 3.
+
+A :class:`SliceTable` holds the S slices of one tensor as numpy arrays (offsets and shapes,
+``(S, ndim)``; file ids into a file table, ``(S,)``), the hashes as one string of ``16 x S``
+characters and the keys either as a list or by the rule ``NAME@K``. Nothing per slice is a Python
+object until asked for: :meth:`SliceTable.entry` builds one ``SliceEntry`` on demand, and
+:class:`LazySlices` (what ``TensorEntry.slices`` holds for a version 3 index) builds the whole
+list the first time something iterates it.
+
+Version 3 writes a tensor's slices compactly (docs/format.md section 3.1): ``grid`` (the cells
+of a grid in C order: per dim a part count with ``torch.chunk`` semantics, or the parts'
+extents) or ``boxes`` (offsets + shape per slice) or neither (one slice, the whole tensor);
+``file`` (index into the block's ``files``, one or per slice); ``keys`` (absent when ``NAME@K``);
+``xxh3`` (the hashes concatenated, 16 ``-`` for a slice without one).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from unickpt.spec.coverage import coverage_problem
+from unickpt.spec.grid import chunk_extents, distinct_parts, grid_extents
+from unickpt.spec.grid import grid_boxes as _grid_boxes
+from unickpt.spec.slice_models import SliceEntry, entries_from_records
+
+__all__ = [
+    "SliceTable",
+    "NO_HASH",
+    "chunk_extents",
+    "grid_extents",
+    "compact_fields",
+]
+
+#: The 16 characters standing for a slice without a hash in a concatenated ``xxh3`` string.
+NO_HASH = "-" * 16
+_get_offsets = operator.attrgetter("offsets")
+_get_shape = operator.attrgetter("shape")
+_get_file = operator.attrgetter("file")
+_get_key = operator.attrgetter("key")
+_get_xxh3 = operator.attrgetter("xxh3")
+
+
+class SliceTable:
+    """The slices of one tensor, as arrays (see the module docstring).
+
+    A version 3 grid is kept as its specification until asked: ``len``, the binary search of
+    :meth:`overlapping`, the coverage proof and the file ids need no per-slice array, so parsing
+    a tensor costs O(1) in its slice count beyond the JSON itself.
+    """
+
+    __slots__ = (
+        "_file_ids",
+        "_file_spec",
+        "_grid",
+        "_grid_spec",
+        "_hashes",
+        "_keys",
+        "_n",
+        "_offsets",
+        "_ranges",
+        "_shapes",
+        "files",
+        "gshape",
+        "name",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        gshape: Sequence[int],
+        offsets: np.ndarray | None,
+        shapes: np.ndarray | None,
+        file_ids: np.ndarray | None,
+        files: Sequence[str],
+        keys: list[str] | None,
+        hashes: str | None,
+        grid: list[list[int]] | None = None,
+        *,
+        grid_spec: Sequence[int | Sequence[int]] | None = None,
+        file_spec: int | Sequence[int] | None = None,
+        count: int | None = None,
+    ) -> None:
+        self.name = name
+        self.gshape = tuple(gshape)
+        self.files = files
+        self._offsets = offsets
+        self._shapes = shapes
+        self._file_ids = file_ids
+        self._file_spec = file_spec
+        self._keys = keys
+        self._hashes = hashes
+        self._grid = grid  # part extents per dim when the slices are the cells of a grid in C order
+        self._grid_spec = grid_spec
+        if count is None:
+            count = len(offsets) if offsets is not None else len(file_ids) if file_ids is not None else 0
+        self._n = count
+        # Slices written by several ranks carry per-range hashes instead of one xxh3
+        # (docs/format.md 5.1): {slice position: its ByteRange list}, None when no slice has any.
+        self._ranges: dict[int, list[Any]] | None = None
+
+    # ------------------------------------------------------------ building
+    @classmethod
+    def from_entries(cls, name: str, gshape: Sequence[int], slices: Sequence[Any]) -> SliceTable:
+        """The table of a list of ``SliceEntry`` (versions 1 and 2, and what writers hand over)."""
+        n, nd = len(slices), len(gshape)
+        if n and any(len(s.offsets) != nd or len(s.shape) != nd for s in slices):
+            nd = len(slices[0].offsets)  # a malformed list: coverage names it
+        offs = np.fromiter(
+            itertools.chain.from_iterable(map(_get_offsets, slices)), dtype=np.int64, count=n * nd
+        )
+        shps = np.fromiter(
+            itertools.chain.from_iterable(map(_get_shape, slices)), dtype=np.int64, count=n * nd
+        )
+        names: dict[str, int] = {}
+        # A new name gets the next id (len(names) is read before setdefault inserts it).
+        ids = np.fromiter(
+            [names.setdefault(f, len(names)) for f in map(_get_file, slices)], dtype=np.int64, count=n
+        )
+        order = sorted(names, key=names.__getitem__)
+        hashes = list(map(_get_xxh3, slices))
+        try:
+            joined: str | None = "".join(hashes)
+            if len(joined or "") != 16 * n:
+                raise TypeError
+        except TypeError:
+            joined = "".join(h if h is not None else NO_HASH for h in hashes) if any(hashes) else None
+        if joined == "":
+            joined = None
+        table = cls(
+            name,
+            gshape,
+            offs.reshape(n, nd),
+            shps.reshape(n, nd),
+            ids,
+            order,
+            list(map(_get_key, slices)),
+            joined,
+        )
+        ranges = {k: r for k, s in enumerate(slices) if (r := getattr(s, "ranges", None))}
+        table._ranges = ranges or None
+        return table
+
+    @classmethod
+    def from_compact(
+        cls,
+        name: str,
+        gshape: Sequence[int],
+        files: Sequence[str],
+        *,
+        grid: Sequence[int | Sequence[int]] | None,
+        boxes: Sequence[Sequence[int]] | None,
+        file: int | Sequence[int] | None,
+        keys: list[str] | None,
+        xxh3: str | None,
+    ) -> SliceTable:
+        """The table of a version 3 tensor entry (fields already checked by ``compact_problem``;
+        ``file`` None: slice K is in ``files[K]``)."""
+        nd = len(gshape)
+        if boxes is not None:
+            arr = np.asarray(boxes, dtype=np.int64).reshape(len(boxes), 2 * nd)
+            return cls(
+                name,
+                gshape,
+                arr[:, :nd],
+                arr[:, nd:],
+                None,
+                files,
+                keys,
+                xxh3,
+                file_spec=file,
+                count=len(boxes),
+            )
+        spec: list[int | Sequence[int]] = list(grid) if grid is not None else [1] * nd
+        n = math.prod(p if isinstance(p, int) else len(p) for p in spec)
+        return cls(name, gshape, None, None, None, files, keys, xxh3, grid_spec=spec, file_spec=file, count=n)
+
+    # ------------------------------------------------------------ arrays, built when first asked
+    @property
+    def grid(self) -> list[list[int]] | None:
+        """The part extents per dim when the slices are known to be a grid, else None."""
+        if self._grid is None and self._grid_spec is not None:
+            self._grid = grid_extents(self.gshape, self._grid_spec)
+        return self._grid
+
+    @grid.setter
+    def grid(self, extents: list[list[int]] | None) -> None:
+        self._grid = extents
+
+    @property
+    def offsets(self) -> np.ndarray:
+        if self._offsets is None:
+            self._offsets, self._shapes = _grid_boxes(self.grid or [])
+        return self._offsets
+
+    @property
+    def shapes(self) -> np.ndarray:
+        if self._shapes is None:
+            self._offsets, self._shapes = _grid_boxes(self.grid or [])
+        return self._shapes
+
+    @property
+    def file_ids(self) -> np.ndarray:
+        if self._file_ids is None:
+            spec = self._file_spec
+            if spec is None:
+                self._file_ids = np.arange(self._n, dtype=np.int64)
+            elif isinstance(spec, int):
+                self._file_ids = np.full(self._n, spec, dtype=np.int64)
+            else:
+                self._file_ids = np.asarray(spec, dtype=np.int64)
+        return self._file_ids
+
+    # ------------------------------------------------------------ per slice, on demand
+    def __len__(self) -> int:
+        return self._n
+
+    def renamed(self, name: str) -> SliceTable:
+        """The same slices under the tensor name ``name`` (keys by the ``NAME@K`` rule follow the
+        name; listed keys stay as listed)."""
+        if name == self.name:
+            return self
+        return SliceTable(
+            name,
+            self.gshape,
+            self.offsets,
+            self.shapes,
+            self.file_ids,
+            self.files,
+            self._keys,
+            self.hashes,
+            self.grid,
+        )
+
+    @property
+    def ruled_keys(self) -> bool:
+        """True when every key is ``NAME@K`` by the rule (no key list kept)."""
+        return self._keys is None
+
+    def key(self, k: int) -> str:
+        return self._keys[k] if self._keys is not None else f"{self.name}@{k}"
+
+    def keys(self) -> list[str]:
+        if self._keys is not None:
+            return self._keys
+        return [f"{self.name}@{k}" for k in range(len(self))]
+
+    def file(self, k: int) -> str:
+        spec = self._file_spec
+        if self._file_ids is None and (spec is None or isinstance(spec, int)):
+            return self.files[k if spec is None else spec]
+        return self.files[int(self.file_ids[k])]
+
+    def xxh3(self, k: int) -> str | None:
+        if self._hashes is None:
+            return None
+        h = self._hashes[16 * k : 16 * k + 16]
+        return None if h == NO_HASH else h
+
+    @property
+    def hashes(self) -> str | None:
+        """The concatenated hashes (16 characters per slice), or None when no slice has one."""
+        return self._hashes
+
+    def hashed_count(self) -> int:
+        """How many slices have a hash: an xxh3, or byte-range hashes."""
+        n = 0 if self._hashes is None else len(self) - self._hashes[::16].count("-")
+        if self._ranges is not None:
+            n += sum(1 for k in self._ranges if self.xxh3(k) is None)
+        return n
+
+    def ranges_count(self) -> int:  # how many slices carry byte-range hashes
+        return 0 if self._ranges is None else len(self._ranges)
+
+    def ranges(self, k: int) -> list[Any] | None:
+        """Slice ``k``'s byte-range hashes (``ByteRange`` list), None when it has none."""
+        return None if self._ranges is None else self._ranges.get(k)
+
+    def hashed_mask(self) -> list[bool]:
+        """Per slice: whether it has a hash (an xxh3, or byte-range hashes)."""
+        rng = self._ranges or {}
+        return [h is not None or k in rng for k, h in enumerate(self.hash_list())]
+
+    def box(self, k: int) -> tuple[list[int], list[int]]:
+        """Slice ``k``'s offsets and shape (of a grid spec, computed from it: no per-slice array)."""
+        if self._offsets is not None or self._grid_spec is None:
+            return self.offsets[k].tolist(), self.shapes[k].tolist()
+        offs: list[int] = []
+        shape: list[int] = []
+        for g, p in reversed(list(zip(self.gshape, self._grid_spec, strict=True))):
+            k, i = divmod(k, p if isinstance(p, int) else len(p))
+            c = -(-g // p) if isinstance(p, int) else 0  # torch.chunk parts of c
+            offs.append(min(i * c, g) if isinstance(p, int) else sum(p[:i]))
+            shape.append(max(0, min(c, g - offs[-1])) if isinstance(p, int) else p[i])
+        return offs[::-1], shape[::-1]
+
+    def entry(self, k: int) -> SliceEntry:
+        """Slice ``k`` as a ``SliceEntry``."""
+        offsets, shape = self.box(k)
+        return SliceEntry.model_construct(
+            file=self.file(k),
+            key=self.key(k),
+            offsets=offsets,
+            shape=shape,
+            xxh3=self.xxh3(k),
+            ranges=self.ranges(k),
+        )
+
+    def hash_list(self) -> list[str | None]:
+        """Every slice's hash (None: none), in slice order."""
+        h = self._hashes
+        if h is None:
+            return [None] * len(self)
+        return [
+            None if x == NO_HASH else x
+            for x in map(h.__getitem__, map(slice, range(0, len(h), 16), range(16, len(h) + 16, 16)))
+        ]
+
+    def files_of(self, ks: np.ndarray) -> set[str]:
+        """The distinct files of the slices at positions ``ks``."""
+        return {self.files[i] for i in set(self.file_ids[ks].tolist())}
+
+    def file_list(self) -> list[str]:
+        """Every slice's file name, in slice order."""
+        return list(map(self.files.__getitem__, self.file_ids.tolist()))
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every slice as a plain dict with the fields of ``SliceEntry``, built in bulk."""
+        rng = self._ranges or {}
+        return [
+            {"file": f, "key": k, "offsets": o, "shape": s, "xxh3": h, "ranges": rng.get(i)}
+            for i, (f, k, o, s, h) in enumerate(
+                zip(
+                    self.file_list(),
+                    self.keys(),
+                    self.offsets.tolist(),
+                    self.shapes.tolist(),
+                    self.hash_list(),
+                    strict=True,
+                )
+            )
+        ]
+
+    def entries_at(self, ks: Sequence[int]) -> list[SliceEntry]:
+        """The slices at positions ``ks`` as ``SliceEntry`` objects (built in bulk)."""
+        if not ks:
+            return []
+        sel = np.asarray(ks, dtype=np.int64)
+        hashes = self.hash_list() if self._hashes is not None else None
+        records = [
+            {
+                "file": self.files[f],
+                "key": self.key(k),
+                "offsets": o,
+                "shape": s,
+                "xxh3": hashes[k] if hashes else None,
+                "ranges": self.ranges(k),
+            }
+            for k, f, o, s in zip(
+                ks,
+                self.file_ids[sel].tolist(),
+                self.offsets[sel].tolist(),
+                self.shapes[sel].tolist(),
+                strict=True,
+            )
+        ]
+        return entries_from_records(records)
+
+    def entries(self) -> list[SliceEntry]:
+        """Every slice as a ``SliceEntry`` (built in bulk, as the index parser builds them)."""
+        return entries_from_records(self.records())
+
+    # ------------------------------------------------------------ in bulk
+    def file_counts(self) -> dict[str, int]:
+        """How many slices each file holds, from the file spec when there is one (no per-slice array)."""
+        spec, n = self._file_spec, self._n
+        if n and isinstance(spec, int) and self._file_ids is None:
+            return {self.files[spec]: n}
+        if not n or (spec is None and self._file_ids is None):
+            return dict.fromkeys(self.files[:n], 1)
+        ids = np.asarray(spec, dtype=np.int64) if self._file_ids is None else self.file_ids
+        counts = np.bincount(ids, minlength=len(self.files)) if len(ids) else np.zeros(0, dtype=np.int64)
+        return {self.files[i]: int(counts[i]) for i in np.flatnonzero(counts).tolist()}
+
+    def distinct_files(self) -> list[str]:
+        spec = self._file_spec
+        if isinstance(spec, int):
+            return [self.files[spec]] if self._n else []
+        if spec is None and self._file_ids is None:
+            return sorted(self.files[: self._n])
+        ids = set(spec) if spec is not None else set(self.file_ids.tolist())
+        return [self.files[i] for i in sorted(ids)]
+
+    def volumes(self) -> np.ndarray:
+        return np.prod(self.shapes, axis=1, dtype=np.int64) if len(self) else np.zeros(0, dtype=np.int64)
+
+    def overlapping(self, offsets: Sequence[int], shape: Sequence[int]) -> list[int]:
+        """The non-empty slices that share an element with the box (offsets, shape), in slice order.
+
+        A grid is searched per dim (binary search on its cut points, O(nd log S)); other tables
+        with one vectorised test per slice. A 0-dim box needs every slice (there is one element).
+        """
+        nd = len(self.gshape)
+        if nd == 0 or len(offsets) == 0:
+            return list(range(len(self)))
+        if any(n == 0 for n in shape):
+            return []
+        if self.grid is not None:
+            per_dim: list[np.ndarray] = []
+            for ext, o, n in zip(self.grid, offsets, shape, strict=True):
+                e = np.asarray(ext, dtype=np.int64)
+                ends = np.cumsum(e)
+                starts = ends - e
+                first = int(np.searchsorted(ends, o, side="right"))
+                stop = int(np.searchsorted(starts, o + n, side="left"))
+                idx = np.arange(first, stop, dtype=np.int64)
+                per_dim.append(idx[e[idx] > 0])
+            if any(len(i) == 0 for i in per_dim):
+                return []
+            flat = np.zeros(1, dtype=np.int64)
+            for ext, idx in zip(self.grid, per_dim, strict=True):
+                flat = (flat[:, None] * len(ext) + idx[None, :]).reshape(-1)
+            return flat.tolist()  # type: ignore[no-any-return]
+        lo_box = np.asarray(offsets, dtype=np.int64)
+        hi_box = lo_box + np.asarray(shape, dtype=np.int64)
+        ends = self.offsets + self.shapes
+        meet = ((self.offsets < hi_box) & (ends > lo_box) & (self.shapes > 0)).all(axis=1)
+        return [int(k) for k in np.flatnonzero(meet).tolist()]
+
+    def boxes(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Every slice's ``(offsets, shape)`` as tuples (coverage messages, merges)."""
+        return [
+            (tuple(o), tuple(s)) for o, s in zip(self.offsets.tolist(), self.shapes.tolist(), strict=True)
+        ]
+
+    def coverage_problem(self) -> str | None:
+        """How the slices fail to tile the tensor exactly once, or None.
+
+        A grid tiles by construction (its extents sum to each dim, which the schema checks):
+        O(1). Listed slices that form a grid are recognised as one (``detect_grid``, O(S log S)),
+        which also makes later searches binary; the rest goes through
+        ``coverage.coverage_problem``, O(S log S).
+        """
+        if self._grid is not None or self._grid_spec is not None:
+            return None
+        if len(self.gshape) and len(self) > 1 and self.offsets.shape[1:] == (len(self.gshape),):
+            self.grid = self.detect_grid()
+            if self.grid is not None:
+                return None
+        return coverage_problem(self.gshape, self.boxes())
+
+    # ------------------------------------------------------------ writing version 3
+    def detect_grid(self) -> list[list[int]] | None:
+        """The part extents per dim when the slices are exactly the cells of a grid in C order."""
+        n, nd = self.offsets.shape if self.offsets.ndim == 2 else (len(self), 0)
+        if nd == 0 or n == 0:
+            return None
+        extents: list[list[int]] = []
+        for d in range(nd):
+            o, e = distinct_parts(self.offsets[:, d], self.shapes[:, d], self.gshape[d])
+            if o[0] != 0 or (o[1:] != o[:-1] + e[:-1]).any() or o[-1] + e[-1] != self.gshape[d]:
+                return None
+            extents.append(e.tolist())
+        if math.prod(len(e) for e in extents) != n:
+            return None
+        offs, shps = _grid_boxes(extents)
+        if not (np.array_equal(offs, self.offsets) and np.array_equal(shps, self.shapes)):
+            return None
+        return extents
+
+
+def compact_fields(
+    table: SliceTable, file_index: Mapping[str, int], remap: np.ndarray | None = None
+) -> dict[str, Any]:
+    """The version 3 fields (``grid``/``boxes``, ``file``, ``keys``, ``xxh3``) of a table.
+
+    ``file_index`` maps each file name to its position in the block's ``files`` table;
+    ``remap``, when given, is that map applied to ``table.files`` already.
+    """
+    out: dict[str, Any] = {}
+    n, nd = len(table), len(table.gshape)
+    whole = n == 1 and not table.offsets.any() and list(table.shapes[0].tolist()) == list(table.gshape)
+    if not whole:
+        extents = table.detect_grid()
+        if extents is not None:
+            out["grid"] = [
+                len(e) if e == chunk_extents(g, len(e)) else e
+                for g, e in zip(table.gshape, extents, strict=True)
+            ]
+        else:
+            out["boxes"] = np.concatenate([table.offsets, table.shapes], axis=1).reshape(n, 2 * nd).tolist()
+    if remap is None:
+        remap = np.asarray([file_index[f] for f in table.files], dtype=np.int64)
+    ids = remap[table.file_ids] if n else table.file_ids
+    if n == len(file_index) and n > 1 and (ids == np.arange(n)).all():
+        pass  # slice K in files[K]: no 'file' (one file per rank, in rank order)
+    elif n and (ids == ids[0]).all():
+        out["file"] = int(ids[0])
+    else:
+        out["file"] = ids.tolist()
+    keys = table.keys()
+    if table._keys is not None and any(k != f"{table.name}@{i}" for i, k in enumerate(keys)):
+        out["keys"] = list(keys)
+    if table.hashes is not None:
+        out["xxh3"] = table.hashes
+    return out

@@ -1,0 +1,767 @@
+"""Where checkpoint files live: one interface for a local directory and an fsspec URL.
+
+Everything that touches checkpoint bytes (the reader, the writer, the commit, listing and
+cleanup) goes through a :class:`Storage`. Two implementations:
+
+- :class:`LocalStorage`: POSIX files. Ranged reads are ``pread`` on one descriptor, writes
+  are streamed into staged files or ``pwrite``n into preallocated ones (:meth:`Storage.open_range`),
+  commits are atomic renames (``store/publish.py``).
+- :class:`FsspecStorage`: any fsspec file system (``s3://``, ``gs://``, ``az://``,
+  ``memory://``...). Ranged reads are exact ranged GETs, neighbouring ranges coalesced and
+  several in flight at once (``cat_ranges``); writes stream as multipart uploads; there is no
+  rename, so a checkpoint is committed by an object written last, with a conditional write
+  (``put(..., exclusive=True)``) where the store offers one.
+
+Writers choose how to write from what the store says it can do, never from the location:
+
+- ``range_write``: a file can be created at its final size and written at any offset
+  (:meth:`Storage.open_range`): headers rewritten in place once the data is hashed, every rank
+  writing its own bytes of a shared file. Local files yes, object stores no (an upload is
+  written front to back, once).
+- ``atomic_rename``: files are staged under hidden names and renamed into place (the commit of
+  ``store/publish.py``); without it each file is written under its final name and the index,
+  written last, is the commit (``store/publish.py``).
+- ``exclusive_put``: ``put(..., exclusive=True)`` refuses to overwrite atomically.
+- ``conditional_put``: writes and deletes conditional on an object's version (ETag), which the
+  fenced lock of ``store/lock.py`` needs.
+- ``durable_sync``: files are made durable by ``fsync`` (and take write-behind hints); an
+  upload is durable once complete.
+- ``kernel_copy``: :meth:`Storage.copy_range` copies between two files of the store in the kernel
+  (``copy_file_range``), the bytes never entering the process.
+
+Locations are strings: a local path, or a URL. :func:`open_storage` maps what a user passed
+(``"s3://bucket/run"``, ``"file:///x"``, ``"/x"``, a ``PathLike``) to ``(storage, root)``,
+where ``root`` is the location inside that storage; :meth:`Storage.join` builds locations
+below it. Credentials and endpoints come the way each ecosystem expects (``AWS_ENDPOINT_URL``,
+profiles, ...) or from ``storage_options``, passed to fsspec as is. No torch here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import posixpath
+import stat
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any, BinaryIO, Protocol
+
+import numpy as np
+
+from unickpt.errors import ConfigError, HeaderError, IncompleteCheckpointError, UnsupportedError
+from unickpt.store.storage_guard import fs_from_url, guarded, shown_url
+from unickpt.store.storage_readv import Buffers, preadv_pieces, readinto_fd, scatter
+
+__all__ = [
+    "Storage",
+    "LocalStorage",
+    "FsspecStorage",
+    "ReadHandle",
+    "Buffers",
+    "RangeFile",
+    "open_storage",
+    "is_url",
+    "coalesce",
+    "EXTRAS",
+]
+
+#: The pip extra that installs each protocol's fsspec backend.
+EXTRAS: dict[str, str] = {
+    "s3": "s3",
+    "s3a": "s3",
+    "gs": "gcs",
+    "gcs": "gcs",
+    "az": "azure",
+    "abfs": "azure",
+    "abfss": "azure",
+}
+#: Two wanted ranges closer than this are fetched as one request (the gap is read and dropped).
+COALESCE_GAP = 1 << 20
+#: A coalesced request is never made larger than this (several stay in flight instead).
+MAX_REQUEST = 64 << 20
+#: Gaps this small are always bridged (a request's own overhead is about this many bytes).
+SMALL_GAP = 4 << 10
+#: Largest single request of a read into a caller's buffer on an object store (longer reads are
+#: split so that several requests are in flight at once).
+STREAM_CHUNK = 16 << 20
+
+
+def is_url(location: str | os.PathLike[str]) -> bool:
+    """True for ``proto://...`` locations other than ``file://`` (which is a local path)."""
+    s = os.fspath(location)
+    return "://" in s and not s.startswith("file://")
+
+
+def coalesce(
+    ranges: Sequence[tuple[int, int]],
+    gap: int = COALESCE_GAP,
+    most: int = MAX_REQUEST,
+    waste: float | None = None,
+) -> list[tuple[int, int, list[int]]]:
+    """Group ``(offset, length)`` ranges into requests ``(start, end, [indexes of ranges])``.
+
+    Ranges are sorted; one joins the current request when it starts within ``gap`` bytes of its
+    end and the request stays within ``most`` bytes (a single larger range is one request).
+    With ``waste``, a gap larger than ``SMALL_GAP`` is bridged only while the request's unwanted
+    bytes stay within ``waste`` times its wanted bytes (so a load fetches at most about
+    ``1 + waste`` times what it needs, plus small gaps).
+    """
+    order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
+    out: list[tuple[int, int, list[int]]] = []
+    useful = wasted = 0
+    for i in order:
+        off, n = ranges[i]
+        if out:
+            start, end, members = out[-1]
+            hole = max(0, off - end)
+            fits = off <= end + gap and max(end, off + n) - start <= most
+            if fits and waste is not None and hole > SMALL_GAP:
+                fits = wasted + hole <= waste * (useful + n)
+            if fits:
+                out[-1] = (start, max(end, off + n), [*members, i])
+                useful += n
+                wasted += hole
+                continue
+        out.append((off, off + n, [i]))
+        useful, wasted = n, 0
+    return out
+
+
+class ReadHandle(Protocol):
+    """An open file to read ranges of: ``size`` is fixed at open (one version of the file).
+
+    Every read either returns exactly the bytes asked for or raises ``IncompleteCheckpointError``
+    naming ``path``, the bytes wanted and how many the file holds. ``readinto`` and ``readv`` read
+    into the caller's buffers: on a local file they are ``preadv`` straight into them (no copy).
+    """
+
+    size: int
+    path: str
+
+    def pread(self, offset: int, length: int) -> bytes: ...
+
+    def pread_many(self, ranges: Sequence[tuple[int, int]], gap: int = COALESCE_GAP) -> list[bytes]: ...
+
+    def readinto(self, offset: int, out: memoryview) -> None:
+        """Fill ``out`` (a byte view) with the ``out.nbytes`` bytes at ``offset``."""
+        ...
+
+    def readv(
+        self, src: np.ndarray, size: np.ndarray, buf: np.ndarray, dst: np.ndarray, buffers: Buffers
+    ) -> None:
+        """Read, for each ``i`` (sorted by ``src``), ``size[i]`` bytes at ``src[i]`` into
+        ``buffers.arrays[buf[i]][dst[i]:]`` (``store/storage_readv.py``): locally one ``preadv``
+        per run of adjacent pieces, on an object store coalesced ranged requests."""
+        ...
+
+    def descriptor(self) -> int | None:
+        """The OS descriptor of this very file (for ``copy_file_range``, ``/proc/self/fd``, or a
+        sparse-file check), kept open by the handle; None where the file has none (an object)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class RangeFile(Protocol):
+    """A file open for writes at any offset (:meth:`Storage.open_range`)."""
+
+    path: str
+
+    def pwrite(self, data: memoryview | bytes, offset: int) -> None:
+        """Write all of ``data`` at ``offset``."""
+        ...
+
+    def writeback(self, offset: int, length: int) -> None:
+        """Ask for ``length`` bytes at ``offset`` to start reaching the disk, without waiting
+        (a hint; never a substitute for :meth:`sync`)."""
+        ...
+
+    def sync(self) -> None:
+        """Make what was written durable."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Storage:
+    """The operations on checkpoint files; locations are paths or URLs below ``root``.
+
+    The class attributes below say what the store can do (the module's docstring); writers pick
+    their strategy from them."""
+
+    #: True when files can be renamed atomically (POSIX); object stores commit by a marker.
+    atomic_rename: bool = False
+    #: True when ``put(..., exclusive=True)`` refuses to overwrite on this store.
+    exclusive_put: bool = False
+    #: True when :meth:`open_range` gives a file written at any offset (``pwrite``).
+    range_write: bool = False
+    #: True when written files are made durable by ``fsync`` (:meth:`finish_write`'s ``fsync``).
+    durable_sync: bool = False
+    #: True when :meth:`copy_range` copies in the kernel, between two files of this store.
+    kernel_copy: bool = False
+    #: How users named this storage's root (for messages).
+    url: str = ""
+    #: True when every read is a request to a remote store: a load fetches the byte ranges it will
+    #: read ahead, in windows of coalesced requests in flight together, and opens files in parallel.
+    fetch_ahead: bool = False
+
+    def local_path(self, path: str) -> str | None:
+        """The OS path of ``path`` for libraries that open files by name, None where there is none."""
+        return None
+
+    def join(self, *parts: str) -> str:
+        raise NotImplementedError
+
+    def open_read(self, path: str) -> ReadHandle:
+        """Open ``path`` for ranged reads; ``IncompleteCheckpointError`` when it does not exist."""
+        raise NotImplementedError
+
+    def read_bytes(self, path: str, limit: int | None = None) -> bytes:
+        """The whole file (refused unread past ``limit`` bytes with ``IncompleteCheckpointError``
+        for a missing file, ``ValueError`` for a larger one)."""
+        h = self.open_read(path)
+        try:
+            if limit is not None and h.size > limit:
+                raise ValueError(f"{path} is {h.size} bytes, more than the {limit} allowed")
+            return h.pread(0, h.size) if h.size else b""
+        finally:
+            h.close()
+
+    def open_write(self, path: str, *, overwrite: bool = False) -> BinaryIO:
+        """A new file written front to back; :meth:`finish_write` (or ``close()``) makes it
+        whole, ``abort(f)`` drops it. ``overwrite``: an existing file is replaced (else, on a
+        store that can tell, ``FileExistsError``)."""
+        raise NotImplementedError
+
+    def finish_write(self, f: BinaryIO, *, fsync: bool = True) -> None:
+        """Make a file opened by :meth:`open_write` whole (durable with ``fsync``, where
+        ``durable_sync``) and close it; on failure it is dropped as by :meth:`abort`."""
+        try:
+            f.close()
+        except BaseException:
+            self.abort(f)
+            raise
+
+    def abort(self, f: BinaryIO) -> None:
+        """Drop a file opened by :meth:`open_write` without leaving it behind."""
+        raise NotImplementedError
+
+    def open_range(self, path: str, *, size: int | None = None, header: bytes = b"") -> RangeFile:
+        """``path`` open for writes at any offset (only where ``range_write``). With ``size``
+        the file is created (refused with ``FileExistsError`` when it exists), ``header`` at
+        its start and ``size`` bytes long; without, an existing file is opened
+        (``FileNotFoundError`` when missing)."""
+        raise UnsupportedError(f"{self.url}: this storage cannot write a file at an offset")
+
+    def copy_range(self, src_fd: int, src_off: int, dst: RangeFile, dst_off: int, n: int) -> None:
+        """Copy ``n`` bytes at ``src_off`` of the open file ``src_fd`` (a file of this store, as
+        its reader holds it) to ``dst_off`` of ``dst`` (only where ``kernel_copy``)."""
+        raise UnsupportedError(f"{self.url}: this storage has no copy between its files")
+
+    def put(self, path: str, data: bytes, *, exclusive: bool = False) -> bool:
+        """Write a small file whole. With ``exclusive``, return False (and write nothing) when
+        it already exists; atomic where ``exclusive_put`` is True."""
+        raise NotImplementedError
+
+    def replace_if(self, path: str, data: bytes, etag: str) -> bool | None:
+        """Overwrite ``path`` only while it is still the version ``etag`` (S3's ``If-Match``):
+        True when written, False when it changed or vanished, None when the store cannot."""
+        return None
+
+    def exists(self, path: str) -> bool:
+        raise NotImplementedError
+
+    def size(self, path: str) -> int:
+        raise NotImplementedError
+
+    def listdir(self, path: str) -> list[str]:
+        """Names (not paths) directly below ``path``; [] when it does not exist."""
+        raise NotImplementedError
+
+    def confined(self, base: str, name: str, where: str, entry: str) -> str:
+        """``base``/``name`` for a ``name`` read from a file (``spec/confine.py``'s plain-name
+        rule: no separator, ``..`` or hidden name), which names an entry of ``base`` and nothing
+        else; ``UnsafePathError`` naming ``where`` and ``entry`` otherwise."""
+        from unickpt.spec.confine import plain_name
+
+        return self.join(base, plain_name(name, where, entry))
+
+    def remove(self, paths: Iterable[str]) -> None:
+        """Remove files; missing ones are not an error."""
+        raise NotImplementedError
+
+    def remove_tree(self, path: str) -> None:
+        raise NotImplementedError
+
+    def rename(self, src: str, dst: str) -> None:
+        """Atomic rename (only where ``atomic_rename``)."""
+        raise UnsupportedError(f"{self.url}: this storage has no atomic rename")
+
+    def makedirs(self, path: str) -> None:
+        """Create a directory (a no-op on object stores, which have only prefixes)."""
+
+    @property
+    def conditional_put(self) -> bool:
+        """True when writes and deletes can be conditional on an object's ETag (``If-Match`` /
+        ``If-None-Match``: ``store/lock.py``'s fencing); elsewhere the callers read back and check."""
+        return False
+
+
+class _LocalRead:
+    """A local file open for reads: its descriptor, its size at open; reads are ``pread``/``preadv``."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            # O_NONBLOCK: a FIFO planted under a file's name must not block the open forever.
+            self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        except FileNotFoundError as e:
+            raise IncompleteCheckpointError(f"{path} is missing") from e
+        except IsADirectoryError as e:
+            raise HeaderError(f"{path} is a directory, not a file") from e
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise HeaderError(f"{path} is a symbolic link loop, not a file") from e
+            raise
+        try:
+            st = os.fstat(self.fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise HeaderError(f"{path} is a directory, not a file")
+            if not stat.S_ISREG(st.st_mode):
+                raise HeaderError(f"{path} is not a regular file")
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.path = path
+        self.size = st.st_size
+
+    def pread(self, offset: int, length: int) -> bytes:
+        data = os.pread(self.fd, length, offset)
+        if len(data) != length:
+            raise IncompleteCheckpointError(
+                f"{self.path}: file is truncated: wanted {length} bytes at offset {offset}, got {len(data)}"
+            )
+        return data
+
+    def pread_many(self, ranges: Sequence[tuple[int, int]], gap: int = COALESCE_GAP) -> list[bytes]:
+        return [self.pread(o, n) for o, n in ranges]
+
+    def readinto(self, offset: int, out: memoryview) -> None:
+        readinto_fd(self.fd, self.path, offset, out)
+
+    def readv(
+        self, src: np.ndarray, size: np.ndarray, buf: np.ndarray, dst: np.ndarray, buffers: Buffers
+    ) -> None:
+        preadv_pieces(self.fd, self.path, src, size, buf, dst, buffers)
+
+    def descriptor(self) -> int | None:
+        return self.fd
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+#: Bytes copied per read/write when the kernel cannot copy between two files (another device).
+_COPY_CHUNK = 4 << 20
+
+
+def pwrite_all(fd: int, data: memoryview | bytes, pos: int) -> None:
+    """``pwrite`` all of ``data`` at ``pos`` (``pwrite`` may write less than asked)."""
+    mv = memoryview(data).cast("B")
+    done = 0
+    n = mv.nbytes
+    while done < n:
+        done += os.pwrite(fd, mv[done:], pos + done)
+
+
+class LocalRange:
+    """A local file open for writes at any offset; ``fd`` is its descriptor (``O_WRONLY``)."""
+
+    def __init__(self, path: str, fd: int) -> None:
+        self.path, self.fd = path, fd
+
+    def pwrite(self, data: memoryview | bytes, offset: int) -> None:
+        pwrite_all(self.fd, data, offset)
+
+    def writeback(self, offset: int, length: int) -> None:
+        from unickpt.store.writeback import start_writeback
+
+        start_writeback(self.fd, offset, length)
+
+    def sync(self) -> None:
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+
+class LocalStorage(Storage):
+    """POSIX files below a directory."""
+
+    atomic_rename = True
+    exclusive_put = True
+    range_write = True
+    durable_sync = True
+    kernel_copy = True
+
+    def __init__(self, root: str) -> None:
+        self.url = root
+
+    def join(self, *parts: str) -> str:
+        return os.path.join(*parts)
+
+    def local_path(self, path: str) -> str | None:
+        return path
+
+    def open_read(self, path: str) -> ReadHandle:
+        return _LocalRead(path)
+
+    def open_write(self, path: str, *, overwrite: bool = False) -> BinaryIO:
+        return open(path, "wb" if overwrite else "xb")
+
+    def finish_write(self, f: BinaryIO, *, fsync: bool = True) -> None:
+        try:
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        except BaseException:
+            self.abort(f)
+            raise
+        f.close()
+
+    def abort(self, f: BinaryIO) -> None:
+        f.close()
+        self.remove([f.name])  # type: ignore[list-item]
+
+    def open_range(self, path: str, *, size: int | None = None, header: bytes = b"") -> RangeFile:
+        if size is None:
+            return LocalRange(path, os.open(path, os.O_WRONLY))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            if header:
+                pwrite_all(fd, header, 0)
+            os.ftruncate(fd, size)
+        except BaseException:
+            os.close(fd)
+            self.remove([path])
+            raise
+        return LocalRange(path, fd)
+
+    def copy_range(self, src_fd: int, src_off: int, dst: RangeFile, dst_off: int, n: int) -> None:
+        """``copy_file_range`` (a copy-on-write clone where the file system makes one); across
+        devices, or where the kernel refuses, read and written in chunks."""
+        dst_fd = dst.fd if isinstance(dst, LocalRange) else -1
+        done = 0
+        if dst_fd >= 0:
+            try:
+                while done < n:
+                    k = os.copy_file_range(src_fd, dst_fd, n - done, src_off + done, dst_off + done)
+                    if k <= 0:
+                        break
+                    done += k
+            except OSError:
+                pass  # cross-device or unsupported file system: read and write below
+        while done < n:
+            data = os.pread(src_fd, min(_COPY_CHUNK, n - done), src_off + done)
+            if not data:
+                raise IncompleteCheckpointError(
+                    f"copying to {dst.path}: the source is truncated at byte {src_off + done}"
+                )
+            dst.pwrite(data, dst_off + done)
+            done += len(data)
+
+    def put(self, path: str, data: bytes, *, exclusive: bool = False) -> bool:
+        try:
+            with open(path, "xb" if exclusive else "wb") as f:
+                f.write(data)
+        except FileExistsError:
+            return False
+        return True
+
+    def confined(self, base: str, name: str, where: str, entry: str) -> str:
+        """As :meth:`Storage.confined`, and a symbolic link resolving outside ``base`` is refused."""
+        from unickpt.spec.confine import confined_path
+
+        return confined_path(base, name, where, entry)
+
+    def exists(self, path: str) -> bool:
+        return os.path.lexists(path)
+
+    def size(self, path: str) -> int:
+        return os.stat(path).st_size
+
+    def listdir(self, path: str) -> list[str]:
+        try:
+            return sorted(os.listdir(path))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def remove(self, paths: Iterable[str]) -> None:
+        for p in paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+
+    def remove_tree(self, path: str) -> None:
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+
+    def rename(self, src: str, dst: str) -> None:
+        os.replace(src, dst)
+
+    def makedirs(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+
+class _FsspecRead:
+    def __init__(self, fs: Any, path: str, size: int) -> None:
+        self.fs, self.path, self.size = fs, path, size
+
+    def _check(self, offset: int, length: int) -> None:
+        if offset + length > self.size:
+            raise IncompleteCheckpointError(
+                f"{self.path} is truncated: wanted {length} bytes at offset {offset} of a "
+                f"{self.size}-byte object"
+            )
+
+    def pread(self, offset: int, length: int) -> bytes:
+        self._check(offset, length)
+        if length == 0:
+            return b""
+        data = bytes(self.fs.cat_file(self.path, start=offset, end=offset + length))
+        if len(data) != length:
+            raise IncompleteCheckpointError(
+                f"{self.path}: wanted {length} bytes at offset {offset}, the store returned {len(data)}"
+            )
+        return data
+
+    def pread_many(self, ranges: Sequence[tuple[int, int]], gap: int = COALESCE_GAP) -> list[bytes]:
+        """Fetch the ranges with coalesced requests (ranges less than ``gap`` apart share one;
+        ``gap=-1`` keeps even adjacent ranges apart), all in flight at once (fsspec's ``cat_ranges``)."""
+        for o, n in ranges:
+            self._check(o, n)
+        reqs = [r for r in coalesce(ranges, gap) if r[1] > r[0]]
+        got = self.fs.cat_ranges([self.path] * len(reqs), [r[0] for r in reqs], [r[1] for r in reqs])
+        out: list[bytes] = [b""] * len(ranges)
+        for (start, end, members), data in zip(reqs, got, strict=True):
+            if isinstance(data, BaseException):
+                raise IncompleteCheckpointError(f"{self.path}: reading [{start}, {end}) failed: {data}")
+            if len(data) != end - start:
+                raise IncompleteCheckpointError(
+                    f"{self.path}: wanted {end - start} bytes at offset {start}, the store returned {len(data)}"
+                )
+            view = memoryview(data)
+            for i in members:
+                o, n = ranges[i]
+                out[i] = bytes(view[o - start : o - start + n])
+        return out
+
+    def readinto(self, offset: int, out: memoryview) -> None:
+        one = np.zeros(1, dtype=np.int64)
+        n = np.asarray([out.nbytes], dtype=np.int64)
+        self.readv(one + offset, n, one, one, Buffers([out]))
+
+    def readv(
+        self, src: np.ndarray, size: np.ndarray, buf: np.ndarray, dst: np.ndarray, buffers: Buffers
+    ) -> None:
+        scatter(self.pread_many, src, size, buf, dst, buffers, STREAM_CHUNK)
+
+    def descriptor(self) -> int | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class FsspecStorage(Storage):
+    """Files on an fsspec file system (object stores have no rename: commits write a marker).
+
+    ``fs`` is kept guarded (``store/storage_guard.py``): every call into the store's client has a
+    deadline of ``timeout`` seconds (0: none; None: ``$UNICKPT_STORE_TIMEOUT``, else 120) and its
+    errors raised as ``StorageError``, credentials (``options``'s, the URL's) never in a message.
+
+    What it can do: an object is written front to back once (an upload, durable when complete),
+    so no ``range_write``, ``durable_sync`` nor ``kernel_copy``; no ``atomic_rename``;
+    ``exclusive_put`` and ``conditional_put`` on S3 (``If-None-Match: *``, ``If-Match``).
+    """
+
+    fetch_ahead = True
+    range_write = False
+    durable_sync = False
+    kernel_copy = False
+
+    def __init__(self, fs: Any, url: str, *, timeout: float | None = None, options: Any = None) -> None:
+        self.fs = guarded(fs, url, timeout, options)
+        self.url = shown_url(url)
+        protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+        self.protocol = str(protocol)
+        # s3fs sends If-None-Match: * for mode="create"; other stores get a check-then-write.
+        self.exclusive_put = self.protocol in ("s3", "s3a")
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # An async save's writer process gets the storage: the file system pickles by its
+        # arguments; the lock serialises this process's check-then-write only, so it stays here.
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def join(self, *parts: str) -> str:
+        return posixpath.join(*parts)
+
+    def open_read(self, path: str) -> ReadHandle:
+        try:
+            size = int(self.fs.size(path))
+        except FileNotFoundError as e:
+            shown = path if "://" in path else f"{self.protocol}://{path}"
+            raise IncompleteCheckpointError(f"{shown} is missing") from e
+        return _FsspecRead(self.fs, path, size)
+
+    def open_write(self, path: str, *, overwrite: bool = False) -> BinaryIO:
+        if self.protocol in ("s3", "s3a"):  # several parts in flight (store/storage_s3.py)
+            from typing import cast
+
+            from unickpt.store.storage_s3 import S3Upload
+
+            return cast(BinaryIO, S3Upload(self.fs, path))
+        f: BinaryIO = self.fs.open(path, "wb")
+        return f
+
+    def abort(self, f: BinaryIO) -> None:
+        discard = getattr(f, "discard", None)
+        if discard is not None:  # s3fs: abort the multipart upload, nothing becomes visible
+            discard()
+            with contextlib.suppress(AttributeError):  # a memory:// file is a BytesIO: closed is read-only
+                f.closed = True  # type: ignore[misc]  # fsspec files would flush again when collected
+            return
+        path = getattr(f, "path", None)
+        f.close()
+        if path is not None:
+            self.remove([path])
+
+    def put(self, path: str, data: bytes, *, exclusive: bool = False) -> bool:
+        if not exclusive:
+            self.fs.pipe_file(path, data)
+            return True
+        if self.exclusive_put:
+            try:
+                self.fs.pipe_file(path, data, mode="create")
+            except (FileExistsError, OSError) as e:
+                if isinstance(e, FileExistsError) or "PreconditionFailed" in str(e) or "412" in str(e):
+                    return False
+                raise
+            return True
+        with self._lock:  # best effort on stores without conditional writes
+            if self.fs.exists(path):
+                return False
+            self.fs.pipe_file(path, data)
+            return True
+
+    def replace_if(self, path: str, data: bytes, etag: str) -> bool | None:
+        call = getattr(self.fs, "call_s3", None)
+        if self.protocol not in ("s3", "s3a") or not callable(call):
+            return None
+        bucket, key, _ = self.fs.split_path(path)
+        try:
+            call("put_object", Bucket=bucket, Key=key, Body=data, IfMatch=etag)
+        except FileNotFoundError:
+            return False
+        except OSError as e:  # s3fs words a 412 as "... pre-conditions ... did not hold"
+            said = f"{e} {e.__cause__!r}"
+            if any(
+                w in said
+                for w in ("PreconditionFailed", "pre-conditions", "412", "ConditionalRequestConflict")
+            ):
+                return False
+            raise
+        finally:
+            self.fs.invalidate_cache(path)
+        return True
+
+    def exists(self, path: str) -> bool:
+        return bool(self.fs.exists(path))
+
+    def size(self, path: str) -> int:
+        return int(self.fs.size(path))
+
+    def listdir(self, path: str) -> list[str]:
+        try:
+            entries = self.fs.ls(path, detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        base = path.rstrip("/")
+        return sorted(posixpath.basename(str(e).rstrip("/")) for e in entries if str(e).rstrip("/") != base)
+
+    def remove(self, paths: Iterable[str]) -> None:
+        todo = [p for p in paths]
+        if not todo:
+            return
+        try:
+            self.fs.rm(todo)
+        except FileNotFoundError:
+            for p in todo:
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm_file(p)
+
+    def remove_tree(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(path, recursive=True)
+
+    # ---------------------------------------------------------------- writes
+    def makedirs(self, path: str) -> None:
+        """Object stores have prefixes only; fsspec's local-like file systems need the directory
+        before a file is opened in it. On S3, s3fs checks the bucket (one HEAD) and creates a
+        missing one: done once per endpoint and bucket in a process (every save calls this on
+        every rank, before its first upload)."""
+        if self.protocol in ("s3", "s3a"):
+            bucket = path.split("://", 1)[-1].split("/", 1)[0]
+            key = (str(getattr(self.fs, "endpoint_url", None)), bucket)
+            if key in _BUCKETS:
+                return
+            self.fs.makedirs(path, exist_ok=True)
+            _BUCKETS.add(key)
+            return
+        self.fs.makedirs(path, exist_ok=True)
+
+    @property
+    def conditional_put(self) -> bool:
+        return self.protocol in ("s3", "s3a")
+
+
+#: (endpoint, bucket) pairs known to exist in this process (``FsspecStorage.makedirs``).
+_BUCKETS: set[tuple[str, str]] = set()
+
+
+def open_storage(
+    location: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+) -> tuple[Storage, str]:
+    """``(storage, root)`` for a local path, a ``file://`` URL or an fsspec URL.
+
+    A missing fsspec backend raises ``UnsupportedError`` naming the extra that installs it
+    (``pip install unickpt[s3]``); ``storage_options`` on a local path is a ``ConfigError``;
+    a file system that cannot be made from them (an option it does not take...) a ``StorageError``.
+    The storage option ``unickpt_timeout`` (seconds, 0 for none) is the deadline of every operation
+    on the store (:class:`FsspecStorage`); without it, ``$UNICKPT_STORE_TIMEOUT``, else 120 s.
+    """
+    s = os.fspath(location)
+    if not is_url(s):
+        if storage_options:
+            raise ConfigError(f"storage_options are for fsspec URLs; {s!r} is a local path")
+        if s.startswith("file://"):
+            s = s[len("file://") :]
+        root = os.path.abspath(s)
+        return LocalStorage(root), root
+    protocol = s.split("://", 1)[0]
+    try:
+        fs, root, timeout, options = fs_from_url(s, storage_options)
+    except ImportError as e:
+        extra = EXTRAS.get(protocol)
+        hint = f"pip install 'unickpt[{extra}]'" if extra else f"install the fsspec backend for {protocol}://"
+        raise UnsupportedError(f"{s}: no file system for {protocol}:// is installed ({e}); {hint}") from e
+    return FsspecStorage(fs, s.rstrip("/"), timeout=timeout, options=options), str(root).rstrip("/")
