@@ -172,8 +172,12 @@ def locate(
                     ok &= (got == shapes).all(axis=1)
                 j = int(np.flatnonzero(~ok)[0])
                 h = headers[int(part_fids[j])]
-                err = slice_error(h, name, dtype, keys[at - len(ks) + j], shapes[j].tolist())
-                assert err is not None  # (the arrays and the entry say the same)
+                key = keys[at - len(ks) + j]
+                err = slice_error(h, name, dtype, key, shapes[j].tolist())
+                if err is None:  # the arrays and the entry disagree: a defect here, not in the file
+                    raise RuntimeError(
+                        f"internal: {h.path}: slice {key!r} of {name!r} flagged but found in order"
+                    )
                 raise err
         out.append((begin[hp], length[hp]))
     return out, matched
