@@ -2,7 +2,7 @@
 rebuilt band by band in memory (column splits, 2-D meshes, dtype casts), hashing on the way.
 
 An output file is a file a store opened for writes at offsets (``Storage.open_range``, on a store
-with ``range_write``), or a file streamed to an object store (``tools._store_out.StoreFile``);
+with ``range_write``), or a file streamed to an object store (``store.publish.StoreFile``);
 a tensor is copied in the kernel only into a file of a store with ``kernel_copy``."""
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ def write_checkpoint(
     checkpoint of either layout already there is replaced whole. Returns ``directory``.
 
     ``directory`` may be the :class:`~unickpt.store.publish.StoreOutput` of a URL output
-    (``tools._sink``): the data files are then streamed to the store under their final names and
+    (``store.publish.output_sink``): the data files are then streamed to the store under their final names and
     the index is handed to it as a commit point, written after everything else of the output.
     """
     options: dict[str, Any] = {

@@ -276,7 +276,7 @@ def import_training(
 ) -> None:
     """Write model, optimizer (``param_groups`` and ``param_state`` included) and
     ``lr_scheduler.json`` of the classified checkpoint into ``out_dir`` (a directory that
-    exists, or the output of a URL: ``tools._sink``), under a byte progress bar (``progress``).
+    exists, or the output of a URL: ``store.publish.output_sink``), under a byte progress bar (``progress``).
 
     ``train_state.*`` is not written here (see :func:`read_train_state`).
     """
