@@ -22,7 +22,7 @@ def _run(n: int, target: str, *args: Any) -> dict[str, Any]:
     return {name: [res[name].value for res in results] for name in results[0]}
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_staged_bytes_equal_written_bytes_per_rank(tmp_path: Any, n: int) -> None:
     got = _run(n, "_stage_worker:stage_cases", str(tmp_path), ["ddp", f"fsdp2x{n}"])
     for layout, per_rank in got.items():
@@ -47,6 +47,7 @@ def test_async_saves_where_a_rank_writes_nothing_2_ranks(tmp_path: Any) -> None:
         )
 
 
+@pytest.mark.slow  # the 2-rank case above runs in make test
 def test_async_gathered_save_where_ranks_hold_no_rows_4_ranks(tmp_path: Any) -> None:
     _run(4, "_stage_worker:idle_cases", str(tmp_path))
 
