@@ -11,7 +11,7 @@ and alternating within each repetition:
   (what ``parse_index`` did before it had a validator of its own; the models now only declare
   the schema, and this script is the one place that still validates an index through them);
 - new: ``parse_index`` (plain ``json.loads``, exact duplicate-key count, the index validator of
-  ``index_fast`` and ``model_construct``-style building).
+  ``index.IndexParser`` and ``model_construct``-style building).
 
 Both get the same bytes and must return equal indexes. Prints a markdown table with the median
 us per slice of each and the ratio. Not part of ``make test``.

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from unickpt.spec.index_compact import as_listed
+from unickpt.spec.index import as_listed
 from unickpt.spec.naming import SLICED_SENTINEL
 
 INDEX = "model.safetensors.index.json"

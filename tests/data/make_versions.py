@@ -9,7 +9,7 @@ Each ``v<N>/`` holds, as the writers of version N wrote them:
 
 and ``expected.safetensors`` (plain safetensors) the tensors they hold, model and optimizer
 (``state.<fqn>.<key>``), for bit-exact comparisons. Written with unickpt at commit dcdde7a (run from an export of it),
-the last one whose writers wrote every version (``index_compact.as_version``, the version 1
+the last one whose writers wrote every version (``index.as_version``, the version 1
 fingerprint); this script does not run against later code and is kept as the record of how the
 fixtures were made.
 """
@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 
 from unickpt import GeneralCheckpointIO
 from unickpt.spec.hashing import fingerprint_of_array  # type: ignore[attr-defined]
-from unickpt.spec.index_compact import as_version  # type: ignore[attr-defined]
+from unickpt.spec.index import as_version  # type: ignore[attr-defined]
 from unickpt.spec.naming import LONG_SLICED_SENTINEL  # type: ignore[attr-defined]
 from unickpt.tools._write import SliceData, TensorData, write_checkpoint
 

@@ -143,7 +143,7 @@ def patched(module: Any, name: str, value: Any) -> Iterator[None]:
 
 def flip_bit_in_slice(directory: Path, tensor: str, row0: int) -> str:
     """Flip one bit in the stored slice of ``tensor`` whose first row is ``row0``; return its file name."""
-    from unickpt.spec.index_compact import as_listed
+    from unickpt.spec.index import as_listed
 
     index = as_listed(json.loads((directory / "model.safetensors.index.json").read_text()))
     (sl,) = [s for s in index["unickpt"]["tensors"][tensor]["slices"] if s["offsets"][0] == row0]

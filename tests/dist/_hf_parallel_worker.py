@@ -188,7 +188,7 @@ def flipped_byte_case(root: str) -> str:
     """One flipped byte inside the range rank 2 wrote: verify names it; load_model(verify=True) refuses."""
     from unickpt.errors import IntegrityError
     from unickpt.spec.index import load_index
-    from unickpt.ckpt.range_hashes import RangeFailure
+    from unickpt.ckpt.reader import RangeFailure
     from unickpt.ckpt.safetensors_io import read_header
     from unickpt.tools.verify import verify_checkpoint
 

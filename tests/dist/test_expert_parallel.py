@@ -472,7 +472,7 @@ def test_checkpoints_across_ep_sizes(world_pool: WorldPool, s3: Any, tmp_path: P
     # the FSDP rows, the replicated step counters) and, on top, the metadata, the first
     # HEADER_PROBE bytes of each file it opens (its header, whatever data follows) and what a
     # prefetch may bridge; nothing of the other rank's experts: half of those would be more.
-    from unickpt.ckpt.reader_storage import HEADER_PROBE, PREFETCH_WASTE
+    from unickpt.ckpt.reader import HEADER_PROBE, PREFETCH_WASTE
 
     ckpt = tmp_path / "ep4"
     meta, experts = _metadata_bytes(ckpt), _expert_bytes(ckpt)

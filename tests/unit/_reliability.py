@@ -17,7 +17,7 @@ from torch import nn
 
 from unickpt import GeneralCheckpointIO
 from unickpt.ckpt.safetensors_io import SafetensorsWriter
-from unickpt.spec.index_compact import as_listed
+from unickpt.spec.index import as_listed
 from unickpt.wrappers import OptimizerWrapper
 
 INDEX = "model.safetensors.index.json"

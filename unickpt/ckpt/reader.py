@@ -20,45 +20,71 @@ Opening is here too: ``open_checkpoint`` for a local path or a URL. A location w
 (``Storage.local_path``) is examined with the file system's own checks (what stands where a file
 should be, another tool's checkpoint); otherwise ``locate`` finds what the location holds and
 fetches the index bytes (one rank of a distributed load) and ``open_located`` parses them and
-builds the reader (every rank). The modules below build blocks (``reader_blocks``), read through
-a Storage (``reader_storage``) and check byte ranges (``range_hashes``); none of them imports
-this one.
+builds the reader (every rank). The sections below: the blocks a reader builds itself, reads
+through the Storage, per-range hashes, what a local path holds instead, and what the reader
+checks of each data file.
+
+Blocks a reader builds for itself: from a single file's header metadata, from a plain Hugging
+Face index, and what kind of checkpoint a file is (``file_kind``).
+
+No file handle is kept here: each function reads what it needs and returns plain values.
+
+What a ``CheckpointReader`` (whose base class this is) checks of each data file against its index.
+
+- the file is of the save the index records (:meth:`FileChecks.check_same_save`);
+- it has room for the slices the index stores in it (the bounds of ``spec/bounds.py``),
+  checked as its header is read (:meth:`FileChecks._check_entries`, called by
+  ``CheckpointReader.header``), before any per-slice key or array of those slices is built;
+- a single file holds the slices and bytes its block declares; tools that read no header
+  (``inspect``) check the index against the files' sizes (:meth:`FileChecks.check_capacity`).
+
+The reader's access to data files through a Storage: headers, index and ranged reads.
+
+Every checkpoint is read through ``store/storage.py``: a local directory through a
+``LocalStorage`` (descriptors, ``pread``/``preadv`` straight into the caller's buffers), an
+``s3://``, ``gs://``, ``memory://``... location through an ``FsspecStorage`` (exact ranged
+requests, neighbouring ones coalesced and several in flight). The checks are the same (strict
+header validation, save ids matched to the index, the same error classes), and every message
+names the file or URL. No torch here.
+
+A data file is opened once: its size is fixed at open, its header is read with one ranged
+read (``HEADER_PROBE`` bytes; a second one when the header is longer), and its tensor bytes
+through the same handle. On a store that fetches ahead (``Storage.fetch_ahead``), the ranges a
+load will read are fetched first (:class:`Prefetched`) and the reads they cover are served from
+memory (:class:`PrefetchedRead`).
+
+Below the reader: nothing here builds a ``CheckpointReader``. Opening a checkpoint on a URL
+(``reader.locate``, ``reader.open_located``) stands on :func:`fetch_index` and :func:`open_header`.
+
+Checking a slice's byte ranges (``SliceEntry.ranges``, docs/format.md 5.1) while it is read (no torch).
+
+A gathered save written by several ranks records, instead of one xxh3-64 of a tensor's bytes
+(which no rank could compute alone), the xxh3-64 of each range of bytes one rank wrote.
+:class:`RangeChecker` takes the slice's bytes in order, in chunks of any size, and names every
+range whose bytes do not hash to the recorded value, so a damaged range is pinpointed.
+
+What the reader says about a local path that holds no checkpoint (for its error messages).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import posixpath
-from collections.abc import Callable, Iterator
+import stat
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
+import xxhash
 
 from unickpt.ckpt.consistency import check_block, check_keys_referenced
 from unickpt.ckpt.dcp_hf import block_from_dcp_hf, dcp_hf_files
 from unickpt.ckpt.foreign import foreign_dir
-from unickpt.ckpt.range_hashes import has_hashes, slice_failures
-from unickpt.ckpt.reader_blocks import (
-    UNICKPT_METADATA_KEY,
-    block_from_header,
-    block_from_plain_index,
-    file_kind,
-    single_file_name,
-)
-from unickpt.ckpt.reader_checks import FileChecks
-from unickpt.ckpt.reader_paths import hint_foreign, hint_other_files, not_regular
-from unickpt.ckpt.reader_storage import (
-    Prefetched,
-    PrefetchedRead,
-    fetch_index,
-    iter_handle,
-    no_path,
-    open_header,
-    read_into,
-    read_runs,
-)
-from unickpt.ckpt.safetensors_io import SafetensorsHeader
+from unickpt.ckpt.safetensors_io import SafetensorsHeader, header_from_bytes, read_header
 from unickpt.ckpt.slice_spans import Spans, all_referenced, locate_all, slice_error
 from unickpt.errors import (
     CheckpointChangedError,
@@ -67,10 +93,15 @@ from unickpt.errors import (
     IncompleteCheckpointError,
     IndexFileError,
     IntegrityFailure,
+    UnsafePathError,
+    UnsupportedError,
 )
+from unickpt.spec._json import strict_loads
+from unickpt.spec.bounds import capacity_problem, entries_problem, slices_per_file
 from unickpt.spec.dtypes import itemsize
 from unickpt.spec.hashing import SliceHasher
 from unickpt.spec.index import (
+    MAX_INDEX_BYTES,
     IndexFile,
     SliceEntry,
     TensorEntry,
@@ -78,11 +109,21 @@ from unickpt.spec.index import (
     check_file_name,
     load_index,
     parse_index,
+    validate_block,
 )
-from unickpt.spec.naming import index_name, single_name
-from unickpt.store.storage import LocalStorage, ReadHandle, Storage, open_storage
+from unickpt.spec.naming import index_name, shown, single_name
+from unickpt.store.publish import SAVE_ID_KEY
+from unickpt.store.storage import (
+    MAX_REQUEST,
+    STREAM_CHUNK,
+    Buffers,
+    LocalStorage,
+    ReadHandle,
+    Storage,
+    coalesce,
+    open_storage,
+)
 
-# file_kind, single_file_name and the metadata key live in reader_blocks; re-exported.
 __all__ = [
     "CheckpointReader",
     "open_checkpoint",
@@ -94,7 +135,543 @@ __all__ = [
     "UNICKPT_METADATA_KEY",
     "describe",
     "file_kind",
+    "block_from_header",
+    "block_from_plain_index",
+    "FileChecks",
+    "shown",
+    "HEADER_PROBE",
+    "open_header",
+    "read_into",
+    "iter_handle",
+    "read_runs",
+    "fetch_index",
+    "Prefetched",
+    "PrefetchedRead",
+    "STREAM_CHUNK",
+    "RangeChecker",
+    "RangeFailure",
+    "check_ranges",
+    "has_hashes",
+    "slice_failures",
+    "hint_foreign",
+    "hint_other_files",
+    "not_regular",
+    "regular_size",
 ]
+
+
+# ---------------------------------------------------------------- blocks the reader builds itself (a single file, a plain Hugging Face index)
+UNICKPT_METADATA_KEY = "unickpt"
+
+
+def block_from_header(h: SafetensorsHeader, kind: str) -> tuple[UnickptBlock, bool]:
+    """The unickpt block of a single-file checkpoint, or one synthesised for a plain file."""
+    file = single_file_name(h.path, kind)
+    raw = h.metadata.get(UNICKPT_METADATA_KEY)
+    if raw is not None:
+        try:
+            obj = strict_loads(raw, IndexFileError, f"{h.path}: the unickpt metadata block")
+            tensors = obj.get("tensors") if isinstance(obj, dict) else None
+            if isinstance(tensors, dict):
+                # Slices of a single file live in that file, whatever it was renamed to.
+                for t in tensors.values():
+                    slices = t.get("slices") if isinstance(t, dict) else None
+                    for s in slices if isinstance(slices, list) else []:
+                        if isinstance(s, dict):
+                            s["file"] = file
+                if isinstance(obj.get("files"), list):  # the compact encoding's file table
+                    obj["files"] = [file] * len(obj["files"])
+            block = validate_block(obj, h.path, "the unickpt metadata block")
+        except CheckpointFormatError:
+            raise
+        except (ValueError, RecursionError) as e:
+            raise IndexFileError(f"{h.path}: the unickpt metadata block is invalid: {e}") from None
+        if block.kind != kind:
+            raise IndexFileError(
+                f"{h.path}: holds a checkpoint of kind {block.kind!r} (its unickpt metadata), expected {kind!r}"
+            )
+        return block, True
+    tensors = {
+        k: TensorEntry(
+            dtype=e.dtype,
+            shape=list(e.shape),
+            slices=[SliceEntry(file=file, key=k, offsets=[0] * len(e.shape), shape=list(e.shape))],
+        )
+        for k, e in h.entries.items()
+    }
+    return UnickptBlock(kind="model" if kind == "model" else "optimizer", tensors=tensors), False
+
+
+def single_file_name(path: str, kind: str) -> str:
+    """The data-file name a single-file checkpoint's slices record: its own name when that is a
+    valid data-file name, else ``<kind>.safetensors`` (a file saved onto e.g. a temporary file
+    named ``tmpab12cd``); the reader maps every slice to the file it opened either way."""
+    name = os.path.basename(path)
+    try:
+        check_file_name(name)
+    except UnsafePathError:
+        return single_name("model" if kind == "model" else "optimizer")
+    return name
+
+
+def block_from_plain_index(
+    idx: IndexFile,
+    directory: str,
+    path: str,
+    kind: str,
+    header_of: Callable[[str], SafetensorsHeader] | None = None,
+) -> UnickptBlock:
+    """Synthesise the slice table of a plain Hugging Face sharded checkpoint from its headers,
+    read with ``header_of(file name)`` (the reader's: through its Storage; left out, the local
+    files of ``directory``)."""
+    tensors: dict[str, TensorEntry] = {}
+    for file in sorted(set(idx.weight_map.values())):
+        if file.endswith(".bin"):
+            raise CheckpointFormatError(
+                f"{path}: shard {file!r} is a pickle (.bin) file; convert it first with "
+                "`unickpt convert --from bin` (read with torch.load(weights_only=True))"
+            )
+        h = header_of(file) if header_of is not None else read_header(os.path.join(directory, file))
+        for k, e in h.entries.items():
+            if idx.weight_map.get(k) != file:
+                continue
+            tensors[k] = TensorEntry(
+                dtype=e.dtype,
+                shape=list(e.shape),
+                slices=[SliceEntry(file=file, key=k, offsets=[0] * len(e.shape), shape=list(e.shape))],
+            )
+    missing = sorted(set(idx.weight_map) - set(tensors))
+    if missing:
+        raise IndexFileError(
+            f"{path}: weight_map names {len(missing)} tensor(s) absent from their files, e.g. {missing[:3]}"
+        )
+    return UnickptBlock(kind="model" if kind == "model" else "optimizer", tensors=tensors)
+
+
+def file_kind(path: str) -> str | None:
+    """The ``kind`` recorded in a single safetensors file's unickpt metadata, or None (plain file,
+    unreadable metadata: opening the file reports it)."""
+    try:
+        raw = read_header(path).metadata.get(UNICKPT_METADATA_KEY)
+        obj = strict_loads(raw, IndexFileError, path) if raw is not None else None
+    except CheckpointFormatError:
+        return None
+    kind = obj.get("kind") if isinstance(obj, dict) else None
+    return kind if kind in ("model", "optimizer") else None
+
+
+# ---------------------------------------------------------------- reads through the Storage, prefetched windows
+#: Bytes asked for when a data file is opened: the length prefix and (nearly always) the header.
+HEADER_PROBE = 8 << 10
+#: A prefetch bridges gaps between wanted ranges only while it fetches at most this fraction
+#: more than it needs (gaps under ``storage.SMALL_GAP`` aside).
+PREFETCH_WASTE = 1 / 16
+#: A prefetch fetches each file's part of a window in about ``PREFETCH_SPLIT`` requests in flight
+#: at once (one stream of an object store is slower than several), each between
+#: ``PREFETCH_PIECE`` and ``MAX_REQUEST`` bytes (fewer, larger requests as windows grow: stores
+#: cap the requests per second of a prefix).
+PREFETCH_SPLIT = 4
+PREFETCH_PIECE = 4 << 20
+
+
+def open_header(storage: Storage, path: str) -> tuple[ReadHandle, SafetensorsHeader]:
+    """Open a data file on ``storage`` and validate its header: ``(handle, header)`` of one version.
+
+    ``IncompleteCheckpointError`` when it is missing; ``HeaderError`` naming ``path`` when the
+    header is not a valid safetensors header of this file's size.
+    """
+    handle = storage.open_read(path)
+    try:
+        first = handle.pread(0, min(handle.size, HEADER_PROBE))
+        h = header_from_bytes(first, handle.size, path, handle.pread)
+    except BaseException:
+        handle.close()
+        raise
+    return handle, h
+
+
+def read_into(handle: ReadHandle, offset: int, length: int, out: memoryview | None = None) -> memoryview:
+    """``length`` bytes at ``offset``, into ``out`` when given (``handle.readinto``: no copy locally)."""
+    target = out if out is not None else memoryview(bytearray(length))
+    if length:
+        handle.readinto(offset, target[:length])
+    return target[:length]
+
+
+def read_runs(handle: ReadHandle, runs: Sequence[tuple[int, int]], out: memoryview) -> None:
+    """Read the ``(offset, length)`` runs of a file, in order, back to back into ``out``, with one
+    vectored read (``handle.readv``: locally a ``preadv`` per run of adjacent runs)."""
+    keep = [(o, n) for o, n in runs if n]
+    if not keep:
+        return
+    src = np.asarray([o for o, _ in keep], dtype=np.int64)
+    size = np.asarray([n for _, n in keep], dtype=np.int64)
+    dst = np.concatenate(([0], np.cumsum(size)[:-1])).astype(np.int64)
+    order = np.argsort(src, kind="stable")
+    buffers = Buffers([out])
+    src, size, dst = src[order], size[order], dst[order]
+    buf = np.zeros(len(src), dtype=np.int64)
+    buffers.check(buf, dst, size)
+    handle.readv(src, size, buf, dst, buffers)
+
+
+def iter_handle(handle: ReadHandle, offset: int, length: int, chunk: int = STREAM_CHUNK) -> Iterator[bytes]:
+    """Yield the bytes [offset, offset+length) of a file in chunks (one ranged request each)."""
+    end = offset + length
+    pos = offset
+    while pos < end:
+        n = min(chunk, end - pos)
+        yield handle.pread(pos, n)
+        pos += n
+
+
+def fetch_index(storage: Storage, path: str) -> bytes:
+    """The bytes of an index file on ``storage`` (``IndexFileError`` past ``MAX_INDEX_BYTES``)."""
+    try:
+        return storage.read_bytes(path, limit=MAX_INDEX_BYTES)
+    except ValueError:
+        raise IndexFileError(
+            f"{path}: {storage.size(path)} bytes exceeds the {MAX_INDEX_BYTES}-byte limit for an index"
+        ) from None
+
+
+def no_path(url: str) -> UnsupportedError:
+    return UnsupportedError(f"{url} is on an object store: it has no local path to open")
+
+
+class PrefetchedRead:
+    """A data file's handle whose reads are served from :class:`Prefetched` blocks where they
+    cover them, from the file otherwise (the reader owns and closes the file's own handle)."""
+
+    def __init__(self, handle: ReadHandle, blocks: Prefetched, name: str) -> None:
+        self.handle, self.blocks, self.name = handle, blocks, name
+        self.size, self.path = handle.size, handle.path
+
+    def pread(self, offset: int, length: int) -> bytes:
+        hit = self.blocks.get(self.name, offset, length)
+        return bytes(hit) if hit is not None else self.handle.pread(offset, length)
+
+    def pread_many(self, ranges: Sequence[tuple[int, int]], gap: int = -1) -> list[bytes]:
+        return [self.pread(o, n) for o, n in ranges]
+
+    def readinto(self, offset: int, out: memoryview) -> None:
+        hit = self.blocks.get(self.name, offset, out.nbytes)
+        if hit is None:
+            self.handle.readinto(offset, out)
+        else:
+            out[:] = hit
+
+    def readv(
+        self, src: np.ndarray, size: np.ndarray, buf: np.ndarray, dst: np.ndarray, buffers: Buffers
+    ) -> None:
+        miss = np.ones(len(src), dtype=bool)
+        for i, (o, n, k, d) in enumerate(
+            zip(src.tolist(), size.tolist(), buf.tolist(), dst.tolist(), strict=True)
+        ):
+            hit = self.blocks.get(self.name, o, n)
+            if hit is not None:
+                buffers.piece(k, d, n)[:] = np.frombuffer(hit, dtype=np.uint8)
+                miss[i] = False
+        if miss.any():
+            self.handle.readv(src[miss], size[miss], buf[miss], dst[miss], buffers)
+
+    def descriptor(self) -> int | None:
+        return self.handle.descriptor()
+
+    def close(self) -> None:
+        pass
+
+
+class Prefetched:
+    """Byte ranges of data files fetched ahead of their reads (coalesced, all in flight at once).
+
+    A load on a URL knows every range it will read before it copies anything: fetching them in
+    one batch per file turns hundreds of small per-tensor requests into a few large ones. Reads
+    that a prefetched block covers are served from it; others go to the store as usual.
+    """
+
+    def __init__(self) -> None:
+        self._blocks: dict[str, list[tuple[int, bytes]]] = {}
+
+    def fetch(
+        self, handles: dict[str, ReadHandle], wanted: dict[str, list[tuple[int, int]]], threads: int
+    ) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        def one(name: str) -> tuple[str, list[tuple[int, bytes]]]:
+            reqs = [(a, b - a) for a, b, _ in coalesce(wanted[name], waste=PREFETCH_WASTE) if b > a]
+            total = sum(n for _, n in reqs)
+            step = min(MAX_REQUEST, max(PREFETCH_PIECE, -(-total // PREFETCH_SPLIT)))
+            pieces = [(o + at, min(step, n - at)) for o, n in reqs for at in range(0, n, step)]
+            got = handles[name].pread_many(pieces, gap=-1)  # grouped already: one request per piece
+            return name, sorted(zip((o for o, _ in pieces), got, strict=True))
+
+        # Ranges a block fetched earlier holds (a verified load's hashed slices) are not fetched again.
+        wanted = {n: [r for r in rs if not self.covers(n, *r)] for n, rs in wanted.items()}
+        names = [n for n in wanted if wanted[n]]
+        with ThreadPoolExecutor(max(1, min(threads, len(names))), thread_name_prefix="unickpt-fetch") as pool:
+            for name, blocks in pool.map(one, names):
+                self._blocks.setdefault(name, []).extend(blocks)
+
+    def get(self, name: str, offset: int, length: int) -> memoryview | None:
+        """The prefetched bytes [offset, offset+length) of file ``name``, or None when not all fetched."""
+        out: bytearray | None = None
+        pos = offset
+        end = offset + length
+        for start, data in self._blocks.get(name, ()):
+            if start <= pos < start + len(data):
+                take = min(end, start + len(data)) - pos
+                view = memoryview(data)[pos - start : pos - start + take]
+                if pos == offset and take == length:
+                    return view
+                if out is None:
+                    out = bytearray()
+                out += view
+                pos += take
+                if pos >= end:
+                    return memoryview(out)
+        return None if length else memoryview(b"")
+
+    def covers(self, name: str, offset: int, length: int) -> bool:
+        """True when [offset, offset+length) of file ``name`` lies within one fetched block."""
+        return length == 0 or any(
+            start <= offset and offset + length <= start + len(data)
+            for start, data in self._blocks.get(name, ())
+        )
+
+    def clear(self) -> None:
+        self._blocks.clear()
+
+
+# ---------------------------------------------------------------- per-range hashes of slices written by several ranks
+class RangeFailure(IntegrityFailure):
+    """One byte range of a slice whose bytes do not hash to the recorded value."""
+
+    __slots__ = ("end", "start")
+
+    def __init__(
+        self, tensor: str, file: str, key: str, start: int, end: int, expected: str, found: str
+    ) -> None:
+        super().__init__(tensor, file, key, expected, found)
+        self.start = start
+        self.end = end
+
+    def __str__(self) -> str:
+        return (
+            f"tensor {self.tensor!r} in file {self.file!r} (stored as {self.key!r}): bytes "
+            f"[{self.start}, {self.end}) of the tensor: expected xxh3-64 {self.expected}, found {self.found}"
+        )
+
+
+def has_hashes(s: SliceEntry) -> bool:
+    """Whether a slice records any hash of its bytes (``xxh3`` or ``ranges``)."""
+    return s.xxh3 is not None or s.ranges is not None
+
+
+class RangeChecker:
+    """Feed a slice's bytes in order (``update``); ``failures()`` names each range that differs."""
+
+    def __init__(self, tensor: str, s: SliceEntry) -> None:
+        self.tensor, self.slice = tensor, s
+        self._ranges = list(s.ranges or [])
+        self._i = 0
+        self._pos = 0
+        self._h = xxhash.xxh3_64()
+        self._bad: list[RangeFailure] = []
+
+    def update(self, data: bytes | memoryview) -> None:
+        mv = memoryview(data).cast("B")
+        while mv.nbytes and self._i < len(self._ranges):
+            r = self._ranges[self._i]
+            take = min(mv.nbytes, r.end - self._pos)
+            self._h.update(mv[:take])
+            self._pos += take
+            mv = mv[take:]
+            if self._pos == r.end:
+                self._close(r.start, r.end, r.xxh3, self._h.hexdigest())
+                self._h = xxhash.xxh3_64()
+                self._i += 1
+
+    def _close(self, start: int, end: int, expected: str, found: str) -> None:
+        if found != expected:
+            s = self.slice
+            self._bad.append(RangeFailure(self.tensor, s.file, s.key, start, end, expected, found))
+
+    def failures(self, unreadable: str | None = None) -> list[RangeFailure]:
+        """The ranges that differ; with ``unreadable`` (why reading stopped), every range not fully read."""
+        if unreadable is not None or self._pos < (self._ranges[-1].end if self._ranges else 0):
+            why = unreadable or "unreadable (the slice ended early)"
+            for r in self._ranges[self._i :]:
+                self._bad.append(
+                    RangeFailure(self.tensor, self.slice.file, self.slice.key, r.start, r.end, r.xxh3, why)
+                )
+            self._i = len(self._ranges)
+        return list(self._bad)
+
+
+def check_ranges(tensor: str, s: SliceEntry, chunks: Iterable[bytes | memoryview]) -> list[RangeFailure]:
+    """Every range of ``s`` whose bytes (``chunks``, the whole slice in order) differ from the record."""
+    c = RangeChecker(tensor, s)
+    for data in chunks:
+        c.update(data)
+    return c.failures()
+
+
+def slice_failures(
+    tensor: str, s: SliceEntry, chunks: Iterable[bytes | memoryview]
+) -> list[IntegrityFailure]:
+    """Rehash a slice's bytes (``chunks``, the whole slice in order) against its ``xxh3`` and each of
+    its ``ranges``; the failures (empty when every recorded hash matches)."""
+    h = xxhash.xxh3_64() if s.xxh3 is not None else None
+    c = RangeChecker(tensor, s) if s.ranges is not None else None
+    for data in chunks:
+        if h is not None:
+            h.update(data)
+        if c is not None:
+            c.update(data)
+    out: list[IntegrityFailure] = list(c.failures()) if c is not None else []
+    if h is not None and s.xxh3 is not None and h.hexdigest() != s.xxh3:
+        out.append(IntegrityFailure(tensor, s.file, s.key, s.xxh3, h.hexdigest()))
+    return out
+
+
+# ---------------------------------------------------------------- what a local path holds instead of a checkpoint
+def regular_size(path: str) -> int | None:
+    """The size of the regular file at ``path`` (links followed); None when there is none."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+
+def not_regular(path: str) -> str:
+    """What stands at ``path`` instead of a regular file (for messages)."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "a symbolic link loop"
+        if os.path.islink(path):
+            return "a dangling symbolic link"
+        return f"unreadable ({e.strerror})"
+    if stat.S_ISDIR(st.st_mode):
+        return "a directory"
+    if stat.S_ISFIFO(st.st_mode):
+        return "a FIFO"
+    if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
+        return "a device"
+    if stat.S_ISSOCK(st.st_mode):
+        return "a socket"
+    return "not a regular file"
+
+
+def hint_other_files(directory: str) -> str:
+    """For a directory without a committed checkpoint: name the .safetensors files it does hold.
+
+    A directory is never guessed from its data files (they may be those of an interrupted
+    save); a single file of another name is loaded by passing its path.
+    """
+    try:
+        names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
+    except OSError:
+        return ""
+    if not names:
+        return ""
+    shown = ", ".join(ascii(n) if not n.isprintable() else repr(n) for n in names[:3])
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return (
+        f"; it holds {len(names)} other .safetensors file(s) ({shown}{more}): to load a single-file "
+        "checkpoint of another name, pass the path of the file itself"
+    )
+
+
+def hint_foreign(directory: str) -> str:
+    """For a directory without a committed checkpoint: what other tool's checkpoint it holds, if
+    any, and the ``convert`` command that reads it (``ckpt/foreign.py``'s rules)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return ""
+    other = foreign_dir(names, lambda n: os.listdir(os.path.join(directory, n)))
+    return "" if other is None else f"; {other.hint(directory)}"
+
+
+# ---------------------------------------------------------------- what the reader checks of each data file
+
+
+class FileChecks:
+    """What a reader checks of each data file against its index: its save, its room for slices."""
+
+    # Set by CheckpointReader.
+    block: UnickptBlock
+    directory: str
+    has_unickpt_block: bool
+    index_path: str | None
+    single_file: str | None
+    storage: Storage
+    _headers: dict[str, SafetensorsHeader]
+    _file_slices: dict[str, int] | None
+
+    def file_path(self, name: str) -> str:  # pragma: no cover - CheckpointReader's
+        raise NotImplementedError
+
+    def _index_changed(self) -> bool:  # pragma: no cover - CheckpointReader's
+        raise NotImplementedError
+
+    def check_same_save(self, name: str, metadata: dict[str, str] | None) -> None:
+        """Raise ``CheckpointChangedError`` unless ``metadata`` (a header's) is of this checkpoint's save."""
+        found = (metadata or {}).get(SAVE_ID_KEY)
+        # A file that names no save (older writers, edited metadata) is not refused: every writer
+        # of this version names its save. A unickpt index without a save id (older writers) never
+        # names a file that has one; a plain Hugging Face index says nothing about saves.
+        if found is not None and found != self.block.save_id and self.has_unickpt_block:
+            raise CheckpointChangedError(
+                f"{self.file_path(name)}: written by save {found}, but the index "
+                f"{self.index_path or self.directory} records "
+                f"{'save ' + self.block.save_id if self.block.save_id else 'no save id'}: a save "
+                "replaced the checkpoint while it was read; load it again"
+            )
+
+    def _check_entries(self, name: str, h: SafetensorsHeader) -> None:
+        """The slices the index stores in data file ``name`` fit the entries its size leaves room
+        for: checked as the header is read, before any per-slice key or array is built (fewer
+        entries than that are the per-slice checks' to name: a key the file lacks)."""
+        if self._file_slices is None:
+            self._file_slices = slices_per_file(self.block.tensors)
+        self._refuse(entries_problem(name, self._file_slices.get(name, 0), h.file_size, h.path))
+
+    def file_size(self, name: str) -> int | None:
+        """Data file ``name``'s size; None where it is not known without opening the file (a store
+        without OS paths, before its header is read) or when it is not a regular file (reading its
+        header says what it is)."""
+        h = self._headers.get(name)
+        if h is not None:
+            return h.file_size
+        path = self.storage.local_path(self.file_path(name))
+        return None if path is None else regular_size(path)
+
+    def check_single_file(self, name: str, h: SafetensorsHeader) -> None:
+        """A single file's block stores no more slices and bytes in it than it can hold."""
+        self._check_entries(name, h)
+        self.check_capacity(lambda f: h.file_size if f == name else None)
+
+    def check_capacity(self, size_of: Callable[[str], int | None], with_bytes: bool = True) -> None:
+        """The index declares no more slices (and, ``with_bytes``, bytes) than its data files, of
+        the sizes ``size_of`` gives (None: unknown), can hold."""
+        self._refuse(capacity_problem(self.block.tensors, size_of, with_bytes))
+
+    def _refuse(self, problem: str | None) -> None:
+        """``IndexFileError`` naming the index for ``problem``; ``CheckpointChangedError`` when a
+        save replaced the index since it was read (the files are then another save's)."""
+        if problem is None:
+            return
+        if self._index_changed():
+            raise CheckpointChangedError(
+                f"{self.index_path}: the data files do not match the index, which is no longer the one "
+                "read: a save replaced the checkpoint; load it again"
+            )
+        raise IndexFileError(f"{self.index_path or self.single_file or self.directory}: {problem}")
 
 
 @dataclass
@@ -111,7 +688,7 @@ class CheckpointReader(FileChecks):
     # name its slices use for it (the file's own name when it is a safe one).
     single_file: str | None = None
     single_slice_file: str | None = None
-    # The store every file is read through (``ckpt/reader_storage.py``): ``directory`` and
+    # The store every file is read through (``ckpt/reader.py``): ``directory`` and
     # ``index_path`` are locations in it (URLs on an object store). Left out, a LocalStorage.
     storage: Storage = field(default=None, repr=False)  # type: ignore[assignment]
 

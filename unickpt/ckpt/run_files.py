@@ -174,7 +174,7 @@ class RunFiles:
         """The validated safetensors header of ``path`` (at a URL: one or two ranged requests)."""
         if self.local:
             return read_header(path)
-        from unickpt.ckpt.reader_storage import open_header
+        from unickpt.ckpt.reader import open_header
 
         handle, header = open_header(self.storage, path)
         handle.close()

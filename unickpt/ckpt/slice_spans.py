@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from unickpt.ckpt.reader_checks import shown
 from unickpt.ckpt.safetensors_io import SafetensorsHeader
 from unickpt.errors import HeaderError
+from unickpt.spec.naming import shown
 from unickpt.spec.safetensors_bulk import dtype_code
 
 __all__ = [

@@ -41,11 +41,17 @@ from unickpt.ckpt.reader import UNICKPT_METADATA_KEY
 from unickpt.ckpt.safetensors_io import SafetensorsWriter, encode_header
 from unickpt.spec.dtypes import itemsize
 from unickpt.spec.hashing import combine_partials, finalize_fingerprint, hash_block
-from unickpt.spec.index import IndexFile, IndexMetadata, LayoutInfo, SliceEntry, TensorEntry, UnickptBlock
-from unickpt.spec.index_compact import compact_tensors
-from unickpt.spec.lazy_slices import LazySlices
+from unickpt.spec.index import (
+    IndexFile,
+    IndexMetadata,
+    LayoutInfo,
+    SliceEntry,
+    TensorEntry,
+    UnickptBlock,
+    compact_tensors,
+)
 from unickpt.spec.naming import SLICED_SENTINEL, single_name
-from unickpt.spec.slice_table import SliceTable
+from unickpt.spec.slice_table import LazySlices, SliceTable
 from unickpt.store.lock import Fence
 from unickpt.store.publish import (
     SAVE_ID_KEY,
@@ -274,7 +280,7 @@ def build_block(
     **extras: Any,
 ) -> UnickptBlock:
     """The unickpt block (``extras``: ``param_groups``, ``param_state`` ...), each tensor's slices
-    described compactly (``index_compact``; a tensor with byte-range hashes stays listed)."""
+    described compactly (``index.compact_tensors``; a tensor with byte-range hashes stays listed)."""
     tensors, extras["files"] = compact_tensors(tensors)
     return UnickptBlock(
         kind=kind,  # type: ignore[arg-type]

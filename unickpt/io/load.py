@@ -42,9 +42,8 @@ from unickpt._faults import maybe_fail
 from unickpt._rng import keeps_python_random
 from unickpt.ckpt import reader as reader_mod
 from unickpt.ckpt.consistency import check_keys_referenced
-from unickpt.ckpt.range_hashes import has_hashes, slice_failures
 from unickpt.ckpt.read_batch import ReadBatch, table_spans
-from unickpt.ckpt.reader import CheckpointReader, open_checkpoint, open_located
+from unickpt.ckpt.reader import CheckpointReader, has_hashes, open_checkpoint, open_located, slice_failures
 from unickpt.ckpt.slice_spans import FileNumbers, all_referenced, locate
 from unickpt.errors import (
     HeaderError,

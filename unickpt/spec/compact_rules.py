@@ -1,6 +1,6 @@
 """The rules of version 3's compact slice fields (docs/format.md 3.1), checked once their types are.
 
-The index parser (``index_fast``) calls them on what it reads, and ``index_models``' validators
+The index parser (``index.IndexParser``) calls them on what it reads, and ``index_models``' validators
 on what code builds, so a rule is written once.
 """
 

@@ -4,27 +4,90 @@ The index is input, not truth: every index is checked against the schema before 
 names is opened. The schema is declared once, in :mod:`unickpt.spec.index_models` (the
 pydantic models, their bounds and rules, every file name checked with
 :func:`check_file_name`); :func:`parse_index` checks it with the one validator of
-:mod:`unickpt.spec.index_fast`, which reads that declaration and calls the same rule functions
+:mod:`unickpt.spec.index`, which reads that declaration and calls the same rule functions
 (no index is validated through the models). ``docs/format.md`` is the normative spec;
 ``docs/index.schema.json`` is exported from :class:`IndexFile` and a test keeps the two in step.
+
+The index validator: the schema of ``index_models`` checked in one plain pass over the JSON.
+
+``parse_index`` goes through here and nowhere else (the pydantic models declare the schema and
+export ``docs/index.schema.json``; no index is validated through them). It parses with plain
+``json.loads`` and checks duplicate keys by counting colons (``_json.colon_budget``); pauses the
+garbage collector while it builds the tree (``gc_paused``); checks listed slices with
+C-level bulk operations over the whole table (``bulk_slices``) and, for a table the
+bulk checks do not take (an unusual key order, byte ranges, or a problem), row by row
+(``IndexParser.slices_rows``), which names the first offending slice; and everything else with
+plain code driven by the schema's one definition in ``index_models`` (field lists, bounds and
+choices, and the rule functions). It builds the objects the models describe (``model_construct``,
+or the attributes it sets, in bulk), and refuses with an ``IndexFileError`` (``UnsafePathError``
+for a data file name) whose message names the file, the field (``unickpt.tensors.NAME.slices.K
+.offsets.0``), what was expected and what was found.
+
+Bulk checks and construction of a tensor's slices for ``parse_index``.
+
+Checks what the schema says of a :class:`~unickpt.spec.slice_table.SliceEntry` and of a
+slice's bounds within its tensor, for the usual input (every slice an object with the fields in
+model order), with C-level bulk operations over the whole table instead of a Python loop per
+slice, and builds the slices as ``model_construct`` would. A table it does not take (None: an
+unusual key order, byte ranges, or a problem) is checked row by row by
+``IndexParser.slices_rows``, which names the first offending slice.
+
+Writing the compact encoding: every tensor's slices turned into the compact fields of docs/format.md 3.1.
+
+Writers hand over tensors whose slices are a list of ``SliceEntry`` (or, without any per-slice
+object, a ``LazySlices`` over a ``SliceTable``); :func:`compact_tensors` builds the block's file
+table and each tensor's ``grid`` (or ``boxes``), ``file``, ``keys`` and ``xxh3`` from the tables,
+in bulk: O(S) numpy work plus O(S log S) for the grid detection, no per-slice model.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import errno
 import functools
+import gc
+import itertools
 import json
+import operator
 import os
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, NoReturn, TypeVar, cast
 
-from unickpt.errors import IndexFileError
-from unickpt.spec._json import check_unicode, colon_budget
+import numpy as np
+from annotated_types import Ge, Lt
+from pydantic import BaseModel, Strict
+
+from unickpt.errors import CheckpointFormatError, IndexFileError, UnsafePathError
+from unickpt.spec import index_models as models
+from unickpt.spec._json import check_unicode, colon_budget, count_pairs_and_colons, json_depth, strict_loads
 from unickpt.spec.bounds import read_bounded
-from unickpt.spec.index_bulk import gc_paused
-from unickpt.spec.index_fast import IndexParser
-
-# The schema (index_models) is re-exported: callers import the models from here.
+from unickpt.spec.digest_text import DigestTextError, block_from_json, block_to_json
+from unickpt.spec.dtypes import DTYPE_ITEMSIZE
 from unickpt.spec.index_models import FORMAT_VERSION as FORMAT_VERSION
+from unickpt.spec.index_models import (
+    HASHES,
+    HEX16,
+    HEX16_BODY,
+    KINDS,
+    MAX_DIM,
+    MAX_STATE_DEPTH,
+    MIN_POSITIVE,
+    SAVE_ID,
+    SAVE_ID_BODY,
+    Hex16,
+    NonNeg,
+    alias_problem,
+    attach_tables,
+    compact_problem,
+    fields_of,
+    files_problem,
+    ranges_problem,
+    shape_problem,
+    slice_problem,
+    strict_metadata_ok,
+)
 from unickpt.spec.index_models import KNOWN_FORMAT_VERSIONS as KNOWN_FORMAT_VERSIONS
 from unickpt.spec.index_models import MAX_INDEX_BYTES as MAX_INDEX_BYTES
 from unickpt.spec.index_models import IndexFile as IndexFile
@@ -34,8 +97,813 @@ from unickpt.spec.index_models import SliceEntry as SliceEntry
 from unickpt.spec.index_models import TensorEntry as TensorEntry
 from unickpt.spec.index_models import UnickptBlock as UnickptBlock
 from unickpt.spec.index_models import check_file_name as check_file_name
+from unickpt.spec.slice_table import (
+    NO_HASH,
+    LazySlices,
+    SliceTable,
+    compact_fields,
+    entries_from_records,
+)
+from unickpt.spec.versioning import OtherFormatVersion, version_error
 
-__all__ = ["parse_index", "load_index", "index_to_json"]
+__all__ = [
+    "parse_index",
+    "load_index",
+    "index_to_json",
+    "IndexParser",
+    "SCHEMA_MISMATCH",
+    "validate_block",
+    "construct",
+    "bulk_slices",
+    "compact_field_colons",
+    "compact_field_problem",
+    "found_text",
+    "gc_paused",
+    "SLICE_FIELDS",
+    "SLICE_REQUIRED",
+    "compact_tensors",
+    "named_table",
+    "as_listed",
+]
+
+
+# ---------------------------------------------------------------- a listed index's slices checked and built in bulk
+_M = TypeVar("_M", bound=BaseModel)
+
+SLICE_FIELDS, SLICE_REQUIRED = fields_of(SliceEntry)
+# Fields the bulk path never takes: a slice with byte ranges goes through slices_slow.
+_SLOW_FIELDS = frozenset({"ranges"})
+# Key orders of a slice object that the bulk path takes as is (what unickpt writes): every
+# other field in model order, or the required ones only. Anything else goes through slices_slow.
+_FULL_LAYOUT = tuple(f for f in SLICE_FIELDS if f not in _SLOW_FIELDS)
+_SLICE_LAYOUTS = frozenset({_FULL_LAYOUT, tuple(f for f in SLICE_FIELDS if f in SLICE_REQUIRED)})
+_HEX_DIGITS_COMMA = b"0123456789abcdef,"
+_hashes = re.compile(HASHES).fullmatch
+_get_file = operator.itemgetter("file")
+_get_key = operator.itemgetter("key")
+_get_offsets = operator.itemgetter("offsets")
+_get_shape = operator.itemgetter("shape")
+_get_xxh3 = operator.itemgetter("xxh3")
+_setattr = object.__setattr__
+
+
+_consume: Callable[[Iterable[Any]], None] = collections.deque(maxlen=0).extend
+_DICT, _LIST, _INT, _STR = {dict}, {list}, {int}, {str}
+
+
+def construct(cls: type[_M], given: dict[str, Any], fields_set: set[str], extra: dict[str, Any] | None) -> _M:
+    """What validation builds from already-checked ``given`` fields (defaults filled by model_construct).
+
+    ``fields_set`` is every key of the input object (pydantic counts extra keys as set too);
+    ``extra`` the extra members of an ``extra="allow"`` model ({} when none), None otherwise.
+    """
+    m = cls.model_construct(_fields_set=fields_set, **given)
+    if extra is not None:
+        _setattr(m, "__pydantic_extra__", extra)
+    return m
+
+
+def bulk_slices(
+    gshape: list[int], sl: list[Any], shared: dict[tuple[str, ...], set[str]]
+) -> tuple[list[Any], int, int, set[str]] | None:
+    """One tensor's slices checked and built with C-level bulk operations; None to take the slow path.
+
+    Returns (slices: a ``LazySlices`` over the slices' table, object members, ':' in the slices'
+    keys, distinct file names). Checks what
+    ``SliceEntry`` and ``TensorEntry._slices_in_bounds`` check, for the usual input: every slice
+    an object with the fields in model order (all, or the required ones), integers that are
+    ints, strings that are strings. Nothing is modified before every check has passed.
+    """
+    n = len(sl)
+    if not n:
+        return [], 0, 0, set()
+    if set(map(type, sl)) != _DICT:
+        return None
+    layouts = set(map(tuple, sl))
+    if not layouts <= _SLICE_LAYOUTS:
+        return None
+    nd = len(gshape)
+    offsets = list(map(_get_offsets, sl))
+    shapes = list(map(_get_shape, sl))
+    try:
+        if set(map(len, offsets)) != {nd} or set(map(len, shapes)) != {nd}:
+            return None
+    except TypeError:  # a number, null or boolean
+        return None
+    if not nd:
+        if set(map(type, offsets)) != _LIST or set(map(type, shapes)) != _LIST:
+            return None
+    else:
+        # Flattening a string or an object of length nd gives strings, caught below with
+        # everything else that is not an int: only lists get through.
+        flat_o = list(itertools.chain.from_iterable(offsets))
+        flat_n = list(itertools.chain.from_iterable(shapes))
+        if set(map(type, flat_o)) != _INT or set(map(type, flat_n)) != _INT:
+            return None
+        if min(flat_o) < 0 or min(flat_n) < 0:
+            return None
+        # o + n <= g on every dim (g < 2**62, so every o and n is below the NonNeg bound too).
+        if not all(map(operator.le, map(operator.add, flat_o, flat_n), itertools.cycle(gshape))):
+            return None
+    try:
+        file_list = list(map(_get_file, sl))
+        files = set(file_list)
+        key_list = list(map(_get_key, sl))
+        keys = "".join(key_list)  # TypeError unless every key is a str
+    except TypeError:
+        return None
+    if set(map(type, files)) != _STR:
+        return None
+    complete = layouts == {_FULL_LAYOUT}
+    hashes = list(map(_get_xxh3, sl)) if complete else [s.get("xxh3") for s in sl]
+    try:
+        joined = ",".join(hashes)
+    except TypeError:  # a null (or not a string)
+        hashes = [h for h in hashes if h is not None]
+        try:
+            joined = ",".join(hashes)
+        except TypeError:
+            return None
+    # Every hash 16 lower-case hex digits: 17 x count - 1 ASCII characters, a ',' at every 17th
+    # place and nowhere else, nothing but hex digits around them.
+    if hashes and not (
+        len(joined) == 17 * len(hashes) - 1
+        and joined.isascii()
+        and joined.count(",") == len(hashes) - 1
+        and joined[16::17] == "," * (len(hashes) - 1)
+        and not joined.encode().translate(None, _HEX_DIGITS_COMMA)
+    ):
+        return None
+    pairs = len(_FULL_LAYOUT) * n if complete else sum(map(len, sl))
+    if complete:
+        # Every slice has every field (what writers write): the slices become their table's
+        # arrays at once, no SliceEntry per slice (the list builds them from the table, with the
+        # same fields and fields set, if anything iterates it: see LazySlices).
+        ids = {f: i for i, f in enumerate(dict.fromkeys(file_list))}  # in order of first use
+        file_ids = np.fromiter(map(ids.__getitem__, file_list), np.int64, n)
+        if len(hashes) == n:
+            stored: str | None = "".join(hashes)
+        elif hashes:
+            stored = "".join(NO_HASH if h is None else h for h in map(_get_xxh3, sl))
+        else:
+            stored = None
+        table = SliceTable(
+            "",
+            gshape,
+            np.array(flat_o if nd else [], dtype=np.int64).reshape(n, nd),
+            np.array(flat_n if nd else [], dtype=np.int64).reshape(n, nd),
+            file_ids,
+            sorted(ids, key=ids.__getitem__),
+            key_list,
+            stored,
+        )
+        return LazySlices(table), pairs, keys.count(":"), files
+    # What model_construct sets, in four C-level passes: the parsed objects become the slices'
+    # __dict__ as they are (fields in model order). Slices with the same keys share one fields
+    # set (``shared``, one per index): pydantic never changes the set of a frozen model (model_copy
+    # copies it first), and a set of five names costs about 0.5 KB and 0.4 us per slice.
+    for layout in layouts:
+        if layout not in shared:
+            shared[layout] = set(layout)
+    fields_sets = list(map(shared.__getitem__, map(tuple, sl)))
+    for s in sl:
+        s.setdefault("xxh3", None)  # appended last: the field order holds
+    for f in _SLOW_FIELDS:  # absent from every slice taken here; appended last, in model order
+        _consume(map(dict.setdefault, sl, itertools.repeat(f), itertools.repeat(None)))
+    return entries_from_records(sl, fields_sets), pairs, keys.count(":"), files
+
+
+def compact_field_colons(k: str, x: Any) -> int | None:
+    """Type checks of a version 3 tensor field (``grid``, ``boxes``, ``file``, ``keys``, ``xxh3``)
+    in bulk, as the models declare them; returns the ':' its strings hold, or None when in doubt
+    (the models then decide and word the error). ``compact_problem`` checks the rest."""
+    if x is None:
+        return 0
+    if k == "xxh3":
+        return 0 if type(x) is str and _concatenated_hashes(x) else None
+    if k == "keys":
+        if type(x) is not list or set(map(type, x)) - _STR:
+            return None
+        return "".join(x).count(":")
+    if k == "file":
+        ints = [x] if type(x) is int else x if type(x) is list else None
+        if ints is None:
+            return None
+    else:  # grid: ints and lists of ints; boxes: lists of ints
+        if type(x) is not list:
+            return None
+        lists = [i for i in x if type(i) is list]
+        scalars = [i for i in x if type(i) is not list]
+        if (k == "boxes" and scalars) or (
+            scalars and (set(map(type, scalars)) - _INT or min(scalars) < MIN_POSITIVE)
+        ):
+            return None
+        ints = list(itertools.chain.from_iterable(lists))
+    if ints and (set(map(type, ints)) - _INT or min(ints) < 0 or max(ints) >= MAX_DIM):
+        return None
+    return 0
+
+
+def compact_field_problem(k: str, x: Any) -> tuple[str, str, Any]:
+    """Where ``compact_field_colons`` found a problem in compact field ``k``: (the item's path
+    below the field, ``""`` or ``".3"`` or ``".1.0"``; what was expected there; what was found)."""
+    if k == "xxh3":
+        return "", "null or a string of 16 lower-case hex digits ('-' x 16: none) per slice", x
+    if k == "file":
+        if type(x) is list:
+            for i, f in enumerate(x):
+                if not _file_id(f):
+                    return f".{i}", "a file index: an integer >= 0 below 2**62", f
+        return "", "null, a file index (an integer >= 0 below 2**62) or an array of them", x
+    what = {"keys": "strings", "grid": "part counts or arrays of extents", "boxes": "arrays of integers"}
+    if type(x) is not list:
+        return "", f"null or an array of {what[k]}", x
+    for i, item in enumerate(x):
+        if k == "keys":
+            if type(item) is not str:
+                return f".{i}", "a string", item
+            continue
+        if type(item) is not list:
+            if k == "boxes":
+                return f".{i}", "an array of integers (offsets then shape)", item
+            if type(item) is not int or not MIN_POSITIVE <= item < MAX_DIM:
+                return (
+                    f".{i}",
+                    f"a part count (an integer >= {MIN_POSITIVE} below 2**62) or an array of extents",
+                    item,
+                )
+            continue
+        for j, n in enumerate(item):
+            if not _file_id(n):
+                return f".{i}.{j}", "an integer >= 0 below 2**62", n
+    raise AssertionError(f"compact field {k!r} has no problem")  # pragma: no cover - never
+
+
+def _file_id(v: Any) -> bool:
+    return type(v) is int and 0 <= v < MAX_DIM
+
+
+def _concatenated_hashes(x: str) -> bool:
+    """``x`` matches ``HASHES``: a regex pass costs about 0.1 us per character (0.6 s for 370k
+    slices), so hex digits alone are checked with one C-level ``bytes.translate`` instead."""
+    if "-" in x or len(x) % 16 or not x.isascii():
+        return _hashes(x) is not None
+    return not x.encode("ascii").translate(None, _HEX_DIGITS_COMMA[:16])
+
+
+def found_text(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return repr(v) if len(v) <= 80 else f"{v[:77]!r}..."
+    return "an array" if isinstance(v, list) else "an object" if isinstance(v, dict) else type(v).__name__
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector (process-wide) while a large JSON tree and its models are built.
+
+    The tree and the models hold no reference cycles, so pausing frees nothing less; it spares
+    the collector walking every new container again and again (about 2 us per slice). On success
+    the new objects are then moved to the oldest generation (``gc.freeze()`` + ``gc.unfreeze()``,
+    two list splices), as repeated collections would have done, instead of leaving millions of
+    young objects for the next two collections to walk (about 1 us per slice more). Skipped when
+    the process keeps objects frozen itself, so as not to unfreeze them.
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+        if was and gc.get_freeze_count() == 0:
+            gc.freeze()
+            gc.unfreeze()
+    finally:
+        if was:
+            gc.enable()
+
+
+# ---------------------------------------------------------------- the compact encoding written
+def named_table(name: str, t: TensorEntry) -> SliceTable:
+    """``t``'s slice table, with the tensor's name (the ``NAME@K`` key rule needs it)."""
+    return t.table.renamed(name)
+
+
+def compact_tensors(tensors: Mapping[str, TensorEntry]) -> tuple[dict[str, TensorEntry], list[str]]:
+    """(the tensors in their compact form, the block's ``files`` table: sorted distinct names)."""
+    tables = {name: named_table(name, t) for name, t in tensors.items()}
+    # Tables often share one file list (a plan's): each distinct list is read once.
+    tables_files = {id(table.files): table.files for table in tables.values()}
+    files = sorted({f for names in tables_files.values() for f in names})
+    index = {f: i for i, f in enumerate(files)}
+    remaps = {k: np.asarray([index[f] for f in names], dtype=np.int64) for k, names in tables_files.items()}
+    out: dict[str, TensorEntry] = {}
+    for name, t in tensors.items():
+        if t.table.ranges_count():
+            out[name] = t  # byte-range hashes have no compact form: listed
+            continue
+        fields = compact_fields(tables[name], index, remaps[id(tables[name].files)])
+        common = {k: v for k in ("fingerprint", "param", "state") if (v := getattr(t, k)) is not None}
+        out[name] = TensorEntry(dtype=t.dtype, shape=list(t.shape), **common, **fields)
+    return out, files
+
+
+def as_listed(obj: dict[str, Any]) -> dict[str, Any]:
+    """A parsed index JSON object (``json.loads``) with every compact tensor's slices listed
+    (``slices``, as a tensor with byte-range hashes is written; readers take either form): tools
+    and tests that edit slice objects. Changed in place, returned."""
+    given = obj.get("unickpt")
+    if not isinstance(given, dict):
+        return obj
+    block = obj["unickpt"] = block_from_json(given)[0]
+    files = block.pop("files", None)
+    for name, t in block["tensors"].items():
+        if "slices" in t:
+            continue
+        fields = {k: t.pop(k, None) for k in ("grid", "boxes", "file", "keys", "xxh3")}
+        table = SliceTable.from_compact(name, t["shape"], files or [], **fields)
+        t["slices"] = [s.model_dump(exclude_none=True) for s in table.entries()]
+    block_to_json(block)
+    return obj
+
+
+# ---------------------------------------------------------------- the one validator (IndexParser)
+_TENSOR_FIELDS, _TENSOR_REQUIRED = fields_of(models.TensorEntry)
+_LAYOUT_FIELDS, _LAYOUT_REQUIRED = fields_of(models.LayoutInfo)
+_BLOCK_FIELDS, _BLOCK_REQUIRED = fields_of(models.UnickptBlock)
+_RANGE_FIELDS, _RANGE_REQUIRED = fields_of(models.ByteRange)
+_VERSIONS = " or ".join(map(str, KNOWN_FORMAT_VERSIONS))
+_KIND_CHOICES = " or ".join(map(repr, KINDS))
+_hex16 = re.compile(HEX16_BODY).fullmatch
+_save_id = re.compile(SAVE_ID_BODY).fullmatch
+#: The words every schema refusal of ``parse_index`` starts with (after the file's path).
+SCHEMA_MISMATCH = "index does not match the unickpt index schema"
+# The fields whose checks IndexParser writes out (a rule, a bulk path or a case of their own),
+# per model. Every other field is checked by the plain check its declared type calls for
+# (_plain_check, read from index_models: str, str | None, a bounded strict int, a strict bool,
+# list[NonNeg], Hex16 | None); a field of any other type fails at import until it gets a check.
+CUSTOM_FIELDS: dict[type[BaseModel], frozenset[str]] = {
+    models.IndexFile: frozenset({"metadata", "weight_map", "unickpt"}),
+    models.IndexMetadata: frozenset(),
+    models.UnickptBlock: frozenset(
+        {"format_version", "kind", "files", "layout", "tensors", "aliases"}
+        | {"param_groups", "param_state", "save_id"}
+    ),
+    models.LayoutInfo: frozenset({"mesh"}),
+    models.TensorEntry: frozenset({"dtype", "slices", "grid", "boxes", "file", "keys", "xxh3"}),
+    models.SliceEntry: frozenset({"file", "ranges"}),
+    models.ByteRange: frozenset({"xxh3"}),  # a range's digest is not optional
+}
+
+
+class IndexParser:
+    """One pass over the decoded index of ``path``: checks, counts members and colons, builds the models.
+
+    ``again`` gives the index's text once more, for the rare refusals that need it: a duplicate
+    key (the colon count finds one, ``strict_loads`` names it) and a schema problem found in a
+    text that may also hold a duplicate key (reported first, as the JSON's own problem).
+    """
+
+    __slots__ = ("again", "budget", "colons", "files", "mismatch", "pairs", "path", "shared")
+
+    def __init__(self, path: str, budget: int | None, again: Callable[[], str], what: str = "index") -> None:
+        self.path = path
+        self.mismatch = f"{path}: {what} does not match the unickpt index schema"
+        self.budget = budget  # colon_budget(raw): None when the text escapes a colon
+        self.again = again
+        self.pairs = 0  # members of every JSON object met
+        self.colons = 0  # ':' in every string met that may hold one
+        self.files: set[str] = set()  # distinct slice file names
+        self.shared: dict[tuple[str, ...], set[str]] = {}  # fields sets of slices, by key order
+
+    def parse(self, box: list[str]) -> models.IndexFile:
+        """Parse the text in the one-item list ``box``, taken out of it and dropped once decoded."""
+        what = f"{self.path}: index"
+        text = box.pop()
+        if self.budget is None:  # an escaped colon: the count cannot tell duplicates apart
+            obj = strict_loads(text, IndexFileError, what)
+        else:
+            try:
+                obj = json.loads(text)
+            except (ValueError, RecursionError):
+                strict_loads(text, IndexFileError, what)  # words the problem
+                raise IndexFileError(f"{what} is not valid JSON") from None
+        del text
+        if type(obj) is not dict:
+            raise IndexFileError(f"{what} must be a JSON object with a 'weight_map'")
+        try:
+            index = self.index(obj)
+        except CheckpointFormatError:
+            if self.budget is not None:
+                strict_loads(self.again(), IndexFileError, what)  # a duplicate key is reported first
+            raise
+        except DigestTextError as e:
+            if self.budget is not None:
+                strict_loads(self.again(), IndexFileError, what)
+            raise IndexFileError(f"{self.mismatch}: unickpt: {e}") from None
+        except OtherFormatVersion as e:
+            raise version_error(self.path, e.version) from None
+        if self.budget is not None and self.pairs + self.colons != self.budget:
+            strict_loads(self.again(), IndexFileError, what)  # names the duplicate key
+            raise IndexFileError(f"{what} has a duplicate key")  # never: the count is exact
+        return index
+
+    # ------------------------------------------------------------------ refusals
+    def refuse(
+        self, where: str, problem: str, error: type[CheckpointFormatError] = IndexFileError
+    ) -> NoReturn:
+        raise error(f"{self.mismatch}: {where}: {problem}")
+
+    def expected(self, where: str, expected: str, value: Any) -> NoReturn:
+        self.refuse(where, f"expected {expected}, found {found_text(value)}")
+
+    # ------------------------------------------------------------------ values
+    def walk(self, v: Any) -> None:
+        p, c = count_pairs_and_colons(v)
+        self.pairs += p
+        self.colons += c
+
+    def string(self, v: Any, where: str, colons: bool = True) -> str:
+        if type(v) is not str:
+            self.expected(where, "a string", v)
+        if colons:
+            self.colons += v.count(":")
+        return v
+
+    def integer(self, v: Any, where: str, lo: int, hi: int | None = None) -> int:
+        if type(v) is int and v >= lo and (hi is None or v < hi):
+            return v
+        bound = (
+            f" below 2**{hi.bit_length() - 1}" if hi == MAX_DIM else f" below {hi}" if hi is not None else ""
+        )
+        self.expected(where, f"an integer >= {lo}{bound}", v)
+
+    def optional_string(self, v: Any, where: str) -> str | None:
+        return None if v is None else self.string(v, where)
+
+    def boolean(self, v: Any, where: str) -> bool:
+        if type(v) is not bool:
+            self.expected(where, "true or false", v)
+        return v
+
+    def dims(self, v: Any, where: str) -> list[int]:
+        if type(v) is not list:
+            self.expected(where, "an array of integers", v)
+        for i, x in enumerate(v):
+            self.integer(x, f"{where}.{i}", 0, MAX_DIM)
+        return v
+
+    def hex16(self, v: Any, where: str) -> str | None:
+        if v is None or (type(v) is str and _hex16(v)):
+            return v
+        self.expected(where, f"null or a string matching {HEX16}", v)
+
+    def obj(self, v: Any, where: str, fields: tuple[str, ...], required: frozenset[str]) -> dict[str, Any]:
+        """An object of an ``extra="forbid"`` model: no unknown key, every required key."""
+        if type(v) is not dict:
+            self.expected(where, "an object", v)
+        for k in v:
+            if k not in fields:
+                self.refuse(f"{where}.{k}", f"unexpected key (the fields are {', '.join(fields)})")
+        for k in fields:
+            if k in required and k not in v:
+                self.refuse(f"{where}.{k}", "missing (a required field)")
+        self.pairs += len(v)
+        return v
+
+    # ------------------------------------------------------------------ the index
+    def index(self, obj: dict[str, Any]) -> models.IndexFile:
+        self.pairs += len(obj)
+        given: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
+        for k, v in obj.items():
+            if k == "metadata":
+                if obj.get("unickpt") is None and not strict_metadata_ok(v):
+                    given[k] = self.informational_metadata(v)
+                else:
+                    given[k] = self.metadata(v)
+            elif k == "weight_map":
+                given[k] = self.weight_map(v)
+            elif k == "unickpt":
+                given[k] = None if v is None else self.block(v)
+            else:
+                self.colons += k.count(":")
+                self.walk(v)
+                extra[k] = v
+        if "weight_map" not in given:
+            self.refuse("weight_map", "missing (a required field)")
+        return construct(models.IndexFile, given, set(obj), extra)
+
+    def metadata(self, v: Any) -> models.IndexMetadata:
+        if type(v) is not dict:
+            self.expected("metadata", "an object", v)
+        self.pairs += len(v)
+        given: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
+        for k, x in v.items():
+            check = _META_PLAIN.get(k)
+            if check is not None:
+                given[k] = check(self, x, f"metadata.{k}")
+            else:
+                self.colons += k.count(":")
+                self.walk(x)
+                extra[k] = x
+        return construct(models.IndexMetadata, given, set(v), extra)
+
+    def informational_metadata(self, v: Any) -> models.IndexMetadata:
+        """A plain Hugging Face index's metadata that a unickpt index could not have: Hugging Face
+        reads only ``weight_map`` (Colossal-AI writes total_size in MB as a float), so its
+        ``total_size`` is dropped (and the whole of anything that is not an object)."""
+        self.walk(v)
+        kept = {k: x for k, x in v.items() if k != "total_size"} if type(v) is dict else {}
+        return construct(models.IndexMetadata, {}, set(kept), kept)
+
+    def weight_map(self, v: Any) -> dict[str, str]:
+        if type(v) is not dict:
+            self.expected("weight_map", "an object", v)
+        self.pairs += len(v)
+        self.colons += "".join(v).count(":")
+        for k, f in v.items():
+            if type(f) is not str:
+                self.expected(f"weight_map.{k}", "a string", f)
+        for name in set(v.values()):  # a safe name holds no ':' (the colon count skips them)
+            try:
+                check_file_name(name)
+            except UnsafePathError:
+                k = next(k for k, f in v.items() if f == name)
+                self.safe_names({name}, f"weight_map[{k!r}]")
+        return v
+
+    def safe_names(self, names: set[str], where: str = "") -> None:
+        for name in names:
+            try:
+                check_file_name(name, where)
+            except UnsafePathError as e:
+                raise UnsafePathError(f"{self.path}: {e}") from None
+
+    def block(self, v: Any) -> models.UnickptBlock:
+        v, fewer = block_from_json(v)  # the text form (base64url digests, default dtype)
+        self.pairs += fewer
+        b = self.obj(v, "unickpt", _BLOCK_FIELDS, _BLOCK_REQUIRED)
+        given: dict[str, Any] = {}
+        for k, x in b.items():
+            where = f"unickpt.{k}"
+            check = _BLOCK_PLAIN.get(k)
+            if check is not None:
+                given[k] = check(self, x, where)
+            elif k == "format_version":
+                if type(x) is not int:
+                    self.expected(where, f"the integer {_VERSIONS}", x)
+                if x not in KNOWN_FORMAT_VERSIONS:
+                    self.expected(where, f"{_VERSIONS} (a format version this reader knows)", x)
+                given[k] = x
+            elif k == "kind":
+                if type(x) is not str or x not in KINDS:
+                    self.expected(where, _KIND_CHOICES, x)
+                given[k] = x
+            elif k == "layout":
+                given[k] = self.layout(x)
+            elif k == "files":
+                if x is not None:
+                    if type(x) is not list:
+                        self.expected(where, "null or an array of file names", x)
+                    for i, f in enumerate(x):
+                        self.string(f, f"{where}.{i}", colons=False)  # safe names hold no ':'
+                    self.files |= set(x)
+                given[k] = x
+            elif k == "tensors":
+                given[k] = self.tensors(x)
+            elif k == "aliases":
+                if type(x) is not dict:
+                    self.expected(where, "an object", x)
+                for a, t in x.items():
+                    if type(t) is not str:
+                        self.expected(f"{where}.{a}", "a string", t)
+                self.walk(x)
+                given[k] = dict(x)
+            elif k == "param_groups":
+                if x is not None:
+                    if type(x) is not list:
+                        self.expected(where, "null or an array of objects", x)
+                    for i, g in enumerate(x):
+                        if type(g) is not dict:
+                            self.expected(f"{where}.{i}", "an object", g)
+                    self.state_depth(x, where)
+                    self.walk(x)
+                    x = [dict(g) for g in x]
+                given[k] = x
+            elif k == "save_id":
+                if x is not None and (type(x) is not str or _save_id(x) is None):
+                    self.expected(where, f"null or a string matching {SAVE_ID}", x)
+                given[k] = x
+            else:  # param_state
+                if type(x) is not dict:
+                    self.expected(where, "an object", x)
+                for p, st in x.items():
+                    if type(st) is not dict:
+                        self.expected(f"{where}.{p}", "an object", st)
+                self.state_depth(x, where)
+                self.walk(x)
+                given[k] = {p: dict(st) for p, st in x.items()}
+        # The rules that span the block's fields.
+        tensors = given["tensors"]
+        problem = files_problem(given.get("files"), tensors)
+        if problem is not None:
+            self.refuse("unickpt", problem)
+        self.safe_names(self.files)
+        problem = alias_problem(given.get("aliases", {}), tensors)
+        if problem is not None:
+            self.refuse("unickpt.aliases", problem)
+        attach_tables(given.get("files"), tensors)
+        return construct(models.UnickptBlock, given, set(b), None)
+
+    def state_depth(self, x: Any, where: str) -> None:
+        if json_depth(x, MAX_STATE_DEPTH + 1) > MAX_STATE_DEPTH:
+            self.refuse(where, f"nested deeper than {MAX_STATE_DEPTH} levels")
+
+    def layout(self, v: Any) -> models.LayoutInfo:
+        d = self.obj(v, "unickpt.layout", _LAYOUT_FIELDS, _LAYOUT_REQUIRED)
+        given: dict[str, Any] = {}
+        for k, x in d.items():
+            where = f"unickpt.layout.{k}"
+            check = _LAYOUT_PLAIN.get(k)
+            if check is not None:
+                given[k] = check(self, x, where)
+            else:  # mesh
+                if type(x) is not dict:
+                    self.expected(where, "an object", x)
+                self.pairs += len(x)
+                self.colons += "".join(x).count(":")
+                for axis, size in x.items():
+                    self.integer(size, f"{where}.{axis}", MIN_POSITIVE)
+                given[k] = dict(x)
+        return construct(models.LayoutInfo, given, set(d), None)
+
+    def tensors(self, v: Any) -> dict[str, models.TensorEntry]:
+        if type(v) is not dict:
+            self.expected("unickpt.tensors", "an object", v)
+        self.pairs += len(v)
+        self.colons += "".join(v).count(":")
+        return {name: self.tensor(name, t) for name, t in v.items()}
+
+    def tensor(self, name: str, v: Any) -> models.TensorEntry:
+        where = f"unickpt.tensors.{name}"
+        t = self.obj(v, where, _TENSOR_FIELDS, _TENSOR_REQUIRED)
+        given: dict[str, Any] = {}
+        for k, x in t.items():
+            check = _TENSOR_PLAIN.get(k)
+            if check is not None:
+                given[k] = check(self, x, f"{where}.{k}")
+            elif k == "dtype":
+                if type(x) is not str or x not in DTYPE_ITEMSIZE:
+                    self.expected(f"{where}.dtype", f"a dtype in {sorted(DTYPE_ITEMSIZE)}", x)
+                given[k] = x
+            elif k == "slices":
+                if type(x) is not list:
+                    self.expected(f"{where}.slices", "an array of slice objects", x)
+                given[k] = x
+            else:  # the compact fields
+                given[k] = self.compact_field(k, x, f"{where}.{k}")
+        shape = given["shape"]
+        problem = shape_problem(shape)
+        if problem is not None:
+            self.refuse(where, problem)
+        if "slices" not in given:
+            # Whether or not 'file' is given (absent: slice K in files[K]).
+            problem = compact_problem(
+                shape,
+                given.get("grid"),
+                given.get("boxes"),
+                given.get("file"),
+                given.get("keys"),
+                given.get("xxh3"),
+            )
+            if problem is not None:
+                self.refuse(where, problem)
+            given["slices"] = []  # replaced by attach_tables (a default_factory costs 1 ms here)
+            return construct(models.TensorEntry, given, set(t), None)
+        bulk = bulk_slices(shape, given["slices"], self.shared)
+        if bulk is None:
+            given["slices"] = self.slices_rows(where, shape, given["slices"], DTYPE_ITEMSIZE[given["dtype"]])
+        else:
+            given["slices"], pairs, colons, files = bulk
+            self.pairs += pairs
+            self.colons += colons
+            self.files |= files
+        return construct(models.TensorEntry, given, set(t), None)
+
+    def ranges(self, v: Any, where: str) -> list[models.ByteRange] | None:
+        """A slice's byte ranges, each an object of ``ByteRange``'s fields (their tiling is
+        ``ranges_problem``'s)."""
+        if v is None:
+            return None
+        if type(v) is not list:
+            self.expected(where, "null or an array of range objects", v)
+        out = []
+        for j, r in enumerate(v):
+            w = f"{where}.{j}"
+            d = self.obj(r, w, _RANGE_FIELDS, _RANGE_REQUIRED)
+            given = {k: _RANGE_PLAIN[k](self, x, f"{w}.{k}") for k, x in d.items() if k != "xxh3"}
+            h = d["xxh3"]
+            if type(h) is not str or not _hex16(h):
+                self.expected(f"{w}.xxh3", f"a string matching {HEX16}", h)
+            given["xxh3"] = h
+            out.append(construct(models.ByteRange, given, set(d), None))
+        return out
+
+    def compact_field(self, k: str, x: Any, where: str) -> Any:
+        """A compact field of a tensor, type-checked in bulk; the first bad item named when it fails."""
+        colons = compact_field_colons(k, x)
+        if colons is None:
+            found, expected, value = compact_field_problem(k, x)
+            self.expected(f"{where}{found}", expected, value)
+        self.colons += colons
+        return x
+
+    def slices_rows(
+        self, where: str, gshape: list[int], sl: list[Any], isize: int = 1
+    ) -> list[models.SliceEntry]:
+        """A tensor's slices row by row (any key order, byte ranges): the first offending slice
+        is named by its number, field, what was expected and what was found."""
+        out = []
+        for i, v in enumerate(sl):
+            w = f"{where}.slices.{i}"
+            s = self.obj(v, w, SLICE_FIELDS, SLICE_REQUIRED)
+            given: dict[str, Any] = {}
+            for k, x in s.items():
+                check = _SLICE_PLAIN.get(k)
+                if check is not None:
+                    given[k] = check(self, x, f"{w}.{k}")
+                elif k == "ranges":
+                    given[k] = self.ranges(x, f"{w}.ranges")
+                else:  # file: a safe name has no ':', and an unsafe one is refused
+                    given[k] = self.string(x, f"{w}.file", colons=False)
+            file = given["file"]
+            problem = slice_problem(given["key"], file, given["offsets"], given["shape"], gshape)
+            problem = problem or ranges_problem(
+                given["key"], file, given.get("ranges"), given["shape"], isize
+            )
+            if problem is not None:
+                self.refuse(w, problem)
+            self.files.add(file)
+            out.append(construct(models.SliceEntry, given, set(s), None))
+        return out
+
+
+def validate_block(obj: Any, path: str, what: str) -> models.UnickptBlock:
+    """A unickpt block read on its own (``obj`` from ``strict_loads``, which refused duplicate
+    keys): checked as the block of an index, refusals naming ``path`` and ``what`` it is."""
+    parser = IndexParser(path, None, _no_text, what)
+    try:
+        return parser.block(obj)
+    except DigestTextError as e:
+        raise IndexFileError(f"{parser.mismatch}: unickpt: {e}") from None
+    except OtherFormatVersion as e:
+        raise version_error(path, e.version) from None
+
+
+def _no_text() -> str:  # pragma: no cover - never: a parser without a budget never asks
+    raise RuntimeError("the text of a block validated on its own is not kept")
+
+
+_Check = Callable[[IndexParser, Any, str], Any]
+
+
+def _plain_check(cls: type[BaseModel], name: str) -> _Check:
+    """The check of a field declared with one of the schema's plain types, read from its declaration."""
+    field = cls.model_fields[name]
+    ann, meta = field.annotation, field.metadata
+    if ann is str:
+        return IndexParser.string
+    if ann == str | None and not meta:
+        return IndexParser.optional_string
+    if ann is bool and Strict(strict=True) in meta:
+        return IndexParser.boolean
+    if ann is int and Strict(strict=True) in meta:
+        lo = next(cast(int, m.ge) for m in meta if isinstance(m, Ge))
+        hi = next((cast(int, m.lt) for m in meta if isinstance(m, Lt)), None)
+        return lambda parser, v, where: parser.integer(v, where, lo, hi)
+    if ann == list[NonNeg]:
+        return IndexParser.dims
+    if ann == Hex16 | None:
+        return IndexParser.hex16
+    raise TypeError(f"{cls.__name__}.{name}: the index parser has no check for {ann!r}")
+
+
+#: The plain checks, by model and field: every field not in CUSTOM_FIELDS.
+PLAIN_CHECKS: dict[type[BaseModel], dict[str, _Check]] = {
+    cls: {name: _plain_check(cls, name) for name in cls.model_fields if name not in custom}
+    for cls, custom in CUSTOM_FIELDS.items()
+}
+_META_PLAIN = PLAIN_CHECKS[models.IndexMetadata]
+_BLOCK_PLAIN = PLAIN_CHECKS[models.UnickptBlock]
+_LAYOUT_PLAIN = PLAIN_CHECKS[models.LayoutInfo]
+_TENSOR_PLAIN = PLAIN_CHECKS[models.TensorEntry]
+_SLICE_PLAIN = PLAIN_CHECKS[models.SliceEntry]
+_RANGE_PLAIN = PLAIN_CHECKS[models.ByteRange]
 
 
 def parse_index(raw: bytes, path: str) -> IndexFile:

@@ -2,14 +2,14 @@
 
 Hugging Face's keys plus a versioned ``unickpt`` block. Everything the schema says lives here
 (one slice's models, ``SliceEntry`` and ``ByteRange``, and the field types they declare are
-defined in ``slice_models``, below the slice table that builds them, and re-exported here):
+defined in ``slice_table``, with the table that builds them, and re-exported here):
 the field types and bounds (the ``Annotated`` aliases and ``Literal`` choices below), and the
 rules that span fields (:func:`slice_problem`, :func:`shape_problem`, :func:`alias_problem`,
 :func:`check_file_name`). ``docs/index.schema.json`` is exported from :class:`IndexFile`
 (``unickpt.spec.schema``). The models are the in-memory form of an index, too.
 
 No index read from a file is validated through the models: ``parse_index`` checks it with its
-own validator (``index_fast``), which reads the field lists, bounds and choices from here and
+own validator (``index.IndexParser``), which reads the field lists, bounds and choices from here and
 calls the same rule functions, and builds the models without validation (``model_construct``).
 The models' validators check what code builds (a writer's ``TensorEntry(...)``, a tool's edit).
 """
@@ -39,18 +39,18 @@ from unickpt.spec.compact_rules import compact_count, compact_problem
 from unickpt.spec.confine import is_plain_name
 from unickpt.spec.digest_text import block_from_json, block_to_json
 from unickpt.spec.dtypes import DTYPE_ITEMSIZE
-from unickpt.spec.lazy_slices import LazySlices
-from unickpt.spec.slice_models import (
+from unickpt.spec.slice_table import (
     HEX16,
     HEX16_BODY,
     MAX_DIM,
     ByteRange,
     Hex16,
+    LazySlices,
     NonNeg,
     SliceEntry,
+    SliceTable,
     StrictModel,
 )
-from unickpt.spec.slice_table import SliceTable
 from unickpt.spec.versioning import FORMAT_VERSION
 
 __all__ = [
@@ -102,7 +102,7 @@ SAVE_ID_BODY = "[0-9a-f]{32}"
 SAVE_ID = f"^{SAVE_ID_BODY}$"
 
 # Strict: JSON true, 2.0 and "2" are not integers here (pydantic's lax mode would take them).
-# NonNeg and Hex16, the types of a slice's fields, are defined with SliceEntry (slice_models).
+# NonNeg and Hex16, the types of a slice's fields, are defined with SliceEntry (slice_table).
 Positive = Annotated[int, Strict(), Field(ge=MIN_POSITIVE)]
 #: A grid item: the number of parts (torch.chunk semantics) or the parts' extents.
 GridItem = Annotated[int, Strict(), Field(ge=MIN_POSITIVE, lt=MAX_DIM)] | list[NonNeg]

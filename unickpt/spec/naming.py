@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "shown",
     "INDEX_SUFFIX",
     "SLICED_SENTINEL",
     "index_name",
@@ -66,3 +67,10 @@ def is_own_data_file(kind: str, file_name: str) -> bool:
     middle = file_name[len(kind) + 1 : -len(".safetensors")]
     parts = middle.split("-of-")
     return len(parts) == 2 and all(p.isdigit() and len(p) >= 5 for p in parts)
+
+
+def shown(v: object) -> str:
+    """A name, key or shape from a file as a message shows it: repr, escaped, cut to 80 characters
+    (a name can be a megabyte long)."""
+    r = ascii(v) if isinstance(v, str) else repr(v)
+    return r if len(r) <= 80 else f"{r[:77]}..."

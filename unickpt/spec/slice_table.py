@@ -12,22 +12,34 @@ of a grid in C order: per dim a part count with ``torch.chunk`` semantics, or th
 extents) or ``boxes`` (offsets + shape per slice) or neither (one slice, the whole tensor);
 ``file`` (index into the block's ``files``, one or per slice); ``keys`` (absent when ``NAME@K``);
 ``xxh3`` (the hashes concatenated, 16 ``-`` for a slice without one).
+
+One slice of the index schema: the pydantic models ``SliceEntry`` and ``ByteRange``, and how
+``SliceEntry`` objects are built in bulk from checked fields.
+
+The bottom of the index's modules: the slice table (``slice_table``) builds ``SliceEntry``
+objects from its arrays, and the index models (``index_models``, which re-exports everything
+here as part of the schema) and the index parser's bulk checks (the bulk checks in ``index``) stand on both. The field types
+and bounds a slice declares (``NonNeg``, ``Hex16``, ``MAX_DIM``, ``HEX16``) are defined here, once,
+for the whole schema.
+
+``TensorEntry.slices`` of a version 3 index: a list whose ``SliceEntry`` objects are built when read.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 import operator
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Annotated, Any, SupportsIndex, overload
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, Strict
 
 from unickpt.spec.coverage import coverage_problem
 from unickpt.spec.grid import chunk_extents, distinct_parts, grid_extents
 from unickpt.spec.grid import grid_boxes as _grid_boxes
-from unickpt.spec.slice_models import SliceEntry, entries_from_records
 
 __all__ = [
     "SliceTable",
@@ -35,7 +47,106 @@ __all__ = [
     "chunk_extents",
     "grid_extents",
     "compact_fields",
+    "MAX_DIM",
+    "HEX16_BODY",
+    "HEX16",
+    "NonNeg",
+    "Hex16",
+    "StrictModel",
+    "ByteRange",
+    "SliceEntry",
+    "entries_from_records",
+    "LazySlices",
 ]
+
+
+# ---------------------------------------------------------------- one slice's records (SliceEntry, ByteRange) and their field types
+#: Exclusive bound of a dimension, an offset and a tensor's element count.
+MAX_DIM = 1 << 62
+#: Digests and fingerprints: 16 lower-case hex digits (``HEX16_BODY`` unanchored).
+HEX16_BODY = "[0-9a-f]{16}"
+HEX16 = f"^{HEX16_BODY}$"
+
+# Strict: JSON true, 2.0 and "2" are not integers here (pydantic's lax mode would take them).
+NonNeg = Annotated[int, Strict(), Field(ge=0, lt=MAX_DIM)]
+Hex16 = Annotated[str, Field(pattern=HEX16)]
+
+
+class StrictModel(BaseModel):
+    """The base of the unickpt block's models: no unknown field, frozen."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ByteRange(StrictModel):
+    """Bytes ``[start, end)`` of a slice's stored bytes and their xxh3-64 (docs/format.md 5.1)."""
+
+    start: NonNeg
+    end: NonNeg
+    xxh3: Hex16
+
+
+class SliceEntry(StrictModel):
+    """One stored block of a global tensor: which file, which key, where it sits."""
+
+    file: str = Field(description="data file name, relative to the checkpoint directory")
+    key: str = Field(description="tensor name inside that safetensors file")
+    offsets: list[NonNeg] = Field(description="global index of the block's first element, per dim")
+    shape: list[NonNeg] = Field(description="block shape; the stored tensor has exactly this shape")
+    xxh3: Hex16 | None = Field(default=None, description="xxh3-64 of the stored bytes, 16 hex digits")
+    ranges: list[ByteRange] | None = Field(
+        default=None,
+        description="xxh3-64 of consecutive byte ranges tiling the stored bytes (gathered saves written "
+        "by several ranks: one range per rank's run)",
+    )
+
+
+def _attribute_setter(cls: type, name: str) -> Callable[[Any, Any], None]:
+    """The ``__set__`` of the descriptor that ``object.__setattr__(obj, name, v)`` uses on ``cls``.
+
+    Calling it directly skips the attribute lookup (about half the cost of a setattr).
+    """
+    for c in cls.__mro__:
+        if name in c.__dict__:
+            setter: Callable[[Any, Any], None] = c.__dict__[name].__set__
+            return setter
+    raise AttributeError(name)  # pragma: no cover - pydantic's BaseModel declares all four
+
+
+_set_dict, _set_fields_set, _set_extra, _set_private = (
+    _attribute_setter(SliceEntry, n)
+    for n in ("__dict__", "__pydantic_fields_set__", "__pydantic_extra__", "__pydantic_private__")
+)
+_consume: Callable[[Iterable[Any]], None] = collections.deque(maxlen=0).extend
+_object_new = object.__new__
+# The fields set of a slice table's records: every field but ``ranges``, as the parser's listed
+# slices without byte ranges have it (one set shared by every record).
+_RECORD_FIELDS_SET = {f for f in SliceEntry.model_fields if f != "ranges"}
+
+
+def entries_from_records(
+    records: list[dict[str, Any]], fields_sets: Iterable[set[str]] | None = None
+) -> list[SliceEntry]:
+    """``SliceEntry`` objects from checked dicts with every field in model order: what
+    ``model_construct`` builds, in four C-level passes. The dicts become the entries' ``__dict__``
+    as they are; ``fields_sets`` gives each entry its fields set (sets may be shared: pydantic never
+    changes the set of a frozen model), by default one set shared by all, as a slice table's
+    records have it."""
+    n = len(records)
+    objs: list[SliceEntry] = list(map(_object_new, itertools.repeat(SliceEntry, n)))
+    _consume(map(_set_dict, objs, records))
+    _consume(
+        map(
+            _set_fields_set,
+            objs,
+            itertools.repeat(_RECORD_FIELDS_SET) if fields_sets is None else fields_sets,
+        )
+    )
+    none = itertools.repeat(None)
+    _consume(map(_set_extra, objs, none))
+    _consume(map(_set_private, objs, none))
+    return objs
+
 
 #: The 16 characters standing for a slice without a hash in a concatenated ``xxh3`` string.
 NO_HASH = "-" * 16
@@ -509,3 +620,100 @@ def compact_fields(
     if table.hashes is not None:
         out["xxh3"] = table.hashes
     return out
+
+
+# ---------------------------------------------------------------- a tensor's slices list, built from its table when read
+class LazySlices(list):  # type: ignore[type-arg]
+    """A tensor's ``slices`` list that builds its ``SliceEntry`` objects the first time it is read.
+
+    It carries the tensor's :class:`SliceTable` (``.table``); ``len`` needs no objects. Every way
+    of reading the elements goes through the methods below, which build the list once.
+    """
+
+    __slots__ = ("_built", "table")
+
+    def __init__(self, table: SliceTable, built: Iterable[Any] | None = None) -> None:
+        super().__init__()
+        self.table = table
+        self._built = False
+        if built is not None:
+            list.extend(self, built)
+            self._built = True
+
+    def _build(self) -> None:
+        if not self._built:
+            list.extend(self, self.table.entries())
+            self._built = True
+
+    def built(self) -> LazySlices:
+        """The list with its ``SliceEntry`` objects built: for readers that see the list's storage
+        without calling its methods (pydantic's serializer reads a list subclass at the C level)."""
+        self._build()
+        return self
+
+    def __len__(self) -> int:
+        return list.__len__(self) if self._built else len(self.table)
+
+    def __iter__(self) -> Iterator[Any]:
+        self._build()
+        return list.__iter__(self)
+
+    def __reversed__(self) -> Iterator[Any]:
+        self._build()
+        return list.__reversed__(self)
+
+    @overload
+    def __getitem__(self, i: SupportsIndex) -> Any: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Any]: ...
+    def __getitem__(self, i: Any) -> Any:
+        if not self._built and isinstance(i, int) and -len(self.table) <= i < len(self.table):
+            return self.table.entry(i % len(self.table))
+        self._build()
+        return list.__getitem__(self, i)
+
+    def __contains__(self, x: object) -> bool:
+        self._build()
+        return list.__contains__(self, x)
+
+    def __eq__(self, other: object) -> bool:
+        self._build()
+        if isinstance(other, LazySlices):
+            other._build()
+        return list.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        self._build()
+        return list.__repr__(self)
+
+    def __bool__(self) -> bool:
+        return len(self) > 0
+
+    def copy(self) -> list[Any]:
+        self._build()
+        return list(list.__iter__(self))
+
+    def index(self, *args: Any) -> int:
+        self._build()
+        return list.index(self, *args)
+
+    def count(self, x: Any) -> int:
+        self._build()
+        return list.count(self, x)
+
+    def __add__(self, other: Any) -> list[Any]:
+        return self.copy() + list(other)
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
+        return (LazySlices, (self.table,))  # pickled as its table: no SliceEntry per slice
+
+    def __copy__(self) -> list[Any]:
+        return self.copy()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> list[Any]:
+        return self.copy()

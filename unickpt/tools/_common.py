@@ -8,8 +8,14 @@ import posixpath
 from collections.abc import Iterable
 from typing import Any
 
-from unickpt.ckpt.reader import CheckpointReader, file_kind, locate, open_checkpoint, open_located
-from unickpt.ckpt.reader_paths import hint_foreign
+from unickpt.ckpt.reader import (
+    CheckpointReader,
+    file_kind,
+    hint_foreign,
+    locate,
+    open_checkpoint,
+    open_located,
+)
 from unickpt.ckpt.writer import write_all
 from unickpt.errors import IncompleteCheckpointError, OutputExistsError
 from unickpt.spec.naming import index_name, single_name

@@ -48,8 +48,7 @@ import numpy as np
 import xxhash
 
 from unickpt.ckpt.consistency import check_block
-from unickpt.ckpt.reader import CheckpointReader
-from unickpt.ckpt.reader_blocks import UNICKPT_METADATA_KEY, block_from_header, single_file_name
+from unickpt.ckpt.reader import UNICKPT_METADATA_KEY, CheckpointReader, block_from_header, single_file_name
 from unickpt.ckpt.safetensors_io import read_header
 from unickpt.ckpt.writer import build_block
 from unickpt.errors import (

@@ -26,9 +26,8 @@ import numpy as np
 import xxhash
 
 from unickpt._logging import get_logger
-from unickpt.ckpt.range_hashes import RangeChecker, has_hashes
 from unickpt.ckpt.read_batch import table_spans
-from unickpt.ckpt.reader import CheckpointReader
+from unickpt.ckpt.reader import CheckpointReader, RangeChecker, has_hashes
 from unickpt.ckpt.slice_spans import FileNumbers, recorded_hashes
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, IndexFileError, IntegrityFailure
 from unickpt.spec.boxes import flat_range_to_boxes

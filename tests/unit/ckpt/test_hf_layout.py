@@ -22,7 +22,7 @@ import xxhash
 
 import unickpt
 from unickpt.ckpt.hf_layout import box_runs, plan_hf_layout, writer_ranges
-from unickpt.ckpt.range_hashes import RangeFailure
+from unickpt.ckpt.reader import RangeFailure
 from unickpt.ckpt.writer import data_file_metadata, write_files
 from unickpt.errors import IndexFileError, IntegrityError
 from unickpt.io.planner import plan_save
@@ -169,7 +169,7 @@ def test_writer_ranges_merge_a_flat_range_and_split_columns() -> None:
 
 def _with_ranges(src: Path, name: str, cuts: list[int]) -> Path:
     """Rewrite a gathered checkpoint's index so ``name`` records ranges (as a multi-rank save does)."""
-    from unickpt.spec.index_compact import as_listed
+    from unickpt.spec.index import as_listed
 
     raw = as_listed(json.loads((src / "model.safetensors.index.json").read_text()))
     t = raw["unickpt"]["tensors"][name]

@@ -16,8 +16,7 @@ import torch
 from torch import nn
 
 from unickpt import GeneralCheckpointIO
-from unickpt.ckpt.reader import open_checkpoint
-from unickpt.ckpt.reader_storage import HEADER_PROBE
+from unickpt.ckpt.reader import HEADER_PROBE, open_checkpoint
 from unickpt.errors import (
     CheckpointChangedError,
     ConfigError,
@@ -371,7 +370,7 @@ def test_coalesce_with_a_waste_budget() -> None:
 
 
 def test_prefetched_blocks_serve_covered_reads_only() -> None:
-    from unickpt.ckpt.reader_storage import Prefetched
+    from unickpt.ckpt.reader import Prefetched
 
     data = bytes(range(256)) * 64
 

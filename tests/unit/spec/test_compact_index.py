@@ -143,7 +143,7 @@ def _index(listed: bool = False) -> bytes:
     )
     raw = index_to_json(build_index(block, sliced=True))
     if listed:  # the same slices, listed (as a tensor with byte-range hashes is written)
-        from unickpt.spec.index_compact import as_listed
+        from unickpt.spec.index import as_listed
 
         raw = json.dumps(as_listed(json.loads(raw))).encode()
     return raw

@@ -304,10 +304,10 @@ def test_the_schema_takes_the_text_form_and_refuses_hex_and_loose_bits(tmp_path:
     ],
 )
 def test_the_hex_hashes_check_is_the_schemas_pattern(text: str, ok: bool) -> None:
-    """``index_bulk``'s C-level check of a hex ``xxh3`` string says what the ``HASHES`` regex says."""
+    """The index's C-level check of a hex ``xxh3`` string says what the ``HASHES`` regex says."""
     import re
 
-    from unickpt.spec.index_bulk import _concatenated_hashes
+    from unickpt.spec.index import _concatenated_hashes
     from unickpt.spec.index_models import HASHES
 
     assert _concatenated_hashes(text) is ok is (re.fullmatch(HASHES, text) is not None)

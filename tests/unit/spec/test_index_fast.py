@@ -1,4 +1,4 @@
-"""``parse_index`` (the one index validator, ``index_fast.IndexParser``) on hostile input.
+"""``parse_index`` (the one index validator, ``index.IndexParser``) on hostile input.
 
 Random valid indexes and random single mutations of them (wrong types, values pydantic's lax
 mode would coerce, negative and huge integers, bad hex, unknown and missing keys, key orders,
@@ -29,6 +29,7 @@ from unickpt.spec._json import check_unicode, colon_budget, count_pairs_and_colo
 from unickpt.spec.digest_text import hex_to_b64
 from unickpt.spec.dtypes import DTYPE_ITEMSIZE
 from unickpt.spec.index import (
+    SCHEMA_MISMATCH,
     IndexFile,
     IndexMetadata,
     LayoutInfo,
@@ -38,7 +39,6 @@ from unickpt.spec.index import (
     index_to_json,
     parse_index,
 )
-from unickpt.spec.index_fast import SCHEMA_MISMATCH
 from unickpt.spec.index_models import ByteRange
 from unickpt.spec.naming import SLICED_SENTINEL
 from unickpt.spec.versioning import OtherFormatVersion, version_error
@@ -910,7 +910,7 @@ def test_the_parser_checks_every_field_of_the_models() -> None:
     """The parser reads field lists, types, bounds and rules from index_models: each field
     either has a check written out (CUSTOM_FIELDS) or the plain check its declared type calls
     for; a field of a type with no plain check is refused when the module is built."""
-    from unickpt.spec.index_fast import CUSTOM_FIELDS, PLAIN_CHECKS, _plain_check
+    from unickpt.spec.index import CUSTOM_FIELDS, PLAIN_CHECKS, _plain_check
 
     models = {IndexFile, IndexMetadata, UnickptBlock, LayoutInfo, TensorEntry, SliceEntry, ByteRange}
     assert set(CUSTOM_FIELDS) == set(PLAIN_CHECKS) == models

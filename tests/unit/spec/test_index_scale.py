@@ -11,8 +11,14 @@ from unickpt.ckpt.writer import build_block, build_index, tensor_entry
 from unickpt.io.load import _needed_slices
 from unickpt.io.planner import plan_save, plan_tables
 from unickpt.io.tensors import LocalSlice
-from unickpt.spec.index import FORMAT_VERSION, MAX_INDEX_BYTES, LayoutInfo, index_to_json, parse_index
-from unickpt.spec.index_compact import as_listed
+from unickpt.spec.index import (
+    FORMAT_VERSION,
+    MAX_INDEX_BYTES,
+    LayoutInfo,
+    as_listed,
+    index_to_json,
+    parse_index,
+)
 from unickpt.spec.slice_table import SliceTable
 
 

@@ -24,7 +24,7 @@ from unickpt.ckpt.reader import open_checkpoint
 from unickpt.cli.main import main as cli
 from unickpt.spec.digest_text import hex_to_b64
 from unickpt.spec.hashing import slice_hash
-from unickpt.spec.index_compact import as_listed as listed
+from unickpt.spec.index import as_listed as listed
 from unickpt.spec.naming import SLICED_SENTINEL
 from unickpt.tools import verify as verify_mod
 from unickpt.tools.verify import FingerprintFailure, MissingHash
