@@ -189,6 +189,27 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().clone()
 
 
+def _zero_full_state(part: Any) -> dict[str, dict[str, Any]]:
+    """Every parameter's optimizer state of a ZeRO partition as full tensors (collective over its group)."""
+    part.init_state()
+    out: dict[str, dict[str, Any]] = {}
+    for b in part.buckets:
+        st = part.optim.state[b.shard]
+        for k in sorted(st):
+            v = st[k]
+            if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == b.chunk:
+                flat = v
+                if part.size > 1:
+                    flat = torch.empty(b.chunk * part.size, dtype=v.dtype, device=v.device)
+                    dist.all_gather_into_tensor(flat, v.contiguous(), group=part.group)
+                for p, fqn, off in zip(b.params, b.fqns, b.offsets, strict=True):
+                    out.setdefault(fqn, {})[k] = flat[off : off + p.numel()].view(p.shape).clone()
+            else:
+                for fqn in b.fqns:
+                    out.setdefault(fqn, {})[k] = v.clone() if isinstance(v, torch.Tensor) else v
+    return out
+
+
 def full_state(s: Setup) -> dict[str, torch.Tensor]:
     """Every full tensor of model and optimizer, merged over pipeline stages (collective)."""
     from unickpt.plugins.zero import ZeroPlugin
@@ -199,7 +220,7 @@ def full_state(s: Setup) -> dict[str, torch.Tensor]:
         out[f"model/{k}"] = _full(v)
     canonical: dict[str, str] = getattr(s.plugin, "canonical", {}) or {}
     if isinstance(s.plugin, ZeroPlugin) or getattr(s.plugin, "partition", None) is not None:
-        for fqn, st in s.plugin.partition.full_state().items():
+        for fqn, st in _zero_full_state(s.plugin.partition).items():
             for k, v in st.items():
                 out[f"optim/{fqn}/{k}"] = _full(v)
     else:
