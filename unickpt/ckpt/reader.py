@@ -1001,6 +1001,36 @@ def open_checkpoint(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+def _single_file_reader(
+    storage: Storage, path: str, directory: str, single_file: str, kind: str
+) -> CheckpointReader:
+    """The reader of the single ``.safetensors`` file at ``path`` (known to the reader as ``single_file``,
+    in ``directory``): its header read and checked once, its handle kept open for the reads."""
+    handle, h = open_header(storage, path)
+    try:
+        block, has = block_from_header(h, kind)
+        if has:
+            check_block(h.path, block, None)
+        file = single_file_name(path, kind)
+        r = CheckpointReader(
+            directory,
+            kind,
+            block,
+            None,
+            has,
+            single_file=single_file,
+            single_slice_file=file,
+            storage=storage,
+        )
+        r.check_single_file(file, h)
+    except BaseException:
+        handle.close()
+        raise
+    r._headers[file] = h
+    r._handles[file] = handle
+    return r
+
+
 def _open_checkpoint(storage: Storage, p: str, kind: str) -> CheckpointReader:
     """The reader of the location ``p`` of a storage with OS paths (``Storage.local_path``): what
     stands there is examined with the file system's own checks, every file read through ``storage``."""
@@ -1012,33 +1042,7 @@ def _open_checkpoint(storage: Storage, p: str, kind: str) -> CheckpointReader:
         directory = os.path.dirname(os.path.abspath(p))
         return _from_index(storage, p, directory, kind)
     if os.path.isfile(p):
-        handle, h = open_header(storage, p)
-        try:
-            block, has = block_from_header(h, kind)
-            if has:
-                check_block(h.path, block, None)
-        except BaseException:
-            handle.close()
-            raise
-        file = single_file_name(p, kind)
-        r = CheckpointReader(
-            os.path.dirname(os.path.abspath(p)),
-            kind,
-            block,
-            None,
-            has,
-            single_file=os.path.abspath(p),
-            single_slice_file=file,
-            storage=storage,
-        )
-        try:
-            r.check_single_file(file, h)
-        except BaseException:
-            handle.close()
-            raise
-        r._headers[file] = h
-        r._handles[file] = handle
-        return r
+        return _single_file_reader(storage, p, os.path.dirname(os.path.abspath(p)), os.path.abspath(p), kind)
     if os.path.isdir(p):
         idx = os.path.join(p, index_name(kind))
         if os.path.isfile(idx):
@@ -1146,33 +1150,7 @@ def open_located(
     """The reader of what :func:`locate` found; parses the index bytes it carries."""
     storage, _ = open_storage(located.url, storage_options)
     if located.index_bytes is None:
-        handle, h = open_header(storage, located.url)
-        try:
-            block, has = block_from_header(h, kind)
-            if has:
-                check_block(h.path, block, None)
-        except BaseException:
-            handle.close()
-            raise
-        file = single_file_name(located.url, kind)
-        r = CheckpointReader(
-            located.directory,
-            kind,
-            block,
-            None,
-            has,
-            single_file=located.url,
-            single_slice_file=file,
-            storage=storage,
-        )
-        try:
-            r.check_single_file(file, h)
-        except BaseException:
-            handle.close()
-            raise
-        r._headers[file] = h
-        r._handles[file] = handle
-        return r
+        return _single_file_reader(storage, located.url, located.directory, located.url, kind)
     idx: IndexFile = parse_index(located.index_bytes, located.url)
     if idx.unickpt is None:
         header_of = _header_of(storage, located.directory, located.url)
