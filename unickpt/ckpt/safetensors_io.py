@@ -20,7 +20,7 @@ import math
 import os
 import stat
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -41,8 +41,6 @@ __all__ = [
     "header_from_bytes",
     "encode_header",
     "SafetensorsWriter",
-    "iter_range",
-    "read_range",
 ]
 
 # A header holds names, shapes and offsets: even 10^6 tensors fit in well under 100 MB.
@@ -50,8 +48,6 @@ __all__ = [
 MAX_HEADER_BYTES = _MAX_HEADER_BYTES  # spec/bounds.py: what a data file can hold follows from it
 # Shapes are bounded so that byte counts cannot overflow or request absurd allocations.
 MAX_NDIM = MAX_NDIM  # (safetensors_bulk, the parser, checks it)
-# Read in chunks this large: big enough to run at disk speed, small enough to bound memory.
-READ_CHUNK_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -236,34 +232,3 @@ class SafetensorsWriter:
         if self._f is not None:
             f, self._f = self._f, None
             self._storage.abort(f)
-
-
-def iter_range(f: BinaryIO | int, offset: int, length: int, chunk: int = READ_CHUNK_BYTES) -> Iterator[bytes]:
-    """Yield the bytes [offset, offset+length) of an open file in chunks, with pread."""
-    fd = f if isinstance(f, int) else f.fileno()
-    end = offset + length
-    pos = offset
-    while pos < end:
-        n = min(chunk, end - pos)
-        buf = os.pread(fd, n, pos)
-        if len(buf) != n:
-            raise IncompleteCheckpointError(
-                f"file is truncated: wanted {n} bytes at offset {pos}, got {len(buf)}"
-            )
-        yield buf
-        pos += n
-
-
-def read_range(f: BinaryIO | int, offset: int, length: int, out: memoryview | None = None) -> memoryview:
-    """Read exactly ``length`` bytes at ``offset`` into ``out`` (allocated when None)."""
-    fd = f if isinstance(f, int) else f.fileno()
-    target = out if out is not None else memoryview(bytearray(length))
-    got = 0
-    while got < length:
-        n = os.preadv(fd, [target[got:length]], offset + got)
-        if n <= 0:
-            raise IncompleteCheckpointError(
-                f"file is truncated: wanted {length} bytes at offset {offset}, got {got}"
-            )
-        got += n
-    return target[:length]
