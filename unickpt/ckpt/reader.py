@@ -150,7 +150,6 @@ __all__ = [
     "STREAM_CHUNK",
     "RangeChecker",
     "RangeFailure",
-    "check_ranges",
     "has_hashes",
     "slice_failures",
     "hint_foreign",
@@ -507,14 +506,6 @@ class RangeChecker:
                 )
             self._i = len(self._ranges)
         return list(self._bad)
-
-
-def check_ranges(tensor: str, s: SliceEntry, chunks: Iterable[bytes | memoryview]) -> list[RangeFailure]:
-    """Every range of ``s`` whose bytes (``chunks``, the whole slice in order) differ from the record."""
-    c = RangeChecker(tensor, s)
-    for data in chunks:
-        c.update(data)
-    return c.failures()
 
 
 def slice_failures(

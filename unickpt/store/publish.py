@@ -58,11 +58,9 @@ from unickpt.spec.bounds import read_bounded
 from unickpt.spec.naming import index_name, is_own_data_file, single_name
 from unickpt.spec.run_names import (
     COMMIT_NAME,
-    HF_DIR,
     LATEST_NAME,
     REPLACING_RE,
     STEP_RE,
-    TRAIN_STATE_DIR,
     WORK_RE,
     latest_record,
     step_name,
@@ -1256,22 +1254,6 @@ class RemoteStore:
             self.fs.get_file(remote, local)
             got.append(rel)
         return got
-
-    def download_step(self, step: int, dest: str, rank: int) -> None:
-        """Fetch what ``load`` reads on ``rank``: all but ``hf/`` and other ranks' train states."""
-        own = {f"rank-{rank:05d}", "rank-00000"}
-
-        def keep(rel: str) -> bool:
-            if rel.startswith(HF_DIR + "/"):
-                return False
-            if rel.startswith(TRAIN_STATE_DIR + "/"):
-                return posixpath.basename(rel).split(".")[0] in own
-            return True
-
-        prefix = self.committed_prefixes().get(step)
-        got = self._download(prefix, dest, keep) if prefix is not None else []
-        if COMMIT_NAME not in got:  # deleted by retention or a replacing save since it was listed
-            raise IncompleteCheckpointError(f"{self.url}/step-{step} is no longer committed")
 
     def download(self, target: str, sub: str, dest: str) -> None:
         """Download ``target/<sub>/`` (a save in progress: not checked for ``COMMIT``) into ``dest``."""
