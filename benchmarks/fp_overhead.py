@@ -36,7 +36,7 @@ def _kernel_rows(mib: int, rounds: int, numpy_too: bool) -> dict[str, float]:
     """Medians (seconds) of the kernel at the level this interpreter runs, and the references."""
     import numpy as np
 
-    from unickpt.spec import _fp2, hashing
+    from unickpt.spec import hashing
 
     n = mib * MiB
     data = np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8)
@@ -51,7 +51,7 @@ def _kernel_rows(mib: int, rounds: int, numpy_too: bool) -> dict[str, float]:
         "memory copy (np.copyto)": lambda: np.copyto(dst, data),
     }
     if numpy_too:
-        rows["numpy fallback"] = lambda: _fp2.partial_numpy(memoryview(data), 4, gs, off, gs)
+        rows["numpy fallback"] = lambda: hashing.partial_numpy(memoryview(data), 4, gs, off, gs)
     times: dict[str, list[float]] = {k: [] for k in rows}
     cpu: dict[str, list[float]] = {k: [] for k in rows}
     for _ in range(rounds):

@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from unickpt.spec.compact_rules import compact_count
 from unickpt.spec.dtypes import DTYPE_ITEMSIZE
+from unickpt.spec.slice_table import compact_count
 
 __all__ = [
     "MAX_HEADER_BYTES",

@@ -5,26 +5,33 @@ hashes a ``SliceTable`` holds, 16 ``-`` for a slice without one) and every tenso
 ``dtype``. The JSON of a block differs, and it is converted at the two edges:
 
 - :func:`block_from_json` (readers, before any other check): a block of another format version
-  is refused (``versioning.check_version``); the block's ``dtype`` (the default) is given to
+  is refused (``check_version``, first); the block's ``dtype`` (the default) is given to
   every tensor that has none, and the tensors' ``fingerprint`` and compact ``xxh3`` go from 11
   base64url characters per digest (11 ``~`` for a slice without a hash) to 16 hex digits: all
   fingerprints of the block in one numpy pass, all ``xxh3`` in another, no object per slice.
 - :func:`block_to_json` (the models' JSON serializer): the reverse.
 
 Listed ``slices`` and their ``ranges`` keep 16 hex digits in JSON too.
+
+The format's one version, checked first, and how a reader refuses any other (docs/format.md
+section 7): unickpt reads and writes ``format_version`` 5 only. The drafts 1 to 4 that came before it are
+converted by ``unickpt upgrade`` (``unickpt/tools/upgrade.py``, the only code that knows them);
+every reader refuses them, and any version it does not know, with an ``IndexFileError`` that
+names the file, the version found and what to do.
 """
 
 from __future__ import annotations
 
 import binascii
 import collections
-from typing import Any
+import posixpath
+from typing import Any, Literal
 
 import numpy as np
 
-from unickpt.spec.compact_rules import compact_problem
+from unickpt.errors import IndexFileError
 from unickpt.spec.dtypes import DTYPE_ITEMSIZE
-from unickpt.spec.versioning import check_version
+from unickpt.spec.slice_table import compact_problem
 
 __all__ = [
     "B64_DIGEST_LEN",
@@ -34,8 +41,61 @@ __all__ = [
     "block_to_json",
     "hex_to_b64",
     "b64_to_hex",
+    "FORMAT_VERSION",
+    "OtherFormatVersion",
+    "check_version",
+    "version_error",
 ]
 
+# ---------------------------------------------------------------- the format version, checked first
+#: The version every writer stamps and the only one readers accept.
+FORMAT_VERSION: Literal[5] = 5
+#: The drafts before version 5, which ``unickpt upgrade`` converts.
+_DRAFTS = range(1, FORMAT_VERSION)
+
+
+class OtherFormatVersion(ValueError):
+    """A block stamped with an integer ``format_version`` other than :data:`FORMAT_VERSION`
+    (raised inside the models' validation; readers turn it into :func:`version_error`)."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__(f"format_version {version} is not the version {FORMAT_VERSION} this unickpt reads")
+        self.version = version
+
+
+def check_version(block: Any) -> None:
+    """Raise :class:`OtherFormatVersion` for a block (a JSON object) of another integer version.
+
+    A block without ``format_version`` is version 5 (every writer writes it); a value that is no
+    integer is left to the schema, which refuses it."""
+    if type(block) is dict:
+        v = block.get("format_version", FORMAT_VERSION)
+        if type(v) is int and v != FORMAT_VERSION:
+            raise OtherFormatVersion(v)
+
+
+def version_error(path: str, version: int) -> IndexFileError:
+    """The error for a checkpoint at ``path`` (its index, or a single file) of ``version``."""
+    index = path.endswith(".index.json")
+    target = (posixpath.dirname(path) or ".") if index else path
+    if version in _DRAFTS:
+        return IndexFileError(
+            f"{path}: format_version {version}, a draft this unickpt no longer reads (it reads "
+            f"version {FORMAT_VERSION} only); convert the checkpoint once with "
+            f"`unickpt upgrade {target}` (in place; `unickpt upgrade {target} "
+            f"{'NEW_DIR' if index else 'NEW_FILE'}` writes a copy)"
+        )
+    if version > FORMAT_VERSION:
+        return IndexFileError(
+            f"{path}: format_version {version} is not a version this unickpt reads (it reads "
+            f"version {FORMAT_VERSION} only): a newer unickpt wrote it; read it with that one"
+        )
+    return IndexFileError(
+        f"{path}: format_version {version} is no format version (unickpt reads version {FORMAT_VERSION})"
+    )
+
+
+# ---------------------------------------------------------------- digests in base64url
 #: Characters of one digest in base64url: 64 bits in 11 characters of 6 bits, the last 2 bits 0.
 B64_DIGEST_LEN = 11
 #: Stands for a slice without a hash in a compact ``xxh3`` string: ``~`` is outside base64url.
@@ -235,7 +295,7 @@ def _slice_count(t: dict[str, Any]) -> int | None:
     try:
         args = (t.get("grid"), t.get("boxes"), t.get("file"), t.get("keys"), None)
         return count if count is not None and compact_problem(t["shape"], *args) is None else None
-    except (TypeError, ValueError, IndexError):
+    except (TypeError, ValueError, IndexError, OverflowError):
         return None
 
 

@@ -63,7 +63,13 @@ from unickpt.errors import CheckpointFormatError, IndexFileError, UnsafePathErro
 from unickpt.spec import index_models as models
 from unickpt.spec._json import check_unicode, colon_budget, count_pairs_and_colons, json_depth, strict_loads
 from unickpt.spec.bounds import read_bounded
-from unickpt.spec.digest_text import DigestTextError, block_from_json, block_to_json
+from unickpt.spec.digest_text import (
+    DigestTextError,
+    OtherFormatVersion,
+    block_from_json,
+    block_to_json,
+    version_error,
+)
 from unickpt.spec.dtypes import DTYPE_ITEMSIZE
 from unickpt.spec.index_models import FORMAT_VERSION as FORMAT_VERSION
 from unickpt.spec.index_models import (
@@ -104,7 +110,6 @@ from unickpt.spec.slice_table import (
     compact_fields,
     entries_from_records,
 )
-from unickpt.spec.versioning import OtherFormatVersion, version_error
 
 __all__ = [
     "parse_index",

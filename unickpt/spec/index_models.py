@@ -35,9 +35,8 @@ from pydantic import (
 from unickpt.errors import UnsafePathError
 from unickpt.spec._json import json_depth
 from unickpt.spec.bounds import count_problem
-from unickpt.spec.compact_rules import compact_count, compact_problem
 from unickpt.spec.confine import is_plain_name
-from unickpt.spec.digest_text import block_from_json, block_to_json
+from unickpt.spec.digest_text import FORMAT_VERSION, block_from_json, block_to_json
 from unickpt.spec.dtypes import DTYPE_ITEMSIZE
 from unickpt.spec.slice_table import (
     HEX16,
@@ -50,8 +49,9 @@ from unickpt.spec.slice_table import (
     SliceEntry,
     SliceTable,
     StrictModel,
+    compact_count,
+    compact_problem,
 )
-from unickpt.spec.versioning import FORMAT_VERSION
 
 __all__ = [
     "FORMAT_VERSION",

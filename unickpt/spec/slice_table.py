@@ -47,6 +47,8 @@ __all__ = [
     "chunk_extents",
     "grid_extents",
     "compact_fields",
+    "compact_count",
+    "compact_problem",
     "MAX_DIM",
     "HEX16_BODY",
     "HEX16",
@@ -620,6 +622,66 @@ def compact_fields(
     if table.hashes is not None:
         out["xxh3"] = table.hashes
     return out
+
+
+# ---------------------------------------------------------------- the compact fields' rules
+# Checked once their types are: the index parser (``index.IndexParser``) calls them on what it
+# reads, and ``index_models``' validators on what code builds, so a rule is written once.
+def compact_count(
+    gshape: Sequence[int], grid: Sequence[int | Sequence[int]] | None, boxes: Sequence[Any] | None
+) -> int:
+    """The number of slices the compact fields describe (``grid`` checked to have ``len(gshape)`` items)."""
+    if boxes is not None:
+        return len(boxes)
+    if grid is None:
+        return 1
+    return math.prod(p if isinstance(p, int) else len(p) for p in grid)
+
+
+def compact_problem(
+    gshape: Sequence[int],
+    grid: Sequence[int | Sequence[int]] | None,
+    boxes: Sequence[Sequence[int]] | None,
+    file: int | Sequence[int] | None,
+    keys: Sequence[str] | None,
+    xxh3: str | None,
+) -> str | None:
+    """What is wrong with the compact slice fields of a version 3 tensor (types already checked)."""
+    nd = len(gshape)
+    if grid is not None and boxes is not None:
+        return "has both 'grid' and 'boxes' (one describes the slices)"
+    if grid is not None:
+        if len(grid) != nd:
+            return f"grid has {len(grid)} dims for a {nd}-dim tensor"
+        for d, (p, g) in enumerate(zip(grid, gshape, strict=True)):
+            if not isinstance(p, int) and (not p or sum(p) != g):
+                return f"grid dim {d}: part extents {list(p)[:8]} do not add up to the tensor's size {g}"
+    elif boxes is not None and len(boxes):
+        # All boxes at once; the first box at fault is named from the mask.
+        lengths = np.fromiter(map(len, boxes), np.int64, len(boxes))
+        wrong = np.flatnonzero(lengths != 2 * nd)
+        if len(wrong):
+            i = int(wrong[0])
+            return f"box {i} has {len(boxes[i])} integers, expected {2 * nd} (offsets then shape)"
+        if nd:
+            arr = np.asarray(boxes, dtype=np.int64).reshape(len(boxes), 2 * nd)  # each < 2**62: no overflow
+            past = arr[:, :nd] + arr[:, nd:] > np.asarray(gshape, dtype=np.int64)
+            rows = np.flatnonzero(past.any(axis=1))
+            if len(rows):
+                i = int(rows[0])
+                d = int(np.argmax(past[i]))
+                b = boxes[i]
+                return (
+                    f"box {i} spans [{b[d]}, {b[d] + b[nd + d]}) on dim {d} of a tensor of size {gshape[d]}"
+                )
+    n = compact_count(gshape, grid, boxes)
+    if file is not None and not isinstance(file, int) and len(file) != n:
+        return f"'file' lists {len(file)} file(s) for {n} slice(s)"
+    if keys is not None and len(keys) != n:
+        return f"'keys' lists {len(keys)} key(s) for {n} slice(s)"
+    if xxh3 is not None and len(xxh3) != 16 * n:
+        return f"'xxh3' holds {len(xxh3)} characters for {n} slice(s) (16 per slice)"
+    return None
 
 
 # ---------------------------------------------------------------- a tensor's slices list, built from its table when read

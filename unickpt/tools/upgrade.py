@@ -62,12 +62,11 @@ from unickpt.errors import (
 from unickpt.spec._json import strict_loads
 from unickpt.spec.bounds import read_bounded
 from unickpt.spec.boxes import flat_range_to_boxes
-from unickpt.spec.digest_text import hex_to_b64
+from unickpt.spec.digest_text import FORMAT_VERSION, hex_to_b64
 from unickpt.spec.dtypes import itemsize
 from unickpt.spec.hashing import combine_partials, finalize_fingerprint, fingerprint_partial
 from unickpt.spec.index import MAX_INDEX_BYTES, IndexFile, index_to_json, parse_index
 from unickpt.spec.naming import SLICED_SENTINEL, index_name, single_name
-from unickpt.spec.versioning import FORMAT_VERSION
 from unickpt.store.lock import directory_lock
 from unickpt.store.publish import (
     atomic_write_bytes,

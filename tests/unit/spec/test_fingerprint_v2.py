@@ -16,7 +16,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unickpt.spec import _fp2, hashing
+from unickpt.spec import hashing
 from unickpt.spec.boxes import flat_range_to_boxes
 from unickpt.spec.dtypes import DTYPE_ITEMSIZE
 from unickpt.spec.hashing import (
@@ -118,11 +118,11 @@ def test_versions_never_agree() -> None:
 
 def test_partial_value_is_one_int_that_adds() -> None:
     """The partial value is an int in [0, p1 p2): the pair (H1, H2) by CRT; adding is adding mod p1 p2."""
-    for h1, h2 in [(0, 0), (1, 0), (0, 1), (_fp2.P1 - 1, _fp2.P2 - 1), (12345, 678910)]:
-        x = _fp2.encode(h1, h2)
-        assert 0 <= x < _fp2.MODULUS and _fp2.decode(x) == (h1, h2)
-    a, b = _fp2.encode(_fp2.P1 - 1, 5), _fp2.encode(3, _fp2.P2 - 2)
-    assert _fp2.decode(combine_partials([a, b])) == (2, 3)
+    for h1, h2 in [(0, 0), (1, 0), (0, 1), (hashing.P1 - 1, hashing.P2 - 1), (12345, 678910)]:
+        x = hashing.encode(h1, h2)
+        assert 0 <= x < hashing.MODULUS and hashing.decode(x) == (h1, h2)
+    a, b = hashing.encode(hashing.P1 - 1, 5), hashing.encode(3, hashing.P2 - 2)
+    assert hashing.decode(combine_partials([a, b])) == (2, 3)
     assert combine_partials([]) == 0
 
 
@@ -157,7 +157,7 @@ def test_kernel_matches_numpy_reference(
         raw[:] = 255
     elif fill == "sparse":
         raw[rng.random(raw.size) < 0.9] = 0
-    expected = _fp2.partial_numpy(raw.tobytes(), itemsize, gshape, offsets, shape)
+    expected = hashing.partial_numpy(raw.tobytes(), itemsize, gshape, offsets, shape)
     words = raw.view(f"<u{itemsize}")
     assert fingerprint_partial(words, gshape, offsets, shape) == expected
     old = hashing._CHUNK_BYTES
@@ -395,16 +395,16 @@ def _flip_deltas(a: np.ndarray, version: int) -> np.ndarray:
         d = w << np.uint64(31)  # wraps mod 2^64 like the sum
         return np.where(neg, np.uint64(0) - d, d)
     i = (r * np.uint64(cols) + c) * np.uint64(2) + np.uint64(1)  # the high limb holds the sign
-    pos = i & np.uint64(_fp2.G - 1)
-    wh1, wh2 = _fp2._weights(i >> np.uint64(_fp2.GBITS), _fp2.SEED_H)
-    d1 = (wh1 * _fp2._BL1[pos]) % np.uint64(_fp2.P1) * np.uint64(0x8000) % np.uint64(_fp2.P1)
-    d2 = (wh2 * _fp2._BL2[pos]) % np.uint64(_fp2.P2) * np.uint64(0x8000) % np.uint64(_fp2.P2)
-    d1 = np.where(neg, (np.uint64(_fp2.P1) - d1) % np.uint64(_fp2.P1), d1)
-    d2 = np.where(neg, (np.uint64(_fp2.P2) - d2) % np.uint64(_fp2.P2), d2)
+    pos = i & np.uint64(hashing.G - 1)
+    wh1, wh2 = hashing._weights(i >> np.uint64(hashing.GBITS), hashing.SEED_H)
+    d1 = (wh1 * hashing._BL1[pos]) % np.uint64(hashing.P1) * np.uint64(0x8000) % np.uint64(hashing.P1)
+    d2 = (wh2 * hashing._BL2[pos]) % np.uint64(hashing.P2) * np.uint64(0x8000) % np.uint64(hashing.P2)
+    d1 = np.where(neg, (np.uint64(hashing.P1) - d1) % np.uint64(hashing.P1), d1)
+    d2 = np.where(neg, (np.uint64(hashing.P2) - d2) % np.uint64(hashing.P2), d2)
     # CRT, vectorised: x = d1 + p1 * ((d2 - d1) * inv(p1) mod p2); every product < 2^64
-    t = (d2 + np.uint64(_fp2.P2) - d1 % np.uint64(_fp2.P2)) % np.uint64(_fp2.P2)
-    t = t * np.uint64(_fp2._INV_P1_MOD_P2) % np.uint64(_fp2.P2)
-    return d1 + np.uint64(_fp2.P1) * t
+    t = (d2 + np.uint64(hashing.P2) - d1 % np.uint64(hashing.P2)) % np.uint64(hashing.P2)
+    t = t * np.uint64(hashing._INV_P1_MOD_P2) % np.uint64(hashing.P2)
+    return d1 + np.uint64(hashing.P1) * t
 
 
 def _birthday_pair(a: np.ndarray, version: int) -> tuple[int, int] | None:
@@ -416,9 +416,9 @@ def _birthday_pair(a: np.ndarray, version: int) -> tuple[int, int] | None:
         sign = np.array([1 << 31], dtype="<u4")
         part = v1_partial if version == 1 else fingerprint_partial
         p = part(sign, a.shape, (r, c), (1, 1))
-        modulus = 1 << 64 if version == 1 else _fp2.MODULUS
+        modulus = 1 << 64 if version == 1 else hashing.MODULUS
         assert int(d[e]) == (p if not int(a[r, c]) >> 31 else -p) % modulus
-    modulus_u = np.uint64(0) if version == 1 else np.uint64(_fp2.MODULUS)
+    modulus_u = np.uint64(0) if version == 1 else np.uint64(hashing.MODULUS)
     neg = (modulus_u - d) if version == 1 else (modulus_u - d) % modulus_u
     _common, ia, ib = np.intersect1d(d, neg, return_indices=True)
     for x, y in zip(ia, ib, strict=True):
@@ -448,10 +448,10 @@ def test_birthday_search_for_a_colliding_sign_flip_pair(seed: int) -> None:
 
 
 def test_finalize_binds_name_dtype_shape_and_both_sums() -> None:
-    base = finalize_fingerprint("w", "F32", (3, 4), _fp2.encode(1, 2))
-    assert finalize_fingerprint("v", "F32", (3, 4), _fp2.encode(1, 2)) != base
-    assert finalize_fingerprint("w", "I32", (3, 4), _fp2.encode(1, 2)) != base
-    assert finalize_fingerprint("w", "F32", (4, 3), _fp2.encode(1, 2)) != base
-    assert finalize_fingerprint("w", "F32", (3, 4), _fp2.encode(2, 2)) != base
-    assert finalize_fingerprint("w", "F32", (3, 4), _fp2.encode(1, 3)) != base
-    assert finalize_fingerprint("w", "F32", (3, 4), _fp2.encode(1, 2) + _fp2.MODULUS) == base
+    base = finalize_fingerprint("w", "F32", (3, 4), hashing.encode(1, 2))
+    assert finalize_fingerprint("v", "F32", (3, 4), hashing.encode(1, 2)) != base
+    assert finalize_fingerprint("w", "I32", (3, 4), hashing.encode(1, 2)) != base
+    assert finalize_fingerprint("w", "F32", (4, 3), hashing.encode(1, 2)) != base
+    assert finalize_fingerprint("w", "F32", (3, 4), hashing.encode(2, 2)) != base
+    assert finalize_fingerprint("w", "F32", (3, 4), hashing.encode(1, 3)) != base
+    assert finalize_fingerprint("w", "F32", (3, 4), hashing.encode(1, 2) + hashing.MODULUS) == base

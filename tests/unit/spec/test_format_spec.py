@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from unickpt.spec import _fp2
+from unickpt.spec import hashing
 from unickpt.spec.dtypes import DTYPE_ITEMSIZE
 from unickpt.spec.index import FORMAT_VERSION
 from unickpt.spec.naming import SLICED_SENTINEL
@@ -42,12 +42,12 @@ def test_spec_names_the_constants_the_code_uses() -> None:
         '"format": "unickpt-sliced"',
         ".unickpt.lock",
         # fingerprint v2
-        f"0x{_fp2.SEED_L:016X}",
-        f"0x{_fp2.SEED_H:016X}",
-        f"2^32 - 5 = {_fp2.P1}",
-        f"2^32 - 17 = {_fp2.P2}",
-        f"`G = {_fp2.G}`",
-        _fp2.TAG.rstrip(b"\0").decode(),
+        f"0x{hashing.SEED_L:016X}",
+        f"0x{hashing.SEED_H:016X}",
+        f"2^32 - 5 = {hashing.P1}",
+        f"2^32 - 17 = {hashing.P2}",
+        f"`G = {hashing.G}`",
+        hashing.TAG.rstrip(b"\0").decode(),
         f'"format_version": {FORMAT_VERSION}',
     ]:
         assert needle in spec, needle

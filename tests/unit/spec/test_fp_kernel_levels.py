@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 
-from unickpt.spec import _fp2, hashing
+from unickpt.spec import hashing
 
 native = pytest.mark.skipif(hashing._native2 is None, reason="the compiled v2 kernel is not built here")
 LEVELS = (
@@ -115,7 +115,7 @@ def _expected() -> list[int]:
         isz, s, k = c["isz"], c["start"], c["count"]  # type: ignore[misc]
         masked = np.zeros_like(raw)
         masked[s * isz : (s + k) * isz] = raw[s * isz : (s + k) * isz]  # type: ignore[operator]
-        out.append(_fp2.partial_numpy(masked.tobytes(), isz, c["gshape"], c["offsets"], c["shape"]))  # type: ignore[arg-type]
+        out.append(hashing.partial_numpy(masked.tobytes(), isz, c["gshape"], c["offsets"], c["shape"]))  # type: ignore[arg-type]
     return out
 
 
@@ -134,7 +134,7 @@ def test_every_loop_gives_the_numpy_numbers(level: str, expected: list[int]) -> 
         pytest.skip(f"this CPU has no {level}")
     assert len(got) == N_CASES + 1
     for i, ((h1, h2), want) in enumerate(zip(got[1:], expected, strict=True)):  # type: ignore[misc]
-        assert _fp2.encode(h1 % _fp2.P1, h2 % _fp2.P2) == want, (level, i, _cases()[i])
+        assert hashing.encode(h1 % hashing.P1, h2 % hashing.P2) == want, (level, i, _cases()[i])
 
 
 def test_cases_cover_the_edges() -> None:
@@ -174,7 +174,7 @@ def test_split_over_threads_gives_the_serial_numbers(monkeypatch: pytest.MonkeyP
     serial = [
         hashing.hash_block(b, isz, g, o, s, xxh3=x) for b, isz, g, o, s in blocks for x in (True, False)
     ]
-    numpy_ref = [_fp2.partial_numpy(b.tobytes(), isz, g, o, s) for b, isz, g, o, s in blocks]
+    numpy_ref = [hashing.partial_numpy(b.tobytes(), isz, g, o, s) for b, isz, g, o, s in blocks]
     assert [t for _, t in serial[1::2]] == numpy_ref
     monkeypatch.setattr(hashing, "FP_THREADS", threads)
     monkeypatch.setattr(hashing, "_SPLIT_MIN_BYTES", 4096)  # these small blocks split too

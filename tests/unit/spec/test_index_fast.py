@@ -26,7 +26,7 @@ from pydantic import BaseModel, ValidationError
 
 from unickpt.errors import IndexFileError, UnsafePathError
 from unickpt.spec._json import check_unicode, colon_budget, count_pairs_and_colons, strict_loads
-from unickpt.spec.digest_text import hex_to_b64
+from unickpt.spec.digest_text import OtherFormatVersion, hex_to_b64, version_error
 from unickpt.spec.dtypes import DTYPE_ITEMSIZE
 from unickpt.spec.index import (
     SCHEMA_MISMATCH,
@@ -41,7 +41,6 @@ from unickpt.spec.index import (
 )
 from unickpt.spec.index_models import ByteRange
 from unickpt.spec.naming import SLICED_SENTINEL
-from unickpt.spec.versioning import OtherFormatVersion, version_error
 
 
 def _schema_validate(raw: bytes) -> IndexFile:
