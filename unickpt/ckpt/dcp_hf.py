@@ -17,10 +17,13 @@ import json
 import os
 import re
 
+import numpy as np
+
 from unickpt.ckpt.safetensors_io import read_header
 from unickpt.errors import CheckpointFormatError
 from unickpt.spec.confine import confined_path
-from unickpt.spec.index import LayoutInfo, SliceEntry, TensorEntry, UnickptBlock
+from unickpt.spec.index import LayoutInfo, TensorEntry, UnickptBlock
+from unickpt.spec.slice_table import MAX_DIM, SliceTable
 
 __all__ = ["SHARD_FILE", "dcp_hf_files", "block_from_dcp_hf"]
 
@@ -39,7 +42,8 @@ def dcp_hf_files(directory: str) -> list[str]:
 
 def block_from_dcp_hf(directory: str, files: list[str]) -> UnickptBlock:
     """The slice table of a distributed Hugging Face DCP save (see the module docstring)."""
-    slices: dict[str, list[SliceEntry]] = {}
+    # Per tensor, its slices' (file, offsets, shape), the global shape known once all are read.
+    slices: dict[str, list[tuple[str, list[int], tuple[int, ...]]]] = {}
     dtypes: dict[str, str] = {}
     for fname in files:
         path = confined_path(directory, fname, directory, "per-rank file")
@@ -61,27 +65,40 @@ def block_from_dcp_hf(directory: str, files: list[str]) -> UnickptBlock:
             if (
                 not isinstance(offs, list)
                 or len(offs) != len(e.shape)
-                or not all(type(o) is int and o >= 0 for o in offs)
+                or not all(type(o) is int and 0 <= o < MAX_DIM for o in offs)
             ):
                 raise CheckpointFormatError(
                     f"{path}: tensor {name!r} has no valid saved_offsets in {SHARDING_KEY} "
-                    f"(expected {len(e.shape)} non-negative integers, found {offs!r})"
+                    f"(expected {len(e.shape)} non-negative integers below 2**62, found {offs!r})"
                 )
             if dtypes.setdefault(name, e.dtype) != e.dtype:
                 raise CheckpointFormatError(
                     f"{path}: tensor {name!r} is {e.dtype} here but {dtypes[name]} in another rank's file"
                 )
-            slices.setdefault(name, []).append(
-                SliceEntry(file=fname, key=name, offsets=list(offs), shape=list(e.shape))
-            )
+            slices.setdefault(name, []).append((fname, offs, tuple(e.shape)))
     tensors = {}
-    for name, ss in slices.items():
-        ndim = len(ss[0].shape)
-        if any(len(s.shape) != ndim for s in ss):
+    for name, rows in slices.items():
+        ndim = len(rows[0][2])
+        if any(len(shp) != ndim for _, _, shp in rows):
             raise CheckpointFormatError(f"{directory}: tensor {name!r} has slices of different ranks")
-        shape = [max(s.offsets[d] + s.shape[d] for s in ss) for d in range(ndim)]
-        nonempty = [s for s in ss if all(n > 0 for n in s.shape)] or ss[:1]
-        tensors[name] = TensorEntry(dtype=dtypes[name], shape=shape, slices=nonempty)
+        offsets = np.array([o for _, o, _ in rows], dtype=np.int64).reshape(len(rows), ndim)
+        shapes = np.array([shp for _, _, shp in rows], dtype=np.int64).reshape(len(rows), ndim)
+        shape = (offsets + shapes).max(axis=0).tolist()
+        keep = np.flatnonzero((shapes > 0).all(axis=1))
+        if not len(keep):
+            keep = np.zeros(1, dtype=np.int64)
+        table = SliceTable.from_columns(
+            name,
+            shape,
+            files=[rows[k][0] for k in keep.tolist()],
+            keys=[name] * len(keep),
+            offsets=offsets[keep],
+            shapes=shapes[keep],
+        )
+        try:
+            tensors[name] = TensorEntry.of_table(dtypes[name], shape, table)
+        except ValueError as err:
+            raise CheckpointFormatError(f"{directory}: tensor {name!r}: {err}") from None
     return UnickptBlock(
         kind="model",
         created_by="torch HuggingFaceStorageWriter(save_distributed=True)",

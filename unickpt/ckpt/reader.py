@@ -112,6 +112,7 @@ from unickpt.spec.index import (
     validate_block,
 )
 from unickpt.spec.naming import index_name, shown, single_name
+from unickpt.spec.slice_table import SliceTable
 from unickpt.store.publish import SAVE_ID_KEY
 from unickpt.store.storage import (
     MAX_REQUEST,
@@ -191,11 +192,7 @@ def block_from_header(h: SafetensorsHeader, kind: str) -> tuple[UnickptBlock, bo
             )
         return block, True
     tensors = {
-        k: TensorEntry(
-            dtype=e.dtype,
-            shape=list(e.shape),
-            slices=[SliceEntry(file=file, key=k, offsets=[0] * len(e.shape), shape=list(e.shape))],
-        )
+        k: TensorEntry.of_table(e.dtype, e.shape, SliceTable.whole(k, e.shape, file))
         for k, e in h.entries.items()
     }
     return UnickptBlock(kind="model" if kind == "model" else "optimizer", tensors=tensors), False
@@ -234,11 +231,7 @@ def block_from_plain_index(
         for k, e in h.entries.items():
             if idx.weight_map.get(k) != file:
                 continue
-            tensors[k] = TensorEntry(
-                dtype=e.dtype,
-                shape=list(e.shape),
-                slices=[SliceEntry(file=file, key=k, offsets=[0] * len(e.shape), shape=list(e.shape))],
-            )
+            tensors[k] = TensorEntry.of_table(e.dtype, e.shape, SliceTable.whole(k, e.shape, file))
     missing = sorted(set(idx.weight_map) - set(tensors))
     if missing:
         raise IndexFileError(

@@ -45,13 +45,12 @@ from unickpt.spec.index import (
     IndexFile,
     IndexMetadata,
     LayoutInfo,
-    SliceEntry,
     TensorEntry,
     UnickptBlock,
     compact_tensors,
 )
 from unickpt.spec.naming import SLICED_SENTINEL, single_name
-from unickpt.spec.slice_table import LazySlices, SliceTable
+from unickpt.spec.slice_table import SliceTable
 from unickpt.store.lock import Fence
 from unickpt.store.publish import (
     SAVE_ID_KEY,
@@ -247,26 +246,19 @@ def tensor_entry(
     name: str,
     dtype: str,
     shape: Sequence[int],
-    slices: list[SliceEntry] | SliceTable,
+    slices: SliceTable,
     partials: Iterable[int] | None,
     *,
     placeholder: bool = False,
     **extras: Any,
 ) -> TensorEntry:
-    """A tensor's index entry; its fingerprint from the partials of its slices (None: no fingerprint).
-
-    ``slices`` is a list of ``SliceEntry`` or, with no per-slice object, a ``SliceTable``;
-    ``build_block`` writes either compactly.
-    """
+    """A tensor's index entry over its slice table (``SliceColumns`` builds one); its fingerprint
+    from the partials of its slices (None: no fingerprint). ``build_block`` writes it compactly."""
     fp = None
     if partials is not None:
         total = combine_partials(partials)
         fp = PLACEHOLDER if placeholder else finalize_fingerprint(name, dtype, shape, total)
-    if isinstance(slices, SliceTable):
-        entry = TensorEntry(dtype=dtype, shape=list(shape), fingerprint=fp, **extras)
-        entry.__dict__["slices"] = LazySlices(slices)
-        return entry
-    return TensorEntry(dtype=dtype, shape=list(shape), fingerprint=fp, slices=slices, **extras)
+    return TensorEntry.of_table(dtype, shape, slices, fingerprint=fp, **extras)
 
 
 def build_block(

@@ -58,8 +58,9 @@ from unickpt.io.save_options import SaveOptions
 from unickpt.io.tensors import LocalSlice, as_bytes
 from unickpt.spec.dtypes import itemsize
 from unickpt.spec.hashing import hash_block, slice_hash
-from unickpt.spec.index import SliceEntry, TensorEntry, UnickptBlock, index_to_json
+from unickpt.spec.index import TensorEntry, UnickptBlock, index_to_json
 from unickpt.spec.index_models import ByteRange
+from unickpt.spec.slice_table import SliceTable
 from unickpt.store.lock import Fence
 from unickpt.store.publish import commit_directory, commit_single_file, temp_name
 from unickpt.store.storage import RangeFile, Storage
@@ -457,14 +458,12 @@ def gathered_block(
                     for b, e, _ in rs
                 ]
         file = file_name or (files or {})[name]
-        sl = SliceEntry(
-            file=file, key=name, offsets=[0] * len(gshape), shape=list(gshape), xxh3=xxh3, ranges=brs
-        )
+        sl = SliceTable.whole(name, gshape, file, xxh3=xxh3, ranges=brs)
         parts = None
         if opts.fingerprints:
             parts = [] if partials is None else partials.get(name, [])
         extra = s.entry_extras.get(name, {})
-        entries[name] = tensor_entry(name, dtype, gshape, [sl], parts, placeholder=placeholder, **extra)
+        entries[name] = tensor_entry(name, dtype, gshape, sl, parts, placeholder=placeholder, **extra)
     return build_block(
         kind=s.kind,
         created_by=_VERSION,

@@ -8,7 +8,8 @@ from unickpt import __version__
 from unickpt.ckpt.writer import CheckpointWriter, FileSpec, build_block, tensor_entry
 from unickpt.io.planner import PlannedFile, SavePlan
 from unickpt.io.save_options import SaveOptions
-from unickpt.spec.index import SliceEntry, TensorEntry, UnickptBlock
+from unickpt.spec.index import TensorEntry, UnickptBlock
+from unickpt.spec.slice_table import SliceColumns
 from unickpt.store.storage import Storage
 
 __all__ = ["Results", "VERSION", "build_save_block", "by_slice", "file_specs", "make_writer"]
@@ -55,19 +56,16 @@ def build_save_block(
     entries: dict[str, TensorEntry] = {}
     for name, (dtype, gshape) in plan.tensors.items():
         planned = plan.slices[name]
-        slices = [
-            SliceEntry(
-                file=file_name or file_of[(name, ps.k)],
-                key=ps.key,
-                offsets=list(ps.offsets),
-                shape=list(ps.shape),
-                xxh3=results[(name, ps.k)][0],
+        slices = SliceColumns(name, gshape)
+        for ps in planned:
+            slices.add(
+                file_name or file_of[(name, ps.k)], ps.key, ps.offsets, ps.shape, results[(name, ps.k)][0]
             )
-            for ps in planned
-        ]
         partials = [results[(name, ps.k)][1] for ps in planned] if opts.fingerprints else None
         extra = (entry_extras or {}).get(name, {})
-        entries[name] = tensor_entry(name, dtype, gshape, slices, partials, placeholder=placeholder, **extra)
+        entries[name] = tensor_entry(
+            name, dtype, gshape, slices.table(), partials, placeholder=placeholder, **extra
+        )
     return build_block(
         kind=opts.kind,
         created_by=VERSION,

@@ -42,13 +42,13 @@ in bulk: O(S) numpy work plus O(S log S) for the grid detection, no per-slice mo
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import errno
 import functools
 import gc
 import itertools
 import json
+import math
 import operator
 import os
 import re
@@ -104,11 +104,11 @@ from unickpt.spec.index_models import TensorEntry as TensorEntry
 from unickpt.spec.index_models import UnickptBlock as UnickptBlock
 from unickpt.spec.index_models import check_file_name as check_file_name
 from unickpt.spec.slice_table import (
-    NO_HASH,
+    GIVEN_RANGES,
+    GIVEN_XXH3,
     LazySlices,
     SliceTable,
     compact_fields,
-    entries_from_records,
 )
 
 __all__ = [
@@ -119,7 +119,6 @@ __all__ = [
     "SCHEMA_MISMATCH",
     "validate_block",
     "construct",
-    "bulk_slices",
     "compact_field_colons",
     "compact_field_problem",
     "found_text",
@@ -136,12 +135,10 @@ __all__ = [
 _M = TypeVar("_M", bound=BaseModel)
 
 SLICE_FIELDS, SLICE_REQUIRED = fields_of(SliceEntry)
-# Fields the bulk path never takes: a slice with byte ranges goes through slices_slow.
-_SLOW_FIELDS = frozenset({"ranges"})
-# Key orders of a slice object that the bulk path takes as is (what unickpt writes): every
-# other field in model order, or the required ones only. Anything else goes through slices_slow.
-_FULL_LAYOUT = tuple(f for f in SLICE_FIELDS if f not in _SLOW_FIELDS)
-_SLICE_LAYOUTS = frozenset({_FULL_LAYOUT, tuple(f for f in SLICE_FIELDS if f in SLICE_REQUIRED)})
+_SLICE_FIELD_SET = frozenset(SLICE_FIELDS)
+#: The key orders of slice objects met so far that hold every required field and no other
+#: (a bounded set: the orders of at most six names).
+_GOOD_LAYOUTS: set[tuple[str, ...]] = set()
 _HEX_DIGITS_COMMA = b"0123456789abcdef,"
 _hashes = re.compile(HASHES).fullmatch
 _get_file = operator.itemgetter("file")
@@ -149,10 +146,11 @@ _get_key = operator.itemgetter("key")
 _get_offsets = operator.itemgetter("offsets")
 _get_shape = operator.itemgetter("shape")
 _get_xxh3 = operator.itemgetter("xxh3")
+_get_start = operator.itemgetter("start")
+_get_end = operator.itemgetter("end")
 _setattr = object.__setattr__
 
 
-_consume: Callable[[Iterable[Any]], None] = collections.deque(maxlen=0).extend
 _DICT, _LIST, _INT, _STR = {dict}, {list}, {int}, {str}
 
 
@@ -166,116 +164,6 @@ def construct(cls: type[_M], given: dict[str, Any], fields_set: set[str], extra:
     if extra is not None:
         _setattr(m, "__pydantic_extra__", extra)
     return m
-
-
-def bulk_slices(
-    gshape: list[int], sl: list[Any], shared: dict[tuple[str, ...], set[str]]
-) -> tuple[list[Any], int, int, set[str]] | None:
-    """One tensor's slices checked and built with C-level bulk operations; None to take the slow path.
-
-    Returns (slices: a ``LazySlices`` over the slices' table, object members, ':' in the slices'
-    keys, distinct file names). Checks what
-    ``SliceEntry`` and ``TensorEntry._slices_in_bounds`` check, for the usual input: every slice
-    an object with the fields in model order (all, or the required ones), integers that are
-    ints, strings that are strings. Nothing is modified before every check has passed.
-    """
-    n = len(sl)
-    if not n:
-        return [], 0, 0, set()
-    if set(map(type, sl)) != _DICT:
-        return None
-    layouts = set(map(tuple, sl))
-    if not layouts <= _SLICE_LAYOUTS:
-        return None
-    nd = len(gshape)
-    offsets = list(map(_get_offsets, sl))
-    shapes = list(map(_get_shape, sl))
-    try:
-        if set(map(len, offsets)) != {nd} or set(map(len, shapes)) != {nd}:
-            return None
-    except TypeError:  # a number, null or boolean
-        return None
-    if not nd:
-        if set(map(type, offsets)) != _LIST or set(map(type, shapes)) != _LIST:
-            return None
-    else:
-        # Flattening a string or an object of length nd gives strings, caught below with
-        # everything else that is not an int: only lists get through.
-        flat_o = list(itertools.chain.from_iterable(offsets))
-        flat_n = list(itertools.chain.from_iterable(shapes))
-        if set(map(type, flat_o)) != _INT or set(map(type, flat_n)) != _INT:
-            return None
-        if min(flat_o) < 0 or min(flat_n) < 0:
-            return None
-        # o + n <= g on every dim (g < 2**62, so every o and n is below the NonNeg bound too).
-        if not all(map(operator.le, map(operator.add, flat_o, flat_n), itertools.cycle(gshape))):
-            return None
-    try:
-        file_list = list(map(_get_file, sl))
-        files = set(file_list)
-        key_list = list(map(_get_key, sl))
-        keys = "".join(key_list)  # TypeError unless every key is a str
-    except TypeError:
-        return None
-    if set(map(type, files)) != _STR:
-        return None
-    complete = layouts == {_FULL_LAYOUT}
-    hashes = list(map(_get_xxh3, sl)) if complete else [s.get("xxh3") for s in sl]
-    try:
-        joined = ",".join(hashes)
-    except TypeError:  # a null (or not a string)
-        hashes = [h for h in hashes if h is not None]
-        try:
-            joined = ",".join(hashes)
-        except TypeError:
-            return None
-    # Every hash 16 lower-case hex digits: 17 x count - 1 ASCII characters, a ',' at every 17th
-    # place and nowhere else, nothing but hex digits around them.
-    if hashes and not (
-        len(joined) == 17 * len(hashes) - 1
-        and joined.isascii()
-        and joined.count(",") == len(hashes) - 1
-        and joined[16::17] == "," * (len(hashes) - 1)
-        and not joined.encode().translate(None, _HEX_DIGITS_COMMA)
-    ):
-        return None
-    pairs = len(_FULL_LAYOUT) * n if complete else sum(map(len, sl))
-    if complete:
-        # Every slice has every field (what writers write): the slices become their table's
-        # arrays at once, no SliceEntry per slice (the list builds them from the table, with the
-        # same fields and fields set, if anything iterates it: see LazySlices).
-        ids = {f: i for i, f in enumerate(dict.fromkeys(file_list))}  # in order of first use
-        file_ids = np.fromiter(map(ids.__getitem__, file_list), np.int64, n)
-        if len(hashes) == n:
-            stored: str | None = "".join(hashes)
-        elif hashes:
-            stored = "".join(NO_HASH if h is None else h for h in map(_get_xxh3, sl))
-        else:
-            stored = None
-        table = SliceTable(
-            "",
-            gshape,
-            np.array(flat_o if nd else [], dtype=np.int64).reshape(n, nd),
-            np.array(flat_n if nd else [], dtype=np.int64).reshape(n, nd),
-            file_ids,
-            sorted(ids, key=ids.__getitem__),
-            key_list,
-            stored,
-        )
-        return LazySlices(table), pairs, keys.count(":"), files
-    # What model_construct sets, in four C-level passes: the parsed objects become the slices'
-    # __dict__ as they are (fields in model order). Slices with the same keys share one fields
-    # set (``shared``, one per index): pydantic never changes the set of a frozen model (model_copy
-    # copies it first), and a set of five names costs about 0.5 KB and 0.4 us per slice.
-    for layout in layouts:
-        if layout not in shared:
-            shared[layout] = set(layout)
-    fields_sets = list(map(shared.__getitem__, map(tuple, sl)))
-    for s in sl:
-        s.setdefault("xxh3", None)  # appended last: the field order holds
-    for f in _SLOW_FIELDS:  # absent from every slice taken here; appended last, in model order
-        _consume(map(dict.setdefault, sl, itertools.repeat(f), itertools.repeat(None)))
-    return entries_from_records(sl, fields_sets), pairs, keys.count(":"), files
 
 
 def compact_field_colons(k: str, x: Any) -> int | None:
@@ -342,6 +230,54 @@ def compact_field_problem(k: str, x: Any) -> tuple[str, str, Any]:
             if not _file_id(n):
                 return f".{i}.{j}", "an integer >= 0 below 2**62", n
     raise AssertionError(f"compact field {k!r} has no problem")  # pragma: no cover - never
+
+
+def _first(flags: Iterable[Any], default: int) -> int:
+    """The position of the first true flag (the first slice of a mask), or ``default``."""
+    return next(itertools.compress(itertools.count(), flags), default)
+
+
+def _good_layout(layout: tuple[str, ...]) -> bool:
+    """A slice object's keys are ``SliceEntry``'s fields, every required one among them."""
+    if layout in _GOOD_LAYOUTS:
+        return True
+    keys = set(layout)
+    if keys <= _SLICE_FIELD_SET and keys >= SLICE_REQUIRED:
+        _GOOD_LAYOUTS.add(layout)
+        return True
+    return False
+
+
+def _not_dim(v: Any) -> bool:
+    return type(v) is not int or not 0 <= v < MAX_DIM
+
+
+def _not_hash(v: Any) -> bool:
+    return v is not None and (type(v) is not str or _hex16(v) is None)
+
+
+def _not_range_digest(v: Any) -> bool:
+    return type(v) is not str or _hex16(v) is None
+
+
+def _not_range_object(v: dict[str, Any]) -> bool:
+    return tuple(sorted(v)) != _RANGE_SORTED
+
+
+def _hex16_list(hashes: list[Any]) -> bool:
+    """Every item a string of 16 lower-case hex digits, checked at once: joined by ',', they make
+    17 x count - 1 ASCII characters, a ',' at every 17th place and nowhere else, hex digits around."""
+    try:
+        joined = ",".join(hashes)
+    except TypeError:  # not a string
+        return False
+    return (
+        len(joined) == 17 * len(hashes) - 1
+        and joined.isascii()
+        and joined.count(",") == len(hashes) - 1
+        and joined[16::17] == "," * (len(hashes) - 1)
+        and not joined.encode().translate(None, _HEX_DIGITS_COMMA)
+    )
 
 
 def _file_id(v: Any) -> bool:
@@ -440,6 +376,7 @@ _TENSOR_FIELDS, _TENSOR_REQUIRED = fields_of(models.TensorEntry)
 _LAYOUT_FIELDS, _LAYOUT_REQUIRED = fields_of(models.LayoutInfo)
 _BLOCK_FIELDS, _BLOCK_REQUIRED = fields_of(models.UnickptBlock)
 _RANGE_FIELDS, _RANGE_REQUIRED = fields_of(models.ByteRange)
+_RANGE_SORTED = tuple(sorted(_RANGE_FIELDS))
 _VERSIONS = " or ".join(map(str, KNOWN_FORMAT_VERSIONS))
 _KIND_CHOICES = " or ".join(map(repr, KINDS))
 _hex16 = re.compile(HEX16_BODY).fullmatch
@@ -472,7 +409,7 @@ class IndexParser:
     text that may also hold a duplicate key (reported first, as the JSON's own problem).
     """
 
-    __slots__ = ("again", "budget", "colons", "files", "mismatch", "pairs", "path", "shared")
+    __slots__ = ("again", "budget", "colons", "files", "mismatch", "pairs", "path")
 
     def __init__(self, path: str, budget: int | None, again: Callable[[], str], what: str = "index") -> None:
         self.path = path
@@ -482,7 +419,6 @@ class IndexParser:
         self.pairs = 0  # members of every JSON object met
         self.colons = 0  # ':' in every string met that may hold one
         self.files: set[str] = set()  # distinct slice file names
-        self.shared: dict[tuple[str, ...], set[str]] = {}  # fields sets of slices, by key order
 
     def parse(self, box: list[str]) -> models.IndexFile:
         """Parse the text in the one-item list ``box``, taken out of it and dropped once decoded."""
@@ -790,14 +726,7 @@ class IndexParser:
                 self.refuse(where, problem)
             given["slices"] = []  # replaced by attach_tables (a default_factory costs 1 ms here)
             return construct(models.TensorEntry, given, set(t), None)
-        bulk = bulk_slices(shape, given["slices"], self.shared)
-        if bulk is None:
-            given["slices"] = self.slices_rows(where, shape, given["slices"], DTYPE_ITEMSIZE[given["dtype"]])
-        else:
-            given["slices"], pairs, colons, files = bulk
-            self.pairs += pairs
-            self.colons += colons
-            self.files |= files
+        given["slices"] = self.slices(where, shape, given["slices"], DTYPE_ITEMSIZE[given["dtype"]])
         return construct(models.TensorEntry, given, set(t), None)
 
     def ranges(self, v: Any, where: str) -> list[models.ByteRange] | None:
@@ -828,34 +757,179 @@ class IndexParser:
         self.colons += colons
         return x
 
-    def slices_rows(
-        self, where: str, gshape: list[int], sl: list[Any], isize: int = 1
-    ) -> list[models.SliceEntry]:
-        """A tensor's slices row by row (any key order, byte ranges): the first offending slice
-        is named by its number, field, what was expected and what was found."""
-        out = []
-        for i, v in enumerate(sl):
-            w = f"{where}.slices.{i}"
-            s = self.obj(v, w, SLICE_FIELDS, SLICE_REQUIRED)
-            given: dict[str, Any] = {}
-            for k, x in s.items():
-                check = _SLICE_PLAIN.get(k)
-                if check is not None:
-                    given[k] = check(self, x, f"{w}.{k}")
-                elif k == "ranges":
-                    given[k] = self.ranges(x, f"{w}.ranges")
-                else:  # file: a safe name has no ':', and an unsafe one is refused
-                    given[k] = self.string(x, f"{w}.file", colons=False)
-            file = given["file"]
-            problem = slice_problem(given["key"], file, given["offsets"], given["shape"], gshape)
-            problem = problem or ranges_problem(
-                given["key"], file, given.get("ranges"), given["shape"], isize
-            )
-            if problem is not None:
-                self.refuse(w, problem)
-            self.files.add(file)
-            out.append(construct(models.SliceEntry, given, set(s), None))
-        return out
+    def slices(self, where: str, gshape: list[int], sl: list[Any], isize: int) -> LazySlices:
+        """A tensor's listed slices checked in one vectorised pass and kept as their table's columns.
+
+        Every check runs over a whole column at once (C-level passes and numpy): objects with
+        the fields of ``SliceEntry`` in any order, strings, dims, ``offsets + shape`` within the
+        tensor, hashes, byte ranges tiling each slice's bytes. A check that fails gives the
+        position of its first offending slice (the first of its mask); the columns are cut there,
+        so the later checks look only at the slices before it, and the first slice at fault is
+        the first failure of all. Its own fields (``slice_refusal``) then word the refusal: the
+        slice's number, the field, what was expected and what was found. Optional fields a slice
+        leaves out are columns with a null mask (``SliceTable``'s given-fields mask).
+        """
+        n, nd = len(sl), len(gshape)
+        bad = n  # every slice before it has passed every check so far
+        if set(map(type, sl)) != _DICT:
+            bad = _first(map(operator.is_not, map(type, sl), itertools.repeat(dict)), bad)
+        rows = sl[:bad] if bad < n else sl
+        layouts = set(map(tuple, rows))
+        wrong = {lay for lay in layouts if not _good_layout(lay)}
+        if wrong:
+            bad = _first(map(wrong.__contains__, map(tuple, rows)), bad)
+            rows = rows[:bad]
+            layouts -= wrong
+        present = set(itertools.chain.from_iterable(layouts))
+        files = list(map(_get_file, rows))
+        keys = list(map(_get_key, rows))
+        offsets = list(map(_get_offsets, rows))
+        shapes = list(map(_get_shape, rows))
+        hashes = list(map(dict.get, rows, itertools.repeat("xxh3"))) if "xxh3" in present else None
+        ranges = list(map(dict.get, rows, itertools.repeat("ranges"))) if "ranges" in present else None
+        columns = [files, keys, offsets, shapes, hashes, ranges]
+
+        def cut(k: int) -> None:  # the first slice at fault so far is slice k
+            nonlocal bad
+            bad = k
+            for col in columns:
+                if col is not None:
+                    del col[k:]
+
+        for col in (files, keys):  # strings
+            if set(map(type, col)) - _STR:
+                cut(_first(map(operator.is_not, map(type, col), itertools.repeat(str)), bad))
+        for col in (offsets, shapes):  # arrays of nd integers
+            if set(map(type, col)) - _LIST:
+                cut(_first(map(operator.is_not, map(type, col), itertools.repeat(list)), bad))
+            if set(map(len, col)) - {nd}:
+                cut(_first(map(operator.ne, map(len, col), itertools.repeat(nd)), bad))
+        for col in (offsets, shapes):  # each an integer >= 0 below 2**62
+            flat = list(itertools.chain.from_iterable(col))
+            if flat and (set(map(type, flat)) - _INT or min(flat) < 0 or max(flat) >= MAX_DIM):
+                cut(_first(map(_not_dim, flat), bad * nd) // nd)
+        m = len(files)
+        lo = np.array(list(itertools.chain.from_iterable(offsets)), dtype=np.int64).reshape(m, nd)
+        ext = np.array(list(itertools.chain.from_iterable(shapes)), dtype=np.int64).reshape(m, nd)
+        if nd:  # offset + size <= the tensor's size on every dim
+            past = np.flatnonzero((lo + ext > np.asarray(gshape, dtype=np.int64)).any(axis=1))
+            if len(past):
+                cut(int(past[0]))
+        if hashes is not None:  # null, or 16 lower-case hex digits
+            given_hashes = [h for h in hashes if h is not None]
+            if given_hashes and not _hex16_list(given_hashes):
+                cut(_first(map(_not_hash, hashes), bad))
+        ranged: dict[int, list[models.ByteRange]] = {}
+        if ranges is not None:
+            k = self.ranges_column(ranges, shapes, isize, ranged)
+            if k is not None:
+                cut(k)
+        if bad < n:
+            self.slice_refusal(f"{where}.slices.{bad}", gshape, sl[bad], isize)
+        self.pairs += sum(map(len, sl)) + 3 * sum(map(len, ranged.values()))
+        self.colons += "".join(keys).count(":")
+        self.files.update(files)
+        given = None
+        bits = {lay: ("xxh3" in lay) * GIVEN_XXH3 + ("ranges" in lay) * GIVEN_RANGES for lay in layouts}
+        if set(bits.values()) - {GIVEN_XXH3}:  # some slice leaves its xxh3 out, or names its ranges
+            given = np.fromiter(map(bits.__getitem__, map(tuple, rows)), np.uint8, n)
+        table = SliceTable.from_columns(
+            "",
+            gshape,
+            files=files,
+            keys=keys,
+            offsets=lo[:n],
+            shapes=ext[:n],
+            hashes=hashes,
+            ranges=ranged,
+            given=given,
+        )
+        return LazySlices(table)
+
+    def ranges_column(
+        self, ranges: list[Any], shapes: list[list[int]], isize: int, out: dict[int, list[models.ByteRange]]
+    ) -> int | None:
+        """The ``ranges`` column checked at once: every range of every slice an object of
+        ``ByteRange``'s fields, and each slice's ranges tiling its bytes in order. Returns the
+        first slice at fault (None: none) and fills ``out`` with the ranges of the slices before it."""
+        rk = list(itertools.compress(itertools.count(), map(operator.is_not, ranges, itertools.repeat(None))))
+        if not rk:
+            return None
+        lists = list(map(ranges.__getitem__, rk))
+        first = len(rk)  # among the slices with ranges
+        if set(map(type, lists)) - _LIST:
+            first = _first(map(operator.is_not, map(type, lists), itertools.repeat(list)), first)
+            lists = lists[:first]
+        counts = np.fromiter(map(len, lists), np.int64, len(lists))
+        items = list(itertools.chain.from_iterable(lists))
+        owner = np.repeat(np.arange(len(lists)), counts)  # each range's slice, among rk
+        item_bad = len(items)
+        if set(map(type, items)) - _DICT:
+            item_bad = _first(map(operator.is_not, map(type, items), itertools.repeat(dict)), item_bad)
+        good = items[:item_bad]
+        if set(map(tuple, good)) - {_RANGE_FIELDS}:  # every field required: only their order may vary
+            item_bad = _first(map(_not_range_object, good), item_bad)
+            good = items[:item_bad]
+        starts = list(map(_get_start, good))
+        ends = list(map(_get_end, good))
+        digests = list(map(_get_xxh3, good))
+        for col in (starts, ends):
+            if col and (set(map(type, col)) - _INT or min(col) < 0 or max(col) >= MAX_DIM):
+                item_bad = min(item_bad, _first(map(_not_dim, col), item_bad))
+        if digests and not (set(map(type, digests)) == _STR and _hex16_list(digests)):
+            item_bad = min(item_bad, _first(map(_not_range_digest, digests), item_bad))
+        if item_bad < len(items):
+            first = min(first, int(owner[item_bad]))
+        # The tiling, over the ranges of the slices before the first at fault.
+        within = int(counts[:first].sum())
+        st = np.array(starts[:within], dtype=np.int64)
+        en = np.array(ends[:within], dtype=np.int64)
+        heads = np.concatenate([[0], np.cumsum(counts[:first])[:-1]]).astype(np.int64)
+        prev = np.concatenate([[0], en[:-1]]) if within else en
+        if within:
+            prev[heads[counts[:first] > 0]] = 0  # a slice's first range starts at byte 0
+        gap = (st != prev) | (en <= st)
+        if gap.any():
+            first = min(first, int(owner[int(np.argmax(gap))]))
+        nbytes = [math.prod(shapes[rk[j]]) * isize for j in range(first)]
+        last = np.cumsum(counts[:first]) - 1
+        covered = [
+            int(en[i]) if c else 0 for i, c in zip(last.tolist(), counts[:first].tolist(), strict=True)
+        ]
+        short = _first(map(operator.ne, covered, nbytes), first)
+        first = min(first, short)
+        shared = set(_RANGE_FIELDS)
+        pos = 0
+        for j in range(first):  # the ranges of the slices that passed, built
+            c = int(counts[j])
+            out[rk[j]] = [
+                construct(models.ByteRange, {"start": a, "end": b, "xxh3": h}, shared, None)
+                for a, b, h in zip(
+                    starts[pos : pos + c], ends[pos : pos + c], digests[pos : pos + c], strict=True
+                )
+            ]
+            pos += c
+        return rk[first] if first < len(rk) else None
+
+    def slice_refusal(self, w: str, gshape: list[int], v: Any, isize: int) -> NoReturn:
+        """The refusal of the slice ``v`` that the bulk checks found at fault (``w``: its path):
+        its first field at fault (in its key order) or its rule, worded."""
+        s = self.obj(v, w, SLICE_FIELDS, SLICE_REQUIRED)
+        given: dict[str, Any] = {}
+        for k, x in s.items():
+            check = _SLICE_PLAIN.get(k)
+            if check is not None:
+                given[k] = check(self, x, f"{w}.{k}")
+            elif k == "ranges":
+                given[k] = self.ranges(x, f"{w}.ranges")
+            else:  # file
+                given[k] = self.string(x, f"{w}.file", colons=False)
+        file = given["file"]
+        problem = slice_problem(given["key"], file, given["offsets"], given["shape"], gshape)
+        problem = problem or ranges_problem(given["key"], file, given.get("ranges"), given["shape"], isize)
+        if problem is None:  # never: the bulk checks and the slice's own agree
+            raise AssertionError(f"{w}: found at fault by the bulk checks, but not by its own")
+        self.refuse(w, problem)
 
 
 def validate_block(obj: Any, path: str, what: str) -> models.UnickptBlock:

@@ -51,6 +51,8 @@ from unickpt.spec.slice_table import (
     StrictModel,
     compact_count,
     compact_problem,
+    ranges_problem,
+    slice_problem,
 )
 
 __all__ = [
@@ -120,42 +122,6 @@ def shape_problem(shape: Sequence[int]) -> str | None:
         return f"shape has {len(shape)} dims, more than the {MAX_NDIM} of a safetensors entry"
     if math.prod(shape) >= MAX_DIM:
         return f"shape {list(shape)} has too many elements"
-    return None
-
-
-def slice_problem(
-    key: str, file: str, offsets: Sequence[int], shape: Sequence[int], gshape: Sequence[int]
-) -> str | None:
-    """What is wrong with one slice of a tensor of shape ``gshape``: rank, or a block past its end."""
-    nd = len(gshape)
-    if len(offsets) != nd or len(shape) != nd:
-        return (
-            f"slice {key!r} in {file!r} has {len(offsets)}-dim offsets and "
-            f"{len(shape)}-dim shape for a {nd}-dim tensor"
-        )
-    for d, (o, n, g) in enumerate(zip(offsets, shape, gshape, strict=True)):
-        if o + n > g:
-            return f"slice {key!r} in {file!r} spans [{o}, {o + n}) on dim {d} of a tensor of size {g}"
-    return None
-
-
-def ranges_problem(
-    key: str, file: str, ranges: Sequence[Any] | None, shape: Sequence[int], isize: int
-) -> str | None:
-    """What is wrong with a slice's byte ranges, if it has any: they must tile its stored bytes in order."""
-    if ranges is None:
-        return None
-    nbytes = math.prod(shape) * isize
-    pos = 0
-    for r in ranges:
-        if r.start != pos or r.end <= r.start:
-            return (
-                f"slice {key!r} in {file!r}: range [{r.start}, {r.end}) does not continue at byte {pos} "
-                f"(ranges tile the slice's {nbytes} bytes in order)"
-            )
-        pos = r.end
-    if pos != nbytes:
-        return f"slice {key!r} in {file!r}: ranges cover {pos} of its {nbytes} bytes"
     return None
 
 
@@ -229,6 +195,20 @@ class TensorEntry(StrictModel):
     def compact(self) -> bool:
         """True for an entry that does not list its slices (grid/boxes, file, keys, xxh3)."""
         return "slices" not in self.model_fields_set
+
+    @classmethod
+    def of_table(cls, dtype: str, shape: Sequence[int], table: SliceTable, **fields: Any) -> TensorEntry:
+        """The entry of a tensor whose slices are ``table`` (what every writer builds): the other
+        fields validated as the model's, the slices checked at once (``SliceTable.problem``), no
+        ``SliceEntry`` built. Raises ``ValueError`` naming the first slice at fault."""
+        entry = cls(dtype=dtype, shape=list(shape), **fields)
+        problem = table.problem(DTYPE_ITEMSIZE[entry.dtype])
+        if problem is not None:
+            raise ValueError(problem)
+        entry.__dict__["slices"] = LazySlices(table)
+        # Listed, as a tensor built from SliceEntry objects is (build_block writes it compactly).
+        entry.__pydantic_fields_set__.add("slices")
+        return entry
 
     @property
     def table(self) -> SliceTable:

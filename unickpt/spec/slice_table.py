@@ -58,6 +58,9 @@ __all__ = [
     "ByteRange",
     "SliceEntry",
     "entries_from_records",
+    "slice_problem",
+    "ranges_problem",
+    "SliceColumns",
     "LazySlices",
 ]
 
@@ -103,6 +106,43 @@ class SliceEntry(StrictModel):
     )
 
 
+# ---------------------------------------------------------------- one slice's rules within its tensor
+def slice_problem(
+    key: str, file: str, offsets: Sequence[int], shape: Sequence[int], gshape: Sequence[int]
+) -> str | None:
+    """What is wrong with one slice of a tensor of shape ``gshape``: rank, or a block past its end."""
+    nd = len(gshape)
+    if len(offsets) != nd or len(shape) != nd:
+        return (
+            f"slice {key!r} in {file!r} has {len(offsets)}-dim offsets and "
+            f"{len(shape)}-dim shape for a {nd}-dim tensor"
+        )
+    for d, (o, n, g) in enumerate(zip(offsets, shape, gshape, strict=True)):
+        if o + n > g:
+            return f"slice {key!r} in {file!r} spans [{o}, {o + n}) on dim {d} of a tensor of size {g}"
+    return None
+
+
+def ranges_problem(
+    key: str, file: str, ranges: Sequence[Any] | None, shape: Sequence[int], isize: int
+) -> str | None:
+    """What is wrong with a slice's byte ranges, if it has any: they must tile its stored bytes in order."""
+    if ranges is None:
+        return None
+    nbytes = math.prod(shape) * isize
+    pos = 0
+    for r in ranges:
+        if r.start != pos or r.end <= r.start:
+            return (
+                f"slice {key!r} in {file!r}: range [{r.start}, {r.end}) does not continue at byte {pos} "
+                f"(ranges tile the slice's {nbytes} bytes in order)"
+            )
+        pos = r.end
+    if pos != nbytes:
+        return f"slice {key!r} in {file!r}: ranges cover {pos} of its {nbytes} bytes"
+    return None
+
+
 def _attribute_setter(cls: type, name: str) -> Callable[[Any, Any], None]:
     """The ``__set__`` of the descriptor that ``object.__setattr__(obj, name, v)`` uses on ``cls``.
 
@@ -124,6 +164,18 @@ _object_new = object.__new__
 # The fields set of a slice table's records: every field but ``ranges``, as the parser's listed
 # slices without byte ranges have it (one set shared by every record).
 _RECORD_FIELDS_SET = {f for f in SliceEntry.model_fields if f != "ranges"}
+#: Bits of a table's per-slice mask of the optional fields a listed slice gave (its null mask:
+#: an absent field and a given null read the same, None, but only a given one is in the fields set).
+GIVEN_XXH3, GIVEN_RANGES = 1, 2
+_REQUIRED_SET = {f for f in SliceEntry.model_fields if SliceEntry.model_fields[f].is_required()}
+_FIELDS_SETS = [
+    {
+        f
+        for f in SliceEntry.model_fields
+        if f in _REQUIRED_SET or (f == "xxh3" and g & GIVEN_XXH3) or (f == "ranges" and g & GIVEN_RANGES)
+    }
+    for g in range(4)
+]
 
 
 def entries_from_records(
@@ -170,6 +222,7 @@ class SliceTable:
     __slots__ = (
         "_file_ids",
         "_file_spec",
+        "_given",
         "_grid",
         "_grid_spec",
         "_hashes",
@@ -216,6 +269,9 @@ class SliceTable:
         # Slices written by several ranks carry per-range hashes instead of one xxh3
         # (docs/format.md 5.1): {slice position: its ByteRange list}, None when no slice has any.
         self._ranges: dict[int, list[Any]] | None = None
+        # Per slice, the optional fields it gave (GIVEN_* bits), for a table of listed slices
+        # read from a file; None: every slice gave its xxh3 and no ranges field.
+        self._given: np.ndarray | None = None
 
     # ------------------------------------------------------------ building
     @classmethod
@@ -258,6 +314,58 @@ class SliceTable:
         ranges = {k: r for k, s in enumerate(slices) if (r := getattr(s, "ranges", None))}
         table._ranges = ranges or None
         return table
+
+    @classmethod
+    def from_columns(
+        cls,
+        name: str,
+        gshape: Sequence[int],
+        *,
+        files: Sequence[str],
+        keys: list[str],
+        offsets: Any,
+        shapes: Any,
+        hashes: Sequence[str | None] | None = None,
+        ranges: Mapping[int, list[Any]] | None = None,
+        given: np.ndarray | None = None,
+    ) -> SliceTable:
+        """The table of whole columns: per slice its file name, key, offsets and shape (``(S, ndim)``
+        array-likes, flat or not), hash (None: none), and ``ranges`` by slice position."""
+        n, nd = len(keys), len(gshape)
+        ids: dict[str, int] = {}
+        # A new name gets the next id (len(ids) is read before setdefault inserts it).
+        file_ids = np.fromiter([ids.setdefault(f, len(ids)) for f in files], dtype=np.int64, count=n)
+        joined: str | None = None
+        if hashes is not None and any(h is not None for h in hashes):
+            joined = "".join(NO_HASH if h is None else h for h in hashes)
+        table = cls(
+            name,
+            gshape,
+            np.asarray(offsets, dtype=np.int64).reshape(n, nd),
+            np.asarray(shapes, dtype=np.int64).reshape(n, nd),
+            file_ids,
+            sorted(ids, key=ids.__getitem__),
+            keys,
+            joined,
+        )
+        table._ranges = dict(ranges) if ranges else None
+        table._given = given
+        return table
+
+    @classmethod
+    def whole(
+        cls,
+        name: str,
+        gshape: Sequence[int],
+        file: str,
+        key: str | None = None,
+        xxh3: str | None = None,
+        ranges: list[Any] | None = None,
+    ) -> SliceTable:
+        """One slice holding the whole tensor (a Hugging Face file's tensor; key: the name)."""
+        cols = SliceColumns(name, gshape)
+        cols.add(file, name if key is None else key, [0] * len(gshape), list(gshape), xxh3, ranges)
+        return cols.table()
 
     @classmethod
     def from_compact(
@@ -413,16 +521,24 @@ class SliceTable:
         return offs[::-1], shape[::-1]
 
     def entry(self, k: int) -> SliceEntry:
-        """Slice ``k`` as a ``SliceEntry``."""
+        """Slice ``k`` as a ``SliceEntry`` (as the whole list builds it)."""
         offsets, shape = self.box(k)
-        return SliceEntry.model_construct(
-            file=self.file(k),
-            key=self.key(k),
-            offsets=offsets,
-            shape=shape,
-            xxh3=self.xxh3(k),
-            ranges=self.ranges(k),
-        )
+        record = {
+            "file": self.file(k),
+            "key": self.key(k),
+            "offsets": offsets,
+            "shape": shape,
+            "xxh3": self.xxh3(k),
+            "ranges": self.ranges(k),
+        }
+        return entries_from_records([record], self._fields_sets([k]))[0]
+
+    def _fields_sets(self, ks: Sequence[int] | None = None) -> list[set[str]] | None:
+        """The fields sets of the slices at ``ks`` (all: None), None when all are the default."""
+        if self._given is None:
+            return None
+        given = self._given if ks is None else self._given[np.asarray(ks, dtype=np.int64)]
+        return list(map(_FIELDS_SETS.__getitem__, given.tolist()))
 
     def hash_list(self) -> list[str | None]:
         """Every slice's hash (None: none), in slice order."""
@@ -482,11 +598,11 @@ class SliceTable:
                 strict=True,
             )
         ]
-        return entries_from_records(records)
+        return entries_from_records(records, self._fields_sets(ks))
 
     def entries(self) -> list[SliceEntry]:
         """Every slice as a ``SliceEntry`` (built in bulk, as the index parser builds them)."""
-        return entries_from_records(self.records())
+        return entries_from_records(self.records(), self._fields_sets())
 
     # ------------------------------------------------------------ in bulk
     def file_counts(self) -> dict[str, int]:
@@ -508,6 +624,32 @@ class SliceTable:
             return sorted(self.files[: self._n])
         ids = set(spec) if spec is not None else set(self.file_ids.tolist())
         return [self.files[i] for i in sorted(ids)]
+
+    def problem(self, isize: int) -> str | None:
+        """What is wrong with the slices within the tensor, checked at once (``slice_problem``'s
+        rank and bounds, ``ranges_problem``'s tiling of each slice's bytes), the first slice at
+        fault named; None when nothing is."""
+        n, nd = len(self), len(self.gshape)
+        if not n:
+            return None
+        if self._offsets is None and self._grid_spec is not None:
+            return None  # a grid's cells lie inside the tensor by construction
+        offs, shps = self.offsets, self.shapes
+        if offs.shape[1:] != (nd,) or shps.shape[1:] != (nd,):  # a malformed list (from_entries)
+            return next(
+                p
+                for e in self.entries()
+                if (p := slice_problem(e.key, e.file, e.offsets, e.shape, self.gshape)) is not None
+            )
+        past = np.flatnonzero((offs + shps > np.asarray(self.gshape, dtype=np.int64)).any(axis=1))
+        if len(past):
+            k = int(past[0])
+            return slice_problem(self.key(k), self.file(k), offs[k].tolist(), shps[k].tolist(), self.gshape)
+        for k, rs in sorted((self._ranges or {}).items()):  # only the slices that carry ranges
+            problem = ranges_problem(self.key(k), self.file(k), rs, shps[k].tolist(), isize)
+            if problem is not None:
+                return problem
+        return None
 
     def volumes(self) -> np.ndarray:
         return np.prod(self.shapes, axis=1, dtype=np.int64) if len(self) else np.zeros(0, dtype=np.int64)
@@ -587,6 +729,59 @@ class SliceTable:
         return extents
 
 
+class SliceColumns:
+    """A tensor's slice table built one slice at a time, as writers produce them: :meth:`add`
+    appends a slice's fields to the columns, :meth:`table` makes the :class:`SliceTable` (no
+    ``SliceEntry`` on the way). ``SliceTable.from_columns`` takes the columns whole."""
+
+    __slots__ = ("files", "gshape", "hashes", "keys", "name", "offsets", "ranges", "shapes")
+
+    def __init__(self, name: str, gshape: Sequence[int]) -> None:
+        self.name = name
+        self.gshape = tuple(gshape)
+        self.files: list[str] = []
+        self.keys: list[str] = []
+        self.offsets: list[int] = []  # flat, ndim per slice
+        self.shapes: list[int] = []
+        self.hashes: list[str | None] = []
+        self.ranges: dict[int, list[Any]] = {}
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def add(
+        self,
+        file: str,
+        key: str,
+        offsets: Sequence[int],
+        shape: Sequence[int],
+        xxh3: str | None = None,
+        ranges: list[Any] | None = None,
+    ) -> None:
+        """Append one slice (``ranges``: its ``ByteRange`` list, for a slice written by several ranks)."""
+        if len(offsets) != len(self.gshape) or len(shape) != len(self.gshape):
+            raise ValueError(slice_problem(key, file, offsets, shape, self.gshape))
+        if ranges:
+            self.ranges[len(self.keys)] = ranges
+        self.files.append(file)
+        self.keys.append(key)
+        self.offsets.extend(offsets)
+        self.shapes.extend(shape)
+        self.hashes.append(xxh3)
+
+    def table(self) -> SliceTable:
+        return SliceTable.from_columns(
+            self.name,
+            self.gshape,
+            files=self.files,
+            keys=self.keys,
+            offsets=self.offsets,
+            shapes=self.shapes,
+            hashes=self.hashes,
+            ranges=self.ranges,
+        )
+
+
 def compact_fields(
     table: SliceTable, file_index: Mapping[str, int], remap: np.ndarray | None = None
 ) -> dict[str, Any]:
@@ -657,14 +852,12 @@ def compact_problem(
             if not isinstance(p, int) and (not p or sum(p) != g):
                 return f"grid dim {d}: part extents {list(p)[:8]} do not add up to the tensor's size {g}"
     elif boxes is not None and len(boxes):
-        # All boxes at once; the first box at fault is named from the mask.
+        # All boxes at once; the first box at fault (of either mask) is named.
         lengths = np.fromiter(map(len, boxes), np.int64, len(boxes))
         wrong = np.flatnonzero(lengths != 2 * nd)
-        if len(wrong):
-            i = int(wrong[0])
-            return f"box {i} has {len(boxes[i])} integers, expected {2 * nd} (offsets then shape)"
-        if nd:
-            arr = np.asarray(boxes, dtype=np.int64).reshape(len(boxes), 2 * nd)  # each < 2**62: no overflow
+        first = int(wrong[0]) if len(wrong) else len(boxes)  # the boxes before it have 2 x nd integers
+        if nd and first:
+            arr = np.asarray(boxes[:first], dtype=np.int64).reshape(first, 2 * nd)  # each < 2**62
             past = arr[:, :nd] + arr[:, nd:] > np.asarray(gshape, dtype=np.int64)
             rows = np.flatnonzero(past.any(axis=1))
             if len(rows):
@@ -674,6 +867,8 @@ def compact_problem(
                 return (
                     f"box {i} spans [{b[d]}, {b[d] + b[nd + d]}) on dim {d} of a tensor of size {gshape[d]}"
                 )
+        if first < len(boxes):
+            return f"box {first} has {len(boxes[first])} integers, expected {2 * nd} (offsets then shape)"
     n = compact_count(gshape, grid, boxes)
     if file is not None and not isinstance(file, int) and len(file) != n:
         return f"'file' lists {len(file)} file(s) for {n} slice(s)"

@@ -20,8 +20,9 @@ import numpy as np
 from unickpt import __version__
 from unickpt.ckpt.writer import Block, CheckpointWriter, FileSpec, build_block, build_index, tensor_entry
 from unickpt.spec.dtypes import itemsize
-from unickpt.spec.index import LayoutInfo, SliceEntry, index_to_json
+from unickpt.spec.index import LayoutInfo, index_to_json
 from unickpt.spec.naming import index_name, shard_name, slice_key
+from unickpt.spec.slice_table import SliceColumns
 from unickpt.store.lock import directory_lock
 from unickpt.store.publish import StoreOutput, makedirs_durable, new_save_id
 
@@ -182,14 +183,11 @@ def _write_locked(
     entries = {}
     for n, t in tensors.items():
         keys = [key(n, k) for k in range(len(t.slices))]
-        slices = [
-            SliceEntry(
-                file=file_of[k], key=k, offsets=list(s.offsets), shape=list(s.shape), xxh3=written[k][0]
-            )
-            for k, s in zip(keys, t.slices, strict=True)
-        ]
+        slices = SliceColumns(n, t.shape)
+        for k, s in zip(keys, t.slices, strict=True):
+            slices.add(file_of[k], k, s.offsets, s.shape, written[k][0])
         partials = [written[k][1] for k in keys] if fingerprints else None
-        entries[n] = tensor_entry(n, t.dtype, t.shape, slices, partials, **t.extras)
+        entries[n] = tensor_entry(n, t.dtype, t.shape, slices.table(), partials, **t.extras)
     block = build_block(
         kind="model" if kind == "model" else "optimizer",
         created_by=created_by,

@@ -45,8 +45,9 @@ from unickpt.ckpt.writer import build_block, build_index, data_file_metadata, gr
 from unickpt.errors import ConfigError, UnsupportedError
 from unickpt.spec.digest_text import hex_to_b64
 from unickpt.spec.dtypes import itemsize
-from unickpt.spec.index import LayoutInfo, SliceEntry, TensorEntry, UnickptBlock, index_to_json
+from unickpt.spec.index import LayoutInfo, TensorEntry, UnickptBlock, index_to_json
 from unickpt.spec.naming import HF_SIDE_FILES, index_name, shard_name, single_name
+from unickpt.spec.slice_table import SliceTable
 from unickpt.store.publish import (
     SAVE_ID_KEY,
     StoreOutput,
@@ -125,15 +126,11 @@ def _merge_one(
         entries = {}
         for n, t in block.tensors.items():
             xxh, fp = results[n]
-            entries[n] = TensorEntry(
-                dtype=target[n],
-                shape=list(t.shape),
+            entries[n] = TensorEntry.of_table(
+                target[n],
+                t.shape,
+                SliceTable.whole(n, t.shape, file_of[n], xxh3=xxh),
                 fingerprint=fp,
-                slices=[
-                    SliceEntry(
-                        file=file_of[n], key=n, offsets=[0] * len(t.shape), shape=list(t.shape), xxh3=xxh
-                    )
-                ],
                 param=t.param,
                 state=t.state,
             )

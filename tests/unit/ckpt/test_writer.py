@@ -36,6 +36,7 @@ from unickpt.ckpt.writer import (
 from unickpt.io.planner import plan_save
 from unickpt.spec.index import LayoutInfo, SliceEntry, index_to_json
 from unickpt.spec.naming import SLICED_SENTINEL, shard_name, slice_key
+from unickpt.spec.slice_table import SliceTable
 from unickpt.store.lock import directory_lock
 from unickpt.store.publish import SAVE_ID_KEY, new_save_id
 from unickpt.tools.merge import merge_checkpoint
@@ -93,7 +94,13 @@ def test_checkpoint_writer_writes_a_sliced_checkpoint_the_reader_verifies(tmp_pa
             SliceEntry(file=f, key=k, offsets=list(off), shape=list(p.shape), xxh3=written[k][0])
             for (f, [(k, _, _)]), (off, p) in zip(files, parts, strict=True)
         ]
-        entry = tensor_entry("a", "F32", (4, 6), slices, [written[s.key][1] for s in slices])
+        entry = tensor_entry(
+            "a",
+            "F32",
+            (4, 6),
+            SliceTable.from_entries("a", (4, 6), slices),
+            [written[s.key][1] for s in slices],
+        )
         block = build_block(
             kind="model",
             created_by="test",

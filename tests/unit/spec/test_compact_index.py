@@ -132,7 +132,7 @@ def _index(listed: bool = False) -> bytes:
     tensors = {}
     for name, (gshape, boxes, _) in CASES.items():
         sl = _slices(name, boxes, (FILES * 4)[: len(boxes)])
-        tensors[name] = tensor_entry(name, "F32", gshape, sl, [1, 2])
+        tensors[name] = tensor_entry(name, "F32", gshape, SliceTable.from_entries(name, gshape, sl), [1, 2])
     block = build_block(
         kind="model",
         created_by="test",

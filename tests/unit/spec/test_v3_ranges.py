@@ -9,6 +9,7 @@ from unickpt.ckpt.writer import build_block, build_index, tensor_entry
 from unickpt.spec.digest_text import hex_to_b64
 from unickpt.spec.index import parse_index
 from unickpt.spec.index_models import ByteRange, LayoutInfo, SliceEntry
+from unickpt.spec.slice_table import SliceTable
 
 
 def _index() -> bytes:
@@ -23,8 +24,8 @@ def _index() -> bytes:
         file="model-00001-of-00001.safetensors", key="b", offsets=[0], shape=[3], xxh3="2" * 16
     )
     tensors = {
-        "a": tensor_entry("a", "F32", [4, 4], [ranged], None),
-        "b": tensor_entry("b", "F32", [3], [plain], None),
+        "a": tensor_entry("a", "F32", [4, 4], SliceTable.from_entries("a", [4, 4], [ranged]), None),
+        "b": tensor_entry("b", "F32", [3], SliceTable.from_entries("b", [3], [plain]), None),
     }
     block = build_block(
         kind="model", created_by="t", layout=LayoutInfo(), tensors=tensors, aliases=None, save_id=None

@@ -24,6 +24,7 @@ from unickpt.io import save as save_mod
 from unickpt.io.save import SaveOptions, save_tensors
 from unickpt.io.tensors import local_slices
 from unickpt.spec.index import LayoutInfo
+from unickpt.spec.slice_table import SliceTable
 from unickpt.store.storage import FsspecStorage, LocalRange, LocalStorage, RangeFile, open_storage
 from unickpt.tools.merge import merge_checkpoint
 
@@ -88,7 +89,7 @@ def _single(store: Any, path: str) -> dict[str, Any]:
                 k,
                 dt[k],
                 arrays[k].shape,
-                [_slice(k, arrays[k].shape, written[k][0])],
+                SliceTable.from_entries(k, arrays[k].shape, [_slice(k, arrays[k].shape, written[k][0])]),
                 [written[k][1]],
                 placeholder=placeholder,
             )
