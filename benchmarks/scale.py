@@ -117,8 +117,7 @@ def build_unickpt(layout: str, out: str) -> dict[str, Any]:
     import random
 
     from unickpt.io.planner import plan_save, plan_tables
-    from unickpt.spec.index import index_to_json
-    from unickpt.spec.index_models import LayoutInfo
+    from unickpt.spec.index import LayoutInfo, index_to_json
 
     per = rank_boxes(layout)
     metas = [[(n, "BF16", g, o, s) for n, g, (o, s) in boxes] for boxes in per]

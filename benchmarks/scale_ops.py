@@ -67,8 +67,7 @@ def build(directory: Path, layout: str) -> dict[str, Any]:
 
     from unickpt.ckpt.safetensors_io import encode_header
     from unickpt.ckpt.writer import build_block, build_index
-    from unickpt.spec.index import index_to_json, parse_index
-    from unickpt.spec.index_models import LayoutInfo
+    from unickpt.spec.index import LayoutInfo, index_to_json, parse_index
     from unickpt.spec.naming import SLICED_SENTINEL, shard_name, slice_key
 
     t0 = time.perf_counter()

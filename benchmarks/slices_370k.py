@@ -49,8 +49,7 @@ def build(directory: Path, world: int, tensors: int) -> None:
 
     from unickpt.ckpt.safetensors_io import encode_header
     from unickpt.ckpt.writer import build_block, build_index
-    from unickpt.spec.index import index_to_json, parse_index
-    from unickpt.spec.index_models import LayoutInfo
+    from unickpt.spec.index import LayoutInfo, index_to_json, parse_index
     from unickpt.spec.naming import SLICED_SENTINEL, shard_name, slice_key
 
     directory.mkdir(parents=True, exist_ok=True)

@@ -58,8 +58,7 @@ from unickpt.io.save_options import SaveOptions
 from unickpt.io.tensors import LocalSlice, as_bytes
 from unickpt.spec.dtypes import itemsize
 from unickpt.spec.hashing import hash_block, slice_hash
-from unickpt.spec.index import TensorEntry, UnickptBlock, index_to_json
-from unickpt.spec.index_models import ByteRange
+from unickpt.spec.index import ByteRange, TensorEntry, UnickptBlock, index_to_json
 from unickpt.spec.slice_table import SliceTable
 from unickpt.store.lock import Fence
 from unickpt.store.publish import commit_directory, commit_single_file, temp_name

@@ -1,43 +1,39 @@
-"""Reading and writing index files: Hugging Face's ``*.safetensors.index.json`` plus a ``unickpt`` block.
+"""The index: Hugging Face's ``*.safetensors.index.json`` plus a ``unickpt`` block, its schema
+declared once and its one validator beside it, and reading and writing index files.
 
 The index is input, not truth: every index is checked against the schema before anything it
-names is opened. The schema is declared once, in :mod:`unickpt.spec.index_models` (the
-pydantic models, their bounds and rules, every file name checked with
-:func:`check_file_name`); :func:`parse_index` checks it with the one validator of
-:mod:`unickpt.spec.index`, which reads that declaration and calls the same rule functions
-(no index is validated through the models). ``docs/format.md`` is the normative spec;
-``docs/index.schema.json`` is exported from :class:`IndexFile` and a test keeps the two in step.
+names is opened. ``docs/format.md`` is the normative spec; ``docs/index.schema.json`` is
+exported from :class:`IndexFile` (``unickpt.spec.schema``) and a test keeps the two in step.
 
-The index validator: the schema of ``index_models`` checked in one plain pass over the JSON.
+The schema, declared once: the pydantic models (``IndexFile``, ``UnickptBlock``, ``TensorEntry``,
+``LayoutInfo``, ``IndexMetadata``; one slice's models, ``SliceEntry`` and ``ByteRange``, and the
+field types they declare are defined in ``slice_table``, with the table that holds them, and
+re-exported here), the field types and bounds (the ``Annotated`` aliases and ``Literal`` choices),
+and the rules that span fields (``shape_problem``, ``alias_problem``, ``files_problem``,
+:func:`check_file_name`; a slice's own, ``slice_problem`` and ``ranges_problem``, are
+``slice_table``'s). The models are the in-memory form of an index, too. Their validators check
+what code builds (a writer's ``TensorEntry.of_table``, a tool's edit); no index read from a file
+is validated through them.
 
-``parse_index`` goes through here and nowhere else (the pydantic models declare the schema and
-export ``docs/index.schema.json``; no index is validated through them). It parses with plain
-``json.loads`` and checks duplicate keys by counting colons (``_json.colon_budget``); pauses the
-garbage collector while it builds the tree (``gc_paused``); checks listed slices with
-C-level bulk operations over the whole table (``bulk_slices``) and, for a table the
-bulk checks do not take (an unusual key order, byte ranges, or a problem), row by row
-(``IndexParser.slices_rows``), which names the first offending slice; and everything else with
-plain code driven by the schema's one definition in ``index_models`` (field lists, bounds and
-choices, and the rule functions). It builds the objects the models describe (``model_construct``,
-or the attributes it sets, in bulk), and refuses with an ``IndexFileError`` (``UnsafePathError``
-for a data file name) whose message names the file, the field (``unickpt.tensors.NAME.slices.K
-.offsets.0``), what was expected and what was found.
+The one validator, :class:`IndexParser`: ``parse_index`` goes through it and nowhere else. It
+parses with plain ``json.loads`` and checks duplicate keys by counting colons
+(``_json.colon_budget``); pauses the garbage collector while it builds the tree (``gc_paused``);
+checks a tensor's listed slices in one vectorised pass over their columns (``IndexParser.slices``:
+C-level passes and numpy, any key order, optional fields left out kept as a null mask, byte ranges
+checked at once), where a failed check gives its first offending slice from its mask and that
+slice's own fields word the refusal; and everything else with plain code driven by the models'
+declaration (field lists, bounds and choices read from the models, and the same rule functions).
+It builds the objects the models describe (``model_construct``, or the attributes it sets; listed
+slices become their ``SliceTable``, no ``SliceEntry`` until read), and refuses with an
+``IndexFileError`` (``UnsafePathError`` for a data file name) whose message names the file, the
+field (``unickpt.tensors.NAME.slices.K.offsets.0``), what was expected and what was found.
 
-Bulk checks and construction of a tensor's slices for ``parse_index``.
-
-Checks what the schema says of a :class:`~unickpt.spec.slice_table.SliceEntry` and of a
-slice's bounds within its tensor, for the usual input (every slice an object with the fields in
-model order), with C-level bulk operations over the whole table instead of a Python loop per
-slice, and builds the slices as ``model_construct`` would. A table it does not take (None: an
-unusual key order, byte ranges, or a problem) is checked row by row by
-``IndexParser.slices_rows``, which names the first offending slice.
-
-Writing the compact encoding: every tensor's slices turned into the compact fields of docs/format.md 3.1.
-
-Writers hand over tensors whose slices are a list of ``SliceEntry`` (or, without any per-slice
-object, a ``LazySlices`` over a ``SliceTable``); :func:`compact_tensors` builds the block's file
-table and each tensor's ``grid`` (or ``boxes``), ``file``, ``keys`` and ``xxh3`` from the tables,
-in bulk: O(S) numpy work plus O(S log S) for the grid detection, no per-slice model.
+Writing the compact encoding: every tensor's slices turned into the compact fields of
+docs/format.md 3.1. Writers hand over tensors whose slices are a ``SliceTable``
+(``slice_table.SliceColumns`` builds one, ``TensorEntry.of_table`` holds it);
+:func:`compact_tensors` builds the block's file table and each tensor's ``grid`` (or ``boxes``),
+``file``, ``keys`` and ``xxh3`` from the tables, in bulk: O(S) numpy work plus O(S log S) for the
+grid detection, no per-slice model.
 """
 
 from __future__ import annotations
@@ -52,18 +48,29 @@ import math
 import operator
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, NoReturn, TypeVar, cast
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Annotated, Any, Literal, NoReturn, TypeVar, cast, get_args
 
 import numpy as np
 from annotated_types import Ge, Lt
-from pydantic import BaseModel, Strict
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializationInfo,
+    SerializerFunctionWrapHandler,
+    Strict,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from unickpt.errors import CheckpointFormatError, IndexFileError, UnsafePathError
-from unickpt.spec import index_models as models
 from unickpt.spec._json import check_unicode, colon_budget, count_pairs_and_colons, json_depth, strict_loads
-from unickpt.spec.bounds import read_bounded
+from unickpt.spec.bounds import count_problem, read_bounded
+from unickpt.spec.confine import is_plain_name
 from unickpt.spec.digest_text import (
+    FORMAT_VERSION,
     DigestTextError,
     OtherFormatVersion,
     block_from_json,
@@ -71,47 +78,55 @@ from unickpt.spec.digest_text import (
     version_error,
 )
 from unickpt.spec.dtypes import DTYPE_ITEMSIZE
-from unickpt.spec.index_models import FORMAT_VERSION as FORMAT_VERSION
-from unickpt.spec.index_models import (
-    HASHES,
-    HEX16,
-    HEX16_BODY,
-    KINDS,
-    MAX_DIM,
-    MAX_STATE_DEPTH,
-    MIN_POSITIVE,
-    SAVE_ID,
-    SAVE_ID_BODY,
-    Hex16,
-    NonNeg,
-    alias_problem,
-    attach_tables,
-    compact_problem,
-    fields_of,
-    files_problem,
-    ranges_problem,
-    shape_problem,
-    slice_problem,
-    strict_metadata_ok,
-)
-from unickpt.spec.index_models import KNOWN_FORMAT_VERSIONS as KNOWN_FORMAT_VERSIONS
-from unickpt.spec.index_models import MAX_INDEX_BYTES as MAX_INDEX_BYTES
-from unickpt.spec.index_models import IndexFile as IndexFile
-from unickpt.spec.index_models import IndexMetadata as IndexMetadata
-from unickpt.spec.index_models import LayoutInfo as LayoutInfo
-from unickpt.spec.index_models import SliceEntry as SliceEntry
-from unickpt.spec.index_models import TensorEntry as TensorEntry
-from unickpt.spec.index_models import UnickptBlock as UnickptBlock
-from unickpt.spec.index_models import check_file_name as check_file_name
 from unickpt.spec.slice_table import (
     GIVEN_RANGES,
     GIVEN_XXH3,
+    HEX16,
+    HEX16_BODY,
+    MAX_DIM,
+    ByteRange,
+    Hex16,
     LazySlices,
+    NonNeg,
+    SliceEntry,
     SliceTable,
+    StrictModel,
+    compact_count,
     compact_fields,
+    compact_problem,
+    ranges_problem,
+    slice_problem,
 )
 
 __all__ = [
+    "FORMAT_VERSION",
+    "KNOWN_FORMAT_VERSIONS",
+    "KINDS",
+    "MAX_INDEX_BYTES",
+    "MAX_DIM",
+    "MAX_STATE_DEPTH",
+    "HEX16",
+    "HEX16_BODY",
+    "NonNeg",
+    "Hex16",
+    "SAVE_ID",
+    "ByteRange",
+    "SliceEntry",
+    "TensorEntry",
+    "LayoutInfo",
+    "UnickptBlock",
+    "IndexMetadata",
+    "IndexFile",
+    "check_file_name",
+    "strict_metadata_ok",
+    "shape_problem",
+    "slice_problem",
+    "alias_problem",
+    "ranges_problem",
+    "fields_of",
+    "compact_problem",
+    "files_problem",
+    "attach_tables",
     "parse_index",
     "load_index",
     "index_to_json",
@@ -129,6 +144,348 @@ __all__ = [
     "named_table",
     "as_listed",
 ]
+
+# ---------------------------------------------------------------- the schema: the models and their rules
+#: The one format version unickpt reads and writes (docs/format.md 7); the drafts before it are
+#: converted by ``unickpt upgrade`` (``tools/upgrade.py``) and refused by every reader.
+FormatVersion = Literal[5]
+KNOWN_FORMAT_VERSIONS: tuple[int, ...] = get_args(FormatVersion)
+Kind = Literal["model", "optimizer"]
+KINDS: tuple[str, ...] = get_args(Kind)
+# An index describes tensors, never holds them: 405B parameters over 2048 ranks is 2.3 x 10^6
+# slices, about 46 MB of compact JSON (docs/performance.md). Larger files are refused unread.
+MAX_INDEX_BYTES = 512 << 20
+#: The most dims of a tensor (a safetensors header entry's bound).
+MAX_NDIM = 64
+#: Smallest world size and mesh axis size.
+MIN_POSITIVE = 1
+#: A save id: 32 lower-case hex digits (``SAVE_ID_BODY`` unanchored).
+SAVE_ID_BODY = "[0-9a-f]{32}"
+SAVE_ID = f"^{SAVE_ID_BODY}$"
+
+# Strict: JSON true, 2.0 and "2" are not integers here (pydantic's lax mode would take them).
+# NonNeg and Hex16, the types of a slice's fields, are defined with SliceEntry (slice_table).
+Positive = Annotated[int, Strict(), Field(ge=MIN_POSITIVE)]
+#: A grid item: the number of parts (torch.chunk semantics) or the parts' extents.
+GridItem = Annotated[int, Strict(), Field(ge=MIN_POSITIVE, lt=MAX_DIM)] | list[NonNeg]
+FileId = Annotated[int, Strict(), Field(ge=0, lt=MAX_DIM)]
+#: Concatenated slice hashes: 16 lower-case hex digits (or 16 '-': no hash) per slice.
+HASHES = "^([0-9a-f]{16}|-{16})*$"
+# Free-form JSON state (param_groups, param_state) nests at most this deep, so that the whole
+# index stays within the 64 levels of the spec.
+MAX_STATE_DEPTH = 48
+
+
+def shape_problem(shape: Sequence[int]) -> str | None:
+    """What is wrong with a tensor's shape as a whole (each dim is checked as a ``NonNeg``)."""
+    if len(shape) > MAX_NDIM:  # what a data file's header holds (docs/format.md section 2)
+        return f"shape has {len(shape)} dims, more than the {MAX_NDIM} of a safetensors entry"
+    if math.prod(shape) >= MAX_DIM:
+        return f"shape {list(shape)} has too many elements"
+    return None
+
+
+def alias_problem(aliases: Mapping[str, str], tensors: Mapping[str, Any]) -> str | None:
+    """What is wrong with the aliases of a block: one naming no stored tensor, or one that is stored."""
+    for alias, target in aliases.items():
+        if target not in tensors:
+            return f"alias {alias!r} points at {target!r}, which is not a stored tensor"
+        if alias in tensors:
+            return f"alias {alias!r} is also a stored tensor"
+    return None
+
+
+def check_file_name(name: str, where: str = "") -> str:
+    """Refuse any data-file name that could leave the checkpoint directory.
+
+    Only plain file names are allowed (``format.confine.is_plain_name``, the rule for every
+    name read from a checkpoint file): no directory separators (either kind), no absolute
+    paths or drive letters, no ``..``, no hidden files; here also not starting with ``_`` and
+    ending in ``.safetensors`` (or ``.bin`` for legacy Hugging Face / Colossal-AI checkpoints,
+    read without pickle).
+    """
+    at = f" ({where})" if where else ""
+    if (
+        not is_plain_name(name)
+        or name.startswith("_")
+        or not (name.endswith(".safetensors") or name.endswith(".bin"))
+    ):
+        raise UnsafePathError(
+            f"refusing data file name {name!r}{at}: names must be plain file names inside the checkpoint "
+            "directory (no '/', '\\', '..', absolute paths or hidden files) ending in .safetensors"
+        )
+    return name
+
+
+class TensorEntry(StrictModel):
+    """A global tensor: dtype, shape, fingerprint and the slices that tile it.
+
+    A tensor lists its slices (``slices``: one whose slices carry ``ranges``) or describes them
+    compactly (``grid`` or ``boxes``, ``file``, ``keys``, ``xxh3``: docs/format.md section 3.1) and,
+    once the block is validated, ``slices`` is a ``LazySlices`` over its ``SliceTable`` (``table``).
+    """
+
+    dtype: str
+    shape: list[NonNeg]
+    fingerprint: Hex16 | None = Field(default=None, description="layout-invariant fingerprint")
+    slices: list[SliceEntry] = Field(
+        default_factory=list, description="listed: every slice (tensors with byte-range hashes)"
+    )
+    param: str | None = Field(default=None, description="optimizer tensors: the parameter FQN")
+    state: str | None = Field(default=None, description="optimizer tensors: the state key")
+    grid: list[GridItem] | None = Field(
+        default=None,
+        description="compact: the slices are the cells of this grid in C order; per dim the number "
+        "of parts (torch.chunk semantics) or the parts' extents",
+    )
+    boxes: list[list[NonNeg]] | None = Field(
+        default=None, description="compact, no grid: each slice's offsets then shape"
+    )
+    file: FileId | list[FileId] | None = Field(
+        default=None,
+        description="compact: index into the block's files, for all slices or per slice; "
+        "absent: slice K is in files[K]",
+    )
+    keys: list[str] | None = Field(default=None, description="compact: the slices' keys when not NAME@K")
+    xxh3: Annotated[str, Field(pattern=HASHES)] | None = Field(
+        default=None, description="compact: the slice hashes, 16 characters each ('-' x 16: none)"
+    )
+
+    @property
+    def compact(self) -> bool:
+        """True for an entry that does not list its slices (grid/boxes, file, keys, xxh3)."""
+        return "slices" not in self.model_fields_set
+
+    @classmethod
+    def of_table(cls, dtype: str, shape: Sequence[int], table: SliceTable, **fields: Any) -> TensorEntry:
+        """The entry of a tensor whose slices are ``table`` (what every writer builds): the other
+        fields validated as the model's, the slices checked at once (``SliceTable.problem``), no
+        ``SliceEntry`` built. Raises ``ValueError`` naming the first slice at fault."""
+        entry = cls(dtype=dtype, shape=list(shape), **fields)
+        problem = table.problem(DTYPE_ITEMSIZE[entry.dtype])
+        if problem is not None:
+            raise ValueError(problem)
+        entry.__dict__["slices"] = LazySlices(table)
+        # Listed, as a tensor built from SliceEntry objects is (build_block writes it compactly).
+        entry.__pydantic_fields_set__.add("slices")
+        return entry
+
+    @property
+    def table(self) -> SliceTable:
+        """The slices as a :class:`SliceTable` (built once from listed ``slices``)."""
+        sl = self.__dict__["slices"]
+        if isinstance(sl, LazySlices):
+            return sl.table
+        table = SliceTable.from_entries("", self.shape, sl)
+        self.__dict__["slices"] = LazySlices(table, sl)
+        return table
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        if not self.compact:
+            sl = self.__dict__["slices"]
+            if isinstance(sl, LazySlices):
+                sl.built()  # the serializer reads the list's storage, not its methods
+            out: dict[str, Any] = handler(self)
+            return out
+        # A compact entry writes its compact fields, never its slices (no per-slice objects).
+        d = self.__dict__
+        return {k: d[k] for k in _COMPACT_DUMP if d[k] is not None}
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v: str) -> str:
+        if v not in DTYPE_ITEMSIZE:
+            raise ValueError(f"unknown dtype {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _slices_in_bounds(self) -> TensorEntry:
+        problem = shape_problem(self.shape)
+        for s in self.slices:
+            if problem is not None:
+                break
+            problem = slice_problem(s.key, s.file, s.offsets, s.shape, self.shape)
+            problem = problem or ranges_problem(s.key, s.file, s.ranges, s.shape, DTYPE_ITEMSIZE[self.dtype])
+        if problem is None and self.compact:
+            problem = compact_problem(self.shape, self.grid, self.boxes, self.file, self.keys, self.xxh3)
+        if problem is not None:
+            raise ValueError(problem)
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
+
+
+class LayoutInfo(StrictModel):
+    """The parallel layout a checkpoint was saved from (informational: loading never needs it)."""
+
+    plugin: str = "general"
+    world_size: Positive = 1
+    mesh: dict[str, Positive] = Field(default_factory=dict)
+    gathered: Annotated[bool, Strict()] = True
+
+
+class UnickptBlock(StrictModel):
+    format_version: FormatVersion = FORMAT_VERSION
+    kind: Kind
+    files: list[str] | None = Field(
+        default=None, description="the data files, which tensors' 'file' fields index"
+    )
+    created_by: str = "unickpt"
+    layout: LayoutInfo = Field(default_factory=LayoutInfo)
+    tensors: dict[str, TensorEntry]
+    aliases: dict[str, str] = Field(
+        default_factory=dict, description="tied names -> the stored name they share storage with"
+    )
+    param_groups: list[dict[str, Any]] | None = Field(
+        default=None, description="optimizer: hyperparameters, 'params' lists parameter FQNs"
+    )
+    param_state: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="optimizer: non-tensor per-parameter state, by FQN"
+    )
+    save_id: str | None = Field(
+        default=None,
+        pattern=SAVE_ID,
+        description="random id of the save that wrote this checkpoint; every data file's header "
+        "metadata carries it under 'unickpt_save'",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_text_form(cls, data: Any) -> Any:  # base64url digests and the default dtype, as in memory
+        return block_from_json(data)[0]
+
+    @model_serializer(mode="wrap")
+    def _to_text_form(
+        self, handler: SerializerFunctionWrapHandler, info: SerializationInfo
+    ) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        return block_to_json(out) if info.mode_is_json() else out
+
+    @field_validator("format_version", mode="before")
+    @classmethod
+    def _version_is_an_integer(cls, v: Any) -> Any:
+        if type(v) is not int:
+            raise ValueError(f"format_version must be an integer, found {v!r}")
+        return v
+
+    @field_validator("param_groups", "param_state")
+    @classmethod
+    def _state_not_too_deep(cls, v: Any) -> Any:
+        if json_depth(v, MAX_STATE_DEPTH + 1) > MAX_STATE_DEPTH:
+            raise ValueError(f"nested deeper than {MAX_STATE_DEPTH} levels")
+        return v
+
+    @model_validator(mode="after")
+    def _files_are_safe(self) -> UnickptBlock:
+        problem = files_problem(self.files, self.tensors)
+        if problem is not None:
+            raise ValueError(problem)
+        # Checked once per distinct name (an index of 10^5 slices names a few hundred files).
+        names = set(self.files or ())
+        names.update(s.file for t in self.tensors.values() if not t.compact for s in t.slices)
+        for name in names:
+            check_file_name(name)
+        attach_tables(self.files, self.tensors)
+        return self
+
+    @model_validator(mode="after")
+    def _aliases_resolve(self) -> UnickptBlock:
+        problem = alias_problem(self.aliases, self.tensors)
+        if problem is not None:
+            raise ValueError(problem)
+        return self
+
+
+class IndexMetadata(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+    total_size: NonNeg = 0
+
+
+def strict_metadata_ok(md: Any) -> bool:
+    """``metadata`` as a unickpt index must have it: an object whose total_size, if any, is an int."""
+    if type(md) is not dict:
+        return False
+    size = md.get("total_size", 0)
+    return type(size) is int and 0 <= size < MAX_DIM
+
+
+class IndexFile(BaseModel):
+    """A ``*.safetensors.index.json`` file (Hugging Face keys plus the optional unickpt block)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    metadata: IndexMetadata = Field(default_factory=IndexMetadata)
+    weight_map: dict[str, str]
+    unickpt: UnickptBlock | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _plain_metadata_is_informational(cls, data: Any) -> Any:
+        # Hugging Face reads only weight_map of a plain index: its metadata is informational
+        # (Colossal-AI writes total_size in MB as a float). A unickpt index stays strict.
+        plain = isinstance(data, dict) and data.get("unickpt") is None
+        if plain and "metadata" in data and not strict_metadata_ok(data["metadata"]):
+            md = data["metadata"]
+            kept = {k: v for k, v in md.items() if k != "total_size"} if isinstance(md, dict) else {}
+            data = {**data, "metadata": kept}
+        return data
+
+    @field_validator("weight_map")
+    @classmethod
+    def _safe_files(cls, v: dict[str, str]) -> dict[str, str]:
+        for k, f in v.items():
+            check_file_name(f, f"weight_map[{k!r}]")
+        return v
+
+
+_COMPACT_DUMP = ("dtype", "shape", "fingerprint", "param", "state", "grid", "boxes", "file", "keys", "xxh3")
+_COMPACT_FIELDS = ("grid", "boxes", "file", "keys", "xxh3")
+
+
+def files_problem(files: Sequence[str] | None, tensors: Mapping[str, TensorEntry]) -> str | None:
+    """Tensors list their slices (``slices``) or describe them compactly (then the block has
+    ``files``), never both; compact ``file`` indexes stay within ``files``."""
+    for name, t in tensors.items():
+        given = [f for f in _COMPACT_FIELDS if getattr(t, f) is not None]
+        if not t.compact and given:
+            return f"tensor {name!r} has both 'slices' and the compact field(s) {given}: one describes its slices"
+        if t.compact:
+            if files is None:
+                return f"tensor {name!r} names its files by index, but the block has no 'files' table"
+            if t.file is None:
+                n = compact_count(t.shape, t.grid, t.boxes)
+                if n != len(files):
+                    return (
+                        f"tensor {name!r} has no 'file' (slice K in files[K]) but {n} slice(s) for "
+                        f"{len(files)} file(s)"
+                    )
+                continue
+            ids = [t.file] if isinstance(t.file, int) else t.file
+            if ids and max(ids) >= len(files):
+                return f"tensor {name!r}: file index {max(ids)} is past the {len(files)} files of the block"
+    # What the data files can hold bounds what the compact fields declare (spec/bounds.py).
+    return count_problem(files, tensors)
+
+
+def attach_tables(files: Sequence[str] | None, tensors: Mapping[str, TensorEntry]) -> None:
+    """Give every compact tensor its ``SliceTable`` and the lazy ``slices`` list over it."""
+    if files is None:
+        return
+    for name, t in tensors.items():
+        if not t.compact:
+            continue
+        table = SliceTable.from_compact(
+            name, t.shape, files, grid=t.grid, boxes=t.boxes, file=t.file, keys=t.keys, xxh3=t.xxh3
+        )
+        t.__dict__["slices"] = LazySlices(table)
+
+
+def fields_of(cls: type[BaseModel]) -> tuple[tuple[str, ...], frozenset[str]]:
+    """(all fields of a model in declaration order, the required ones)."""
+    fields = cls.model_fields
+    return tuple(fields), frozenset(n for n, f in fields.items() if f.is_required())
 
 
 # ---------------------------------------------------------------- a listed index's slices checked and built in bulk
@@ -372,10 +729,10 @@ def as_listed(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- the one validator (IndexParser)
-_TENSOR_FIELDS, _TENSOR_REQUIRED = fields_of(models.TensorEntry)
-_LAYOUT_FIELDS, _LAYOUT_REQUIRED = fields_of(models.LayoutInfo)
-_BLOCK_FIELDS, _BLOCK_REQUIRED = fields_of(models.UnickptBlock)
-_RANGE_FIELDS, _RANGE_REQUIRED = fields_of(models.ByteRange)
+_TENSOR_FIELDS, _TENSOR_REQUIRED = fields_of(TensorEntry)
+_LAYOUT_FIELDS, _LAYOUT_REQUIRED = fields_of(LayoutInfo)
+_BLOCK_FIELDS, _BLOCK_REQUIRED = fields_of(UnickptBlock)
+_RANGE_FIELDS, _RANGE_REQUIRED = fields_of(ByteRange)
 _RANGE_SORTED = tuple(sorted(_RANGE_FIELDS))
 _VERSIONS = " or ".join(map(str, KNOWN_FORMAT_VERSIONS))
 _KIND_CHOICES = " or ".join(map(repr, KINDS))
@@ -385,19 +742,19 @@ _save_id = re.compile(SAVE_ID_BODY).fullmatch
 SCHEMA_MISMATCH = "index does not match the unickpt index schema"
 # The fields whose checks IndexParser writes out (a rule, a bulk path or a case of their own),
 # per model. Every other field is checked by the plain check its declared type calls for
-# (_plain_check, read from index_models: str, str | None, a bounded strict int, a strict bool,
+# (_plain_check, read from the models above: str, str | None, a bounded strict int, a strict bool,
 # list[NonNeg], Hex16 | None); a field of any other type fails at import until it gets a check.
 CUSTOM_FIELDS: dict[type[BaseModel], frozenset[str]] = {
-    models.IndexFile: frozenset({"metadata", "weight_map", "unickpt"}),
-    models.IndexMetadata: frozenset(),
-    models.UnickptBlock: frozenset(
+    IndexFile: frozenset({"metadata", "weight_map", "unickpt"}),
+    IndexMetadata: frozenset(),
+    UnickptBlock: frozenset(
         {"format_version", "kind", "files", "layout", "tensors", "aliases"}
         | {"param_groups", "param_state", "save_id"}
     ),
-    models.LayoutInfo: frozenset({"mesh"}),
-    models.TensorEntry: frozenset({"dtype", "slices", "grid", "boxes", "file", "keys", "xxh3"}),
-    models.SliceEntry: frozenset({"file", "ranges"}),
-    models.ByteRange: frozenset({"xxh3"}),  # a range's digest is not optional
+    LayoutInfo: frozenset({"mesh"}),
+    TensorEntry: frozenset({"dtype", "slices", "grid", "boxes", "file", "keys", "xxh3"}),
+    SliceEntry: frozenset({"file", "ranges"}),
+    ByteRange: frozenset({"xxh3"}),  # a range's digest is not optional
 }
 
 
@@ -420,7 +777,7 @@ class IndexParser:
         self.colons = 0  # ':' in every string met that may hold one
         self.files: set[str] = set()  # distinct slice file names
 
-    def parse(self, box: list[str]) -> models.IndexFile:
+    def parse(self, box: list[str]) -> IndexFile:
         """Parse the text in the one-item list ``box``, taken out of it and dropped once decoded."""
         what = f"{self.path}: index"
         text = box.pop()
@@ -516,7 +873,7 @@ class IndexParser:
         return v
 
     # ------------------------------------------------------------------ the index
-    def index(self, obj: dict[str, Any]) -> models.IndexFile:
+    def index(self, obj: dict[str, Any]) -> IndexFile:
         self.pairs += len(obj)
         given: dict[str, Any] = {}
         extra: dict[str, Any] = {}
@@ -536,9 +893,9 @@ class IndexParser:
                 extra[k] = v
         if "weight_map" not in given:
             self.refuse("weight_map", "missing (a required field)")
-        return construct(models.IndexFile, given, set(obj), extra)
+        return construct(IndexFile, given, set(obj), extra)
 
-    def metadata(self, v: Any) -> models.IndexMetadata:
+    def metadata(self, v: Any) -> IndexMetadata:
         if type(v) is not dict:
             self.expected("metadata", "an object", v)
         self.pairs += len(v)
@@ -552,15 +909,15 @@ class IndexParser:
                 self.colons += k.count(":")
                 self.walk(x)
                 extra[k] = x
-        return construct(models.IndexMetadata, given, set(v), extra)
+        return construct(IndexMetadata, given, set(v), extra)
 
-    def informational_metadata(self, v: Any) -> models.IndexMetadata:
+    def informational_metadata(self, v: Any) -> IndexMetadata:
         """A plain Hugging Face index's metadata that a unickpt index could not have: Hugging Face
         reads only ``weight_map`` (Colossal-AI writes total_size in MB as a float), so its
         ``total_size`` is dropped (and the whole of anything that is not an object)."""
         self.walk(v)
         kept = {k: x for k, x in v.items() if k != "total_size"} if type(v) is dict else {}
-        return construct(models.IndexMetadata, {}, set(kept), kept)
+        return construct(IndexMetadata, {}, set(kept), kept)
 
     def weight_map(self, v: Any) -> dict[str, str]:
         if type(v) is not dict:
@@ -585,7 +942,7 @@ class IndexParser:
             except UnsafePathError as e:
                 raise UnsafePathError(f"{self.path}: {e}") from None
 
-    def block(self, v: Any) -> models.UnickptBlock:
+    def block(self, v: Any) -> UnickptBlock:
         v, fewer = block_from_json(v)  # the text form (base64url digests, default dtype)
         self.pairs += fewer
         b = self.obj(v, "unickpt", _BLOCK_FIELDS, _BLOCK_REQUIRED)
@@ -659,13 +1016,13 @@ class IndexParser:
         if problem is not None:
             self.refuse("unickpt.aliases", problem)
         attach_tables(given.get("files"), tensors)
-        return construct(models.UnickptBlock, given, set(b), None)
+        return construct(UnickptBlock, given, set(b), None)
 
     def state_depth(self, x: Any, where: str) -> None:
         if json_depth(x, MAX_STATE_DEPTH + 1) > MAX_STATE_DEPTH:
             self.refuse(where, f"nested deeper than {MAX_STATE_DEPTH} levels")
 
-    def layout(self, v: Any) -> models.LayoutInfo:
+    def layout(self, v: Any) -> LayoutInfo:
         d = self.obj(v, "unickpt.layout", _LAYOUT_FIELDS, _LAYOUT_REQUIRED)
         given: dict[str, Any] = {}
         for k, x in d.items():
@@ -681,16 +1038,16 @@ class IndexParser:
                 for axis, size in x.items():
                     self.integer(size, f"{where}.{axis}", MIN_POSITIVE)
                 given[k] = dict(x)
-        return construct(models.LayoutInfo, given, set(d), None)
+        return construct(LayoutInfo, given, set(d), None)
 
-    def tensors(self, v: Any) -> dict[str, models.TensorEntry]:
+    def tensors(self, v: Any) -> dict[str, TensorEntry]:
         if type(v) is not dict:
             self.expected("unickpt.tensors", "an object", v)
         self.pairs += len(v)
         self.colons += "".join(v).count(":")
         return {name: self.tensor(name, t) for name, t in v.items()}
 
-    def tensor(self, name: str, v: Any) -> models.TensorEntry:
+    def tensor(self, name: str, v: Any) -> TensorEntry:
         where = f"unickpt.tensors.{name}"
         t = self.obj(v, where, _TENSOR_FIELDS, _TENSOR_REQUIRED)
         given: dict[str, Any] = {}
@@ -725,11 +1082,11 @@ class IndexParser:
             if problem is not None:
                 self.refuse(where, problem)
             given["slices"] = []  # replaced by attach_tables (a default_factory costs 1 ms here)
-            return construct(models.TensorEntry, given, set(t), None)
+            return construct(TensorEntry, given, set(t), None)
         given["slices"] = self.slices(where, shape, given["slices"], DTYPE_ITEMSIZE[given["dtype"]])
-        return construct(models.TensorEntry, given, set(t), None)
+        return construct(TensorEntry, given, set(t), None)
 
-    def ranges(self, v: Any, where: str) -> list[models.ByteRange] | None:
+    def ranges(self, v: Any, where: str) -> list[ByteRange] | None:
         """A slice's byte ranges, each an object of ``ByteRange``'s fields (their tiling is
         ``ranges_problem``'s)."""
         if v is None:
@@ -745,7 +1102,7 @@ class IndexParser:
             if type(h) is not str or not _hex16(h):
                 self.expected(f"{w}.xxh3", f"a string matching {HEX16}", h)
             given["xxh3"] = h
-            out.append(construct(models.ByteRange, given, set(d), None))
+            out.append(construct(ByteRange, given, set(d), None))
         return out
 
     def compact_field(self, k: str, x: Any, where: str) -> Any:
@@ -819,7 +1176,7 @@ class IndexParser:
             given_hashes = [h for h in hashes if h is not None]
             if given_hashes and not _hex16_list(given_hashes):
                 cut(_first(map(_not_hash, hashes), bad))
-        ranged: dict[int, list[models.ByteRange]] = {}
+        ranged: dict[int, list[ByteRange]] = {}
         if ranges is not None:
             k = self.ranges_column(ranges, shapes, isize, ranged)
             if k is not None:
@@ -847,7 +1204,7 @@ class IndexParser:
         return LazySlices(table)
 
     def ranges_column(
-        self, ranges: list[Any], shapes: list[list[int]], isize: int, out: dict[int, list[models.ByteRange]]
+        self, ranges: list[Any], shapes: list[list[int]], isize: int, out: dict[int, list[ByteRange]]
     ) -> int | None:
         """The ``ranges`` column checked at once: every range of every slice an object of
         ``ByteRange``'s fields, and each slice's ranges tiling its bytes in order. Returns the
@@ -903,7 +1260,7 @@ class IndexParser:
         for j in range(first):  # the ranges of the slices that passed, built
             c = int(counts[j])
             out[rk[j]] = [
-                construct(models.ByteRange, {"start": a, "end": b, "xxh3": h}, shared, None)
+                construct(ByteRange, {"start": a, "end": b, "xxh3": h}, shared, None)
                 for a, b, h in zip(
                     starts[pos : pos + c], ends[pos : pos + c], digests[pos : pos + c], strict=True
                 )
@@ -932,7 +1289,7 @@ class IndexParser:
         self.refuse(w, problem)
 
 
-def validate_block(obj: Any, path: str, what: str) -> models.UnickptBlock:
+def validate_block(obj: Any, path: str, what: str) -> UnickptBlock:
     """A unickpt block read on its own (``obj`` from ``strict_loads``, which refused duplicate
     keys): checked as the block of an index, refusals naming ``path`` and ``what`` it is."""
     parser = IndexParser(path, None, _no_text, what)
@@ -977,12 +1334,12 @@ PLAIN_CHECKS: dict[type[BaseModel], dict[str, _Check]] = {
     cls: {name: _plain_check(cls, name) for name in cls.model_fields if name not in custom}
     for cls, custom in CUSTOM_FIELDS.items()
 }
-_META_PLAIN = PLAIN_CHECKS[models.IndexMetadata]
-_BLOCK_PLAIN = PLAIN_CHECKS[models.UnickptBlock]
-_LAYOUT_PLAIN = PLAIN_CHECKS[models.LayoutInfo]
-_TENSOR_PLAIN = PLAIN_CHECKS[models.TensorEntry]
-_SLICE_PLAIN = PLAIN_CHECKS[models.SliceEntry]
-_RANGE_PLAIN = PLAIN_CHECKS[models.ByteRange]
+_META_PLAIN = PLAIN_CHECKS[IndexMetadata]
+_BLOCK_PLAIN = PLAIN_CHECKS[UnickptBlock]
+_LAYOUT_PLAIN = PLAIN_CHECKS[LayoutInfo]
+_TENSOR_PLAIN = PLAIN_CHECKS[TensorEntry]
+_SLICE_PLAIN = PLAIN_CHECKS[SliceEntry]
+_RANGE_PLAIN = PLAIN_CHECKS[ByteRange]
 
 
 def parse_index(raw: bytes, path: str) -> IndexFile:

@@ -16,9 +16,9 @@ extents) or ``boxes`` (offsets + shape per slice) or neither (one slice, the who
 One slice of the index schema: the pydantic models ``SliceEntry`` and ``ByteRange``, and how
 ``SliceEntry`` objects are built in bulk from checked fields.
 
-The bottom of the index's modules: the slice table (``slice_table``) builds ``SliceEntry``
-objects from its arrays, and the index models (``index_models``, which re-exports everything
-here as part of the schema) and the index parser's bulk checks (the bulk checks in ``index``) stand on both. The field types
+The bottom of the index's modules: the slice table builds ``SliceEntry`` objects from its
+arrays, and the index (``index``: the schema, which re-exports everything here as part of it,
+and its validator) stands on both. The field types
 and bounds a slice declares (``NonNeg``, ``Hex16``, ``MAX_DIM``, ``HEX16``) are defined here, once,
 for the whole schema.
 
@@ -821,7 +821,7 @@ def compact_fields(
 
 # ---------------------------------------------------------------- the compact fields' rules
 # Checked once their types are: the index parser (``index.IndexParser``) calls them on what it
-# reads, and ``index_models``' validators on what code builds, so a rule is written once.
+# reads, and the index models' validators on what code builds, so a rule is written once.
 def compact_count(
     gshape: Sequence[int], grid: Sequence[int | Sequence[int]] | None, boxes: Sequence[Any] | None
 ) -> int:

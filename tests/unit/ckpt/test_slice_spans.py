@@ -25,8 +25,7 @@ from unickpt.ckpt.safetensors_io import encode_header, parse_header
 from unickpt.ckpt.writer import build_block, build_index
 from unickpt.errors import HeaderError, IncompleteCheckpointError, IntegrityError
 from unickpt.spec import safetensors_bulk
-from unickpt.spec.index import index_to_json, parse_index
-from unickpt.spec.index_models import LayoutInfo
+from unickpt.spec.index import LayoutInfo, index_to_json, parse_index
 from unickpt.spec.naming import SLICED_SENTINEL, shard_name, slice_key
 from unickpt.store import storage_readv
 from unickpt.store.storage import LocalStorage

@@ -20,8 +20,7 @@ from unickpt.ckpt.reader import open_checkpoint
 from unickpt.ckpt.safetensors_io import encode_header, parse_header
 from unickpt.ckpt.writer import build_block, build_index
 from unickpt.errors import HeaderError, IncompleteCheckpointError
-from unickpt.spec.index import index_to_json, parse_index
-from unickpt.spec.index_models import LayoutInfo
+from unickpt.spec.index import LayoutInfo, index_to_json, parse_index
 from unickpt.spec.naming import SLICED_SENTINEL, shard_name, slice_key
 from unickpt.spec.safetensors_bulk import HeaderEntries
 from unickpt.store import storage_readv

@@ -307,8 +307,7 @@ def test_the_hex_hashes_check_is_the_schemas_pattern(text: str, ok: bool) -> Non
     """The index's C-level check of a hex ``xxh3`` string says what the ``HASHES`` regex says."""
     import re
 
-    from unickpt.spec.index import _concatenated_hashes
-    from unickpt.spec.index_models import HASHES
+    from unickpt.spec.index import HASHES, _concatenated_hashes
 
     assert _concatenated_hashes(text) is ok is (re.fullmatch(HASHES, text) is not None)
 

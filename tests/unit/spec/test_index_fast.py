@@ -3,7 +3,7 @@
 Random valid indexes and random single mutations of them (wrong types, values pydantic's lax
 mode would coerce, negative and huge integers, bad hex, unknown and missing keys, key orders,
 out-of-bounds slices, unsafe file names, dangling aliases, duplicate keys, escaped colons):
-``parse_index`` accepts exactly what the schema declared by the models of ``index_models``
+``parse_index`` accepts exactly what the schema declared by the models of ``index``
 accepts (the declaration ``docs/index.schema.json`` is exported from; the test asks the models
 directly, no parse goes through them), builds the same objects, and refuses everything else
 with the same exception type and a message that names the file and the field.
@@ -30,6 +30,7 @@ from unickpt.spec.digest_text import OtherFormatVersion, hex_to_b64, version_err
 from unickpt.spec.dtypes import DTYPE_ITEMSIZE
 from unickpt.spec.index import (
     SCHEMA_MISMATCH,
+    ByteRange,
     IndexFile,
     IndexMetadata,
     LayoutInfo,
@@ -39,7 +40,6 @@ from unickpt.spec.index import (
     index_to_json,
     parse_index,
 )
-from unickpt.spec.index_models import ByteRange
 from unickpt.spec.naming import SLICED_SENTINEL
 
 
@@ -906,7 +906,7 @@ def test_load_index_reads_the_file_again_to_name_a_duplicate(tmp_path: Path, edi
 
 
 def test_the_parser_checks_every_field_of_the_models() -> None:
-    """The parser reads field lists, types, bounds and rules from index_models: each field
+    """The parser reads field lists, types, bounds and rules from the models: each field
     either has a check written out (CUSTOM_FIELDS) or the plain check its declared type calls
     for; a field of a type with no plain check is refused when the module is built."""
     from unickpt.spec.index import CUSTOM_FIELDS, PLAIN_CHECKS, _plain_check

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from unickpt.errors import IndexFileError
-from unickpt.spec.index import SCHEMA_MISMATCH, parse_index
-from unickpt.spec.index_models import ByteRange, SliceEntry, TensorEntry
+from unickpt.spec.index import SCHEMA_MISMATCH, ByteRange, SliceEntry, TensorEntry, parse_index
 from unickpt.spec.naming import SLICED_SENTINEL
 from unickpt.spec.slice_table import LazySlices, SliceColumns, SliceTable, compact_problem
 

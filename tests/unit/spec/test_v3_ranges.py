@@ -7,8 +7,7 @@ import json
 
 from unickpt.ckpt.writer import build_block, build_index, tensor_entry
 from unickpt.spec.digest_text import hex_to_b64
-from unickpt.spec.index import parse_index
-from unickpt.spec.index_models import ByteRange, LayoutInfo, SliceEntry
+from unickpt.spec.index import ByteRange, LayoutInfo, SliceEntry, parse_index
 from unickpt.spec.slice_table import SliceTable
 
 
