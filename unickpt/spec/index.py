@@ -493,6 +493,8 @@ _M = TypeVar("_M", bound=BaseModel)
 
 SLICE_FIELDS, SLICE_REQUIRED = fields_of(SliceEntry)
 _SLICE_FIELD_SET = frozenset(SLICE_FIELDS)
+#: The key order of a slice as unickpt writes one: every field but ``ranges``, in model order.
+_FULL_LAYOUT = tuple(f for f in SLICE_FIELDS if f != "ranges")
 #: The key orders of slice objects met so far that hold every required field and no other
 #: (a bounded set: the orders of at most six names).
 _GOOD_LAYOUTS: set[tuple[str, ...]] = set()
@@ -587,6 +589,17 @@ def compact_field_problem(k: str, x: Any) -> tuple[str, str, Any]:
             if not _file_id(n):
                 return f".{i}.{j}", "an integer >= 0 below 2**62", n
     raise AssertionError(f"compact field {k!r} has no problem")  # pragma: no cover - never
+
+
+def _column(
+    rows: list[dict[str, Any]], layouts: set[tuple[str, ...]], present: set[str], field: str
+) -> list[Any] | None:
+    """An optional field's column (None where a slice leaves it out), None when no slice gives it."""
+    if field not in present:
+        return None
+    if all(field in lay for lay in layouts):
+        return list(map(operator.itemgetter(field), rows))
+    return list(map(dict.get, rows, itertools.repeat(field)))
 
 
 def _first(flags: Iterable[Any], default: int) -> int:
@@ -1142,8 +1155,8 @@ class IndexParser:
         keys = list(map(_get_key, rows))
         offsets = list(map(_get_offsets, rows))
         shapes = list(map(_get_shape, rows))
-        hashes = list(map(dict.get, rows, itertools.repeat("xxh3"))) if "xxh3" in present else None
-        ranges = list(map(dict.get, rows, itertools.repeat("ranges"))) if "ranges" in present else None
+        hashes = _column(rows, layouts, present, "xxh3")
+        ranges = _column(rows, layouts, present, "ranges")
         columns = [files, keys, offsets, shapes, hashes, ranges]
 
         def cut(k: int) -> None:  # the first slice at fault so far is slice k
@@ -1161,19 +1174,26 @@ class IndexParser:
                 cut(_first(map(operator.is_not, map(type, col), itertools.repeat(list)), bad))
             if set(map(len, col)) - {nd}:
                 cut(_first(map(operator.ne, map(len, col), itertools.repeat(nd)), bad))
+        flats = []
         for col in (offsets, shapes):  # each an integer >= 0 below 2**62
             flat = list(itertools.chain.from_iterable(col))
             if flat and (set(map(type, flat)) - _INT or min(flat) < 0 or max(flat) >= MAX_DIM):
                 cut(_first(map(_not_dim, flat), bad * nd) // nd)
+            flats.append(flat)
         m = len(files)
-        lo = np.array(list(itertools.chain.from_iterable(offsets)), dtype=np.int64).reshape(m, nd)
-        ext = np.array(list(itertools.chain.from_iterable(shapes)), dtype=np.int64).reshape(m, nd)
+        lo, ext = (
+            np.array(f if len(f) == m * nd else f[: m * nd], dtype=np.int64).reshape(m, nd) for f in flats
+        )
         if nd:  # offset + size <= the tensor's size on every dim
             past = np.flatnonzero((lo + ext > np.asarray(gshape, dtype=np.int64)).any(axis=1))
             if len(past):
                 cut(int(past[0]))
         if hashes is not None:  # null, or 16 lower-case hex digits
-            given_hashes = [h for h in hashes if h is not None]
+            given_hashes = (
+                hashes
+                if None not in hashes
+                else list(itertools.compress(hashes, map(operator.is_not, hashes, itertools.repeat(None))))
+            )
             if given_hashes and not _hex16_list(given_hashes):
                 cut(_first(map(_not_hash, hashes), bad))
         ranged: dict[int, list[ByteRange]] = {}
@@ -1183,7 +1203,9 @@ class IndexParser:
                 cut(k)
         if bad < n:
             self.slice_refusal(f"{where}.slices.{bad}", gshape, sl[bad], isize)
-        self.pairs += sum(map(len, sl)) + 3 * sum(map(len, ranged.values()))
+        self.pairs += (len(_FULL_LAYOUT) * n if layouts == {_FULL_LAYOUT} else sum(map(len, sl))) + 3 * sum(
+            map(len, ranged.values())
+        )
         self.colons += "".join(keys).count(":")
         self.files.update(files)
         given = None

@@ -332,19 +332,22 @@ class SliceTable:
         """The table of whole columns: per slice its file name, key, offsets and shape (``(S, ndim)``
         array-likes, flat or not), hash (None: none), and ``ranges`` by slice position."""
         n, nd = len(keys), len(gshape)
-        ids: dict[str, int] = {}
-        # A new name gets the next id (len(ids) is read before setdefault inserts it).
-        file_ids = np.fromiter([ids.setdefault(f, len(ids)) for f in files], dtype=np.int64, count=n)
+        ids = {f: i for i, f in enumerate(dict.fromkeys(files))}  # in order of first use
+        file_ids = np.fromiter(map(ids.__getitem__, files), dtype=np.int64, count=n)
         joined: str | None = None
-        if hashes is not None and any(h is not None for h in hashes):
-            joined = "".join(NO_HASH if h is None else h for h in hashes)
+        if hashes is not None and n:
+            try:
+                joined = "".join(hashes)  # type: ignore[arg-type]  # every slice has one (a TypeError if not)
+            except TypeError:
+                if any(h is not None for h in hashes):
+                    joined = "".join(NO_HASH if h is None else h for h in hashes)
         table = cls(
             name,
             gshape,
             np.asarray(offsets, dtype=np.int64).reshape(n, nd),
             np.asarray(shapes, dtype=np.int64).reshape(n, nd),
             file_ids,
-            sorted(ids, key=ids.__getitem__),
+            list(ids),
             keys,
             joined,
         )
