@@ -29,8 +29,7 @@ from unickpt.errors import HeaderError, IncompleteCheckpointError
 from unickpt.spec.bounds import MAX_HEADER_BYTES as _MAX_HEADER_BYTES
 from unickpt.spec.dtypes import DTYPE_ITEMSIZE
 from unickpt.spec.safetensors_bulk import MAX_NDIM, HeaderEntries, parse_header
-from unickpt.store.storage import LocalStorage, Storage
-from unickpt.store.writeback import Writeback
+from unickpt.store.storage import LocalStorage, Storage, Writeback
 
 __all__ = [
     "MAX_HEADER_BYTES",
