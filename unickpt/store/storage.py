@@ -65,6 +65,7 @@ __all__ = [
     "RangeFile",
     "open_storage",
     "is_url",
+    "url_options",
     "coalesce",
     "IOV_MAX",
     "RUN_BYTES",
@@ -98,6 +99,15 @@ def is_url(location: str | os.PathLike[str]) -> bool:
     """True for ``proto://...`` locations other than ``file://`` (which is a local path)."""
     s = os.fspath(location)
     return "://" in s and not s.startswith("file://")
+
+
+def url_options(
+    location: str | os.PathLike[str], storage_options: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """The storage options that apply to ``location``: a URL's go to fsspec, a local path takes
+    none. For one set of options given with several locations (a tool's source and output), any
+    of which may be local: :func:`open_storage` refuses options given for a local path alone."""
+    return storage_options if is_url(location) else None
 
 
 def coalesce(
