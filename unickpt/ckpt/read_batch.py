@@ -4,7 +4,7 @@ A sliced checkpoint's data file holds one slice of every tensor its rank saved, 
 load or a merge that needs many of them would issue one read per slice. A :class:`ReadBatch`
 collects ``(file, absolute offset, destination buffer)`` reads, then per file sorts them by
 offset, joins those adjacent in the file and in one buffer, and hands the file's pieces to its
-read handle's vectored read (``ReadHandle.readv``, ``store/storage_readv.py``): on a local
+read handle's vectored read (``ReadHandle.readv``, ``store/storage.py``): on a local
 file one ``preadv`` per run of adjacent pieces straight into their destinations (up to
 ``IOV_MAX`` buffers a call), on an object store coalesced ranged requests. A file that ends
 before a read is complete raises ``IncompleteCheckpointError`` naming the file and the bytes
@@ -20,8 +20,7 @@ from typing import Any
 import numpy as np
 
 from unickpt.ckpt.slice_spans import FileNumbers, table_spans
-from unickpt.store.storage import Buffers, ReadHandle
-from unickpt.store.storage_readv import IOV_MAX, RUN_BYTES
+from unickpt.store.storage import IOV_MAX, RUN_BYTES, Buffers, ReadHandle
 
 __all__ = ["ReadBatch", "table_spans", "IOV_MAX", "RUN_BYTES"]
 

@@ -14,29 +14,25 @@ in order, so a file never needs all of its tensors in memory at once.
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
-import stat
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from unickpt.ckpt.foreign import foreign_file
-from unickpt.errors import HeaderError, IncompleteCheckpointError
+from unickpt.errors import HeaderError
 from unickpt.spec.bounds import MAX_HEADER_BYTES as _MAX_HEADER_BYTES
 from unickpt.spec.dtypes import DTYPE_ITEMSIZE
 from unickpt.spec.safetensors_bulk import MAX_NDIM, HeaderEntries, parse_header
-from unickpt.store.storage import LocalStorage, Storage
-from unickpt.store.writeback import Writeback
+from unickpt.store.storage import LocalStorage, Storage, Writeback
 
 __all__ = [
     "MAX_HEADER_BYTES",
     "SafetensorsHeader",
     "read_header",
-    "open_with_header",
     "parse_header",
     "header_from_bytes",
     "encode_header",
@@ -64,42 +60,17 @@ class SafetensorsHeader:
 
 
 def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
-    """Read and validate the header of a safetensors file. Reads only the header bytes."""
-    fd, h = open_with_header(path)
-    os.close(fd)
-    return h
+    """Read and validate the header of a local safetensors file. Reads only the header bytes.
 
-
-def open_with_header(path: str | os.PathLike[str]) -> tuple[int, SafetensorsHeader]:
-    """Open a safetensors file and validate its header: (open fd, header), both of the same file.
-
-    Reading data through that fd reads the file whose header was checked, even if the name is
-    renamed over meanwhile. The caller closes the fd.
+    The file is opened as every local read opens one (``LocalStorage.open_read``: a missing file,
+    a directory, a symbolic link loop or anything but a regular file refused with its messages).
     """
     p = os.fspath(path)
+    handle = LocalStorage(os.path.dirname(p) or ".").open_read(p)
     try:
-        # O_NONBLOCK: a FIFO planted under a data file's name must not block the open forever.
-        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError as e:
-        raise IncompleteCheckpointError(f"data file {p} is missing") from e
-    except IsADirectoryError as e:
-        raise HeaderError(f"{p} is a directory, not a safetensors file") from e
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise HeaderError(f"{p} is a symbolic link loop, not a safetensors file") from e
-        raise
-    try:
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise HeaderError(f"{p} is a directory, not a safetensors file")
-        if not stat.S_ISREG(st.st_mode):
-            raise HeaderError(f"{p} is not a regular file")
-        with open(fd, "rb", closefd=False) as f:
-            h = header_from_bytes(f.read(8), st.st_size, p, lambda _offset, length: f.read(length))
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, h
+        return header_from_bytes(handle.pread(0, min(handle.size, 8)), handle.size, p, handle.pread)
+    finally:
+        handle.close()
 
 
 def header_from_bytes(

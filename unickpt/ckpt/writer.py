@@ -430,33 +430,22 @@ class CheckpointWriter:
     hashes: bool = True
     fingerprints: bool = True
     fsync: bool = True
-    #: Where ``directory`` is (local files when None). A store without ``atomic_rename`` (an
-    #: object store) writes each file under the name given (see ``store.publish``: the
-    #: save's plan names them), nothing is staged or renamed.
-    storage: Storage | None = None
-
-    def __post_init__(self) -> None:
-        if self.storage is None:
-            self.storage = LocalStorage(self.directory)
-
-    @property
-    def store(self) -> Storage:
-        """Where the files are written."""
-        if self.storage is None:  # never: set at construction
-            self.storage = LocalStorage(self.directory)
-        return self.storage
+    #: Where ``directory`` is (a ``LocalStorage`` for local files). A store without
+    #: ``atomic_rename`` (an object store) writes each file under the name given (see
+    #: ``store.publish``: the save's plan names them), nothing is staged or renamed.
+    storage: Storage = field(kw_only=True)
 
     def staged_name(self, fname: str) -> str:
         """The path data file ``fname`` is written at: its staging name where the store renames
         (renamed into place by the commit), else its name."""
-        if not self.store.atomic_rename:
-            return self.store.join(self.directory, fname)
-        return temp_name(self.store.join(self.directory, fname), self.save_id)
+        if not self.storage.atomic_rename:
+            return self.storage.join(self.directory, fname)
+        return temp_name(self.storage.join(self.directory, fname), self.save_id)
 
     def write(self, files: Sequence[FileSpec], blocks: Iterator[Block]) -> dict[str, Written]:
         """Stream ``blocks`` into ``files`` (final names; written under staging names where the
         store renames, else under the names given)."""
-        store = self.store
+        store = self.storage
         names = [(posixpath.basename(self.staged_name(f)) if store.atomic_rename else f, s) for f, s in files]
         meta = data_file_metadata(self.sliced, self.save_id)
         results = write_files(
@@ -475,7 +464,7 @@ class CheckpointWriter:
     def commit(self, index: bytes) -> None:
         """Write the index last and commit the staged files (``store.publish.commit_directory``;
         on a store without rename ``store.publish.commit_store_index``)."""
-        store = self.store
+        store = self.storage
         if not store.atomic_rename:
             commit_store_index(store, self.directory, self.kind, index, set(self.staged))
             return

@@ -112,7 +112,7 @@ def write_funnelled(
     group: Any,
     rank: int,
     save_id: str,
-    store: Storage | None,
+    store: Storage,
 ) -> Results:
     if rank != 0:
         feed_funnel(plan, tensors, group, rank)

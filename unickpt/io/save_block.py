@@ -21,11 +21,11 @@ Results = dict[tuple[str, int], tuple[str | None, int]]
 
 
 def make_writer(
-    directory: str, opts: SaveOptions, plan: SavePlan, save_id: str, store: Storage | None = None
+    directory: str, opts: SaveOptions, plan: SavePlan, save_id: str, store: Storage
 ) -> CheckpointWriter:
     """The writer of one save's files."""
     return CheckpointWriter(
-        directory, opts.kind, save_id, plan.sliced, opts.hashes, opts.fingerprints, opts.fsync, store
+        directory, opts.kind, save_id, plan.sliced, opts.hashes, opts.fingerprints, opts.fsync, storage=store
     )
 
 

@@ -21,7 +21,7 @@ from unickpt.errors import IncompleteCheckpointError, IndexFileError, StateMisma
 from unickpt.io.jsonstate import from_json_value, to_json_value
 from unickpt.spec._json import strict_loads
 from unickpt.store.publish import write_small_file
-from unickpt.store.storage import is_url
+from unickpt.store.storage import open_storage, url_options
 
 __all__ = ["STATE_VERSION", "capture", "restore", "write_rank_state", "read_rank_state"]
 
@@ -74,7 +74,10 @@ def restore(
     ``dataloader`` and ``extra_states``."""
     js, tensors = read_rank_state(d, rank, storage_options)
     if js is None:
-        commit = None if is_url(d) else run_layout.read_commit(d)
+        # The saving world's size, where the step's COMMIT record is a local file to read.
+        storage, root = open_storage(d, url_options(d, storage_options))
+        local = storage.local_path(root)
+        commit = None if local is None else run_layout.read_commit(local)
         saved_world = (commit or {}).get("world_size", "?")
         logger.warning(
             "step %s was saved by %s rank(s), this is rank %s of %s: RNG states are not restored "

@@ -77,7 +77,7 @@ from unickpt.store.lock import (
     take_unheld_lock,
     write_if,
 )
-from unickpt.store.storage import FsspecStorage, Storage, is_url, open_storage
+from unickpt.store.storage import FsspecStorage, Storage, is_url, open_storage, url_options
 
 logger = get_logger(__name__)
 __all__ = [
@@ -271,13 +271,13 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
 
 def write_small_file(location: str, data: bytes, storage_options: dict[str, Any] | None = None) -> None:
     """Write a small file whole (a scheduler's JSON, ``config.json``): locally an atomic
-    replacement (``commit.atomic_write_bytes``), on a store one PUT (atomic there)."""
-    if not is_url(location):
-        path = location[len("file://") :] if location.startswith("file://") else location
-        makedirs_durable(os.path.dirname(os.path.abspath(path)))
+    replacement (:func:`atomic_write_bytes`) where the store renames, on a store one PUT (atomic
+    there). ``storage_options`` apply to a URL only (:func:`~unickpt.store.storage.url_options`)."""
+    store, path = open_storage(location, url_options(location, storage_options))
+    if store.atomic_rename:
+        makedirs_durable(os.path.dirname(path))
         atomic_write_bytes(path, data)
         return
-    store, path = open_storage(location, storage_options)
     store.makedirs(posixpath.dirname(path))
     store.put(path, data)
 
@@ -1263,6 +1263,14 @@ class RemoteStore:
 # ----------------------------------------------------------------------------- a tool output
 
 
+def output_location(out: str | os.PathLike[str]) -> str:
+    """The output ``out`` as a tool shows and returns it: a URL as given (no trailing slash), a
+    local path absolute and refused when it holds a file or a non-empty directory
+    (:func:`check_output`; a URL's prefix is checked when its :class:`StoreOutput` is made)."""
+    s = os.fspath(out)
+    return s.rstrip("/") if is_url(s) else check_output(s)
+
+
 def check_output(out: str) -> str:
     """Absolute output path; refuses a path holding a file or a non-empty directory.
 
@@ -1604,13 +1612,16 @@ Sink = str | StoreOutput
 
 @contextlib.contextmanager
 def output_sink(out: str, storage_options: dict[str, Any] | None = None) -> Iterator[Sink]:
-    """The sink of the output ``out`` (see the module docstring), committed when the block ends."""
-    if is_url(out):
-        with store_output(out, storage_options) as store:
-            yield store
+    """The sink of the output ``out`` (see the module docstring), committed when the block ends:
+    a staged directory where the store renames, else a :class:`StoreOutput`. ``storage_options``
+    apply to a URL only."""
+    storage, _ = open_storage(out, url_options(out, storage_options))
+    if storage.atomic_rename:
+        with staged_output(out) as tmp:
+            yield tmp
         return
-    with staged_output(out) as tmp:
-        yield tmp
+    with store_output(out, storage_options) as store:
+        yield store
 
 
 def put_bytes(sink: Sink, name: str, data: bytes) -> None:

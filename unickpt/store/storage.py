@@ -3,9 +3,11 @@
 Everything that touches checkpoint bytes (the reader, the writer, the commit, listing and
 cleanup) goes through a :class:`Storage`. Two implementations:
 
-- :class:`LocalStorage`: POSIX files. Ranged reads are ``pread`` on one descriptor, writes
-  are streamed into staged files or ``pwrite``n into preallocated ones (:meth:`Storage.open_range`),
-  commits are atomic renames (``store/publish.py``).
+- :class:`LocalStorage`: POSIX files. Ranged reads are ``pread`` on one descriptor, and vectored
+  reads one ``preadv`` per run of adjacent pieces straight into the caller's buffers; writes are
+  streamed into staged files or ``pwrite``n into preallocated ones (:meth:`Storage.open_range`),
+  with write-behind hints for long sequential writes (:class:`Writeback`); commits are atomic
+  renames (``store/publish.py``).
 - :class:`FsspecStorage`: any fsspec file system (``s3://``, ``gs://``, ``az://``,
   ``memory://``...). Ranged reads are exact ranged GETs, neighbouring ranges coalesced and
   several in flight at once (``cat_ranges``); writes stream as multipart uploads; there is no
@@ -39,19 +41,20 @@ profiles, ...) or from ``storage_options``, passed to fsspec as is. No torch her
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import posixpath
 import stat
+import sys
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 
 from unickpt.errors import ConfigError, HeaderError, IncompleteCheckpointError, UnsupportedError
 from unickpt.store.storage_guard import fs_from_url, guarded, shown_url
-from unickpt.store.storage_readv import Buffers, preadv_pieces, readinto_fd, scatter
 
 __all__ = [
     "Storage",
@@ -62,7 +65,12 @@ __all__ = [
     "RangeFile",
     "open_storage",
     "is_url",
+    "url_options",
     "coalesce",
+    "IOV_MAX",
+    "RUN_BYTES",
+    "Writeback",
+    "start_writeback",
     "EXTRAS",
 ]
 
@@ -91,6 +99,15 @@ def is_url(location: str | os.PathLike[str]) -> bool:
     """True for ``proto://...`` locations other than ``file://`` (which is a local path)."""
     s = os.fspath(location)
     return "://" in s and not s.startswith("file://")
+
+
+def url_options(
+    location: str | os.PathLike[str], storage_options: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """The storage options that apply to ``location``: a URL's go to fsspec, a local path takes
+    none. For one set of options given with several locations (a tool's source and output), any
+    of which may be local: :func:`open_storage` refuses options given for a local path alone."""
+    return storage_options if is_url(location) else None
 
 
 def coalesce(
@@ -128,6 +145,180 @@ def coalesce(
     return out
 
 
+# ----------------------------------------------------------------------------- vectored reads
+# A read handle fills many destinations at once from a list of *pieces*: piece ``i`` is
+# ``size[i]`` bytes at file offset ``src[i]``, written to
+# ``buffers.arrays[buf[i]][dst[i]:dst[i] + size[i]]``, pieces sorted by ``src``. Locally each run
+# of pieces adjacent in the file is one ``preadv`` straight into the destinations (an iovec array
+# built with numpy, up to ``IOV_MAX`` buffers and about ``RUN_BYTES`` a call: no Python object per
+# piece); on an object store the pieces are fetched with coalesced ranged requests (:func:`coalesce`)
+# and copied in. A file that ends before the pieces do raises ``IncompleteCheckpointError`` naming
+# the file, the bytes wanted and where the file ends.
+
+
+def _iov_max() -> int:
+    try:
+        n = os.sysconf("SC_IOV_MAX")
+    except (AttributeError, ValueError, OSError):
+        return 1024
+    return n if n > 0 else 1024
+
+
+#: Buffers per ``preadv`` call (the system's limit, 1024 on Linux).
+IOV_MAX = _iov_max()
+#: A run is cut at this many bytes: one preadv needs no more than that at a time.
+RUN_BYTES = 64 << 20
+
+
+class Buffers:
+    """The destination buffers of a vectored read, as writable uint8 arrays (checked once)."""
+
+    def __init__(self, views: Sequence[memoryview]) -> None:
+        self.arrays = [np.frombuffer(v, dtype=np.uint8) for v in views]
+        if not all(a.flags.writeable for a in self.arrays):
+            raise ValueError("a destination buffer of the read is read-only")
+        self.sizes = np.asarray([a.nbytes for a in self.arrays], dtype=np.int64)
+        self._base: np.ndarray | None = None
+
+    @property
+    def base(self) -> np.ndarray:
+        """Each buffer's address (for iovec arrays)."""
+        if self._base is None:
+            self._base = np.asarray([a.ctypes.data for a in self.arrays], dtype=np.uint64)
+        return self._base
+
+    def check(self, buf: np.ndarray, dst: np.ndarray, size: np.ndarray) -> None:
+        """Every piece lies inside its buffer (raw addresses are written to: no overrun)."""
+        if (dst < 0).any() or (dst + size > self.sizes[buf]).any():
+            raise ValueError("a read falls outside its destination buffer")
+
+    def piece(self, k: int, d: int, n: int) -> np.ndarray:
+        return self.arrays[k][d : d + n]
+
+
+def _libc_preadv() -> Any:
+    """libc's ``preadv`` (fd, iovec array address, count, offset), None where there is none."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).preadv
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+    fn.restype = ctypes.c_ssize_t
+    return fn
+
+
+# ``preadv`` over an iovec array built with numpy: no Python object per piece read.
+_PREADV = _libc_preadv() if sys.platform.startswith("linux") else None
+
+
+def preadv_pieces(
+    fd: int,
+    path: str,
+    src: np.ndarray,
+    size: np.ndarray,
+    buf: np.ndarray,
+    dst: np.ndarray,
+    buffers: Buffers,
+) -> None:
+    """The pieces (sorted by ``src``) of the local file open as ``fd``: one ``preadv`` per run of
+    pieces adjacent in the file (cut at ``IOV_MAX`` buffers and about ``RUN_BYTES``)."""
+    if not len(src):
+        return
+    adj = src[1:] == src[:-1] + size[:-1]
+    starts = np.concatenate(([0], np.flatnonzero(~adj) + 1)).tolist()
+    stops = [*starts[1:], len(src)]
+    iov = np.empty((len(src), 2), dtype=np.uint64)  # struct iovec {void *base; size_t len} per piece
+    iov[:, 0] = buffers.base[buf] + dst.astype(np.uint64)
+    iov[:, 1] = size
+    sl, tl = src.tolist(), size.tolist()
+    for a, b in zip(starts, stops, strict=True):
+        for i, j in _cuts(tl, a, b):
+            if _PREADV is not None and _PREADV(fd, iov[i:j].ctypes.data, j - i, sl[i]) == sum(tl[i:j]):
+                continue
+            # No preadv in libc, an error or a short read: again with Python buffers, which
+            # finishes a short read or says where the file ends.
+            pieces = [
+                buffers.piece(k, d, n).data
+                for k, d, n in zip(buf[i:j].tolist(), dst[i:j].tolist(), tl[i:j], strict=True)
+            ]
+            _preadv_all(fd, pieces, sl[i], path)
+
+
+def readinto_fd(fd: int, path: str, offset: int, out: memoryview) -> None:
+    """Fill ``out`` from ``offset`` of the local file open as ``fd`` (``preadv``, again after a short read)."""
+    length = out.nbytes
+    got = 0
+    while got < length:
+        n = os.preadv(fd, [out[got:length]], offset + got)
+        if n <= 0:
+            raise IncompleteCheckpointError(
+                f"{path}: file is truncated: wanted {length} bytes at offset {offset}, "
+                f"the file ends after {got} of them"
+            )
+        got += n
+
+
+def scatter(
+    fetch: Callable[[list[tuple[int, int]]], list[bytes]],
+    src: np.ndarray,
+    size: np.ndarray,
+    buf: np.ndarray,
+    dst: np.ndarray,
+    buffers: Buffers,
+    chunk: int,
+) -> None:
+    """The pieces fetched with ``fetch`` (a handle's coalescing ``pread_many``; pieces longer than
+    ``chunk`` split so that several requests are in flight) and copied into their buffers."""
+    ranges: list[tuple[int, int]] = []
+    places: list[tuple[int, int]] = []
+    for o, n, k, d in zip(src.tolist(), size.tolist(), buf.tolist(), dst.tolist(), strict=True):
+        for at in range(0, n, chunk):
+            ranges.append((o + at, min(chunk, n - at)))
+            places.append((k, d + at))
+    for (k, d), data in zip(places, fetch(ranges), strict=True):
+        buffers.arrays[k][d : d + len(data)] = np.frombuffer(data, dtype=np.uint8)
+
+
+def _cuts(sizes: list[int], a: int, b: int) -> list[tuple[int, int]]:
+    """Pieces ``a:b`` of a run cut into calls of at most ``IOV_MAX`` buffers and about ``RUN_BYTES``."""
+    if b - a <= IOV_MAX and sum(sizes[a:b]) <= RUN_BYTES:
+        return [(a, b)]
+    out: list[tuple[int, int]] = []
+    i, size = a, 0
+    for j in range(a, b):
+        if j > i and (j - i >= IOV_MAX or size >= RUN_BYTES):
+            out.append((i, j))
+            i, size = j, 0
+        size += sizes[j]
+    out.append((i, b))
+    return out
+
+
+def _preadv_all(fd: int, bufs: list[memoryview], offset: int, path: str) -> None:
+    """Fill ``bufs`` (in order) from ``offset``: one ``preadv``, more only after a short read."""
+    total = sum(b.nbytes for b in bufs)
+    got = os.preadv(fd, bufs, offset)
+    if got == total:
+        return
+    done = 0
+    for i, b in enumerate(bufs):  # a short read: finish buffer by buffer
+        if done + b.nbytes <= got:
+            done += b.nbytes
+            continue
+        have = max(0, got - done)
+        while have < b.nbytes:
+            n = os.preadv(fd, [b[have:]], offset + done + have)
+            if n <= 0:
+                raise IncompleteCheckpointError(
+                    f"{path}: file is truncated: wanted {total} bytes at offset {offset} (a run of "
+                    f"{len(bufs)} slice read(s)), the file ends after {done + have} of them "
+                    f"(in read {i + 1})"
+                )
+            have += n
+        done += b.nbytes
+        got = max(got, done)
+
+
 class ReadHandle(Protocol):
     """An open file to read ranges of: ``size`` is fixed at open (one version of the file).
 
@@ -151,7 +342,7 @@ class ReadHandle(Protocol):
         self, src: np.ndarray, size: np.ndarray, buf: np.ndarray, dst: np.ndarray, buffers: Buffers
     ) -> None:
         """Read, for each ``i`` (sorted by ``src``), ``size[i]`` bytes at ``src[i]`` into
-        ``buffers.arrays[buf[i]][dst[i]:]`` (``store/storage_readv.py``): locally one ``preadv``
+        ``buffers.arrays[buf[i]][dst[i]:]`` (the vectored reads below): locally one ``preadv``
         per run of adjacent pieces, on an object store coalesced ranged requests."""
         ...
 
@@ -376,6 +567,68 @@ def pwrite_all(fd: int, data: memoryview | bytes, pos: int) -> None:
         done += os.pwrite(fd, mv[done:], pos + done)
 
 
+# ----------------------------------------------------------------------------- write-behind hints
+# Hints for long sequential writes of local files, no effect on what is durable: ``fsync`` alone
+# makes data durable, ``store/publish.py`` decides when bytes are committed.
+
+
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, do not wait
+
+
+_sync_file_range: Callable[[int, int, int, int], int] | None = None
+
+
+_sync_file_range_loaded = False
+
+
+def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # pragma: no cover - every Linux libc has it
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing ``length`` bytes at ``offset`` of ``fd`` to disk, without waiting.
+
+    A hint for long sequential writes (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``): the
+    disk works while the rest of the file is produced, so the final ``fsync`` has less left to
+    wait for. It never replaces that ``fsync``, which alone makes the data durable and reports
+    write errors; where the call is unavailable or fails, nothing happens.
+    """
+    global _sync_file_range, _sync_file_range_loaded
+    if not _sync_file_range_loaded:
+        _sync_file_range = _load_sync_file_range()
+        _sync_file_range_loaded = True
+    if _sync_file_range is not None and length > 0:
+        _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
+
+
+class Writeback:
+    """Write-behind bookkeeping for a file written front to back: once ``every`` bytes past the
+    last hint have been written, :func:`start_writeback` is called for them. ``flush`` (for a
+    buffered file object) runs first, so the hinted bytes have reached the kernel."""
+
+    def __init__(self, fd: int, every: int, flush: Callable[[], object] | None = None) -> None:
+        self.fd = fd
+        self.every = every
+        self._flush = flush
+        self._hinted = 0
+
+    def wrote(self, end: int) -> None:
+        """The file now holds bytes up to ``end``."""
+        if end - self._hinted >= self.every:
+            if self._flush is not None:
+                self._flush()
+            start_writeback(self.fd, self._hinted, end - self._hinted)
+            self._hinted = end
+
+
 class LocalRange:
     """A local file open for writes at any offset; ``fd`` is its descriptor (``O_WRONLY``)."""
 
@@ -386,8 +639,6 @@ class LocalRange:
         pwrite_all(self.fd, data, offset)
 
     def writeback(self, offset: int, length: int) -> None:
-        from unickpt.store.writeback import start_writeback
-
         start_writeback(self.fd, offset, length)
 
     def sync(self) -> None:

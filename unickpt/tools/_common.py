@@ -19,7 +19,7 @@ from unickpt.ckpt.reader import (
 from unickpt.ckpt.writer import write_all
 from unickpt.errors import IncompleteCheckpointError, OutputExistsError
 from unickpt.spec.naming import index_name, single_name
-from unickpt.store.storage import is_url, open_storage
+from unickpt.store.storage import open_storage
 
 __all__ = [
     "checkpoint_parts",
@@ -66,7 +66,8 @@ def open_auto(path: str | os.PathLike[str], kind: str | None = None) -> Checkpoi
     A URL is read through the storage layer (its options from the environment or fsspec's
     configuration, where the CLI's ``--storage-option`` puts them); its index is fetched once.
     """
-    if is_url(path):
+    storage, root = open_storage(path)
+    if storage.local_path(root) is None:  # an object store: the kind is found from the listing
         return _open_url_auto(os.fspath(path), kind)
     return open_checkpoint(path, kind or detect_kind(path))
 

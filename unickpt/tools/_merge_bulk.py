@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import xxhash
 
-from unickpt.ckpt.read_batch import ReadBatch, table_spans
+from unickpt.ckpt.read_batch import ReadBatch
 from unickpt.ckpt.reader import CheckpointReader
 from unickpt.ckpt.slice_spans import recorded_hashes
 from unickpt.errors import IntegrityError, IntegrityFailure
@@ -100,12 +100,8 @@ def merge_rows(
     at = 0
     for name, t, pos in group:
         ks = order(name)
-        spans = r.spans.get(name)  # located when the structure was validated
-        if spans is not None:
-            offs, lens = spans[0][ks], spans[1][ks]
-        else:
-            _, o, n = table_spans(r.header, t.table, ks.tolist())
-            offs, lens = np.asarray(o, dtype=np.int64), np.asarray(n, dtype=np.int64)
+        spans = r.spans[name]  # every slice located by the structure check (``_merge_runs.validate_runs``)
+        offs, lens = spans[0][ks], spans[1][ks]
         row = math.prod(t.shape[1:]) * itemsize(t.dtype)
         starts = t.table.offsets[ks, 0] * row + at
         batch.add_many(t.table, ks, offs, starts, starts + lens, buf)

@@ -25,6 +25,7 @@ from unickpt.spec.naming import index_name, shard_name, slice_key
 from unickpt.spec.slice_table import SliceColumns
 from unickpt.store.lock import directory_lock
 from unickpt.store.publish import StoreOutput, makedirs_durable, new_save_id
+from unickpt.store.storage import LocalStorage, Storage
 
 __all__ = ["SliceData", "TensorData", "write_checkpoint"]
 
@@ -98,11 +99,26 @@ def write_checkpoint(
         "progress": progress,
     }
     if isinstance(directory, StoreOutput):
-        _write_locked(directory.root, tensors, store=directory, **options)
-        return directory.url
+        out = directory
+        _write_locked(
+            out.root,
+            tensors,
+            storage=out.storage,
+            track=out.track,
+            commit=lambda _writer, index: out.commit_later(index_name(kind), index),
+            **options,
+        )
+        return out.url
     makedirs_durable(directory, fsync=fsync)
     with directory_lock(directory):
-        _write_locked(directory, tensors, store=None, **options)
+        _write_locked(
+            directory,
+            tensors,
+            storage=LocalStorage(directory),
+            track=lambda _name: None,
+            commit=lambda writer, index: writer.commit(index),
+            **options,
+        )
     return directory
 
 
@@ -121,9 +137,14 @@ def _write_locked(
     fingerprints: bool,
     created_by: str,
     fsync: bool,
-    store: StoreOutput | None,
+    storage: Storage,
+    track: Callable[[str], object],
+    commit: Callable[[CheckpointWriter, bytes], None],
     progress: Callable[[int], object] | None,
 ) -> None:
+    """The checkpoint's files written through ``storage``; each data file's path is handed to
+    ``track`` before any is written, and the index to ``commit`` (the writer's commit, or a
+    commit point of the output)."""
     save_id = new_save_id()
     items = [(n, k, s) for n, t in tensors.items() for k, s in enumerate(t.slices)]
     groups: list[list[tuple[str, int, SliceData]]] = []
@@ -149,7 +170,7 @@ def _write_locked(
         hashes=hashes,
         fingerprints=fingerprints,
         fsync=fsync,
-        storage=None if store is None else store.storage,
+        storage=storage,
     )
 
     def key(n: str, k: int) -> str:
@@ -175,9 +196,8 @@ def _write_locked(
 
     # Staged files of a failed write are removed before the error propagates; on a store,
     # the output's abort removes them (tracked before any is written).
-    if store is not None:
-        for fname, _specs in planned:
-            store.track(fname)
+    for fname, _specs in planned:
+        track(fname)
     written = writer.write(planned, blocks())
     file_of = {k: fname for fname, specs in planned for k, _, _ in specs}
     entries = {}
@@ -197,8 +217,4 @@ def _write_locked(
         save_id=save_id,
         **(block_extras or {}),
     )
-    index = index_to_json(build_index(block, sliced=sliced))
-    if store is not None:
-        store.commit_later(index_name(kind), index)
-        return
-    writer.commit(index)
+    commit(writer, index_to_json(build_index(block, sliced=sliced)))

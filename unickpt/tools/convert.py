@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import os
 import posixpath
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -41,8 +41,8 @@ from unickpt.spec.confine import check_graph, confined_path
 from unickpt.spec.dtypes import itemsize
 from unickpt.spec.index import LayoutInfo
 from unickpt.spec.naming import HF_SIDE_FILES
-from unickpt.store.publish import Sink, StoreOutput, check_output, output_sink, put_bytes, staged_output
-from unickpt.store.storage import is_url, open_storage
+from unickpt.store.publish import Sink, StoreOutput, output_location, output_sink, put_bytes, staged_output
+from unickpt.store.storage import open_storage
 from unickpt.tools._common import read_side_files
 from unickpt.tools._merge_mapped import hub_tensor_data
 from unickpt.tools._progress import progress_bar
@@ -82,20 +82,37 @@ def _bin_files(src: str) -> list[str]:
     return [confined_path(src, n, os.path.join(src, BIN_INDEX), "weight_map file") for n in names]
 
 
+def _bin_shards(src: str) -> Iterator[tuple[str, Callable[[], Any]]]:
+    """Each ``.bin`` shard of ``src``: its path as messages show it, and its ``torch.load``
+    (``weights_only``): a file with an OS path memory-mapped, an object read from the store
+    through a file object (no local copy)."""
+    import torch
+
+    storage, root = open_storage(src)
+    if storage.local_path(root) is not None:
+        for file in _bin_files(src):
+            yield file, partial(torch.load, file, map_location="cpu", weights_only=True, mmap=True)
+        return
+    store = StoreSource(src)
+    for file in store.bin_files():
+        yield store.describe(file), partial(_load_object, store, file)
+
+
+def _load_object(store: StoreSource, file: str) -> Any:
+    import torch
+
+    with store.open(file) as f:
+        return torch.load(f, map_location="cpu", weights_only=True)
+
+
 def _bin_tensors(src: str, strip_prefix: str | None) -> Iterator[tuple[str, Any]]:
     import pickle
 
     import torch
 
-    store = StoreSource(src) if is_url(src) else None
-    for file in store.bin_files() if store is not None else _bin_files(src):
-        path = file if store is None else store.describe(file)
+    for path, load in _bin_shards(src):
         try:
-            if store is None:
-                sd = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-            else:  # read from the store through a file object: no local copy
-                with store.open(file) as f:
-                    sd = torch.load(f, map_location="cpu", weights_only=True)
+            sd = load()
         except (pickle.UnpicklingError, RuntimeError, ValueError) as e:
             raise UnsupportedError(
                 f"{path}: torch.load(weights_only=True) refused it ({e}); unickpt never unpickles arbitrary objects"
@@ -189,18 +206,22 @@ def convert_checkpoint(
     # Where the side files may be besides the directory converted: a torchtitan folder's root.
     origin: tuple[str, ...] = (src_s,)
     out_s = os.fspath(out)
-    url_src, url_out = is_url(src_s), is_url(out_s)
-    if url_src and source in ("colossalai", "deepspeed"):
+    # What a location can be written or read as is asked of its storage: OS paths, or objects.
+    src_storage, src_root = open_storage(src_s)
+    out_storage, out_root = open_storage(out_s)
+    src_remote = src_storage.local_path(src_root) is None
+    out_remote = out_storage.local_path(out_root) is None
+    if src_remote and source in ("colossalai", "deepspeed"):
         raise UnsupportedError(
             f"convert --from {source}: {src_s} is a URL; this importer reads local directories only "
             "(copy the checkpoint to local disk first)"
         )
-    if url_out and target == "run":
+    if out_remote and target == "run":
         raise UnsupportedError(
             f"convert --to run: {out_s} is a URL; a run directory is written locally (a CheckpointManager "
             "given the URL writes its own runs on the store)"
         )
-    if url_out and source in ("colossalai", "deepspeed"):
+    if out_remote and source in ("colossalai", "deepspeed"):
         from unickpt.tools.convert_url import convert_with_urls
 
         return convert_with_urls(
@@ -215,15 +236,13 @@ def convert_checkpoint(
             model=model,
             optimizer=optimizer,
         )
-    if url_out:
+    if out_remote:
         StoreOutput.check(out_s)  # refuse a used prefix before reading anything
-        out_s = out_s.rstrip("/")
-    else:
-        out_s = check_output(out_s)
+    out_s = output_location(out_s)
     shard_bytes = _parse_size(max_shard_size)
     created_by = f"unickpt {__version__} convert --from {source}"
     if source == "unickpt" and target == "colossalai":
-        if url_out:
+        if out_remote:
             raise UnsupportedError(
                 f"convert --to colossalai: {out_s} is a URL; Colossal-AI's files are written locally"
             )
@@ -231,7 +250,7 @@ def convert_checkpoint(
 
         return export_colossalai(src_s, out_s, max_shard_bytes=shard_bytes, progress=progress)
     if source == "unickpt" and target == "deepspeed":
-        if url_out:
+        if out_remote:
             raise UnsupportedError(
                 f"convert --to deepspeed: {out_s} is a URL; DeepSpeed's files are written locally"
             )
@@ -271,7 +290,7 @@ def convert_checkpoint(
     if source == "dcp":
         from unickpt.tools.dcp_read import read_metadata
 
-        if url_src:
+        if src_remote:
             store_src = StoreSource(src_s).dcp_step()
             src_s = store_src.url
             shards = store_src.dcp_hf_files()

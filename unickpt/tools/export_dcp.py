@@ -26,7 +26,7 @@ from typing import Any
 from unickpt.ckpt.reader import open_checkpoint
 from unickpt.io.jsonstate import from_json_value
 from unickpt.store.publish import staged_output, store_output
-from unickpt.store.storage import is_url, open_storage
+from unickpt.store.storage import open_storage
 from unickpt.tools._common import checkpoint_parts
 from unickpt.tools._torch import full_tensors
 
@@ -74,7 +74,8 @@ def export_dcp(src: str, out: str) -> str:
         sd["lr_scheduler"] = from_json_value(obj["state"])
     if step is not None:
         sd["train_state"] = {"step": step}
-    if is_url(out):  # written in place by torch's fsspec writer, .metadata last
+    out_storage, out_root = open_storage(out)
+    if out_storage.local_path(out_root) is None:  # no OS paths: torch's fsspec writer, .metadata last
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
         with store_output(out) as sink, warnings.catch_warnings():

@@ -52,13 +52,13 @@ from unickpt.store.publish import (
     SAVE_ID_KEY,
     StoreOutput,
     atomic_write_bytes,
-    check_output,
     content_save_id,
+    output_location,
     staged_output,
     store_output,
     write_staged,
 )
-from unickpt.store.storage import LocalStorage, is_url
+from unickpt.store.storage import LocalStorage, open_storage, url_options
 from unickpt.tools._common import detect_kind, read_side_files
 from unickpt.tools._merge_mapped import hub_plan, write_mapped
 from unickpt.tools._merge_runs import Run, validate_runs
@@ -236,7 +236,6 @@ def _block_bytes(block: UnickptBlock) -> bytes:
 def _single_file_stage(url: str, storage_options: dict[str, Any] | None) -> Iterator[str]:
     """The local directory a single file for the output ``url`` is written into first, when one
     is needed."""
-    from unickpt.store.storage import open_storage
     from unickpt.store.storage_parts import supports_shared_parts
 
     if supports_shared_parts(open_storage(url, storage_options)[0]):
@@ -320,8 +319,7 @@ def merge_checkpoint(
     ``load_model(mapping=...)`` takes it, from stored to live names) to reverse instead.
     """
     src_s = os.fspath(src)
-    url_out = is_url(out)
-    out_s = os.fspath(out).rstrip("/") if url_out else check_output(os.fspath(out))
+    out_s = output_location(out)
     out_dtype = None
     if dtype is not None:
         if dtype not in DTYPES:
@@ -373,7 +371,7 @@ def merge_checkpoint(
         with contextlib.ExitStack() as stack:
             update = stack.enter_context(progress_bar(total, "merge", progress))
             store: StoreOutput | None = None
-            if url_out:
+            if not open_storage(out_s, url_options(out_s, storage_options))[0].atomic_rename:
                 # A single-file output on a store without addressable parts (S3 has them: the
                 # header's part goes last) is written here and uploaded when the store commits
                 # (so this directory outlives the commit: entered first, left last).
@@ -460,8 +458,6 @@ def _size_bytes(size: int | str) -> int:
 
 def _has_kind(src: str, kind: str, storage_options: dict[str, Any] | None) -> bool:
     """False when ``src`` is a directory (or a URL) holding no ``kind`` checkpoint."""
-    from unickpt.store.storage import open_storage
-
     store, root = open_storage(src, storage_options)
     local = store.local_path(root)
     if local is None:
@@ -477,7 +473,5 @@ def _has_kind(src: str, kind: str, storage_options: dict[str, Any] | None) -> bo
 
 def _local_path(src: str) -> str | None:
     """The OS path of the source ``src``, None where its storage has none (an object store)."""
-    from unickpt.store.storage import open_storage
-
     store, root = open_storage(src)
     return store.local_path(root)

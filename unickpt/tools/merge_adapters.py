@@ -37,8 +37,8 @@ from unickpt.io.adapters import ADAPTER_CONFIG, read_adapter_config
 from unickpt.spec.hashing import SliceHasher
 from unickpt.spec.index import LayoutInfo, TensorEntry
 from unickpt.spec.naming import HF_SIDE_FILES
-from unickpt.store.publish import check_output, output_sink, put_bytes
-from unickpt.store.storage import is_url
+from unickpt.store.publish import output_location, output_sink, put_bytes
+from unickpt.store.storage import open_storage, url_options
 from unickpt.tools._common import read_side_files
 from unickpt.tools._progress import progress_bar
 from unickpt.tools._write import SliceData, TensorData, write_checkpoint
@@ -81,7 +81,9 @@ def _config_dict(
     """The adapter config as a dict, and where it came from."""
     if adapter_config is None:
         directory = src.rstrip("/")
-        if not is_url(directory) and os.path.isfile(directory):
+        storage, root = open_storage(directory, storage_options)
+        local = storage.local_path(root)
+        if local is not None and os.path.isfile(local):  # a single file: its directory's config
             directory = os.path.dirname(directory) or "."
         where = f"{directory}/{ADAPTER_CONFIG}"
         return read_adapter_config(directory, storage_options), where
@@ -270,9 +272,8 @@ def merge_adapters(
 
     from unickpt.tools._torch import tensor_bytes, torch_of
 
-    url_out = is_url(out)
-    out_s = out.rstrip("/") if url_out else check_output(out)
-    opts = storage_options if is_url(src) else None
+    out_s = output_location(out)
+    opts = url_options(src, storage_options)
     cfg, where = _config_dict(adapter_config, src, opts)
     _check_config(cfg, where)
     reader = open_checkpoint(src, "model", storage_options=opts)
@@ -354,7 +355,7 @@ def merge_adapters(
         total = sum(t.nbytes for t in reader.block.tensors.values())
         layout = reader.block.layout
         with (
-            output_sink(out_s, storage_options if url_out else None) as sink,
+            output_sink(out_s, storage_options) as sink,
             progress_bar(total, "merge --merge-adapters", progress) as update,
         ):
             write_checkpoint(

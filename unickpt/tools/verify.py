@@ -26,7 +26,6 @@ import numpy as np
 import xxhash
 
 from unickpt._logging import get_logger
-from unickpt.ckpt.read_batch import table_spans
 from unickpt.ckpt.reader import CheckpointReader, RangeChecker, has_hashes
 from unickpt.ckpt.slice_spans import FileNumbers, recorded_hashes
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, IndexFileError, IntegrityFailure
@@ -355,23 +354,15 @@ def verify_bulk(
 ) -> list[tuple[str, TensorEntry]]:
     """Rehash the small hashed slices of ``tensors``, run by run; failures go to ``report`` (in
     tensor and slice order). Returns the tensors left to the per-slice path (a slice larger than
-    ``RUN_BYTES``, or a key its header lacks)."""
+    ``RUN_BYTES``). Their spans are the reader's, located when the structure was validated."""
     numbers = FileNumbers()
     cols: list[tuple[np.ndarray, ...]] = []
     rest: list[tuple[str, TensorEntry]] = []
     for ti, (name, t) in enumerate(tensors):
         table = t.table
         ks, wants = recorded_hashes(table)
-        spans = r.spans.get(name)  # located when the structure was validated
-        if spans is not None:
-            offs, lens = spans[0][ks], spans[1][ks]
-        else:
-            try:
-                _, o, n = table_spans(r.header, table, ks.tolist())
-            except (IncompleteCheckpointError, CheckpointFormatError):
-                rest.append((name, t))  # the per-slice path reports it slice by slice
-                continue
-            offs, lens = np.asarray(o, dtype=np.int64), np.asarray(n, dtype=np.int64)
+        spans = r.spans[name]  # every slice located when the structure was validated
+        offs, lens = spans[0][ks], spans[1][ks]
         if len(lens) and int(lens.max()) > RUN_BYTES:
             rest.append((name, t))
             continue

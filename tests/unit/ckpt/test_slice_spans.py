@@ -27,7 +27,7 @@ from unickpt.errors import HeaderError, IncompleteCheckpointError, IntegrityErro
 from unickpt.spec import safetensors_bulk
 from unickpt.spec.index import LayoutInfo, index_to_json, parse_index
 from unickpt.spec.naming import SLICED_SENTINEL, shard_name, slice_key
-from unickpt.store import storage_readv
+from unickpt.store import storage as storage_mod
 from unickpt.store.storage import LocalStorage
 from unickpt.tools.verify import verify_checkpoint
 
@@ -232,10 +232,10 @@ def test_read_batch_joins_pieces_adjacent_in_file_and_destination(
     p = tmp_path / "f.bin"
     p.write_bytes(bytes(range(256)) * 4)
     calls: list[int] = []
-    libc = storage_readv._PREADV
+    libc = storage_mod._PREADV
     if libc is not None:
         monkeypatch.setattr(
-            storage_readv, "_PREADV", lambda fd, iov, n, off: calls.append(n) or libc(fd, iov, n, off)
+            storage_mod, "_PREADV", lambda fd, iov, n, off: calls.append(n) or libc(fd, iov, n, off)
         )
     fd = LocalStorage(str(tmp_path)).open_read(str(p))
     try:
@@ -262,7 +262,7 @@ def test_read_batch_falls_back_to_python_buffers_when_libc_preadv_fails(
 ) -> None:
     p = tmp_path / "f.bin"
     p.write_bytes(bytes(range(200)))
-    monkeypatch.setattr(storage_readv, "_PREADV", lambda *a: -1)
+    monkeypatch.setattr(storage_mod, "_PREADV", lambda *a: -1)
     fd = LocalStorage(str(tmp_path)).open_read(str(p))
     try:
         bufs = [bytearray(10) for _ in range(5)]

@@ -39,6 +39,7 @@ from unickpt.spec.naming import SLICED_SENTINEL, shard_name, slice_key
 from unickpt.spec.slice_table import SliceTable
 from unickpt.store.lock import directory_lock
 from unickpt.store.publish import SAVE_ID_KEY, new_save_id
+from unickpt.store.storage import LocalStorage
 from unickpt.tools.merge import merge_checkpoint
 
 
@@ -77,7 +78,7 @@ def test_checkpoint_writer_writes_a_sliced_checkpoint_the_reader_verifies(tmp_pa
     d = str(tmp_path / "ck")
     os.makedirs(d)
     sid = new_save_id()
-    w = CheckpointWriter(d, "model", sid, sliced=True)
+    w = CheckpointWriter(d, "model", sid, sliced=True, storage=LocalStorage(d))
     parts = [((0, 0), a[:, :2]), ((0, 2), a[:, 2:])]
     files = [
         (shard_name("model", j + 1, 2), [(slice_key("a", j), "F32", p.shape)])

@@ -23,7 +23,7 @@ from unickpt.errors import HeaderError, IncompleteCheckpointError
 from unickpt.spec.index import LayoutInfo, index_to_json, parse_index
 from unickpt.spec.naming import SLICED_SENTINEL, shard_name, slice_key
 from unickpt.spec.safetensors_bulk import HeaderEntries
-from unickpt.store import storage_readv
+from unickpt.store import storage as storage_mod
 from unickpt.store.storage import LocalStorage
 from unickpt.tools import verify
 from unickpt.tools.verify import verify_checkpoint
@@ -182,14 +182,14 @@ def _count_preadv(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         return real(fd, bufs, offset)
 
     monkeypatch.setattr(os, "preadv", counting)
-    libc = storage_readv._PREADV
+    libc = storage_mod._PREADV
     if libc is not None:  # the batch's own preadv over an iovec array (Linux)
 
         def counting_libc(fd: int, iov: int, count: int, offset: int) -> int:
             calls.append(count)
             return int(libc(fd, iov, count, offset))
 
-        monkeypatch.setattr(storage_readv, "_PREADV", counting_libc)
+        monkeypatch.setattr(storage_mod, "_PREADV", counting_libc)
     return calls
 
 

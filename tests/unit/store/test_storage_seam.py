@@ -209,9 +209,9 @@ def test_local_reads_are_preadv_into_the_callers_buffer(
     calls: list[int] = []
     real = os.preadv
     monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: calls.append(len(bufs)) or real(fd, bufs, off))
-    from unickpt.store import storage_readv
+    from unickpt.store import storage as storage_mod
 
-    monkeypatch.setattr(storage_readv, "_PREADV", None)  # the iovec path through os.preadv
+    monkeypatch.setattr(storage_mod, "_PREADV", None)  # the iovec path through os.preadv
     h = LocalStorage(str(tmp_path)).open_read(str(p))
     try:
         out = bytearray(16)

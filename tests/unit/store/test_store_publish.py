@@ -12,8 +12,8 @@ import pytest
 
 from unickpt.errors import CheckpointBusyError, OutputExistsError
 from unickpt.store.lock import LOCK_NAME, HeldFlock, StoreLock, directory_lock, save_lock
-from unickpt.store.publish import output_sink, put_bytes, put_commit_point, write_small_file
-from unickpt.store.storage import LocalStorage, open_storage
+from unickpt.store.publish import output_location, output_sink, put_bytes, put_commit_point, write_small_file
+from unickpt.store.storage import LocalStorage, open_storage, url_options
 
 
 def test_capabilities_come_from_the_store_object(s3) -> None:
@@ -102,3 +102,36 @@ def test_a_tool_output_is_published_whole_or_not_at_all(tmp_path: Path) -> None:
         raise RuntimeError("boom")
     store, root = open_storage(url)
     assert store.listdir(root) == []  # nothing left: neither the file nor the lock object
+
+
+def test_storage_options_apply_to_urls_only(tmp_path: Path) -> None:
+    """One set of options given with a local location and a URL: the URL's, ignored locally
+    (where ``open_storage`` alone refuses them), for the small-file writer and a tool's output."""
+    opts = {"skip_instance_cache": True}
+    assert url_options(str(tmp_path), opts) is None
+    assert url_options(f"file://{tmp_path}", opts) is None
+    assert url_options("memory://b/x", opts) == opts
+    target = tmp_path / "side" / "config.json"
+    write_small_file(str(target), b"{}", opts)
+    assert target.read_bytes() == b"{}"
+    out = tmp_path / "out"
+    with output_sink(str(out), opts) as sink:
+        assert isinstance(sink, str)  # a staged directory: the local store renames
+        put_bytes(sink, "config.json", b"{}")
+    assert sorted(os.listdir(out)) == ["config.json"]
+    url = f"memory://opts-{uuid.uuid4().hex[:8]}/out"
+    with output_sink(url, opts) as sink:
+        assert not isinstance(sink, str)  # a store without rename: the StoreOutput
+        put_bytes(sink, "config.json", b"{}")
+    store, root = open_storage(url)
+    assert store.read_bytes(store.join(root, "config.json")) == b"{}"
+
+
+def test_output_location_is_the_shown_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert output_location("rel/out") == str(tmp_path / "rel" / "out")  # absolute
+    assert output_location("memory://b/out/") == "memory://b/out"  # a URL as given
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "x").write_bytes(b"")
+    with pytest.raises(OutputExistsError, match="already exists and is not an empty directory"):
+        output_location("used")

@@ -13,7 +13,7 @@ from torch import nn
 
 from unickpt import GeneralCheckpointIO
 from unickpt.ckpt.safetensors_io import SafetensorsWriter
-from unickpt.store import writeback as commit_mod
+from unickpt.store import storage as storage_mod
 
 
 def _write(path: Path, arrays: dict[str, np.ndarray], writeback: bool) -> None:
@@ -32,7 +32,7 @@ def test_writeback_hints_cover_the_file_in_order_and_change_no_byte(
         f"t{i}": rng.standard_normal(n, dtype=np.float32) for i, n in enumerate([10, 70_000, 3, 250_001])
     }
     hints: list[tuple[int, int]] = []
-    monkeypatch.setattr(commit_mod, "start_writeback", lambda fd, off, n: hints.append((off, n)))
+    monkeypatch.setattr(storage_mod, "start_writeback", lambda fd, off, n: hints.append((off, n)))
     monkeypatch.setattr(SafetensorsWriter, "WRITEBACK_BYTES", 64 << 10)
     _write(tmp_path / "a.safetensors", arrays, writeback=True)
     _write(tmp_path / "b.safetensors", arrays, writeback=False)
@@ -48,7 +48,7 @@ def test_writeback_hints_cover_the_file_in_order_and_change_no_byte(
 
 def test_save_hints_writeback_only_when_it_fsyncs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
-    monkeypatch.setattr(commit_mod, "start_writeback", lambda fd, off, n: calls.append(n))
+    monkeypatch.setattr(storage_mod, "start_writeback", lambda fd, off, n: calls.append(n))
     monkeypatch.setattr(SafetensorsWriter, "WRITEBACK_BYTES", 64 << 10)
     fsynced: list[int] = []
     real_fsync = os.fsync

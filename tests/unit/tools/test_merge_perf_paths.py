@@ -26,8 +26,7 @@ from unickpt.ckpt.reader import UNICKPT_METADATA_KEY, CheckpointReader, open_che
 from unickpt.ckpt.safetensors_io import read_header
 from unickpt.errors import IncompleteCheckpointError, IntegrityError
 from unickpt.spec.index import SliceEntry, TensorEntry, UnickptBlock
-from unickpt.store import storage_readv
-from unickpt.store import writeback as commit_mod
+from unickpt.store import storage as storage_mod
 from unickpt.tools import _merge_runs as merge_runs
 from unickpt.tools import _merge_tensors as merge_tensors
 from unickpt.tools import merge as merge_mod
@@ -181,7 +180,7 @@ def test_writeback_hints_cover_the_file_and_every_fsync_precedes_the_commit(
 ) -> None:
     ref = _big_source(tmp_path / "src")
     events: list[tuple[str, str, int, int]] = []
-    real_fsync, real_rename, real_wb = os.fsync, os.rename, commit_mod.start_writeback
+    real_fsync, real_rename, real_wb = os.fsync, os.rename, storage_mod.start_writeback
 
     def fsync(fd: int) -> None:
         events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"), 0, 0))
@@ -198,7 +197,7 @@ def test_writeback_hints_cover_the_file_and_every_fsync_precedes_the_commit(
     monkeypatch.setattr(merge_tensors, "_WRITEBACK", 256 << 10)
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "rename", rename)
-    monkeypatch.setattr(commit_mod, "start_writeback", wb)
+    monkeypatch.setattr(storage_mod, "start_writeback", wb)
     out = tmp_path / "out"
     merge_checkpoint(tmp_path / "src", out)
     monkeypatch.undo()
@@ -265,8 +264,8 @@ def test_writeback_hint_unavailable_or_failing_changes_nothing(
         calls.append(n)
         return -1  # as sync_file_range does with EIO/EINVAL: the fsync that follows decides
 
-    monkeypatch.setattr(commit_mod, "_sync_file_range_loaded", True)
-    monkeypatch.setattr(commit_mod, "_sync_file_range", None if mode == "unavailable" else failing)
+    monkeypatch.setattr(storage_mod, "_sync_file_range_loaded", True)
+    monkeypatch.setattr(storage_mod, "_sync_file_range", None if mode == "unavailable" else failing)
     monkeypatch.setattr(merge_tensors, "_WRITEBACK", 128 << 10)
     merge_checkpoint(tmp_path / "src", tmp_path / "out")
     _check_merged(tmp_path / "out", ref)
@@ -278,8 +277,8 @@ def test_start_writeback_on_a_bad_descriptor_does_not_raise(tmp_path: Path) -> N
     p.write_bytes(b"x" * 10)
     fd = os.open(p, os.O_RDONLY)
     os.close(fd)
-    commit_mod.start_writeback(fd, 0, 10)  # EBADF: a hint only
-    commit_mod.start_writeback(-1, 0, 0)
+    storage_mod.start_writeback(fd, 0, 10)  # EBADF: a hint only
+    storage_mod.start_writeback(-1, 0, 0)
 
 
 # ---------------------------------------------------------------------------- failing reads
@@ -297,7 +296,7 @@ def test_read_failing_mid_copy_raises_it_and_leaves_no_output(
         return real(*a, **k)
 
     monkeypatch.setattr(os, "preadv", flaky)
-    monkeypatch.setattr(storage_readv, "_PREADV", None)  # the batch's runs through os.preadv too
+    monkeypatch.setattr(storage_mod, "_PREADV", None)  # the batch's runs through os.preadv too
     out = tmp_path / "out"
     with pytest.raises(OSError, match="Input/output error"):
         merge_checkpoint(tmp_path / "src", out)
