@@ -31,7 +31,7 @@ a row with its error, and the next phase still runs):
    (``torch.empty(pin_memory=True)`` rounds to powers of two) where torch reports them.
 
 The ``load`` phase loads into CUDA tensors through unickpt's device loader
-(``unickpt/io/cuda_load.py``: two pinned host buffers, one non-blocking host-to-device copy a
+(``unickpt/io/load.py``: two pinned host buffers, one non-blocking host-to-device copy a
 chunk, casts on the device).
 """
 

@@ -40,7 +40,6 @@ from unickpt.io.async_save import AsyncSaves, check_use_safetensors
 from unickpt.io.hooks import DETACHED_NOTE, FINAL_METHODS, CheckpointHooks, HookContext
 from unickpt.io.load import LoadReport, load_tensors, open_for_load
 from unickpt.io.mapping import map_payload, resolve_mapping
-from unickpt.io.names import apply_prefix
 from unickpt.io.optim_state import (
     apply_groups,
     optimizer_tensor_name,
@@ -63,7 +62,7 @@ from unickpt.io.side_files import (
     read_lr_scheduler_state,
     write_config_files,
 )
-from unickpt.io.tensors import LocalSlice, mesh_dims
+from unickpt.io.tensors import LocalSlice, apply_prefix, mesh_dims
 from unickpt.spec.index import LayoutInfo
 from unickpt.store.publish import write_small_file
 from unickpt.store.storage import is_url

@@ -17,9 +17,8 @@ from typing import Any
 import torch
 
 from unickpt.errors import UnsupportedError
-from unickpt.io.names import normalize_name, unwrap_model
 from unickpt.io.optim_state import init_state
-from unickpt.io.tensors import LocalSlice, local_slices
+from unickpt.io.tensors import LocalSlice, local_slices, normalize_name, unwrap_model
 
 __all__ = ["DETACHED_NOTE", "FINAL_METHODS", "CheckpointHooks", "HookContext"]
 

@@ -167,6 +167,14 @@ class Stack(Node):
         ]
         return torch.stack(rows, d)
 
+    def pieces(
+        self, leaf: str, off: Shape, shp: Shape, t: torch.Tensor
+    ) -> Iterator[tuple[Shape, Shape, torch.Tensor]]:
+        d = self.dim
+        for i, p in enumerate(self.parts):
+            for o, n, x in p.pieces(leaf, off, shp, t):
+                yield (*o[:d], i, *o[d:]), (*n[:d], 1, *n[d:]), x.unsqueeze(d)
+
 
 class Cat(Node):
     """``torch.cat(parts, dim)``: ``Concatenate``."""

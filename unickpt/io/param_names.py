@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from unickpt.errors import StateMismatchError
-from unickpt.io.names import normalize_name
+from unickpt.io.tensors import normalize_name
 
 __all__ = ["model_from_param_names", "check_param_names"]
 

@@ -140,7 +140,7 @@ def parameter_order(model: Any, optimizer: Any = None) -> list[tuple[str, tuple[
         raise UnsupportedError(
             f"model must be a checkpoint directory or a torch.nn.Module, got {type(model).__name__}"
         )
-    from unickpt.io.names import normalize_name
+    from unickpt.io.tensors import normalize_name
 
     named = [(normalize_name(n), p) for n, p in model.named_parameters()]
     if optimizer is None:

@@ -177,7 +177,7 @@ def read_deepspeed(src: str, tag: str | None = None) -> DeepSpeedCheckpoint:
 
 
 def _read(src: str, tag: str | None) -> DeepSpeedCheckpoint:
-    from unickpt.io.names import normalize_name
+    from unickpt.io.tensors import normalize_name
     from unickpt.tools.deepspeed_read import load_deepspeed_file
 
     step_dir = find_step_dir(src, tag)
@@ -269,7 +269,7 @@ def _read_universal(step_dir: str) -> DeepSpeedCheckpoint:
     and ``step.pt``: whole tensors, whatever the world size that trained."""
     import torch
 
-    from unickpt.io.names import normalize_name
+    from unickpt.io.tensors import normalize_name
     from unickpt.tools.deepspeed_read import load_deepspeed_file, load_deepspeed_tensor
 
     model_path = os.path.join(step_dir, "mp_rank_00_model_states.pt")

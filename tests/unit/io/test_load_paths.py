@@ -109,6 +109,30 @@ def test_dtype_cast_load_in_place(tmp_path: Path) -> None:
     assert torch.equal(dst.weight, src.weight.float())
 
 
+def test_blocks_not_read_in_place_share_two_pooled_buffers(tmp_path: Path) -> None:
+    """A cast load of twelve tensors goes through the load's two host buffers of the pool (the
+    code a CUDA load runs, its device step a copy on CPU): two allocations, none larger than the
+    largest block, handed back after the load and reused by the next one."""
+    from unickpt.io.pinned import POOL
+
+    torch.manual_seed(0)
+    src = nn.Sequential(*[nn.Linear(16, 16, bias=False) for _ in range(12)]).to(torch.bfloat16)
+    GeneralCheckpointIO().save_model(src, tmp_path / "m", shard=True)
+    POOL.release()
+    try:
+        for again in (False, True):
+            before = POOL.allocations
+            dst = nn.Sequential(*[nn.Linear(16, 16, bias=False) for _ in range(12)])
+            GeneralCheckpointIO().load_model(dst, tmp_path / "m", allow_dtype_cast=True)
+            for a, b in zip(src.parameters(), dst.parameters(), strict=True):
+                assert torch.equal(b, a.float())
+            (held,) = [s for s in POOL.sets() if s.tag == "load"]
+            assert not held.leased and len(held) == 2 and held.nbytes == 2 * 16 * 16 * 2
+            assert POOL.allocations == (before if again else 2)
+    finally:
+        POOL.release()
+
+
 _MEASURE = textwrap.dedent(
     """
     import json, sys, torch

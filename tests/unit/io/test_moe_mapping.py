@@ -353,6 +353,112 @@ def test_user_mapping_reads_only_the_experts_a_box_needs(tmp_path: Path) -> None
         reader.close()
 
 
+def _no_assembly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load through a mapping never builds a live box from whole pieces (no stack, no cat)."""
+    from unickpt.io import mapping
+
+    def refuse(*a: Any, **k: Any) -> Any:
+        raise AssertionError("a mapped load assembled a box")
+
+    for node in (mapping.Stack, mapping.Cat, mapping.Narrow, mapping.Swap, mapping.Interleave, mapping.Leaf):
+        monkeypatch.setattr(node, "build", refuse)
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+def test_mapped_loads_reuse_the_pooled_host_buffers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, atomic: bool
+) -> None:
+    """In place, every stored box of a mapped target goes through the load's two host buffers of
+    the pool (bounded by the largest box, whatever the count of experts) and its parts are copied
+    where they land; atomically onto a device, the boxes are staged in exact-size pool buffers,
+    handed back after the copy and reused by the next load. On CPU the device step is a copy:
+    ``off_host`` is made to call a CPU tensor a device one so that the device's code runs."""
+    from unickpt.io import load as load_mod
+    from unickpt.io.pinned import POOL
+
+    e, h = 6, 8
+    stored = _user_stored(h, e)
+    save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    _no_assembly(monkeypatch)
+    POOL.release()
+    if atomic:
+        monkeypatch.setattr(load_mod, "off_host", lambda t: t.device.type != "meta")
+    try:
+        for _ in range(2):  # the second load allocates nothing
+            before = POOL.allocations
+            m = Fused(h, e)
+            GeneralCheckpointIO(atomic_load=atomic).load_model(m, tmp_path, mapping=USER_MAPPING)
+            sd = m.state_dict()
+            assert torch.equal(sd["experts"], torch.stack([stored[f"moe.{i}.weight"] for i in range(e)]))
+            assert torch.equal(sd["qkv.weight"], torch.cat([stored[f"attn.{x}.weight"] for x in "qkv"]))
+            assert torch.equal(sd["proj_t"], stored["proj.weight"].T)
+            assert torch.equal(sd["up"], stored["gate_up.weight"][h:])
+            want = Interleave(dim=0).convert({"x": stored["inter_hub.weight"]}, ["x"], ["inter"])["inter"]
+            assert torch.equal(sd["inter"], want)
+            sets = {s.tag: s for s in POOL.sets()}
+            assert not any(s.leased for s in sets.values())  # handed back after the copy
+            largest = max(t.numel() * 4 for t in stored.values())
+            if atomic:  # exact sizes: the bytes of every stored box the targets are made of, once
+                assert sets["load-staged"].nbytes == sum(t.numel() * 4 for t in stored.values())
+            else:  # two buffers, none larger than the largest box
+                held = sets["load"]
+                assert len(held) <= 2 and held.nbytes <= 2 * largest, (len(held), held.nbytes)
+            if _:
+                assert POOL.allocations == before
+    finally:
+        POOL.release()
+
+
+_MEASURE_MAPPED = """
+import json, sys, torch
+from transformers.core_model_loading import MergeModulelist, WeightConverter
+from unickpt import GeneralCheckpointIO
+
+def hwm():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM"):
+            return int(line.split()[1]) * 1024
+
+class Stacked(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.experts = torch.nn.Parameter(torch.empty(8, 1024, 512))  # 16 MiB, 2 MiB an expert
+
+mapping = [WeightConverter("moe.*.weight", "experts", [MergeModulelist(dim=0)])]
+m = Stacked()
+GeneralCheckpointIO().load_model(m, sys.argv[1], mapping=mapping)
+m2 = Stacked()
+with torch.no_grad():
+    m2.experts.fill_(1.0)  # its pages resident before the measure
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+base = hwm()
+GeneralCheckpointIO().load_model(m2, sys.argv[1], mapping=mapping)
+assert torch.equal(m.experts, m2.experts)
+print(json.dumps({"added": hwm() - base}))
+"""
+
+
+def test_a_mapped_load_holds_the_largest_stored_box_not_the_sum(tmp_path: Path) -> None:
+    """Eight stored experts loaded into one stacked parameter: the load holds its host buffers
+    (two, each at most one expert), never the stacked tensor nor the experts all at once."""
+    import json
+    import subprocess
+    import sys
+
+    torch.manual_seed(0)
+    save_file(
+        {f"moe.{i}.weight": torch.randn(1024, 512) for i in range(8)},
+        tmp_path / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", _MEASURE_MAPPED, str(tmp_path)], capture_output=True, text=True, check=True
+    )
+    added = json.loads(out.stdout)["added"]
+    assert added < 0.3 * (16 << 20), added  # the sum is 16 MiB; two experts 4 MiB
+
+
 def test_bad_mapping_argument_is_a_config_error(tmp_path: Path) -> None:
     from unickpt.errors import ConfigError
 

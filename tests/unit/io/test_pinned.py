@@ -1,5 +1,5 @@
 """The process's snapshot buffers (``unickpt/io/pinned.py``), the snapshot's fences and the device
-loader (``unickpt/io/cuda_load.py``), on CPU: the code CUDA runs, with ``torch.cuda.is_available()``
+loader (``unickpt/io/load.py``), on CPU: the code CUDA runs, with ``torch.cuda.is_available()``
 false (no pinning, synchronous copies, CPU-side fences).
 
 - the pool holds exactly the bytes of the last async save (no rounding), reuses them on the next
@@ -24,7 +24,7 @@ import torch
 
 from unickpt.ckpt.reader import open_checkpoint
 from unickpt.io import GeneralCheckpointIO
-from unickpt.io.cuda_load import DeviceLoader, copy_cast, off_host
+from unickpt.io.load import DeviceLoader, copy_cast, off_host
 from unickpt.io.pinned import POOL, Fence, pending, stage_copy, track, wait_staged
 from unickpt.io.stage import stage_written
 from unickpt.manager import CheckpointManager
