@@ -28,8 +28,13 @@ separate process (in the spirit of ``torch.distributed.checkpoint``'s process-ba
   agreement). The next save finds a writer missing or broken on some rank (one exchange over the
   training's group, :meth:`WriterProcess.ensure`) and starts a new world of writers; an error
   that every rank agreed on (the save engine's agreements) leaves the world in step, reused;
-- the writer runs at a lower scheduling priority (``nice`` +10): on a host with fewer free
-  cores than runnable threads the training keeps its speed and the save takes the spare cycles.
+- the writer runs at the training process's own scheduling priority (no ``nice``): it needs
+  little CPU (a 241 MB save: about 0.2 s, the rest is the disk), and in the training's
+  scheduling group (Linux autogroups: one per session) a writer at ``nice`` +10 gets a tenth of
+  a core the training keeps busy, so the save waited on the run queue for 10 to 20 times its
+  running time (``/proc/<pid>/schedstat``) and took 7x its idle duration, while the training
+  lost as much time to it as at equal priority, only spread over longer (docs/performance.md,
+  the async section).
 
 The training process still runs one thread per save in flight (``io/async_save.py``): it sends
 the job and blocks on the reply (the GIL released), then runs the little that must stay in the
@@ -74,8 +79,6 @@ logger = get_logger(__name__)
 
 # SCM_RIGHTS carries at most 253 descriptors per message (SCM_MAX_FD).
 _FDS_PER_MESSAGE = 200
-# The writer's scheduling priority relative to the training process (``nice``).
-_NICE = 10
 # How long a writer waits for the other ranks' writers to join its world.
 _JOIN_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -443,10 +446,6 @@ def _main() -> None:
     msg = conn.recv()
     _, rank, world, host, port, generation, parent = msg
     _die_with_parent(parent)
-    # Below the training: on a host with fewer free cores than runnable threads, the training
-    # loop keeps its speed and the save takes the spare cycles (a wait() gives it all of them).
-    with contextlib.suppress(OSError):
-        os.nice(_NICE)
     torch.set_num_threads(1)
     if world > 1:
         import torch.distributed as dist
