@@ -346,7 +346,7 @@ def shared_payload(payload: SavePayload, staging: dict[Any, torch.Tensor]) -> Sa
     The staging buffers move to shared memory (once: later snapshots reuse them), and the live
     tensors, which the writer needs only by name, shape and dtype, become meta tensors.
     """
-    if any(not t.is_shared() for t in staging.values()):
+    if not all(t.untyped_storage().is_shared() for t in staging.values()):
         wait_staged()  # moving a buffer reads it: its copy must be done
     moved = share_buffers(staging)
     staged = {t.untyped_storage().data_ptr() for t in staging.values()}
@@ -354,10 +354,11 @@ def shared_payload(payload: SavePayload, staging: dict[Any, torch.Tensor]) -> Sa
     def swap(t: torch.Tensor) -> torch.Tensor:
         return moved.get(id(t), t)
 
-    slices = {
-        n: [dataclasses.replace(sl, tensor=swap(sl.tensor)) for sl in sls]
-        for n, sls in payload.slices.items()
-    }
+    slices = payload.slices
+    if moved:  # the first save into pinned buffers: the slices view the shared ones instead
+        slices = {
+            n: [dataclasses.replace(sl, tensor=swap(sl.tensor)) for sl in sls] for n, sls in slices.items()
+        }
     tensors = {}
     for n, t in payload.tensors.items():
         t = swap(t)

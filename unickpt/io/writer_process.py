@@ -138,7 +138,7 @@ def share_buffers(staging: dict[Any, torch.Tensor]) -> dict[int, torch.Tensor]:
     """
     moved: dict[int, torch.Tensor] = {}
     for key, buf in list(staging.items()):
-        if buf.device.type != "cpu" or buf.is_shared():
+        if buf.device.type != "cpu" or buf.untyped_storage().is_shared():
             continue
         if buf.is_pinned():
             new = torch.empty_like(buf, pin_memory=False)
@@ -154,7 +154,9 @@ def share_buffers(staging: dict[Any, torch.Tensor]) -> dict[int, torch.Tensor]:
 
 class _Sender(pickle.Pickler):
     """Pickles a job; a tensor viewing a staging buffer goes by reference to it (sent once, by
-    number); any other tensor by value (a copy taken now: the writer never reads live memory)."""
+    number), a placeholder (a ``meta`` tensor: a slice another rank writes, a live tensor known by
+    its shape and dtype) by its shape, strides and dtype; any other tensor by value (a copy taken
+    now: the writer never reads live memory)."""
 
     def __init__(self, file: io.BytesIO, registry: _Registry, buffers: set[int]) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
@@ -164,6 +166,8 @@ class _Sender(pickle.Pickler):
     def persistent_id(self, obj: Any) -> Any:
         if type(obj) not in (torch.Tensor, torch.nn.Parameter):
             return None
+        if obj.device.type == "meta" and type(obj) is torch.Tensor and not obj.requires_grad:
+            return ("M", tuple(obj.shape), tuple(obj.stride()), str(obj.dtype))
         if obj.device.type != "cpu" or obj.untyped_storage().data_ptr() not in self.buffers:
             return None
         token = self.registry.token(obj.untyped_storage())
@@ -205,6 +209,13 @@ class _Registry:
         self.new = []
 
 
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name.removeprefix("torch."))
+    if not isinstance(dt, torch.dtype):  # pragma: no cover - the sender wrote str(a dtype)
+        raise UnickptError(f"internal: {name!r} is not a torch dtype")
+    return dt
+
+
 class _Receiver(pickle.Unpickler):
     def __init__(self, file: io.BytesIO, cache: dict[int, torch.UntypedStorage]) -> None:
         super().__init__(file)
@@ -212,9 +223,12 @@ class _Receiver(pickle.Unpickler):
         self.used: set[int] = set()
 
     def persistent_load(self, pid: Any) -> Any:
+        if pid[0] == "M":
+            _, shape, stride, dtype = pid
+            return torch.empty_strided(shape, stride, dtype=_dtype(dtype), device="meta")
         _, token, offset, shape, stride, dtype = pid
         self.used.add(token)
-        dt = getattr(torch, dtype.removeprefix("torch."))
+        dt = _dtype(dtype)
         t = torch.empty(0, dtype=dt)
         t.set_(self.cache[token], offset, shape, stride)
         return t
@@ -266,7 +280,7 @@ class WriterProcess:
         """
         err: BaseException | None = None
         prepared: _Prepared | None = None
-        shared = {t.untyped_storage().data_ptr() for t in buffers if t.is_shared()}
+        shared = {st.data_ptr() for st in (t.untyped_storage() for t in buffers) if st.is_shared()}
         try:
             prepared = self._pickle(job, shared)
         except BaseException as e:
