@@ -385,13 +385,13 @@ def committed_path(
 ) -> str:
     """The path a save with these arguments commits (what ``save_tensors`` returns): on a store
     with local paths, a directory absolute and a single file below the path given; elsewhere
-    the location as given."""
+    the location as given (a single file's too)."""
     store, root = open_store(path, storage_options)
     local = store.local_path(root)
     given = path if local is None else path.removeprefix("file://")
     is_file = root.endswith(".safetensors") or (local is not None and os.path.isfile(local))
     if gather and not shard:
-        return given if is_file else os.path.join(given, single_name(kind))
+        return given if is_file or local is None else os.path.join(given, single_name(kind))
     if is_file:
         raise UnickptError(f"{path}: a sharded or sliced checkpoint is a directory; pass a directory path")
     return given if local is None else local
