@@ -8,8 +8,13 @@ DCP ``async_save`` with ``AsyncCheckpointerType.THREAD`` and ``.PROCESS``), on t
   the GIL between bytecodes, as a Python-heavy training step does), polling for the commit;
 - ``loop_ratio``: the loop's speed during that save over its speed with no save, the two
   measured back to back (``>= 0.9`` is the goal);
+- ``lost_s``: what the save cost that loop: the time it ran (call included) less the time its
+  iterations take at its speed alone; the goal is ``lost_s`` near ``copy_s``;
 - ``blocked_s``: how long the save call itself blocked, and ``copy_s``: the time to copy this
-  process's bytes into CPU buffers already allocated (the least a snapshot can cost).
+  process's bytes into CPU buffers already allocated (the least a snapshot can cost);
+- for unickpt, ``writer_run_s`` and ``writer_wait_s``: the writer process's time running and
+  waiting on a run queue during the save under the loop (``/proc/<pid>/task/*/schedstat``), which
+  tells a save slowed by the CPU it needs from one starved of the CPU it waits for.
 
 One warm-up save per saver (process start-up, buffer allocation) is not counted. Ratios are
 what to compare: the machine is shared and absolute figures drift.
@@ -17,6 +22,7 @@ what to compare: the machine is shared and absolute figures drift.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import time
@@ -65,9 +71,34 @@ def _copy_time(state: dict[str, Any]) -> float:
     return time.perf_counter() - t0
 
 
-def _one(start: Callable[[int], Callable[[], bool]], finish: Callable[[], None], reps: int) -> dict[str, Any]:
-    """``start(i)`` begins save ``i`` and returns its ``done()``; ``finish()`` waits for it."""
-    out: dict[str, list[float]] = {"blocked_s": [], "idle_s": [], "busy_s": [], "loop_ratio": []}
+def _schedstat(pid: int) -> tuple[float, float]:
+    """Seconds ``pid``'s threads have run and waited on a run queue (0, 0 where unknown)."""
+    run = wait = 0
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError, ValueError):
+                r, w, _ = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()
+                run, wait = run + int(r), wait + int(w)
+    return run / 1e9, wait / 1e9
+
+
+def _one(
+    start: Callable[[int], Callable[[], bool]],
+    finish: Callable[[], None],
+    reps: int,
+    worker: Callable[[], int | None] | None = None,
+) -> dict[str, Any]:
+    """``start(i)`` begins save ``i`` and returns its ``done()``; ``finish()`` waits for it;
+    ``worker()``: the pid of the process that writes (its scheduling measured), if any."""
+    out: dict[str, list[float]] = {
+        "blocked_s": [],
+        "idle_s": [],
+        "busy_s": [],
+        "loop_ratio": [],
+        "lost_s": [],
+    }
+    if worker is not None:
+        out |= {"writer_run_s": [], "writer_wait_s": []}
     done = start(0)  # warm-up: process start, buffers
     finish()
     for i in range(1, reps + 1):
@@ -77,12 +108,19 @@ def _one(start: Callable[[int], Callable[[], bool]], finish: Callable[[], None],
         finish()
         out["idle_s"].append(time.perf_counter() - t0)
         base, _ = _loop(max(0.5, min(3.0, out["idle_s"][-1])))  # the loop alone, right before
+        pid = None if worker is None else worker()
+        before = _schedstat(pid) if pid else (0.0, 0.0)
         t0 = time.perf_counter()
         done = start(2 * i + 1)
-        rate, _ = _loop(0.0, done)
+        rate, elapsed = _loop(0.0, done)
         out["busy_s"].append(time.perf_counter() - t0)
+        if pid:
+            after = _schedstat(pid)
+            out["writer_run_s"].append(after[0] - before[0])
+            out["writer_wait_s"].append(after[1] - before[1])
         finish()
         out["loop_ratio"].append(rate / base)
+        out["lost_s"].append(out["busy_s"][-1] - rate * elapsed / base)
     return {k: C.median(v) for k, v in out.items()} | {"runs": out}
 
 
@@ -115,7 +153,7 @@ def async_contention(p: dict[str, Any]) -> dict[str, Any]:
         io.save_model(model, str(work / f"u{i % 2}"), shard=True, gather_dtensor=False, use_async=True)
         return lambda: not io._async.pending
 
-    res["unickpt"] = _one(u_start, io.wait, reps)
+    res["unickpt"] = _one(u_start, io.wait, reps, lambda: io._async.writer.pid)
     io.close()
 
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType

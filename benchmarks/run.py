@@ -813,9 +813,10 @@ def markdown(report: dict[str, Any]) -> str:
             for saver in ("unickpt", "dcp_thread", "dcp_process"):
                 u = ex.get(saver, {})
                 if "loop_ratio" in u:
+                    lost = f", loop lost {u['lost_s']:.3f} s" if "lost_s" in u else ""
                     note.append(
                         f"{saver}: loop {u['loop_ratio']:.2f}x, save {u['busy_s']:.2f} s busy / "
-                        f"{u['idle_s']:.2f} s idle, blocked {u['blocked_s']:.3f} s"
+                        f"{u['idle_s']:.2f} s idle, blocked {u['blocked_s']:.3f} s{lost}"
                     )
                 elif "error" in u:
                     note.append(f"{saver}: {u['error']}")

@@ -39,11 +39,10 @@ from unickpt._logging import get_logger
 from unickpt.errors import UnickptError
 from unickpt.io.payload import SavePayload
 from unickpt.io.pinned import POOL, wait_staged
-from unickpt.io.save import WriteSpec
+from unickpt.io.save import WriteSpec, open_store
 from unickpt.io.stage import stage_written
 from unickpt.io.writer_process import WriterProcess, process_capable, share_buffers
 from unickpt.spec.naming import single_name
-from unickpt.store.storage import is_url
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -256,7 +255,7 @@ class AsyncSaves:
         """
         gather = spec.options.gather
         path = os.fspath(checkpoint)
-        final = committed_path(path, payload.kind, spec.options.shard, gather)
+        final = committed_path(path, payload.kind, spec.options.shard, gather, spec.options.storage_options)
         in_writer = process_capable(path, spec.options.storage_options)
         # The snapshot's host buffers are leased from the process's pool (io/pinned.py: exact
         # sizes, pinned on CUDA, shared with every IO and manager), handed back once written.
@@ -346,7 +345,7 @@ def shared_payload(payload: SavePayload, staging: dict[Any, torch.Tensor]) -> Sa
     The staging buffers move to shared memory (once: later snapshots reuse them), and the live
     tensors, which the writer needs only by name, shape and dtype, become meta tensors.
     """
-    if any(not t.is_shared() for t in staging.values()):
+    if not all(t.untyped_storage().is_shared() for t in staging.values()):
         wait_staged()  # moving a buffer reads it: its copy must be done
     moved = share_buffers(staging)
     staged = {t.untyped_storage().data_ptr() for t in staging.values()}
@@ -354,10 +353,11 @@ def shared_payload(payload: SavePayload, staging: dict[Any, torch.Tensor]) -> Sa
     def swap(t: torch.Tensor) -> torch.Tensor:
         return moved.get(id(t), t)
 
-    slices = {
-        n: [dataclasses.replace(sl, tensor=swap(sl.tensor)) for sl in sls]
-        for n, sls in payload.slices.items()
-    }
+    slices = payload.slices
+    if moved:  # the first save into pinned buffers: the slices view the shared ones instead
+        slices = {
+            n: [dataclasses.replace(sl, tensor=swap(sl.tensor)) for sl in sls] for n, sls in slices.items()
+        }
     tensors = {}
     for n, t in payload.tensors.items():
         t = swap(t)
@@ -376,19 +376,22 @@ def _write_job(spec: WriteSpec, payload: SavePayload, path: str, group: ProcessG
 def _in_place(path: str, storage_options: dict[str, Any] | None) -> bool:
     """Whether a gathered save at ``path`` has every rank write its own bytes in place: the
     store writes at offsets and stages by renames (``io.save.save_tensors``)."""
-    from unickpt.io.save import open_store
-
     store, _ = open_store(path, storage_options)
     return store.range_write and store.atomic_rename
 
 
-def committed_path(path: str, kind: str, shard: bool, gather: bool) -> str:
-    """The path a save with these arguments commits (what ``save_tensors`` returns)."""
-    url = is_url(path)
-    path = path.removeprefix("file://")
-    is_file = path.endswith(".safetensors") or (not url and os.path.isfile(path))
+def committed_path(
+    path: str, kind: str, shard: bool, gather: bool, storage_options: dict[str, Any] | None = None
+) -> str:
+    """The path a save with these arguments commits (what ``save_tensors`` returns): on a store
+    with local paths, a directory absolute and a single file below the path given; elsewhere
+    the location as given (a single file's too)."""
+    store, root = open_store(path, storage_options)
+    local = store.local_path(root)
+    given = path if local is None else path.removeprefix("file://")
+    is_file = root.endswith(".safetensors") or (local is not None and os.path.isfile(local))
     if gather and not shard:
-        return path if is_file else os.path.join(path, single_name(kind))
+        return given if is_file or local is None else os.path.join(given, single_name(kind))
     if is_file:
         raise UnickptError(f"{path}: a sharded or sliced checkpoint is a directory; pass a directory path")
-    return path if url else os.path.abspath(path)
+    return given if local is None else local

@@ -28,8 +28,13 @@ separate process (in the spirit of ``torch.distributed.checkpoint``'s process-ba
   agreement). The next save finds a writer missing or broken on some rank (one exchange over the
   training's group, :meth:`WriterProcess.ensure`) and starts a new world of writers; an error
   that every rank agreed on (the save engine's agreements) leaves the world in step, reused;
-- the writer runs at a lower scheduling priority (``nice`` +10): on a host with fewer free
-  cores than runnable threads the training keeps its speed and the save takes the spare cycles.
+- the writer runs at the training process's own scheduling priority (no ``nice``): it needs
+  little CPU (a 241 MB save: about 0.2 s, the rest is the disk), and in the training's
+  scheduling group (Linux autogroups: one per session) a writer at ``nice`` +10 gets a tenth of
+  a core the training keeps busy, so the save waited on the run queue for 10 to 20 times its
+  running time (``/proc/<pid>/schedstat``) and took 7x its idle duration, while the training
+  lost as much time to it as at equal priority, only spread over longer (docs/performance.md,
+  the async section).
 
 The training process still runs one thread per save in flight (``io/async_save.py``): it sends
 the job and blocks on the reply (the GIL released), then runs the little that must stay in the
@@ -74,8 +79,6 @@ logger = get_logger(__name__)
 
 # SCM_RIGHTS carries at most 253 descriptors per message (SCM_MAX_FD).
 _FDS_PER_MESSAGE = 200
-# The writer's scheduling priority relative to the training process (``nice``).
-_NICE = 10
 # How long a writer waits for the other ranks' writers to join its world.
 _JOIN_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -135,7 +138,7 @@ def share_buffers(staging: dict[Any, torch.Tensor]) -> dict[int, torch.Tensor]:
     """
     moved: dict[int, torch.Tensor] = {}
     for key, buf in list(staging.items()):
-        if buf.device.type != "cpu" or buf.is_shared():
+        if buf.device.type != "cpu" or buf.untyped_storage().is_shared():
             continue
         if buf.is_pinned():
             new = torch.empty_like(buf, pin_memory=False)
@@ -151,7 +154,9 @@ def share_buffers(staging: dict[Any, torch.Tensor]) -> dict[int, torch.Tensor]:
 
 class _Sender(pickle.Pickler):
     """Pickles a job; a tensor viewing a staging buffer goes by reference to it (sent once, by
-    number); any other tensor by value (a copy taken now: the writer never reads live memory)."""
+    number), a placeholder (a ``meta`` tensor: a slice another rank writes, a live tensor known by
+    its shape and dtype) by its shape, strides and dtype; any other tensor by value (a copy taken
+    now: the writer never reads live memory)."""
 
     def __init__(self, file: io.BytesIO, registry: _Registry, buffers: set[int]) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
@@ -161,6 +166,8 @@ class _Sender(pickle.Pickler):
     def persistent_id(self, obj: Any) -> Any:
         if type(obj) not in (torch.Tensor, torch.nn.Parameter):
             return None
+        if obj.device.type == "meta" and type(obj) is torch.Tensor and not obj.requires_grad:
+            return ("M", tuple(obj.shape), tuple(obj.stride()), str(obj.dtype))
         if obj.device.type != "cpu" or obj.untyped_storage().data_ptr() not in self.buffers:
             return None
         token = self.registry.token(obj.untyped_storage())
@@ -202,6 +209,13 @@ class _Registry:
         self.new = []
 
 
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name.removeprefix("torch."))
+    if not isinstance(dt, torch.dtype):  # pragma: no cover - the sender wrote str(a dtype)
+        raise UnickptError(f"internal: {name!r} is not a torch dtype")
+    return dt
+
+
 class _Receiver(pickle.Unpickler):
     def __init__(self, file: io.BytesIO, cache: dict[int, torch.UntypedStorage]) -> None:
         super().__init__(file)
@@ -209,9 +223,12 @@ class _Receiver(pickle.Unpickler):
         self.used: set[int] = set()
 
     def persistent_load(self, pid: Any) -> Any:
+        if pid[0] == "M":
+            _, shape, stride, dtype = pid
+            return torch.empty_strided(shape, stride, dtype=_dtype(dtype), device="meta")
         _, token, offset, shape, stride, dtype = pid
         self.used.add(token)
-        dt = getattr(torch, dtype.removeprefix("torch."))
+        dt = _dtype(dtype)
         t = torch.empty(0, dtype=dt)
         t.set_(self.cache[token], offset, shape, stride)
         return t
@@ -263,7 +280,7 @@ class WriterProcess:
         """
         err: BaseException | None = None
         prepared: _Prepared | None = None
-        shared = {t.untyped_storage().data_ptr() for t in buffers if t.is_shared()}
+        shared = {st.data_ptr() for st in (t.untyped_storage() for t in buffers) if st.is_shared()}
         try:
             prepared = self._pickle(job, shared)
         except BaseException as e:
@@ -443,10 +460,6 @@ def _main() -> None:
     msg = conn.recv()
     _, rank, world, host, port, generation, parent = msg
     _die_with_parent(parent)
-    # Below the training: on a host with fewer free cores than runnable threads, the training
-    # loop keeps its speed and the save takes the spare cycles (a wait() gives it all of them).
-    with contextlib.suppress(OSError):
-        os.nice(_NICE)
     torch.set_num_threads(1)
     if world > 1:
         import torch.distributed as dist

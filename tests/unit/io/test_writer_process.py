@@ -6,6 +6,8 @@
   the previous checkpoint stays committed and loads bit-exact, the next save starts a new
   writer and commits;
 - the writer is started once and reused (the same pid across saves), and ``close()`` stops it;
+- the writer runs at the training process's scheduling priority (a niced writer waits on the run
+  queue of a busy training's scheduling group for most of the save);
 - a ``memory://`` store, which only this process can reach, is written by a thread.
 """
 
@@ -92,6 +94,18 @@ def _dir_bytes(root: Path) -> int:
             with contextlib.suppress(OSError):
                 total += os.path.getsize(os.path.join(dirpath, f))
     return total
+
+
+def test_the_writer_runs_at_the_training_process_priority(tmp_path: Path) -> None:
+    io = GeneralCheckpointIO()
+    io.save_model(_model(0), tmp_path / "m", shard=True, use_async=True)
+    io.wait()
+    pid = io._async.writer.pid
+    assert pid is not None
+    try:
+        assert os.getpriority(os.PRIO_PROCESS, pid) == os.getpriority(os.PRIO_PROCESS, 0)
+    finally:
+        io.close()
 
 
 def test_writer_killed_mid_save_reports_at_wait_and_keeps_the_previous_step(tmp_path: Path) -> None:
