@@ -376,10 +376,10 @@ def _write_job(spec: WriteSpec, payload: SavePayload, path: str, group: ProcessG
 def _in_place(path: str, storage_options: dict[str, Any] | None) -> bool:
     """Whether a gathered save at ``path`` has every rank write its own bytes in place: the
     store writes at offsets and stages by renames (``io.save.save_tensors``)."""
-    from unickpt.io.save import open_store
+    from unickpt.io.save import open_store, writes_in_place
 
     store, _ = open_store(path, storage_options)
-    return store.range_write and store.atomic_rename
+    return writes_in_place(store)
 
 
 def committed_path(path: str, kind: str, shard: bool, gather: bool) -> str:
