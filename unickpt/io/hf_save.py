@@ -22,16 +22,34 @@ Face safetensors files, each tensor whole under its own name. No rank gathers a 
    through ``store.publish``, index last; a last agreement tells every rank the outcome.
 
 Files are byte-identical to what the rank-0 gathered save wrote (same order, header and metadata).
+``InPlaceHF`` is this strategy of the save engine (``io.save.choose_strategy``: a store with
+``range_write`` and ``atomic_rename``); ``io/parts_save.py`` shares its layout and block.
+
+**Plans kept for the next save of the same layout** (issue 19).
+
+A training run saves the same tensors, with the same global shapes and the same slices on the
+same ranks, every time. The plan of a gathered save in a directory (the replica check of the
+ranks' metas, ``planner.plan_save`` with its tiling check, then the files' order and every
+tensor's writer ranges, ``order_files``) is a pure function of the all-gathered slice
+metas, the kind and the ranks' order of names, which every rank holds after the listing; so
+each rank keeps the last few plans keyed on those inputs and reuses one when they repeat. The
+key is the xxh3-128 digest of the pickled metas (not the metas: at thousands of ranks they
+would hold hundreds of MB between saves), and layouts of more than ``_MAX_SLICES`` slices are
+not kept. A plan that failed is never kept (the next save raises the same error again).
+
+Cached plans are shared between saves: nothing may modify them (the object-store branch, which
+renames planned files, never uses this cache).
 """
 
 from __future__ import annotations
 
 import collections
 import os
-from collections.abc import Callable, Mapping, Sequence
+import pickle
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -50,9 +68,9 @@ from unickpt.ckpt.writer import (
     tensor_entry,
 )
 from unickpt.errors import UnsupportedError
-from unickpt.io import plan_cache
 from unickpt.io.hf_rows import RowMoves
-from unickpt.io.planner import SavePlan, SliceMeta
+from unickpt.io.planner import SavePlan, SliceMeta, plan_save
+from unickpt.io.replicas import check_gathered_metas
 from unickpt.io.tensors import LocalSlice, as_bytes
 from unickpt.io.write_strategy import SaveOptions, SaveRun, WriteStrategy, settle
 from unickpt.spec.dtypes import itemsize
@@ -62,7 +80,15 @@ from unickpt.spec.index_models import ByteRange
 from unickpt.store.publish import commit_directory, commit_single_file, temp_name
 from unickpt.store.storage import RangeFile, Storage
 
-__all__ = ["InPlaceHF", "gathered_block", "hash_tensor_ranges", "save_gathered"]
+__all__ = [
+    "InPlaceHF",
+    "cached",
+    "gathered_block",
+    "gathered_plan",
+    "hash_tensor_ranges",
+    "holds",
+    "save_gathered",
+]
 
 _VERSION = f"unickpt {__version__}"
 # name -> [(start, end, writer rank)]: the byte ranges of each tensor, relative to its first byte.
@@ -85,6 +111,53 @@ class StagedHF:
     store: Storage  # where the files are (it writes at offsets: ``range_write``)
 
 
+T = TypeVar("T")
+
+# A manager saves a model and an optimizer alternately (its Hugging Face copy is the model's save).
+_KEEP = 4
+_MAX_SLICES = 1 << 16  # about 15 MB of plan per kept layout
+_cache: collections.OrderedDict[Hashable, object] = collections.OrderedDict()
+
+
+def cached(key: Hashable, compute: Callable[[], T]) -> T:
+    """``compute()``, or its value for an equal ``key`` computed before (the last ``_KEEP`` kept)."""
+    try:
+        value = _cache[key]
+    except KeyError:
+        value = compute()  # raises before anything is kept
+        _cache[key] = value
+        if len(_cache) > _KEEP:
+            _cache.popitem(last=False)
+    else:
+        _cache.move_to_end(key)
+    return value  # type: ignore[return-value]
+
+
+def holds(value: object) -> bool:
+    """Whether ``value`` is one of the kept values (the very object)."""
+    return any(v is value for v in _cache.values())
+
+
+def metas_key(per_rank: Sequence[Sequence[SliceMeta]]) -> str:
+    """Every rank's slice metas (names, dtypes, global shapes, boxes) as one xxh3-128 digest of
+    their pickle: equal bytes mean equal metas; equal metas pickled with other containers or
+    other object sharing only miss the cache (each save builds its metas the same way)."""
+    return xxhash.xxh3_128_hexdigest(pickle.dumps(per_rank, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def gathered_plan(per_rank: Sequence[Sequence[SliceMeta]], *, kind: str, path: str) -> SavePlan:
+    """The writers of a gathered save in a directory (``check_gathered_metas``, then ``plan_save``
+    with one file per rank: ``hf_save`` plans the files), the same plan object for equal metas."""
+
+    def compute() -> SavePlan:
+        check_gathered_metas(per_rank, path)
+        return plan_save(per_rank, kind=kind, size_per_shard_bytes=None, sliced=True)
+
+    if sum(len(m) for m in per_rank) > _MAX_SLICES:
+        return compute()
+    return cached(("gathered_plan", kind, metas_key(per_rank)), compute)
+
+
 def order_files(s: SaveRun) -> tuple[SavePlan, _Ranges, list[tuple[str, str, tuple[int, ...]]]]:
     """The files' order (the ranks' order of names, rank 0's first, not the order in which slices
     appear: a rank may hold no slice of a tensor it names), set as ``s.plan``; each tensor's writer
@@ -102,10 +175,10 @@ def order_files(s: SaveRun) -> tuple[SavePlan, _Ranges, list[tuple[str, str, tup
         }
         return plan, ranges, [(n, d, tuple(g)) for n, (d, g) in plan.tensors.items()]
 
-    # A plan kept for repeated layouts (io/plan_cache.py) keeps its files' order and ranges too:
+    # A plan kept for repeated layouts (gathered_plan) keeps its files' order and ranges too:
     # the entry holds the plan itself, so its id names no other plan while it is kept.
-    if plan_cache.holds(given):
-        out = plan_cache.cached(("hf_files", id(given), tuple(s.order)), lambda: (given, compute()))[1]
+    if holds(given):
+        out = cached(("hf_files", id(given), tuple(s.order)), lambda: (given, compute()))[1]
     else:
         out = compute()
     s.plan = out[0]
@@ -151,8 +224,8 @@ class InPlaceHF(WriteStrategy):
         path: str,
         size: int | None,
     ) -> SavePlan:
-        """The plan of the last save of this layout, when it repeats (``io/plan_cache.py``)."""
-        return plan_cache.gathered_plan(all_metas, kind=opts.kind, path=root)
+        """The plan of the last save of this layout, when it repeats (``gathered_plan``)."""
+        return gathered_plan(all_metas, kind=opts.kind, path=root)
 
     def stage(self, run: SaveRun) -> None:
         """The files' layout; rank 0 creates them (the preparation's agreement covers it)."""

@@ -19,7 +19,8 @@ parts from any client holding the upload's id (``store/storage_parts.py``), so:
 
 Any rank's failure aborts every upload (after every rank has stopped uploading): nothing of the
 save appears, the previous checkpoint stays committed. Files are byte-identical to the local
-gathered save's (same layout, header and metadata).
+gathered save's (same layout, header and metadata). ``SharedParts`` is this strategy of the save
+engine (``io.save.choose_strategy``: a store with shared multipart uploads).
 """
 
 from __future__ import annotations

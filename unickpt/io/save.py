@@ -10,7 +10,7 @@ Order of events (every rank calls ``save_tensors`` with its own tensors):
    all-gathered (names and shapes only) with the listing's agreement, the aliases, entry
    extras, save id and names (one exchange);
 2. every rank computes the same plan (``WriteStrategy.plan``: ``planner.plan_save``; a gathered
-   save in a directory reuses the plan of an earlier save with the same slices, ``io.plan_cache``);
+   save in a directory reuses the plan of an earlier save with the same slices, ``hf_save.gathered_plan``);
 3. rank 0 prepares the directory and takes the save lock; the previous checkpoint stays
    committed and untouched while this save writes; the strategy stages what it writes into
    (``WriteStrategy.stage``: a gathered save's files created by rank 0); one agreement covers
