@@ -39,7 +39,7 @@ from unickpt._logging import get_logger
 from unickpt.errors import UnickptError
 from unickpt.io.payload import SavePayload
 from unickpt.io.pinned import POOL, wait_staged
-from unickpt.io.save import WriteSpec, open_store
+from unickpt.io.save import WriteSpec, open_store, writes_in_place
 from unickpt.io.stage import stage_written
 from unickpt.io.writer_process import WriterProcess, process_capable, share_buffers
 from unickpt.spec.naming import single_name
@@ -377,7 +377,7 @@ def _in_place(path: str, storage_options: dict[str, Any] | None) -> bool:
     """Whether a gathered save at ``path`` has every rank write its own bytes in place: the
     store writes at offsets and stages by renames (``io.save.save_tensors``)."""
     store, _ = open_store(path, storage_options)
-    return store.range_write and store.atomic_rename
+    return writes_in_place(store)
 
 
 def committed_path(

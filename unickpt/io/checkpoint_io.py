@@ -54,7 +54,6 @@ from unickpt.io.payload import SavePayload
 from unickpt.io.pinned import POOL, wait_staged
 from unickpt.io.replicas import REPLICA_MODES
 from unickpt.io.save import WriteSpec
-from unickpt.io.save_options import SaveOptions, check_size_per_shard
 from unickpt.io.side_files import (
     SCHEDULER_FILE,
     hf_config_files,
@@ -63,9 +62,10 @@ from unickpt.io.side_files import (
     write_config_files,
 )
 from unickpt.io.tensors import LocalSlice, apply_prefix, mesh_dims
+from unickpt.io.write_strategy import SaveOptions, check_size_per_shard
 from unickpt.spec.index import LayoutInfo
 from unickpt.store.publish import write_small_file
-from unickpt.store.storage import is_url
+from unickpt.store.storage import join_location, options_for, side_file
 from unickpt.wrappers import OptimizerWrapper, unwrap_optimizer
 
 if TYPE_CHECKING:
@@ -364,8 +364,7 @@ class CheckpointIO(CheckpointHooks):
 
         def write_config() -> None:
             if _dist.rank(self.group) == 0:
-                sep = "/" if is_url(directory) else os.sep
-                write_small_file(f"{directory}{sep}{ADAPTER_CONFIG}", config, self.storage_options)
+                write_small_file(join_location(directory, ADAPTER_CONFIG), config, self.storage_options)
 
         _dist.agreed(write_config, f"writing {ADAPTER_CONFIG} beside {path}", self.group)
         return path
@@ -466,13 +465,14 @@ class CheckpointIO(CheckpointHooks):
         )
 
         module = peft_model_of(self.unwrap_model(ctx.model), "load_adapter")
-        options = self.storage_options if is_url(directory) else None
+        options = options_for(directory, self.storage_options)
         try:
             found = read_adapter_config(directory, options)
         except IncompleteCheckpointError:
             return  # a bare weights file: its tensors' shapes are still checked
-        sep = "/" if is_url(directory) else os.sep
-        check_adapter_config(module, adapter_name, found, f"{directory}{sep}{ADAPTER_CONFIG}", "load_adapter")
+        check_adapter_config(
+            module, adapter_name, found, join_location(directory, ADAPTER_CONFIG), "load_adapter"
+        )
 
     def _adapter_targets(
         self, ctx: HookContext, adapter_name: str, stored: set[str]
@@ -913,9 +913,8 @@ class CheckpointIO(CheckpointHooks):
             self.group,
             _dist.Args("save_lr_scheduler", {"checkpoint": _dist.path_arg(checkpoint)}),
         )
-        path = os.fspath(checkpoint)
-        if os.path.isdir(path) or not (path.endswith(".json") or (not is_url(path) and os.path.isfile(path))):
-            path = os.path.join(path, SCHEDULER_FILE)
+        # A directory gets the scheduler's file; a .json name, or an existing file, is the file.
+        path = side_file(checkpoint, SCHEDULER_FILE, ".json")
         err: BaseException | None = None
         if _dist.rank(self.group) == 0:
             try:
@@ -936,11 +935,7 @@ class CheckpointIO(CheckpointHooks):
             self.group,
             _dist.Args("load_lr_scheduler", {"checkpoint": _dist.path_arg(checkpoint)}),
         )
-        path = os.fspath(checkpoint)
-        if is_url(path) and not path.endswith(".json"):
-            path = f"{path.rstrip('/')}/{SCHEDULER_FILE}"
-        elif os.path.isdir(path):
-            path = os.path.join(path, SCHEDULER_FILE)
+        path = side_file(checkpoint, SCHEDULER_FILE, ".json")  # as save_lr_scheduler names it
         _dist.agreed(lambda: self._load_lr_scheduler(lr_scheduler, path), f"loading {path}", self.group)
 
     def _load_lr_scheduler(self, lr_scheduler: SchedulerState, path: str) -> None:
@@ -954,7 +949,7 @@ class CheckpointIO(CheckpointHooks):
     ) -> CheckpointReader:
         # A URL's storage options come from the IO (given at construction) or the environment;
         # a local path ignores them.
-        options = self.storage_options if is_url(os.fspath(checkpoint)) else None
+        options = options_for(checkpoint, self.storage_options)
         return open_for_load(checkpoint, kind, self.group, options, args)
 
     def _local_slices_of(

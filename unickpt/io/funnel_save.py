@@ -7,13 +7,19 @@ holders' ``full_tensor`` collectives, a ``send`` from the lowest holder of a ten
 not hold, e.g. a pipeline stage) and streams it into the upload, one tensor at a time. Every
 rank runs the same iteration so that the collectives line up; a failure on rank 0 keeps it
 taking part (``_draining``) so the others reach the agreement.
+
+Two strategies of the save engine (``io.save.choose_strategy``: a gathered save on a store with
+neither ``range_write`` and ``atomic_rename`` nor shared multipart uploads): ``Funnel`` writes a
+directory of files, committed as a sliced save's (``write_strategy.commit_written``);
+``FunnelSingle`` one ``.safetensors`` file, whose upload is the commit. Both list whole tensors
+(rank 0 writes each once), so their replica check is an exchange of its own, before the listing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -22,15 +28,129 @@ from unickpt import _dist
 from unickpt.ckpt.reader import single_file_name
 from unickpt.ckpt.writer import write_single_file
 from unickpt.io.payload import SavePayload, cpu_copy
-from unickpt.io.planner import PlannedFile, SavePlan
-from unickpt.io.save_block import Results, build_save_block, by_slice, file_specs, make_writer
-from unickpt.io.save_options import SaveOptions
-from unickpt.io.tensors import as_bytes, is_dtensor, local_slices
+from unickpt.io.planner import PlannedFile, SavePlan, SliceMeta, plan_save
+from unickpt.io.replicas import ReplicaCheck, check_gathered_metas, check_replicas
+from unickpt.io.tensors import LocalSlice, as_bytes, is_dtensor, local_slices
+from unickpt.io.write_strategy import (
+    Results,
+    SaveOptions,
+    SaveRun,
+    WriteStrategy,
+    build_save_block,
+    by_slice,
+    commit_written,
+    file_specs,
+    make_writer,
+    settle,
+)
 from unickpt.spec.index import UnickptBlock
 from unickpt.store.lock import Fence
 from unickpt.store.storage import Storage
 
-__all__ = ["write_funnelled", "write_funnelled_single", "feed_funnel", "gathered_snapshot"]
+__all__ = [
+    "Funnel",
+    "FunnelSingle",
+    "write_funnelled",
+    "write_funnelled_single",
+    "feed_funnel",
+    "gathered_snapshot",
+]
+
+
+class Funnel(WriteStrategy):
+    """A gathered save into a directory of files, written by rank 0 from full tensors."""
+
+    name = "funnel"
+
+    def check_first(
+        self,
+        tensors: dict[str, torch.Tensor],
+        boxes_fn: Callable[[str, torch.Tensor], list[LocalSlice]],
+        replicas: ReplicaCheck | None,
+        group: Any,
+    ) -> ReplicaCheck | None:
+        """The listing names whole tensors: the slices are checked first, in an exchange of their own."""
+        if replicas is not None:
+            by_name = {name: boxes_fn(name, t) for name, t in tensors.items()}
+            check_replicas(by_name, replicas.mode, replicas.what, group, everywhere=replicas.everywhere)
+        return None
+
+    def metas(self, local: list[LocalSlice]) -> list[SliceMeta]:
+        """Each tensor this rank holds once, as a whole tensor."""
+        metas: list[SliceMeta] = []
+        seen: set[str] = set()
+        for sl in local:
+            if sl.name not in seen:
+                seen.add(sl.name)
+                metas.append(
+                    (sl.name, sl.dtype, sl.global_shape, (0,) * len(sl.global_shape), sl.global_shape)
+                )
+        return metas
+
+    def writers(self, all_metas: list[list[SliceMeta]]) -> list[list[SliceMeta]]:
+        """Rank 0 writes every tensor whole (the first rank that lists a tensor gives its meta):
+        the metas only say which tensors exist."""
+        merged: list[SliceMeta] = []
+        names: set[str] = set()
+        for ms in all_metas:
+            for m in ms:
+                if m[0] not in names:
+                    names.add(m[0])
+                    merged.append(m)
+        return [merged] + [[] for _ in range(len(all_metas) - 1)]
+
+    def plan(
+        self,
+        all_metas: list[list[SliceMeta]],
+        writers: list[list[SliceMeta]],
+        opts: SaveOptions,
+        root: str,
+        path: str,
+        size: int | None,
+    ) -> SavePlan:
+        check_gathered_metas(all_metas, path)
+        return plan_save(writers, kind=opts.kind, size_per_shard_bytes=size, sliced=False)
+
+    def write_and_commit(self, run: SaveRun) -> None:
+        err: BaseException | None = None
+        results: Results = {}
+        try:
+            results = write_funnelled(
+                run.plan, run.tensors, run.directory, run.opts, run.group, run.rank, run.save_id, run.store
+            )
+        except BaseException as e:
+            err = e
+        commit_written(run, results, err, run.plan.files if run.rank == 0 else [])
+
+
+class FunnelSingle(Funnel):
+    """A gathered save into one ``.safetensors`` file, written by rank 0 from full tensors: its
+    upload is the commit, so the writes' agreement ends the save."""
+
+    name = "funnel-single"
+
+    def write_and_commit(self, run: SaveRun) -> None:
+        err: BaseException | None = None
+        try:
+            if run.rank == 0:
+                write_funnelled_single(
+                    run.plan,
+                    run.tensors,
+                    run.file_path,
+                    run.opts,
+                    run.aliases,
+                    run.entry_extras,
+                    run.block_extras,
+                    run.group,
+                    run.save_id,
+                    run.store,
+                    run.fence,
+                )
+            else:
+                feed_funnel(run.plan, run.tensors, run.group, run.rank)
+        except BaseException as e:
+            err = e
+        settle(err, f"writing {run.directory}", run.group, run.lock)
 
 
 def _refuse_slices_only(name: str, t: torch.Tensor) -> None:

@@ -22,19 +22,37 @@ Face safetensors files, each tensor whole under its own name. No rank gathers a 
    through ``store.publish``, index last; a last agreement tells every rank the outcome.
 
 Files are byte-identical to what the rank-0 gathered save wrote (same order, header and metadata).
+``InPlaceHF`` is this strategy of the save engine (``io.save.choose_strategy``: a store with
+``range_write`` and ``atomic_rename``); ``io/parts_save.py`` shares its layout and block.
+
+**Plans kept for the next save of the same layout** (issue 19).
+
+A training run saves the same tensors, with the same global shapes and the same slices on the
+same ranks, every time. The plan of a gathered save in a directory (the replica check of the
+ranks' metas, ``planner.plan_save`` with its tiling check, then the files' order and every
+tensor's writer ranges, ``order_files``) is a pure function of the all-gathered slice
+metas, the kind and the ranks' order of names, which every rank holds after the listing; so
+each rank keeps the last few plans keyed on those inputs and reuses one when they repeat. The
+key is the xxh3-128 digest of the pickled metas (not the metas: at thousands of ranks they
+would hold hundreds of MB between saves), and layouts of more than ``_MAX_SLICES`` slices are
+not kept. A plan that failed is never kept (the next save raises the same error again).
+
+Cached plans are shared between saves: nothing may modify them (the object-store branch, which
+renames planned files, never uses this cache).
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import os
-from collections.abc import Mapping, Sequence
+import pickle
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
+import torch
 import xxhash
 
 from unickpt import __version__, _dist
@@ -50,21 +68,27 @@ from unickpt.ckpt.writer import (
     tensor_entry,
 )
 from unickpt.errors import UnsupportedError
-from unickpt.io import plan_cache
-from unickpt.io._commit import settle
 from unickpt.io.hf_rows import RowMoves
-from unickpt.io.planner import SavePlan
-from unickpt.io.save_options import SaveOptions
+from unickpt.io.planner import SavePlan, SliceMeta, plan_save
+from unickpt.io.replicas import check_gathered_metas
 from unickpt.io.tensors import LocalSlice, as_bytes
+from unickpt.io.write_strategy import SaveOptions, SaveRun, WriteStrategy, settle
 from unickpt.spec.dtypes import itemsize
 from unickpt.spec.hashing import hash_block, slice_hash
 from unickpt.spec.index import ByteRange, TensorEntry, UnickptBlock, index_to_json
 from unickpt.spec.slice_table import SliceTable
-from unickpt.store.lock import Fence
 from unickpt.store.publish import commit_directory, commit_single_file, temp_name
 from unickpt.store.storage import RangeFile, Storage
 
-__all__ = ["GatheredSave", "gathered_block", "hash_tensor_ranges", "save_gathered"]
+__all__ = [
+    "InPlaceHF",
+    "cached",
+    "gathered_block",
+    "gathered_plan",
+    "hash_tensor_ranges",
+    "holds",
+    "save_gathered",
+]
 
 _VERSION = f"unickpt {__version__}"
 # name -> [(start, end, writer rank)]: the byte ranges of each tensor, relative to its first byte.
@@ -72,29 +96,6 @@ _Ranges = dict[str, list[tuple[int, int, int]]]
 # What a rank's writes give: {(name, range start): xxh3}, {name: [fingerprint partials]}.
 _Hashes = dict[tuple[str, int], str]
 _Partials = dict[str, list[int]]
-
-
-@dataclass
-class GatheredSave:
-    """One gathered save as every rank sees it (built by ``io.save.save_tensors``)."""
-
-    plan: SavePlan  # the writer of every slice (keys unused)
-    local: list[LocalSlice]  # this rank's slices (``PlannedSlice.local_index`` points here)
-    kind: str
-    directory: str
-    file_path: str  # the single file, or "" for a sharded save
-    size_per_shard_bytes: int | None
-    save_id: str
-    opts: SaveOptions
-    aliases: dict[str, str]
-    entry_extras: dict[str, dict[str, Any]]
-    block_extras: dict[str, Any]
-    order: list[str]  # tensor names as the ranks list them, rank 0's first: the files' order
-    rows: RowMoves | None = None  # column-sharded tensors moved to row slices as they are written
-    # rank 0's save lock: released once committed, before the last agreement (io._commit.settle)
-    lock: contextlib.ExitStack | None = None
-    # rank 0's lock on a store (store/lock.py), set once taken: fences the commit
-    fence: Fence | None = None
 
 
 @dataclass
@@ -110,7 +111,54 @@ class StagedHF:
     store: Storage  # where the files are (it writes at offsets: ``range_write``)
 
 
-def order_files(s: GatheredSave) -> tuple[SavePlan, _Ranges, list[tuple[str, str, tuple[int, ...]]]]:
+T = TypeVar("T")
+
+# A manager saves a model and an optimizer alternately (its Hugging Face copy is the model's save).
+_KEEP = 4
+_MAX_SLICES = 1 << 16  # about 15 MB of plan per kept layout
+_cache: collections.OrderedDict[Hashable, object] = collections.OrderedDict()
+
+
+def cached(key: Hashable, compute: Callable[[], T]) -> T:
+    """``compute()``, or its value for an equal ``key`` computed before (the last ``_KEEP`` kept)."""
+    try:
+        value = _cache[key]
+    except KeyError:
+        value = compute()  # raises before anything is kept
+        _cache[key] = value
+        if len(_cache) > _KEEP:
+            _cache.popitem(last=False)
+    else:
+        _cache.move_to_end(key)
+    return value  # type: ignore[return-value]
+
+
+def holds(value: object) -> bool:
+    """Whether ``value`` is one of the kept values (the very object)."""
+    return any(v is value for v in _cache.values())
+
+
+def metas_key(per_rank: Sequence[Sequence[SliceMeta]]) -> str:
+    """Every rank's slice metas (names, dtypes, global shapes, boxes) as one xxh3-128 digest of
+    their pickle: equal bytes mean equal metas; equal metas pickled with other containers or
+    other object sharing only miss the cache (each save builds its metas the same way)."""
+    return xxhash.xxh3_128_hexdigest(pickle.dumps(per_rank, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def gathered_plan(per_rank: Sequence[Sequence[SliceMeta]], *, kind: str, path: str) -> SavePlan:
+    """The writers of a gathered save in a directory (``check_gathered_metas``, then ``plan_save``
+    with one file per rank: ``hf_save`` plans the files), the same plan object for equal metas."""
+
+    def compute() -> SavePlan:
+        check_gathered_metas(per_rank, path)
+        return plan_save(per_rank, kind=kind, size_per_shard_bytes=None, sliced=True)
+
+    if sum(len(m) for m in per_rank) > _MAX_SLICES:
+        return compute()
+    return cached(("gathered_plan", kind, metas_key(per_rank)), compute)
+
+
+def order_files(s: SaveRun) -> tuple[SavePlan, _Ranges, list[tuple[str, str, tuple[int, ...]]]]:
     """The files' order (the ranks' order of names, rank 0's first, not the order in which slices
     appear: a rank may hold no slice of a tensor it names), set as ``s.plan``; each tensor's writer
     ranges; the (name, dtype, shape) of each tensor in that order."""
@@ -127,17 +175,73 @@ def order_files(s: GatheredSave) -> tuple[SavePlan, _Ranges, list[tuple[str, str
         }
         return plan, ranges, [(n, d, tuple(g)) for n, (d, g) in plan.tensors.items()]
 
-    # A plan kept for repeated layouts (io/plan_cache.py) keeps its files' order and ranges too:
+    # A plan kept for repeated layouts (gathered_plan) keeps its files' order and ranges too:
     # the entry holds the plan itself, so its id names no other plan while it is kept.
-    if plan_cache.holds(given):
-        out = plan_cache.cached(("hf_files", id(given), tuple(s.order)), lambda: (given, compute()))[1]
+    if holds(given):
+        out = cached(("hf_files", id(given), tuple(s.order)), lambda: (given, compute()))[1]
     else:
         out = compute()
     s.plan = out[0]
     return out
 
 
-def stage_gathered(s: GatheredSave, store: Storage, rank: int) -> StagedHF:
+class InPlaceHF(WriteStrategy):
+    """A gathered save on a store with ``range_write`` and ``atomic_rename`` (a local directory):
+    every rank writes its own bytes of the Hugging Face files in place (the module docstring).
+
+    ``rows``: column-sharded DTensors moved to row slices as they are written (a live save; an
+    async save's copies are not moved, ``io.save.save_tensors``)."""
+
+    name = "in-place"
+
+    def __init__(self, rows: RowMoves | None) -> None:
+        self.rows = rows
+        self.staged: StagedHF | None = None
+
+    def list_slices(
+        self, tensors: dict[str, torch.Tensor], boxes_fn: Callable[[str, torch.Tensor], list[LocalSlice]]
+    ) -> tuple[list[LocalSlice], dict[str, list[LocalSlice]]]:
+        """The plan takes a moved tensor's boxes after the move; its slices as held now are the
+        ones its replica check digests (its row slice is not moved yet)."""
+        rows = self.rows
+        if rows is None:
+            return super().list_slices(tensors, boxes_fn)
+        local: list[LocalSlice] = []
+        before: dict[str, list[LocalSlice]] = {}
+        for name, t in tensors.items():
+            sls = boxes_fn(name, t)
+            local.extend(rows.take(name, t, sls))
+            if name in rows:
+                before[name] = sls
+        return local, before
+
+    def plan(
+        self,
+        all_metas: list[list[SliceMeta]],
+        writers: list[list[SliceMeta]],
+        opts: SaveOptions,
+        root: str,
+        path: str,
+        size: int | None,
+    ) -> SavePlan:
+        """The plan of the last save of this layout, when it repeats (``gathered_plan``)."""
+        return gathered_plan(all_metas, kind=opts.kind, path=root)
+
+    def stage(self, run: SaveRun) -> None:
+        """The files' layout; rank 0 creates them (the preparation's agreement covers it)."""
+        self.staged = stage_gathered(run, run.store, run.rank)
+
+    def unstage(self, run: SaveRun) -> None:
+        if self.staged is not None:
+            run.store.remove(self.staged.own.values())
+
+    def write_and_commit(self, run: SaveRun) -> None:
+        if self.staged is None:  # never: stage() ran on every rank before the agreement
+            raise RuntimeError(f"{run.directory}: a gathered save's files were not staged")
+        save_gathered(run, self.staged, self.rows)
+
+
+def stage_gathered(s: SaveRun, store: Storage, rank: int) -> StagedHF:
     """Local phase: the files' layout; rank 0 creates every staged file (header, full size) in
     ``store`` (one with ``range_write`` and ``atomic_rename``).
 
@@ -171,9 +275,11 @@ def stage_gathered(s: GatheredSave, store: Storage, rank: int) -> StagedHF:
     return StagedHF(ranges, layout, staged, staged if rank == 0 else {}, placeholders, file_name, store)
 
 
-def save_gathered(s: GatheredSave, st: StagedHF, group: Any, rank: int) -> None:
+def save_gathered(s: SaveRun, st: StagedHF, rows: RowMoves | None) -> None:
     """Collective, after ``stage_gathered`` and its agreement: write and commit a gathered save;
-    every rank raises if any rank failed."""
+    every rank raises if any rank failed. ``rows``: the tensors moved to row slices as they are
+    written (``io.hf_rows``)."""
+    group, rank = s.group, s.rank
     opts, plan = s.opts, s.plan
     ranges, layout, staged, own = st.ranges, st.layout, st.staged, st.own
     placeholders, file_name, single = st.placeholders, st.file_name, st.file_name is not None
@@ -184,9 +290,7 @@ def save_gathered(s: GatheredSave, st: StagedHF, group: Any, rank: int) -> None:
     hashes: _Hashes = {}
     partials: _Partials = {}
     try:
-        hashes, partials = _write_own(
-            plan, layout, ranges, s.local, staged, st.store, rank, opts, s.rows, own
-        )
+        hashes, partials = _write_own(plan, layout, ranges, s.local, staged, st.store, rank, opts, rows, own)
     except BaseException as e:
         err = e
     try:  # the agreement carries the hashes: one exchange
@@ -427,7 +531,7 @@ def hash_tensor_ranges(
 
 
 def gathered_block(
-    s: GatheredSave,
+    s: SaveRun,
     ranges: _Ranges,
     hashes: _Hashes | None,
     partials: _Partials | None,
@@ -479,7 +583,7 @@ def _finish_single(
     staged: dict[str, str],
     placeholders: UnickptBlock | None,
     block: UnickptBlock,
-    s: GatheredSave,
+    s: SaveRun,
     store: Storage,
 ) -> None:
     """Rank 0: the single file's real header (same length as the placeholder one), then its commit."""

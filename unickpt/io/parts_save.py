@@ -19,7 +19,8 @@ parts from any client holding the upload's id (``store/storage_parts.py``), so:
 
 Any rank's failure aborts every upload (after every rank has stopped uploading): nothing of the
 save appears, the previous checkpoint stays committed. Files are byte-identical to the local
-gathered save's (same layout, header and metadata).
+gathered save's (same layout, header and metadata). ``SharedParts`` is this strategy of the save
+engine (``io.save.choose_strategy``: a store with shared multipart uploads).
 """
 
 from __future__ import annotations
@@ -40,10 +41,11 @@ from unickpt._faults import maybe_fail
 from unickpt.ckpt.hf_layout import HFLayout, box_runs, plan_hf_layout
 from unickpt.ckpt.reader import single_file_name
 from unickpt.ckpt.writer import build_index, data_file_metadata, single_file_metadata
-from unickpt.io._commit import commit_collective, settle
-from unickpt.io.hf_save import GatheredSave, gathered_block, hash_tensor_ranges, order_files
-from unickpt.io.planner import PlannedFile, SavePlan
+from unickpt.io.hf_save import gathered_block, hash_tensor_ranges, order_files
+from unickpt.io.planner import PlannedFile, SavePlan, SliceMeta, plan_save
+from unickpt.io.replicas import check_gathered_metas
 from unickpt.io.tensors import as_bytes
+from unickpt.io.write_strategy import SaveOptions, SaveRun, WriteStrategy, commit_collective, settle
 from unickpt.spec.dtypes import itemsize
 from unickpt.spec.index import index_to_json
 from unickpt.spec.naming import single_name
@@ -93,13 +95,38 @@ class _Source:
             i += 1
 
 
-def save_gathered_parts(
-    s: GatheredSave, store: FsspecStorage, over: bool, group: Any, rank: int, world: int
-) -> None:
+class SharedParts(WriteStrategy):
+    """A gathered save on a store with shared multipart uploads (S3: ``supports_shared_parts``):
+    every rank uploads the parts it owns of the same files (the module docstring)."""
+
+    name = "shared-parts"
+
+    def __init__(self, store: FsspecStorage) -> None:
+        self.store = store
+
+    def plan(
+        self,
+        all_metas: list[list[SliceMeta]],
+        writers: list[list[SliceMeta]],
+        opts: SaveOptions,
+        root: str,
+        path: str,
+        size: int | None,
+    ) -> SavePlan:
+        """The writer of every slice (its files are planned from the layout, ``save_gathered_parts``)."""
+        check_gathered_metas(all_metas, path)
+        return plan_save(writers, kind=opts.kind, size_per_shard_bytes=None, sliced=True)
+
+    def write_and_commit(self, run: SaveRun) -> None:
+        save_gathered_parts(run, self.store)
+
+
+def save_gathered_parts(s: SaveRun, store: FsspecStorage) -> None:
     """Collective: write and commit a gathered save on S3; every rank raises if any rank failed.
 
-    ``over``: a checkpoint of the kind is committed in ``s.directory`` (new files get save-id names).
+    ``s.over``: a checkpoint of the kind is committed in ``s.directory`` (new files get save-id names).
     """
+    over, group, rank, world = s.over, s.group, s.rank, s.world
     plan, ranges, descs = order_files(s)
     single = bool(s.file_path)
     file_name = single_file_name(s.file_path, s.kind) if single else None
@@ -247,7 +274,7 @@ def _plan(
     return out
 
 
-def _commit_point(s: GatheredSave, write: Any) -> None:
+def _commit_point(s: SaveRun, write: Any) -> None:
     """``write()`` (a conditional completion): refused by the store, the save's lock was taken
     over and another save committed: ``CheckpointBusyError``."""
     try:
@@ -271,7 +298,7 @@ def _abort(uploads: Sequence[SharedUpload]) -> None:
 
 
 def _upload_own(
-    s: GatheredSave,
+    s: SaveRun,
     layout: HFLayout,
     ranges: dict[str, list[tuple[int, int, int]]],
     parts: list[list[Part]],

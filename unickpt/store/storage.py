@@ -64,6 +64,12 @@ __all__ = [
     "Buffers",
     "RangeFile",
     "open_storage",
+    "open_location",
+    "Location",
+    "options_for",
+    "join_location",
+    "side_file",
+    "is_local_file",
     "is_url",
     "url_options",
     "coalesce",
@@ -987,6 +993,72 @@ class FsspecStorage(Storage):
 
 #: (endpoint, bucket) pairs known to exist in this process (``FsspecStorage.makedirs``).
 _BUCKETS: set[tuple[str, str]] = set()
+
+
+def options_for(
+    location: str | os.PathLike[str], storage_options: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """The storage options that apply at ``location``: an IO's options are for the fsspec URLs it
+    saves to and loads from; a local path (or ``file://`` URL) takes none."""
+    return storage_options if is_url(location) else None
+
+
+def join_location(location: str | os.PathLike[str], name: str) -> str:
+    """``name`` below ``location`` as given: joined with ``/`` on a URL, the OS separator on a
+    local path."""
+    s = os.fspath(location)
+    return posixpath.join(s, name) if is_url(s) else os.path.join(s, name)
+
+
+def side_file(location: str | os.PathLike[str], name: str, suffix: str) -> str:
+    """The file a location of a side file names (a scheduler's JSON): the location itself when it
+    names a file (ends with ``suffix``, or is an existing local file) and no local directory, else
+    ``name`` below it."""
+    s = os.fspath(location)
+    local = s.removeprefix("file://")
+    if not os.path.isdir(local) and (s.endswith(suffix) or is_local_file(s)):
+        return s
+    return join_location(s, name)
+
+
+def is_local_file(location: str | os.PathLike[str]) -> bool:
+    """Whether ``location`` is an existing local file (an object store is never asked)."""
+    s = os.fspath(location)
+    return not is_url(s) and os.path.isfile(s.removeprefix("file://"))
+
+
+class Location:
+    """A location a save was given, opened (:func:`open_location`): its storage, its path there,
+    and how the save names it back."""
+
+    def __init__(self, storage: Storage, path: str, given: str) -> None:
+        self.storage, self.path = storage, path
+        self.given = given.removeprefix("file://")  # as given; a local path without ``file://``
+        self._local = not is_url(given)
+
+    @property
+    def is_file(self) -> bool:
+        """Whether it names one file: a ``.safetensors`` name, or an existing local file."""
+        return self.path.endswith(".safetensors") or (self._local and os.path.isfile(self.path))
+
+    @property
+    def shown(self) -> str:
+        """The location as a save returns it: a URL as given, a local path absolute."""
+        return self.path if self._local else self.given
+
+    def shown_file(self, name: str) -> str:
+        """A single file saved here, as returned: a URL as given; locally the file given, or
+        ``name`` below the path given."""
+        if not self._local or self.is_file:
+            return self.given
+        return os.path.join(self.given, name)
+
+
+def open_location(location: str | os.PathLike[str], storage_options: dict[str, Any] | None) -> Location:
+    """The :class:`Location` of ``location`` (:func:`open_storage`, with the options that apply
+    there: :func:`options_for`)."""
+    storage, path = open_storage(location, options_for(location, storage_options))
+    return Location(storage, path, os.fspath(location))
 
 
 def open_storage(

@@ -28,7 +28,7 @@ import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from unickpt.store.storage import FsspecStorage, Storage
 
@@ -64,7 +64,7 @@ class Part:
     runs: tuple[Run, ...]  # the part's bytes by holder, in file order (clipped to the part)
 
 
-def supports_shared_parts(storage: Storage | None) -> bool:
+def supports_shared_parts(storage: Storage | None) -> TypeGuard[FsspecStorage]:
     """Whether several processes can upload parts of one object (S3's multipart uploads)."""
     return (
         isinstance(storage, FsspecStorage)

@@ -14,7 +14,7 @@ import torch
 
 from unickpt.ckpt.reader import open_checkpoint
 from unickpt.errors import DistributedError, StateMismatchError
-from unickpt.io import plan_cache, tensors
+from unickpt.io import hf_save, tensors
 from unickpt.io.load import load_tensors
 from unickpt.io.planner import plan_save
 from unickpt.io.save import SaveOptions, save_tensors
@@ -31,18 +31,18 @@ def _metas(rows: int = 10) -> list[list[tuple[Any, ...]]]:
 
 
 def test_a_plan_is_reused_for_equal_metas_only() -> None:
-    first = plan_cache.gathered_plan(_metas(), kind="model", path="d")
-    assert plan_cache.gathered_plan(_metas(), kind="model", path="d") is first  # built alike: kept
+    first = hf_save.gathered_plan(_metas(), kind="model", path="d")
+    assert hf_save.gathered_plan(_metas(), kind="model", path="d") is first  # built alike: kept
     # Equal metas in other containers only miss the cache: an equal plan, planned again.
     again = [[tuple(list(x) if isinstance(x, tuple) else x for x in m) for m in ms] for ms in _metas()]
-    assert plan_cache.gathered_plan(again, kind="model", path="d") == first
-    other = plan_cache.gathered_plan(_metas(12), kind="model", path="d")
+    assert hf_save.gathered_plan(again, kind="model", path="d") == first
+    other = hf_save.gathered_plan(_metas(12), kind="model", path="d")
     assert other is not first
     assert [(ps.offsets, ps.shape, ps.rank) for ps in other.slices["w"]] == [
         ((0, 0), (6, 3), 0),
         ((6, 0), (6, 3), 1),
     ]
-    assert plan_cache.gathered_plan(_metas(), kind="optimizer", path="d") is not first
+    assert hf_save.gathered_plan(_metas(), kind="optimizer", path="d") is not first
     # The plan is plan_save's (the replicated bias written once).
     assert first == plan_save(_metas(), kind="model", size_per_shard_bytes=None, sliced=True)
     assert len(first.slices["b"]) == 1
@@ -51,32 +51,32 @@ def test_a_plan_is_reused_for_equal_metas_only() -> None:
 def test_a_failed_plan_is_not_kept() -> None:
     bad = _metas()
     bad[1][0] = ("w", "BF16", (10, 3), (5, 0), (5, 3))
-    kept = len(plan_cache._cache)
+    kept = len(hf_save._cache)
     for _ in range(2):  # raised again on the second save: nothing was kept
         with pytest.raises(DistributedError, match=r"d: the ranks disagree on the dtype or global shape"):
-            plan_cache.gathered_plan(bad, kind="model", path="d")
+            hf_save.gathered_plan(bad, kind="model", path="d")
     gap = _metas()
     gap[1][0] = ("w", "F32", (10, 3), (6, 0), (4, 3))  # row 5 written by nobody
     for _ in range(2):
         with pytest.raises(StateMismatchError, match=r"tensor 'w'"):
-            plan_cache.gathered_plan(gap, kind="model", path="d")
-    assert len(plan_cache._cache) == kept
+            hf_save.gathered_plan(gap, kind="model", path="d")
+    assert len(hf_save._cache) == kept
 
 
 def test_only_the_last_plans_are_kept() -> None:
-    first = plan_cache.gathered_plan(_metas(100), kind="model", path="d")
-    for rows in range(101, 101 + plan_cache._KEEP):
-        plan_cache.gathered_plan(_metas(rows), kind="model", path="d")
-    assert len(plan_cache._cache) <= plan_cache._KEEP
-    assert not plan_cache.holds(first)
-    assert plan_cache.gathered_plan(_metas(100), kind="model", path="d") is not first
+    first = hf_save.gathered_plan(_metas(100), kind="model", path="d")
+    for rows in range(101, 101 + hf_save._KEEP):
+        hf_save.gathered_plan(_metas(rows), kind="model", path="d")
+    assert len(hf_save._cache) <= hf_save._KEEP
+    assert not hf_save.holds(first)
+    assert hf_save.gathered_plan(_metas(100), kind="model", path="d") is not first
 
 
 def test_layouts_of_many_slices_are_planned_every_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(plan_cache, "_MAX_SLICES", 3)
-    first = plan_cache.gathered_plan(_metas(200), kind="model", path="d")  # 4 slices
-    assert plan_cache.gathered_plan(_metas(200), kind="model", path="d") is not first
-    assert not plan_cache.holds(first)
+    monkeypatch.setattr(hf_save, "_MAX_SLICES", 3)
+    first = hf_save.gathered_plan(_metas(200), kind="model", path="d")  # 4 slices
+    assert hf_save.gathered_plan(_metas(200), kind="model", path="d") is not first
+    assert not hf_save.holds(first)
 
 
 def _opts() -> SaveOptions:
@@ -103,9 +103,9 @@ def test_repeated_gathered_saves_follow_every_change_of_layout(tmp_path: Path) -
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(5, 3, generator=g), torch.randn(7, generator=g)
     _roundtrip({"a": a, "b": b}, tmp_path / "d")
-    kept = set(plan_cache._cache)
+    kept = set(hf_save._cache)
     _roundtrip({"a": a + 1, "b": b}, tmp_path / "d")  # same layout: no new plan kept
-    assert set(plan_cache._cache) == kept
+    assert set(hf_save._cache) == kept
     _roundtrip({"b": b, "a": a}, tmp_path / "d")  # names in another order: the file follows it
     _roundtrip({"a": torch.randn(6, 3, generator=g), "b": b}, tmp_path / "d")
     _roundtrip({"a": a, "b": b, "c": torch.arange(4, dtype=torch.int64)}, tmp_path / "d")

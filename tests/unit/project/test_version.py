@@ -33,9 +33,9 @@ def test_no_other_module_spells_the_version() -> None:
 
 
 def test_writers_stamp_the_package_version() -> None:
-    from unickpt.io import save_block
+    from unickpt.io import write_strategy
     from unickpt.tools import _write
 
     stamp = f"unickpt {unickpt.__version__}"
-    assert stamp == save_block.VERSION
+    assert stamp == write_strategy.VERSION
     assert stamp == _write.write_checkpoint.__kwdefaults__["created_by"]

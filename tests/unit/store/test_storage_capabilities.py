@@ -25,7 +25,7 @@ from unickpt.io.save import SaveOptions, save_tensors
 from unickpt.io.tensors import local_slices
 from unickpt.spec.index import LayoutInfo
 from unickpt.spec.slice_table import SliceTable
-from unickpt.store.storage import FsspecStorage, LocalRange, LocalStorage, RangeFile, open_storage
+from unickpt.store.storage import FsspecStorage, LocalRange, LocalStorage, Location, RangeFile, open_storage
 from unickpt.tools.merge import merge_checkpoint
 
 SAVE_ID = "0123456789abcdef" * 2
@@ -207,7 +207,9 @@ def _state() -> dict[str, torch.Tensor]:
 def _save(monkeypatch: pytest.MonkeyPatch, where: str, store: Any, **kw: Any) -> str:
     monkeypatch.setattr(save_mod, "new_save_id", lambda: SAVE_ID)
     if store is not None:
-        monkeypatch.setattr(save_mod, "open_store", lambda path, _o: (store, os.path.abspath(path)))
+        monkeypatch.setattr(
+            save_mod, "open_location", lambda path, _o: Location(store, os.path.abspath(path), path)
+        )
     opts = SaveOptions(layout=LayoutInfo(), **kw)
     return save_tensors(_state(), where, opts, local_slices)
 

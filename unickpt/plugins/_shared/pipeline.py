@@ -5,7 +5,7 @@ The public names are re-exported by ``unickpt.plugins.pp``."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -14,6 +14,10 @@ from torch import nn
 from unickpt.errors import UnsupportedError
 from unickpt.io import CheckpointIO
 from unickpt.io.hooks import HookContext
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
@@ -108,7 +112,7 @@ class PipelineRuntime:
         module: nn.Module,
         stage: int,
         num_stages: int,
-        group: Any,
+        group: ProcessGroup | None,
         num_microbatches: int,
         schedule: str,
         tied_stages: dict[str, list[int]],
@@ -212,7 +216,12 @@ class PPCheckpointIO(CheckpointIO):
     plugin_name = "pp"
 
     def __init__(
-        self, mesh: Any = None, group: Any = None, *, canonical: dict[str, str] | None = None, **options: Any
+        self,
+        mesh: DeviceMesh | None = None,
+        group: ProcessGroup | None = None,
+        *,
+        canonical: dict[str, str] | None = None,
+        **options: Any,
     ) -> None:
         super().__init__(mesh, group, **options)
         self.canonical = dict(canonical or {})

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -15,6 +15,10 @@ from torch import nn
 from unickpt.errors import UnsupportedError
 from unickpt.io import CheckpointIO
 from unickpt.io.hooks import HookContext
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
 from unickpt.io.tensors import LocalSlice, st_dtype
 from unickpt.spec.boxes import flat_range_to_boxes
 
@@ -217,7 +221,12 @@ class ZeroCheckpointIO(CheckpointIO):
     plugin_name = "zero"
 
     def __init__(
-        self, mesh: Any = None, group: Any = None, *, partition: ZeroPartition | None = None, **options: Any
+        self,
+        mesh: DeviceMesh | None = None,
+        group: ProcessGroup | None = None,
+        *,
+        partition: ZeroPartition | None = None,
+        **options: Any,
     ) -> None:
         super().__init__(mesh, group, **options)
         self.partition = partition
