@@ -43,6 +43,7 @@ from unickpt.io.save import WriteSpec, open_store, writes_in_place
 from unickpt.io.stage import stage_written
 from unickpt.io.writer_process import WriterProcess, process_capable, share_buffers
 from unickpt.spec.naming import single_name
+from unickpt.store.storage import open_location
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -383,15 +384,11 @@ def _in_place(path: str, storage_options: dict[str, Any] | None) -> bool:
 def committed_path(
     path: str, kind: str, shard: bool, gather: bool, storage_options: dict[str, Any] | None = None
 ) -> str:
-    """The path a save with these arguments commits (what ``save_tensors`` returns): on a store
-    with local paths, a directory absolute and a single file below the path given; elsewhere
-    the location as given (a single file's too)."""
-    store, root = open_store(path, storage_options)
-    local = store.local_path(root)
-    given = path if local is None else path.removeprefix("file://")
-    is_file = root.endswith(".safetensors") or (local is not None and os.path.isfile(local))
+    """The path a save with these arguments commits (what ``save_tensors`` returns: the
+    location's :class:`~unickpt.store.storage.Location` names it back)."""
+    loc = open_location(path, storage_options)
     if gather and not shard:
-        return given if is_file or local is None else os.path.join(given, single_name(kind))
-    if is_file:
+        return loc.shown_file(single_name(kind))
+    if loc.is_file:
         raise UnickptError(f"{path}: a sharded or sliced checkpoint is a directory; pass a directory path")
-    return given if local is None else local
+    return loc.shown

@@ -65,7 +65,7 @@ from unickpt.io.tensors import LocalSlice, apply_prefix, mesh_dims
 from unickpt.io.write_strategy import SaveOptions, check_size_per_shard
 from unickpt.spec.index import LayoutInfo
 from unickpt.store.publish import write_small_file
-from unickpt.store.storage import join_location, options_for, side_file
+from unickpt.store.storage import join_location, side_file, url_options
 from unickpt.wrappers import OptimizerWrapper, unwrap_optimizer
 
 if TYPE_CHECKING:
@@ -465,7 +465,7 @@ class CheckpointIO(CheckpointHooks):
         )
 
         module = peft_model_of(self.unwrap_model(ctx.model), "load_adapter")
-        options = options_for(directory, self.storage_options)
+        options = url_options(directory, self.storage_options)
         try:
             found = read_adapter_config(directory, options)
         except IncompleteCheckpointError:
@@ -949,7 +949,7 @@ class CheckpointIO(CheckpointHooks):
     ) -> CheckpointReader:
         # A URL's storage options come from the IO (given at construction) or the environment;
         # a local path ignores them.
-        options = options_for(checkpoint, self.storage_options)
+        options = url_options(checkpoint, self.storage_options)
         return open_for_load(checkpoint, kind, self.group, options, args)
 
     def _local_slices_of(

@@ -66,12 +66,11 @@ __all__ = [
     "open_storage",
     "open_location",
     "Location",
-    "options_for",
+    "url_options",
     "join_location",
     "side_file",
     "is_local_file",
     "is_url",
-    "url_options",
     "coalesce",
     "IOV_MAX",
     "RUN_BYTES",
@@ -111,8 +110,9 @@ def url_options(
     location: str | os.PathLike[str], storage_options: dict[str, Any] | None
 ) -> dict[str, Any] | None:
     """The storage options that apply to ``location``: a URL's go to fsspec, a local path takes
-    none. For one set of options given with several locations (a tool's source and output), any
-    of which may be local: :func:`open_storage` refuses options given for a local path alone."""
+    none (an IO's options are for the URLs it saves to and loads from; one set given with several
+    locations, a tool's source and output, any of which may be local): :func:`open_storage`
+    refuses options given for a local path alone."""
     return storage_options if is_url(location) else None
 
 
@@ -995,14 +995,6 @@ class FsspecStorage(Storage):
 _BUCKETS: set[tuple[str, str]] = set()
 
 
-def options_for(
-    location: str | os.PathLike[str], storage_options: dict[str, Any] | None
-) -> dict[str, Any] | None:
-    """The storage options that apply at ``location``: an IO's options are for the fsspec URLs it
-    saves to and loads from; a local path (or ``file://`` URL) takes none."""
-    return storage_options if is_url(location) else None
-
-
 def join_location(location: str | os.PathLike[str], name: str) -> str:
     """``name`` below ``location`` as given: joined with ``/`` on a URL, the OS separator on a
     local path."""
@@ -1056,8 +1048,8 @@ class Location:
 
 def open_location(location: str | os.PathLike[str], storage_options: dict[str, Any] | None) -> Location:
     """The :class:`Location` of ``location`` (:func:`open_storage`, with the options that apply
-    there: :func:`options_for`)."""
-    storage, path = open_storage(location, options_for(location, storage_options))
+    there: :func:`url_options`)."""
+    storage, path = open_storage(location, url_options(location, storage_options))
     return Location(storage, path, os.fspath(location))
 
 

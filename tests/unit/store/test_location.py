@@ -14,16 +14,16 @@ from unickpt.store.storage import (
     is_local_file,
     join_location,
     open_location,
-    options_for,
     side_file,
+    url_options,
 )
 
 
 def test_options_apply_to_urls_only(tmp_path: Path) -> None:
     opts = {"anon": True}
-    assert options_for("s3://bucket/ck", opts) is opts
-    assert options_for(str(tmp_path), opts) is None
-    assert options_for(f"file://{tmp_path}", opts) is None
+    assert url_options("s3://bucket/ck", opts) is opts
+    assert url_options(str(tmp_path), opts) is None
+    assert url_options(f"file://{tmp_path}", opts) is None
 
 
 def test_names_below_a_location_use_its_separator(tmp_path: Path) -> None:
