@@ -1,5 +1,11 @@
-"""Shared helpers of the reliability tests (test_hostile, test_fuzz, test_corruption, test_crash_safety,
-test_storage_faults): a tiny deterministic model, checkpoint builders, and model comparison.
+"""Shared helpers of the unit tests: the tiny models, the one checkpoint builder
+(:func:`save_checkpoint`; the ``make_checkpoint`` fixture of ``conftest.py`` puts one under
+``tmp_path``), model comparison, safetensors/index editing, and the kill hooks of the crash tests.
+
+The models: :class:`Tiny` (several dtypes and ranks, a buffer: spread over several shard files),
+:class:`Net` (two layers of two dtypes, see :func:`trained`), :class:`MLP` (two plain linear
+layers of any sizes) and :class:`Tied` (an embedding tied to the head). A test keeps its own
+model only where its shape is what the test checks (each says why).
 """
 
 from __future__ import annotations
@@ -47,6 +53,48 @@ class Net(nn.Module):
         self.b = nn.Linear(7, 3, dtype=torch.bfloat16)
 
 
+class MLP(nn.Module):
+    """Two linear layers ``a`` and ``b`` (``sizes``: in, hidden, out). ``seed`` draws every
+    parameter from its own generator (else from torch's global one); ``steps`` adds an int64
+    buffer ``steps`` (``arange(7) * seed``)."""
+
+    def __init__(self, *sizes: int, seed: int | None = None, steps: bool = False) -> None:
+        super().__init__()
+        n_in, hidden, n_out = sizes or (4, 3, 2)
+        self.a = nn.Linear(n_in, hidden)
+        self.b = nn.Linear(hidden, n_out)
+        if steps:
+            self.register_buffer("steps", torch.arange(7, dtype=torch.int64) * (seed or 0))
+        if seed is not None:
+            g = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                for p in self.parameters():
+                    p.copy_(torch.randn(p.shape, generator=g))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+class Tied(nn.Module):
+    """An embedding tied to the head (``head.weight is emb.weight``: stored once), and a
+    projection: ``vocab`` x ``dim`` embedding, ``proj`` outputs (0: no projection)."""
+
+    def __init__(self, vocab: int = 11, dim: int = 6, proj: int = 7) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        if proj:
+            self.proj = nn.Linear(dim, proj)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight  # tied: named_parameters() lists it once
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        out = self.head(h)
+        if hasattr(self, "proj"):
+            return self.proj(h).sum() + out.sum()
+        return out
+
+
 def trained(seed: int) -> tuple[Net, OptimizerWrapper]:
     """A :class:`Net` and its AdamW optimizer after one step (so the optimizer has state)."""
     torch.manual_seed(seed)
@@ -85,9 +133,28 @@ def same_state(model: nn.Module, snap: dict[str, torch.Tensor]) -> bool:
     )
 
 
-def save_sharded(path: Path | str, seed: int = 0, shard_mb: float = TINY_SHARD_MB) -> Tiny:
-    m = Tiny(seed)
-    GeneralCheckpointIO().save_model(m, str(path), shard=True, size_per_shard=shard_mb)  # type: ignore[arg-type]
+def save_checkpoint(
+    path: Path | str,
+    seed: int = 0,
+    *,
+    model: nn.Module | None = None,
+    sharded: bool = True,
+    sliced: bool = False,
+    shard_mb: float = TINY_SHARD_MB,
+    io: GeneralCheckpointIO | None = None,
+) -> nn.Module:
+    """Save ``model`` (default: ``Tiny(seed)``) at ``path`` and return it: ``sharded`` (an index
+    and its files, about one tensor a file), else one ``model.safetensors``; ``sliced`` keeps the
+    slices (``gather_dtensor=False``: a sliced index) instead of Hugging Face files; ``io``
+    saves with that CheckpointIO."""
+    m = Tiny(seed) if model is None else model
+    (io or GeneralCheckpointIO()).save_model(
+        m,
+        str(path),
+        shard=sharded or sliced,
+        gather_dtensor=not sliced,
+        size_per_shard=shard_mb,  # type: ignore[arg-type]
+    )
     return m
 
 

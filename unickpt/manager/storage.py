@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import posixpath
 import shutil
 import tempfile
 import weakref
@@ -64,11 +63,6 @@ class Storage:
     def write_root(self, stage: str, target: str) -> str:
         """Where the ranks write the step's files: the local ``stage``, or the target's URL."""
         return stage
-
-    @contextlib.contextmanager
-    def written_copy(self, root: str, sub: str) -> Iterator[str]:
-        """Rank 0: a local directory holding ``<root>/<sub>/`` as every rank wrote it (not committed yet)."""
-        yield os.path.join(root, sub)
 
     def commit(self, step: int, stage: str, target: str, record: bytes) -> None:
         """Rank 0, once everything is written: commit the step, then record it as ``latest``."""
@@ -156,16 +150,6 @@ class RemoteStorage(Storage):
 
     def write_root(self, stage: str, target: str) -> str:
         return self.store.url_of(target)
-
-    @contextlib.contextmanager
-    def written_copy(self, root: str, sub: str) -> Iterator[str]:
-        os.makedirs(self.root, exist_ok=True)
-        d = tempfile.mkdtemp(prefix=".hf-source-", dir=self.root)
-        try:
-            self.store.download(posixpath.relpath(root, self.location), sub, d)
-            yield os.path.join(d, sub)
-        finally:
-            shutil.rmtree(d, ignore_errors=True)
 
     def commit(self, step: int, stage: str, target: str, record: bytes) -> None:
         self.store.commit(step, target, record)  # COMMIT last (exclusive), then promoted

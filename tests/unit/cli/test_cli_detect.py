@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _reliability import MLP
 
 from unickpt import GeneralCheckpointIO
 from unickpt.ckpt.foreign import foreign_dir, foreign_file
@@ -24,20 +25,12 @@ from unickpt.tools.detect import detect_source
 DATA = Path(__file__).resolve().parents[2] / "data"
 
 
-class Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = torch.nn.Linear(4, 3)
-        self.b = torch.nn.Linear(3, 2)
-
-
 @pytest.fixture(scope="module")
 def peers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     import torch.distributed.checkpoint as dcp
 
     root = tmp_path_factory.mktemp("peers")
-    m = Net()
+    m = MLP(seed=0)
     torch.save(m.state_dict(), root / "pytorch_model.bin")
     torch.save(m.state_dict(), root / "legacy.bin", _use_new_zipfile_serialization=False)
     (root / "bin_dir").mkdir()
@@ -112,7 +105,7 @@ def test_load_inspect_verify_of_a_bin_name_convert(
     with pytest.raises(
         HeaderError, match=rf"{path} is a .*not safetensors: read it with `unickpt convert --from bin"
     ):
-        GeneralCheckpointIO().load_model(Net(), path)
+        GeneralCheckpointIO().load_model(MLP(seed=0), path)
     for cmd in ("inspect", "verify"):
         assert main([cmd, path]) == 2
         err = capsys.readouterr().err
@@ -131,7 +124,7 @@ def test_inspect_of_a_dcp_folder_names_convert(
         err = capsys.readouterr().err
         assert what in err and f"`unickpt convert --from dcp {path} OUT`" in err, err
     with pytest.raises(IncompleteCheckpointError, match=f"unickpt convert --from dcp {path} OUT"):
-        GeneralCheckpointIO().load_model(Net(), path)
+        GeneralCheckpointIO().load_model(MLP(seed=0), path)
 
 
 @pytest.mark.parametrize("name", ["bin", "bin_dir", "dcp", "titan"])
@@ -143,7 +136,7 @@ def test_convert_without_from_matches_convert_with_it(
     assert main(["convert", "-q", "--from", source, str(peers[name]), str(tmp_path / "given")]) == 0
     capsys.readouterr()
     assert main(["diff", "--deep", str(tmp_path / "auto"), str(tmp_path / "given")]) == 0
-    a, b = Net(), Net()
+    a, b = MLP(seed=0), MLP(seed=0)
     with torch.no_grad():
         for p in a.parameters():
             p.zero_()

@@ -25,6 +25,8 @@ from unickpt.ckpt.reader import open_checkpoint
 LAYOUTS = [(False, True), (True, True), (False, False), (True, False)]  # (shard, gather_dtensor)
 
 
+# Its own model, not the shared ones: what these tests check is its shape (a tied head, a
+# BatchNorm's buffers, a 0-dim, an empty and a non-persistent buffer).
 class Tiny(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -134,6 +136,7 @@ def test_sliced_checkpoint_fails_loudly_in_hugging_face_loaders(tmp_path: Path) 
     ],
 )
 def test_every_dtype_round_trips_bit_exactly(tmp_path: Path, dtype: torch.dtype) -> None:
+    # The tensor under test in three layouts (plain, non-contiguous, 0-dim), one dtype each case.
     class Holder(nn.Module):
         def __init__(self, t: torch.Tensor) -> None:
             super().__init__()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _reliability import MLP
 
 import unickpt
 from unickpt import merge_checkpoint, verify_checkpoint
@@ -18,16 +19,9 @@ from unickpt.tools.convert import convert_checkpoint
 from unickpt.tools.run import verify_run
 
 
-class Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = torch.nn.Linear(40, 70)
-        self.b = torch.nn.Linear(70, 30)
-
-
-def _setup() -> tuple[Net, torch.optim.Optimizer]:
+def _setup() -> tuple[MLP, torch.optim.Optimizer]:
     torch.manual_seed(3)
-    m = Net()
+    m = MLP(40, 70, 30)
     opt = torch.optim.AdamW(list(m.named_parameters()), lr=1e-2)
     m.b(m.a(torch.randn(4, 40))).square().sum().backward()
     opt.step()
@@ -102,7 +96,7 @@ def test_editing_the_manager_hf_copy_leaves_the_step_intact(tmp_path: Path, asyn
     assert parts["model"] == [] and parts["optimizer"] == []
     assert parts["hf"], "the edited hf copy must fail its own verification"
 
-    fresh, fopt = Net(), None
+    fresh, fopt = MLP(40, 70, 30), None
     with torch.no_grad():
         for p in fresh.parameters():
             p.zero_()

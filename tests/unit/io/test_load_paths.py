@@ -80,6 +80,7 @@ def test_read_box_is_exact_on_every_path(
         reader.close()
 
 
+# Its own model: a non-contiguous parameter (loads read it through a buffer) is what it checks.
 class _M(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -255,6 +255,7 @@ def test_all_experts_of_a_layer_short_is_a_shape_mismatch(
 
 
 # ---------------------------------------------------------------------------- user-passed ops
+# Its own model: the fused, stacked, transposed and interleaved layouts are what the mappings map.
 class Fused(torch.nn.Module):
     """A non-transformers model: fused QKV, experts stacked in one parameter, a transposed
     projection, gate and up as two parameters, an interleaved one, a renamed norm."""

@@ -27,6 +27,8 @@ from unickpt.errors import IndexFileError, StateMismatchError
 OPT_INDEX = "optimizer.safetensors.index.json"
 
 
+# Its own model: a frozen layer in the optimizer and a layer that never gets a gradient are
+# what the resume checks.
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -386,6 +386,7 @@ from unickpt import GeneralCheckpointIO, merge_checkpoint
 def mem_kb():  # anonymous and shared-anonymous memory (the merge maps its tensors)
     return sum(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(("RssAnon", "RssShmem")))
 
+# Its own model (in the child): 64 MB of base weights, enough to see merge's peak memory.
 class M(nn.Module):
     def __init__(self):
         super().__init__()

@@ -57,6 +57,7 @@ def test_405b_3d_layout_saves_loads_verifies_and_merges(tmp_path: Path) -> None:
             assert torch.equal(got.view(torch.int16), expect[n].view(torch.int16)), n
 
 
+# Its own model: built from the names and shapes of the scale checkpoint it loads.
 class _Named(torch.nn.Module):
     """Parameters under the checkpoint's dotted names (nested modules built on the fly)."""
 

@@ -13,6 +13,7 @@ import torch
 from unickpt.io import GeneralCheckpointIO
 
 
+# Its own model: its state-dict hooks (one fused parameter saved as two) are what it checks.
 class Fused(torch.nn.Module):
     def __init__(self, seed: int) -> None:
         super().__init__()

@@ -24,6 +24,8 @@ from unickpt.store.lock import directory_lock
 from unickpt.wrappers import OptimizerWrapper
 
 
+# Its own model: dropout in forward (the restored RNG must replay it) and an int64 buffer the
+# training loop updates.
 class Net(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

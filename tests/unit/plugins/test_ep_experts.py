@@ -12,6 +12,7 @@ from unickpt.errors import UnsupportedError
 from unickpt.plugins.ep import ExpertParallelPlugin, find_expert_modules
 
 
+# Their own modules: the experts' stacked layout and the router are what expert parallelism splits.
 class Stacked(nn.Module):
     def __init__(self, n: int = 4, bias: bool = False) -> None:
         super().__init__()

@@ -103,6 +103,7 @@ torch.manual_seed(0)
 random.seed(0)
 
 
+# The names the docs' code blocks use (MyModel, MLP): defined as the docs show them.
 class MLP(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -154,6 +154,7 @@ def test_every_tool_bounded(name: str, tmp_path: Path) -> None:
     want = case.verify or case.error
     refused = (want, "HeaderError", "IndexFileError")
 
+    # Its own model: the control checkpoint's tensors (w F32[4,3], n I64[4], tests/data/make_counts.py).
     class M(nn.Module):
         def __init__(self) -> None:
             super().__init__()

@@ -20,7 +20,7 @@ from _reliability import (
     header_of,
     read_index,
     same_state,
-    save_sharded,
+    save_checkpoint,
     snapshot,
     write_index,
 )
@@ -66,7 +66,7 @@ def _locations(ck: Path) -> list[tuple[str, str, int]]:
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ck = tmp_path_factory.mktemp("pristine") / "ck"
-    save_sharded(ck)
+    save_checkpoint(ck)
     assert len(data_files(ck)) >= 3
     return ck
 

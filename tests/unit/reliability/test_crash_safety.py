@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _reliability import TINY_SHARD_MB, Tiny, data_files, run_child, same_state, save_sharded, snapshot
+from _reliability import Tiny, data_files, run_child, same_state, save_checkpoint, snapshot
 
 import unickpt.io.save as save_mod
 from unickpt import GeneralCheckpointIO
@@ -57,9 +57,7 @@ def _assert_refused(path: Path) -> None:
 def _save_new(path: Path) -> Callable[[], None]:
     def fn() -> None:
         torch.set_num_threads(1)
-        GeneralCheckpointIO(fsync=True).save_model(
-            Tiny(NEW_SEED), str(path), shard=True, size_per_shard=TINY_SHARD_MB
-        )  # type: ignore[arg-type]
+        save_checkpoint(path, NEW_SEED, io=GeneralCheckpointIO(fsync=True))
 
     return fn
 
@@ -67,7 +65,7 @@ def _save_new(path: Path) -> Callable[[], None]:
 def test_kill_at_every_event_of_a_fresh_save(tmp_path: Path) -> None:
     """Checkpoint-manager style: step-1 is committed, step-2 is being saved when the process dies."""
     old = tmp_path / "step-1"
-    save_sharded(old, OLD_SEED)
+    save_checkpoint(old, OLD_SEED)
     events = _count_events(_save_new(tmp_path / "probe"), tmp_path)
     assert sum(e.startswith("write-half") for e in events) >= 5
     assert any("index.json" in e for e in events)
@@ -87,7 +85,7 @@ def test_kill_at_every_event_of_a_fresh_save(tmp_path: Path) -> None:
             outcomes["refused"] += 1
         # A later save into the killed directory works: the dead save's lock is taken over.
         if k % 7 == 0:
-            save_sharded(new, 3)
+            save_checkpoint(new, 3)
             _assert_committed_as(new, 3)
             assert not os.path.exists(new / LOCK_NAME)
             # ... and removes what the dead save left (partial files, staging names).
@@ -102,7 +100,7 @@ def test_kill_during_in_place_overwrite_is_never_a_mix(tmp_path: Path) -> None:
     outcomes = {"old": 0, "new": 0, "refused": 0}
     for k in range(1, len(events) + 1, 2):
         ck = tmp_path / f"ck-{k}"
-        save_sharded(ck, OLD_SEED)
+        save_checkpoint(ck, OLD_SEED)
         assert run_child(k, _save_new(ck), tmp_path / "log.json") == signal.SIGKILL
         if not os.path.exists(ck / "model.safetensors.index.json"):
             _assert_refused(ck)
@@ -142,9 +140,8 @@ def test_kill_during_single_file_save_keeps_old_file(tmp_path: Path) -> None:
     assert seen == {OLD_SEED, NEW_SEED}
 
 
-def test_data_files_without_index_are_refused(tmp_path: Path) -> None:
-    ck = tmp_path / "ck"
-    save_sharded(ck)
+def test_data_files_without_index_are_refused(make_checkpoint: Callable[..., Path]) -> None:
+    ck = make_checkpoint()
     os.unlink(ck / "model.safetensors.index.json")
     assert data_files(ck)
     _assert_refused(ck)
@@ -154,7 +151,7 @@ def test_data_files_without_index_are_refused(tmp_path: Path) -> None:
 
 def test_lock_of_a_live_process_refuses_a_second_save(tmp_path: Path) -> None:
     ck = tmp_path / "ck"
-    save_sharded(ck, OLD_SEED)
+    save_checkpoint(ck, OLD_SEED)
     held_r, held_w = os.pipe()  # child -> parent: the lock is held
     done_r, done_w = os.pipe()  # parent -> child: release it (two pipes: neither reads its own byte)
     pid = os.fork()
@@ -166,7 +163,7 @@ def test_lock_of_a_live_process_refuses_a_second_save(tmp_path: Path) -> None:
     try:
         assert os.read(held_r, 1) == b"x"
         with pytest.raises(CheckpointBusyError, match=f"held by pid {pid}"):
-            save_sharded(ck, NEW_SEED)
+            save_checkpoint(ck, NEW_SEED)
     finally:
         os.write(done_w, b"x")
         os.waitpid(pid, 0)
@@ -175,7 +172,7 @@ def test_lock_of_a_live_process_refuses_a_second_save(tmp_path: Path) -> None:
     _assert_committed_as(ck, OLD_SEED)
     # A lock file left with a live pid in it but not held (a killed holder's pid reused): not a lock.
     (ck / LOCK_NAME).write_text(f"{os.getppid()}\n")
-    save_sharded(ck, NEW_SEED)
+    save_checkpoint(ck, NEW_SEED)
     _assert_committed_as(ck, NEW_SEED)
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import torch
-from _reliability import TINY_SHARD_MB, Tiny, same_state, snapshot, train_state, trained
+from _reliability import Tiny, same_state, save_checkpoint, snapshot, train_state, trained
 from crashfs import Recorder, Search, explore
 
 from unickpt import GeneralCheckpointIO
@@ -64,14 +64,9 @@ def _verdict_of_checkpoint(path: str) -> str:
 
 
 def _save(kind: str, seed: int, path: str) -> None:
-    m = Tiny(seed)
+    """``kind``: "sliced" (a sliced index), "hf" (Hugging Face files and their index), "single"."""
     io = GeneralCheckpointIO(fsync=True)
-    if kind == "sliced":
-        io.save_model(m, path, shard=True, gather_dtensor=False, size_per_shard=TINY_SHARD_MB)  # type: ignore[arg-type]
-    elif kind == "hf":
-        io.save_model(m, path, shard=True, gather_dtensor=True, size_per_shard=TINY_SHARD_MB)  # type: ignore[arg-type]
-    else:
-        io.save_model(m, path, shard=False)
+    save_checkpoint(path, seed, sharded=kind == "hf", sliced=kind == "sliced", io=io)
 
 
 def _search(
@@ -499,11 +494,7 @@ def test_store_save_over_a_committed_checkpoint(s3: Any, kind: str, big: bool) -
 
     def save(seed: int) -> None:
         io = GeneralCheckpointIO(storage_options=opts)
-        m = cls(seed)
-        if kind == "single":
-            io.save_model(m, url, shard=False)
-        else:
-            io.save_model(m, url, shard=True, gather_dtensor=kind == "hf", size_per_shard=TINY_SHARD_MB)  # type: ignore[arg-type]
+        save_checkpoint(url, model=cls(seed), sharded=kind == "hf", sliced=kind == "sliced", io=io)
 
     save(OLD_SEED)
 

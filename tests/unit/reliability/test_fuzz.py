@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from _reliability import INDEX, Tiny, same_state, save_sharded, snapshot
+from _reliability import INDEX, Tiny, same_state, save_checkpoint, snapshot
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -30,7 +30,7 @@ FUZZ = settings(max_examples=N, deadline=None, suppress_health_check=list(Health
 
 _BASE = Path(tempfile.mkdtemp(prefix="unickpt-fuzz-"))
 _CK = _BASE / "ck"
-save_sharded(_CK, 1)
+save_checkpoint(_CK, 1)
 _INDEX_BYTES = (_CK / INDEX).read_bytes()
 _FILES = {f: (_CK / f).read_bytes() for f in os.listdir(_CK) if f.endswith(".safetensors")}
 _FIRST = sorted(_FILES)[0]

@@ -17,12 +17,13 @@ import sys
 import threading
 import time
 import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from _reliability import INDEX, Tiny, same_state, save_sharded, snapshot, tree_state
+from _reliability import INDEX, Tiny, same_state, save_checkpoint, snapshot, tree_state
 from torch import nn
 
 import unickpt.errors as errors
@@ -53,6 +54,7 @@ def _make_hostile():  # type: ignore[no-untyped-def]
 MH = _make_hostile()
 
 
+# Its own model: the tensors of the committed hostile files' good header.
 class Good(nn.Module):
     """Matches GOOD_HEADER of make_hostile: w F32[2,3], n I64[4]."""
 
@@ -212,9 +214,8 @@ def test_index_symlink_to_proc_file_is_bounded(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(20)
-def test_fifo_data_file_does_not_hang(tmp_path: Path) -> None:
-    d = tmp_path / "ck"
-    save_sharded(d)
+def test_fifo_data_file_does_not_hang(make_checkpoint: Callable[..., Path]) -> None:
+    d = make_checkpoint()
     victim = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))[0]
     os.unlink(d / victim)
     os.mkfifo(d / victim)
@@ -236,7 +237,7 @@ def test_fifo_data_file_does_not_hang(tmp_path: Path) -> None:
 
 def test_directory_in_place_of_data_file(tmp_path: Path) -> None:
     d = tmp_path / "ck"
-    m = save_sharded(d)
+    m = save_checkpoint(d)
     victim = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))[0]
     os.unlink(d / victim)
     os.mkdir(d / victim)
@@ -250,7 +251,7 @@ def test_directory_in_place_of_data_file(tmp_path: Path) -> None:
 def test_hf_cache_symlinks_are_followed(tmp_path: Path) -> None:
     """The Hugging Face cache keeps snapshots/<rev>/<file> as symlinks to ../../blobs/<sha>."""
     src = tmp_path / "saved"
-    m = save_sharded(src)
+    m = save_checkpoint(src)
     repo = tmp_path / "models--x--y"
     (repo / "blobs").mkdir(parents=True)
     snap_dir = repo / "snapshots" / "abc123"
@@ -505,7 +506,7 @@ def _fs_case(kind: str, root: Path) -> tuple[Path, type[UnickptError], str]:
         os.symlink(".", d / INDEX)
         return d, errors.IndexFileError, "is a directory"
     if kind == "data_file_symlink_loop":
-        save_sharded(d)
+        save_checkpoint(d)
         victim = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))[0]
         os.unlink(d / victim)
         os.symlink(victim, d / victim)

@@ -551,15 +551,12 @@ def test_hf_index_data_file_symlink_out(tmp_path: Path) -> None:
     )
 
 
-def test_unickpt_data_file_symlink_out(tmp_path: Path) -> None:
-    from _reliability import save_sharded
-
-    d = tmp_path / "ck"
-    save_sharded(d)
-    save_sharded(tmp_path / "victim")
+def test_unickpt_data_file_symlink_out(make_checkpoint: Callable[..., Path]) -> None:
+    d = make_checkpoint()
+    other = make_checkpoint("victim")
     victim = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))[0]
     os.unlink(d / victim)
-    os.symlink(tmp_path / "victim" / victim, d / victim)
+    os.symlink(other / victim, d / victim)
     _bounded(lambda: open_checkpoint(d).validate_structure(), errors.UnsafePathError, victim, "symbolic link")
 
 

@@ -11,11 +11,12 @@ import errno
 import io
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from _reliability import TINY_SHARD_MB, Tiny, same_state, save_sharded, snapshot
+from _reliability import Tiny, same_state, save_checkpoint, snapshot
 
 import unickpt.store.publish as commit_mod
 import unickpt.store.storage as storage_mod
@@ -71,15 +72,9 @@ def _committed_ok(path: Path, seed: int) -> None:
     assert same_state(m, snapshot(Tiny(seed)))
 
 
-def _save(path: Path, seed: int = 2, shard: bool = True) -> None:
-    GeneralCheckpointIO().save_model(Tiny(seed), str(path), shard=shard, size_per_shard=TINY_SHARD_MB)  # type: ignore[arg-type]
-
-
 @pytest.fixture()
-def old(tmp_path: Path) -> Path:
-    p = tmp_path / "step-1"
-    save_sharded(p, 1)
-    return p
+def old(make_checkpoint: Callable[..., Path]) -> Path:
+    return make_checkpoint("step-1", 1)
 
 
 def _only(path: Path) -> list[str]:
@@ -93,12 +88,12 @@ def test_disk_full_during_data_writes(
     _full_disk(monkeypatch, budget)
     new = tmp_path / "step-2"
     with pytest.raises(OSError) as ei:
-        _save(new)
+        save_checkpoint(new, 2)
     assert ei.value.errno == errno.ENOSPC
     monkeypatch.undo()
     assert _only(new) == [], f"save left files behind: {_only(new)}"
     _committed_ok(old, 1)
-    _save(new)  # the directory is usable again
+    save_checkpoint(new, 2)  # the directory is usable again
     _committed_ok(new, 2)
 
 
@@ -117,7 +112,7 @@ def test_fsync_fails(nth: int, err: int, old: Path, tmp_path: Path, monkeypatch:
     monkeypatch.setattr(os, "fsync", fsync)
     new = tmp_path / "step-2"
     with pytest.raises(OSError) as ei:
-        _save(new)
+        save_checkpoint(new, 2)
     assert ei.value.errno == err
     monkeypatch.undo()
     leftovers = _only(new)
@@ -136,7 +131,7 @@ def test_index_rename_denied(old: Path, tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setattr(commit_mod.os, "replace", replace)
     new = tmp_path / "step-2"
     with pytest.raises(PermissionError):
-        _save(new)
+        save_checkpoint(new, 2)
     monkeypatch.undo()
     left = _only(new)
     assert not any(".tmp-" in f for f in left) and LOCK_NAME not in left
@@ -162,7 +157,7 @@ def test_permission_denied_opening_data_file(
     monkeypatch.setattr(storage_mod.LocalStorage, "open_range", open_range)
     new = tmp_path / "step-2"
     with pytest.raises(PermissionError) as ei:
-        _save(new)
+        save_checkpoint(new, 2)
     assert "model-0000" in str(ei.value)  # names the file it could not create
     monkeypatch.undo()
     assert _only(new) == []
@@ -186,18 +181,17 @@ def test_disk_full_single_file_keeps_old_file(
 def test_save_refused_while_lock_held(old: Path) -> None:
     with directory_lock(str(old)):
         with pytest.raises(CheckpointBusyError, match="another save"):
-            _save(old, 2)
+            save_checkpoint(old, 2)
         _committed_ok(old, 1)
-    _save(old, 2)
+    save_checkpoint(old, 2)
     _committed_ok(old, 2)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_concurrent_saves_never_interleave(tmp_path: Path) -> None:
+def test_concurrent_saves_never_interleave(tmp_path: Path, make_checkpoint: Callable[..., Path]) -> None:
     """Two processes save different models into one directory at once, many times: each save either
     commits whole or is refused with CheckpointBusyError; the final directory is one of the two models."""
-    ck = tmp_path / "ck"
-    save_sharded(ck, 1)
+    ck = make_checkpoint(seed=1)
     start = time.time() + 0.5
     pids = []
     for seed in (2, 3):
@@ -219,7 +213,7 @@ def test_concurrent_saves_never_interleave(tmp_path: Path) -> None:
                 ok = busy = 0
                 for _ in range(12):
                     try:
-                        _save(ck, seed)
+                        save_checkpoint(ck, seed)
                         ok += 1
                     except CheckpointBusyError:
                         busy += 1

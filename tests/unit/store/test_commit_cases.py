@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _reliability import TINY_SHARD_MB, Tiny, header_of, run_child, same_state, snapshot
+from _reliability import TINY_SHARD_MB, Tiny, header_of, run_child, same_state, save_checkpoint, snapshot
 from safetensors import safe_open
 
 from unickpt import GeneralCheckpointIO
@@ -52,8 +52,8 @@ def test_the_last_save_wins_whatever_the_layouts(tmp_path: Path, first: str) -> 
     """Issue 14.2: sharded then single made load_model read the old shards while transformers read the new file."""
     io = GeneralCheckpointIO()
     d = tmp_path / "ck"
-    io.save_model(Tiny(1), str(d), shard=first == "sharded", size_per_shard=TINY_SHARD_MB)
-    io.save_model(Tiny(2), str(d), shard=first != "sharded", size_per_shard=TINY_SHARD_MB)
+    save_checkpoint(d, 1, sharded=first == "sharded", io=io)
+    save_checkpoint(d, 2, sharded=first != "sharded", io=io)
     _loads_as(d, 2)
     names = sorted(os.listdir(d))
     if first == "sharded":
@@ -61,7 +61,7 @@ def test_the_last_save_wins_whatever_the_layouts(tmp_path: Path, first: str) -> 
     else:
         assert "model.safetensors" not in names and IDX in names
     # Re-saves of the same layout with fewer shard files leave none of the old ones behind.
-    io.save_model(Tiny(3), str(d), shard=True, size_per_shard=1.0)
+    save_checkpoint(d, 3, shard_mb=1.0, io=io)
     _loads_as(d, 3)
     assert sorted(os.listdir(d)) == sorted([IDX, "model-00001-of-00001.safetensors"])
 
@@ -78,8 +78,8 @@ def test_a_save_of_one_kind_never_touches_the_other(tmp_path: Path) -> None:
 
     io.save_optimizer(OptimizerWrapper(opt, m), str(d), shard=True, size_per_shard=TINY_SHARD_MB)
     before = {f: (d / f).read_bytes() for f in os.listdir(d)}
-    io.save_model(Tiny(2), str(d), shard=True, size_per_shard=TINY_SHARD_MB)
-    io.save_model(Tiny(3), str(d), shard=False)
+    save_checkpoint(d, 2, io=io)
+    save_checkpoint(d, 3, sharded=False, io=io)
     for f, data in before.items():
         assert (d / f).read_bytes() == data, f
     _loads_as(d, 3)
@@ -87,7 +87,7 @@ def test_a_save_of_one_kind_never_touches_the_other(tmp_path: Path) -> None:
 
 def test_every_data_file_names_the_save_of_its_index(tmp_path: Path) -> None:
     d = tmp_path / "ck"
-    GeneralCheckpointIO().save_model(Tiny(1), str(d), shard=True, size_per_shard=TINY_SHARD_MB)
+    save_checkpoint(d, 1)
     idx = json.loads((d / IDX).read_text())
     sid = idx["unickpt"]["save_id"]
     assert len(sid) == 32 and int(sid, 16) >= 0
@@ -96,10 +96,10 @@ def test_every_data_file_names_the_save_of_its_index(tmp_path: Path) -> None:
     for f in files:
         h, _ = header_of(d / f)
         assert h["__metadata__"] == {"format": "pt", SAVE_ID_KEY: sid}
-    GeneralCheckpointIO().save_model(Tiny(1), str(d), shard=True, size_per_shard=TINY_SHARD_MB)
+    save_checkpoint(d, 1)
     assert json.loads((d / IDX).read_text())["unickpt"]["save_id"] != sid  # a new id per save
     single = tmp_path / "one.safetensors"
-    GeneralCheckpointIO().save_model(Tiny(1), str(single))
+    save_checkpoint(single, 1, sharded=False)
     meta = header_of(single)[0]["__metadata__"]
     assert meta[SAVE_ID_KEY] == json.loads(meta["unickpt"])["save_id"]
 
@@ -143,12 +143,12 @@ def test_a_reader_racing_an_in_place_save_never_mixes(tmp_path: Path) -> None:
     """Issue 14.4: a reader holding the old index reads a data file after a save replaced it."""
     d = tmp_path / "ck"
     io = GeneralCheckpointIO()
-    io.save_model(Tiny(1), str(d), shard=True, size_per_shard=TINY_SHARD_MB)
+    save_checkpoint(d, 1, io=io)
     r = open_checkpoint(d)
     files = r.files
     r.header(files[0])  # this file is now open: its old bytes stay readable
     old_sid = r.block.save_id
-    io.save_model(Tiny(2), str(d), shard=True, size_per_shard=TINY_SHARD_MB)  # same names, new files
+    save_checkpoint(d, 2, io=io)  # same names, new files
     new_sid = open_checkpoint(d).block.save_id
     first = next(t for t in r.tensors.values() if t.slices[0].file == files[0])
     assert r.verify([n for n, t in r.tensors.items() if t.slices[0].file == files[0]]) == []
@@ -167,7 +167,7 @@ def test_a_reader_racing_an_in_place_save_never_mixes(tmp_path: Path) -> None:
     def pin_after_a_save(self: CheckpointReader) -> None:
         calls["n"] += 1
         if calls["n"] == 1:
-            io.save_model(Tiny(3), str(d), shard=True, size_per_shard=TINY_SHARD_MB)
+            save_checkpoint(d, 3, io=io)
         orig(self)
 
     CheckpointReader.pin = pin_after_a_save  # type: ignore[method-assign]
@@ -182,13 +182,13 @@ def test_a_reader_racing_an_in_place_save_never_mixes(tmp_path: Path) -> None:
 def test_a_vanished_data_file_after_a_commit_is_a_changed_checkpoint(tmp_path: Path) -> None:
     d = tmp_path / "ck"
     io = GeneralCheckpointIO()
-    io.save_model(Tiny(1), str(d), shard=True, size_per_shard=TINY_SHARD_MB)
+    save_checkpoint(d, 1, io=io)
     r = open_checkpoint(d)
-    io.save_model(Tiny(2), str(d), shard=False)  # the shards are removed after the commit
+    save_checkpoint(d, 2, sharded=False, io=io)  # the shards are removed after the commit
     with pytest.raises(CheckpointChangedError, match="vanished"):
         r.header(r.files[0])
     # Without a new commit, a missing file is a damaged checkpoint, as before.
-    io.save_model(Tiny(2), str(d), shard=True, size_per_shard=TINY_SHARD_MB)
+    save_checkpoint(d, 2, io=io)
     r = open_checkpoint(d)
     os.unlink(d / r.files[0])
     with pytest.raises(IncompleteCheckpointError, match="missing"):
@@ -199,34 +199,34 @@ def test_killed_single_file_saves_leave_nothing_after_the_next_save(tmp_path: Pa
     """Issue 14.7: 30 kills mid-write leaked their staging files forever."""
     d = tmp_path / "ck"
     io = GeneralCheckpointIO()
-    io.save_model(Tiny(1), str(d))
+    save_checkpoint(d, 1, sharded=False, io=io)
     (d / "notes.tmp-0123456789ab").write_text("user file")  # not a staging name: kept
     (d / ".mine.tmp-0123456789ab").write_text("user file")  # a staging name of a non-checkpoint file, no pid
     killed = 0
     for k in range(2, 32):
-        sig = run_child(k, lambda: GeneralCheckpointIO().save_model(Tiny(2), str(d)), tmp_path / "log.json")
+        sig = run_child(k, lambda: save_checkpoint(d, 2, sharded=False), tmp_path / "log.json")
         killed += sig == signal.SIGKILL
     leftovers = [
         f for f in os.listdir(d) if (p := parse_temp_name(f)) is not None and p[0] == "model.safetensors"
     ]
     # Kills before the staging file exists or after its rename leave none; the rest leave one each.
     assert killed >= 20 and len(leftovers) >= 5
-    io.save_model(Tiny(3), str(d))
+    save_checkpoint(d, 3, sharded=False, io=io)
     assert sorted(os.listdir(d)) == sorted(
         ["model.safetensors", "notes.tmp-0123456789ab", ".mine.tmp-0123456789ab"]
     )
     _loads_as(d, 3)
     # The same for the other layouts: a sharded save cleans what killed single-file saves left.
     for k in (5, 9, 13):
-        run_child(k, lambda: GeneralCheckpointIO().save_model(Tiny(2), str(d)), tmp_path / "log.json")
-    io.save_model(Tiny(4), str(d), shard=True, size_per_shard=TINY_SHARD_MB)
+        run_child(k, lambda: save_checkpoint(d, 2, sharded=False), tmp_path / "log.json")
+    save_checkpoint(d, 4, io=io)
     assert not [f for f in os.listdir(d) if parse_temp_name(f) and f != ".mine.tmp-0123456789ab"]
     assert LOCK_NAME not in os.listdir(d)
 
 
 def test_merge_into_a_directory_of_leftovers_and_beside_dead_staging(tmp_path: Path) -> None:
     src = tmp_path / "src"
-    GeneralCheckpointIO().save_model(Tiny(1), str(src), shard=True, size_per_shard=TINY_SHARD_MB)
+    save_checkpoint(src, 1)
     out = tmp_path / "out"
     out.mkdir()
     (out / ".model-00001-of-00002.safetensors.tmp-0123456789ab").write_bytes(b"partial")
@@ -244,7 +244,7 @@ def test_merge_into_a_directory_of_leftovers_and_beside_dead_staging(tmp_path: P
 
 def test_indexes_of_older_writers_and_plain_hugging_face_indexes(tmp_path: Path) -> None:
     d = tmp_path / "ck"
-    GeneralCheckpointIO().save_model(Tiny(1), str(d), shard=True, size_per_shard=TINY_SHARD_MB)
+    save_checkpoint(d, 1)
     idx = json.loads((d / IDX).read_text())
     # A unickpt index without a save id (an older writer) never names files of a save.
     old = json.loads(json.dumps(idx))

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _reliability import TINY_SHARD_MB, Tiny, same_state, snapshot
+from _reliability import Tiny, same_state, save_checkpoint, snapshot
 
 from unickpt import GeneralCheckpointIO
 from unickpt.ckpt.reader import open_checkpoint
@@ -263,9 +263,7 @@ def _save_worker(d: Path, seed: int, iters: int, start: float, log: Path) -> Cal
                 try:
                     if kill:
                         _arm_random_kill(rnd.randint(1, 40))
-                    GeneralCheckpointIO().save_model(
-                        Tiny(seed), str(d), shard=True, size_per_shard=TINY_SHARD_MB
-                    )
+                    save_checkpoint(d, seed)
                     _log(log, f"S {seed}")
                 except CheckpointBusyError:
                     _log(log, f"B {seed}")
@@ -333,7 +331,7 @@ def test_racing_savers_with_kills_never_commit_a_mix(tmp_path: Path) -> None:
     print(
         f"racing savers: {len(saves)} committed, {sum(x.startswith('B ') for x in lines)} refused, {len(checks)} checks"
     )
-    GeneralCheckpointIO().save_model(Tiny(3), str(d), shard=True, size_per_shard=TINY_SHARD_MB)
+    save_checkpoint(d, 3)
     m = Tiny(99)
     GeneralCheckpointIO().load_model(m, str(d), verify=True)
     assert same_state(m, snapshot(Tiny(3)))

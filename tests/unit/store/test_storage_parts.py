@@ -63,6 +63,7 @@ def test_only_s3_shares_uploads(tmp_path: Path) -> None:
     assert not supports_shared_parts(None)
 
 
+# Its own model: its size (S3 parts, a tensor across a part boundary) is what it checks.
 class Big(torch.nn.Module):
     """About 7.5 MiB: two parts of 5 MiB (S3's minimum), a tensor across the boundary."""
 

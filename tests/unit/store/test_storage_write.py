@@ -16,6 +16,7 @@ from typing import Any
 import fsspec
 import pytest
 import torch
+from _reliability import MLP
 
 from unickpt.booster import Booster
 from unickpt.ckpt.reader import open_checkpoint
@@ -24,19 +25,9 @@ from unickpt.store.lock import LOCK_NAME
 from unickpt.store.publish import is_store_data_file, store_file_name
 
 
-class Net(torch.nn.Module):
-    def __init__(self, seed: int) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.a = torch.nn.Linear(33, 17)
-        self.b = torch.nn.Linear(17, 5)
-        self.register_buffer("steps", torch.arange(7, dtype=torch.int64) * seed)
-        with torch.no_grad():
-            for p in self.parameters():
-                p.copy_(torch.randn(p.shape, generator=g))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(self.a(x))
+def net(seed: int) -> MLP:
+    """The shared MLP, seeded, with a buffer: its 33x17 weight spans several 2 KB shards."""
+    return MLP(33, 17, 5, seed=seed, steps=True)
 
 
 def fs_of(s3: Any, client: str = "check") -> Any:
@@ -57,8 +48,8 @@ def download(s3: Any, prefix: str, dest: Path) -> Path:
     return dest
 
 
-def load_into(path: Path, seed: int = 99) -> Net:
-    m = Net(seed)
+def load_into(path: Path, seed: int = 99) -> MLP:
+    m = net(seed)
     GeneralCheckpointIO().load_model(m, path, verify=True)
     return m
 
@@ -75,7 +66,7 @@ def _io(s3: Any, client: str = "w") -> GeneralCheckpointIO:
 
 
 def test_sharded_save_on_s3_is_bit_exact_streamed_once_and_committed_by_its_index(s3, tmp_path) -> None:
-    model = Net(1)
+    model = net(1)
     url = f"s3://{s3.bucket}/run/ckpt"
     io = _io(s3)
     assert io.save_model(model, url, shard=True, size_per_shard=0.002) == url
@@ -95,7 +86,7 @@ def test_sharded_save_on_s3_is_bit_exact_streamed_once_and_committed_by_its_inde
 
 
 def test_single_file_and_optimizer_and_scheduler_on_s3(s3, tmp_path) -> None:
-    model = Net(2)
+    model = net(2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     booster = Booster(storage_options=s3.storage_options("b"))
     m, o, *_ = booster.boost(model, opt)
@@ -116,7 +107,7 @@ def test_single_file_and_optimizer_and_scheduler_on_s3(s3, tmp_path) -> None:
     # The single file's header carries real hashes: a verified load passed above; check one.
     with open_checkpoint(local / "model.safetensors", "model") as r:
         assert all(s.xxh3 and s.xxh3 != "0" * 16 for t in r.tensors.values() for s in t.slices)
-    model2 = Net(3)
+    model2 = net(3)
     opt2 = torch.optim.AdamW(model2.parameters(), lr=5.0)
     b2 = Booster()
     m2, o2, *_ = b2.boost(model2, opt2)
@@ -135,10 +126,10 @@ def test_single_file_and_optimizer_and_scheduler_on_s3(s3, tmp_path) -> None:
 def test_resave_over_committed_uses_fresh_names_then_removes_the_old_files(s3, tmp_path) -> None:
     url = f"s3://{s3.bucket}/re"
     io = _io(s3)
-    io.save_model(Net(1), url, shard=True, size_per_shard=0.002)
+    io.save_model(net(1), url, shard=True, size_per_shard=0.002)
     first = objects(s3, "re")
     idx1 = json.loads(fs_of(s3).cat_file(f"{s3.bucket}/re/model.safetensors.index.json"))
-    new = Net(2)
+    new = net(2)
     io.save_model(new, url, shard=True, size_per_shard=0.002)
     second = objects(s3, "re")
     idx2 = json.loads(fs_of(s3).cat_file(f"{s3.bucket}/re/model.safetensors.index.json"))
@@ -150,7 +141,7 @@ def test_resave_over_committed_uses_fresh_names_then_removes_the_old_files(s3, t
     assert not (set(first) - {"model.safetensors.index.json"}) & set(second)
     same(load_into(download(s3, "re", tmp_path / "re")), new)
     # A third save replaces the id-named files by others.
-    io.save_model(Net(3), url, shard=True, size_per_shard=0.002)
+    io.save_model(net(3), url, shard=True, size_per_shard=0.002)
     idx3 = json.loads(fs_of(s3).cat_file(f"{s3.bucket}/re/model.safetensors.index.json"))
     assert not set(idx3["weight_map"].values()) & files2
     assert set(objects(s3, "re")) == set(idx3["weight_map"].values()) | {"model.safetensors.index.json"}
@@ -159,14 +150,14 @@ def test_resave_over_committed_uses_fresh_names_then_removes_the_old_files(s3, t
 def test_single_file_over_sharded_and_back(s3, tmp_path) -> None:
     url = f"s3://{s3.bucket}/sw"
     io = _io(s3)
-    io.save_model(Net(1), url, shard=True, size_per_shard=0.002)
-    io.save_model(Net(2), url)  # a single file supersedes the index and its shards
+    io.save_model(net(1), url, shard=True, size_per_shard=0.002)
+    io.save_model(net(2), url)  # a single file supersedes the index and its shards
     assert objects(s3, "sw") == ["model.safetensors"]
-    same(load_into(download(s3, "sw", tmp_path / "a")), Net(2))
-    io.save_model(Net(3), url, shard=True, size_per_shard=0.002)
+    same(load_into(download(s3, "sw", tmp_path / "a")), net(2))
+    io.save_model(net(3), url, shard=True, size_per_shard=0.002)
     names = objects(s3, "sw")
     assert "model.safetensors" not in names and "model.safetensors.index.json" in names
-    same(load_into(download(s3, "sw", tmp_path / "b")), Net(3))
+    same(load_into(download(s3, "sw", tmp_path / "b")), net(3))
 
 
 @pytest.mark.parametrize("use_async", [False, True])
@@ -178,11 +169,11 @@ def test_file_url_saves_into_its_local_path(tmp_path, monkeypatch, use_async: bo
     io = GeneralCheckpointIO()
     for shard in (True, False):
         url = f"file://{target}/{'sharded' if shard else 'single'}"
-        io.save_model(Net(5), url, shard=shard, use_async=use_async)
+        io.save_model(net(5), url, shard=shard, use_async=use_async)
         io.wait()
-        fresh = Net(6)
+        fresh = net(6)
         io.load_model(fresh, url)
-        same(fresh, Net(5))
+        same(fresh, net(5))
     assert sorted(os.listdir(target)) == ["sharded", "single"]
     assert not (tmp_path / "file:").exists()
 
@@ -192,23 +183,24 @@ def test_io_storage_options_apply_to_urls_only(tmp_path) -> None:
     # run's local copy, a scratch save) ignores them. A single call on a local path with explicit
     # options is refused (test_storage_read.test_file_url_is_a_local_path).
     io = GeneralCheckpointIO(storage_options={"anon": True})
-    io.save_model(Net(1), tmp_path / "x", shard=True)
-    fresh = Net(2)
+    io.save_model(net(1), tmp_path / "x", shard=True)
+    fresh = net(2)
     io.load_model(fresh, tmp_path / "x")
-    same(fresh, Net(1))
+    same(fresh, net(1))
 
 
 def test_environment_credentials_without_storage_options(s3, tmp_path) -> None:
     url = f"s3://{s3.bucket}/env"
-    GeneralCheckpointIO().save_model(Net(4), url, shard=True)
-    same(load_into(download(s3, "env", tmp_path / "e")), Net(4))
+    GeneralCheckpointIO().save_model(net(4), url, shard=True)
+    same(load_into(download(s3, "env", tmp_path / "e")), net(4))
 
 
 # ------------------------------------------------------------------ killed saves
 _CHILD = r"""
 import os, signal, sys
 sys.path.insert(0, {tests!r})
-from test_storage_write import Net
+sys.path.insert(0, {unit!r})
+from test_storage_write import net
 from unickpt.store import storage as st
 from unickpt.ckpt import safetensors_io as sio
 from unickpt.io import GeneralCheckpointIO
@@ -259,7 +251,7 @@ def part_put(self, body, when=None):
         die()
     return real_part_put(self, body, when)
 sp.SharedUpload.put = part_put
-GeneralCheckpointIO().save_model(Net(2), {url!r}, shard={shard!r}, size_per_shard=0.002)
+GeneralCheckpointIO().save_model(net(2), {url!r}, shard={shard!r}, size_per_shard=0.002)
 print("not killed")
 """
 
@@ -269,7 +261,13 @@ def _killed_save(s3: Any, url: str, point: str, shard: bool = True) -> None:
     import subprocess
     import sys
 
-    code = _CHILD.format(tests=str(Path(__file__).parent), point=point, url=url, shard=shard)
+    code = _CHILD.format(
+        tests=str(Path(__file__).parent),
+        unit=str(Path(__file__).parent.parent),
+        point=point,
+        url=url,
+        shard=shard,
+    )
     env = {**os.environ, **s3.env(), "OMP_NUM_THREADS": "1"}
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == -9, (p.returncode, p.stdout, p.stderr[-3000:])
@@ -286,17 +284,17 @@ def test_resave_killed_at_every_step_leaves_old_or_new_then_cleans(
 
     url = f"s3://{s3.bucket}/k"
     io = _io(s3)
-    io.save_model(Net(1), url, shard=True, size_per_shard=0.002)
+    io.save_model(net(1), url, shard=True, size_per_shard=0.002)
     _killed_save(s3, url, point)
     got = load_into(download(s3, "k", tmp_path / "after-kill"))
     committed_new = point in ("after-index", "mid-superseded")
-    same(got, Net(2) if committed_new else Net(1))
+    same(got, net(2) if committed_new else net(1))
     # The next save finds the killed save's files (older than the commit it reads) and removes them.
     time.sleep(1.1)  # S3 times objects to the second: leftovers must be older than the commit
-    io.save_model(Net(3), url, shard=True, size_per_shard=0.002)
+    io.save_model(net(3), url, shard=True, size_per_shard=0.002)
     idx = json.loads(fs_of(s3).cat_file(f"{s3.bucket}/k/model.safetensors.index.json"))
     assert set(objects(s3, "k")) == set(idx["weight_map"].values()) | {"model.safetensors.index.json"}
-    same(load_into(download(s3, "k", tmp_path / "final")), Net(3))
+    same(load_into(download(s3, "k", tmp_path / "final")), net(3))
 
 
 def test_killed_fresh_save_leaves_nothing_committed(s3, tmp_path) -> None:
@@ -313,10 +311,10 @@ def test_killed_fresh_save_leaves_nothing_committed(s3, tmp_path) -> None:
 
 def test_killed_single_file_save_keeps_the_old_file_whole(s3, tmp_path) -> None:
     url = f"s3://{s3.bucket}/one/model.safetensors"
-    _io(s3).save_model(Net(1), url)
+    _io(s3).save_model(net(1), url)
     _killed_save(s3, url, "mid-upload", shard=False)
     assert objects(s3, "one") == [LOCK_NAME, "model.safetensors"]  # the lock goes stale
-    same(load_into(download(s3, "one", tmp_path / "one") / "model.safetensors"), Net(1))
+    same(load_into(download(s3, "one", tmp_path / "one") / "model.safetensors"), net(1))
 
 
 def test_dead_multipart_upload_is_aborted_by_the_next_save(s3, tmp_path) -> None:
@@ -340,7 +338,7 @@ def test_dead_multipart_upload_is_aborted_by_the_next_save(s3, tmp_path) -> None
     time.sleep(1.1)
     store, root = open_storage(f"s3://{s3.bucket}/mp", s3.storage_options("c"))
     assert clean_store_leftovers(store, root) == []  # nothing committed yet: a save may be running
-    _io(s3).save_model(Net(1), f"s3://{s3.bucket}/mp", shard=True, size_per_shard=0.002)
+    _io(s3).save_model(net(1), f"s3://{s3.bucket}/mp", shard=True, size_per_shard=0.002)
     assert uploads() == {"elsewhere/x.bin"}  # only the dead upload below the checkpoint went
     fs.call_s3("abort_multipart_upload", Bucket=s3.bucket, Key="elsewhere/x.bin", UploadId=other["UploadId"])
 
@@ -377,7 +375,7 @@ def test_s3_upload_streams_parts_in_flight_and_aborts_cleanly(s3) -> None:
 
 
 def test_async_save_to_s3_uploads_the_snapshot(s3, tmp_path) -> None:
-    model = Net(5)
+    model = net(5)
     io = _io(s3, "async")
     url = f"s3://{s3.bucket}/as"
     assert io.save_model(model, url, shard=True, size_per_shard=0.002, use_async=True) == url
@@ -385,5 +383,5 @@ def test_async_save_to_s3_uploads_the_snapshot(s3, tmp_path) -> None:
         for p in model.parameters():
             p.add_(1.0)
     io.wait()
-    same(load_into(download(s3, "as", tmp_path / "as")), Net(5))
+    same(load_into(download(s3, "as", tmp_path / "as")), net(5))
     assert not [p for p in tmp_path.rglob("*.tmp-*")]

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from _reliability import Tied
 from safetensors import safe_open
 
 from unickpt import (
@@ -32,24 +33,12 @@ from unickpt import (
 from unickpt.io.async_save import SafetensorsOnlyWarning
 
 
-class Tiny(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(11, 6)
-        self.proj = nn.Linear(6, 7)
-        self.head = nn.Linear(6, 11, bias=False)
-        self.head.weight = self.emb.weight  # tied: named_parameters() lists it once
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.emb(x)).sum() + self.head(self.emb(x)).sum()
-
-
-def fresh(seed: int) -> Tiny:
+def fresh(seed: int) -> Tied:
     torch.manual_seed(seed)
-    return Tiny()
+    return Tied()
 
 
-def trained(seed: int = 0) -> tuple[Tiny, torch.optim.Optimizer]:
+def trained(seed: int = 0) -> tuple[Tied, torch.optim.Optimizer]:
     m = fresh(seed)
     opt = torch.optim.AdamW(m.named_parameters(), lr=1e-3, weight_decay=0.05)
     for _ in range(2):

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from _reliability import Tied
 from safetensors.torch import load_file
 from torch import nn
 
@@ -348,17 +349,7 @@ def test_tied_weights_are_shared_params(tmp_path: Path) -> None:
     """A tied weight has one zero/<fqn>/ (the name the optimizer lists), the other name in
     ``shared_params`` and ``module``; imported again, the model ties it back."""
 
-    class Tied(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.emb = nn.Embedding(5, 3)
-            self.head = nn.Linear(3, 5, bias=False)
-            self.head.weight = self.emb.weight
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(self.emb(x))
-
-    m = Tied()
+    m = Tied(vocab=5, dim=3, proj=0)
     opt = torch.optim.AdamW(m.parameters())
     m(torch.tensor([1, 2])).sum().backward()
     opt.step()
@@ -374,6 +365,6 @@ def test_tied_weights_are_shared_params(tmp_path: Path) -> None:
     assert ms["shared_params"] == {"head.weight": "emb.weight"} and ms["buffer_names"] == []
     assert torch.equal(ms["module"]["head.weight"], m.emb.weight.detach())
     convert_checkpoint(tmp_path / "ucp", tmp_path / "back", source="deepspeed")
-    m2 = Tied()
+    m2 = Tied(vocab=5, dim=3, proj=0)
     io.load_model(m2, str(tmp_path / "back"))
     assert torch.equal(m2.emb.weight, m.emb.weight) and m2.head.weight is m2.emb.weight
