@@ -1242,23 +1242,6 @@ class RemoteStore:
         with contextlib.suppress(OSError, ValueError):
             abort_dead_uploads(self.storage, self.root, self.path(f"{target}/{COMMIT_NAME}"))
 
-    def _download(self, prefix: str, dest: str, keep: Callable[[str], bool]) -> list[str]:
-        base = self.path(prefix)
-        got = []
-        for remote in sorted(self.fs.find(base)):
-            rel = posixpath.relpath(str(remote), base)
-            if rel.startswith("..") or not keep(rel):
-                continue
-            local = os.path.join(dest, *rel.split("/"))
-            os.makedirs(os.path.dirname(local), exist_ok=True)
-            self.fs.get_file(remote, local)
-            got.append(rel)
-        return got
-
-    def download(self, target: str, sub: str, dest: str) -> None:
-        """Download ``target/<sub>/`` (a save in progress: not checked for ``COMMIT``) into ``dest``."""
-        self._download(target, dest, lambda rel: rel.startswith(sub + "/"))
-
 
 # ----------------------------------------------------------------------------- a tool output
 

@@ -461,11 +461,6 @@ class Storage:
         it already exists; atomic where ``exclusive_put`` is True."""
         raise NotImplementedError
 
-    def replace_if(self, path: str, data: bytes, etag: str) -> bool | None:
-        """Overwrite ``path`` only while it is still the version ``etag`` (S3's ``If-Match``):
-        True when written, False when it changed or vanished, None when the store cannot."""
-        return None
-
     def exists(self, path: str) -> bool:
         raise NotImplementedError
 
@@ -486,9 +481,6 @@ class Storage:
 
     def remove(self, paths: Iterable[str]) -> None:
         """Remove files; missing ones are not an error."""
-        raise NotImplementedError
-
-    def remove_tree(self, path: str) -> None:
         raise NotImplementedError
 
     def rename(self, src: str, dst: str) -> None:
@@ -762,11 +754,6 @@ class LocalStorage(Storage):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(p)
 
-    def remove_tree(self, path: str) -> None:
-        import shutil
-
-        shutil.rmtree(path, ignore_errors=True)
-
     def rename(self, src: str, dst: str) -> None:
         os.replace(src, dst)
 
@@ -920,27 +907,6 @@ class FsspecStorage(Storage):
             self.fs.pipe_file(path, data)
             return True
 
-    def replace_if(self, path: str, data: bytes, etag: str) -> bool | None:
-        call = getattr(self.fs, "call_s3", None)
-        if self.protocol not in ("s3", "s3a") or not callable(call):
-            return None
-        bucket, key, _ = self.fs.split_path(path)
-        try:
-            call("put_object", Bucket=bucket, Key=key, Body=data, IfMatch=etag)
-        except FileNotFoundError:
-            return False
-        except OSError as e:  # s3fs words a 412 as "... pre-conditions ... did not hold"
-            said = f"{e} {e.__cause__!r}"
-            if any(
-                w in said
-                for w in ("PreconditionFailed", "pre-conditions", "412", "ConditionalRequestConflict")
-            ):
-                return False
-            raise
-        finally:
-            self.fs.invalidate_cache(path)
-        return True
-
     def exists(self, path: str) -> bool:
         return bool(self.fs.exists(path))
 
@@ -965,10 +931,6 @@ class FsspecStorage(Storage):
             for p in todo:
                 with contextlib.suppress(FileNotFoundError):
                     self.fs.rm_file(p)
-
-    def remove_tree(self, path: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm(path, recursive=True)
 
     # ---------------------------------------------------------------- writes
     def makedirs(self, path: str) -> None:

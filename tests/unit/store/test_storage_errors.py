@@ -335,7 +335,7 @@ def test_redactor_hides_every_credential(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_store_answers_pass_through(s3: Any) -> None:
-    """A missing object, an object that exists, a lost conditional write: answers, not errors."""
+    """A missing object, an object that exists, a lost exclusive write: answers, not errors."""
     from unickpt.errors import IncompleteCheckpointError
 
     store, root = open_storage(f"s3://{s3.bucket}/x", s3.storage_options())
@@ -344,7 +344,6 @@ def test_store_answers_pass_through(s3: Any) -> None:
     assert store.listdir(store.join(root, "nothing")) == []
     assert store.put(store.join(root, "a"), b"1", exclusive=True) is True
     assert store.put(store.join(root, "a"), b"2", exclusive=True) is False
-    assert store.replace_if(store.join(root, "a"), b"3", '"not-the-etag"') is False
     assert store.read_bytes(store.join(root, "a")) == b"1"
 
 
