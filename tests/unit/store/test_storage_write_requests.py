@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_storage_write import Net, download, fs_of, load_into, objects, same
+from test_storage_write import download, fs_of, load_into, net, objects, same
 
 from unickpt.io import GeneralCheckpointIO
 from unickpt.store.lock import LOCK_NAME
@@ -39,22 +39,22 @@ def _uploads(s3: Any) -> set[str]:
 
 
 def test_sliced_save_in_a_fresh_prefix_is_six_requests_and_a_resave_cleans(s3, tmp_path) -> None:
-    _save(s3, Net(1), "warm", "warm")  # the bucket's HEAD (s3fs makedirs) is paid once per process
-    _save(s3, Net(1), "r", "fresh")
+    _save(s3, net(1), "warm", "warm")  # the bucket's HEAD (s3fs makedirs) is paid once per process
+    _save(s3, net(1), "r", "fresh")
     # lock PUT, LIST, data PUT, lock GET, index PUT, lock DELETE: no listing, upload listing nor
     # delete after
     assert _requests(s3, "fresh") == {"PUT": 3, "GET": 2, "DELETE": 1}
     assert objects(s3, "r") == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
-    same(load_into(download(s3, "r", tmp_path / "one")), Net(1))
+    same(load_into(download(s3, "r", tmp_path / "one")), net(1))
 
-    _save(s3, Net(2), "r", "over")
+    _save(s3, net(2), "r", "over")
     # over a committed checkpoint: the listing after the index PUT, the batch delete of the
     # superseded file and the upload listing come back
     assert _requests(s3, "over") == {"PUT": 3, "GET": 4, "POST": 1, "DELETE": 1}
     data, index = objects(s3, "r")  # the superseded file is gone
     assert index == "model.safetensors.index.json"
     assert re.fullmatch(r"model-00001-of-00001\.[0-9a-f]{12}\.safetensors", data)  # a re-save's name
-    same(load_into(download(s3, "r", tmp_path / "two")), Net(2))
+    same(load_into(download(s3, "r", tmp_path / "two")), net(2))
 
 
 def test_a_stray_data_file_in_the_prefix_brings_the_cleanup_back(s3, tmp_path) -> None:
@@ -62,9 +62,9 @@ def test_a_stray_data_file_in_the_prefix_brings_the_cleanup_back(s3, tmp_path) -
     stray = "model-00002-of-00002.safetensors"  # a killed save's, its lock deleted by hand
     fs.pipe_file(f"{s3.bucket}/s/{stray}", b"not a checkpoint")
     time.sleep(1.1)  # S3 times objects to the second: the stray file must be older than the commit
-    _save(s3, Net(3), "s", "stray")
+    _save(s3, net(3), "s", "stray")
     assert objects(s3, "s") == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
-    same(load_into(download(s3, "s", tmp_path / "s")), Net(3))
+    same(load_into(download(s3, "s", tmp_path / "s")), net(3))
 
 
 _KILLED = r"""
@@ -103,14 +103,14 @@ def test_dead_upload_of_a_killed_save_in_a_fresh_prefix_is_aborted_by_the_next_s
     assert objects(s3, "k") == [LOCK_NAME]
     assert _uploads(s3) == {"k/model-00001-of-00001.safetensors"}
     time.sleep(1.1)  # the lock goes stale; the upload is older than the next commit
-    _save(s3, Net(4), "k", "next")
+    _save(s3, net(4), "k", "next")
     # The next save took over the stale lock, so it ran the cleanup: the dead upload is aborted.
     # Its file has a save-id name: the lock's holder may only have stalled (store/lock.py).
     assert _uploads(s3) == set()
     data, index = objects(s3, "k")
     assert index == "model.safetensors.index.json"
     assert re.fullmatch(r"model-00001-of-00001\.[0-9a-f]{12}\.safetensors", data)
-    same(load_into(download(s3, "k", tmp_path / "k")), Net(4))
+    same(load_into(download(s3, "k", tmp_path / "k")), net(4))
     # the upload's abort (a DELETE) and its own lock's DELETE (the stale lock is replaced by a
     # PUT conditional on its ETag, not deleted first)
     assert _requests(s3, "next").get("DELETE") == 2

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_storage_write import Net, download, fs_of, objects
+from test_storage_write import download, fs_of, net, objects
 
 from unickpt.errors import CheckpointBusyError
 from unickpt.io import GeneralCheckpointIO
@@ -52,7 +52,8 @@ POINTS: list[tuple[str, dict[str, Any], bool]] = [
 _CHILD = r"""
 import json, os, signal, sys, traceback
 sys.path.insert(0, {tests!r})
-from test_storage_write import Net
+sys.path.insert(0, {unit!r})
+from test_storage_write import net
 from unickpt.errors import CheckpointBusyError
 from unickpt.store.publish import referenced_files
 from unickpt.store.lock import read_version
@@ -127,10 +128,10 @@ out = {{}}
 for name, kwargs, over in points:
     target = f"{{url}}/{{name}}"
     if over:
-        io.save_model(Net(5), target, **kwargs)  # the committed checkpoint A and B save over
+        io.save_model(net(5), target, **kwargs)  # the committed checkpoint A and B save over
     state["point"], state["uploads"] = name, 0
     try:
-        io.save_model(Net(1), target, **kwargs)
+        io.save_model(net(1), target, **kwargs)
         out[name] = "ok"
     except CheckpointBusyError as e:
         out[name] = "busy: " + str(e)
@@ -174,7 +175,7 @@ def _same(a: torch.nn.Module, b: torch.nn.Module) -> None:
 
 
 def _intact(s3: Any, prefix: str, tmp: Path, kwargs: dict[str, Any], seed: int = 2) -> None:
-    """The prefix holds one checkpoint (of ``Net(seed)``) and nothing else: bit-exact, verified
+    """The prefix holds one checkpoint (of ``net(seed)``) and nothing else: bit-exact, verified
     clean, no stray object, no lock."""
     names = objects(s3, prefix)
     assert LOCK_NAME not in names, names
@@ -190,9 +191,9 @@ def _intact(s3: Any, prefix: str, tmp: Path, kwargs: dict[str, Any], seed: int =
     local = download(s3, prefix, tmp)
     report = verify_checkpoint(local)
     assert list(report) == [] and report.tensors > 0, report.summary()
-    m = Net(99)
+    m = net(99)
     GeneralCheckpointIO().load_model(m, local, verify=True)
-    _same(m, Net(seed))
+    _same(m, net(seed))
 
 
 # The quick set (one of each kind of step); the sweep takes every stall point.
@@ -219,7 +220,13 @@ def _stall_at(
     gates = tmp_path / "gates"
     gates.mkdir()
     spec = json.dumps([[n, k, o] for n, k, o in points])
-    code = _CHILD.format(tests=str(Path(__file__).parent), points=spec, url=url, gates=str(gates))
+    code = _CHILD.format(
+        tests=str(Path(__file__).parent),
+        unit=str(Path(__file__).parents[1]),
+        points=spec,
+        url=url,
+        gates=str(gates),
+    )
     # A beats every 0.1 s while it runs (none while stopped); B judges any lock stale at once.
     env = {**os.environ, **s3.env(), "OMP_NUM_THREADS": "1", "UNICKPT_STORE_LOCK_STALE": "0.4"}
     monkeypatch.setenv("UNICKPT_STORE_LOCK_STALE", "0")
@@ -241,7 +248,7 @@ def _stall_at(
                     got = read_version(store, store.join(root, LOCK_NAME), 1 << 16)  # B beats meanwhile
                     assert got is not None and json.loads(got[0])["save_id"] == "b" * 32
                 continue
-            io_b.save_model(Net(2), target, **kwargs)  # takes A's lock over and commits
+            io_b.save_model(net(2), target, **kwargs)  # takes A's lock over and commits
             os.kill(proc.pid, signal.SIGCONT)
             _wait(gates / f"{name}.done", proc, f"the end of {name}")
         out, err = proc.communicate(timeout=120)
