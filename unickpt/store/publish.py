@@ -24,8 +24,9 @@ a checkpoint (io, tools)      :func:`commit_directory`,          :func:`commit_a
                                                                  :func:`remove_superseded`
 a manager step                :func:`commit_step`,               :class:`RemoteStore` (``COMMIT``
                               :func:`remove_step`                exclusive, then promoted)
-a tool's output directory     :func:`staged_output`              :class:`StoreOutput`
-                              (:func:`publish_directory`)        (:func:`store_output`)
+a tool's output, one          :class:`DirectoryOutput`,          :class:`StoreOutput`
+:class:`Sink` (output_sink)   (:func:`staged_output`,            (:func:`store_output`)
+                              :func:`publish_directory`)
 a small file                  :func:`write_small_file`: staged + fsync + rename; one PUT on a store
 ============================  =================================  ====================================
 
