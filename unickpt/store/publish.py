@@ -24,8 +24,9 @@ a checkpoint (io, tools)      :func:`commit_directory`,          :func:`commit_a
                                                                  :func:`remove_superseded`
 a manager step                :func:`commit_step`,               :class:`RemoteStore` (``COMMIT``
                               :func:`remove_step`                exclusive, then promoted)
-a tool's output directory     :func:`staged_output`              :class:`StoreOutput`
-                              (:func:`publish_directory`)        (:func:`store_output`)
+a tool's output, one          :class:`DirectoryOutput`,          :class:`StoreOutput`
+:class:`Sink` (output_sink)   (:func:`staged_output`,            (:func:`store_output`)
+                              :func:`publish_directory`)
 a small file                  :func:`write_small_file`: staged + fsync + rename; one PUT on a store
 ============================  =================================  ====================================
 
@@ -50,7 +51,7 @@ import sys
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import datetime
-from typing import Any, BinaryIO, cast
+from typing import Any, BinaryIO, Protocol, cast
 
 from unickpt._logging import get_logger
 from unickpt.errors import CheckpointBusyError, IncompleteCheckpointError, OutputExistsError, UnsupportedError
@@ -71,13 +72,14 @@ from unickpt.store.lock import (
     Fence,
     busy_error,
     delete_if,
+    directory_lock,
     listing_versions,
     object_version,
     save_lock,
     take_unheld_lock,
     write_if,
 )
-from unickpt.store.storage import FsspecStorage, Storage, is_url, open_storage, url_options
+from unickpt.store.storage import FsspecStorage, LocalStorage, Storage, is_url, open_storage, url_options
 
 logger = get_logger(__name__)
 __all__ = [
@@ -141,9 +143,10 @@ __all__ = [
     "StoreOutput",
     "store_output",
     "upload_tree",
+    "DirectoryOutput",
     "Sink",
+    "checkpoint_sink",
     "output_sink",
-    "put_bytes",
     "LOCK_NAME",
     "Fence",
 ]
@@ -1546,6 +1549,16 @@ class StoreOutput:
                     f"{self.url}/{name} was written by someone else while this run wrote; its output is discarded"
                 )
 
+    @contextlib.contextmanager
+    def writing(self, *, fsync: bool = True) -> Iterator[None]:
+        """Nothing to make or lock while a checkpoint is written: the prefix's save lock is held
+        by :func:`store_output`."""
+        yield
+
+    def commit_index(self, name: str, index: bytes, writer_commit: Callable[[bytes], None]) -> None:
+        """A checkpoint's index ``name``: a commit point of the output (:meth:`commit_later`)."""
+        self.commit_later(name, index)
+
     def abort(self) -> None:
         """Abort the open uploads and remove every object this run wrote (nothing once its lock
         was taken over: the names it wrote may be the new holder's)."""
@@ -1590,26 +1603,107 @@ def upload_tree(local: str, out: StoreOutput) -> None:
                 out.upload(name, src)
 
 
-Sink = str | StoreOutput
+class DirectoryOutput:
+    """A tool's output written into the local directory ``root``: the staged directory of
+    :func:`staged_output` (shown as ``url``, the final path), or a checkpoint directory written
+    in place. The interface of :class:`StoreOutput` over a store that renames: files are written
+    now, under the directory's save lock, and a checkpoint's index is committed by its writer
+    (:func:`commit_directory`); the directory's rename is the output's commit point."""
+
+    def __init__(self, root: str, url: str | None = None) -> None:
+        self.root = root
+        self.url = root if url is None else url
+        self.storage: Storage = LocalStorage(root)
+
+    def path(self, name: str) -> str:
+        return self.storage.join(self.root, name)
+
+    def track(self, name: str) -> str:
+        """The path of ``name`` (a failed output is removed whole, by whoever staged it)."""
+        return self.path(name)
+
+    def open(self, name: str) -> StoreFile:
+        """A data file written front to back; ``close(sf)`` makes it durable."""
+        return StoreFile(self.storage.open_write(self.path(name)), name)
+
+    def close(self, sf: StoreFile) -> None:
+        self.storage.finish_write(sf.f)
+
+    def open_head_last(self, name: str, size: int) -> HeadLastFile | None:
+        """None: a file here is written at offsets, its header rewritten in place."""
+        return None
+
+    def put(self, name: str, data: bytes) -> None:
+        """A small file (``config.json``, ...) written now, whole and durable."""
+        write_staged(self.path(name), data)
+
+    def commit_later(self, name: str, data: bytes | str | Callable[[], None]) -> None:
+        """A commit point, written now (the directory's rename commits the output): bytes, the
+        path of a local file, or a function completing it."""
+        if callable(data):
+            data()
+            return
+        if isinstance(data, str):
+            with open(data, "rb") as f:
+                data = f.read()
+        atomic_write_bytes(self.path(name), data)
+
+    @contextlib.contextmanager
+    def writing(self, *, fsync: bool = True) -> Iterator[None]:
+        """The directory made (durably with ``fsync``) and its save lock held while a checkpoint
+        is written into it."""
+        makedirs_durable(self.root, fsync=fsync)
+        with directory_lock(self.root):
+            yield
+
+    def commit_index(self, name: str, index: bytes, writer_commit: Callable[[bytes], None]) -> None:
+        """A checkpoint's index ``name``: committed now by its writer (``writer_commit``)."""
+        writer_commit(index)
+
+
+class Sink(Protocol):
+    """A tool's output, wherever it goes: :class:`DirectoryOutput` (a store that renames) or
+    :class:`StoreOutput` (an object store's prefix). Writers choose how to write from
+    ``storage``'s capabilities (``range_write``, ``atomic_rename``), never from the type."""
+
+    url: str
+    root: str
+    storage: Storage
+
+    def path(self, name: str) -> str: ...
+
+    def open(self, name: str) -> StoreFile: ...
+
+    def close(self, sf: StoreFile) -> None: ...
+
+    def track(self, name: str) -> str: ...
+
+    def open_head_last(self, name: str, size: int) -> HeadLastFile | None: ...
+
+    def put(self, name: str, data: bytes) -> None: ...
+
+    def commit_later(self, name: str, data: bytes | str | Callable[[], None]) -> None: ...
+
+    def writing(self, *, fsync: bool = True) -> contextlib.AbstractContextManager[None]: ...
+
+    def commit_index(self, name: str, index: bytes, writer_commit: Callable[[bytes], None]) -> None: ...
+
+
+def checkpoint_sink(target: str | Sink) -> Sink:
+    """The sink a checkpoint is written to: ``target`` itself, or the local directory ``target``
+    written in place (:class:`DirectoryOutput`)."""
+    return DirectoryOutput(target) if isinstance(target, str) else target
 
 
 @contextlib.contextmanager
 def output_sink(out: str, storage_options: dict[str, Any] | None = None) -> Iterator[Sink]:
     """The sink of the output ``out`` (see the module docstring), committed when the block ends:
-    a staged directory where the store renames, else a :class:`StoreOutput`. ``storage_options``
-    apply to a URL only."""
+    a staged :class:`DirectoryOutput` where the store renames, else a :class:`StoreOutput`.
+    ``storage_options`` apply to a URL only."""
     storage, _ = open_storage(out, url_options(out, storage_options))
     if storage.atomic_rename:
         with staged_output(out) as tmp:
-            yield tmp
+            yield DirectoryOutput(tmp, os.path.abspath(out))
         return
     with store_output(out, storage_options) as store:
         yield store
-
-
-def put_bytes(sink: Sink, name: str, data: bytes) -> None:
-    """A small side file ``name`` (``lr_scheduler.json``, ``config.json``, ...) of the output, whole."""
-    if isinstance(sink, StoreOutput):
-        sink.put(name, data)
-        return
-    write_staged(os.path.join(sink, name), data)

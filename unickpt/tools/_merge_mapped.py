@@ -17,6 +17,7 @@ from typing import Any
 from unickpt.ckpt.reader import CheckpointReader
 from unickpt.errors import ConfigError, IntegrityError
 from unickpt.spec.index import LayoutInfo
+from unickpt.store.publish import Sink
 from unickpt.tools._write import SliceData, TensorData, write_checkpoint
 
 __all__ = ["hub_plan", "hub_tensor_data", "write_mapped", "CASTABLE_DTYPES"]
@@ -75,7 +76,7 @@ def hub_plan(
 def write_mapped(
     reader: CheckpointReader,
     plan: dict[str, Any],
-    sink: Any,
+    sink: Sink,
     *,
     aliases: dict[str, str] | None = None,
     max_shard_bytes: int,
@@ -85,7 +86,7 @@ def write_mapped(
     progress: Any = None,
 ) -> None:
     """Write the tensors of ``plan`` (Hub name -> tree over ``reader``'s tensors) as a gathered
-    checkpoint into ``sink`` (a staging directory or a store output): each read box-wise from the
+    checkpoint into ``sink`` (a tool's output: ``store.publish.Sink``): each read box-wise from the
     stored slices when its turn comes. ``verify`` checks every stored slice's hash first."""
     import torch
 

@@ -28,7 +28,7 @@ from unickpt.tools._bands import bands, is_sparse, next_data, pieces
 from unickpt.tools._merge_bulk import groups, merge_rows
 from unickpt.tools._merge_runs import Run
 
-__all__ = ["CASTABLE", "CHUNK", "TensorMerger"]
+__all__ = ["CASTABLE", "CHUNK", "RangeOutput", "TensorMerger"]
 
 CASTABLE = {"F16", "BF16", "F32", "F64"}
 # Copy in chunks of this size: large enough for disk speed (the kernel reads ahead of it anyway),
@@ -42,7 +42,7 @@ _BAND_BYTES = 16 << 20
 _EMPTY_HASH = SliceHasher().hexdigest()
 
 
-class _Out:
+class RangeOutput:
     """An output file of ``store`` written front to back (``f``: ``Storage.open_range``), with
     writeback started every ``_WRITEBACK`` bytes so the final fsync does not wait for the whole file."""
 
@@ -122,21 +122,11 @@ class TensorMerger:
 
     # -------------------------------------------------------------- writing
     def write_file(
-        self,
-        tensors: list[tuple[str, TensorEntry, int]],
-        fd: RangeFile | StoreFile,
-        store: Storage | None = None,
+        self, tensors: list[tuple[str, TensorEntry, int]], out: RangeOutput | StoreFile
     ) -> dict[str, tuple[str | None, str | None]]:
-        """Write each (name, entry, position) into ``fd`` (a file ``store`` opened for range
-        writes, or with no ``store`` a file streamed to an object store), in order; return
+        """Write each (name, entry, position) into ``out`` (a file written at offsets:
+        :class:`RangeOutput`, or a file streamed to an object store), in order; return
         name -> (xxh3, fingerprint)."""
-        out: _Out | StoreFile
-        if store is not None and not isinstance(fd, StoreFile):
-            out = _Out(fd, store)
-        elif isinstance(fd, StoreFile):
-            out = fd
-        else:  # never: a file a store opened for range writes comes with its store
-            raise TypeError(f"internal: {fd.path} was given without the store that opened it")
         results: dict[str, tuple[str | None, str | None]] = {}
         for bulk, items in groups(tensors, self._bulk):
             if bulk:  # small row-sliced tensors: read in runs per file, written together
@@ -166,7 +156,7 @@ class TensorMerger:
         return not self._any_sparse
 
     def _write_one(
-        self, item: tuple[str, TensorEntry, int], out: _Out | StoreFile
+        self, item: tuple[str, TensorEntry, int], out: RangeOutput | StoreFile
     ) -> dict[str, tuple[str | None, str | None]]:
         results: dict[str, tuple[str | None, str | None]] = {}
         for name, t, pos in [item]:
@@ -175,7 +165,7 @@ class TensorMerger:
                 results[name] = self._assemble(name, t, self.target_dtype(t), out, pos)
                 continue
             self._check_empty(name, t)
-            if how == "kernel" and isinstance(out, _Out) and out.store.kernel_copy:  # else: stream
+            if how == "kernel" and isinstance(out, RangeOutput) and out.store.kernel_copy:  # else: stream
                 results[name] = (self._copy_one(runs[0].slice, out, pos), t.fingerprint)
             else:
                 results[name] = (self._stream_runs(name, t, runs, out, pos), t.fingerprint)
@@ -187,7 +177,7 @@ class TensorMerger:
             if math.prod(s.shape) == 0:
                 self._check(name, s, _EMPTY_HASH)
 
-    def _copy_one(self, s: SliceEntry, out: _Out, pos: int) -> str | None:
+    def _copy_one(self, s: SliceEntry, out: RangeOutput, pos: int) -> str | None:
         """The output bytes are exactly the stored slice: copy in the kernel, its hash is the output's."""
         _, off, n = self.r.slice_location(s)
         self._copy_file_range(out.store, self._fd(s.file), off, out.f, pos, n)
@@ -196,7 +186,7 @@ class TensorMerger:
         return s.xxh3
 
     def _stream_runs(
-        self, name: str, t: TensorEntry, runs: list[Run], out: _Out | StoreFile, pos: int
+        self, name: str, t: TensorEntry, runs: list[Run], out: RangeOutput | StoreFile, pos: int
     ) -> str:
         isz = itemsize(t.dtype)
         out_hash = SliceHasher()
@@ -268,7 +258,7 @@ class TensorMerger:
         return got
 
     def _assemble(
-        self, name: str, t: TensorEntry, out_dtype: str, out: _Out | StoreFile, pos: int
+        self, name: str, t: TensorEntry, out_dtype: str, out: RangeOutput | StoreFile, pos: int
     ) -> tuple[str, str | None]:
         """Rebuild the tensor band by band (``_bands``): memory stays about two bands, whatever its size."""
         isz = itemsize(t.dtype)

@@ -23,9 +23,8 @@ from unickpt.spec.dtypes import itemsize
 from unickpt.spec.index import LayoutInfo, index_to_json
 from unickpt.spec.naming import index_name, shard_name, slice_key
 from unickpt.spec.slice_table import SliceColumns
-from unickpt.store.lock import directory_lock
-from unickpt.store.publish import StoreOutput, makedirs_durable, new_save_id
-from unickpt.store.storage import LocalStorage, Storage
+from unickpt.store.publish import Sink, checkpoint_sink, new_save_id
+from unickpt.store.storage import Storage
 
 __all__ = ["SliceData", "TensorData", "write_checkpoint"]
 
@@ -55,7 +54,7 @@ def _raw(d: Bytes | Callable[[], Bytes]) -> np.ndarray:
 
 
 def write_checkpoint(
-    directory: str | StoreOutput,
+    directory: str | Sink,
     tensors: dict[str, TensorData],
     *,
     kind: str = "model",
@@ -78,11 +77,12 @@ def write_checkpoint(
     Slices are dealt round-robin over ``files`` data files, or (``max_shard_bytes``)
     packed in order into files of at most that many bytes. Files are staged and committed by
     ``store.publish.commit_directory`` under the directory's save lock, as a save does, so a
-    checkpoint of either layout already there is replaced whole. Returns ``directory``.
+    checkpoint of either layout already there is replaced whole. Returns ``directory`` (a sink's
+    ``url``).
 
-    ``directory`` may be the :class:`~unickpt.store.publish.StoreOutput` of a URL output
-    (``store.publish.output_sink``): the data files are then streamed to the store under their final names and
-    the index is handed to it as a commit point, written after everything else of the output.
+    ``directory`` may be a tool's output (``store.publish.output_sink``): on a store prefix the
+    data files are then streamed to the store under their final names and the index is handed to
+    it as a commit point, written after everything else of the output.
     """
     options: dict[str, Any] = {
         "kind": kind,
@@ -98,28 +98,17 @@ def write_checkpoint(
         "fsync": fsync,
         "progress": progress,
     }
-    if isinstance(directory, StoreOutput):
-        out = directory
+    out = checkpoint_sink(directory)
+    with out.writing(fsync=fsync):
         _write_locked(
             out.root,
             tensors,
             storage=out.storage,
             track=out.track,
-            commit=lambda _writer, index: out.commit_later(index_name(kind), index),
+            commit=lambda writer, index: out.commit_index(index_name(kind), index, writer.commit),
             **options,
         )
-        return out.url
-    makedirs_durable(directory, fsync=fsync)
-    with directory_lock(directory):
-        _write_locked(
-            directory,
-            tensors,
-            storage=LocalStorage(directory),
-            track=lambda _name: None,
-            commit=lambda writer, index: writer.commit(index),
-            **options,
-        )
-    return directory
+    return out.url
 
 
 def _write_locked(

@@ -41,7 +41,14 @@ from unickpt.spec.confine import check_graph, confined_path
 from unickpt.spec.dtypes import itemsize
 from unickpt.spec.index import LayoutInfo
 from unickpt.spec.naming import HF_SIDE_FILES
-from unickpt.store.publish import Sink, StoreOutput, output_location, output_sink, put_bytes, staged_output
+from unickpt.store.publish import (
+    DirectoryOutput,
+    Sink,
+    StoreOutput,
+    output_location,
+    output_sink,
+    staged_output,
+)
 from unickpt.store.storage import open_storage
 from unickpt.tools._common import read_side_files
 from unickpt.tools._merge_mapped import hub_tensor_data
@@ -375,7 +382,7 @@ def _copy_side_files(sink: Sink, *sources: str) -> None:
         base = src.removeprefix("file://").rstrip("/") or "/"
         directory = base if storage.listdir(base) else posixpath.dirname(base) or "."
         for fname, data in read_side_files(directory, [n for n in HF_SIDE_FILES if n not in done]):
-            put_bytes(sink, fname, data)
+            sink.put(fname, data)
             done.add(fname)
 
 
@@ -407,7 +414,7 @@ def _write_run(
         parts = {"model": os.path.join(stage, "model"), "optimizer": os.path.join(stage, "optimizer")}
         both = os.path.join(stage, ".import")
         os.makedirs(both)
-        import_training(src, md, lay, both, shard_bytes=shard_bytes, created_by=created_by)
+        import_training(src, md, lay, DirectoryOutput(both), shard_bytes=shard_bytes, created_by=created_by)
         for name in os.listdir(both):
             kind = (
                 "optimizer" if name.startswith("optimizer") else "model" if name.startswith("model") else None

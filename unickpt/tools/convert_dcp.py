@@ -275,8 +275,8 @@ def import_training(
     progress: bool = False,
 ) -> None:
     """Write model, optimizer (``param_groups`` and ``param_state`` included) and
-    ``lr_scheduler.json`` of the classified checkpoint into ``out_dir`` (a directory that
-    exists, or the output of a URL: ``store.publish.output_sink``), under a byte progress bar (``progress``).
+    ``lr_scheduler.json`` of the classified checkpoint into ``out_dir`` (a tool's output:
+    ``store.publish.output_sink``, or a local directory: ``store.publish.DirectoryOutput``), under a byte progress bar (``progress``).
 
     ``train_state.*`` is not written here (see :func:`read_train_state`).
     """
@@ -368,14 +368,12 @@ def _write_parts(
             progress=update,
         )
     if lay.scheduler:
-        from unickpt.store.publish import put_bytes
-
         state = _nest({f: values[k] for f, k in lay.scheduler.items()})
         if set(state) == {"last_epoch"} and groups:
             # torchtitan saves only last_epoch of its LambdaLR; torch's LambdaLR.load_state_dict
             # also needs lr_lambdas, which its state_dict() stores as None for plain functions.
             state["lr_lambdas"] = [None] * len(groups)
-        put_bytes(out_dir, "lr_scheduler.json", lr_scheduler_json(state))
+        out_dir.put("lr_scheduler.json", lr_scheduler_json(state))
 
 
 def read_train_state(src: str, md: Any, lay: DcpLayout) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from typing import Any
 
 from unickpt.ckpt.reader import open_checkpoint
 from unickpt.io.jsonstate import from_json_value
-from unickpt.store.publish import staged_output, store_output
+from unickpt.store.publish import output_sink
 from unickpt.store.storage import open_storage
 from unickpt.tools._common import checkpoint_parts
 from unickpt.tools._torch import full_tensors
@@ -74,20 +74,21 @@ def export_dcp(src: str, out: str) -> str:
         sd["lr_scheduler"] = from_json_value(obj["state"])
     if step is not None:
         sd["train_state"] = {"step": step}
-    out_storage, out_root = open_storage(out)
-    if out_storage.local_path(out_root) is None:  # no OS paths: torch's fsspec writer, .metadata last
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-        with store_output(out) as sink, warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            try:
-                dcp_save(sd, storage_writer=FsspecWriter(sink.url), no_dist=True)
-            except BaseException:
-                for name in sink.storage.listdir(sink.root):  # the prefix held nothing before
-                    sink.track(name)
-                raise
-        return out.rstrip("/")
-    with staged_output(out) as tmp, warnings.catch_warnings():
+    with output_sink(out) as sink, warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process"
-        dcp_save(sd, storage_writer=FileSystemWriter(tmp, sync_files=True), no_dist=True)
-    return out
+        local = sink.storage.local_path(sink.root)
+        # Where the output has OS paths, torch's file writer; else its fsspec writer (.metadata last).
+        writer = FileSystemWriter(local, sync_files=True) if local is not None else _fsspec_writer(sink.url)
+        try:
+            dcp_save(sd, storage_writer=writer, no_dist=True)
+        except BaseException:
+            for name in sink.storage.listdir(sink.root):  # the output held nothing before
+                sink.track(name)
+            raise
+    return out.rstrip("/") if local is None else out
+
+
+def _fsspec_writer(url: str) -> Any:
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return FsspecWriter(url)

@@ -48,21 +48,12 @@ from unickpt.spec.dtypes import itemsize
 from unickpt.spec.index import LayoutInfo, TensorEntry, UnickptBlock, index_to_json
 from unickpt.spec.naming import HF_SIDE_FILES, index_name, shard_name, single_name
 from unickpt.spec.slice_table import SliceTable
-from unickpt.store.publish import (
-    SAVE_ID_KEY,
-    StoreOutput,
-    atomic_write_bytes,
-    content_save_id,
-    output_location,
-    staged_output,
-    store_output,
-    write_staged,
-)
-from unickpt.store.storage import LocalStorage, open_storage, url_options
+from unickpt.store.publish import SAVE_ID_KEY, Sink, content_save_id, output_location, output_sink
+from unickpt.store.storage import LocalStorage, Storage, open_storage, url_options
 from unickpt.tools._common import detect_kind, read_side_files
 from unickpt.tools._merge_mapped import hub_plan, write_mapped
 from unickpt.tools._merge_runs import Run, validate_runs
-from unickpt.tools._merge_tensors import CHUNK, TensorMerger
+from unickpt.tools._merge_tensors import CHUNK, RangeOutput, TensorMerger
 from unickpt.tools._progress import progress_bar
 
 __all__ = ["merge_checkpoint", "DTYPES"]
@@ -84,7 +75,7 @@ _PLACEHOLDER_ID = "0" * 32
 
 def _merge_one(
     reader: CheckpointReader,
-    out_dir: str,
+    out: Sink,
     *,
     max_shard_size: int | str,
     out_dtype: str | None,
@@ -93,15 +84,18 @@ def _merge_one(
     src: str,
     buf: memoryview,
     runs_of: dict[str, list[Run] | None],
-    store: StoreOutput | None = None,
+    stage: str,
 ) -> None:
-    """Merge one kind into ``out_dir`` (local), or with ``store`` into the output URL: data files
-    of a sharded output stream there (their save id fixed up front, :func:`_upfront_id`), the
-    index is a commit point; a single file is written in ``out_dir`` (a local temporary
-    directory: its header holds hashes known only at the end) and uploaded as a commit point."""
+    """Merge one kind into the output ``out``, as its storage writes. Where it writes at offsets
+    (``range_write``), each file is created at its size and its header rewritten in place once
+    hashed, and the save id is derived from the merged block. Where it streams, data files of a
+    sharded output stream out with their final headers (their save id fixed up front,
+    :func:`_upfront_id`) and the index is a commit point; a single file (its header holds hashes
+    known only at the end) streams with its first part uploaded last, or where the store has no
+    addressable parts is written in the local directory ``stage`` and uploaded as a commit point."""
     kind = reader.kind
     block = reader.block
-    local = LocalStorage(out_dir)  # where files are written in place (``out_dir``)
+    in_place = out.storage.range_write
     m = TensorMerger(
         reader, verify=verify, out_dtype=out_dtype, progress=progress, src=src, buf=buf, runs_of=runs_of
     )
@@ -117,7 +111,7 @@ def _merge_one(
     # headers are written with a same-length placeholder and rewritten, so that merging the same
     # checkpoint twice gives the same bytes.
     save_id = _PLACEHOLDER_ID
-    if store is not None and len(groups) > 1:
+    if not in_place and len(groups) > 1:
         save_id = _upfront_id(block, kind, out_dtype, groups)
 
     def make_block(
@@ -168,30 +162,31 @@ def _merge_one(
             for (n, _, _), (begin, _end) in zip(specs, spans, strict=True)
         ]
         size = len(header) + (spans[-1][1] if spans else 0)
-        head_last = store.open_head_last(fname, size) if store is not None and single else None
-        if head_last is not None and store is not None:  # streamed, its first part uploaded last
+        head_last = out.open_head_last(fname, size) if not in_place and single else None
+        if head_last is not None:  # streamed, its first part uploaded last
             head_last.write(memoryview(header), 0)
             results.update(m.write_file(todo, head_last))
             head_last.finish(size)
             real, _ = encode_header(specs, _final_metadata(meta, dumped, results))
             if len(real) != len(header):
                 raise RuntimeError("internal: a header changed length after hashing")  # pragma: no cover
-            header_from_bytes(real, size, f"{store.url}/{fname}")  # must pass the strict reader
-            store.commit_later(fname, functools.partial(head_last.complete, real))
+            header_from_bytes(real, size, f"{out.url}/{fname}")  # must pass the strict reader
+            out.commit_later(fname, functools.partial(head_last.complete, real))
             continue
-        if store is not None and not single:  # streamed to the store, its header final from the start
-            sf = store.open(fname)
+        if not in_place and not single:  # streamed to the store, its header final from the start
+            sf = out.open(fname)
             sf.write(memoryview(header), 0)
             results.update(m.write_file(todo, sf))
             sf.finish(size)
-            store.close(sf)
+            out.close(sf)
             continue
-        # A store writing at offsets: the file is created at its size (a sparse source's holes stay
-        # holes), its header rewritten in place once hashed.
-        path = local.join(out_dir, fname)
+        # Written at offsets (in the output, or in ``stage`` to be uploaded): the file is created
+        # at its size (a sparse source's holes stay holes), its header rewritten in place once hashed.
+        local = out.storage if in_place else LocalStorage(stage)
+        path = out.path(fname) if in_place else local.join(stage, fname)
         f = local.open_range(path, size=size, header=header)
         try:
-            results.update(m.write_file(todo, f, local))
+            results.update(m.write_file(todo, RangeOutput(f, local)))
             if single:
                 rewrite_header(f, specs, meta, _final_metadata(meta, dumped, results), fsync=False)
             f.sync()
@@ -199,17 +194,17 @@ def _merge_one(
             f.close()
         read_header(path)  # the file we wrote must pass the strict reader
         written.append((path, specs))
-        if store is not None:
-            store.commit_later(fname, path)
-    if store is not None and not single:
+        if not in_place:
+            out.commit_later(fname, path)
+    if not in_place and not single:
         index = build_index(make_block(results, file_of, save_id), sliced=False)
-        store.commit_later(index_name(kind), index_to_json(index))
+        out.commit_later(index_name(kind), index_to_json(index))
     elif not single:
         final = make_block(results, file_of, _PLACEHOLDER_ID)
         final_id = content_save_id(_block_bytes(final))
         final = final.model_copy(update={"save_id": final_id})
         for path, specs in written:
-            f = local.open_range(path)
+            f = out.storage.open_range(path)
             try:  # same length: only the id's digits change
                 rewrite_header(
                     f, specs, data_file_metadata(False, save_id), data_file_metadata(False, final_id)
@@ -217,7 +212,7 @@ def _merge_one(
             finally:
                 f.close()
         index = build_index(final, sliced=False)
-        atomic_write_bytes(os.path.join(out_dir, index_name(kind)), index_to_json(index))
+        out.commit_later(index_name(kind), index_to_json(index))
 
 
 def _upfront_id(block: UnickptBlock, kind: str, out_dtype: str | None, groups: list[list[str]]) -> str:
@@ -233,13 +228,13 @@ def _block_bytes(block: UnickptBlock) -> bytes:
 
 
 @contextlib.contextmanager
-def _single_file_stage(url: str, storage_options: dict[str, Any] | None) -> Iterator[str]:
-    """The local directory a single file for the output ``url`` is written into first, when one
-    is needed."""
+def _single_file_stage(storage: Storage) -> Iterator[str]:
+    """The local directory a single file for an output on ``storage`` is written into first,
+    when one is needed: on a store that neither writes at offsets nor has addressable parts."""
     from unickpt.store.storage_parts import supports_shared_parts
 
-    if supports_shared_parts(open_storage(url, storage_options)[0]):
-        yield ""  # never used: the file is streamed (StoreOutput.open_head_last)
+    if storage.range_write or supports_shared_parts(storage):
+        yield ""  # never used: the file is written in place, or streamed (StoreOutput.open_head_last)
         return
     with tempfile.TemporaryDirectory(prefix="unickpt-merge-") as tmp:
         yield tmp
@@ -370,24 +365,19 @@ def merge_checkpoint(
         side = list(HF_SIDE_FILES) + (["lr_scheduler.json"] if optimizer else [])
         with contextlib.ExitStack() as stack:
             update = stack.enter_context(progress_bar(total, "merge", progress))
-            store: StoreOutput | None = None
-            if not open_storage(out_s, url_options(out_s, storage_options))[0].atomic_rename:
-                # A single-file output on a store without addressable parts (S3 has them: the
-                # header's part goes last) is written here and uploaded when the store commits
-                # (so this directory outlives the commit: entered first, left last).
-                tmp = stack.enter_context(_single_file_stage(out_s, storage_options))
-                store = stack.enter_context(store_output(out_s, storage_options))
-            else:
-                tmp = stack.enter_context(staged_output(out_s))
+            # A single-file output on a store without addressable parts (S3 has them: the
+            # header's part goes last) is written in ``stage`` and uploaded when the output
+            # commits (so this directory outlives the commit: entered first, left last).
+            stage = stack.enter_context(
+                _single_file_stage(open_storage(out_s, url_options(out_s, storage_options))[0])
+            )
+            sink = stack.enter_context(output_sink(out_s, storage_options))
             config_json: bytes | None = None
             for fname, data in read_side_files(readers[0].directory, side, opts):
                 if fname == "config.json" and readers[0].kind == "model":
                     _check_names(data, readers[0], src_s)
                     config_json = data
-                if store is not None:
-                    store.put(fname, data)
-                else:
-                    write_staged(os.path.join(tmp, fname), data)
+                sink.put(fname, data)
             for r, runs in zip(readers, runs_of, strict=True):
                 hub = None
                 if r.kind == "model":
@@ -402,7 +392,7 @@ def merge_checkpoint(
                     write_mapped(
                         r,
                         hub[0],
-                        store if store is not None else tmp,
+                        sink,
                         aliases=hub[1],
                         max_shard_bytes=_size_bytes(max_shard_size),
                         out_dtype=out_dtype,
@@ -413,7 +403,7 @@ def merge_checkpoint(
                     continue
                 _merge_one(
                     r,
-                    tmp,
+                    sink,
                     max_shard_size=max_shard_size,
                     out_dtype=out_dtype,
                     verify=verify,
@@ -421,7 +411,7 @@ def merge_checkpoint(
                     src=src_s,
                     buf=buf,
                     runs_of=runs,
-                    store=store,
+                    stage=stage,
                 )
         logger.info("merged %s into %s", src_s, out_s)
         return out_s

@@ -37,7 +37,7 @@ from unickpt.io.adapters import ADAPTER_CONFIG, read_adapter_config
 from unickpt.spec.hashing import SliceHasher
 from unickpt.spec.index import LayoutInfo, TensorEntry
 from unickpt.spec.naming import HF_SIDE_FILES
-from unickpt.store.publish import output_location, output_sink, put_bytes
+from unickpt.store.publish import output_location, output_sink
 from unickpt.store.storage import open_storage, url_options
 from unickpt.tools._common import read_side_files
 from unickpt.tools._progress import progress_bar
@@ -371,7 +371,7 @@ def merge_adapters(
                 progress=update,
             )
             for fname, data in read_side_files(reader.directory, list(HF_SIDE_FILES), opts):
-                put_bytes(sink, fname, data)
+                sink.put(fname, data)
         return out_s
     finally:
         reader.close()

@@ -12,7 +12,14 @@ import pytest
 
 from unickpt.errors import CheckpointBusyError, OutputExistsError
 from unickpt.store.lock import LOCK_NAME, HeldFlock, StoreLock, directory_lock, save_lock
-from unickpt.store.publish import output_location, output_sink, put_bytes, put_commit_point, write_small_file
+from unickpt.store.publish import (
+    DirectoryOutput,
+    StoreOutput,
+    output_location,
+    output_sink,
+    put_commit_point,
+    write_small_file,
+)
 from unickpt.store.storage import LocalStorage, open_storage, url_options
 
 
@@ -86,19 +93,20 @@ def test_small_file_writer_replaces_locally_and_puts_on_a_store(tmp_path: Path) 
 def test_a_tool_output_is_published_whole_or_not_at_all(tmp_path: Path) -> None:
     out = tmp_path / "out"
     with output_sink(str(out)) as sink:
-        assert isinstance(sink, str) and not out.exists()  # staged under a hidden name
-        put_bytes(sink, "config.json", b"{}")
+        assert isinstance(sink, DirectoryOutput) and not out.exists()  # staged under a hidden name
+        assert sink.url == str(out) and sink.root != sink.url
+        sink.put("config.json", b"{}")
     assert sorted(os.listdir(out)) == ["config.json"]
     with pytest.raises(OutputExistsError, match=rf"{out} already exists"), output_sink(str(out)):
         pass
     failed = tmp_path / "failed"
     with pytest.raises(RuntimeError, match="boom"), output_sink(str(failed)) as sink:
-        put_bytes(sink, "config.json", b"{}")
+        sink.put("config.json", b"{}")
         raise RuntimeError("boom")
     assert not failed.exists() and sorted(os.listdir(tmp_path)) == ["out"]
     url = f"memory://tool-{uuid.uuid4().hex[:8]}/out"
     with pytest.raises(RuntimeError, match="boom"), output_sink(url) as sink:
-        put_bytes(sink, "config.json", b"{}")
+        sink.put("config.json", b"{}")
         raise RuntimeError("boom")
     store, root = open_storage(url)
     assert store.listdir(root) == []  # nothing left: neither the file nor the lock object
@@ -116,13 +124,13 @@ def test_storage_options_apply_to_urls_only(tmp_path: Path) -> None:
     assert target.read_bytes() == b"{}"
     out = tmp_path / "out"
     with output_sink(str(out), opts) as sink:
-        assert isinstance(sink, str)  # a staged directory: the local store renames
-        put_bytes(sink, "config.json", b"{}")
+        assert isinstance(sink, DirectoryOutput)  # a staged directory: the local store renames
+        sink.put("config.json", b"{}")
     assert sorted(os.listdir(out)) == ["config.json"]
     url = f"memory://opts-{uuid.uuid4().hex[:8]}/out"
     with output_sink(url, opts) as sink:
-        assert not isinstance(sink, str)  # a store without rename: the StoreOutput
-        put_bytes(sink, "config.json", b"{}")
+        assert isinstance(sink, StoreOutput)  # a store without rename
+        sink.put("config.json", b"{}")
     store, root = open_storage(url)
     assert store.read_bytes(store.join(root, "config.json")) == b"{}"
 

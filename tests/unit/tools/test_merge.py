@@ -378,3 +378,31 @@ def test_tiny_llama_sliced_merge_from_pretrained_same_logits(
     ids = torch.tensor([[1, 5, 9, 33, 2]])
     with torch.no_grad():
         assert torch.equal(model(ids).logits, loaded(ids).logits)
+
+
+@pytest.mark.parametrize("max_shard_size", ["5GB", 400])
+def test_merge_writes_as_the_output_storage_can(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, max_shard_size: int | str
+) -> None:
+    """The strategy comes from the output storage's ``range_write``, not from the sink's type: a
+    local output whose storage cannot write at offsets is streamed (a sharded output's save id
+    fixed up front, a single file written aside and copied in), with the same tensors, and the
+    same bytes for a single file."""
+    from unickpt.store.storage import LocalStorage
+
+    tensors, ref = hand_made_reference()
+    src = tmp_path / "src"
+    write_checkpoint(str(src), tensors, sliced=True, files=2)
+    merge_checkpoint(src, tmp_path / "in_place", max_shard_size=max_shard_size)
+    monkeypatch.setattr(LocalStorage, "range_write", False)
+    merge_checkpoint(src, tmp_path / "streamed", max_shard_size=max_shard_size)
+    monkeypatch.undo()
+    _check_merged(tmp_path / "streamed", ref)
+    names = sorted(os.listdir(tmp_path / "in_place"))
+    assert sorted(os.listdir(tmp_path / "streamed")) == names
+    same = [
+        (tmp_path / "in_place" / n).read_bytes() == (tmp_path / "streamed" / n).read_bytes() for n in names
+    ]
+    # a single file: its header rewritten in place, or written aside and copied in, is the same;
+    # sharded, the streamed files carry the save id fixed before they were written
+    assert same == ([True] if max_shard_size == "5GB" else [False] * len(names))
