@@ -145,3 +145,22 @@ def test_a_failed_verified_load_names_the_slice(tmp_path: Path, built: list[int]
         os.path.basename(f),
         slice_key("layer9.weight", 6),
     )
+
+
+def test_diff_rehashes_from_the_table(tmp_path: Path, built: list[int]) -> None:
+    """No fingerprint recorded: diff computes them from the data, rehashing every slice on the way."""
+    from unickpt.tools.diff import diff_checkpoints
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    _sliced(a)
+    _sliced(b)
+    f = b / shard_name("model", 7, WORLD)
+    raw = bytearray(f.read_bytes())
+    raw[-1] ^= 0xFF  # the last tensor's row 6
+    f.write_bytes(bytes(raw))
+    built[0] = 0
+    rep = diff_checkpoints(str(a), str(b))
+    assert built[0] == 0
+    key = slice_key("layer9.weight", 6)
+    (msg,) = rep.integrity_failures
+    assert msg.startswith(f"{b}: tensor 'layer9.weight' in file {f.name!r} (key {key!r}): expected xxh3-64 ")
