@@ -860,10 +860,10 @@ class CheckpointReader(FileChecks):
         if self.has_unickpt_block and not all_referenced(self.header, self.files, matched):
             check_keys_referenced(self.block, self.files, self.header)
 
-    def _check_slice(self, name: str, t: TensorEntry, s: SliceEntry) -> None:
+    def _check_slice(self, name: str, t: TensorEntry, file: str, key: str, shape: list[int]) -> None:
         """The slice's key is in its file's (valid) header with the dtype and shape the index records
         (``slice_spans.slice_error``: the check and the wording of ``locate``, for one slice)."""
-        err = slice_error(self.header(s.file), name, t.dtype, s.key, list(s.shape))
+        err = slice_error(self.header(file), name, t.dtype, key, shape)
         if err is not None:
             raise err
 
@@ -935,17 +935,22 @@ class CheckpointReader(FileChecks):
         failures: list[IntegrityFailure] = []
         for name in names if names is not None else list(self.block.tensors):
             t = self.block.tensors[name]
-            for s in t.slices:
-                if not has_hashes(s):  # xxh3, or ranges (docs/format.md 5.1)
+            table = t.table  # the slices read from its columns: no per-slice object
+            columns = zip(
+                table.file_list(), table.keys(), table.hash_list(), table.shapes.tolist(), strict=True
+            )
+            for k, (file, key, xxh3, shape) in enumerate(columns):
+                rng = table.ranges(k)
+                if xxh3 is None and rng is None:  # xxh3, or ranges (docs/format.md 5.1)
                     continue
                 try:
-                    self._check_slice(name, t, s)
-                    failures.extend(slice_failures(name, s.file, s.key, s.xxh3, s.ranges, self.iter_slice(s)))
+                    self._check_slice(name, t, file, key, shape)
+                    failures.extend(slice_failures(name, file, key, xxh3, rng, self.iter_key(file, key)))
                 except (IncompleteCheckpointError, CheckpointFormatError) as e:
                     # Missing or truncated file, edited header, key absent: report it with the rest.
-                    failures.append(IntegrityFailure(name, s.file, s.key, s.xxh3 or "-", f"unreadable ({e})"))
+                    failures.append(IntegrityFailure(name, file, key, xxh3 or "-", f"unreadable ({e})"))
                 if progress is not None:
-                    progress(math.prod(s.shape) * itemsize(t.dtype))
+                    progress(math.prod(shape) * itemsize(t.dtype))
         return failures
 
 

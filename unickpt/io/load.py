@@ -1039,15 +1039,18 @@ def wanted_ranges(
             _, off, n = reader.slice_location(s)
             wanted.setdefault(s.file, []).append((off, n))
             continue
-        for s in entry.slices:
-            inter = intersect(b.offsets, b.shape, s.offsets, s.shape)
+        table = entry.table  # the slices the box meets, found and read from the table's columns
+        for j in table.overlapping(b.offsets, b.shape):
+            s_offsets, s_shape = table.box(j)
+            inter = intersect(b.offsets, b.shape, s_offsets, s_shape)
             if inter is None:
                 continue
             ioff, ishp = inter
-            src_off = tuple(a - o for a, o in zip(ioff, s.offsets, strict=True))
-            _, off, _ = reader.slice_location(s)
-            wanted.setdefault(s.file, []).extend(
-                (off + a * isz, k * isz) for a, k in runs(s.shape, src_off, ishp)
+            src_off = tuple(a - o for a, o in zip(ioff, s_offsets, strict=True))
+            file = table.file(j)
+            _, off, _ = reader.key_location(file, table.key(j))
+            wanted.setdefault(file, []).extend(
+                (off + a * isz, k * isz) for a, k in runs(s_shape, src_off, ishp)
             )
     return wanted
 

@@ -18,6 +18,7 @@ from torch import nn
 
 import unickpt.spec.slice_table as slice_table
 from unickpt import GeneralCheckpointIO, verify_checkpoint
+from unickpt.ckpt.reader import open_checkpoint
 from unickpt.ckpt.safetensors_io import encode_header
 from unickpt.ckpt.writer import build_block, build_index
 from unickpt.errors import IntegrityError
@@ -125,6 +126,9 @@ def test_verify_and_verified_load_build_no_slice_entry(tmp_path: Path, built: li
     assert not list(report) and report.hashed == WORLD * TENSORS
     assert built[0] == 0
     GeneralCheckpointIO().load_model(m, str(d), verify=True)
+    assert built[0] == 0
+    with open_checkpoint(str(d)) as r:
+        assert r.verify() == []
     assert built[0] == 0
 
 
