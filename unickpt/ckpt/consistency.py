@@ -116,16 +116,18 @@ def _ruled_key_in(ruled: dict[str, TensorEntry], file: str, key: str) -> bool:
 def check_gathered(where: str, block: UnickptBlock) -> None:
     """In a gathered checkpoint every tensor is stored whole, under its own name, in one slice."""
     for name, t in block.tensors.items():
-        if len(t.slices) != 1:
+        table = t.table  # its one slice read from the table's columns: no per-slice object
+        if len(table) != 1:
             raise IndexFileError(
-                f"{where}: tensor {_q(name)} has {len(t.slices)} slices in a gathered checkpoint, which stores "
+                f"{where}: tensor {_q(name)} has {len(table)} slices in a gathered checkpoint, which stores "
                 "each tensor whole under its own name"
             )
-        s = t.table.entry(0)
-        if s.key != name or any(s.offsets) or list(s.shape) != list(t.shape):
+        key = table.key(0)
+        offsets, shape = table.box(0)
+        if key != name or any(offsets) or shape != list(t.shape):
             raise IndexFileError(
-                f"{where}: tensor {_q(name)} is stored as key {_q(s.key)} at offsets {list(s.offsets)} with shape "
-                f"{list(s.shape)} in a gathered checkpoint, which stores each tensor whole under its own name "
+                f"{where}: tensor {_q(name)} is stored as key {_q(key)} at offsets {offsets} with shape "
+                f"{shape} in a gathered checkpoint, which stores each tensor whole under its own name "
                 f"(shape {list(t.shape)}): Hugging Face loaders would read something else"
             )
 

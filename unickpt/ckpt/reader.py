@@ -102,6 +102,7 @@ from unickpt.spec.dtypes import itemsize
 from unickpt.spec.hashing import SliceHasher
 from unickpt.spec.index import (
     MAX_INDEX_BYTES,
+    ByteRange,
     IndexFile,
     SliceEntry,
     TensorEntry,
@@ -463,9 +464,9 @@ def has_hashes(s: SliceEntry) -> bool:
 class RangeChecker:
     """Feed a slice's bytes in order (``update``); ``failures()`` names each range that differs."""
 
-    def __init__(self, tensor: str, s: SliceEntry) -> None:
-        self.tensor, self.slice = tensor, s
-        self._ranges = list(s.ranges or [])
+    def __init__(self, tensor: str, file: str, key: str, ranges: Sequence[ByteRange]) -> None:
+        self.tensor, self.file, self.key = tensor, file, key
+        self._ranges = list(ranges)
         self._i = 0
         self._pos = 0
         self._h = xxhash.xxh3_64()
@@ -486,36 +487,39 @@ class RangeChecker:
 
     def _close(self, start: int, end: int, expected: str, found: str) -> None:
         if found != expected:
-            s = self.slice
-            self._bad.append(RangeFailure(self.tensor, s.file, s.key, start, end, expected, found))
+            self._bad.append(RangeFailure(self.tensor, self.file, self.key, start, end, expected, found))
 
     def failures(self, unreadable: str | None = None) -> list[RangeFailure]:
         """The ranges that differ; with ``unreadable`` (why reading stopped), every range not fully read."""
         if unreadable is not None or self._pos < (self._ranges[-1].end if self._ranges else 0):
             why = unreadable or "unreadable (the slice ended early)"
             for r in self._ranges[self._i :]:
-                self._bad.append(
-                    RangeFailure(self.tensor, self.slice.file, self.slice.key, r.start, r.end, r.xxh3, why)
-                )
+                self._bad.append(RangeFailure(self.tensor, self.file, self.key, r.start, r.end, r.xxh3, why))
             self._i = len(self._ranges)
         return list(self._bad)
 
 
 def slice_failures(
-    tensor: str, s: SliceEntry, chunks: Iterable[bytes | memoryview]
+    tensor: str,
+    file: str,
+    key: str,
+    xxh3: str | None,
+    ranges: Sequence[ByteRange] | None,
+    chunks: Iterable[bytes | memoryview],
 ) -> list[IntegrityFailure]:
     """Rehash a slice's bytes (``chunks``, the whole slice in order) against its ``xxh3`` and each of
-    its ``ranges``; the failures (empty when every recorded hash matches)."""
-    h = xxhash.xxh3_64() if s.xxh3 is not None else None
-    c = RangeChecker(tensor, s) if s.ranges is not None else None
+    its ``ranges`` (the slice's fields, as a table or a ``SliceEntry`` gives them); the failures
+    (empty when every recorded hash matches)."""
+    h = xxhash.xxh3_64() if xxh3 is not None else None
+    c = RangeChecker(tensor, file, key, ranges) if ranges is not None else None
     for data in chunks:
         if h is not None:
             h.update(data)
         if c is not None:
             c.update(data)
     out: list[IntegrityFailure] = list(c.failures()) if c is not None else []
-    if h is not None and s.xxh3 is not None and h.hexdigest() != s.xxh3:
-        out.append(IntegrityFailure(tensor, s.file, s.key, s.xxh3, h.hexdigest()))
+    if h is not None and xxh3 is not None and h.hexdigest() != xxh3:
+        out.append(IntegrityFailure(tensor, file, key, xxh3, h.hexdigest()))
     return out
 
 
@@ -856,20 +860,24 @@ class CheckpointReader(FileChecks):
         if self.has_unickpt_block and not all_referenced(self.header, self.files, matched):
             check_keys_referenced(self.block, self.files, self.header)
 
-    def _check_slice(self, name: str, t: TensorEntry, s: SliceEntry) -> None:
+    def _check_slice(self, name: str, t: TensorEntry, file: str, key: str, shape: list[int]) -> None:
         """The slice's key is in its file's (valid) header with the dtype and shape the index records
         (``slice_spans.slice_error``: the check and the wording of ``locate``, for one slice)."""
-        err = slice_error(self.header(s.file), name, t.dtype, s.key, list(s.shape))
+        err = slice_error(self.header(file), name, t.dtype, key, shape)
         if err is not None:
             raise err
 
     # ----------------------------------------------------------------- reading bytes
     def slice_location(self, s: SliceEntry) -> tuple[str, int, int]:
         """(absolute path, absolute offset, byte length) of one stored slice."""
-        h = self.header(s.file)
-        if s.key not in h.entries:
-            raise HeaderError(f"{h.path}: key {s.key!r} named by the index is not in the file")
-        off, n = h.absolute(s.key)
+        return self.key_location(s.file, s.key)
+
+    def key_location(self, file: str, key: str) -> tuple[str, int, int]:
+        """(absolute path, absolute offset, byte length) of the stored slice ``key`` of ``file``."""
+        h = self.header(file)
+        if key not in h.entries:
+            raise HeaderError(f"{h.path}: key {key!r} named by the index is not in the file")
+        off, n = h.absolute(key)
         return h.path, off, n
 
     def read_slice(self, s: SliceEntry, out: memoryview | None = None) -> memoryview:
@@ -880,10 +888,16 @@ class CheckpointReader(FileChecks):
         self, s: SliceEntry, rel_offset: int, length: int, out: memoryview | None = None
     ) -> memoryview:
         """``length`` bytes starting ``rel_offset`` bytes into a stored slice."""
-        _, off, n = self.slice_location(s)
+        return self.read_key_bytes(s.file, s.key, rel_offset, length, out)
+
+    def read_key_bytes(
+        self, file: str, key: str, rel_offset: int, length: int, out: memoryview | None = None
+    ) -> memoryview:
+        """``length`` bytes starting ``rel_offset`` bytes into the stored slice ``key`` of ``file``."""
+        _, off, n = self.key_location(file, key)
         if rel_offset < 0 or rel_offset + length > n:
-            raise HeaderError(f"{s.file}: read of {length} bytes at {rel_offset} outside slice {s.key!r}")
-        return self._read(s.file, off + rel_offset, length, out)
+            raise HeaderError(f"{file}: read of {length} bytes at {rel_offset} outside slice {key!r}")
+        return self._read(file, off + rel_offset, length, out)
 
     def read_runs(self, s: SliceEntry, runs: list[tuple[int, int]], out: memoryview) -> None:
         """Read runs ``(byte offset into the slice, length)`` of a stored slice back to back into
@@ -897,8 +911,12 @@ class CheckpointReader(FileChecks):
             read_runs(self.read_handle(s.file), [(off + o, k) for o, k in runs], out)
 
     def iter_slice(self, s: SliceEntry, chunk: int = 16 << 20) -> Iterator[bytes]:
-        _, off, n = self.slice_location(s)
-        yield from iter_handle(self.read_handle(s.file), off, n, chunk)
+        return self.iter_key(s.file, s.key, chunk)
+
+    def iter_key(self, file: str, key: str, chunk: int = 16 << 20) -> Iterator[bytes]:
+        """The bytes of the stored slice ``key`` of ``file``, ``chunk`` bytes at a time."""
+        _, off, n = self.key_location(file, key)
+        yield from iter_handle(self.read_handle(file), off, n, chunk)
 
     def hash_slice(self, s: SliceEntry) -> str:
         h = SliceHasher()
@@ -917,17 +935,22 @@ class CheckpointReader(FileChecks):
         failures: list[IntegrityFailure] = []
         for name in names if names is not None else list(self.block.tensors):
             t = self.block.tensors[name]
-            for s in t.slices:
-                if not has_hashes(s):  # xxh3, or ranges (docs/format.md 5.1)
+            table = t.table  # the slices read from its columns: no per-slice object
+            columns = zip(
+                table.file_list(), table.keys(), table.hash_list(), table.shapes.tolist(), strict=True
+            )
+            for k, (file, key, xxh3, shape) in enumerate(columns):
+                rng = table.ranges(k)
+                if xxh3 is None and rng is None:  # xxh3, or ranges (docs/format.md 5.1)
                     continue
                 try:
-                    self._check_slice(name, t, s)
-                    failures.extend(slice_failures(name, s, self.iter_slice(s)))
+                    self._check_slice(name, t, file, key, shape)
+                    failures.extend(slice_failures(name, file, key, xxh3, rng, self.iter_key(file, key)))
                 except (IncompleteCheckpointError, CheckpointFormatError) as e:
                     # Missing or truncated file, edited header, key absent: report it with the rest.
-                    failures.append(IntegrityFailure(name, s.file, s.key, s.xxh3 or "-", f"unreadable ({e})"))
+                    failures.append(IntegrityFailure(name, file, key, xxh3 or "-", f"unreadable ({e})"))
                 if progress is not None:
-                    progress(math.prod(s.shape) * itemsize(t.dtype))
+                    progress(math.prod(shape) * itemsize(t.dtype))
         return failures
 
 

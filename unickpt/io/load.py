@@ -57,7 +57,7 @@ from unickpt._rng import keeps_python_random
 from unickpt.ckpt import reader as reader_mod
 from unickpt.ckpt.consistency import check_keys_referenced
 from unickpt.ckpt.read_batch import ReadBatch, table_spans
-from unickpt.ckpt.reader import CheckpointReader, has_hashes, open_checkpoint, open_located, slice_failures
+from unickpt.ckpt.reader import CheckpointReader, open_checkpoint, open_located, slice_failures
 from unickpt.ckpt.slice_spans import FileNumbers, Spans, all_referenced, locate
 from unickpt.errors import (
     HeaderError,
@@ -769,15 +769,22 @@ def load_tensors(
             from unickpt.errors import IntegrityFailure
 
             failures: list[IntegrityFailure] = []
-            checked = [(src, reader.tensors[src].table.entry(k)) for src, ks in needed.items() for k in ks]
+            # Read from the tables' columns: (tensor, file, key, xxh3, ranges) of each hashed slice.
+            checked: list[tuple[str, str, str, str | None, Any]] = []
+            for src, ks in needed.items():
+                table = reader.tensors[src].table
+                for k in ks:
+                    h, rng = table.xxh3(k), table.ranges(k)
+                    if h is not None or rng is not None:
+                        checked.append((src, table.file(k), table.key(k), h, rng))
 
-            def check(item: tuple[str, Any]) -> None:
-                src, s = item
-                failures.extend(slice_failures(src, s, reader.iter_slice(s)))
+            def check(item: tuple[str, str, str, str | None, Any]) -> None:
+                src, file, key, h, rng = item
+                failures.extend(slice_failures(src, file, key, h, rng, reader.iter_key(file, key)))
 
             # On a URL, the slices to hash are fetched a window at a time, coalesced, and kept
             # for the reads below (each byte fetched once) when they fit URL_VERIFY_HOLD.
-            held = each_slice(reader, [(src, s) for src, s in checked if has_hashes(s)], check, keep=True)
+            held = each_slice(reader, checked, check, keep=True)
             if failures:
                 raise IntegrityError(failures, reader.index_path or reader.directory)
     except Exception as e:
@@ -1032,15 +1039,18 @@ def wanted_ranges(
             _, off, n = reader.slice_location(s)
             wanted.setdefault(s.file, []).append((off, n))
             continue
-        for s in entry.slices:
-            inter = intersect(b.offsets, b.shape, s.offsets, s.shape)
+        table = entry.table  # the slices the box meets, found and read from the table's columns
+        for j in table.overlapping(b.offsets, b.shape):
+            s_offsets, s_shape = table.box(j)
+            inter = intersect(b.offsets, b.shape, s_offsets, s_shape)
             if inter is None:
                 continue
             ioff, ishp = inter
-            src_off = tuple(a - o for a, o in zip(ioff, s.offsets, strict=True))
-            _, off, _ = reader.slice_location(s)
-            wanted.setdefault(s.file, []).extend(
-                (off + a * isz, k * isz) for a, k in runs(s.shape, src_off, ishp)
+            src_off = tuple(a - o for a, o in zip(ioff, s_offsets, strict=True))
+            file = table.file(j)
+            _, off, _ = reader.key_location(file, table.key(j))
+            wanted.setdefault(file, []).extend(
+                (off + a * isz, k * isz) for a, k in runs(s_shape, src_off, ishp)
             )
     return wanted
 
@@ -1102,12 +1112,12 @@ def open_for_load(
 
 def each_slice(
     reader: CheckpointReader,
-    items: list[tuple[str, Any]],
-    fn: Callable[[tuple[str, Any]], None],
+    items: list[tuple[str, str, str, str | None, Any]],
+    fn: Callable[[tuple[str, str, str, str | None, Any]], None],
     keep: bool = False,
 ) -> bool:
-    """``fn((tensor name, stored slice))`` for each item; on a store that fetches ahead, the whole slices of about
-    ``URL_WINDOW`` bytes at a time are fetched first (coalesced, in flight together), so hashing
+    """``fn((tensor name, file, key, xxh3, ranges))`` for each stored slice; on a store that
+    fetches ahead, the whole slices of about ``URL_WINDOW`` bytes at a time are fetched first (coalesced, in flight together), so hashing
     them (``verify=True``) costs a few large requests, not one round trip per slice.
 
     ``keep``: there, when the slices total at most ``URL_VERIFY_HOLD`` bytes, the fetched
@@ -1118,17 +1128,17 @@ def each_slice(
         for item in items:
             fn(item)
         return False
-    keep = keep and sum(reader.slice_location(s)[2] for _, s in items) <= URL_VERIFY_HOLD
+    keep = keep and sum(reader.key_location(it[1], it[2])[2] for it in items) <= URL_VERIFY_HOLD
     start = 0
     while start < len(items):
         stop, size = start, 0
         while stop < len(items) and (stop == start or size < URL_WINDOW):
-            size += reader.slice_location(items[stop][1])[2]
+            size += reader.key_location(items[stop][1], items[stop][2])[2]
             stop += 1
         wanted: dict[str, list[tuple[int, int]]] = {}
-        for _, s in items[start:stop]:
-            _, off, n = reader.slice_location(s)
-            wanted.setdefault(s.file, []).append((off, n))
+        for _, file, key, _, _ in items[start:stop]:
+            _, off, n = reader.key_location(file, key)
+            wanted.setdefault(file, []).append((off, n))
         reader.prefetch(wanted, URL_READ_THREADS)
         try:
             for item in items[start:stop]:

@@ -151,30 +151,39 @@ def _data_sum(
     slice hashes checked on the way."""
     isz = itemsize(t.dtype)
     partials = []
-    for s in t.slices:
-        n = math.prod(s.shape) * isz
+    table = t.table  # the slices read from its columns, taken whole: no per-slice object
+    columns = zip(
+        table.file_list(),
+        table.keys(),
+        table.hash_list(),
+        table.offsets.tolist(),
+        table.shapes.tolist(),
+        strict=True,
+    )
+    for file, key, xxh3, offsets, shape in columns:
+        n = math.prod(shape) * isz
         h = SliceHasher()
-        if len(s.shape) == 0:
-            data = r.read_slice(s)
+        if len(shape) == 0:
+            data = r.read_key_bytes(file, key, 0, r.key_location(file, key)[2])  # the whole slice
             h.update(data)
             partials.append(
-                fingerprint_partial(np.frombuffer(data, dtype=f"<u{isz}"), t.shape, s.offsets, s.shape)
+                fingerprint_partial(np.frombuffer(data, dtype=f"<u{isz}"), t.shape, offsets, shape)
             )
         elif n:
             # Bands of at most _CHUNK bytes (ranges of rows, or of one row when a row is larger).
-            for band in bands(s.shape, isz, _CHUNK):
-                data = r.read_bytes(s, band_first(band, s.shape) * isz, math.prod(band.shape) * isz)
+            for band in bands(shape, isz, _CHUNK):
+                data = r.read_key_bytes(file, key, band_first(band, shape) * isz, math.prod(band.shape) * isz)
                 h.update(data)
-                off = [o + b for o, b in zip(s.offsets, band.offsets(len(s.shape)), strict=True)]
+                off = [o + b for o, b in zip(offsets, band.offsets(len(shape)), strict=True)]
                 partials.append(
                     fingerprint_partial(np.frombuffer(data, dtype=f"<u{isz}"), t.shape, off, band.box_shape())
                 )
         progress(n)
         found = h.hexdigest()
-        if s.xxh3 is not None and found != s.xxh3:
+        if xxh3 is not None and found != xxh3:
             failures.append(
-                f"{r.directory}: tensor {name!r} in file {s.file!r} (key {s.key!r}): "
-                f"expected xxh3-64 {s.xxh3}, found {found}"
+                f"{r.directory}: tensor {name!r} in file {file!r} (key {key!r}): "
+                f"expected xxh3-64 {xxh3}, found {found}"
             )
     return combine_partials(partials)
 

@@ -26,7 +26,7 @@ import numpy as np
 import xxhash
 
 from unickpt._logging import get_logger
-from unickpt.ckpt.reader import CheckpointReader, RangeChecker, has_hashes
+from unickpt.ckpt.reader import CheckpointReader, RangeChecker
 from unickpt.ckpt.slice_spans import FileNumbers, recorded_hashes
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, IndexFileError, IntegrityFailure
 from unickpt.spec.boxes import flat_range_to_boxes
@@ -37,7 +37,7 @@ from unickpt.spec.hashing import (
     finalize_fingerprint,
     fingerprint_partial,
 )
-from unickpt.spec.index import SliceEntry, TensorEntry
+from unickpt.spec.index import TensorEntry
 from unickpt.store.storage import ReadHandle
 from unickpt.tools._common import open_auto
 from unickpt.tools._progress import progress_bar
@@ -199,7 +199,9 @@ def verify_checkpoint(
                 total += int(vol.sum()) * itemsize(t.dtype)
             if require_hashes and hashed < len(table):
                 report.extend(
-                    MissingHash(name, s.file, s.key, "-", "-") for s in t.slices if not has_hashes(s)
+                    MissingHash(name, table.file(k), table.key(k), "-", "-")
+                    for k, has in enumerate(table.hashed_mask())
+                    if not has
                 )
         with progress_bar(total, "verify", progress) as tick:
             # Local files, no fingerprint to recompute: slices rehashed a run of adjacent ones at a time.
@@ -226,56 +228,68 @@ def _verify_tensor(
     isz = itemsize(t.dtype)
     partials: list[int] = []
     bad = False  # a slice failed its hash or could not be read: that failure says it all
-    for s in t.slices:
-        if not fp and not has_hashes(s):
+    table = t.table  # the slices read from its columns, taken whole: no per-slice object
+    columns = zip(
+        table.file_list(),
+        table.keys(),
+        table.hash_list(),
+        table.offsets.tolist(),
+        table.shapes.tolist(),
+        strict=True,
+    )
+    for k, (file, key, xxh3, offsets, shape) in enumerate(columns):
+        rng = table.ranges(k)
+        if not fp and xxh3 is None and rng is None:
             continue
         h = SliceHasher()
-        ranges = RangeChecker(name, s) if s.ranges is not None else None
+        ranges = RangeChecker(name, file, key, rng) if rng is not None else None
         try:
-            for start, data in _ChunkIter(r, s, isz):
+            for start, data in _ChunkIter(r, file, key, shape, isz):
                 h.update(data)
                 if ranges is not None:
                     ranges.update(data)
                 if fp:
-                    partials.extend(_partials(t, s, data, start, isz))
+                    partials.extend(_partials(t, offsets, shape, data, start, isz))
                 tick(len(data))
             found = h.hexdigest()
         except (IncompleteCheckpointError, CheckpointFormatError, OSError) as e:
             found = f"unreadable ({e})"
             bad = True
         if ranges is not None:  # a gathered save written by several ranks: each range
-            report.hashed += s.xxh3 is None
+            report.hashed += xxh3 is None
             failed = ranges.failures(found if found.startswith("unreadable") else None)
             report.extend(failed)
             bad = bad or bool(failed)
-            if s.xxh3 is None:
+            if xxh3 is None:
                 continue
-        if s.xxh3 is not None:
+        if xxh3 is not None:
             report.hashed += 1
-            if found != s.xxh3:
-                report.append(IntegrityFailure(name, s.file, s.key, s.xxh3, found))
+            if found != xxh3:
+                report.append(IntegrityFailure(name, file, key, xxh3, found))
                 bad = True
         elif found.startswith("unreadable"):
-            report.append(IntegrityFailure(name, s.file, s.key, "-", found))
+            report.append(IntegrityFailure(name, file, key, "-", found))
     if fp and t.fingerprint is not None and not bad:
         report.fingerprints += 1
         got = finalize_fingerprint(name, t.dtype, t.shape, combine_partials(partials))
         if got != t.fingerprint:
-            files = ", ".join(sorted({s.file for s in t.slices}))
+            files = ", ".join(sorted(table.file_counts()))
             report.append(FingerprintFailure(name, files, "", t.fingerprint, got))
 
 
 class _ChunkIter:
     """(first element index within the slice, bytes) of a slice, at most ``_CHUNK`` bytes at a time."""
 
-    def __init__(self, r: CheckpointReader, s: SliceEntry, isz: int) -> None:
-        self.r, self.s, self.isz = r, s, isz
+    def __init__(self, r: CheckpointReader, file: str, key: str, shape: list[int], isz: int) -> None:
+        self.r, self.file, self.key, self.shape, self.isz = r, file, key, shape, isz
 
     def __iter__(self) -> _ChunkIter:
-        self.n = math.prod(self.s.shape)
+        self.n = math.prod(self.shape)
         self.step = max(1, _CHUNK // self.isz)
         self.pos = 0
-        self.r.slice_location(self.s)  # a key absent from the file raises here, even for an empty slice
+        self.r.key_location(
+            self.file, self.key
+        )  # a key absent from the file raises here, even for an empty slice
         return self
 
     def __next__(self) -> tuple[int, memoryview]:
@@ -283,17 +297,19 @@ class _ChunkIter:
             raise StopIteration
         start = self.pos
         count = min(self.step, self.n - start)
-        data = self.r.read_bytes(self.s, start * self.isz, count * self.isz)
+        data = self.r.read_key_bytes(self.file, self.key, start * self.isz, count * self.isz)
         self.pos += count
         return start, data
 
 
-def _partials(t: TensorEntry, s: SliceEntry, data: memoryview, start: int, isz: int) -> list[int]:
+def _partials(
+    t: TensorEntry, offsets: list[int], shape: list[int], data: memoryview, start: int, isz: int
+) -> list[int]:
     """Fingerprint partial sums of the flat element range [start, start + len) of a slice."""
     words = np.frombuffer(data, dtype=f"<u{isz}")
     out = []
-    for (off, shp), flat in flat_range_to_boxes(s.shape, start, start + len(words)):
-        glob = [a + b for a, b in zip(s.offsets, off, strict=True)]
+    for (off, shp), flat in flat_range_to_boxes(shape, start, start + len(words)):
+        glob = [a + b for a, b in zip(offsets, off, strict=True)]
         k = flat - start
         out.append(fingerprint_partial(words[k : k + math.prod(shp)], t.shape, glob, shp))
     return out
