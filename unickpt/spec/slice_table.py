@@ -557,6 +557,18 @@ class SliceTable:
         """The distinct files of the slices at positions ``ks``."""
         return {self.files[i] for i in set(self.file_ids[ks].tolist())}
 
+    def rows(self) -> Iterator[tuple[str, str, str | None, list[int], list[int]]]:
+        """Each slice's ``(file, key, xxh3, offsets, shape)``, read from the columns (no
+        ``SliceEntry`` built)."""
+        return zip(
+            self.file_list(),
+            self.keys(),
+            self.hash_list(),
+            self.offsets.tolist(),
+            self.shapes.tolist(),
+            strict=True,
+        )
+
     def file_list(self) -> list[str]:
         """Every slice's file name, in slice order."""
         return list(map(self.files.__getitem__, self.file_ids.tolist()))

@@ -152,14 +152,7 @@ def _data_sum(
     isz = itemsize(t.dtype)
     partials = []
     table = t.table  # the slices read from its columns, taken whole: no per-slice object
-    columns = zip(
-        table.file_list(),
-        table.keys(),
-        table.hash_list(),
-        table.offsets.tolist(),
-        table.shapes.tolist(),
-        strict=True,
-    )
+    columns = table.rows()
     for file, key, xxh3, offsets, shape in columns:
         n = math.prod(shape) * isz
         h = SliceHasher()

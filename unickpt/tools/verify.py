@@ -229,14 +229,7 @@ def _verify_tensor(
     partials: list[int] = []
     bad = False  # a slice failed its hash or could not be read: that failure says it all
     table = t.table  # the slices read from its columns, taken whole: no per-slice object
-    columns = zip(
-        table.file_list(),
-        table.keys(),
-        table.hash_list(),
-        table.offsets.tolist(),
-        table.shapes.tolist(),
-        strict=True,
-    )
+    columns = table.rows()
     for k, (file, key, xxh3, offsets, shape) in enumerate(columns):
         rng = table.ranges(k)
         if not fp and xxh3 is None and rng is None:
