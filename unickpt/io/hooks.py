@@ -18,7 +18,7 @@ import torch
 
 from unickpt.errors import UnsupportedError
 from unickpt.io.optim_state import init_state
-from unickpt.io.tensors import LocalSlice, local_slices, normalize_name, unwrap_model
+from unickpt.io.tensors import LocalSlice, is_dtensor, local_slices, normalize_name, unwrap_model
 
 __all__ = ["DETACHED_NOTE", "FINAL_METHODS", "CheckpointHooks", "HookContext"]
 
@@ -27,9 +27,7 @@ DETACHED_NOTE = -1
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
-    from torch.distributed.tensor import DTensor
-
-    local = t.to_local() if isinstance(t, DTensor) else t
+    local = t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
     return int(local.untyped_storage().data_ptr())
 
 

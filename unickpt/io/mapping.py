@@ -33,12 +33,15 @@ import math
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
 from unickpt._logging import get_logger
 from unickpt.errors import ConfigError, UnsupportedError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 logger = get_logger(__name__)
 
@@ -47,6 +50,7 @@ __all__ = [
     "Leaf",
     "Misfit",
     "LoadPlan",
+    "is_transformers_model",
     "resolve_mapping",
     "mapping_from_config",
     "plan_load",
@@ -353,6 +357,17 @@ def _split(transforms: Sequence[Any]) -> tuple[list[Any], list[Any]]:
     return renamings, converters
 
 
+def is_transformers_model(model: torch.nn.Module) -> TypeGuard[PreTrainedModel]:
+    """Whether ``model`` is a transformers ``PreTrainedModel``, asked without importing
+    transformers: an instance of one has that class in its type's MRO, so transformers is loaded
+    already. (Importing it to learn that a plain module is not one costs a save or a load of any
+    other model about 1.5 s and 180 MB of resident memory.)"""
+    return any(
+        c.__name__ == "PreTrainedModel" and c.__module__ == "transformers.modeling_utils"
+        for c in type(model).__mro__
+    )
+
+
 def resolve_mapping(model: torch.nn.Module, mapping: Any, *, saving: bool) -> list[Any] | None:
     """The transforms to use for ``model``: ``mapping`` itself when it is a list, none for
     ``False`` or ``[]``, and for ``None`` (the default) transformers' own conversion mapping of a
@@ -369,11 +384,7 @@ def resolve_mapping(model: torch.nn.Module, mapping: Any, *, saving: bool) -> li
             )
         _split(mapping)  # refuses anything else, before any collective goes further
         return [copy.deepcopy(t) for t in mapping] or None
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        return None
-    if not isinstance(model, PreTrainedModel):
+    if not is_transformers_model(model):
         if mapping is True:
             raise ConfigError(
                 f"mapping=True asks for transformers' conversion mapping, but the model is a "

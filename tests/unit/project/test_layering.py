@@ -374,3 +374,25 @@ def test_the_private_reach_check_finds_reaches(tmp_path: Path) -> None:
     (pkg / "b.py").write_text("def peek(a):\n    return a._secret\n")
     (pkg / "c.py").write_text("def own(x):\n    x._mine = 2\n    return x._mine\n")
     assert _private_reaches(pkg) == ["pkg/b.py:2: ._secret (defined in pkg/a.py)"]
+
+
+def test_plain_module_save_and_load_import_no_heavy_module(tmp_path: Path) -> None:
+    """A save, a load and a verified load of a plain ``nn.Module`` import neither transformers
+    (asked whether the model is one of its models) nor ``torch.distributed.tensor`` (asked
+    whether a tensor is a DTensor): no DTensor or PreTrainedModel can exist before its module is
+    imported. Either import costs a save or a load of any other model about 40 to 180 MB of
+    resident memory and a second or more."""
+    code = (
+        "import sys, torch\n"
+        "from unickpt.io import GeneralCheckpointIO\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))\n"
+        "io = GeneralCheckpointIO()\n"
+        f"io.save_model(m, {str(tmp_path / 's')!r}, shard=True)\n"
+        f"io.save_model(m, {str(tmp_path / 'g')!r}, shard=False)\n"
+        f"io.load_model(m, {str(tmp_path / 's')!r}, strict=True, verify=True)\n"
+        f"io.load_model(m, {str(tmp_path / 'g')!r}, strict=True)\n"
+        "heavy = ('transformers', 'torch.distributed.tensor', 'sympy', 'peft', 'torch._dynamo')\n"
+        "bad = [m for m in heavy if m in sys.modules]\n"
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -14,6 +14,7 @@ from torch import nn
 from unickpt.errors import UnsupportedError
 from unickpt.io import CheckpointIO
 from unickpt.io.hooks import HookContext
+from unickpt.io.tensors import is_dtensor
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -178,12 +179,12 @@ class PipelineRuntime:
             p: Any = local.get(first)
             grad: Any = p.grad if p is not None and p.grad is not None else None
             if grad is not None:
-                buf = grad.to_local() if _is_dtensor(grad) else grad
+                buf = grad.to_local() if is_dtensor(grad) else grad
             else:
                 buf = torch.zeros(shape, dtype=dtype, device=self.device)
             dist.all_reduce(buf, group=self.group)
             if p is not None and grad is None:
-                if _is_dtensor(p):
+                if is_dtensor(p):
                     from torch.distributed.tensor import DTensor
 
                     p.grad = DTensor.from_local(
@@ -199,7 +200,7 @@ class PipelineRuntime:
         mine = {
             f: (p.to_local().shape, p.dtype)  # type: ignore[attr-defined]
             for f, p in local.items()
-            if f in self.tied_stages and _is_dtensor(p)
+            if f in self.tied_stages and is_dtensor(p)
         }
         flags: list[Any] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(flags, mine, group=self.group)
@@ -257,12 +258,6 @@ class PPCheckpointIO(CheckpointIO):
             ],
         }
         super()._set_optimizer_state(ctx, osd)
-
-
-def _is_dtensor(t: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
 
 
 def _all_gather_objects(obj: Any, group: Any) -> list[Any]:
