@@ -856,7 +856,9 @@ def commit_step(directory: str, stage: str, step: int, record: bytes) -> str:
 
     ``COMMIT`` (``record``) is written last into the stage, which is then put in place
     (:func:`install_step`); only then is ``latest`` replaced and a replaced copy deleted.
-    The manager's saves (rank 0, under the lock) and ``unickpt convert --to run`` commit here.
+    The manager's saves (rank 0, under the lock) commit here; ``unickpt convert --to run`` writes
+    its step in the same order (``COMMIT``, then ``latest``) into its one output
+    (``tools/run_layout.py``).
     """
     atomic_write_bytes(os.path.join(stage, COMMIT_NAME), record)
     fsync_dir(stage)
