@@ -30,8 +30,9 @@ saving it again) is swapped with the stage atomically (Linux ``renameat2(RENAME_
 where the filesystem cannot swap, it is first renamed to ``.step-<N>.old-<id>``, which stays
 committed (readers take it for step N while ``step-<N>`` is not committed, the next save moves
 it back) and is deleted only once the new ``step-<N>`` is committed. A process killed at any
-moment therefore leaves a committed copy of every committed step (``store/publish.py``, whose
-``commit_step`` also commits the steps ``unickpt convert --to run`` writes).
+moment therefore leaves a committed copy of every committed step (``store/publish.py``;
+``unickpt convert --to run`` writes a step in the same order, ``COMMIT`` then ``latest``, into
+its one output: ``tools/run_layout.py``).
 
 Saves into one directory are serialised by the kernel lock of ``.unickpt.lock`` (``flock``;
 ``CheckpointBusyError`` for a second manager, released by the kernel when a holder dies). A

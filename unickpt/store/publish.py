@@ -25,7 +25,7 @@ a checkpoint (io, tools)      :func:`commit_directory`,          :func:`commit_a
 a manager step                :func:`commit_step`,               :class:`RemoteStore` (``COMMIT``
                               :func:`remove_step`                exclusive, then promoted)
 a tool's output, one          :class:`DirectoryOutput`,          :class:`StoreOutput`
-:class:`Sink` (output_sink)   (:func:`staged_output`,            (:func:`store_output`)
+:class:`Sink` (output_sink)   (a staged directory,               (:func:`store_output`)
                               :func:`publish_directory`)
 a small file                  :func:`write_small_file`: staged + fsync + rename; one PUT on a store
 ============================  =================================  ====================================
@@ -40,6 +40,7 @@ No torch here.
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import json
 import os
@@ -134,7 +135,6 @@ __all__ = [
     "remove_step",
     "RemoteStore",
     "check_output",
-    "staged_output",
     "publish_directory",
     "COMMIT_POINTS",
     "is_commit_point",
@@ -142,7 +142,6 @@ __all__ = [
     "HeadLastFile",
     "StoreOutput",
     "store_output",
-    "upload_tree",
     "DirectoryOutput",
     "Sink",
     "checkpoint_sink",
@@ -857,7 +856,9 @@ def commit_step(directory: str, stage: str, step: int, record: bytes) -> str:
 
     ``COMMIT`` (``record``) is written last into the stage, which is then put in place
     (:func:`install_step`); only then is ``latest`` replaced and a replaced copy deleted.
-    The manager's saves (rank 0, under the lock) and ``unickpt convert --to run`` commit here.
+    The manager's saves (rank 0, under the lock) commit here; ``unickpt convert --to run`` writes
+    its step in the same order (``COMMIT``, then ``latest``) into its one output
+    (``tools/run_layout.py``).
     """
     atomic_write_bytes(os.path.join(stage, COMMIT_NAME), record)
     fsync_dir(stage)
@@ -1270,13 +1271,15 @@ def check_output(out: str) -> str:
 
 
 @contextlib.contextmanager
-def staged_output(out: str) -> Iterator[str]:
-    """Yield a hidden temporary directory beside ``out``; publish it as ``out`` on success.
+def _staged_output(out: str) -> Iterator[str]:
+    """Yield a hidden temporary directory beside ``out``; publish it as ``out`` on success
+    (:func:`output_sink`'s local directory).
 
     On any failure the temporary directory is removed, so a failed run leaves no ``out``.
-    Every file written into it must already be fsynced; the :func:`publish_directory`
-    fsyncs the directory and its parent around the rename, and removes what killed runs left
-    (in ``out``, and staging directories of dead processes beside it).
+    Every file written into it must already be fsynced; every directory below it is fsynced
+    here (so the names of what sub-directories hold survive a power loss), and
+    :func:`publish_directory` fsyncs the directory and its parent around the rename, and removes
+    what killed runs left (in ``out``, and staging directories of dead processes beside it).
     """
     final = check_output(out)
     parent = os.path.dirname(final)
@@ -1285,6 +1288,9 @@ def staged_output(out: str) -> Iterator[str]:
     os.mkdir(tmp)
     try:
         yield tmp
+        for d, _, _ in sorted(os.walk(tmp), reverse=True):  # deepest first, tmp itself by publish
+            if d != tmp:
+                fsync_dir(d)
         try:
             publish_directory(tmp, final)
         except FileExistsError:
@@ -1463,6 +1469,8 @@ class StoreOutput:
         self._written: list[str] = []
         self._open: list[BinaryIO] = []
         self._commits: list[tuple[str, bytes | str | Callable[[], None]]] = []
+        #: where a part (:meth:`within`) lies below the output: its commit points are named from the top
+        self._prefix = ""
         self._head_last: list[HeadLastFile] = []
         #: the prefix's save lock, held by :func:`store_output` (None: not locked)
         self.fence: Fence | None = None
@@ -1482,6 +1490,16 @@ class StoreOutput:
 
     def path(self, name: str) -> str:
         return self.storage.join(self.root, name)
+
+    def within(self, sub: str) -> StoreOutput:
+        """The sub-directory ``sub`` of this output (a run's ``step-<N>/model``): its files are
+        this output's, under the same lock, its commit points among this output's (in the order
+        given), removed by the same abort."""
+        part = copy.copy(self)  # the lists of written files, uploads and commit points are shared
+        part.url = f"{self.url}/{sub}"
+        part.root = self.path(sub)
+        part._prefix = f"{self._prefix}{sub}/"
+        return part
 
     def open(self, name: str) -> StoreFile:
         """A data file, streamed (a multipart upload on S3); ``close(sf)`` completes it."""
@@ -1527,7 +1545,7 @@ class StoreOutput:
     def commit_later(self, name: str, data: bytes | str | Callable[[], None]) -> None:
         """A commit point (bytes, the path of a local file, or a function completing its
         upload: :meth:`HeadLastFile.complete`), written by :meth:`commit`."""
-        self._commits.append((name, data))
+        self._commits.append((self._prefix + name, data))
 
     def commit(self) -> None:
         """Write the commit points, after everything else: indexes with an exclusive PUT; each
@@ -1590,22 +1608,9 @@ def store_output(url: str, storage_options: dict[str, Any] | None = None) -> Ite
             raise
 
 
-def upload_tree(local: str, out: StoreOutput) -> None:
-    """Upload the local directory ``local`` into ``out``: every file now, commit points last."""
-    for dirpath, _dirs, files in sorted(os.walk(local)):
-        rel = os.path.relpath(dirpath, local)
-        for fname in sorted(files):
-            name = fname if rel == "." else f"{rel}/{fname}".replace(os.sep, "/")
-            src = os.path.join(dirpath, fname)
-            if is_commit_point(fname):
-                out.commit_later(name, src)
-            else:
-                out.upload(name, src)
-
-
 class DirectoryOutput:
     """A tool's output written into the local directory ``root``: the staged directory of
-    :func:`staged_output` (shown as ``url``, the final path), or a checkpoint directory written
+    :func:`output_sink` (shown as ``url``, the final path), or a checkpoint directory written
     in place. The interface of :class:`StoreOutput` over a store that renames: files are written
     now, under the directory's save lock, and a checkpoint's index is committed by its writer
     (:func:`commit_directory`); the directory's rename is the output's commit point."""
@@ -1618,13 +1623,25 @@ class DirectoryOutput:
     def path(self, name: str) -> str:
         return self.storage.join(self.root, name)
 
+    def within(self, sub: str) -> DirectoryOutput:
+        """The sub-directory ``sub`` of this output, made (durably) when a file is first written
+        into it; committed by the same rename."""
+        return DirectoryOutput(self.path(sub), f"{self.url}/{sub}")
+
+    def _file(self, name: str) -> str:
+        """The path of ``name``, its directory made (durably) where missing."""
+        path = self.path(name)
+        if not os.path.isdir(os.path.dirname(path)):
+            makedirs_durable(os.path.dirname(path))
+        return path
+
     def track(self, name: str) -> str:
         """The path of ``name`` (a failed output is removed whole, by whoever staged it)."""
         return self.path(name)
 
     def open(self, name: str) -> StoreFile:
         """A data file written front to back; ``close(sf)`` makes it durable."""
-        return StoreFile(self.storage.open_write(self.path(name)), name)
+        return StoreFile(self.storage.open_write(self._file(name)), name)
 
     def close(self, sf: StoreFile) -> None:
         self.storage.finish_write(sf.f)
@@ -1635,7 +1652,7 @@ class DirectoryOutput:
 
     def put(self, name: str, data: bytes) -> None:
         """A small file (``config.json``, ...) written now, whole and durable."""
-        write_staged(self.path(name), data)
+        write_staged(self._file(name), data)
 
     def commit_later(self, name: str, data: bytes | str | Callable[[], None]) -> None:
         """A commit point, written now (the directory's rename commits the output): bytes, the
@@ -1646,7 +1663,7 @@ class DirectoryOutput:
         if isinstance(data, str):
             with open(data, "rb") as f:
                 data = f.read()
-        atomic_write_bytes(self.path(name), data)
+        atomic_write_bytes(self._file(name), data)
 
     @contextlib.contextmanager
     def writing(self, *, fsync: bool = True) -> Iterator[None]:
@@ -1671,6 +1688,8 @@ class Sink(Protocol):
     storage: Storage
 
     def path(self, name: str) -> str: ...
+
+    def within(self, sub: str) -> Sink: ...
 
     def open(self, name: str) -> StoreFile: ...
 
@@ -1702,7 +1721,7 @@ def output_sink(out: str, storage_options: dict[str, Any] | None = None) -> Iter
     ``storage_options`` apply to a URL only."""
     storage, _ = open_storage(out, url_options(out, storage_options))
     if storage.atomic_rename:
-        with staged_output(out) as tmp:
+        with _staged_output(out) as tmp:
             yield DirectoryOutput(tmp, os.path.abspath(out))
         return
     with store_output(out, storage_options) as store:

@@ -20,8 +20,11 @@
 
 The unickpt output is a gathered, sharded checkpoint (``model-0000k-of-0000n.safetensors``
 + ``model.safetensors.index.json`` with hashes and fingerprints), which is at the same time
-a valid Hugging Face checkpoint; ``--to hf`` writes the same files. Every output is written
-under a temporary name and renamed when complete. Needs no process group.
+a valid Hugging Face checkpoint; ``--to hf`` writes the same files. Every output, whatever the
+target, is written through one ``store.publish.Sink`` (``output_sink``): into a local directory
+staged under a temporary name and renamed when complete, or onto an object-store prefix (which
+must hold nothing) with its commit points (indexes, a run step's ``COMMIT`` and ``latest``,
+DeepSpeed's ``latest_universal``) written last; a failure leaves no output. Needs no process group.
 """
 
 from __future__ import annotations
@@ -41,14 +44,7 @@ from unickpt.spec.confine import check_graph, confined_path
 from unickpt.spec.dtypes import itemsize
 from unickpt.spec.index import LayoutInfo
 from unickpt.spec.naming import HF_SIDE_FILES
-from unickpt.store.publish import (
-    DirectoryOutput,
-    Sink,
-    StoreOutput,
-    output_location,
-    output_sink,
-    staged_output,
-)
+from unickpt.store.publish import Sink, StoreOutput, output_location, output_sink
 from unickpt.store.storage import open_storage
 from unickpt.tools._common import read_side_files
 from unickpt.tools._merge_mapped import hub_tensor_data
@@ -223,44 +219,16 @@ def convert_checkpoint(
             f"convert --from {source}: {src_s} is a URL; this importer reads local directories only "
             "(copy the checkpoint to local disk first)"
         )
-    if out_remote and target == "run":
-        raise UnsupportedError(
-            f"convert --to run: {out_s} is a URL; a run directory is written locally (a CheckpointManager "
-            "given the URL writes its own runs on the store)"
-        )
-    if out_remote and source in ("colossalai", "deepspeed"):
-        from unickpt.tools.convert_url import convert_with_urls
-
-        return convert_with_urls(
-            convert_checkpoint,
-            src_s,
-            out_s,
-            source=source,
-            target=target,
-            max_shard_size=max_shard_size,
-            strip_prefix=strip_prefix,
-            step=step,
-            model=model,
-            optimizer=optimizer,
-        )
     if out_remote:
         StoreOutput.check(out_s)  # refuse a used prefix before reading anything
     out_s = output_location(out_s)
     shard_bytes = _parse_size(max_shard_size)
     created_by = f"unickpt {__version__} convert --from {source}"
     if source == "unickpt" and target == "colossalai":
-        if out_remote:
-            raise UnsupportedError(
-                f"convert --to colossalai: {out_s} is a URL; Colossal-AI's files are written locally"
-            )
         from unickpt.tools.export_colossalai import export_colossalai
 
         return export_colossalai(src_s, out_s, max_shard_bytes=shard_bytes, progress=progress)
     if source == "unickpt" and target == "deepspeed":
-        if out_remote:
-            raise UnsupportedError(
-                f"convert --to deepspeed: {out_s} is a URL; DeepSpeed's files are written locally"
-            )
         from unickpt.tools.export_deepspeed import export_deepspeed
 
         return export_deepspeed(src_s, out_s, step=step, progress=progress)
@@ -283,10 +251,10 @@ def convert_checkpoint(
     if source == "colossalai":
         from unickpt.tools.convert_colossalai import convert_colossalai_optimizer
 
-        with staged_output(out_s) as tmp:
+        with output_sink(out_s) as sink:
             convert_colossalai_optimizer(
                 src_s,
-                tmp,
+                sink,
                 model=model,
                 optimizer=optimizer,
                 shard_bytes=shard_bytes,
@@ -318,7 +286,15 @@ def convert_checkpoint(
                 return _write_run(src_s, md, lay, out_s, step, shard_bytes, created_by)
             with output_sink(out_s) as sink:
                 import_training(
-                    src_s, md, lay, sink, shard_bytes=shard_bytes, created_by=created_by, progress=progress
+                    src_s,
+                    md,
+                    lay,
+                    sink,
+                    sink,
+                    sink,
+                    shard_bytes=shard_bytes,
+                    created_by=created_by,
+                    progress=progress,
                 )
                 _copy_side_files(sink, src_s, *origin)
             return out_s
@@ -410,21 +386,20 @@ def _write_run(
             f"{src}: holds no train_state.step; give the step number (--step N) for the run directory"
         )
 
-    def fill(stage: str) -> None:
-        parts = {"model": os.path.join(stage, "model"), "optimizer": os.path.join(stage, "optimizer")}
-        both = os.path.join(stage, ".import")
-        os.makedirs(both)
-        import_training(src, md, lay, DirectoryOutput(both), shard_bytes=shard_bytes, created_by=created_by)
-        for name in os.listdir(both):
-            kind = (
-                "optimizer" if name.startswith("optimizer") else "model" if name.startswith("model") else None
-            )
-            dest = os.path.join(stage, name) if kind is None else os.path.join(parts[kind], name)
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
-            os.rename(os.path.join(both, name), dest)
-        os.rmdir(both)
+    def fill(stage: Sink) -> None:
+        part = stage.within
+        import_training(
+            src,
+            md,
+            lay,
+            part("model"),
+            part("optimizer"),
+            stage,
+            shard_bytes=shard_bytes,
+            created_by=created_by,
+        )
 
-    with staged_output(out) as tmp:
+    with output_sink(out) as run:
         extra = {"train_state": train} if train else {}
-        write_step(tmp, int(n), fill, extra=extra, world_size=writer_ranks(md), plugin=lay.flavour)
+        write_step(run, int(n), fill, extra=extra, world_size=writer_ranks(md), plugin=lay.flavour)
     return out

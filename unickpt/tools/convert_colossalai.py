@@ -26,10 +26,13 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, UnsupportedError
 from unickpt.spec.confine import confined_path
+
+if TYPE_CHECKING:
+    from unickpt.store.publish import Sink
 
 __all__ = ["convert_colossalai_optimizer", "parameter_order"]
 
@@ -161,7 +164,7 @@ def parameter_order(model: Any, optimizer: Any = None) -> list[tuple[str, tuple[
 
 def convert_colossalai_optimizer(
     src: str,
-    out_dir: str,
+    out: Sink,
     *,
     model: Any,
     optimizer: Any = None,
@@ -169,8 +172,8 @@ def convert_colossalai_optimizer(
     created_by: str,
     progress: bool = False,
 ) -> None:
-    """Write the unickpt optimizer checkpoint of the Colossal-AI checkpoint ``src`` into ``out_dir``
-    (``progress``: a byte bar on stderr)."""
+    """Write the unickpt optimizer checkpoint of the Colossal-AI checkpoint ``src`` into the tool's
+    output ``out`` (``store.publish.output_sink``; ``progress``: a byte bar on stderr)."""
     import torch
 
     from unickpt.io.jsonstate import to_json_value
@@ -269,7 +272,7 @@ def convert_colossalai_optimizer(
     total = sum(math.prod(t.shape) * itemsize(t.dtype) for t in tensors.values())
     with progress_bar(total, "convert --from colossalai", progress) as update:
         write_checkpoint(
-            out_dir,
+            out,
             tensors,
             kind="optimizer",
             sliced=False,

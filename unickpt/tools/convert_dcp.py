@@ -268,15 +268,19 @@ def import_training(
     src: str,
     md: Any,
     lay: DcpLayout,
-    out_dir: Sink,
+    model_out: Sink,
+    optim_out: Sink,
+    side_out: Sink,
     *,
     shard_bytes: int,
     created_by: str,
     progress: bool = False,
 ) -> None:
-    """Write model, optimizer (``param_groups`` and ``param_state`` included) and
-    ``lr_scheduler.json`` of the classified checkpoint into ``out_dir`` (a tool's output:
-    ``store.publish.output_sink``, or a local directory: ``store.publish.DirectoryOutput``), under a byte progress bar (``progress``).
+    """Write the model checkpoint of the classified checkpoint into ``model_out``, its optimizer
+    checkpoint (``param_groups`` and ``param_state`` included) into ``optim_out`` and
+    ``lr_scheduler.json`` into ``side_out``: parts of a tool's output
+    (``store.publish.output_sink``; one sink for all three, or a run step's ``model/``,
+    ``optimizer/`` and the step itself), under a byte progress bar (``progress``).
 
     ``train_state.*`` is not written here (see :func:`read_train_state`).
     """
@@ -310,7 +314,17 @@ def import_training(
 
     layout = LayoutInfo(plugin=lay.flavour, world_size=writer_ranks(md))
     with progress_bar(sum(n for _, n in order), "convert --from dcp", progress) as update:
-        _write_parts(src, lay, values, tensor, layout, out_dir, shard_bytes, created_by, update)
+        _write_parts(
+            src,
+            lay,
+            values,
+            tensor,
+            layout,
+            (model_out, optim_out, side_out),
+            shard_bytes,
+            created_by,
+            update,
+        )
 
 
 def _write_parts(
@@ -319,7 +333,7 @@ def _write_parts(
     values: dict[str, Any],
     tensor: Callable[..., Any],
     layout: Any,
-    out_dir: Sink,
+    outs: tuple[Sink, Sink, Sink],
     shard_bytes: int,
     created_by: str,
     update: Callable[[int], object],
@@ -330,9 +344,10 @@ def _write_parts(
     from unickpt.io.side_files import lr_scheduler_json
     from unickpt.tools._write import write_checkpoint
 
+    model_out, optim_out, side_out = outs
     if lay.model:
         write_checkpoint(
-            out_dir,
+            model_out,
             {fqn: tensor(key, fqn) for fqn, key in lay.model.items()},
             sliced=False,
             max_shard_bytes=shard_bytes,
@@ -357,7 +372,7 @@ def _write_parts(
                 f"{src}: optimizer state for {len(orphans)} parameter(s) that no param group lists, e.g. {orphans[:3]}"
             )
         write_checkpoint(
-            out_dir,
+            optim_out,
             opt_tensors,
             kind="optimizer",
             sliced=False,
@@ -373,7 +388,7 @@ def _write_parts(
             # torchtitan saves only last_epoch of its LambdaLR; torch's LambdaLR.load_state_dict
             # also needs lr_lambdas, which its state_dict() stores as None for plain functions.
             state["lr_lambdas"] = [None] * len(groups)
-        out_dir.put("lr_scheduler.json", lr_scheduler_json(state))
+        side_out.put("lr_scheduler.json", lr_scheduler_json(state))
 
 
 def read_train_state(src: str, md: Any, lay: DcpLayout) -> dict[str, Any]:

@@ -41,7 +41,7 @@ import math
 import os
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from unickpt._logging import get_logger
 from unickpt.errors import (
@@ -52,6 +52,9 @@ from unickpt.errors import (
     UnsupportedError,
 )
 from unickpt.spec.confine import confined_path
+
+if TYPE_CHECKING:
+    from unickpt.store.publish import Sink
 
 __all__ = ["DeepSpeedCheckpoint", "read_deepspeed", "write_deepspeed"]
 
@@ -518,17 +521,19 @@ def _hyper(base: Any, gi: int) -> dict[str, Any]:
 
 def write_deepspeed(
     ck: DeepSpeedCheckpoint,
-    model_dir: str,
-    optim_dir: str,
+    model_out: Sink,
+    optim_out: Sink,
+    side_out: Sink,
     *,
     shard_bytes: int,
     created_by: str,
     progress: Callable[[int], object] | None = None,
 ) -> None:
-    """Write the model checkpoint into ``model_dir`` and the optimizer checkpoint into
-    ``optim_dir`` (which exist; may be the same directory), plus ``lr_scheduler.json`` beside
-    the optimizer when the engine saved a scheduler. ``progress(n)`` is told the bytes of each
-    tensor written (:func:`checkpoint_bytes` in all)."""
+    """Write the model checkpoint into ``model_out`` and the optimizer checkpoint into
+    ``optim_out``, plus ``lr_scheduler.json`` into ``side_out`` when the engine saved a
+    scheduler: parts of a tool's output (``store.publish.output_sink``; one sink for all three,
+    or a run step's ``model/``, ``optimizer/`` and the step itself). ``progress(n)`` is told the
+    bytes of each tensor written (:func:`checkpoint_bytes` in all)."""
     import torch
 
     from unickpt.io.jsonstate import to_json_value
@@ -552,7 +557,7 @@ def write_deepspeed(
         created_by=created_by,
         progress=progress,
     )
-    write(model_dir, {n: td(t, n) for n, t in ck.model.items()})
+    write(model_out, {n: td(t, n) for n, t in ck.model.items()})
     tensors: dict[str, TensorData] = {}
     param_state: dict[str, dict[str, Any]] = {}
     for fqn, st in ck.state.items():
@@ -567,15 +572,13 @@ def write_deepspeed(
         for i, g in enumerate(ck.param_groups)
     ]
     write(
-        optim_dir,
+        optim_out,
         tensors,
         kind="optimizer",
         block_extras={"param_groups": groups, "param_state": param_state},
     )
     if ck.lr_scheduler is not None:
-        from unickpt.store.publish import atomic_write_bytes
-
-        atomic_write_bytes(os.path.join(optim_dir, "lr_scheduler.json"), lr_scheduler_json(ck.lr_scheduler))
+        side_out.put("lr_scheduler.json", lr_scheduler_json(ck.lr_scheduler))
 
 
 def checkpoint_bytes(ck: DeepSpeedCheckpoint) -> int:
@@ -599,21 +602,25 @@ def convert_deepspeed(
     """``convert --from deepspeed``: ``out`` holds the model and optimizer checkpoints (and
     ``lr_scheduler.json``), or with ``target="run"`` is a ``CheckpointManager`` directory whose
     ``step-<N>`` (``step``, else the engine's ``global_steps``) holds them, with the engine's
-    step counters as the extra state ``train_state``. ``progress``: a byte bar on stderr."""
+    step counters as the extra state ``train_state``; written through the tool's one output
+    (``store.publish.output_sink``: a local directory or an object-store prefix).
+    ``progress``: a byte bar on stderr."""
     from unickpt.spec.naming import HF_SIDE_FILES
-    from unickpt.store.publish import staged_output, write_staged
+    from unickpt.store.publish import output_sink
     from unickpt.tools._common import read_side_files
     from unickpt.tools._progress import progress_bar
 
     ck = read_deepspeed(src)
     bar = progress_bar(checkpoint_bytes(ck), "convert --from deepspeed", progress)
     if target != "run":
-        with staged_output(out) as tmp, bar as update:
-            write_deepspeed(ck, tmp, tmp, shard_bytes=shard_bytes, created_by=created_by, progress=update)
+        with output_sink(out) as sink, bar as update:
+            write_deepspeed(
+                ck, sink, sink, sink, shard_bytes=shard_bytes, created_by=created_by, progress=update
+            )
             # A Hugging Face Trainer's checkpoint-<N>/ holds the model's config and tokenizer
             # beside DeepSpeed's latest and global_step<N>/.
             for fname, data in read_side_files(src, HF_SIDE_FILES):
-                write_staged(os.path.join(tmp, fname), data)
+                sink.put(fname, data)
         return out
     from unickpt.tools.run_layout import write_step
 
@@ -621,18 +628,18 @@ def convert_deepspeed(
     if n is None:
         raise CheckpointFormatError(f"{src}: holds no global_steps; give the step number (--step N)")
 
-    def fill(stage: str) -> None:
-        model_dir, optim_dir = os.path.join(stage, "model"), os.path.join(stage, "optimizer")
-        os.makedirs(model_dir)
-        os.makedirs(optim_dir)
+    def fill(stage: Sink) -> None:
         write_deepspeed(
-            ck, model_dir, optim_dir, shard_bytes=shard_bytes, created_by=created_by, progress=update
+            ck,
+            stage.within("model"),
+            stage.within("optimizer"),
+            stage,
+            shard_bytes=shard_bytes,
+            created_by=created_by,
+            progress=update,
         )
-        sched = os.path.join(optim_dir, "lr_scheduler.json")
-        if os.path.exists(sched):
-            os.rename(sched, os.path.join(stage, "lr_scheduler.json"))
 
     train = {"train_state": dict(ck.train_state)} if ck.train_state else {}
-    with staged_output(out) as tmp, bar as update:
-        write_step(tmp, int(n), fill, extra=train, world_size=ck.world_size, plugin="deepspeed")
+    with output_sink(out) as run, bar as update:
+        write_step(run, int(n), fill, extra=train, world_size=ck.world_size, plugin="deepspeed")
     return out

@@ -16,14 +16,15 @@ The group file and the scheduler file are ``torch.save`` pickles of plain lists,
 (Colossal-AI reads no other form); they hold no tensor and no class, so ``torch.load`` reads them
 with ``weights_only=True``. Every tensor is in safetensors files. Per-parameter state that is not a
 tensor (kept in a unickpt index's ``param_state``) has only a pickled form in Colossal-AI's files,
-so it is refused. Every slice hash is checked while reading.
+so it is refused. Every slice hash is checked while reading. ``OUT`` is a local directory or an
+object-store prefix, written through one ``store.publish.Sink`` (``output_sink``): the indexes
+are its commit points, written last; a failure leaves no ``OUT``.
 """
 
 from __future__ import annotations
 
 import io
 import json
-import os
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ from unickpt.ckpt.reader import open_checkpoint
 from unickpt.errors import UnsupportedError
 from unickpt.io.jsonstate import from_json_value
 from unickpt.spec.naming import shard_name
-from unickpt.store.publish import staged_output, write_staged
+from unickpt.store.publish import Sink, output_sink
 from unickpt.store.storage import open_storage
 from unickpt.tools._common import checkpoint_parts
 from unickpt.tools._progress import progress_bar
@@ -51,21 +52,19 @@ def export_colossalai(src: str, out: str, *, max_shard_bytes: int, progress: boo
     from unickpt.tools.merge import merge_checkpoint
 
     model_path, optim_path, sched_path, _step = checkpoint_parts(src)
-    with staged_output(out) as tmp:
-        merge_checkpoint(
-            model_path, os.path.join(tmp, "model"), max_shard_size=max_shard_bytes, progress=progress
-        )
+    with output_sink(out) as sink:
+        merge_checkpoint(model_path, sink.within("model"), max_shard_size=max_shard_bytes, progress=progress)
         if optim_path is not None:
-            _write_optimizer(optim_path, os.path.join(tmp, "optimizer"), max_shard_bytes, progress)
+            _write_optimizer(optim_path, sink.within("optimizer"), max_shard_bytes, progress)
         if sched_path is not None:
             storage, _ = open_storage(sched_path)
             state = from_json_value(json.loads(storage.read_bytes(sched_path, limit=64 << 20))["state"])
-            write_staged(os.path.join(tmp, "lr_scheduler.pt"), _pickled(state))
+            sink.put("lr_scheduler.pt", _pickled(state))
     return out
 
 
-def _write_optimizer(optim_path: str, out_dir: str, max_shard_bytes: int, progress: bool) -> None:
-    from safetensors.torch import save_file
+def _write_optimizer(optim_path: str, out: Sink, max_shard_bytes: int, progress: bool) -> None:
+    from safetensors.torch import save
 
     with open_checkpoint(optim_path, "optimizer") as reader:
         flat = full_tensors(reader)
@@ -92,8 +91,7 @@ def _write_optimizer(optim_path: str, out_dir: str, max_shard_bytes: int, progre
                     f"{optim_path}: optimizer state of {entry.param!r}, which no param group lists"
                 )
             state.setdefault(ids[entry.param], {})[entry.state] = flat[name]
-    os.makedirs(out_dir)
-    write_staged(os.path.join(out_dir, GROUP_FILE), _pickled(saved_groups))
+    out.put(GROUP_FILE, _pickled(saved_groups))
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for pid in sorted(state):
@@ -110,16 +108,19 @@ def _write_optimizer(optim_path: str, out_dir: str, max_shard_bytes: int, progre
     with progress_bar(all_bytes, "convert --to colossalai", progress) as update:
         for i, shard in enumerate(shards):
             fname = shard_name("optimizer", i + 1, len(shards))
-            save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
+            # safetensors' bytes of the shard, streamed into the output (made durable as it closes)
+            data = save(shard, metadata={"format": "pt"})
+            sf = out.open(fname)
+            sf.write(memoryview(data), 0)
+            out.close(sf)
+            del data
             for key, t in shard.items():
                 weight_map[key.split(".")[1]] = fname
                 total += t.numel() * t.element_size()
                 update(t.numel() * t.element_size())
     index = {"metadata": {"total_size": total, "param_groups": GROUP_FILE}, "weight_map": weight_map}
-    write_staged(os.path.join(out_dir, INDEX_FILE), json.dumps(index, indent=2).encode())
-    for fname in set(weight_map.values()):  # the shards, durable like the index
-        with open(os.path.join(out_dir, fname), "rb") as f:
-            os.fsync(f.fileno())
+    # Colossal-AI's loader starts from the index: the optimizer's commit point, written last.
+    out.commit_later(INDEX_FILE, json.dumps(index, indent=2).encode())
 
 
 def _pickled(obj: Any) -> bytes:

@@ -34,24 +34,25 @@ weights through the optimizer's groups), a parameter name that is not a plain di
 non-tensor state other than ``step``, state of another size than its parameter, parameters of
 one group with different state keys or steps (DeepSpeed keeps one step per group). Every slice
 hash is checked while reading; tensors are assembled whole in memory (peak: about the size of
-the checkpoint). ``OUT`` is written under a temporary name and renamed when complete.
+the checkpoint). ``OUT`` is a local directory or an object-store prefix (``store.publish.output_sink``):
+every ``.pt`` file is streamed into it as ``torch.save`` writes it (no local copy), and
+``latest_universal`` is its commit point, written last; a failure leaves no ``OUT``.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from collections import OrderedDict
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
 from unickpt.ckpt.reader import open_checkpoint
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, UnsupportedError
 from unickpt.io.jsonstate import from_json_value
-from unickpt.store.publish import fsync_dir, staged_output, write_staged
+from unickpt.store.publish import Sink, StoreFile, output_sink
 from unickpt.store.storage import open_storage
 from unickpt.tools._common import checkpoint_parts
 from unickpt.tools._progress import progress_bar
@@ -111,36 +112,28 @@ def export_deepspeed(src: str, out: str, *, step: int | None = None, progress: b
     buffers = [k for k in model if k not in grouped]
     total = sum(_nbytes(t) for fqns, _ in plan for _, files in fqns for t in files.values())
     total += sum(_nbytes(model[b]) for b in buffers if model[b].is_floating_point())
-    with staged_output(out) as tmp, progress_bar(total, "convert --to deepspeed", progress) as update:
-        step_dir = os.path.join(tmp, tag)
-        zero = os.path.join(step_dir, "zero")
-        os.makedirs(zero)
+    with output_sink(out) as sink, progress_bar(total, "convert --to deepspeed", progress) as update:
+        step_dir = sink.within(tag)
+        zero = step_dir.within("zero")
         for fqns, _ in plan:
             for fqn, files in fqns:
-                where = os.path.join(zero, fqn)
-                os.mkdir(where)
+                where = zero.within(fqn)
                 for key, t in files.items():
-                    _save(
-                        os.path.join(where, f"{key}.pt"), t if key == "step" else {"cat_dim": 0, "param": t}
-                    )
+                    _save(where, f"{key}.pt", t if key == "step" else {"cat_dim": 0, "param": t})
                     update(_nbytes(t))
-                fsync_dir(where)
         for b in buffers:  # ds_to_universal's fp32.pt for a module entry that is no parameter
             t = model[b]
             if t.is_floating_point() and _NAME.match(b) and ".." not in b:
-                where = os.path.join(zero, b)
-                os.mkdir(where)
-                _save(os.path.join(where, "fp32.pt"), {"param": t.float()})
+                _save(zero.within(b), "fp32.pt", {"param": t.float()})
                 update(_nbytes(t))
-                fsync_dir(where)
         _save(
-            os.path.join(zero, "optimizer_state.pt"),
+            zero,
+            "optimizer_state.pt",
             {
                 "param_groups": [{**hyper, "params": [gi]} for gi, (_, hyper) in enumerate(plan)],
                 "ds_version": DS_VERSION,
             },
         )
-        fsync_dir(zero)
         module = OrderedDict(model)
         for alias, target in aliases.items():
             module[alias] = model[target]
@@ -165,9 +158,9 @@ def export_deepspeed(src: str, out: str, *, step: int | None = None, progress: b
         }
         if "global_samples" in counters:
             states["global_samples"] = int(counters["global_samples"])
-        _save(os.path.join(step_dir, MODEL_STATES), states)
-        fsync_dir(step_dir)
-        write_staged(os.path.join(tmp, LATEST_UNIVERSAL), tag.encode())
+        _save(step_dir, MODEL_STATES, states)
+        # DeepSpeed finds the step through the tag file: the output's commit point, written last.
+        sink.commit_later(LATEST_UNIVERSAL, tag.encode())
     return out
 
 
@@ -284,9 +277,24 @@ def _nbytes(t: torch.Tensor) -> int:
     return int(math.prod(t.shape)) * t.element_size()
 
 
-def _save(path: str, obj: Any) -> None:
-    """``torch.save`` of plain data into a new file, fsynced."""
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+def _save(sink: Sink, name: str, obj: Any) -> None:
+    """``torch.save`` of plain data streamed into the new file ``name`` of ``sink`` (a failure
+    leaves the file open: the output's abort drops it with everything else)."""
+    sf = sink.open(name)
+    torch.save(obj, cast(IO[bytes], _Stream(sf)))
+    sink.close(sf)
+
+
+class _Stream:
+    """The write-only file object ``torch.save`` streams its zip archive into (no seek)."""
+
+    def __init__(self, sf: StoreFile) -> None:
+        self.sf = sf
+
+    def write(self, data: bytes) -> int:
+        view = memoryview(data).cast("B")
+        self.sf.write(view, self.sf.pos)
+        return view.nbytes
+
+    def flush(self) -> None:
+        """Nothing buffered here: the sink makes the file durable when it is closed."""

@@ -180,6 +180,11 @@ def _merge_one(
             sf.finish(size)
             out.close(sf)
             continue
+        if not in_place and not stage:
+            raise UnsupportedError(
+                f"merge into {out.url}: a single-file {kind} checkpoint, written into a part of another "
+                "output on a store without addressable parts; give a smaller --max-shard-size"
+            )
         # Written at offsets (in the output, or in ``stage`` to be uploaded): the file is created
         # at its size (a sparse source's holes stay holes), its header rewritten in place once hashed.
         local = out.storage if in_place else LocalStorage(stage)
@@ -228,13 +233,18 @@ def _block_bytes(block: UnickptBlock) -> bytes:
 
 
 @contextlib.contextmanager
-def _single_file_stage(storage: Storage) -> Iterator[str]:
+def _single_file_stage(storage: Storage, part: bool = False) -> Iterator[str]:
     """The local directory a single file for an output on ``storage`` is written into first,
-    when one is needed: on a store that neither writes at offsets nor has addressable parts."""
+    when one is needed: on a store that neither writes at offsets nor has addressable parts.
+    Not for a ``part`` of another tool's output (the file would be uploaded when that output
+    commits, after this directory is gone): refused there."""
     from unickpt.store.storage_parts import supports_shared_parts
 
     if storage.range_write or supports_shared_parts(storage):
         yield ""  # never used: the file is written in place, or streamed (StoreOutput.open_head_last)
+        return
+    if part:
+        yield ""  # a single file is refused when planned (_merge_one: no stage)
         return
     with tempfile.TemporaryDirectory(prefix="unickpt-merge-") as tmp:
         yield tmp
@@ -268,7 +278,7 @@ def _set_or_drop(d: dict[str, Any], key: str, value: str | None) -> None:
 
 def merge_checkpoint(
     src: str | os.PathLike[str],
-    out: str | os.PathLike[str],
+    out: str | os.PathLike[str] | Sink,
     *,
     max_shard_size: int | str = "5GB",
     dtype: str | None = None,
@@ -293,7 +303,8 @@ def merge_checkpoint(
     copies ``lr_scheduler.json``. ``progress`` shows a tqdm bar on stderr. Returns ``out``.
 
     ``src`` and ``out`` are local paths or URLs (``storage_options`` for both, as fsspec takes
-    them). A local ``out`` must not exist (or be an empty directory): everything is written into
+    them); ``out`` may also be a part of another tool's output (a ``store.publish.Sink``, e.g.
+    ``convert --to colossalai``'s ``model/``), written and committed with it. A local ``out`` must not exist (or be an empty directory): everything is written into
     a hidden temporary directory beside it, renamed to ``out`` only when complete. A URL ``out``
     must hold no object: the files are uploaded under their final names and the index (or the
     single file) last, as every save on a store commits (``store/publish.py``). Either way a
@@ -314,7 +325,11 @@ def merge_checkpoint(
     ``load_model(mapping=...)`` takes it, from stored to live names) to reverse instead.
     """
     src_s = os.fspath(src)
-    out_s = output_location(out)
+    into: Sink | None = None
+    if isinstance(out, (str, os.PathLike)):
+        out_s = output_location(out)
+    else:
+        into, out_s = out, out.url
     out_dtype = None
     if dtype is not None:
         if dtype not in DTYPES:
@@ -325,13 +340,17 @@ def merge_checkpoint(
             "merge: adapter_config (--adapter-config) is the config of --merge-adapters; pass both"
         )
     if merge_adapters:
+        if into is not None:
+            raise UnsupportedError(
+                "merge: --merge-adapters writes an output of its own, not a part of another"
+            )
         if optimizer:
             raise UnsupportedError("merge: --merge-adapters merges the model only; drop --optimizer")
         from unickpt.tools.merge_adapters import merge_adapters as merge_lora
 
         return merge_lora(
             src_s,
-            os.fspath(out),
+            out_s,
             adapter_config=adapter_config,
             max_shard_size=max_shard_size,
             out_dtype=out_dtype,
@@ -368,10 +387,15 @@ def merge_checkpoint(
             # A single-file output on a store without addressable parts (S3 has them: the
             # header's part goes last) is written in ``stage`` and uploaded when the output
             # commits (so this directory outlives the commit: entered first, left last).
-            stage = stack.enter_context(
-                _single_file_stage(open_storage(out_s, url_options(out_s, storage_options))[0])
+            out_storage = (
+                open_storage(out_s, url_options(out_s, storage_options))[0] if into is None else into.storage
             )
-            sink = stack.enter_context(output_sink(out_s, storage_options))
+            stage = stack.enter_context(_single_file_stage(out_storage, into is not None))
+            if into is None:
+                sink = stack.enter_context(output_sink(out_s, storage_options))
+            else:  # a part of another output: its directory made and locked while written
+                sink = into
+                stack.enter_context(sink.writing())
             config_json: bytes | None = None
             for fname, data in read_side_files(readers[0].directory, side, opts):
                 if fname == "config.json" and readers[0].kind == "model":

@@ -2,9 +2,12 @@
 
 The layout is the manager's (``unickpt/ckpt/run_layout.py``): ``step-<N>/model/``,
 ``optimizer/``, ``lr_scheduler.json``, ``train_state/rank-00000.{json,safetensors}``, then the
-manager's own step commit (``store.publish.commit_step``: the ``COMMIT`` marker written last, the
-staged directory put in place as ``step-<N>``, then ``latest``). ``CheckpointManager.load``
-resumes from the result (tests/unit/tools/test_convert_training.py).
+manager's own step commit: the step's ``COMMIT`` record written last, then ``latest`` (as
+``store.publish.commit_step`` and ``RemoteStore.commit`` publish a step). Everything is written
+into a tool's output (``store.publish.output_sink``): a staged local directory renamed into place
+once ``latest`` is written, or an object-store prefix where the two records are the output's last
+commit points (exclusive PUTs, after every other object). ``CheckpointManager.load`` resumes from
+the result (tests/unit/tools/test_convert_training.py).
 
 An imported step holds no RNG states (the source did not save them, or saved them in a form
 unickpt does not read); the manager then leaves the RNGs as they are and says so.
@@ -13,7 +16,6 @@ unickpt does not read); the manager then leaves the RNGs as they are and says so
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -23,9 +25,10 @@ from unickpt.ckpt.run_layout import (
     LATEST_NAME,
     TRAIN_STATE_DIR,
     commit_record,
-    work_name,
+    latest_record,
+    step_name,
 )
-from unickpt.store.publish import atomic_write_bytes, commit_step, fsync_dir
+from unickpt.store.publish import Sink
 
 __all__ = ["write_step", "COMMIT_NAME", "LATEST_NAME", "TRAIN_STATE_DIR", "STATE_VERSION"]
 
@@ -33,26 +36,24 @@ STATE_VERSION = COMMIT_VERSION  # the train-state files' version (the manager's 
 
 
 def write_step(
-    run_dir: str,
+    run: Sink,
     step: int,
-    fill: Callable[[str], None],
+    fill: Callable[[Sink], None],
     *,
     extra: dict[str, Any],
     world_size: int,
     plugin: str,
 ) -> str:
-    """Stage ``step-<step>`` in ``run_dir``; ``fill(stage)`` writes ``model/``, ``optimizer/`` and
-    ``lr_scheduler.json`` into it; then the train state (``step``, ``extra`` as the manager's
-    extra states, no RNG) and the commit. Returns the step directory."""
+    """Write ``step-<step>`` into the run output ``run``; ``fill(step_sink)`` writes ``model/``,
+    ``optimizer/`` and ``lr_scheduler.json`` into it; then the train state (``step``, ``extra``
+    as the manager's extra states, no RNG), the step's ``COMMIT`` and ``latest``, in that order,
+    as commit points of ``run``. Returns the step directory's location."""
     from safetensors.numpy import save
 
-    stage = os.path.join(run_dir, work_name(step, "staging"))
-    os.makedirs(os.path.join(stage, TRAIN_STATE_DIR))
+    name = step_name(step)
+    stage = run.within(name)
     fill(stage)
-    # What fill created or renamed into the stage's directories is durable before COMMIT names it.
-    for d, _, _ in os.walk(stage):
-        fsync_dir(d)
-    base = os.path.join(stage, TRAIN_STATE_DIR, "rank-00000")
+    state = stage.within(TRAIN_STATE_DIR)
     js = {
         "unickpt_train_state": STATE_VERSION,
         "step": step,
@@ -61,7 +62,8 @@ def write_step(
         "rng": None,
         "extra": extra,
     }
-    atomic_write_bytes(base + ".safetensors", save({}, metadata={"format": "unickpt-train-state"}))
-    atomic_write_bytes(base + ".json", json.dumps(js, sort_keys=True).encode())
-    fsync_dir(os.path.join(stage, TRAIN_STATE_DIR))
-    return commit_step(run_dir, stage, step, commit_record(step, world_size, plugin))
+    state.put("rank-00000.safetensors", save({}, metadata={"format": "unickpt-train-state"}))
+    state.put("rank-00000.json", json.dumps(js, sort_keys=True).encode())
+    run.commit_later(f"{name}/{COMMIT_NAME}", commit_record(step, world_size, plugin))
+    run.commit_later(LATEST_NAME, latest_record(step))
+    return stage.url
