@@ -57,9 +57,11 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    FieldSerializationInfo,
     SerializationInfo,
     SerializerFunctionWrapHandler,
     Strict,
+    field_serializer,
     field_validator,
     model_serializer,
     model_validator,
@@ -283,14 +285,17 @@ class TensorEntry(StrictModel):
     @model_serializer(mode="wrap")
     def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         if not self.compact:
-            sl = self.__dict__["slices"]
-            if isinstance(sl, LazySlices):
-                sl.built()  # the serializer reads the list's storage, not its methods
-            out: dict[str, Any] = handler(self)
+            out: dict[str, Any] = handler(self)  # its slices by _listed_slices
             return out
         # A compact entry writes its compact fields, never its slices (no per-slice objects).
         d = self.__dict__
         return {k: d[k] for k in _COMPACT_DUMP if d[k] is not None}
+
+    @field_serializer("slices")
+    def _listed_slices(self, _slices: Any, info: FieldSerializationInfo) -> list[dict[str, Any]]:
+        # Written from the columns of its table: no SliceEntry built. A slice's default fields
+        # (xxh3, ranges) are None, so exclude_defaults leaves out what exclude_none does.
+        return self.table.listed(exclude_none=info.exclude_none or info.exclude_defaults)
 
     @field_validator("dtype")
     @classmethod
@@ -736,7 +741,7 @@ def as_listed(obj: dict[str, Any]) -> dict[str, Any]:
             continue
         fields = {k: t.pop(k, None) for k in ("grid", "boxes", "file", "keys", "xxh3")}
         table = SliceTable.from_compact(name, t["shape"], files or [], **fields)
-        t["slices"] = [s.model_dump(exclude_none=True) for s in table.entries()]
+        t["slices"] = table.listed()
     block_to_json(block)
     return obj
 
@@ -1428,7 +1433,14 @@ def _read_index_bytes(p: str) -> bytes:
 def index_to_json(index: IndexFile) -> bytes:
     """The index as UTF-8 JSON: a plain Hugging Face index indented; a unickpt index without
     whitespace (an index of 10^6 slices spends more on indentation than on the slices), one line
-    per tensor."""
+    per tensor. A listed tensor's slices are written from its table's columns (no ``SliceEntry``
+    built); the collector is paused while the JSON tree is built (``gc_paused``: it holds no
+    cycles, and walking its containers again and again cost more than the dump itself)."""
+    with gc_paused():
+        return _index_json(index)
+
+
+def _index_json(index: IndexFile) -> bytes:
     obj = index.model_dump(mode="json", exclude_none=True)
     block = obj.get("unickpt")
     if block is None:

@@ -590,6 +590,30 @@ class SliceTable:
             )
         ]
 
+    def listed(self, exclude_none: bool = True) -> list[dict[str, Any]]:
+        """Every slice as the JSON object of a listed slice: the fields of ``SliceEntry`` in its
+        order, its ``ranges`` as ``start``/``end``/``xxh3`` objects; with ``exclude_none`` a field
+        that is None is left out (what ``SliceEntry.model_dump(exclude_none=True)`` writes). Read
+        from the columns: no ``SliceEntry`` built."""
+        out: list[dict[str, Any]] = [
+            {"file": f, "key": k, "offsets": o, "shape": s, "xxh3": h} for f, k, h, o, s in self.rows()
+        ]
+        hashes = self._hashes
+        if exclude_none and hashes is None:
+            for d in out:
+                del d["xxh3"]
+        elif exclude_none and hashes is not None and "-" in hashes:  # some slice has none (16 '-')
+            for d in out:
+                if d["xxh3"] is None:
+                    del d["xxh3"]
+        ranges = self._ranges or {}
+        if not exclude_none:
+            for d in out:
+                d["ranges"] = None
+        for k, rs in ranges.items():
+            out[k]["ranges"] = [{"start": r.start, "end": r.end, "xxh3": r.xxh3} for r in rs]
+        return out
+
     def entries_at(self, ks: Sequence[int]) -> list[SliceEntry]:
         """The slices at positions ``ks`` as ``SliceEntry`` objects (built in bulk)."""
         if not ks:
@@ -916,12 +940,6 @@ class LazySlices(list):  # type: ignore[type-arg]
         if not self._built:
             list.extend(self, self.table.entries())
             self._built = True
-
-    def built(self) -> LazySlices:
-        """The list with its ``SliceEntry`` objects built: for readers that see the list's storage
-        without calling its methods (pydantic's serializer reads a list subclass at the C level)."""
-        self._build()
-        return self
 
     def __len__(self) -> int:
         return list.__len__(self) if self._built else len(self.table)

@@ -45,32 +45,37 @@ class DataDifference:
 
 
 def read_flat(r: CheckpointReader, t: TensorEntry, start: int, stop: int) -> np.ndarray:
-    """Elements [start, stop) of the global C-order tensor as unsigned words of the item size."""
+    """Elements [start, stop) of the global C-order tensor as unsigned words of the item size.
+
+    The slices are read from the tensor's table (``SliceTable``: file, key and box from its
+    columns, the slices a box meets by ``overlapping``): no ``SliceEntry`` built."""
     wd = word_dtype(t.dtype)
     out = np.empty(stop - start, dtype=wd)
     if stop == start:
         return out
-    if len(t.shape) == 0:
-        (s,) = [s for s in t.slices if math.prod(s.shape) > 0] or t.slices
-        r.read_slice(s, memoryview(out.view(np.uint8)))  # type: ignore[arg-type]
-        return out
+    table = t.table
     isz = wd.itemsize
+    if len(t.shape) == 0:  # one element: any slice holds it
+        r.read_key_bytes(table.file(0), table.key(0), 0, isz, memoryview(out.view(np.uint8)))  # type: ignore[arg-type]
+        return out
     for (boff, bshape), flat0 in flat_range_to_boxes(t.shape, start, stop):
         box = out[flat0 - start : flat0 - start + math.prod(bshape)].reshape(bshape)
         got = 0
-        for s in t.slices:
-            inter = intersect(boff, bshape, s.offsets, s.shape)
-            if inter is None:
+        for k in table.overlapping(boff, bshape):
+            offsets, shape = table.box(k)
+            inter = intersect(boff, bshape, offsets, shape)
+            if inter is None:  # pragma: no cover - overlapping gives the slices that meet the box
                 continue
             ioff, ishp = inter
-            src_off = [a - b for a, b in zip(ioff, s.offsets, strict=True)]
-            first = contiguous_start(s.shape, src_off, ishp)
+            src_off = [a - b for a, b in zip(ioff, offsets, strict=True)]
+            first = contiguous_start(shape, src_off, ishp)
             if first is None:  # pragma: no cover - a run of the global tensor is a run of any slice
                 raise CheckpointFormatError(f"tensor: internal: box {ioff}+{ishp} is not a run of a slice")
             n = math.prod(ishp)
             buf = np.empty(n, dtype=wd)
-            r.read_bytes(s, first * isz, n * isz, memoryview(buf.view(np.uint8)))  # type: ignore[arg-type]
-            dst = tuple(slice(a - b, a - b + k) for a, b, k in zip(ioff, boff, ishp, strict=True))
+            view = memoryview(buf.view(np.uint8))  # type: ignore[arg-type]
+            r.read_key_bytes(table.file(k), table.key(k), first * isz, n * isz, view)
+            dst = tuple(slice(a - b, a - b + c) for a, b, c in zip(ioff, boff, ishp, strict=True))
             box[dst] = buf.reshape(ishp)
             got += n
         if got != math.prod(bshape):

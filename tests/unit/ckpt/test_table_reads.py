@@ -1,4 +1,5 @@
-"""A verify and a verified load read a checkpoint's slices from its tables: no ``SliceEntry`` built.
+"""A verify, a verified load, ``diff --deep`` and the JSON of a listed index read a checkpoint's
+slices from its tables: no ``SliceEntry`` built.
 
 ``SliceEntry`` objects are built from a table by ``entries_from_records`` (every bulk and
 on-demand build goes through its ``_set_dict`` pass) or by the model's constructor; both are
@@ -8,6 +9,7 @@ and one saved gathered (1000 tensors with fingerprints: the per-slice rehash).
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -23,9 +25,17 @@ from unickpt.ckpt.safetensors_io import encode_header
 from unickpt.ckpt.writer import build_block, build_index
 from unickpt.errors import IntegrityError
 from unickpt.spec.hashing import SliceHasher
-from unickpt.spec.index import LayoutInfo, SliceEntry, TensorEntry, index_to_json
+from unickpt.spec.index import (
+    ByteRange,
+    LayoutInfo,
+    SliceEntry,
+    TensorEntry,
+    as_listed,
+    index_to_json,
+    parse_index,
+)
 from unickpt.spec.naming import shard_name, slice_key
-from unickpt.spec.slice_table import SliceTable
+from unickpt.spec.slice_table import SliceColumns, SliceTable
 
 WORLD, TENSORS = 100, 10  # 1000 slices: one row of every tensor per rank's file
 
@@ -168,3 +178,177 @@ def test_diff_rehashes_from_the_table(tmp_path: Path, built: list[int]) -> None:
     key = slice_key("layer9.weight", 6)
     (msg,) = rep.integrity_failures
     assert msg.startswith(f"{b}: tensor 'layer9.weight' in file {f.name!r} (key {key!r}): expected xxh3-64 ")
+
+
+# ---------------------------------------------------------------- a listed index written from its tables
+_F1, _F2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+#: A listed index as hand-written: one slice without xxh3, one with a null xxh3 (and a ':' in its
+#: key), an empty slice, a 0-d tensor; fields in any order.
+_HAND = {
+    "metadata": {"total_size": 40},
+    "weight_map": {"a": _F1},
+    "unickpt": {
+        "format_version": 5,
+        "kind": "model",
+        "tensors": {
+            "a": {
+                "dtype": "F32",
+                "shape": [2, 5],
+                "slices": [
+                    {"shape": [1, 5], "key": "k0", "file": _F1, "offsets": [0, 0]},
+                    {"file": _F2, "key": "k:1", "offsets": [1, 0], "shape": [1, 5], "xxh3": None},
+                    {
+                        "xxh3": "abcdefabcdef0123",
+                        "file": _F2,
+                        "key": "k2",
+                        "offsets": [2, 0],
+                        "shape": [0, 5],
+                    },
+                ],
+            },
+            "b": {
+                "dtype": "I8",
+                "shape": [],
+                "slices": [{"file": _F1, "key": "b", "offsets": [], "shape": [], "xxh3": "0000000000000000"}],
+            },
+        },
+    },
+}
+# What index_to_json wrote for it when it serialised SliceEntry objects (the golden).
+_HAND_JSON = (
+    '{"metadata":{"total_size":40},"weight_map":{"a":"model-00001-of-00002.safetensors"},"unickpt":'
+    '{"format_version":5,"kind":"model","dtype":"F32","created_by":"unickpt","layout":{"plugin":"general",'
+    '"world_size":1,"mesh":{},"gathered":true},"aliases":{},"param_state":{},"tensors":{\n'
+    '"a":{"shape":[2,5],"slices":[{"file":"model-00001-of-00002.safetensors","key":"k0","offsets":[0,0],'
+    '"shape":[1,5]},{"file":"model-00002-of-00002.safetensors","key":"k:1","offsets":[1,0],"shape":[1,5]},'
+    '{"file":"model-00002-of-00002.safetensors","key":"k2","offsets":[2,0],"shape":[0,5],'
+    '"xxh3":"abcdefabcdef0123"}]},\n'
+    '"b":{"dtype":"I8","shape":[],"slices":[{"file":"model-00001-of-00002.safetensors","key":"b",'
+    '"offsets":[],"shape":[],"xxh3":"0000000000000000"}]}\n}}}\n'
+)
+# A writer's tensors with byte-range hashes (listed), a 0-d one among them, and one without ranges
+# (written compactly), with the golden of the SliceEntry serialisation.
+_RANGED_JSON = (
+    '{"metadata":{"total_size":98},"weight_map":{"r":"model-00001-of-00002.safetensors",'
+    '"z":"model-00001-of-00002.safetensors","n":"model-00001-of-00002.safetensors"},"unickpt":'
+    '{"format_version":5,"kind":"model","dtype":"F32","files":["model-00001-of-00002.safetensors",'
+    '"model-00002-of-00002.safetensors"],"created_by":"test","layout":{"plugin":"general","world_size":2,'
+    '"mesh":{},"gathered":true},"aliases":{"r2":"r"},"param_state":{},"tensors":{\n'
+    '"r":{"shape":[4,6],"fingerprint":"qqqqqqqqqqo","slices":[{"file":"model-00001-of-00002.safetensors",'
+    '"key":"r@0","offsets":[0,0],"shape":[2,6],"ranges":[{"start":0,"end":24,"xxh3":"0123456789abcdef"},'
+    '{"start":24,"end":48,"xxh3":"fedcba9876543210"}]},{"file":"model-00002-of-00002.safetensors",'
+    '"key":"r@1","offsets":[2,0],"shape":[2,6],"xxh3":"00112233445566ff"},'
+    '{"file":"model-00002-of-00002.safetensors","key":"r@2","offsets":[4,0],"shape":[0,6]}]},\n'
+    '"z":{"dtype":"BF16","shape":[],"slices":[{"file":"model-00001-of-00002.safetensors","key":"zk",'
+    '"offsets":[],"shape":[],"ranges":[{"start":0,"end":2,"xxh3":"1111111111111111"}]}]},\n'
+    '"n":{"dtype":"F16","shape":[0],"file":0,"xxh3":"IiIiIiIiIiI"}\n}}}\n'
+)
+
+
+def _ranged_index() -> Any:
+    cols = SliceColumns("r", (4, 6))
+    halves = [
+        ByteRange(start=0, end=24, xxh3="0123456789abcdef"),
+        ByteRange(start=24, end=48, xxh3="fedcba9876543210"),
+    ]
+    cols.add(_F1, "r@0", [0, 0], [2, 6], None, halves)
+    cols.add(_F2, "r@1", [2, 0], [2, 6], "00112233445566ff")
+    cols.add(_F2, "r@2", [4, 0], [0, 6], None)
+    r = TensorEntry.of_table("F32", (4, 6), cols.table(), fingerprint="a" * 16)
+    cols = SliceColumns("z", ())
+    cols.add(_F1, "zk", [], [], None, [ByteRange(start=0, end=2, xxh3="1" * 16)])
+    z = TensorEntry.of_table("BF16", (), cols.table())
+    cols = SliceColumns("n", (0,))
+    cols.add(_F1, "n@0", [0], [0], "2" * 16)
+    n = TensorEntry.of_table("F16", (0,), cols.table())
+    block = build_block(
+        kind="model",
+        created_by="test",
+        layout=LayoutInfo(world_size=2, gathered=True),
+        tensors={"r": r, "z": z, "n": n},
+        aliases={"r2": "r"},
+        save_id=None,
+    )
+    return build_index(block, sliced=False)
+
+
+def test_a_listed_index_is_written_from_its_tables(built: list[int]) -> None:
+    """The bytes are those the SliceEntry serialisation wrote: null masks, ranges, empty and 0-d slices."""
+    hand = parse_index(json.dumps(_HAND).encode(), "hand.index.json")
+    built[0] = 0
+    assert index_to_json(hand).decode() == _HAND_JSON
+    ranged = _ranged_index()  # (UnickptBlock's validator reads its listed tensors' slices)
+    built[0] = 0
+    assert index_to_json(ranged).decode() == _RANGED_JSON
+    again = parse_index(_RANGED_JSON.encode(), "ranged.index.json")
+    assert index_to_json(again).decode() == _RANGED_JSON
+    assert built[0] == 0
+    # The python form keeps every field (None too), as a SliceEntry's model_dump does.
+    a = hand.unickpt.tensors["a"].model_dump()  # type: ignore[union-attr]
+    assert a["slices"][0] == {
+        "file": _F1,
+        "key": "k0",
+        "offsets": [0, 0],
+        "shape": [1, 5],
+        "xxh3": None,
+        "ranges": None,
+    }
+    assert built[0] == 0
+    r = ranged.unickpt.tensors["r"].model_dump(exclude_defaults=True)
+    assert r["slices"][0]["ranges"][1] == {"start": 24, "end": 48, "xxh3": "fedcba9876543210"}
+    assert "xxh3" not in r["slices"][0] and r["slices"][1]["xxh3"] == "00112233445566ff"
+    # Once read as SliceEntry objects, the same JSON still.
+    assert [
+        s.model_dump(mode="json", exclude_none=True) for s in hand.unickpt.tensors["a"].slices
+    ] == json.loads(  # type: ignore[union-attr]
+        _HAND_JSON
+    )["unickpt"]["tensors"]["a"]["slices"]
+    assert index_to_json(hand).decode() == _HAND_JSON
+
+
+def test_a_listed_index_of_1000_slices_round_trips_without_slice_entry(
+    tmp_path: Path, built: list[int]
+) -> None:
+    d = tmp_path / "sliced"
+    _sliced(d)
+    p = d / "model.safetensors.index.json"
+    compact = parse_index(p.read_bytes(), str(p))
+    built[0] = 0
+    listed = json.dumps(as_listed(json.loads(p.read_bytes()))).encode()
+    first = parse_index(listed, "listed.index.json")
+    text = index_to_json(first)
+    second = parse_index(text, "again.index.json")
+    assert index_to_json(second) == text
+    assert built[0] == 0
+    assert json.loads(text)["unickpt"]["tensors"] == json.loads(listed)["unickpt"]["tensors"]
+    for name, t in compact.unickpt.tensors.items():  # type: ignore[union-attr]
+        rows = list(t.table.renamed(name).rows())
+        assert len(rows) == WORLD
+        assert list(second.unickpt.tensors[name].table.rows()) == rows  # type: ignore[union-attr]
+    assert built[0] == 0
+
+
+def test_diff_deep_compares_from_the_tables(
+    tmp_path: Path, built: list[int], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``unickpt diff --deep`` reads both sides' slices from their tables and names the first
+    differing element exactly."""
+    from unickpt.cli.main import main
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    _sliced(a)
+    _sliced(b)
+    built[0] = 0
+    assert main(["diff", "--deep", "--quiet", str(a), str(b)]) == 0
+    assert built[0] == 0
+    f = b / shard_name("model", 7, WORLD)
+    raw = bytearray(f.read_bytes())
+    raw[-1] ^= 0x01  # the last tensor's element [6, 1]: the low bit of its top byte
+    f.write_bytes(bytes(raw))
+    capsys.readouterr()
+    built[0] = 0
+    assert main(["diff", "--deep", "--quiet", str(a), str(b)]) == 1
+    assert built[0] == 0
+    out = capsys.readouterr().out
+    assert "  layer9.weight: 1 of 200 element(s) differ, first at index [6, 1] (flat 13)\n" in out
+    assert "changed (1):\n  layer9.weight\n" in out

@@ -798,7 +798,7 @@ def test_fast_checks_know_the_models() -> None:
         IndexFile: ["metadata", "weight_map", "unickpt"],
     }
     validators = {
-        TensorEntry: {"_dtype", "_slices_in_bounds", "_dump"},
+        TensorEntry: {"_dtype", "_slices_in_bounds", "_dump", "_listed_slices"},
         UnickptBlock: {
             "_files_are_safe",
             "_aliases_resolve",
