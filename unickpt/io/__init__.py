@@ -5,9 +5,8 @@ the ``LocalSlice`` objects a rank holds; loads return a ``LoadReport``. What onl
 and the tools use (``SavePayload``, the side-file helpers) is imported from its module.
 """
 
-from unickpt.io.checkpoint_io import CheckpointIO
+from unickpt.io.checkpoint_io import CheckpointIO, HookContext
 from unickpt.io.general import GeneralCheckpointIO
-from unickpt.io.hooks import HookContext
 from unickpt.io.load import LoadReport
 from unickpt.io.tensors import LocalSlice
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -28,8 +28,7 @@ from unickpt import _dist
 from unickpt.ckpt.reader import single_file_name
 from unickpt.ckpt.writer import write_single_file
 from unickpt.io.payload import SavePayload, cpu_copy
-from unickpt.io.planner import PlannedFile, SavePlan, SliceMeta, plan_save
-from unickpt.io.replicas import ReplicaCheck, check_gathered_metas, check_replicas
+from unickpt.io.planner import PlannedFile, SavePlan, SliceMeta
 from unickpt.io.tensors import LocalSlice, as_bytes, is_dtensor, local_slices
 from unickpt.io.write_strategy import (
     Results,
@@ -61,19 +60,8 @@ class Funnel(WriteStrategy):
     """A gathered save into a directory of files, written by rank 0 from full tensors."""
 
     name = "funnel"
-
-    def check_first(
-        self,
-        tensors: dict[str, torch.Tensor],
-        boxes_fn: Callable[[str, torch.Tensor], list[LocalSlice]],
-        replicas: ReplicaCheck | None,
-        group: Any,
-    ) -> ReplicaCheck | None:
-        """The listing names whole tensors: the slices are checked first, in an exchange of their own."""
-        if replicas is not None:
-            by_name = {name: boxes_fn(name, t) for name, t in tensors.items()}
-            check_replicas(by_name, replicas.mode, replicas.what, group, everywhere=replicas.everywhere)
-        return None
+    lists_held = False  # whole tensors (``metas``): the replica check is an exchange of its own
+    slice_keys = False  # rank 0 writes each tensor whole
 
     def metas(self, local: list[LocalSlice]) -> list[SliceMeta]:
         """Each tensor this rank holds once, as a whole tensor."""
@@ -98,18 +86,6 @@ class Funnel(WriteStrategy):
                     names.add(m[0])
                     merged.append(m)
         return [merged] + [[] for _ in range(len(all_metas) - 1)]
-
-    def plan(
-        self,
-        all_metas: list[list[SliceMeta]],
-        writers: list[list[SliceMeta]],
-        opts: SaveOptions,
-        root: str,
-        path: str,
-        size: int | None,
-    ) -> SavePlan:
-        check_gathered_metas(all_metas, path)
-        return plan_save(writers, kind=opts.kind, size_per_shard_bytes=size, sliced=False)
 
     def write_and_commit(self, run: SaveRun) -> None:
         err: BaseException | None = None

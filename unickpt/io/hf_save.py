@@ -69,10 +69,9 @@ from unickpt.ckpt.writer import (
 )
 from unickpt.errors import UnsupportedError
 from unickpt.io.hf_rows import RowMoves
-from unickpt.io.planner import SavePlan, SliceMeta, plan_save
-from unickpt.io.replicas import check_gathered_metas
+from unickpt.io.planner import SavePlan, SliceMeta
 from unickpt.io.tensors import LocalSlice, as_bytes
-from unickpt.io.write_strategy import SaveOptions, SaveRun, WriteStrategy, settle
+from unickpt.io.write_strategy import PlanInputs, SaveOptions, SaveRun, WriteStrategy, settle
 from unickpt.spec.dtypes import itemsize
 from unickpt.spec.hashing import hash_block, slice_hash
 from unickpt.spec.index import ByteRange, TensorEntry, UnickptBlock, index_to_json
@@ -145,17 +144,14 @@ def metas_key(per_rank: Sequence[Sequence[SliceMeta]]) -> str:
     return xxhash.xxh3_128_hexdigest(pickle.dumps(per_rank, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def gathered_plan(per_rank: Sequence[Sequence[SliceMeta]], *, kind: str, path: str) -> SavePlan:
-    """The writers of a gathered save in a directory (``check_gathered_metas``, then ``plan_save``
-    with one file per rank: ``hf_save`` plans the files), the same plan object for equal metas."""
-
-    def compute() -> SavePlan:
-        check_gathered_metas(per_rank, path)
-        return plan_save(per_rank, kind=kind, size_per_shard_bytes=None, sliced=True)
-
-    if sum(len(m) for m in per_rank) > _MAX_SLICES:
+def gathered_plan(inputs: PlanInputs, compute: Callable[[], SavePlan]) -> SavePlan:
+    """``compute()``, the plan of a gathered save in a directory from ``inputs``, or the same plan
+    object it gave for equal listings of the same kind (layouts of more than ``_MAX_SLICES``
+    slices are not kept)."""
+    listed = inputs.listed
+    if sum(len(m) for m in listed) > _MAX_SLICES:
         return compute()
-    return cached(("gathered_plan", kind, metas_key(per_rank)), compute)
+    return cached(("gathered_plan", inputs.opts.kind, metas_key(listed)), compute)
 
 
 def order_files(s: SaveRun) -> tuple[SavePlan, _Ranges, list[tuple[str, str, tuple[int, ...]]]]:
@@ -193,6 +189,9 @@ class InPlaceHF(WriteStrategy):
     async save's copies are not moved, ``io.save.save_tensors``)."""
 
     name = "in-place"
+    plans_files = (
+        False  # the writer of every slice: the files are planned from the layout (``stage_gathered``)
+    )
 
     def __init__(self, rows: RowMoves | None) -> None:
         self.rows = rows
@@ -215,17 +214,11 @@ class InPlaceHF(WriteStrategy):
                 before[name] = sls
         return local, before
 
-    def plan(
-        self,
-        all_metas: list[list[SliceMeta]],
-        writers: list[list[SliceMeta]],
-        opts: SaveOptions,
-        root: str,
-        path: str,
-        size: int | None,
-    ) -> SavePlan:
-        """The plan of the last save of this layout, when it repeats (``gathered_plan``)."""
-        return gathered_plan(all_metas, kind=opts.kind, path=root)
+    def plan(self, inputs: PlanInputs) -> SavePlan:
+        """The writer of every slice (``WriteStrategy.plan``), the plan of the last save of this
+        layout when it repeats (``gathered_plan``)."""
+        compute = super().plan
+        return gathered_plan(inputs, lambda: compute(inputs))
 
     def stage(self, run: SaveRun) -> None:
         """The files' layout; rank 0 creates them (the preparation's agreement covers it)."""

@@ -42,10 +42,9 @@ from unickpt.ckpt.hf_layout import HFLayout, box_runs, plan_hf_layout
 from unickpt.ckpt.reader import single_file_name
 from unickpt.ckpt.writer import build_index, data_file_metadata, single_file_metadata
 from unickpt.io.hf_save import gathered_block, hash_tensor_ranges, order_files
-from unickpt.io.planner import PlannedFile, SavePlan, SliceMeta, plan_save
-from unickpt.io.replicas import check_gathered_metas
+from unickpt.io.planner import PlannedFile, SavePlan
 from unickpt.io.tensors import as_bytes
-from unickpt.io.write_strategy import SaveOptions, SaveRun, WriteStrategy, commit_collective, settle
+from unickpt.io.write_strategy import SaveRun, WriteStrategy, commit_collective, settle
 from unickpt.spec.dtypes import itemsize
 from unickpt.spec.index import index_to_json
 from unickpt.spec.naming import single_name
@@ -100,22 +99,12 @@ class SharedParts(WriteStrategy):
     every rank uploads the parts it owns of the same files (the module docstring)."""
 
     name = "shared-parts"
+    plans_files = (
+        False  # the writer of every slice: the files are planned from the layout (``save_gathered_parts``)
+    )
 
     def __init__(self, store: FsspecStorage) -> None:
         self.store = store
-
-    def plan(
-        self,
-        all_metas: list[list[SliceMeta]],
-        writers: list[list[SliceMeta]],
-        opts: SaveOptions,
-        root: str,
-        path: str,
-        size: int | None,
-    ) -> SavePlan:
-        """The writer of every slice (its files are planned from the layout, ``save_gathered_parts``)."""
-        check_gathered_metas(all_metas, path)
-        return plan_save(writers, kind=opts.kind, size_per_shard_bytes=None, sliced=True)
 
     def write_and_commit(self, run: SaveRun) -> None:
         save_gathered_parts(run, self.store)

@@ -68,10 +68,11 @@ from unickpt.io.hf_save import InPlaceHF
 from unickpt.io.parts_save import SharedParts
 from unickpt.io.payload import SavePayload, Staged
 from unickpt.io.pinned import wait_staged
-from unickpt.io.planner import SavePlan, SliceMeta, plan_save
+from unickpt.io.planner import SavePlan, SliceMeta
 from unickpt.io.replicas import ReplicaCheck, check_replicas, judge, replica_digests, replicated_boxes
 from unickpt.io.tensors import LocalSlice, as_bytes
 from unickpt.io.write_strategy import (
+    PlanInputs,
     Results,
     SaveOptions,
     SaveRun,
@@ -152,7 +153,11 @@ def save_tensors(
     names_listed = list(tensors) if opts.gather else []
     metas: list[SliceMeta] = []
     before_moves: dict[str, list[LocalSlice]] = {}
-    replicas = strategy.check_first(tensors, boxes_fn, replicas, group)
+    if not strategy.lists_held and replicas is not None:
+        # The listing names whole tensors: the slices are checked first, in an exchange of their own.
+        held = {name: boxes_fn(name, t) for name, t in tensors.items()}
+        check_replicas(held, replicas.mode, replicas.what, group, everywhere=replicas.everywhere)
+        replicas = None
     try:
         maybe_fail("save.list")
         local, before_moves = strategy.list_slices(tensors, boxes_fn)
@@ -194,7 +199,7 @@ def save_tensors(
         else:
             replicas = None
         maybe_fail("save.plan")
-        plan = strategy.plan(all_metas, strategy.writers(all_metas), opts, root, path, size)
+        plan = strategy.plan(PlanInputs(all_metas, strategy.writers(all_metas), opts, root, path, size))
     except BaseException as e:
         err = e
 
@@ -293,17 +298,6 @@ class Sliced(WriteStrategy):
     the index and the commit goes across ranks (``commit_written``)."""
 
     name = "sliced"
-
-    def plan(
-        self,
-        all_metas: list[list[SliceMeta]],
-        writers: list[list[SliceMeta]],
-        opts: SaveOptions,
-        root: str,
-        path: str,
-        size: int | None,
-    ) -> SavePlan:
-        return plan_save(writers, kind=opts.kind, size_per_shard_bytes=size, sliced=True)
 
     def write_and_commit(self, run: SaveRun) -> None:
         err: BaseException | None = None

@@ -1,5 +1,5 @@
-"""A save's write strategy: what one save is written with (``SaveOptions``), the state every rank
-holds of it once planned (``SaveRun``), the steps the engine calls (``WriteStrategy``), and what
+"""A save's write strategy: what one save is written with (``SaveOptions``), what every rank plans
+it from (``PlanInputs``), the state every rank holds of it once planned (``SaveRun``), the steps the engine calls (``WriteStrategy``), and what
 the strategies share: the writer of a save's files, the block a save records, and the commit
 across ranks on top of ``store.publish`` (docs/format.md, section 6).
 
@@ -23,8 +23,8 @@ from unickpt import __version__, _dist
 from unickpt._faults import maybe_fail
 from unickpt.ckpt.writer import CheckpointWriter, FileSpec, build_block, build_index, tensor_entry
 from unickpt.errors import ConfigError
-from unickpt.io.planner import PlannedFile, SavePlan, SliceMeta
-from unickpt.io.replicas import ReplicaCheck
+from unickpt.io.planner import PlannedFile, SavePlan, SliceMeta, plan_save
+from unickpt.io.replicas import check_gathered_metas
 from unickpt.io.tensors import LocalSlice
 from unickpt.spec.index import LayoutInfo, TensorEntry, UnickptBlock, index_to_json
 from unickpt.spec.slice_table import SliceColumns
@@ -40,6 +40,7 @@ from unickpt.store.publish import (
 from unickpt.store.storage import Storage
 
 __all__ = [
+    "PlanInputs",
     "Results",
     "SaveOptions",
     "SaveRun",
@@ -100,6 +101,19 @@ def check_size_per_shard(size_mb: object) -> float:
     return min(float(size_mb), _MAX_SHARD_MB)
 
 
+@dataclass(frozen=True)
+class PlanInputs:
+    """What a save is planned from, the same on every rank once the listing is gathered
+    (``io.save.save_tensors``): ``WriteStrategy.plan`` is a function of it."""
+
+    listed: list[list[SliceMeta]]  # what every rank listed (``WriteStrategy.metas``), in rank order
+    writes: list[list[SliceMeta]]  # the slices each rank writes (``WriteStrategy.writers``)
+    opts: SaveOptions
+    root: str  # the save's location in its store (a local path absolute)
+    path: str  # the location as given (for messages)
+    size_per_shard_bytes: int | None  # None: no shard size (an unsharded save)
+
+
 @dataclass
 class SaveRun:
     """One save as every rank sees it once planned (built by ``io.save.save_tensors``): what the
@@ -146,16 +160,16 @@ class WriteStrategy:
     #: what the strategy is, for messages and tests
     name = ""
 
-    def check_first(
-        self,
-        tensors: dict[str, torch.Tensor],
-        boxes_fn: Callable[[str, torch.Tensor], list[LocalSlice]],
-        replicas: ReplicaCheck | None,
-        group: Any,
-    ) -> ReplicaCheck | None:
-        """Before the listing: the replica check still to make inside the save's exchanges (a
-        strategy that checks its slices in an exchange of its own returns None)."""
-        return replicas
+    #: the listing sends this rank's slices as held, so the replica check rides the save's own
+    #: exchanges; False (a strategy listing whole tensors, the funnel): the engine checks the
+    #: slices first, in an exchange of their own (``io.save.save_tensors``)
+    lists_held = True
+    #: the plan cuts the save's files (at most ``size_per_shard`` each); False: it gives only the
+    #: writer of every slice, one file per writer, the files planned later from the Hugging Face
+    #: layout (``ckpt/hf_layout``)
+    plans_files = True
+    #: the plan's keys are a sliced save's (one per slice); False: one per tensor, written whole
+    slice_keys = True
 
     def list_slices(
         self, tensors: dict[str, torch.Tensor], boxes_fn: Callable[[str, torch.Tensor], list[LocalSlice]]
@@ -175,17 +189,16 @@ class WriteStrategy:
         """The slices each rank writes, from every rank's listing."""
         return all_metas
 
-    def plan(
-        self,
-        all_metas: list[list[SliceMeta]],
-        writers: list[list[SliceMeta]],
-        opts: SaveOptions,
-        root: str,
-        path: str,
-        size: int | None,
-    ) -> SavePlan:
-        """Every rank's same plan (a function of the gathered listing)."""
-        raise NotImplementedError
+    def plan(self, inputs: PlanInputs) -> SavePlan:
+        """Every rank's same plan, a function of ``inputs``: a gathered save's listings checked to
+        agree on every tensor's dtype and shape (``check_gathered_metas``), then the writer of
+        every slice and the files (``planner.plan_save``, as ``plans_files`` and ``slice_keys`` say)."""
+        if inputs.opts.gather:
+            check_gathered_metas(inputs.listed, inputs.path)
+        size = inputs.size_per_shard_bytes if self.plans_files else None
+        return plan_save(
+            inputs.writes, kind=inputs.opts.kind, size_per_shard_bytes=size, sliced=self.slice_keys
+        )
 
     def stage(self, run: SaveRun) -> None:
         """Local phase on every rank, after rank 0 prepared the directory (one agreement covers both)."""

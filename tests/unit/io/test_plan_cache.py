@@ -15,10 +15,12 @@ import torch
 from unickpt.ckpt.reader import open_checkpoint
 from unickpt.errors import DistributedError, StateMismatchError
 from unickpt.io import hf_save, tensors
+from unickpt.io.hf_save import InPlaceHF
 from unickpt.io.load import load_tensors
-from unickpt.io.planner import plan_save
+from unickpt.io.planner import SavePlan, plan_save
 from unickpt.io.save import SaveOptions, save_tensors
 from unickpt.io.tensors import local_slices
+from unickpt.io.write_strategy import PlanInputs
 from unickpt.spec.index import LayoutInfo
 
 
@@ -30,19 +32,25 @@ def _metas(rows: int = 10) -> list[list[tuple[Any, ...]]]:
     ]
 
 
+def _plan(metas: list[list[tuple[Any, ...]]], kind: str = "model") -> SavePlan:
+    """A gathered save's plan in the directory ``d``, as the in-place strategy plans it."""
+    opts = SaveOptions(kind=kind, shard=False, gather=True, size_per_shard_mb=1.0, layout=LayoutInfo())
+    return InPlaceHF(None).plan(PlanInputs(metas, metas, opts, "d", "d", None))
+
+
 def test_a_plan_is_reused_for_equal_metas_only() -> None:
-    first = hf_save.gathered_plan(_metas(), kind="model", path="d")
-    assert hf_save.gathered_plan(_metas(), kind="model", path="d") is first  # built alike: kept
+    first = _plan(_metas())
+    assert _plan(_metas()) is first  # built alike: kept
     # Equal metas in other containers only miss the cache: an equal plan, planned again.
     again = [[tuple(list(x) if isinstance(x, tuple) else x for x in m) for m in ms] for ms in _metas()]
-    assert hf_save.gathered_plan(again, kind="model", path="d") == first
-    other = hf_save.gathered_plan(_metas(12), kind="model", path="d")
+    assert _plan(again) == first
+    other = _plan(_metas(12))
     assert other is not first
     assert [(ps.offsets, ps.shape, ps.rank) for ps in other.slices["w"]] == [
         ((0, 0), (6, 3), 0),
         ((6, 0), (6, 3), 1),
     ]
-    assert hf_save.gathered_plan(_metas(), kind="optimizer", path="d") is not first
+    assert _plan(_metas(), "optimizer") is not first
     # The plan is plan_save's (the replicated bias written once).
     assert first == plan_save(_metas(), kind="model", size_per_shard_bytes=None, sliced=True)
     assert len(first.slices["b"]) == 1
@@ -54,28 +62,28 @@ def test_a_failed_plan_is_not_kept() -> None:
     kept = len(hf_save._cache)
     for _ in range(2):  # raised again on the second save: nothing was kept
         with pytest.raises(DistributedError, match=r"d: the ranks disagree on the dtype or global shape"):
-            hf_save.gathered_plan(bad, kind="model", path="d")
+            _plan(bad)
     gap = _metas()
     gap[1][0] = ("w", "F32", (10, 3), (6, 0), (4, 3))  # row 5 written by nobody
     for _ in range(2):
         with pytest.raises(StateMismatchError, match=r"tensor 'w'"):
-            hf_save.gathered_plan(gap, kind="model", path="d")
+            _plan(gap)
     assert len(hf_save._cache) == kept
 
 
 def test_only_the_last_plans_are_kept() -> None:
-    first = hf_save.gathered_plan(_metas(100), kind="model", path="d")
+    first = _plan(_metas(100))
     for rows in range(101, 101 + hf_save._KEEP):
-        hf_save.gathered_plan(_metas(rows), kind="model", path="d")
+        _plan(_metas(rows))
     assert len(hf_save._cache) <= hf_save._KEEP
     assert not hf_save.holds(first)
-    assert hf_save.gathered_plan(_metas(100), kind="model", path="d") is not first
+    assert _plan(_metas(100)) is not first
 
 
 def test_layouts_of_many_slices_are_planned_every_time(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hf_save, "_MAX_SLICES", 3)
-    first = hf_save.gathered_plan(_metas(200), kind="model", path="d")  # 4 slices
-    assert hf_save.gathered_plan(_metas(200), kind="model", path="d") is not first
+    first = _plan(_metas(200))  # 4 slices
+    assert _plan(_metas(200)) is not first
     assert not hf_save.holds(first)
 
 

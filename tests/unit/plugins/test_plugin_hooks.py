@@ -13,8 +13,7 @@ import pytest
 import torch
 
 import unickpt.plugins
-from unickpt.io.checkpoint_io import CheckpointIO
-from unickpt.io.hooks import FINAL_METHODS, HookContext
+from unickpt.io.checkpoint_io import FINAL_METHODS, CheckpointIO, HookContext
 
 
 def _all_io_classes() -> list[type[CheckpointIO]]:

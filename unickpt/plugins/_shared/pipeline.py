@@ -12,8 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from unickpt.errors import UnsupportedError
-from unickpt.io import CheckpointIO
-from unickpt.io.hooks import HookContext
+from unickpt.io import CheckpointIO, HookContext
 from unickpt.io.tensors import is_dtensor
 
 if TYPE_CHECKING:

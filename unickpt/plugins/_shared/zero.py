@@ -13,8 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from unickpt.errors import UnsupportedError
-from unickpt.io import CheckpointIO
-from unickpt.io.hooks import HookContext
+from unickpt.io import CheckpointIO, HookContext
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
