@@ -87,7 +87,7 @@ def test_the_hooks_hold_no_io() -> None:
         "unickpt.io.optim_state",
         "unickpt.io.tensors",
     }
-    assert imported == {"torch.distributed.tensor", "torch.distributed.checkpoint.state_dict"}
+    assert imported == {"torch.distributed.checkpoint.state_dict"}
 
 
 def test_write_spec_is_the_io_options_without_the_io() -> None:
