@@ -1102,11 +1102,14 @@ class CheckpointIO(CheckpointHooks):
             _dist.Args("load_lr_scheduler", {"checkpoint": _dist.path_arg(checkpoint)}),
         )
         path = side_file(checkpoint, SCHEDULER_FILE, ".json")  # as save_lr_scheduler names it
-        _dist.agreed(lambda: self._load_lr_scheduler(lr_scheduler, path), f"loading {path}", self.group)
+        given = os.fspath(checkpoint)
+        _dist.agreed(
+            lambda: self._load_lr_scheduler(lr_scheduler, path, given), f"loading {path}", self.group
+        )
 
-    def _load_lr_scheduler(self, lr_scheduler: SchedulerState, path: str) -> None:
+    def _load_lr_scheduler(self, lr_scheduler: SchedulerState, path: str, given: str) -> None:
         maybe_fail("scheduler.load")
-        lr_scheduler.load_state_dict(read_lr_scheduler_state(path, self.storage_options))
+        lr_scheduler.load_state_dict(read_lr_scheduler_state(path, self.storage_options, given))
 
     # ------------------------------------------------------------------ helpers
     @keeps_python_random

@@ -3,6 +3,11 @@
 Nothing is pickled. Tuples are stored as lists (loading restores the type of the live value). Small tensors
 take a tagged form ``{"__tensor__": {"dtype", "shape", "data"}}``.
 Anything else (functions, arbitrary objects) is refused with ``UnsupportedError`` naming it.
+
+Every number keeps its value and its type: an int stays an int at any size a JSON reader takes
+(``MAX_JSON_INT_DIGITS``), a float keeps its bits (``-0.0`` too) and ``inf``, ``-inf`` and
+``nan`` are written as Python's ``json`` writes them (``Infinity``, ``-Infinity``, ``NaN``),
+as Hugging Face's ``trainer_state.json`` holds them; ``json.load`` reads them back.
 """
 
 from __future__ import annotations
@@ -16,11 +21,16 @@ from unickpt.errors import IndexFileError, UnsupportedError
 from unickpt.io.tensors import st_dtype, torch_dtype
 from unickpt.spec.dtypes import DTYPE_ITEMSIZE
 
-__all__ = ["to_json_value", "from_json_value"]
+__all__ = ["MAX_JSON_INT_DIGITS", "to_json_value", "from_json_value"]
 
 # Tensors inside JSON state are scalars such as a capturable optimizer's lr; large ones
 # belong in safetensors files.
 _MAX_JSON_TENSOR_ELEMENTS = 4096
+#: The most decimal digits of an int in JSON state: Python's own limit for converting an int to
+#: and from text (``sys.get_int_max_str_digits()``'s default), past which ``json.dumps`` fails and
+#: ``json.load`` (transformers, unickpt) refuses the number.
+MAX_JSON_INT_DIGITS = 4300
+_INT_LIMIT = 10**MAX_JSON_INT_DIGITS
 
 
 def to_json_value(value: Any, where: str, tensors: dict[str, torch.Tensor] | None = None) -> Any:
@@ -37,10 +47,13 @@ def to_json_value(value: Any, where: str, tensors: dict[str, torch.Tensor] | Non
             return {"__st__": key}
         if isinstance(value, tuple):
             return {"__tuple__": [to_json_value(v, f"{where}[{i}]", tensors) for i, v in enumerate(value)]}
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
-        return value
+    if isinstance(value, int) and not isinstance(value, bool) and not -_INT_LIMIT < value < _INT_LIMIT:
+        raise UnsupportedError(
+            f"{where}: an integer of {value.bit_length()} bits has more than {MAX_JSON_INT_DIGITS} "
+            "decimal digits, more than a JSON reader takes; store it as a string or a tensor"
+        )
+    if value is None or isinstance(value, (bool, int, str, float)):
+        return value  # floats as they are: inf, -inf and nan as the literals Infinity, -Infinity, NaN
     if isinstance(value, (tuple, list)):
         # Tuples (Adam's betas) are stored as lists; loading restores the live value's type.
         return [to_json_value(v, f"{where}[{i}]", tensors) for i, v in enumerate(value)]

@@ -79,17 +79,25 @@ def write_config_files(
 
 
 def lr_scheduler_json(state: dict[str, Any]) -> bytes:
-    """The bytes of ``lr_scheduler.json`` for a scheduler's ``state_dict()``."""
-    return json.dumps(
-        {"unickpt_lr_scheduler": 1, "state": to_json_value(state, "lr_scheduler")}, indent=2
-    ).encode()
+    """The bytes of ``lr_scheduler.json`` for a scheduler's ``state_dict()``.
+
+    Every float as it is (``ReduceLROnPlateau``'s ``best`` and ``mode_worse`` are ``inf`` until it
+    steps): inf, -inf and nan as ``Infinity``, ``-Infinity``, ``NaN``, which ``strict_loads`` and
+    ``json.load`` read back. What cannot be kept is refused, naming the file and the field.
+    """
+    state_json = to_json_value(state, f"{SCHEDULER_FILE}: state")
+    return json.dumps({"unickpt_lr_scheduler": 1, "state": state_json}, indent=2, allow_nan=True).encode()
 
 
-def read_lr_scheduler_state(path: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+def read_lr_scheduler_state(
+    path: str, storage_options: dict[str, Any] | None = None, given: str | None = None
+) -> dict[str, Any]:
     """The scheduler ``state_dict()`` stored in the ``lr_scheduler.json`` at ``path``.
 
-    A missing file is an ``IncompleteCheckpointError``; anything else that is not a scheduler
-    state written by :func:`lr_scheduler_json` is an ``IndexFileError`` naming ``path``.
+    A missing file is an ``IncompleteCheckpointError`` naming ``path`` and, when the caller gave
+    another location (``given``: a directory ``path`` is inside), that one too; anything else that
+    is not a scheduler state written by :func:`lr_scheduler_json` is an ``IndexFileError`` naming
+    ``path``.
     """
     try:
         from unickpt.store.publish import read_small_file  # a local path or a URL
@@ -97,6 +105,11 @@ def read_lr_scheduler_state(path: str, storage_options: dict[str, Any] | None = 
         raw = read_small_file(path, storage_options)
         obj = strict_loads(raw.decode("utf-8"), IndexFileError, f"{path}: LR scheduler state")
     except FileNotFoundError as e:
+        if given is not None and given != path:
+            raise IncompleteCheckpointError(
+                f"no LR scheduler state at {given}: it is not a file and {path} does not exist "
+                f"(a directory's scheduler state is its {SCHEDULER_FILE})"
+            ) from e
         raise IncompleteCheckpointError(f"no LR scheduler state at {path}") from e
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise IndexFileError(

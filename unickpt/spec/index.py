@@ -176,6 +176,11 @@ HASHES = "^([0-9a-f]{16}|-{16})*$"
 # Free-form JSON state (param_groups, param_state) nests at most this deep, so that the whole
 # index stays within the 64 levels of the spec.
 MAX_STATE_DEPTH = 48
+# Free-form values (param_groups, param_state, metadata) keep every float when dumped as JSON:
+# inf, -inf and nan as Python's json writes them (Infinity, -Infinity, NaN, as Hugging Face's
+# trainer_state.json; json.load reads them back), never pydantic's default null. The setting of
+# the model dumped is the one that counts, so each model dumped on its own carries it.
+_KEEP_FLOATS = ConfigDict(ser_json_inf_nan="constants")
 
 
 def shape_problem(shape: Sequence[int]) -> str | None:
@@ -333,6 +338,7 @@ class LayoutInfo(StrictModel):
 
 
 class UnickptBlock(StrictModel):
+    model_config = _KEEP_FLOATS
     format_version: FormatVersion = FORMAT_VERSION
     kind: Kind
     files: list[str] | None = Field(
@@ -405,7 +411,7 @@ class UnickptBlock(StrictModel):
 
 
 class IndexMetadata(BaseModel):
-    model_config = ConfigDict(extra="allow", frozen=True)
+    model_config = ConfigDict(extra="allow", frozen=True, **_KEEP_FLOATS)
     total_size: NonNeg = 0
 
 
@@ -420,7 +426,7 @@ def strict_metadata_ok(md: Any) -> bool:
 class IndexFile(BaseModel):
     """A ``*.safetensors.index.json`` file (Hugging Face keys plus the optional unickpt block)."""
 
-    model_config = ConfigDict(extra="allow", frozen=True)
+    model_config = ConfigDict(extra="allow", frozen=True, **_KEEP_FLOATS)
     metadata: IndexMetadata = Field(default_factory=IndexMetadata)
     weight_map: dict[str, str]
     unickpt: UnickptBlock | None = None

@@ -377,6 +377,40 @@ def test_lr_scheduler_round_trip_as_json(tmp_path: Path) -> None:
     assert sched2.state_dict() == sched.state_dict()
 
 
+def test_lr_scheduler_paths_as_colossalai_names_them(tmp_path: Path) -> None:
+    """Colossal-AI's ``save_lr_scheduler``/``load_lr_scheduler`` take one file path of any name
+    (``torch.save``/``torch.load``). Here a name without ``.json`` is a directory both ways, so
+    the same path round-trips; a missing path is refused naming the path given, not only the
+    ``lr_scheduler.json`` inside it that was looked for."""
+    io = GeneralCheckpointIO()
+    opt = _optim(fresh(0), 0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    opt.step()
+    sched.step()
+    given = tmp_path / "ck" / "scheduler.pt"
+    io.save_lr_scheduler(sched, given)
+    sched2 = torch.optim.lr_scheduler.StepLR(_optim(fresh(1), 0.1), step_size=7)
+    io.load_lr_scheduler(sched2, given)
+    assert sched2.state_dict() == sched.state_dict()
+    missing = tmp_path / "ck" / "scheduler.bin"
+    with pytest.raises(IncompleteCheckpointError) as e:
+        io.load_lr_scheduler(sched2, missing)
+    assert str(e.value) == (
+        f"no LR scheduler state at {missing}: it is not a file and {missing}/lr_scheduler.json "
+        "does not exist (a directory's scheduler state is its lr_scheduler.json)"
+    )
+    with pytest.raises(IncompleteCheckpointError, match=r"^no LR scheduler state at .*/nothing\.json$"):
+        io.load_lr_scheduler(sched2, tmp_path / "nothing.json")
+    (tmp_path / "empty").mkdir()  # a directory without the file: the file looked for is named
+    with pytest.raises(IncompleteCheckpointError) as e:
+        io.load_lr_scheduler(sched2, tmp_path / "empty")
+    assert (
+        f"at {tmp_path / 'empty'}: it is not a file and {tmp_path / 'empty'}/lr_scheduler.json does"
+        in str(e.value)
+    )
+    assert sched2.state_dict() == sched.state_dict()  # nothing changed
+
+
 def test_hf_config_written_beside_weights(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(
