@@ -248,11 +248,14 @@ class AsyncSaves:
         checkpoint: str | os.PathLike[str],
         group: ProcessGroup | None,
         after: Callable[[str], None] | None = None,
+        model: torch.nn.Module | None = None,
     ) -> str:
         """Collective over ``group``: copy ``payload`` to CPU memory now, write and commit the copy
         with ``spec`` in the background (this rank's writer process, or a thread for ``memory://``).
 
         Returns the path the save will commit. ``after(path)`` runs on rank 0 once committed.
+        ``model``: the module ``payload`` was planned from, whose forwards wait for the copies
+        of its buffers still running (``io.stage.guard_buffers``).
         """
         gather = spec.options.gather
         path = os.fspath(checkpoint)
@@ -262,7 +265,7 @@ class AsyncSaves:
         # sizes, pinned on CUDA, shared with every IO and manager), handed back once written.
         staging = POOL.lease(payload.kind, shared=in_writer)
         try:
-            return self._stage_and_start(spec, payload, path, final, staging, group, after)
+            return self._stage_and_start(spec, payload, path, final, staging, group, after, model)
         except BaseException:
             POOL.give_back(staging)
             raise
@@ -276,6 +279,7 @@ class AsyncSaves:
         staging: Any,
         group: ProcessGroup | None,
         after: Callable[[str], None] | None,
+        model: torch.nn.Module | None,
     ) -> str:
         """:meth:`save` with the snapshot's buffers leased: ``staging`` goes back to the pool once
         the write is over (or here, if it raises)."""
@@ -292,7 +296,7 @@ class AsyncSaves:
                 from unickpt.io.hf_rows import row_snapshot
 
                 payload = dataclasses.replace(payload, slices=row_snapshot(payload.tensors, payload.slices))
-            copy = stage_written(payload, staging, group, replicas=spec.check_replicas != "off")
+            copy = stage_written(payload, staging, group, replicas=spec.check_replicas != "off", model=model)
         name = os.path.basename(path.rstrip("/")) or path
         is_rank0 = _dist.rank(group) == 0
         if staging.shared:

@@ -391,6 +391,7 @@ class CheckpointIO(CheckpointHooks):
                 gather_dtensor,
                 size_per_shard,
                 after=lambda path: write_config_files(config, path, self.storage_options),
+                model=model,
             )
         path = self.write(
             payload, checkpoint, shard=shard, gather_dtensor=gather_dtensor, size_per_shard=size_per_shard
@@ -1016,14 +1017,15 @@ class CheckpointIO(CheckpointHooks):
         gather_dtensor: bool,
         size_per_shard: float,
         after: Callable[[str], None] | None = None,
+        model: torch.nn.Module | None = None,
     ) -> str:
         """Collective: copy ``payload`` to CPU memory now, write and commit the copy in the background
         (``AsyncSaves.save``). Returns the path the save will commit; ``after(path)`` runs on rank 0
-        once committed.
+        once committed. ``model``'s forwards wait for the copies of its buffers still running.
         """
         # Bad arguments raise now, not in the background.
         spec = self.write_spec(payload.kind, shard, gather_dtensor, size_per_shard)
-        return self._async.save(spec, payload, checkpoint, self.group, after)
+        return self._async.save(spec, payload, checkpoint, self.group, after, model)
 
     def wait(self) -> None:
         """Block until this IO's async save in flight is committed; raise its error, if it failed.
@@ -1039,8 +1041,9 @@ class CheckpointIO(CheckpointHooks):
 
     def synchronize(self) -> None:
         """Colossal-AI: call before the weights change. Blocks until the copies of the async
-        snapshot are done (they run on a side CUDA stream; an optimizer step waits for them by
-        itself, a tensor changed otherwise needs this call; on CPU they are done already)."""
+        snapshot are done (they run on a side CUDA stream; an optimizer step and the forward of
+        a module whose buffers are being copied wait for them by themselves, a tensor changed
+        otherwise needs this call; on CPU they are done already)."""
         wait_staged()
 
     def _sync_d2h(self) -> None:

@@ -23,8 +23,10 @@ exit too.
 stream (``io/stage.py``) and the save returns before they finish. Whatever would read the
 buffers or change the copied tensors waits first (:func:`wait_staged`): the writer (its
 thread, before it hands the job over), every optimizer step (a pre-hook on all optimizers,
-installed with the first fence), ``CheckpointIO.synchronize()`` and the next save. On CPU a
-fence is complete when the copy returns (the copy is synchronous), and waiting costs nothing.
+installed with the first fence), ``CheckpointIO.synchronize()`` and the next save; and the
+forward of a module whose buffers are being copied (:meth:`Fence.guard_forward`, a forward
+pre-hook per module, removed once the fence is done). On CPU a fence is complete when the copy
+returns (the copy is synchronous), waiting costs nothing, and no forward is hooked.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import contextlib
 import math
 import threading
 import weakref
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from typing import Any
 
 import torch
@@ -278,20 +280,26 @@ def stage_copy(src: torch.Tensor, staging: dict[Any, torch.Tensor] | None, key: 
 # ---------------------------------------------------------------------------- fences
 class Fence:
     """The end of a snapshot's copies: the CUDA events recorded after them on their streams, or,
-    without CUDA, a CPU-side event, set once the (synchronous) copy is done (:meth:`complete`)."""
+    without CUDA, a CPU-side event, set once the (synchronous) copy is done (:meth:`complete`).
+
+    :meth:`guard_forward` makes the forward of modules whose buffers are being copied wait for
+    it; those hooks are removed once the fence is done.
+    """
 
     def __init__(self, cuda_events: list[Any] | None = None) -> None:
         self._events = list(cuda_events or ())
         self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._hooks: list[Any] = []
 
     def complete(self) -> None:
         """The copies are done (a CUDA fence completes with its events, when waited for)."""
-        self._done.set()
+        self._finish()
 
     def done(self) -> bool:
         """Whether waiting would return at once."""
         if not self._done.is_set() and self._events and all(e.query() for e in self._events):
-            self._done.set()
+            self._finish()
         return self._done.is_set()
 
     def wait(self) -> None:
@@ -301,9 +309,38 @@ class Fence:
         if self._events:
             for e in self._events:
                 e.synchronize()
-            self._done.set()
+            self._finish()
         else:
             self._done.wait()
+
+    def guard_forward(self, modules: Iterable[torch.nn.Module]) -> int:
+        """Until the copies are done, each forward of ``modules`` first waits for them (a forward
+        pre-hook): a module that changes the tensors being copied in its forward (BatchNorm's
+        running statistics) changes them after they are copied. Every hook is removed once the
+        fence is done (by whoever waits for it first); none is added to a fence done already.
+        Returns the number of hooks added."""
+        if self.done():
+            return 0
+        with self._lock:
+            for m in modules:
+                self._hooks.append(m.register_forward_pre_hook(self._before_forward))
+            added = len(self._hooks)
+        if self._done.is_set():  # completed while the hooks went on: its _finish may have missed them
+            self._unhook()
+        return added
+
+    def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
+        self.wait()
+
+    def _finish(self) -> None:
+        self._done.set()
+        self._unhook()
+
+    def _unhook(self) -> None:
+        with self._lock:
+            hooks, self._hooks = self._hooks, []
+        for h in hooks:
+            h.remove()
 
 
 _STREAMS: dict[int, Any] = {}

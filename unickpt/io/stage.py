@@ -18,10 +18,14 @@ into the process's exact-size pinned buffers, after the compute stream's work so
 stream waits for it): the save returns once they are issued, and forward and backward overlap
 them. A :class:`~unickpt.io.pinned.Fence` (the event recorded after the last copy) is tracked,
 and waited for by the next optimizer step (a step pre-hook), by the writer before it reads the
-buffers, by ``CheckpointIO.synchronize()`` and by the next save. A tensor changed outside an
-optimizer step while the copies run (a running statistic a forward updates, an in-place edit)
-needs ``CheckpointIO.synchronize()`` first. On CPU the copy is synchronous, as before, and its
-fence is complete when this returns.
+buffers, by ``CheckpointIO.synchronize()`` and by the next save. A buffer a forward changes
+(BatchNorm's running statistics, its batch count) is fenced too: given the model, the modules
+owning the buffers being copied get a forward pre-hook that waits for the copies, so the next
+forward changes them only once they are copied, and the hooks go once the fence is done
+(:func:`guard_buffers`). Any other change outside an optimizer step and a module's own forward
+(an in-place edit in the script, a buffer a parent module writes) needs
+``CheckpointIO.synchronize()`` first. On CPU the copy is synchronous, as before, its fence is
+complete when this returns, and no hook is added.
 """
 
 from __future__ import annotations
@@ -36,9 +40,9 @@ from unickpt.io.payload import SavePayload, SliceKey, Staged
 from unickpt.io.pinned import Fence, side_stream, stage_copy, track
 from unickpt.io.planner import SliceMeta, plan_save
 from unickpt.io.replicas import digest_live, replicated_boxes
-from unickpt.io.tensors import LocalSlice
+from unickpt.io.tensors import LocalSlice, is_dtensor
 
-__all__ = ["stage_written", "written_keys"]
+__all__ = ["guard_buffers", "stage_written", "written_keys"]
 
 
 def written_keys(all_metas: list[list[SliceMeta]], rank: int) -> tuple[set[int], frozenset[SliceKey]]:
@@ -62,13 +66,16 @@ def stage_written(
     group: Any = None,
     *,
     replicas: bool = True,
+    model: torch.nn.Module | None = None,
 ) -> SavePayload:
     """Collective over ``group`` (the main thread): ``payload`` with the slices this rank writes
     copied to CPU memory and the others left as placeholders.
 
     One object exchange (the slices' boxes, with the agreement on listing them). ``replicas``:
     the replica check will run (not ``"off"``): the replicated slices this rank does not write
-    are digested now. ``staging``: the CPU buffers reused from one save to the next.
+    are digested now. ``staging``: the CPU buffers reused from one save to the next. ``model``:
+    the module ``payload`` was planned from; while the copies run, the forward of its modules
+    whose buffers are being copied waits for them (:func:`guard_buffers`).
     """
     err: BaseException | None = None
     metas: list[SliceMeta] = []
@@ -87,11 +94,14 @@ def stage_written(
     streams: dict[torch.device, Any] = {}
     nbytes = 0
     slices: dict[str, list[LocalSlice]] = {}
+    copied: list[torch.Tensor] = []
     for name, sls in payload.slices.items():
         out = []
         for k, sl in enumerate(sls):
             key = (name, tuple(sl.offsets), tuple(sl.shape))
             if position.get(id(sl)) in mine:
+                if sl.tensor.device.type == "cuda":  # copied on a side stream: pending on return
+                    copied.append(sl.tensor)
                 copy = _copy(sl.tensor, staging, (name, k), streams)
                 nbytes += copy.nbytes
                 out.append(dataclasses.replace(sl, tensor=copy))
@@ -106,6 +116,8 @@ def stage_written(
     if not streams:
         fence.complete()
     track(fence)
+    if model is not None:
+        guard_buffers(fence, model, copied)
     return dataclasses.replace(payload, slices=slices, staged=Staged(nbytes, replicated, digests))
 
 
@@ -132,3 +144,26 @@ def _recorded(stream: Any) -> Any:
     event = torch.cuda.Event()
     event.record(stream)
     return event
+
+
+def guard_buffers(fence: Fence, model: torch.nn.Module, copied: list[torch.Tensor]) -> int:
+    """Until ``fence`` is done, the forward of each module of ``model`` that owns a buffer among
+    the ``copied`` tensors (their storage) waits for it first (``Fence.guard_forward``: the
+    hooks go once it is done). Nothing when the fence is done already (every copy on CPU).
+    Returns the number of modules guarded."""
+    if fence.done():
+        return 0
+    sources = {_storage(t) for t in copied} - {0}
+    owners = [
+        m for m in model.modules() if any(_storage(b) in sources for _, b in m.named_buffers(recurse=False))
+    ]
+    return fence.guard_forward(owners) if owners else 0
+
+
+def _storage(t: torch.Tensor) -> int:
+    """The address of the memory ``t`` (its local part, for a DTensor) lives in; 0 for none."""
+    if is_dtensor(t):
+        t = t.to_local()  # type: ignore[attr-defined]
+    if t.device.type == "meta":
+        return 0
+    return int(t.untyped_storage().data_ptr())

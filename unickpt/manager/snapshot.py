@@ -83,7 +83,9 @@ def capture(
     _dist.agree(err, f"capturing the state of step {step}", group)
     replicas = getattr(io, "check_replicas", "warn") != "off"
     if staging is not None:  # collective: only the slices this rank writes are copied
-        model_plan = stage_written(model_plan, staging.setdefault("model", {}), group, replicas=replicas)
+        model_plan = stage_written(
+            model_plan, staging.setdefault("model", {}), group, replicas=replicas, model=model
+        )
     # Optimizer planning gathers param groups from every rank: always in the foreground.
     if optimizer is not None:
         optim_plan = io.plan_optimizer(optimizer)

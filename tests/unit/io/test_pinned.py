@@ -26,7 +26,7 @@ from unickpt.ckpt.reader import open_checkpoint
 from unickpt.io import GeneralCheckpointIO
 from unickpt.io.load import DeviceLoader, copy_cast, off_host
 from unickpt.io.pinned import POOL, Fence, pending, stage_copy, track, wait_staged
-from unickpt.io.stage import stage_written
+from unickpt.io.stage import guard_buffers, stage_written
 from unickpt.manager import CheckpointManager
 from unickpt.wrappers import OptimizerWrapper
 
@@ -256,6 +256,136 @@ def test_a_cpu_snapshot_leaves_nothing_pending(tmp_path: Path, io: GeneralCheckp
     io.save_model(_model(0), str(tmp_path / "m"), shard=True, use_async=True)
     assert pending() == 0
     io.wait()
+
+
+def _bn_model(seed: int) -> torch.nn.Module:
+    """Two modules with buffers a forward changes (BatchNorm's running statistics, its count)."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(7, 5), torch.nn.BatchNorm1d(5), torch.nn.Linear(5, 3), torch.nn.BatchNorm1d(3)
+    ).train()
+
+
+def _live_slices(io: GeneralCheckpointIO, model: torch.nn.Module) -> list[torch.Tensor]:
+    return [sl.tensor for sls in io.plan_model(model).slices.values() for sl in sls]
+
+
+def _hooked(model: torch.nn.Module) -> list[int]:
+    return [i for i, m in enumerate(model.modules()) if m._forward_pre_hooks]
+
+
+def _stats(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if "running" in k or "batches" in k}
+
+
+def test_a_forward_waits_for_the_copy_of_the_buffers_it_changes(io: GeneralCheckpointIO) -> None:
+    model = _bn_model(0)
+    before = _stats(model)
+    assert len(before) == 6
+    fence = track(Watched())
+    assert guard_buffers(fence, model, _live_slices(io, model)) == 2
+    assert _hooked(model) == [2, 4]  # the two BatchNorms (0 is the Sequential), not the Linears
+    x = torch.randn(4, 7)
+    finished = threading.Event()
+    errors: list[BaseException] = []
+
+    def forward() -> None:
+        try:
+            model(x)
+        except BaseException as e:
+            errors.append(e)
+        finished.set()
+
+    t = threading.Thread(target=forward, daemon=True)
+    t.start()
+    try:
+        assert fence.waiting.wait(20), "the forward never waited for the copy"
+        assert not finished.wait(0.3), "the forward ran while the buffers were being copied"
+        for k, v in before.items():  # nothing changed yet
+            assert torch.equal(model.state_dict()[k], v), k
+        # The copy the fence stands for, made while the forward waits for it.
+        staged = stage_written(io.plan_model(model), {}, io.group)
+    finally:
+        fence.complete()
+    assert finished.wait(20)
+    t.join()
+    assert not errors, errors
+    assert _hooked(model) == []  # every hook of the fence went with it
+    for k, v in before.items():  # the copy holds the statistics from before the forward, bit for bit
+        copy = staged.slices[k][0].tensor
+        assert torch.equal(copy.view(-1).view(torch.uint8), v.view(-1).view(torch.uint8)), k
+    after = _stats(model)
+    assert int(after["1.num_batches_tracked"]) == int(before["1.num_batches_tracked"]) + 1
+    assert not torch.equal(after["1.running_mean"], before["1.running_mean"])
+    t0 = time.monotonic()
+    model(x)  # the fence is done: no hook, no wait
+    assert time.monotonic() - t0 < 1.0
+    assert pending() == 0
+
+
+def test_a_fence_waited_for_elsewhere_takes_its_forward_hooks_with_it(io: GeneralCheckpointIO) -> None:
+    model = _bn_model(0)
+    fence = track(Fence())
+    assert guard_buffers(fence, model, _live_slices(io, model)) == 2
+    again = track(Fence())
+    assert guard_buffers(again, model, _live_slices(io, model)) == 2
+    assert len(model[1]._forward_pre_hooks) == 2
+    fence.complete()  # one fence done: its hooks go, the other's stay
+    assert len(model[1]._forward_pre_hooks) == 1 and len(model[3]._forward_pre_hooks) == 1
+    threading.Timer(0.2, again.complete).start()
+    wait_staged()  # an optimizer step, synchronize() or the writer waiting for it
+    assert _hooked(model) == []
+
+
+def test_only_the_owners_of_the_copied_buffers_are_hooked(io: GeneralCheckpointIO) -> None:
+    model = _bn_model(0)
+    fence = track(Fence())
+    try:
+        # Only the first BatchNorm's buffers (another rank would copy the rest).
+        assert guard_buffers(fence, model, list(model[1].buffers())) == 1
+        assert _hooked(model) == [2]
+        plain = _model(0)  # no buffers at all
+        assert guard_buffers(fence, plain, _live_slices(io, plain)) == 0
+        assert _hooked(plain) == []
+    finally:
+        fence.complete()
+    assert _hooked(model) == []
+    done = Fence()
+    done.complete()
+    assert guard_buffers(done, model, _live_slices(io, model)) == 0  # done already: no hook
+    assert _hooked(model) == []
+
+
+def test_async_saves_pass_the_model_to_the_guard_and_hook_nothing_on_cpu(
+    tmp_path: Path, io: GeneralCheckpointIO, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import unickpt.io.stage as stage
+
+    seen: list[tuple[bool, object]] = []
+    real = stage.guard_buffers
+
+    def spy(fence: Fence, model: torch.nn.Module, copied: list[torch.Tensor]) -> int:
+        n = real(fence, model, copied)
+        seen.append((fence.done(), model))
+        assert n == 0  # on CPU the copy is done when the guard runs
+        return n
+
+    monkeypatch.setattr(stage, "guard_buffers", spy)
+    model = _bn_model(0)
+    io.save_model(model, str(tmp_path / "m"), shard=True, use_async=True)
+    io.wait()
+    mgr = CheckpointManager(tmp_path / "run", save_steps=1, async_save=True)
+    try:
+        mgr.save(1, model, None)
+        mgr.wait()
+    finally:
+        mgr.close()
+    assert seen == [(True, model), (True, model)]
+    assert _hooked(model) == []
+    expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    fresh = _bn_model(1)
+    io.load_model(fresh, str(tmp_path / "m"))
+    _assert_bits(fresh, expected)
 
 
 def _row_reader(src: torch.Tensor, calls: list[tuple]):
