@@ -11,8 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from unickpt import CheckpointManager, GeneralCheckpointIO, OptimizerWrapper
 from unickpt.ckpt.reader import open_checkpoint
@@ -100,41 +98,24 @@ def _download(objects: dict[str, bytes], d: Path) -> Path:
     return d
 
 
-def _dcp_training(tmp_path: Path) -> tuple[Path, torch.nn.Module]:
-    torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    for _ in range(2):
-        m(torch.randn(4, 6)).pow(2).sum().backward()
-        opt.step()
-        opt.zero_grad()
-        sched.step()
-    msd, osd = get_state_dict(m, opt)
-    src = tmp_path / "dcp"
-    dcp.save(
-        {"model": msd, "optim": osd, "lr_scheduler": sched.state_dict(), "train_state": {"step": 2}},
-        checkpoint_id=str(src),
-        no_dist=True,
-    )
-    return src, m
-
-
-def test_dcp_to_run_on_a_store_is_the_local_run_and_the_manager_resumes(s3, tmp_path) -> None:
-    src, m = _dcp_training(tmp_path)
+def test_dcp_to_run_on_a_store_is_the_local_run_and_the_manager_resumes(
+    s3, tmp_path, dcp_run: Any, fresh_training: Any
+) -> None:
+    src, m, opt = dcp_run.src, dcp_run.model, dcp_run.optimizer
     convert_checkpoint(src, tmp_path / "run", source="dcp", target="run")
     url = f"s3://{s3.bucket}/run"
     assert convert_checkpoint(src, url, source="dcp", target="run") == url
     got = _same_as_local(s3, url, tmp_path / "run")
-    assert got["latest"] == b'{"step": 2}' and "step-2/COMMIT" in got
-    assert "step-2/model/model.safetensors.index.json" in got
-    assert "step-2/optimizer/optimizer.safetensors.index.json" in got
+    assert got["latest"] == b'{"step": 3}' and "step-3/COMMIT" in got
+    assert "step-3/model/model.safetensors.index.json" in got
+    assert "step-3/optimizer/optimizer.safetensors.index.json" in got
     mgr = CheckpointManager(url)
-    assert mgr.all_steps() == [2]
-    m2 = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
-    opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
-    assert mgr.load(m2, OptimizerWrapper(opt2, m2)) == 2
-    assert opt2.state_dict()["state"][0]["step"] == 2
+    assert mgr.all_steps() == [3]
+    m2, opt2 = fresh_training
+    assert mgr.load(m2, OptimizerWrapper(opt2, m2)) == 3
+    for pid, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            assert torch.equal(opt2.state_dict()["state"][pid][k], v), (pid, k)
     for k, v in m.state_dict().items():
         assert torch.equal(m2.state_dict()[k], v), k
     with pytest.raises(OutputExistsError, match=f"{url} already holds"):
@@ -225,14 +206,16 @@ def _fail_on(monkeypatch: pytest.MonkeyPatch, module: Any, name: str, after: int
 
 
 @pytest.mark.parametrize("target", ["run", "deepspeed", "colossalai"])
-def test_a_failure_part_way_leaves_nothing_on_the_store(s3, tmp_path, monkeypatch, target: str) -> None:
+def test_a_failure_part_way_leaves_nothing_on_the_store(
+    s3, tmp_path, monkeypatch, request: pytest.FixtureRequest, target: str
+) -> None:
     import unickpt.tools.export_colossalai as colo
     import unickpt.tools.export_deepspeed as ds
     import unickpt.tools.run_layout as run_layout
 
     url = f"s3://{s3.bucket}/failed-{target}"
     if target == "run":  # model and optimizer uploaded, then the step's COMMIT record fails
-        src, _ = _dcp_training(tmp_path)
+        src = request.getfixturevalue("dcp_run").src
         _fail_on(monkeypatch, run_layout, "commit_record", 0)
         args: tuple[Any, ...] = (src, url)
         kw: dict[str, Any] = {"source": "dcp", "target": "run"}

@@ -83,25 +83,8 @@ def _assert_same_training(a: tuple[torch.nn.Module, torch.optim.Optimizer], b: t
         assert torch.equal(v, v2), f"after one more step: {k}"
 
 
-def _dcp_run(tmp_path: Path) -> tuple[Path, torch.nn.Module, torch.optim.Optimizer, Any]:
-    m = _model()
-    opt = _optim(m)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    for _ in range(3):
-        _train(m, opt, 1)
-        sched.step()
-    msd, osd = get_state_dict(m, opt)
-    src = tmp_path / "dcp"
-    dcp.save(
-        {"model": msd, "optim": osd, "lr_scheduler": sched.state_dict(), "train_state": {"step": 3}},
-        checkpoint_id=str(src),
-        no_dist=True,
-    )
-    return src, m, opt, sched
-
-
-def test_dcp_training_checkpoint_imports_model_optimizer_scheduler(tmp_path: Path) -> None:
-    src, m, opt, sched = _dcp_run(tmp_path)
+def test_dcp_training_checkpoint_imports_model_optimizer_scheduler(tmp_path: Path, dcp_run: Any) -> None:
+    src, m, opt, sched = dcp_run
     out = tmp_path / "u"
     assert main(["convert", "-q", "--from", "dcp", str(src), str(out)]) == 0
     assert sorted(os.listdir(out)) == [
@@ -126,8 +109,8 @@ def test_dcp_training_checkpoint_imports_model_optimizer_scheduler(tmp_path: Pat
     _assert_same_training((m, opt), (m2, opt2))
 
 
-def test_dcp_round_trip_dcp_unickpt_dcp(tmp_path: Path) -> None:
-    src, m, opt, _ = _dcp_run(tmp_path)
+def test_dcp_round_trip_dcp_unickpt_dcp(tmp_path: Path, dcp_run: Any) -> None:
+    src, m, opt, _ = dcp_run
     convert_checkpoint(src, tmp_path / "u", source="dcp")
     back = tmp_path / "back"
     assert main(["convert", "-q", "--to", "dcp", str(tmp_path / "u"), str(back)]) == 0
@@ -332,8 +315,8 @@ class _Boom:
         return (os.system, ("touch /tmp/unickpt-pwned",))
 
 
-def test_hostile_dcp_metadata_runs_no_code(tmp_path: Path) -> None:
-    src, *_ = _dcp_run(tmp_path)
+def test_hostile_dcp_metadata_runs_no_code(tmp_path: Path, dcp_run: Any) -> None:
+    src = dcp_run.src
     marker = tmp_path / "pwned"
 
     class Evil:
@@ -561,12 +544,12 @@ def test_hf_distributed_layout_bad_offsets(tmp_path: Path) -> None:
         GeneralCheckpointIO().load_model(torch.nn.Linear(3, 2), d)
 
 
-def test_dcp_metadata_without_planner_data(tmp_path: Path) -> None:
+def test_dcp_metadata_without_planner_data(tmp_path: Path, dcp_run: Any) -> None:
     """Older or hand-made DCP metadata may lack planner_data (the nested paths of each key):
     the keys are then cut with the model's FQNs, and the import is the same."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
 
-    src, m, opt, _ = _dcp_run(tmp_path)
+    src, m, opt, _ = dcp_run
     md = FileSystemReader(str(src)).read_metadata()  # test code: our own file
     md.planner_data = None
     (src / ".metadata").write_bytes(pickle.dumps(md))
