@@ -550,7 +550,7 @@ def referenced_files(index: bytes, path: str = "index.json") -> set[str]:
         out |= set(block.files or [])
         for entry in block.tensors.values():
             if not entry.compact:
-                out |= {s.file for s in entry.slices}
+                out |= set(entry.table.distinct_files())
     return out
 
 

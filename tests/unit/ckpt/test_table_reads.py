@@ -34,8 +34,9 @@ from unickpt.spec.index import (
     index_to_json,
     parse_index,
 )
-from unickpt.spec.naming import shard_name, slice_key
+from unickpt.spec.naming import SLICED_SENTINEL, shard_name, slice_key
 from unickpt.spec.slice_table import SliceColumns, SliceTable
+from unickpt.store.publish import referenced_files
 
 WORLD, TENSORS = 100, 10  # 1000 slices: one row of every tensor per rank's file
 
@@ -352,3 +353,15 @@ def test_diff_deep_compares_from_the_tables(
     out = capsys.readouterr().out
     assert "  layer9.weight: 1 of 200 element(s) differ, first at index [6, 1] (flat 13)\n" in out
     assert "changed (1):\n  layer9.weight\n" in out
+
+
+def test_the_files_a_listed_index_names_are_read_from_its_tables(tmp_path: Path, built: list[int]) -> None:
+    """Publishing asks which data files an index names: the listed slices' file column, no ``SliceEntry``."""
+    d = tmp_path / "sliced"
+    _sliced(d)
+    listed = json.dumps(as_listed(json.loads((d / "model.safetensors.index.json").read_bytes()))).encode()
+    built[0] = 0
+    files = referenced_files(listed)
+    assert built[0] == 0
+    # The weight_map of a sliced index names the sentinel; the slices name the shards.
+    assert files == {SLICED_SENTINEL} | {shard_name("model", r + 1, WORLD) for r in range(WORLD)}
