@@ -42,7 +42,7 @@ from unickpt.io.pinned import POOL, wait_staged
 from unickpt.io.save import WriteSpec, open_store, writes_in_place
 from unickpt.io.stage import stage_written
 from unickpt.io.writer_process import WriterProcess, process_capable, share_buffers
-from unickpt.spec.naming import single_name
+from unickpt.spec.naming import index_name, single_name
 from unickpt.store.storage import open_location
 
 if TYPE_CHECKING:
@@ -216,6 +216,7 @@ class AsyncSaves:
         name: str,
         job: Callable[[Any], Any],
         buffers: Iterable[torch.Tensor],
+        stamp: Callable[[], object],
         then: Callable[[Any], object] | None = None,
         cleanup: Callable[[], object] | None = None,
     ) -> None:
@@ -225,6 +226,12 @@ class AsyncSaves:
         staging ``buffers`` go by reference, others by value); a thread sends it and
         waits for the answer, then runs ``then(result)`` once it succeeded, and ``cleanup()``
         either way; errors as :meth:`start`.
+
+        ``stamp()``: what identifies the checkpoint committed where this save commits, ``None``
+        or ``False`` when none is (read by the thread before the job is sent, and again if the
+        writer dies before answering: unchanged, the previous checkpoint is untouched; gone, a
+        save in place had removed it; otherwise this save committed; the ``WriterDiedError``
+        says which).
         """
         writer = self.writer
         what = f"the async save {name}"
@@ -232,7 +239,13 @@ class AsyncSaves:
 
         def work() -> None:
             try:
-                result = writer.run(prepared, what)
+                before = stamp()
+
+                def outcome() -> str:
+                    now = stamp()
+                    return "untouched" if now == before else "removed" if now is None else "committed"
+
+                result = writer.run(prepared, what, outcome)
                 if then is not None:
                     then(result)
             finally:
@@ -306,8 +319,21 @@ class AsyncSaves:
                 if after is not None and is_rank0:
                     after(str(written))
 
+            stamp = functools.partial(
+                commit_stamp,
+                final,
+                payload.kind,
+                gather and not spec.options.shard,
+                spec.options.storage_options,
+            )
             self.start_in_writer(
-                group, name, job, list(staging.values()), then, functools.partial(POOL.give_back, staging)
+                group,
+                name,
+                job,
+                list(staging.values()),
+                stamp,
+                then,
+                functools.partial(POOL.give_back, staging),
             )
             return final
         # A store only this process reaches (memory://): written by a thread of this process.
@@ -396,3 +422,23 @@ def committed_path(
     if loc.is_file:
         raise UnickptError(f"{path}: a sharded or sliced checkpoint is a directory; pass a directory path")
     return loc.shown
+
+
+def commit_stamp(
+    final: str, kind: str, single: bool, storage_options: dict[str, Any] | None = None
+) -> bytes | None:
+    """What identifies the checkpoint committed at ``final`` (:func:`committed_path`), ``None``
+    when none is: its commit point's bytes (the index; a single file's header), which name the
+    save's id, so that two saves of the same tensors differ."""
+    loc = open_location(final, storage_options)
+    point = loc.path if single else loc.storage.join(loc.path, index_name(kind))
+    if not loc.storage.exists(point):
+        return None
+    if not single:
+        return loc.storage.read_bytes(point)
+    h = loc.storage.open_read(point)
+    try:
+        n = int.from_bytes(h.pread(0, 8), "little") if h.size >= 8 else 0
+        return h.pread(0, min(h.size, 8 + n))
+    finally:
+        h.close()

@@ -25,7 +25,9 @@ separate process (in the spirit of ``torch.distributed.checkpoint``'s process-ba
   out of memory) is reported by every rank's ``wait()``: the dead rank's own driver sees the end of
   its connection and names the signal, the others' writers fail in their next collective with the
   dead peer. Nothing half-written is committed (the commit is the last step of the save, after the
-  agreement). The next save finds a writer missing or broken on some rank (one exchange over the
+  agreement); a writer may die after the commit, before it answered: ``wait()`` then checks the
+  store and says whether this save's checkpoint was committed (complete) or not (the previous
+  one untouched). The next save finds a writer missing or broken on some rank (one exchange over the
   training's group, :meth:`WriterProcess.ensure`) and starts a new world of writers; an error
   that every rank agreed on (the save engine's agreements) leaves the world in step, reused;
 - the writer runs at the training process's own scheduling priority (no ``nice``): it needs
@@ -370,10 +372,14 @@ class WriterProcess:
         parent.send(("init", rank, world, host, port, generation, os.getpid()))
         logger.debug("started the writer process %d (rank %d of %d)", self._proc.pid, rank, world)
 
-    def run(self, job: _Prepared, what: str) -> Any:
+    def run(self, job: _Prepared, what: str, outcome: Callable[[], str]) -> Any:
         """Run a prepared job in the writer; its result, or its error raised.
 
         Called by the thread of a save in flight; blocks (the GIL released) until the writer answers.
+        ``outcome()``: what the store holds where this save commits, asked when the writer died
+        before answering (it may die after the commit): ``"committed"`` (this save's checkpoint),
+        ``"untouched"`` (what was there before the save) or ``"removed"`` (a save in place had
+        removed the previous commit point, not yet put its own); the error says which.
         """
         with self._lock:
             conn, proc = self._conn, self._proc
@@ -393,7 +399,7 @@ class WriterProcess:
                 reply = conn.recv()
             except (EOFError, OSError) as e:
                 self._broken = True
-                raise WriterDiedError(f"{what}: {self._death(proc)}") from e
+                raise WriterDiedError(f"{what}: {self._death(proc, outcome)}") from e
         status, payload, broken, hits, trace = reply
         _faults.count(hits, trace)
         if status == "ok":
@@ -406,7 +412,7 @@ class WriterProcess:
             self._broken = True
         raise payload
 
-    def _death(self, proc: subprocess.Popen[bytes]) -> str:
+    def _death(self, proc: subprocess.Popen[bytes], outcome: Callable[[], str]) -> str:
         try:
             code = proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -419,10 +425,29 @@ class WriterProcess:
             how = f"killed by {name}"
         else:
             how = f"exited with status {code}"
+        head = f"the writer process (pid {proc.pid}) {how}"
+        tail = "and the next async save starts a new writer"
+        try:
+            state = outcome()
+        except Exception as e:  # the store cannot be read now: say so, do not guess
+            return (
+                f"{head} before it answered; whether this save was committed could not be checked "
+                f"({type(e).__name__}: {e}), {tail}"
+            )
+        if state == "committed":
+            return (
+                f"{head} after the save was committed; this save's checkpoint was committed before the "
+                f"writer died (complete: it loads), {tail}"
+            )
+        if state == "removed":
+            return (
+                f"{head} before the save was committed; nothing of this save was committed, and the "
+                "previous checkpoint there is no longer committed either (the save was replacing it in "
+                f"place and had removed its index: the location loads as no checkpoint), {tail}"
+            )
         return (
-            f"the writer process (pid {proc.pid}) {how} before the save was committed; "
-            "nothing of this save was committed (the previous checkpoint is untouched), and the next "
-            "async save starts a new writer"
+            f"{head} before the save was committed; nothing of this save was committed (the previous "
+            f"checkpoint is untouched), {tail}"
         )
 
     def close(self) -> None:

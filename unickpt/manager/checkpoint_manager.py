@@ -347,7 +347,12 @@ class CheckpointManager:
             # once the writer answered.
             buffers = [t for kind in ("model", "optimizer") for t in self._staging.get(kind, {}).values()]
             self._async.start_in_writer(
-                self.group, name, functools.partial(writer.write, payload), buffers, cleanup=self._release
+                self.group,
+                name,
+                functools.partial(writer.write, payload),
+                buffers,
+                lambda: step in self.storage.committed_step_dirs(),
+                cleanup=self._release,
             )
         except BaseException:
             self._release()
