@@ -177,11 +177,13 @@ class Watched(Fence):
         super().wait()
 
 
-def _blocked(fn, fence: Watched) -> None:
+def _blocked(fn, fence: Watched, while_waiting=None, hold_s: float = 0.2):
     """Run ``fn`` in a thread while ``fence`` is incomplete: it must reach the fence and wait
-    there (not return) until the fence completes, then return."""
+    there (not return) until the fence completes, then return. ``while_waiting()`` runs while
+    ``fn`` waits, before the fence completes; its result is returned."""
     finished = threading.Event()
     errors: list[BaseException] = []
+    result = None
 
     def run() -> None:
         try:
@@ -194,12 +196,15 @@ def _blocked(fn, fence: Watched) -> None:
     t.start()
     try:
         assert fence.waiting.wait(20), "never waited for the snapshot's copy"
-        assert not finished.wait(0.2), "returned before the snapshot's copy was done"
+        assert not finished.wait(hold_s), "returned before the snapshot's copy was done"
+        if while_waiting is not None:
+            result = while_waiting()
     finally:
         fence.complete()  # never left pending for the next test
     assert finished.wait(20)
     t.join()
     assert not errors, errors
+    return result
 
 
 def test_an_optimizer_step_waits_for_a_snapshot_still_being_copied() -> None:
@@ -286,30 +291,14 @@ def test_a_forward_waits_for_the_copy_of_the_buffers_it_changes(io: GeneralCheck
     assert guard_buffers(fence, model, _live_slices(io, model)) == 2
     assert _hooked(model) == [2, 4]  # the two BatchNorms (0 is the Sequential), not the Linears
     x = torch.randn(4, 7)
-    finished = threading.Event()
-    errors: list[BaseException] = []
 
-    def forward() -> None:
-        try:
-            model(x)
-        except BaseException as e:
-            errors.append(e)
-        finished.set()
-
-    t = threading.Thread(target=forward, daemon=True)
-    t.start()
-    try:
-        assert fence.waiting.wait(20), "the forward never waited for the copy"
-        assert not finished.wait(0.3), "the forward ran while the buffers were being copied"
+    def copy_while_the_forward_waits():
         for k, v in before.items():  # nothing changed yet
             assert torch.equal(model.state_dict()[k], v), k
         # The copy the fence stands for, made while the forward waits for it.
-        staged = stage_written(io.plan_model(model), {}, io.group)
-    finally:
-        fence.complete()
-    assert finished.wait(20)
-    t.join()
-    assert not errors, errors
+        return stage_written(io.plan_model(model), {}, io.group)
+
+    staged = _blocked(lambda: model(x), fence, copy_while_the_forward_waits, hold_s=0.3)
     assert _hooked(model) == []  # every hook of the fence went with it
     for k, v in before.items():  # the copy holds the statistics from before the forward, bit for bit
         copy = staged.slices[k][0].tensor
