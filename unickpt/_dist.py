@@ -1,7 +1,9 @@
 """The object collectives and the error agreement of unickpt, shared by io, the manager and the booster.
 
 Outside an initialised process group each helper behaves as a world of one, so the same
-code path serves a single process and thousands of ranks. Every helper takes the process group
+code path serves a single process and thousands of ranks; over a group of one rank (a 1-rank
+world, a subgroup of one) the object collectives run no torch collective either: there is no
+other rank to hear from. Every helper takes the process group
 it runs over (default: the whole world); a process that is not a member of that group gets a
 ``DistributedError`` instead of torch's rank -1. Bulk tensor transfers (DTensor gathers, ZeRO's
 and the pipeline's own collectives) call torch directly; these helpers move Python objects.
@@ -150,6 +152,12 @@ def cpu_group(group: Any = None) -> Any:
     return twin
 
 
+def _alone(group: Any = None) -> bool:
+    """Whether this process is the only member of ``group``: a collective over it has nothing to
+    exchange (no process group, or a group of one rank), so none is run."""
+    return not is_distributed(group) or dist.get_world_size(group) == 1
+
+
 def rank(group: Any = None) -> int:
     return dist.get_rank(group) if is_distributed(group) else 0
 
@@ -167,7 +175,7 @@ def all_gather_object(obj: T, group: Any = None) -> list[T]:
     when some rank's pickle is longer does a second round carry the rest: one collective instead
     of two for the usual exchange.
     """
-    if not is_distributed(group):
+    if _alone(group):
         return [obj]
     n = world_size(group)
     group = cpu_group(group)
@@ -226,7 +234,7 @@ def _object_device(group: Any) -> Any:
 
 
 def broadcast_object(obj: T, src: int = 0, group: Any = None) -> T:
-    if not is_distributed(group):
+    if _alone(group):
         return obj
     holder: list[Any] = [obj]
     with peer_failures("broadcast_object_list"):
@@ -235,7 +243,7 @@ def broadcast_object(obj: T, src: int = 0, group: Any = None) -> T:
 
 
 def barrier(group: Any = None) -> None:
-    if is_distributed(group):
+    if not _alone(group):
         with peer_failures("barrier"):
             dist.barrier(group=cpu_group(group))
 
@@ -316,7 +324,7 @@ def agree(error: BaseException | None, what: str, group: Any = None, args: Args 
     (a bug, a user callback's own exception) is raised unchanged on the rank where it happened;
     the other ranks raise a ``DistributedError`` naming that rank and its message.
     """
-    if not is_distributed(group):
+    if _alone(group):
         if error is not None:
             raise error
         return
@@ -345,7 +353,7 @@ def agree_gather(
     Raises as ``agree`` does when any rank hit an error; otherwise every rank's ``obj``.
     ``args``: as for :func:`agree` (its ``check`` is the caller's to run).
     """
-    if not is_distributed(group):
+    if _alone(group):
         if error is not None:
             raise error
         return [obj]

@@ -27,7 +27,6 @@ import functools
 import os
 import sys
 import threading
-import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -50,37 +49,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AsyncSaves",
-    "check_use_safetensors",
     "shared_payload",
-    "SafetensorsOnlyWarning",
 ]
 
 logger = get_logger(__name__)
-
-
-class SafetensorsOnlyWarning(UserWarning):
-    """``use_safetensors=False`` was passed: unickpt writes safetensors regardless."""
-
-
-def check_use_safetensors(use_safetensors: bool | None, method: str) -> None:
-    """Colossal-AI's ``use_safetensors``: ``True``/``None`` need nothing; ``False`` is explained.
-
-    Colossal-AI writes pickled ``.bin`` files when it is False (its default). unickpt never
-    writes pickles: a pickle runs code when it is loaded, cannot be read a slice at a time, and
-    has no place for the hashes and fingerprints that ``verify`` and ``diff`` use. The save goes
-    ahead in safetensors, and this warning says so.
-    """
-    if use_safetensors is None or use_safetensors:
-        return
-    warnings.warn(
-        f"{method}(use_safetensors=False): unickpt always writes safetensors (never pickled .bin files: "
-        "a pickle executes code when loaded, cannot be read one slice at a time, and has no room for the "
-        "slice hashes and fingerprints); saving as safetensors. transformers, huggingface_hub and "
-        "Colossal-AI's loaders (given a directory or a .safetensors path) read the result. Pass "
-        "use_safetensors=True (or omit it) to silence this.",
-        SafetensorsOnlyWarning,
-        stacklevel=3,
-    )
 
 
 class _Flight:

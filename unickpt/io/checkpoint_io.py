@@ -41,7 +41,7 @@ from unickpt._logging import get_logger
 from unickpt._rng import keeps_python_random
 from unickpt.ckpt.reader import CheckpointReader
 from unickpt.errors import ConfigError, IncompleteCheckpointError, UnsupportedError
-from unickpt.io.async_save import AsyncSaves, check_use_safetensors
+from unickpt.io.async_save import AsyncSaves
 from unickpt.io.load import LoadReport, load_tensors, open_for_load
 from unickpt.io.mapping import map_payload, resolve_mapping
 from unickpt.io.optim_state import (
@@ -75,7 +75,7 @@ from unickpt.io.tensors import (
     normalize_name,
     unwrap_model,
 )
-from unickpt.io.write_strategy import SaveOptions, check_size_per_shard
+from unickpt.io.write_strategy import SaveOptions, check_size_per_shard, check_use_safetensors
 from unickpt.spec.index import LayoutInfo
 from unickpt.store.publish import write_small_file
 from unickpt.store.storage import join_location, side_file, url_options
@@ -905,6 +905,8 @@ class CheckpointIO(CheckpointHooks):
 
         def plan() -> SavePayload:
             payload = self._plan_model(ctx, prefix)
+            if mapping is False:  # the names the model holds: nothing to resolve
+                return payload
             transforms = resolve_mapping(self.unwrap_model(model), mapping, saving=True)
             return map_payload(payload, transforms) if transforms else payload
 
@@ -1033,7 +1035,9 @@ class CheckpointIO(CheckpointHooks):
         Every rank calls it. Every save and load through this IO waits first, so a load never
         reads a checkpoint still being written. Colossal-AI's name, ``_sync_io()``, works too.
         """
-        self._async.wait()
+        saves: AsyncSaves | None = self.__dict__.get("_async_saves")
+        if saves is not None:  # none yet: this IO never saved in the background, nothing is in flight
+            saves.wait()
 
     def _sync_io(self) -> None:
         """Colossal-AI's name for :meth:`wait`."""

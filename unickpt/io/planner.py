@@ -78,8 +78,9 @@ def plan_save(
     problems: list[str] = []
     for r, metas in enumerate(per_rank):
         for i, (name, dtype, gshape, off, shp) in enumerate(metas):
-            seen = tensors.setdefault(name, (dtype, tuple(gshape)))
-            if seen != (dtype, tuple(gshape)):
+            declared = (dtype, tuple(gshape))
+            seen = tensors.setdefault(name, declared)
+            if seen != declared:
                 problems.append(
                     f"tensor {name!r}: rank {r} has {dtype}{list(gshape)}, another rank {seen[0]}{list(seen[1])}"
                 )
@@ -134,7 +135,7 @@ def plan_save(
         if size_per_shard_bytes is None:
             groups.append((r, mine))
             continue
-        sizes = {ps.key: math.prod(ps.shape) * itemsize(tensors[ps.name][0]) for ps in mine}
+        sizes = {ps.key: nbytes_of[(ps.name, ps.offsets, ps.shape)] for ps in mine}
         by_key = {ps.key: ps for ps in mine}
         # The splitter's names are replaced by global ones.
         for keys in group_files(sizes, max(1, size_per_shard_bytes)):

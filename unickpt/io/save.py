@@ -365,7 +365,9 @@ class WriteSpec:
         """Collective over ``group``: save ``payload``; returns the committed path."""
         slices = payload.slices
         what = f"saving the {payload.kind} to {os.fspath(checkpoint)}"
-        check = ReplicaCheck(self.check_replicas, what, self.everywhere)
+        # Replicas to compare: another rank holds them (a world of one has none), and checking is on.
+        compared = self.check_replicas != "off" and _dist.world_size(group) > 1
+        check = ReplicaCheck(self.check_replicas, what, self.everywhere) if compared else None
         if payload.staged is not None:  # a copy: its replica digests were planned when it was staged
             wait_staged()  # its copies (a side CUDA stream, io/stage.py) are done before it is read
             check_replicas(
@@ -386,5 +388,5 @@ class WriteSpec:
             block_extras=payload.block_extras,
             group=group,
             live=payload.staged is None,
-            replicas=check if payload.staged is None else None,
+            replicas=None if payload.staged is not None else check,
         )

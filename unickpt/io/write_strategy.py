@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,7 +49,9 @@ __all__ = [
     "WriteStrategy",
     "build_save_block",
     "by_slice",
+    "SafetensorsOnlyWarning",
     "check_size_per_shard",
+    "check_use_safetensors",
     "commit_collective",
     "commit_written",
     "file_specs",
@@ -99,6 +102,31 @@ def check_size_per_shard(size_mb: object) -> float:
             f"size_per_shard must be a positive number of MB (int or float; inf for no limit), got {size_mb!r}"
         )
     return min(float(size_mb), _MAX_SHARD_MB)
+
+
+class SafetensorsOnlyWarning(UserWarning):
+    """``use_safetensors=False`` was passed: unickpt writes safetensors regardless."""
+
+
+def check_use_safetensors(use_safetensors: bool | None, method: str) -> None:
+    """Colossal-AI's ``use_safetensors``: ``True``/``None`` need nothing; ``False`` is explained.
+
+    Colossal-AI writes pickled ``.bin`` files when it is False (its default). unickpt never
+    writes pickles: a pickle runs code when it is loaded, cannot be read a slice at a time, and
+    has no place for the hashes and fingerprints that ``verify`` and ``diff`` use. The save goes
+    ahead in safetensors, and this warning says so.
+    """
+    if use_safetensors is None or use_safetensors:
+        return
+    warnings.warn(
+        f"{method}(use_safetensors=False): unickpt always writes safetensors (never pickled .bin files: "
+        "a pickle executes code when loaded, cannot be read one slice at a time, and has no room for the "
+        "slice hashes and fingerprints); saving as safetensors. transformers, huggingface_hub and "
+        "Colossal-AI's loaders (given a directory or a .safetensors path) read the result. Pass "
+        "use_safetensors=True (or omit it) to silence this.",
+        SafetensorsOnlyWarning,
+        stacklevel=3,
+    )
 
 
 @dataclass(frozen=True)

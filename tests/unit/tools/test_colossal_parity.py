@@ -30,7 +30,7 @@ from unickpt import (
     UnickptError,
     UnsupportedError,
 )
-from unickpt.io.async_save import SafetensorsOnlyWarning
+from unickpt.io.write_strategy import SafetensorsOnlyWarning
 
 
 def fresh(seed: int) -> Tied:
