@@ -16,7 +16,6 @@ import contextlib
 import ctypes
 import errno
 import json
-import math
 import os
 import shutil
 import uuid
@@ -26,7 +25,7 @@ import torch
 
 from unickpt.errors import IndexFileError, UnsupportedError
 from unickpt.io import GeneralCheckpointIO, HookContext
-from unickpt.io.jsonstate import from_json_value, to_json_value
+from unickpt.io.jsonstate import from_json_value, parse_json, to_json_value
 from unickpt.io.tensors import torch_dtype
 from unickpt.tools import inspect_checkpoint
 
@@ -122,74 +121,37 @@ def load_tensors(path: str, *, verify: bool = True, device: Any = None) -> dict[
 
 
 def encode_state(state: Any, where: str) -> tuple[Any, dict[str, torch.Tensor]]:
-    """``state`` as (JSON value, tensors it references); tensors become ``{"__st__": key}``."""
+    """``state`` as (JSON value, tensors it references); tensors become ``{"__st__": key}``.
+
+    Non-finite floats (Lightning's ``ModelCheckpoint`` keeps ``inf`` scores) stay floats: they
+    are written as the literals ``Infinity``, ``-Infinity`` and ``NaN``, as every JSON file of
+    unickpt writes them (docs/format.md)."""
     tensors: dict[str, torch.Tensor] = {}
-    js = to_json_value(state, where, tensors)
-    return _finite(js, where), tensors
+    return to_json_value(state, where, tensors), tensors
 
 
 def decode_state(js: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
     """The state ``encode_state`` described, tensors taken from ``tensors``."""
-    return from_json_value(_unfinite(js), where, tensors)
-
-
-# JSON has no inf/nan (Lightning's ModelCheckpoint keeps inf scores): they travel tagged.
-_FLOAT_TAG = "__float__"
-
-
-def _finite(value: Any, where: str) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return {_FLOAT_TAG: repr(value)}
-    if isinstance(value, list):
-        return [_finite(v, where) for v in value]
-    if isinstance(value, dict):
-        return {k: _finite(v, where) for k, v in value.items()}
-    return value
-
-
-def _unfinite(value: Any) -> Any:
-    if isinstance(value, dict):
-        if set(value) == {_FLOAT_TAG} and value[_FLOAT_TAG] in ("inf", "-inf", "nan"):
-            return float(value[_FLOAT_TAG])
-        return {k: _unfinite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_unfinite(v) for v in value]
-    return value
+    return from_json_value(js, where, tensors)
 
 
 def write_json(path: str, obj: Any) -> None:
-    """Write ``obj`` as strict JSON to ``path`` and make it durable."""
-    data = json.dumps(obj, sort_keys=True, allow_nan=False).encode()
+    """Write ``obj`` as JSON to ``path`` (non-finite floats as ``Infinity``/``NaN``) and make it durable."""
+    data = json.dumps(obj, sort_keys=True, allow_nan=True).encode()
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r}")
-        out[k] = v
-    return out
-
-
 def read_json(path: str, max_bytes: int = 256 << 20) -> Any:
-    """Strict JSON from ``path``; ``IndexFileError`` naming the file for anything else."""
+    """JSON from ``path`` as unickpt reads every JSON file (``parse_json``); ``IndexFileError``
+    naming the file for anything else."""
     size = os.path.getsize(path)
     if size > max_bytes:
         raise IndexFileError(f"{path}: {size} bytes, more than the {max_bytes} a state file may hold")
     with open(path, "rb") as f:
-        text = f.read()
-    try:
-        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
-    except (ValueError, RecursionError) as e:
-        raise IndexFileError(f"{path}: not valid JSON state ({e})") from None
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
+        return parse_json(f.read(), path)
 
 
 def staging_dir(path: str) -> str:

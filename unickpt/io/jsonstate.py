@@ -19,9 +19,10 @@ import torch
 
 from unickpt.errors import IndexFileError, UnsupportedError
 from unickpt.io.tensors import st_dtype, torch_dtype
+from unickpt.spec._json import strict_loads
 from unickpt.spec.dtypes import DTYPE_ITEMSIZE
 
-__all__ = ["MAX_JSON_INT_DIGITS", "to_json_value", "from_json_value"]
+__all__ = ["MAX_JSON_INT_DIGITS", "to_json_value", "from_json_value", "parse_json"]
 
 # Tensors inside JSON state are scalars such as a capturable optimizer's lr; large ones
 # belong in safetensors files.
@@ -31,6 +32,17 @@ _MAX_JSON_TENSOR_ELEMENTS = 4096
 #: ``json.load`` (transformers, unickpt) refuses the number.
 MAX_JSON_INT_DIGITS = 4300
 _INT_LIMIT = 10**MAX_JSON_INT_DIGITS
+
+
+def parse_json(raw: bytes, what: str) -> Any:
+    """The JSON value in ``raw`` as unickpt reads every JSON file (``strict_loads``: duplicate
+    keys, runaway nesting and lone surrogates refused; ``Infinity``/``NaN`` read as floats), or an
+    ``IndexFileError`` naming ``what`` (not UTF-8, not JSON)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise IndexFileError(f"{what} is not valid JSON (not UTF-8: {e})") from None
+    return strict_loads(text, IndexFileError, what)
 
 
 def to_json_value(value: Any, where: str, tensors: dict[str, torch.Tensor] | None = None) -> Any:

@@ -137,6 +137,9 @@ def test_checkpoint_dict_round_trips_exactly(tmp_path: Path) -> None:
     assert isinstance(st["param_groups"][0]["betas"], tuple)
     assert torch.equal(st["state"][0]["exp_avg"], torch.ones(3, 4)) and st["state"][0]["step"].item() == 5.0
     assert back["callbacks"] == ck["callbacks"] and back["hyper_parameters"] == ck["hyper_parameters"]
+    # The inf score is a JSON literal, as in every JSON file unickpt writes (no tag of its own).
+    text = (path / STATE_FILE).read_text()
+    assert '"kth_value": Infinity' in text and "__float__" not in text
     # Saving again under the same name replaces it atomically; nothing left beside it.
     ck["epoch"] = 4
     io.save_checkpoint(ck, path)
@@ -196,3 +199,25 @@ def test_a_save_failing_at_any_stage_leaves_the_previous_checkpoint(tmp_path: Pa
         assert sorted(os.listdir(tmp_path)) == ["last.ckpt"], (stage, os.listdir(tmp_path))
     io.save_checkpoint(new, path)
     assert io.load_checkpoint(path)["epoch"] == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "found"),
+    [
+        ('{"checkpoint": {}, "checkpoint": {}}', "has a duplicate key 'checkpoint'"),
+        ('{"checkpoint": ', "is not valid JSON"),
+        ("[" * 100_000 + "]" * 100_000, "is nested too deeply"),
+        (b'{"checkpoint": "\xff"}', "is not valid JSON (not UTF-8"),
+    ],
+)
+def test_a_hostile_state_file_is_refused_naming_it(tmp_path: Path, text: str | bytes, found: str) -> None:
+    from unickpt.errors import IndexFileError
+
+    io = UnickptCheckpointIO()
+    path = tmp_path / "c.ckpt"
+    io.save_checkpoint({"state_dict": {"w": torch.zeros(2)}, "epoch": 1}, path)
+    meta = path / STATE_FILE
+    meta.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(IndexFileError) as e:
+        io.load_checkpoint(path)
+    assert str(meta) in str(e.value) and found in str(e.value), str(e.value)
