@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import os
 import pickle
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -265,17 +264,6 @@ class Args:
 
     def texts(self) -> dict[str, str]:
         return {k: repr(v) for k, v in self.values.items()}
-
-
-def path_arg(checkpoint: Any) -> str:
-    """A checkpoint path as ranks compare it: a local path absolute (the same directory whatever
-    the spelling), a URL as given."""
-    p = os.fspath(checkpoint) if isinstance(checkpoint, (str, os.PathLike)) else repr(checkpoint)
-    if isinstance(p, bytes):
-        p = os.fsdecode(p)
-    if "://" in p and not p.startswith("file://"):
-        return p
-    return os.path.abspath(p.removeprefix("file://"))
 
 
 def _check_args(method: str, sent: list[dict[str, str] | None]) -> None:

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from unickpt.errors import ConfigError
+from unickpt.store.storage import is_url
 from unickpt.store.storage_guard import ENV, OPTION, store_timeout
 
 __all__ = ["add_storage_option", "parse_storage_options", "storage_options_applied"]
@@ -54,7 +55,7 @@ def parse_storage_options(items: list[str]) -> dict[str, Any]:
 def _protocols(args: argparse.Namespace) -> set[str]:
     found = set()
     for value in vars(args).values():
-        if isinstance(value, str) and "://" in value and not value.startswith("file://"):
+        if isinstance(value, str) and is_url(value):
             found.add(value.split("://", 1)[0])
     return found
 

@@ -26,6 +26,7 @@ import torch
 from unickpt.errors import ConfigError, IncompleteCheckpointError, IndexFileError, UnsupportedError
 from unickpt.spec._json import strict_loads
 from unickpt.store.publish import read_small_file
+from unickpt.store.storage import join_location
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -139,13 +140,13 @@ def adapter_paths(checkpoint: str | os.PathLike[str]) -> tuple[str, str]:
     path = os.fspath(checkpoint).rstrip("/")
     if path.endswith(".safetensors"):
         return os.path.dirname(path) or ".", path
-    return path, f"{path}/{ADAPTER_WEIGHTS}" if "://" in path else os.path.join(path, ADAPTER_WEIGHTS)
+    return path, join_location(path, ADAPTER_WEIGHTS)
 
 
 def read_adapter_config(directory: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """The ``adapter_config.json`` of ``directory`` as a dict (an ``IncompleteCheckpointError`` when
     there is none, an ``IndexFileError`` naming the file when it is not a JSON object)."""
-    path = f"{directory}/{ADAPTER_CONFIG}" if "://" in directory else os.path.join(directory, ADAPTER_CONFIG)
+    path = join_location(directory, ADAPTER_CONFIG)
     try:
         raw = read_small_file(path, storage_options)
     except FileNotFoundError as e:

@@ -40,9 +40,9 @@ from unickpt.io.payload import SavePayload
 from unickpt.io.pinned import POOL, wait_staged
 from unickpt.io.save import WriteSpec, open_store, writes_in_place
 from unickpt.io.stage import stage_written
-from unickpt.io.writer_process import WriterProcess, process_capable, share_buffers
+from unickpt.io.writer_process import WriterProcess, share_buffers
 from unickpt.spec.naming import index_name, single_name
-from unickpt.store.storage import open_location
+from unickpt.store.storage import open_location, process_reachable
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -125,7 +125,7 @@ class AsyncSaves:
     A save is written by this rank's writer process (``io/writer_process.py``: started once,
     reused, fed from shared memory, its own gloo world with the other ranks' writers), driven by
     a thread of this process that only waits for its answer. A save to a store only this
-    process can reach (``memory://``: :func:`~unickpt.io.writer_process.process_capable`) is
+    process can reach (``memory://``: :func:`~unickpt.store.storage.process_reachable`) is
     written by the thread itself, over a second gloo group of the training processes.
 
     A process that exits with a save in flight finishes it first (like Colossal-AI's
@@ -245,7 +245,7 @@ class AsyncSaves:
         gather = spec.options.gather
         path = os.fspath(checkpoint)
         final = committed_path(path, payload.kind, spec.options.shard, gather, spec.options.storage_options)
-        in_writer = process_capable(path, spec.options.storage_options)
+        in_writer = process_reachable(path)
         # The snapshot's host buffers are leased from the process's pool (io/pinned.py: exact
         # sizes, pinned on CUDA, shared with every IO and manager), handed back once written.
         staging = POOL.lease(payload.kind, shared=in_writer)

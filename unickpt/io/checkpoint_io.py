@@ -78,7 +78,7 @@ from unickpt.io.tensors import (
 from unickpt.io.write_strategy import SaveOptions, check_size_per_shard, check_use_safetensors
 from unickpt.spec.index import LayoutInfo
 from unickpt.store.publish import write_small_file
-from unickpt.store.storage import join_location, side_file, url_options
+from unickpt.store.storage import compared_location, join_location, side_file, url_options
 from unickpt.wrappers import OptimizerWrapper, unwrap_optimizer
 
 if TYPE_CHECKING:
@@ -440,7 +440,7 @@ class CheckpointIO(CheckpointHooks):
         args = _dist.Args(
             "load_model",
             {
-                "checkpoint": _dist.path_arg(checkpoint),
+                "checkpoint": compared_location(checkpoint),
                 "strict": strict,
                 "verify": verify,
                 "prefix": prefix,
@@ -515,7 +515,7 @@ class CheckpointIO(CheckpointHooks):
         args = _dist.Args(
             "save_adapter",
             {
-                "checkpoint": _dist.path_arg(checkpoint),
+                "checkpoint": compared_location(checkpoint),
                 "adapter_name": adapter_name,
                 "save_embedding_layers": save_embedding_layers,
             },
@@ -579,7 +579,7 @@ class CheckpointIO(CheckpointHooks):
         args = _dist.Args(
             "load_adapter",
             {
-                "checkpoint": _dist.path_arg(checkpoint),
+                "checkpoint": compared_location(checkpoint),
                 "adapter_name": adapter_name,
                 "strict": strict,
                 "verify": verify,
@@ -773,7 +773,7 @@ class CheckpointIO(CheckpointHooks):
         self.wait()
         args = _dist.Args(
             "load_optimizer",
-            {"checkpoint": _dist.path_arg(checkpoint), "verify": verify, "prefix": prefix},
+            {"checkpoint": compared_location(checkpoint), "verify": verify, "prefix": prefix},
             check=lambda: apply_prefix(prefix),
         )
         optim, model = _dist.agreed(
@@ -925,7 +925,7 @@ class CheckpointIO(CheckpointHooks):
     ) -> _dist.Args:
         """A save's arguments, for its first agreement (checked there: a bad value raises on every rank)."""
         values: dict[str, Any] = {
-            "checkpoint": _dist.path_arg(checkpoint),
+            "checkpoint": compared_location(checkpoint),
             "shard": shard,
             "gather_dtensor": gather_dtensor,
             "prefix": prefix,
@@ -1084,7 +1084,7 @@ class CheckpointIO(CheckpointHooks):
             None,
             "saving the LR scheduler",
             self.group,
-            _dist.Args("save_lr_scheduler", {"checkpoint": _dist.path_arg(checkpoint)}),
+            _dist.Args("save_lr_scheduler", {"checkpoint": compared_location(checkpoint)}),
         )
         # A directory gets the scheduler's file; a .json name, or an existing file, is the file.
         path = side_file(checkpoint, SCHEDULER_FILE, ".json")
@@ -1106,7 +1106,7 @@ class CheckpointIO(CheckpointHooks):
             None,
             "loading the LR scheduler",
             self.group,
-            _dist.Args("load_lr_scheduler", {"checkpoint": _dist.path_arg(checkpoint)}),
+            _dist.Args("load_lr_scheduler", {"checkpoint": compared_location(checkpoint)}),
         )
         path = side_file(checkpoint, SCHEDULER_FILE, ".json")  # as save_lr_scheduler names it
         given = os.fspath(checkpoint)

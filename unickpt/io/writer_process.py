@@ -43,7 +43,7 @@ the job and blocks on the reply (the GIL released), then runs the little that mu
 training process (releasing the save lock, rank 0's ``after`` callback).
 
 A store that lives only in this process (``memory://``, or an fsspec protocol registered at run
-time by this process) cannot be reached from another process: :func:`process_capable` says so,
+time by this process) cannot be reached from another process: :func:`~unickpt.store.storage.process_reachable` says so,
 and such a save is written by a thread of this process, as before.
 """
 
@@ -52,7 +52,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import importlib
 import io
 import os
 import pickle
@@ -75,7 +74,7 @@ from unickpt import _dist, _faults
 from unickpt._logging import get_logger
 from unickpt.errors import UnickptError
 
-__all__ = ["WriterProcess", "WriterDiedError", "process_capable", "share_buffers"]
+__all__ = ["WriterProcess", "WriterDiedError", "share_buffers"]
 
 logger = get_logger(__name__)
 
@@ -87,37 +86,6 @@ _JOIN_TIMEOUT = datetime.timedelta(minutes=10)
 
 class WriterDiedError(UnickptError):
     """The writer process of an async save ended before it answered (killed, out of memory...)."""
-
-
-# ---------------------------------------------------------------------------- capability
-def process_capable(path: str, storage_options: dict[str, Any] | None) -> bool:
-    """Whether a writer process can reach ``path``: a local path, or a store every process can open.
-
-    ``memory://`` lives in this process only, and a protocol this process registered at run
-    time (``fsspec.register_implementation`` with a class) is unknown to a fresh process.
-    """
-    s = os.fspath(path)
-    if "://" not in s or s.startswith("file://"):
-        return True
-    protocol = s.split("://", 1)[0]
-    try:
-        import fsspec
-        from fsspec.implementations.memory import MemoryFileSystem
-        from fsspec.registry import known_implementations
-
-        cls = fsspec.get_filesystem_class(protocol)
-    except Exception:  # the save reports an unknown protocol itself, in a thread
-        return False
-    if issubclass(cls, MemoryFileSystem):
-        return False
-    known = known_implementations.get(protocol)
-    if known is None:
-        return False
-    module, _, name = str(known.get("class", "")).rpartition(".")
-    try:  # the class a fresh process would get for this protocol is the one this process uses
-        return getattr(importlib.import_module(module), name, None) is cls
-    except ImportError:
-        return False
 
 
 # ---------------------------------------------------------------------------- shared buffers

@@ -28,10 +28,10 @@ from unickpt.errors import ConfigError, UnickptError
 from unickpt.io.async_save import AsyncSaves, shared_payload
 from unickpt.io.pinned import POOL, StagingSet
 from unickpt.io.save import WriteSpec
-from unickpt.io.writer_process import process_capable
 from unickpt.manager import policy, snapshot, train_state
 from unickpt.manager.storage import RemoteStorage, Storage, open_storage
 from unickpt.store.publish import write_small_file
+from unickpt.store.storage import compared_location, process_reachable
 
 __all__ = ["CheckpointManager", "RetentionWarning"]
 
@@ -97,7 +97,7 @@ class CheckpointManager:
             _dist.Args(
                 "CheckpointManager",
                 {
-                    "checkpoint_dir": _dist.path_arg(checkpoint_dir),
+                    "checkpoint_dir": compared_location(checkpoint_dir),
                     "save_steps": save_steps,
                     "keep_last": keep_last,
                     "async_save": async_save,
@@ -127,7 +127,7 @@ class CheckpointManager:
         # An async save is written by this rank's writer process (started now: its startup is
         # off the save path), or, for a store only this process reaches (memory://), by a
         # thread over a second gloo group.
-        self._in_writer = async_save and process_capable(self.checkpoint_dir, self._storage_options)
+        self._in_writer = async_save and process_reachable(self.checkpoint_dir)
         self._bg_group: Any = None
         if self._in_writer:
             self._async.writer.ensure(self.group)

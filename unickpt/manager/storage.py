@@ -32,6 +32,8 @@ from unickpt.store.publish import (
     makedirs_durable,
     remove_step,
 )
+from unickpt.store.storage import open_storage as open_location_storage
+from unickpt.store.storage import url_options
 
 __all__ = ["Storage", "LocalStorage", "RemoteStorage", "open_storage"]
 
@@ -183,15 +185,15 @@ def open_storage(
     storage_options: dict[str, Any] | None,
     rank: int,
 ) -> Storage:
-    """A ``RemoteStorage`` for an fsspec URL other than ``file://``, else a ``LocalStorage``."""
+    """A ``LocalStorage`` where the store renames (a local directory, ``file://`` URLs too: the
+    rename-based commit), else a ``RemoteStorage`` (an object store: a marker commits)."""
     s = os.fspath(checkpoint_dir)
-    if "://" in s and not s.startswith("file://"):
+    store, root = open_location_storage(s, url_options(s, storage_options))
+    if not store.atomic_rename:
         cache = None if local_cache_dir is None else os.fspath(local_cache_dir)
         return RemoteStorage(s, storage_options, cache, rank)
     if local_cache_dir is not None or storage_options is not None:
         raise ConfigError(
             f"local_cache_dir and storage_options are for fsspec URLs; {s!r} is a local directory"
         )
-    if s.startswith("file://"):  # file:// paths keep the rename-based commit
-        s = s[len("file://") :]
-    return LocalStorage(os.path.abspath(s))
+    return LocalStorage(root)

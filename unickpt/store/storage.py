@@ -43,8 +43,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import importlib
 import os
 import posixpath
+import shutil
 import stat
 import sys
 import threading
@@ -58,6 +60,8 @@ from unickpt.store.storage_guard import fs_from_url, guarded, shown_url
 
 __all__ = [
     "Storage",
+    "compared_location",
+    "process_reachable",
     "LocalStorage",
     "FsspecStorage",
     "ReadHandle",
@@ -483,6 +487,11 @@ class Storage:
         """Remove files; missing ones are not an error."""
         raise NotImplementedError
 
+    def remove_tree(self, path: str) -> None:
+        """Remove ``path`` and everything below it (a file, a directory, a prefix; a symbolic link
+        itself, never what it points to); a missing one is not an error."""
+        raise NotImplementedError
+
     def rename(self, src: str, dst: str) -> None:
         """Atomic rename (only where ``atomic_rename``)."""
         raise UnsupportedError(f"{self.url}: this storage has no atomic rename")
@@ -754,6 +763,12 @@ class LocalStorage(Storage):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(p)
 
+    def remove_tree(self, path: str) -> None:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            self.remove([path])
+
     def rename(self, src: str, dst: str) -> None:
         os.replace(src, dst)
 
@@ -932,6 +947,10 @@ class FsspecStorage(Storage):
                 with contextlib.suppress(FileNotFoundError):
                     self.fs.rm_file(p)
 
+    def remove_tree(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(path, recursive=True)
+
     # ---------------------------------------------------------------- writes
     def makedirs(self, path: str) -> None:
         """Object stores have prefixes only; fsspec's local-like file systems need the directory
@@ -955,6 +974,48 @@ class FsspecStorage(Storage):
 
 #: (endpoint, bucket) pairs known to exist in this process (``FsspecStorage.makedirs``).
 _BUCKETS: set[tuple[str, str]] = set()
+
+
+def process_reachable(path: str | os.PathLike[str]) -> bool:
+    """Whether another process (a writer process) can reach ``path``: a local path, or a store
+    every process can open.
+
+    ``memory://`` lives in this process only, and a protocol this process registered at run
+    time (``fsspec.register_implementation`` with a class) is unknown to a fresh process.
+    """
+    s = os.fspath(path)
+    if not is_url(s):
+        return True
+    protocol = s.split("://", 1)[0]
+    try:
+        import fsspec
+        from fsspec.implementations.memory import MemoryFileSystem
+        from fsspec.registry import known_implementations
+
+        cls = fsspec.get_filesystem_class(protocol)
+    except Exception:  # the save reports an unknown protocol itself, in a thread
+        return False
+    if issubclass(cls, MemoryFileSystem):
+        return False
+    known = known_implementations.get(protocol)
+    if known is None:
+        return False
+    module, _, name = str(known.get("class", "")).rpartition(".")
+    try:  # the class a fresh process would get for this protocol is the one this process uses
+        return getattr(importlib.import_module(module), name, None) is cls
+    except ImportError:
+        return False
+
+
+def compared_location(checkpoint: Any) -> str:
+    """A checkpoint location as ranks compare it (their arguments must agree): a local path
+    absolute (the same directory whatever the spelling), a URL as given, anything else its repr."""
+    p = os.fspath(checkpoint) if isinstance(checkpoint, (str, os.PathLike)) else repr(checkpoint)
+    if isinstance(p, bytes):
+        p = os.fsdecode(p)
+    if is_url(p):
+        return p
+    return os.path.abspath(p.removeprefix("file://"))
 
 
 def join_location(location: str | os.PathLike[str], name: str) -> str:

@@ -76,6 +76,7 @@ from unickpt.store.publish import (
     publish_directory,
     temp_name,
 )
+from unickpt.store.storage import open_storage
 from unickpt.tools.verify import FingerprintFailure
 
 __all__ = ["UpgradeReport", "upgrade_checkpoint", "LONG_SLICED_SENTINEL", "v1_partial", "v1_finalize"]
@@ -119,7 +120,8 @@ def upgrade_checkpoint(
     for a file source; it gets the whole source, data files copied, source untouched.
     """
     source = os.fspath(src)
-    if "://" in source or (dst is not None and "://" in os.fspath(dst)):
+    given = [source] if dst is None else [source, os.fspath(dst)]
+    if any(open_storage(p)[0].local_path(p) is None for p in given):  # no OS path: an object store
         raise ConfigError(
             f"{source}: unickpt upgrade works on local paths; copy the checkpoint to a local "
             "directory (or mount the store), upgrade it there and copy it back"

@@ -24,8 +24,9 @@ import pytest
 import torch
 
 from unickpt.io import GeneralCheckpointIO
-from unickpt.io.writer_process import WriterDiedError, process_capable
+from unickpt.io.writer_process import WriterDiedError
 from unickpt.manager import CheckpointManager
+from unickpt.store.storage import process_reachable
 from unickpt.wrappers import OptimizerWrapper
 
 pytestmark = pytest.mark.timeout(300)
@@ -190,9 +191,9 @@ def test_error_in_the_writer_keeps_its_type_and_message(tmp_path: Path) -> None:
 
 
 def test_memory_stores_are_written_by_a_thread() -> None:
-    assert process_capable("/tmp/x", None) and process_capable("file:///tmp/x", None)
-    assert process_capable("s3://bucket/x", None)
-    assert not process_capable("memory://x", None)
+    assert process_reachable("/tmp/x") and process_reachable("file:///tmp/x")
+    assert process_reachable("s3://bucket/x")
+    assert not process_reachable("memory://x")
     io = GeneralCheckpointIO()
     m = _model(0)
     io.save_model(m, "memory://unickpt-writer-test/m", shard=True, use_async=True)
