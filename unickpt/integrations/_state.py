@@ -1,5 +1,4 @@
-"""What the trainer integrations share: a dict of tensors as a unickpt checkpoint, JSON state, and
-the atomic commit of a whole checkpoint directory.
+"""What the trainer integrations share: a dict of tensors as a unickpt checkpoint, and JSON state.
 
 A trainer hands unickpt plain state dicts (Lightning's checkpoint dict, an optimizer's
 ``state_dict()``), not modules. ``save_tensors`` writes such a dict through ``GeneralCheckpointIO``
@@ -7,18 +6,14 @@ A trainer hands unickpt plain state dicts (Lightning's checkpoint dict, an optim
 Face sharded safetensors with unickpt's index, slice hashes and fingerprints, which
 ``unickpt verify`` checks. ``load_tensors`` reads it back, hash-checked. Non-tensor state is
 JSON in the encoding of ``unickpt.io.jsonstate`` (tensors referenced into the safetensors part,
-tuples and integer keys kept). Nothing is pickled.
+tuples and integer keys kept). Nothing is pickled. A checkpoint of several such parts is
+published as one by ``store.publish.PartsOutput``; small files go through the store's small-file
+writer and reader: paths and URLs alike.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import errno
 import json
-import os
-import shutil
-import uuid
 from typing import Any
 
 import torch
@@ -27,6 +22,7 @@ from unickpt.errors import IndexFileError, UnsupportedError
 from unickpt.io import GeneralCheckpointIO, HookContext
 from unickpt.io.jsonstate import from_json_value, parse_json, to_json_value
 from unickpt.io.tensors import torch_dtype
+from unickpt.store.publish import read_small_file, write_small_file
 from unickpt.tools import inspect_checkpoint
 
 __all__ = [
@@ -38,8 +34,8 @@ __all__ = [
     "decode_state",
     "write_json",
     "read_json",
-    "staging_dir",
-    "commit_dir",
+    "state_json",
+    "parse_state",
 ]
 
 
@@ -135,89 +131,28 @@ def decode_state(js: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
     return from_json_value(js, where, tensors)
 
 
-def write_json(path: str, obj: Any) -> None:
-    """Write ``obj`` as JSON to ``path`` (non-finite floats as ``Infinity``/``NaN``) and make it durable."""
-    data = json.dumps(obj, sort_keys=True, allow_nan=True).encode()
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+def write_json(location: str, obj: Any) -> None:
+    """Write ``obj`` as JSON (non-finite floats as ``Infinity``/``NaN``) to ``location``, a path or
+    a URL, whole and durably (``store.publish.write_small_file``)."""
+    write_small_file(location, json.dumps(obj, sort_keys=True, allow_nan=True).encode())
 
 
-def read_json(path: str, max_bytes: int = 256 << 20) -> Any:
-    """JSON from ``path`` as unickpt reads every JSON file (``parse_json``); ``IndexFileError``
-    naming the file for anything else."""
-    size = os.path.getsize(path)
-    if size > max_bytes:
-        raise IndexFileError(f"{path}: {size} bytes, more than the {max_bytes} a state file may hold")
-    with open(path, "rb") as f:
-        return parse_json(f.read(), path)
-
-
-def staging_dir(path: str) -> str:
-    """A fresh hidden directory beside ``path`` to write a checkpoint into before it commits."""
-    parent, name = os.path.split(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{name}.unickpt-staging-{uuid.uuid4().hex[:12]}")
-    os.makedirs(tmp)
-    return tmp
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def read_json(location: str, max_bytes: int = 256 << 20) -> Any:
+    """JSON from ``location`` (a path or a URL) as unickpt reads every JSON file (``parse_json``);
+    ``IndexFileError`` naming the file for anything else."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        return parse_json(read_small_file(location, limit=max_bytes), location)
+    except ValueError as e:  # larger than max_bytes
+        raise IndexFileError(
+            f"{location}: more than the {max_bytes} bytes a state file may hold ({e})"
+        ) from None
 
 
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
+def state_json(obj: Any) -> bytes:
+    """``obj`` as the bytes of a JSON state file (as :func:`write_json` writes them)."""
+    return json.dumps(obj, sort_keys=True, allow_nan=True).encode()
 
 
-def _exchange(a: str, b: str) -> bool:
-    """Swap ``a`` and ``b`` in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, f"exchanging {a} and {b}: {os.strerror(err)}")
-
-
-def commit_dir(staged: str, path: str) -> None:
-    """Put the fully written directory ``staged`` at ``path`` in one rename: readers see the old
-    checkpoint or the new one, never a mix. An existing ``path`` (file or directory) is swapped
-    out atomically where the kernel can (Linux), else renamed aside first, and removed after."""
-    for root, dirs, _files in os.walk(staged):
-        for d in dirs:
-            _fsync_dir(os.path.join(root, d))
-    _fsync_dir(staged)
-    path = os.path.abspath(path)
-    parent = os.path.dirname(path)
-    if not os.path.lexists(path):
-        os.rename(staged, path)
-        _fsync_dir(parent)
-        return
-    if _exchange(staged, path):
-        _fsync_dir(parent)
-        _remove(staged)  # now the old checkpoint
-        return
-    aside = f"{staged}-old"
-    os.rename(path, aside)
-    os.rename(staged, path)
-    _fsync_dir(parent)
-    _remove(aside)
-
-
-def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+def parse_state(raw: bytes, where: str) -> Any:
+    """A JSON state file's bytes as :func:`read_json` reads them."""
+    return parse_json(raw, where)

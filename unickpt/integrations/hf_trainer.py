@@ -35,6 +35,7 @@ from transformers import Trainer
 from unickpt.errors import IncompleteCheckpointError
 from unickpt.integrations._state import general_io, read_json
 from unickpt.io import CheckpointIO
+from unickpt.store.publish import write_small_file
 from unickpt.wrappers import OptimizerWrapper
 
 __all__ = ["UnickptTrainer", "OPTIMIZER_DIR", "SCHEDULER_FILE", "ARGS_FILE"]
@@ -120,8 +121,7 @@ class UnickptTrainer(Trainer):
     def _save_side_files(self, output_dir: str) -> None:
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
-        with open(os.path.join(output_dir, ARGS_FILE), "w") as f:
-            f.write(self.args.to_json_string())
+        write_small_file(os.path.join(output_dir, ARGS_FILE), self.args.to_json_string().encode())
 
     def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
         if state_dict is not None or not self._unickpt_applies():

@@ -10,10 +10,16 @@ The checkpoint "file" Lightning names (``epoch=0-step=4.ckpt``, ``last.ckpt``) b
     <name>.ckpt/lightning.json    the rest of the dict (epoch, global_step, loops, callbacks,
                                   lr_schedulers, hyper_parameters...), tensors referenced by name
 
-Nothing is pickled. The directory is written beside its final name and renamed into place
-(an existing checkpoint of that name is swapped out atomically): a crash leaves the previous
-checkpoint or the new one, never a half-written one. Loading rehashes every slice and returns
-the dict exactly as it was saved (tensors bit for bit, tuples and integer keys kept).
+Nothing is pickled. ``lightning.json`` is the checkpoint's commit file, written last; the
+directory is published as one (``store.publish.PartsOutput``). Locally it is written beside its
+final name and renamed into place (an existing checkpoint of that name is swapped out
+atomically): a crash leaves the previous checkpoint or the new one, never a half-written one.
+An fsspec URL (``s3://...``, Lightning's ``dirpath`` on an object store; credentials and endpoint
+from fsspec's configuration or the environment, as Lightning's own file system takes them) is
+written in place under the prefix's save lock: a save over an existing checkpoint of that name
+first un-commits it (deletes its ``lightning.json``), so a crash there leaves no checkpoint of
+that name, never a mix. Loading rehashes every slice and returns the dict exactly as it was saved
+(tensors bit for bit, tuples and integer keys kept).
 
 Strategies: Lightning calls a ``CheckpointIO`` plugin from the single-device and DDP strategies
 (``Strategy.save_checkpoint`` on global rank 0, ``load_checkpoint`` on every rank; unickpt then
@@ -31,7 +37,6 @@ through DeepSpeed's engine.
 from __future__ import annotations
 
 import os
-import shutil
 from typing import Any
 
 import torch
@@ -46,16 +51,18 @@ from unickpt.errors import (
     UnsupportedError,
 )
 from unickpt.integrations._state import (
-    commit_dir,
     decode_state,
     encode_state,
     load_tensors,
+    parse_state,
     read_json,
     save_tensors,
-    staging_dir,
+    state_json,
     write_json,
 )
 from unickpt.io import CheckpointIO
+from unickpt.store.publish import PartsOutput, open_parts, remove_parts
+from unickpt.store.storage import join_location
 from unickpt.wrappers import OptimizerWrapper
 
 __all__ = [
@@ -71,14 +78,9 @@ _FORMAT = "unickpt-lightning"
 _VERSION = 1
 
 
-def _local_path(path: Any) -> str:
-    p = str(os.fspath(path))
-    if "://" in p:
-        raise UnsupportedError(
-            f"{p}: UnickptCheckpointIO writes local (or mounted) directories; for object stores use "
-            "unickpt's CheckpointManager, which takes s3:// and other fsspec URLs"
-        )
-    return p
+def _location(path: Any) -> str:
+    """The checkpoint's location as Lightning names it: a path or an fsspec URL."""
+    return str(os.fspath(path)).rstrip("/") or "/"
 
 
 class UnickptCheckpointIO(_LightningCheckpointIO):
@@ -106,22 +108,22 @@ class UnickptCheckpointIO(_LightningCheckpointIO):
                 f"UnickptCheckpointIO.save_checkpoint(storage_options={storage_options!r}): unickpt takes "
                 "no per-save storage options here"
             )
-        target = _local_path(path)
+        target = _location(path)
         if "state_dict" not in checkpoint:
             raise UnsupportedError(
                 f"{target}: the checkpoint dict has no 'state_dict' (keys {sorted(checkpoint)})"
             )
         model_sd = checkpoint["state_dict"]
         rest = {k: v for k, v in checkpoint.items() if k != "state_dict"}
-        staged = staging_dir(target)
         opts = self._opts()
+        out = PartsOutput(target, STATE_FILE)
         try:
-            save_tensors(dict(model_sd), os.path.join(staged, "model"), **opts)
-            _write_rest(staged, rest, opts, {})
-            commit_dir(staged, target)
+            save_tensors(dict(model_sd), out.location("model"), **opts)
+            meta = _write_rest(out, rest, opts, {})
         except BaseException:
-            shutil.rmtree(staged, ignore_errors=True)
+            out.abort()
             raise
+        out.commit(meta)
 
     def _opts(self) -> dict[str, Any]:
         return {
@@ -140,33 +142,29 @@ class UnickptCheckpointIO(_LightningCheckpointIO):
         changes nothing: nothing is unpickled.
         """
         del weights_only
-        target = _local_path(path)
+        target = _location(path)
         device = map_location if isinstance(map_location, (str, torch.device)) else None
-        out, _parts = _read_rest(target, self.verify, device)
-        out["state_dict"] = load_tensors(os.path.join(target, "model"), verify=self.verify, device=device)
+        out, _parts, where = _read_rest(target, self.verify, device)
+        out["state_dict"] = load_tensors(join_location(where, "model"), verify=self.verify, device=device)
         return out
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Remove a checkpoint this plugin wrote (or a plain file Lightning left at ``path``)."""
-        target = _local_path(path)
-        if os.path.isdir(target) and not os.path.islink(target):
-            if not os.path.isfile(os.path.join(target, STATE_FILE)):
-                raise UnsupportedError(f"{target}: a directory without {STATE_FILE}; refusing to remove it")
-            shutil.rmtree(target)
-        elif os.path.lexists(target):
-            os.unlink(target)
+        """Remove a checkpoint this plugin wrote (or a plain file Lightning left at ``path``):
+        its ``lightning.json`` first, so a half-removed one is never taken as a checkpoint."""
+        remove_parts(_location(path), STATE_FILE)
 
 
-def _write_rest(staged: str, rest: dict[str, Any], opts: dict[str, Any], parts: dict[str, Any]) -> None:
-    """Write the checkpoint dict's other entries: ``state/`` (its tensors) and ``lightning.json``
-    (the rest, tensors referenced by name; ``parts`` says how the model and optimizers were saved)."""
+def _write_rest(out: PartsOutput, rest: dict[str, Any], opts: dict[str, Any], parts: dict[str, Any]) -> bytes:
+    """Write the checkpoint dict's other entries' tensors (``state/``); return ``lightning.json``,
+    the commit file (the rest, tensors referenced by name; ``parts`` says how the model and
+    optimizers were saved)."""
     js, tensors = encode_state(rest, "checkpoint")
     # The state's tensors get short names of their own; the JSON references them.
     renamed = {f"t{i}": t for i, t in enumerate(tensors.values())}
     ref = {old: f"t{i}" for i, old in enumerate(tensors)}
     js = _rename_refs(js, ref)
     if renamed:
-        save_tensors(renamed, os.path.join(staged, "state"), **opts)
+        save_tensors(renamed, out.location("state"), **opts)
     meta: dict[str, Any] = {
         "format": _FORMAT,
         "version": _VERSION,
@@ -175,22 +173,21 @@ def _write_rest(staged: str, rest: dict[str, Any], opts: dict[str, Any], parts: 
     }
     if parts:
         meta["parts"] = parts
-    write_json(os.path.join(staged, STATE_FILE), meta)
+    return state_json(meta)
 
 
-def _read_rest(target: str, verify: bool, device: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The checkpoint dict without ``state_dict`` and the ``parts`` record of ``target``."""
-    meta_path = os.path.join(target, STATE_FILE)
-    if not os.path.isdir(target):
-        what = "a file (not a unickpt Lightning checkpoint)" if os.path.exists(target) else "missing"
-        raise IncompleteCheckpointError(
-            f"{target}: expected a unickpt Lightning checkpoint directory, found {what}"
-        )
-    if not os.path.isfile(meta_path):
-        raise IncompleteCheckpointError(
-            f"{target}: no {STATE_FILE}; not a committed unickpt Lightning checkpoint"
-        )
-    meta = read_json(meta_path)
+def _read_rest(target: str, verify: bool, device: Any) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """The checkpoint dict without ``state_dict``, the ``parts`` record of ``target``, and where
+    its committed copy lies (``store.publish.open_parts``: ``target`` itself, but for a copy an
+    interrupted replacement left aside)."""
+    try:
+        where, raw = open_parts(target, STATE_FILE)
+    except IncompleteCheckpointError as e:
+        raise IncompleteCheckpointError(f"{e}; expected a committed unickpt Lightning checkpoint") from None
+    except ValueError as e:  # larger than a state file may be
+        raise IndexFileError(f"{join_location(target, STATE_FILE)}: {e}") from None
+    meta_path = join_location(where, STATE_FILE)
+    meta = parse_state(raw, meta_path)
     if not isinstance(meta, dict) or meta.get("format") != _FORMAT or meta.get("version") != _VERSION:
         found = (
             {k: meta.get(k) for k in ("format", "version")} if isinstance(meta, dict) else type(meta).__name__
@@ -202,13 +199,15 @@ def _read_rest(target: str, verify: bool, device: Any) -> tuple[dict[str, Any], 
     parts = meta.get("parts", {})
     if not isinstance(parts, dict):
         raise IndexFileError(f"{meta_path}: 'parts' must be an object, found {type(parts).__name__}")
-    tensors = load_tensors(os.path.join(target, "state"), verify=verify, device=device) if n else {}
+    tensors = load_tensors(join_location(where, "state"), verify=verify, device=device) if n else {}
     if len(tensors) != n:
-        raise IndexFileError(f"{target}/state: {len(tensors)} tensors, {meta_path} names {n}")
+        raise IndexFileError(
+            f"{join_location(where, 'state')}: {len(tensors)} tensors, {meta_path} names {n}"
+        )
     out = decode_state(meta.get("checkpoint"), tensors, meta_path)
     if not isinstance(out, dict):
         raise IndexFileError(f"{meta_path}: 'checkpoint' must be an object, found {type(out).__name__}")
-    return out, parts
+    return out, parts, where
 
 
 def optimizer_dir(i: int) -> str:
@@ -219,10 +218,10 @@ def optimizer_dir(i: int) -> str:
 class _UnickptStrategyMixin:
     """``save_checkpoint`` / ``load_checkpoint`` of a sharded Lightning strategy through unickpt.
 
-    Collective, as the strategies' own: every rank calls both. Rank 0 makes a staging directory
-    beside the checkpoint's name; every rank writes its share of ``model/`` and
-    ``optimizer_<i>/``; rank 0 writes ``state/`` and ``lightning.json`` and renames the whole
-    directory into place once every rank has written (a crash leaves the previous checkpoint).
+    Collective, as the strategies' own: every rank calls both. Rank 0 starts the checkpoint's
+    ``PartsOutput`` (a staging directory beside its name, or its prefix on an object store); every
+    rank writes its share of ``model/`` and ``optimizer_<i>/`` there; rank 0 writes ``state/``
+    and, once every rank has written, commits ``lightning.json`` (as ``UnickptCheckpointIO``).
     """
 
     unickpt_verify: bool = True
@@ -247,44 +246,53 @@ class _UnickptStrategyMixin:
                 f"{type(self).__name__}.save_checkpoint(storage_options={storage_options!r}): unickpt takes "
                 "no per-save storage options here"
             )
-        target = _local_path(s.broadcast(str(os.fspath(filepath))))
-        staged = s.broadcast(staging_dir(target) if s.global_rank == 0 else None)
+        target = _location(s.broadcast(str(os.fspath(filepath))))
+        rank0 = s.global_rank == 0
+        out: PartsOutput | None = None
+        failure: BaseException | None = None
+        if rank0:
+            try:
+                out = PartsOutput(target, STATE_FILE)
+            except Exception as e:
+                failure = e
+        self._unickpt_agree(failure, out, target, "starting")
+        root = s.broadcast(out.root if out is not None else None)
         opts = {"size_per_shard": self.unickpt_size_per_shard}
         with_optim = "optimizer_states" in checkpoint
         optims = self._unickpt_optimizers() if with_optim else []
-        rank0 = s.global_rank == 0
-        failure: BaseException | None = None
+        meta = b""
         try:
-            self._unickpt_save_parts(staged, optims, opts)
-            if rank0:
+            self._unickpt_save_parts(root, optims, opts)
+            if out is not None:
                 rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
                 parts = {"layout": self._unickpt_layout, "optimizers": len(optims)}
-                _write_rest(staged, rest, opts, parts)
+                meta = _write_rest(out, rest, opts, parts)
         except Exception as e:  # rank 0's own writes fail on rank 0 alone: the others must hear of it
             failure = e
-        self._unickpt_agree(failure, staged, target, "writing")
-        if rank0:
+        self._unickpt_agree(failure, out, target, "writing")
+        if out is not None:
             try:
-                commit_dir(staged, target)
+                out.commit(meta)
             except Exception as e:
                 failure = e
-        self._unickpt_agree(failure, staged, target, "committing")
+        self._unickpt_agree(failure, None, target, "committing")
 
-    def _unickpt_agree(self, failure: BaseException | None, staged: str, target: str, doing: str) -> None:
+    def _unickpt_agree(
+        self, failure: BaseException | None, out: PartsOutput | None, target: str, doing: str
+    ) -> None:
         """Every rank learns whether rank 0 failed (a broadcast every rank reaches, so none waits
-        for a rank that gave up); on a failure the staging directory goes and every rank raises."""
+        for a rank that gave up); on a failure what was written goes and every rank raises."""
         s: Any = self
         rank0 = s.global_rank == 0
         said = s.broadcast(f"{type(failure).__name__}: {failure}" if rank0 and failure is not None else None)
         if failure is None and said is None:
             return
-        if rank0:
-            shutil.rmtree(staged, ignore_errors=True)
+        if out is not None:
+            out.abort()
         if failure is not None:
             raise failure
         raise DistributedError(
-            f"{target}: rank 0 failed {doing} the checkpoint ({said}); nothing was committed, the "
-            "previous checkpoint of that name stays"
+            f"{target}: rank 0 failed {doing} the checkpoint ({said}); nothing was committed"
         )
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -292,8 +300,8 @@ class _UnickptStrategyMixin:
         from lightning.pytorch.trainer.states import TrainerFn
 
         s: Any = self
-        target = _local_path(s.broadcast(str(os.fspath(checkpoint_path))))
-        out, parts = _read_rest(target, self.unickpt_verify, None)
+        target = _location(s.broadcast(str(os.fspath(checkpoint_path))))
+        out, parts, where = _read_rest(target, self.unickpt_verify, None)
         if parts.get("layout") not in ("sliced", "full"):
             raise UnsupportedError(
                 f"{target}: written by UnickptCheckpointIO (no sharded parts); a sharded strategy resumes "
@@ -304,18 +312,18 @@ class _UnickptStrategyMixin:
         optims = self._unickpt_optimizers() if module.trainer.state.fn == TrainerFn.FITTING and n else []
         if optims and len(optims) != n:
             raise StateMismatchError(f"{target}: holds {n} optimizer(s), this run configures {len(optims)}")
-        self._unickpt_load_parts(target, parts["layout"], optims, bool(module.strict_loading))
+        self._unickpt_load_parts(where, parts["layout"], optims, bool(module.strict_loading))
         return out
 
-    def _unickpt_save_parts(self, staged: str, optims: list[Any], opts: dict[str, Any]) -> None:
+    def _unickpt_save_parts(self, root: str, optims: list[Any], opts: dict[str, Any]) -> None:
         """Sliced: every rank writes the DTensor slices it holds (FSDP2 / tensor parallel)."""
         s: Any = self
         io = CheckpointIO()
-        io.save_model(s.model, os.path.join(staged, "model"), shard=True, gather_dtensor=False, **opts)
+        io.save_model(s.model, join_location(root, "model"), shard=True, gather_dtensor=False, **opts)
         for i, opt in enumerate(optims):
             io.save_optimizer(
                 OptimizerWrapper(opt, s.model),
-                os.path.join(staged, optimizer_dir(i)),
+                join_location(root, optimizer_dir(i)),
                 shard=True,
                 gather_dtensor=False,
                 **opts,
@@ -324,11 +332,11 @@ class _UnickptStrategyMixin:
     def _unickpt_load_parts(self, target: str, layout: str, optims: list[Any], strict: bool) -> None:
         s: Any = self
         io = CheckpointIO()
-        io.load_model(s.model, os.path.join(target, "model"), strict=strict, verify=self.unickpt_verify)
+        io.load_model(s.model, join_location(target, "model"), strict=strict, verify=self.unickpt_verify)
         for i, opt in enumerate(optims):
             io.load_optimizer(
                 OptimizerWrapper(opt, s.model),
-                os.path.join(target, optimizer_dir(i)),
+                join_location(target, optimizer_dir(i)),
                 verify=self.unickpt_verify,
             )
 
@@ -359,7 +367,7 @@ class UnickptFSDPStrategy(_UnickptStrategyMixin, FSDPStrategy):  # type: ignore[
 
     _unickpt_layout = "full"
 
-    def _unickpt_save_parts(self, staged: str, optims: list[Any], opts: dict[str, Any]) -> None:
+    def _unickpt_save_parts(self, root: str, optims: list[Any], opts: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -372,14 +380,13 @@ class UnickptFSDPStrategy(_UnickptStrategyMixin, FSDPStrategy):  # type: ignore[
         osds = [get_optimizer_state_dict(s.model, opt, options=full) for opt in optims]
         if s.global_rank != 0:
             return
-        save_tensors(msd, os.path.join(staged, "model"), **opts)
+        save_tensors(msd, join_location(root, "model"), **opts)
         for i, osd in enumerate(osds):
             js, tensors = encode_state(osd, f"optimizer_{i}")
             names = {k: f"t{j}" for j, k in enumerate(tensors)}
-            save_tensors(
-                {names[k]: v for k, v in tensors.items()}, os.path.join(staged, optimizer_dir(i)), **opts
-            )
-            write_json(os.path.join(staged, optimizer_dir(i), _OPTIM_FILE), _rename_refs(js, names))
+            where = join_location(root, optimizer_dir(i))
+            save_tensors({names[k]: v for k, v in tensors.items()}, where, **opts)
+            write_json(join_location(where, _OPTIM_FILE), _rename_refs(js, names))
 
     def _unickpt_load_parts(self, target: str, layout: str, optims: list[Any], strict: bool) -> None:
         from torch.distributed.checkpoint.state_dict import (
@@ -393,12 +400,12 @@ class UnickptFSDPStrategy(_UnickptStrategyMixin, FSDPStrategy):  # type: ignore[
             raise UnsupportedError(
                 f"{target}: parts written {layout!r}; UnickptFSDPStrategy reads 'full' ones"
             )
-        msd: dict[str, Any] = load_tensors(os.path.join(target, "model"), verify=self.unickpt_verify)
+        msd: dict[str, Any] = load_tensors(join_location(target, "model"), verify=self.unickpt_verify)
         set_model_state_dict(s.model, msd, options=StateDictOptions(full_state_dict=True, strict=strict))
         for i, opt in enumerate(optims):
-            where = os.path.join(target, optimizer_dir(i))
+            where = join_location(target, optimizer_dir(i))
             tensors = load_tensors(where, verify=self.unickpt_verify)
-            osd = decode_state(read_json(os.path.join(where, _OPTIM_FILE)), tensors, where)
+            osd = decode_state(read_json(join_location(where, _OPTIM_FILE)), tensors, where)
             set_optimizer_state_dict(s.model, opt, osd, options=StateDictOptions(full_state_dict=True))
 
 

@@ -27,6 +27,9 @@ a manager step                :func:`commit_step`,               :class:`RemoteS
 a tool's output, one          :class:`DirectoryOutput`,          :class:`StoreOutput`
 :class:`Sink` (output_sink)   (a staged directory,               (:func:`store_output`)
                               :func:`publish_directory`)
+a trainer's checkpoint of     :class:`PartsOutput` (a staged     :class:`PartsOutput` (in place under
+parts (integrations)          directory exchanged or renamed     the save lock: the old commit file
+                              in; :func:`open_parts`)            deleted first, the new one last)
 a small file                  :func:`write_small_file`: staged + fsync + rename; one PUT on a store
 ============================  =================================  ====================================
 
@@ -80,7 +83,15 @@ from unickpt.store.lock import (
     take_unheld_lock,
     write_if,
 )
-from unickpt.store.storage import FsspecStorage, LocalStorage, Storage, is_url, open_storage, url_options
+from unickpt.store.storage import (
+    FsspecStorage,
+    LocalStorage,
+    Storage,
+    is_url,
+    join_location,
+    open_storage,
+    url_options,
+)
 
 logger = get_logger(__name__)
 __all__ = [
@@ -134,6 +145,9 @@ __all__ = [
     "discard_step",
     "remove_step",
     "RemoteStore",
+    "PartsOutput",
+    "open_parts",
+    "remove_parts",
     "check_output",
     "publish_directory",
     "COMMIT_POINTS",
@@ -1245,6 +1259,196 @@ class RemoteStore:
             self._promote(step, target)
         with contextlib.suppress(OSError, ValueError):
             abort_dead_uploads(self.storage, self.root, self.path(f"{target}/{COMMIT_NAME}"))
+
+
+# ----------------------------------------------------------------------------- a checkpoint of parts
+
+
+#: ``.<name>.replaced-<12 hex digits>``: a checkpoint of parts renamed aside while the new one is
+#: put in its place (where the kernel cannot swap two names), put back when a kill left no other.
+_REPLACED_RE = re.compile(r"^\.(?P<base>.+)\.replaced-[0-9a-f]{12}$")
+
+
+class PartsOutput:
+    """A checkpoint made of parts (checkpoints in sub-directories, small files) and one commit
+    file, replacing as one the checkpoint of the same name: a trainer's checkpoint directory
+    (``integrations/``), written by one process or by every rank of a job.
+
+    The parts are written below :attr:`root` (a path or a URL, as a save takes it:
+    :meth:`location`); :meth:`commit` writes the commit file, last, and publishes; :meth:`abort`
+    drops what was written. Which variant runs comes from the store (``Storage.atomic_rename``):
+
+    - **a local directory**: :attr:`root` is a staged directory beside ``target``
+      (:func:`temp_name`; a killed writer's is removed by the next one). :meth:`commit` makes
+      every file and directory in it durable and swaps it with an existing ``target`` in one step
+      (:func:`exchange`), or, where the kernel cannot swap, renames the old one aside
+      (``.<name>.replaced-<id>``, put back by the next writer if a kill left no ``target``) and
+      the new one in; the replaced one is deleted after. Readers see the old checkpoint or the new
+      one, whole.
+    - **an object store**, which cannot rename: the parts are written in place, under ``target``'s
+      save lock (``store/lock.py``). The commit file of the checkpoint being replaced is deleted
+      first, its other objects after: from then until :meth:`commit` the name holds no committed
+      checkpoint (never a mix of the two). The new commit file is written last, with an exclusive
+      PUT, only while the lock is still this writer's.
+    """
+
+    def __init__(self, target: str, commit_name: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.target = os.fspath(target)
+        self.commit_name = commit_name
+        self.storage, self.path = open_storage(self.target, url_options(self.target, storage_options))
+        self._held = contextlib.ExitStack()
+        self._fence: Fence | None = None
+        #: where the parts are written: a staged local directory, or the target's URL
+        self.root: str
+        if self.storage.atomic_rename:
+            self._begin_renaming()
+        else:
+            self._begin_in_place()
+
+    def location(self, name: str) -> str:
+        """The location of the part ``name`` (a sub-directory or a file below :attr:`root`)."""
+        return join_location(self.root, name)
+
+    # ---------------------------------------------------------------- a local directory
+    def _begin_renaming(self) -> None:
+        parent, base = os.path.split(self.path)
+        makedirs_durable(parent)
+        for entry in os.listdir(parent):
+            m = _REPLACED_RE.match(entry)
+            if m is None or m.group("base") != base:
+                continue
+            aside = os.path.join(parent, entry)
+            if not os.path.lexists(self.path) and os.path.isfile(os.path.join(aside, self.commit_name)):
+                logger.warning(
+                    "%s: putting back its committed copy %s (a replacement was interrupted)", self.path, aside
+                )
+                os.rename(aside, self.path)
+                fsync_dir(parent)
+            else:
+                _remove_tree(aside)
+        clean_leftovers(parent, locked=False)
+        self.root = temp_name(self.path)
+        os.mkdir(self.root)
+
+    def _commit_renaming(self, data: bytes) -> None:
+        write_staged(os.path.join(self.root, self.commit_name), data)
+        for d, _, _ in sorted(os.walk(self.root), reverse=True):  # deepest first, the root last
+            fsync_dir(d)
+        parent = os.path.dirname(self.path)
+        old: str | None = None
+        if not os.path.lexists(self.path):
+            os.rename(self.root, self.path)
+        elif exchange(self.root, self.path):
+            old = self.root  # now the replaced checkpoint
+        else:
+            old = os.path.join(parent, f".{os.path.basename(self.path)}.replaced-{uuid.uuid4().hex[:12]}")
+            os.rename(self.path, old)
+            fsync_dir(parent)
+            os.rename(self.root, self.path)
+        fsync_dir(parent)
+        if old is not None:
+            _remove_tree(old)
+
+    # ---------------------------------------------------------------- an object store
+    def _begin_in_place(self) -> None:
+        self.root = self.target.rstrip("/")
+        self.storage.makedirs(self.path)
+        self._fence = self._held.enter_context(save_lock(self.storage, self.path, new_save_id()))
+        try:
+            self.storage.remove([self.storage.join(self.path, self.commit_name)])  # un-commit first
+            for name in self.storage.listdir(self.path):
+                if name != LOCK_NAME:
+                    self.storage.remove_tree(self.storage.join(self.path, name))
+        except BaseException:
+            self._held.close()
+            raise
+
+    def _commit_in_place(self, data: bytes) -> None:
+        path = self.storage.join(self.path, self.commit_name)
+        if not put_commit_point(self.storage, path, data, self._fence, exclusive=True):
+            raise CheckpointBusyError(
+                f"{self.root}/{self.commit_name} was written by another save while this one wrote; "
+                "this save committed nothing"
+            )
+
+    # ---------------------------------------------------------------- both
+    def commit(self, data: bytes) -> None:
+        """Write the commit file ``data`` and publish the checkpoint (on failure, :meth:`abort`)."""
+        try:
+            if self.storage.atomic_rename:
+                self._commit_renaming(data)
+            else:
+                self._commit_in_place(data)
+        except BaseException:
+            self.abort()
+            raise
+        self._held.close()
+
+    def abort(self) -> None:
+        """Drop what was written: the staged directory, or (while the lock is this writer's) the
+        objects below ``target``; release the lock."""
+        try:
+            if self.storage.atomic_rename:
+                _remove_tree(self.root)
+            elif self._fence is not None and self._fence.holder() == "this save":
+                for name in self.storage.listdir(self.path):
+                    if name != LOCK_NAME:
+                        self.storage.remove_tree(self.storage.join(self.path, name))
+        finally:
+            self._held.close()
+
+
+def open_parts(
+    target: str, commit_name: str, storage_options: dict[str, Any] | None = None, limit: int = 256 << 20
+) -> tuple[str, bytes]:
+    """``(location, commit file)`` of the committed checkpoint of parts at ``target``
+    (:class:`PartsOutput`): ``target`` itself, or, where a replacement renaming the old copy aside
+    was interrupted before the new one was in place, that copy. ``IncompleteCheckpointError``
+    naming ``target`` when there is none (missing, a file, or a directory no writer committed);
+    ``ValueError`` when the commit file is larger than ``limit``."""
+    storage, path = open_storage(target, url_options(target, storage_options))
+    names = storage.listdir(path)
+    location = target
+    if commit_name not in names and not names and storage.atomic_rename and not os.path.lexists(path):
+        parent, base = os.path.split(path)
+        for entry in storage.listdir(parent):
+            m = _REPLACED_RE.match(entry)
+            aside = os.path.join(parent, entry)
+            if m is not None and m.group("base") == base and commit_name in storage.listdir(aside):
+                location, path, names = aside, aside, [commit_name]
+                break
+    if commit_name not in names:
+        if names:
+            found = f"no {commit_name}; not a committed checkpoint"
+        elif storage.atomic_rename and os.path.lexists(path):
+            found = "found a file, not a checkpoint directory"
+        else:
+            found = "missing"
+        raise IncompleteCheckpointError(f"{target}: {found}")
+    return location, storage.read_bytes(storage.join(path, commit_name), limit=limit)
+
+
+def remove_parts(target: str, commit_name: str, storage_options: dict[str, Any] | None = None) -> None:
+    """Remove the checkpoint of parts at ``target``: its commit file first (a half-removed one is
+    never committed), then the rest. A directory without the commit file is refused
+    (``UnsupportedError``): nothing a writer of parts made is there to remove. A file at
+    ``target`` (what another writer left under that name) is removed."""
+    storage, path = open_storage(target, url_options(target, storage_options))
+    names = [] if storage.atomic_rename and os.path.islink(path) else storage.listdir(path)
+    if not names:
+        storage.remove_tree(path)  # a file, a symbolic link, or nothing
+        return
+    if commit_name not in names:
+        raise UnsupportedError(f"{target}: a directory without {commit_name}; refusing to remove it")
+    storage.remove([storage.join(path, commit_name)])
+    storage.remove_tree(path)
+
+
+def _remove_tree(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        _unlink(path)
 
 
 # ----------------------------------------------------------------------------- a tool output

@@ -221,3 +221,77 @@ def test_a_hostile_state_file_is_refused_naming_it(tmp_path: Path, text: str | b
     with pytest.raises(IndexFileError) as e:
         io.load_checkpoint(path)
     assert str(meta) in str(e.value) and found in str(e.value), str(e.value)
+
+
+def _s3_objects(s3: object, prefix: str) -> list[str]:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3.endpoint)  # type: ignore[attr-defined]
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=s3.bucket, Prefix=prefix)  # type: ignore[attr-defined]
+    return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
+
+
+def test_a_trainer_saves_to_and_resumes_from_an_object_store(tmp_path: Path, s3: object) -> None:
+    """``ModelCheckpoint(dirpath="s3://...")``: Lightning's own file system and unickpt's storage
+    layer take the same store (moto's S3 server); top-k removal, ``last.ckpt`` replaced in place,
+    and a resume from the URL that matches an uninterrupted run bit for bit."""
+    url = f"s3://{s3.bucket}/ck"  # type: ignore[attr-defined]
+    full = _Tiny()
+    _trainer(tmp_path / "full", 4, enable_checkpointing=False).fit(full, _data())
+    first = _Tiny()
+    cb = pl.callbacks.ModelCheckpoint(dirpath=url, save_top_k=1, monitor="step", mode="max", save_last=True)
+    _trainer(tmp_path / "a", 2, callbacks=[cb]).fit(first, _data())
+    keys = _s3_objects(s3, "ck/")
+    # top-k kept one epoch checkpoint (the other removed whole), and last.ckpt
+    assert {k.split("/")[1] for k in keys} == {"epoch=1-step=8.ckpt", "last.ckpt"}, keys
+    assert "ck/last.ckpt/lightning.json" in keys and not any(k.endswith(".pt") for k in keys)
+    report = verify_checkpoint(f"{url}/last.ckpt/model")
+    assert list(report) == [] and report.hashed == report.slices > 0
+    second = _Tiny()
+    cb2 = pl.callbacks.ModelCheckpoint(dirpath=url, save_top_k=1, monitor="step", mode="max", save_last=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Checkpoint directory .* exists and is not empty")
+        _trainer(tmp_path / "b", 4, callbacks=[cb2]).fit(second, _data(), ckpt_path=f"{url}/last.ckpt")
+    assert first.losses + second.losses == full.losses
+    for (n, a), (_, b) in zip(full.state_dict().items(), second.state_dict().items(), strict=True):
+        assert torch.equal(a, b), n
+    assert UnickptCheckpointIO().load_checkpoint(f"{url}/last.ckpt")["global_step"] == 16
+    assert {k.split("/")[1] for k in _s3_objects(s3, "ck/")} == {"epoch=3-step=16.ckpt", "last.ckpt"}
+
+
+def test_a_failed_save_on_an_object_store_commits_nothing_and_leaves_nothing(s3: object) -> None:
+    """A save over a committed checkpoint on a store un-commits it first (its ``lightning.json``
+    goes before anything else), so a failure part way leaves no checkpoint of that name, never a
+    mix; the objects it wrote are removed; the next save of that name commits whole."""
+    from unittest import mock
+
+    url = f"s3://{s3.bucket}/run/last.ckpt"  # type: ignore[attr-defined]
+    io = UnickptCheckpointIO()
+    io.save_checkpoint({"state_dict": {"w": torch.zeros(4)}, "epoch": 1, "m": torch.ones(3)}, url)
+    assert io.load_checkpoint(url)["epoch"] == 1
+    import unickpt.integrations.lightning as lightning
+
+    with (
+        mock.patch.object(lightning, "state_json", side_effect=RuntimeError("disk on fire")),
+        pytest.raises(RuntimeError, match="disk on fire"),
+    ):
+        io.save_checkpoint({"state_dict": {"w": torch.ones(4)}, "epoch": 2, "m": torch.zeros(3)}, url)
+    assert _s3_objects(s3, "run/") == []
+    with pytest.raises(IncompleteCheckpointError, match=r"last\.ckpt: missing"):
+        io.load_checkpoint(url)
+    io.save_checkpoint({"state_dict": {"w": torch.ones(4)}, "epoch": 2, "m": torch.zeros(3)}, url)
+    back = io.load_checkpoint(url)
+    assert back["epoch"] == 2 and torch.equal(back["state_dict"]["w"], torch.ones(4))
+    assert torch.equal(back["m"], torch.zeros(3))
+    # A prefix with objects but no lightning.json is no checkpoint, and is not removed.
+    from unickpt.errors import UnsupportedError
+    from unickpt.store.publish import write_small_file
+
+    other = f"s3://{s3.bucket}/run/other.ckpt"  # type: ignore[attr-defined]
+    write_small_file(f"{other}/notes.txt", b"mine")
+    with pytest.raises(IncompleteCheckpointError, match=r"other\.ckpt: no lightning\.json"):
+        io.load_checkpoint(other)
+    with pytest.raises(UnsupportedError, match=r"without lightning\.json; refusing"):
+        io.remove_checkpoint(other)
+    io.remove_checkpoint(url)
+    assert _s3_objects(s3, "run/") == ["run/other.ckpt/notes.txt"]

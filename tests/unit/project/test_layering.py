@@ -103,10 +103,10 @@ FORBIDDEN = {
     "unickpt.manager": ["unickpt.booster", "unickpt.plugins", "unickpt.cli"],
     "unickpt.booster": ["unickpt.manager", "unickpt.tools", "unickpt.cli"],
     # The trainer integrations sit on top, on the public modules only (never the format layer,
-    # the collectives or a plugin's internals).
+    # the collectives or a plugin's internals); a trainer's checkpoint of several parts and its
+    # small files are published through the store's one protocol (store.publish).
     "unickpt.integrations": [
         "unickpt.spec",
-        "unickpt.store",
         "unickpt.ckpt",
         "unickpt._dist",
         "unickpt.plugins._shared",

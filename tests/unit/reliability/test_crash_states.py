@@ -555,3 +555,68 @@ def test_store_manager_step(s3: Any, case: str) -> None:
 
     verdicts = _store_search(s3, f"s3 manager {case}", lambda: save(step, seed, keep), check, allowed)
     assert any(v.startswith(f"latest={new}") for v in verdicts)
+
+
+# ----------------------------------------------------------------------------- a checkpoint of parts
+def _parts_save(path: str, seed: int) -> None:
+    from unickpt.integrations.lightning import UnickptCheckpointIO
+
+    g = torch.Generator().manual_seed(seed)
+    ck = {
+        "state_dict": {"w": torch.randn(64, generator=g)},
+        "epoch": seed,
+        "optimizer_states": [{"state": {0: {"m": torch.randn(16, generator=g)}}}],
+    }
+    UnickptCheckpointIO(size_per_shard=1).save_checkpoint(ck, path)
+
+
+def _parts_verdict(path: str) -> str:
+    """'s<seed>' when the whole checkpoint of that save loads, bit for bit; else the error."""
+    from unickpt.integrations.lightning import UnickptCheckpointIO
+
+    try:
+        back = UnickptCheckpointIO().load_checkpoint(path)
+    except UnickptError as e:
+        return f"error:{type(e).__name__}"
+    except Exception as e:
+        return f"raw-error:{type(e).__name__}:{e}"
+    seed = back["epoch"]
+    g = torch.Generator().manual_seed(seed)
+    w, m = torch.randn(64, generator=g), torch.randn(16, generator=g)
+    same = torch.equal(back["state_dict"]["w"], w) and torch.equal(
+        back["optimizer_states"][0]["state"][0]["m"], m
+    )
+    return f"s{seed}" if same else f"mix:{seed}"
+
+
+@pytest.mark.parametrize("swap", [True, False], ids=["exchange", "rename-aside"])
+def test_trainer_checkpoint_replaced(tmp_path: Path, swap: bool, monkeypatch: Any) -> None:
+    """A trainer's checkpoint of parts (``store.publish.PartsOutput``: Lightning's ``last.ckpt``
+    directory, its ``model/``, ``state/`` and ``lightning.json``) saved over the previous one:
+    every crash state loads as the whole old checkpoint or the whole new one, never a mix and
+    never an error, with the kernel's exchange or with the old copy renamed aside (then found
+    there); once the save returned, the new one."""
+    pytest.importorskip("lightning.pytorch", reason="lightning is not installed (make peers)")
+    if not swap:
+        import unickpt.store.publish as publish
+
+        monkeypatch.setattr(publish, "exchange", lambda a, b: False)
+    base = tmp_path / "base"
+    base.mkdir()
+    path = str(base / "last.ckpt")
+    _parts_save(path, OLD_SEED)
+
+    def allowed(k: int, final: bool, v: str) -> bool:
+        if k == 0:
+            return v == f"s{OLD_SEED}"
+        return v == f"s{NEW_SEED}" if final else v in (f"s{OLD_SEED}", f"s{NEW_SEED}")
+
+    s = _search(
+        tmp_path,
+        f"trainer checkpoint replaced ({'exchange' if swap else 'rename-aside'})",
+        base,
+        lambda: _parts_save(path, NEW_SEED),
+        lambda d: _parts_verdict(os.path.join(d, "last.ckpt")),
+        allowed,
+    )
+    assert s.verdicts.get(f"s{OLD_SEED}", 0) > 0 and s.verdicts.get(f"s{NEW_SEED}", 0) > 0

@@ -143,3 +143,58 @@ def test_output_location_is_the_shown_path(tmp_path: Path, monkeypatch: pytest.M
     (tmp_path / "used" / "x").write_bytes(b"")
     with pytest.raises(OutputExistsError, match="already exists and is not an empty directory"):
         output_location("used")
+
+
+# ----------------------------------------------------------------------------- a checkpoint of parts
+def test_parts_output_on_a_store_is_fenced(s3, monkeypatch) -> None:
+    """Two writers of one checkpoint of parts on a store: the second is refused while the first
+    holds the prefix's lock; a writer whose lock was taken over as stale (a stalled process that
+    resumes) commits nothing and removes nothing of its successor's."""
+    from unickpt.store.publish import PartsOutput, open_parts
+
+    url = f"s3://{s3.bucket}/parts/last.ckpt"
+    monkeypatch.setenv("UNICKPT_STORE_LOCK_STALE", "100")
+    a = PartsOutput(url, "state.json")
+    assert a.root == url and a.location("model") == f"{url}/model"
+    with pytest.raises(CheckpointBusyError):
+        PartsOutput(url, "state.json")
+    write_small_file(a.location("model/w.bin"), b"a")
+    monkeypatch.setenv("UNICKPT_STORE_LOCK_STALE", "0")
+    b = PartsOutput(url, "state.json")  # takes A's lock over; clears what A wrote
+    monkeypatch.setenv("UNICKPT_STORE_LOCK_STALE", "100")
+    write_small_file(b.location("model/w.bin"), b"b")
+    with pytest.raises(CheckpointBusyError, match="lost its lock"):
+        a.commit(b"{}")  # A resumes: refused, and its abort leaves B's objects
+    b.commit(b'{"by": "b"}')
+    where, raw = open_parts(url, "state.json")
+    assert (where, raw) == (url, b'{"by": "b"}')
+    store, root = open_storage(url)
+    assert store.read_bytes(store.join(root, "model/w.bin")) == b"b"
+    assert sorted(store.listdir(root)) == ["model", "state.json"]  # the lock released
+
+
+def test_parts_output_puts_back_a_copy_left_aside(tmp_path: Path) -> None:
+    """Where the kernel cannot swap two names, the old copy is renamed aside before the new one
+    goes in: killed between the two, readers find the aside copy, and the next writer puts it back
+    before staging (so an abort leaves the old checkpoint where it was)."""
+    from unickpt.errors import IncompleteCheckpointError
+    from unickpt.store.publish import PartsOutput, open_parts
+
+    target = tmp_path / "last.ckpt"
+    out = PartsOutput(str(target), "state.json")
+    write_small_file(out.location("model/w.bin"), b"old")
+    out.commit(b"old")
+    aside = tmp_path / ".last.ckpt.replaced-0123456789ab"
+    os.rename(target, aside)  # the state a kill after the first rename leaves
+    assert open_parts(str(target), "state.json") == (str(aside), b"old")
+    (tmp_path / ".last.ckpt.replaced-ba9876543210").mkdir()  # an uncommitted one: removed
+    again = PartsOutput(str(target), "state.json")
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(again.root), "last.ckpt"]
+    again.abort()
+    assert os.listdir(tmp_path) == ["last.ckpt"]
+    assert open_parts(str(target), "state.json") == (str(target), b"old")
+    (target / "state.json").unlink()
+    with pytest.raises(
+        IncompleteCheckpointError, match=r"last\.ckpt: no state\.json; not a committed checkpoint"
+    ):
+        open_parts(str(target), "state.json")
