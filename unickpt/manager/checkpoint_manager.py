@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import functools
 import os
-import shutil
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +29,7 @@ from unickpt.io.pinned import POOL, StagingSet
 from unickpt.io.save import WriteSpec
 from unickpt.manager import policy, snapshot, train_state
 from unickpt.manager.storage import RemoteStorage, Storage, open_storage
-from unickpt.store.publish import write_small_file
+from unickpt.store.publish import copy_files, write_small_file
 from unickpt.store.storage import compared_location, process_reachable
 
 __all__ = ["CheckpointManager", "RetentionWarning"]
@@ -520,7 +519,7 @@ class StepWriter:
         if _dist.rank(group) == 0:
             try:
                 if self.hf_in_place:  # model/ holds the Hugging Face files: hf/ is a copy of them
-                    _copy_files(os.path.join(p.stage, "model"), hf, self.fsync)
+                    copy_files(os.path.join(p.stage, "model"), hf, fsync=self.fsync)
                     for fname, text in p.hf_config.items():
                         write_small_file(os.path.join(hf, fname), text.encode("utf-8"), self.storage_options)
                 else:
@@ -555,45 +554,3 @@ def _call_args(
         "dataloader": None if dataloader is None else "given",
         "extra_states": sorted(extra_states),
     }
-
-
-def _copy_files(src: str, dst: str, fsync: bool) -> None:
-    """Rank 0: ``dst`` holds a copy of every file of ``src``, each its own inode.
-
-    ``hf/`` is the user's copy (edited, moved, uploaded): it never shares a file with ``model/``,
-    which resuming and ``verify`` rely on, so an edit in place of an ``hf/`` file (a hard link
-    would write through) leaves the training step intact. The bytes move in the kernel
-    (``copy_file_range``: a copy-on-write clone where the filesystem makes one, still a distinct
-    file), in bounded memory; with ``fsync`` each copy is durable before the step commits.
-    """
-    from unickpt.store.publish import fsync_dir
-
-    os.makedirs(dst, exist_ok=True)
-    for name in sorted(os.listdir(src)):
-        a, b = os.path.join(src, name), os.path.join(dst, name)
-        if not os.path.isfile(a) or name.startswith("."):
-            continue
-        _copy_file(a, b, fsync)
-    fsync_dir(dst)
-
-
-def _copy_file(a: str, b: str, fsync: bool) -> None:
-    with open(a, "rb") as fa, open(b, "wb") as fb:
-        n = os.fstat(fa.fileno()).st_size
-        done = 0
-        try:
-            while done < n:
-                k = os.copy_file_range(fa.fileno(), fb.fileno(), n - done, done, done)
-                if k <= 0:
-                    break
-                done += k
-        except OSError:  # a filesystem pair the kernel cannot copy between: through user space
-            fa.seek(done)
-            fb.seek(done)
-            shutil.copyfileobj(fa, fb, 16 << 20)
-            done = n
-        if done < n:  # pragma: no cover - the file shrank while being copied
-            raise UnickptError(f"{a}: ended at byte {done} while copying {n} bytes to {b}")
-        fb.flush()
-        if fsync:
-            os.fsync(fb.fileno())

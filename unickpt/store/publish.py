@@ -133,6 +133,7 @@ __all__ = [
     "object_time",
     "listing_times",
     "checkpoint_directory",
+    "copy_files",
     "rename_aside",
     "install_step",
     "commit_step",
@@ -833,6 +834,35 @@ def checkpoint_directory(path: str) -> str:
 
 
 # ----------------------------------------------------------------------------- a manager step, locally
+
+
+def copy_files(src: str, dst: str, *, fsync: bool = True) -> None:
+    """Give the local directory ``dst`` a copy of every regular, non-hidden file of ``src``, each
+    a file of its own (a manager step's ``hf/`` beside its ``model/``: an edit of the copy never
+    writes through to the checkpoint). The bytes move in the kernel (``LocalStorage.copy_range``:
+    a copy-on-write clone where the file system makes one), in bounded memory; with ``fsync``
+    every copy and ``dst`` itself are durable when this returns."""
+    storage = LocalStorage(src)
+    makedirs_durable(dst, fsync=fsync)
+    for name in storage.listdir(src):
+        a = storage.join(src, name)
+        if name.startswith(".") or not os.path.isfile(a):
+            continue
+        h = storage.open_read(a)
+        try:
+            fd = h.descriptor()
+            assert fd is not None  # a local file
+            out = storage.open_range(storage.join(dst, name), size=h.size)
+            try:
+                storage.copy_range(fd, 0, out, 0, h.size)
+                if fsync:
+                    out.sync()
+            finally:
+                out.close()
+        finally:
+            h.close()
+    if fsync:
+        fsync_dir(dst)
 
 
 def rename_aside(directory: str, path: str, step: int, kind: str) -> str:
