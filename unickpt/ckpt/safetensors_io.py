@@ -27,7 +27,7 @@ from unickpt.errors import HeaderError
 from unickpt.spec.bounds import MAX_HEADER_BYTES as _MAX_HEADER_BYTES
 from unickpt.spec.dtypes import DTYPE_ITEMSIZE
 from unickpt.spec.safetensors_bulk import MAX_NDIM, HeaderEntries, parse_header
-from unickpt.store.storage import LocalStorage, Storage, Writeback
+from unickpt.store.storage import LocalStorage, Storage, Writeback, open_storage
 
 __all__ = [
     "MAX_HEADER_BYTES",
@@ -60,13 +60,15 @@ class SafetensorsHeader:
 
 
 def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
-    """Read and validate the header of a local safetensors file. Reads only the header bytes.
+    """Read and validate the header of the safetensors file ``path`` (a path or a URL). Reads only
+    the header bytes.
 
-    The file is opened as every local read opens one (``LocalStorage.open_read``: a missing file,
+    The file is opened as every read opens one (``Storage.open_read``; locally a missing file,
     a directory, a symbolic link loop or anything but a regular file refused with its messages).
     """
     p = os.fspath(path)
-    handle = LocalStorage(os.path.dirname(p) or ".").open_read(p)
+    storage, where = open_storage(p)
+    handle = storage.open_read(where)
     try:
         return header_from_bytes(handle.pread(0, min(handle.size, 8)), handle.size, p, handle.pread)
     finally:

@@ -846,7 +846,7 @@ def copy_files(src: str, dst: str, *, fsync: bool = True) -> None:
     makedirs_durable(dst, fsync=fsync)
     for name in storage.listdir(src):
         a = storage.join(src, name)
-        if name.startswith(".") or not os.path.isfile(a):
+        if name.startswith(".") or not storage.is_file(a):
             continue
         h = storage.open_read(a)
         try:

@@ -62,6 +62,12 @@ __all__ = [
     "Storage",
     "compared_location",
     "process_reachable",
+    "list_location",
+    "is_file_location",
+    "is_dir_location",
+    "open_file_location",
+    "confined_location",
+    "parent_location",
     "LocalStorage",
     "FsspecStorage",
     "ReadHandle",
@@ -468,6 +474,16 @@ class Storage:
     def exists(self, path: str) -> bool:
         raise NotImplementedError
 
+    def is_file(self, path: str) -> bool:
+        """True when ``path`` is a file (an object), not a directory (a prefix) or nothing."""
+        raise NotImplementedError
+
+    def open_file(self, path: str) -> BinaryIO:
+        """``path`` as a seekable binary file object, for libraries that read from one
+        (``torch.load``); ranged reads on a store, no local copy. ``IncompleteCheckpointError``
+        when it is missing."""
+        raise NotImplementedError
+
     def size(self, path: str) -> int:
         raise NotImplementedError
 
@@ -749,6 +765,15 @@ class LocalStorage(Storage):
     def exists(self, path: str) -> bool:
         return os.path.lexists(path)
 
+    def is_file(self, path: str) -> bool:
+        return os.path.isfile(path)
+
+    def open_file(self, path: str) -> BinaryIO:
+        try:
+            return open(path, "rb")
+        except (FileNotFoundError, NotADirectoryError):
+            raise IncompleteCheckpointError(f"{path} is missing") from None
+
     def size(self, path: str) -> int:
         return os.stat(path).st_size
 
@@ -925,6 +950,17 @@ class FsspecStorage(Storage):
     def exists(self, path: str) -> bool:
         return bool(self.fs.exists(path))
 
+    def is_file(self, path: str) -> bool:
+        return bool(self.fs.isfile(path))
+
+    def open_file(self, path: str) -> BinaryIO:
+        try:
+            f: BinaryIO = self.fs.open(path, "rb")
+        except FileNotFoundError:
+            shown = path if "://" in path else f"{self.protocol}://{path}"
+            raise IncompleteCheckpointError(f"{shown} is missing") from None
+        return f
+
     def size(self, path: str) -> int:
         return int(self.fs.size(path))
 
@@ -1016,6 +1052,62 @@ def compared_location(checkpoint: Any) -> str:
     if is_url(p):
         return p
     return os.path.abspath(p.removeprefix("file://"))
+
+
+def list_location(location: str | os.PathLike[str]) -> list[str]:
+    """The names directly below the directory ``location`` (a path or a URL), sorted;
+    ``IncompleteCheckpointError`` naming it when it does not exist or is not a directory."""
+    s = os.fspath(location)
+    storage, path = open_storage(s)
+    names = storage.listdir(path)
+    if not names:
+        if storage.is_file(path):
+            raise IncompleteCheckpointError(f"{s} is not a directory")
+        if not storage.exists(path):
+            raise IncompleteCheckpointError(f"{s} does not exist")
+    return names
+
+
+def is_file_location(location: str | os.PathLike[str]) -> bool:
+    """Whether ``location`` (a path or a URL) is a file (an object)."""
+    storage, path = open_storage(location)
+    return storage.is_file(path)
+
+
+def is_dir_location(location: str | os.PathLike[str]) -> bool:
+    """Whether ``location`` (a path or a URL) is a directory (on a store: a prefix with objects)."""
+    storage, path = open_storage(location)
+    return bool(storage.listdir(path)) or (storage.exists(path) and not storage.is_file(path))
+
+
+def open_file_location(location: str | os.PathLike[str]) -> BinaryIO:
+    """``location`` (a path or a URL) as a seekable binary file object (:meth:`Storage.open_file`)."""
+    storage, path = open_storage(location)
+    return storage.open_file(path)
+
+
+def confined_location(base: str | os.PathLike[str], name: str, where: str, entry: str) -> str:
+    """The location of ``name``, read from a file (``where``'s ``entry``), below the directory
+    ``base`` (a path or a URL), and nothing else (:meth:`Storage.confined`: a plain name; locally
+    no symbolic link out of ``base`` either); ``UnsafePathError`` otherwise."""
+    s = os.fspath(base)
+    storage, root = open_storage(s)
+    path = storage.confined(root, name, where, entry)
+    return (
+        path
+        if storage.local_path(path) is not None
+        else join_location(s.rstrip("/"), posixpath.basename(path))
+    )
+
+
+def parent_location(location: str | os.PathLike[str]) -> str:
+    """The directory holding ``location``: a URL's parent prefix, a local path's absolute parent."""
+    s = os.fspath(location)
+    return (
+        posixpath.dirname(s.rstrip("/"))
+        if is_url(s)
+        else os.path.dirname(os.path.abspath(s.removeprefix("file://")))
+    )
 
 
 def join_location(location: str | os.PathLike[str], name: str) -> str:

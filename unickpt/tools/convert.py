@@ -214,11 +214,6 @@ def convert_checkpoint(
     out_storage, out_root = open_storage(out_s)
     src_remote = src_storage.local_path(src_root) is None
     out_remote = out_storage.local_path(out_root) is None
-    if src_remote and source in ("colossalai", "deepspeed"):
-        raise UnsupportedError(
-            f"convert --from {source}: {src_s} is a URL; this importer reads local directories only "
-            "(copy the checkpoint to local disk first)"
-        )
     if out_remote:
         StoreOutput.check(out_s)  # refuse a used prefix before reading anything
     out_s = output_location(out_s)

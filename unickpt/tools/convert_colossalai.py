@@ -29,7 +29,14 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, UnsupportedError
-from unickpt.spec.confine import confined_path
+from unickpt.store.publish import read_small_file
+from unickpt.store.storage import (
+    confined_location,
+    is_dir_location,
+    is_file_location,
+    join_location,
+    parent_location,
+)
 
 if TYPE_CHECKING:
     from unickpt.store.publish import Sink
@@ -55,7 +62,7 @@ def _file(directory: str, name: object, idx: str, entry: str) -> str:
     ``.bin``/``.safetensors`` name of ``directory`` (``format.confine``), no link out of it."""
     from unickpt.spec.index import check_file_name
 
-    return confined_path(directory, check_file_name(name, f"{idx}: {entry}"), idx, entry)  # type: ignore[arg-type]
+    return confined_location(directory, check_file_name(name, f"{idx}: {entry}"), idx, entry)  # type: ignore[arg-type]
 
 
 #: Largest index JSON read (a weight_map of 10^5 tensor names is about 10 MB).
@@ -66,15 +73,13 @@ def _read_json(path: str) -> dict[str, Any]:
     from unickpt.spec._json import strict_loads
 
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > _MAX_JSON:
-                raise CheckpointFormatError(
-                    f"{path}: {size} bytes, over the {_MAX_JSON}-byte limit of an index file"
-                )
-            raw = f.read(_MAX_JSON + 1)
+        raw = read_small_file(path, limit=_MAX_JSON)
     except FileNotFoundError:
         raise IncompleteCheckpointError(f"{path} is missing") from None
+    except OSError as e:  # larger than the limit
+        raise CheckpointFormatError(
+            f"{path}: over the {_MAX_JSON}-byte limit of an index file ({e})"
+        ) from None
     if len(raw) > _MAX_JSON:
         raise CheckpointFormatError(f"{path}: over the {_MAX_JSON}-byte limit of an index file")
     try:
@@ -89,8 +94,8 @@ def _read_json(path: str) -> dict[str, Any]:
 def _checkpoint_shapes(model_dir: str) -> list[tuple[str, tuple[int, ...]]]:
     """``(name, shape)`` of every tensor of a model checkpoint directory, in stored order."""
     for idx_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        idx = os.path.join(model_dir, idx_name)
-        if os.path.isfile(idx):
+        idx = join_location(model_dir, idx_name)
+        if is_file_location(idx):
             wm = _read_json(idx).get("weight_map")
             if not isinstance(wm, dict):
                 raise CheckpointFormatError(f"{idx}: no weight_map object")
@@ -100,7 +105,7 @@ def _checkpoint_shapes(model_dir: str) -> list[tuple[str, tuple[int, ...]]]:
         single = [
             f
             for f in ("model.safetensors", "pytorch_model.bin")
-            if os.path.isfile(os.path.join(model_dir, f))
+            if is_file_location(join_location(model_dir, f))
         ]
         if not single:
             raise IncompleteCheckpointError(
@@ -184,14 +189,14 @@ def convert_colossalai_optimizer(
     from unickpt.tools._torch import st_of, tensor_bytes
     from unickpt.tools._write import SliceData, TensorData, write_checkpoint
 
-    idx = os.path.join(src, INDEX)
-    if not os.path.isfile(idx):
+    idx = join_location(src, INDEX)
+    if not is_file_location(idx):
         raise IncompleteCheckpointError(
             f"{src} is not a Colossal-AI sharded optimizer checkpoint: no {INDEX}"
         )
     if model is None:
-        sibling = os.path.join(os.path.dirname(os.path.abspath(src)), "model")
-        if not os.path.isdir(sibling):
+        sibling = join_location(parent_location(src), "model")
+        if not is_dir_location(sibling):
             raise UnsupportedError(
                 f"{src}: Colossal-AI optimizer state is keyed by position; give the model (--model DIR, "
                 "or model= in Python) to map positions to parameter names"

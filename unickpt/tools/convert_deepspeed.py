@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
-import os
+import posixpath
 import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -51,7 +51,14 @@ from unickpt.errors import (
     UnsafePathError,
     UnsupportedError,
 )
-from unickpt.spec.confine import confined_path
+from unickpt.store.storage import (
+    confined_location,
+    is_dir_location,
+    is_file_location,
+    join_location,
+    list_location,
+    open_file_location,
+)
 
 if TYPE_CHECKING:
     from unickpt.store.publish import Sink
@@ -86,36 +93,31 @@ def find_step_dir(src: str, tag: str | None = None) -> str:
     """The ``<tag>/`` directory of the checkpoint ``src`` (``tag``, else the ``latest`` file's, else
     the ``latest_universal`` file's: a directory holding only a universal checkpoint), or ``src``
     itself when it already holds the rank files."""
-    tag_file = os.path.join(src, "latest")
+    tag_file = join_location(src, "latest")
     if tag is None:
         if any(_OPTIM.match(n) for n in _listdir(src)) or _is_universal(src):
             return src
-        latest = confined_path(src, "latest", src, "the tag file")
-        if not os.path.isfile(latest):
-            latest = confined_path(src, "latest_universal", src, "the tag file")
-            tag_file = os.path.join(src, "latest_universal")
-        if not os.path.isfile(latest):
+        latest = confined_location(src, "latest", src, "the tag file")
+        if not is_file_location(latest):
+            latest = confined_location(src, "latest_universal", src, "the tag file")
+            tag_file = join_location(src, "latest_universal")
+        if not is_file_location(latest):
             raise IncompleteCheckpointError(
                 f"{src} is not a DeepSpeed checkpoint: no 'latest' or 'latest_universal' file and no "
                 "*_optim_states.pt files"
             )
-        with open(latest, "rb") as f:
+        with open_file_location(latest) as f:
             tag = f.read(4096).decode("utf-8", "replace").strip()
     if not _TAG.match(tag):
         raise UnsafePathError(f"{tag_file}: checkpoint tag {tag[:300]!r} is not a plain directory name")
-    step_dir = confined_path(src, tag, tag_file, "checkpoint tag")
-    if not os.path.isdir(step_dir):
+    step_dir = confined_location(src, tag, tag_file, "checkpoint tag")
+    if not is_dir_location(step_dir):
         raise IncompleteCheckpointError(f"{src}: the tag {tag!r} names no directory")
     return step_dir
 
 
 def _listdir(d: str) -> list[str]:
-    try:
-        return sorted(os.listdir(d))
-    except FileNotFoundError:
-        raise IncompleteCheckpointError(f"{d} does not exist") from None
-    except NotADirectoryError:
-        raise IncompleteCheckpointError(f"{d} is not a directory") from None
+    return list_location(d)
 
 
 def _rank_files(step_dir: str) -> tuple[list[str], list[str]]:
@@ -129,7 +131,7 @@ def _rank_files(step_dir: str) -> tuple[list[str], list[str]]:
                     f"{step_dir}: {n} belongs to model-parallel rank {int(m.group(2))}; only data-parallel "
                     "ZeRO checkpoints (mp_rank_00) are imported"
                 )
-            optim[int(m.group(1))] = confined_path(step_dir, n, step_dir, "optimizer file")
+            optim[int(m.group(1))] = confined_location(step_dir, n, step_dir, "optimizer file")
         elif n.endswith("_optim_states.pt"):
             raise UnsupportedError(f"{step_dir}: {n} is not a ZeRO or BF16_Optimizer optimizer file")
     models = [n for n in names if _MODEL.match(n)]
@@ -145,12 +147,17 @@ def _rank_files(step_dir: str) -> tuple[list[str], list[str]]:
         )
     ranks = [optim[r] for r in range(len(optim))]
     if "mp_rank_00_model_states.pt" in names:  # stage 1/2: one model states file
-        return [confined_path(step_dir, "mp_rank_00_model_states.pt", step_dir, "model states file")], ranks
+        return [
+            confined_location(step_dir, "mp_rank_00_model_states.pt", step_dir, "model states file")
+        ], ranks
     z3 = [
-        confined_path(step_dir, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt", step_dir, "model states file")
+        confined_location(
+            step_dir, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt", step_dir, "model states file"
+        )
         for r in range(len(optim))
     ]
-    if not all(os.path.isfile(f) for f in z3):
+    listed = set(names)
+    if not all(posixpath.basename(f) in listed for f in z3):
         raise IncompleteCheckpointError(
             f"{step_dir}: no mp_rank_00_model_states.pt, nor zero_pp_rank_<r>_mp_rank_00_model_states.pt "
             f"for each of the {len(optim)} ranks"
@@ -197,8 +204,8 @@ def _read(src: str, tag: str | None) -> DeepSpeedCheckpoint:
     _take_model_states(out, ms, module)
 
     osds = [_get(load_deepspeed_file(p), _OSD, p) for p in optim_paths]
-    bf16 = os.path.basename(optim_paths[0]).startswith("bf16_")
-    if any(os.path.basename(p).startswith("bf16_") != bf16 for p in optim_paths):
+    bf16 = posixpath.basename(optim_paths[0]).startswith("bf16_")
+    if any(posixpath.basename(p).startswith("bf16_") != bf16 for p in optim_paths):
         raise CheckpointFormatError(
             f"{step_dir}: mixes bf16_zero_pp_rank_* and zero_pp_rank_* optimizer files"
         )
@@ -261,7 +268,7 @@ def _take_model_states(out: DeepSpeedCheckpoint, ms: dict[str, Any], module: dic
 
 def _is_universal(step_dir: str) -> bool:
     """A universal checkpoint step (``ds_to_universal``'s ``<tag>_universal/``)."""
-    return os.path.isfile(os.path.join(step_dir, "zero", "optimizer_state.pt"))
+    return is_file_location(join_location(step_dir, "zero/optimizer_state.pt"))
 
 
 def _read_universal(step_dir: str) -> DeepSpeedCheckpoint:
@@ -275,13 +282,13 @@ def _read_universal(step_dir: str) -> DeepSpeedCheckpoint:
     from unickpt.io.tensors import normalize_name
     from unickpt.tools.deepspeed_read import load_deepspeed_file, load_deepspeed_tensor
 
-    model_path = os.path.join(step_dir, "mp_rank_00_model_states.pt")
+    model_path = join_location(step_dir, "mp_rank_00_model_states.pt")
     ms = load_deepspeed_file(model_path)
     module = _get(ms, "module", model_path)
     param_shapes = _get(ms, "param_shapes", model_path)
     if not isinstance(module, dict) or not isinstance(param_shapes, list):
         raise CheckpointFormatError(f"{model_path}: 'module' or 'param_shapes' has the wrong type")
-    optim_path = os.path.join(step_dir, "zero", "optimizer_state.pt")
+    optim_path = join_location(step_dir, "zero/optimizer_state.pt")
     osd = load_deepspeed_file(optim_path)
     groups = _get(osd, "param_groups", optim_path)
     if not isinstance(groups, list) or len(groups) != len(param_shapes):
@@ -303,10 +310,10 @@ def _read_universal(step_dir: str) -> DeepSpeedCheckpoint:
             if not isinstance(name, str) or not _TAG.match(name) or ".." in name:
                 raise UnsafePathError(f"{model_path}: parameter name {name!r} is not a plain directory name")
             shape = [int(x) for x in shape]
-            where = os.path.join(step_dir, "zero", name)
+            where = join_location(step_dir, f"zero/{name}")
             tensors: dict[str, Any] = {}
             for key in ("fp32", "exp_avg", "exp_avg_sq"):
-                f = os.path.join(where, f"{key}.pt")
+                f = join_location(where, f"{key}.pt")
                 got = load_deepspeed_file(f).get("param")
                 if not isinstance(got, torch.Tensor) or list(got.shape) != shape:
                     raise CheckpointFormatError(
@@ -315,8 +322,8 @@ def _read_universal(step_dir: str) -> DeepSpeedCheckpoint:
                     )
                 tensors[key] = got
             state: dict[str, Any] = {"exp_avg": tensors["exp_avg"], "exp_avg_sq": tensors["exp_avg_sq"]}
-            step_file = os.path.join(where, "step.pt")
-            if os.path.isfile(step_file):
+            step_file = join_location(where, "step.pt")
+            if is_file_location(step_file):
                 state["step"] = load_deepspeed_tensor(step_file)
             fqn = normalize_name(name)
             fqns.append(fqn)

@@ -34,6 +34,7 @@ import torch
 
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, UnsupportedError
 from unickpt.spec.confine import check_graph
+from unickpt.store.storage import open_file_location
 
 __all__ = [
     "load_deepspeed_file",
@@ -103,20 +104,30 @@ def load_restricted(path: str, what: str, stand_ins: list[Any] | None = None) ->
     :class:`UnsupportedError` for a global it refuses or the legacy format,
     :class:`CheckpointFormatError` for a damaged, self-containing or too deeply nested object."""
     try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except FileNotFoundError:
+        f = open_file_location(path)
+    except IncompleteCheckpointError:
         raise IncompleteCheckpointError(f"{path} is missing") from None
     except OSError as e:
         raise CheckpointFormatError(f"{path}: cannot be read ({e.strerror})") from None
-    if magic != b"PK\x03\x04":
-        raise UnsupportedError(
-            f"{path}: not a torch zip file (torch.save's format since torch 1.6); the legacy format "
-            f"is not read (re-save it with a current torch) or the file is no {what} file"
-        )
+    with f:
+        try:
+            magic = f.read(4)
+        except OSError as e:
+            raise CheckpointFormatError(f"{path}: cannot be read ({e.strerror})") from None
+        if magic != b"PK\x03\x04":
+            raise UnsupportedError(
+                f"{path}: not a torch zip file (torch.save's format since torch 1.6); the legacy format "
+                f"is not read (re-save it with a current torch) or the file is no {what} file"
+            )
+        f.seek(0)
+        return _load_zip(f, path, what, stand_ins)
+
+
+def _load_zip(f: Any, path: str, what: str, stand_ins: list[Any] | None) -> Any:
+    """``torch.load(weights_only=True)`` of the open torch zip file ``f`` (at ``path``)."""
     try:
         with torch.serialization.safe_globals(stand_ins or []):
-            obj = torch.load(path, map_location="cpu", weights_only=True)
+            obj = torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         m = re.search(r"(?:GLOBAL|global) ([\w.]+)", str(e))
         which = f"{m.group(1)}, which" if m else "objects"

@@ -234,3 +234,64 @@ def test_a_failure_part_way_leaves_nothing_on_the_store(
     assert s3.received("PUT") > 0  # something was uploaded before the failure
     assert s3.objects(url) == {}
     assert s3.open_uploads(s3.bucket) == []
+
+
+def _upload(s3: Any, local: Path, prefix: str) -> str:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3.endpoint)
+    for f in sorted(local.rglob("*")):
+        if f.is_file():
+            client.put_object(
+                Bucket=s3.bucket, Key=f"{prefix}/{f.relative_to(local).as_posix()}", Body=f.read_bytes()
+            )
+    return f"s3://{s3.bucket}/{prefix}"
+
+
+@pytest.mark.parametrize(
+    "case", ["zero1_ws2", "zero3_ws2", "bf16_zero1_ws2", "ucp_zero2_ws2/ckpt/global_step3_universal"]
+)
+def test_deepspeed_import_from_a_store_is_the_local_import(s3, tmp_path, case: str) -> None:
+    """A DeepSpeed checkpoint read in place on a store (its ``latest`` tag, rank files and, for a
+    universal checkpoint, its per-parameter files; every pickle through the same allowlist)
+    converts to exactly the checkpoint its local copy converts to: every tensor bit-exact."""
+    src = DATA / "deepspeed" / case if "/" in case else DATA / "deepspeed" / case / "ckpt"
+    url = _upload(s3, src, f"in-{case.split('/')[0]}")
+    local = tmp_path / "local"
+    convert_checkpoint(src, local, source="deepspeed")
+    out = tmp_path / "from-url"
+    convert_checkpoint(url, out, source="deepspeed")
+    for kind in ("model", "optimizer"):
+        with open_checkpoint(str(out), kind) as a, open_checkpoint(str(local), kind) as b:
+            ta, tb = full_tensors(a), full_tensors(b)
+            assert _equal(dict(sorted(ta.items())), dict(sorted(tb.items()))), kind
+    assert (out / "lr_scheduler.json").exists() == (local / "lr_scheduler.json").exists()
+    # A tag that names no directory of the store is refused naming it.
+    import boto3
+
+    if "/" not in case:
+        boto3.client("s3", endpoint_url=s3.endpoint).put_object(
+            Bucket=s3.bucket, Key=f"in-{case}/latest", Body=b"global_step99"
+        )
+        from unickpt.errors import IncompleteCheckpointError
+
+        with pytest.raises(IncompleteCheckpointError, match=r"the tag 'global_step99' names no directory"):
+            convert_checkpoint(url, tmp_path / "none", source="deepspeed")
+
+
+@pytest.mark.parametrize("model_given", [False, True], ids=["model-beside", "model-url"])
+def test_colossalai_import_from_a_store_is_the_local_import(s3, tmp_path, model_given: bool) -> None:
+    """A Colossal-AI optimizer checkpoint and its model, read in place on a store (the optimizer
+    index, its pickled shards through the allowlist, the model's tensor shapes from its index and
+    files; the model found beside the optimizer or given as a URL): exactly what its local copy
+    converts to, every tensor bit-exact."""
+    src = DATA / "colossalai" / "one_group"
+    url = _upload(s3, src, f"colo-in-{model_given}")
+    local = tmp_path / "local"
+    convert_checkpoint(src / "optimizer", local, source="colossalai")
+    out = tmp_path / "from-url"
+    model = f"{url}/model" if model_given else None
+    convert_checkpoint(f"{url}/optimizer", out, source="colossalai", model=model)
+    with open_checkpoint(str(out), "optimizer") as a, open_checkpoint(str(local), "optimizer") as b:
+        ta, tb = full_tensors(a), full_tensors(b)
+        assert ta and _equal(dict(sorted(ta.items())), dict(sorted(tb.items())))

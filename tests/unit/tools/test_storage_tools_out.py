@@ -175,8 +175,13 @@ def test_convert_from_and_to_urls(s3, tmp_path) -> None:
 
 def test_convert_url_refusals(s3, tmp_path, capsys) -> None:
     url = f"s3://{s3.bucket}/src"
+    # A URL source is read in place like a local one: an empty prefix is no checkpoint.
     assert main(["convert", url, str(tmp_path / "o"), "--from", "colossalai", "-q"]) == 2
-    assert "convert --from colossalai: s3://" in capsys.readouterr().err
+    assert f"{url} is not a Colossal-AI sharded optimizer checkpoint: no pytorch_optim.bin.index.json" in (
+        capsys.readouterr().err
+    )
+    assert main(["convert", url, str(tmp_path / "o"), "--from", "deepspeed", "-q"]) == 2
+    assert f"{url} does not exist" in capsys.readouterr().err
     _, used = _saved(s3, tmp_path, "ckpt")
     assert main(["convert", used, used, "--to", "dcp", "-q"]) == 2
     assert f"{used} already holds" in capsys.readouterr().err
