@@ -851,7 +851,8 @@ def copy_files(src: str, dst: str, *, fsync: bool = True) -> None:
         h = storage.open_read(a)
         try:
             fd = h.descriptor()
-            assert fd is not None  # a local file
+            if fd is None:  # pragma: no cover - a local file always has one
+                raise UnsupportedError(f"{a}: no file descriptor to copy from")
             out = storage.open_range(storage.join(dst, name), size=h.size)
             try:
                 storage.copy_range(fd, 0, out, 0, h.size)
