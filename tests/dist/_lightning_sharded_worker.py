@@ -165,3 +165,64 @@ def _failed_save(trainer: Any, bad: Any, ckpt: str) -> dict[str, Any]:
         "unchanged": state.read_bytes() == before,
         "listing_same": sorted(os.listdir(parent)) == listing,
     }
+
+
+def train_and_resume_on_a_store(url: str, env: dict[str, str], kind: str) -> dict[str, Any]:
+    """As :func:`train_and_resume` with ``ModelCheckpoint(dirpath=url)`` on an object store (every
+    rank writes its slices there, rank 0 commits ``lightning.json`` last), then a save over the
+    epoch 0's checkpoint failing on rank 0 alone: on a store the old one was un-committed first,
+    so it is gone whole (no object of it left), never half replaced."""
+    os.environ.update(env)
+    os.environ.setdefault("TORCHELASTIC_RUN_ID", "unickpt-tests")
+    import fsspec
+    import lightning.pytorch as pl
+
+    def trainer(epochs: int, **kw: Any) -> Any:
+        return pl.Trainer(
+            default_root_dir=None,
+            max_epochs=epochs,
+            accelerator="cpu",
+            devices=dist.get_world_size(),
+            strategy=_strategy(kind),
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            **kw,
+        )
+
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    ckpt = f"{url}/epoch=1-step=8.ckpt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        full = _module(kind)
+        trainer(4, enable_checkpointing=False).fit(full, _data())
+        first = _module(kind)
+        cb = pl.callbacks.ModelCheckpoint(dirpath=url, save_top_k=-1)
+        bad = _Unencodable()
+        t1 = trainer(2, callbacks=[cb, bad])
+        t1.fit(first, _data())
+        listing = sorted(p.rsplit("/", 1)[1] for p in fs.ls(ckpt.removeprefix("s3://"), detail=False))
+        # A save over epoch 0's checkpoint that rank 0 cannot write (a callback's state).
+        over = f"{url}/epoch=0-step=4.ckpt"
+        bad.on = True
+        try:
+            t1.save_checkpoint(over)
+            raised: tuple[str, str] | None = None
+        except Exception as e:
+            raised = (type(e).__name__, str(e))
+        bad.on = False
+        dist.barrier()
+        fs.invalidate_cache()
+        left = fs.find(over.removeprefix("s3://"))
+        second = _module(kind)
+        t2 = trainer(4, enable_checkpointing=False)
+        t2.fit(second, _data(), ckpt_path=ckpt)
+    a, b = _weights(full), _weights(second)
+    return {
+        "full": full.losses,
+        "resumed": first.losses + second.losses,
+        "same_weights": sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a),
+        "ckpt": listing,
+        "raised": raised,
+        "left": left,
+    }

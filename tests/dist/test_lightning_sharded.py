@@ -67,3 +67,20 @@ def test_sharded_strategy_resumes_bit_exact(tmp_path: Path, world_pool: WorldPoo
     )
     names = [f for _, _, files in os.walk(ck) for f in files]
     assert not [f for f in names if f.endswith((".pt", ".bin", ".distcp")) or f == ".metadata"], names
+
+
+def test_sliced_strategy_saves_to_and_resumes_from_a_store(s3: object, world_pool: WorldPool) -> None:
+    """``UnickptModelParallelStrategy`` with ``ModelCheckpoint(dirpath="s3://...")`` (moto's S3):
+    both ranks write their slices to the store, the resume is bit-exact; a save over the
+    checkpoint failing on rank 0 alone raises on both ranks and leaves nothing of it."""
+    url = f"s3://{s3.bucket}/ck"  # type: ignore[attr-defined]
+    env = s3.env()  # type: ignore[attr-defined]
+    results = world_pool.run(2, "_lightning_sharded_worker:train_and_resume_on_a_store", url, env, "fsdp2", timeout=240)
+    for r in (0, 1):
+        res = results[r]
+        assert len(res["full"]) == 16 and res["resumed"] == res["full"], res
+        assert res["same_weights"], res
+        assert res["ckpt"] == [STATE_FILE, "model", "optimizer_0", "state"], res
+        assert res["left"] == [], res["left"]
+    assert results[0]["raised"][0] == "UnsupportedError", results[0]["raised"]
+    assert results[1]["raised"][0] == "DistributedError", results[1]["raised"]
