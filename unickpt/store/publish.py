@@ -1449,7 +1449,7 @@ def open_parts(
                 location, path, names = aside, aside, [commit_name]
                 break
     if commit_name not in names:
-        if names:
+        if names or (storage.atomic_rename and os.path.isdir(path)):
             found = f"no {commit_name}; not a committed checkpoint"
         elif storage.atomic_rename and os.path.lexists(path):
             found = "found a file, not a checkpoint directory"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import uuid
 from pathlib import Path
 
@@ -198,3 +199,18 @@ def test_parts_output_puts_back_a_copy_left_aside(tmp_path: Path) -> None:
         IncompleteCheckpointError, match=r"last\.ckpt: no state\.json; not a committed checkpoint"
     ):
         open_parts(str(target), "state.json")
+
+
+def test_open_parts_names_what_it_found(tmp_path: Path) -> None:
+    from unickpt.errors import IncompleteCheckpointError
+    from unickpt.store.publish import open_parts
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_bytes(b"x")
+    for name, found in (
+        ("empty", "no state.json; not a committed checkpoint"),
+        ("file", "found a file, not a checkpoint directory"),
+        ("nothing", "missing"),
+    ):
+        with pytest.raises(IncompleteCheckpointError, match=rf"{name}: {re.escape(found)}$"):
+            open_parts(str(tmp_path / name), "state.json")
