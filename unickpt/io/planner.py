@@ -8,19 +8,16 @@ inputs; no further coordination is needed to agree on file names.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from unickpt.ckpt.writer import group_files
 from unickpt.errors import StateMismatchError
 from unickpt.spec.boxes import coverage_problem
 from unickpt.spec.dtypes import itemsize
 from unickpt.spec.naming import shard_name, single_name, slice_key
-from unickpt.spec.slice_table import SliceTable
 
-__all__ = ["SliceMeta", "PlannedSlice", "PlannedFile", "SavePlan", "plan_save", "plan_tables"]
+__all__ = ["SliceMeta", "PlannedSlice", "PlannedFile", "SavePlan", "plan_save"]
 
 # (name, dtype, global_shape, offsets, shape)
 SliceMeta = tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]
@@ -150,22 +147,3 @@ def plan_save(
         )
         files.append(PlannedFile(fname, r, list(members)))
     return SavePlan(tensors, files, slices, sliced)
-
-
-def plan_tables(plan: SavePlan, hashes: Mapping[str, str | None] | None = None) -> dict[str, SliceTable]:
-    """Each tensor's slices in ``plan`` as a ``SliceTable`` (files indexing one shared table of the
-    plan's files; keys by the ``NAME@K`` rule when sliced), with ``hashes[name]`` (the slice
-    hashes concatenated) when given: what ``tensor_entry`` takes to build an index without a
-    ``SliceEntry`` per slice."""
-    files = [f.name for f in plan.files]
-    fid = {id(ps): i for i, f in enumerate(plan.files) for ps in f.slices}
-    out: dict[str, SliceTable] = {}
-    for name, (_, gshape) in plan.tensors.items():
-        planned = plan.slices[name]
-        n, nd = len(planned), len(gshape)
-        offs = np.array([ps.offsets for ps in planned], dtype=np.int64).reshape(n, nd)
-        shps = np.array([ps.shape for ps in planned], dtype=np.int64).reshape(n, nd)
-        ids = np.array([fid[id(ps)] for ps in planned], dtype=np.int64)
-        keys = None if plan.sliced else [ps.key for ps in planned]
-        out[name] = SliceTable(name, gshape, offs, shps, ids, files, keys, (hashes or {}).get(name))
-    return out

@@ -9,8 +9,9 @@ import pytest
 
 from unickpt.ckpt.writer import build_block, build_index, tensor_entry
 from unickpt.io.load import _needed_slices
-from unickpt.io.planner import plan_save, plan_tables
+from unickpt.io.planner import plan_save
 from unickpt.io.tensors import LocalSlice
+from unickpt.io.write_strategy import SaveOptions, build_save_block
 from unickpt.spec.index import (
     FORMAT_VERSION,
     MAX_INDEX_BYTES,
@@ -68,28 +69,28 @@ def _fsdp_index(
     world: int, model: list[tuple[str, tuple[int, ...]]] | None = None, dtype: str = "F32"
 ) -> tuple[bytes, int]:
     """The model index of an FSDP2 save of ``model`` (default ``_small_model``) on ``world`` ranks
-    (Shard(0) of every tensor, one file per rank), built as a save builds it: plan, tables,
-    hashes, fingerprints."""
+    (Shard(0) of every tensor, one file per rank), built by the save's own block builder
+    (``build_save_block``) from the plan and each slice's hash and fingerprint partial."""
     rng = random.Random(world)
     per_rank = [[] for _ in range(world)]  # type: list[list[tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]]
     for name, shape in model or _small_model():
         for r, (o, n) in enumerate(_chunks(shape[0], world)):
             per_rank[r].append((name, dtype, shape, (o, *[0] * (len(shape) - 1)), (n, *shape[1:])))
     plan = plan_save(per_rank, kind="model", size_per_shard_bytes=None, sliced=True)
-    hashes = {n: "".join(f"{rng.getrandbits(64):016x}" for _ in sl) for n, sl in plan.slices.items()}
-    tables = plan_tables(plan, hashes)
-    entries = {
-        n: tensor_entry(n, dtype, shape, tables[n], [rng.getrandbits(60)])
-        for n, (dtype, shape) in plan.tensors.items()
+    # What each slice's writer returns: its xxh3 and its fingerprint partial.
+    results = {
+        (n, ps.k): (f"{rng.getrandbits(64):016x}", rng.getrandbits(60))
+        for n, sl in plan.slices.items()
+        for ps in sl
     }
-    block = build_block(
+    opts = SaveOptions(
         kind="model",
-        created_by="unickpt 0.1.0",
+        shard=True,
+        gather=False,
+        size_per_shard_mb=1024,
         layout=LayoutInfo(plugin="fsdp2", world_size=world, mesh={"dp": world}, gathered=False),
-        tensors=entries,
-        aliases={},
-        save_id=f"{rng.getrandbits(128):032x}",
     )
+    block = build_save_block(plan, results, opts, {}, None, None, save_id=f"{rng.getrandbits(128):032x}")
     return index_to_json(build_index(block, sliced=True)), sum(len(sl) for sl in plan.slices.values())
 
 
