@@ -75,23 +75,30 @@ def _weights(module: Any) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in sd.items()}
 
 
-def train_and_resume(root: str, kind: str) -> dict[str, Any]:
-    """4 epochs straight; 2 epochs saving each; 2 more resumed from epoch 1's checkpoint."""
+def _trainer(kind: str, epochs: int, root: str | None, **kw: Any) -> Any:
+    """A Lightning ``Trainer`` over this world (every process a device) with ``kind``'s strategy."""
     os.environ.setdefault("TORCHELASTIC_RUN_ID", "unickpt-tests")  # Lightning joins this world
     import lightning.pytorch as pl
 
+    return pl.Trainer(
+        default_root_dir=root,
+        max_epochs=epochs,
+        accelerator="cpu",
+        devices=dist.get_world_size(),
+        strategy=_strategy(kind),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kw,
+    )
+
+
+def train_and_resume(root: str, kind: str) -> dict[str, Any]:
+    """4 epochs straight; 2 epochs saving each; 2 more resumed from epoch 1's checkpoint."""
+    import lightning.pytorch as pl
+
     def trainer(epochs: int, name: str, **kw: Any) -> Any:
-        return pl.Trainer(
-            default_root_dir=os.path.join(root, name),
-            max_epochs=epochs,
-            accelerator="cpu",
-            devices=dist.get_world_size(),
-            strategy=_strategy(kind),
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            **kw,
-        )
+        return _trainer(kind, epochs, os.path.join(root, name), **kw)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -173,22 +180,11 @@ def train_and_resume_on_a_store(url: str, env: dict[str, str], kind: str) -> dic
     epoch 0's checkpoint failing on rank 0 alone: on a store the old one was un-committed first,
     so it is gone whole (no object of it left), never half replaced."""
     os.environ.update(env)
-    os.environ.setdefault("TORCHELASTIC_RUN_ID", "unickpt-tests")
     import fsspec
     import lightning.pytorch as pl
 
     def trainer(epochs: int, **kw: Any) -> Any:
-        return pl.Trainer(
-            default_root_dir=None,
-            max_epochs=epochs,
-            accelerator="cpu",
-            devices=dist.get_world_size(),
-            strategy=_strategy(kind),
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            **kw,
-        )
+        return _trainer(kind, epochs, None, **kw)
 
     fs = fsspec.filesystem("s3", skip_instance_cache=True)
     ckpt = f"{url}/epoch=1-step=8.ckpt"

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _writer_kill_worker import build_model, check_step, state_of
 from harness import run_cases
 
 from unickpt import Booster, CheckpointManager
@@ -58,27 +59,6 @@ class _Killer:
         return hits[0][3]
 
 
-def _build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 16))
-    return net, torch.optim.SGD(net.parameters(), lr=0.1)
-
-
-def _state(m: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in m.state_dict().items()}
-
-
-def _check(run: str, step: int, expected: dict[str, torch.Tensor]) -> None:
-    """Collective: ``step`` of ``run`` loads bit-exact on every rank."""
-    net, opt = _build(99)
-    b = Booster(DDPPlugin())
-    model, *_ = b.boost(net, opt)
-    assert CheckpointManager(run, b).load(model, None, resume_from_checkpoint=step) == step
-    got = net.state_dict()
-    for k, v in expected.items():
-        assert torch.equal(got[k], v), (step, k)
-
-
 def _plan(ops: list[tuple[str, str]], full: bool) -> list[int]:
     """Every step (``full``), else the first step of each publishing kind (the staged files'
     creation, data writes, fsyncs, renames) and the last step of the save (after its commit)."""
@@ -104,7 +84,7 @@ def _search(root: str, full: bool) -> dict[str, Any]:
     os.environ["UNICKPT_TEST_WRITER_ROOT"] = base
     sys.path.insert(0, HOOK_DIR)
     try:
-        net, opt = _build(0)
+        net, opt = build_model(0)
         booster = Booster(DDPPlugin())
         model, optim, *_ = booster.boost(net, opt)
         mgr = CheckpointManager(run, booster, save_steps=1, keep_last=None, async_save=True)
@@ -113,7 +93,7 @@ def _search(root: str, full: bool) -> dict[str, Any]:
             with torch.no_grad():
                 for p in net.parameters():
                     p.add_(1.0)
-            return _state(net)
+            return state_of(net)
 
         killer.set(0, "warm")
         mgr.save(1, model, optim)
@@ -125,7 +105,7 @@ def _search(root: str, full: bool) -> dict[str, Any]:
         every: list[list[tuple[str, str]]] = [[] for _ in range(dist.get_world_size())]
         dist.all_gather_object(every, killer.ops("count"))
         assert all(len(o) > 0 for o in every), [len(o) for o in every]
-        step, states = 2, {2: _state(net)}
+        step, states = 2, {2: state_of(net)}
         report: dict[str, Any] = {"ops": [len(o) for o in every], "cases": 0, "committed": 0, "not": 0}
         killed: set[str] = set()
         for victim, ops in enumerate(every):
@@ -160,12 +140,12 @@ def _search(root: str, full: bool) -> dict[str, Any]:
                 assert all(s == steps for s in seen), (victim, k, seen)
                 if step in steps:
                     assert COMMITTED in said, (victim, k, said)
-                    _check(run, step, states[step])
+                    check_step(run, step, states[step])
                     report["committed"] += 1
                 else:
                     assert NOT_COMMITTED in said, (victim, k, said)
                     assert steps[-1] == previous and mgr.latest_step() == previous, (victim, k, steps)
-                    _check(run, previous, states[previous])
+                    check_step(run, previous, states[previous])
                     report["not"] += 1
                 killer.set(0, f"r{victim}-{k}")
                 step += 1
@@ -173,7 +153,7 @@ def _search(root: str, full: bool) -> dict[str, Any]:
                 mgr.save(step, model, optim)
                 mgr.wait()
                 assert mgr.latest_step() == step, (victim, k)
-                _check(run, step, states[step])
+                check_step(run, step, states[step])
                 report["cases"] += 1
         mgr.close()
         kinds: list[set[str]] = [set() for _ in range(dist.get_world_size())]

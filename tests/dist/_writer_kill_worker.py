@@ -22,18 +22,18 @@ from unickpt.io.writer_process import WriterDiedError
 from unickpt.plugins.ddp import DDPPlugin
 
 
-def _build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build_model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     net = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256))
     return net, torch.optim.SGD(net.parameters(), lr=0.1)
 
 
-def _state(m: torch.nn.Module) -> dict[str, torch.Tensor]:
+def state_of(m: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in m.state_dict().items()}
 
 
-def _check(root: str, step: int, expected: dict[str, torch.Tensor]) -> None:
-    net, opt = _build(99)
+def check_step(root: str, step: int, expected: dict[str, torch.Tensor]) -> None:
+    net, opt = build_model(99)
     b = Booster(DDPPlugin())
     model, *_ = b.boost(net, opt)
     assert CheckpointManager(root, b).load(model, None, resume_from_checkpoint=step) == step
@@ -44,13 +44,13 @@ def _check(root: str, step: int, expected: dict[str, torch.Tensor]) -> None:
 
 def _kill_case(root: str) -> dict[str, str]:
     rank = dist.get_rank()
-    net, opt = _build(0)
+    net, opt = build_model(0)
     booster = Booster(DDPPlugin())
     model, optim, *_ = booster.boost(net, opt)
     mgr = CheckpointManager(root, booster, save_steps=1, keep_last=None, async_save=True)
     mgr.save(1, model, optim)
     mgr.wait()
-    step1 = _state(net)
+    step1 = state_of(net)
     with torch.no_grad():
         for p in net.parameters():
             p.add_(1.0)
@@ -77,13 +77,13 @@ def _kill_case(root: str) -> dict[str, str]:
     took = time.monotonic() - t0
     assert took < 60, took
     assert mgr.all_steps() == [1] and mgr.latest_step() == 1
-    _check(root, 1, step1)
-    step3 = _state(net)
+    check_step(root, 1, step1)
+    step3 = state_of(net)
     mgr.save(3, model, optim)
     mgr.wait()
     assert mgr._async.writer.pid not in (None, pid)
     assert mgr.all_steps() == [1, 3]
-    _check(root, 3, step3)
+    check_step(root, 3, step3)
     mgr.close()
     dist.barrier()
     return {"error": err, "seconds": f"{took:.1f}"}
