@@ -44,8 +44,8 @@ from unickpt.spec.confine import check_graph, confined_path
 from unickpt.spec.dtypes import itemsize
 from unickpt.spec.index import LayoutInfo
 from unickpt.spec.naming import HF_SIDE_FILES
-from unickpt.store.publish import Sink, StoreOutput, output_location, output_sink
-from unickpt.store.storage import open_storage
+from unickpt.store.publish import Sink, StoreOutput, output_location, output_sink, read_small_file
+from unickpt.store.storage import confined_location, is_file_location, join_location, open_storage
 from unickpt.tools._common import read_side_files
 from unickpt.tools._merge_mapped import hub_tensor_data
 from unickpt.tools._progress import progress_bar
@@ -72,39 +72,38 @@ def _parse_size(size: int | str) -> int:
 
 
 def _bin_files(src: str) -> list[str]:
-    if os.path.isfile(src):
+    """The locations of the ``.bin`` shards of ``src`` (a path or a URL): the file itself, or
+    those its ``pytorch_model.bin.index.json`` names (each a plain name of the directory, no link
+    out of it), or its ``pytorch_model.bin``."""
+    if is_file_location(src):
         return [src]
-
-    def read(name: str) -> bytes:
-        with open(os.path.join(src, name), "rb") as f:
-            return f.read()
-
     names = bin_shard_names(
-        src, lambda n: os.path.isfile(os.path.join(src, n)), read, partial(os.path.join, src)
+        src,
+        lambda n: is_file_location(join_location(src, n)),
+        lambda n: read_small_file(join_location(src, n)),
+        partial(join_location, src),
     )
-    return [confined_path(src, n, os.path.join(src, BIN_INDEX), "weight_map file") for n in names]
+    return [confined_location(src, n, join_location(src, BIN_INDEX), "weight_map file") for n in names]
 
 
 def _bin_shards(src: str) -> Iterator[tuple[str, Callable[[], Any]]]:
-    """Each ``.bin`` shard of ``src``: its path as messages show it, and its ``torch.load``
-    (``weights_only``): a file with an OS path memory-mapped, an object read from the store
-    through a file object (no local copy)."""
+    """Each ``.bin`` shard of ``src``: its location as messages show it, and its ``torch.load``
+    (``weights_only``)."""
+    for file in _bin_files(src):
+        yield file, partial(_load_bin, file)
+
+
+def _load_bin(location: str) -> Any:
+    """``torch.load(weights_only=True)`` of the ``.bin`` file ``location``: memory-mapped where the
+    store has OS paths (the shard is not read whole), else from a file object on the store
+    (ranged reads, no local copy)."""
     import torch
 
-    storage, root = open_storage(src)
-    if storage.local_path(root) is not None:
-        for file in _bin_files(src):
-            yield file, partial(torch.load, file, map_location="cpu", weights_only=True, mmap=True)
-        return
-    store = StoreSource(src)
-    for file in store.bin_files():
-        yield store.describe(file), partial(_load_object, store, file)
-
-
-def _load_object(store: StoreSource, file: str) -> Any:
-    import torch
-
-    with store.open(file) as f:
+    storage, path = open_storage(location)
+    local = storage.local_path(path)
+    if local is not None:
+        return torch.load(local, map_location="cpu", weights_only=True, mmap=True)
+    with storage.open_file(path) as f:
         return torch.load(f, map_location="cpu", weights_only=True)
 
 

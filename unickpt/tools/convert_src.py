@@ -2,9 +2,9 @@
 
 A DCP checkpoint on a store is read through torch's own fsspec reader (``tools.dcp_read``: the
 ``.metadata`` object with the allowlist unpickler, each data file opened on the store and only
-the byte ranges of the entries asked for read); ``pytorch_model*.bin`` shards are opened on the
-store and read by ``torch.load(weights_only=True)`` from the file object (ranged reads, no copy
-on local disk); side files are read whole. Only the per-rank files of
+the byte ranges of the entries asked for read); side files are read whole. (``pytorch_model*.bin``
+shards, like the DeepSpeed and Colossal-AI files, are read through the storage layer's location
+functions, wherever they lie: ``tools.convert``.) Only the per-rank files of
 ``HuggingFaceStorageWriter(save_distributed=True)`` are fetched into a temporary directory
 first: their slice table is in their safetensors headers, which the merge reads locally.
 """
@@ -12,7 +12,6 @@ first: their slice table is in their safetensors headers, which the merge reads 
 from __future__ import annotations
 
 import os
-import posixpath
 import re
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
@@ -74,7 +73,7 @@ def bin_index_names(raw: bytes, idx: str) -> list[str]:
 
 
 class StoreSource:
-    """A checkpoint directory (or one ``.bin`` file) at ``url``."""
+    """A DCP checkpoint directory (or a torchtitan folder of them) at ``url``."""
 
     def __init__(self, url: str) -> None:
         self.url = url.rstrip("/")
@@ -120,25 +119,3 @@ class StoreSource:
             for n in names:
                 self.fs.get_file(self.storage.join(self.root, n), os.path.join(tmp, n))
             yield tmp
-
-    # ---------------------------------------------------------------- .bin
-    def bin_files(self) -> list[str]:
-        """The storage paths of the ``.bin`` shards, checked as the local reader checks them."""
-        if self.fs.isfile(self.root):
-            return [self.root]
-        names = bin_shard_names(
-            self.url,
-            self.names().__contains__,
-            lambda n: self.storage.read_bytes(self.storage.join(self.root, n)),
-            self.url_of,
-        )
-        return [self.storage.join(self.root, fn) for fn in names]
-
-    def open(self, path: str) -> Any:
-        """A binary file object on the store (seekable; ranged reads)."""
-        return self.fs.open(path, "rb")
-
-    def describe(self, path: str) -> str:
-        """``path`` (a storage path of this source) as a URL, for messages."""
-        rel = posixpath.relpath(path, self.root) if path != self.root else ""
-        return self.url if not rel else self.url_of(rel)
