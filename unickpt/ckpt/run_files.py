@@ -2,12 +2,12 @@
 
 The run commands (``unickpt inspect``/``verify`` on a run or a step, ``tools/run.py``) see a run
 through a :class:`RunFiles`: which directories and files exist, their sizes and times, and the
-bytes of small files. On local disk these are ``os`` calls. At a URL (``s3://``, ``gs://``,
-``memory://``...) the location is listed once, recursively, through ``store/storage.py`` (a few
-listing requests however many steps the run holds); existence, sizes and commit times come from
-that listing, and only the small files a command asks for are fetched. Credentials and endpoints
-come from the store's environment or fsspec's configuration (``--storage-option`` on the command
-line), as for every other command on a URL.
+bytes of small files. The location is listed once, recursively, through its storage
+(``Storage.tree``: a walk of a local directory, a few listing requests on a store however many
+steps the run holds); existence, sizes and commit times come from that listing, and only the
+small files a command asks for are read. Credentials and endpoints come from the store's
+environment or fsspec's configuration (``--storage-option`` on the command line), as for every
+other command on a URL.
 """
 
 from __future__ import annotations
@@ -16,11 +16,10 @@ import datetime
 import errno
 import os
 import posixpath
-from typing import Any
 
-from unickpt.ckpt.safetensors_io import SafetensorsHeader, read_header
-from unickpt.spec.bounds import read_bounded
-from unickpt.store.storage import FsspecStorage, open_storage
+from unickpt.ckpt.safetensors_io import SafetensorsHeader
+from unickpt.errors import HeaderError, IncompleteCheckpointError
+from unickpt.store.storage import Tree, join_location, open_storage
 
 __all__ = ["RunFiles", "SMALL_FILE_LIMIT", "run_location"]
 
@@ -40,142 +39,82 @@ def run_location(location: str | os.PathLike[str]) -> str:
 class RunFiles:
     """Files of a run directory or step directory ``location`` (a local path or a URL).
 
-    Paths handed out and accepted are absolute local paths, or URLs below ``location``. Where the
-    location's storage has OS paths (``Storage.local_path``), these are ``os`` calls; otherwise
-    one recursive listing of the store answers them.
+    Paths handed out and accepted are absolute local paths, or URLs below ``location``; what
+    exists below it is listed once (``Storage.tree``), when first asked.
     """
 
     def __init__(self, location: str | os.PathLike[str]) -> None:
-        loc = os.fspath(location)
-        storage, root = open_storage(loc)
-        local = storage.local_path(root)
-        #: True where the files have OS paths (``os`` calls answer); False on an object store.
-        self.local = local is not None
-        self._listing: dict[str, dict[str, Any]] | None = None
-        self._dirs: set[str] = set()
-        if local is not None:
-            self.root = local
-            return
-        self.root = loc.rstrip("/")
-        if not isinstance(storage, FsspecStorage):  # never: only fsspec stores lack OS paths
-            raise TypeError(f"{self.root}: not an fsspec location")
-        self.storage = storage
-        # What this command sees is the store now: no listing cached by an earlier call in
-        # this process (fsspec keeps one per file system instance) may hide or show a COMMIT.
-        storage.fs.invalidate_cache()
+        self.root = run_location(location)
+        self.storage, _ = open_storage(self.root)
+        #: True where the files have OS paths (how a run's location is shown)
+        self.local = self.storage.local_path(self.storage.key(self.root)) is not None
+        self._tree: Tree | None = None
 
     # ------------------------------------------------------------------ paths
     def join(self, base: str, *parts: str) -> str:
-        return os.path.join(base, *parts) if self.local else posixpath.join(base, *parts)
+        for p in parts:
+            base = join_location(base, p)
+        return base
 
     def basename(self, path: str) -> str:
-        return (
-            os.path.basename(os.path.normpath(path)) if self.local else posixpath.basename(path.rstrip("/"))
-        )
+        return posixpath.basename(path.rstrip("/"))
 
-    def _key(self, path: str) -> str:
-        return str(self.storage.fs._strip_protocol(path)).rstrip("/")
+    def _listed(self) -> Tree:
+        if self._tree is None:
+            self._tree = self.storage.tree(self.root)
+        return self._tree
 
-    def _listed(self) -> dict[str, dict[str, Any]]:
-        """Every object below the root (key without protocol -> info), listed once."""
-        if self._listing is None:
-            fs = self.storage.fs
-            base = self._key(self.root)
-            try:
-                found = fs.find(base, detail=True)
-            except FileNotFoundError:
-                found = {}
-            self._listing = {str(k).rstrip("/"): v for k, v in found.items() if v.get("type") != "directory"}
-            for k in self._listing:
-                parent = posixpath.dirname(k)
-                while parent and parent not in self._dirs and len(parent) >= len(base):
-                    self._dirs.add(parent)
-                    parent = posixpath.dirname(parent)
-        return self._listing
+    def _below(self, path: str) -> str:
+        return self.storage.key(path) + "/"
 
     # ---------------------------------------------------------- what exists
     def is_file(self, path: str) -> bool:
-        if self.local:
-            return os.path.isfile(path)
-        return self._key(path) in self._listed()
+        return self.storage.key(path) in self._listed().files
 
     def is_dir(self, path: str) -> bool:
-        if self.local:
-            return os.path.isdir(path)
-        self._listed()
-        return self._key(path) in self._dirs
+        return self.storage.key(path) in self._listed().dirs
 
     def listdir(self, path: str) -> list[str]:
         """Names directly below ``path`` (files and directories); [] when it does not exist."""
-        if self.local:
-            try:
-                return sorted(os.listdir(path))
-            except (FileNotFoundError, NotADirectoryError):
-                return []
-        key = self._key(path) + "/"
-        names = {k[len(key) :].split("/", 1)[0] for k in self._listed() if k.startswith(key)}
+        key, tree = self._below(path), self._listed()
+        names = {k[len(key) :].split("/", 1)[0] for k in (*tree.files, *tree.dirs) if k.startswith(key)}
         return sorted(names)
 
     def file_count(self, path: str) -> int:
-        """How many files lie below ``path`` (at a URL: from the listing, nothing is read)."""
-        if self.local:
-            return sum(len(files) for _dirpath, _dirs, files in os.walk(path))
-        key = self._key(path) + "/"
-        return sum(1 for k in self._listed() if k.startswith(key))
+        """How many files lie below ``path`` (from the listing, nothing is read)."""
+        key = self._below(path)
+        return sum(1 for k in self._listed().files if k.startswith(key))
 
     def tree_size(self, path: str) -> int:
-        """Bytes of the files below ``path`` (at a URL: from the listing, nothing is read)."""
-        if self.local:
-            total = 0
-            for dirpath, _dirs, files in os.walk(path):
-                for f in files:
-                    try:
-                        total += os.lstat(os.path.join(dirpath, f)).st_size
-                    except OSError:
-                        continue
-            return total
-        key = self._key(path) + "/"
-        return sum(int(v.get("size") or 0) for k, v in self._listed().items() if k.startswith(key))
+        """Bytes of the files below ``path`` (from the listing, nothing is read)."""
+        key = self._below(path)
+        return sum(size for k, (size, _) in self._listed().files.items() if k.startswith(key))
 
     def mtime_text(self, path: str) -> str:
         """When ``path`` was last written, as ``YYYY-MM-DD HH:MM:SS UTC`` (``?`` when unknown)."""
-        if self.local:
-            when = datetime.datetime.fromtimestamp(os.stat(path).st_mtime, datetime.timezone.utc)
-        else:
-            info = self._listed().get(self._key(path), {})
-            raw = (
-                info.get("LastModified")
-                or info.get("mtime")
-                or info.get("last_modified")
-                or info.get("created")
-            )
-            if isinstance(raw, (int, float)):
-                when = datetime.datetime.fromtimestamp(raw, datetime.timezone.utc)
-            elif isinstance(raw, datetime.datetime):
-                when = raw if raw.tzinfo else raw.replace(tzinfo=datetime.timezone.utc)
-            else:
-                return "?"
-        return when.astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+        when = self._listed().files.get(self.storage.key(path), (0, None))[1]
+        if when is None:
+            return "?"
+        stamp = datetime.datetime.fromtimestamp(when, datetime.timezone.utc)
+        return stamp.strftime("%Y-%m-%d %H:%M:%S UTC")
 
     # ---------------------------------------------------------------- reads
     def read_bytes(self, path: str, limit: int = SMALL_FILE_LIMIT) -> bytes:
-        """The whole file; a missing one raises ``FileNotFoundError`` (an ``OSError``) either way."""
-        if self.local:
-            return read_bounded(path, limit)
-        size = int(self._listed().get(self._key(path), {}).get("size") or 0)
-        if size > limit:
-            raise OSError(f"{path} is {size} bytes, more than the {limit} allowed for this file")
-        try:  # one GET (its size is known from the listing)
-            return bytes(self.storage.fs.cat_file(path))
-        except FileNotFoundError:
+        """The whole file; a missing one raises ``FileNotFoundError`` (an ``OSError``), a larger one
+        than ``limit`` an ``OSError``."""
+        try:
+            return self.storage.read_bytes(self.storage.key(path), limit=limit)
+        except IncompleteCheckpointError:
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path) from None
+        except HeaderError as e:  # a directory, a FIFO, a link loop where a file should be
+            raise OSError(errno.EINVAL, str(e), path) from None
+        except ValueError:  # larger than limit
+            raise OSError(errno.EFBIG, f"more than the {limit} bytes allowed for this file", path) from None
 
     def read_header(self, path: str) -> SafetensorsHeader:
-        """The validated safetensors header of ``path`` (at a URL: one or two ranged requests)."""
-        if self.local:
-            return read_header(path)
+        """The validated safetensors header of ``path`` (on a store: one or two ranged requests)."""
         from unickpt.ckpt.reader import open_header
 
-        handle, header = open_header(self.storage, path)
+        handle, header = open_header(self.storage, self.storage.key(path))
         handle.close()
         return header

@@ -60,6 +60,7 @@ from unickpt.store.storage_guard import fs_from_url, guarded, shown_url
 
 __all__ = [
     "Storage",
+    "Tree",
     "compared_location",
     "process_reachable",
     "list_location",
@@ -508,6 +509,16 @@ class Storage:
         itself, never what it points to); a missing one is not an error."""
         raise NotImplementedError
 
+    def key(self, path: str) -> str:
+        """``path`` (as this storage or its user names it: a path, or a URL) as :meth:`tree` keys it."""
+        raise NotImplementedError
+
+    def tree(self, path: str) -> Tree:
+        """Everything below ``path``, listed at once (``path`` itself when it is a file): each
+        file's size and modification time, and the directories (on a store: the prefixes that
+        hold objects), keyed by :meth:`key`."""
+        raise NotImplementedError
+
     def rename(self, src: str, dst: str) -> None:
         """Atomic rename (only where ``atomic_rename``)."""
         raise UnsupportedError(f"{self.url}: this storage has no atomic rename")
@@ -520,6 +531,27 @@ class Storage:
         """True when writes and deletes can be conditional on an object's ETag (``If-Match`` /
         ``If-None-Match``: ``store/lock.py``'s fencing); elsewhere the callers read back and check."""
         return False
+
+
+class Tree:
+    """What :meth:`Storage.tree` lists: ``files`` (key -> (size, modification time or None)) and
+    ``dirs`` (keys)."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, tuple[int, float | None]] = {}
+        self.dirs: set[str] = set()
+
+
+def _info_mtime(info: dict[str, Any]) -> float | None:
+    """An fsspec listing entry's modification time (seconds since the epoch), None when unknown."""
+    import datetime
+
+    raw = info.get("LastModified") or info.get("mtime") or info.get("last_modified") or info.get("created")
+    if isinstance(raw, (int, float)):
+        return float(raw)
+    if isinstance(raw, datetime.datetime):
+        return (raw if raw.tzinfo else raw.replace(tzinfo=datetime.timezone.utc)).timestamp()
+    return None
 
 
 class _LocalRead:
@@ -794,6 +826,31 @@ class LocalStorage(Storage):
         else:
             self.remove([path])
 
+    def key(self, path: str) -> str:
+        return os.path.normpath(os.path.abspath(path.removeprefix("file://")))
+
+    def tree(self, path: str) -> Tree:
+        out = Tree()
+        base = self.key(path)
+        if os.path.isfile(base):
+            st = os.stat(base)
+            out.files[base] = (st.st_size, st.st_mtime)
+            return out
+        for dirpath, dirnames, filenames in os.walk(base):
+            out.dirs.add(os.path.normpath(dirpath))
+            # a symbolic link to a directory is listed as one (not walked into)
+            out.dirs.update(
+                os.path.join(dirpath, d) for d in dirnames if os.path.islink(os.path.join(dirpath, d))
+            )
+            for f in filenames:
+                p = os.path.join(dirpath, f)
+                try:
+                    st = os.stat(p)
+                except OSError:  # a dangling link, or gone meanwhile
+                    continue
+                out.files[p] = (st.st_size, st.st_mtime)
+        return out
+
     def rename(self, src: str, dst: str) -> None:
         os.replace(src, dst)
 
@@ -986,6 +1043,30 @@ class FsspecStorage(Storage):
     def remove_tree(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(path, recursive=True)
+
+    def key(self, path: str) -> str:
+        return str(self.fs._strip_protocol(path)).rstrip("/")
+
+    def tree(self, path: str) -> Tree:
+        """One recursive listing (a few LIST requests however deep the tree)."""
+        # What is asked for is the store now: no listing fsspec cached earlier may hide an object.
+        self.fs.invalidate_cache()
+        base = self.key(path)
+        try:
+            found = self.fs.find(base, detail=True)
+        except FileNotFoundError:
+            found = {}
+        out = Tree()
+        for k, info in found.items():
+            if info.get("type") == "directory":
+                continue
+            key = str(k).rstrip("/")
+            out.files[key] = (int(info.get("size") or 0), _info_mtime(info))
+            parent = posixpath.dirname(key)
+            while parent and parent not in out.dirs and len(parent) >= len(base):
+                out.dirs.add(parent)
+                parent = posixpath.dirname(parent)
+        return out
 
     # ---------------------------------------------------------------- writes
     def makedirs(self, path: str) -> None:
