@@ -41,10 +41,14 @@ if str(REPO) not in sys.path:
     sys.path.insert(1, str(REPO))
 
 from unickpt.errors import IndexFileError  # noqa: E402
-from unickpt.spec._json import strict_loads  # noqa: E402
-from unickpt.spec.digest_text import hex_to_b64  # noqa: E402
-from unickpt.spec.index import IndexFile, index_to_json, parse_index  # noqa: E402
+from unickpt.spec.index import (  # noqa: E402
+    IndexFile,
+    hex_to_b64,
+    index_to_json,
+    parse_index,
+)
 from unickpt.spec.naming import SLICED_SENTINEL, shard_name, slice_key  # noqa: E402
+from unickpt.spec.untrusted import strict_loads  # noqa: E402
 
 
 def parse_index_validated(raw: bytes, path: str) -> IndexFile:

@@ -21,9 +21,9 @@ import numpy as np
 
 from unickpt.ckpt.safetensors_io import read_header
 from unickpt.errors import CheckpointFormatError
-from unickpt.spec.confine import confined_path
 from unickpt.spec.index import LayoutInfo, TensorEntry, UnickptBlock
 from unickpt.spec.slice_table import MAX_DIM, SliceTable
+from unickpt.spec.untrusted import confined_path
 
 __all__ = ["SHARD_FILE", "dcp_hf_files", "block_from_dcp_hf"]
 

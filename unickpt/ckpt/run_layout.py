@@ -32,7 +32,6 @@ from typing import Any
 
 from unickpt.ckpt.run_files import RunFiles, run_location
 from unickpt.errors import CheckpointFormatError, ConfigError
-from unickpt.spec._json import strict_loads
 from unickpt.spec.hashing import slice_hash
 from unickpt.spec.run_names import (
     COMMIT_NAME,
@@ -54,6 +53,7 @@ from unickpt.spec.run_names import (
     step_name,
     work_name,
 )
+from unickpt.spec.untrusted import strict_loads
 
 __all__ = [
     "COMMIT_NAME",

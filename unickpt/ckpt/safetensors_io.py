@@ -24,9 +24,9 @@ from typing import Any, BinaryIO
 
 from unickpt.ckpt.foreign import foreign_file
 from unickpt.errors import HeaderError
-from unickpt.spec.bounds import MAX_HEADER_BYTES as _MAX_HEADER_BYTES
 from unickpt.spec.dtypes import DTYPE_ITEMSIZE
 from unickpt.spec.safetensors_bulk import MAX_NDIM, HeaderEntries, parse_header
+from unickpt.spec.untrusted import MAX_HEADER_BYTES as _MAX_HEADER_BYTES
 from unickpt.store.storage import LocalStorage, Storage, Writeback, open_storage
 
 __all__ = [
@@ -41,7 +41,7 @@ __all__ = [
 
 # A header holds names, shapes and offsets: even 10^6 tensors fit in well under 100 MB.
 # safetensors itself uses the same cap. Anything larger is refused before allocation.
-MAX_HEADER_BYTES = _MAX_HEADER_BYTES  # spec/bounds.py: what a data file can hold follows from it
+MAX_HEADER_BYTES = _MAX_HEADER_BYTES  # spec/untrusted.py: what a data file can hold follows from it
 # Shapes are bounded so that byte counts cannot overflow or request absurd allocations.
 MAX_NDIM = MAX_NDIM  # (safetensors_bulk, the parser, checks it)
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from unickpt.errors import ConfigError, IncompleteCheckpointError, IndexFileError, UnsupportedError
-from unickpt.spec._json import strict_loads
+from unickpt.spec.untrusted import strict_loads
 from unickpt.store.publish import read_small_file
 from unickpt.store.storage import join_location
 

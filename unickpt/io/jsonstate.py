@@ -19,8 +19,8 @@ import torch
 
 from unickpt.errors import IndexFileError, UnsupportedError
 from unickpt.io.tensors import st_dtype, torch_dtype
-from unickpt.spec._json import strict_loads
 from unickpt.spec.dtypes import DTYPE_ITEMSIZE
+from unickpt.spec.untrusted import strict_loads
 
 __all__ = ["MAX_JSON_INT_DIGITS", "to_json_value", "from_json_value", "parse_json"]
 

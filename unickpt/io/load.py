@@ -55,10 +55,14 @@ from unickpt import _dist
 from unickpt._faults import maybe_fail
 from unickpt._rng import keeps_python_random
 from unickpt.ckpt import reader as reader_mod
-from unickpt.ckpt.consistency import check_keys_referenced
-from unickpt.ckpt.read_batch import ReadBatch, table_spans
-from unickpt.ckpt.reader import CheckpointReader, open_checkpoint, open_located, slice_failures
-from unickpt.ckpt.slice_spans import FileNumbers, Spans, all_referenced, locate
+from unickpt.ckpt.reader import (
+    CheckpointReader,
+    check_keys_referenced,
+    open_checkpoint,
+    open_located,
+    slice_failures,
+)
+from unickpt.ckpt.stored_slices import FileNumbers, ReadBatch, Spans, all_referenced, locate, table_spans
 from unickpt.errors import (
     HeaderError,
     IncompleteCheckpointError,
@@ -282,7 +286,7 @@ def _prefix_hint(report: LoadReport) -> str:
 # FSDP's and TP's ``Shard(0)`` store a tensor as row blocks, one per rank's file, and a rank's box
 # of the tensor is a row range of it. For such a box read straight into its contiguous target,
 # every part (the rows a stored slice shares with the box) is computed for all its slices at once
-# from the slice table and the spans located by ``ckpt/slice_spans.py`` (no per-slice lookup),
+# from the slice table and the spans located by ``ckpt/stored_slices.py`` (no per-slice lookup),
 # then added to the load's ``ReadBatch`` as arrays: per file, adjacent parts become one vectored
 # read (locally one ``preadv``, on an object store coalesced ranged requests), and the parts of
 # one tensor stored back to back become one buffer.

@@ -10,7 +10,7 @@ import torch
 
 from unickpt.errors import IncompleteCheckpointError, IndexFileError
 from unickpt.io.jsonstate import from_json_value, to_json_value
-from unickpt.spec._json import strict_loads
+from unickpt.spec.untrusted import strict_loads
 from unickpt.store.publish import checkpoint_directory, write_small_file
 
 __all__ = [

@@ -19,7 +19,7 @@ from unickpt.ckpt import run_layout
 from unickpt.ckpt.run_layout import TRAIN_STATE_DIR
 from unickpt.errors import IncompleteCheckpointError, IndexFileError, StateMismatchError, UnsupportedError
 from unickpt.io.jsonstate import from_json_value, to_json_value
-from unickpt.spec._json import strict_loads
+from unickpt.spec.untrusted import strict_loads
 from unickpt.store.publish import write_small_file
 from unickpt.store.storage import open_storage, url_options
 

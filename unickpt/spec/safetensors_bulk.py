@@ -7,7 +7,7 @@ A data file of a sliced save holds one entry per slice: 723 per file for 70B, 37
 512 files of a 512-rank save. :func:`parse_header` checks a header as whole-header operations:
 the compact form the writers produce is read with one regular expression (``_parse_canonical``),
 any other form with one ``json.loads`` without a per-object hook (duplicate keys are found by
-counting colons, as the index parser does: ``_json.colon_budget``); the types of all entries are
+counting colons, as the index parser does: ``untrusted.colon_budget``); the types of all entries are
 checked with ``map``/``set`` over the decoded values, and the offsets, byte counts and the
 tiling of the data section with numpy over all entries at once.
 
@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 
 from unickpt.errors import HeaderError
-from unickpt.spec._json import SURROGATE_ESCAPE, colon_budget, strict_loads
 from unickpt.spec.dtypes import DTYPE_ITEMSIZE
+from unickpt.spec.untrusted import SURROGATE_ESCAPE, colon_budget, strict_loads
 
 __all__ = ["HeaderEntry", "HeaderEntries", "MAX_NDIM", "MAX_ELEMENTS", "dtype_code", "parse_header"]
 
@@ -75,7 +75,7 @@ class HeaderEntry:
 class HeaderEntries(Mapping[str, HeaderEntry]):
     """key -> ``HeaderEntry`` of one validated header, kept as arrays; an entry is built when asked.
 
-    :meth:`arrays` hands the arrays themselves to bulk readers (``ckpt/slice_spans.py``), which
+    :meth:`arrays` hands the arrays themselves to bulk readers (``ckpt/stored_slices.py``), which
     locate and check thousands of slices with a few numpy operations.
     """
 
@@ -245,7 +245,7 @@ def parse_header(raw: bytes, data_len: int, path: str) -> tuple[HeaderEntries, d
         ) from None
     dtypes, shapes, offsets = (list(x) for x in zip(*fields, strict=True)) if n else ([], [], [])
     # Duplicate keys: with every entry of three members, the colons of the text are exactly the
-    # members of every object plus the colons inside strings (see _json.py); a repeated key drops
+    # members of every object plus the colons inside strings (see spec/untrusted.py); a repeated key drops
     # a member. Any other count (a colon in a dtype name, objects nested in a shape ...) is
     # settled by the parser with a per-object hook, which names a duplicate if there is one.
     if budget is not None and budget != (

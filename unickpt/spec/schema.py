@@ -10,9 +10,8 @@ import json
 import sys
 from typing import Any
 
-from unickpt.spec.digest_text import B64_DIGEST_LEN, NO_DIGEST
 from unickpt.spec.dtypes import DTYPE_ITEMSIZE
-from unickpt.spec.index import FORMAT_VERSION, IndexFile
+from unickpt.spec.index import B64_DIGEST_LEN, FORMAT_VERSION, NO_DIGEST, IndexFile
 
 # One digest in the text form: 11 base64url characters, the last one's 2 low bits 0.
 _B64 = f"[A-Za-z0-9_-]{{{B64_DIGEST_LEN - 1}}}[AEIMQUYcgkosw048]"

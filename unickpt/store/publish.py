@@ -59,7 +59,6 @@ from typing import Any, BinaryIO, Protocol, cast
 
 from unickpt._logging import get_logger
 from unickpt.errors import CheckpointBusyError, IncompleteCheckpointError, OutputExistsError, UnsupportedError
-from unickpt.spec.bounds import read_bounded
 from unickpt.spec.naming import index_name, is_own_data_file, single_name
 from unickpt.spec.run_names import (
     COMMIT_NAME,
@@ -71,6 +70,7 @@ from unickpt.spec.run_names import (
     step_name,
     work_name,
 )
+from unickpt.spec.untrusted import read_bounded
 from unickpt.store.lock import (
     LOCK_NAME,
     Fence,

@@ -493,10 +493,10 @@ class Storage:
         raise NotImplementedError
 
     def confined(self, base: str, name: str, where: str, entry: str) -> str:
-        """``base``/``name`` for a ``name`` read from a file (``spec/confine.py``'s plain-name
+        """``base``/``name`` for a ``name`` read from a file (``spec/untrusted.py``'s plain-name
         rule: no separator, ``..`` or hidden name), which names an entry of ``base`` and nothing
         else; ``UnsafePathError`` naming ``where`` and ``entry`` otherwise."""
-        from unickpt.spec.confine import plain_name
+        from unickpt.spec.untrusted import plain_name
 
         return self.join(base, plain_name(name, where, entry))
 
@@ -790,7 +790,7 @@ class LocalStorage(Storage):
 
     def confined(self, base: str, name: str, where: str, entry: str) -> str:
         """As :meth:`Storage.confined`, and a symbolic link resolving outside ``base`` is refused."""
-        from unickpt.spec.confine import confined_path
+        from unickpt.spec.untrusted import confined_path
 
         return confined_path(base, name, where, entry)
 

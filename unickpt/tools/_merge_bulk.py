@@ -18,9 +18,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import xxhash
 
-from unickpt.ckpt.read_batch import ReadBatch
 from unickpt.ckpt.reader import CheckpointReader
-from unickpt.ckpt.slice_spans import recorded_hashes
+from unickpt.ckpt.stored_slices import ReadBatch, recorded_hashes
 from unickpt.errors import IntegrityError, IntegrityFailure
 from unickpt.spec.dtypes import itemsize
 from unickpt.spec.index import TensorEntry

@@ -12,9 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from unickpt.ckpt.consistency import check_keys_referenced
-from unickpt.ckpt.reader import CheckpointReader
-from unickpt.ckpt.slice_spans import all_referenced, locate_all
+from unickpt.ckpt.reader import CheckpointReader, check_keys_referenced
+from unickpt.ckpt.stored_slices import all_referenced, locate_all
 from unickpt.errors import IndexFileError
 from unickpt.spec.boxes import contiguous_start, coverage_problem
 from unickpt.spec.index import SliceEntry, TensorEntry

@@ -40,10 +40,10 @@ from unickpt import __version__
 from unickpt._logging import get_logger
 from unickpt.ckpt.dcp_hf import dcp_hf_files
 from unickpt.errors import CheckpointFormatError, UnsupportedError
-from unickpt.spec.confine import check_graph, confined_path
 from unickpt.spec.dtypes import itemsize
 from unickpt.spec.index import LayoutInfo
 from unickpt.spec.naming import HF_SIDE_FILES
+from unickpt.spec.untrusted import check_graph, confined_path
 from unickpt.store.publish import Sink, StoreOutput, output_location, output_sink, read_small_file
 from unickpt.store.storage import confined_location, is_file_location, join_location, open_storage
 from unickpt.tools._common import read_side_files

@@ -59,7 +59,7 @@ def _load_pickle(path: str) -> Any:
 
 def _file(directory: str, name: object, idx: str, entry: str) -> str:
     """The path of the file ``name`` that the index ``idx`` names in ``entry``: a plain
-    ``.bin``/``.safetensors`` name of ``directory`` (``format.confine``), no link out of it."""
+    ``.bin``/``.safetensors`` name of ``directory`` (``spec.untrusted``), no link out of it."""
     from unickpt.spec.index import check_file_name
 
     return confined_location(directory, check_file_name(name, f"{idx}: {entry}"), idx, entry)  # type: ignore[arg-type]
@@ -70,7 +70,7 @@ _MAX_JSON = 64 << 20
 
 
 def _read_json(path: str) -> dict[str, Any]:
-    from unickpt.spec._json import strict_loads
+    from unickpt.spec.untrusted import strict_loads
 
     try:
         raw = read_small_file(path, limit=_MAX_JSON)

@@ -20,7 +20,7 @@ from typing import Any
 
 from unickpt.ckpt.dcp_hf import SHARD_FILE
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError
-from unickpt.spec._json import strict_loads
+from unickpt.spec.untrusted import strict_loads
 from unickpt.store.storage import FsspecStorage, Storage, open_storage
 
 __all__ = ["StoreSource", "bin_shard_names", "latest_step"]

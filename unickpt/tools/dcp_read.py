@@ -15,8 +15,8 @@ and its ``DefaultLoadPlanner`` reads every non-tensor entry with
 
 What the unpickled metadata says is then checked before anything is allocated or opened
 (:func:`check_metadata`): no self-reference and no nesting deeper than
-``format.confine.MAX_DEPTH``; every storage entry names a plain file of the checkpoint's own
-directory or URL prefix (``format.confine``: ``../other_run/__0_0.distcp``, an absolute path or
+``spec.untrusted.MAX_DEPTH``; every storage entry names a plain file of the checkpoint's own
+directory or URL prefix (``spec.untrusted``: ``../other_run/__0_0.distcp``, an absolute path or
 a symbolic link out of the directory is refused with :class:`UnsafePathError`), a regular file,
 at a byte range inside it, ranges of one file never overlapping; every tensor has at most
 ``MAX_NDIM`` dims and chunks that lie inside it, tile it exactly and each fit the bytes its
@@ -50,8 +50,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, UnsupportedError
 from unickpt.spec.boxes import box_volume
-from unickpt.spec.confine import check_graph, confined_path, plain_name, show
 from unickpt.spec.coverage import coverage_problem
+from unickpt.spec.untrusted import check_graph, confined_path, plain_name, show
 from unickpt.store.storage import Storage, open_storage
 
 __all__ = ["read_metadata", "check_metadata", "load_entries", "tensor_specs"]

@@ -17,7 +17,7 @@ What the restricted unpickler builds is still bounded before anything walks it
 (:func:`load_restricted`, also used for Colossal-AI's files): only torch's zip format is read
 (its reader checks every storage's claimed size against the bytes of its record before
 allocating; the legacy pre-1.6 format allocates what the pickle claims, and is refused), and
-an object that contains itself or is nested deeper than ``format.confine.MAX_DEPTH`` is refused
+an object that contains itself or is nested deeper than ``spec.untrusted.MAX_DEPTH`` is refused
 with :class:`CheckpointFormatError` naming the file.
 """
 
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, UnsupportedError
-from unickpt.spec.confine import check_graph
+from unickpt.spec.untrusted import check_graph
 from unickpt.store.storage import open_file_location
 
 __all__ = [

@@ -43,9 +43,8 @@ from unickpt.ckpt.reader import UNICKPT_METADATA_KEY, CheckpointReader, open_che
 from unickpt.ckpt.safetensors_io import encode_header, header_from_bytes, read_header
 from unickpt.ckpt.writer import build_block, build_index, data_file_metadata, group_files, rewrite_header
 from unickpt.errors import ConfigError, UnsupportedError
-from unickpt.spec.digest_text import hex_to_b64
 from unickpt.spec.dtypes import itemsize
-from unickpt.spec.index import LayoutInfo, TensorEntry, UnickptBlock, index_to_json
+from unickpt.spec.index import LayoutInfo, TensorEntry, UnickptBlock, hex_to_b64, index_to_json
 from unickpt.spec.naming import HF_SIDE_FILES, index_name, shard_name, single_name
 from unickpt.spec.slice_table import SliceTable
 from unickpt.store.publish import SAVE_ID_KEY, Sink, content_save_id, output_location, output_sink

@@ -25,8 +25,8 @@ from unickpt.ckpt import run_layout as rl
 from unickpt.ckpt.foreign import foreign_dir
 from unickpt.ckpt.run_files import RunFiles
 from unickpt.errors import IncompleteCheckpointError, UnickptError
-from unickpt.spec.confine import is_plain_name, show
 from unickpt.spec.hashing import slice_hash
+from unickpt.spec.untrusted import is_plain_name, show
 from unickpt.tools._common import human_bytes
 from unickpt.tools.inspect import inspect_checkpoint
 from unickpt.tools.verify import verify_checkpoint
@@ -380,7 +380,7 @@ def _rehash(files: RunFiles, step_dir: str, rel: str, digest: str) -> str | None
 
 def _safe_rel(rel: str) -> bool:
     """A path inside the step that a ``COMMIT`` record or a hashes file names: plain names
-    (``format.confine.is_plain_name``) joined by ``/``."""
+    (``spec.untrusted.is_plain_name``) joined by ``/``."""
     return isinstance(rel, str) and all(is_plain_name(p) for p in rel.split("/"))
 
 

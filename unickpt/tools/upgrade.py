@@ -47,8 +47,13 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from unickpt.ckpt.consistency import check_block
-from unickpt.ckpt.reader import UNICKPT_METADATA_KEY, CheckpointReader, block_from_header, single_file_name
+from unickpt.ckpt.reader import (
+    UNICKPT_METADATA_KEY,
+    CheckpointReader,
+    block_from_header,
+    check_block,
+    single_file_name,
+)
 from unickpt.ckpt.safetensors_io import read_header
 from unickpt.ckpt.writer import build_block
 from unickpt.errors import (
@@ -59,14 +64,19 @@ from unickpt.errors import (
     IntegrityFailure,
     OutputExistsError,
 )
-from unickpt.spec._json import strict_loads
-from unickpt.spec.bounds import read_bounded
 from unickpt.spec.boxes import flat_range_to_boxes
-from unickpt.spec.digest_text import FORMAT_VERSION, hex_to_b64
 from unickpt.spec.dtypes import itemsize
 from unickpt.spec.hashing import combine_partials, finalize_fingerprint, fingerprint_partial
-from unickpt.spec.index import MAX_INDEX_BYTES, IndexFile, index_to_json, parse_index
+from unickpt.spec.index import (
+    FORMAT_VERSION,
+    MAX_INDEX_BYTES,
+    IndexFile,
+    hex_to_b64,
+    index_to_json,
+    parse_index,
+)
 from unickpt.spec.naming import SLICED_SENTINEL, index_name, single_name
+from unickpt.spec.untrusted import read_bounded, strict_loads
 from unickpt.store.lock import directory_lock
 from unickpt.store.publish import (
     atomic_write_bytes,

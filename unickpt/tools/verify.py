@@ -27,7 +27,7 @@ import xxhash
 
 from unickpt._logging import get_logger
 from unickpt.ckpt.reader import CheckpointReader, RangeChecker
-from unickpt.ckpt.slice_spans import FileNumbers, recorded_hashes
+from unickpt.ckpt.stored_slices import FileNumbers, recorded_hashes
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, IndexFileError, IntegrityFailure
 from unickpt.spec.boxes import flat_range_to_boxes
 from unickpt.spec.dtypes import itemsize

@@ -979,7 +979,7 @@ def test_colossalai_files(case: str, tmp_path: Path) -> None:
 def test_check_graph_counts_shared_objects_on_every_path() -> None:
     """20 chains of 50 lists, each chain's end holding the next chain, all listed at the top: each
     object is visited once, yet the longest nesting (1000) is what a recursive walk would meet."""
-    from unickpt.spec.confine import check_graph
+    from unickpt.spec.untrusted import check_graph
 
     chains = []
     for _ in range(20):
@@ -1000,7 +1000,7 @@ def test_check_graph_counts_shared_objects_on_every_path() -> None:
 
 def test_check_graph_walks_shared_objects_once() -> None:
     """10^9 paths through shared lists cost their 10^6 references, not 10^9 visits."""
-    from unickpt.spec.confine import check_graph
+    from unickpt.spec.untrusted import check_graph
 
     leaf: list[Any] = [torch.ones(1), "x", 1.5, None]
     level: Any = leaf

@@ -15,9 +15,9 @@ import torch
 import xxhash
 
 from unickpt import GeneralCheckpointIO
-from unickpt.ckpt.read_batch import ReadBatch, table_spans
 from unickpt.ckpt.reader import open_checkpoint
 from unickpt.ckpt.safetensors_io import encode_header, parse_header
+from unickpt.ckpt.stored_slices import ReadBatch, table_spans
 from unickpt.ckpt.writer import build_block, build_index
 from unickpt.errors import HeaderError, IncompleteCheckpointError
 from unickpt.spec.index import LayoutInfo, index_to_json, parse_index

@@ -152,7 +152,7 @@ def _index(listed: bool = False) -> bytes:
 def test_a_sliced_index_names_the_sentinel_and_nothing_else() -> None:
     """Every entry of a sliced weight_map is the sentinel; any other name beside it is refused
     (the longer sentinel of the drafts 1 to 3 is such a name: ``unickpt upgrade`` replaces it)."""
-    from unickpt.ckpt.consistency import check_weight_map
+    from unickpt.ckpt.reader import check_weight_map
     from unickpt.spec.naming import SLICED_SENTINEL
     from unickpt.tools.upgrade import LONG_SLICED_SENTINEL
 

@@ -25,8 +25,6 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
 from unickpt.errors import IndexFileError, UnsafePathError
-from unickpt.spec._json import check_unicode, colon_budget, count_pairs_and_colons, strict_loads
-from unickpt.spec.digest_text import OtherFormatVersion, hex_to_b64, version_error
 from unickpt.spec.dtypes import DTYPE_ITEMSIZE
 from unickpt.spec.index import (
     SCHEMA_MISMATCH,
@@ -34,13 +32,17 @@ from unickpt.spec.index import (
     IndexFile,
     IndexMetadata,
     LayoutInfo,
+    OtherFormatVersion,
     SliceEntry,
     TensorEntry,
     UnickptBlock,
+    hex_to_b64,
     index_to_json,
     parse_index,
+    version_error,
 )
 from unickpt.spec.naming import SLICED_SENTINEL
+from unickpt.spec.untrusted import check_unicode, colon_budget, count_pairs_and_colons, strict_loads
 
 
 def _schema_validate(raw: bytes) -> IndexFile:

@@ -125,7 +125,7 @@ def test_llama_fsdp2_whole_index_bytes_per_slice_and_its_parts() -> None:
     most 64 bytes per slice at 4 ranks (issue 18), measured part by part (docs/format.md 3.1):
     version 5 at 4 ranks 62.2 bytes per slice (weight_map 19.0; the block: names 9.5, hashes
     13.0, fingerprints 6.8, shape 3.9, grid 3.1, no dtype but the block's); at 8 ranks 37.4."""
-    from unickpt.spec.digest_text import B64_DIGEST_LEN
+    from unickpt.spec.index import B64_DIGEST_LEN
     from unickpt.spec.naming import SLICED_SENTINEL
 
     raw4, s4 = _fsdp_index(4, _llama_model(), "BF16")

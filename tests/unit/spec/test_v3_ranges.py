@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 
 from unickpt.ckpt.writer import build_block, build_index, tensor_entry
-from unickpt.spec.digest_text import hex_to_b64
-from unickpt.spec.index import ByteRange, LayoutInfo, SliceEntry, parse_index
+from unickpt.spec.index import ByteRange, LayoutInfo, SliceEntry, hex_to_b64, parse_index
 from unickpt.spec.slice_table import SliceTable
 
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch import nn
 
-from unickpt.ckpt.read_batch import ReadBatch
 from unickpt.ckpt.reader import open_checkpoint
+from unickpt.ckpt.stored_slices import ReadBatch
 from unickpt.errors import IncompleteCheckpointError
 from unickpt.io import GeneralCheckpointIO
 from unickpt.store import storage as storage_mod

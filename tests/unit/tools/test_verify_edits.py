@@ -22,9 +22,9 @@ import torch
 from unickpt import GeneralCheckpointIO, IndexFileError, OptimizerWrapper, merge_checkpoint, verify_checkpoint
 from unickpt.ckpt.reader import open_checkpoint
 from unickpt.cli.main import main as cli
-from unickpt.spec.digest_text import hex_to_b64
 from unickpt.spec.hashing import slice_hash
 from unickpt.spec.index import as_listed as listed
+from unickpt.spec.index import hex_to_b64
 from unickpt.spec.naming import SLICED_SENTINEL
 from unickpt.tools import verify as verify_mod
 from unickpt.tools.verify import FingerprintFailure, MissingHash

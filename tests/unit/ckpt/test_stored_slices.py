@@ -1,4 +1,4 @@
-"""Slices located in bulk (ckpt/slice_spans.py), read as arrays (ReadBatch, libc preadv) and
+"""Slices located in bulk (ckpt/stored_slices.py), read as arrays (ReadBatch, libc preadv) and
 headers read in their compact form: each test hides one bad slice among thousands and checks
 that load, verify and merge still raise the exact error of the slice-by-slice checks."""
 
@@ -18,10 +18,10 @@ import torch
 import xxhash
 
 from unickpt import GeneralCheckpointIO, merge_checkpoint
-from unickpt.ckpt import slice_spans
-from unickpt.ckpt.read_batch import ReadBatch
+from unickpt.ckpt import stored_slices
 from unickpt.ckpt.reader import CheckpointReader, open_checkpoint
 from unickpt.ckpt.safetensors_io import encode_header, parse_header
+from unickpt.ckpt.stored_slices import ReadBatch
 from unickpt.ckpt.writer import build_block, build_index
 from unickpt.errors import HeaderError, IncompleteCheckpointError, IntegrityError
 from unickpt.spec import safetensors_bulk
@@ -375,29 +375,29 @@ def test_location_names_the_first_bad_slice_in_the_order_asked(tmp_path: Path) -
             match=r"^\S+model-00004-of-00032.safetensors: tensor 'layers.38.w' \(key "
             r"'layers.38.w@3'\): index says F32\[1, 3\], file holds nothing under that key$",
         ):
-            slice_spans.locate(r.header, later_first)
+            stored_slices.locate(r.header, later_first)
         backwards = [("layers.37.w", "F32", t37.table, np.asarray([31, 30, 29, 0], dtype=np.int64))]
         with pytest.raises(
             HeaderError,
             match=r"model-00031-of-00032.safetensors: .*'layers.37.w@30'\): index says "
             r"F32\[1, 3\], file holds F32\[3, 1\]$",
         ):
-            slice_spans.locate(r.header, backwards)
+            stored_slices.locate(r.header, backwards)
         with pytest.raises(
             HeaderError, match=r"tensor 'layers.36.w' \(key 'layers.36.w@0'\): index says BF16"
         ):
-            slice_spans.locate(
+            stored_slices.locate(
                 r.header, [("layers.36.w", "BF16", r.tensors["layers.36.w"].table, np.arange(2))]
             )
-        spans, matched = slice_spans.locate(r.header, [(*later_first[0][:3], np.asarray([5, 4]))])
+        spans, matched = stored_slices.locate(r.header, [(*later_first[0][:3], np.asarray([5, 4]))])
         assert spans[0][1].tolist() == [12, 12] and spans[0][0][0] - spans[0][0][1] == 0  # (each file's 39th)
         assert matched == {shard_name("model", 6, WORLD): 1, shard_name("model", 5, WORLD): 1}
         # The byte ranges alone: the first key missing in the order asked is named.
         with pytest.raises(
             HeaderError, match=r"model-00004-of-00032.safetensors: key 'layers.38.w@3' named by"
         ):
-            slice_spans.table_spans(r.header, t38.table, [31, 3, 0])
-        names, offs, lens = slice_spans.table_spans(r.header, t37.table, [2, 1])
+            stored_slices.table_spans(r.header, t38.table, [31, 3, 0])
+        names, offs, lens = stored_slices.table_spans(r.header, t37.table, [2, 1])
         assert names == [shard_name("model", 3, WORLD), shard_name("model", 2, WORLD)] and lens == [12, 12]
         assert offs == [
             r.header(names[0]).absolute("layers.37.w@2")[0],
