@@ -1155,28 +1155,26 @@ class CheckpointReader(FileChecks):
             raise HeaderError(f"{file}: read of {length} bytes at {rel_offset} outside slice {key!r}")
         return self._read(file, off + rel_offset, length, out)
 
-    def read_runs(self, s: SliceEntry, runs: list[tuple[int, int]], out: memoryview) -> None:
-        """Read runs ``(byte offset into the slice, length)`` of a stored slice back to back into
-        ``out`` with one vectored read (``ReadHandle.readv``: locally a ``preadv`` per run, on an
-        object store one coalesced batch of ranged requests)."""
-        _, off, n = self.slice_location(s)
+    def read_runs(self, file: str, key: str, runs: list[tuple[int, int]], out: memoryview) -> None:
+        """Read runs ``(byte offset into the slice, length)`` of the stored slice ``key`` of ``file``
+        back to back into ``out`` with one vectored read (``ReadHandle.readv``: locally a ``preadv``
+        per run, on an object store one coalesced batch of ranged requests)."""
+        _, off, n = self.key_location(file, key)
         for o, k in runs:
             if o < 0 or o + k > n:
-                raise HeaderError(f"{s.file}: read of {k} bytes at {o} outside slice {s.key!r}")
-        with self._vanishing(s.file):
-            read_runs(self.read_handle(s.file), [(off + o, k) for o, k in runs], out)
-
-    def iter_slice(self, s: SliceEntry, chunk: int = 16 << 20) -> Iterator[bytes]:
-        return self.iter_key(s.file, s.key, chunk)
+                raise HeaderError(f"{file}: read of {k} bytes at {o} outside slice {key!r}")
+        with self._vanishing(file):
+            read_runs(self.read_handle(file), [(off + o, k) for o, k in runs], out)
 
     def iter_key(self, file: str, key: str, chunk: int = 16 << 20) -> Iterator[bytes]:
         """The bytes of the stored slice ``key`` of ``file``, ``chunk`` bytes at a time."""
         _, off, n = self.key_location(file, key)
         yield from iter_handle(self.read_handle(file), off, n, chunk)
 
-    def hash_slice(self, s: SliceEntry) -> str:
+    def hash_key(self, file: str, key: str) -> str:
+        """The xxh3-64 of the stored slice ``key`` of ``file``, as 16 hex digits."""
         h = SliceHasher()
-        for buf in self.iter_slice(s):
+        for buf in self.iter_key(file, key):
             h.update(buf)
         return h.hexdigest()
 

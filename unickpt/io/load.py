@@ -592,8 +592,8 @@ def read_box(
         out = torch.empty(shape, dtype=dtype)
     table = entry.table
     if len(shape) == 0:
-        (s,) = [s for s in entry.slices if math.prod(s.shape) > 0] or entry.slices
-        files.reader.read_slice(s, _as_bytes(out))
+        # a 0-d tensor's slices tile it exactly once (checked when the index was read): one slice
+        files.reader.read_key_bytes(table.file(0), table.key(0), 0, out.element_size(), _as_bytes(out))
         return out
     if math.prod(shape) == 0:
         return out
@@ -601,28 +601,30 @@ def read_box(
     ks = table.overlapping(offsets, shape)
     if _read_row_blocks(files, entry, ks, offsets, shape, out, batch):
         return out
-    for s in table.entries_at(ks):
-        inter = intersect(offsets, shape, s.offsets, s.shape)
+    for k in ks:  # each slice's box, file and key read from the table's columns
+        s_offsets, s_shape = table.box(k)
+        inter = intersect(offsets, shape, s_offsets, s_shape)
         if inter is None:
             continue
+        file, key = table.file(k), table.key(k)
         ioff, ishp = inter
-        src_off = tuple(a - b for a, b in zip(ioff, s.offsets, strict=True))
+        src_off = tuple(a - b for a, b in zip(ioff, s_offsets, strict=True))
         dst = tuple(slice(a - b, a - b + n) for a, b, n in zip(ioff, offsets, ishp, strict=True))
-        start = contiguous_start(s.shape, src_off, ishp)
+        start = contiguous_start(s_shape, src_off, ishp)
         if start is None:
-            if files.reader.os_path(s.file) is None:  # no path to map: read the runs of the part
+            if files.reader.os_path(file) is None:  # no path to map: read the runs of the part
                 part = torch.empty(ishp, dtype=dtype)
-                wanted = [(a * isz, n * isz) for a, n in runs(s.shape, src_off, ishp)]
-                files.reader.read_runs(s, wanted, _as_bytes(part))
+                wanted = [(a * isz, n * isz) for a, n in runs(s_shape, src_off, ishp)]
+                files.reader.read_runs(file, key, wanted, _as_bytes(part))
                 out[dst] = part
                 continue
             src = tuple(slice(a, a + n) for a, n in zip(src_off, ishp, strict=True))
-            out[dst] = files.get(s.file).get_slice(s.key)[src]
+            out[dst] = files.get(file).get_slice(key)[src]
             continue
         target = out[dst]
         direct = target.is_contiguous()
         buf = target if direct else torch.empty(ishp, dtype=dtype)
-        files.reader.read_bytes(s, start * isz, math.prod(ishp) * isz, _as_bytes(buf))
+        files.reader.read_key_bytes(file, key, start * isz, math.prod(ishp) * isz, _as_bytes(buf))
         if not direct:
             target.copy_(buf)
     return out
@@ -667,9 +669,15 @@ def _read_row_blocks(
                 )
             batch.add(file, off + (a - s0) * row, dst[(a - offsets[0]) * row : (b - offsets[0]) * row])
         return True
-    read = files.reader.read_bytes
-    for s, a, b, s0 in zip(table.entries_at(ks), lo.tolist(), hi.tolist(), starts.tolist(), strict=True):
-        read(s, (a - s0) * row, (b - a) * row, dst[(a - offsets[0]) * row : (b - offsets[0]) * row])
+    read = files.reader.read_key_bytes
+    for k, a, b, s0 in zip(ks, lo.tolist(), hi.tolist(), starts.tolist(), strict=True):
+        read(
+            table.file(k),
+            table.key(k),
+            (a - s0) * row,
+            (b - a) * row,
+            dst[(a - offsets[0]) * row : (b - offsets[0]) * row],
+        )
     return True
 
 
@@ -1038,12 +1046,11 @@ def wanted_ranges(
     wanted: dict[str, list[tuple[int, int]]] = {}
     for entry, b in jobs:
         isz = itemsize(entry.dtype)
-        if len(b.shape) == 0:
-            (s,) = [s for s in entry.slices if math.prod(s.shape) > 0] or entry.slices
-            _, off, n = reader.slice_location(s)
-            wanted.setdefault(s.file, []).append((off, n))
-            continue
         table = entry.table  # the slices the box meets, found and read from the table's columns
+        if len(b.shape) == 0:
+            _, off, n = reader.key_location(table.file(0), table.key(0))  # its one slice
+            wanted.setdefault(table.file(0), []).append((off, n))
+            continue
         for j in table.overlapping(b.offsets, b.shape):
             s_offsets, s_shape = table.box(j)
             inter = intersect(b.offsets, b.shape, s_offsets, s_shape)

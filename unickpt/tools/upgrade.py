@@ -505,7 +505,7 @@ def _refingerprint(r: CheckpointReader, recorded: dict[str, str], where: str) ->
             files.add(s.file)
             h = xxhash.xxh3_64()
             start = 0
-            for chunk in r.iter_slice(s, _CHUNK - _CHUNK % isz):
+            for chunk in r.iter_key(s.file, s.key, _CHUNK - _CHUNK % isz):
                 h.update(chunk)
                 words = np.frombuffer(chunk, dtype=f"<u{isz}")
                 for (off, shp), flat in _boxes(s.shape, start, start + len(words)):

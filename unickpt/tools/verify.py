@@ -453,7 +453,7 @@ def _check_run(
         name, t = tensors[int(tis[i])]
         k = int(kss[i])
         try:
-            got = r.hash_slice(t.table.entry(k))
+            got = r.hash_key(file, t.table.key(k))
         except (IncompleteCheckpointError, CheckpointFormatError, OSError) as e:
             got = f"unreadable ({e})"
         tick(int(size[i]))

@@ -97,7 +97,7 @@ def test_open_reads_and_verifies_like_local(s3, stored) -> None:
         for t in lr.tensors.values():
             for s in t.slices:
                 assert bytes(rr.read_slice(s)) == bytes(lr.read_slice(s))
-                assert rr.hash_slice(s) == s.xxh3
+                assert rr.hash_key(s.file, s.key) == s.xxh3
         with pytest.raises(Exception, match="has no local path"):
             rr.pinned_path(lr.files[0])
 
