@@ -1,4 +1,4 @@
-"""A verify, a verified load, ``diff --deep`` and the JSON of a listed index read a checkpoint's
+"""A verify, a load (verified or not: row blocks, column blocks, 0-d), ``diff --deep`` and the JSON of a listed index read a checkpoint's
 slices from its tables: no ``SliceEntry`` built.
 
 ``SliceEntry`` objects are built from a table by ``entries_from_records`` (every bulk and
@@ -365,3 +365,51 @@ def test_the_files_a_listed_index_names_are_read_from_its_tables(tmp_path: Path,
     assert built[0] == 0
     # The weight_map of a sliced index names the sentinel; the slices name the shards.
     assert files == {SLICED_SENTINEL} | {shard_name("model", r + 1, WORLD) for r in range(WORLD)}
+
+
+def test_a_load_of_column_slices_and_a_scalar_builds_no_slice_entry(tmp_path: Path, built: list[int]) -> None:
+    """Column blocks (not row blocks: read part by part into the tensor) and a 0-d tensor are read by
+    file and key from their tables."""
+    d = tmp_path / "columns"
+    d.mkdir()
+    w = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    s = torch.tensor(7.5)
+    parts = 3
+    cols: dict[str, list[Any]] = {"files": [], "keys": [], "offsets": [], "shapes": [], "hashes": []}
+    scalar: dict[str, list[Any]] = {}
+    for r in range(parts):
+        fname = shard_name("model", r + 1, parts)
+        block = w[:, 2 * r : 2 * r + 2].contiguous().numpy().tobytes()
+        entries = [(slice_key("w", r), "F32", (4, 2))] + ([(slice_key("s", 0), "F32", ())] if r == 1 else [])
+        header, _ = encode_header(entries, {"format": "unickpt-sliced"})
+        with open(d / fname, "wb") as f:
+            f.write(header + block + (s.numpy().tobytes() if r == 1 else b""))
+        for n, data, target, off, shape in [("w", block, cols, [0, 2 * r], [4, 2])] + (
+            [("s", s.numpy().tobytes(), scalar, [], [])] if r == 1 else []
+        ):
+            h = SliceHasher()
+            h.update(data)
+            for k, v in (("files", fname), ("keys", slice_key(n, 0 if n == "s" else r)), ("offsets", off)):
+                target.setdefault(k, []).append(v)
+            target.setdefault("shapes", []).append(shape)
+            target.setdefault("hashes", []).append(h.hexdigest())
+    tensors = {
+        "w": TensorEntry.of_table("F32", (4, 6), SliceTable.from_columns("w", (4, 6), **cols)),
+        "s": TensorEntry.of_table("F32", (), SliceTable.from_columns("s", (), **scalar)),
+    }
+    block = build_block(
+        kind="model",
+        created_by="test",
+        layout=LayoutInfo(world_size=parts, gathered=False),
+        tensors=tensors,
+        aliases={},
+        save_id=None,
+    )
+    (d / "model.safetensors.index.json").write_bytes(index_to_json(build_index(block, sliced=True)))
+    m = nn.Module()
+    m.register_buffer("w", torch.zeros(4, 6))
+    m.register_buffer("s", torch.tensor(0.0))
+    built[0] = 0
+    GeneralCheckpointIO().load_model(m, str(d), verify=True)
+    assert built[0] == 0
+    assert torch.equal(m.w, w) and torch.equal(m.s, s)
