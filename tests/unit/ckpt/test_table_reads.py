@@ -94,19 +94,24 @@ def _sliced(d: Path) -> nn.Module:
         n: TensorEntry.of_table("F32", (WORLD, 2), SliceTable.from_columns(n, (WORLD, 2), **cols[n]))
         for n in names
     }
+    _write_index(d, tensors, WORLD)
+    m = nn.Module()
+    for n in names:
+        m.register_buffer(n.replace(".", "_"), torch.zeros(WORLD, 2))
+    return _renamed(m, names)
+
+
+def _write_index(d: Path, tensors: dict[str, TensorEntry], world: int) -> None:
+    """The index of a sliced save of ``world`` ranks holding ``tensors``."""
     block = build_block(
         kind="model",
         created_by="test",
-        layout=LayoutInfo(world_size=WORLD, gathered=False),
+        layout=LayoutInfo(world_size=world, gathered=False),
         tensors=tensors,
         aliases={},
         save_id=None,
     )
     (d / "model.safetensors.index.json").write_bytes(index_to_json(build_index(block, sliced=True)))
-    m = nn.Module()
-    for n in names:
-        m.register_buffer(n.replace(".", "_"), torch.zeros(WORLD, 2))
-    return _renamed(m, names)
 
 
 def _renamed(m: nn.Module, names: list[str]) -> nn.Module:
@@ -397,15 +402,7 @@ def test_a_load_of_column_slices_and_a_scalar_builds_no_slice_entry(tmp_path: Pa
         "w": TensorEntry.of_table("F32", (4, 6), SliceTable.from_columns("w", (4, 6), **cols)),
         "s": TensorEntry.of_table("F32", (), SliceTable.from_columns("s", (), **scalar)),
     }
-    block = build_block(
-        kind="model",
-        created_by="test",
-        layout=LayoutInfo(world_size=parts, gathered=False),
-        tensors=tensors,
-        aliases={},
-        save_id=None,
-    )
-    (d / "model.safetensors.index.json").write_bytes(index_to_json(build_index(block, sliced=True)))
+    _write_index(d, tensors, parts)
     m = nn.Module()
     m.register_buffer("w", torch.zeros(4, 6))
     m.register_buffer("s", torch.tensor(0.0))
