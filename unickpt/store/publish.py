@@ -117,7 +117,7 @@ __all__ = [
     "only_leftovers",
     "store_file_name",
     "is_store_data_file",
-    "committed_on_store",
+    "holds_committed",
     "committed_in",
     "needs_cleanup",
     "referenced_files",
@@ -528,9 +528,9 @@ def is_store_data_file(kind: str, name: str) -> bool:
     return m is not None and is_own_data_file(kind, m.group("base") + ".safetensors")
 
 
-def committed_on_store(storage: Storage, directory: str, kind: str) -> bool:
+def holds_committed(storage: Storage, directory: str, kind: str) -> bool:
     """True when ``directory`` holds a committed ``kind`` checkpoint (an index or a single file)."""
-    return committed_in(storage.listdir(directory), kind)  # one LIST request on a store, not two HEADs
+    return committed_in(storage.listdir(directory), kind)  # one listing (one LIST request on a store)
 
 
 def committed_in(names: Iterable[str], kind: str) -> bool:

@@ -47,7 +47,14 @@ from unickpt.spec.dtypes import itemsize
 from unickpt.spec.index import LayoutInfo, TensorEntry, UnickptBlock, hex_to_b64, index_to_json
 from unickpt.spec.naming import HF_SIDE_FILES, index_name, shard_name, single_name
 from unickpt.spec.slice_table import SliceTable
-from unickpt.store.publish import SAVE_ID_KEY, Sink, content_save_id, output_location, output_sink
+from unickpt.store.publish import (
+    SAVE_ID_KEY,
+    Sink,
+    content_save_id,
+    holds_committed,
+    output_location,
+    output_sink,
+)
 from unickpt.store.storage import LocalStorage, Storage, open_storage, url_options
 from unickpt.tools._common import detect_kind, read_side_files
 from unickpt.tools._merge_mapped import hub_plan, write_mapped
@@ -470,18 +477,12 @@ def _size_bytes(size: int | str) -> int:
 
 
 def _has_kind(src: str, kind: str, storage_options: dict[str, Any] | None) -> bool:
-    """False when ``src`` is a directory (or a URL) holding no ``kind`` checkpoint."""
+    """False when ``src`` is a directory (or a prefix) holding no committed ``kind`` checkpoint;
+    True for a file, which ``open_checkpoint`` judges (one listing of the directory)."""
     store, root = open_storage(src, storage_options)
-    local = store.local_path(root)
-    if local is None:
-        from unickpt.store.publish import committed_on_store
-
-        return root.endswith((".json", ".safetensors")) or committed_on_store(store, root, kind)
-    if not os.path.isdir(local):
+    if root.endswith((".json", ".safetensors")) or store.is_file(root):
         return True
-    return os.path.isfile(os.path.join(local, index_name(kind))) or os.path.isfile(
-        os.path.join(local, single_name(kind))
-    )
+    return holds_committed(store, root, kind)
 
 
 def _local_path(src: str) -> str | None:
