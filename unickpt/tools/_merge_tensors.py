@@ -3,17 +3,37 @@ rebuilt band by band in memory (column splits, 2-D meshes, dtype casts), hashing
 
 An output file is a file a store opened for writes at offsets (``Storage.open_range``, on a store
 with ``range_write``), or a file streamed to an object store (``store.publish.StoreFile``);
-a tensor is copied in the kernel only into a file of a store with ``kernel_copy``."""
+a tensor is copied in the kernel only into a file of a store with ``kernel_copy``.
+
+**Runs, and merge's structure check.** The slices of each tensor as contiguous runs of its flat range.
+Most layouts store every slice of a tensor as one contiguous run of the flattened tensor (row
+slices of FSDP/TP ``Shard(0)``, ZeRO flat ranges, whole tensors): merge then copies bytes
+straight from source to output, and coverage is shown in O(slices) instead of the general sweep.
+
+**Small row-sliced tensors, in bulk: runs copied, not slices.**
+FSDP's and TP's ``Shard(0)`` store a tensor as row blocks, one per rank's file; the files hold
+the blocks of every tensor back to back. Streaming such tensors slice by slice costs a read, a
+write and their bookkeeping per slice. Here, consecutive output tensors of at most ``SMALL``
+bytes whose slices are row blocks tiling them (:func:`row_order`, from the slice table: no
+per-slice object) are merged a group of about ``GROUP_BYTES`` at a time: every slice of the
+group is located in bulk and read with a ``ReadBatch`` (one ``preadv`` per run of adjacent
+slices in a file) straight into its place in the group's buffer, each slice is rehashed there
+(``verify``), and each run of adjacent output tensors is written with one ``pwrite``.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 
-from unickpt.ckpt.reader import CheckpointReader
-from unickpt.errors import IntegrityError, IntegrityFailure, UnsupportedError
+from unickpt.ckpt.reader import CheckpointReader, check_keys_referenced
+from unickpt.ckpt.stored_slices import ReadBatch, all_referenced, locate_all, recorded_hashes
+from unickpt.errors import IndexFileError, IntegrityError, IntegrityFailure, UnsupportedError
+from unickpt.spec.boxes import contiguous_start, coverage_problem
 from unickpt.spec.dtypes import itemsize, word_dtype
 from unickpt.spec.hashing import (
     SliceHasher,
@@ -25,10 +45,231 @@ from unickpt.spec.index import SliceEntry, TensorEntry
 from unickpt.store.publish import StoreFile
 from unickpt.store.storage import RangeFile, Storage
 from unickpt.tools._bands import bands, is_sparse, next_data, pieces
-from unickpt.tools._merge_bulk import groups, merge_rows
-from unickpt.tools._merge_runs import Run
 
-__all__ = ["CASTABLE", "CHUNK", "RangeOutput", "TensorMerger"]
+__all__ = [
+    "GROUP_BYTES",
+    "SMALL",
+    "row_order",
+    "merge_rows",
+    "groups",
+    "Run",
+    "RunsOf",
+    "flat_runs",
+    "validate_runs",
+    "CASTABLE",
+    "CHUNK",
+    "RangeOutput",
+    "TensorMerger",
+]
+
+
+#: A tensor of at most this many bytes may be merged in a group; larger ones are streamed.
+SMALL = 4 << 20
+#: A group's buffer: about this many bytes of output tensors at a time.
+GROUP_BYTES = 64 << 20
+
+_EMPTY = xxhash.xxh3_64_intdigest(b"")
+
+
+def row_order(t: TensorEntry) -> np.ndarray | None:
+    """The non-empty slices of ``t`` in row order when every slice is a row block (whole in every
+    dim but the first) and they tile the tensor exactly once; else None (the general path decides)."""
+    table = t.table
+    g = list(t.shape)
+    if not g or len(table) == 0:
+        return None
+    off, shp = table.offsets, table.shapes
+    if off.shape[1] != len(g) or shp.shape[1] != len(g):
+        return None
+    if len(g) > 1 and not ((off[:, 1:] == 0).all() and (shp[:, 1:] == np.asarray(g[1:])).all()):
+        return None
+    nonempty = np.flatnonzero(shp[:, 0] > 0) if math.prod(g[1:]) else np.arange(0)
+    if math.prod(g) == 0 or (off[:, 0] < 0).any():
+        return None
+    ks = nonempty[np.argsort(off[nonempty, 0], kind="stable")]
+    starts, rows = off[ks, 0], shp[ks, 0]
+    ends = starts + rows
+    if len(ks) == 0 or starts[0] != 0 or ends[-1] != g[0] or not np.array_equal(starts[1:], ends[:-1]):
+        return None
+    return ks
+
+
+def groups(
+    items: list[tuple[str, TensorEntry, int]], bulk: Callable[[str, TensorEntry], bool]
+) -> Iterator[tuple[bool, list[tuple[str, TensorEntry, int]]]]:
+    """``items`` in order, as (merged in bulk?, items): consecutive bulk tensors grouped up to
+    ``GROUP_BYTES``, every other tensor alone."""
+    cur: list[tuple[str, TensorEntry, int]] = []
+    size = 0
+    for it in items:
+        name, t, _ = it
+        if bulk(name, t) and t.nbytes <= SMALL:
+            if cur and size + t.nbytes > GROUP_BYTES:
+                yield True, cur
+                cur, size = [], 0
+            cur.append(it)
+            size += t.nbytes
+            continue
+        if cur:
+            yield True, cur
+            cur, size = [], 0
+        yield False, [it]
+    if cur:
+        yield True, cur
+
+
+def merge_rows(
+    r: CheckpointReader,
+    group: list[tuple[str, TensorEntry, int]],
+    order: Callable[[str], np.ndarray],
+    write: Callable[[memoryview, int], None],
+    *,
+    verify: bool,
+    src: str,
+    progress: Callable[[int], object],
+) -> dict[str, tuple[str | None, str | None]]:
+    """Merge ``group`` (name, entry, output position) of row-sliced tensors; name -> (xxh3, fingerprint)."""
+    total = sum(t.nbytes for _, t, _ in group)
+    buf = np.empty(total, dtype=np.uint8).data.cast("B")
+    batch = ReadBatch()
+    placed: list[tuple[str, TensorEntry, int, int, np.ndarray, np.ndarray, np.ndarray]] = []
+    at = 0
+    for name, t, pos in group:
+        ks = order(name)
+        spans = r.spans[name]  # every slice located by the structure check (``validate_runs``)
+        offs, lens = spans[0][ks], spans[1][ks]
+        row = math.prod(t.shape[1:]) * itemsize(t.dtype)
+        starts = t.table.offsets[ks, 0] * row + at
+        batch.add_many(t.table, ks, offs, starts, starts + lens, buf)
+        placed.append((name, t, pos, at, ks, starts - at, lens))
+        at += t.nbytes
+    batch.run(r.read_handle)
+    out: dict[str, tuple[str | None, str | None]] = {}
+    for name, t, _pos, at, klist, starts, lens in placed:
+        view = buf[at : at + t.nbytes]
+        if verify:
+            _check(name, t, view, klist, starts, lens, src)
+        out[name] = (xxhash.xxh3_64_hexdigest(view), t.fingerprint)
+    # Adjacent output tensors are written together.
+    i = 0
+    while i < len(placed):
+        j = i
+        while j + 1 < len(placed) and placed[j + 1][2] == placed[j][2] + placed[j][1].nbytes:
+            j += 1
+        a, b = placed[i][3], placed[j][3] + placed[j][1].nbytes
+        write(buf[a:b], placed[i][2])
+        progress(b - a)
+        i = j + 1
+    return out
+
+
+def _check(
+    name: str,
+    t: TensorEntry,
+    view: memoryview,
+    ks: np.ndarray,
+    starts: np.ndarray,
+    lens: np.ndarray,
+    src: str,
+) -> None:
+    """Every recorded slice hash of the tensor against the bytes read (empty slices: the empty hash)."""
+    table = t.table
+    found = np.full(len(table), _EMPTY, dtype=np.uint64)
+    pieces = map(view.__getitem__, map(slice, starts.tolist(), (starts + lens).tolist()))
+    found[ks] = np.fromiter(map(xxhash.xxh3_64_intdigest, pieces), np.uint64, len(ks))
+    hashed, want = recorded_hashes(table)
+    bad = np.flatnonzero(found[hashed] != want)
+    if len(bad):
+        k = int(hashed[bad[0]])
+        failure = IntegrityFailure(
+            name, table.file(k), table.key(k), table.xxh3(k) or "-", f"{int(found[k]):016x}"
+        )
+        raise IntegrityError([failure], checkpoint=src)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One contiguous run of the flattened tensor stored as one slice."""
+
+    slice: SliceEntry
+    flat_start: int  # in elements
+
+
+def flat_runs(t: TensorEntry) -> list[Run] | None:
+    """The slices as contiguous runs in flat order, or None when some slice is not contiguous."""
+    runs = []
+    for s in t.slices:
+        if math.prod(s.shape) == 0:
+            continue
+        start = contiguous_start(t.shape, s.offsets, s.shape)
+        if start is None:
+            return None
+        runs.append(Run(s, start))
+    runs.sort(key=lambda r: r.flat_start)
+    return runs
+
+
+def _tiles(t: TensorEntry, runs: list[Run] | None) -> bool:
+    """True when ``runs`` lie inside the tensor and tile its flat range exactly once.
+
+    O(slices) with no numpy: the common layouts (row splits, ZeRO flat ranges, whole tensors)
+    need nothing more, and ``coverage_problem`` would find nothing to report for them. False
+    means "not shown here", not "broken": the general check then decides.
+    """
+    if runs is None:
+        return False
+    end = 0
+    for r in runs:
+        s = r.slice
+        inside = all(o >= 0 and o + n <= g for o, n, g in zip(s.offsets, s.shape, t.shape, strict=True))
+        if r.flat_start != end or not inside:
+            return False
+        end += math.prod(s.shape)
+    return end == math.prod(t.shape)
+
+
+class RunsOf(dict[str, "list[Run] | None"]):
+    """Tensor name -> its flat runs (``flat_runs``); for a tensor whose slices are row blocks the
+    runs are built only when asked (``rows`` holds their order, which the bulk merge uses)."""
+
+    def __init__(self, tensors: dict[str, TensorEntry]) -> None:
+        super().__init__()
+        self.tensors = tensors
+        self.rows: dict[str, np.ndarray] = {}
+
+    def __missing__(self, name: str) -> list[Run] | None:
+        runs = self[name] = flat_runs(self.tensors[name])
+        return runs
+
+
+def validate_runs(r: CheckpointReader) -> RunsOf:
+    """``r.validate_structure()`` with the same checks, order and errors; returns each tensor's
+    flat runs (``flat_runs``) for the copy.
+
+    Coverage is shown from the slice table for tensors of row blocks (``row_order``), in O(slices)
+    for other tensors whose slices are contiguous runs (``_tiles``); only the others go through
+    ``coverage_problem``'s general sweep.
+    """
+    r.open_files(r.files)  # each header bounds the slices in its file before they are built
+    runs_of = RunsOf(r.block.tensors)
+    for name, t in r.block.tensors.items():
+        rows = row_order(t)
+        if rows is not None:
+            runs_of.rows[name] = rows
+            continue
+        nd = len(t.shape)
+        same_dims = all(len(s.offsets) == nd and len(s.shape) == nd for s in t.slices)
+        runs = flat_runs(t) if same_dims else None
+        runs_of[name] = runs
+        if not _tiles(t, runs):
+            problem = coverage_problem(t.shape, [(tuple(s.offsets), tuple(s.shape)) for s in t.slices])
+            if problem:
+                raise IndexFileError(f"{r.index_path or r.directory}: tensor {name!r}: {problem}")
+    matched = locate_all(r)  # every slice at once (spans kept for the copy); raises naming the first bad one
+    if r.has_unickpt_block and not all_referenced(r.header, r.files, matched):
+        check_keys_referenced(r.block, r.files, r.header)
+    return runs_of
+
 
 CASTABLE = {"F16", "BF16", "F32", "F64"}
 # Copy in chunks of this size: large enough for disk speed (the kernel reads ahead of it anyway),
@@ -146,7 +387,7 @@ class TensorMerger:
         return results
 
     def _bulk(self, name: str, t: TensorEntry) -> bool:
-        """Whether a tensor goes through the bulk merge of row-sliced tensors (``_merge_bulk``)."""
+        """Whether a tensor goes through the bulk merge of row-sliced tensors (``merge_rows``)."""
         if name not in self._rows or self.target_dtype(t) != t.dtype:
             return False
         if t.table.ranges_count() or len(self._rows[name]) == 1:  # one slice: copied whole (kernel copy)

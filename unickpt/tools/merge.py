@@ -58,8 +58,7 @@ from unickpt.store.publish import (
 from unickpt.store.storage import LocalStorage, Storage, open_storage, url_options
 from unickpt.tools._common import detect_kind, read_side_files
 from unickpt.tools._merge_mapped import hub_plan, write_mapped
-from unickpt.tools._merge_runs import Run, validate_runs
-from unickpt.tools._merge_tensors import CHUNK, RangeOutput, TensorMerger
+from unickpt.tools._merge_tensors import CHUNK, RangeOutput, Run, TensorMerger, validate_runs
 from unickpt.tools._progress import progress_bar
 
 __all__ = ["merge_checkpoint", "DTYPES"]

@@ -1,6 +1,6 @@
 """merge's fast paths behave exactly like the general ones they short-cut.
 
-- coverage is shown in O(slices) for contiguous layouts (``_merge_runs.validate_runs``): same checks,
+- coverage is shown in O(slices) for contiguous layouts (``_merge_tensors.validate_runs``): same checks,
   order and errors as ``CheckpointReader.validate_structure`` on every layout, valid or not;
 - output files ask the kernel to start writeback while they are written (``start_writeback``),
   which never replaces the fsync of every file and directory before the commit rename;
@@ -27,7 +27,6 @@ from unickpt.ckpt.safetensors_io import read_header
 from unickpt.errors import IncompleteCheckpointError, IntegrityError
 from unickpt.spec.index import SliceEntry, TensorEntry, UnickptBlock
 from unickpt.store import storage as storage_mod
-from unickpt.tools import _merge_runs as merge_runs
 from unickpt.tools import _merge_tensors as merge_tensors
 from unickpt.tools import merge as merge_mod
 from unickpt.tools._write import SliceData, TensorData, write_checkpoint
@@ -154,7 +153,7 @@ def test_fast_coverage_returns_the_runs_the_copy_uses(tmp_path: Path) -> None:
     r = open_checkpoint(tmp_path / "src")
     runs = merge_mod.validate_runs(r)
     # Row-sliced tensors' runs are built when asked (the bulk merge reads their order instead).
-    assert {n: runs[n] for n in r.tensors} == {n: merge_runs.flat_runs(t) for n, t in r.tensors.items()}
+    assert {n: runs[n] for n in r.tensors} == {n: merge_tensors.flat_runs(t) for n, t in r.tensors.items()}
     assert "rows.uneven" in runs.rows and "col.weight" not in runs.rows
     assert runs["col.weight"] is None and runs["rows.uneven"] is not None
     r.close()
