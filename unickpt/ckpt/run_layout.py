@@ -1,4 +1,4 @@
-"""The directory layout ``CheckpointManager`` writes, read from files alone (no torch).
+"""The directory layout ``CheckpointManager`` writes: read from files alone, and a step written from converted files (no torch).
 
 A run directory holds ``step-<N>/`` directories; a step is committed iff its ``COMMIT`` marker
 exists (see unickpt/manager/ and docs/guide.md). Inside a step::
@@ -17,8 +17,20 @@ A run or step may live at a URL (``s3://...``): the readers below take an option
 one command) and work the same there; without one, a local path is read with ``os`` calls.
 
 This is the one definition of the layout's names and records: the manager (``store/publish.py``,
-``unickpt/manager/``), ``convert --to run`` (``tools/run_layout.py``) and
+``unickpt/manager/``), ``convert --to run`` (:func:`write_step`) and
 the command line (``unickpt inspect``/``verify`` on a run or a step) use the functions here.
+
+**A step written from converted files** (:func:`write_step`, for ``convert --to run``): one committed
+``step-<N>/``: ``model/``, ``optimizer/``, ``lr_scheduler.json``, ``train_state/rank-00000.{json,safetensors}``, then the
+manager's own step commit: the step's ``COMMIT`` record written last, then ``latest`` (as
+``store.publish.commit_step`` and ``RemoteStore.commit`` publish a step). Everything is written
+into a tool's output (``store.publish.output_sink``): a staged local directory renamed into place
+once ``latest`` is written, or an object-store prefix where the two records are the output's last
+commit points (exclusive PUTs, after every other object). ``CheckpointManager.load`` resumes from
+the result (tests/unit/tools/test_convert_training.py).
+
+An imported step holds no RNG states (the source did not save them, or saved them in a form
+unickpt does not read); the manager then leaves the RNGs as they are and says so.
 """
 
 from __future__ import annotations
@@ -28,6 +40,7 @@ import json
 import os
 import posixpath
 import re
+from collections.abc import Callable
 from typing import Any
 
 from unickpt.ckpt.run_files import RunFiles, run_location
@@ -54,6 +67,7 @@ from unickpt.spec.run_names import (
     work_name,
 )
 from unickpt.spec.untrusted import strict_loads
+from unickpt.store.publish import Sink
 
 __all__ = [
     "COMMIT_NAME",
@@ -85,7 +99,10 @@ __all__ = [
     "step_layout",
     "hashes_record",
     "read_hashes",
+    "write_step",
+    "STATE_VERSION",
 ]
+
 
 _HASHES_VERSION = 1
 _STEP_RE = STEP_RE
@@ -292,3 +309,40 @@ def read_hashes(path: str, files: RunFiles | None = None) -> dict[str, str]:
     ):
         raise CheckpointFormatError("'xxh3' must map relative paths to hex digests")
     return table
+
+
+STATE_VERSION = COMMIT_VERSION  # the train-state files' version (the manager's STATE_VERSION)
+
+
+def write_step(
+    run: Sink,
+    step: int,
+    fill: Callable[[Sink], None],
+    *,
+    extra: dict[str, Any],
+    world_size: int,
+    plugin: str,
+) -> str:
+    """Write ``step-<step>`` into the run output ``run``; ``fill(step_sink)`` writes ``model/``,
+    ``optimizer/`` and ``lr_scheduler.json`` into it; then the train state (``step``, ``extra``
+    as the manager's extra states, no RNG), the step's ``COMMIT`` and ``latest``, in that order,
+    as commit points of ``run``. Returns the step directory's location."""
+    from safetensors.numpy import save
+
+    name = step_name(step)
+    stage = run.within(name)
+    fill(stage)
+    state = stage.within(TRAIN_STATE_DIR)
+    js = {
+        "unickpt_train_state": STATE_VERSION,
+        "step": step,
+        "rank": 0,
+        "world_size": world_size,
+        "rng": None,
+        "extra": extra,
+    }
+    state.put("rank-00000.safetensors", save({}, metadata={"format": "unickpt-train-state"}))
+    state.put("rank-00000.json", json.dumps(js, sort_keys=True).encode())
+    run.commit_later(f"{name}/{COMMIT_NAME}", commit_record(step, world_size, plugin))
+    run.commit_later(LATEST_NAME, latest_record(step))
+    return stage.url

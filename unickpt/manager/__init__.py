@@ -32,7 +32,7 @@ committed (readers take it for step N while ``step-<N>`` is not committed, the n
 it back) and is deleted only once the new ``step-<N>`` is committed. A process killed at any
 moment therefore leaves a committed copy of every committed step (``store/publish.py``;
 ``unickpt convert --to run`` writes a step in the same order, ``COMMIT`` then ``latest``, into
-its one output: ``tools/run_layout.py``).
+its one output: ``ckpt/run_layout.write_step``).
 
 Saves into one directory are serialised by the kernel lock of ``.unickpt.lock`` (``flock``;
 ``CheckpointBusyError`` for a second manager, released by the kernel when a holder dies). A

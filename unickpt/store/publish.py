@@ -903,7 +903,7 @@ def commit_step(directory: str, stage: str, step: int, record: bytes) -> str:
     (:func:`install_step`); only then is ``latest`` replaced and a replaced copy deleted.
     The manager's saves (rank 0, under the lock) commit here; ``unickpt convert --to run`` writes
     its step in the same order (``COMMIT``, then ``latest``) into its one output
-    (``tools/run_layout.py``).
+    (``ckpt/run_layout.write_step``).
     """
     atomic_write_bytes(os.path.join(stage, COMMIT_NAME), record)
     fsync_dir(stage)

@@ -364,7 +364,7 @@ def _write_run(
     The checkpoint's ``train_state.*`` values become the manager's extra state ``train_state``
     (``manager.load(..., train_state=obj)`` calls ``obj.load_state_dict`` with them).
     """
-    from unickpt.tools.run_layout import write_step
+    from unickpt.ckpt.run_layout import write_step
 
     train = read_train_state(src, md, lay)
     n = step

@@ -629,7 +629,7 @@ def convert_deepspeed(
             for fname, data in read_side_files(src, HF_SIDE_FILES):
                 sink.put(fname, data)
         return out
-    from unickpt.tools.run_layout import write_step
+    from unickpt.ckpt.run_layout import write_step
 
     n = step if step is not None else ck.step
     if n is None:

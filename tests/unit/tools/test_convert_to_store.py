@@ -209,9 +209,9 @@ def _fail_on(monkeypatch: pytest.MonkeyPatch, module: Any, name: str, after: int
 def test_a_failure_part_way_leaves_nothing_on_the_store(
     s3, tmp_path, monkeypatch, request: pytest.FixtureRequest, target: str
 ) -> None:
+    import unickpt.ckpt.run_layout as run_layout
     import unickpt.tools.export_colossalai as colo
     import unickpt.tools.export_deepspeed as ds
-    import unickpt.tools.run_layout as run_layout
 
     url = f"s3://{s3.bucket}/failed-{target}"
     if target == "run":  # model and optimizer uploaded, then the step's COMMIT record fails

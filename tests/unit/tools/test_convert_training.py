@@ -272,7 +272,7 @@ def test_torchtitan_folder_becomes_a_manager_run(tmp_path: Path, caplog: pytest.
 
 def test_run_layout_names_match_the_manager() -> None:
     from unickpt import manager
-    from unickpt.tools import run_layout
+    from unickpt.ckpt import run_layout
 
     assert run_layout.COMMIT_NAME == manager.COMMIT_NAME
     assert run_layout.LATEST_NAME == manager.LATEST_NAME
