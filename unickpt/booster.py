@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from unickpt.errors import UnsupportedError
-from unickpt.io.param_names import check_param_names
+from unickpt.io.optimizer import check_param_names
 from unickpt.io.tensors import normalize_name
 from unickpt.wrappers import ModelWrapper, OptimizerWrapper, unwrap_optimizer
 

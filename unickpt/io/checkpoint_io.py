@@ -10,7 +10,7 @@ DTensor or a plain replicated tensor (ZeRO's flat shards) or that is named diffe
 copies across pipeline stages). What is a concept
 of its own is a plain module the class calls: the save engine and ``WriteSpec`` (``io/save.py``),
 the load engine (``io/load.py``), the background save in flight and its writer process
-(``AsyncSaves``, ``io/async_save.py``), the optimizer state as a payload (``io/optimizer_io.py``),
+(``AsyncSaves``, ``io/async_save.py``), the optimizer state as a payload (``io/optimizer.py``),
 the adapters' files (``io/adapters.py``), the side files (``io/side_files.py``).
 
 Public methods own validation, rank coordination and the commit; they are collective:
@@ -44,17 +44,19 @@ from unickpt.errors import ConfigError, IncompleteCheckpointError, UnsupportedEr
 from unickpt.io.async_save import AsyncSaves
 from unickpt.io.load import LoadReport, load_tensors, open_for_load
 from unickpt.io.mapping import map_payload, resolve_mapping
-from unickpt.io.optim_state import (
+from unickpt.io.optimizer import (
     apply_groups,
+    check_param_names,
     init_state,
+    merge_optimizer_extras,
+    model_from_param_names,
+    optimizer_payload,
     optimizer_tensor_name,
     param_of,
     same_optimizer_class,
     state_targets,
+    validate_param_groups,
 )
-from unickpt.io.optimizer_io import merge_optimizer_extras, optimizer_payload
-from unickpt.io.param_groups import validate_param_groups
-from unickpt.io.param_names import check_param_names, model_from_param_names
 from unickpt.io.payload import SavePayload
 from unickpt.io.pinned import POOL, wait_staged
 from unickpt.io.replicas import REPLICA_MODES

@@ -182,7 +182,7 @@ def convert_colossalai_optimizer(
     import torch
 
     from unickpt.io.jsonstate import to_json_value
-    from unickpt.io.optim_state import optimizer_tensor_name
+    from unickpt.io.optimizer import optimizer_tensor_name
     from unickpt.spec.dtypes import itemsize
     from unickpt.spec.index import LayoutInfo
     from unickpt.tools._progress import progress_bar

@@ -340,7 +340,7 @@ def _write_parts(
 ) -> None:
     """The model, optimizer and scheduler files of :func:`import_training`."""
     from unickpt.io.jsonstate import to_json_value
-    from unickpt.io.optim_state import optimizer_tensor_name
+    from unickpt.io.optimizer import optimizer_tensor_name
     from unickpt.io.side_files import lr_scheduler_json
     from unickpt.tools._write import write_checkpoint
 

@@ -544,7 +544,7 @@ def write_deepspeed(
     import torch
 
     from unickpt.io.jsonstate import to_json_value
-    from unickpt.io.optim_state import optimizer_tensor_name
+    from unickpt.io.optimizer import optimizer_tensor_name
     from unickpt.io.side_files import lr_scheduler_json
     from unickpt.spec.index import LayoutInfo
     from unickpt.tools._torch import st_of, tensor_bytes

@@ -84,7 +84,7 @@ def test_the_hooks_hold_no_io() -> None:
     origins, imported = _hooks_refer_to()
     assert {m for m in origins if m.startswith("unickpt")} == {
         "unickpt.errors",
-        "unickpt.io.optim_state",
+        "unickpt.io.optimizer",
         "unickpt.io.tensors",
     }
     assert imported == {"torch.distributed.checkpoint.state_dict"}

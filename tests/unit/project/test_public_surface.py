@@ -94,7 +94,7 @@ def test_manager_only_helpers_are_not_exported_by_io() -> None:
     for name in ("SavePayload", "hf_config_files", "lr_scheduler_json", "optimizer_tensor_name"):
         assert not hasattr(unickpt.io, name), name
     # They still live in their own modules for the manager and the tools.
-    from unickpt.io.optim_state import optimizer_tensor_name
+    from unickpt.io.optimizer import optimizer_tensor_name
     from unickpt.io.payload import SavePayload
     from unickpt.io.side_files import hf_config_files, lr_scheduler_json
 
