@@ -5,8 +5,7 @@ the ``LocalSlice`` objects a rank holds; loads return a ``LoadReport``. What onl
 and the tools use (``SavePayload``, the side-file helpers) is imported from its module.
 """
 
-from unickpt.io.checkpoint_io import CheckpointIO, HookContext
-from unickpt.io.general import GeneralCheckpointIO
+from unickpt.io.checkpoint_io import CheckpointIO, GeneralCheckpointIO, HookContext
 from unickpt.io.load import LoadReport
 from unickpt.io.tensors import LocalSlice
 

@@ -7,7 +7,8 @@ the names of the final public methods (``FINAL_METHODS``). The hooks hold no IO 
 (no options, no files, no collectives): their defaults already describe plain tensors, DTensors
 of any placement and tied parameters, so a plugin overrides a hook only for state that is not a
 DTensor or a plain replicated tensor (ZeRO's flat shards) or that is named differently (tied
-copies across pipeline stages). What is a concept
+copies across pipeline stages). ``GeneralCheckpointIO``, at the end, is the class with the
+defaults alone: one process, no parallelism. What is a concept
 of its own is a plain module the class calls: the save engine and ``WriteSpec`` (``io/save.py``),
 the load engine (``io/load.py``), the background save in flight and its writer process
 (``AsyncSaves``, ``io/async_save.py``), the optimizer state as a payload (``io/optimizer.py``),
@@ -91,6 +92,7 @@ if TYPE_CHECKING:
 # modules that define them, for code written when they lived here.
 __all__ = [
     "DETACHED_NOTE",
+    "GeneralCheckpointIO",
     "FINAL_METHODS",
     "CheckpointHooks",
     "CheckpointIO",
@@ -1145,3 +1147,13 @@ class CheckpointIO(CheckpointHooks):
             return
         maybe_fail("model.hf_config")
         write_config_files(hf_config_files(self.unwrap_model(model)), path, self.storage_options)
+
+
+class GeneralCheckpointIO(CheckpointIO):
+    """Checkpoint IO for a model on one process (no parallelism).
+
+    It is ``CheckpointIO`` with no mesh: the same planner, writer, hashes and commit as the
+    distributed plugins, so its checkpoints load under any of them and the reverse.
+    """
+
+    plugin_name = "general"

@@ -19,7 +19,6 @@ from unickpt.io.checkpoint_io import FINAL_METHODS, CheckpointIO, HookContext
 def _all_io_classes() -> list[type[CheckpointIO]]:
     for info in pkgutil.walk_packages(unickpt.plugins.__path__, "unickpt.plugins."):
         importlib.import_module(info.name)
-    importlib.import_module("unickpt.io.general")
     out: list[type[CheckpointIO]] = []
     todo = [CheckpointIO]
     while todo:
