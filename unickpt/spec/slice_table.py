@@ -39,7 +39,7 @@ from typing import Annotated, Any, SupportsIndex, overload
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, Strict
 
-from unickpt.spec.coverage import coverage_problem
+from unickpt.spec.boxes import coverage_problem
 
 __all__ = [
     "SliceTable",

@@ -49,8 +49,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, UnsupportedError
-from unickpt.spec.boxes import box_volume
-from unickpt.spec.coverage import coverage_problem
+from unickpt.spec.boxes import box_volume, coverage_problem
 from unickpt.spec.untrusted import check_graph, confined_path, plain_name, show
 from unickpt.store.storage import Storage, open_storage
 

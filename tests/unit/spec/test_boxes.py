@@ -1,4 +1,4 @@
-"""The exact tiling check (unickpt.spec.coverage) against counting every element, and its speed."""
+"""The exact tiling check (unickpt.spec.boxes) against counting every element, and its speed."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from unickpt.spec.boxes import coverage_problem
-from unickpt.spec.coverage import CoverageProblem, coverage_problems
+from unickpt.spec.boxes import CoverageProblem, coverage_problem, coverage_problems
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -176,7 +175,7 @@ def test_pieces_along_one_dim_agree_with_the_full_check(ndim: int) -> None:
     """The fast path for pieces cut along one dim (every Shard(0) save) decides as the full check
     does: clean tilings pass, and a gap, an overlap, a duplicate, an out-of-bounds or a short
     piece on another dim is still named."""
-    from unickpt.spec.coverage import _tiles_along_one_dim
+    from unickpt.spec.boxes import _tiles_along_one_dim
 
     rnd = random.Random(7 + ndim)
     fast = 0
