@@ -184,12 +184,6 @@ __all__ = [
 ]
 
 
-def _q(v: object) -> str:
-    """A name or value as it appears in a message: repr, cut to 80 characters (names can be any length)."""
-    r = repr(v)
-    return r if len(r) <= 80 else f"{r[:77]}..."
-
-
 def _names(names: Iterable[str], limit: int = 5) -> str:
     items = sorted(names)
     more = f" and {len(items) - limit} more" if len(items) > limit else ""
@@ -242,8 +236,8 @@ def check_unique_slices(where: str, block: UnickptBlock) -> None:
             first = seen.setdefault((file, key), (name, i))
             if first != (name, i):
                 raise IndexFileError(
-                    f"{where}: key {_q(key)} of file {_q(file)} is named by two slices: tensor {_q(first[0])} "
-                    f"slice {first[1]} and tensor {_q(name)} slice {i} (one stored block would be read twice)"
+                    f"{where}: key {shown(key)} of file {shown(file)} is named by two slices: tensor {shown(first[0])} "
+                    f"slice {first[1]} and tensor {shown(name)} slice {i} (one stored block would be read twice)"
                 )
 
 
@@ -264,14 +258,14 @@ def check_gathered(where: str, block: UnickptBlock) -> None:
         table = t.table  # its one slice read from the table's columns: no per-slice object
         if len(table) != 1:
             raise IndexFileError(
-                f"{where}: tensor {_q(name)} has {len(table)} slices in a gathered checkpoint, which stores "
+                f"{where}: tensor {shown(name)} has {len(table)} slices in a gathered checkpoint, which stores "
                 "each tensor whole under its own name"
             )
         key = table.key(0)
         offsets, shape = table.box(0)
         if key != name or any(offsets) or shape != list(t.shape):
             raise IndexFileError(
-                f"{where}: tensor {_q(name)} is stored as key {_q(key)} at offsets {offsets} with shape "
+                f"{where}: tensor {shown(name)} is stored as key {shown(key)} at offsets {offsets} with shape "
                 f"{shape} in a gathered checkpoint, which stores each tensor whole under its own name "
                 f"(shape {list(t.shape)}): Hugging Face loaders would read something else"
             )
@@ -287,8 +281,8 @@ def check_weight_map(where: str, weight_map: dict[str, str], block: UnickptBlock
     real = [n for n, f in weight_map.items() if f != SLICED_SENTINEL]
     if sentinel and real:
         raise IndexFileError(
-            f"{where}: weight_map mixes the sliced-checkpoint sentinel (e.g. tensor {_q(sentinel[0])}) with "
-            f"real files (e.g. tensor {_q(real[0])} -> {_q(weight_map[real[0]])}); an index is either gathered "
+            f"{where}: weight_map mixes the sliced-checkpoint sentinel (e.g. tensor {shown(sentinel[0])}) with "
+            f"real files (e.g. tensor {shown(real[0])} -> {shown(weight_map[real[0]])}); an index is either gathered "
             "or sliced"
         )
     gathered = not sentinel if weight_map else block.layout.gathered
@@ -316,8 +310,8 @@ def check_weight_map(where: str, weight_map: dict[str, str], block: UnickptBlock
     for name, t in block.tensors.items():
         if weight_map[name] != t.table.file(0):
             raise IndexFileError(
-                f"{where}: weight_map puts tensor {_q(name)} in {_q(weight_map[name])} but the unickpt block "
-                f"stores it in {_q(t.table.file(0))} (Hugging Face loaders would read a tensor unickpt "
+                f"{where}: weight_map puts tensor {shown(name)} in {shown(weight_map[name])} but the unickpt block "
+                f"stores it in {shown(t.table.file(0))} (Hugging Face loaders would read a tensor unickpt "
                 "never verified)"
             )
     return True
@@ -328,13 +322,15 @@ def check_optimizer_names(where: str, block: UnickptBlock) -> None:
     for name, t in block.tensors.items():
         if block.kind == "model":
             if t.param is not None or t.state is not None:
-                raise IndexFileError(f"{where}: model tensor {_q(name)} carries optimizer fields param/state")
+                raise IndexFileError(
+                    f"{where}: model tensor {shown(name)} carries optimizer fields param/state"
+                )
             continue
         if t.param is None or t.state is None:
             continue  # an optimizer tensor outside the per-parameter state (none today)
         if name != f"state.{t.param}.{t.state}":
             raise IndexFileError(
-                f"{where}: optimizer tensor {_q(name)} says it is state {_q(t.state)} of parameter {_q(t.param)}, "
+                f"{where}: optimizer tensor {shown(name)} says it is state {shown(t.state)} of parameter {shown(t.param)}, "
                 f"which is named 'state.{t.param}.{t.state}'"
             )
     if block.kind == "optimizer" and block.param_groups is not None:
@@ -354,18 +350,18 @@ def check_param_groups(where: str, block: UnickptBlock) -> None:
         for p in params:
             if p in listed:
                 raise IndexFileError(
-                    f"{where}: parameter {_q(p)} is listed in param_groups[{listed[p]}] and param_groups[{i}]"
+                    f"{where}: parameter {shown(p)} is listed in param_groups[{listed[p]}] and param_groups[{i}]"
                 )
             listed[p] = i
     for name, t in block.tensors.items():
         if t.param is not None and t.param not in listed:
             raise IndexFileError(
-                f"{where}: optimizer tensor {_q(name)} is state of parameter {_q(t.param)}, which no param_group lists"
+                f"{where}: optimizer tensor {shown(name)} is state of parameter {shown(t.param)}, which no param_group lists"
             )
     for p in block.param_state:
         if p not in listed:
             raise IndexFileError(
-                f"{where}: param_state holds state of parameter {_q(p)}, which no param_group lists"
+                f"{where}: param_state holds state of parameter {shown(p)}, which no param_group lists"
             )
 
 

@@ -60,6 +60,7 @@ import numpy as np
 
 from unickpt.errors import CheckpointFormatError, UnsafePathError
 from unickpt.spec.dtypes import DTYPE_ITEMSIZE
+from unickpt.spec.naming import shown
 from unickpt.spec.slice_table import compact_count
 
 __all__ = [
@@ -427,7 +428,7 @@ def count_problem(files: Sequence[str] | None, tensors: Mapping[str, Any]) -> st
     for name, n, field, spec in described:
         if spec == fid or (isinstance(spec, list) and fid in spec):
             return (
-                f"unickpt.tensors[{_q(name)}].{field}: declares {n} slice(s) in data file {files[fid]!r}, "
+                f"unickpt.tensors[{shown(name)}].{field}: declares {n} slice(s) in data file {files[fid]!r}, "
                 f"which with the slices of other tensors comes to {int(counts[fid])}; a data file holds at "
                 f"most {MAX_FILE_ENTRIES} entries (a header of at most {MAX_HEADER_BYTES} bytes, "
                 f"{MIN_ENTRY_BYTES} bytes or more per entry)"
@@ -485,7 +486,7 @@ def capacity_problem(
             s = size(f)
             if s is not None and per_file[f] > entries_capacity(s):
                 return (
-                    f"unickpt.tensors[{_q(name)}].{_field(t)}: {n} slice(s) in data file {f!r} (with the slices "
+                    f"unickpt.tensors[{shown(name)}].{_field(t)}: {n} slice(s) in data file {f!r} (with the slices "
                     f"of other tensors there: {per_file[f]}), but its {s} bytes hold at most "
                     f"{entries_capacity(s)} header entries ({MIN_ENTRY_BYTES} bytes or more each)"
                 )
@@ -510,7 +511,7 @@ def capacity_problem(
         held = sum(max(0, r - SAFETENSORS_PREFIX) for r in room if r is not None)
         if nbytes > held:
             return (
-                f"unickpt.tensors[{_q(name)}].shape: {list(t.shape)} x {DTYPE_ITEMSIZE.get(t.dtype, '?')} "
+                f"unickpt.tensors[{shown(name)}].shape: {list(t.shape)} x {DTYPE_ITEMSIZE.get(t.dtype, '?')} "
                 f"byte(s) ({t.dtype}) is {nbytes} bytes, more than the {held} bytes of the data file(s) "
                 f"its slices name ({_few(files)})"
             )
@@ -527,12 +528,6 @@ def _nbytes(t: Any) -> int:
     for d in t.shape:
         n *= d
     return n
-
-
-def _q(name: str) -> str:
-    """A tensor name as a message shows it: escaped, cut to 80 characters (names can be any length)."""
-    r = ascii(name)
-    return r if len(r) <= 80 else f"{r[:77]}..."
 
 
 def _field(t: Any) -> str:

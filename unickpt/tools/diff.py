@@ -50,7 +50,8 @@ from unickpt.tools.inspect import shown
 __all__ = ["DataDifference", "compare_tensors", "read_flat", "DiffReport", "ShapeChange", "diff_checkpoints"]
 
 
-#: Elements per side and step: 16 MiB of fp32; memory stays a few times this whatever the tensor.
+#: Bytes of data read per side and step (the deep comparison's flat ranges, the data sums' bands):
+#: memory stays a few times this whatever the tensor.
 CHUNK_BYTES = 16 << 20
 
 
@@ -133,9 +134,6 @@ def compare_tensors(
         return None
     index = [int(i) for i in np.unravel_index(first, ta.shape)] if ta.shape else []
     return DataDifference(name, index, first, count, numel)
-
-
-_CHUNK = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -258,8 +256,8 @@ def _data_sum(
                 fingerprint_partial(np.frombuffer(data, dtype=f"<u{isz}"), t.shape, offsets, shape)
             )
         elif n:
-            # Bands of at most _CHUNK bytes (ranges of rows, or of one row when a row is larger).
-            for band in bands(shape, isz, _CHUNK):
+            # Bands of at most CHUNK_BYTES bytes (ranges of rows, or of one row when a row is larger).
+            for band in bands(shape, isz, CHUNK_BYTES):
                 data = r.read_key_bytes(file, key, band_first(band, shape) * isz, math.prod(band.shape) * isz)
                 h.update(data)
                 off = [o + b for o, b in zip(offsets, band.offsets(len(shape)), strict=True)]
