@@ -1,6 +1,7 @@
 """Shared helpers of the unit tests: the tiny models, the one checkpoint builder
 (:func:`save_checkpoint`; the ``make_checkpoint`` fixture of ``conftest.py`` puts one under
-``tmp_path``), model comparison, safetensors/index editing, and the kill hooks of the crash tests.
+``tmp_path``; :func:`row_sliced_checkpoint` writes thousands of slices the way an FSDP2 save of
+many ranks does), model comparison, safetensors/index editing, and the kill hooks of the crash tests.
 
 The models: :class:`Tiny` (several dtypes and ranks, a buffer: spread over several shard files),
 :class:`Net` (two layers of two dtypes, see :func:`trained`), :class:`MLP` (two plain linear
@@ -18,12 +19,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+import xxhash
 from torch import nn
 
 from unickpt import GeneralCheckpointIO
-from unickpt.ckpt.safetensors_io import SafetensorsWriter
-from unickpt.spec.index import as_listed
+from unickpt.ckpt.safetensors_io import SafetensorsWriter, encode_header
+from unickpt.ckpt.writer import build_block, build_index
+from unickpt.spec.index import FORMAT_VERSION, LayoutInfo, as_listed, index_to_json, parse_index
+from unickpt.spec.naming import SLICED_SENTINEL, shard_name, slice_key
 from unickpt.wrappers import OptimizerWrapper
 
 INDEX = "model.safetensors.index.json"
@@ -156,6 +161,100 @@ def save_checkpoint(
         size_per_shard=shard_mb,  # type: ignore[arg-type]
     )
     return m
+
+
+def row_sliced_checkpoint(
+    directory: Path, world: int, tensors: int, cols: int, *, listed: bool = False
+) -> dict[str, np.ndarray]:
+    """A sliced checkpoint at ``directory`` as an FSDP2 save of ``world`` ranks writes it:
+    ``tensors`` tensors ``layers.{i}.w`` of (``world``, ``cols``) F32, row r of each in rank r's
+    file, the rows of one file back to back. The index lists every slice (``listed``) or is the
+    compact form the writer writes. Returns the tensors' values."""
+    rng = np.random.default_rng(0)
+    names = [f"layers.{i}.w" for i in range(tensors)]
+    data = {n: rng.standard_normal((world, cols)).astype(np.float32) for n in names}
+    slices: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    for r in range(world):
+        fname = shard_name("model", r + 1, world)
+        header, _ = encode_header(
+            [(slice_key(n, r), "F32", (1, cols)) for n in names], {"format": "unickpt-sliced"}
+        )
+        rows = [data[n][r : r + 1].tobytes() for n in names]
+        (directory / fname).write_bytes(header + b"".join(rows))
+        for n, row in zip(names, rows, strict=True):
+            slices[n].append(
+                {
+                    "file": fname,
+                    "key": slice_key(n, r),
+                    "offsets": [r, 0],
+                    "shape": [1, cols],
+                    "xxh3": xxhash.xxh3_64(row).hexdigest(),
+                }
+            )
+    layout = {"plugin": "fsdp2", "world_size": world, "mesh": {"dp": world}, "gathered": False}
+    obj = {
+        "metadata": {"total_size": 4 * world * cols * tensors},
+        "weight_map": dict.fromkeys(names, SLICED_SENTINEL),
+        "unickpt": {
+            "format_version": FORMAT_VERSION,
+            "kind": "model",
+            "created_by": "test",
+            "layout": layout,
+            "tensors": {n: {"dtype": "F32", "shape": [world, cols], "slices": slices[n]} for n in names},
+            "aliases": {},
+        },
+    }
+    raw = json.dumps(obj).encode()
+    if not listed:
+        parsed = parse_index(raw, INDEX).unickpt
+        assert parsed is not None
+        block = build_block(
+            kind="model",
+            created_by="test",
+            layout=LayoutInfo(**layout),
+            tensors=dict(parsed.tensors),
+            aliases={},
+            save_id=None,
+        )
+        raw = index_to_json(build_index(block, sliced=True))
+    (directory / INDEX).write_bytes(raw)
+    return data
+
+
+def row_sliced_model(data: dict[str, np.ndarray]) -> nn.Module:
+    """A zeroed module with a parameter for every ``layers.{i}.{leaf}`` of ``data``, of its shape."""
+    m = nn.Module()
+    m.add_module("layers", nn.Module())
+    for n, v in data.items():
+        _, i, leaf = n.split(".")
+        if not hasattr(m.layers, i):
+            m.layers.add_module(i, nn.Module())
+        getattr(m.layers, i).register_parameter(leaf, nn.Parameter(torch.zeros(v.shape)))
+    return m
+
+
+def count_preadv(monkeypatch: Any) -> list[int]:
+    """Record the buffer count of every ``preadv`` call from now on: ``os.preadv``'s and the
+    local store's own libc call over an iovec array (Linux)."""
+    from unickpt.store import storage
+
+    calls: list[int] = []
+    real = os.preadv
+
+    def counting(fd: int, bufs: Any, offset: int) -> int:
+        calls.append(len(bufs))
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "preadv", counting)
+    libc = storage._PREADV
+    if libc is not None:
+
+        def counting_libc(fd: int, iov: int, count: int, offset: int) -> int:
+            calls.append(count)
+            return int(libc(fd, iov, count, offset))
+
+        monkeypatch.setattr(storage, "_PREADV", counting_libc)
+    return calls
 
 
 def data_files(path: Path | str) -> list[str]:

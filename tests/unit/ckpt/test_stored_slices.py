@@ -14,19 +14,17 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 import xxhash
+from _reliability import count_preadv, row_sliced_checkpoint, row_sliced_model
 
 from unickpt import GeneralCheckpointIO, merge_checkpoint
 from unickpt.ckpt import stored_slices
 from unickpt.ckpt.reader import CheckpointReader, open_checkpoint
 from unickpt.ckpt.safetensors_io import encode_header, parse_header
 from unickpt.ckpt.stored_slices import ReadBatch
-from unickpt.ckpt.writer import build_block, build_index
 from unickpt.errors import HeaderError, IncompleteCheckpointError, IntegrityError
 from unickpt.spec import safetensors_bulk
-from unickpt.spec.index import LayoutInfo, index_to_json, parse_index
-from unickpt.spec.naming import SLICED_SENTINEL, shard_name, slice_key
+from unickpt.spec.naming import shard_name, slice_key
 from unickpt.store import storage as storage_mod
 from unickpt.store.storage import LocalStorage
 from unickpt.tools.verify import verify_checkpoint
@@ -35,68 +33,8 @@ WORLD, TENSORS, COLS = 32, 40, 3  # 1280 slices, 40 in each of 32 files
 
 
 def _build(directory: Path, version: int) -> dict[str, np.ndarray]:
-    """TENSORS tensors of (WORLD, COLS) F32, row r of each in rank r's file, back to back; the
-    index with listed slices (``version`` 1) or compact, as the writer writes it (3)."""
-    rng = np.random.default_rng(1)
-    names = [f"layers.{i}.w" for i in range(TENSORS)]
-    data = {n: rng.standard_normal((WORLD, COLS)).astype(np.float32) for n in names}
-    slices: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
-    for r in range(WORLD):
-        fname = shard_name("model", r + 1, WORLD)
-        header, _ = encode_header(
-            [(slice_key(n, r), "F32", (1, COLS)) for n in names], {"format": "unickpt-sliced"}
-        )
-        rows = [data[n][r : r + 1].tobytes() for n in names]
-        (directory / fname).write_bytes(header + b"".join(rows))
-        for n, row in zip(names, rows, strict=True):
-            slices[n].append(
-                {
-                    "file": fname,
-                    "key": slice_key(n, r),
-                    "offsets": [r, 0],
-                    "shape": [1, COLS],
-                    "xxh3": xxhash.xxh3_64(row).hexdigest(),
-                }
-            )
-    layout = {"plugin": "fsdp2", "world_size": WORLD, "mesh": {"dp": WORLD}, "gathered": False}
-    v1 = {
-        "metadata": {"total_size": 4 * WORLD * COLS * TENSORS},
-        "weight_map": dict.fromkeys(names, SLICED_SENTINEL),
-        "unickpt": {
-            "format_version": 5,
-            "kind": "model",
-            "created_by": "test",
-            "layout": layout,
-            "tensors": {n: {"dtype": "F32", "shape": [WORLD, COLS], "slices": slices[n]} for n in names},
-            "aliases": {},
-        },
-    }
-    raw = json.dumps(v1).encode()
-    if version != 1:
-        parsed = parse_index(raw, "v1").unickpt
-        assert parsed is not None
-        block = build_block(
-            kind="model",
-            created_by="test",
-            layout=LayoutInfo(**layout),
-            tensors=dict(parsed.tensors),
-            aliases={},
-            save_id=None,
-        )
-        raw = index_to_json(build_index(block, sliced=True))
-    (directory / "model.safetensors.index.json").write_bytes(raw)
-    return data
-
-
-def _model(data: dict[str, np.ndarray]) -> torch.nn.Module:
-    m = torch.nn.Module()
-    m.add_module("layers", torch.nn.Module())
-    for n in data:
-        _, i, leaf = n.split(".")
-        layer = torch.nn.Module()
-        m.layers.add_module(i, layer)
-        layer.register_parameter(leaf, torch.nn.Parameter(torch.zeros(WORLD, COLS)))
-    return m
+    """The index with listed slices (``version`` 1) or compact, as the writer writes it (3)."""
+    return row_sliced_checkpoint(directory, WORLD, TENSORS, COLS, listed=version == 1)
 
 
 def _edit_header(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
@@ -148,7 +86,7 @@ def test_one_bad_header_entry_among_thousands(
     _edit_header(_victim_file(tmp_path), edit)
     where = str(_victim_file(tmp_path))
     with pytest.raises(HeaderError, match=load_msg) as ei:
-        GeneralCheckpointIO().load_model(_model(data), tmp_path)
+        GeneralCheckpointIO().load_model(row_sliced_model(data), tmp_path)
     assert where in str(ei.value)
     with pytest.raises(HeaderError, match=verify_msg) as ei:
         verify_checkpoint(tmp_path)
@@ -177,8 +115,8 @@ def test_two_entries_with_swapped_offsets_among_thousands(tmp_path: Path, versio
     with pytest.raises(IntegrityError, match=r"layers\.12\.w"):
         merge_checkpoint(tmp_path, tmp_path / "out")
     with pytest.raises(IntegrityError):
-        GeneralCheckpointIO().load_model(_model(data), tmp_path, verify=True)
-    model = _model(data)  # without verify, the bytes the header names are what is read
+        GeneralCheckpointIO().load_model(row_sliced_model(data), tmp_path, verify=True)
+    model = row_sliced_model(data)  # without verify, the bytes the header names are what is read
     GeneralCheckpointIO().load_model(model, tmp_path)
     got = model.get_parameter(VICTIM).detach().numpy()
     assert np.array_equal(got[RANK], data["layers.12.w"][RANK])
@@ -188,7 +126,7 @@ def test_two_entries_with_swapped_offsets_among_thousands(tmp_path: Path, versio
 @pytest.mark.parametrize("version", [1, 3])
 def test_load_verify_merge_are_bit_exact(tmp_path: Path, version: int) -> None:
     data = _build(tmp_path, version)
-    model = _model(data)
+    model = row_sliced_model(data)
     GeneralCheckpointIO().load_model(model, tmp_path, verify=True)
     for n, want in data.items():
         assert np.array_equal(model.get_parameter(n).detach().numpy(), want), n
@@ -231,12 +169,8 @@ def test_read_batch_joins_pieces_adjacent_in_file_and_destination(
 ) -> None:
     p = tmp_path / "f.bin"
     p.write_bytes(bytes(range(256)) * 4)
-    calls: list[int] = []
     libc = storage_mod._PREADV
-    if libc is not None:
-        monkeypatch.setattr(
-            storage_mod, "_PREADV", lambda fd, iov, n, off: calls.append(n) or libc(fd, iov, n, off)
-        )
+    calls = count_preadv(monkeypatch)
     fd = LocalStorage(str(tmp_path)).open_read(str(p))
     try:
         dst = np.zeros(64, dtype=np.uint8)

@@ -11,19 +11,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
-import xxhash
+from _reliability import count_preadv, row_sliced_checkpoint, row_sliced_model
 
 from unickpt import GeneralCheckpointIO
 from unickpt.ckpt.reader import open_checkpoint
-from unickpt.ckpt.safetensors_io import encode_header, parse_header
+from unickpt.ckpt.safetensors_io import parse_header
 from unickpt.ckpt.stored_slices import ReadBatch, table_spans
-from unickpt.ckpt.writer import build_block, build_index
 from unickpt.errors import HeaderError, IncompleteCheckpointError
-from unickpt.spec.index import LayoutInfo, index_to_json, parse_index
-from unickpt.spec.naming import SLICED_SENTINEL, shard_name, slice_key
+from unickpt.spec.naming import SLICED_SENTINEL, shard_name
 from unickpt.spec.safetensors_bulk import HeaderEntries
-from unickpt.store import storage as storage_mod
 from unickpt.store.storage import LocalStorage
 from unickpt.tools import verify
 from unickpt.tools.verify import verify_checkpoint
@@ -106,99 +102,15 @@ def test_header_finds_a_duplicate_key_among_10k() -> None:
 
 
 def _sliced(directory: Path) -> dict[str, np.ndarray]:
-    """A sliced version 3 checkpoint: TENSORS tensors of (WORLD, COLS) F32, row r of each in rank
-    r's file, the rows of one file back to back (as a sliced save writes them)."""
-    rng = np.random.default_rng(0)
-    names = [f"layers.{i}.w" for i in range(TENSORS)]
-    data = {n: rng.standard_normal((WORLD, COLS)).astype(np.float32) for n in names}
-    slices: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
-    for r in range(WORLD):
-        fname = shard_name("model", r + 1, WORLD)
-        header, _ = encode_header(
-            [(slice_key(n, r), "F32", (1, COLS)) for n in names], {"format": "unickpt-sliced"}
-        )
-        with open(directory / fname, "wb") as f:
-            f.write(header)
-            for n in names:
-                row = data[n][r : r + 1].tobytes()
-                f.write(row)
-                slices[n].append(
-                    {
-                        "file": fname,
-                        "key": slice_key(n, r),
-                        "offsets": [r, 0],
-                        "shape": [1, COLS],
-                        "xxh3": xxhash.xxh3_64(row).hexdigest(),
-                    }
-                )
-    layout = {"plugin": "fsdp2", "world_size": WORLD, "mesh": {"dp": WORLD}, "gathered": False}
-    v1 = {
-        "metadata": {"total_size": 4 * WORLD * COLS * TENSORS},
-        "weight_map": dict.fromkeys(names, SLICED_SENTINEL),
-        "unickpt": {
-            "format_version": 5,
-            "kind": "model",
-            "created_by": "test",
-            "layout": layout,
-            "tensors": {n: {"dtype": "F32", "shape": [WORLD, COLS], "slices": slices[n]} for n in names},
-            "aliases": {},
-        },
-    }
-    parsed = parse_index(json.dumps(v1).encode(), "v1").unickpt
-    assert parsed is not None
-    block = build_block(
-        kind="model",
-        created_by="test",
-        layout=LayoutInfo(**layout),
-        tensors=dict(parsed.tensors),
-        aliases={},
-        save_id=None,
-    )
-    (directory / "model.safetensors.index.json").write_bytes(index_to_json(build_index(block, sliced=True)))
-    return data
-
-
-def _model(data: dict[str, np.ndarray]) -> torch.nn.Module:
-    m = torch.nn.Module()
-    for n in data:
-        _, i, leaf = n.split(".")
-        if not hasattr(m, "layers"):
-            m.add_module("layers", torch.nn.Module())
-        layer = getattr(m.layers, i, None)
-        if layer is None:
-            layer = torch.nn.Module()
-            m.layers.add_module(i, layer)
-        layer.register_parameter(leaf, torch.nn.Parameter(torch.zeros(WORLD, COLS)))
-    return m
-
-
-def _count_preadv(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Record the buffer count of every ``preadv`` call from now on (``os.preadv`` and libc's)."""
-    calls: list[int] = []
-    real = os.preadv
-
-    def counting(fd: int, bufs: Any, offset: int) -> int:
-        calls.append(len(bufs))
-        return real(fd, bufs, offset)
-
-    monkeypatch.setattr(os, "preadv", counting)
-    libc = storage_mod._PREADV
-    if libc is not None:  # the batch's own preadv over an iovec array (Linux)
-
-        def counting_libc(fd: int, iov: int, count: int, offset: int) -> int:
-            calls.append(count)
-            return int(libc(fd, iov, count, offset))
-
-        monkeypatch.setattr(storage_mod, "_PREADV", counting_libc)
-    return calls
+    return row_sliced_checkpoint(directory, WORLD, TENSORS, COLS)
 
 
 def test_load_reads_each_file_in_one_preadv_and_is_bit_exact(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     data = _sliced(tmp_path)
-    calls = _count_preadv(monkeypatch)
-    model = _model(data)
+    calls = count_preadv(monkeypatch)
+    model = row_sliced_model(data)
     GeneralCheckpointIO().load_model(model, tmp_path)
     for n, want in data.items():
         assert np.array_equal(model.get_parameter(n).detach().numpy(), want), n
@@ -220,7 +132,7 @@ def test_a_file_truncated_in_the_middle_of_a_coalesced_run(
 
     monkeypatch.setattr(ReadBatch, "run", truncate_then_run)
     with pytest.raises(IncompleteCheckpointError) as ei:
-        GeneralCheckpointIO(atomic_load=atomic).load_model(_model(data), tmp_path)
+        GeneralCheckpointIO(atomic_load=atomic).load_model(row_sliced_model(data), tmp_path)
     text = str(ei.value) + str(ei.value.__cause__)
     assert str(victim) in text and "truncated" in text
 
@@ -264,7 +176,7 @@ def test_an_index_slice_whose_key_is_missing_from_the_header(tmp_path: Path) -> 
         HeaderError,
         match=r"tensor 'layers.17.w' \(key 'layers.17.w@1'\): index says F32\[1, 3\], file holds nothing under that key",
     ):
-        GeneralCheckpointIO().load_model(_model(data), tmp_path)
+        GeneralCheckpointIO().load_model(row_sliced_model(data), tmp_path)
     with pytest.raises(
         HeaderError,
         match=r"tensor 'layers.17.w' \(key 'layers.17.w@1'\): index says F32\[1, 3\], file holds nothing under that key",
@@ -314,7 +226,7 @@ def test_merge_copies_runs_bit_exact_and_names_a_damaged_slice(
     src = tmp_path / "src"
     src.mkdir()
     data = _sliced(src)
-    calls = _count_preadv(monkeypatch)
+    calls = count_preadv(monkeypatch)
     merge_checkpoint(src, tmp_path / "out")
     monkeypatch.undo()
     assert calls == [TENSORS] * WORLD  # one read per file: every tensor's rows in one group
@@ -340,7 +252,7 @@ def test_only_the_sentinel_is_a_sentinel(tmp_path: Path) -> None:
     data = _sliced(tmp_path)
     ix = tmp_path / "model.safetensors.index.json"
     raw = ix.read_bytes()
-    model = _model(data)
+    model = row_sliced_model(data)
     GeneralCheckpointIO().load_model(model, tmp_path)
     for n, want in data.items():
         assert np.array_equal(model.get_parameter(n).detach().numpy(), want), n

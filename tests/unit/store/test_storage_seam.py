@@ -7,7 +7,6 @@ S3 (moto's server), and the bytes compared bit for bit.
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -17,6 +16,7 @@ import fsspec
 import numpy as np
 import pytest
 import torch
+from _reliability import count_preadv
 from torch import nn
 
 from unickpt.ckpt.reader import open_checkpoint
@@ -206,11 +206,7 @@ def test_local_reads_are_preadv_into_the_callers_buffer(
     # adjacent pieces, none for a piece already joined to its neighbour.
     p = tmp_path / "f.bin"
     p.write_bytes(bytes(range(256)))
-    calls: list[int] = []
-    real = os.preadv
-    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: calls.append(len(bufs)) or real(fd, bufs, off))
-    from unickpt.store import storage as storage_mod
-
+    calls = count_preadv(monkeypatch)
     monkeypatch.setattr(storage_mod, "_PREADV", None)  # the iovec path through os.preadv
     h = LocalStorage(str(tmp_path)).open_read(str(p))
     try:
