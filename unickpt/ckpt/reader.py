@@ -493,11 +493,13 @@ def block_from_plain_index(
     return UnickptBlock(kind="model" if kind == "model" else "optimizer", tensors=tensors)
 
 
-def file_kind(path: str) -> str | None:
-    """The ``kind`` recorded in a single safetensors file's unickpt metadata, or None (plain file,
-    unreadable metadata: opening the file reports it)."""
+def file_kind(storage: Storage, path: str) -> str | None:
+    """The ``kind`` recorded in the unickpt metadata of the single safetensors file at ``path``
+    on ``storage``, or None (a plain file, unreadable metadata: opening the file reports it)."""
     try:
-        raw = read_header(path).metadata.get(UNICKPT_METADATA_KEY)
+        handle, h = open_header(storage, path)
+        handle.close()
+        raw = h.metadata.get(UNICKPT_METADATA_KEY)
         obj = strict_loads(raw, IndexFileError, path) if raw is not None else None
     except CheckpointFormatError:
         return None
@@ -826,14 +828,10 @@ def hint_other_files(directory: str) -> str:
     )
 
 
-def hint_foreign(directory: str) -> str:
+def hint_foreign(storage: Storage, directory: str) -> str:
     """For a directory without a committed checkpoint: what other tool's checkpoint it holds, if
     any, and the ``convert`` command that reads it (``ckpt/foreign.py``'s rules)."""
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return ""
-    other = foreign_dir(names, lambda n: os.listdir(os.path.join(directory, n)))
+    other = foreign_dir(storage.listdir(directory), lambda n: storage.listdir(storage.join(directory, n)))
     return "" if other is None else f"; {other.hint(directory)}"
 
 
@@ -1319,7 +1317,7 @@ def _open_checkpoint(storage: Storage, p: str, kind: str) -> CheckpointReader:
         raise IncompleteCheckpointError(
             f"{p} holds no committed {kind} checkpoint: neither {index_name(kind)} nor {single_name(kind)} "
             "is present (an interrupted save leaves data files without an index; such a directory is "
-            f"never loaded){hint_foreign(p) or hint_other_files(p)}"
+            f"never loaded){hint_foreign(storage, p) or hint_other_files(p)}"
         )
     raise IncompleteCheckpointError(f"no checkpoint at {p}: the path does not exist")
 
@@ -1393,11 +1391,10 @@ def locate(
     single = f"{url}/{single_name(kind)}"
     if storage.exists(single):
         return Located(single, url, None)
-    other = foreign_dir(storage.listdir(url), lambda n: storage.listdir(f"{url}/{n}"))
     raise IncompleteCheckpointError(
         f"{url} holds no committed {kind} checkpoint: neither {index_name(kind)} nor {single_name(kind)} "
         "is present (an interrupted save leaves data files without an index; such a location is never loaded)"
-        + ("" if other is None else f"; {other.hint(url)}")
+        + hint_foreign(storage, url)
     )
 
 

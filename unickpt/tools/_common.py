@@ -8,13 +8,12 @@ import posixpath
 from collections.abc import Iterable
 from typing import Any
 
+from unickpt.ckpt.dcp_hf import SHARD_FILE
 from unickpt.ckpt.reader import (
     CheckpointReader,
     file_kind,
     hint_foreign,
-    locate,
     open_checkpoint,
-    open_located,
 )
 from unickpt.ckpt.writer import write_all
 from unickpt.errors import IncompleteCheckpointError, OutputExistsError
@@ -32,63 +31,45 @@ __all__ = [
 ]
 
 
-def detect_kind(path: str | os.PathLike[str]) -> str:
-    """``"model"`` or ``"optimizer"``: what the checkpoint at ``path`` holds (model wins when both)."""
-    p = os.fspath(path)
-    if os.path.isdir(p):
+def detect_kind(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> str:
+    """``"model"`` or ``"optimizer"``: what the checkpoint at ``path`` (a local path or a URL)
+    holds; model wins when both. A directory says it by the names it holds (on a store, a HEAD
+    request each, nothing fetched); a single file by the kind recorded in its header, whatever
+    the user renamed it to, else by its name."""
+    storage, _ = open_storage(path, storage_options)
+    p = os.fspath(path).removeprefix("file://").rstrip("/") or "/"
+    by_name = "optimizer" if posixpath.basename(p).startswith("optimizer") else "model"
+    if p.endswith(".json"):
+        return by_name
+    if not p.endswith(".safetensors"):
         for kind in ("model", "optimizer"):
-            # lexists: a directory or a broken link under a checkpoint's name is opened (and refused,
-            # naming what it is) rather than reported as absent.
-            if os.path.lexists(os.path.join(p, index_name(kind))) or os.path.lexists(
-                os.path.join(p, single_name(kind))
-            ):
+            # A directory or a broken link under a checkpoint's name counts too: it is opened
+            # (and refused, naming what it is) rather than reported as absent.
+            if any(storage.exists(storage.join(p, n)) for n in (index_name(kind), single_name(kind))):
                 return kind
-        from unickpt.ckpt.dcp_hf import dcp_hf_files
-
-        if dcp_hf_files(p):  # HuggingFaceStorageWriter(save_distributed=True) output
-            return "model"
+    if storage.is_file(p):
+        return file_kind(storage, p) or by_name
+    names = storage.listdir(p)
+    if any(SHARD_FILE.match(n) for n in names):  # HuggingFaceStorageWriter(save_distributed=True) output
+        return "model"
+    if names:
         raise IncompleteCheckpointError(
             f"{p} holds no committed checkpoint: none of model/optimizer .safetensors(.index.json) is present"
-            + hint_foreign(p)
+            + hint_foreign(storage, p)
         )
-    if os.path.isfile(p) and not p.endswith(".json"):
-        # A single file says what it holds, whatever the user renamed it to.
-        recorded = file_kind(p)
-        if recorded is not None:
-            return recorded
-    base = os.path.basename(p)
-    return "optimizer" if base.startswith("optimizer") else "model"
+    if not storage.exists(p):
+        raise IncompleteCheckpointError(f"no checkpoint at {p}: the path does not exist")
+    return "model"  # an empty directory, a FIFO...: opening it says what stands there
 
 
 def open_auto(path: str | os.PathLike[str], kind: str | None = None) -> CheckpointReader:
-    """Open ``path`` as a ``kind`` checkpoint, or as whatever it holds when ``kind`` is None.
+    """Open ``path`` (a local path or a URL) as a ``kind`` checkpoint, or as whatever it holds
+    when ``kind`` is None (:func:`detect_kind`).
 
     A URL is read through the storage layer (its options from the environment or fsspec's
     configuration, where the CLI's ``--storage-option`` puts them); its index is fetched once.
     """
-    storage, root = open_storage(path)
-    if storage.local_path(root) is None:  # an object store: the kind is found from the listing
-        return _open_url_auto(os.fspath(path), kind)
     return open_checkpoint(path, kind or detect_kind(path))
-
-
-def _open_url_auto(url: str, kind: str | None) -> CheckpointReader:
-    if kind is None:
-        base = url.rstrip("/").rsplit("/", 1)[-1]
-        if base.endswith((".json", ".safetensors")):
-            kind = "optimizer" if base.startswith("optimizer") else "model"
-        else:
-            try:
-                return open_located(locate(url, "model"), "model")
-            except IncompleteCheckpointError as e:
-                try:
-                    return open_located(locate(url, "optimizer"), "optimizer")
-                except IncompleteCheckpointError:
-                    raise IncompleteCheckpointError(
-                        f"{url.rstrip('/')} holds no committed checkpoint: none of "
-                        "model/optimizer .safetensors(.index.json) is present"
-                    ) from e
-    return open_located(locate(url, kind), kind)
 
 
 def human_bytes(n: int) -> str:

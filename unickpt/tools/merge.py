@@ -363,14 +363,14 @@ def merge_checkpoint(
             progress=progress,
             storage_options=storage_options,
         )
-    src_local = _local_path(src_s)
-    opts = storage_options if src_local is None else None  # the options are the URL's (src or out)
+    opts = url_options(src_s, storage_options)  # the options are the URL's (src or out)
+    src_store, src_root = open_storage(src_s, opts)
     readers: list[CheckpointReader] = []
     try:
         # A file (a single-file checkpoint under any name, or an index) holds one kind; say which.
         kinds = (
-            [detect_kind(src_s)]
-            if src_local is not None and os.path.isfile(src_local)
+            [detect_kind(src_s, opts)]
+            if src_store.is_file(src_root)
             else ["model", "optimizer"]
             if optimizer
             else ["model"]
@@ -482,9 +482,3 @@ def _has_kind(src: str, kind: str, storage_options: dict[str, Any] | None) -> bo
     if root.endswith((".json", ".safetensors")) or store.is_file(root):
         return True
     return holds_committed(store, root, kind)
-
-
-def _local_path(src: str) -> str | None:
-    """The OS path of the source ``src``, None where its storage has none (an object store)."""
-    store, root = open_storage(src)
-    return store.local_path(root)

@@ -149,7 +149,10 @@ def test_missing_backend_names_the_extra(capsys) -> None:
     assert "pip install 'unickpt[gcs]'" in capsys.readouterr().err
 
 
-def test_missing_checkpoint_on_url(s3, capsys) -> None:
+def test_missing_checkpoint_on_url(s3, tmp_path, capsys) -> None:
     url = f"s3://{s3.bucket}/none"
     assert main(["verify", url]) == 2
-    assert f"{url} holds no committed checkpoint" in capsys.readouterr().err
+    # as for a local path: nothing there at all
+    assert f"no checkpoint at {url}: the path does not exist" in capsys.readouterr().err
+    assert main(["verify", str(tmp_path / "none")]) == 2
+    assert f"no checkpoint at {tmp_path / 'none'}: the path does not exist" in capsys.readouterr().err
