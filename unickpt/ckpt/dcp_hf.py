@@ -14,16 +14,15 @@ model's strict name check if its file is missing. There are no hashes. No torch 
 from __future__ import annotations
 
 import json
-import os
 import re
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from unickpt.ckpt.safetensors_io import read_header
+from unickpt.ckpt.safetensors_io import SafetensorsHeader
 from unickpt.errors import CheckpointFormatError
 from unickpt.spec.index import LayoutInfo, TensorEntry, UnickptBlock
 from unickpt.spec.slice_table import MAX_DIM, SliceTable
-from unickpt.spec.untrusted import confined_path
 
 __all__ = ["SHARD_FILE", "dcp_hf_files", "block_from_dcp_hf"]
 
@@ -31,23 +30,23 @@ SHARD_FILE = re.compile(r"^shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors$")
 SHARDING_KEY = "DCP_SHARDING_INFO"
 
 
-def dcp_hf_files(directory: str) -> list[str]:
-    """The ``shard-*-model-*.safetensors`` files of ``directory`` (sorted), or []."""
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return []
+def dcp_hf_files(names: Iterable[str]) -> list[str]:
+    """The ``shard-*-model-*.safetensors`` files among the ``names`` of a directory, sorted."""
     return sorted(n for n in names if SHARD_FILE.match(n))
 
 
-def block_from_dcp_hf(directory: str, files: list[str]) -> UnickptBlock:
-    """The slice table of a distributed Hugging Face DCP save (see the module docstring)."""
+def block_from_dcp_hf(
+    directory: str, files: list[str], header_of: Callable[[str], SafetensorsHeader]
+) -> UnickptBlock:
+    """The slice table of a distributed Hugging Face DCP save (see the module docstring), its
+    per-rank ``files`` read with ``header_of(file name)`` (the reader's: confined below
+    ``directory``, through its Storage)."""
     # Per tensor, its slices' (file, offsets, shape), the global shape known once all are read.
     slices: dict[str, list[tuple[str, list[int], tuple[int, ...]]]] = {}
     dtypes: dict[str, str] = {}
     for fname in files:
-        path = confined_path(directory, fname, directory, "per-rank file")
-        h = read_header(path)
+        h = header_of(fname)
+        path = h.path
         raw = h.metadata.get(SHARDING_KEY)
         if raw is None:
             raise CheckpointFormatError(

@@ -16,12 +16,13 @@ the one the index records, so that a reader racing a save reads the old checkpoi
 or raises ``CheckpointChangedError``: never a mix (writers never modify a file in place, they
 rename new files over old names, or commit a new index last).
 
-Opening is here too: ``open_checkpoint`` for a local path or a URL. A location with an OS path
-(``Storage.local_path``) is examined with the file system's own checks (what stands where a file
-should be, another tool's checkpoint); otherwise ``locate`` finds what the location holds and
-fetches the index bytes (one rank of a distributed load) and ``open_located`` parses them and
-builds the reader (every rank). The sections below: what the parts of an index must agree on, the blocks a reader builds itself, reads
-through the Storage, per-range hashes, what a local path holds instead, and what the reader
+Opening is here too, one way for a local path and a URL: ``locate`` asks the location's
+``Storage`` what stands under the names a checkpoint goes by (``Storage.what``: a file, a
+directory, nothing, or what else: a FIFO, a dangling link), and fetches the index bytes where
+one rank of a distributed load does it for all; ``open_located`` reads and parses the index
+and builds the reader (every rank); ``open_checkpoint`` is the two. The sections below: what
+the parts of an index must agree on, the blocks a reader builds itself, reads through the
+Storage, per-range hashes, what a location holds instead of a checkpoint, and what the reader
 checks of each data file.
 
 That the parts of a checkpoint agree with each other, not only with the schema.
@@ -71,7 +72,7 @@ through the same handle. On a store that fetches ahead (``Storage.fetch_ahead``)
 load will read are fetched first (:class:`Prefetched`) and the reads they cover are served from
 memory (:class:`PrefetchedRead`).
 
-Below the reader: nothing here builds a ``CheckpointReader``. Opening a checkpoint on a URL
+Below the reader: nothing here builds a ``CheckpointReader``. Opening a checkpoint
 (``reader.locate``, ``reader.open_located``) stands on :func:`fetch_index` and :func:`open_header`.
 
 Checking a slice's byte ranges (``SliceEntry.ranges``, docs/format.md 5.1) while it is read (no torch).
@@ -81,13 +82,12 @@ A gathered save written by several ranks records, instead of one xxh3-64 of a te
 :class:`RangeChecker` takes the slice's bytes in order, in chunks of any size, and names every
 range whose bytes do not hash to the recorded value, so a damaged range is pinpointed.
 
-What the reader says about a local path that holds no checkpoint (for its error messages).
+What the reader says about a location that holds no checkpoint (for its error messages).
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import math
 import os
 import posixpath
@@ -123,8 +123,8 @@ from unickpt.spec.index import (
     TensorEntry,
     UnickptBlock,
     check_file_name,
-    load_index,
     parse_index,
+    read_index,
     validate_block,
 )
 from unickpt.spec.naming import SLICED_SENTINEL, index_name, shown, single_name
@@ -139,7 +139,9 @@ from unickpt.store.storage import (
     ReadHandle,
     Storage,
     coalesce,
+    join_location,
     open_storage,
+    parent_location,
 )
 
 __all__ = [
@@ -155,7 +157,6 @@ __all__ = [
     "Located",
     "locate",
     "open_located",
-    "open_url",
     "single_file_name",
     "UNICKPT_METADATA_KEY",
     "describe",
@@ -179,7 +180,6 @@ __all__ = [
     "slice_failures",
     "hint_foreign",
     "hint_other_files",
-    "not_regular",
     "regular_size",
 ]
 
@@ -777,7 +777,7 @@ def slice_failures(
     return out
 
 
-# ---------------------------------------------------------------- what a local path holds instead of a checkpoint
+# ---------------------------------------------------------------- what a location holds instead of a checkpoint
 def regular_size(path: str) -> int | None:
     """The size of the regular file at ``path`` (links followed); None when there is none."""
     try:
@@ -787,37 +787,14 @@ def regular_size(path: str) -> int | None:
     return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
-def not_regular(path: str) -> str:
-    """What stands at ``path`` instead of a regular file (for messages)."""
-    try:
-        st = os.stat(path)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            return "a symbolic link loop"
-        if os.path.islink(path):
-            return "a dangling symbolic link"
-        return f"unreadable ({e.strerror})"
-    if stat.S_ISDIR(st.st_mode):
-        return "a directory"
-    if stat.S_ISFIFO(st.st_mode):
-        return "a FIFO"
-    if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
-        return "a device"
-    if stat.S_ISSOCK(st.st_mode):
-        return "a socket"
-    return "not a regular file"
-
-
-def hint_other_files(directory: str) -> str:
-    """For a directory without a committed checkpoint: name the .safetensors files it does hold.
+def hint_other_files(names: Iterable[str]) -> str:
+    """For a directory without a committed checkpoint, of these ``names``: name the .safetensors
+    files it does hold.
 
     A directory is never guessed from its data files (they may be those of an interrupted
     save); a single file of another name is loaded by passing its path.
     """
-    try:
-        names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
-    except OSError:
-        return ""
+    names = sorted(n for n in names if n.endswith(".safetensors"))
     if not names:
         return ""
     shown = ", ".join(ascii(n) if not n.isprintable() else repr(n) for n in names[:3])
@@ -1224,19 +1201,16 @@ def open_checkpoint(
     """Open the checkpoint at ``path`` (a directory, an index file or a single .safetensors file).
 
     ``path`` may be a local path, a ``file://`` URL or an fsspec URL (``s3://...``, with
-    ``storage_options`` for fsspec, else the store's own environment); a URL is read through
-    ``store/storage.py`` with the same checks and errors, naming the URL.
+    ``storage_options`` for fsspec, else the store's own environment); every location is read
+    through ``store/storage.py`` with the same checks and errors, naming the location.
     Raises ``IncompleteCheckpointError`` when there is no committed checkpoint there. With
     ``pin``, every data file is opened and matched to the index at once; when a save replaced
     the checkpoint meanwhile (``CheckpointChangedError``), the new one is opened instead, once.
     """
-    storage, root = open_storage(path, storage_options)  # ConfigError: options for a local path
-    local = storage.local_path(root)
+    open_storage(path, storage_options)  # ConfigError: options for a local path
 
     def reopen() -> CheckpointReader:
-        if local is None:
-            return open_url(path, kind, storage_options)
-        return _open_checkpoint(storage, os.fspath(path).removeprefix("file://"), kind)
+        return open_located(locate(path, kind, storage_options), kind, storage_options)
 
     r = reopen()
     if not pin:
@@ -1286,62 +1260,6 @@ def _single_file_reader(
     return r
 
 
-def _open_checkpoint(storage: Storage, p: str, kind: str) -> CheckpointReader:
-    """The reader of the location ``p`` of a storage with OS paths (``Storage.local_path``): what
-    stands there is examined with the file system's own checks, every file read through ``storage``."""
-    if os.path.lexists(p) and not os.path.isfile(p) and not os.path.isdir(p):
-        raise (IndexFileError if p.endswith(".json") else HeaderError)(
-            f"{p} is {not_regular(p)}, not a checkpoint file or directory"
-        )
-    if os.path.isfile(p) and p.endswith(".index.json"):
-        directory = os.path.dirname(os.path.abspath(p))
-        return _from_index(storage, p, directory, kind)
-    if os.path.isfile(p):
-        return _single_file_reader(storage, p, os.path.dirname(os.path.abspath(p)), os.path.abspath(p), kind)
-    if os.path.isdir(p):
-        idx = os.path.join(p, index_name(kind))
-        if os.path.isfile(idx):
-            return _from_index(storage, idx, p, kind)
-        if os.path.lexists(idx):
-            raise IndexFileError(f"{idx} is {not_regular(idx)}, not an index file")
-        single = os.path.join(p, single_name(kind))
-        if os.path.isfile(single):
-            return _open_checkpoint(storage, single, kind)
-        if os.path.lexists(single):
-            raise HeaderError(f"{single} is {not_regular(single)}, not a safetensors file")
-        shards = dcp_hf_files(p) if kind == "model" else []
-        if shards:  # torch's HuggingFaceStorageWriter(save_distributed=True): see ckpt/dcp_hf.py
-            r = CheckpointReader(p, kind, block_from_dcp_hf(p, shards), None, False, storage=storage)
-            r.check_coverage()
-            return r
-        raise IncompleteCheckpointError(
-            f"{p} holds no committed {kind} checkpoint: neither {index_name(kind)} nor {single_name(kind)} "
-            "is present (an interrupted save leaves data files without an index; such a directory is "
-            f"never loaded){hint_foreign(storage, p) or hint_other_files(p)}"
-        )
-    raise IncompleteCheckpointError(f"no checkpoint at {p}: the path does not exist")
-
-
-def _from_index(storage: Storage, idx_path: str, directory: str, kind: str) -> CheckpointReader:
-    try:
-        idx = load_index(idx_path)
-    except FileNotFoundError:
-        raise IncompleteCheckpointError(
-            f"{idx_path} vanished while being opened: a save into {directory} is replacing the "
-            f"{kind} checkpoint; open it again once the save has finished"
-        ) from None
-    if idx.unickpt is None:
-        block = block_from_plain_index(
-            idx, directory, idx_path, kind, _header_of(storage, directory, idx_path)
-        )
-        return CheckpointReader(directory, kind, block, idx_path, False, idx, storage=storage)
-    block = idx.unickpt
-    if block.kind != kind:
-        raise IndexFileError(f"{idx_path}: holds a {block.kind} checkpoint, expected a {kind} checkpoint")
-    check_block(idx_path, block, idx.weight_map)
-    return CheckpointReader(directory, kind, block, idx_path, True, idx, storage=storage)
-
-
 def _header_of(storage: Storage, directory: str, where: str) -> Callable[[str], SafetensorsHeader]:
     """The validated header of a data file of ``directory`` named by the index ``where``."""
 
@@ -1357,68 +1275,121 @@ def _header_of(storage: Storage, directory: str, where: str) -> Callable[[str], 
 
 @dataclass(frozen=True)
 class Located:
-    """What a URL holds: an index (with its bytes) or a single safetensors file."""
+    """What a location holds: an index, a single safetensors file, or the per-rank files of a
+    distributed Hugging Face DCP save (``files``). ``index_bytes``: the index, fetched once by
+    rank 0 of a distributed load for every rank (``locate(fetch=True)``)."""
 
-    url: str  # the index or the single file
+    url: str  # the index, the single file, or the directory of the per-rank files
     directory: str
-    index_bytes: bytes | None  # None for a single file
+    form: str  # "index", "single" or "dcp-hf"
+    files: tuple[str, ...] = ()
+    index_bytes: bytes | None = None
 
 
-def _url_of(location: str | os.PathLike[str]) -> str:
-    return os.fspath(location).rstrip("/")
+def _what(found: str) -> str:
+    return "a directory" if found == "directory" else found
 
 
 def locate(
-    location: str | os.PathLike[str], kind: str, storage_options: dict[str, Any] | None = None
+    location: str | os.PathLike[str],
+    kind: str,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    fetch: bool = False,
 ) -> Located:
-    """Find the checkpoint of ``kind`` at a URL and fetch its index (one request when it is there).
+    """Find the checkpoint of ``kind`` at ``location`` (a path or a URL), the same way on every store.
 
-    A URL ending in ``.index.json`` is the index; one ending in ``.safetensors`` is a single
-    file; anything else is a directory holding ``<kind>.safetensors.index.json`` or
-    ``<kind>.safetensors``.
+    A directory holds ``<kind>.safetensors.index.json`` or ``<kind>.safetensors`` (or, for a
+    model, a distributed DCP save's per-rank files); a file is an index (``.index.json``) or a
+    single file. The names a checkpoint goes by are asked of the store first (on an object
+    store, one HEAD request when it is there); what stands at the location itself only when they
+    are absent. Anything else that stands where a file should be (a directory, a FIFO, a
+    dangling link) is refused naming it. ``fetch``: the index bytes come along (one request).
     """
-    url = _url_of(location)
-    storage, _ = open_storage(url, storage_options)
-    if url.endswith(".index.json"):
-        return Located(url, posixpath.dirname(url), fetch_index(storage, url))
-    if url.endswith(".safetensors") and storage.exists(url):
-        return Located(url, posixpath.dirname(url), None)
-    idx = f"{url}/{index_name(kind)}"
-    try:
-        return Located(idx, url, fetch_index(storage, idx))
-    except IncompleteCheckpointError:
-        pass
-    single = f"{url}/{single_name(kind)}"
-    if storage.exists(single):
-        return Located(single, url, None)
-    raise IncompleteCheckpointError(
-        f"{url} holds no committed {kind} checkpoint: neither {index_name(kind)} nor {single_name(kind)} "
-        "is present (an interrupted save leaves data files without an index; such a location is never loaded)"
-        + hint_foreign(storage, url)
+    storage, _ = open_storage(location, storage_options)
+    p = os.fspath(location).removeprefix("file://")
+    p = p.rstrip("/") or p
+    found = None if p.endswith((".json", ".safetensors")) else _in_directory(storage, p, kind)
+    if found is None:
+        found = _at(storage, p, kind)
+    if fetch and found.form == "index":
+        return Located(found.url, found.directory, found.form, index_bytes=fetch_index(storage, found.url))
+    return found
+
+
+def _in_directory(storage: Storage, d: str, kind: str) -> Located | None:
+    """The checkpoint of ``kind`` directly in the directory ``d``; None when neither name is there."""
+    idx = join_location(d, index_name(kind))
+    found = storage.what(idx)
+    if found == "file":
+        return Located(idx, d, "index")
+    if found is not None:
+        raise IndexFileError(f"{idx} is {_what(found)}, not an index file")
+    single = join_location(d, single_name(kind))
+    found = storage.what(single)
+    if found == "file":
+        return Located(single, d, "single")
+    if found is not None:
+        raise HeaderError(f"{single} is {_what(found)}, not a safetensors file")
+    return None
+
+
+def _at(storage: Storage, p: str, kind: str) -> Located:
+    """What the location ``p`` itself holds, where no checkpoint stands under its names below it."""
+    found = storage.what(p)
+    if found == "file":
+        form = "index" if p.endswith(".index.json") else "single"
+        return Located(join_location(parent_location(p), posixpath.basename(p)), parent_location(p), form)
+    if found == "directory":
+        inside = _in_directory(storage, p, kind) if p.endswith((".json", ".safetensors")) else None
+        if inside is not None:
+            return inside
+        names = storage.listdir(p)
+        shards = dcp_hf_files(names) if kind == "model" else []
+        if shards:  # torch's HuggingFaceStorageWriter(save_distributed=True): see ckpt/dcp_hf.py
+            return Located(p, p, "dcp-hf", tuple(shards))
+        raise IncompleteCheckpointError(
+            f"{p} holds no committed {kind} checkpoint: neither {index_name(kind)} nor {single_name(kind)} "
+            "is present (an interrupted save leaves data files without an index; such a directory is "
+            f"never loaded){hint_foreign(storage, p) or hint_other_files(names)}"
+        )
+    if found is None:
+        raise IncompleteCheckpointError(f"no checkpoint at {p}: the path does not exist")
+    raise (IndexFileError if p.endswith(".json") else HeaderError)(
+        f"{p} is {_what(found)}, not a checkpoint file or directory"
     )
 
 
 def open_located(
     located: Located, kind: str, storage_options: dict[str, Any] | None = None
 ) -> CheckpointReader:
-    """The reader of what :func:`locate` found; parses the index bytes it carries."""
+    """The reader of what :func:`locate` found. An index not fetched yet is read here; its bytes
+    are not kept while it is parsed (they are read again in the rare refusal that needs them)."""
     storage, _ = open_storage(located.url, storage_options)
-    if located.index_bytes is None:
-        return _single_file_reader(storage, located.url, located.directory, located.url, kind)
-    idx: IndexFile = parse_index(located.index_bytes, located.url)
+    url, directory = located.url, located.directory
+    if located.form == "single":
+        return _single_file_reader(storage, url, directory, url, kind)
+    if located.form == "dcp-hf":
+        block = block_from_dcp_hf(directory, list(located.files), _header_of(storage, directory, directory))
+        r = CheckpointReader(directory, kind, block, None, False, storage=storage)
+        r.check_coverage()
+        return r
+    try:
+        if located.index_bytes is not None:
+            idx: IndexFile = parse_index(located.index_bytes, url)
+        else:
+            idx = read_index(lambda: fetch_index(storage, url), url)
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(
+            f"{url} vanished while being opened: a save into {directory} is replacing the "
+            f"{kind} checkpoint; open it again once the save has finished"
+        ) from None
     if idx.unickpt is None:
-        header_of = _header_of(storage, located.directory, located.url)
-        block = block_from_plain_index(idx, located.directory, located.url, kind, header_of)
-        return CheckpointReader(located.directory, kind, block, located.url, False, idx, storage=storage)
+        header_of = _header_of(storage, directory, url)
+        block = block_from_plain_index(idx, directory, url, kind, header_of)
+        return CheckpointReader(directory, kind, block, url, False, idx, storage=storage)
     block = idx.unickpt
     if block.kind != kind:
-        raise IndexFileError(f"{located.url}: holds a {block.kind} checkpoint, expected a {kind} checkpoint")
-    check_block(located.url, block, idx.weight_map)
-    return CheckpointReader(located.directory, kind, block, located.url, True, idx, storage=storage)
-
-
-def open_url(
-    location: str | os.PathLike[str], kind: str, storage_options: dict[str, Any] | None = None
-) -> CheckpointReader:
-    """``open_located(locate(...))``: the reader of a URL, opened by this process alone."""
-    return open_located(locate(location, kind, storage_options), kind, storage_options)
+        raise IndexFileError(f"{url}: holds a {block.kind} checkpoint, expected a {kind} checkpoint")
+    check_block(url, block, idx.weight_map)
+    return CheckpointReader(directory, kind, block, url, True, idx, storage=storage)

@@ -1092,7 +1092,7 @@ def open_for_load(
             if args is not None and args.check is not None:
                 args.check()
             if _dist.rank(group) == 0:
-                located = reader_mod.locate(where, kind, storage_options)
+                located = reader_mod.locate(where, kind, storage_options, fetch=True)
         except BaseException as e:
             err = e
         _dist.agree(err, f"opening {where}", group, args)

@@ -163,6 +163,7 @@ __all__ = [
     "attach_tables",
     "parse_index",
     "load_index",
+    "read_index",
     "index_to_json",
     "IndexParser",
     "SCHEMA_MISMATCH",
@@ -1758,13 +1759,20 @@ def _again(reread: Callable[[], bytes] | None) -> bytes:
     return reread()
 
 
+def read_index(read: Callable[[], bytes], path: str) -> IndexFile:
+    """Parse the index that ``read()`` returns whole (``path`` names it in messages). Its bytes
+    and text are dropped while the models are built; the rare refusal that needs the text again
+    (naming a duplicate key) calls ``read`` again."""
+    return _parse_owned([read()], path, read)
+
+
 def load_index(path: str | os.PathLike[str]) -> IndexFile:
+    """:func:`read_index` of the local index file at ``path`` (refused past ``MAX_INDEX_BYTES``)."""
     p = os.fspath(path)
     size = os.path.getsize(p)
     if size > MAX_INDEX_BYTES:
         raise IndexFileError(f"{p}: {size} bytes exceeds the {MAX_INDEX_BYTES}-byte limit for an index")
-    box = [_read_index_bytes(p)]
-    return _parse_owned(box, p, lambda: _read_index_bytes(p))
+    return read_index(lambda: _read_index_bytes(p), p)
 
 
 def _read_index_bytes(p: str) -> bytes:

@@ -479,6 +479,14 @@ class Storage:
         """True when ``path`` is a file (an object), not a directory (a prefix) or nothing."""
         raise NotImplementedError
 
+    def what(self, path: str) -> str | None:
+        """What stands at ``path``: ``"file"`` (an object), ``"directory"`` (a prefix holding
+        objects), None for nothing, else what it is instead, for messages ("a FIFO", "a dangling
+        symbolic link"...)."""
+        if self.is_file(path):
+            return "file"
+        return "directory" if self.listdir(path) else None
+
     def open_file(self, path: str) -> BinaryIO:
         """``path`` as a seekable binary file object, for libraries that read from one
         (``torch.load``); ranged reads on a store, no local copy. ``IncompleteCheckpointError``
@@ -799,6 +807,25 @@ class LocalStorage(Storage):
 
     def is_file(self, path: str) -> bool:
         return os.path.isfile(path)
+
+    def what(self, path: str) -> str | None:
+        try:
+            st = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return "a dangling symbolic link" if os.path.islink(path) else None
+        except OSError as e:
+            return "a symbolic link loop" if e.errno == errno.ELOOP else f"unreadable ({e.strerror})"
+        if stat.S_ISREG(st.st_mode):
+            return "file"
+        if stat.S_ISDIR(st.st_mode):
+            return "directory"
+        if stat.S_ISFIFO(st.st_mode):
+            return "a FIFO"
+        if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
+            return "a device"
+        if stat.S_ISSOCK(st.st_mode):
+            return "a socket"
+        return "not a regular file"
 
     def open_file(self, path: str) -> BinaryIO:
         try:

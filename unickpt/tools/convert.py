@@ -43,7 +43,7 @@ from unickpt.errors import CheckpointFormatError, UnsupportedError
 from unickpt.spec.dtypes import itemsize
 from unickpt.spec.index import LayoutInfo
 from unickpt.spec.naming import HF_SIDE_FILES
-from unickpt.spec.untrusted import check_graph, confined_path
+from unickpt.spec.untrusted import check_graph
 from unickpt.store.publish import Sink, StoreOutput, output_location, output_sink, read_small_file
 from unickpt.store.storage import confined_location, is_file_location, join_location, open_storage
 from unickpt.tools._common import read_side_files
@@ -58,7 +58,7 @@ from unickpt.tools.convert_dcp import (
     read_train_state,
     writer_ranks,
 )
-from unickpt.tools.convert_src import BIN_INDEX, StoreSource, bin_shard_names, latest_step
+from unickpt.tools.convert_src import BIN_INDEX, bin_shard_names, latest_step
 
 __all__ = ["convert_checkpoint"]
 
@@ -139,16 +139,20 @@ TARGETS = ("unickpt", "hf", "run", "dcp", "colossalai", "deepspeed")
 EXPORTS = ("dcp", "colossalai", "deepspeed")
 
 
-def _dcp_source(src: str) -> str:
-    """``src`` itself, or for a torchtitan checkpoint folder (``step-<N>/`` DCP directories) its latest step."""
-    if os.path.isfile(os.path.join(src, ".metadata")) or not os.path.isdir(src):
-        return src
-    step = latest_step(os.listdir(src), lambda n: os.path.isfile(os.path.join(src, n, ".metadata")))
+def _dcp_source(src: str) -> tuple[str, list[str]]:
+    """``src`` itself, or for a torchtitan checkpoint folder (``step-<N>/`` DCP directories) its
+    latest step; with the names that directory holds. A path or a URL alike, through its store."""
+    storage, root = open_storage(src)
+    names = storage.listdir(root)
+    if ".metadata" in names:
+        return src, names
+    step = latest_step(names, lambda n: storage.is_file(storage.join(root, n, ".metadata")))
     if step is None:
-        return src
-    chosen = confined_path(src, step, src, "step directory")
+        return src, names
+    chosen = confined_location(src, step, src, "step directory")
     logger.info("%s holds step directories; converting the latest, %s", src, chosen)
-    return chosen
+    step_storage, step_root = open_storage(chosen)
+    return chosen, step_storage.listdir(step_root)
 
 
 def convert_checkpoint(
@@ -209,9 +213,8 @@ def convert_checkpoint(
     origin: tuple[str, ...] = (src_s,)
     out_s = os.fspath(out)
     # What a location can be written or read as is asked of its storage: OS paths, or objects.
-    src_storage, src_root = open_storage(src_s)
+    open_storage(src_s)  # a source without a file system installed is refused before anything else
     out_storage, out_root = open_storage(out_s)
-    src_remote = src_storage.local_path(src_root) is None
     out_remote = out_storage.local_path(out_root) is None
     if out_remote:
         StoreOutput.check(out_s)  # refuse a used prefix before reading anything
@@ -259,18 +262,10 @@ def convert_checkpoint(
     if source == "dcp":
         from unickpt.tools.dcp_read import read_metadata
 
-        if src_remote:
-            store_src = StoreSource(src_s).dcp_step()
-            src_s = store_src.url
-            shards = store_src.dcp_hf_files()
-            if shards:  # per-rank HF files: their headers are read locally (convert_src)
-                with store_src.fetched(shards) as local:
-                    return _merge_dcp_hf(local, out_s, max_shard_size)
-        else:
-            src_s = _dcp_source(src_s)
-            if not os.path.isfile(os.path.join(src_s, ".metadata")) and dcp_hf_files(src_s):
-                # HuggingFaceStorageWriter(save_distributed=True): per-rank safetensors, read as slices
-                return _merge_dcp_hf(src_s, out_s, max_shard_size)
+        src_s, names = _dcp_source(src_s)
+        if ".metadata" not in names and dcp_hf_files(names):
+            # HuggingFaceStorageWriter(save_distributed=True): per-rank safetensors, read as slices
+            return _merge_dcp_hf(src_s, out_s, max_shard_size)
         md = read_metadata(src_s)
         lay = classify(md)
         if strip_prefix is None and (lay.is_training or target == "run"):

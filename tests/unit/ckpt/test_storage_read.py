@@ -193,10 +193,30 @@ def _put(s3: Any, url: str, data: bytes) -> None:
     _fs(s3).pipe_file(url, data)
 
 
-def test_missing_checkpoint_names_the_url(s3) -> None:
+def test_missing_checkpoint_names_the_url(s3, tmp_path: Path) -> None:
+    """A URL is opened the way a local path is, and refused in the same words."""
     url = f"s3://{s3.bucket}/nothing"
-    with pytest.raises(IncompleteCheckpointError, match=f"^{url} holds no committed model checkpoint"):
-        open_checkpoint(url, storage_options=s3.storage_options())
+    opts = s3.storage_options()
+    with pytest.raises(IncompleteCheckpointError, match=f"^no checkpoint at {url}: the path does not exist$"):
+        open_checkpoint(url, storage_options=opts)
+    local = tmp_path / "nothing"
+    with pytest.raises(
+        IncompleteCheckpointError, match=f"^no checkpoint at {local}: the path does not exist$"
+    ):
+        open_checkpoint(local)
+    # A prefix holding data files of an interrupted save, and a directory holding the same.
+    _put(s3, f"{url}/model-00001-of-00002.safetensors", b"x")
+    local.mkdir()
+    (local / "model-00001-of-00002.safetensors").write_bytes(b"x")
+    for where, kw in ((url, {"storage_options": opts}), (str(local), {})):
+        with pytest.raises(IncompleteCheckpointError) as ei:
+            open_checkpoint(where, **kw)
+        assert str(ei.value) == (
+            f"{where} holds no committed model checkpoint: neither model.safetensors.index.json nor "
+            "model.safetensors is present (an interrupted save leaves data files without an index; such a "
+            "directory is never loaded); it holds 1 other .safetensors file(s) ('model-00001-of-00002.safetensors'): "
+            "to load a single-file checkpoint of another name, pass the path of the file itself"
+        )
 
 
 def test_missing_data_object(s3, stored) -> None:

@@ -295,3 +295,40 @@ def test_colossalai_import_from_a_store_is_the_local_import(s3, tmp_path, model_
     with open_checkpoint(str(out), "optimizer") as a, open_checkpoint(str(local), "optimizer") as b:
         ta, tb = full_tensors(a), full_tensors(b)
         assert ta and _equal(dict(sorted(ta.items())), dict(sorted(tb.items())))
+
+
+def test_dcp_layouts_on_a_store_convert_and_load_in_place(s3, tmp_path, dcp_run: Any) -> None:
+    """A torchtitan folder of ``step-<N>/`` DCP directories and the per-rank files of
+    ``HuggingFaceStorageWriter(save_distributed=True)``, read in place on a store: each converts
+    to exactly what its local copy converts to, and the per-rank files load from the URL, their
+    headers read through the store (no local copy)."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "titan"
+    folder.mkdir()
+    (folder / "step-1").mkdir()  # an older step without .metadata: passed over
+    dcp_run.src.rename(folder / "step-3")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    full = {k: v.detach() for k, v in dcp_run.model.state_dict().items()}
+    for r, rows in enumerate((slice(0, 2), slice(2, None))):
+        info = {k: {"saved_offsets": [rows.start] + [0] * (v.dim() - 1)} for k, v in full.items()}
+        save_file(
+            {k: v[rows].contiguous() for k, v in full.items()},
+            str(hf / f"shard-0000{r + 1}-model-00001-of-00001.safetensors"),
+            metadata={"format": "pt", "DCP_VERSION": "1.0", "DCP_SHARDING_INFO": json.dumps(info)},
+        )
+    for name, src in (("titan", folder), ("hf", hf)):
+        url = _upload(s3, src, f"in-{name}")
+        convert_checkpoint(src, tmp_path / f"{name}-local", source="dcp")
+        convert_checkpoint(url, tmp_path / f"{name}-url", source="dcp")
+        with (
+            open_checkpoint(str(tmp_path / f"{name}-url"), "model") as a,
+            open_checkpoint(str(tmp_path / f"{name}-local"), "model") as b,
+        ):
+            ta, tb = full_tensors(a), full_tensors(b)
+            assert sorted(ta) == sorted(tb) and _equal(ta, tb), name
+    m = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 3))
+    GeneralCheckpointIO(storage_options=s3.storage_options()).load_model(m, f"s3://{s3.bucket}/in-hf")
+    for k, v in full.items():
+        assert torch.equal(m.state_dict()[k], v), k
