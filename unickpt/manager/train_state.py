@@ -17,7 +17,13 @@ from unickpt import _rng
 from unickpt._logging import get_logger
 from unickpt.ckpt import run_layout
 from unickpt.ckpt.run_layout import TRAIN_STATE_DIR
-from unickpt.errors import IncompleteCheckpointError, IndexFileError, StateMismatchError, UnsupportedError
+from unickpt.errors import (
+    IncompleteCheckpointError,
+    IndexFileError,
+    StateMismatchError,
+    UnickptError,
+    UnsupportedError,
+)
 from unickpt.io.jsonstate import from_json_value, to_json_value
 from unickpt.spec.untrusted import strict_loads
 from unickpt.store.publish import write_small_file
@@ -74,11 +80,14 @@ def restore(
     ``dataloader`` and ``extra_states``."""
     js, tensors = read_rank_state(d, rank, storage_options)
     if js is None:
-        # The saving world's size, where the step's COMMIT record is a local file to read.
+        # The saving world's size, from the step's COMMIT record (for the message only).
         storage, root = open_storage(d, url_options(d, storage_options))
-        local = storage.local_path(root)
-        commit = None if local is None else run_layout.read_commit(local)
-        saved_world = (commit or {}).get("world_size", "?")
+        try:
+            raw = storage.read_bytes(storage.join(root, run_layout.COMMIT_NAME), limit=1 << 20)
+            commit = strict_loads(raw.decode("utf-8"), IndexFileError, d)
+        except (OSError, ValueError, UnickptError):
+            commit = None
+        saved_world = commit.get("world_size", "?") if isinstance(commit, dict) else "?"
         logger.warning(
             "step %s was saved by %s rank(s), this is rank %s of %s: RNG states are not restored "
             "and per-rank states come from rank 0",

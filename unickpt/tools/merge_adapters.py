@@ -38,7 +38,7 @@ from unickpt.spec.hashing import SliceHasher
 from unickpt.spec.index import LayoutInfo, TensorEntry
 from unickpt.spec.naming import HF_SIDE_FILES
 from unickpt.store.publish import output_location, output_sink
-from unickpt.store.storage import open_storage, url_options
+from unickpt.store.storage import open_storage, parent_location, url_options
 from unickpt.tools._common import read_side_files
 from unickpt.tools._progress import progress_bar
 from unickpt.tools._write import SliceData, TensorData, write_checkpoint
@@ -82,9 +82,8 @@ def _config_dict(
     if adapter_config is None:
         directory = src.rstrip("/")
         storage, root = open_storage(directory, storage_options)
-        local = storage.local_path(root)
-        if local is not None and os.path.isfile(local):  # a single file: its directory's config
-            directory = os.path.dirname(directory) or "."
+        if storage.is_file(root):  # a single file: its directory's config
+            directory = parent_location(directory)
         where = f"{directory}/{ADAPTER_CONFIG}"
         return read_adapter_config(directory, storage_options), where
     if isinstance(adapter_config, (str, os.PathLike)):

@@ -357,3 +357,20 @@ def test_resave_killed_at_store_operations_never_loses_the_step(
         assert {key.split("/")[0] for key in _objects(u)} == {"latest", "step-4", "step-5"}, k
     assert seen.get(1, 0) > 0 and seen.get(2, 0) > 0 and total >= 10, (seen, total)
     print(f"remote re-save: {total} store operations, {sum(seen.values())} kills, outcomes {seen}")
+
+
+def test_a_rank_the_step_has_no_state_for_is_told_the_saving_world(
+    url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Rank 1 of 2 resuming a step one rank saved: rank 0's per-rank state, and a warning that
+    names the world that saved it, read from the step's COMMIT record on a store as on disk."""
+    import logging
+
+    from unickpt.manager import train_state
+
+    for run in (url, str(tmp_path / "run")):
+        assert CheckpointManager(run, save_steps=1).save(1, torch.nn.Linear(2, 2), None)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="unickpt"):
+            train_state.restore(f"{run}/step-1", 1, 1, 2, None, {})
+        assert "step 1 was saved by 1 rank(s), this is rank 1 of 2" in caplog.text, (run, caplog.text)
