@@ -36,10 +36,10 @@ import torch
 from unickpt import _dist
 from unickpt._logging import get_logger
 from unickpt.errors import UnickptError
-from unickpt.io.payload import SavePayload
 from unickpt.io.pinned import POOL, wait_staged
 from unickpt.io.save import WriteSpec, open_store, writes_in_place
 from unickpt.io.stage import stage_written
+from unickpt.io.tensors import SavePayload
 from unickpt.io.writer_process import WriterProcess, share_buffers
 from unickpt.spec.naming import index_name, single_name
 from unickpt.store.storage import open_location, process_reachable

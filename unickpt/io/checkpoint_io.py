@@ -58,7 +58,6 @@ from unickpt.io.optimizer import (
     state_targets,
     validate_param_groups,
 )
-from unickpt.io.payload import SavePayload
 from unickpt.io.pinned import POOL, wait_staged
 from unickpt.io.replicas import REPLICA_MODES
 from unickpt.io.save import WriteSpec
@@ -71,6 +70,7 @@ from unickpt.io.side_files import (
 )
 from unickpt.io.tensors import (
     LocalSlice,
+    SavePayload,
     apply_prefix,
     is_dtensor,
     local_slices,

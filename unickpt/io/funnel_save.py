@@ -27,9 +27,9 @@ import torch
 from unickpt import _dist
 from unickpt.ckpt.reader import single_file_name
 from unickpt.ckpt.writer import write_single_file
-from unickpt.io.payload import SavePayload, cpu_copy
+from unickpt.io.pinned import stage_copy
 from unickpt.io.planner import PlannedFile, SavePlan, SliceMeta
-from unickpt.io.tensors import LocalSlice, as_bytes, is_dtensor, local_slices
+from unickpt.io.tensors import LocalSlice, SavePayload, as_bytes, is_dtensor, local_slices
 from unickpt.io.write_strategy import (
     Results,
     SaveOptions,
@@ -304,7 +304,7 @@ def gathered_snapshot(
         _refuse_slices_only(name, t)
         full = t.full_tensor() if is_dtensor(t) else t  # type: ignore[attr-defined]
         if holder[name] == me:
-            out[name] = cpu_copy(full, staging, name)
+            out[name] = stage_copy(full, staging, name)
         del full
     if torch.cuda.is_available():
         torch.cuda.synchronize()

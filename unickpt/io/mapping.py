@@ -719,7 +719,7 @@ def plan_save(transforms: Sequence[Any], live: dict[str, tuple[str, Shape]]) -> 
 
 
 def map_payload(payload: Any, transforms: Sequence[Any]) -> Any:
-    """A gathered save's payload (``io/payload.SavePayload`` of live names) under the stored
+    """A gathered save's payload (``io.tensors.SavePayload`` of live names) under the stored
     names of ``transforms`` reversed: each stored tensor's local slices are the parts of the live
     slices this rank holds that land in it (an FSDP rank's experts, whole), views, no copy; the
     payload itself when nothing is renamed."""

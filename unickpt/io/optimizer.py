@@ -39,8 +39,7 @@ from unickpt._logging import get_logger
 from unickpt.ckpt.reader import CheckpointReader
 from unickpt.errors import DistributedError, StateMismatchError
 from unickpt.io.jsonstate import from_json_value, to_json_value
-from unickpt.io.payload import SavePayload
-from unickpt.io.tensors import LocalSlice, normalize_name
+from unickpt.io.tensors import LocalSlice, SavePayload, normalize_name
 from unickpt.spec.index import UnickptBlock
 
 __all__ = [

@@ -106,7 +106,7 @@ def host_buffer(
 class StagingSet(dict[Any, torch.Tensor]):
     """The host buffers of one kind of snapshot (key -> tensor), leased from :data:`POOL`.
 
-    A plain dict to the code that copies into it (``payload.cpu_copy``, ``io/stage.py``); it
+    A plain dict to the code that copies into it (``io/stage.py``, ``funnel_save``); it
     records which keys the current save used (:meth:`get` and assignment), so that the buffers
     of a layout no longer saved are dropped when the set is handed back.
     """

@@ -31,9 +31,8 @@ from unickpt import _dist
 from unickpt._faults import maybe_fail
 from unickpt._logging import get_logger
 from unickpt.errors import ConfigError, DistributedError
-from unickpt.io.payload import Staged
 from unickpt.io.pinned import POOL
-from unickpt.io.tensors import LocalSlice, as_bytes
+from unickpt.io.tensors import LocalSlice, Staged, as_bytes
 
 __all__ = [
     "REPLICA_MODES",

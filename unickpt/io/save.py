@@ -66,11 +66,10 @@ from unickpt.io.funnel_save import Funnel, FunnelSingle
 from unickpt.io.hf_rows import RowMoves
 from unickpt.io.hf_save import InPlaceHF
 from unickpt.io.parts_save import SharedParts
-from unickpt.io.payload import SavePayload, Staged
 from unickpt.io.pinned import wait_staged
 from unickpt.io.planner import SavePlan, SliceMeta
 from unickpt.io.replicas import ReplicaCheck, check_replicas, judge, replica_digests, replicated_boxes
-from unickpt.io.tensors import LocalSlice, as_bytes
+from unickpt.io.tensors import LocalSlice, SavePayload, Staged, as_bytes
 from unickpt.io.write_strategy import (
     PlanInputs,
     Results,

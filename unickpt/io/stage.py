@@ -36,11 +36,10 @@ from typing import Any
 import torch
 
 from unickpt import _dist
-from unickpt.io.payload import SavePayload, SliceKey, Staged
 from unickpt.io.pinned import Fence, side_stream, stage_copy, track
 from unickpt.io.planner import SliceMeta, plan_save
 from unickpt.io.replicas import digest_live, replicated_boxes
-from unickpt.io.tensors import LocalSlice, is_dtensor
+from unickpt.io.tensors import LocalSlice, SavePayload, SliceKey, Staged, is_dtensor
 
 __all__ = ["guard_buffers", "stage_written", "written_keys"]
 

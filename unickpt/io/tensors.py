@@ -1,5 +1,6 @@
 """The torch side of the format: the names of a model's tensors, dtype names, raw bytes of
-tensors, the local slices of DTensors.
+tensors, the local slices of DTensors, and what one rank saves (``SavePayload``: its tensors
+and the local slices it holds).
 
 Checkpoint names are FQNs in the user's unwrapped model, whatever wraps it. Wrappers add
 prefixes or infixes to ``state_dict`` keys: DDP (``module.`` at the root), ``torch.compile``
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,9 @@ __all__ = [
     "st_dtype",
     "torch_dtype",
     "LocalSlice",
+    "SavePayload",
+    "SliceKey",
+    "Staged",
     "as_bytes",
     "is_dtensor",
     "local_slices",
@@ -144,6 +148,44 @@ class LocalSlice:
 
     def meta(self) -> tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         return (self.name, self.dtype, self.global_shape, self.offsets, self.shape)
+
+
+# A slice's box: (tensor name, offsets, shape).
+SliceKey = tuple[str, tuple[int, ...], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class Staged:
+    """What the copy of a ``SavePayload`` into CPU memory holds (``io/stage.py``).
+
+    ``nbytes``: the bytes copied. ``replicated``: the boxes several ranks hold (the only ones the
+    replica check digests), ``None`` when every local slice was copied and the check must find
+    them itself. ``digests``: xxh3-64 of the replicated slices this rank holds but does not
+    write, taken from the live tensors before the save returned (they were not copied).
+    """
+
+    nbytes: int
+    replicated: frozenset[SliceKey] | None = None
+    digests: dict[SliceKey, str] = field(default_factory=dict)
+
+
+@dataclass
+class SavePayload:
+    """What one rank saves in one checkpoint: its tensors, the local slices it holds, and the extras.
+
+    ``CheckpointIO.plan_model``/``plan_optimizer`` build it from live objects;
+    ``io.stage.stage_written`` copies the slices this rank writes to CPU memory (an async save
+    writes the copy while training goes on); ``CheckpointIO.write`` saves it.
+    """
+
+    kind: str
+    tensors: dict[str, torch.Tensor]
+    slices: dict[str, list[LocalSlice]]
+    aliases: dict[str, str] = field(default_factory=dict)
+    entry_extras: dict[str, dict[str, Any]] = field(default_factory=dict)
+    block_extras: dict[str, Any] = field(default_factory=dict)
+    # Set on a copy in CPU memory (``io.stage.stage_written``): the slices are not the live tensors.
+    staged: Staged | None = None
 
 
 def mesh_dims(mesh: Any) -> dict[str, int]:

@@ -16,9 +16,9 @@ import torch
 from unickpt import _dist
 from unickpt._faults import maybe_fail
 from unickpt.io.hf_rows import row_snapshot
-from unickpt.io.payload import SavePayload
 from unickpt.io.side_files import hf_config_files, lr_scheduler_json
 from unickpt.io.stage import stage_written
+from unickpt.io.tensors import SavePayload
 from unickpt.manager import train_state
 
 __all__ = ["Payload", "capture"]

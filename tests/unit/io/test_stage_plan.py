@@ -7,11 +7,10 @@ import pytest
 import torch
 import xxhash
 
-from unickpt.io.payload import Staged
 from unickpt.io.planner import plan_save
 from unickpt.io.replicas import digest_live, replica_digests
 from unickpt.io.stage import written_keys
-from unickpt.io.tensors import LocalSlice, as_bytes
+from unickpt.io.tensors import LocalSlice, Staged, as_bytes
 
 
 def _ddp_metas(world: int) -> list[list[tuple]]:

@@ -95,8 +95,8 @@ def test_manager_only_helpers_are_not_exported_by_io() -> None:
         assert not hasattr(unickpt.io, name), name
     # They still live in their own modules for the manager and the tools.
     from unickpt.io.optimizer import optimizer_tensor_name
-    from unickpt.io.payload import SavePayload
     from unickpt.io.side_files import hf_config_files, lr_scheduler_json
+    from unickpt.io.tensors import SavePayload
 
     assert SavePayload and hf_config_files and lr_scheduler_json and optimizer_tensor_name
 
