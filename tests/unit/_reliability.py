@@ -257,6 +257,52 @@ def count_preadv(monkeypatch: Any) -> list[int]:
     return calls
 
 
+def dcp_model() -> nn.Module:
+    """The model of the DCP / torchtitan training runs the import tests convert (seeded: the
+    same on every call): two linear layers around a LayerNorm."""
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(5, 4), nn.LayerNorm(4), nn.Linear(4, 3))
+
+
+def dcp_optimizer(m: nn.Module) -> torch.optim.Optimizer:
+    """AdamW over :func:`dcp_model`'s parameters in two groups of other hyperparameters."""
+    return torch.optim.AdamW(
+        [
+            {"params": [m[0].weight, m[2].weight], "lr": 1e-2},
+            {"params": [m[0].bias, m[1].weight, m[1].bias, m[2].bias], "lr": 3e-3, "weight_decay": 0.0},
+        ],
+        betas=(0.85, 0.97),
+    )
+
+
+def dcp_train(m: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int = 11) -> None:
+    """``steps`` optimizer steps of :func:`dcp_model` on seeded random batches."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        m(torch.randn(3, 5, generator=g)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def flat_optim(opt: torch.optim.Optimizer, m: nn.Module) -> dict[str, Any]:
+    """torchtitan's ``get_flat_optim_state_dict`` (components/optimizer/utils.py), written here
+    independently of unickpt's reading of it, for an optimizer built on named parameters:
+    ``state.<fqn>.<key>`` and ``param_groups.<fqn>.<hyper>``."""
+    names = {id(p): n for n, p in m.named_parameters()}
+    osd = opt.state_dict()
+    order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
+    flat: dict[str, Any] = {}
+    for pid, st in osd["state"].items():
+        for k, v in st.items():
+            flat[f"state.{order[pid]}.{k}"] = v
+    for g in osd["param_groups"]:
+        for pid in g["params"]:
+            for k, v in g.items():
+                if k not in ("params", "param_names"):
+                    flat[f"param_groups.{order[pid]}.{k}"] = v
+    return flat
+
+
 def data_files(path: Path | str) -> list[str]:
     return sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
 

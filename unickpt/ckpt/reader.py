@@ -1319,18 +1319,17 @@ def locate(
 
 def _in_directory(storage: Storage, d: str, kind: str) -> Located | None:
     """The checkpoint of ``kind`` directly in the directory ``d``; None when neither name is there."""
-    idx = join_location(d, index_name(kind))
-    found = storage.what(idx)
-    if found == "file":
-        return Located(idx, d, "index")
-    if found is not None:
-        raise IndexFileError(f"{idx} is {_what(found)}, not an index file")
-    single = join_location(d, single_name(kind))
-    found = storage.what(single)
-    if found == "file":
-        return Located(single, d, "single")
-    if found is not None:
-        raise HeaderError(f"{single} is {_what(found)}, not a safetensors file")
+    wanted = (
+        (index_name(kind), "index", IndexFileError, "an index file"),
+        (single_name(kind), "single", HeaderError, "a safetensors file"),
+    )
+    for name, form, refused, noun in wanted:
+        path = join_location(d, name)
+        found = storage.what(path)
+        if found == "file":
+            return Located(path, d, form)
+        if found is not None:
+            raise refused(f"{path} is {_what(found)}, not {noun}")
     return None
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import torch
-from _reliability import Tiny, same_state, save_checkpoint, snapshot, train_state, trained
+from _reliability import Tiny, flat_optim, same_state, save_checkpoint, snapshot, train_state, trained
 from crashfs import Recorder, Search, explore
 
 from unickpt import GeneralCheckpointIO
@@ -357,23 +357,6 @@ def test_convert_bin_output(tmp_path: Path) -> None:
     )
 
 
-def _flat_optim(opt: torch.optim.Optimizer, m: torch.nn.Module) -> dict[str, Any]:
-    """torchtitan's flattened optimizer state: ``state.<fqn>.<key>``, ``param_groups.<fqn>.<hyper>``."""
-    names = {id(p): n for n, p in m.named_parameters()}
-    osd = opt.state_dict()
-    order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
-    flat: dict[str, Any] = {}
-    for pid, st in osd["state"].items():
-        for k, v in st.items():
-            flat[f"state.{order[pid]}.{k}"] = v
-    for g in osd["param_groups"]:
-        for pid in g["params"]:
-            for k, v in g.items():
-                if k not in ("params", "param_names"):
-                    flat[f"param_groups.{order[pid]}.{k}"] = v
-    return flat
-
-
 def test_convert_to_run_output(tmp_path: Path) -> None:
     """``convert --from dcp --to run``: a manager directory whose step, once listed, loads
     bit-exactly (model and optimizer) in every crash state, and survives once convert returned."""
@@ -384,7 +367,7 @@ def test_convert_to_run_output(tmp_path: Path) -> None:
 
     m, opt = trained(NEW_SEED)
     folder = tmp_path / "dcp"
-    states = {**m.state_dict(), "optimizer": _flat_optim(opt.optim, m), "train_state": {"step": 4}}
+    states = {**m.state_dict(), "optimizer": flat_optim(opt.optim, m), "train_state": {"step": 4}}
     dcp.save(states, checkpoint_id=str(folder), no_dist=True)
     want = TRAINED[NEW_SEED]
     base = tmp_path / "base"

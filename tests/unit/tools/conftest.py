@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
+from _reliability import dcp_model, dcp_optimizer, dcp_train
 
 
 class DcpRun(NamedTuple):
@@ -19,29 +20,6 @@ class DcpRun(NamedTuple):
     scheduler: Any
 
 
-def _model() -> torch.nn.Module:
-    torch.manual_seed(3)
-    return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 3))
-
-
-def _optim(m: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(
-        [
-            {"params": [m[0].weight, m[2].weight], "lr": 1e-2},
-            {"params": [m[0].bias, m[1].weight, m[1].bias, m[2].bias], "lr": 3e-3, "weight_decay": 0.0},
-        ],
-        betas=(0.85, 0.97),
-    )
-
-
-def _train(m: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int = 11) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        m(torch.randn(3, 5, generator=g)).square().sum().backward()
-        opt.step()
-        opt.zero_grad()
-
-
 @pytest.fixture
 def dcp_run(tmp_path: Path) -> DcpRun:
     """Three steps of a two-group AdamW run with a StepLR, saved with ``dcp.save`` to
@@ -49,11 +27,11 @@ def dcp_run(tmp_path: Path) -> DcpRun:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    m = _model()
-    opt = _optim(m)
+    m = dcp_model()
+    opt = dcp_optimizer(m)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     for _ in range(3):
-        _train(m, opt, 1)
+        dcp_train(m, opt, 1)
         sched.step()
     msd, osd = get_state_dict(m, opt)
     src = tmp_path / "dcp"
@@ -68,8 +46,8 @@ def dcp_run(tmp_path: Path) -> DcpRun:
 @pytest.fixture
 def fresh_training() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A model of :func:`dcp_run`'s architecture, zeroed, and its optimizer (no state yet)."""
-    m = _model()
+    m = dcp_model()
     with torch.no_grad():
         for p in m.parameters():
             p.zero_()
-    return m, _optim(m)
+    return m, dcp_optimizer(m)

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _reliability import dcp_model, dcp_optimizer, dcp_train, flat_optim
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from unickpt import CheckpointManager, GeneralCheckpointIO
@@ -36,35 +37,12 @@ from unickpt.wrappers import OptimizerWrapper
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 
 
-def _model() -> torch.nn.Module:
-    torch.manual_seed(3)
-    return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 3))
-
-
-def _optim(m: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(
-        [
-            {"params": [m[0].weight, m[2].weight], "lr": 1e-2},
-            {"params": [m[0].bias, m[1].weight, m[1].bias, m[2].bias], "lr": 3e-3, "weight_decay": 0.0},
-        ],
-        betas=(0.85, 0.97),
-    )
-
-
-def _train(m: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int = 11) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        m(torch.randn(3, 5, generator=g)).square().sum().backward()
-        opt.step()
-        opt.zero_grad()
-
-
 def _fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    m = _model()
+    m = dcp_model()
     with torch.no_grad():
         for p in m.parameters():
             p.zero_()
-    return m, _optim(m)
+    return m, dcp_optimizer(m)
 
 
 def _assert_same_training(a: tuple[torch.nn.Module, torch.optim.Optimizer], b: tuple[Any, Any]) -> None:
@@ -77,8 +55,8 @@ def _assert_same_training(a: tuple[torch.nn.Module, torch.optim.Optimizer], b: t
     for pid, st in sa["state"].items():
         for k, v in st.items():
             assert torch.equal(v, sb["state"][pid][k]), (pid, k)
-    _train(a[0], a[1], 1, seed=99)
-    _train(b[0], b[1], 1, seed=99)
+    dcp_train(a[0], a[1], 1, seed=99)
+    dcp_train(b[0], b[1], 1, seed=99)
     for (k, v), v2 in zip(a[0].state_dict().items(), b[0].state_dict().values(), strict=True):
         assert torch.equal(v, v2), f"after one more step: {k}"
 
@@ -117,7 +95,7 @@ def test_dcp_round_trip_dcp_unickpt_dcp(tmp_path: Path, dcp_run: Any) -> None:
     # torch's own load reads it, into a fresh model and optimizer
     m2, opt2 = _fresh()
     torch.optim.lr_scheduler.StepLR(opt2, step_size=2, gamma=0.5)  # as a resuming run builds it (initial_lr)
-    _train(m2, opt2, 1, seed=5)  # any state; replaced by the load
+    dcp_train(m2, opt2, 1, seed=5)  # any state; replaced by the load
     msd, osd = get_state_dict(m2, opt2)
     dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(back), no_dist=True)
     set_state_dict(m2, opt2, model_state_dict=msd, optim_state_dict=osd)
@@ -130,9 +108,9 @@ def test_dcp_round_trip_dcp_unickpt_dcp(tmp_path: Path, dcp_run: Any) -> None:
 
 
 def test_unickpt_to_dcp_to_unickpt(tmp_path: Path) -> None:
-    m = _model()
-    opt = _optim(m)
-    _train(m, opt, 2)
+    m = dcp_model()
+    opt = dcp_optimizer(m)
+    dcp_train(m, opt, 2)
     io_ = GeneralCheckpointIO()
     ck = tmp_path / "ck"
     io_.save_model(m, ck, shard=True, gather_dtensor=True, size_per_shard=0.0001)
@@ -150,10 +128,10 @@ def test_export_of_the_readme_layout_takes_the_optimizer(tmp_path: Path, given: 
     """``save_model(m, "ckpt/model")`` + ``save_optimizer(o, "ckpt/optimizer")`` (+ the scheduler):
     ``convert --to dcp ckpt`` and ``convert --to dcp ckpt/model`` export all three, which
     ``dcp.load`` and ``set_state_dict`` restore bit for bit."""
-    m = _model()
-    opt = _optim(m)
+    m = dcp_model()
+    opt = dcp_optimizer(m)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    _train(m, opt, 3)
+    dcp_train(m, opt, 3)
     sched.step()
     io_ = GeneralCheckpointIO()
     io_.save_model(m, tmp_path / "ckpt" / "model", shard=True)
@@ -175,7 +153,7 @@ def test_export_of_the_readme_layout_takes_the_optimizer(tmp_path: Path, given: 
 
 
 def test_export_refuses_a_damaged_checkpoint(tmp_path: Path) -> None:
-    m = _model()
+    m = dcp_model()
     io_ = GeneralCheckpointIO()
     io_.save_model(m, tmp_path / "ck", shard=True)
     f = next(p for p in (tmp_path / "ck").iterdir() if p.name.endswith(".safetensors"))
@@ -188,34 +166,16 @@ def test_export_refuses_a_damaged_checkpoint(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------- torchtitan layout
-def _flat_optim(opt: torch.optim.Optimizer, m: torch.nn.Module) -> dict[str, Any]:
-    """torchtitan's get_flat_optim_state_dict (components/optimizer/utils.py), for an optimizer
-    built on named parameters: ``state.<fqn>.<key>`` and ``param_groups.<fqn>.<hyper>``."""
-    names = {id(p): n for n, p in m.named_parameters()}
-    osd = opt.state_dict()
-    order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
-    flat: dict[str, Any] = {}
-    for pid, st in osd["state"].items():
-        for k, v in st.items():
-            flat[f"state.{order[pid]}.{k}"] = v
-    for g in osd["param_groups"]:
-        for pid in g["params"]:
-            for k, v in g.items():
-                if k not in ("params", "param_names"):
-                    flat[f"param_groups.{order[pid]}.{k}"] = v
-    return flat
-
-
 def _torchtitan_step(folder: Path, step: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
-    m = _model()
-    opt = _optim(m)
+    m = dcp_model()
+    opt = dcp_optimizer(m)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     for _ in range(step):
-        _train(m, opt, 1)
+        dcp_train(m, opt, 1)
         sched.step()
     states = {
         **m.state_dict(),
-        "optimizer": _flat_optim(opt, m),
+        "optimizer": flat_optim(opt, m),
         "lr_scheduler": {"last_epoch": sched.last_epoch},
         "train_state": {"step": step, "ntokens_seen": 1536 * step},
         "dataloader": {"dp_rank_0": pickle.dumps({"sample": 12}), "world_size": 1},
@@ -290,7 +250,7 @@ def test_our_torchtitan_layout_matches_torchtitans_flattening() -> None:
     assert mod_spec is not None and mod_spec.loader is not None
     mod = importlib.util.module_from_spec(mod_spec)
     mod_spec.loader.exec_module(mod)
-    m = _model()
+    m = dcp_model()
     named = dict(m.named_parameters())
     opt = torch.optim.AdamW(
         [
@@ -301,9 +261,9 @@ def test_our_torchtitan_layout_matches_torchtitans_flattening() -> None:
             },
         ]
     )
-    _train(m, opt, 1)
+    dcp_train(m, opt, 1)
     theirs = mod.get_flat_optim_state_dict(opt)
-    ours = _flat_optim(opt, m)
+    ours = flat_optim(opt, m)
     assert theirs.keys() == ours.keys()
     for k, v in theirs.items():
         assert torch.equal(v, ours[k]) if isinstance(v, torch.Tensor) else v == ours[k], k
@@ -339,9 +299,9 @@ def test_hostile_dcp_metadata_runs_no_code(tmp_path: Path, dcp_run: Any) -> None
 
 
 def test_hostile_dcp_bytes_entry_is_not_unpickled(tmp_path: Path) -> None:
-    m = _model()
-    opt = _optim(m)
-    _train(m, opt, 1)
+    m = dcp_model()
+    opt = dcp_optimizer(m)
+    dcp_train(m, opt, 1)
     msd, osd = get_state_dict(m, opt)
     src = tmp_path / "dcp"
     # a scheduler "state" holding an object: DCP pickles it into a bytes entry
@@ -355,9 +315,9 @@ def test_hostile_dcp_bytes_entry_is_not_unpickled(tmp_path: Path) -> None:
 
 
 def test_optimizer_state_dict_with_integer_params_is_refused(tmp_path: Path) -> None:
-    m = _model()
-    opt = _optim(m)
-    _train(m, opt, 1)
+    m = dcp_model()
+    opt = dcp_optimizer(m)
+    dcp_train(m, opt, 1)
     src = tmp_path / "dcp"
     # the optimizer's own state_dict() (integer ids), not get_state_dict's FQN-keyed one
     dcp.save({"model": m.state_dict(), "optim": opt.state_dict()}, checkpoint_id=str(src), no_dist=True)
