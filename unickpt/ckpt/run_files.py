@@ -19,21 +19,12 @@ import posixpath
 
 from unickpt.ckpt.safetensors_io import SafetensorsHeader
 from unickpt.errors import HeaderError, IncompleteCheckpointError
-from unickpt.store.storage import Tree, join_location, open_storage
+from unickpt.store.storage import Tree, join_location, open_storage, shown_location
 
-__all__ = ["RunFiles", "SMALL_FILE_LIMIT", "run_location"]
+__all__ = ["RunFiles", "SMALL_FILE_LIMIT"]
 
 #: Largest side file (a record, a JSON, a rank's train state) read whole by the run commands.
 SMALL_FILE_LIMIT = 1 << 30
-
-
-def run_location(location: str | os.PathLike[str]) -> str:
-    """``location`` as the run commands name it: an absolute path where its storage has OS paths
-    (``Storage.local_path``), the URL itself (no trailing ``/``) otherwise."""
-    loc = os.fspath(location)
-    storage, root = open_storage(loc)
-    local = storage.local_path(root)
-    return local if local is not None else loc.rstrip("/")
 
 
 class RunFiles:
@@ -44,10 +35,8 @@ class RunFiles:
     """
 
     def __init__(self, location: str | os.PathLike[str]) -> None:
-        self.root = run_location(location)
+        self.root = shown_location(location)
         self.storage, _ = open_storage(self.root)
-        #: True where the files have OS paths (how a run's location is shown)
-        self.local = self.storage.local_path(self.storage.key(self.root)) is not None
         self._tree: Tree | None = None
 
     # ------------------------------------------------------------------ paths

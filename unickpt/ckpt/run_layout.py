@@ -38,12 +38,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import posixpath
 import re
 from collections.abc import Callable
 from typing import Any
 
-from unickpt.ckpt.run_files import RunFiles, run_location
+from unickpt.ckpt.run_files import RunFiles
 from unickpt.errors import CheckpointFormatError, ConfigError
 from unickpt.spec.hashing import slice_hash
 from unickpt.spec.run_names import (
@@ -68,6 +67,7 @@ from unickpt.spec.run_names import (
 )
 from unickpt.spec.untrusted import strict_loads
 from unickpt.store.publish import Sink
+from unickpt.store.storage import shown_location
 
 __all__ = [
     "COMMIT_NAME",
@@ -128,17 +128,9 @@ def _view(path: str, files: RunFiles | None) -> RunFiles:
     return files if files is not None else RunFiles(path)
 
 
-def _where(path: str | os.PathLike[str], files: RunFiles | None) -> str:
-    """``path`` as the run commands name it: absolute on local disk, the URL itself otherwise."""
-    p = os.fspath(path)
-    if files is not None:
-        return os.path.abspath(p.removeprefix("file://")) if files.local else p.rstrip("/")
-    return run_location(p)
-
-
 def read_latest(run_dir: str | os.PathLike[str], files: RunFiles | None = None) -> int | None:
     """The step recorded in ``latest``, or ``None``."""
-    d = _where(run_dir, files)
+    d = shown_location(run_dir)
     view = _view(d, files)
     try:
         obj = read_record(view, view.join(d, LATEST_NAME), 1 << 20)
@@ -164,7 +156,7 @@ def read_record(view: RunFiles, path: str, limit: int) -> Any:
 
 def step_of(path: str | os.PathLike[str], files: RunFiles | None = None) -> int | None:
     """``N`` when ``path`` is a directory named ``step-<N>``, else ``None``."""
-    p = _where(path, files)
+    p = shown_location(path)
     view = _view(p, files)
     m = _STEP_RE.match(view.basename(p))
     if not m:
@@ -174,7 +166,7 @@ def step_of(path: str | os.PathLike[str], files: RunFiles | None = None) -> int 
 
 def committed_steps(run_dir: str | os.PathLike[str], files: RunFiles | None = None) -> list[int]:
     """Committed steps of a run directory, ascending (a ``step-<N>`` with a ``COMMIT`` file)."""
-    d = _where(run_dir, files)
+    d = shown_location(run_dir)
     view = _view(d, files)
     out = []
     for n in view.listdir(d):
@@ -186,7 +178,7 @@ def committed_steps(run_dir: str | os.PathLike[str], files: RunFiles | None = No
 
 def latest_step(run_dir: str | os.PathLike[str], files: RunFiles | None = None) -> int | None:
     """The step ``CheckpointManager.load`` resumes from: ``latest`` if it names a committed step, else the highest."""
-    d = _where(run_dir, files)
+    d = shown_location(run_dir)
     view = _view(d, files)
     steps = committed_steps(d, view)
     if not steps:
@@ -197,7 +189,7 @@ def latest_step(run_dir: str | os.PathLike[str], files: RunFiles | None = None) 
 
 def read_commit(step_dir: str | os.PathLike[str], files: RunFiles | None = None) -> dict[str, Any] | None:
     """The ``COMMIT`` record of a step (``{}`` if unreadable), ``None`` if there is no marker."""
-    d = _where(step_dir, files)
+    d = shown_location(step_dir)
     view = _view(d, files)
     path = view.join(d, COMMIT_NAME)
     if not view.is_file(path):
@@ -220,21 +212,12 @@ def looks_like_run(path: str | os.PathLike[str]) -> bool:
     before anything is listed (``inspect`` on a checkpoint URL reads only its index).
     """
     view = RunFiles(path)  # (on a store: drops listings cached by earlier calls)
-    p = view.root
-    if not view.local:
-        storage = view.storage
-        if any(storage.exists(posixpath.join(p, n)) for n in _CHECKPOINT_INDEXES):
-            return False
-        names = storage.listdir(p)  # one level (a delimited listing), never the whole run
-        if not names:
-            return False  # nothing there (an object store has no empty directories)
-    elif os.path.isdir(p):
-        try:
-            names = os.listdir(p)
-        except OSError:
-            return False
-    else:
+    p, storage = view.root, view.storage
+    if any(storage.exists(storage.join(p, n)) for n in _CHECKPOINT_INDEXES):
         return False
+    names = storage.listdir(p)  # one level (on a store a delimited listing), never the whole run
+    if not names and storage.what(p) != "directory":
+        return False  # nothing there, or a file (an object store has no empty directories)
     if any(
         n.endswith(".safetensors.index.json") or n in ("model.safetensors", "optimizer.safetensors")
         for n in names
@@ -247,7 +230,7 @@ def looks_like_run(path: str | os.PathLike[str]) -> bool:
 
 def step_layout(step_dir: str | os.PathLike[str], files: RunFiles | None = None) -> StepLayout:
     """The parts of a step directory (raises ``ConfigError``, a ``ValueError``, if it is not a committed step)."""
-    d = _where(step_dir, files)
+    d = shown_location(step_dir)
     view = _view(d, files)
     step = step_of(d, view)
     commit = read_commit(d, view)

@@ -62,6 +62,7 @@ __all__ = [
     "Storage",
     "Tree",
     "compared_location",
+    "shown_location",
     "process_reachable",
     "list_location",
     "is_file_location",
@@ -1151,15 +1152,24 @@ def process_reachable(path: str | os.PathLike[str]) -> bool:
         return False
 
 
-def compared_location(checkpoint: Any) -> str:
-    """A checkpoint location as ranks compare it (their arguments must agree): a local path
-    absolute (the same directory whatever the spelling), a URL as given, anything else its repr."""
-    p = os.fspath(checkpoint) if isinstance(checkpoint, (str, os.PathLike)) else repr(checkpoint)
+def shown_location(location: str | os.PathLike[str]) -> str:
+    """A location as unickpt names it back (reports, run commands, ranks comparing arguments):
+    a local path absolute (the same directory whatever the spelling), a URL as given without a
+    trailing ``/``."""
+    p = os.fspath(location)
     if isinstance(p, bytes):
         p = os.fsdecode(p)
     if is_url(p):
-        return p
+        return p.rstrip("/")
     return os.path.abspath(p.removeprefix("file://"))
+
+
+def compared_location(checkpoint: Any) -> str:
+    """A checkpoint location as ranks compare it (their arguments must agree):
+    :func:`shown_location`, anything but a path or a URL its repr."""
+    if isinstance(checkpoint, (str, os.PathLike)):
+        return shown_location(checkpoint)
+    return repr(checkpoint)
 
 
 def list_location(location: str | os.PathLike[str]) -> list[str]:

@@ -7,17 +7,10 @@ import os
 from typing import Any
 
 from unickpt.spec.dtypes import itemsize
-from unickpt.store.storage import Storage
+from unickpt.store.storage import shown_location
 from unickpt.tools._common import human_bytes, open_auto
 
 __all__ = ["inspect_checkpoint", "format_report"]
-
-
-def _shown(storage: Storage, path: str | os.PathLike[str]) -> str:
-    """``path`` as the report names it: absolute where the storage has OS paths, as given otherwise."""
-    p = os.fspath(path)
-    local = storage.local_path(p.removeprefix("file://"))
-    return p if local is None else os.path.abspath(local)
 
 
 def inspect_checkpoint(
@@ -66,7 +59,7 @@ def inspect_checkpoint(
                 entry["state"] = t.state
             tensors[name] = entry
         out: dict[str, Any] = {
-            "path": _shown(r.storage, path),
+            "path": shown_location(path),
             "index": r.index_path,
             "kind": b.kind,
             # A plain Hugging Face / safetensors checkpoint has no unickpt block: nothing says
