@@ -1485,12 +1485,17 @@ def _remove_tree(path: str) -> None:
 # ----------------------------------------------------------------------------- a tool output
 
 
-def output_location(out: str | os.PathLike[str]) -> str:
-    """The output ``out`` as a tool shows and returns it: a URL as given (no trailing slash), a
-    local path absolute and refused when it holds a file or a non-empty directory
-    (:func:`check_output`; a URL's prefix is checked when its :class:`StoreOutput` is made)."""
+def output_location(out: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> str:
+    """The output ``out`` as a tool shows and returns it (a URL as given without a trailing
+    slash, a local path absolute), refused before anything is read when it is in use: a local
+    path holding a file or a non-empty directory (:func:`check_output`), a prefix holding any
+    object (:meth:`StoreOutput.check`). ``storage_options`` apply to a URL only."""
     s = os.fspath(out)
-    return s.rstrip("/") if is_url(s) else check_output(s)
+    storage, _ = open_storage(s, url_options(s, storage_options))
+    if storage.atomic_rename:
+        return check_output(s)
+    StoreOutput.check(s, url_options(s, storage_options))
+    return s.rstrip("/")
 
 
 def check_output(out: str) -> str:

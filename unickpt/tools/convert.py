@@ -44,7 +44,7 @@ from unickpt.spec.dtypes import itemsize
 from unickpt.spec.index import LayoutInfo
 from unickpt.spec.naming import HF_SIDE_FILES
 from unickpt.spec.untrusted import check_graph
-from unickpt.store.publish import Sink, StoreOutput, output_location, output_sink, read_small_file
+from unickpt.store.publish import Sink, output_location, output_sink, read_small_file
 from unickpt.store.storage import confined_location, is_file_location, join_location, open_storage
 from unickpt.tools._common import read_side_files
 from unickpt.tools._merge_mapped import hub_tensor_data
@@ -214,11 +214,7 @@ def convert_checkpoint(
     out_s = os.fspath(out)
     # What a location can be written or read as is asked of its storage: OS paths, or objects.
     open_storage(src_s)  # a source without a file system installed is refused before anything else
-    out_storage, out_root = open_storage(out_s)
-    out_remote = out_storage.local_path(out_root) is None
-    if out_remote:
-        StoreOutput.check(out_s)  # refuse a used prefix before reading anything
-    out_s = output_location(out_s)
+    out_s = output_location(out_s)  # refused in use before anything is read
     shard_bytes = _parse_size(max_shard_size)
     created_by = f"unickpt {__version__} convert --from {source}"
     if source == "unickpt" and target == "colossalai":

@@ -332,7 +332,7 @@ def merge_checkpoint(
     src_s = os.fspath(src)
     into: Sink | None = None
     if isinstance(out, (str, os.PathLike)):
-        out_s = output_location(out)
+        out_s = output_location(out, storage_options)
     else:
         into, out_s = out, out.url
     out_dtype = None

@@ -271,7 +271,7 @@ def merge_adapters(
 
     from unickpt.tools._torch import tensor_bytes, torch_of
 
-    out_s = output_location(out)
+    out_s = output_location(out, storage_options)
     opts = url_options(src, storage_options)
     cfg, where = _config_dict(adapter_config, src, opts)
     _check_config(cfg, where)

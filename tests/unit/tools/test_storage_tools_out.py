@@ -98,6 +98,10 @@ def test_merge_to_url_refuses_a_used_prefix(s3, tmp_path) -> None:
     local, url = _saved(s3, tmp_path, "ckpt")
     with pytest.raises(OutputExistsError, match=f"{url} already holds"):
         merge_checkpoint(local, url)
+    # before the source is opened, as for a local output in use
+    for out in (url, str(local)):
+        with pytest.raises(OutputExistsError):
+            merge_checkpoint(tmp_path / "no-such-source", out)
 
 
 def test_failed_merge_to_url_leaves_nothing(s3, tmp_path) -> None:
