@@ -59,29 +59,29 @@ def _load_case(hub: str) -> dict[str, Any]:
     ref = MixtralForCausalLM.from_pretrained(hub).state_dict()
     model = _sharded(_mixtral(seed=1))
     reads: list[tuple[str, int, int]] = []
-    original = CheckpointReader.read_key_bytes, CheckpointReader.read_slice, CheckpointReader.read_runs
+    original = CheckpointReader.read_key_bytes, CheckpointReader.read_key, CheckpointReader.read_runs
 
     def read_key_bytes(self: Any, file: str, key: str, rel: int, n: int, out: Any = None) -> Any:
         reads.append((key, rel, n))
         return original[0](self, file, key, rel, n, out)
 
-    def read_slice(self: Any, s: Any, out: Any = None) -> Any:
-        reads.append((s.key, 0, -1))
-        return original[1](self, s, out)
+    def read_key(self: Any, file: str, key: str, out: Any = None) -> Any:
+        reads.append((key, 0, -1))
+        return original[1](self, file, key, out)
 
     def read_runs(self: Any, file: str, key: str, runs: Any, out: Any) -> Any:
         reads.extend((key, o, k) for o, k in runs)
         return original[2](self, file, key, runs, out)
 
-    CheckpointReader.read_key_bytes, CheckpointReader.read_slice, CheckpointReader.read_runs = (  # type: ignore[method-assign]
+    CheckpointReader.read_key_bytes, CheckpointReader.read_key, CheckpointReader.read_runs = (  # type: ignore[method-assign]
         read_key_bytes,
-        read_slice,
+        read_key,
         read_runs,
     )
     try:
         report = GeneralCheckpointIO().load_model(model, hub)
     finally:
-        CheckpointReader.read_key_bytes, CheckpointReader.read_slice, CheckpointReader.read_runs = original  # type: ignore[method-assign]
+        CheckpointReader.read_key_bytes, CheckpointReader.read_key, CheckpointReader.read_runs = original  # type: ignore[method-assign]
     assert report.missing == [] and report.unexpected == [], report
     expert_reads = [r for r in reads if ".experts." in r[0]]
     mine = {2 * rank, 2 * rank + 1}

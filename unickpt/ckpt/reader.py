@@ -1107,9 +1107,10 @@ class CheckpointReader(FileChecks):
         off, n = h.absolute(key)
         return h.path, off, n
 
-    def read_slice(self, s: SliceEntry, out: memoryview | None = None) -> memoryview:
-        _, off, n = self.slice_location(s)
-        return self._read(s.file, off, n, out)
+    def read_key(self, file: str, key: str, out: memoryview | None = None) -> memoryview:
+        """The bytes of the stored slice ``key`` of ``file`` (into ``out`` when given)."""
+        _, off, n = self.key_location(file, key)
+        return self._read(file, off, n, out)
 
     def read_bytes(
         self, s: SliceEntry, rel_offset: int, length: int, out: memoryview | None = None

@@ -73,14 +73,11 @@ def full_tensors(reader: CheckpointReader) -> dict[str, torch.Tensor]:
     for name, entry in reader.tensors.items():
         dt = torch_dtype(entry.dtype)
         full = torch.empty(tuple(entry.shape), dtype=dt)
-        for s in entry.slices:
-            raw = bytearray(reader.read_slice(s))
-            data = (
-                torch.frombuffer(raw, dtype=dt).reshape(tuple(s.shape))
-                if raw
-                else torch.empty(tuple(s.shape), dtype=dt)
-            )
-            idx = tuple(slice(o, o + n) for o, n in zip(s.offsets, s.shape, strict=True))
-            full[idx] = data
+        table = entry.table
+        for k in range(len(table)):
+            offsets, shape = table.box(k)
+            raw = bytearray(reader.read_key(table.file(k), table.key(k)))
+            data = torch.frombuffer(raw, dtype=dt).reshape(shape) if raw else torch.empty(shape, dtype=dt)
+            full[tuple(slice(o, o + n) for o, n in zip(offsets, shape, strict=True))] = data
         out[name] = full
     return out

@@ -210,19 +210,22 @@ def _read_whole(reader: CheckpointReader, name: str, verify: bool, src: str) -> 
     entry: TensorEntry = reader.tensors[name]
     dt = torch_dtype(entry.dtype)
     full = _mapped_empty(tuple(entry.shape), dt)
-    for s in entry.slices:
-        whole = list(s.shape) == list(entry.shape)
-        target = full if whole else _mapped_empty(tuple(s.shape), dt)
+    table = entry.table
+    for k in range(len(table)):
+        offsets, shape = table.box(k)
+        file, key, xxh3 = table.file(k), table.key(k), table.xxh3(k)
+        whole = shape == list(entry.shape)
+        target = full if whole else _mapped_empty(tuple(shape), dt)
         if target.numel():
             raw = memoryview(target.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-            reader.read_slice(s, raw)
-            if verify and s.xxh3 is not None:
+            reader.read_key(file, key, raw)
+            if verify and xxh3 is not None:
                 h = SliceHasher()
                 h.update(raw)
-                if h.hexdigest() != s.xxh3:
-                    raise IntegrityError([IntegrityFailure(name, s.file, s.key, s.xxh3, h.hexdigest())], src)
+                if h.hexdigest() != xxh3:
+                    raise IntegrityError([IntegrityFailure(name, file, key, xxh3, h.hexdigest())], src)
         if not whole:
-            full[tuple(slice(o, o + k) for o, k in zip(s.offsets, s.shape, strict=True))] = target
+            full[tuple(slice(o, o + n) for o, n in zip(offsets, shape, strict=True))] = target
     return full
 
 

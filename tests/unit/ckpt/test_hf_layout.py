@@ -177,7 +177,7 @@ def _with_ranges(src: Path, name: str, cuts: list[int]) -> Path:
     from unickpt.ckpt.reader import open_checkpoint
 
     with open_checkpoint(src) as r:
-        data = bytes(r.read_slice(r.tensors[name].slices[0]))
+        data = bytes(r.read_key(r.tensors[name].table.file(0), r.tensors[name].table.key(0)))
     bounds = [0, *cuts, len(data)]
     s.pop("xxh3")
     s["ranges"] = [

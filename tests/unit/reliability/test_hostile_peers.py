@@ -90,7 +90,10 @@ def _bounded(run: Callable[[], Any], exc: type[BaseException], *parts: str) -> B
 
 def _tensors(where: str | Path, kind: str = "model") -> dict[str, bytes]:
     with open_checkpoint(where, kind) as r:
-        return {n: b"".join(bytes(r.read_slice(s)) for s in t.slices) for n, t in r.block.tensors.items()}
+        return {
+            n: b"".join(bytes(r.read_key(s.file, s.key)) for s in t.slices)
+            for n, t in r.block.tensors.items()
+        }
 
 
 # ---------------------------------------------------------------- pickle surgery

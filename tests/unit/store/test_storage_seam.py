@@ -118,7 +118,7 @@ def test_reader_reads_are_the_same_calls_on_a_local_path_and_a_store(
         counted.clear()
         with open_checkpoint(where) as r:
             slices = [s for t in r.tensors.values() for s in t.slices]
-            data = [bytes(r.read_slice(s)) for s in slices]
+            data = [bytes(r.read_key(s.file, s.key)) for s in slices]
             batch = ReadBatch()
             outs = [bytearray(r.slice_location(s)[2]) for s in slices]
             for s, out in zip(slices, outs, strict=True):

@@ -198,7 +198,7 @@ def _read_all(reader: Any, names: list[str]) -> dict[str, bytes]:
     out = {}
     for n in names:
         (s,) = reader.block.tensors[n].slices
-        out[n] = bytes(reader.read_slice(s))
+        out[n] = bytes(reader.read_key(s.file, s.key))
     return out
 
 

@@ -52,7 +52,7 @@ def _tensors(where: str | Path, kind: str = "model") -> dict[str, bytes]:
         out = {}
         for name, t in r.block.tensors.items():
             (s,) = t.slices
-            out[name] = bytes(r.read_slice(s))
+            out[name] = bytes(r.read_key(s.file, s.key))
         return out
 
 

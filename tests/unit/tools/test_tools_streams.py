@@ -39,7 +39,10 @@ def _uploads(s3: Any) -> list[Any]:
 
 def _tensors(where: str | Path, kind: str = "model") -> dict[str, bytes]:
     with open_checkpoint(where, kind) as r:
-        return {n: b"".join(bytes(r.read_slice(s)) for s in t.slices) for n, t in r.block.tensors.items()}
+        return {
+            n: b"".join(bytes(r.read_key(s.file, s.key)) for s in t.slices)
+            for n, t in r.block.tensors.items()
+        }
 
 
 def _upload(s3: Any, local: Path, name: str) -> str:
