@@ -117,7 +117,9 @@ def adapter_tensors(
 def adapter_config_json(module: Any, adapter_name: str, what: str) -> bytes:
     """``adapter_config.json`` as ``PeftModel.save_pretrained`` writes it (inference mode on, the
     base model's name filled in, ``auto_mapping`` for configs without a task type)."""
-    config = copy.deepcopy(_peft_config(module, adapter_name, what))
+    # A shallow copy: its fields are the config's own objects, dumped by to_dict as peft's own
+    # save dumps them (target_modules, a set, then lists in the same order as peft writes it).
+    config = copy.copy(_peft_config(module, adapter_name, what))
     get_base = getattr(module, "get_base_model", None)
     base = get_base() if callable(get_base) else None
     if config.base_model_name_or_path is None and base is not None:

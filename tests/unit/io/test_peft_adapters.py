@@ -430,3 +430,25 @@ def test_merge_adapters_holds_a_few_tensors_at_a_time(tmp_path: Path) -> None:
     peak_mb, after_mb = map(float, cp.stdout.split()[-2:])
     assert peak_mb < 28, peak_mb  # 64 MiB merged; one tensor is 4 MiB
     assert after_mb < 8, after_mb
+
+
+def test_adapter_config_lists_a_set_in_the_order_peft_writes_it(tmp_path: Path) -> None:
+    """``target_modules`` is a set that peft writes as a list in the order its ``to_dict`` copy
+    iterates. Two colliding names iterate in another order in a copy of a copy: the config must be
+    dumped from the config's own set, as peft's save dumps it, whatever the hash seed."""
+    import copy
+    import itertools
+
+    def order_shifts(names: set[str]) -> bool:
+        return list(copy.deepcopy(names)) != list(copy.deepcopy(copy.deepcopy(names)))
+
+    shifting = next(
+        {a, b} for a, b in itertools.combinations([f"proj_{i}" for i in range(64)], 2) if order_shifts({a, b})
+    )
+    model = _lora_llama()
+    model.peft_config["default"].target_modules = shifting
+    GeneralCheckpointIO().save_adapter(model, tmp_path / "ours")
+    model.save_pretrained(tmp_path / "peer")
+    ours, peer = (json.loads((tmp_path / d / "adapter_config.json").read_text()) for d in ("ours", "peer"))
+    assert sorted(ours["target_modules"]) == sorted(shifting)
+    assert ours["target_modules"] == peer["target_modules"]
