@@ -90,8 +90,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import posixpath
-import stat
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -142,6 +140,7 @@ from unickpt.store.storage import (
     join_location,
     open_storage,
     parent_location,
+    shown_location,
 )
 
 __all__ = [
@@ -180,7 +179,6 @@ __all__ = [
     "slice_failures",
     "hint_foreign",
     "hint_other_files",
-    "regular_size",
 ]
 
 
@@ -778,15 +776,6 @@ def slice_failures(
 
 
 # ---------------------------------------------------------------- what a location holds instead of a checkpoint
-def regular_size(path: str) -> int | None:
-    """The size of the regular file at ``path`` (links followed); None when there is none."""
-    try:
-        st = os.stat(path)
-    except (OSError, ValueError):
-        return None
-    return st.st_size if stat.S_ISREG(st.st_mode) else None
-
-
 def hint_other_files(names: Iterable[str]) -> str:
     """For a directory without a committed checkpoint, of these ``names``: name the .safetensors
     files it does hold.
@@ -857,14 +846,13 @@ class FileChecks:
         self._refuse(entries_problem(name, self._file_slices.get(name, 0), h.file_size, h.path))
 
     def file_size(self, name: str) -> int | None:
-        """Data file ``name``'s size; None where it is not known without opening the file (a store
-        without OS paths, before its header is read) or when it is not a regular file (reading its
+        """Data file ``name``'s size; None where it is not known without opening the file (on an
+        object store, before its header is read) or when it is not a regular file (reading its
         header says what it is)."""
         h = self._headers.get(name)
         if h is not None:
             return h.file_size
-        path = self.storage.local_path(self.file_path(name))
-        return None if path is None else regular_size(path)
+        return self.storage.known_size(self.file_path(name))
 
     def check_single_file(self, name: str, h: SafetensorsHeader) -> None:
         """A single file's block stores no more slices and bytes in it than it can hold."""
@@ -1308,8 +1296,7 @@ def locate(
     dangling link) is refused naming it. ``fetch``: the index bytes come along (one request).
     """
     storage, _ = open_storage(location, storage_options)
-    p = os.fspath(location).removeprefix("file://")
-    p = p.rstrip("/") or p
+    p = shown_location(location)  # a local path absolute: the reader keeps it across a chdir
     found = None if p.endswith((".json", ".safetensors")) else _in_directory(storage, p, kind)
     if found is None:
         found = _at(storage, p, kind)
@@ -1339,7 +1326,7 @@ def _at(storage: Storage, p: str, kind: str) -> Located:
     found = storage.what(p)
     if found == "file":
         form = "index" if p.endswith(".index.json") else "single"
-        return Located(join_location(parent_location(p), posixpath.basename(p)), parent_location(p), form)
+        return Located(p, parent_location(p), form)
     if found == "directory":
         inside = _in_directory(storage, p, kind) if p.endswith((".json", ".safetensors")) else None
         if inside is not None:

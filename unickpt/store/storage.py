@@ -497,6 +497,11 @@ class Storage:
     def size(self, path: str) -> int:
         raise NotImplementedError
 
+    def known_size(self, path: str) -> int | None:
+        """The size of the regular file at ``path`` where the store knows it without a request
+        (a local ``stat``); None otherwise, and where no regular file stands there."""
+        return None
+
     def listdir(self, path: str) -> list[str]:
         """Names (not paths) directly below ``path``; [] when it does not exist."""
         raise NotImplementedError
@@ -836,6 +841,13 @@ class LocalStorage(Storage):
 
     def size(self, path: str) -> int:
         return os.stat(path).st_size
+
+    def known_size(self, path: str) -> int | None:
+        try:
+            st = os.stat(path)
+        except (OSError, ValueError):
+            return None
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
 
     def listdir(self, path: str) -> list[str]:
         try:

@@ -29,6 +29,7 @@ from unickpt.errors import (
 from unickpt.io.load import _Files, read_box
 from unickpt.spec.boxes import runs
 from unickpt.store.storage import LocalStorage
+from unickpt.tools._torch import full_tensors
 
 
 def _model(seed: int) -> nn.Module:
@@ -110,6 +111,26 @@ def test_file_url_is_a_local_path(stored) -> None:
         )
     with pytest.raises(ConfigError, match="storage_options are for fsspec URLs"):
         open_checkpoint(local, storage_options={"anon": True})
+
+
+@pytest.mark.parametrize(
+    "spelling", ["sharded", "sharded/", "sharded/model.safetensors.index.json", "single"]
+)
+def test_a_relative_path_is_read_from_where_it_was_opened(tmp_path, monkeypatch, spelling) -> None:
+    """Data files are opened when first read: a reader opened at a relative path keeps reading the
+    same files after the process changes directory."""
+    model, _ = _save(tmp_path, "sharded")
+    GeneralCheckpointIO().save_model(model, str(tmp_path / "single"), shard=False)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with open_checkpoint(spelling) as r:
+        assert os.path.isabs(r.directory)
+        monkeypatch.chdir(tmp_path / "elsewhere")
+        got = full_tensors(r)
+    want = model.state_dict()
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
 
 
 def test_load_model_from_s3_is_bit_exact_and_reads_each_byte_once(s3, stored) -> None:
