@@ -31,6 +31,9 @@ def _run(rank: int, world: int, port: int, ckpt: str, out: str, stage: int, sche
     from safetensors.torch import save_file
     from torch import nn
 
+    # DeepSpeed's CPU backend compiles its shared-memory all-reduce kernel (a C++ build, about a
+    # minute) the first time a process group starts; a checkpoint load never runs it.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(123)  # other weights than any checkpoint's
     model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 3))
