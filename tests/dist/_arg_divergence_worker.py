@@ -172,9 +172,16 @@ def arg_divergence_cases(root: str) -> dict[str, Any]:
 
     cases.append(("manager.save.step", "step", lambda d: mgr_save(d, step=(4, 6)), "run"))
     cases.append(("manager.save.force", "force", lambda d: mgr_save(d, force=(False, True)), "run"))
-    cases.append(("manager.save.optimizer", "optimizer", lambda d: mgr_save(d, optimizer=(optim, None)), "run"))
     cases.append(
-        ("manager.save.lr_scheduler", "lr_scheduler", lambda d: mgr_save(d, lr_scheduler=(None, sched)), "run")
+        ("manager.save.optimizer", "optimizer", lambda d: mgr_save(d, optimizer=(optim, None)), "run")
+    )
+    cases.append(
+        (
+            "manager.save.lr_scheduler",
+            "lr_scheduler",
+            lambda d: mgr_save(d, lr_scheduler=(None, sched)),
+            "run",
+        )
     )
     cases.append(
         (
@@ -192,9 +199,7 @@ def arg_divergence_cases(root: str) -> dict[str, Any]:
             "",
         )
     )
-    cases.append(
-        ("manager.load.optimizer", "optimizer", lambda d: mgr.load(model, _last(optim, None)), "")
-    )
+    cases.append(("manager.load.optimizer", "optimizer", lambda d: mgr.load(model, _last(optim, None)), ""))
 
     cases.append(
         (
@@ -224,7 +229,9 @@ def arg_divergence_cases(root: str) -> dict[str, Any]:
             obs["argument"] = arg
             dist.barrier()
             if kind == "run":
-                obs["committed"] = (d / "run").is_dir() and any(p.name.startswith("step-") for p in (d / "run").iterdir())
+                obs["committed"] = (d / "run").is_dir() and any(
+                    p.name.startswith("step-") for p in (d / "run").iterdir()
+                )
             elif kind:
                 obs["committed"] = any(committed(p, kind) for p in [d, d / "a", d / "b"])
             # Still in step: every rank reaches the same collective next.

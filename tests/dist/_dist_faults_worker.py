@@ -39,10 +39,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import unickpt.io.load as load_mod
 import unickpt.ckpt.writer as writer_mod
-from unickpt.errors import IntegrityError, StateMismatchError
+import unickpt.io.load as load_mod
 from unickpt.ckpt.safetensors_io import SafetensorsWriter
+from unickpt.errors import IntegrityError, StateMismatchError
 from unickpt.plugins.ddp import DDPCheckpointIO
 from unickpt.plugins.fsdp2 import FSDP2CheckpointIO
 from unickpt.plugins.tp import TPCheckpointIO

@@ -25,8 +25,8 @@ from torch import nn
 
 from unickpt import Booster, CheckpointManager, verify_checkpoint
 from unickpt._faults import InjectedFault, injected, tracing
-from unickpt.errors import IncompleteCheckpointError
 from unickpt.ckpt.reader import open_checkpoint
+from unickpt.errors import IncompleteCheckpointError
 
 TINY_MB = 1e-4  # about 100 bytes per shard file: several files per save
 
@@ -59,9 +59,8 @@ class Env:
     """One plugin's boosted objects, its good checkpoints and the operations under test."""
 
     def __init__(self, kind: str, root: Path) -> None:
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
         from _pp_zero_hybrid_worker import SPLIT, batch, loss_fn, make_model
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
         from unickpt.plugins import DDPPlugin, FSDP2Plugin, TPPlugin
         from unickpt.plugins.pp import PPPlugin

@@ -74,10 +74,10 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def reference_files(d: str, full: dict[str, torch.Tensor], kind: str, size_mb: float, out: str) -> list[str]:
     """The files the rank-0 gathered save wrote for the checkpoint in ``d`` (same save id, same order)."""
-    from unickpt.spec.index import load_index
     from unickpt.ckpt.writer import data_file_metadata, write_files
     from unickpt.io.planner import plan_save
     from unickpt.io.tensors import as_bytes
+    from unickpt.spec.index import load_index
 
     idx = load_index(os.path.join(d, f"{kind}.safetensors.index.json"))
     block = idx.unickpt
@@ -186,10 +186,10 @@ def _check_files(layout: str, d: str, exp: dict[str, torch.Tensor], info: dict[s
 
 def flipped_byte_case(root: str) -> str:
     """One flipped byte inside the range rank 2 wrote: verify names it; load_model(verify=True) refuses."""
-    from unickpt.errors import IntegrityError
-    from unickpt.spec.index import load_index
     from unickpt.ckpt.reader import RangeFailure
     from unickpt.ckpt.safetensors_io import read_header
+    from unickpt.errors import IntegrityError
+    from unickpt.spec.index import load_index
     from unickpt.tools.verify import verify_checkpoint
 
     src = os.path.join(root, "fsdp2x4", "model")

@@ -27,8 +27,8 @@ from _pp_zero_hybrid_worker import SPLIT, batch, loss_fn, make_model, tp_plan
 from torch import nn
 
 from unickpt import Booster, CheckpointManager, OptimizerWrapper
-from unickpt.errors import IncompleteCheckpointError
 from unickpt.ckpt.reader import open_checkpoint
+from unickpt.errors import IncompleteCheckpointError
 from unickpt.io.replicas import ReplicaMismatchWarning
 from unickpt.plugins.ddp import DDPCheckpointIO
 

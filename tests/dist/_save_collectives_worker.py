@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 
 from unickpt._faults import injected
-from unickpt.store.lock import LOCK_NAME
-from unickpt.spec.index import LayoutInfo
 from unickpt.ckpt.reader import open_checkpoint
 from unickpt.io.load import load_tensors
 from unickpt.io.save import SaveOptions, save_tensors
 from unickpt.io.tensors import local_slices
+from unickpt.spec.index import LayoutInfo
+from unickpt.store.lock import LOCK_NAME
 
 _COUNTED = ("all_gather_object", "broadcast_object_list", "barrier", "all_gather", "broadcast", "all_reduce")
 

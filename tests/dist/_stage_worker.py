@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 from typing import Any
@@ -99,10 +98,9 @@ def stage_cases(root: str, layouts: list[str]) -> dict[str, object]:
 
 def _empty_rows(root: str) -> None:
     """Ranks 2 and 3 hold no column of a [2, 1] tensor and no row of it after the row move."""
+    from safetensors.torch import load_file
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
-
-    from safetensors.torch import load_file
 
     from unickpt.io import CheckpointIO
 

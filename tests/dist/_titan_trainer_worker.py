@@ -4,7 +4,6 @@ run it on CPU is said where it is done (``cpu_device``, ``config``) and in the t
 
 from __future__ import annotations
 
-import os
 import sys
 import types
 from dataclasses import dataclass
@@ -51,8 +50,8 @@ class _CpuModule(types.ModuleType):
 def cpu_device() -> None:
     """torchtitan picks its device once, at import (``tools.utils.device_type``: "cuda" when no
     accelerator is present); point it, and the modules that imported it by name, at the CPU."""
-    import torchtitan.trainer  # noqa: F401  (imports every module that reads the device)
     import torchtitan.tools.utils as tu
+    import torchtitan.trainer  # noqa: F401  (imports every module that reads the device)
 
     cpu = _CpuModule()
     for name, mod in list(sys.modules.items()):

@@ -88,7 +88,11 @@ def test_every_rank_names_the_differing_argument(obs: list[dict[str, Any]], name
 
 def test_message_shows_each_rank_value(obs: list[dict[str, Any]]) -> None:
     msg = obs[0]["save_model.shard"]["message"]
-    assert "save_model: every rank must pass the same arguments, but shard differs (rank 0: shard=True, rank 1: shard=False)" in msg
-    assert "size_per_shard differs (rank 0: size_per_shard=1024, rank 1: size_per_shard=-1)" in (
-        obs[1]["save_model.size_per_shard_bad"]["message"]
+    assert (
+        "save_model: every rank must pass the same arguments, but shard differs (rank 0: shard=True, rank 1: shard=False)"
+        in msg
+    )
+    assert (
+        "size_per_shard differs (rank 0: size_per_shard=1024, rank 1: size_per_shard=-1)"
+        in (obs[1]["save_model.size_per_shard_bad"]["message"])
     )

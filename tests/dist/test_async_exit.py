@@ -54,7 +54,13 @@ def _run(mode: str, root: Path, world: int, faults: str = "") -> list[tuple[int,
             )
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(HERE / "_async_exit_worker.py"), mode, str(root), str(root) + ".expected"],
+                [
+                    sys.executable,
+                    str(HERE / "_async_exit_worker.py"),
+                    mode,
+                    str(root),
+                    str(root) + ".expected",
+                ],
                 env=env,
                 cwd=str(REPO),
                 stdout=subprocess.DEVNULL,
@@ -141,7 +147,9 @@ def test_io_async_save_model_at_exit_is_committed(tmp_path: Path, world: int) ->
         (2, "save.write@1", "io"),
     ],
 )
-def test_async_save_that_fails_at_exit_exits_nonzero(tmp_path: Path, world: int, faults: str, mode: str) -> None:
+def test_async_save_that_fails_at_exit_exits_nonzero(
+    tmp_path: Path, world: int, faults: str, mode: str
+) -> None:
     root = tmp_path / "ckpt"
     results = _run(mode, root, world, faults)
     for rank, (rc, err) in enumerate(results):

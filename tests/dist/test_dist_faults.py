@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 from harness import free_port, run_world
 
-from unickpt.errors import IncompleteCheckpointError
 from unickpt.ckpt.reader import open_checkpoint
+from unickpt.errors import IncompleteCheckpointError
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent

@@ -19,9 +19,9 @@ from harness import WorldPool
 
 pytest.importorskip("lightning", reason="lightning is not installed (make peers)")
 
-from unickpt import verify_checkpoint  # noqa: E402
-from unickpt.integrations.lightning import STATE_FILE  # noqa: E402
-from unickpt.tools import inspect_checkpoint  # noqa: E402
+from unickpt import verify_checkpoint
+from unickpt.integrations.lightning import STATE_FILE
+from unickpt.tools import inspect_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -75,7 +75,9 @@ def test_sliced_strategy_saves_to_and_resumes_from_a_store(s3: object, world_poo
     checkpoint failing on rank 0 alone raises on both ranks and leaves nothing of it."""
     url = f"s3://{s3.bucket}/ck"  # type: ignore[attr-defined]
     env = s3.env()  # type: ignore[attr-defined]
-    results = world_pool.run(2, "_lightning_sharded_worker:train_and_resume_on_a_store", url, env, "fsdp2", timeout=240)
+    results = world_pool.run(
+        2, "_lightning_sharded_worker:train_and_resume_on_a_store", url, env, "fsdp2", timeout=240
+    )
     for r in (0, 1):
         res = results[r]
         assert len(res["full"]) == 16 and res["resumed"] == res["full"], res

@@ -141,7 +141,8 @@ def refused_case(endpoint: str, bucket: str) -> dict[str, Any]:
     before = {k: v.to_local().clone() for k, v in m.state_dict().items()}
     url = f"s3://{bucket}"
     with pytest.raises(
-        IncompleteCheckpointError, match=rf"\[rank 0\] .*no checkpoint at {url}/nothing: the path does not exist"
+        IncompleteCheckpointError,
+        match=rf"\[rank 0\] .*no checkpoint at {url}/nothing: the path does not exist",
     ):
         booster.load_model(m, f"{url}/nothing")
     if dist.get_rank() == 0:

@@ -30,10 +30,10 @@ pytest.importorskip(
     "torchtitan.trainer", reason="torchtitan and its runtime modules (make peers) not installed"
 )
 
-from _titan_worker import GLOBAL_BATCH, SEQ  # noqa: E402
+from _titan_worker import GLOBAL_BATCH, SEQ
 
-from unickpt import verify_checkpoint  # noqa: E402
-from unickpt.tools import inspect_checkpoint  # noqa: E402
+from unickpt import verify_checkpoint
+from unickpt.tools import inspect_checkpoint
 
 pytestmark = pytest.mark.timeout(600)
 

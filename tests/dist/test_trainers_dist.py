@@ -14,11 +14,11 @@ import torch
 pytest.importorskip("transformers", reason="transformers is not installed (make peers)")
 pytest.importorskip("accelerate", reason="accelerate is not installed (make peers)")
 
-from _trainer_worker import args, same_rows, tiny_gpt2  # noqa: E402
-from harness import WorldPool  # noqa: E402
+from _trainer_worker import args, same_rows, tiny_gpt2
+from harness import WorldPool
 
-from unickpt import verify_checkpoint  # noqa: E402
-from unickpt.integrations.hf_trainer import OPTIMIZER_DIR, UnickptTrainer  # noqa: E402
+from unickpt import verify_checkpoint
+from unickpt.integrations.hf_trainer import OPTIMIZER_DIR, UnickptTrainer
 
 pytestmark = pytest.mark.timeout(400)
 
