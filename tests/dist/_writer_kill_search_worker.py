@@ -4,8 +4,9 @@ file-system step of an async manager save, in a world of 2 (DDP).
 Each rank's writer loads ``tests/writerkill/sitecustomize.py`` (first on ``sys.path``, so on the
 writer's ``PYTHONPATH``) with a control file and an operation log of its own. A first async save
 counts every rank's steps; the ranks exchange the counts, so that each computes the same plan:
-for each rank, the steps to kill its writer at (the first step of each kind that stages or
-publishes, and the last step; every step with ``full``). For each case:
+for each rank, the steps to kill its writer at (the last step on every rank, and the first step
+of each kind that stages or publishes on one rank, the ranks taking the kinds in turn; every step
+of every rank with ``full``). For each case:
 
 - the victim's ``wait()`` raises ``WriterDiedError`` naming SIGKILL, and says whether the step
   was committed; every rank's ``wait()`` returns or raises within 60 s (no rank hangs on the
@@ -59,16 +60,24 @@ class _Killer:
         return hits[0][3]
 
 
-def _plan(ops: list[tuple[str, str]], full: bool) -> list[int]:
-    """Every step (``full``), else the first step of each publishing kind (the staged files'
-    creation, data writes, fsyncs, renames) and the last step of the save (after its commit)."""
+def _plan(every: list[list[tuple[str, str]]], full: bool) -> list[list[int]]:
+    """For each rank, the steps to kill its writer at: every step (``full``), else the last step
+    of the save (after its commit) on every rank, and the first step of each publishing kind (the
+    staged files' creation, data writes, fsyncs, renames) on one rank, the ranks taking the kinds
+    in turn among those whose writer reaches them."""
     if full:
-        return list(range(1, len(ops) + 1))
-    first: dict[str, int] = {}
-    for i, (kind, _) in enumerate(ops, 1):
-        if kind in DEFAULT_KINDS:
-            first.setdefault(kind, i)
-    return sorted(set(first.values()) | {len(ops)})
+        return [list(range(1, len(ops) + 1)) for ops in every]
+    first: list[dict[str, int]] = [{} for _ in every]
+    for rank, ops in enumerate(every):
+        for i, (kind, _) in enumerate(ops, 1):
+            if kind in DEFAULT_KINDS:
+                first[rank].setdefault(kind, i)
+    plan = [{len(ops)} for ops in every]
+    for turn, kind in enumerate(sorted({k for f in first for k in f})):
+        ranks = [r for r in range(len(every)) if kind in first[r]]
+        rank = ranks[turn % len(ranks)]
+        plan[rank].add(first[rank][kind])
+    return [sorted(p) for p in plan]
 
 
 def _search(root: str, full: bool) -> dict[str, Any]:
@@ -108,8 +117,8 @@ def _search(root: str, full: bool) -> dict[str, Any]:
         step, states = 2, {2: state_of(net)}
         report: dict[str, Any] = {"ops": [len(o) for o in every], "cases": 0, "committed": 0, "not": 0}
         killed: set[str] = set()
-        for victim, ops in enumerate(every):
-            for k in _plan(ops, full):
+        for victim, kills in enumerate(_plan(every, full)):
+            for k in kills:
                 previous = step
                 step += 1
                 states[step] = bump()

@@ -23,7 +23,9 @@ def test_world2_writer_killed_mid_save(tmp_path: Any, world_pool: WorldPool) -> 
 
 
 def _search(tmp_path: Any, world_pool: WorldPool, full: bool, timeout: float) -> dict[str, Any]:
-    results = world_pool.run(2, "_writer_kill_search_worker:search_cases", str(tmp_path), full, timeout=timeout)
+    results = world_pool.run(
+        2, "_writer_kill_search_worker:search_cases", str(tmp_path), full, timeout=timeout
+    )
     case = results[0]["writer_kill_search"]
     assert case.ok, case.error[:6000]
     report = case.value
@@ -36,8 +38,9 @@ def _search(tmp_path: Any, world_pool: WorldPool, full: bool, timeout: float) ->
 
 @pytest.mark.timeout(600)
 def test_world2_writer_killed_at_its_steps_on_either_rank(tmp_path: Any, world_pool: WorldPool) -> None:
-    """One rank's writer SIGKILLed at the first step of each kind that stages or publishes and at
-    its last step, for each rank (``_writer_kill_search_worker``); ``-m slow`` at every step."""
+    """One rank's writer SIGKILLed at its last step, for each rank, and at the first step of each
+    kind that stages or publishes, the ranks taking the kinds in turn (``_writer_kill_search_worker``);
+    ``-m slow`` at every step of either rank."""
     _search(tmp_path, world_pool, full=False, timeout=560)
 
 
