@@ -34,8 +34,16 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return [k for k in a if not (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k])]
 
 
-def test_fsdp2_checkpoints_are_sliced_and_resume_exactly(tmp_path: Path) -> None:
-    full = run_world(2, "_hf_fsdp2_worker:train", str(tmp_path), "full", None, timeout=280)
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    """The uninterrupted run at world size 2 (its checkpoints in ``full/``), which both resumes
+    are compared with."""
+    root = tmp_path_factory.mktemp("hf_fsdp2")
+    return root, run_world(2, "_hf_fsdp2_worker:train", str(root), "full", None, timeout=280)
+
+
+def test_fsdp2_checkpoints_are_sliced_and_resume_exactly(trained: tuple[Path, list[dict[str, Any]]]) -> None:
+    tmp_path, full = trained
     for r in (0, 1):
         assert full[r]["fsdp2"] and full[r]["dtensor"] and full[r]["step"] == STEPS
     ck = tmp_path / "full" / f"checkpoint-{SAVE}"
@@ -71,8 +79,8 @@ def test_fsdp2_checkpoints_are_sliced_and_resume_exactly(tmp_path: Path) -> None
     assert [k for k in common if not torch.equal(loaded[k], weights[k])] == []
 
 
-def test_fsdp2_checkpoint_resumes_on_one_process(tmp_path: Path) -> None:
-    full = run_world(2, "_hf_fsdp2_worker:train", str(tmp_path), "full", None, timeout=280)
+def test_fsdp2_checkpoint_resumes_on_one_process(trained: tuple[Path, list[dict[str, Any]]]) -> None:
+    tmp_path, full = trained
     one = run_world(
         1, "_hf_fsdp2_worker:train", str(tmp_path), "one", f"full/checkpoint-{SAVE}", timeout=280
     )[0]
