@@ -55,6 +55,9 @@ def _run(
     from safetensors.torch import save_file
     from torch import nn
 
+    # DeepSpeed's CPU backend compiles its shared-memory all-reduce kernel (a C++ build, about a
+    # minute) the first time a process group starts; saving a checkpoint never runs it.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 3))
