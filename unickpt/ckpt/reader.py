@@ -117,7 +117,6 @@ from unickpt.spec.index import (
     MAX_INDEX_BYTES,
     ByteRange,
     IndexFile,
-    SliceEntry,
     TensorEntry,
     UnickptBlock,
     check_file_name,
@@ -175,7 +174,6 @@ __all__ = [
     "STREAM_CHUNK",
     "RangeChecker",
     "RangeFailure",
-    "has_hashes",
     "slice_failures",
     "hint_foreign",
     "hint_other_files",
@@ -708,11 +706,6 @@ class RangeFailure(IntegrityFailure):
         )
 
 
-def has_hashes(s: SliceEntry) -> bool:
-    """Whether a slice records any hash of its bytes (``xxh3`` or ``ranges``)."""
-    return s.xxh3 is not None or s.ranges is not None
-
-
 class RangeChecker:
     """Feed a slice's bytes in order (``update``); ``failures()`` names each range that differs."""
 
@@ -760,7 +753,7 @@ def slice_failures(
     chunks: Iterable[bytes | memoryview],
 ) -> list[IntegrityFailure]:
     """Rehash a slice's bytes (``chunks``, the whole slice in order) against its ``xxh3`` and each of
-    its ``ranges`` (the slice's fields, as a table or a ``SliceEntry`` gives them); the failures
+    its ``ranges`` (the slice's fields, as its table gives them); the failures
     (empty when every recorded hash matches)."""
     h = xxhash.xxh3_64() if xxh3 is not None else None
     c = RangeChecker(tensor, file, key, ranges) if ranges is not None else None
@@ -1083,10 +1076,6 @@ class CheckpointReader(FileChecks):
             raise err
 
     # ----------------------------------------------------------------- reading bytes
-    def slice_location(self, s: SliceEntry) -> tuple[str, int, int]:
-        """(absolute path, absolute offset, byte length) of one stored slice."""
-        return self.key_location(s.file, s.key)
-
     def key_location(self, file: str, key: str) -> tuple[str, int, int]:
         """(absolute path, absolute offset, byte length) of the stored slice ``key`` of ``file``."""
         h = self.header(file)
@@ -1099,12 +1088,6 @@ class CheckpointReader(FileChecks):
         """The bytes of the stored slice ``key`` of ``file`` (into ``out`` when given)."""
         _, off, n = self.key_location(file, key)
         return self._read(file, off, n, out)
-
-    def read_bytes(
-        self, s: SliceEntry, rel_offset: int, length: int, out: memoryview | None = None
-    ) -> memoryview:
-        """``length`` bytes starting ``rel_offset`` bytes into a stored slice."""
-        return self.read_key_bytes(s.file, s.key, rel_offset, length, out)
 
     def read_key_bytes(
         self, file: str, key: str, rel_offset: int, length: int, out: memoryview | None = None

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import xxhash
@@ -41,7 +42,7 @@ from unickpt.spec.hashing import (
     finalize_fingerprint,
     fingerprint_partial,
 )
-from unickpt.spec.index import SliceEntry, TensorEntry
+from unickpt.spec.index import TensorEntry
 from unickpt.store.publish import StoreFile
 from unickpt.store.storage import RangeFile, Storage
 from unickpt.tools._bands import bands, is_sparse, next_data, pieces
@@ -52,6 +53,8 @@ __all__ = [
     "row_order",
     "merge_rows",
     "groups",
+    "Stored",
+    "stored",
     "Run",
     "RunsOf",
     "flat_runs",
@@ -187,18 +190,33 @@ def _check(
         raise IntegrityError([failure], checkpoint=src)
 
 
+class Stored(NamedTuple):
+    """One stored slice as merge reads it, from its tensor's slice table."""
+
+    file: str
+    key: str
+    xxh3: str | None
+    offsets: list[int]
+    shape: list[int]
+
+
+def stored(t: TensorEntry) -> list[Stored]:
+    """The slices of ``t`` in table order, read from the table's columns."""
+    return list(map(Stored._make, t.table.rows()))
+
+
 @dataclass(frozen=True)
 class Run:
     """One contiguous run of the flattened tensor stored as one slice."""
 
-    slice: SliceEntry
+    slice: Stored
     flat_start: int  # in elements
 
 
 def flat_runs(t: TensorEntry) -> list[Run] | None:
     """The slices as contiguous runs in flat order, or None when some slice is not contiguous."""
     runs = []
-    for s in t.slices:
+    for s in stored(t):
         if math.prod(s.shape) == 0:
             continue
         start = contiguous_start(t.shape, s.offsets, s.shape)
@@ -258,11 +276,11 @@ def validate_runs(r: CheckpointReader) -> RunsOf:
             runs_of.rows[name] = rows
             continue
         nd = len(t.shape)
-        same_dims = all(len(s.offsets) == nd and len(s.shape) == nd for s in t.slices)
+        same_dims = all(len(s.offsets) == nd and len(s.shape) == nd for s in stored(t))
         runs = flat_runs(t) if same_dims else None
         runs_of[name] = runs
         if not _tiles(t, runs):
-            problem = coverage_problem(t.shape, [(tuple(s.offsets), tuple(s.shape)) for s in t.slices])
+            problem = coverage_problem(t.shape, t.table.boxes())
             if problem:
                 raise IndexFileError(f"{r.index_path or r.directory}: tensor {name!r}: {problem}")
     matched = locate_all(r)  # every slice at once (spans kept for the copy); raises naming the first bad one
@@ -339,7 +357,7 @@ class TensorMerger:
         return t.dtype
 
     # -------------------------------------------------------------- checking
-    def _check(self, name: str, s: SliceEntry, found: str) -> None:
+    def _check(self, name: str, s: Stored, found: str) -> None:
         if self.verify and s.xxh3 is not None and found != s.xxh3:
             raise IntegrityError([IntegrityFailure(name, s.file, s.key, s.xxh3, found)], checkpoint=self.src)
 
@@ -414,13 +432,13 @@ class TensorMerger:
 
     def _check_empty(self, name: str, t: TensorEntry) -> None:
         # Empty slices hold no bytes but still carry a hash: check it.
-        for s in t.slices:
+        for s in stored(t):
             if math.prod(s.shape) == 0:
                 self._check(name, s, _EMPTY_HASH)
 
-    def _copy_one(self, s: SliceEntry, out: RangeOutput, pos: int) -> str | None:
+    def _copy_one(self, s: Stored, out: RangeOutput, pos: int) -> str | None:
         """The output bytes are exactly the stored slice: copy in the kernel, its hash is the output's."""
-        _, off, n = self.r.slice_location(s)
+        _, off, n = self.r.key_location(s.file, s.key)
         self._copy_file_range(out.store, self._fd(s.file), off, out.f, pos, n)
         out.wrote(pos + n)
         self.progress(n)
@@ -447,7 +465,7 @@ class TensorMerger:
                     # Inside a hole of a sparse source: zeros, neither read nor written.
                     chunk = self._zeros[:k]
                 else:
-                    chunk = self.r.read_bytes(s, done, k, self._buf[:k])
+                    chunk = self.r.read_key_bytes(s.file, s.key, done, k, self._buf[:k])
                     out.write(chunk, dst + done)
                 if h is not None and h is not out_hash:
                     h.update(chunk)
@@ -460,13 +478,13 @@ class TensorMerger:
                 self._check(name, s, h.hexdigest())
         return out_hash.hexdigest()
 
-    def _hole_end(self, s: SliceEntry, rel: int, n: int, unit: int = CHUNK) -> int:
+    def _hole_end(self, s: Stored, rel: int, n: int, unit: int = CHUNK) -> int:
         """Where the hole at ``rel`` bytes into slice ``s`` ends (``rel`` itself when ``rel`` holds
         data), as bytes into the slice, rounded down to whole ``unit``s; ``n`` when the hole runs
         to byte ``n``. Only sparse files are asked."""
         if not self._sparse(s.file):
             return rel
-        _, off, _n = self.r.slice_location(s)
+        _, off, _n = self.r.key_location(s.file, s.key)
         data = next_data(self._fd(s.file), off + rel, off + n) - off
         return rel + (data - rel) // unit * unit if data < n else n
 
@@ -506,7 +524,7 @@ class TensorMerger:
         wdt = word_dtype(t.dtype)
         nd = len(t.shape)
         self._check_empty(name, t)
-        live = [s for s in t.slices if math.prod(s.shape)]
+        live = [s for s in stored(t) if math.prod(s.shape)]
         hashers = {i: SliceHasher() for i, s in enumerate(live) if self.verify and s.xxh3 is not None}
         done = [0] * len(live)
         sparse = any(self._sparse(s.file) for s in live)
@@ -530,7 +548,7 @@ class TensorMerger:
                     tmp = np.zeros(pc.count * isz, dtype=np.uint8)  # a hole of a sparse source: not read
                 else:
                     tmp = np.empty(pc.count * isz, dtype=np.uint8)
-                    self.r.read_bytes(s, pc.first * isz, pc.count * isz, tmp.data)
+                    self.r.read_key_bytes(s.file, s.key, pc.first * isz, pc.count * isz, tmp.data)
                 h = hashers.get(i)
                 if h is not None:
                     h.update(tmp.data)

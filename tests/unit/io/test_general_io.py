@@ -310,7 +310,7 @@ def test_verify_pinpoints_a_flipped_byte(tmp_path: Path) -> None:
     out = io.save_model(fresh(0), tmp_path / "ck", shard=True, size_per_shard=0.001)
     r = open_checkpoint(out)
     s = r.tensors["proj.weight"].slices[0]
-    path, off, _ = r.slice_location(s)
+    path, off, _ = r.key_location(s.file, s.key)
     r.close()
     with open(path, "r+b") as f:
         f.seek(off + 17)

@@ -432,7 +432,7 @@ def test_the_device_loader_reads_a_real_checkpoint_bit_exact(tmp_path: Path, io:
 
         def read(offsets: tuple[int, ...], shape: tuple[int, ...], out: torch.Tensor) -> None:
             mv = memoryview(out.reshape(-1).view(torch.uint8).numpy())
-            reader.read_bytes(s, offsets[0] * row, shape[0] * row, mv)
+            reader.read_key_bytes(s.file, s.key, offsets[0] * row, shape[0] * row, mv)
 
         target = torch.zeros(37, 11, dtype=torch.float32)
         with DeviceLoader(chunk_bytes=5 * row) as loader:

@@ -120,9 +120,9 @@ def test_reader_reads_are_the_same_calls_on_a_local_path_and_a_store(
             slices = [s for t in r.tensors.values() for s in t.slices]
             data = [bytes(r.read_key(s.file, s.key)) for s in slices]
             batch = ReadBatch()
-            outs = [bytearray(r.slice_location(s)[2]) for s in slices]
+            outs = [bytearray(r.key_location(s.file, s.key)[2]) for s in slices]
             for s, out in zip(slices, outs, strict=True):
-                batch.add(s.file, r.slice_location(s)[1], memoryview(out))
+                batch.add(s.file, r.key_location(s.file, s.key)[1], memoryview(out))
             batch.run(r.read_handle)
             assert [bytes(o) for o in outs] == data
             assert r.verify() == []

@@ -43,7 +43,7 @@ def test_verify_finds_flipped_byte_naming_tensor_and_file(tmp_path: Path) -> Non
     assert verify_checkpoint(p) == []
     r = open_checkpoint(p)
     s = r.tensors["1.weight"].slices[0]
-    path, off, _ = r.slice_location(s)
+    path, off, _ = r.key_location(s.file, s.key)
     r.close()
     with open(path, "r+b") as f:
         f.seek(off + 2)

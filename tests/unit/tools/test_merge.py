@@ -230,7 +230,7 @@ def test_corrupted_slice_fails_naming_tensor_and_leaves_no_output(tmp_path: Path
     write_checkpoint(str(src), tensors, sliced=True, files=2)
     r = open_checkpoint(src)
     s = r.tensors["zero.flat3d"].slices[2]
-    path, off, n = r.slice_location(s)
+    path, off, n = r.key_location(s.file, s.key)
     r.close()
     with open(path, "r+b") as f:
         f.seek(off + n // 2)
@@ -255,7 +255,7 @@ def test_column_corruption_detected(tmp_path: Path) -> None:
     write_checkpoint(str(src), tensors, sliced=True)
     r = open_checkpoint(src)
     s = r.tensors["col.weight"].slices[1]
-    path, off, _ = r.slice_location(s)
+    path, off, _ = r.key_location(s.file, s.key)
     r.close()
     with open(path, "r+b") as f:
         f.seek(off)

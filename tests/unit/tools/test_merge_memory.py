@@ -92,7 +92,7 @@ def test_banded_merge_checks_every_slice_hash(tmp_path: Path, monkeypatch: pytes
     write_checkpoint(str(src), tensors, sliced=True, files=2)
     r = open_checkpoint(src)
     s = r.tensors["grid.2d"].slices[3]
-    path, off, n = r.slice_location(s)
+    path, off, n = r.key_location(s.file, s.key)
     r.close()
     with open(path, "r+b") as f:  # the last byte of the last slice: only the last band sees it
         f.seek(off + n - 1)
@@ -185,7 +185,7 @@ def test_sparse_whole_tensor_merges_in_bounded_memory(tmp_path: Path, gib: int) 
     assert grew < 64, f"merge of a {gib} GiB sparse tensor grew RSS by {grew:.0f} MB"
     p = out / "model.safetensors"
     r = open_checkpoint(out)
-    _, off, length = r.slice_location(r.tensors["w"].slices[0])
+    _, off, length = r.key_location(r.tensors["w"].table.file(0), r.tensors["w"].table.key(0))
     assert length == n and os.path.getsize(p) == off + n
     with open(p, "rb") as f:
         for at, b in pokes.items():
@@ -247,7 +247,7 @@ def test_sparse_column_split_merges_band_by_band_in_bounded_memory(tmp_path: Pat
     grew = _merge_peak_mb(src, out)
     assert grew < 64, f"band merge of a 1 GiB column-split tensor grew RSS by {grew:.0f} MB"
     r = open_checkpoint(out)
-    _, off, _n = r.slice_location(r.tensors["w"].slices[0])
+    _, off, _n = r.key_location(r.tensors["w"].table.file(0), r.tensors["w"].table.key(0))
     p = out / "model.safetensors"
     with open(p, "rb") as f:
         row_bytes = 2 * half * 4

@@ -395,7 +395,7 @@ def test_whole_tensor_slice_one_hash_checks_and_records(tmp_path: Path) -> None:
     for name, t in merged.tensors.items():
         assert t.slices[0].xxh3 == src.tensors[name].slices[0].xxh3, name
     s = src.tensors["rows.uneven"].slices[0]
-    path, off, n = src.slice_location(s)
+    path, off, n = src.key_location(s.file, s.key)
     src.close()
     merged.close()
     with open(path, "r+b") as f:

@@ -231,7 +231,7 @@ def test_data_edited_with_its_slice_hash_is_caught_by_the_fingerprint(tmp_path: 
     d = _save(tmp_path, gather=False)
     r = open_checkpoint(d)
     s = r.tensors["grid"].slices[0]
-    path, off, n = r.slice_location(s)
+    path, off, n = r.key_location(s.file, s.key)
     r.close()
     raw = bytearray(Path(path).read_bytes())
     raw[off : off + 4], raw[off + 4 : off + 8] = (
