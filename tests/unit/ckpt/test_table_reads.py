@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 import unickpt.spec.slice_table as slice_table
@@ -37,6 +38,8 @@ from unickpt.spec.index import (
 from unickpt.spec.naming import SLICED_SENTINEL, shard_name, slice_key
 from unickpt.spec.slice_table import SliceColumns, SliceTable
 from unickpt.store.publish import referenced_files
+from unickpt.tools import merge_checkpoint
+from unickpt.tools._torch import full_tensors
 
 WORLD, TENSORS = 100, 10  # 1000 slices: one row of every tensor per rank's file
 
@@ -410,3 +413,25 @@ def test_a_load_of_column_slices_and_a_scalar_builds_no_slice_entry(tmp_path: Pa
     GeneralCheckpointIO().load_model(m, str(d), verify=True)
     assert built[0] == 0
     assert torch.equal(m.w, w) and torch.equal(m.s, s)
+
+
+@pytest.mark.parametrize("layout", ["sliced", "gathered"])
+@pytest.mark.parametrize(
+    "dtype,verify", [(None, True), (None, False), ("bf16", True)], ids=["stream", "copy", "cast"]
+)
+def test_merge_builds_no_slice_entry(
+    tmp_path: Path, built: list[int], layout: str, dtype: str | None, verify: bool
+) -> None:
+    """Merge's row groups, runs (streamed or copied in the kernel) and bands (a cast) read the
+    tables: the output is bit-exact and no ``SliceEntry`` is built."""
+    d = tmp_path / layout
+    _sliced(d) if layout == "sliced" else _gathered(d)
+    with open_checkpoint(d) as r:
+        want = full_tensors(r)
+    built[0] = 0
+    merge_checkpoint(d, tmp_path / "out", dtype=dtype, verify=verify)
+    assert built[0] == 0
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    assert sorted(got) == sorted(want)
+    for n, v in want.items():
+        assert torch.equal(got[n], v.to(torch.bfloat16) if dtype else v), n
