@@ -213,10 +213,11 @@ class Run:
     flat_start: int  # in elements
 
 
-def flat_runs(t: TensorEntry) -> list[Run] | None:
-    """The slices as contiguous runs in flat order, or None when some slice is not contiguous."""
+def flat_runs(t: TensorEntry, slices: list[Stored] | None = None) -> list[Run] | None:
+    """The slices (``slices``: ``stored(t)``, when already read) as contiguous runs in flat order,
+    or None when some slice is not contiguous."""
     runs = []
-    for s in stored(t):
+    for s in stored(t) if slices is None else slices:
         if math.prod(s.shape) == 0:
             continue
         start = contiguous_start(t.shape, s.offsets, s.shape)
@@ -276,8 +277,9 @@ def validate_runs(r: CheckpointReader) -> RunsOf:
             runs_of.rows[name] = rows
             continue
         nd = len(t.shape)
-        same_dims = all(len(s.offsets) == nd and len(s.shape) == nd for s in stored(t))
-        runs = flat_runs(t) if same_dims else None
+        slices = stored(t)
+        same_dims = all(len(s.offsets) == nd and len(s.shape) == nd for s in slices)
+        runs = flat_runs(t, slices) if same_dims else None
         runs_of[name] = runs
         if not _tiles(t, runs):
             problem = coverage_problem(t.shape, t.table.boxes())
@@ -423,16 +425,16 @@ class TensorMerger:
             if how == "assemble":
                 results[name] = self._assemble(name, t, self.target_dtype(t), out, pos)
                 continue
-            self._check_empty(name, t)
+            self._check_empty(name, stored(t))
             if how == "kernel" and isinstance(out, RangeOutput) and out.store.kernel_copy:  # else: stream
                 results[name] = (self._copy_one(runs[0].slice, out, pos), t.fingerprint)
             else:
                 results[name] = (self._stream_runs(name, t, runs, out, pos), t.fingerprint)
         return results
 
-    def _check_empty(self, name: str, t: TensorEntry) -> None:
+    def _check_empty(self, name: str, slices: list[Stored]) -> None:
         # Empty slices hold no bytes but still carry a hash: check it.
-        for s in stored(t):
+        for s in slices:
             if math.prod(s.shape) == 0:
                 self._check(name, s, _EMPTY_HASH)
 
@@ -523,8 +525,9 @@ class TensorMerger:
         isz = itemsize(t.dtype)
         wdt = word_dtype(t.dtype)
         nd = len(t.shape)
-        self._check_empty(name, t)
-        live = [s for s in stored(t) if math.prod(s.shape)]
+        slices = stored(t)
+        self._check_empty(name, slices)
+        live = [s for s in slices if math.prod(s.shape)]
         hashers = {i: SliceHasher() for i, s in enumerate(live) if self.verify and s.xxh3 is not None}
         done = [0] * len(live)
         sparse = any(self._sparse(s.file) for s in live)
