@@ -11,6 +11,12 @@ import pytest
 from _reliability import save_checkpoint
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``long`` run first: pytest-xdist hands out tests in this order, and a long test
+    taken last would run alone while the other workers have nothing left to do."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+
 @pytest.fixture
 def make_checkpoint(tmp_path: Path) -> Callable[..., Path]:
     """``make_checkpoint(name="ck", seed=0, **save_checkpoint's options) -> path``: a checkpoint

@@ -36,7 +36,7 @@ from unickpt.io.writer_process import WriterDiedError
 from unickpt.manager import CheckpointManager
 from unickpt.wrappers import OptimizerWrapper
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.long]
 
 HOOK_DIR = Path(__file__).resolve().parents[2] / "writerkill"
 PUBLISH = {

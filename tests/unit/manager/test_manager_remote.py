@@ -252,6 +252,7 @@ def remote_worker(url: str, cache: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.long
 def test_two_ranks_each_upload_their_own_files(tmp_path: Path) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "dist"))
     from harness import run_world

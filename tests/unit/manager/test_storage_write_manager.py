@@ -37,6 +37,7 @@ def _no_download(*a: Any, **k: Any) -> None:
     raise AssertionError("a resume from the store downloaded the step")
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("async_save", [False, True])
 def test_manager_on_s3_resumes_bit_exact_uploads_each_object_once(
     s3: Any, tmp_path: Path, async_save: bool, monkeypatch: pytest.MonkeyPatch
@@ -73,6 +74,7 @@ def test_manager_on_s3_resumes_bit_exact_uploads_each_object_once(
     assert {k.split("/")[0] for k in _sizes(s3, "run")} == {"latest", "step-10"}
 
 
+@pytest.mark.long
 def test_two_writers_racing_one_step_exactly_one_commits(s3: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Writer A has written step 3 and is about to commit when writer B saves step 3 whole: B's
     tidy-up removes A's uncommitted files, B commits, and A's exclusive COMMIT is refused."""

@@ -16,6 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.long
 @pytest.mark.timeout(420)
 def test_quick_run_writes_expected_rows(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"

@@ -289,6 +289,7 @@ def test_every_block_runs_or_says_why_not() -> None:
                 )
 
 
+@pytest.mark.long
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
 def test_doc_blocks_run(path: Path, tmp_path: Path) -> None:

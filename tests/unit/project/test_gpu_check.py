@@ -17,6 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_gpu_check_dry_run(tmp_path: Path) -> None:
     out = tmp_path / "report.json"

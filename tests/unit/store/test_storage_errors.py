@@ -222,6 +222,7 @@ def test_cli_bad_timeout_is_a_config_error(saved: str, capsys: pytest.CaptureFix
     assert "storage option unickpt_timeout: expected seconds" in capsys.readouterr().err
 
 
+@pytest.mark.long
 def test_save_stalled_mid_way_fails_in_time_and_keeps_the_previous_checkpoint(
     s3_server: Any, no_ambient_credentials: None
 ) -> None:
