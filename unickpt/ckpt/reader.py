@@ -155,6 +155,7 @@ __all__ = [
     "Located",
     "locate",
     "open_located",
+    "open_in",
     "single_file_name",
     "UNICKPT_METADATA_KEY",
     "describe",
@@ -1179,10 +1180,17 @@ def open_checkpoint(
     ``pin``, every data file is opened and matched to the index at once; when a save replaced
     the checkpoint meanwhile (``CheckpointChangedError``), the new one is opened instead, once.
     """
-    open_storage(path, storage_options)  # ConfigError: options for a local path
+    storage, _ = open_storage(path, storage_options)  # ConfigError: options for a local path
+    return open_in(storage, path, kind, pin=pin)
+
+
+def open_in(
+    storage: Storage, path: str | os.PathLike[str], kind: str, *, pin: bool = False
+) -> CheckpointReader:
+    """:func:`open_checkpoint` of ``path`` on ``storage``, the store of ``path`` opened already."""
 
     def reopen() -> CheckpointReader:
-        return open_located(locate(path, kind, storage_options), kind, storage_options)
+        return open_located(storage, locate(storage, path, kind), kind)
 
     r = reopen()
     if not pin:
@@ -1262,14 +1270,9 @@ def _what(found: str) -> str:
     return "a directory" if found == "directory" else found
 
 
-def locate(
-    location: str | os.PathLike[str],
-    kind: str,
-    storage_options: dict[str, Any] | None = None,
-    *,
-    fetch: bool = False,
-) -> Located:
-    """Find the checkpoint of ``kind`` at ``location`` (a path or a URL), the same way on every store.
+def locate(storage: Storage, location: str | os.PathLike[str], kind: str, *, fetch: bool = False) -> Located:
+    """Find the checkpoint of ``kind`` at ``location`` (a path or a URL on ``storage``), the same way
+    on every store.
 
     A directory holds ``<kind>.safetensors.index.json`` or ``<kind>.safetensors`` (or, for a
     model, a distributed DCP save's per-rank files); a file is an index (``.index.json``) or a
@@ -1278,7 +1281,6 @@ def locate(
     are absent. Anything else that stands where a file should be (a directory, a FIFO, a
     dangling link) is refused naming it. ``fetch``: the index bytes come along (one request).
     """
-    storage, _ = open_storage(location, storage_options)
     p = shown_location(location)  # a local path absolute: the reader keeps it across a chdir
     found = None if p.endswith((".json", ".safetensors")) else _in_directory(storage, p, kind)
     if found is None:
@@ -1330,12 +1332,9 @@ def _at(storage: Storage, p: str, kind: str) -> Located:
     )
 
 
-def open_located(
-    located: Located, kind: str, storage_options: dict[str, Any] | None = None
-) -> CheckpointReader:
-    """The reader of what :func:`locate` found. An index not fetched yet is read here; its bytes
-    are not kept while it is parsed (they are read again in the rare refusal that needs them)."""
-    storage, _ = open_storage(located.url, storage_options)
+def open_located(storage: Storage, located: Located, kind: str) -> CheckpointReader:
+    """The reader of what :func:`locate` found on ``storage``. An index not fetched yet is read here;
+    its bytes are not kept while it is parsed (they are read again in the rare refusal that needs them)."""
     url, directory = located.url, located.directory
     if located.form == "single":
         return _single_file_reader(storage, url, directory, url, kind)

@@ -58,7 +58,7 @@ from unickpt.ckpt import reader as reader_mod
 from unickpt.ckpt.reader import (
     CheckpointReader,
     check_keys_referenced,
-    open_checkpoint,
+    open_in,
     open_located,
     slice_failures,
 )
@@ -76,6 +76,7 @@ from unickpt.io.tensors import LocalSlice, global_shape, is_dtensor, st_dtype, t
 from unickpt.spec.boxes import contiguous_start, intersect, runs
 from unickpt.spec.dtypes import itemsize
 from unickpt.spec.index import TensorEntry
+from unickpt.store.storage import Storage, open_storage
 
 __all__ = [
     "LoadReport",
@@ -1086,28 +1087,35 @@ def open_for_load(
     where = os.fspath(checkpoint)
     alone = _dist.world_size(group) == 1
     located: reader_mod.Located | None = None
-    if not alone and _fetches_ahead(where, storage_options):
-        err: BaseException | None = None
+    storage: Storage | None = None
+    err: BaseException | None = None
+    try:
+        storage, _ = open_storage(where, storage_options)
+    except Exception as e:  # raised where the store is used, below: agreed by every rank
+        err = e
+    if not alone and storage is not None and storage.fetch_ahead:
         try:
             if args is not None and args.check is not None:
                 args.check()
             if _dist.rank(group) == 0:
-                located = reader_mod.locate(where, kind, storage_options, fetch=True)
+                located = reader_mod.locate(storage, where, kind, fetch=True)
         except BaseException as e:
             err = e
         _dist.agree(err, f"opening {where}", group, args)
         args = None  # checked
         located = _dist.broadcast_object(located, 0, group)
     reader: CheckpointReader | None = None
-    err = None
     try:
         if args is not None and args.check is not None:
             args.check()
         maybe_fail("open")
+        if storage is None:
+            raise err or RuntimeError(f"{where}: no store")
+        err = None
         if located is not None:
-            reader = open_located(located, kind, storage_options)
+            reader = open_located(storage, located, kind)
         else:
-            reader = open_checkpoint(checkpoint, kind, pin=alone, storage_options=storage_options)
+            reader = open_in(storage, where, kind, pin=alone)
     except BaseException as e:
         err = e
     try:
@@ -1161,14 +1169,3 @@ def each_slice(
             reader.drop_prefetched()
         start = stop
     return keep
-
-
-def _fetches_ahead(location: str, storage_options: dict[str, Any] | None) -> bool:
-    """Whether the storage of ``location`` fetches ahead (an object store): a distributed load
-    then fetches the index once, on rank 0. Any error opening it is the open's own to raise."""
-    from unickpt.store.storage import open_storage
-
-    try:
-        return open_storage(location, storage_options)[0].fetch_ahead
-    except Exception:
-        return False

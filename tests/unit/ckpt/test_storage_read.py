@@ -25,6 +25,7 @@ from unickpt.errors import (
     IncompleteCheckpointError,
     IndexFileError,
     IntegrityError,
+    UnsupportedError,
 )
 from unickpt.io.load import _Files, read_box
 from unickpt.spec.boxes import runs
@@ -131,6 +132,42 @@ def test_a_relative_path_is_read_from_where_it_was_opened(tmp_path, monkeypatch,
     assert sorted(got) == sorted(want)
     for k, v in want.items():
         assert torch.equal(got[k], v), k
+
+
+def test_opening_a_checkpoint_opens_its_store_once(tmp_path, s3, stored, monkeypatch) -> None:
+    """open_checkpoint and a load's open make one Storage of the location, locally and on S3, and
+    read through it; a store that cannot be made is refused by the load's open, naming the URL."""
+    import unickpt.store.storage as storage_mod
+
+    made: list[str] = []
+    for cls in (storage_mod.LocalStorage, storage_mod.FsspecStorage):
+        init = cls.__init__
+
+        def counted(self, *a, _init=init, _name=cls.__name__, **kw):  # type: ignore[no-untyped-def]
+            made.append(_name)
+            _init(self, *a, **kw)
+
+        monkeypatch.setattr(cls, "__init__", counted)
+    model, local, url = stored
+    opts = s3.storage_options("reader")
+    for where, options, cls in ((str(local), None, "LocalStorage"), (url, opts, "FsspecStorage")):
+        made.clear()
+        with open_checkpoint(where, storage_options=options, pin=True) as r:
+            full_tensors(r)
+        assert made == [cls], (where, made)
+        made.clear()
+        target = _model(1)
+        io = GeneralCheckpointIO()
+        io.storage_options = options  # type: ignore[attr-defined]
+        io.load_model(target, where, verify=True)
+        assert made == [cls], (where, made)
+        for (n, a), (_, b) in zip(model.state_dict().items(), target.state_dict().items(), strict=True):
+            assert torch.equal(a, b), n
+    with pytest.raises(
+        UnsupportedError,
+        match=r"^nosuchstore://b/ck: fsspec cannot open it \(Protocol not known: nosuchstore\)",
+    ):
+        GeneralCheckpointIO().load_model(_model(1), "nosuchstore://b/ck")
 
 
 def test_load_model_from_s3_is_bit_exact_and_reads_each_byte_once(s3, stored) -> None:
