@@ -92,6 +92,7 @@ from pydantic import (
 
 from unickpt.errors import CheckpointFormatError, IndexFileError, UnsafePathError
 from unickpt.spec.dtypes import DTYPE_ITEMSIZE
+from unickpt.spec.naming import shown
 from unickpt.spec.slice_table import (
     GIVEN_RANGES,
     GIVEN_XXH3,
@@ -193,7 +194,9 @@ class OtherFormatVersion(ValueError):
     (raised inside the models' validation; readers turn it into :func:`version_error`)."""
 
     def __init__(self, version: int) -> None:
-        super().__init__(f"format_version {version} is not the version {FORMAT_VERSION} this unickpt reads")
+        super().__init__(
+            f"format_version {shown(version)} is not the version {FORMAT_VERSION} this unickpt reads"
+        )
         self.version = version
 
 
@@ -221,11 +224,11 @@ def version_error(path: str, version: int) -> IndexFileError:
         )
     if version > FORMAT_VERSION:
         return IndexFileError(
-            f"{path}: format_version {version} is not a version this unickpt reads (it reads "
+            f"{path}: format_version {shown(version)} is not a version this unickpt reads (it reads "
             f"version {FORMAT_VERSION} only): a newer unickpt wrote it; read it with that one"
         )
     return IndexFileError(
-        f"{path}: format_version {version} is no format version (unickpt reads version {FORMAT_VERSION})"
+        f"{path}: format_version {shown(version)} is no format version (unickpt reads version {FORMAT_VERSION})"
     )
 
 
@@ -1021,7 +1024,7 @@ def found_text(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, int | float):
-        return repr(v)
+        return shown(v)  # a number in a file can be thousands of digits long
     if isinstance(v, str):
         return repr(v) if len(v) <= 80 else f"{v[:77]!r}..."
     return "an array" if isinstance(v, list) else "an object" if isinstance(v, dict) else type(v).__name__

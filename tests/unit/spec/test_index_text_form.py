@@ -132,7 +132,11 @@ def test_a_merge_writes_the_text_form(tmp_path: Path) -> None:
         assert not list(verify_checkpoint(out))
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 6, -1])
+@pytest.mark.parametrize(
+    "version",
+    [0, 1, 2, 3, 4, 6, -1, 10**4000, -(10**4000)],
+    ids=lambda v: str(v) if abs(v) < 100 else f"{'-' if v < 0 else ''}10**4000",
+)
 def test_another_format_version_is_refused_on_both_paths(tmp_path: Path, version: int) -> None:
     obj = _v5_index(tmp_path)
     obj["unickpt"]["format_version"] = version
@@ -141,13 +145,39 @@ def test_another_format_version_is_refused_on_both_paths(tmp_path: Path, version
         with pytest.raises(IndexFileError) as e:
             parse(raw, "ck/model.safetensors.index.json")
         msg = str(e.value)
-        assert msg.startswith(f"ck/model.safetensors.index.json: format_version {version}"), msg
+        # The version as found, cut to 80 characters: a file's number can be thousands of digits.
+        found = repr(version) if len(repr(version)) <= 80 else f"{repr(version)[:77]}..."
+        head = f"ck/model.safetensors.index.json: format_version {found}"
+        assert msg.startswith(head) and msg[len(head)] in " ,", msg
+        assert len(msg) < 400, len(msg)
         if 1 <= version <= 4:
             assert "a draft" in msg and "`unickpt upgrade ck`" in msg, msg
         elif version > 5:
             assert "a newer unickpt wrote it" in msg, msg
         else:
             assert "is no format version" in msg, msg
+
+
+HUGE = 10**4000  # what json reads of a 4,001-digit number; Python refuses longer ones
+
+
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        (lambda o: o["weight_map"].__setitem__("proj", HUGE), "weight_map.proj: expected a string"),
+        (lambda o: o["unickpt"]["tensors"]["proj"].__setitem__("dtype", HUGE), "unickpt.tensors.proj.dtype"),
+        (lambda o: o["unickpt"].__setitem__("layout", HUGE), "unickpt.layout: expected an object"),
+    ],
+    ids=["weight_map", "dtype", "layout"],
+)
+def test_a_number_thousands_of_digits_long_is_named_not_echoed(tmp_path: Path, edit: Any, field: str) -> None:
+    obj = _v5_index(tmp_path)
+    edit(obj)
+    with pytest.raises(IndexFileError) as e:
+        parse_index(json.dumps(obj).encode(), "ck/model.safetensors.index.json")
+    msg = str(e.value)
+    assert field in msg and f"found {repr(HUGE)[:77]}..." in msg, msg[:600]
+    assert len(msg) < 600, len(msg)
 
 
 def _v5_index(tmp_path: Path) -> dict[str, Any]:
