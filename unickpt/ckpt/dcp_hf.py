@@ -22,6 +22,7 @@ import numpy as np
 from unickpt.ckpt.safetensors_io import SafetensorsHeader
 from unickpt.errors import CheckpointFormatError
 from unickpt.spec.index import LayoutInfo, TensorEntry, UnickptBlock
+from unickpt.spec.naming import shown
 from unickpt.spec.slice_table import MAX_DIM, SliceTable
 
 __all__ = ["SHARD_FILE", "dcp_hf_files", "block_from_dcp_hf"]
@@ -67,19 +68,19 @@ def block_from_dcp_hf(
                 or not all(type(o) is int and 0 <= o < MAX_DIM for o in offs)
             ):
                 raise CheckpointFormatError(
-                    f"{path}: tensor {name!r} has no valid saved_offsets in {SHARDING_KEY} "
-                    f"(expected {len(e.shape)} non-negative integers below 2**62, found {offs!r})"
+                    f"{path}: tensor {shown(name)} has no valid saved_offsets in {SHARDING_KEY} "
+                    f"(expected {len(e.shape)} non-negative integers below 2**62, found {shown(offs)})"
                 )
             if dtypes.setdefault(name, e.dtype) != e.dtype:
                 raise CheckpointFormatError(
-                    f"{path}: tensor {name!r} is {e.dtype} here but {dtypes[name]} in another rank's file"
+                    f"{path}: tensor {shown(name)} is {e.dtype} here but {dtypes[name]} in another rank's file"
                 )
             slices.setdefault(name, []).append((fname, offs, tuple(e.shape)))
     tensors = {}
     for name, rows in slices.items():
         ndim = len(rows[0][2])
         if any(len(shp) != ndim for _, _, shp in rows):
-            raise CheckpointFormatError(f"{directory}: tensor {name!r} has slices of different ranks")
+            raise CheckpointFormatError(f"{directory}: tensor {shown(name)} has slices of different ranks")
         offsets = np.array([o for _, o, _ in rows], dtype=np.int64).reshape(len(rows), ndim)
         shapes = np.array([shp for _, _, shp in rows], dtype=np.int64).reshape(len(rows), ndim)
         shape = (offsets + shapes).max(axis=0).tolist()
@@ -97,7 +98,7 @@ def block_from_dcp_hf(
         try:
             tensors[name] = TensorEntry.of_table(dtypes[name], shape, table)
         except ValueError as err:
-            raise CheckpointFormatError(f"{directory}: tensor {name!r}: {err}") from None
+            raise CheckpointFormatError(f"{directory}: tensor {shown(name)}: {err}") from None
     return UnickptBlock(
         kind="model",
         created_by="torch HuggingFaceStorageWriter(save_distributed=True)",

@@ -438,7 +438,7 @@ def block_from_header(h: SafetensorsHeader, kind: str) -> tuple[UnickptBlock, bo
             raise IndexFileError(f"{h.path}: the unickpt metadata block is invalid: {e}") from None
         if block.kind != kind:
             raise IndexFileError(
-                f"{h.path}: holds a checkpoint of kind {block.kind!r} (its unickpt metadata), expected {kind!r}"
+                f"{h.path}: holds a checkpoint of kind {shown(block.kind)} (its unickpt metadata), expected {shown(kind)}"
             )
         return block, True
     tensors = {
@@ -474,7 +474,7 @@ def block_from_plain_index(
     for file in sorted(set(idx.weight_map.values())):
         if file.endswith(".bin"):
             raise CheckpointFormatError(
-                f"{path}: shard {file!r} is a pickle (.bin) file; convert it first with "
+                f"{path}: shard {shown(file)} is a pickle (.bin) file; convert it first with "
                 "`unickpt convert --from bin` (read with torch.load(weights_only=True))"
             )
         h = header_of(file) if header_of is not None else read_header(os.path.join(directory, file))
@@ -702,7 +702,7 @@ class RangeFailure(IntegrityFailure):
 
     def __str__(self) -> str:
         return (
-            f"tensor {self.tensor!r} in file {self.file!r} (stored as {self.key!r}): bytes "
+            f"tensor {shown(self.tensor)} in file {shown(self.file)} (stored as {shown(self.key)}): bytes "
             f"[{self.start}, {self.end}) of the tensor: expected xxh3-64 {self.expected}, found {self.found}"
         )
 
@@ -780,10 +780,10 @@ def hint_other_files(names: Iterable[str]) -> str:
     names = sorted(n for n in names if n.endswith(".safetensors"))
     if not names:
         return ""
-    shown = ", ".join(ascii(n) if not n.isprintable() else repr(n) for n in names[:3])
+    listed = ", ".join(shown(n) for n in names[:3])
     more = f" and {len(names) - 3} more" if len(names) > 3 else ""
     return (
-        f"; it holds {len(names)} other .safetensors file(s) ({shown}{more}): to load a single-file "
+        f"; it holds {len(names)} other .safetensors file(s) ({listed}{more}): to load a single-file "
         "checkpoint of another name, pass the path of the file itself"
     )
 
@@ -924,7 +924,7 @@ class CheckpointReader(FileChecks):
                     h = self._open_data_file(name)
             except IncompleteCheckpointError as e:
                 raise IncompleteCheckpointError(
-                    f"{self.directory}: data file {name!r} named by the index is missing"
+                    f"{self.directory}: data file {shown(name)} named by the index is missing"
                 ) from e
             try:
                 self.check_same_save(name, h.metadata)
@@ -975,7 +975,7 @@ class CheckpointReader(FileChecks):
         except IncompleteCheckpointError:
             if self._index_changed():
                 raise CheckpointChangedError(
-                    f"{self.index_path}: data file {name!r} vanished while the checkpoint was read, "
+                    f"{self.index_path}: data file {shown(name)} vanished while the checkpoint was read, "
                     "and the index is no longer the one read: a save replaced the checkpoint; load it again"
                 ) from None
             raise
@@ -1053,7 +1053,7 @@ class CheckpointReader(FileChecks):
         for name, t in self.block.tensors.items():
             problem = t.table.coverage_problem()
             if problem:
-                raise IndexFileError(f"{self.index_path or self.directory}: tensor {name!r}: {problem}")
+                raise IndexFileError(f"{self.index_path or self.directory}: tensor {shown(name)}: {problem}")
 
     def validate_structure(self) -> None:
         """Coverage, plus every slice present in its file with the recorded dtype and shape, and
@@ -1081,7 +1081,7 @@ class CheckpointReader(FileChecks):
         """(absolute path, absolute offset, byte length) of the stored slice ``key`` of ``file``."""
         h = self.header(file)
         if key not in h.entries:
-            raise HeaderError(f"{h.path}: key {key!r} named by the index is not in the file")
+            raise HeaderError(f"{h.path}: key {shown(key)} named by the index is not in the file")
         off, n = h.absolute(key)
         return h.path, off, n
 
@@ -1096,7 +1096,7 @@ class CheckpointReader(FileChecks):
         """``length`` bytes starting ``rel_offset`` bytes into the stored slice ``key`` of ``file``."""
         _, off, n = self.key_location(file, key)
         if rel_offset < 0 or rel_offset + length > n:
-            raise HeaderError(f"{file}: read of {length} bytes at {rel_offset} outside slice {key!r}")
+            raise HeaderError(f"{file}: read of {length} bytes at {rel_offset} outside slice {shown(key)}")
         return self._read(file, off + rel_offset, length, out)
 
     def read_runs(self, file: str, key: str, runs: list[tuple[int, int]], out: memoryview) -> None:
@@ -1106,7 +1106,7 @@ class CheckpointReader(FileChecks):
         _, off, n = self.key_location(file, key)
         for o, k in runs:
             if o < 0 or o + k > n:
-                raise HeaderError(f"{file}: read of {k} bytes at {o} outside slice {key!r}")
+                raise HeaderError(f"{file}: read of {k} bytes at {o} outside slice {shown(key)}")
         with self._vanishing(file):
             read_runs(self.read_handle(file), [(off + o, k) for o, k in runs], out)
 

@@ -25,6 +25,7 @@ from typing import Any, BinaryIO
 from unickpt.ckpt.foreign import foreign_file
 from unickpt.errors import HeaderError
 from unickpt.spec.dtypes import DTYPE_ITEMSIZE
+from unickpt.spec.naming import shown
 from unickpt.spec.safetensors_bulk import MAX_NDIM, HeaderEntries, parse_header
 from unickpt.spec.untrusted import MAX_HEADER_BYTES as _MAX_HEADER_BYTES
 from unickpt.store.storage import LocalStorage, Storage, Writeback, open_storage
@@ -174,12 +175,12 @@ class SafetensorsWriter:
         if self._f is None:
             raise ValueError(f"{self.path}: writer is closed")
         if self._next >= len(self._expected):
-            raise ValueError(f"{self.path}: unexpected extra tensor {key!r}")
+            raise ValueError(f"{self.path}: unexpected extra tensor {shown(key)}")
         want_key, want_len = self._expected[self._next]
         mv = memoryview(data).cast("B")
         if key != want_key or mv.nbytes != want_len:
             raise ValueError(
-                f"{self.path}: expected {want_len} bytes of {want_key!r}, got {mv.nbytes} bytes of {key!r}"
+                f"{self.path}: expected {want_len} bytes of {shown(want_key)}, got {mv.nbytes} bytes of {shown(key)}"
             )
         if self._wb is None:
             self._f.write(mv)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from unickpt.errors import ConfigError, IncompleteCheckpointError, IndexFileError, UnsupportedError
+from unickpt.spec.naming import shown
 from unickpt.spec.untrusted import strict_loads
 from unickpt.store.publish import read_small_file
 from unickpt.store.storage import join_location
@@ -71,7 +72,7 @@ def peft_model_of(module: torch.nn.Module, what: str) -> Any:
 def _peft_config(module: Any, adapter_name: str, what: str) -> Any:
     if adapter_name not in module.peft_config:
         raise ConfigError(
-            f"{what}: the model has no adapter {adapter_name!r} (it has {sorted(module.peft_config)})"
+            f"{what}: the model has no adapter {shown(adapter_name)} (it has {sorted(module.peft_config)})"
         )
     return module.peft_config[adapter_name]
 
@@ -105,12 +106,12 @@ def adapter_tensors(
         src = name_of.get(id(t))
         if src is None:
             raise UnsupportedError(
-                f"{what}: peft's state dict of adapter {adapter_name!r} holds {peft_name!r}, which is not one of "
+                f"{what}: peft's state dict of adapter {shown(adapter_name)} holds {shown(peft_name)}, which is not one of "
                 "the model's state-dict tensors (a value peft computed); unickpt saves only the model's own tensors"
             )
         out[peft_name] = src
     if not out:
-        raise UnsupportedError(f"{what}: adapter {adapter_name!r} of the model has no tensors to save")
+        raise UnsupportedError(f"{what}: adapter {shown(adapter_name)} of the model has no tensors to save")
     return out
 
 
@@ -182,9 +183,9 @@ def check_adapter_config(module: Any, adapter_name: str, found: dict[str, Any], 
             continue
         want, got = _comparable(key, live.get(key)), _comparable(key, found.get(key))
         if want != got:
-            diffs.append(f"{key}: the model's adapter has {want!r}, the file {got!r}")
+            diffs.append(f"{key}: the model's adapter has {shown(want)}, the file {shown(got)}")
     if diffs:
         raise ConfigError(
-            f"{what}: {path} was written for a different adapter than the model's {adapter_name!r}: "
+            f"{what}: {path} was written for a different adapter than the model's {shown(adapter_name)}: "
             + "; ".join(diffs)
         )

@@ -20,6 +20,7 @@ import torch
 from unickpt.errors import IndexFileError, UnsupportedError
 from unickpt.io.tensors import st_dtype, torch_dtype
 from unickpt.spec.dtypes import DTYPE_ITEMSIZE
+from unickpt.spec.naming import shown
 from unickpt.spec.untrusted import strict_loads
 
 __all__ = ["MAX_JSON_INT_DIGITS", "to_json_value", "from_json_value", "parse_json"]
@@ -73,7 +74,7 @@ def to_json_value(value: Any, where: str, tensors: dict[str, torch.Tensor] | Non
         out = {}
         for k, v in value.items():
             if not isinstance(k, (str, int)) or (tensors is not None and isinstance(k, bool)):
-                raise UnsupportedError(f"{where}: dict key {k!r} is neither str nor int")
+                raise UnsupportedError(f"{where}: dict key {shown(k)} is neither str nor int")
             out[str(k) if isinstance(k, str) else f"__int__{k}"] = to_json_value(v, f"{where}.{k}", tensors)
         return out
     if isinstance(value, torch.Tensor):
@@ -122,7 +123,9 @@ def _from_json(value: Any, where: str, depth: int, tensors: dict[str, torch.Tens
     if isinstance(value, dict):
         if tensors is not None and set(value) == {"__st__"}:
             if value["__st__"] not in tensors:
-                raise IndexFileError(f"{where}: tensor {value['__st__']!r} is not in the state's tensors")
+                raise IndexFileError(
+                    f"{where}: tensor {shown(value['__st__'])} is not in the state's tensors"
+                )
             return tensors[value["__st__"]].clone()
         if tensors is not None and set(value) == {"__tuple__"} and isinstance(value["__tuple__"], list):
             return tuple(
@@ -142,14 +145,14 @@ def _from_json(value: Any, where: str, depth: int, tensors: dict[str, torch.Tens
         for k, v in value.items():
             key: Any = int(k[7:]) if k.startswith("__int__") and k[7:].lstrip("-").isdigit() else k
             if key in out:
-                raise IndexFileError(f"{where}: key {k!r} names the same entry as another key")
+                raise IndexFileError(f"{where}: key {shown(k)} names the same entry as another key")
             out[key] = _from_json(v, f"{where}.{k}", depth + 1, tensors)
         return out
     return value
 
 
 def _kind(v: Any) -> str:
-    return "a boolean" if isinstance(v, bool) else f"{type(v).__name__} {str(v)[:40]!r}"
+    return "a boolean" if isinstance(v, bool) else f"{type(v).__name__} {shown(str(v)[:40])}"
 
 
 def _tensor(spec: Any, where: str) -> torch.Tensor:
@@ -160,7 +163,7 @@ def _tensor(spec: Any, where: str) -> torch.Tensor:
     dtype, shape, data = spec["dtype"], spec["shape"], spec["data"]
     if not isinstance(dtype, str) or dtype not in DTYPE_ITEMSIZE:
         raise IndexFileError(
-            f"{at}: unknown dtype {dtype!r}; expected one of {', '.join(sorted(DTYPE_ITEMSIZE))}"
+            f"{at}: unknown dtype {shown(dtype)}; expected one of {', '.join(sorted(DTYPE_ITEMSIZE))}"
         )
     if (
         not isinstance(shape, list)

@@ -39,6 +39,7 @@ import torch
 
 from unickpt._logging import get_logger
 from unickpt.errors import ConfigError, UnsupportedError
+from unickpt.spec.naming import shown
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -142,7 +143,7 @@ def _same_shapes(parts: list[Node], dim: int | None, how: str) -> None:
         if len(p.shape) != len(first.shape) or key(p) != key(first):
             a, b = first.sources(), p.sources()
             raise Misfit(
-                f"the stored tensors {a[0]!r} of shape {list(first.shape)} and {b[0]!r} of shape "
+                f"the stored tensors {shown(a[0])} of shape {list(first.shape)} and {shown(b[0])} of shape "
                 f"{list(p.shape)} cannot be {how}"
             )
 
@@ -319,7 +320,7 @@ class Interleave(Node):
         for o, n, x in self.part.pieces(leaf, off, shp, t):
             if o[self.dim] != 0 or n[self.dim] != self.shape[self.dim]:
                 raise UnsupportedError(
-                    f"Interleave of {leaf!r} along dim {self.dim}: a rank holds part of that dim; "
+                    f"Interleave of {shown(leaf)} along dim {self.dim}: a rank holds part of that dim; "
                     "save sliced (gather_dtensor=False) and merge"
                 )
             d, shape = self.dim, list(x.shape)
@@ -351,7 +352,7 @@ def _split(transforms: Sequence[Any]) -> tuple[list[Any], list[Any]]:
             renamings.append(t)
         else:
             raise ConfigError(
-                f"mapping: {t!r} is not a transformers WeightRenaming or WeightConverter "
+                f"mapping: {shown(t)} is not a transformers WeightRenaming or WeightConverter "
                 "(transformers.core_model_loading)"
             )
     return renamings, converters
@@ -668,10 +669,10 @@ def _missing_keys(conv: Any, by_pattern: dict[str, list[str]], renamed_of: dict[
             del i0
         else:
             names = []
-        shown = ", ".join(repr(n) for n in names[:4]) or f"pattern {p!r} index {lost[:4]}"
+        listed = ", ".join(shown(n) for n in names[:4]) or f"pattern {shown(p)} index {lost[:4]}"
         lines.append(
-            f"expects stored tensors {shown}{' and more' if len(lost) > 4 else ''} (indices 0..{max(want)} of "
-            f"{p!r}), found indices {sorted(have)}"
+            f"expects stored tensors {listed}{' and more' if len(lost) > 4 else ''} (indices 0..{max(want)} of "
+            f"{shown(p)}), found indices {sorted(have)}"
         )
     return lines
 
@@ -684,9 +685,11 @@ def _targets_of(conv: Any, layer: str, lines: list[str]) -> list[tuple[str, str]
 def _fit(live: str, node: Node, want: Shape) -> str:
     if tuple(node.shape) != tuple(want):
         srcs = node.sources()
-        shown = ", ".join(repr(s) for s in srcs[:3]) + (f" and {len(srcs) - 3} more" if len(srcs) > 3 else "")
+        listed = ", ".join(shown(s) for s in srcs[:3]) + (
+            f" and {len(srcs) - 3} more" if len(srcs) > 3 else ""
+        )
         return (
-            f"{live}: the mapping builds shape {list(node.shape)} from the stored tensors {shown}, "
+            f"{live}: the mapping builds shape {list(node.shape)} from the stored tensors {listed}, "
             f"the model has shape {list(want)}"
         )
     return ""

@@ -25,6 +25,7 @@ from unickpt.errors import (
     UnsupportedError,
 )
 from unickpt.io.jsonstate import from_json_value, to_json_value
+from unickpt.spec.naming import shown
 from unickpt.spec.untrusted import strict_loads
 from unickpt.store.publish import write_small_file
 from unickpt.store.storage import open_storage, url_options
@@ -61,7 +62,7 @@ def capture(
     for name, obj in extra_states.items():
         if not hasattr(obj, "state_dict") or not hasattr(obj, "load_state_dict"):
             raise UnsupportedError(
-                f"extra state {name!r} ({type(obj).__name__}) has no state_dict()/load_state_dict()"
+                f"extra state {shown(name)} ({type(obj).__name__}) has no state_dict()/load_state_dict()"
             )
         state["extra"][name] = to_json_value(obj.state_dict(), f"extra.{name}", tensors)
     return state, tensors
@@ -120,7 +121,7 @@ def restore(
     for name, obj in extra_states.items():
         if name not in saved_extra:
             raise StateMismatchError(
-                f"extra state {name!r} is not in {d} (saved: {sorted(saved_extra)})",
+                f"extra state {shown(name)} is not in {d} (saved: {sorted(saved_extra)})",
                 missing=[name],
             )
         loaded = from_json_value(saved_extra[name], f"extra.{name}", tensors)
@@ -231,7 +232,7 @@ def read_rank_state(
         lo = 1 if field == "world_size" else 0
         if type(v) is not int or not lo <= v < 1 << 63:
             raise IndexFileError(
-                f"{jpath}: training state field {field!r} must be an integer >= {lo} below 2^63, "
-                f"found {str(v)[:40]!r}"
+                f"{jpath}: training state field {shown(field)} must be an integer >= {lo} below 2^63, "
+                f"found {shown(str(v)[:40])}"
             )
     return js, tensors

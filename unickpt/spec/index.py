@@ -323,7 +323,7 @@ def _first_bad(text: str) -> _Bad:
 
 
 def _outside(c: str) -> str:
-    return f"holds {c!r}, outside the base64url alphabet (A-Z a-z 0-9 - _; {NO_DIGEST!r}: no hash)"
+    return f"holds {shown(c)}, outside the base64url alphabet (A-Z a-z 0-9 - _; {shown(NO_DIGEST)}: no hash)"
 
 
 def hex_to_b64(hexs: str) -> str:
@@ -359,7 +359,7 @@ def block_from_json(block: Any) -> tuple[Any, int]:
     if "dtype" in block and (type(default) is not str or default not in DTYPE_ITEMSIZE):
         raise DigestTextError(
             f"'dtype' (the tensors' default dtype) must be a dtype in {sorted(DTYPE_ITEMSIZE)}, "
-            f"found {default!r}"
+            f"found {shown(default)}"
         )
     tensors = block.get("tensors")
     if type(tensors) is not dict:
@@ -378,7 +378,7 @@ def block_from_json(block: Any) -> tuple[Any, int]:
         if type(fp) is str:
             if len(fp) != B64_DIGEST_LEN:
                 raise DigestTextError(
-                    f"tensor {name!r}: 'fingerprint' holds {len(fp)} characters, not the "
+                    f"tensor {shown(name)}: 'fingerprint' holds {len(fp)} characters, not the "
                     f"{B64_DIGEST_LEN} base64url characters of a digest"
                 )
             fps.append((name, fp))
@@ -387,7 +387,7 @@ def block_from_json(block: Any) -> tuple[Any, int]:
             count = None if "slices" in t else _slice_count(t)
             if count is not None and len(xxh) != B64_DIGEST_LEN * count:
                 raise DigestTextError(
-                    f"tensor {name!r}: 'xxh3' holds {len(xxh)} characters for {count} slice(s) "
+                    f"tensor {shown(name)}: 'xxh3' holds {len(xxh)} characters for {count} slice(s) "
                     f"({B64_DIGEST_LEN} base64url characters per slice)"
                 )
             hashes.append((name, xxh))
@@ -406,7 +406,7 @@ def _decode_all(field: str, items: list[tuple[str, str]]) -> list[str]:
     for (name, s), k in zip(items, lengths, strict=True):
         if len(s) != k * B64_DIGEST_LEN:
             raise DigestTextError(
-                f"tensor {name!r}: {field!r} holds {len(s)} characters, not a multiple of {B64_DIGEST_LEN}"
+                f"tensor {shown(name)}: {shown(field)} holds {len(s)} characters, not a multiple of {B64_DIGEST_LEN}"
             )
     try:
         hexs = b64_to_hex("".join(s for _, s in items))
@@ -416,7 +416,9 @@ def _decode_all(field: str, items: list[tuple[str, str]]) -> list[str]:
         name, text = items[i]
         k = e.group - int(ends[i] - lengths[i])
         group = text[k * B64_DIGEST_LEN : (k + 1) * B64_DIGEST_LEN]
-        raise DigestTextError(f"tensor {name!r}: {field!r}: digest {k} ({group!r}) {e.detail}") from None
+        raise DigestTextError(
+            f"tensor {shown(name)}: {shown(field)}: digest {k} ({shown(group)}) {e.detail}"
+        ) from None
     out = []
     pos = 0
     for k in lengths:
@@ -541,9 +543,9 @@ def alias_problem(aliases: Mapping[str, str], tensors: Mapping[str, Any]) -> str
     """What is wrong with the aliases of a block: one naming no stored tensor, or one that is stored."""
     for alias, target in aliases.items():
         if target not in tensors:
-            return f"alias {alias!r} points at {target!r}, which is not a stored tensor"
+            return f"alias {shown(alias)} points at {shown(target)}, which is not a stored tensor"
         if alias in tensors:
-            return f"alias {alias!r} is also a stored tensor"
+            return f"alias {shown(alias)} is also a stored tensor"
     return None
 
 
@@ -563,7 +565,7 @@ def check_file_name(name: str, where: str = "") -> str:
         or not (name.endswith(".safetensors") or name.endswith(".bin"))
     ):
         raise UnsafePathError(
-            f"refusing data file name {name!r}{at}: names must be plain file names inside the checkpoint "
+            f"refusing data file name {shown(name)}{at}: names must be plain file names inside the checkpoint "
             "directory (no '/', '\\', '..', absolute paths or hidden files) ending in .safetensors"
         )
     return name
@@ -651,7 +653,7 @@ class TensorEntry(StrictModel):
     @classmethod
     def _dtype(cls, v: str) -> str:
         if v not in DTYPE_ITEMSIZE:
-            raise ValueError(f"unknown dtype {v!r}")
+            raise ValueError(f"unknown dtype {shown(v)}")
         return v
 
     @model_validator(mode="after")
@@ -724,7 +726,7 @@ class UnickptBlock(StrictModel):
     @classmethod
     def _version_is_an_integer(cls, v: Any) -> Any:
         if type(v) is not int:
-            raise ValueError(f"format_version must be an integer, found {v!r}")
+            raise ValueError(f"format_version must be an integer, found {shown(v)}")
         return v
 
     @field_validator("param_groups", "param_state")
@@ -792,7 +794,7 @@ class IndexFile(BaseModel):
     @classmethod
     def _safe_files(cls, v: dict[str, str]) -> dict[str, str]:
         for k, f in v.items():
-            check_file_name(f, f"weight_map[{k!r}]")
+            check_file_name(f, f"weight_map[{shown(k)}]")
         return v
 
 
@@ -806,21 +808,23 @@ def files_problem(files: Sequence[str] | None, tensors: Mapping[str, TensorEntry
     for name, t in tensors.items():
         given = [f for f in _COMPACT_FIELDS if getattr(t, f) is not None]
         if not t.compact and given:
-            return f"tensor {name!r} has both 'slices' and the compact field(s) {given}: one describes its slices"
+            return f"tensor {shown(name)} has both 'slices' and the compact field(s) {given}: one describes its slices"
         if t.compact:
             if files is None:
-                return f"tensor {name!r} names its files by index, but the block has no 'files' table"
+                return f"tensor {shown(name)} names its files by index, but the block has no 'files' table"
             if t.file is None:
                 n = compact_count(t.shape, t.grid, t.boxes)
                 if n != len(files):
                     return (
-                        f"tensor {name!r} has no 'file' (slice K in files[K]) but {n} slice(s) for "
+                        f"tensor {shown(name)} has no 'file' (slice K in files[K]) but {n} slice(s) for "
                         f"{len(files)} file(s)"
                     )
                 continue
             ids = [t.file] if isinstance(t.file, int) else t.file
             if ids and max(ids) >= len(files):
-                return f"tensor {name!r}: file index {max(ids)} is past the {len(files)} files of the block"
+                return (
+                    f"tensor {shown(name)}: file index {max(ids)} is past the {len(files)} files of the block"
+                )
     # What the data files can hold bounds what the compact fields declare (spec/untrusted.py).
     return count_problem(files, tensors)
 
@@ -944,7 +948,7 @@ def compact_field_problem(k: str, x: Any) -> tuple[str, str, Any]:
         for j, n in enumerate(item):
             if not _file_id(n):
                 return f".{i}.{j}", "an integer >= 0 below 2**62", n
-    raise AssertionError(f"compact field {k!r} has no problem")  # pragma: no cover - never
+    raise AssertionError(f"compact field {shown(k)} has no problem")  # pragma: no cover - never
 
 
 def _column(
@@ -1026,7 +1030,7 @@ def found_text(v: Any) -> str:
     if isinstance(v, int | float):
         return shown(v)  # a number in a file can be thousands of digits long
     if isinstance(v, str):
-        return repr(v) if len(v) <= 80 else f"{v[:77]!r}..."
+        return repr(v) if len(v) <= 80 else f"{shown(v[:77])}..."
     return "an array" if isinstance(v, list) else "an object" if isinstance(v, dict) else type(v).__name__
 
 
@@ -1301,7 +1305,7 @@ class IndexParser:
                 check_file_name(name)
             except UnsafePathError:
                 k = next(k for k, f in v.items() if f == name)
-                self.safe_names({name}, f"weight_map[{k!r}]")
+                self.safe_names({name}, f"weight_map[{shown(k)}]")
         return v
 
     def safe_names(self, names: set[str], where: str = "") -> None:
@@ -1704,7 +1708,7 @@ def _plain_check(cls: type[BaseModel], name: str) -> _Check:
         return IndexParser.dims
     if ann == Hex16 | None:
         return IndexParser.hex16
-    raise TypeError(f"{cls.__name__}.{name}: the index parser has no check for {ann!r}")
+    raise TypeError(f"{cls.__name__}.{name}: the index parser has no check for {shown(ann)}")
 
 
 #: The plain checks, by model and field: every field not in CUSTOM_FIELDS.

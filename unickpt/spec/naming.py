@@ -69,8 +69,12 @@ def is_own_data_file(kind: str, file_name: str) -> bool:
     return len(parts) == 2 and all(p.isdigit() and len(p) >= 5 for p in parts)
 
 
+SHOWN_CHARS = 200
+
+
 def shown(v: object) -> str:
-    """A name, key or shape from a file as a message shows it: repr, escaped, cut to 80 characters
-    (a name can be a megabyte long)."""
+    """A name, key, number or shape from a file as a message shows it: repr, escaped, cut to
+    ``SHOWN_CHARS`` characters (a real tensor name is seldom over 150; a hostile one can be a
+    megabyte long, a number thousands of digits)."""
     r = ascii(v) if isinstance(v, str) else repr(v)
-    return r if len(r) <= 80 else f"{r[:77]}..."
+    return r if len(r) <= SHOWN_CHARS else f"{r[: SHOWN_CHARS - 3]}..."

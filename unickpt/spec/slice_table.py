@@ -40,6 +40,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, Strict
 
 from unickpt.spec.boxes import coverage_problem
+from unickpt.spec.naming import shown
 
 __all__ = [
     "SliceTable",
@@ -160,12 +161,14 @@ def slice_problem(
     nd = len(gshape)
     if len(offsets) != nd or len(shape) != nd:
         return (
-            f"slice {key!r} in {file!r} has {len(offsets)}-dim offsets and "
+            f"slice {shown(key)} in {shown(file)} has {len(offsets)}-dim offsets and "
             f"{len(shape)}-dim shape for a {nd}-dim tensor"
         )
     for d, (o, n, g) in enumerate(zip(offsets, shape, gshape, strict=True)):
         if o + n > g:
-            return f"slice {key!r} in {file!r} spans [{o}, {o + n}) on dim {d} of a tensor of size {g}"
+            return (
+                f"slice {shown(key)} in {shown(file)} spans [{o}, {o + n}) on dim {d} of a tensor of size {g}"
+            )
     return None
 
 
@@ -180,12 +183,12 @@ def ranges_problem(
     for r in ranges:
         if r.start != pos or r.end <= r.start:
             return (
-                f"slice {key!r} in {file!r}: range [{r.start}, {r.end}) does not continue at byte {pos} "
+                f"slice {shown(key)} in {shown(file)}: range [{r.start}, {r.end}) does not continue at byte {pos} "
                 f"(ranges tile the slice's {nbytes} bytes in order)"
             )
         pos = r.end
     if pos != nbytes:
-        return f"slice {key!r} in {file!r}: ranges cover {pos} of its {nbytes} bytes"
+        return f"slice {shown(key)} in {shown(file)}: ranges cover {pos} of its {nbytes} bytes"
     return None
 
 

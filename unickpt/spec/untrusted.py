@@ -312,7 +312,7 @@ def confined_path(base: str, name: str, where: str, entry: str) -> str:
     if real.startswith(real_base + os.sep) or _hf_cache_blob(real_base, real):
         return path
     raise UnsafePathError(
-        f"{where}: {entry} {name!r} is a symbolic link to {real}, outside {real_base}; "
+        f"{where}: {entry} {shown(name)} is a symbolic link to {real}, outside {real_base}; "
         "refusing to read outside the checkpoint"
     )
 
@@ -428,13 +428,13 @@ def count_problem(files: Sequence[str] | None, tensors: Mapping[str, Any]) -> st
     for name, n, field, spec in described:
         if spec == fid or (isinstance(spec, list) and fid in spec):
             return (
-                f"unickpt.tensors[{shown(name)}].{field}: declares {n} slice(s) in data file {files[fid]!r}, "
+                f"unickpt.tensors[{shown(name)}].{field}: declares {n} slice(s) in data file {shown(files[fid])}, "
                 f"which with the slices of other tensors comes to {int(counts[fid])}; a data file holds at "
                 f"most {MAX_FILE_ENTRIES} entries (a header of at most {MAX_HEADER_BYTES} bytes, "
                 f"{MIN_ENTRY_BYTES} bytes or more per entry)"
             )
     return (  # never: only a tensor naming the file adds to its count
-        f"unickpt.files[{fid}]: {int(counts[fid])} slices declared in data file {files[fid]!r}, more than "
+        f"unickpt.files[{fid}]: {int(counts[fid])} slices declared in data file {shown(files[fid])}, more than "
         f"the {MAX_FILE_ENTRIES} entries a data file holds"
     )
 
@@ -455,7 +455,7 @@ def entries_problem(name: str, slices: int, size: int, path: str) -> str | None:
     if slices <= room:
         return None
     return (
-        f"unickpt.tensors: the index stores {slices} slice(s) in data file {name!r}, whose {size} bytes "
+        f"unickpt.tensors: the index stores {slices} slice(s) in data file {shown(name)}, whose {size} bytes "
         f"({path}) hold at most {room} header entries ({MIN_ENTRY_BYTES} bytes or more each)"
     )
 
@@ -486,7 +486,7 @@ def capacity_problem(
             s = size(f)
             if s is not None and per_file[f] > entries_capacity(s):
                 return (
-                    f"unickpt.tensors[{shown(name)}].{_field(t)}: {n} slice(s) in data file {f!r} (with the slices "
+                    f"unickpt.tensors[{shown(name)}].{_field(t)}: {n} slice(s) in data file {shown(f)} (with the slices "
                     f"of other tensors there: {per_file[f]}), but its {s} bytes hold at most "
                     f"{entries_capacity(s)} header entries ({MIN_ENTRY_BYTES} bytes or more each)"
                 )
@@ -538,8 +538,8 @@ def _field(t: Any) -> str:
 
 
 def _few(files: Sequence[str]) -> str:
-    shown = ", ".join(repr(f) for f in files[:3])
-    return shown + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+    listed = ", ".join(shown(f) for f in files[:3])
+    return listed + (f" and {len(files) - 3} more" if len(files) > 3 else "")
 
 
 def read_bounded(path: str, limit: int) -> bytes:

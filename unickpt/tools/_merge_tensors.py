@@ -43,6 +43,7 @@ from unickpt.spec.hashing import (
     fingerprint_partial,
 )
 from unickpt.spec.index import TensorEntry
+from unickpt.spec.naming import shown
 from unickpt.store.publish import StoreFile
 from unickpt.store.storage import RangeFile, Storage
 from unickpt.tools._bands import bands, is_sparse, next_data, pieces
@@ -284,7 +285,7 @@ def validate_runs(r: CheckpointReader) -> RunsOf:
         if not _tiles(t, runs):
             problem = coverage_problem(t.shape, t.table.boxes())
             if problem:
-                raise IndexFileError(f"{r.index_path or r.directory}: tensor {name!r}: {problem}")
+                raise IndexFileError(f"{r.index_path or r.directory}: tensor {shown(name)}: {problem}")
     matched = locate_all(r)  # every slice at once (spans kept for the copy); raises naming the first bad one
     if r.has_unickpt_block and not all_referenced(r.header, r.files, matched):
         check_keys_referenced(r.block, r.files, r.header)
@@ -543,7 +544,9 @@ class TensorMerger:
                 if pc is None:
                     continue
                 if pc.first != done[i]:  # pragma: no cover - bands visit each slice in its own order
-                    raise RuntimeError(f"internal: merge read {name!r} slice {s.key!r} out of order")
+                    raise RuntimeError(
+                        f"internal: merge read {shown(name)} slice {shown(s.key)} out of order"
+                    )
                 if (
                     self._hole_end(s, pc.first * isz, (pc.first + pc.count) * isz, 1)
                     >= (pc.first + pc.count) * isz

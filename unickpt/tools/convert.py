@@ -42,7 +42,7 @@ from unickpt.ckpt.dcp_hf import dcp_hf_files
 from unickpt.errors import CheckpointFormatError, UnsupportedError
 from unickpt.spec.dtypes import itemsize
 from unickpt.spec.index import LayoutInfo
-from unickpt.spec.naming import HF_SIDE_FILES
+from unickpt.spec.naming import HF_SIDE_FILES, shown
 from unickpt.spec.untrusted import check_graph
 from unickpt.store.publish import Sink, output_location, output_sink, read_small_file
 from unickpt.store.storage import confined_location, is_file_location, join_location, open_storage
@@ -195,9 +195,9 @@ def convert_checkpoint(
     Hugging Face checkpoint). See the module docstring for what is (never) unpickled.
     """
     if source not in SOURCES:
-        raise UnsupportedError(f"convert --from {source!r}: choose one of {', '.join(SOURCES)}")
+        raise UnsupportedError(f"convert --from {shown(source)}: choose one of {', '.join(SOURCES)}")
     if target not in TARGETS:
-        raise UnsupportedError(f"convert --to {target!r}: choose one of {', '.join(TARGETS)}")
+        raise UnsupportedError(f"convert --to {shown(target)}: choose one of {', '.join(TARGETS)}")
     if (target in EXPORTS) != (source == "unickpt"):
         raise UnsupportedError(
             f"convert --from {source} --to {target}: DCP, Colossal-AI and DeepSpeed output is written from a "
@@ -297,7 +297,8 @@ def convert_checkpoint(
         plugin = "bin"
     if not tensors:
         raise CheckpointFormatError(
-            f"{src_s}: no tensors to convert" + (f" under prefix {strip_prefix!r}" if strip_prefix else "")
+            f"{src_s}: no tensors to convert"
+            + (f" under prefix {shown(strip_prefix)}" if strip_prefix else "")
         )
     tensors = hub_tensor_data(tensors, _config_json(src_s, *origin))
     total = sum(math.prod(t.shape) * itemsize(t.dtype) for t in tensors.values())
@@ -364,7 +365,7 @@ def _write_run(
             n = int(train["step"])
         except (TypeError, ValueError):
             raise CheckpointFormatError(
-                f"{src}: train_state.step is {train['step']!r}, not a step number"
+                f"{src}: train_state.step is {shown(train['step'])}, not a step number"
             ) from None
     if n is None:
         raise CheckpointFormatError(

@@ -29,6 +29,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, UnsupportedError
+from unickpt.spec.naming import shown
 from unickpt.store.publish import read_small_file
 from unickpt.store.storage import (
     confined_location,
@@ -99,7 +100,7 @@ def _checkpoint_shapes(model_dir: str) -> list[tuple[str, tuple[int, ...]]]:
             wm = _read_json(idx).get("weight_map")
             if not isinstance(wm, dict):
                 raise CheckpointFormatError(f"{idx}: no weight_map object")
-            files = {n: _file(model_dir, f, idx, f"weight_map[{n!r}]") for n, f in wm.items()}
+            files = {n: _file(model_dir, f, idx, f"weight_map[{shown(n)}]") for n, f in wm.items()}
             break
     else:
         single = [
@@ -121,7 +122,9 @@ def _checkpoint_shapes(model_dir: str) -> list[tuple[str, tuple[int, ...]]]:
         if path not in shapes:
             shapes[path] = _file_shapes(path)
         if name not in shapes[path]:
-            raise CheckpointFormatError(f"{path}: has no tensor {name!r} although its index names it there")
+            raise CheckpointFormatError(
+                f"{path}: has no tensor {shown(name)} although its index names it there"
+            )
         out.append((name, shapes[path][name]))
     return out
 
@@ -227,13 +230,13 @@ def convert_colossalai_optimizer(
     if not all(isinstance(f, str) for f in wm.values()):
         raise CheckpointFormatError(f"{idx}: weight_map must map parameter ids to file names")
     for fname in sorted(set(wm.values())):
-        part = _load_pickle(_file(src, fname, idx, f"weight_map file {fname!r}"))
+        part = _load_pickle(_file(src, fname, idx, f"weight_map file {shown(fname)}"))
         if not isinstance(part, dict):
             raise CheckpointFormatError(f"{src}/{fname}: holds a {type(part).__name__}, not {{id: state}}")
         for k, v in part.items():
             if not isinstance(k, int) or not isinstance(v, dict):
                 raise CheckpointFormatError(
-                    f"{src}/{fname}: entry {k!r} is not an integer id with a state dict"
+                    f"{src}/{fname}: entry {shown(k)} is not an integer id with a state dict"
                 )
             state[k] = v
     tensors: dict[str, TensorData] = {}
@@ -248,8 +251,8 @@ def convert_colossalai_optimizer(
             if isinstance(value, torch.Tensor):
                 if value.dim() > 0 and shape is not None and tuple(value.shape) != shape:
                     raise CheckpointFormatError(
-                        f"{src}: state {key!r} of parameter id {pid} has shape {tuple(value.shape)}, but id {pid} "
-                        f"maps to {fqn!r} of shape {shape}: the parameter order differs from the optimizer's; "
+                        f"{src}: state {shown(key)} of parameter id {pid} has shape {tuple(value.shape)}, but id {pid} "
+                        f"maps to {shown(fqn)} of shape {shape}: the parameter order differs from the optimizer's; "
                         "give the model and the optimizer in Python"
                     )
                 name = optimizer_tensor_name(fqn, str(key))
@@ -260,11 +263,13 @@ def convert_colossalai_optimizer(
                     {"param": fqn, "state": str(key)},
                 )
             else:
-                param_state.setdefault(fqn, {})[str(key)] = to_json_value(value, f"state[{pid}][{key!r}]")
+                param_state.setdefault(fqn, {})[str(key)] = to_json_value(
+                    value, f"state[{pid}][{shown(key)}]"
+                )
     out_groups = []
     for i, g in enumerate(groups):
         hyper = {
-            k: to_json_value(v, f"param_groups[{i}][{k!r}]")
+            k: to_json_value(v, f"param_groups[{i}][{shown(k)}]")
             for k, v in g.items()
             if k not in ("params", "param_names")
         }

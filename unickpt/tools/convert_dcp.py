@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from unickpt._logging import get_logger
 from unickpt.errors import CheckpointFormatError
+from unickpt.spec.naming import shown
 
 if TYPE_CHECKING:
     import numpy as np
@@ -86,7 +87,9 @@ def _split_fqn(rest: str, fqns: list[str], key: str) -> tuple[str, str]:
     if best is not None:
         return best, rest[len(best) + 1 :]
     if "." not in rest:
-        raise CheckpointFormatError(f"DCP key {key!r}: cannot tell the parameter FQN from the state name")
+        raise CheckpointFormatError(
+            f"DCP key {shown(key)}: cannot tell the parameter FQN from the state name"
+        )
     fqn, name = rest.rsplit(".", 1)
     return fqn, name
 
@@ -174,11 +177,11 @@ def _param_groups(lay: DcpLayout, values: dict[str, Any]) -> list[dict[str, Any]
             params = values[g["params"]]
             if not isinstance(params, list) or not all(isinstance(x, str) for x in params):
                 raise CheckpointFormatError(
-                    f"DCP key {g['params']!r}: expected the list of parameter FQNs of group {i}, got "
+                    f"DCP key {shown(g['params'])}: expected the list of parameter FQNs of group {i}, got "
                     f"{type(params).__name__}; save get_state_dict(model, optimizer) (FQN-keyed), not optimizer.state_dict()"
                 )
             hyper = {
-                k: to_json_value(values[key], f"param_groups[{i}][{k!r}]")
+                k: to_json_value(values[key], f"param_groups[{i}][{shown(k)}]")
                 for k, key in g.items()
                 if k != "params"
             }
@@ -188,7 +191,8 @@ def _param_groups(lay: DcpLayout, values: dict[str, Any]) -> list[dict[str, Any]
     by_hyper: dict[str, dict[str, Any]] = {}
     for fqn, g in lay.flat_groups.items():
         hyper = {
-            k: to_json_value(values[key], f"param_groups[{fqn!r}][{k!r}]") for k, key in sorted(g.items())
+            k: to_json_value(values[key], f"param_groups[{shown(fqn)}][{shown(k)}]")
+            for k, key in sorted(g.items())
         }
         sig = json.dumps(hyper, sort_keys=True)
         by_hyper.setdefault(sig, {**hyper, "params": []})["params"].append(fqn)
@@ -360,7 +364,9 @@ def _write_parts(
         known = {f for g in groups for f in g["params"]}
         param_state: dict[str, dict[str, Any]] = {}
         for (fqn, k), key in lay.optim_values.items():
-            param_state.setdefault(fqn, {})[k] = to_json_value(values[key], f"state[{fqn!r}][{k!r}]")
+            param_state.setdefault(fqn, {})[k] = to_json_value(
+                values[key], f"state[{shown(fqn)}][{shown(k)}]"
+            )
         opt_tensors = {}
         for (fqn, k), key in lay.optim_tensors.items():
             name = optimizer_tensor_name(fqn, k)

@@ -51,6 +51,7 @@ from unickpt.errors import (
     UnsafePathError,
     UnsupportedError,
 )
+from unickpt.spec.naming import shown
 from unickpt.store.storage import (
     confined_location,
     is_dir_location,
@@ -109,10 +110,10 @@ def find_step_dir(src: str, tag: str | None = None) -> str:
         with open_file_location(latest) as f:
             tag = f.read(4096).decode("utf-8", "replace").strip()
     if not _TAG.match(tag):
-        raise UnsafePathError(f"{tag_file}: checkpoint tag {tag[:300]!r} is not a plain directory name")
+        raise UnsafePathError(f"{tag_file}: checkpoint tag {shown(tag[:300])} is not a plain directory name")
     step_dir = confined_location(src, tag, tag_file, "checkpoint tag")
     if not is_dir_location(step_dir):
-        raise IncompleteCheckpointError(f"{src}: the tag {tag!r} names no directory")
+        raise IncompleteCheckpointError(f"{src}: the tag {shown(tag)} names no directory")
     return step_dir
 
 
@@ -167,7 +168,7 @@ def _rank_files(step_dir: str) -> tuple[list[str], list[str]]:
 
 def _get(d: Any, key: str, where: str) -> Any:
     if not isinstance(d, dict) or key not in d:
-        raise CheckpointFormatError(f"{where}: no {key!r} (not a DeepSpeed ZeRO checkpoint file)")
+        raise CheckpointFormatError(f"{where}: no {shown(key)} (not a DeepSpeed ZeRO checkpoint file)")
     return d[key]
 
 
@@ -228,9 +229,9 @@ def _read(src: str, tag: str | None) -> DeepSpeedCheckpoint:
         frags = [m.get("frozen_param_fragments", {}).get(name) for m in models]
         if any(f is None for f in frags):
             raise CheckpointFormatError(
-                f"{step_dir}: frozen parameter {name!r} has no fragment on every rank"
+                f"{step_dir}: frozen parameter {shown(name)} has no fragment on every rank"
             )
-        dims = _shape(shape, model_path, f"frozen parameter {name!r}")
+        dims = _shape(shape, model_path, f"frozen parameter {shown(name)}")
         out.model[name] = _cat(frags)[: math.prod(dims)].view(dims).clone()
     merged = (
         _zero3(osds, optim_paths, param_shapes, ws)
@@ -308,7 +309,9 @@ def _read_universal(step_dir: str) -> DeepSpeedCheckpoint:
         fqns = []
         for name, shape in shapes.items():
             if not isinstance(name, str) or not _TAG.match(name) or ".." in name:
-                raise UnsafePathError(f"{model_path}: parameter name {name!r} is not a plain directory name")
+                raise UnsafePathError(
+                    f"{model_path}: parameter name {shown(name)} is not a plain directory name"
+                )
             shape = [int(x) for x in shape]
             where = join_location(step_dir, f"zero/{name}")
             tensors: dict[str, Any] = {}
@@ -384,7 +387,7 @@ def _split_state(
             t = st.get(key)
             if not isinstance(t, torch.Tensor) or t.numel() < n:
                 raise CheckpointFormatError(
-                    f"{path}: optimizer state {key!r} of {what} is shorter than its {n}-element fp32 partition"
+                    f"{path}: optimizer state {shown(key)} of {what} is shorter than its {n}-element fp32 partition"
                 )
             parts.append(t.reshape(-1)[:n])
         flat[key] = parts
@@ -419,11 +422,11 @@ def _zero12(osds: list[Any], paths: list[str], param_shapes: list[Any], ws: int)
         offset = 0
         params = []
         for (name, shape), pad in zip(shapes.items(), pads, strict=True):
-            shape = _shape(shape, paths[0], f"parameter {name!r} of group {gi}")
+            shape = _shape(shape, paths[0], f"parameter {shown(name)} of group {gi}")
             n = math.prod(shape)
             if offset + n > flat.numel():
                 raise CheckpointFormatError(
-                    f"{paths[0]}: parameter {name!r} of group {gi} ends past the group's {flat.numel()} elements"
+                    f"{paths[0]}: parameter {shown(name)} of group {gi} ends past the group's {flat.numel()} elements"
                 )
 
             def cut(v: Any, o: int = offset, n: int = n, shape: list[int] = shape) -> Any:
@@ -432,7 +435,7 @@ def _zero12(osds: list[Any], paths: list[str], param_shapes: list[Any], ws: int)
             params.append((name, cut(flat), _param_state(moments, scalars, cut)))
             if type(pad) is not int or not 0 <= pad <= flat.numel():
                 raise CheckpointFormatError(
-                    f"{paths[0]}: alignment padding {pad!r} of parameter {name!r} of group {gi} is not an "
+                    f"{paths[0]}: alignment padding {shown(pad)} of parameter {shown(name)} of group {gi} is not an "
                     f"integer in 0..{flat.numel()}"
                 )
             offset += n + pad
@@ -477,12 +480,12 @@ def _zero3(osds: list[Any], paths: list[str], param_shapes: list[Any], ws: int) 
         first = offset
         params = []
         for name, shape in shapes.items():
-            shape = _shape(shape, paths[0], f"parameter {name!r}")
+            shape = _shape(shape, paths[0], f"parameter {shown(name)}")
             n = math.prod(shape)
             part = -(-n // ws)
             if offset + part > rank_flat[0].numel():
                 raise CheckpointFormatError(
-                    f"{paths[0]}: parameter {name!r} ends past the rank's fp32 partition"
+                    f"{paths[0]}: parameter {shown(name)} ends past the rank's fp32 partition"
                 )
 
             def cut(
@@ -573,9 +576,9 @@ def write_deepspeed(
                 name = optimizer_tensor_name(fqn, key)
                 tensors[name] = td(v, name, {"param": fqn, "state": key})
             else:
-                param_state.setdefault(fqn, {})[key] = to_json_value(v, f"state[{fqn!r}][{key!r}]")
+                param_state.setdefault(fqn, {})[key] = to_json_value(v, f"state[{shown(fqn)}][{shown(key)}]")
     groups = [
-        {k: to_json_value(v, f"param_groups[{i}][{k!r}]") for k, v in g.items()}
+        {k: to_json_value(v, f"param_groups[{i}][{shown(k)}]") for k, v in g.items()}
         for i, g in enumerate(ck.param_groups)
     ]
     write(

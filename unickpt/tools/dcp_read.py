@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, UnsupportedError
 from unickpt.spec.boxes import box_volume, coverage_problem
+from unickpt.spec.naming import shown
 from unickpt.spec.untrusted import check_graph, confined_path, plain_name, show
 from unickpt.store.storage import Storage, open_storage
 
@@ -147,7 +148,7 @@ def _store_size(storage: Storage, root: str, src: str, name: str) -> int:
         return storage.size(storage.join(root, name))
     except (FileNotFoundError, IncompleteCheckpointError):
         raise IncompleteCheckpointError(
-            f"{src.rstrip('/')}/{_METADATA}: names data file {name!r}, which {src} does not hold"
+            f"{src.rstrip('/')}/{_METADATA}: names data file {shown(name)}, which {src} does not hold"
         ) from None
 
 
@@ -190,7 +191,7 @@ def check_metadata(md: Metadata, where: str, size_of: Any) -> None:
         off = getattr(idx, "offset", None)
         if not isinstance(fqn, str) or (off is not None and _ints(off) is None):
             raise CheckpointFormatError(f"{where}: storage_data key {show(idx)} is not a DCP MetadataIndex")
-        entry = f"storage_data[{fqn!r}{'' if off is None else f' at {list(off)}'}]"
+        entry = f"storage_data[{shown(fqn)}{'' if off is None else f' at {list(off)}'}]"
         name = plain_name(getattr(info, "relative_path", None), where, f"{entry}.relative_path")
         start, length = getattr(info, "offset", None), getattr(info, "length", None)
         if (
@@ -211,7 +212,7 @@ def check_metadata(md: Metadata, where: str, size_of: Any) -> None:
             sizes[name] = size_of(name, f"{entry}.relative_path")
         if start + length > sizes[name]:
             raise CheckpointFormatError(
-                f"{where}: {entry} claims bytes [{start}, {start + length}) of {name!r}, which holds {sizes[name]} bytes"
+                f"{where}: {entry} claims bytes [{start}, {start + length}) of {shown(name)}, which holds {sizes[name]} bytes"
             )
         ranges.setdefault(name, []).append((start, length, entry))
         lengths[(fqn, None if off is None else tuple(off))] = length
@@ -220,16 +221,16 @@ def check_metadata(md: Metadata, where: str, size_of: Any) -> None:
         for (a, la, ea), (b, _, eb) in itertools.pairwise(rs):
             if b < a + la:
                 raise CheckpointFormatError(
-                    f"{where}: {ea} and {eb} claim overlapping bytes of {name!r} (at {a} and {b})"
+                    f"{where}: {ea} and {eb} claim overlapping bytes of {shown(name)} (at {a} and {b})"
                 )
     for fqn, m in sdm.items():
         if isinstance(m, BytesStorageMetadata):
             if (fqn, None) not in lengths:
-                raise CheckpointFormatError(f"{where}: entry {fqn!r} has no storage_data entry")
+                raise CheckpointFormatError(f"{where}: entry {shown(fqn)} has no storage_data entry")
             continue
         if not isinstance(m, TensorStorageMetadata):
             raise CheckpointFormatError(
-                f"{where}: entry {fqn!r} is a {type(m).__name__}, not tensor or bytes metadata"
+                f"{where}: entry {shown(fqn)} is a {type(m).__name__}, not tensor or bytes metadata"
             )
         _check_tensor(fqn, m, lengths, where)
 
@@ -255,7 +256,7 @@ def _check_tensor(fqn: str, m: TensorStorageMetadata, lengths: dict[Any, int], w
     chunks = getattr(m, "chunks", None)
     if not isinstance(dtype, torch.dtype) or shape is None or not isinstance(chunks, list):
         raise CheckpointFormatError(
-            f"{where}: tensor {fqn!r} has no valid dtype, size (at most {MAX_NDIM} non-negative integers) "
+            f"{where}: tensor {shown(fqn)} has no valid dtype, size (at most {MAX_NDIM} non-negative integers) "
             "and chunk list"
         )
     item = dtype.itemsize
@@ -266,18 +267,18 @@ def _check_tensor(fqn: str, m: TensorStorageMetadata, lengths: dict[Any, int], w
         sub = _ints(getattr(c, "sizes", None), len(shape))
         if offs is None or sub is None or any(o + s > g for o, s, g in zip(offs, sub, shape, strict=True)):
             raise CheckpointFormatError(
-                f"{where}: tensor {fqn!r} chunk {i} (offsets {show(getattr(c, 'offsets', None))}, sizes "
+                f"{where}: tensor {shown(fqn)} chunk {i} (offsets {show(getattr(c, 'offsets', None))}, sizes "
                 f"{show(getattr(c, 'sizes', None))}) does not lie inside its size {shape}"
             )
         stored = lengths.get((fqn, tuple(offs)))
         if stored is None:
             raise CheckpointFormatError(
-                f"{where}: tensor {fqn!r} chunk {i} at {offs} has no storage_data entry"
+                f"{where}: tensor {shown(fqn)} chunk {i} at {offs} has no storage_data entry"
             )
         n = box_volume(sub)
         if n * item > stored:
             raise CheckpointFormatError(
-                f"{where}: tensor {fqn!r} chunk {i} of sizes {sub} needs {n * item} bytes but its storage "
+                f"{where}: tensor {shown(fqn)} chunk {i} of sizes {sub} needs {n * item} bytes but its storage "
                 f"entry holds {stored}"
             )
         total += n
@@ -285,7 +286,7 @@ def _check_tensor(fqn: str, m: TensorStorageMetadata, lengths: dict[Any, int], w
     volume = box_volume(shape)
     if total != volume:
         raise CheckpointFormatError(
-            f"{where}: tensor {fqn!r} of size {shape} ({volume} elements) has chunks of {total} elements in all"
+            f"{where}: tensor {shown(fqn)} of size {shape} ({volume} elements) has chunks of {total} elements in all"
         )
     boxes = [b for b in boxes if all(b[1])]  # empty chunks hold nothing
     if volume and len(boxes) > 1:
@@ -293,12 +294,14 @@ def _check_tensor(fqn: str, m: TensorStorageMetadata, lengths: dict[Any, int], w
         if problem is None:
             if len(boxes) << len(shape) > _MAX_CORNERS:
                 raise UnsupportedError(
-                    f"{where}: tensor {fqn!r} has {len(shape)} dims and {len(boxes)} chunks cut along "
+                    f"{where}: tensor {shown(fqn)} has {len(shape)} dims and {len(boxes)} chunks cut along "
                     f"several dims; unickpt checks such tilings up to {_MAX_CORNERS} chunk corners"
                 )
             problem = coverage_problem(shape, boxes)
         if problem:
-            raise CheckpointFormatError(f"{where}: the chunks of tensor {fqn!r} do not tile it: {problem}")
+            raise CheckpointFormatError(
+                f"{where}: the chunks of tensor {shown(fqn)} do not tile it: {problem}"
+            )
 
 
 def _unpickle(f: Any, path: str) -> Metadata:
@@ -387,10 +390,10 @@ class _SafePlanner(DefaultLoadPlanner):
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
             raise UnsupportedError(
-                f"DCP entry {fqn!r} holds objects torch.load(weights_only=True) refuses ({e}); "
+                f"DCP entry {shown(fqn)} holds objects torch.load(weights_only=True) refuses ({e}); "
                 "unickpt never unpickles arbitrary objects"
             ) from None
-        check_graph(obj, f"DCP entry {fqn!r}", "unpickled value", CheckpointFormatError)
+        check_graph(obj, f"DCP entry {shown(fqn)}", "unpickled value", CheckpointFormatError)
         self.original_state_dict[fqn] = obj
 
 

@@ -33,6 +33,7 @@ import numpy as np
 
 from unickpt.ckpt.reader import CheckpointReader
 from unickpt.errors import CheckpointFormatError
+from unickpt.spec import naming
 from unickpt.spec.boxes import contiguous_start, flat_range_to_boxes, intersect
 from unickpt.spec.dtypes import itemsize, word_dtype
 from unickpt.spec.hashing import (
@@ -268,7 +269,7 @@ def _data_sum(
         found = h.hexdigest()
         if xxh3 is not None and found != xxh3:
             failures.append(
-                f"{r.directory}: tensor {name!r} in file {file!r} (key {key!r}): "
+                f"{r.directory}: tensor {naming.shown(name)} in file {naming.shown(file)} (key {naming.shown(key)}): "
                 f"expected xxh3-64 {xxh3}, found {found}"
             )
     return combine_partials(partials)
@@ -328,7 +329,7 @@ def diff_checkpoints(
                             fp = finalize_fingerprint(t, e.dtype, e.shape, s)
                             if fp != e.fingerprint:
                                 report.integrity_failures.append(
-                                    f"{r.index_path or r.directory}: tensor {t!r}: recorded fingerprint "
+                                    f"{r.index_path or r.directory}: tensor {naming.shown(t)}: recorded fingerprint "
                                     f"{e.fingerprint}, data gives {fp}"
                                 )
                     d = compare_tensors(n, ra, ea, rb, eb)

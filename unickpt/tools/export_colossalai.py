@@ -32,7 +32,7 @@ import torch
 from unickpt.ckpt.reader import open_checkpoint
 from unickpt.errors import UnsupportedError
 from unickpt.io.jsonstate import from_json_value
-from unickpt.spec.naming import shard_name
+from unickpt.spec.naming import shard_name, shown
 from unickpt.store.publish import Sink, output_sink
 from unickpt.store.storage import open_storage
 from unickpt.tools._common import checkpoint_parts
@@ -72,7 +72,7 @@ def _write_optimizer(optim_path: str, out: Sink, max_shard_bytes: int, progress:
         if reader.block.param_state:
             fqn, scalars = next(iter(reader.block.param_state.items()))
             raise UnsupportedError(
-                f"{optim_path}: parameter {fqn!r} has non-tensor optimizer state {sorted(scalars)}, which "
+                f"{optim_path}: parameter {shown(fqn)} has non-tensor optimizer state {sorted(scalars)}, which "
                 "Colossal-AI's optimizer files hold only as pickles; unickpt writes no pickled state"
             )
         ids: dict[str, int] = {}
@@ -88,7 +88,7 @@ def _write_optimizer(optim_path: str, out: Sink, max_shard_bytes: int, progress:
                 continue
             if entry.param not in ids:
                 raise UnsupportedError(
-                    f"{optim_path}: optimizer state of {entry.param!r}, which no param group lists"
+                    f"{optim_path}: optimizer state of {shown(entry.param)}, which no param group lists"
                 )
             state.setdefault(ids[entry.param], {})[entry.state] = flat[name]
     out.put(GROUP_FILE, _pickled(saved_groups))

@@ -52,6 +52,7 @@ import torch
 from unickpt.ckpt.reader import open_checkpoint
 from unickpt.errors import CheckpointFormatError, IncompleteCheckpointError, UnsupportedError
 from unickpt.io.jsonstate import from_json_value
+from unickpt.spec.naming import shown
 from unickpt.store.publish import Sink, StoreFile, output_sink
 from unickpt.store.storage import open_storage
 from unickpt.tools._common import checkpoint_parts
@@ -188,17 +189,17 @@ def _plan(
         for fqn in g.get("params", []):
             if fqn in seen:
                 raise CheckpointFormatError(
-                    f"{optim_path}: parameter {fqn!r} is listed by param groups {seen[fqn]} and {gi}"
+                    f"{optim_path}: parameter {shown(fqn)} is listed by param groups {seen[fqn]} and {gi}"
                 )
             seen[fqn] = gi
             if fqn not in model:
                 raise CheckpointFormatError(
-                    f"{optim_path}: param group {gi} lists {fqn!r}, which the model checkpoint "
+                    f"{optim_path}: param group {gi} lists {shown(fqn)}, which the model checkpoint "
                     f"{model_path} does not hold"
                 )
             if not _NAME.match(fqn) or ".." in fqn:
                 raise UnsupportedError(
-                    f"{optim_path}: parameter name {fqn!r} cannot be a directory of a DeepSpeed universal "
+                    f"{optim_path}: parameter name {shown(fqn)} cannot be a directory of a DeepSpeed universal "
                     "checkpoint (zero/<name>/); only letters, digits and _ . + - are"
                 )
             weight = model[fqn]
@@ -209,17 +210,17 @@ def _plan(
                     continue
                 if not isinstance(v, torch.Tensor):
                     raise UnsupportedError(
-                        f"{optim_path}: optimizer state {key!r} of {fqn!r} is a {type(v).__name__}; a DeepSpeed "
+                        f"{optim_path}: optimizer state {shown(key)} of {shown(fqn)} is a {type(v).__name__}; a DeepSpeed "
                         "universal checkpoint holds per-element state tensors (and the step) only"
                     )
                 if not _KEY.match(key) or key == "fp32":
                     raise UnsupportedError(
-                        f"{optim_path}: optimizer state {key!r} of {fqn!r} cannot be a file name of a DeepSpeed "
+                        f"{optim_path}: optimizer state {shown(key)} of {shown(fqn)} cannot be a file name of a DeepSpeed "
                         "universal checkpoint (<key>.pt, fp32 being the weight's)"
                     )
                 if v.numel() != weight.numel():
                     raise UnsupportedError(
-                        f"{optim_path}: optimizer state {key!r} of {fqn!r} has {v.numel()} elements, its "
+                        f"{optim_path}: optimizer state {shown(key)} of {shown(fqn)} has {v.numel()} elements, its "
                         f"parameter {weight.numel()}; DeepSpeed restores per-element state only"
                     )
                 files[key] = v.reshape(weight.shape)
@@ -230,8 +231,8 @@ def _plan(
                 first = (fqn, keys, step_value)
             elif keys != first[1] or step_value != first[2]:
                 raise UnsupportedError(
-                    f"{optim_path}: in param group {gi}, {first[0]!r} has state {sorted(first[1])} at step "
-                    f"{first[2]} but {fqn!r} has {sorted(keys)} at step {step_value}; DeepSpeed keeps one "
+                    f"{optim_path}: in param group {gi}, {shown(first[0])} has state {sorted(first[1])} at step "
+                    f"{first[2]} but {shown(fqn)} has {sorted(keys)} at step {step_value}; DeepSpeed keeps one "
                     "set of state keys and one step per param group"
                 )
             params.append((fqn, files))

@@ -36,7 +36,7 @@ from unickpt.errors import ConfigError, IntegrityError, IntegrityFailure, StateM
 from unickpt.io.adapters import ADAPTER_CONFIG, read_adapter_config
 from unickpt.spec.hashing import SliceHasher
 from unickpt.spec.index import LayoutInfo, TensorEntry
-from unickpt.spec.naming import HF_SIDE_FILES
+from unickpt.spec.naming import HF_SIDE_FILES, shown
 from unickpt.store.publish import output_location, output_sink
 from unickpt.store.storage import open_storage, parent_location, url_options
 from unickpt.tools._common import read_side_files
@@ -123,19 +123,19 @@ def _check_config(cfg: dict[str, Any], where: str) -> None:
     peft_type = getattr(peft_type, "value", peft_type)
     if peft_type != "LORA":
         raise UnsupportedError(
-            f"merge --merge-adapters: {where}: peft_type is {peft_type!r}; only LoRA adapters ('LORA') are merged"
+            f"merge --merge-adapters: {where}: peft_type is {shown(peft_type)}; only LoRA adapters ('LORA') are merged"
         )
     for key, refused in _REFUSED.items():
         if key in cfg and refused(cfg[key]):
             raise UnsupportedError(
-                f"merge --merge-adapters: {where}: {key}={cfg[key]!r} is not supported "
+                f"merge --merge-adapters: {where}: {key}={shown(cfg[key])} is not supported "
                 "(only plain LoRA of linear layers is merged); merge it with peft's merge_and_unload"
             )
     for key in ("r", "lora_alpha"):
         v = cfg.get(key)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
             raise ConfigError(
-                f"merge --merge-adapters: {where}: {key} must be a positive number, found {v!r}"
+                f"merge --merge-adapters: {where}: {key} must be a positive number, found {shown(v)}"
             )
 
 
@@ -145,7 +145,7 @@ def _plan(names: list[str], src: str) -> _Plan:
     if outside:
         raise UnsupportedError(
             f"merge --merge-adapters: {src} is not a PeftModel's checkpoint: {len(outside)} tensor(s) are not "
-            f"under {PREFIX!r} ({', '.join(repr(n) for n in outside[:3])})"
+            f"under {shown(PREFIX)} ({', '.join(repr(n) for n in outside[:3])})"
         )
     for n in names:
         rest = n[len(PREFIX) :]
@@ -153,7 +153,7 @@ def _plan(names: list[str], src: str) -> _Plan:
         if m is not None:
             if m["param"] != "weight":
                 raise UnsupportedError(
-                    f"merge --merge-adapters: tensor {n!r} is a LoRA {m['param']} (lora_bias); only LoRA weights are merged"
+                    f"merge --merge-adapters: tensor {shown(n)} is a LoRA {m['param']} (lora_bias); only LoRA weights are merged"
                 )
             plan.adapters.add(m["adapter"])
             plan.lora.setdefault(m["module"], {})[m["ab"]] = n
@@ -162,7 +162,7 @@ def _plan(names: list[str], src: str) -> _Plan:
         if other is not None:
             kind = "DoRA" if other[1] == "lora_magnitude_vector" else other[1]
             raise UnsupportedError(
-                f"merge --merge-adapters: tensor {n!r} belongs to a {kind} adapter, which merge does not support; "
+                f"merge --merge-adapters: tensor {shown(n)} belongs to a {kind} adapter, which merge does not support; "
                 "only plain LoRA of linear layers is merged"
             )
         if _ORIGINAL.match(rest):
@@ -176,7 +176,7 @@ def _plan(names: list[str], src: str) -> _Plan:
             target = f"{m['module']}.{m['param']}" if m is not None else rest
         if target in plan.out:
             raise UnsupportedError(
-                f"merge --merge-adapters: tensors {plan.out[target]!r} and {n!r} both become {target!r}"
+                f"merge --merge-adapters: tensors {shown(plan.out[target])} and {shown(n)} both become {shown(target)}"
             )
         plan.out[target] = n
     if len(plan.adapters) > 1:
@@ -187,12 +187,12 @@ def _plan(names: list[str], src: str) -> _Plan:
         for part in ("A", "B"):
             if part not in ab:
                 raise StateMismatchError(
-                    f"merge --merge-adapters: {src}: module {module!r} has lora_{'B' if part == 'A' else 'A'} but no lora_{part}",
+                    f"merge --merge-adapters: {src}: module {shown(module)} has lora_{'B' if part == 'A' else 'A'} but no lora_{part}",
                     missing=[f"{PREFIX}{module}.lora_{part}"],
                 )
         if f"{module}.weight" not in plan.out:
             raise StateMismatchError(
-                f"merge --merge-adapters: {src}: LoRA module {module!r} has no base weight ({PREFIX}{module}.base_layer.weight)",
+                f"merge --merge-adapters: {src}: LoRA module {shown(module)} has no base weight ({PREFIX}{module}.base_layer.weight)",
                 missing=[f"{PREFIX}{module}.base_layer.weight"],
             )
     return plan
@@ -293,8 +293,8 @@ def merge_adapters(
             stored = reader.tensors[name_a].shape[0]
             if stored != r:
                 raise StateMismatchError(
-                    f"merge --merge-adapters: tensor {name_a!r} has rank {stored}, but {where} gives module "
-                    f"{module!r} r={r}",
+                    f"merge --merge-adapters: tensor {shown(name_a)} has rank {stored}, but {where} gives module "
+                    f"{shown(module)} r={r}",
                     mismatched=[name_a],
                 )
             return float(alpha / math.sqrt(r) if use_rslora else alpha / r)
@@ -324,9 +324,9 @@ def merge_adapters(
                     delta = delta.to(dtype=lora_dtype)
                 if tuple(delta.shape) != tuple(w.shape):
                     raise StateMismatchError(
-                        f"merge --merge-adapters: module {module!r}: B @ A is {list(delta.shape)}"
+                        f"merge --merge-adapters: module {shown(module)}: B @ A is {list(delta.shape)}"
                         f"{' transposed (fan_in_fan_out)' if fan_in_fan_out else ''}, the base weight "
-                        f"{plan.out[name]!r} {list(w.shape)}",
+                        f"{shown(plan.out[name])} {list(w.shape)}",
                         mismatched=[plan.out[name]],
                     )
                 w += delta

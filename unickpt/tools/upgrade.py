@@ -75,7 +75,7 @@ from unickpt.spec.index import (
     index_to_json,
     parse_index,
 )
-from unickpt.spec.naming import SLICED_SENTINEL, index_name, single_name
+from unickpt.spec.naming import SLICED_SENTINEL, index_name, shown, single_name
 from unickpt.spec.untrusted import read_bounded, strict_loads
 from unickpt.store.lock import directory_lock
 from unickpt.store.publish import (
@@ -279,7 +279,7 @@ def _version_of(where: str, block: Any) -> int:
     v = block.get("format_version", 4)
     if type(v) is not int or v not in (*_DRAFTS, FORMAT_VERSION):
         raise IndexFileError(
-            f"{where}: format_version {v!r}: unickpt upgrade converts versions "
+            f"{where}: format_version {shown(v)}: unickpt upgrade converts versions "
             f"{', '.join(map(str, _DRAFTS))} to {FORMAT_VERSION}"
         )
     return v
@@ -307,14 +307,14 @@ def _block_as_v5(where: str, block: dict[str, Any], version: int) -> dict[str, A
         elif fp is not None:
             if type(fp) is not str or not _HEX16.fullmatch(fp):
                 raise IndexFileError(
-                    f"{where}: tensor {name!r}: fingerprint {fp!r} is not 16 hex digits (version {version})"
+                    f"{where}: tensor {shown(name)}: fingerprint {shown(fp)} is not 16 hex digits (version {version})"
                 )
             t["fingerprint"] = hex_to_b64(fp)
         xxh = t.get("xxh3")
         if "slices" not in t and xxh is not None:  # compact (versions 3, 4): hex per slice
             if type(xxh) is not str or not _HEXES.fullmatch(xxh):
                 raise IndexFileError(
-                    f"{where}: tensor {name!r}: 'xxh3' is not 16 hex digits (or 16 '-') per slice"
+                    f"{where}: tensor {shown(name)}: 'xxh3' is not 16 hex digits (or 16 '-') per slice"
                 )
             t["xxh3"] = hex_to_b64(xxh)
         new[name] = t
@@ -339,7 +339,7 @@ def _new_index(path: str, kind: str) -> tuple[Any, int] | None:
     idx = parse_index(raw, path)
     if idx.unickpt is None or idx.unickpt.kind != kind:
         found = None if idx.unickpt is None else idx.unickpt.kind
-        raise IndexFileError(f"{path}: holds a checkpoint of kind {found!r}, expected {kind!r}")
+        raise IndexFileError(f"{path}: holds a checkpoint of kind {shown(found)}, expected {shown(kind)}")
     check_block(path, idx.unickpt, idx.weight_map)
     directory = os.path.dirname(path) or "."
     with CheckpointReader(directory, kind, idx.unickpt, path, True, idx) as r:
@@ -412,7 +412,9 @@ def _single_kind(path: str, metadata: dict[str, str]) -> str:
     obj = strict_loads(raw, IndexFileError, f"{path}: the unickpt metadata block")
     kind = obj.get("kind") if type(obj) is dict else None
     if kind not in _KINDS:
-        raise IndexFileError(f"{path}: the unickpt metadata block has kind {kind!r}, not one of {_KINDS}")
+        raise IndexFileError(
+            f"{path}: the unickpt metadata block has kind {shown(kind)}, not one of {_KINDS}"
+        )
     return str(kind)
 
 
@@ -485,7 +487,9 @@ def _v1_fingerprints(block: Any) -> dict[str, str]:
         fp = t.get("fingerprint") if type(t) is dict else None
         if fp is not None:
             if type(fp) is not str or not _HEX16.fullmatch(fp):
-                raise IndexFileError(f"tensor {name!r}: fingerprint {fp!r} is not 16 hex digits (version 1)")
+                raise IndexFileError(
+                    f"tensor {shown(name)}: fingerprint {shown(fp)} is not 16 hex digits (version 1)"
+                )
             out[name] = fp
     return out
 

@@ -38,6 +38,7 @@ from unickpt.spec.hashing import (
     fingerprint_partial,
 )
 from unickpt.spec.index import TensorEntry
+from unickpt.spec.naming import shown
 from unickpt.store.storage import ReadHandle
 from unickpt.tools._common import open_auto
 from unickpt.tools._progress import progress_bar
@@ -57,7 +58,7 @@ class FingerprintFailure(IntegrityFailure):
 
     def __str__(self) -> str:
         return (
-            f"tensor {self.tensor!r} (in {self.file}): recorded fingerprint {self.expected}, "
+            f"tensor {shown(self.tensor)} (in {self.file}): recorded fingerprint {self.expected}, "
             f"the data gives {self.found}"
         )
 
@@ -69,7 +70,7 @@ class MissingHash(IntegrityFailure):
 
     def __str__(self) -> str:
         return (
-            f"tensor {self.tensor!r} in file {self.file!r} (stored as {self.key!r}): no xxh3-64 recorded, "
+            f"tensor {shown(self.tensor)} in file {shown(self.file)} (stored as {shown(self.key)}): no xxh3-64 recorded, "
             "so its bytes cannot be checked"
         )
 
@@ -327,8 +328,8 @@ def check_claims(r: CheckpointReader) -> None:
         tag = h.metadata.get("format")
         if tag != want_tag:
             raise IndexFileError(
-                f"{h.path}: format tag {tag!r} in a {'sliced' if sliced else 'gathered'} checkpoint, "
-                f"expected {want_tag!r} (a sliced file tagged 'pt' would be loaded by Hugging Face as whole "
+                f"{h.path}: format tag {shown(tag)} in a {'sliced' if sliced else 'gathered'} checkpoint, "
+                f"expected {shown(want_tag)} (a sliced file tagged 'pt' would be loaded by Hugging Face as whole "
                 "tensors)"
             )
 

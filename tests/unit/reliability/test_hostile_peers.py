@@ -44,6 +44,7 @@ COLO = DATA / "colossalai" / "one_group"
 TIME_LIMIT = 2.0
 WALL_LIMIT = 10.0
 RSS_LIMIT = 200 << 20
+MESSAGE_LIMIT = 2000  # characters: a name or number from a file is shown cut, never whole
 DEEP = 100_000
 HUGE = 2**36
 
@@ -83,6 +84,7 @@ def _bounded(run: Callable[[], Any], exc: type[BaseException], *parts: str) -> B
     for p in parts:
         assert p in str(info.value), (p, str(info.value))
     assert cpu < TIME_LIMIT and took < WALL_LIMIT, f"took {cpu:.2f}s of CPU, {took:.2f}s in all"
+    assert len(str(info.value)) < MESSAGE_LIMIT, f"a {len(str(info.value))}-character message"
     if measured and base is not None and peak is not None:
         assert peak - base < RSS_LIMIT, f"peak RSS grew {(peak - base) >> 20} MiB"
     return info.value
@@ -380,6 +382,25 @@ def test_dcp_metadata(case: str, tmp_path: Path) -> None:
     _edit_md(d, edit)
     _bounded(lambda: convert_checkpoint(d, tmp_path / "out"), exc, str(d / MD), *parts)
     assert not (tmp_path / "out").exists()
+
+
+LONG = "n" * 1_000_000  # a name of a megabyte: shown cut to 200 characters
+
+
+@pytest.mark.parametrize(
+    "edit, parts",
+    [
+        (_set_info(LONG, length=2**60), (f"storage_data[{LONG[:196]!r}"[:-1] + "...", "claims bytes")),
+        (_set_tensor(LONG, [2**70], [2**70]), (f"{LONG[:196]!r}"[:-1] + "...", "size")),
+    ],
+    ids=["length_2e60", "size_2e70"],
+)
+def test_dcp_metadata_name_of_a_megabyte(edit: Any, parts: tuple[str, ...], tmp_path: Path) -> None:
+    d = _dcp(tmp_path, extra={LONG: torch.arange(4.0)})
+    _edit_md(d, edit)
+    _bounded(
+        lambda: convert_checkpoint(d, tmp_path / "out"), errors.CheckpointFormatError, str(d / MD), *parts
+    )
 
 
 def test_dcp_metadata_nested_1e5_deep(tmp_path: Path) -> None:
