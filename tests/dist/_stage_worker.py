@@ -92,8 +92,12 @@ def _stage_case(root: str, layout: str) -> dict[str, Any]:
     return out
 
 
+def _stage_list(root: str, layouts: list[str]) -> list[tuple[str, Any]]:
+    return [(lay, lambda lay=lay: _stage_case(root, lay)) for lay in layouts]
+
+
 def stage_cases(root: str, layouts: list[str]) -> dict[str, object]:
-    return run_cases([(lay, lambda lay=lay: _stage_case(root, lay)) for lay in layouts])  # type: ignore[misc]
+    return run_cases(_stage_list(root, layouts))
 
 
 def _empty_rows(root: str) -> None:
@@ -167,13 +171,17 @@ def _diverged(root: str) -> dict[str, str]:
     return out
 
 
-def idle_cases(root: str) -> dict[str, object]:
-    cases = [("one_writer", lambda: _one_writer(root))]
+def _idle_list(root: str) -> list[tuple[str, Any]]:
+    cases: list[tuple[str, Any]] = [("one_writer", lambda: _one_writer(root))]
     if dist.get_world_size() >= 4:
         cases.append(("empty_rows", lambda: _empty_rows(root)))
     else:
         cases.append(("diverged", lambda: _diverged(root)))
-    return run_cases(cases)  # type: ignore[arg-type]
+    return cases
+
+
+def idle_cases(root: str) -> dict[str, object]:
+    return run_cases(_idle_list(root))
 
 
 def _retention(root: str, async_save: bool) -> dict[str, Any]:
@@ -226,10 +234,10 @@ def _retention(root: str, async_save: bool) -> dict[str, Any]:
 SLOW_DELETE_S = 8.0
 
 
-def retention_cases(root: str) -> dict[str, object]:
+def _retention_list(root: str) -> list[tuple[str, Any]]:
     # An async step's retention runs in its writer process, which this process's slow deletion
     # (a local function) cannot reach: the synchronous save is the case measured here.
-    return run_cases([(f"async={a}", lambda a=a: _retention(root, a)) for a in (False,)])  # type: ignore[misc]
+    return [(f"async={a}", lambda a=a: _retention(root, a)) for a in (False,)]
 
 
 _OPS = (
@@ -329,5 +337,14 @@ def _cpu_routes(root: str) -> dict[str, Any]:
     }
 
 
-def route_cases(root: str) -> dict[str, object]:
-    return run_cases([("cpu_routes", lambda: _cpu_routes(root))])
+def two_rank_cases(root: str) -> dict[str, object]:
+    """Every case set of make test's 2-rank tests in one world (each world costs seconds to start),
+    named ``SET/CASE``, each set in a directory of its own; the routes last: they take the world
+    for a group without a CPU backend."""
+    sets = {
+        "stage": _stage_list(os.path.join(root, "stage"), ["ddp", "fsdp2x2"]),
+        "idle": _idle_list(os.path.join(root, "idle")),
+        "retention": _retention_list(os.path.join(root, "retention")),
+        "routes": [("cpu_routes", lambda: _cpu_routes(os.path.join(root, "routes")))],
+    }
+    return run_cases([(f"{set_}/{name}", fn) for set_, cases in sets.items() for name, fn in cases])

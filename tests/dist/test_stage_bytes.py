@@ -15,16 +15,37 @@ PG_TIMEOUT_S = 20
 pytestmark = pytest.mark.timeout(400)
 
 
-def _run(n: int, target: str, *args: Any) -> dict[str, Any]:
-    results = run_world(n, target, *args, timeout=300, env={"UNICKPT_TEST_PG_TIMEOUT_S": str(PG_TIMEOUT_S)})
-    failed = [c for c in results[0].values() if not c.ok]
+def _world(n: int, target: str, *args: Any) -> list[dict[str, Any]]:
+    return run_world(n, target, *args, timeout=300, env={"UNICKPT_TEST_PG_TIMEOUT_S": str(PG_TIMEOUT_S)})
+
+
+def _values(results: list[dict[str, Any]], prefix: str = "") -> dict[str, Any]:
+    """The cases named ``prefix...`` (the prefix dropped): none failed; their values per rank."""
+    names = [name for name in results[0] if name.startswith(prefix)]
+    assert names, (prefix, sorted(results[0]))
+    failed = [results[0][name] for name in names if not results[0][name].ok]
     assert not failed, "\n\n".join(f"{c.name}:\n{c.error[:4000]}" for c in failed)
-    return {name: [res[name].value for res in results] for name in results[0]}
+    return {name[len(prefix) :]: [res[name].value for res in results] for name in names}
+
+
+def _run(n: int, target: str, *args: Any) -> dict[str, Any]:
+    return _values(_world(n, target, *args))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """The 2-rank case sets of this module, run in one world (see ``_stage_worker.two_rank_cases``)."""
+    return _world(2, "_stage_worker:two_rank_cases", str(tmp_path_factory.mktemp("stage2")))
 
 
 @pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_staged_bytes_equal_written_bytes_per_rank(tmp_path: Any, n: int) -> None:
-    got = _run(n, "_stage_worker:stage_cases", str(tmp_path), ["ddp", f"fsdp2x{n}"])
+def test_staged_bytes_equal_written_bytes_per_rank(
+    tmp_path: Any, n: int, request: pytest.FixtureRequest
+) -> None:
+    if n == 2:
+        got = _values(request.getfixturevalue("two_ranks"), "stage/")
+    else:
+        got = _run(n, "_stage_worker:stage_cases", str(tmp_path), ["ddp", f"fsdp2x{n}"])
     for layout, per_rank in got.items():
         for kind in ("model", "optimizer"):
             staged = [r[kind]["staged"] for r in per_rank]
@@ -37,8 +58,8 @@ def test_staged_bytes_equal_written_bytes_per_rank(tmp_path: Any, n: int) -> Non
                 assert max(staged) < held[0], (staged, held)
 
 
-def test_async_saves_where_a_rank_writes_nothing_2_ranks(tmp_path: Any) -> None:
-    got = _run(2, "_stage_worker:idle_cases", str(tmp_path))
+def test_async_saves_where_a_rank_writes_nothing_2_ranks(two_ranks: list[dict[str, Any]]) -> None:
+    got = _values(two_ranks, "idle/")
     for msgs in got["diverged"]:
         assert "1 replicated tensor slice(s) differ across ranks" in msgs["differ"], msgs
         assert "tensor '0.weight': rank 0: xxh3 " in msgs["differ"] and "; rank 1: xxh3 " in msgs["differ"]
@@ -52,10 +73,10 @@ def test_async_gathered_save_where_ranks_hold_no_rows_4_ranks(tmp_path: Any) -> 
     _run(4, "_stage_worker:idle_cases", str(tmp_path))
 
 
-def test_slow_retention_does_not_hold_the_other_ranks(tmp_path: Any) -> None:
+def test_slow_retention_does_not_hold_the_other_ranks(two_ranks: list[dict[str, Any]]) -> None:
     """keep_last deletes on rank 0 after the save's last collective: a deletion that takes 8 s
     delays rank 0 only, and a failing one is a warning there, retried by the next save."""
-    got = _run(2, "_stage_worker:retention_cases", str(tmp_path))
+    got = _values(two_ranks, "retention/")
     for case, (r0, r1) in got.items():
         assert r0["slow"] >= 8.0, (case, r0)
         assert r1["slow"] < 4.0, (case, r1)
@@ -73,11 +94,11 @@ def test_slow_retention_does_not_hold_the_other_ranks(tmp_path: Any) -> None:
             ), msg
 
 
-def test_cpu_collectives_use_the_gloo_twin_of_a_pure_nccl_world(tmp_path: Any) -> None:
+def test_cpu_collectives_use_the_gloo_twin_of_a_pure_nccl_world(two_ranks: list[dict[str, Any]]) -> None:
     """With the world taken for a group without a CPU backend, no collective of a save, a load or
     an async save (CheckpointIO and CheckpointManager) runs on it: each runs on the world's gloo
     twin, made once at setup on the main thread, or on the background saves' gloo group."""
-    got = _run(2, "_stage_worker:route_cases", str(tmp_path))["cpu_routes"]
+    got = _values(two_ranks, "routes/")["cpu_routes"]
     for r in got:
         # Async saves are written by writer processes in a gloo world of their own: no background
         # thread of this process makes a collective.
