@@ -1030,7 +1030,7 @@ def found_text(v: Any) -> str:
     if isinstance(v, int | float):
         return shown(v)  # a number in a file can be thousands of digits long
     if isinstance(v, str):
-        return repr(v) if len(v) <= 80 else f"{shown(v[:77])}..."
+        return shown(v, 80)
     return "an array" if isinstance(v, list) else "an object" if isinstance(v, dict) else type(v).__name__
 
 

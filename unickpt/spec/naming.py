@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import reprlib
+
 __all__ = [
     "shown",
     "INDEX_SUFFIX",
@@ -71,10 +73,18 @@ def is_own_data_file(kind: str, file_name: str) -> bool:
 
 SHOWN_CHARS = 200
 
+# Containers are cut before they are formatted: the cost does not grow with their length or depth.
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict, _REPR.maxset = 3, 16, 16, 16, 16
+_REPR.maxstring, _REPR.maxother, _REPR.maxlong = SHOWN_CHARS, SHOWN_CHARS, 60
 
-def shown(v: object) -> str:
-    """A name, key, number or shape from a file as a message shows it: repr, escaped, cut to
-    ``SHOWN_CHARS`` characters (a real tensor name is seldom over 150; a hostile one can be a
-    megabyte long, a number thousands of digits)."""
-    r = ascii(v) if isinstance(v, str) else repr(v)
-    return r if len(r) <= SHOWN_CHARS else f"{r[: SHOWN_CHARS - 3]}..."
+
+def shown(v: object, limit: int = SHOWN_CHARS) -> str:
+    """A name, key, number or shape from a file as a message shows it: ``repr``, printable (escaped
+    where it is not: a newline, an ANSI escape, a lone surrogate), cut to about ``limit`` characters
+    (a real tensor name is seldom over 150; a hostile one can be a megabyte long, a number thousands
+    of digits, a list millions of items)."""
+    if type(v) is not str:
+        return _REPR.repr(v)
+    text = repr(v) if v.isprintable() else ascii(v)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(v)} characters)"

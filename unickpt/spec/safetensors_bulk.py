@@ -32,7 +32,6 @@ import json
 import math
 import operator
 import re
-import reprlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain
@@ -42,6 +41,7 @@ import numpy as np
 
 from unickpt.errors import HeaderError
 from unickpt.spec.dtypes import DTYPE_ITEMSIZE
+from unickpt.spec.naming import shown
 from unickpt.spec.untrusted import SURROGATE_ESCAPE, colon_budget, strict_loads
 
 __all__ = ["HeaderEntry", "HeaderEntries", "MAX_NDIM", "MAX_ELEMENTS", "dtype_code", "parse_header"]
@@ -143,19 +143,6 @@ def dtype_code(dtype: str) -> int:
     return _DTYPE_CODE.get(dtype, -1)
 
 
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxlong = 3, 16, 16, 200, 60
-
-
-def _show(x: Any, limit: int = 200) -> str:
-    """``repr`` of an untrusted value, printable and cut to about ``limit`` characters (lists and
-    dicts are cut before they are formatted: the cost does not grow with their length or depth)."""
-    if type(x) is not str:
-        return _REPR.repr(x)
-    text = repr(x) if x.isprintable() else ascii(x)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(x)} characters)"
-
-
 def _first(ok: Callable[[Any], bool], items: list[Any]) -> int:
     """The position of the first of ``items`` that ``ok`` refuses (the caller knows one does)."""
     return next(i for i, x in enumerate(items) if not ok(x))
@@ -169,7 +156,7 @@ class _Entries:
         self.keys = keys
 
     def fail(self, i: int, message: str) -> HeaderError:
-        return HeaderError(f"{self.path}: tensor {_show(self.keys[i])}: {message}")
+        return HeaderError(f"{self.path}: tensor {shown(self.keys[i])}: {message}")
 
 
 def _is_dim(d: Any) -> bool:
@@ -193,8 +180,8 @@ def _form_ok(value: Any) -> bool:
 
 def _form_found(value: Any) -> str:
     if type(value) is dict:
-        return f"fields {_show(list(value))}"
-    return f"a JSON {type(value).__name__} {_show(value, 80)}"
+        return f"fields {shown(list(value))}"
+    return f"a JSON {type(value).__name__} {shown(value, 80)}"
 
 
 def parse_header(raw: bytes, data_len: int, path: str) -> tuple[HeaderEntries, dict[str, str]]:
@@ -225,7 +212,7 @@ def parse_header(raw: bytes, data_len: int, path: str) -> tuple[HeaderEntries, d
     had_meta = "__metadata__" in obj
     meta = obj.pop("__metadata__", {})
     if not (type(meta) is dict and all(type(v) is str for v in meta.values())):
-        raise HeaderError(f"{path}: __metadata__ must map strings to strings, found {_show(meta)}")
+        raise HeaderError(f"{path}: __metadata__ must map strings to strings, found {shown(meta)}")
     keys = list(obj)
     values = list(obj.values())
     n = len(keys)
@@ -257,7 +244,7 @@ def parse_header(raw: bytes, data_len: int, path: str) -> tuple[HeaderEntries, d
     except (KeyError, TypeError):
         i = _first(lambda d: type(d) is str and d in _DTYPE_CODE, dtypes)
         raise at.fail(
-            i, f"unknown or unsupported dtype {_show(dtypes[i])} (expected one of {', '.join(_DTYPES)})"
+            i, f"unknown or unsupported dtype {shown(dtypes[i])} (expected one of {', '.join(_DTYPES)})"
         ) from None
     # Shapes: lists of at most 64 ints in [0, 2^62) (bool is not an int here).
     ok = not n or set(map(type, shapes)) == {list}
@@ -274,24 +261,24 @@ def parse_header(raw: bytes, data_len: int, path: str) -> tuple[HeaderEntries, d
         raise at.fail(
             i,
             f"shape must be a list of at most {MAX_NDIM} non-negative integers below 2^62, "
-            f"found {_show(shapes[i])}",
+            f"found {shown(shapes[i])}",
         )
     dims = np.asarray(flat_dims, dtype=np.int64)
     numel = list(map(math.prod, shapes))  # Python ints: no overflow (64 dims below 2^62 each)
     _check_elements(at, shapes, numel)
     if n and (set(map(type, offsets)) != {list} or set(map(len, offsets)) != {2}):
         i = _first(_offsets_ok, offsets)
-        raise at.fail(i, f"data_offsets must be two integers, found {_show(offsets[i])}")
+        raise at.fail(i, f"data_offsets must be two integers, found {shown(offsets[i])}")
     flat_offs = list(chain.from_iterable(offsets))
     if not set(map(type, flat_offs)) <= {int}:
         i = _first(_offsets_ok, offsets)
-        raise at.fail(i, f"data_offsets must be two integers, found {_show(offsets[i])}")
+        raise at.fail(i, f"data_offsets must be two integers, found {shown(offsets[i])}")
     if flat_offs and (min(flat_offs) < 0 or max(flat_offs) > data_len):  # (beyond int64 too)
         i = _first(lambda o: 0 <= o[0] <= o[1] <= data_len, offsets)
         lo, hi = offsets[i]
         raise at.fail(
             i,
-            f"data_offsets [{_show(lo)}, {_show(hi)}] out of range of the {data_len}-byte data section",
+            f"data_offsets [{shown(lo)}, {shown(hi)}] out of range of the {data_len}-byte data section",
         )
     offs = np.asarray(flat_offs, dtype=np.int64).reshape(n, 2)
     return _entries(at, codes, shapes, ndims, dims, numel, offs, data_len), meta
@@ -304,7 +291,7 @@ def _meta_colons(meta: dict[str, str]) -> int:
 def _check_elements(at: _Entries, shapes: list[list[int]], numel: list[int]) -> None:
     if numel and max(numel) >= MAX_ELEMENTS:
         i = _first(lambda x: x < MAX_ELEMENTS, numel)
-        raise at.fail(i, f"shape {_show(shapes[i])} has too many elements ({numel[i]}, at most 2^62 - 1)")
+        raise at.fail(i, f"shape {shown(shapes[i])} has too many elements ({numel[i]}, at most 2^62 - 1)")
 
 
 def _entries(
@@ -340,7 +327,7 @@ def _entries(
         d = _DTYPES[int(codes[i])]
         raise at.fail(
             i,
-            f"{d}{_show(shapes[i])} needs {numel[i] * DTYPE_ITEMSIZE[d]} bytes but data_offsets span {int(span[i])}",
+            f"{d}{shown(shapes[i])} needs {numel[i] * DTYPE_ITEMSIZE[d]} bytes but data_offsets span {int(span[i])}",
         )
     # The entries tile the data section exactly: sorted by (begin, end), each starts where the
     # previous ended, the first at 0, the last ends at the data section's end.
@@ -352,7 +339,7 @@ def _entries(
         pos, at_byte = int(prev[k]), int(b[k])
         kind = "overlaps the previous tensor" if at_byte < pos else "leaves a gap before it"
         raise HeaderError(
-            f"{at.path}: tensor {_show(at.keys[int(order[k])])} at byte {at_byte} {kind} (expected byte {pos})"
+            f"{at.path}: tensor {shown(at.keys[int(order[k])])} at byte {at_byte} {kind} (expected byte {pos})"
         )
     covered = int(e[-1]) if n else 0
     if covered != data_len:

@@ -112,7 +112,7 @@ def strict_loads(text: str, error: type[CheckpointFormatError], what: str) -> An
     try:
         obj = json.loads(text, object_pairs_hook=_no_duplicates)
     except _Duplicate as e:
-        raise error(f"{what} has a duplicate key {_show(e.args[0])}") from None
+        raise error(f"{what} has a duplicate key {shown(e.args[0])}") from None
     except RecursionError:
         raise error(f"{what} is nested too deeply to be a checkpoint file") from None
     except ValueError as e:
@@ -130,11 +130,6 @@ def strict_loads(text: str, error: type[CheckpointFormatError], what: str) -> An
 # from a safetensors file (whose Rust reader refuses lone surrogates) would fail later, far from
 # the file. Such text is refused where it is parsed.
 SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
-
-
-def _show(s: str) -> str:
-    """``repr`` of an untrusted name, printable whatever it holds (lone surrogates escaped)."""
-    return repr(s) if s.isprintable() else ascii(s)
 
 
 def _surrogate_message(what: str, bad: str) -> str:

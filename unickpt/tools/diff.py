@@ -33,7 +33,6 @@ import numpy as np
 
 from unickpt.ckpt.reader import CheckpointReader
 from unickpt.errors import CheckpointFormatError
-from unickpt.spec import naming
 from unickpt.spec.boxes import contiguous_start, flat_range_to_boxes, intersect
 from unickpt.spec.dtypes import itemsize, word_dtype
 from unickpt.spec.hashing import (
@@ -43,10 +42,11 @@ from unickpt.spec.hashing import (
     fingerprint_partial,
 )
 from unickpt.spec.index import TensorEntry
+from unickpt.spec.naming import shown
 from unickpt.tools._bands import band_first, bands
 from unickpt.tools._common import open_auto
 from unickpt.tools._progress import progress_bar
-from unickpt.tools.inspect import shown
+from unickpt.tools.inspect import printable
 
 __all__ = ["DataDifference", "compare_tensors", "read_flat", "DiffReport", "ShapeChange", "diff_checkpoints"]
 
@@ -207,7 +207,7 @@ class DiffReport:
         def section(title: str, items: list[Any]) -> None:
             if items:
                 lines.append(f"{title} ({len(items)}):")
-                lines.extend(f"  {shown(x)}" for x in items)
+                lines.extend(f"  {printable(x)}" for x in items)
 
         section("changed", self.changed)
         section("data differences", self.data_differences)
@@ -269,7 +269,7 @@ def _data_sum(
         found = h.hexdigest()
         if xxh3 is not None and found != xxh3:
             failures.append(
-                f"{r.directory}: tensor {naming.shown(name)} in file {naming.shown(file)} (key {naming.shown(key)}): "
+                f"{r.directory}: tensor {shown(name)} in file {shown(file)} (key {shown(key)}): "
                 f"expected xxh3-64 {xxh3}, found {found}"
             )
     return combine_partials(partials)
@@ -329,7 +329,7 @@ def diff_checkpoints(
                             fp = finalize_fingerprint(t, e.dtype, e.shape, s)
                             if fp != e.fingerprint:
                                 report.integrity_failures.append(
-                                    f"{r.index_path or r.directory}: tensor {naming.shown(t)}: recorded fingerprint "
+                                    f"{r.index_path or r.directory}: tensor {shown(t)}: recorded fingerprint "
                                     f"{e.fingerprint}, data gives {fp}"
                                 )
                     d = compare_tensors(n, ra, ea, rb, eb)

@@ -114,7 +114,7 @@ def _fmt_slices(entry: dict[str, Any], shape: list[int]) -> str:
     return f"{count}: " + " ".join(parts) + more
 
 
-def shown(text: object) -> str:
+def printable(text: object) -> str:
     """A name from a checkpoint as printed: as it is when printable, else escaped (a newline, an
     ANSI escape or a right-to-left mark in a tensor name must not break the table or drive the
     terminal)."""
@@ -126,7 +126,7 @@ def format_report(info: dict[str, Any], verbose: bool = False) -> str:
     """A readable table of :func:`inspect_checkpoint`'s result (names escaped by :func:`shown`)."""
     lay = info["layout"]
     tot = info["totals"]
-    lines = [f"checkpoint : {shown(info['path'])}"]
+    lines = [f"checkpoint : {printable(info['path'])}"]
     if lay is None:
         plain = "Hugging Face sharded safetensors" if info["index"] else "safetensors file"
         lines += [
@@ -137,14 +137,14 @@ def format_report(info: dict[str, Any], verbose: bool = False) -> str:
     else:
         mesh = " x ".join(f"{k}={v}" for k, v in lay.get("mesh", {}).items()) or "-"
         lines += [
-            f"kind       : {info['kind']}   format v{info['format_version']}   created by {shown(info['created_by'])}",
-            f"layout     : plugin={shown(lay['plugin'])} world_size={lay['world_size']} mesh={mesh} "
+            f"kind       : {info['kind']}   format v{info['format_version']}   created by {printable(info['created_by'])}",
+            f"layout     : plugin={printable(lay['plugin'])} world_size={lay['world_size']} mesh={mesh} "
             f"{'gathered (HF-loadable)' if lay.get('gathered', True) else 'sliced (run `unickpt merge` for HF)'}",
         ]
     lines += [
         f"files      : {len(info['files'])}"
         + (
-            f"  ({', '.join(shown(f) for f in info['files'][:3])}{' ...' if len(info['files']) > 3 else ''})"
+            f"  ({', '.join(printable(f) for f in info['files'][:3])}{' ...' if len(info['files']) > 3 else ''})"
             if info["files"]
             else ""
         ),
@@ -154,7 +154,8 @@ def format_report(info: dict[str, Any], verbose: bool = False) -> str:
     ]
     if info["aliases"]:
         lines.append(
-            "aliases    : " + ", ".join(f"{shown(a)} -> {shown(t)}" for a, t in info["aliases"].items())
+            "aliases    : "
+            + ", ".join(f"{printable(a)} -> {printable(t)}" for a, t in info["aliases"].items())
         )
     rows = [("tensor", "dtype", "shape", "bytes", "slices", "files", "fingerprint")]
     names = list(info["tensors"])
@@ -163,12 +164,12 @@ def format_report(info: dict[str, Any], verbose: bool = False) -> str:
         files = e["files"]
         rows.append(
             (
-                shown(name),
+                printable(name),
                 e["dtype"],
                 "[" + ",".join(str(d) for d in e["shape"]) + "]",
                 human_bytes(e["bytes"]),
                 _fmt_slices(e, e["shape"]),
-                shown(files[0]) if len(files) == 1 else f"{len(files)} files",
+                printable(files[0]) if len(files) == 1 else f"{len(files)} files",
                 e["fingerprint"] or "-",
             )
         )
@@ -187,11 +188,11 @@ def format_report(info: dict[str, Any], verbose: bool = False) -> str:
             e = info["tensors"][names[i - 1]]
             for s in e["slices"] if "slices" in e else e["slice_preview"]:
                 lines.append(
-                    f"      {shown(s['key'])} in {shown(s['file'])} offsets={s['offsets']} shape={s['shape']} xxh3={s['xxh3'] or '-'}"
+                    f"      {printable(s['key'])} in {printable(s['file'])} offsets={s['offsets']} shape={s['shape']} xxh3={s['xxh3'] or '-'}"
                 )
     if info.get("param_groups") is not None:
         lines.append("")
         for i, g in enumerate(info["param_groups"]):
-            hp = ", ".join(f"{shown(k)}={shown(v)}" for k, v in g.items() if k != "params")
+            hp = ", ".join(f"{printable(k)}={printable(v)}" for k, v in g.items() if k != "params")
             lines.append(f"param_group {i}: {len(g.get('params', []))} params; {hp}")
     return "\n".join(lines)

@@ -384,14 +384,17 @@ def test_dcp_metadata(case: str, tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
-LONG = "n" * 1_000_000  # a name of a megabyte: shown cut to 200 characters
+LONG = "n" * 1_000_000  # a name of a megabyte: shown cut to 200 characters, its length said
 
 
 @pytest.mark.parametrize(
     "edit, parts",
     [
-        (_set_info(LONG, length=2**60), (f"storage_data[{LONG[:196]!r}"[:-1] + "...", "claims bytes")),
-        (_set_tensor(LONG, [2**70], [2**70]), (f"{LONG[:196]!r}"[:-1] + "...", "size")),
+        (
+            _set_info(LONG, length=2**60),
+            (f"storage_data['{LONG[:199]}... (1000000 characters)", "claims bytes"),
+        ),
+        (_set_tensor(LONG, [2**70], [2**70]), (f"'{LONG[:199]}... (1000000 characters)", "size")),
     ],
     ids=["length_2e60", "size_2e70"],
 )

@@ -145,8 +145,8 @@ def test_another_format_version_is_refused_on_both_paths(tmp_path: Path, version
         with pytest.raises(IndexFileError) as e:
             parse(raw, "ck/model.safetensors.index.json")
         msg = str(e.value)
-        # The version as found, cut to 200 characters: a file's number can be thousands of digits.
-        found = repr(version) if len(repr(version)) <= 200 else f"{repr(version)[:197]}..."
+        # The version as found, its middle cut: a file's number can be thousands of digits.
+        found = str(version) if abs(version) < 100 else f"{str(version)[:28]}...{'0' * 29}"
         head = f"ck/model.safetensors.index.json: format_version {found}"
         assert msg.startswith(head) and msg[len(head)] in " ,", msg
         assert len(msg) < 400, len(msg)
@@ -176,7 +176,7 @@ def test_a_number_thousands_of_digits_long_is_named_not_echoed(tmp_path: Path, e
     with pytest.raises(IndexFileError) as e:
         parse_index(json.dumps(obj).encode(), "ck/model.safetensors.index.json")
     msg = str(e.value)
-    assert field in msg and f"found {repr(HUGE)[:197]}..." in msg, msg[:600]
+    assert field in msg and f"found 1{'0' * 27}...{'0' * 29}" in msg, msg[:600]
     assert len(msg) < 600, len(msg)
 
 
@@ -199,7 +199,7 @@ _HOSTILE: list[tuple[str, Any, str]] = [
     ("plus", lambda t, b: t.update(xxh3="+" + t["xxh3"][1:]), "digest 0 ('+"),
     ("slash", lambda t, b: t.update(xxh3=t["xxh3"][:12] + "/" + t["xxh3"][13:]), "digest 1 ("),
     ("padding", lambda t, b: t.update(xxh3=t["xxh3"][:10] + "=" + t["xxh3"][11:]), "holds '='"),
-    ("non-ascii", lambda t, b: t.update(xxh3="é" + t["xxh3"][1:]), "holds '\\xe9'"),
+    ("non-ascii", lambda t, b: t.update(xxh3="é" + t["xxh3"][1:]), "holds 'é'"),
     ("half marker", lambda t, b: t.update(xxh3="~" * 5 + t["xxh3"][5:]), "holds '~'"),
     ("trailing bits", lambda t, b: t.update(xxh3=_flip_last_bits(t["xxh3"])), "nonzero padding bits"),
     (
