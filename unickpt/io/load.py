@@ -1087,18 +1087,18 @@ def open_for_load(
     where = os.fspath(checkpoint)
     alone = _dist.world_size(group) == 1
     located: reader_mod.Located | None = None
-    storage: Storage | None = None
-    err: BaseException | None = None
+    opened: Storage | Exception
     try:
-        storage, _ = open_storage(where, storage_options)
+        opened = open_storage(where, storage_options)[0]
     except Exception as e:  # raised where the store is used, below: agreed by every rank
-        err = e
-    if not alone and storage is not None and storage.fetch_ahead:
+        opened = e
+    err: BaseException | None = None
+    if not alone and isinstance(opened, Storage) and opened.fetch_ahead:
         try:
             if args is not None and args.check is not None:
                 args.check()
             if _dist.rank(group) == 0:
-                located = reader_mod.locate(storage, where, kind, fetch=True)
+                located = reader_mod.locate(opened, where, kind, fetch=True)
         except BaseException as e:
             err = e
         _dist.agree(err, f"opening {where}", group, args)
@@ -1109,13 +1109,12 @@ def open_for_load(
         if args is not None and args.check is not None:
             args.check()
         maybe_fail("open")
-        if storage is None:
-            raise err or RuntimeError(f"{where}: no store")
-        err = None
+        if isinstance(opened, Exception):
+            raise opened
         if located is not None:
-            reader = open_located(storage, located, kind)
+            reader = open_located(opened, located, kind)
         else:
-            reader = open_in(storage, where, kind, pin=alone)
+            reader = open_in(opened, where, kind, pin=alone)
     except BaseException as e:
         err = e
     try:
