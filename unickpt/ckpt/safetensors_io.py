@@ -167,7 +167,6 @@ class SafetensorsWriter:
         except BaseException:
             self.abort()  # the caller never gets a writer to abort: close and remove the file here
             raise
-        self.header_bytes = len(header)
         self._pos = len(header)
         self._wb = Writeback(self._f.fileno(), self.WRITEBACK_BYTES, self._f.flush) if writeback else None
 

@@ -566,12 +566,6 @@ class LoadPlan:
     built: dict[str, Node] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
 
-    def consumed(self) -> set[str]:
-        used = set(self.renames.values())
-        for node in self.built.values():
-            used.update(node.sources())
-        return used
-
 
 def plan_load(
     transforms: Sequence[Any],

@@ -663,31 +663,6 @@ class SliceTable:
             out[k]["ranges"] = [{"start": r.start, "end": r.end, "xxh3": r.xxh3} for r in rs]
         return out
 
-    def entries_at(self, ks: Sequence[int]) -> list[SliceEntry]:
-        """The slices at positions ``ks`` as ``SliceEntry`` objects (built in bulk)."""
-        if not ks:
-            return []
-        sel = np.asarray(ks, dtype=np.int64)
-        hashes = self.hash_list() if self._hashes is not None else None
-        records = [
-            {
-                "file": self.files[f],
-                "key": self.key(k),
-                "offsets": o,
-                "shape": s,
-                "xxh3": hashes[k] if hashes else None,
-                "ranges": self.ranges(k),
-            }
-            for k, f, o, s in zip(
-                ks,
-                self.file_ids[sel].tolist(),
-                self.offsets[sel].tolist(),
-                self.shapes[sel].tolist(),
-                strict=True,
-            )
-        ]
-        return entries_from_records(records, self._fields_sets(ks))
-
     def entries(self) -> list[SliceEntry]:
         """Every slice as a ``SliceEntry`` (built in bulk, as the index parser builds them)."""
         return entries_from_records(self.records(), self._fields_sets())
