@@ -452,6 +452,7 @@ def task_staged(p: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from unickpt.io.pinned import stage_copy
     from unickpt.io.stage import stage_written
     from unickpt.plugins.ddp import DDPCheckpointIO
 
@@ -486,7 +487,9 @@ def task_staged(p: dict[str, Any]) -> dict[str, Any]:
             stage_s.append(time.perf_counter() - t0)
             _barrier()
             t0 = time.perf_counter()
-            payload.snapshot(full_staging)
+            for name, sls in payload.slices.items():  # every held slice, replicas included
+                for k, sl in enumerate(sls):
+                    stage_copy(sl.tensor, full_staging, (name, k))
             full_s.append(time.perf_counter() - t0)
         del full_staging
         d = work / f"staged-{layout}"

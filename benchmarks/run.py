@@ -600,13 +600,6 @@ def ratios(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[st
         "fp_kernel_v0_2d_F32",
         0.0,
     )
-    for layout, dtype in [("2d", "F32"), ("2d", "BF16"), ("2d", "F64"), ("1d", "F32"), ("cols", "F32")]:
-        add(
-            f"fingerprint v2 / v1 kernel speed, {dtype} {layout} (no threshold: v2 is sound, v1 is not)",
-            f"fp_kernel_v2_{layout}_{dtype}",
-            f"fp_kernel_v1_{layout}_{dtype}",
-            0.0,
-        )
     small, size = args.size_mb / 4, args.size_mb
     add(
         f"merge >= 1.5x consolidate_safetensors_files ({size:g} MiB)",
