@@ -63,6 +63,7 @@ STAGES: tuple[str, ...] = (
     "manager.start",  # rank 0: lock and staging directory (rank 0 only)
     "manager.capture",  # state_dicts, RNG, dataloader, extra states
     "manager.train_state",  # this rank's training state file
+    "manager.hf_copy",  # this rank's share of the Hugging Face copy (save_hf)
     "manager.commit",  # rank 0: COMMIT, rename, latest (rank 0 only)
     "manager.load.pick",  # rank 0: which step to resume (rank 0 only)
     "manager.load.train_state",  # this rank's RNG, dataloader and extra states

@@ -67,7 +67,15 @@ def test_operations_reach_their_stages(result: list[dict[str, Any]]) -> None:
         load = set(traced[f"{kind}/load_optimizer"][1])
         assert {"open", "optimizer.load.prepare", "optimizer.load.apply", "load.match", "load.read"} <= load
         mgr = set(traced[f"{kind}/manager_save"][0])
-        assert {"manager.start", "manager.capture", "manager.train_state", "manager.commit"} <= mgr
+        assert {
+            "manager.start",
+            "manager.capture",
+            "manager.train_state",
+            "manager.hf_copy",
+            "manager.commit",
+        } <= mgr
+        # The Hugging Face copy is shared: every rank copies its part of the files.
+        assert "manager.hf_copy" in set(traced[f"{kind}/manager_save"][1])
 
 
 def test_every_rank_raises_within_seconds(result: list[dict[str, Any]]) -> None:

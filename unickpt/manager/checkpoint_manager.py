@@ -29,7 +29,7 @@ from unickpt.io.pinned import POOL, StagingSet
 from unickpt.io.save import WriteSpec
 from unickpt.manager import policy, snapshot, train_state
 from unickpt.manager.storage import RemoteStorage, Storage, open_storage
-from unickpt.store.publish import copy_files, write_small_file
+from unickpt.store.publish import copy_files, fsync_dir, write_small_file
 from unickpt.store.storage import compared_location, process_reachable
 
 __all__ = ["CheckpointManager", "RetentionWarning"]
@@ -515,13 +515,24 @@ class StepWriter:
         (``merge_checkpoint``, streamed in bounded memory) and uploads the files to ``hf/``.
         """
         hf = os.path.join(p.stage, HF_DIR)
+        rank, world = _dist.rank(group), _dist.world_size(group)
         err: BaseException | None = None
-        if _dist.rank(group) == 0:
+        if self.hf_in_place:  # model/ holds the Hugging Face files: hf/ is a copy of them
+            # Every rank copies its share of the files (a shared directory: no rank-0 funnel),
+            # then rank 0 adds config.json and makes hf/'s entries durable.
             try:
-                if self.hf_in_place:  # model/ holds the Hugging Face files: hf/ is a copy of them
-                    copy_files(os.path.join(p.stage, "model"), hf, fsync=self.fsync)
+                maybe_fail("manager.hf_copy")
+                copy_files(os.path.join(p.stage, "model"), hf, fsync=self.fsync, part=(rank, world))
+            except BaseException as e:
+                err = e
+            _dist.agree(err, f"copying the Hugging Face files of step {p.step}", group)
+        if rank == 0:
+            try:
+                if self.hf_in_place:
                     for fname, text in p.hf_config.items():
                         write_small_file(os.path.join(hf, fname), text.encode("utf-8"), self.storage_options)
+                    if self.fsync:
+                        fsync_dir(hf)
                 else:
                     self._merge_hf(p, hf)
             except BaseException as e:

@@ -836,18 +836,27 @@ def checkpoint_directory(path: str) -> str:
 # ----------------------------------------------------------------------------- a manager step, locally
 
 
-def copy_files(src: str, dst: str, *, fsync: bool = True) -> None:
+def copy_files(src: str, dst: str, *, fsync: bool = True, part: tuple[int, int] = (0, 1)) -> None:
     """Give the local directory ``dst`` a copy of every regular, non-hidden file of ``src``, each
     a file of its own (a manager step's ``hf/`` beside its ``model/``: an edit of the copy never
     writes through to the checkpoint). The bytes move in the kernel (``LocalStorage.copy_range``:
     a copy-on-write clone where the file system makes one), in bounded memory; with ``fsync``
-    every copy and ``dst`` itself are durable when this returns."""
+    every copy and ``dst`` itself are durable when this returns.
+
+    ``part=(i, n)``: this call copies the files at positions ``i``, ``i + n``, ... of ``src``'s
+    sorted listing, so that ``n`` processes sharing the directory copy it together, each its
+    share, instead of one process copying it all; ``dst`` is durable with the entries made so
+    far, and the caller fsyncs it once all have copied (:func:`fsync_dir`)."""
+    i, n = part
     storage = LocalStorage(src)
     makedirs_durable(dst, fsync=fsync)
-    for name in storage.listdir(src):
+    names = sorted(
+        name
+        for name in storage.listdir(src)
+        if not name.startswith(".") and storage.is_file(storage.join(src, name))
+    )
+    for name in names[i::n]:
         a = storage.join(src, name)
-        if name.startswith(".") or not storage.is_file(a):
-            continue
         h = storage.open_read(a)
         try:
             fd = h.descriptor()
