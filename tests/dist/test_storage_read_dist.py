@@ -159,6 +159,27 @@ def refused_case(endpoint: str, bucket: str) -> dict[str, Any]:
         booster.load_model(m, f"{url}/cut/model")
     after = {k: v.to_local() for k, v in m.state_dict().items()}
     assert all(torch.equal(before[k], after[k]) for k in before)
+    # A store that one rank alone cannot make (its storage options refused): the other rank has
+    # a store that fetches ahead and takes the rank-0-locates path; both raise the same error,
+    # naming the failing rank, within seconds, and nothing is loaded. Either rank failing.
+    import time
+
+    from unickpt.errors import ConfigError
+
+    for bad in (1, 0):
+        options = _options(endpoint, f"refused-{dist.get_rank()}")
+        if dist.get_rank() == bad:
+            options["unickpt_timeout"] = "soon"
+        booster.checkpoint_io.storage_options = options
+        start = time.monotonic()
+        with pytest.raises(
+            ConfigError, match=rf"\[rank {bad}\] .*unickpt_timeout: expected seconds .* got 'soon'"
+        ):
+            booster.load_model(m, f"{url}/ckpt/model")
+        assert time.monotonic() - start < 10.0
+        after = {k: v.to_local() for k, v in m.state_dict().items()}
+        assert all(torch.equal(before[k], after[k]) for k in before)
+    dist.barrier()  # still in step: the world goes on to its next collective
     return {}
 
 
