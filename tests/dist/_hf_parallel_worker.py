@@ -306,8 +306,21 @@ def manager_case(layout: str, root: str) -> None:
 
         def check(hf: str = hf, exp: dict[str, torch.Tensor] = exp) -> None:
             got = _read_all(hf)
-            want = {k[len("model/") :]: v for k, v in exp.items() if k.startswith("model/") and k[6:] in got}
-            assert len(want) == len(got) and all(_bits_equal(got[k], want[k]) for k in want)
+            want = {k[len("model/") :]: v for k, v in exp.items() if k.startswith("model/")}
+            assert got.keys() <= want.keys(), sorted(got.keys() - want.keys())
+            assert all(_bits_equal(got[k], want[k]) for k in got)
+            # A tied weight (head.weight of the embedding) is stored once, as Hugging Face does.
+            for k in want.keys() - got.keys():
+                assert any(_bits_equal(want[k], v) for v in got.values()), f"{k} is missing from hf/"
+            # hf/ is model/'s files (every rank copied its share), byte for byte, each its own inode.
+            model = os.path.join(os.path.dirname(hf), "model")
+            names = sorted(n for n in os.listdir(model) if not n.startswith("."))
+            assert sorted(os.listdir(hf)) == names, (os.listdir(hf), names)
+            for n in names:
+                a, b = os.path.join(model, n), os.path.join(hf, n)
+                assert os.stat(a).st_ino != os.stat(b).st_ino, n
+                with open(a, "rb") as fa, open(b, "rb") as fb:
+                    assert fa.read() == fb.read(), n
 
         on_rank0(check)
         trees.append(_tree_without_save_id(hf) if dist.get_rank() == 0 else {})
