@@ -2,7 +2,7 @@
 instead, and with the disk's own limit, in one run on the same synthetic tensors.
 
     python benchmarks/run.py                      # ~1 GiB of fp32+bf16, a few minutes on 2 cores
-    python benchmarks/run.py --quick              # ~64 MiB, under a minute (smoke test)
+    python benchmarks/run.py --quick              # ~64 MiB, a few minutes (smoke test)
     python benchmarks/run.py --size-mb 256 --only raw,unickpt,dist
     make bench BENCH_ARGS="--quick"
 
