@@ -846,7 +846,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mb", type=float, default=None, help="synthetic state size in MiB (default 1024)")
     ap.add_argument(
-        "--quick", action="store_true", help="64 MiB, 2 reps, small worlds: a smoke run under a minute"
+        "--quick",
+        action="store_true",
+        help="64 MiB, 2 reps, small worlds, no scaling group: a smoke run of a few minutes",
     )
     ap.add_argument(
         "--reps", type=int, default=None, help="repetitions per case (median reported; default 3)"
