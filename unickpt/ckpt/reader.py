@@ -124,7 +124,7 @@ from unickpt.spec.index import (
     read_index,
     validate_block,
 )
-from unickpt.spec.naming import SLICED_SENTINEL, index_name, shown, single_name
+from unickpt.spec.naming import SLICED_SENTINEL, index_name, parse_slice_key, shown, single_name, slice_keys
 from unickpt.spec.slice_table import SliceTable
 from unickpt.spec.untrusted import capacity_problem, entries_problem, slices_per_file, strict_loads
 from unickpt.store.publish import SAVE_ID_KEY
@@ -240,13 +240,13 @@ def check_unique_slices(where: str, block: UnickptBlock) -> None:
 
 def _ruled_key_in(ruled: dict[str, TensorEntry], file: str, key: str) -> bool:
     """Whether ``key`` is the ``NAME@K`` key of slice K of a tensor in ``ruled``, stored in ``file``."""
-    base, at, k = key.rpartition("@")
-    t = ruled.get(base)
-    if t is None or not (at and k.isascii() and k.isdigit()):
+    parsed = parse_slice_key(key)
+    t = None if parsed is None else ruled.get(parsed[0])
+    if parsed is None or t is None:
         return False
-    i = int(k)
+    i = parsed[1]
     table = t.table
-    return k == str(i) and i < len(table) and table.file(i) == file
+    return i < len(table) and table.file(i) == file
 
 
 def check_gathered(where: str, block: UnickptBlock) -> None:
@@ -392,9 +392,7 @@ def check_keys_referenced(
         fids = table.file_ids
         ks = np.arange(len(table)) if len(ids) == len(table.files) else np.flatnonzero(np.isin(fids, ids))
         names = list(map(table.files.__getitem__, fids[ks].tolist()))
-        keys = (
-            [f"{name}@{k}" for k in ks.tolist()] if table.ruled_keys else [table.key(k) for k in ks.tolist()]
-        )
+        keys = slice_keys(name, ks.tolist()) if table.ruled_keys else [table.key(k) for k in ks.tolist()]
         for file, key in zip(names, keys, strict=True):
             refs[file].add(key)
 

@@ -45,6 +45,8 @@ from typing import Any
 from unickpt.ckpt.run_files import RunFiles
 from unickpt.errors import CheckpointFormatError, ConfigError
 from unickpt.spec.hashing import slice_hash
+from unickpt.spec.index import KINDS
+from unickpt.spec.naming import INDEX_SUFFIX, index_name, single_name
 from unickpt.spec.run_names import (
     COMMIT_NAME,
     COMMIT_VERSION,
@@ -202,7 +204,8 @@ def read_commit(step_dir: str | os.PathLike[str], files: RunFiles | None = None)
 
 
 #: Indexes whose presence makes a URL a checkpoint, never a run (checked before any listing).
-_CHECKPOINT_INDEXES = ("model.safetensors.index.json", "optimizer.safetensors.index.json")
+_CHECKPOINT_INDEXES = tuple(index_name(kind) for kind in KINDS)
+_CHECKPOINT_SINGLES = tuple(single_name(kind) for kind in KINDS)
 
 
 def looks_like_run(path: str | os.PathLike[str]) -> bool:
@@ -218,10 +221,7 @@ def looks_like_run(path: str | os.PathLike[str]) -> bool:
     names = storage.listdir(p)  # one level (on a store a delimited listing), never the whole run
     if not names and storage.what(p) != "directory":
         return False  # nothing there, or a file (an object store has no empty directories)
-    if any(
-        n.endswith(".safetensors.index.json") or n in ("model.safetensors", "optimizer.safetensors")
-        for n in names
-    ):
+    if any(n.endswith(INDEX_SUFFIX) or n in _CHECKPOINT_SINGLES for n in names):
         return False  # a checkpoint directory (which may be named step-<N> by its user)
     if _STEP_RE.match(view.basename(p)):
         return True

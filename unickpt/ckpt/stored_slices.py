@@ -42,6 +42,7 @@ import numpy as np
 from unickpt.ckpt.safetensors_io import SafetensorsHeader
 from unickpt.errors import HeaderError
 from unickpt.spec.naming import shown
+from unickpt.spec.naming import slice_keys as ruled_keys
 from unickpt.spec.safetensors_bulk import dtype_code
 from unickpt.store.storage import IOV_MAX, RUN_BYTES, Buffers, ReadHandle
 
@@ -100,8 +101,7 @@ class FileNumbers:
 def slice_keys(table: Any, ks: np.ndarray) -> list[str]:
     """The keys of the slices ``ks`` of ``table`` (formed once each)."""
     if table.ruled_keys:
-        name = table.name
-        return [f"{name}@{k}" for k in ks.tolist()]
+        return ruled_keys(table.name, ks.tolist())
     keys: list[str] = table.keys()
     if len(ks) == len(keys) and (len(ks) == 0 or (ks[0] == 0 and ks[-1] == len(ks) - 1)):
         return keys  # every slice, in order (positions are sorted and unique)

@@ -202,7 +202,7 @@ def write_rank_state(
     write_small_file(jpath, jbytes, storage_options)
     written = {os.path.relpath(tpath, stage): tbytes, os.path.relpath(jpath, stage): jbytes}
     if scheduler is not None:
-        written["lr_scheduler.json"] = scheduler
+        written[run_layout.SCHEDULER_NAME] = scheduler
     write_small_file(run_layout.hashes_path(stage, rank), run_layout.hashes_record(written), storage_options)
 
 

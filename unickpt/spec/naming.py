@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import reprlib
+from collections.abc import Iterable
 
 __all__ = [
     "shown",
@@ -12,6 +13,8 @@ __all__ = [
     "single_name",
     "shard_name",
     "slice_key",
+    "slice_keys",
+    "parse_slice_key",
     "is_own_data_file",
     "HF_SIDE_FILES",
 ]
@@ -58,6 +61,21 @@ def shard_name(kind: str, i: int, n: int) -> str:
 def slice_key(name: str, k: int) -> str:
     """Key of the k-th slice of tensor ``name`` inside a sliced (non-gathered) checkpoint."""
     return f"{name}@{k}"
+
+
+def slice_keys(name: str, ks: Iterable[int]) -> list[str]:
+    """:func:`slice_key` of each of the slices ``ks`` of tensor ``name``, formed in bulk."""
+    prefix = f"{name}@"
+    return [prefix + str(k) for k in ks]
+
+
+def parse_slice_key(key: str) -> tuple[str, int] | None:
+    """``(name, k)`` of a key :func:`slice_key` writes (``K`` in decimal, no sign, no leading
+    zero), else ``None``."""
+    name, at, k = key.rpartition("@")
+    if not (at and k.isascii() and k.isdigit()) or k != str(int(k)):
+        return None
+    return name, int(k)
 
 
 def is_own_data_file(kind: str, file_name: str) -> bool:

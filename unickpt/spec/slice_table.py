@@ -40,7 +40,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, Strict
 
 from unickpt.spec.boxes import coverage_problem
-from unickpt.spec.naming import shown
+from unickpt.spec.naming import shown, slice_key, slice_keys
 
 __all__ = [
     "SliceTable",
@@ -516,12 +516,12 @@ class SliceTable:
         return self._keys is None
 
     def key(self, k: int) -> str:
-        return self._keys[k] if self._keys is not None else f"{self.name}@{k}"
+        return self._keys[k] if self._keys is not None else slice_key(self.name, k)
 
     def keys(self) -> list[str]:
         if self._keys is not None:
             return self._keys
-        return [f"{self.name}@{k}" for k in range(len(self))]
+        return slice_keys(self.name, range(len(self)))
 
     def file(self, k: int) -> str:
         spec = self._file_spec
@@ -875,7 +875,7 @@ def compact_fields(
     else:
         out["file"] = ids.tolist()
     keys = table.keys()
-    if table._keys is not None and any(k != f"{table.name}@{i}" for i, k in enumerate(keys)):
+    if table._keys is not None and keys != slice_keys(table.name, range(len(keys))):
         out["keys"] = list(keys)
     if table.hashes is not None:
         out["xxh3"] = table.hashes

@@ -18,6 +18,7 @@ from unickpt.ckpt.reader import (
 from unickpt.ckpt.writer import write_all
 from unickpt.errors import IncompleteCheckpointError, OutputExistsError
 from unickpt.spec.naming import index_name, single_name
+from unickpt.spec.run_names import COMMIT_NAME, SCHEDULER_NAME
 from unickpt.store.storage import open_storage
 
 __all__ = [
@@ -131,22 +132,22 @@ def checkpoint_parts(src: str) -> tuple[str, str | None, str | None, int | None]
         optim = optional(root, "optimizer") or (
             optional(storage.join(parent, "optimizer"), "optimizer") if beside else None
         )
-        sched = optional(storage.join(root, "lr_scheduler.json"), None) or (
-            optional(storage.join(parent, "lr_scheduler.json"), None) if beside else None
+        sched = optional(storage.join(root, SCHEDULER_NAME), None) or (
+            optional(storage.join(parent, SCHEDULER_NAME), None) if beside else None
         )
         return root, optim, sched, None
     if "model" in names and has(storage.join(root, "model"), "model"):
-        if "COMMIT" in names:  # a CheckpointManager step
+        if COMMIT_NAME in names:  # a CheckpointManager step
             try:
                 step = int(
-                    json.loads(storage.read_bytes(storage.join(root, "COMMIT"), limit=1 << 20))["step"]
+                    json.loads(storage.read_bytes(storage.join(root, COMMIT_NAME), limit=1 << 20))["step"]
                 )
             except (OSError, ValueError, KeyError, TypeError):
                 step = None
         return (
             storage.join(root, "model"),
             optional(storage.join(root, "optimizer"), "optimizer"),
-            optional(storage.join(root, "lr_scheduler.json"), None),
+            optional(storage.join(root, SCHEDULER_NAME), None),
             step,
         )
     raise IncompleteCheckpointError(

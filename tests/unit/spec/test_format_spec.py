@@ -11,7 +11,7 @@ import torch
 from unickpt.spec import hashing
 from unickpt.spec.dtypes import DTYPE_ITEMSIZE
 from unickpt.spec.index import FORMAT_VERSION
-from unickpt.spec.naming import SLICED_SENTINEL
+from unickpt.spec.naming import SLICED_SENTINEL, parse_slice_key, slice_key, slice_keys
 from unickpt.spec.schema import index_schema_json
 from unickpt.tools.upgrade import v1_finalize, v1_partial
 
@@ -88,3 +88,17 @@ def test_schema_is_valid_json_schema() -> None:
     schema = json.loads(index_schema_json())
     assert schema["title"].startswith("unickpt checkpoint index")
     assert "unickpt" in schema["properties"]
+
+
+def test_slice_keys_are_written_and_read_by_one_rule() -> None:
+    """``NAME@K`` (docs/format.md, sliced checkpoints): formed one by one and in bulk alike, and read
+    back only in the form written (``K`` decimal ASCII, no sign, no leading zero; the last ``@``)."""
+    names = ["w", "a@b", "model.layers.0.mlp.up_proj.weight", "é", ""]
+    for name in names:
+        ks = [0, 1, 9, 10, 12345]
+        keys = slice_keys(name, ks)
+        assert keys == [slice_key(name, k) for k in ks] == [f"{name}@{k}" for k in ks]
+        assert [parse_slice_key(key) for key in keys] == [(name, k) for k in ks]
+    for key in ["w", "w@", "w@01", "w@-1", "w@+1", "w@1.0", "w@ 1", "w@\uff11", "w@\u0663", "w@1a"]:
+        assert parse_slice_key(key) is None, key
+    assert parse_slice_key("@0") == ("", 0)
