@@ -124,7 +124,15 @@ from unickpt.spec.index import (
     read_index,
     validate_block,
 )
-from unickpt.spec.naming import SLICED_SENTINEL, index_name, parse_slice_key, shown, single_name, slice_keys
+from unickpt.spec.naming import (
+    SLICED_SENTINEL,
+    index_name,
+    optimizer_tensor_name,
+    parse_slice_key,
+    shown,
+    single_name,
+    slice_keys,
+)
 from unickpt.spec.slice_table import SliceTable
 from unickpt.spec.untrusted import capacity_problem, entries_problem, slices_per_file, strict_loads
 from unickpt.store.publish import SAVE_ID_KEY
@@ -325,10 +333,10 @@ def check_optimizer_names(where: str, block: UnickptBlock) -> None:
             continue
         if t.param is None or t.state is None:
             continue  # an optimizer tensor outside the per-parameter state (none today)
-        if name != f"state.{t.param}.{t.state}":
+        if name != optimizer_tensor_name(t.param, t.state):
             raise IndexFileError(
                 f"{where}: optimizer tensor {shown(name)} says it is state {shown(t.state)} of parameter {shown(t.param)}, "
-                f"which is named 'state.{t.param}.{t.state}'"
+                f"which is named {shown(optimizer_tensor_name(t.param, t.state))}"
             )
     if block.kind == "optimizer" and block.param_groups is not None:
         check_param_groups(where, block)

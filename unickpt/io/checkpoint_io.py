@@ -52,7 +52,6 @@ from unickpt.io.optimizer import (
     merge_optimizer_extras,
     model_from_param_names,
     optimizer_payload,
-    optimizer_tensor_name,
     param_of,
     same_optimizer_class,
     state_targets,
@@ -80,6 +79,7 @@ from unickpt.io.tensors import (
 )
 from unickpt.io.write_strategy import SaveOptions, check_size_per_shard, check_use_safetensors
 from unickpt.spec.index import LayoutInfo
+from unickpt.spec.naming import optimizer_tensor_name
 from unickpt.store.publish import write_small_file
 from unickpt.store.storage import compared_location, join_location, side_file, url_options
 from unickpt.wrappers import OptimizerWrapper, unwrap_optimizer

@@ -41,6 +41,7 @@ from unickpt.errors import DistributedError, StateMismatchError
 from unickpt.io.jsonstate import from_json_value, to_json_value
 from unickpt.io.tensors import LocalSlice, SavePayload, normalize_name
 from unickpt.spec.index import UnickptBlock
+from unickpt.spec.naming import optimizer_tensor_name
 
 __all__ = [
     "model_from_param_names",
@@ -49,7 +50,6 @@ __all__ = [
     "apply_groups",
     "init_state",
     "merge_groups",
-    "optimizer_tensor_name",
     "param_of",
     "same_optimizer_class",
     "state_targets",
@@ -285,11 +285,6 @@ def validate_param_groups(
             why = _check_value(lg[key], found, key)
             if why is not None:
                 raise _fail(where, gi, key, why, sg[key])
-
-
-def optimizer_tensor_name(fqn: str, state_key: str) -> str:
-    """Name of one optimizer state tensor in an optimizer checkpoint."""
-    return f"state.{fqn}.{state_key}"
 
 
 def state_targets(

@@ -15,6 +15,7 @@ __all__ = [
     "slice_key",
     "slice_keys",
     "parse_slice_key",
+    "optimizer_tensor_name",
     "is_own_data_file",
     "HF_SIDE_FILES",
 ]
@@ -76,6 +77,11 @@ def parse_slice_key(key: str) -> tuple[str, int] | None:
     if not (at and k.isascii() and k.isdigit()) or k != str(int(k)):
         return None
     return name, int(k)
+
+
+def optimizer_tensor_name(fqn: str, state_key: str) -> str:
+    """Name of one optimizer state tensor in an optimizer checkpoint: ``state.<param>.<state>``."""
+    return f"state.{fqn}.{state_key}"
 
 
 def is_own_data_file(kind: str, file_name: str) -> bool:

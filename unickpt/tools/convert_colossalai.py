@@ -185,9 +185,9 @@ def convert_colossalai_optimizer(
     import torch
 
     from unickpt.io.jsonstate import to_json_value
-    from unickpt.io.optimizer import optimizer_tensor_name
     from unickpt.spec.dtypes import itemsize
     from unickpt.spec.index import LayoutInfo
+    from unickpt.spec.naming import optimizer_tensor_name
     from unickpt.tools._progress import progress_bar
     from unickpt.tools._torch import st_of, tensor_bytes
     from unickpt.tools._write import SliceData, TensorData, write_checkpoint

@@ -344,8 +344,8 @@ def _write_parts(
 ) -> None:
     """The model, optimizer and scheduler files of :func:`import_training`."""
     from unickpt.io.jsonstate import to_json_value
-    from unickpt.io.optimizer import optimizer_tensor_name
     from unickpt.io.side_files import lr_scheduler_json
+    from unickpt.spec.naming import optimizer_tensor_name
     from unickpt.tools._write import write_checkpoint
 
     model_out, optim_out, side_out = outs

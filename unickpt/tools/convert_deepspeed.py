@@ -547,9 +547,9 @@ def write_deepspeed(
     import torch
 
     from unickpt.io.jsonstate import to_json_value
-    from unickpt.io.optimizer import optimizer_tensor_name
     from unickpt.io.side_files import lr_scheduler_json
     from unickpt.spec.index import LayoutInfo
+    from unickpt.spec.naming import optimizer_tensor_name
     from unickpt.tools._torch import st_of, tensor_bytes
     from unickpt.tools._write import SliceData, TensorData, write_checkpoint
 

@@ -319,6 +319,14 @@ def test_optimizer_param_and_state_fields(tmp_path: Path, capsys: pytest.Capture
     assert cli(["verify", "-q", "--kind", "optimizer", str(d)]) == 2
     with pytest.raises(IndexFileError, match=match):
         io.load_optimizer(OptimizerWrapper(torch.optim.AdamW(m.parameters(), lr=1e-3), m), str(d))
+    # A parameter name of a megabyte is named cut, in the name it gives and in the one it implies.
+    obj["unickpt"]["tensors"]["state.0.weight.exp_avg"]["param"] = "p" * 10**6
+    idx.write_text(json.dumps(obj))
+    with pytest.raises(IndexFileError) as e:
+        verify_checkpoint(d, kind="optimizer")
+    msg = str(e.value)
+    assert len(msg) < 2000, len(msg)
+    assert msg.count("(1000000 characters)") == 1 and msg.count("(1000014 characters)") == 1, msg
 
 
 def test_plain_safetensors_inspect_claims_nothing(tmp_path: Path) -> None:
