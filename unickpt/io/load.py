@@ -76,6 +76,7 @@ from unickpt.io.tensors import LocalSlice, global_shape, is_dtensor, st_dtype, t
 from unickpt.spec.boxes import contiguous_start, intersect, runs
 from unickpt.spec.dtypes import itemsize
 from unickpt.spec.index import TensorEntry
+from unickpt.spec.naming import shown
 from unickpt.store.storage import Storage, open_storage
 
 __all__ = [
@@ -216,7 +217,7 @@ def match_targets(
         want_dtype = st_dtype(t.dtype, name)
         # A plain tensor with no boxes is a view of a rank's empty share (ZeRO): nothing to check.
         if entry.shape != want_shape and (boxes or is_dtensor(t)):
-            mismatched.append(f"{name}: checkpoint has shape {entry.shape}, {what} has {want_shape}")
+            mismatched.append(f"{name}: checkpoint has shape {shown(entry.shape)}, {what} has {want_shape}")
             continue
         if entry.dtype != want_dtype and not allow_dtype_cast:
             mismatched.append(
@@ -238,14 +239,17 @@ def match_targets(
 def raise_mismatch(
     reader: CheckpointReader, report: LoadReport, mismatched: list[str], *, strict: bool, what: str
 ) -> None:
+    # Each list is named up to 20 entries, the names a checkpoint gives cut (``shown``): a report of
+    # bounded size however many and however long the names are.
     problems = []
     if mismatched:
-        problems.append("size or dtype mismatch:\n    " + "\n    ".join(mismatched))
+        more = f"\n    (and {len(mismatched) - 20} more)" if len(mismatched) > 20 else ""
+        problems.append("size or dtype mismatch:\n    " + "\n    ".join(mismatched[:20]) + more)
     if strict and report.missing:
-        problems.append(f"missing from the checkpoint ({len(report.missing)}): {report.missing[:20]}")
+        problems.append(f"missing from the checkpoint ({len(report.missing)}): {shown(report.missing[:20])}")
     if strict and report.unexpected:
         problems.append(
-            f"in the checkpoint but not in the {what} ({len(report.unexpected)}): {report.unexpected[:20]}"
+            f"in the checkpoint but not in the {what} ({len(report.unexpected)}): {shown(report.unexpected[:20])}"
         )
     hint = _prefix_hint(report) if strict else ""
     if hint:
@@ -276,10 +280,10 @@ def _prefix_hint(report: LoadReport) -> str:
             if fewer <= {n[len(head) + 1 :] for n in extra}:
                 if say == "the checkpoint's":
                     return (
-                        f"{say} names carry the prefix '{head}.' (saved with prefix={head!r}): "
-                        f"load with prefix={head!r}"
+                        f"{say} names carry the prefix {shown(head + '.')} (saved with prefix={shown(head)}): "
+                        f"load with prefix={shown(head)}"
                     )
-                return f"{say} names carry the prefix '{head}.' that the checkpoint's lack"
+                return f"{say} names carry the prefix {shown(head + '.')} that the checkpoint's lack"
     return ""
 
 
