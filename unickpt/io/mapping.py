@@ -29,6 +29,7 @@ keys an op returns are expanded into full names as ``WeightConverter.convert`` d
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -545,12 +546,33 @@ def _match_converter(name: str, converters: list[Any]) -> tuple[str, Any, str] |
     return None
 
 
+_DIGITS = 18  # the longest digit run read as a number in a name (an index, never a value)
+
+
+def _natural_key(name: str) -> list[tuple[Any, ...]]:
+    """The order of transformers' ``dot_natural_key`` (per dotted part: digits numerically, then
+    text, a trailing number numerically) for any name a checkpoint holds. transformers' own key
+    calls ``int()`` on every digit part, which raises on a part of over 4,300 digits or a digit
+    that is not ASCII (``'\u00b2'``); here such a part sorts as text."""
+    parts: list[tuple[Any, ...]] = []
+    for part in name.split("."):
+        if part.isascii() and part.isdigit() and len(part) <= _DIGITS:
+            parts.append((0, int(part)))
+            continue
+        text = part.rstrip("0123456789")
+        digits = part[len(text) :]
+        parts.append((1, text, int(digits)) if digits and len(digits) <= _DIGITS else (1, part))
+    return parts
+
+
 def _index_re(pattern: str) -> re.Pattern[str] | None:
     """A pattern's first ``*`` as a captured expert index (``.experts.*.w1.weight``)."""
     if "*" not in pattern:
         return None
     head, *rest = pattern.split("*")
-    return re.compile(re.escape(head) + r"(\d+)" + ".*".join(re.escape(x) for x in rest))
+    # At most 18 digits: an index is a position among stored tensors, never a number Python's int()
+    # refuses (over 4,300 digits) or one whose range could not be walked.
+    return re.compile(re.escape(head) + rf"(\d{{1,{_DIGITS}}})" + ".*".join(re.escape(x) for x in rest))
 
 
 # ---------------------------------------------------------------------------- loading
@@ -586,7 +608,7 @@ def plan_load(
     plan = LoadPlan()
     groups: dict[tuple[str, int], tuple[Any, dict[str, list[str]]]] = {}
     renamed_of: dict[str, str] = {}
-    for name in sorted(stored, key=tf.dot_natural_key):
+    for name in sorted(stored, key=_natural_key):
         if name in targets or name in skip:
             continue
         renamed = tf.apply_renamings(name, renamings)
@@ -647,15 +669,17 @@ def _missing_keys(conv: Any, by_pattern: dict[str, list[str]], renamed_of: dict[
             m = rx.search(renamed_of[n])
             if m:
                 found[p][int(m.group(1))] = n
-    if not found:
-        return []
     every = set().union(*(set(v) for v in found.values()))
-    want = set(range(max(every) + 1)) if every else set()
+    if not every:
+        return []
+    # Indices come from the checkpoint's names: nothing here is sized by the largest one (an index
+    # of 10^12 in one name names what is lost, it allocates nothing of that size).
+    top = max(every)
     lines = []
     for p, have in found.items():
-        lost = sorted(want - set(have))
-        if not lost:
+        if top + 1 - len(have) <= 0:
             continue
+        lost = list(itertools.islice((i for i in range(top + 1) if i not in have), 5))
         if have:
             i0, n0 = next(iter(have.items()))
             m = _index_re(p).search(n0)  # type: ignore[union-attr]
@@ -665,8 +689,8 @@ def _missing_keys(conv: Any, by_pattern: dict[str, list[str]], renamed_of: dict[
             names = []
         listed = ", ".join(shown(n) for n in names[:4]) or f"pattern {shown(p)} index {lost[:4]}"
         lines.append(
-            f"expects stored tensors {listed}{' and more' if len(lost) > 4 else ''} (indices 0..{max(want)} of "
-            f"{shown(p)}), found indices {sorted(have)}"
+            f"expects stored tensors {listed}{' and more' if len(lost) > 4 else ''} (indices 0..{top} of "
+            f"{shown(p)}), found indices {shown(sorted(have))}"
         )
     return lines
 
@@ -700,7 +724,7 @@ def plan_save(transforms: Sequence[Any], live: dict[str, tuple[str, Shape]]) -> 
     renamings, converters = _split(reverse)
     out: dict[str, Node] = {}
     groups: dict[tuple[str, int], tuple[Any, State]] = {}
-    for name in sorted(live, key=tf.dot_natural_key):
+    for name in sorted(live, key=_natural_key):
         dtype, shape = live[name]
         hit = _match_converter(name, converters)
         if hit is None:

@@ -468,3 +468,48 @@ def test_bad_mapping_argument_is_a_config_error(tmp_path: Path) -> None:
         GeneralCheckpointIO().load_model(Fused(), tmp_path, mapping=[("attn.q.weight", "qkv.weight")])
     with pytest.raises(ConfigError, match="mapping must be None, False or a list"):
         GeneralCheckpointIO().load_model(Fused(), tmp_path, mapping="mixtral")
+
+
+def _rename_key(d: Path, out: Path, old: str, new: str) -> None:
+    out.mkdir()
+    for p in glob.glob(os.path.join(d, "*")):
+        if p.endswith(".safetensors"):
+            t = load_file(p)
+            save_file(
+                {new if k == old else k: v for k, v in t.items()},
+                out / os.path.basename(p),
+                metadata={"format": "pt"},
+            )
+        elif not p.endswith(".index.json"):
+            (out / os.path.basename(p)).write_bytes(Path(p).read_bytes())
+
+
+@pytest.mark.parametrize("index", ["1000000000000", "9" * 5000, "\u00b2", "3" * 19])
+def test_a_hostile_expert_index_is_a_clear_mismatch(
+    peer: tuple[str, Path, Any], tmp_path: Path, index: str
+) -> None:
+    """An expert index in a name is the checkpoint's claim: one of 10^12 names the experts it lacks
+    without walking (or allocating) 10^12 of anything, and one no int() reads (5,000 digits, a
+    superscript digit, 19 digits) is a name like any other, unexpected: in seconds, nothing loaded."""
+    import time
+
+    arch, d, _ = peer
+    expert = (
+        "block_sparse_moe.experts.{}.w1.weight" if arch == "mixtral" else "mlp.experts.{}.gate_proj.weight"
+    )
+    old, new = f"model.layers.1.{expert.format(3)}", f"model.layers.1.{expert.format(index)}"
+    _rename_key(d, tmp_path / "bad", old, new)
+    live = _model(arch, seed=1)
+    before = {k: v.clone() for k, v in live.state_dict().items()}
+    start = time.monotonic()
+    with pytest.raises(StateMismatchError) as ei:
+        GeneralCheckpointIO().load_model(live, tmp_path / "bad")
+    assert time.monotonic() - start < 10.0
+    msg = str(ei.value)
+    assert len(msg) < 6000, len(msg)
+    if index == "1000000000000":
+        assert f"(indices 0..{index} of " in msg and "found indices [0, 1, 2, 1000000000000]" in msg
+    else:  # the layer's other experts are then unexpected too, the renamed one among them
+        assert "found indices [0, 1, 2]" in msg and "in the checkpoint but not in the model (" in msg
+        assert index[:50] in msg
+    _same(live.state_dict(), before)
