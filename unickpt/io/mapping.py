@@ -443,6 +443,9 @@ def mapping_from_config(config_json: bytes, *, saving: bool = True) -> list[Any]
 
 # ---------------------------------------------------------------------------- the ops, on trees
 State = dict[str, Any]  # key -> Node or list of Node
+#: The most tensors one tensor is split into: the experts of a layer (hundreds in today's models,
+#: 2,048 in the largest published ones).
+MAX_SPLIT_PARTS = 1 << 12
 
 
 def _one(v: Any) -> Node:
@@ -466,7 +469,13 @@ def _run_op(op: Any, state: State, conv: Any, shape_of: Callable[[str], Shape | 
         for k, v in state.items():
             node = _one(v)
             pat = tgt[0] if len(state) == 1 and len(tgt) == 1 else k
-            for i in range(node.shape[op.dim]):
+            parts = node.shape[op.dim]  # from the checkpoint: bounded before anything is built per part
+            if parts > MAX_SPLIT_PARTS:
+                raise UnsupportedError(
+                    f"{where}: splitting a tensor of shape {shown(list(node.shape))} along dim {op.dim} "
+                    f"would make {parts} tensors; a mapping makes at most {MAX_SPLIT_PARTS} of one"
+                )
+            for i in range(parts):
                 out[pat.replace("*", str(i))] = Select(op.dim, i, node)
         return out
     if isinstance(op, tf.Concatenate):

@@ -513,3 +513,39 @@ def test_a_hostile_expert_index_is_a_clear_mismatch(
         assert "found indices [0, 1, 2]" in msg and "in the checkpoint but not in the model (" in msg
         assert index[:50] in msg
     _same(live.state_dict(), before)
+
+
+def test_a_fused_tensor_of_a_billion_empty_experts_is_refused_not_split(tmp_path: Path) -> None:
+    """A fused experts tensor claims its expert count in its shape: [10^9, 0, H] holds no byte, and
+    its merge to Hub names would make 2 x 10^9 tensors. Refused in bounded time, naming the
+    tensor, the shape and the limit; nothing is written. At the limit it merges."""
+    import time
+
+    from unickpt.errors import UnsupportedError
+    from unickpt.io.mapping import MAX_SPLIT_PARTS
+
+    for experts in (10**9, MAX_SPLIT_PARTS + 1):
+        m = _model("mixtral")
+        layer = m.model.layers[0].mlp.experts
+        layer.gate_up_proj = torch.nn.Parameter(torch.zeros((experts, 0, layer.gate_up_proj.shape[2])))
+        ck = tmp_path / f"ck-{experts}"
+        GeneralCheckpointIO().save_model(m, ck, shard=True, gather_dtensor=False)
+        start = time.monotonic()
+        with pytest.raises(UnsupportedError) as ei:
+            merge_checkpoint(ck, tmp_path / f"out-{experts}")
+        assert time.monotonic() - start < 10.0
+        msg = str(ei.value)
+        assert msg.startswith("model.layers.0.mlp.experts.*.w1.weight (WeightConverter")
+        assert (
+            f"splitting a tensor of shape [{experts}, 0, 16] along dim 0 would make {experts} tensors; "
+            in msg
+        )
+        assert f"a mapping makes at most {MAX_SPLIT_PARTS} of one" in msg
+        assert not (tmp_path / f"out-{experts}").exists()
+    m = _model("mixtral")
+    layer = m.model.layers[0].mlp.experts
+    layer.gate_up_proj = torch.nn.Parameter(torch.zeros((MAX_SPLIT_PARTS, 0, layer.gate_up_proj.shape[2])))
+    GeneralCheckpointIO().save_model(m, tmp_path / "ck", shard=True, gather_dtensor=False)
+    merge_checkpoint(tmp_path / "ck", tmp_path / "out")
+    got = _files(tmp_path / "out")
+    assert got[f"model.layers.0.block_sparse_moe.experts.{MAX_SPLIT_PARTS - 1}.w1.weight"].shape == (0, 16)
