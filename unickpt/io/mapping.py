@@ -469,13 +469,13 @@ def _run_op(op: Any, state: State, conv: Any, shape_of: Callable[[str], Shape | 
         for k, v in state.items():
             node = _one(v)
             pat = tgt[0] if len(state) == 1 and len(tgt) == 1 else k
-            parts = node.shape[op.dim]  # from the checkpoint: bounded before anything is built per part
-            if parts > MAX_SPLIT_PARTS:
+            count = node.shape[op.dim]  # from the checkpoint: bounded before anything is built per part
+            if count > MAX_SPLIT_PARTS:
                 raise UnsupportedError(
                     f"{where}: splitting a tensor of shape {shown(list(node.shape))} along dim {op.dim} "
-                    f"would make {parts} tensors; a mapping makes at most {MAX_SPLIT_PARTS} of one"
+                    f"would make {count} tensors; a mapping makes at most {MAX_SPLIT_PARTS} of one"
                 )
-            for i in range(parts):
+            for i in range(count):
                 out[pat.replace("*", str(i))] = Select(op.dim, i, node)
         return out
     if isinstance(op, tf.Concatenate):
