@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 import torch
 
 from unickpt._logging import get_logger
-from unickpt.errors import ConfigError, UnsupportedError
+from unickpt.errors import CheckpointFormatError, ConfigError, UnsupportedError
 from unickpt.spec.naming import shown
 
 if TYPE_CHECKING:
@@ -405,11 +405,25 @@ def resolve_mapping(model: torch.nn.Module, mapping: Any, *, saving: bool) -> li
     return list(get_model_conversion_mapping(model)) or None
 
 
+#: The most submodules a ``config.json``'s architecture may register while it is built on the meta
+#: device for its names and mapping: its sizes are the file's claim (a layer count of 10^5 built
+#: for over a minute). Llama 3.1 405B registers 1,644, DeepSeek-V3 1,214, Switch Transformers with
+#: 2,048 experts per layer 62,108.
+MAX_META_MODULES = 1 << 17
+
+
+class _TooManyModules(Exception):
+    """Raised inside the registration hook of :func:`meta_model` (never leaves it)."""
+
+
 def meta_model(config_json: bytes) -> tuple[str, Any] | None:
     """``(architecture, model)``: the transformers model ``config.json``'s first architecture names,
     built on the meta device (no memory, no weights); None when the config names none, when
-    transformers is not installed or the architecture cannot be built from this config here."""
+    transformers is not installed or the architecture cannot be built from this config here.
+    An architecture that registers more than ``MAX_META_MODULES`` submodules while it is built is
+    a ``CheckpointFormatError``: the build stops there, in bounded time and memory."""
     import json
+    import threading
 
     try:
         cfg = json.loads(config_json)
@@ -425,13 +439,31 @@ def meta_model(config_json: bytes) -> tuple[str, Any] | None:
     cls = getattr(transformers, str(arch), None)
     if cls is None:
         return None
+    builder, count = threading.get_ident(), 0
+
+    def counted(module: Any, name: str, submodule: Any) -> None:
+        nonlocal count
+        if threading.get_ident() == builder:  # modules other threads build are theirs
+            count += 1
+            if count > MAX_META_MODULES:
+                raise _TooManyModules
+
+    hook = torch.nn.modules.module.register_module_module_registration_hook(counted)
     try:
         config = AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if k != "model_type"})
         with torch.device("meta"):
             return str(arch), cls(config)
+    except _TooManyModules:
+        raise CheckpointFormatError(
+            f"config.json: its architecture {shown(str(arch))} registered more than {MAX_META_MODULES} "
+            "modules while built on the meta device for its weight names (a size in the config, such as "
+            "num_hidden_layers, far beyond a real model's); refused: correct the config, or remove it"
+        ) from None
     except Exception as e:  # an architecture that cannot be built from this config
-        logger.debug("cannot build %s from config.json: %s", arch, e)
+        logger.debug("cannot build %s from config.json: %s", shown(str(arch)), e)
         return None
+    finally:
+        hook.remove()
 
 
 def mapping_from_config(config_json: bytes, *, saving: bool = True) -> list[Any] | None:

@@ -549,3 +549,36 @@ def test_a_fused_tensor_of_a_billion_empty_experts_is_refused_not_split(tmp_path
     merge_checkpoint(tmp_path / "ck", tmp_path / "out")
     got = _files(tmp_path / "out")
     assert got[f"model.layers.0.block_sparse_moe.experts.{MAX_SPLIT_PARTS - 1}.w1.weight"].shape == (0, 16)
+
+
+def test_a_config_of_a_million_layers_is_refused_while_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """config.json's sizes are the file's claim: its architecture is built on the meta device (for its
+    names and mapping) only up to MAX_META_MODULES submodules, then refused, naming the file and the
+    way around; nothing is written. The real config builds (and merges) under the same limit."""
+    import json
+    import time
+
+    from unickpt.errors import CheckpointFormatError
+    from unickpt.io import mapping
+
+    model = _model("mixtral")
+    ck = tmp_path / "ck"
+    GeneralCheckpointIO().save_model(model, ck, shard=True, gather_dtensor=False)
+    monkeypatch.setattr(mapping, "MAX_META_MODULES", 1000)  # the real 2-layer config registers far fewer
+    merge_checkpoint(ck, tmp_path / "ok")
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["num_hidden_layers"] = 10**6
+    (ck / "config.json").write_text(json.dumps(cfg))
+    start = time.monotonic()
+    with pytest.raises(CheckpointFormatError) as ei:
+        merge_checkpoint(ck, tmp_path / "out")
+    assert time.monotonic() - start < 10.0
+    assert str(ei.value).startswith(
+        "config.json: its architecture 'MixtralForCausalLM' registered more than 1000 modules"
+    )
+    assert str(ei.value).endswith("refused: correct the config, or remove it")
+    assert not (tmp_path / "out").exists()
+    (ck / "config.json").unlink()  # the way around: without it, the names as stored
+    merge_checkpoint(ck, tmp_path / "raw")
