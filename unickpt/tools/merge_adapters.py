@@ -8,8 +8,9 @@ weight becomes ``W + delta`` with delta computed as peft's ``lora.Linear.get_del
 computes it (``transpose(B @ A, fan_in_fan_out) * scaling``, in fp32 for fp16/bf16 weights, as
 peft does on CPU) and added in place as ``merge_and_unload`` adds it, so the output equals
 peft's merged model bit for bit. ``scaling`` is ``lora_alpha / r`` (``lora_alpha / sqrt(r)``
-with ``use_rslora``), with ``rank_pattern``/``alpha_pattern`` matched per module by peft's
-own ``get_pattern_key``. The adapter config is the checkpoint's ``adapter_config.json``
+with ``use_rslora``), with ``rank_pattern``/``alpha_pattern`` matched per module as peft's
+``get_pattern_key`` matches them (the same expression, run by the ``regex`` module under a
+deadline: the patterns are the file's). The adapter config is the checkpoint's ``adapter_config.json``
 (``save_model`` of a ``PeftModel`` writes it) or the one given.
 
 Tensors are read, merged and written one at a time (``_write.write_checkpoint`` asks for each
@@ -137,6 +138,46 @@ def _check_config(cfg: dict[str, Any], where: str) -> None:
             raise ConfigError(
                 f"merge --merge-adapters: {where}: {key} must be a positive number, found {shown(v)}"
             )
+    for key in ("rank_pattern", "alpha_pattern"):
+        patterns = cfg.get(key) or {}
+        if not isinstance(patterns, dict):
+            raise ConfigError(
+                f"merge --merge-adapters: {where}: {key} must be an object of patterns, found {shown(patterns)}"
+            )
+        for pattern, v in patterns.items():
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(
+                    f"merge --merge-adapters: {where}: {key}[{shown(pattern)}] must be a positive number, "
+                    f"found {shown(v)}"
+                )
+
+
+#: Seconds one rank_pattern/alpha_pattern regular expression may take to match a module name (the
+#: patterns are the file's: a nested quantifier backtracks exponentially in ``re``).
+PATTERN_SECONDS = 1.0
+
+
+def _pattern_key(patterns: list[str], module: str, where: str) -> str:
+    """peft's ``get_pattern_key`` (the first pattern that matches the end of ``module`` after a dot,
+    else ``module`` itself) with the ``regex`` module under a deadline: a pattern that is not a
+    regular expression, or one that takes longer than ``PATTERN_SECONDS`` on a name, is refused."""
+    import regex
+
+    for pattern in patterns:
+        try:
+            hit = regex.match(rf"(.*\.)?({pattern})$", module, timeout=PATTERN_SECONDS)
+        except regex.error as e:
+            raise ConfigError(
+                f"merge --merge-adapters: {where}: pattern {shown(pattern)} is not a regular expression ({e})"
+            ) from None
+        except TimeoutError:
+            raise UnsupportedError(
+                f"merge --merge-adapters: {where}: pattern {shown(pattern)} took over {PATTERN_SECONDS:g} s to "
+                f"match module {shown(module)}"
+            ) from None
+        if hit:
+            return pattern
+    return module
 
 
 def _plan(names: list[str], src: str) -> _Plan:
@@ -145,7 +186,7 @@ def _plan(names: list[str], src: str) -> _Plan:
     if outside:
         raise UnsupportedError(
             f"merge --merge-adapters: {src} is not a PeftModel's checkpoint: {len(outside)} tensor(s) are not "
-            f"under {shown(PREFIX)} ({', '.join(repr(n) for n in outside[:3])})"
+            f"under {shown(PREFIX)} ({', '.join(shown(n) for n in outside[:3])})"
         )
     for n in names:
         rest = n[len(PREFIX) :]
@@ -270,7 +311,6 @@ def merge_adapters(
     """
     import torch
     from huggingface_hub.serialization._base import parse_size_to_int
-    from peft.utils.other import get_pattern_key
 
     from unickpt.tools._torch import tensor_bytes, torch_of
 
@@ -288,8 +328,8 @@ def merge_adapters(
         alpha_pattern = cfg.get("alpha_pattern") or {}
 
         def scaling(module: str, name_a: str) -> float:
-            r = rank_pattern.get(get_pattern_key(list(rank_pattern), module), cfg["r"])
-            alpha = alpha_pattern.get(get_pattern_key(list(alpha_pattern), module), cfg["lora_alpha"])
+            r = rank_pattern.get(_pattern_key(list(rank_pattern), module, where), cfg["r"])
+            alpha = alpha_pattern.get(_pattern_key(list(alpha_pattern), module, where), cfg["lora_alpha"])
             stored = reader.tensors[name_a].shape[0]
             if stored != r:
                 raise StateMismatchError(

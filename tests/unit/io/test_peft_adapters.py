@@ -452,3 +452,76 @@ def test_adapter_config_lists_a_set_in_the_order_peft_writes_it(tmp_path: Path) 
     ours, peer = (json.loads((tmp_path / d / "adapter_config.json").read_text()) for d in ("ours", "peer"))
     assert sorted(ours["target_modules"]) == sorted(shifting)
     assert ours["target_modules"] == peer["target_modules"]
+
+
+def test_merge_refuses_hostile_rank_and_alpha_patterns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rank_pattern and alpha_pattern are the file's: a value that is not a positive number and a
+    key that is not a regular expression are refused naming the pattern; a pattern that backtracks
+    exponentially under re (peft's get_pattern_key would run for hours on a long module name) runs
+    under the regex module's deadline, and past it is refused; nothing is written."""
+    import re
+    import time
+
+    from unickpt.spec.naming import shown
+    from unickpt.tools import merge_adapters
+
+    ck = _saved(tmp_path, _lora_llama())
+    merge_checkpoint(ck, tmp_path / "plain", merge_adapters=True)
+    slow = r"(\w|\w\w)+!$"
+    cases: list[tuple[dict[str, Any], type[Exception], str, float]] = [
+        (
+            {"rank_pattern": {"q_proj": 0}},
+            ConfigError,
+            r"rank_pattern\['q_proj'\] must be a positive number, found 0",
+            1.0,
+        ),
+        (
+            {"alpha_pattern": {"q_proj": "x" * 10**6}},
+            ConfigError,
+            r"alpha_pattern\['q_proj'\] must be a positive number, found 'xxx",
+            1.0,
+        ),
+        (
+            {"rank_pattern": ["q_proj"]},
+            ConfigError,
+            r"rank_pattern must be an object of patterns, found \['q_proj'\]",
+            1.0,
+        ),
+        (
+            {"rank_pattern": {"q_proj(": 2}},
+            ConfigError,
+            r"pattern 'q_proj\(' is not a regular expression",
+            1.0,
+        ),
+        (
+            {"alpha_pattern": {slow: 3}},
+            UnsupportedError,
+            re.escape(
+                f"pattern {shown(slow)} took over 1e-09 s to match module 'model.layers.0.self_attn.q_proj'"
+            ),
+            1e-9,
+        ),
+    ]
+    for changes, err, match, seconds in cases:
+        monkeypatch.setattr(merge_adapters, "PATTERN_SECONDS", seconds)
+        _edit_config(ck, rank_pattern={}, alpha_pattern={})
+        _edit_config(ck, **changes)
+        with pytest.raises(err, match=match) as e:
+            merge_checkpoint(ck, tmp_path / "hf", merge_adapters=True)
+        assert len(str(e.value)) < 2000
+        assert not (tmp_path / "hf").exists()
+    # Nested quantifiers that match nothing here: done at once, the merge as without the pattern.
+    monkeypatch.setattr(merge_adapters, "PATTERN_SECONDS", 1.0)
+    _edit_config(ck, rank_pattern={}, alpha_pattern={"(.*.*)*x$": 3})
+    start = time.monotonic()
+    merge_checkpoint(ck, tmp_path / "hf", merge_adapters=True)
+    assert time.monotonic() - start < 30.0
+    names = sorted(p.name for p in (tmp_path / "plain").iterdir())
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == names
+    from safetensors.torch import load_file
+
+    for name in names:
+        if name.endswith(".safetensors"):
+            _equal(load_file(tmp_path / "hf" / name), load_file(tmp_path / "plain" / name))
