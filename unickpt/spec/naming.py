@@ -74,7 +74,8 @@ def parse_slice_key(key: str) -> tuple[str, int] | None:
     """``(name, k)`` of a key :func:`slice_key` writes (``K`` in decimal, no sign, no leading
     zero), else ``None``."""
     name, at, k = key.rpartition("@")
-    if not (at and k.isascii() and k.isdigit()) or k != str(int(k)):
+    # At most 18 digits: no slice index is larger, and int() refuses a run of over 4,300.
+    if not (at and k.isascii() and k.isdigit() and len(k) <= 18) or k != str(int(k)):
         return None
     return name, int(k)
 

@@ -102,3 +102,5 @@ def test_slice_keys_are_written_and_read_by_one_rule() -> None:
     for key in ["w", "w@", "w@01", "w@-1", "w@+1", "w@1.0", "w@ 1", "w@\uff11", "w@\u0663", "w@1a"]:
         assert parse_slice_key(key) is None, key
     assert parse_slice_key("@0") == ("", 0)
+    assert parse_slice_key("w@" + "9" * 18) == ("w", 10**18 - 1)
+    assert parse_slice_key("w@" + "1" * 19) is None and parse_slice_key("w@" + "1" * 5000) is None
