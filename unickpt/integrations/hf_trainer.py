@@ -35,7 +35,6 @@ from transformers import Trainer
 from unickpt.errors import IncompleteCheckpointError
 from unickpt.integrations._state import general_io, read_json
 from unickpt.io import CheckpointIO
-from unickpt.spec.naming import index_name
 from unickpt.store.publish import write_small_file
 from unickpt.wrappers import OptimizerWrapper
 
@@ -44,7 +43,7 @@ __all__ = ["UnickptTrainer", "OPTIMIZER_DIR", "SCHEDULER_FILE", "ARGS_FILE"]
 OPTIMIZER_DIR = "optimizer"
 SCHEDULER_FILE = "lr_scheduler.json"
 ARGS_FILE = "training_args.json"
-_INDEX = index_name("model")
+_INDEX = "model.safetensors.index.json"  # Hugging Face's name for a sharded model's index
 
 
 def _check_no_optimizer_expected(checkpoint: str) -> None:
