@@ -35,6 +35,10 @@ def test_quick_run_writes_expected_rows(tmp_path: Path) -> None:
         "1",
         "--merge-reps",
         "1",
+        "--world",  # worlds of 2 and 1: every case runs, at a third less CPU than the default 4 and 2
+        "2",
+        "--load-world",
+        "1",
         "--workdir",
         str(tmp_path / "work"),
         "--json",
@@ -68,7 +72,7 @@ def test_quick_run_writes_expected_rows(tmp_path: Path) -> None:
     assert not failed, failed
     unmeasured = [t["target"] for t in report["targets"] if t.get("status") == "not measured"]
     assert not unmeasured, unmeasured
-    assert {"staged_ddp", "staged_fsdp2", "async_gil", "w4_manager_save_hf", "s3_unickpt_load"} <= set(rows)
+    assert {"staged_ddp", "staged_fsdp2", "async_gil", "w2_manager_save_hf", "s3_unickpt_load"} <= set(rows)
     for key in ("raw_save", "raw_load", "st_save", "st_load"):
         row = rows[key]
         assert len(row["times"]) == 1
