@@ -100,7 +100,7 @@ import xxhash
 from unickpt.ckpt.dcp_hf import block_from_dcp_hf, dcp_hf_files
 from unickpt.ckpt.foreign import foreign_dir
 from unickpt.ckpt.safetensors_io import SafetensorsHeader, header_from_bytes, read_header
-from unickpt.ckpt.stored_slices import Spans, all_referenced, locate_all, slice_error
+from unickpt.ckpt.stored_slices import Spans, all_referenced, locate_all, slice_error, slice_keys
 from unickpt.errors import (
     CheckpointChangedError,
     CheckpointFormatError,
@@ -131,7 +131,6 @@ from unickpt.spec.naming import (
     parse_slice_key,
     shown,
     single_name,
-    slice_keys,
 )
 from unickpt.spec.slice_table import SliceTable
 from unickpt.spec.untrusted import capacity_problem, entries_problem, slices_per_file, strict_loads
@@ -249,12 +248,11 @@ def check_unique_slices(where: str, block: UnickptBlock) -> None:
 def _ruled_key_in(ruled: dict[str, TensorEntry], file: str, key: str) -> bool:
     """Whether ``key`` is the ``NAME@K`` key of slice K of a tensor in ``ruled``, stored in ``file``."""
     parsed = parse_slice_key(key)
-    t = None if parsed is None else ruled.get(parsed[0])
-    if parsed is None or t is None:
+    if parsed is None:
         return False
-    i = parsed[1]
-    table = t.table
-    return i < len(table) and table.file(i) == file
+    name, i = parsed
+    t = ruled.get(name)
+    return t is not None and i < len(t.table) and t.table.file(i) == file
 
 
 def check_gathered(where: str, block: UnickptBlock) -> None:
@@ -392,7 +390,7 @@ def check_keys_referenced(
     files = list(files)
     wanted = set(files)
     refs: dict[str, set[str]] = {f: set() for f in files}
-    for name, t in block.tensors.items():
+    for t in block.tensors.values():
         table = t.table
         ids = [i for i, f in enumerate(table.files) if f in wanted]
         if not ids:
@@ -400,7 +398,7 @@ def check_keys_referenced(
         fids = table.file_ids
         ks = np.arange(len(table)) if len(ids) == len(table.files) else np.flatnonzero(np.isin(fids, ids))
         names = list(map(table.files.__getitem__, fids[ks].tolist()))
-        keys = slice_keys(name, ks.tolist()) if table.ruled_keys else [table.key(k) for k in ks.tolist()]
+        keys = slice_keys(table, ks)
         for file, key in zip(names, keys, strict=True):
             refs[file].add(key)
 

@@ -40,7 +40,7 @@ import torch
 
 from unickpt._logging import get_logger
 from unickpt.errors import CheckpointFormatError, ConfigError, UnsupportedError
-from unickpt.spec.naming import shown
+from unickpt.spec.naming import MAX_INDEX_DIGITS, shown
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -587,9 +587,6 @@ def _match_converter(name: str, converters: list[Any]) -> tuple[str, Any, str] |
     return None
 
 
-_DIGITS = 18  # the longest digit run read as a number in a name (an index, never a value)
-
-
 def _natural_key(name: str) -> list[tuple[Any, ...]]:
     """The order of transformers' ``dot_natural_key`` (per dotted part: digits numerically, then
     text, a trailing number numerically) for any name a checkpoint holds. transformers' own key
@@ -597,12 +594,12 @@ def _natural_key(name: str) -> list[tuple[Any, ...]]:
     that is not ASCII (``'\u00b2'``); here such a part sorts as text."""
     parts: list[tuple[Any, ...]] = []
     for part in name.split("."):
-        if part.isascii() and part.isdigit() and len(part) <= _DIGITS:
+        if part.isascii() and part.isdigit() and len(part) <= MAX_INDEX_DIGITS:
             parts.append((0, int(part)))
             continue
         text = part.rstrip("0123456789")
         digits = part[len(text) :]
-        parts.append((1, text, int(digits)) if digits and len(digits) <= _DIGITS else (1, part))
+        parts.append((1, text, int(digits)) if digits and len(digits) <= MAX_INDEX_DIGITS else (1, part))
     return parts
 
 
@@ -611,9 +608,10 @@ def _index_re(pattern: str) -> re.Pattern[str] | None:
     if "*" not in pattern:
         return None
     head, *rest = pattern.split("*")
-    # At most 18 digits: an index is a position among stored tensors, never a number Python's int()
-    # refuses (over 4,300 digits) or one whose range could not be walked.
-    return re.compile(re.escape(head) + rf"(\d{{1,{_DIGITS}}})" + ".*".join(re.escape(x) for x in rest))
+    # An index is a position among stored tensors, never a number whose range could not be walked.
+    return re.compile(
+        re.escape(head) + rf"(\d{{1,{MAX_INDEX_DIGITS}}})" + ".*".join(re.escape(x) for x in rest)
+    )
 
 
 # ---------------------------------------------------------------------------- loading
@@ -718,7 +716,7 @@ def _missing_keys(conv: Any, by_pattern: dict[str, list[str]], renamed_of: dict[
     top = max(every)
     lines = []
     for p, have in found.items():
-        if top + 1 - len(have) <= 0:
+        if len(have) == top + 1:  # every index 0..top (have holds no other)
             continue
         lost = list(itertools.islice((i for i in range(top + 1) if i not in have), 5))
         if have:

@@ -15,6 +15,7 @@ __all__ = [
     "slice_key",
     "slice_keys",
     "parse_slice_key",
+    "MAX_INDEX_DIGITS",
     "optimizer_tensor_name",
     "is_own_data_file",
     "HF_SIDE_FILES",
@@ -70,12 +71,16 @@ def slice_keys(name: str, ks: Iterable[int]) -> list[str]:
     return [prefix + str(k) for k in ks]
 
 
+#: The longest digit run read as a number in a name (a slice or an expert index, never a value):
+#: no index is larger, and ``int()`` refuses a run of over 4,300 digits.
+MAX_INDEX_DIGITS = 18
+
+
 def parse_slice_key(key: str) -> tuple[str, int] | None:
     """``(name, k)`` of a key :func:`slice_key` writes (``K`` in decimal, no sign, no leading
     zero), else ``None``."""
     name, at, k = key.rpartition("@")
-    # At most 18 digits: no slice index is larger, and int() refuses a run of over 4,300.
-    if not (at and k.isascii() and k.isdigit() and len(k) <= 18) or k != str(int(k)):
+    if not (at and k.isascii() and k.isdigit() and len(k) <= MAX_INDEX_DIGITS) or k != str(int(k)):
         return None
     return name, int(k)
 

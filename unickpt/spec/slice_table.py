@@ -875,7 +875,7 @@ def compact_fields(
     else:
         out["file"] = ids.tolist()
     keys = table.keys()
-    if table._keys is not None and keys != slice_keys(table.name, range(len(keys))):
+    if table._keys is not None and any(k != slice_key(table.name, i) for i, k in enumerate(keys)):
         out["keys"] = list(keys)
     if table.hashes is not None:
         out["xxh3"] = table.hashes

@@ -134,7 +134,7 @@ def _check_config(cfg: dict[str, Any], where: str) -> None:
             )
     for key in ("r", "lora_alpha"):
         v = cfg.get(key)
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+        if not _positive(v):
             raise ConfigError(
                 f"merge --merge-adapters: {where}: {key} must be a positive number, found {shown(v)}"
             )
@@ -145,11 +145,16 @@ def _check_config(cfg: dict[str, Any], where: str) -> None:
                 f"merge --merge-adapters: {where}: {key} must be an object of patterns, found {shown(patterns)}"
             )
         for pattern, v in patterns.items():
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+            if not _positive(v):
                 raise ConfigError(
                     f"merge --merge-adapters: {where}: {key}[{shown(pattern)}] must be a positive number, "
                     f"found {shown(v)}"
                 )
+
+
+def _positive(v: Any) -> bool:
+    """A positive number as JSON gives one (``true`` is not one)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
 
 
 #: Seconds one rank_pattern/alpha_pattern regular expression may take to match a module name (the
